@@ -1,0 +1,135 @@
+"""Tiny random-weight models made offline with transformers.
+
+They prove the machinery (loading, paging, batching, serving), not language quality. Tests build one per
+architecture; `shoal-engine serve` with no --model builds the default one once into a local cache directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+# A small corpus for the byte-level BPE: English prose plus some multi-byte text so that characters split
+# across tokens are exercised by every model made here.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A paged cache keeps keys and values in fixed-size blocks.",
+    "Continuous batching lets requests join and leave the running batch at every step of the engine loop.",
+    "Kubernetes runs pods on nodes; an operator reconciles custom resources into deployments and services.",
+    "Hello world! How are you today? I am fine, thank you. What is the capital of France? Paris is lovely.",
+    "Once upon a time there was a little shoal of fish that swam together in the warm and quiet sea.",
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n",
+    "Ünïcödé text: naïve café, über straße, 東京は日本の首都です。 Emoji: 🐟🐠🐡 ✓ → ∑ π ≈ 3.14159",
+    "numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation: ; : , . ! ? ' \" ( ) [ ] { } < > / \\ | @ # $ % ^ & *",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def make_tokenizer(path: str | os.PathLike, vocab_size: int = 384, chat_template: bool = True):
+    """Train a byte-level BPE on the embedded corpus and save it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        bos_token="<|bos|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+    )
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def _config(arch: str, vocab_size: int, **overrides):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    if arch in ("llama", "mistral", "qwen2"):
+        cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[arch]
+        kw = dict(
+            hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=arch == "qwen2",
+            rms_norm_eps=1e-5,
+        )
+        if arch == "mistral":
+            kw["sliding_window"] = None
+    elif arch == "bloom":
+        cls = tf.BloomConfig
+        kw = dict(hidden_size=80, n_layer=3, n_head=5)
+    elif arch == "gpt2":
+        cls = tf.GPT2Config
+        kw = dict(n_embd=72, n_layer=3, n_head=4, n_positions=512)
+    else:
+        raise ValueError(f"no tiny config for architecture {arch!r}")
+    kw.update(common)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def make_model(
+    path: str | os.PathLike,
+    arch: str = "llama",
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    tokenizer: bool = True,
+    **config_overrides,
+) -> Path:
+    """Write a random-weight Hugging Face model directory (config, safetensors, tokenizer) to `path`."""
+    import torch
+    import transformers as tf
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = config_overrides.pop("vocab_size", 384)
+    config = _config(arch, vocab, **config_overrides)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    # Random init in transformers is small; widen it so greedy decoding is not a constant token.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+            elif "bias" in name:
+                p.normal_(0.0, 0.02)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), safe_serialization=True, **kw)
+    if tokenizer:
+        make_tokenizer(path, vocab_size=min(vocab, 384))
+    return path
+
+
+def default_model_dir() -> Path:
+    """The demo model's cache directory: $SHOAL_CACHE or ~/.cache/shoal, then demo-llama."""
+    root = Path(os.environ.get("SHOAL_CACHE", Path.home() / ".cache" / "shoal"))
+    return root / "demo-llama"
+
+
+def ensure_demo_model() -> Path:
+    """Build the demo model once (deterministic seed) and return its directory."""
+    path = default_model_dir()
+    marker = path / "shoal-demo.json"
+    if not marker.exists():
+        make_model(path, arch="llama", seed=1234, hidden_size=128, intermediate_size=256,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+        marker.write_text(json.dumps({"seed": 1234, "arch": "llama"}))
+    return path
