@@ -1,0 +1,389 @@
+"""Sampling parameters (vLLM's names and defaults) and the batched sampler the engine runs every step.
+
+The sampler is stateless: each call gets the step's logits and one `SamplingRow` per running sequence (its
+parameters, prompt and output token ids, and its private `torch.Generator` when the request is seeded). Work is
+vectorised over the batch; the only per-row Python loop on the hot path draws the noise of seeded rows from
+their own generators, which is what makes a seeded request reproducible whatever its batch-mates are.
+
+Order of operations (vLLM's): penalties (repetition over prompt+output, frequency/presence over output) ->
+min_tokens (EOS and stop_token_ids masked until enough tokens exist) -> greedy rows take the argmax ->
+temperature -> top_k -> top_p -> min_p -> sample. Reported log-probabilities are those of the raw model
+distribution (log_softmax of the unprocessed logits), like vLLM's default.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+_SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's threshold)
+MAX_N = 128  # cap on n (completions per request)
+MAX_LOGPROBS = 20  # cap on logprobs (top alternatives per token), as OpenAI's top_logprobs
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters; vLLM's names, defaults and meanings.
+
+    `SamplingParams(temperature=0, max_tokens=8)` is greedy decoding of at most 8 tokens. Invalid values raise
+    ValueError naming the parameter and its allowed range.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Normalise.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the truncation knobs mean nothing; reset them so no sort/mask work is done for this row.
+            self.temperature = 0.0
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+
+    def _verify(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}.")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2.0 <= v <= 2.0:
+                raise bad(name, "in [-2, 2]")
+        if not is_num(self.repetition_penalty) or not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "greater than 0")
+        if not is_num(self.temperature) or not self.temperature >= 0.0 or self.temperature == float("inf"):
+            raise bad("temperature", "a finite number >= 0")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "-1 or 0 (disabled) or a positive integer")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "an integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 or None")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
+        for t in self.stop_token_ids:
+            if not is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids!r}.")
+
+    # ---- derived -------------------------------------------------------------------------------------------
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A copy (lists copied too), optionally with some fields changed (validated again)."""
+        if changes:
+            d = {k: copy.copy(v) for k, v in self.__dict__.items()}
+            d.update(changes)
+            return SamplingParams(**d)
+        new = copy.copy(self)
+        new.stop = list(self.stop)
+        new.stop_token_ids = list(self.stop_token_ids)
+        return new
+
+
+def make_generator(seed: int, index: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+    """The private generator of a seeded sequence.
+
+    Completion `index` of a request with n > 1 gets a distinct stream (index 0 uses `seed` itself, so n=1 is
+    reproducible from the seed alone). Create it on the device the logits live on.
+    """
+    g = torch.Generator(device=device)
+    s = seed if index == 0 else (seed * 1_000_003 + index * 0x9E3779B1) & 0x7FFF_FFFF_FFFF_FFFF
+    g.manual_seed(s & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+@dataclass
+class SamplingRow:
+    """One running sequence as the sampler sees it."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None  # set by the engine when params.seed is not None; kept across steps
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[float]  # log-prob of the sampled token under the raw model distribution
+    # per row: the top-N (token, logprob) of the raw distribution, best first, when params.logprobs is not None
+    # (an empty list for logprobs=0), else None
+    top_logprobs: list[list[tuple[int, float]] | None]
+    # per row: 1-based rank of the sampled token in the raw distribution when params.logprobs is not None
+    ranks: list[int | None] = field(default_factory=list)
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: set[int] | list[int] | int | None = None):
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        if eos_token_ids is None:
+            eos_token_ids = set()
+        elif isinstance(eos_token_ids, int):
+            eos_token_ids = {eos_token_ids}
+        self.eos_token_ids = sorted(set(eos_token_ids))
+
+    # ------------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        B = len(rows)
+        if logits.dim() != 2 or logits.shape[0] != B:
+            raise ValueError(f"logits must be [num_rows={B}, vocab], got {tuple(logits.shape)}")
+        if B == 0:
+            return SamplerOutput([], [], [], [])
+        V = min(self.vocab_size, logits.shape[1])
+        raw = logits[:, :V]
+        if raw.dtype != torch.float32:
+            raw = raw.float()
+        device = raw.device
+        params = [r.params for r in rows]
+
+        x = self._process(raw, rows, V)
+
+        # ---- choose tokens --------------------------------------------------------------------------------
+        greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        if all(greedy):
+            tokens = x.argmax(dim=-1)
+        else:
+            tokens = self._sample(x, rows, greedy, V)
+
+        # ---- log-probs of the raw distribution ----------------------------------------------------------------
+        lse = torch.logsumexp(raw, dim=-1)
+        tok_logit = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        sampled_lp = tok_logit - lse
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        top_out: list[list[tuple[int, float]] | None] = [None] * B
+        ranks_out: list[int | None] = [None] * B
+        token_list = tokens.tolist()
+        if lp_rows:
+            idx = torch.tensor(lp_rows, device=device) if len(lp_rows) < B else None
+            sub_raw = raw if idx is None else raw.index_select(0, idx)
+            sub_tok_logit = tok_logit if idx is None else tok_logit.index_select(0, idx)
+            sub_lse = lse if idx is None else lse.index_select(0, idx)
+            ranks = ((sub_raw > sub_tok_logit.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+            kmax = max(params[i].logprobs for i in lp_rows)
+            if kmax > 0:
+                vals, ids = sub_raw.topk(min(kmax, V), dim=-1)
+                vals = (vals - sub_lse.unsqueeze(1)).tolist()
+                ids = ids.tolist()
+            for j, i in enumerate(lp_rows):
+                k = params[i].logprobs
+                top_out[i] = [(ids[j][m], vals[j][m]) for m in range(min(k, V))] if k else []
+                ranks_out[i] = ranks[j]
+        return SamplerOutput(token_list, sampled_lp.tolist(), top_out, ranks_out)
+
+    # ------------------------------------------------------------------------------------------------------
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Penalties and min_tokens masking applied to logits[:, :vocab_size] (float32); a new tensor."""
+        V = min(self.vocab_size, logits.shape[1])
+        raw = logits[:, :V].float()
+        x = self._process(raw, rows, V)
+        return x.clone() if x is raw else x
+
+    def _process(self, raw: torch.Tensor, rows: list[SamplingRow], V: int) -> torch.Tensor:
+        """Penalties then min_tokens; returns `raw` itself when nothing applies (never modifies it)."""
+        device = raw.device
+        params = [r.params for r in rows]
+        x = raw
+        pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
+        if pen_rows:
+            x = x.clone()
+            self._apply_penalties(x, rows, pen_rows, V)
+        mask_rows: list[int] = []
+        mask_toks: list[int] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+                banned = set(self.eos_token_ids)
+                banned.update(p.stop_token_ids)
+                for t in banned:
+                    if t < V:
+                        mask_rows.append(i)
+                        mask_toks.append(t)
+        if mask_rows:
+            if x is raw:
+                x = x.clone()
+            x[torch.tensor(mask_rows, device=device), torch.tensor(mask_toks, device=device)] = float("-inf")
+
+        return x
+
+    def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow], pen_rows: list[int], V: int) -> None:
+        """In place on x[pen_rows]: repetition over prompt+output (HF/vLLM), frequency/presence over output."""
+        device = x.device
+        n = len(pen_rows)
+        rep_r: list[int] = []
+        rep_t: list[int] = []
+        out_r: list[int] = []
+        out_t: list[int] = []
+        rep, freq, pres = [], [], []
+        for j, i in enumerate(pen_rows):
+            r = rows[i]
+            p = r.params
+            rep.append(p.repetition_penalty)
+            freq.append(p.frequency_penalty)
+            pres.append(p.presence_penalty)
+            if p.repetition_penalty != 1.0:
+                toks = r.prompt_token_ids + r.output_token_ids
+                rep_t.extend(toks)
+                rep_r.extend([j] * len(toks))
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                out_t.extend(r.output_token_ids)
+                out_r.extend([j] * len(r.output_token_ids))
+        idx = torch.tensor(pen_rows, device=device)
+        sub = x.index_select(0, idx)
+        if rep_t:
+            rt = torch.tensor(rep_t, device=device)
+            rr = torch.tensor(rep_r, device=device)
+            keep = rt < V
+            seen = torch.zeros(n, V, dtype=torch.bool, device=device)
+            seen[rr[keep], rt[keep]] = True
+            penalty = torch.tensor(rep, device=device, dtype=x.dtype).unsqueeze(1)
+            penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+            sub = torch.where(seen, penalised, sub)
+        if out_t:
+            ot = torch.tensor(out_t, device=device)
+            orr = torch.tensor(out_r, device=device)
+            keep = ot < V
+            counts = torch.zeros(n, V, dtype=x.dtype, device=device)
+            counts.index_put_((orr[keep], ot[keep]), torch.ones(int(keep.sum()), dtype=x.dtype, device=device),
+                              accumulate=True)
+            f = torch.tensor(freq, device=device, dtype=x.dtype).unsqueeze(1)
+            pr = torch.tensor(pres, device=device, dtype=x.dtype).unsqueeze(1)
+            sub = sub - f * counts - pr * (counts > 0).to(x.dtype)
+        x.index_copy_(0, idx, sub)
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow], greedy: list[bool], V: int) -> torch.Tensor:
+        device = x.device
+        params = [r.params for r in rows]
+        argmax = x.argmax(dim=-1)
+
+        # Only the random rows go through truncation and sampling.
+        rand_rows = [i for i, g in enumerate(greedy) if not g]
+        all_random = len(rand_rows) == len(rows)
+        ridx = None if all_random else torch.tensor(rand_rows, device=device)
+        z = x if all_random else x.index_select(0, ridx)
+        rp = [params[i] for i in rand_rows]
+        temp = torch.tensor([p.temperature for p in rp], device=device, dtype=z.dtype).unsqueeze(1)
+        z = z / temp
+
+        top_k = [p.top_k if 0 < p.top_k < V else 0 for p in rp]
+        top_p = [p.top_p for p in rp]
+        use_k = any(top_k)
+        use_p = any(v < 1.0 for v in top_p)
+        neg_inf = float("-inf")
+        if use_p:
+            sorted_z, sorted_idx = z.sort(dim=-1, descending=True)
+            if use_k:
+                k = torch.tensor([k if k else V for k in top_k], device=device).unsqueeze(1)
+                pos = torch.arange(V, device=device).unsqueeze(0)
+                sorted_z = sorted_z.masked_fill(pos >= k, neg_inf)
+            probs_sorted = sorted_z.softmax(dim=-1)
+            cum = probs_sorted.cumsum(dim=-1)
+            tp = torch.tensor(top_p, device=device, dtype=z.dtype).unsqueeze(1)
+            # Drop a token when the mass strictly before it already reaches top_p; the first token always stays.
+            drop = (cum - probs_sorted) >= tp
+            drop[:, 0] = False
+            sorted_z = sorted_z.masked_fill(drop, neg_inf)
+            z = torch.empty_like(z).scatter_(1, sorted_idx, sorted_z)
+        elif use_k:
+            kmax = max(top_k)
+            top_vals = z.topk(kmax, dim=-1).values
+            k = torch.tensor([k if k else 1 for k in top_k], device=device).unsqueeze(1)
+            thresh = top_vals.gather(1, k - 1)
+            off = torch.tensor([k == 0 for k in top_k], device=device).unsqueeze(1)
+            thresh = thresh.masked_fill(off, neg_inf)
+            z = z.masked_fill(z < thresh, neg_inf)
+
+        probs = z.softmax(dim=-1)
+        min_p = [p.min_p for p in rp]
+        if any(m > 0.0 for m in min_p):
+            mp = torch.tensor(min_p, device=device, dtype=probs.dtype).unsqueeze(1)
+            thresh = probs.amax(dim=-1, keepdim=True) * mp
+            probs = probs.masked_fill(probs < thresh, 0.0)
+
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p (p need not be normalised).
+        q = torch.empty_like(probs)
+        seeded = [(j, rows[i].generator) for j, i in enumerate(rand_rows) if rows[i].generator is not None]
+        if len(seeded) < len(rand_rows):
+            q.exponential_()
+        for j, g in seeded:
+            if g.device == q.device:
+                q[j].exponential_(generator=g)
+            else:
+                q[j] = torch.empty(V, device=g.device).exponential_(generator=g).to(device)
+        q.clamp_min_(1e-30)
+        sampled = (probs / q).argmax(dim=-1)
+        if all_random:
+            return sampled
+        out = argmax.clone()
+        out.index_copy_(0, ridx, sampled)
+        return out

@@ -1,0 +1,423 @@
+"""SamplingParams validation and the batched sampler: greedy, penalties, truncation, seeds, min_tokens, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shoal.engine.sampling import (
+    MAX_LOGPROBS,
+    MAX_N,
+    Sampler,
+    SamplingParams,
+    SamplingRow,
+    SamplingType,
+    make_generator,
+)
+
+
+def row(prompt=(1, 2), output=(), gen=None, **kw) -> SamplingRow:
+    p = SamplingParams(**kw)
+    if gen is None and p.seed is not None:
+        gen = make_generator(p.seed)
+    return SamplingRow(p, list(prompt), list(output), gen)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SamplingParams
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.max_tokens == 16 and p.min_tokens == 0 and p.logprobs is None and p.seed is None
+    assert p.stop == [] and p.stop_token_ids == [] and not p.ignore_eos
+    assert p.skip_special_tokens and p.spaces_between_special_tokens and not p.include_stop_str_in_output
+    assert p.sampling_type is SamplingType.RANDOM
+    assert SamplingParams(seed=3).sampling_type is SamplingType.RANDOM_SEED
+
+
+def test_greedy_and_normalisation():
+    p = SamplingParams(temperature=0, max_tokens=8, top_k=5, top_p=0.5, stop="###")
+    assert p.is_greedy and p.sampling_type is SamplingType.GREEDY
+    assert p.max_tokens == 8 and p.stop == ["###"]
+    assert (p.top_k, p.top_p, p.min_p) == (0, 1.0, 0.0)  # meaningless for greedy, reset
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(max_tokens=None).max_tokens is None
+    # positional order like vLLM's: n, presence_penalty, frequency_penalty, repetition_penalty, temperature
+    q = SamplingParams(2, 0.1, 0.2, 1.1, 0.7)
+    assert (q.n, q.presence_penalty, q.frequency_penalty, q.repetition_penalty, q.temperature) == (2, 0.1, 0.2, 1.1, 0.7)
+
+
+def test_clone_is_independent():
+    p = SamplingParams(stop=["x"], stop_token_ids=[5])
+    c = p.clone()
+    c.stop.append("y")
+    c.stop_token_ids.append(6)
+    assert p.stop == ["x"] and p.stop_token_ids == [5]
+    d = p.clone(temperature=0.5)
+    assert d.temperature == 0.5 and d.stop == ["x"]
+    with pytest.raises(ValueError, match="temperature"):
+        p.clone(temperature=-1)
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"n": 0}, "n"),
+        ({"n": MAX_N + 1}, "n"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_validation_names_the_parameter(kw, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kw)
+
+
+def test_valid_edges_accepted():
+    SamplingParams(n=MAX_N, top_p=1.0, min_p=1.0, presence_penalty=-2, frequency_penalty=2, logprobs=0,
+                   min_tokens=4, max_tokens=4, top_k=-1, repetition_penalty=0.5)
+    SamplingParams(logprobs=MAX_LOGPROBS, min_tokens=100, max_tokens=None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Greedy, vocab padding, logprobs
+
+
+def test_greedy_is_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(7, 50)
+    out = Sampler(50, {0})(logits, [row(temperature=0) for _ in range(7)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    # a mixed batch: greedy rows still take the argmax
+    rows = [row(temperature=0) if i % 2 else row(temperature=1.0) for i in range(7)]
+    out = Sampler(50, {0})(logits, rows)
+    for i in range(1, 7, 2):
+        assert out.token_ids[i] == int(logits[i].argmax())
+
+
+def test_vocab_padding_never_sampled():
+    torch.manual_seed(0)
+    V, pad = 20, 12
+    logits = torch.randn(64, V + pad)
+    logits[:, V:] = 1e4  # padding columns would win everything if looked at
+    sampler = Sampler(V, {0})
+    rows = [row(temperature=t) for t in (0.0, 1.0, 2.0, 0.5)] * 16
+    for _ in range(5):
+        out = sampler(logits, rows)
+        assert max(out.token_ids) < V
+    # and the reported distribution is over the real vocabulary only
+    lp = torch.log_softmax(logits[:, :V], -1)
+    assert out.logprobs[0] == pytest.approx(float(lp[0, out.token_ids[0]]), abs=1e-5)
+
+
+def test_logprobs_match_log_softmax():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 30) * 3
+    rows = [row(temperature=0, logprobs=5), row(temperature=0.9, logprobs=0), row(temperature=0), row(logprobs=20)]
+    out = Sampler(30, {0})(logits, rows)
+    lp = torch.log_softmax(logits.double(), -1)
+    for i, t in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(float(lp[i, t]), abs=1e-5)
+    assert out.top_logprobs[2] is None and out.ranks[2] is None
+    assert out.top_logprobs[1] == []
+    for i, k in ((0, 5), (3, 20)):
+        top = out.top_logprobs[i]
+        assert len(top) == k
+        vals, ids = lp[i].topk(k)
+        assert [t for t, _ in top] == ids.tolist()
+        assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=1e-5)
+    for i in (0, 1, 3):
+        t = out.token_ids[i]
+        assert out.ranks[i] == int((lp[i] > lp[i, t]).sum()) + 1
+    assert out.ranks[0] == 1  # greedy picks rank 1
+
+
+def test_logprobs_are_of_raw_distribution_not_processed():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    # the penalty moves the argmax from 0 to 1; the reported log-probs stay those of the raw logits
+    out = Sampler(4, set())(logits, [row(prompt=[], output=[0], temperature=0, frequency_penalty=2.0, logprobs=1)])
+    assert out.token_ids == [1]
+    lp = torch.log_softmax(logits, -1)[0]
+    assert out.logprobs[0] == pytest.approx(float(lp[1]), abs=1e-6)
+    assert out.top_logprobs[0][0][0] == 0 and out.ranks[0] == 2
+
+
+def test_empty_batch_and_shape_check():
+    s = Sampler(10, {0})
+    out = s(torch.zeros(0, 10), [])
+    assert out.token_ids == [] and out.logprobs == []
+    with pytest.raises(ValueError):
+        s(torch.zeros(2, 10), [row()])
+
+
+def test_half_precision_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40).to(torch.bfloat16)
+    out = Sampler(40, {0})(logits, [row(temperature=0)] * 3)
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Penalties
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(2)
+    V = 40
+    logits = torch.randn(3, V) * 4
+    prompts = [[1, 5, 5, 7], [2, 3], [39]]
+    outputs = [[9, 1, 30], [], [0, 0, 38]]
+    pens = [1.3, 0.7, 2.0]
+    rows = [row(prompt=p, output=o, repetition_penalty=r) for p, o, r in zip(prompts, outputs, pens)]
+    got = Sampler(V, {0}).process_logits(logits, rows)
+    for i in range(3):
+        ids = torch.tensor([prompts[i] + outputs[i]])
+        want = RepetitionPenaltyLogitsProcessor(pens[i])(ids, logits[i : i + 1].clone())
+        torch.testing.assert_close(got[i : i + 1], want)
+    # hand computation for one entry of each sign
+    i, t = 0, 5
+    x = float(logits[i, t])
+    assert float(got[i, t]) == pytest.approx(x / 1.3 if x > 0 else x * 1.3)
+    untouched = [t for t in range(V) if t not in set(prompts[0] + outputs[0])]
+    assert torch.equal(got[0, untouched], logits[0, untouched])
+
+
+def test_frequency_and_presence_penalties_openai_semantics():
+    V = 12
+    logits = torch.linspace(-2, 3, V).repeat(2, 1)
+    prompt = [4, 4, 4, 6]  # prompt tokens are not penalised by frequency/presence
+    output = [1, 1, 1, 2, 11]
+    rows = [
+        row(prompt=prompt, output=output, frequency_penalty=0.5, presence_penalty=0.25),
+        row(prompt=prompt, output=output, frequency_penalty=-1.0),
+    ]
+    got = Sampler(V, {0}).process_logits(logits, rows)
+    counts = torch.zeros(V)
+    for t in output:
+        counts[t] += 1
+    want0 = logits[0] - 0.5 * counts - 0.25 * (counts > 0).float()
+    want1 = logits[1] + 1.0 * counts
+    torch.testing.assert_close(got[0], want0)
+    torch.testing.assert_close(got[1], want1)
+    assert got[0, 4] == logits[0, 4]
+
+
+def test_penalties_only_touch_their_rows():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 16)
+    rows = [row(output=[1, 2]), row(output=[1, 2], repetition_penalty=1.5), row(output=[3])]
+    got = Sampler(16, {0}).process_logits(logits, rows)
+    assert torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2])
+    assert not torch.equal(got[1], logits[1])
+    # the input is never modified in place
+    before = logits.clone()
+    Sampler(16, {0})(logits, rows)
+    assert torch.equal(logits, before)
+
+
+def test_penalty_changes_greedy_choice():
+    logits = torch.tensor([[0.0, 5.0, 4.9, 1.0]])
+    s = Sampler(4, set())
+    assert s(logits, [row(prompt=[], output=[1], temperature=0)]).token_ids == [1]
+    assert s(logits, [row(prompt=[], output=[1], temperature=0, presence_penalty=0.5)]).token_ids == [2]
+    assert s(logits, [row(prompt=[1], output=[], temperature=0, repetition_penalty=1.1)]).token_ids == [2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# min_tokens, EOS, stop_token_ids
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    V = 10
+    logits = torch.zeros(4, V)
+    logits[:, 0] = 50.0  # EOS
+    logits[:, 3] = 40.0  # a stop token id
+    logits[:, 7] = 30.0
+    s = Sampler(V, {0, 9})
+    rows = [
+        row(output=[5], temperature=0, min_tokens=3, stop_token_ids=[3]),  # 1 < 3: EOS and 3 masked
+        row(output=[5, 5, 5], temperature=0, min_tokens=3, stop_token_ids=[3]),  # reached: EOS allowed
+        row(output=[], temperature=0, ignore_eos=True),  # ignore_eos does not mask, the engine just goes on
+        row(output=[], temperature=1.0, min_tokens=2),  # random row: EOS masked, 3 is not a stop id here
+    ]
+    out = s(logits, rows)
+    assert out.token_ids[0] == 7
+    assert out.token_ids[1] == 0
+    assert out.token_ids[2] == 0
+    for _ in range(20):
+        assert s(logits[3:], rows[3:]).token_ids[0] not in (0, 9)
+    processed = s.process_logits(logits, rows)
+    assert processed[0, 0] == float("-inf") and processed[0, 9] == float("-inf") and processed[0, 3] == float("-inf")
+    assert processed[3, 3] == 40.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Truncation: top-k, top-p, min-p never emit excluded tokens
+
+
+def _allowed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> set[int] | None:
+    """Reference truncation in float64; None when a boundary is too close to call."""
+    z = logits.double() / temperature
+    V = z.numel()
+    order = torch.argsort(z, descending=True)
+    keep = torch.zeros(V, dtype=torch.bool)
+    k = top_k if 0 < top_k < V else V
+    keep[order[:k]] = True
+    z = z.masked_fill(~keep, float("-inf"))
+    if top_p < 1.0:
+        p = torch.softmax(z, -1)
+        ps = p[order]
+        before = torch.cumsum(ps, 0) - ps
+        if ((before - top_p).abs() < 1e-4).any():
+            return None
+        drop = before >= top_p
+        drop[0] = False
+        keep[order[drop]] = False
+        z = z.masked_fill(~keep, float("-inf"))
+    if min_p > 0:
+        p = torch.softmax(z, -1)
+        thr = p.max() * min_p
+        if ((p - thr).abs() < 1e-6 * max(1.0, float(thr))).any():
+            return None
+        keep &= p >= thr
+    return set(torch.nonzero(keep).flatten().tolist())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    V=st.integers(2, 60),
+    temperature=st.sampled_from([0.3, 0.7, 1.0, 1.5]),
+    top_k=st.integers(0, 12),
+    top_p=st.sampled_from([1.0, 0.95, 0.8, 0.5, 0.2, 0.05]),
+    min_p=st.sampled_from([0.0, 0.05, 0.2, 0.5]),
+)
+def test_truncation_never_emits_excluded_tokens(seed, V, temperature, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(V, generator=g, dtype=torch.float64) * 2.5
+    # distinct values so top-k has no ties
+    base = base + torch.arange(V, dtype=torch.float64) * 1e-3
+    allowed = _allowed(base, temperature, top_k, top_p, min_p)
+    if allowed is None:
+        return
+    B = 256
+    logits = base.float().repeat(B, 1)
+    rows = [row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p) for _ in range(B)]
+    # mix in rows with other settings so per-row parameters are really per row
+    rows[::7] = [row(temperature=1.0)] * len(rows[::7])
+    out = Sampler(V, {0})(logits, rows)
+    got = {t for i, t in enumerate(out.token_ids) if i % 7}
+    assert got <= allowed, (got - allowed, allowed)
+
+
+def test_top_k_top_p_min_p_fixed_cases():
+    # probabilities 0.5, 0.25, 0.125, 0.0625, ... (log-space linear)
+    V = 8
+    logits = torch.tensor([-(i * math.log(2)) for i in range(V)]).repeat(2000, 1)
+    s = Sampler(V, set())
+
+    def emitted(**kw):
+        return set(s(logits, [row(**kw) for _ in range(2000)]).token_ids)
+
+    assert emitted(top_k=1) == {0}
+    assert emitted(top_k=3) == {0, 1, 2}
+    assert emitted(top_p=0.5) == {0}
+    assert emitted(top_p=0.7) == {0, 1}
+    assert emitted(top_p=0.8) == {0, 1, 2}
+    assert emitted(min_p=0.3) == {0, 1}
+    assert emitted(min_p=0.2, top_k=4) == {0, 1, 2}
+    assert emitted(top_k=0, top_p=1.0) == set(range(V))
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(20000, 1)
+    out = Sampler(4, set())(logits, [row() for _ in range(20000)])
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=4).double() / 20000
+    assert torch.allclose(freq, probs.double(), atol=0.015), freq
+    # temperature 0.5 squares the probabilities (renormalised)
+    out = Sampler(4, set())(logits, [row(temperature=0.5) for _ in range(20000)])
+    want = probs.double() ** 2 / (probs.double() ** 2).sum()
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=4).double() / 20000
+    assert torch.allclose(freq, want, atol=0.015), (freq, want)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Seeds
+
+
+def _run_steps(sampler, logits_per_step, make_rows, target_index):
+    """Sample several steps; return the tokens of row `target_index` (its generator persists across steps)."""
+    rows = make_rows()
+    toks = []
+    for logits in logits_per_step:
+        out = sampler(logits(len(rows)), rows)
+        toks.append(out.token_ids[target_index])
+        for r, t in zip(rows, out.token_ids):
+            r.output_token_ids.append(t)
+    return toks
+
+
+def test_seeded_request_reproducible_regardless_of_batch():
+    V = 64
+    torch.manual_seed(0)
+    base = torch.randn(V)
+    steps = [lambda b, k=k: (base + 0.1 * k).repeat(b, 1) for k in range(12)]
+    s = Sampler(V, set())
+    target = dict(temperature=1.3, top_p=0.95, seed=1234)
+
+    alone = _run_steps(s, steps, lambda: [row(**target)], 0)
+    torch.manual_seed(99)
+    crowded = _run_steps(
+        s, steps,
+        lambda: [row(), row(seed=7), row(temperature=0), row(**target), row(seed=1234, temperature=0.5), row()],
+        3,
+    )
+    first = _run_steps(s, steps, lambda: [row(**target), row(seed=5), row()], 0)
+    assert alone == crowded == first
+    other = _run_steps(s, steps, lambda: [row(**{**target, "seed": 4321})], 0)
+    assert other != alone
+
+
+def test_make_generator_streams():
+    a = torch.empty(100).exponential_(generator=make_generator(11))
+    b = torch.empty(100).exponential_(generator=torch.Generator().manual_seed(11))
+    c = torch.empty(100).exponential_(generator=make_generator(11, index=1))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_unseeded_rows_vary():
+    V = 200
+    logits = torch.zeros(16, V)  # uniform
+    s = Sampler(V, set())
+    rows = [row() for _ in range(16)]
+    a = s(logits, rows).token_ids
+    b = s(logits, rows).token_ids
+    assert a != b
+    assert len(set(a)) > 4  # rows in one batch differ too
