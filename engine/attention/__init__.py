@@ -1,0 +1,63 @@
+"""Attention backends over the paged KV cache, and the rule that picks one.
+
+`auto` prefers, on CUDA: FlashAttention (when installed and the model has no ALiBi), then the Triton paged
+kernel, then SDPA; on CPU: SDPA (the Triton kernel runs on CPU only under TRITON_INTERPRET=1, for tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from .base import AttentionBackend, AttentionMetadata, write_kv
+
+logger = logging.getLogger(__name__)
+
+_BACKENDS = {
+    "flash": ("flash_attn", "FlashAttentionBackend"),
+    "triton": ("triton_attn", "TritonAttentionBackend"),
+    "sdpa": ("sdpa", "SdpaBackend"),
+}
+_AUTO_ORDER = {"cuda": ["flash", "triton", "sdpa"], "cpu": ["sdpa"]}
+
+
+def backend_class(name: str) -> type[AttentionBackend] | None:
+    module, cls = _BACKENDS[name]
+    try:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    except (ImportError, AttributeError) as e:
+        logger.debug("attention backend %s cannot be imported: %s", name, e)
+        return None
+
+
+def _usable(name: str, device: torch.device, uses_alibi: bool) -> tuple[bool, str]:
+    cls = backend_class(name)
+    if cls is None:
+        return False, f"the {name} backend could not be imported"
+    if uses_alibi and not cls.supports_alibi:
+        return False, (f"the {name} attention backend does not support ALiBi models (e.g. BLOOM); "
+                       "use --attention-backend triton or sdpa")
+    return cls.is_available(device)
+
+
+def select_backend(choice: str, device: torch.device, uses_alibi: bool) -> AttentionBackend:
+    """The backend instance for --attention-backend `choice`; a clear ValueError when it cannot be used."""
+    if choice != "auto":
+        if choice not in _BACKENDS:
+            raise ValueError(f"unknown attention backend {choice!r}; choose from auto, {', '.join(_BACKENDS)}")
+        ok, why = _usable(choice, device, uses_alibi)
+        if not ok:
+            raise ValueError(f"--attention-backend {choice} cannot be used: {why}")
+        return backend_class(choice)()
+    for name in _AUTO_ORDER.get(device.type, ["sdpa"]):
+        ok, why = _usable(name, device, uses_alibi)
+        if ok:
+            logger.info("attention backend: %s (auto on %s%s)", name, device.type, ", ALiBi model" if uses_alibi else "")
+            return backend_class(name)()
+        logger.debug("attention backend %s skipped: %s", name, why)
+    raise RuntimeError("no attention backend is usable")  # sdpa always is; kept for clarity
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "write_kv", "select_backend", "backend_class"]

@@ -31,6 +31,8 @@ class AttentionMetadata:
     seq_lens_list: list[int] = field(default_factory=list)
     # True when every sequence has query length 1 (a pure decode step).
     is_decode_only: bool = False
+    # Per-step scratch shared by all layers (a backend stores index tensors or masks it builds once per step).
+    scratch: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

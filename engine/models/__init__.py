@@ -1,0 +1,29 @@
+"""Model registry keyed by the `architectures` entry of a Hugging Face config."""
+
+from __future__ import annotations
+
+from .base import CausalLM
+
+_REGISTRY = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
+    "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+}
+
+SUPPORTED_ARCHITECTURES = sorted(_REGISTRY)
+
+
+def model_class(config) -> type[CausalLM]:
+    import importlib
+
+    archs = getattr(config, "architectures", None) or []
+    for arch in archs:
+        if arch in _REGISTRY:
+            module, cls = _REGISTRY[arch]
+            return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    raise ValueError(
+        f"unsupported architecture {archs or '(config.json has no architectures)'}; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )

@@ -1,0 +1,523 @@
+"""AsyncEngine: the synchronous LLMEngine's step loop on its own thread, fed from an asyncio event loop.
+
+The HTTP server (and anything else async) talks to the engine only through this class:
+
+- requests and aborts go to the engine thread through one thread-safe queue and are applied between steps
+  (LLMEngine is not thread-safe: only the engine thread ever calls it, including its constructor);
+- each step's outputs come back in one `loop.call_soon_threadsafe` call and are spread over per-request
+  asyncio queues, so a slow step never blocks HTTP, health or metrics;
+- a heartbeat timestamp is refreshed on every loop iteration (idle too): `is_alive()` fails when it goes stale
+  (a wedged step) or when the loop died (an exception in `step()` is fatal: every in-flight request gets
+  `EngineDeadError` and liveness fails);
+- `start_draining()` refuses new requests while in-flight ones finish; the waiting queue is capped
+  (`EngineConfig.max_queue_len`), beyond which `QueueFullError` is raised.
+
+Multi-process tensor/pipeline parallelism lives inside LLMEngine (rank 0 schedules and broadcasts); nothing here
+depends on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.engine.config import EngineConfig
+from shoal.engine.outputs import RequestOutput
+
+logger = logging.getLogger("shoal.engine.async_engine")
+
+DEFAULT_HEARTBEAT_TIMEOUT = 5.0  # seconds without a loop iteration before liveness fails
+_IDLE_WAIT = 0.2  # the loop wakes at least this often when idle, to refresh the heartbeat
+
+
+class EngineError(Exception):
+    """Base class of the errors AsyncEngine raises to its callers."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop died (or never started); nothing will be generated."""
+
+
+class EngineNotReadyError(EngineError):
+    """The model is still loading."""
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at its cap; retry later."""
+
+
+class DrainingError(EngineError):
+    """The engine is shutting down and admits no new requests."""
+
+
+@dataclass
+class PerRequestTimes:
+    """Timestamps the AsyncEngine records itself (time.time()), independent of the engine's own metrics."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generation_tokens: int = 0
+
+
+class MetricsSink:
+    """What AsyncEngine reports per request; the server's metrics implement it. All no-ops here."""
+
+    def on_first_token(self, ttft: float) -> None: ...
+    def on_inter_token(self, itl: float, num_tokens: int) -> None: ...
+    def on_finished(self, output: RequestOutput, times: PerRequestTimes, finished_time: float) -> None: ...
+
+
+@dataclass
+class _Request:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    times: PerRequestTimes
+    num_tokens: dict[int, int] = field(default_factory=dict)  # per completion index: tokens seen
+    finished: bool = False
+
+
+_ADD = "add"
+_ABORT = "abort"
+_ACCEPTED = object()  # first item on a request's queue once LLMEngine.add_request succeeded
+_FINISHED = object()  # end of a request's stream
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. Closing it early aborts the request."""
+
+    def __init__(self, engine: "AsyncEngine", req: _Request):
+        self._engine = engine
+        self._req = req
+        self.request_id = req.request_id
+        self.finished = False
+        self._pending: Any = None
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        q = self._req.queue
+        if self._pending is not None:
+            item, self._pending = self._pending, None
+        else:
+            item = await q.get()
+        # Outputs are cumulative: if several piled up while the consumer was busy, merge them (newest per
+        # completion index wins) so a slow reader catches up in one write.
+        while isinstance(item, RequestOutput) and not item.finished and not q.empty():
+            nxt = q.get_nowait()
+            if isinstance(nxt, RequestOutput):
+                item = _merge(item, nxt)
+            else:
+                self._pending = nxt
+                break
+        if item is _FINISHED:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class StatsSnapshot:
+    """The latest EngineStats (taken on the engine thread) plus when it was taken."""
+
+    stats: Any = None
+    time: float = 0.0
+
+
+class AsyncEngine:
+    """Runs LLMEngine on a dedicated thread. Construct, then `start()`; the model loads on the engine thread."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        engine_factory: Callable[[EngineConfig], Any] | None = None,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        metrics: MetricsSink | None = None,
+    ):
+        self.config = config
+        self._factory = engine_factory
+        self.heartbeat_timeout = heartbeat_timeout
+        self.metrics = metrics or MetricsSink()
+        self.max_queue_len = config.max_queue_len
+
+        self.engine: Any = None  # the LLMEngine, once loaded (touch it only on the engine thread!)
+        self.tokenizer: Any = None  # a private copy for the event-loop side (tokenize, chat templates)
+        self.max_model_len: int | None = None
+        self.model_name: str = config.model_name
+
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()
+        self._pending_adds = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._loaded = threading.Event()
+        self._load_done = threading.Event()  # loaded or failed
+        self.fatal_error: BaseException | None = None
+        self.heartbeat = time.monotonic()
+        self.draining = False
+        self.snapshot = StatsSnapshot()
+        self.start_time = time.time()
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self.heartbeat = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="shoal-engine-loop", daemon=True)
+        self._thread.start()
+
+    async def wait_loaded(self, timeout: float | None = None) -> None:
+        """Wait until the model is loaded; raises EngineDeadError if loading failed."""
+        ok = await asyncio.to_thread(self._load_done.wait, timeout)
+        if not ok:
+            raise TimeoutError("engine did not load in time")
+        if self.fatal_error is not None:
+            raise EngineDeadError(f"engine failed to start: {self.fatal_error}") from self.fatal_error
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (aborting whatever is left) and release the engine."""
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ---------------------------------------------------------------- health
+    @property
+    def is_loaded(self) -> bool:
+        return self._loaded.is_set()
+
+    @property
+    def is_loading(self) -> bool:
+        return not self._load_done.is_set()
+
+    def heartbeat_age(self) -> float:
+        return time.monotonic() - self.heartbeat
+
+    def is_alive(self) -> bool:
+        """Liveness: no fatal error, the loop thread runs, and (once loaded) its heartbeat is fresh."""
+        if self.fatal_error is not None:
+            return False
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        if self.is_loaded and self.heartbeat_age() > self.heartbeat_timeout:
+            return False
+        return True
+
+    def is_healthy(self) -> bool:
+        return self.is_loaded and self.is_alive()
+
+    def queue_full(self) -> bool:
+        return self.num_waiting() >= self.max_queue_len
+
+    def is_ready(self) -> bool:
+        """Readiness: loaded, loop alive, not draining, able to admit."""
+        return self.is_healthy() and not self.draining and not self.queue_full()
+
+    def num_waiting(self) -> int:
+        stats = self.snapshot.stats
+        with self._lock:
+            return (getattr(stats, "num_waiting", 0) if stats is not None else 0) + self._pending_adds
+
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, timeout: float | None = None, poll: float = 0.05) -> bool:
+        """Wait until no request is in flight; False if the timeout expired first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._requests:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            if not self.is_alive() and self.fatal_error is not None:
+                return True
+            await asyncio.sleep(poll)
+        return True
+
+    # ---------------------------------------------------------------- requests
+    def _check_admission(self) -> None:
+        if self.fatal_error is not None:
+            raise EngineDeadError(f"engine loop died: {self.fatal_error}")
+        if not self.is_loaded:
+            raise EngineNotReadyError("the model is still loading")
+        if self._thread is None or not self._thread.is_alive() or self._stop.is_set():
+            raise EngineDeadError("engine loop is not running")
+        if self.draining:
+            raise DrainingError("the server is shutting down")
+        if self.queue_full():
+            raise QueueFullError(f"too many waiting requests (max_queue_len={self.max_queue_len})")
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: Any,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Hand a request to the engine thread; returns once LLMEngine accepted it.
+
+        Raises ValueError (bad input, from LLMEngine.add_request), QueueFullError, DrainingError,
+        EngineNotReadyError or EngineDeadError.
+        """
+        self._check_admission()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        arrival = arrival_time if arrival_time is not None else time.time()
+        req = _Request(request_id, loop, asyncio.Queue(), PerRequestTimes(arrival=arrival))
+        self._requests[request_id] = req
+        with self._lock:
+            self._pending_adds += 1
+        self._inbox.put((_ADD, req, prompt, params, priority, arrival))
+        stream = RequestStream(self, req)
+        try:
+            first = await req.queue.get()
+        except BaseException:
+            # Cancelled while waiting for acceptance: abort (the abort queues behind the add).
+            stream.abort()
+            raise
+        if first is not _ACCEPTED:
+            self._requests.pop(request_id, None)
+            stream.finished = True
+            assert isinstance(first, BaseException)
+            raise first
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], params: Any, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until it finishes. Cancelling or closing the iterator aborts
+        the request, which frees its KV blocks at once."""
+        stream = await self.add_request(request_id, prompt, params, priority=priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        live = [i for i in ids if i in self._requests]
+        if live:
+            self._inbox.put((_ABORT, live))
+
+    def abort_all(self) -> None:
+        self.abort(list(self._requests))
+
+    # ---------------------------------------------------------------- engine thread
+    def _build_engine(self) -> Any:
+        if self._factory is not None:
+            return self._factory(self.config)
+        from shoal.engine.engine import LLMEngine
+
+        return LLMEngine(self.config)
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._build_engine()
+            self.max_model_len = getattr(self.engine, "max_model_len", None)
+            self.model_name = getattr(self.engine, "model_name", None) or self.config.model_name
+            self.tokenizer = _private_copy(getattr(self.engine, "tokenizer", None))
+            self._refresh_stats()
+            self.heartbeat = time.monotonic()
+            self._loaded.set()
+        except BaseException as e:  # noqa: BLE001 - a failed load is fatal and reported, not raised here
+            logger.error("engine failed to load: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
+            self.fatal_error = e
+            self._load_done.set()
+            return
+        self._load_done.set()
+        logger.info("engine loop started (model %s, max_model_len %s)", self.model_name, self.max_model_len)
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001
+            self.fatal_error = e
+            logger.error("engine loop died: %s\n%s", e, traceback.format_exc())
+            self._fail_all(EngineDeadError(f"engine loop died: {e}"))
+        finally:
+            if self.fatal_error is None:
+                self._fail_all(EngineDeadError("the engine was shut down"))
+            try:
+                self.engine.shutdown()
+            except Exception as e:  # noqa: BLE001
+                logger.warning("engine shutdown failed: %s", e)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self.heartbeat = time.monotonic()
+            busy = engine.has_unfinished_requests()
+            items = self._take_inbox(block=not busy)
+            if self._stop.is_set():
+                break
+            if items:
+                self._apply(items)
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                if outputs:
+                    self._dispatch(outputs)
+                self._refresh_stats()
+
+    def _take_inbox(self, block: bool) -> list:
+        items = []
+        try:
+            if block:
+                items.append(self._inbox.get(timeout=_IDLE_WAIT))
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return [i for i in items if i is not None]
+
+    def _apply(self, items: list) -> None:
+        engine = self.engine
+        accepted: list[tuple[_Request, Any]] = []
+        num_adds = 0
+        for item in items:
+            if item[0] == _ADD:
+                _, req, prompt, params, priority, arrival = item
+                num_adds += 1
+                try:
+                    engine.add_request(req.request_id, prompt, params, arrival_time=arrival, priority=priority)
+                    accepted.append((req, _ACCEPTED))
+                except (ValueError, TypeError) as e:
+                    accepted.append((req, e if isinstance(e, ValueError) else ValueError(str(e))))
+            elif item[0] == _ABORT:
+                ids = [i for i in item[1] if i in self._requests]
+                if ids:
+                    engine.abort_request(ids)
+                    self._finish_aborted(ids)
+        self._refresh_stats()
+        with self._lock:
+            self._pending_adds -= num_adds
+        if accepted:
+            self._post(accepted)
+
+    def _finish_aborted(self, ids: list[str]) -> None:
+        now = time.time()
+        done = []
+        for rid in ids:
+            req = self._requests.pop(rid, None)
+            if req is None or req.finished:
+                continue
+            req.finished = True
+            out = RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[], outputs=[], finished=True)
+            try:
+                self.metrics.on_finished(out, req.times, now)
+            except Exception:  # noqa: BLE001
+                logger.exception("metrics failed")
+            done.append((req, _FINISHED))
+        if done:
+            self._post(done)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        batch = []
+        for out in outputs:
+            req = self._requests.get(out.request_id)
+            if req is None or req.finished:
+                continue
+            new_tokens = 0
+            for comp in out.outputs:
+                n = len(comp.token_ids)
+                new_tokens += max(0, n - req.num_tokens.get(comp.index, 0))
+                req.num_tokens[comp.index] = n
+            t = req.times
+            try:
+                if new_tokens:
+                    if t.first_token is None:
+                        t.first_token = now
+                        self.metrics.on_first_token(now - t.arrival)
+                    else:
+                        self.metrics.on_inter_token(now - (t.last_token or now), new_tokens)
+                    t.last_token = now
+                    t.num_generation_tokens += new_tokens
+                if out.finished:
+                    self.metrics.on_finished(out, t, now)
+            except Exception:  # noqa: BLE001 - metrics must never kill the loop
+                logger.exception("metrics failed")
+            batch.append((req, out))
+            if out.finished:
+                req.finished = True
+                self._requests.pop(out.request_id, None)
+        if batch:
+            self._post(batch)
+
+    def _post(self, batch: list[tuple[_Request, Any]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for req, item in batch:
+            by_loop.setdefault(req.loop, []).append((req.queue, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        reqs = list(self._requests.values())
+        self._requests.clear()
+        if reqs:
+            self._post([(r, error) for r in reqs])
+
+    def _refresh_stats(self) -> None:
+        try:
+            self.snapshot = StatsSnapshot(self.engine.get_stats(), time.time())
+        except Exception:  # noqa: BLE001
+            logger.debug("get_stats failed", exc_info=True)
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """b is newer than a; keep the newest CompletionOutput of every index either has."""
+    if len(b.outputs) >= len(a.outputs) and {c.index for c in a.outputs} <= {c.index for c in b.outputs}:
+        return b
+    by_index = {c.index: c for c in a.outputs}
+    by_index.update({c.index: c for c in b.outputs})
+    return RequestOutput(
+        request_id=b.request_id, prompt=b.prompt, prompt_token_ids=b.prompt_token_ids,
+        outputs=[by_index[i] for i in sorted(by_index)], finished=b.finished, metrics=b.metrics,
+        num_cached_tokens=b.num_cached_tokens, extra=b.extra,
+    )
+
+
+def _deliver(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _private_copy(tokenizer: Any) -> Any:
+    """A copy of the tokenizer for the event-loop thread (fast tokenizers are not safe to share across threads)."""
+    if tokenizer is None:
+        return None
+    import copy
+
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001
+        return tokenizer

@@ -1,0 +1,28 @@
+"""The attention step every model layer shares: store new keys/values, then attend over the paged cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import AttentionBackend, AttentionMetadata, write_kv
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, backend: AttentionBackend, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float, alibi_slopes: torch.Tensor | None = None):
+        super().__init__()
+        self.backend = backend
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.alibi_slopes = alibi_slopes
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        T = q.shape[0]
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale, self.alibi_slopes)
+        return out.reshape(T, self.num_heads * self.head_dim)

@@ -1,0 +1,81 @@
+"""The always-available backend: torch scaled_dot_product_attention over keys/values gathered by block table.
+
+Once per step it builds, for the whole batch, the cache slot of every (sequence, key position) and a padded
+[B, max_query_len] view of the queries with a causal mask (plus the ALiBi bias when the model uses it). Every
+layer then runs one batched SDPA call: no Python loop over sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionBackend, AttentionMetadata
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+    supports_alibi = True
+
+    def _plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> dict:
+        plan = meta.scratch.get("sdpa")
+        if plan is not None:
+            return plan
+        B, max_q, L = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+        q_lens = torch.tensor(meta.query_lens_list, device=device)
+        seq_lens = meta.seq_lens.to(device=device, dtype=torch.long)
+        ctx_lens = seq_lens - q_lens
+        key_pos = torch.arange(L, device=device)
+        block_idx = (key_pos // block_size).clamp(max=meta.block_tables.shape[1] - 1)
+        blocks = meta.block_tables.to(device=device, dtype=torch.long)[:, block_idx]  # [B, L]
+        key_slots = blocks * block_size + key_pos % block_size
+        key_valid = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
+        key_slots = torch.where(key_valid, key_slots, torch.zeros_like(key_slots))
+
+        j = torch.arange(max_q, device=device)
+        q_valid = j.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
+        q_rows = meta.query_start_loc[:-1].to(device=device, dtype=torch.long).unsqueeze(1) + j
+        q_rows = torch.where(q_valid, q_rows, torch.zeros_like(q_rows))
+        q_pos = ctx_lens.unsqueeze(1) + j  # absolute position of each padded query row
+        allowed = (key_pos.view(1, 1, L) <= q_pos.unsqueeze(2)) & key_valid.unsqueeze(1)  # [B, max_q, L]
+        # Padding query rows attend to key 0 so softmax stays finite; their outputs are dropped.
+        allowed = allowed | (~q_valid).unsqueeze(2) & (key_pos == 0).view(1, 1, L)
+        single_causal = B == 1 and int(ctx_lens[0]) == 0
+        plan = {
+            "key_slots": key_slots,
+            "q_rows": q_rows,
+            "valid_flat": q_valid.flatten().nonzero().squeeze(1),
+            "mask": allowed.unsqueeze(1),  # [B, 1, max_q, L]
+            "key_pos": key_pos,
+            "causal_only": single_causal,
+        }
+        meta.scratch["sdpa"] = plan
+        return plan
+
+    def forward(self, q, k_cache, v_cache, meta, scale, alibi_slopes=None):
+        T, H, D = q.shape
+        nb, bs, kvh, _ = k_cache.shape
+        plan = self._plan(meta, bs, q.device)
+        B, max_q = plan["q_rows"].shape
+        flat_k = k_cache.view(nb * bs, kvh, D)
+        flat_v = v_cache.view(nb * bs, kvh, D)
+        k = flat_k[plan["key_slots"]].transpose(1, 2)  # [B, kvh, L, D]
+        v = flat_v[plan["key_slots"]].transpose(1, 2)
+        qp = q[plan["q_rows"]].transpose(1, 2)  # [B, H, max_q, D]
+        if alibi_slopes is None and plan["causal_only"] and max_q == k.shape[2]:
+            out = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=kvh != H)
+        else:
+            if alibi_slopes is None:
+                mask = plan["mask"]
+            else:
+                key = ("alibi", id(alibi_slopes), q.dtype)
+                mask = meta.scratch.get(key)
+                if mask is None:
+                    bias = alibi_slopes.to(q.device).view(1, H, 1, 1) * plan["key_pos"].view(1, 1, 1, -1).float()
+                    mask = bias.masked_fill(~plan["mask"], float("-inf")).to(q.dtype)
+                    meta.scratch[key] = mask
+            out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=kvh != H)
+        out = out.transpose(1, 2).reshape(B * max_q, H, D)
+        if B * max_q == T:
+            return out
+        return out.index_select(0, plan["valid_flat"])

@@ -1,0 +1,318 @@
+"""Triton paged attention: one kernel launch for the whole flat batch (prefill chunks and decodes alike).
+
+Keys and values are read straight from the paged cache through the block table (no gather into a contiguous
+copy); softmax is computed online (FlashAttention style) in float32, whatever the cache dtype. Handles causal
+prefill, chunked prefill against cached context, decode, grouped-query attention, BLOOM-style ALiBi and any
+head_dim (padded to a power of two with masks).
+
+Runs compiled on CUDA, and on CPU under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the tests run
+it. The kernel is wrapped with `triton.jit` lazily, on first use, so whether it is interpreted follows
+TRITON_INTERPRET at that moment, not at import time.
+"""
+
+import os
+
+import torch
+
+from .base import AttentionBackend, AttentionMetadata
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the engine runs without triton (sdpa); this backend then reports itself unavailable
+    triton = None
+    tl = None
+
+_LOG2E = 1.4426950408889634
+
+if triton is not None:
+
+    def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr,
+        part_acc_ptr, part_m_ptr, part_l_ptr,
+        scale_log2,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper than exp)
+        num_seqs,
+        stride_qt, stride_qh, stride_qd,
+        stride_ot, stride_oh, stride_od,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_bt,
+        stride_ps, stride_pt, stride_ph,  # partial results [NUM_SPLITS, T, H, (HEAD_DIM)] (split-KV only)
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        USE_ALIBI: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """Causal attention of a tile of query tokens against the paged context of their sequence.
+
+        Grid: (query tiles, kv heads, key splits).
+          axis 0: query tile. Sequence s owns tiles [qsl[s] // BLOCK_Q + s, ...), one per BLOCK_Q of its query
+                  tokens (the "+ s" leaves room for every sequence's partial last tile), so the grid is
+                  T // BLOCK_Q + num_seqs and a program finds its sequence by binary search over
+                  query_start_loc; programs past the end of their sequence's query exit at once.
+          axis 1: kv head. The program handles the GROUP query heads that share it, so each key/value tile it
+                  loads serves BLOCK_M = BLOCK_Q * GROUP_P rows (token-major, head-minor; rows for padded
+                  heads g >= GROUP are masked). For decode this packs a whole GQA group into one tile.
+          axis 2: key split (flash-decoding). With NUM_SPLITS > 1 each split covers a contiguous share of the key
+                  tiles and writes un-normalised partial results (acc, running max, running sum) that the host
+                  combines; with NUM_SPLITS == 1 the program writes the final output.
+        Tiling: q tile [BLOCK_M, HEAD_DIM_P] stays in registers; keys/values stream in tiles of BLOCK_N positions,
+        each position's cache slot looked up through the block table; scores [BLOCK_M, BLOCK_N] in float32.
+        """
+        q_tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+
+        # Which sequence owns this query tile: the last s with query_start_loc[s] // BLOCK_Q + s <= q_tile.
+        lo: tl.int32 = 0
+        hi: tl.int32 = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        q_tile_local = q_tile - (q_start // BLOCK_Q + seq)
+        if q_tile_local * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - q_len  # tokens cached before this step's queries
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = q_tile_local * BLOCK_Q + rows // GROUP_P  # query token index within the sequence
+        grp = rows % GROUP_P
+        head = kv_head * GROUP + grp
+        row_ok = (tok < q_len) & (grp < GROUP)
+        q_pos = context_len + tok  # absolute position: attends to keys 0..q_pos
+        dims = tl.arange(0, HEAD_DIM_P)
+        dim_ok = dims < HEAD_DIM
+
+        q_offs = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
+        q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if USE_ALIBI:
+            slope_log2 = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+
+        # Keys this tile can see (causal: up to its last token), and this split's share of them.
+        kv_end = tl.minimum(seq_len, context_len + (q_tile_local + 1) * BLOCK_Q)
+        num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_kv_tiles)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+        block_row = block_tables_ptr + seq * stride_bt
+        for kv_tile in range(tile_lo, tile_hi):
+            k_pos = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            k_ok = k_pos < kv_end
+            block = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+            slot = k_pos % PAGE_SIZE
+
+            k_offs = block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh \
+                + dims[:, None] * stride_kd
+            k = tl.load(k_cache_ptr + k_offs, mask=k_ok[None, :] & dim_ok[:, None], other=0.0)  # [D, N]
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N] float32
+            if USE_ALIBI:
+                s += slope_log2[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+            s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+
+            v_offs = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh \
+                + dims[None, :] * stride_vd
+            v = tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0.0)  # [N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            o_offs = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
+            tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        else:
+            p_offs = split * stride_ps + (q_start + tok) * stride_pt + head * stride_ph
+            tl.store(part_m_ptr + p_offs, m_i, mask=row_ok)
+            tl.store(part_l_ptr + p_offs, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + p_offs[:, None] * HEAD_DIM + dims[None, :], acc,
+                     mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def _interpreting() -> bool:
+    """True when Triton's interpreter is on (TRITON_INTERPRET=1), read the way triton itself reads it."""
+    knobs = getattr(triton, "knobs", None) if triton is not None else None
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+_jitted: dict[bool, object] = {}
+
+
+def _kernel():
+    """The kernel wrapped for the current mode (interpreted or compiled), made once per mode."""
+    mode = _interpreting()
+    if mode not in _jitted:
+        _jitted[mode] = triton.jit(_paged_attention_kernel)
+    return _jitted[mode]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in one Triton launch per layer call; supports ALiBi, GQA, any head_dim, fp32/fp16/bf16.
+
+    `num_splits` forces the split-KV (flash-decoding) factor; None picks it from the batch shape on CUDA
+    (only for decode-heavy batches that would leave most SMs idle) and 1 under the interpreter.
+    """
+
+    name = "triton"
+    supports_alibi = True
+
+    def __init__(self, num_splits: int | None = None):
+        self.num_splits = num_splits
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        device = torch.device(device)
+        if triton is None:
+            return False, "triton is not installed (pip install triton)"
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return False, "CUDA is not available"
+            major, _ = torch.cuda.get_device_capability(device)
+            if major < 7:
+                return False, f"the triton backend needs a GPU of compute capability >= 7.0 (got {major}.x)"
+            return True, ""
+        if device.type == "cpu":
+            if _interpreting():
+                return True, ""
+            return False, ("the triton backend runs on CPU only under Triton's interpreter "
+                           "(set TRITON_INTERPRET=1; it is slow, meant for tests)")
+        return False, f"the triton backend does not run on {device.type} devices"
+
+    @classmethod
+    def check_config(cls, *, head_dim: int, dtype: torch.dtype, block_size: int, uses_alibi: bool = False,
+                     num_heads: int | None = None, num_kv_heads: int | None = None) -> tuple[bool, str]:
+        """(usable, reason when not) for a model/cache configuration, independent of the device."""
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return False, f"the triton backend supports float32/float16/bfloat16, not {dtype}"
+        if not 1 <= head_dim <= 256:
+            return False, f"the triton backend supports head_dim up to 256 (got {head_dim})"
+        if block_size < 1:
+            return False, f"block_size must be positive (got {block_size})"
+        if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
+            return False, f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        return True, ""
+
+    def _pick_num_splits(self, device: torch.device, meta: AttentionMetadata, programs: int, block_n: int) -> int:
+        if self.num_splits is not None:
+            return max(1, int(self.num_splits))
+        if device.type != "cuda" or meta.max_query_len > 1:
+            return 1
+        # Decode: split the keys when (sequences x kv heads) alone would leave SMs idle and contexts are long.
+        target = 2 * _sm_count(device)
+        if programs >= target or meta.max_seq_len < 4 * block_n:
+            return 1
+        splits = min(_next_pow2(-(-target // programs)), 16, _next_pow2(meta.max_seq_len // (2 * block_n)))
+        return max(1, splits)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        alibi_slopes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        _, page_size, num_kv_heads, _ = k_cache.shape
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if num_tokens == 0:
+            return out
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        num_seqs = meta.query_start_loc.shape[0] - 1
+        group = num_heads // num_kv_heads
+        group_p = _next_pow2(group)
+        head_dim_p = max(16, _next_pow2(head_dim))
+
+        interpreting = _interpreting() and q.device.type == "cpu"
+        if interpreting:
+            block_m, block_n = max(16, group_p), 16  # small tiles: cheap in numpy, and the tests cross tiles
+        else:
+            decode_like = meta.max_query_len * group_p <= 16
+            block_m = max(16 if decode_like else (64 if head_dim_p <= 128 else 32), group_p)
+            block_n = 64 if head_dim_p <= 128 else 32
+        block_q = block_m // group_p
+
+        grid0 = num_tokens // block_q + num_seqs
+        splits = self._pick_num_splits(q.device, meta, grid0 * num_kv_heads, block_n)
+
+        if alibi_slopes is not None:
+            alibi = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+        else:
+            alibi = out  # never read (USE_ALIBI is False)
+        if splits > 1:
+            part_acc = torch.empty((splits, num_tokens, num_heads, head_dim), device=q.device, dtype=torch.float32)
+            part_m = torch.empty((splits, num_tokens, num_heads), device=q.device, dtype=torch.float32)
+            part_l = torch.empty_like(part_m)
+        else:
+            part_acc = part_m = part_l = out  # never written (NUM_SPLITS == 1)
+
+        block_tables = meta.block_tables.to(torch.int32)
+        seq_lens = meta.seq_lens.to(torch.int32)
+        query_start_loc = meta.query_start_loc.to(torch.int32)
+        extra = {} if interpreting else {"num_warps": 4, "num_stages": 2}
+        _kernel()[(grid0, num_kv_heads, splits)](
+            out, q, k_cache, v_cache,
+            block_tables, seq_lens, query_start_loc, alibi,
+            part_acc, part_m, part_l,
+            scale * _LOG2E,
+            num_seqs,
+            *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+            block_tables.stride(0),
+            num_tokens * num_heads if splits > 1 else 0, num_heads if splits > 1 else 0, 1 if splits > 1 else 0,
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+            GROUP=group, GROUP_P=group_p,
+            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+            PAGE_SIZE=page_size,
+            NUM_SPLITS=splits,
+            USE_ALIBI=alibi_slopes is not None,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            **extra,
+        )
+        if splits > 1:
+            # Combine the splits' partial softmaxes: weights 2^(m_s - max_s m_s) (an empty split has m = -inf).
+            m_max = part_m.amax(0)
+            w = torch.exp2(part_m - m_max)
+            denom = (w * part_l).sum(0)
+            out.copy_((w.unsqueeze(-1) * part_acc).sum(0) / denom.unsqueeze(-1))
+        return out
+
+
+__all__ = ["TritonAttentionBackend"]

@@ -1,0 +1,61 @@
+"""Vocabulary-parallel token embedding and LM head: each rank owns a contiguous range of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel_state import get_parallel_state
+from .linear import Reader
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        ps = get_parallel_state()
+        self.ps = ps
+        self.vocab_size = vocab_size
+        self.vocab_local = -(-vocab_size // ps.tp_size)  # padded so every rank holds the same count
+        self.vocab_start = ps.tp_rank * self.vocab_local
+        self.weight = nn.Parameter(torch.zeros(self.vocab_local, hidden, dtype=dtype), requires_grad=False)
+
+    def load(self, read: Reader) -> None:
+        n = max(0, min(self.vocab_local, self.vocab_size - self.vocab_start))
+        if n:
+            self.weight.data[:n].copy_(read(0, self.vocab_start, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ps.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_local)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.ps.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Projects hidden states to float32 logits over the full vocabulary (gathered from every rank)."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, tied: bool, bias: bool = False):
+        super().__init__()
+        self.embedding = embedding
+        self.tied = tied
+        if tied:
+            self.weight = embedding.weight
+        else:
+            self.weight = nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(embedding.vocab_local, dtype=embedding.weight.dtype),
+                                 requires_grad=False) if bias else None
+
+    def load(self, read: Reader) -> None:
+        e = self.embedding
+        n = max(0, min(e.vocab_local, e.vocab_size - e.vocab_start))
+        if n:
+            self.weight.data[:n].copy_(read(0, e.vocab_start, n))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight, self.bias)
+        logits = self.embedding.ps.all_gather_last_dim(logits)
+        return logits[..., : self.embedding.vocab_size].float()

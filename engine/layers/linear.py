@@ -1,0 +1,127 @@
+"""Linear layers split across tensor-parallel ranks.
+
+Column-parallel layers own a contiguous range of output features; row-parallel layers own a range of input
+features and sum their partial products with one all-reduce. Weights are stored [out, in] like nn.Linear.
+Loading goes through a `read(dim, start, length)` callable so each rank reads only its own slice, whatever the
+checkpoint's layout (GPT-2's Conv1D stores [in, out] and passes a transposing reader).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel_state import divide, get_parallel_state
+
+# read(dim, start, length) -> tensor in [out, in] layout, sliced along `dim` (0 = out, 1 = in) of that layout
+Reader = Callable[[int, int, int], torch.Tensor]
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        ps = get_parallel_state()
+        self.tp_rank, self.out_full = ps.tp_rank, out_features
+        self.out_local = divide(out_features, ps.tp_size, "output features")
+        self.weight = _param(self.out_local, in_features, dtype=dtype)
+        self.bias = _param(self.out_local, dtype=dtype) if bias else None
+
+    def load(self, read_weight: Reader, read_bias: Reader | None = None) -> None:
+        start = self.tp_rank * self.out_local
+        self.weight.data.copy_(read_weight(0, start, self.out_local))
+        if self.bias is not None:
+            self.bias.data.copy_(read_bias(0, start, self.out_local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input fused into one matmul (e.g. gate and up)."""
+
+    def __init__(self, in_features: int, out_features: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        ps = get_parallel_state()
+        self.tp_rank = ps.tp_rank
+        self.locals = [divide(n, ps.tp_size, "output features") for n in out_features]
+        self.weight = _param(sum(self.locals), in_features, dtype=dtype)
+        self.bias = _param(sum(self.locals), dtype=dtype) if bias else None
+
+    def load(self, readers: list[Reader], bias_readers: list[Reader] | None = None) -> None:
+        offset = 0
+        for i, (n, read) in enumerate(zip(self.locals, readers)):
+            self.weight.data[offset:offset + n].copy_(read(0, self.tp_rank * n, n))
+            if self.bias is not None:
+                self.bias.data[offset:offset + n].copy_(bias_readers[i](0, self.tp_rank * n, n))
+            offset += n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(nn.Module):
+    """Query, key and value projections split by attention head.
+
+    Query heads are divided evenly among ranks. Key/value heads are divided when there are at least as many as
+    ranks; otherwise each KV head is replicated on the tp_size / num_kv_heads ranks whose query heads use it.
+    """
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 dtype: torch.dtype):
+        super().__init__()
+        ps = get_parallel_state()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, ps.tp_size, "number of attention heads")
+        if num_kv_heads >= ps.tp_size:
+            self.num_kv_heads = divide(num_kv_heads, ps.tp_size, "number of key/value heads")
+            self.kv_head_start = ps.tp_rank * self.num_kv_heads
+        else:
+            divide(ps.tp_size, num_kv_heads, "tensor-parallel size vs key/value heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = ps.tp_rank * num_kv_heads // ps.tp_size
+        self.q_start = ps.tp_rank * self.num_heads * head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.weight = _param(self.q_size + 2 * self.kv_size, hidden, dtype=dtype)
+        self.bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if bias else None
+
+    def _ranges(self):
+        kv_start = self.kv_head_start * self.head_dim
+        return [(0, self.q_start, self.q_size), (self.q_size, kv_start, self.kv_size),
+                (self.q_size + self.kv_size, kv_start, self.kv_size)]
+
+    def load(self, readers: list[Reader], bias_readers: list[Reader] | None = None) -> None:
+        for i, (dst, src, n) in enumerate(self._ranges()):
+            self.weight.data[dst:dst + n].copy_(readers[i](0, src, n))
+            if self.bias is not None:
+                self.bias.data[dst:dst + n].copy_(bias_readers[i](0, src, n))
+
+    def forward(self, x: torch.Tensor):
+        qkv = F.linear(x, self.weight, self.bias)
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        ps = get_parallel_state()
+        self.ps = ps
+        self.in_local = divide(in_features, ps.tp_size, "input features")
+        self.weight = _param(out_features, self.in_local, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def load(self, read_weight: Reader, read_bias: Reader | None = None) -> None:
+        self.weight.data.copy_(read_weight(1, self.ps.tp_rank * self.in_local, self.in_local))
+        if self.bias is not None:
+            self.bias.data.copy_(read_bias(0, 0, self.bias.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ps.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,57 @@
+"""Rotary position embedding (RoPE) with the scaling types Llama-family configs use.
+
+cos/sin tables are computed once for every position up to max_model_len; each step indexes them by the flat
+batch's positions. Frequencies for scaled variants come from transformers' own rope-init functions, so configs
+mean exactly what they mean there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_STATIC_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+def _rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        params = _rope_parameters(config)
+        rope_type = params["rope_type"]
+        if rope_type not in _STATIC_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported (supported: {sorted(_STATIC_TYPES)}); "
+                "dynamic/longrope scaling changes with the sequence length and is not implemented"
+            )
+        scaling = 1.0
+        if rope_type == "default":
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            inv_freq = inv_freq.float()
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, heads, d], k: [T, kv_heads, d] → rotated copies."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin

@@ -1,0 +1,77 @@
+"""From `--model` to a loaded CausalLM: resolve the directory, read the config, pick dtype, load weights."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .models import model_class
+from .weights import WeightError, WeightSource
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """A local directory, or a hub id already present in the local Hugging Face cache (never the network)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise WeightError(f"{model}: is a file; --model takes a Hugging Face model directory or hub id")
+    if model.count("/") > 1 or model.startswith((".", "/", "~")):
+        raise WeightError(f"{model}: no such model directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception as e:
+        raise WeightError(
+            f"{model}: not a local directory and not in the local Hugging Face cache "
+            f"(no network access is assumed; download it first or pass a directory): {e.__class__.__name__}"
+        ) from None
+
+
+def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    if not (model_dir / "config.json").exists():
+        raise WeightError(f"{model_dir}: config.json is missing")
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise WeightError(f"{model_dir}/config.json: {e}") from None
+    except OSError as e:
+        raise WeightError(f"{model_dir}/config.json: cannot be read ({e})") from None
+
+
+def resolve_dtype(choice: str, hf_config, device: torch.device) -> torch.dtype:
+    if choice != "auto":
+        return _DTYPES[choice]
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype, torch.float32)
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.bfloat16  # CPU kernels for fp16 are slow and partly missing; bf16 has the same footprint
+    return dtype
+
+
+def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, backend,
+               max_model_len: int, layer_partition: list[int] | None = None):
+    cls = model_class(hf_config)
+    t0 = time.perf_counter()
+    with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor
+        model = cls(hf_config, dtype, backend, max_model_len, layer_partition)
+    src = WeightSource(model_dir)
+    try:
+        model.load_weights(src)
+    finally:
+        src.close()
+    model.eval()
+    logger.info("loaded %s (%s, %s) from %s in %.2fs", cls.__name__, str(dtype).removeprefix("torch."),
+                device, model_dir, time.perf_counter() - t0)
+    return model

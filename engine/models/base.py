@@ -1,0 +1,78 @@
+"""The skeleton every architecture shares: embeddings on the first pipeline stage, this stage's decoder
+layers, final norm and LM head on the last stage."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention.base import AttentionMetadata
+from ..parallel_state import get_parallel_state, layer_range
+from ..weights import WeightError, WeightSource
+
+
+class CausalLM(nn.Module):
+    # Set by each architecture before calling super().__init__-dependent helpers.
+    num_layers: int
+    num_kv_heads_local: int
+    head_dim: int
+    uses_alibi: bool = False
+
+    def __init__(self):
+        super().__init__()
+        ps = get_parallel_state()
+        self.ps = ps
+
+    def stage_layers(self, num_layers: int, partition: list[int] | None = None) -> tuple[int, int]:
+        self.num_layers = num_layers
+        self.start_layer, self.end_layer = layer_range(num_layers, self.ps.pp_rank, self.ps.pp_size, partition)
+        return self.start_layer, self.end_layer
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage. The first stage embeds input_ids; later stages take the previous stage's hidden
+        states. The last stage returns final-normed hidden states, others the raw residual stream."""
+        if self.ps.is_first_stage:
+            hidden = self.embed(input_ids, positions)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, positions, kv_caches[i], meta)
+        if self.ps.is_last_stage:
+            hidden = self.final_norm(hidden)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, src: WeightSource) -> None:
+        raise NotImplementedError
+
+
+def reader(src: WeightSource, name: str, full_shape: tuple[int, ...], transpose: bool = False):
+    """A Reader (see layers.linear) over one checkpoint tensor, checking its full shape first."""
+    stored = tuple(reversed(full_shape)) if transpose else tuple(full_shape)
+
+    def read(dim: int, start: int, length: int) -> torch.Tensor:
+        if transpose:
+            return src.load(name, stored, dim=1 - dim, start=start, length=length).t()
+        return src.load(name, stored, dim=dim, start=start, length=length)
+
+    return read
+
+
+def find_prefix(src: WeightSource, candidates: list[str], probe: str) -> str:
+    """The name prefix this checkpoint uses (e.g. 'model.' vs '', 'transformer.' vs '')."""
+    for prefix in candidates:
+        if src.has(prefix + probe):
+            return prefix
+    raise WeightError(f"{src.model_dir}: tensor {candidates[0] + probe!r} is missing from the checkpoint")

@@ -1,0 +1,143 @@
+"""Prometheus metrics under the `shoal:` prefix, with vLLM's meanings and a model_name label.
+
+Engine-wide values (running/waiting requests, KV usage, preemptions, prefix cache, token totals) are read at
+scrape time from the latest EngineStats snapshot the engine thread took, so the engine itself never touches
+Prometheus. Per-request values (TTFT, inter-token latency, end-to-end latency, queue time, finished requests) are
+observed by the AsyncEngine as outputs arrive. Every app gets its own CollectorRegistry (never the global one), so
+several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shoal.engine.async_engine import AsyncEngine, MetricsSink, PerRequestTimes
+from shoal.engine.outputs import RequestOutput
+
+PREFIX = "shoal:"
+
+# vLLM's buckets.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+class _EngineStatsCollector:
+    """Gauges and counters read from the engine's latest stats snapshot at scrape time."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.engine.snapshot.stats
+        lbl = [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(lbl, float(value))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(lbl, float(value))
+            return c
+
+        get = (lambda k: getattr(s, k, 0) or 0) if s is not None else (lambda k: 0)
+        yield gauge("num_requests_running", "Number of requests in model execution batches.", get("num_running"))
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+                    get("num_waiting") + self.engine.num_waiting() - (get("num_waiting") if s is not None else 0))
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", get("kv_cache_usage"))
+        yield gauge("num_kv_blocks", "Number of blocks in the KV-cache pool.", get("num_kv_blocks"))
+        yield gauge("num_free_kv_blocks", "Number of free blocks in the KV-cache pool.", get("num_free_kv_blocks"))
+        yield gauge("engine_healthy", "1 when the engine loop is alive.", 1.0 if self.engine.is_alive() else 0.0)
+        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
+                      get("num_preemptions_total"))
+        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      get("prefix_cache_queries_total"))
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      get("prefix_cache_hits_total"))
+        yield counter("prompt_tokens", "Number of prefill tokens processed.", get("prompt_tokens_total"))
+        yield counter("generation_tokens", "Number of generation tokens processed.", get("generation_tokens_total"))
+
+
+class ServerMetrics(MetricsSink):
+    """The per-app registry; also the AsyncEngine's MetricsSink."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        r, ln = self.registry, ["model_name"]
+        self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+                                       ln + ["finished_reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              ln, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ln, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", ln, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", ln,
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_len = Histogram(PREFIX + "request_prompt_tokens", "Number of prefill tokens processed.", ln,
+                                    buckets=TOKEN_BUCKETS, registry=r)
+        self.gen_len = Histogram(PREFIX + "request_generation_tokens", "Number of generation tokens processed.", ln,
+                                 buckets=TOKEN_BUCKETS, registry=r)
+        # Children bound once (label lookups are not free on the hot path).
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
+        self._e2e = self.e2e.labels(model_name)
+        self._queue = self.queue_time.labels(model_name)
+        self._success = {reason: self.request_success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self._prompt_len = self.prompt_len.labels(model_name)
+        self._gen_len = self.gen_len.labels(model_name)
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self.registry.register(_EngineStatsCollector(engine, self.model_name))
+
+    # MetricsSink
+    def on_first_token(self, ttft: float) -> None:
+        self._ttft.observe(max(0.0, ttft))
+
+    def on_inter_token(self, itl: float, num_tokens: int) -> None:
+        # Several tokens in one step (rare) share the interval, as vLLM counts them.
+        per = max(0.0, itl) / max(1, num_tokens)
+        for _ in range(max(1, num_tokens)):
+            self._itl.observe(per)
+
+    def on_finished(self, output: RequestOutput, times: PerRequestTimes, finished_time: float) -> None:
+        reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+        reason = reasons[0] if reasons else "abort"
+        if reason not in self._success:
+            self._success[reason] = self.request_success.labels(self.model_name, reason)
+        self._success[reason].inc()
+        self._e2e.observe(max(0.0, finished_time - times.arrival))
+        m = output.metrics
+        if m is not None and m.first_scheduled_time is not None:
+            self._queue.observe(max(0.0, m.first_scheduled_time - (m.arrival_time or times.arrival)))
+        elif times.first_token is not None:
+            self._queue.observe(0.0)
+        if output.prompt_token_ids:
+            self._prompt_len.observe(len(output.prompt_token_ids))
+        if output.outputs:
+            self._gen_len.observe(sum(len(c.token_ids) for c in output.outputs))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _now() -> float:
+    return time.time()
