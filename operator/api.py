@@ -1,0 +1,359 @@
+"""The InferenceService API (serving.shoal.dev/v1alpha1): the single source of truth.
+
+The pydantic models below define the spec and status once: field names (camelCase on the wire), defaults,
+enums and ranges. ``shoal.operator.crdgen`` turns them into the CRD's structural openAPIV3Schema, and the
+operator validates every object it reconciles with them (so a cluster without CEL, or an object created
+before the CRD was updated, still gets the same checks, reported as ``Ready=False, reason=InvalidSpec``).
+
+Cross-field rules live in ``CROSS_FIELD_RULES``: each is a CEL expression for the CRD (``x-kubernetes-
+validations``) paired with the equivalent Python check, so both sides say the same thing with the same message.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "serving.shoal.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+# "isvc" is KServe's short name: a cluster running both would resolve `kubectl get isvc` to whichever CRD
+# was registered first. "sisvc" never clashes; `kubectl get inferenceservices.serving.shoal.dev` always works.
+SHORT_NAMES = ["sisvc"]
+CATEGORIES = ["shoal", "all"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+ENGINE_PORT = 8000  # HTTP, metrics and health on every rank
+MASTER_PORT = 29500  # torch.distributed rendezvous on rank 0 of a multi-pod group
+DEMO_URI = "demo://"
+
+# hf://org/name  |  pvc://claim[/path]  |  file:///absolute/path (inside the image)  |  demo://
+URI_PATTERN = r"^(demo://|hf://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.*)$"
+QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# Flags the operator owns; extraArgs may not set them (they would silently fight the rendered ones).
+MANAGED_FLAGS = frozenset({
+    "--model", "--served-model-name", "--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size",
+    "--revision", "--api-key", "--chat-template", "--shutdown-timeout", "--nnodes", "--node-rank",
+    "--master-addr", "--master-port", "--headless",
+})
+
+Quantity = Annotated[Union[int, str], Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+IntOrPercent = Annotated[Union[int, str], Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+FreeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
+
+
+def section(cls: type) -> Any:
+    """An optional sub-object that always exists after defaulting (CRD `default: {}` so nested defaults apply)."""
+    return Field(default_factory=cls, json_schema_extra={"default": {}})
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class ModelSource(_Model):
+    uri: str = Field(
+        default=DEMO_URI, pattern=URI_PATTERN,
+        description="hf://org/name (hub id, resolved through HF_HOME), pvc://claim/path (a PersistentVolumeClaim "
+                    "mounted read-only at /models), file:///path (a path inside the engine image) or demo:// (the "
+                    "engine's built-in tiny demo model; the default).",
+    )
+    revision: str | None = Field(default=None, max_length=255, description="hub revision (hf:// only)")
+    served_name: str | None = Field(
+        default=None, min_length=1, max_length=255,
+        description="name clients put in `model`; defaults to the hub id for hf://, else the resource's name",
+    )
+    chat_template: str | None = Field(
+        default=None, max_length=262144,
+        description="Jinja chat template text for models without one (mounted from a ConfigMap)",
+    )
+
+
+class EngineOptions(_Model):
+    tensor_parallel_size: int = Field(default=1, ge=1, le=256)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=1, le=16777216)
+    max_num_seqs: int | None = Field(default=None, ge=1, le=65536)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1, le=16777216)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "sdpa", "triton", "flash"] = "auto"
+    enforce_eager: bool = False
+    shutdown_timeout_seconds: int = Field(
+        default=30, ge=0, le=3600,
+        description="drain budget on SIGTERM (--shutdown-timeout); the pod's grace period is set above it",
+    )
+    extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=128, description="appended to `shoal-engine serve`; may not repeat "
+                                                          "flags the operator sets")
+
+
+class Resources(_Model):
+    gpus_per_pod: int | None = Field(
+        default=None, ge=0, le=64,
+        description="GPUs per pod; defaults to tensor×pipeline capped by the operator's GPUs-per-node. "
+                    "0 runs on CPU. A replica spans ceil(tensor×pipeline / gpusPerPod) pods.",
+    )
+    gpu_resource: str = Field(default="nvidia.com/gpu", min_length=1, max_length=253,
+                              pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$")
+    cpu: Quantity | None = Field(default=None, description="CPU request per pod")
+    memory: Quantity | None = Field(default=None, description="memory request and limit per pod")
+    shm_size: Quantity = Field(default="2Gi", description="size limit of the in-memory /dev/shm")
+    cache_size: Quantity | None = Field(default=None, description="size limit of the model cache emptyDir")
+
+    @field_validator("cpu", "memory", "shm_size", "cache_size")
+    @classmethod
+    def _quantity(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, str) and not re.match(QUANTITY_PATTERN, v):
+            raise ValueError(f"{v!r} is not a Kubernetes quantity")
+        return v
+
+
+class Scheduling(_Model):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[FreeObject] = Field(default_factory=list)
+    affinity: FreeObject | None = None
+    priority_class_name: str | None = Field(default=None, max_length=253)
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1, max_length=253)
+    key: str = Field(default="api-key", min_length=1, max_length=253)
+
+
+class NetworkPolicyOptions(_Model):
+    enabled: bool = True
+    allow_from: list[FreeObject] = Field(
+        default_factory=list,
+        description="NetworkPolicyPeers allowed to reach the HTTP port; empty means pods of the same namespace",
+    )
+
+
+class Security(_Model):
+    api_key_secret_ref: SecretKeyRef | None = Field(default=None, description="Secret holding the API key")
+    network_policy: NetworkPolicyOptions = section(NetworkPolicyOptions)
+
+
+class Probes(_Model):
+    startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400,
+                                         description="model load budget before the pod is restarted")
+
+
+class Rollout(_Model):
+    max_unavailable: IntOrPercent = 0
+    max_surge: IntOrPercent = 1
+
+    @field_validator("max_unavailable", "max_surge")
+    @classmethod
+    def _int_or_percent(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0 or isinstance(v, str) and not re.match(r"^[0-9]{1,3}%$", v):
+            raise ValueError(f"{v!r} must be a non-negative integer or a percentage such as '25%'")
+        return v
+
+
+class InferenceServiceSpec(_Model):
+    model: ModelSource = section(ModelSource)
+    replicas: int = Field(default=1, ge=0, le=1000)
+    engine: EngineOptions = section(EngineOptions)
+    resources: Resources = section(Resources)
+    image: str | None = Field(default=None, max_length=1024, description="engine image; the operator's default")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_secrets: list[Annotated[str, Field(max_length=253)]] = Field(default_factory=list)
+    scheduling: Scheduling = section(Scheduling)
+    env: list[FreeObject] = Field(default_factory=list, description="extra EnvVars for the engine container")
+    security: Security = section(Security)
+    probes: Probes = section(Probes)
+    rollout: Rollout = section(Rollout)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "InferenceServiceSpec":
+        for rule in CROSS_FIELD_RULES:
+            if not rule.check(self):
+                raise ValueError(f"spec.{rule.field_path.lstrip('.')}: {rule.message}")
+        return self
+
+    # Derived values (one place for the arithmetic render.py and status use)
+    @property
+    def world_size(self) -> int:
+        return self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
+
+    def gpus_per_pod(self, max_gpus_per_node: int = 8) -> int:
+        if self.resources.gpus_per_pod is not None:
+            return self.resources.gpus_per_pod
+        return min(self.world_size, max_gpus_per_node)
+
+    def pods_per_replica(self, max_gpus_per_node: int = 8) -> int:
+        gpus = self.gpus_per_pod(max_gpus_per_node)
+        return 1 if gpus == 0 else math.ceil(self.world_size / gpus)
+
+
+Status = Literal["True", "False", "Unknown"]
+
+
+class Condition(_Model):
+    type: str
+    status: Status
+    reason: str = Field(default="", max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = Field(default=None, ge=0)
+
+
+class InferenceServiceStatus(_Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    phase: Literal["Pending", "Loading", "Ready", "Degraded", "Failed"] | None = None
+    replicas: int | None = Field(default=None, ge=0)
+    ready_replicas: int | None = Field(default=None, ge=0)
+    updated_replicas: int | None = Field(default=None, ge=0)
+    selector: str | None = Field(default=None, description="label selector of the serving pods (scale subresource)")
+    url: str | None = Field(default=None, description="in-cluster URL of the gateway Service")
+    served_model_name: str | None = None
+    observed_generation: int | None = Field(default=None, ge=0)
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ cross-field rules
+@dataclass(frozen=True)
+class CrossFieldRule:
+    """One rule, said twice: CEL for the API server (evaluated on `spec`), Python for the operator."""
+
+    cel: str
+    message: str
+    field_path: str  # relative to spec, as the CRD's fieldPath (".resources.gpusPerPod")
+    check: Callable[[InferenceServiceSpec], bool]
+
+
+def _zero(v: int | str) -> bool:
+    return v == 0 or v == "0%"
+
+
+CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
+    CrossFieldRule(
+        cel="!has(self.resources) || !has(self.resources.gpusPerPod) || self.resources.gpusPerPod == 0 || "
+            "((has(self.engine) && has(self.engine.tensorParallelSize) ? self.engine.tensorParallelSize : 1) * "
+            "(has(self.engine) && has(self.engine.pipelineParallelSize) ? self.engine.pipelineParallelSize : 1)) "
+            "% self.resources.gpusPerPod == 0",
+        message="gpusPerPod must divide engine.tensorParallelSize × engine.pipelineParallelSize "
+                "(every pod of a replica holds the same number of ranks)",
+        field_path=".resources.gpusPerPod",
+        check=lambda s: not s.resources.gpus_per_pod or s.world_size % s.resources.gpus_per_pod == 0,
+    ),
+    CrossFieldRule(
+        cel="!has(self.engine) || !has(self.engine.maxNumBatchedTokens) || !has(self.engine.maxNumSeqs) || "
+            "self.engine.maxNumBatchedTokens >= self.engine.maxNumSeqs",
+        message="maxNumBatchedTokens must be at least maxNumSeqs (each running sequence needs a token per step)",
+        field_path=".engine.maxNumBatchedTokens",
+        check=lambda s: s.engine.max_num_batched_tokens is None or s.engine.max_num_seqs is None
+        or s.engine.max_num_batched_tokens >= s.engine.max_num_seqs,
+    ),
+    CrossFieldRule(
+        cel="!has(self.rollout) || !has(self.rollout.maxUnavailable) || !has(self.rollout.maxSurge) || "
+            "!((self.rollout.maxUnavailable == 0 || self.rollout.maxUnavailable == '0%') && "
+            "(self.rollout.maxSurge == 0 || self.rollout.maxSurge == '0%'))",
+        message="maxUnavailable and maxSurge cannot both be zero (a rollout could never make progress)",
+        field_path=".rollout.maxSurge",
+        check=lambda s: not (_zero(s.rollout.max_unavailable) and _zero(s.rollout.max_surge)),
+    ),
+    CrossFieldRule(
+        cel="!has(self.model) || !has(self.model.revision) || self.model.uri.startsWith('hf://')",
+        message="revision applies to hf:// models only",
+        field_path=".model.revision",
+        check=lambda s: s.model.revision is None or s.model.uri.startswith("hf://"),
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+class SpecError(ValueError):
+    """A spec the operator refuses; `field` is the dotted path (spec.engine.extraArgs[2])."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _loc_to_path(loc: tuple[Any, ...]) -> str:
+    path = "spec"
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("function-after", "function-before", "function-plain") or str(part).startswith(
+                ("function-", "int", "str", "literal[", "union[", "lax-or-strict")):
+            continue
+        else:
+            path += f".{part}"
+    return path
+
+
+def parse_spec(spec: Any) -> InferenceServiceSpec:
+    """Validate a spec dict (camelCase) into the model; raise SpecError naming the first offending field."""
+    try:
+        return InferenceServiceSpec.model_validate(dict(spec or {}))
+    except ValidationError as e:
+        err = e.errors()[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        if msg.startswith("spec.") and ":" in msg:  # cross-field rule: the path is in the message
+            field, _, message = msg.partition(": ")
+            raise SpecError(field, message) from None
+        loc = tuple(err["loc"])
+        # pydantic reports union members (int|str) as extra loc parts; keep only field names and indexes
+        names = [p for p in loc if isinstance(p, int) or (isinstance(p, str) and p[:1].islower() and "[" not in p
+                                                            and p not in ("int", "str", "function-after"))]
+        raise SpecError(_loc_to_path(tuple(names)), msg) from None
+
+
+def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node: int) -> list[SpecError]:
+    """Rules the schema cannot express (they depend on the operator's settings or on derived names)."""
+    errors: list[SpecError] = []
+    gpus = spec.gpus_per_pod(max_gpus_per_node)
+    if gpus > max_gpus_per_node:
+        errors.append(SpecError("spec.resources.gpusPerPod",
+                                f"{gpus} GPUs per pod exceeds the {max_gpus_per_node} GPUs a node has "
+                                f"(operator setting --max-gpus-per-node)"))
+    pods = spec.pods_per_replica(max_gpus_per_node)
+    # Longest child name: <name>-g<replica>-<ordinal> for pods of a multi-pod group, <name>-<hash>-<hash> else.
+    limit = 63 - len(f"-g{max(spec.replicas - 1, 0)}-{pods - 1}") if pods > 1 else 47
+    if len(name) > limit:
+        errors.append(SpecError("metadata.name", f"must be at most {limit} characters for this topology "
+                                                 "(child and pod names are derived from it)"))
+    for i, arg in enumerate(spec.engine.extra_args):
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            errors.append(SpecError(f"spec.engine.extraArgs[{i}]",
+                                    f"{flag} is set by the operator from the spec; set the spec field instead"))
+    for i, env in enumerate(spec.env):
+        if not isinstance(env.get("name"), str) or not env.get("name"):
+            errors.append(SpecError(f"spec.env[{i}].name", "every env entry needs a name"))
+    if spec.model.uri.startswith("pvc://") and not spec.model.uri[len("pvc://"):].split("/", 1)[0]:
+        errors.append(SpecError("spec.model.uri", "pvc:// needs a claim name: pvc://claim/path"))
+    return errors
+
+
+def validate(name: str, spec: Any, *, max_gpus_per_node: int = 8) -> InferenceServiceSpec:
+    """Everything the operator checks before touching children: schema, CEL-equivalents, semantics."""
+    parsed = parse_spec(spec)
+    errors = semantic_errors(name, parsed, max_gpus_per_node=max_gpus_per_node)
+    if errors:
+        raise errors[0]
+    return parsed
+
+
+def served_model_name(name: str, spec: InferenceServiceSpec) -> str:
+    if spec.model.served_name:
+        return spec.model.served_name
+    if spec.model.uri.startswith("hf://"):
+        return spec.model.uri[len("hf://"):]
+    return name

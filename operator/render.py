@@ -1,0 +1,466 @@
+"""Pure rendering: (InferenceService, operator Settings) -> the desired child manifests. No I/O here.
+
+Topology
+--------
+One replica is a *group* of ``pods_per_replica = ceil(tp*pp / gpusPerPod)`` pods (1 on CPU, gpusPerPod 0).
+
+* single-pod replicas: one Deployment ``<name>`` with ``spec.replicas`` pods;
+* multi-pod replicas: per replica ``r`` one StatefulSet ``<name>-g<r>`` (Parallel pod management, OnDelete
+  updates: the operator rolls whole groups) and its headless Service ``<name>-g<r>`` (publishNotReadyAddresses,
+  so ranks resolve each other before they are ready). The rank is the pod ordinal, read through the downward
+  API from the label ``apps.kubernetes.io/pod-index`` (set by the StatefulSet controller, Kubernetes >= 1.28)
+  into ``SHOAL_NODE_RANK``; rank 0 is ``<name>-g<r>-0.<name>-g<r>.<ns>.svc.<domain>``. Ranks other than 0 add
+  ``--headless`` (a two-line ``sh`` wrapper, since a StatefulSet has one pod template for all ordinals);
+* always: the gateway Service ``<name>`` (port 8000 -> rank-0 pods), a NetworkPolicy ``<name>`` (unless
+  disabled), a PodDisruptionBudget ``<name>`` when replicas > 1, a ConfigMap ``<name>-chat-template`` when
+  the spec carries a chat template.
+
+Every child carries an ownerReference (controller) to the InferenceService, the label scheme below, and the
+annotation ``serving.shoal.dev/spec-hash`` (hash of the rendered object) that the reconciler compares.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.operator import api
+from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
+
+DEFAULT_ENGINE_IMAGE = "ghcr.io/shoal-dev/shoal-engine:0.1.0"
+
+L_NAME = "app.kubernetes.io/name"
+L_INSTANCE = "app.kubernetes.io/instance"
+L_COMPONENT = "app.kubernetes.io/component"
+L_MANAGED_BY = "app.kubernetes.io/managed-by"
+L_PART_OF = "app.kubernetes.io/part-of"
+L_ISVC = "serving.shoal.dev/inferenceservice"
+L_GROUP = "serving.shoal.dev/group"
+L_POD_INDEX = "apps.kubernetes.io/pod-index"
+A_SPEC_HASH = "serving.shoal.dev/spec-hash"
+A_GROUP_SIZE = "serving.shoal.dev/group-size"
+MANAGED_BY = "shoal-operator"
+
+CACHE_DIR = "/cache"
+MODELS_DIR = "/models"
+CHAT_TEMPLATE_DIR = "/etc/shoal/chat-template"
+CHAT_TEMPLATE_KEY = "template.jinja"
+HEADLESS_WRAPPER = (
+    'if [ "${SHOAL_NODE_RANK:-0}" != "0" ]; then set -- "$@" --headless; fi\n'
+    'exec shoal-engine serve "$@"\n'
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Operator-wide settings (CLI flags of shoal-operator)."""
+
+    engine_image: str = DEFAULT_ENGINE_IMAGE
+    max_gpus_per_node: int = 8
+    cluster_domain: str = "cluster.local"
+    operator_namespace: str | None = None  # metrics scraping allowed from there by the NetworkPolicy
+    prestop_seconds: int = 5
+    run_as_user: int = 1000
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a reconcile needs besides the manifests: derived topology and status fields."""
+
+    name: str
+    namespace: str
+    spec: InferenceServiceSpec
+    pods_per_replica: int
+    gpus_per_pod: int
+    served_model_name: str
+    url: str
+    selector: dict[str, str]
+    children: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def multi_pod(self) -> bool:
+        return self.pods_per_replica > 1
+
+    @property
+    def selector_str(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in sorted(self.selector.items()))
+
+
+def group_name(name: str, replica: int) -> str:
+    return f"{name}-g{replica}"
+
+
+def pod_selector(name: str) -> dict[str, str]:
+    return {L_ISVC: name, L_COMPONENT: "engine"}
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {
+        L_NAME: "shoal-engine" if component == "engine" else "shoal",
+        L_INSTANCE: name,
+        L_COMPONENT: component,
+        L_MANAGED_BY: MANAGED_BY,
+        L_PART_OF: "shoal",
+        L_ISVC: name,
+    }
+
+
+def spec_hash(obj: dict[str, Any]) -> str:
+    content = {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+    content["labels"] = obj.get("metadata", {}).get("labels", {})
+    raw = json.dumps(content, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _meta(isvc: dict[str, Any], name: str, component: str, extra_labels: dict[str, str] | None = None) -> dict:
+    meta = isvc["metadata"]
+    owner = {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": meta["name"],
+        "uid": meta.get("uid", ""),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    return {
+        "name": name,
+        "namespace": meta["namespace"],
+        "labels": {**labels(meta["name"], component), **(extra_labels or {})},
+        "ownerReferences": [owner],
+    }
+
+
+def _finish(obj: dict[str, Any]) -> dict[str, Any]:
+    obj["metadata"].setdefault("annotations", {})[A_SPEC_HASH] = spec_hash(obj)
+    return obj
+
+
+# ------------------------------------------------------------------------------------------------- the engine pod
+def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings: Settings, *,
+                replica: int | None = None) -> list[str]:
+    """Arguments of `shoal-engine serve` (after the subcommand)."""
+    e = spec.engine
+    uri = spec.model.uri
+    args: list[str] = []
+    if uri.startswith("hf://"):
+        args += ["--model", uri[len("hf://"):]]
+        if spec.model.revision:
+            args += ["--revision", spec.model.revision]
+    elif uri.startswith("pvc://"):
+        _claim, _, path = uri[len("pvc://"):].partition("/")
+        args += ["--model", f"{MODELS_DIR}/{path}".rstrip("/")]
+    elif uri.startswith("file://"):
+        args += ["--model", uri[len("file://"):]]
+    # demo:// -> no --model: the engine serves its built-in demo model
+    args += [
+        "--served-model-name", api.served_model_name(name, spec),
+        "--host", "0.0.0.0",
+        "--port", str(ENGINE_PORT),
+        "--tensor-parallel-size", str(e.tensor_parallel_size),
+        "--pipeline-parallel-size", str(e.pipeline_parallel_size),
+        "--dtype", e.dtype,
+    ]
+    if e.max_model_len is not None:
+        args += ["--max-model-len", str(e.max_model_len)]
+    if e.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(e.max_num_seqs)]
+    if e.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    if e.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", repr(e.gpu_memory_utilization)]
+    args.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
+    args += ["--attention-backend", e.attention_backend]
+    if e.enforce_eager:
+        args.append("--enforce-eager")
+    if spec.model.chat_template:
+        args += ["--chat-template", f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_KEY}"]
+    args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
+    if spec.security.api_key_secret_ref:
+        args += ["--api-key", "$(SHOAL_API_KEY)"]  # expanded by the kubelet from the Secret-backed env var
+    pods = spec.pods_per_replica(settings.max_gpus_per_node)
+    if pods > 1:
+        assert replica is not None
+        group = group_name(name, replica)
+        master = f"{group}-0.{group}.{namespace}.svc.{settings.cluster_domain}"
+        args += ["--nnodes", str(pods), "--node-rank", "$(SHOAL_NODE_RANK)",
+                 "--master-addr", master, "--master-port", str(MASTER_PORT)]
+    args += list(e.extra_args)
+    return args
+
+
+def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, *,
+                 replica: int | None = None) -> dict[str, Any]:
+    name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
+    gpus = spec.gpus_per_pod(settings.max_gpus_per_node)
+    multi = spec.pods_per_replica(settings.max_gpus_per_node) > 1
+    pod_labels = labels(name, "engine")
+    if multi:
+        pod_labels[L_GROUP] = str(replica)
+
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "SHOAL_CACHE", "value": f"{CACHE_DIR}/shoal"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"} if not spec.model.uri.startswith("hf://") else None,
+    ]
+    env = [e for e in env if e]
+    if multi:
+        env.append({"name": "SHOAL_NODE_RANK",
+                    "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}})
+    ref = spec.security.api_key_secret_ref
+    if ref:
+        env.append({"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    user_names = {e.get("name") for e in spec.env}
+    env = [e for e in env if e["name"] not in user_names] + [copy.deepcopy(e) for e in spec.env]
+
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if spec.resources.cpu is not None:
+        requests["cpu"] = str(spec.resources.cpu)
+    if spec.resources.memory is not None:
+        requests["memory"] = limits["memory"] = str(spec.resources.memory)
+    if gpus > 0:
+        requests[spec.resources.gpu_resource] = limits[spec.resources.gpu_resource] = str(gpus)
+    resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+    mounts = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    cache: dict[str, Any] = {}
+    if spec.resources.cache_size is not None:
+        cache["sizeLimit"] = str(spec.resources.cache_size)
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.resources.shm_size)}},
+        {"name": "cache", "emptyDir": cache},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if spec.model.uri.startswith("pvc://"):
+        claim = spec.model.uri[len("pvc://"):].split("/", 1)[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+    if spec.model.chat_template:
+        volumes.append({"name": "chat-template", "configMap": {"name": f"{name}-chat-template"}})
+        mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True})
+
+    startup_path = "/readyz" if multi else "/startupz"  # workers (--headless) serve only /livez and /readyz
+    args = engine_args(name, namespace, spec, settings, replica=replica)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.image or settings.engine_image,
+        "command": ["/bin/sh", "-c", HEADLESS_WRAPPER, "shoal-engine"] if multi else ["shoal-engine", "serve"],
+        "args": args,
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+                 + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else []),
+        "env": env,
+        "resources": resources,
+        "volumeMounts": mounts,
+        "startupProbe": _probe(startup_path, 10, max(1, math.ceil(spec.probes.startup_timeout_seconds / 10)), 5),
+        "readinessProbe": _probe("/readyz", 5, 3, 5),
+        "livenessProbe": _probe("/livez", 10, 6, 10),
+        "lifecycle": {"preStop": {"sleep": {"seconds": settings.prestop_seconds}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.engine.shutdown_timeout_seconds + settings.prestop_seconds + 15,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_user,
+            "fsGroup": settings.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    sched = spec.scheduling
+    if sched.node_selector:
+        pod_spec["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(sched.tolerations)
+    if sched.affinity:
+        pod_spec["affinity"] = copy.deepcopy(sched.affinity)
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    return {"metadata": {"labels": pod_labels}, "spec": pod_spec}
+
+
+# ------------------------------------------------------------------------------------------------------ children
+def deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
+    name = isvc["metadata"]["name"]
+    return _finish({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(isvc, name, "engine"),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": pod_selector(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxUnavailable": spec.rollout.max_unavailable, "maxSurge": spec.rollout.max_surge}},
+            "revisionHistoryLimit": 5,
+            # a rollout stalls visibly (Progressing=False) once the model-load budget is long past
+            "progressDeadlineSeconds": spec.probes.startup_timeout_seconds + 600,
+            "template": pod_template(isvc, spec, settings),
+        },
+    })
+
+
+def statefulset(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, replica: int) -> dict:
+    name = isvc["metadata"]["name"]
+    group = group_name(name, replica)
+    pods = spec.pods_per_replica(settings.max_gpus_per_node)
+    meta = _meta(isvc, group, "engine", {L_GROUP: str(replica)})
+    meta["annotations"] = {A_GROUP_SIZE: str(pods)}
+    return _finish({
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta,
+        "spec": {
+            "replicas": pods,
+            "serviceName": group,
+            "podManagementPolicy": "Parallel",
+            # the operator restarts whole groups (a torch.distributed job cannot swap one rank)
+            "updateStrategy": {"type": "OnDelete"},
+            "revisionHistoryLimit": 5,
+            "selector": {"matchLabels": {**pod_selector(name), L_GROUP: str(replica)}},
+            "template": pod_template(isvc, spec, settings, replica=replica),
+        },
+    })
+
+
+def headless_service(isvc: dict[str, Any], spec: InferenceServiceSpec, replica: int) -> dict[str, Any]:
+    name = isvc["metadata"]["name"]
+    group = group_name(name, replica)
+    return _finish({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(isvc, group, "ranks", {L_GROUP: str(replica)}),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # ranks find rank 0 while the group is still forming
+            "selector": {**pod_selector(name), L_GROUP: str(replica)},
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
+                      {"name": "dist", "port": MASTER_PORT, "targetPort": "dist", "protocol": "TCP"}],
+        },
+    })
+
+
+def gateway_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
+    name = isvc["metadata"]["name"]
+    selector = pod_selector(name)
+    if multi:
+        selector[L_POD_INDEX] = "0"  # only rank 0 serves the OpenAI API
+    return _finish({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(isvc, name, "gateway"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    })
+
+
+def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, multi: bool) -> dict:
+    name = isvc["metadata"]["name"]
+    http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
+    peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
+    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}]
+    if settings.operator_namespace:
+        rules.append({"from": [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": settings.operator_namespace}}}], "ports": http})
+    if multi:
+        # torch.distributed: rendezvous on 29500, NCCL/gloo on ephemeral ports -> every port, same service only
+        rules.append({"from": [{"podSelector": {"matchLabels": pod_selector(name)}}]})
+    return _finish({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(isvc, name, "network-policy"),
+        "spec": {"podSelector": {"matchLabels": pod_selector(name)}, "policyTypes": ["Ingress"], "ingress": rules},
+    })
+
+
+def disruption_budget(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    name = isvc["metadata"]["name"]
+    return _finish({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(isvc, name, "disruption-budget"),
+        # one pod at a time: for multi-pod replicas that is one group at a time
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": pod_selector(name)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+    })
+
+
+def chat_template_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    name = isvc["metadata"]["name"]
+    return _finish({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(isvc, f"{name}-chat-template", "chat-template"),
+        "data": {CHAT_TEMPLATE_KEY: spec.model.chat_template or ""},
+    })
+
+
+def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
+    """Validate the spec (raises api.SpecError naming the field) and render every desired child."""
+    meta = isvc["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    spec = api.validate(name, isvc.get("spec") or {}, max_gpus_per_node=settings.max_gpus_per_node)
+    pods = spec.pods_per_replica(settings.max_gpus_per_node)
+    multi = pods > 1
+    children: list[dict[str, Any]] = []
+    if spec.model.chat_template:
+        children.append(chat_template_configmap(isvc, spec))
+    if multi:
+        for r in range(spec.replicas):
+            children.append(headless_service(isvc, spec, r))
+            children.append(statefulset(isvc, spec, settings, r))
+    else:
+        children.append(deployment(isvc, spec, settings))
+    children.append(gateway_service(isvc, spec, multi))
+    if spec.security.network_policy.enabled:
+        children.append(network_policy(isvc, spec, settings, multi))
+    if spec.replicas > 1:
+        children.append(disruption_budget(isvc, spec))
+    selector = pod_selector(name) if not multi else {**pod_selector(name), L_POD_INDEX: "0"}
+    return Plan(
+        name=name, namespace=namespace, spec=spec, pods_per_replica=pods,
+        gpus_per_pod=spec.gpus_per_pod(settings.max_gpus_per_node),
+        served_model_name=api.served_model_name(name, spec),
+        url=f"http://{name}.{namespace}.svc.{settings.cluster_domain}:{ENGINE_PORT}",
+        selector=selector, children=children,
+    )
+
+
+def render(isvc: dict[str, Any], settings: Settings = Settings()) -> list[dict[str, Any]]:
+    """The desired children of an InferenceService (raises api.SpecError for an invalid spec)."""
+    return plan(isvc, settings).children

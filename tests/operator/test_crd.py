@@ -1,0 +1,220 @@
+"""The generated CRD: committed files current, structural, and sample specs judged like the API server would."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from shoal.operator import api, crdgen
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_committed_crd_files_are_current():
+    expected = crdgen.render_yaml()
+    for rel in crdgen.TARGETS:
+        path = ROOT / rel
+        assert path.exists(), f"{rel} missing: run `python -m shoal.operator.crdgen`"
+        assert path.read_text() == expected, f"{rel} is stale: run `python -m shoal.operator.crdgen`"
+
+
+def test_check_mode_reports_stale(tmp_path, capsys):
+    assert crdgen.main(["--root", str(tmp_path), "--check"]) == 1
+    assert crdgen.main(["--root", str(tmp_path)]) == 0
+    assert crdgen.main(["--root", str(tmp_path), "--check"]) == 0
+
+
+def _walk(node, path="$"):
+    yield path, node
+    if isinstance(node, dict):
+        for k, v in node.get("properties", {}).items():
+            yield from _walk(v, f"{path}.{k}")
+        if isinstance(node.get("items"), dict):
+            yield from _walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            yield from _walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural():
+    crd = crdgen.build_crd()
+    version = crd["spec"]["versions"][0]
+    schema = version["schema"]["openAPIV3Schema"]
+    for path, node in _walk(schema):
+        assert "$ref" not in node and "anyOf" not in node and "title" not in node, path
+        assert node.get("additionalProperties") is not False, path
+        if not (node.get("x-kubernetes-int-or-string") or node.get("x-kubernetes-preserve-unknown-fields")):
+            assert "type" in node, f"{path} has no type"
+        if node.get("x-kubernetes-int-or-string"):
+            assert "type" not in node, path
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}
+    assert "status" in version["subresources"]
+    assert [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")] == [
+        "Ready", "Replicas", "Model", "URL", "Age"]
+    assert crd["spec"]["names"]["shortNames"] == ["sisvc"]
+    rules = schema["properties"]["spec"]["x-kubernetes-validations"]
+    assert len(rules) == len(api.CROSS_FIELD_RULES) and all(r["fieldPath"].startswith(".") for r in rules)
+
+
+def test_defaults_enums_ranges_present():
+    spec = crdgen.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    engine = spec["properties"]["engine"]
+    assert engine["default"] == {} and engine["properties"]["tensorParallelSize"]["default"] == 1
+    assert engine["properties"]["tensorParallelSize"]["minimum"] == 1
+    assert engine["properties"]["dtype"]["enum"] == ["auto", "float32", "float16", "bfloat16"]
+    assert spec["properties"]["replicas"] == {"default": 1, "maximum": 1000, "minimum": 0, "type": "integer"}
+    assert spec["properties"]["security"]["properties"]["apiKeySecretRef"]["required"] == ["name"]
+    assert spec["properties"]["model"]["properties"]["uri"]["default"] == api.DEMO_URI
+
+
+def _openapi_to_jsonschema(node):
+    """Kubernetes' OpenAPI v3.0 dialect -> draft 4 JSON Schema, to check objects as the API server would."""
+    if isinstance(node, list):
+        return [_openapi_to_jsonschema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k.startswith("x-kubernetes-") or k in ("default", "description"):
+            continue
+        out[k] = _openapi_to_jsonschema(v) if k in ("properties", "items", "additionalProperties") or \
+            isinstance(v, (dict, list)) and k not in ("enum", "required") else v
+    if node.get("x-kubernetes-int-or-string"):
+        out["type"] = ["integer", "string"]
+    if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False  # pruning would drop them: a sample must not rely on unknown fields
+    if "properties" in out:
+        out["properties"] = {k: _openapi_to_jsonschema(v) for k, v in node["properties"].items()}
+    return out
+
+
+SPEC_VALIDATOR = jsonschema.Draft4Validator(_openapi_to_jsonschema(
+    crdgen.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]))
+
+
+def schema_errors(spec: dict) -> list[str]:
+    return [".".join(str(p) for p in ("spec", *e.absolute_path)) + ": " + e.message
+            for e in SPEC_VALIDATOR.iter_errors(spec)]
+
+
+VALID = [
+    {},
+    {"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct", "revision": "main"}, "replicas": 2,
+     "engine": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 4, "memory": "64Gi", "cpu": 8}},
+    {"engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}, "resources": {"gpusPerPod": 8}},
+    {"resources": {"gpusPerPod": 0, "cpu": "2", "memory": "4Gi"}, "model": {"uri": "demo://"}},
+    {"model": {"uri": "pvc://models/llama-3-8b"}, "rollout": {"maxUnavailable": "25%", "maxSurge": 0}},
+    {"security": {"apiKeySecretRef": {"name": "k"}, "networkPolicy": {"allowFrom": [{"podSelector": {}}]}},
+     "scheduling": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}], "nodeSelector": {"a": "b"}}},
+]
+
+# (spec, field the error must name): checked by the schema *and* by the operator's own validation
+INVALID = [
+    ({"replicas": -1}, "spec.replicas"),
+    ({"replicas": "two"}, "spec.replicas"),
+    ({"engine": {"dtype": "fp8"}}, "spec.engine.dtype"),
+    ({"engine": {"tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
+    ({"engine": {"gpuMemoryUtilization": 1.5}}, "spec.engine.gpuMemoryUtilization"),
+    ({"engine": {"gpuMemoryUtilization": 0}}, "spec.engine.gpuMemoryUtilization"),
+    ({"model": {"uri": "s3://bucket/model"}}, "spec.model.uri"),
+    ({"model": {"servedName": ""}}, "spec.model.servedName"),
+    ({"security": {"apiKeySecretRef": {"key": "k"}}}, "spec.security.apiKeySecretRef.name"),
+    ({"probes": {"startupTimeoutSeconds": 5}}, "spec.probes.startupTimeoutSeconds"),
+    ({"engine": {"attentionBackend": "xformers"}}, "spec.engine.attentionBackend"),
+    ({"imagePullPolicy": "Sometimes"}, "spec.imagePullPolicy"),
+    ({"modle": {"uri": "demo://"}}, "spec.modle"),
+]
+
+# cross-field rules: CEL in the CRD, the same check in python
+INVALID_CROSS = [
+    ({"engine": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 3}}, "spec.resources.gpusPerPod"),
+    ({"engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "spec.engine.maxNumBatchedTokens"),
+    ({"rollout": {"maxUnavailable": 0, "maxSurge": "0%"}}, "spec.rollout.maxSurge"),
+    ({"model": {"uri": "demo://", "revision": "main"}}, "spec.model.revision"),
+]
+
+
+@pytest.mark.parametrize("spec", VALID)
+def test_valid_specs_accepted(spec):
+    assert schema_errors(spec) == []
+    api.validate("sample", spec)
+
+
+@pytest.mark.parametrize("spec,field", INVALID)
+def test_invalid_specs_rejected_by_schema_and_operator(spec, field):
+    errors = schema_errors(spec)
+    assert errors and any(e.startswith(field) or field.rsplit(".", 1)[-1] in e for e in errors), errors
+    with pytest.raises(api.SpecError) as e:
+        api.validate("sample", spec)
+    assert e.value.field == field, str(e.value)
+
+
+@pytest.mark.parametrize("spec,field", INVALID_CROSS)
+def test_cross_field_rules(spec, field):
+    assert schema_errors(spec) == []  # only CEL catches them on the server
+    with pytest.raises(api.SpecError) as e:
+        api.validate("sample", spec)
+    assert e.value.field == field
+    crd_rules = {r["fieldPath"]: r for r in crdgen.spec_schema()["x-kubernetes-validations"]}
+    assert "." + field.split(".", 1)[1] in crd_rules
+
+
+def cel_eval(rule: str, obj: dict) -> bool:
+    """A tiny evaluator for the CEL subset the rules use (has, ?:, !, &&, ||, ==, >=, *, %, startsWith):
+    translated to Python and evaluated on the defaulted spec, as the API server would see it."""
+    tokens: dict[str, object] = {}
+
+    def lookup(path: str):
+        node = obj
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return _MISSING
+            node = node[part]
+        return node
+
+    def has_sub(m):
+        key = f"H{len(tokens)}"
+        tokens[key] = lookup(m.group(1)) is not _MISSING
+        return key
+
+    def get_sub(m):
+        key = f"G{len(tokens)}"
+        tokens[key] = lookup(m.group(1))
+        return key
+
+    rule_ = re.sub(r"has\(self\.([\w.]+)\)", has_sub, rule)
+    expr = re.sub(r"self\.([\w.]+)", get_sub, rule_.replace(".startsWith(", " STARTSWITH("))
+    expr = expr.replace(" STARTSWITH(", ".startswith(").replace("&&", " and ").replace("||", " or ")
+    expr = re.sub(r"!(?!=)", " not ", expr)
+    while "?" in expr:
+        expr = re.sub(r"\(([^()?]+)\?([^():]+):([^()]+)\)", r"((\2) if (\1) else (\3))", expr, count=1)
+    return bool(eval(expr, {"__builtins__": {}}, dict(tokens)))
+
+
+_MISSING = object()
+
+
+def _defaulted(spec: dict) -> dict:
+    """The spec after API-server defaulting: the model's defaults merged under the user's values."""
+    base = api.InferenceServiceSpec().model_dump(by_alias=True, exclude_none=True)
+
+    def merge(a, b):
+        for k, v in b.items():
+            a[k] = merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+        return a
+    return merge(base, copy.deepcopy(spec))
+
+
+def test_cel_rules_mirror_python_rules():
+    for rule in api.CROSS_FIELD_RULES:
+        for spec in VALID:
+            assert cel_eval(rule.cel, _defaulted(spec)) is True, (rule.cel, spec)
+        for spec, field in INVALID_CROSS:
+            expected = field != "spec" + rule.field_path
+            assert cel_eval(rule.cel, _defaulted(spec)) is expected, (rule.cel, spec)
