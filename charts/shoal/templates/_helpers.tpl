@@ -1,0 +1,126 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "shoal.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: <release>-<chart> unless the release name already contains the chart name. */}}
+{{- define "shoal.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "shoal.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels of the operator's own objects. */}}
+{{- define "shoal.labels" -}}
+helm.sh/chart: {{ include "shoal.chart" . }}
+{{ include "shoal.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: shoal
+{{- end }}
+
+{{- define "shoal.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "shoal.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "shoal.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "shoal.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* repository:tag or repository@digest; the tag defaults to the chart's appVersion. */}}
+{{- define "shoal.image" -}}
+{{- $img := index . 0 }}{{- $root := index . 1 }}
+{{- if $img.digest }}
+{{- printf "%s@%s" $img.repository $img.digest }}
+{{- else }}
+{{- printf "%s:%s" $img.repository (default $root.Chart.AppVersion $img.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Namespaces the operator watches, as a JSON list ("[]" means every namespace).
+With rbac.scope=namespace an empty list means the release namespace.
+*/}}
+{{- define "shoal.watchNamespaces" -}}
+{{- $ns := .Values.operator.watchNamespaces }}
+{{- if and (eq .Values.rbac.scope "namespace") (empty $ns) }}
+{{- $ns = list .Release.Namespace }}
+{{- end }}
+{{- toJson (uniq $ns) }}
+{{- end }}
+
+{{/*
+The operator's permissions, shared by the ClusterRole and the namespaced Roles. Least privilege: only what the
+handlers and kopf itself use.
+*/}}
+{{- define "shoal.rbacRules" -}}
+# InferenceServices: kopf watches them and patches them (progress annotations, finalizer); status is written
+# through the status subresource.
+- apiGroups: [serving.shoal.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [serving.shoal.dev]
+  resources: [inferenceservices/status]
+  verbs: [get, patch]
+# Children carry ownerReferences with blockOwnerDeletion, which clusters with the
+# OwnerReferencesPermissionEnforcement admission plugin only allow with update on the owner's finalizers.
+- apiGroups: [serving.shoal.dev]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
+# Children rendered from an InferenceService (ConfigMaps: chat templates).
+- apiGroups: [apps]
+  resources: [deployments, statefulsets]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+# Engine pods: watched for status (ImagePullBackOff, probe failures), deleted to restart a multi-pod group.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch, delete]
+# Events on InferenceServices (kopf's own and the handlers').
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+{{- end }}
+
+{{/* Cluster-scoped reads kopf uses to notice CRDs (and namespaces) appearing at run time. */}}
+{{- define "shoal.rbacClusterRules" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+{{- if .Values.operator.watchNamespaces }}
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [list, watch]
+{{- end }}
+{{- end }}
+
+{{/* Labels that select the gateway Services the operator renders for InferenceServices (see operator/render.py). */}}
+{{- define "shoal.gatewaySelector" -}}
+app.kubernetes.io/managed-by: shoal-operator
+app.kubernetes.io/component: gateway
+{{- end }}
