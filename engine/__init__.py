@@ -1,0 +1,32 @@
+"""Shoal's inference engine: paged KV cache, continuous batching, prefix caching, OpenAI-compatible server."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "LLMEngine", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `import shoal.engine` (e.g. for the CLI's --help) does not pull in torch and transformers.
+    if name == "LLM":
+        from .llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from .sampling import SamplingParams
+
+        return SamplingParams
+    if name == "EngineConfig":
+        from .config import EngineConfig
+
+        return EngineConfig
+    if name == "LLMEngine":
+        from .engine import LLMEngine
+
+        return LLMEngine
+    if name in ("RequestOutput", "CompletionOutput"):
+        from . import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(name)

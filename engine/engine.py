@@ -1,0 +1,295 @@
+"""LLMEngine: add_request / abort_request / step — the synchronous core every front end drives.
+
+One step = schedule → build the flat batch → run the model → sample → append tokens, detokenize, check stop
+conditions → free the blocks of finished sequences. Not thread-safe: one thread drives it (AsyncEngine does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from .kv_cache import BlockPool
+from .model_loader import load_hf_config, resolve_dtype, resolve_model_dir
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .runner import ModelRunner, build_step_inputs
+from .sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from .scheduler import Scheduler
+from .sequence import Request, Sequence, SeqStatus
+from .tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+def _model_max_len(hf_config) -> int | None:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA device is available")
+    return torch.device(choice)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model, config.revision)
+        self.hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
+        self.device = pick_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.max_model_len = self._resolve_max_model_len()
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir, config.revision, config.trust_remote_code)
+        self.model_name = config.served_model_name or config.model
+        torch.manual_seed(config.seed)
+
+        self.runner = ModelRunner(self.model_dir, self.hf_config, self.dtype, self.device, config.attention_backend,
+                                  self.max_model_len)
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks, config.block_size)
+        capacity = num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer than "
+                f"max_model_len={self.max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization / "
+                f"--num-kv-blocks or lower --max-model-len"
+            )
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or self._default_batched_tokens()
+        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}), or long prompts could never be scheduled"
+            )
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, config.scheduling_policy)
+        self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_dir)
+        self.vocab_size = self.hf_config.vocab_size
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB); max concurrency %.1f requests at max_model_len=%d; "
+            "attention backend %s; prefix caching %s; max_num_batched_tokens=%d",
+            num_blocks, config.block_size, num_blocks * self.runner.bytes_per_block(config.block_size) / 2**20,
+            capacity / self.max_model_len, self.max_model_len, self.runner.backend_name,
+            "on" if config.enable_prefix_caching else "off", self.max_num_batched_tokens,
+        )
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        limit = _model_max_len(self.hf_config)
+        window = getattr(self.hf_config, "sliding_window", None)
+        requested = self.config.max_model_len
+        if isinstance(window, int) and window > 0 and (limit is None or window < limit):
+            # Full attention over at most `window` tokens equals sliding-window attention.
+            if requested is not None and requested > window:
+                raise ValueError(f"max_model_len {requested} exceeds the model's sliding window ({window}); "
+                                 "sliding-window attention beyond it is not supported")
+            limit = window
+        if requested is None:
+            return limit or 2048
+        if limit is not None and requested > limit:
+            raise ValueError(f"max_model_len {requested} exceeds the model's maximum context length ({limit})")
+        return requested
+
+    def _default_batched_tokens(self) -> int:
+        default = 8192 if self.device.type == "cuda" else 2048
+        if not self.config.enable_chunked_prefill:
+            default = max(default, self.max_model_len)
+        return default
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        per_block = self.runner.bytes_per_block(c.block_size)
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if self.device.type == "cuda" and c.kv_cache_memory is None:
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = self.runner.profile_peak_memory(
+                min(c.max_num_batched_tokens or self._default_batched_tokens(), self.max_model_len), c.block_size)
+            used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+            budget = total * c.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - peak - used_by_others
+            if budget <= 0:
+                raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization={c.gpu_memory_utilization}")
+            return max(1, int(budget // per_block))
+        return max(1, (c.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES) // per_block)
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]!r} is out of range: ids must be integers in [0, {self.vocab_size})")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(token_ids)
+        if len(token_ids) + max_tokens > self.max_model_len or max_tokens < 1:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {len(token_ids) + max(max_tokens, 1)} "
+                f"were requested ({len(token_ids)} in the prompt, {max(max_tokens, 1)} for the completion); "
+                "shorten the prompt or lower max_tokens"
+            )
+        if max_tokens != params.max_tokens:
+            params = params.clone(max_tokens=max_tokens)
+        request = Request(request_id, text, token_ids, params, arrival_time or time.time(), priority)
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._seq_ids), request=request, index=i, token_ids=list(token_ids),
+                num_prompt_tokens=len(token_ids),
+                generator=make_generator(params.seed, i, self.device) if params.seed is not None else None,
+                detokenizer=IncrementalDetokenizer.from_params(self.tokenizer, token_ids, params),
+            )
+            seq.logprobs = [] if params.logprobs is not None else None
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        self.prompt_tokens_total += len(token_ids)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.remove(seq)
+                    seq.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.time()
+        for s in sched.scheduled:
+            if s.seq.request.first_scheduled_time is None:
+                s.seq.request.first_scheduled_time = now
+        inputs = build_step_inputs(sched.scheduled, self.config.block_size)
+        logits = self.runner.execute(inputs)
+        sampling = [s.seq for s in sched.scheduled if s.samples]
+        rows = [SamplingRow(seq.params, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids, seq.generator)
+                for seq in sampling]
+        sampled = self.sampler(logits, rows) if sampling else None
+        self.scheduler.after_step(sched)
+
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for i, seq in enumerate(sampling):
+            self._append_token(seq, i, sampled)
+            request = seq.request
+            request.first_token_time = request.first_token_time or now
+            request.last_token_time = now
+            touched[request.request_id] = request
+        self.generation_tokens_total += len(sampling)
+        outputs = []
+        for request in touched.values():
+            if request.is_finished:
+                request.finished_time = now
+                self.requests.pop(request.request_id, None)
+            outputs.append(self._request_output(request))
+        return outputs
+
+    def _append_token(self, seq: Sequence, row: int, sampled) -> None:
+        token = sampled.token_ids[row]
+        params = seq.params
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += sampled.logprobs[row]
+        if seq.logprobs is not None:
+            entry = {token: Logprob(sampled.logprobs[row], sampled.ranks[row] if sampled.ranks else None,
+                                    self.tokenizer.decode([token]))}
+            for rank, (tid, lp) in enumerate(sampled.top_logprobs[row] or [], start=1):
+                entry.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
+            seq.logprobs.append(entry)
+
+        reason, stop_reason = None, None
+        if token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            reason = "stop"
+        if reason is None or params.include_stop_str_in_output:
+            seq.detokenizer.append(token)
+            if seq.detokenizer.stop_string is not None:
+                reason, stop_reason = "stop", seq.detokenizer.stop_string
+        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if seq.detokenizer.stop_string is None:
+                seq.detokenizer.flush()
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.scheduler.remove(seq)
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=seq.index, text=seq.detokenizer.text, token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
+        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                                 request.last_token_time, request.finished_time)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
+                             request.is_finished, metrics, request.seqs[0].num_cached_tokens)
+
+    # -- introspection --------------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len({s.request.request_id for s in self.scheduler.running}),
+            num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
+            kv_cache_usage=self.pool.usage(),
+            num_kv_blocks=self.pool.num_blocks,
+            num_free_kv_blocks=self.pool.num_free,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_queries_total=self.pool.prefix_queries,
+            prefix_cache_hits_total=self.pool.prefix_hits,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def shutdown(self) -> None:
+        self.runner.kv_caches = []

@@ -1,0 +1,110 @@
+"""The KV block pool: fixed-size blocks, a free queue, reference counts and the prefix cache.
+
+A block is free when no sequence references it. Free blocks wait in an LRU queue; a free block may still hold
+cached content (it keeps its hash) until it is handed out again, which evicts that content. A full block's
+hash chains the previous block's hash with the block's token ids, so equal hashes mean equal prefixes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+def hash_block(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full and computed (prefix caching only)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (least recently freed first). Values unused: an ordered set.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks (evicting cached content if needed); the caller checked num_free."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks with {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._cached.pop(block.block_hash, None)
+                block.block_hash = None
+            block.ref_count = 1
+            out.append(block_id)
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block. Tail blocks are queued first so they are evicted first: a
+        sequence's leading blocks are the ones other requests are likely to share."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self._free[block_id] = None
+                    self._free.move_to_end(block_id, last=False)  # no content worth keeping: reuse first
+                else:
+                    self._free[block_id] = None
+
+    def lookup_prefix(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+        """Longest run of cached full blocks that prefixes token_ids, covering at most max_tokens tokens.
+        Returns (block ids, their hashes); the blocks are referenced (the caller owns them now)."""
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        self.prefix_queries += max_tokens
+        ids, hashes, parent = [], [], None
+        for start in range(0, max_tokens - bs + 1, bs):
+            h = hash_block(parent, tuple(token_ids[start:start + bs]))
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            ids.append(block_id)
+            hashes.append(h)
+            parent = h
+        for block_id in ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        self.prefix_hits += len(ids) * bs
+        return ids, hashes
+
+    def cache_block(self, block_id: int, block_hash: int) -> None:
+        """Publish a full, computed block under its hash (first writer wins: a duplicate stays private)."""
+        if not self.enable_prefix_caching:
+            return
+        if block_hash not in self._cached:
+            self._cached[block_hash] = block_id
+            self.blocks[block_id].block_hash = block_hash
+
+    def check_all_free(self) -> None:
+        """Raise if any block is still referenced (used by tests and on shutdown)."""
+        held = [b.block_id for b in self.blocks if b.ref_count]
+        if held or len(self._free) != self.num_blocks:
+            raise AssertionError(f"KV blocks still referenced: {held[:20]} ({len(held)} in all)")

@@ -1,0 +1,80 @@
+"""Offline batch inference like vLLM's: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+
+Prompt = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    """Takes the CLI's options in snake_case (dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+    block_size, enable_prefix_caching, tensor_parallel_size, ...) plus num_kv_blocks to pin the pool size."""
+
+    def __init__(self, model: str, **options: Any):
+        self.llm_engine = LLMEngine(EngineConfig(model=str(model), **options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    @staticmethod
+    def _prompt(p: Prompt) -> str | list[int]:
+        if isinstance(p, str):
+            return p
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                return list(p["prompt_token_ids"])
+            if "prompt" in p:
+                return p["prompt"]
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(p, list) and all(isinstance(t, int) for t in p):
+            return p
+        raise TypeError(f"unsupported prompt type {type(p).__name__}: pass a string or {{'prompt_token_ids': [...]}}")
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = [self._prompt(p) for p in prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, sp)
+                ids.append(rid)
+            finished: dict[str, RequestOutput] = {}
+            while len(finished) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            engine.abort_request(ids)  # a failed or interrupted batch leaves no blocks behind
+            raise
+        return [finished[rid] for rid in ids]
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,158 @@
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache and returns logits.
+
+StepInputs is the whole plan of a step in plain tensors (tokens, positions, cache slots, block tables, which
+rows need logits): it is what rank 0 sends to the other ranks in a multi-process engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .attention import select_backend
+from .attention.base import AttentionMetadata
+from .model_loader import load_model
+from .scheduler import ScheduledSeq
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    logits_indices: torch.Tensor  # [S] int64: rows whose next-token logits are needed
+    query_lens: list[int]
+    seq_lens_list: list[int]
+
+    def to(self, device: torch.device) -> "StepInputs":
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in self.__dict__.items()}
+        return StepInputs(**moved)
+
+    def attention_metadata(self) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping,
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            max_query_len=max(self.query_lens),
+            max_seq_len=max(self.seq_lens_list),
+            query_lens_list=self.query_lens,
+            seq_lens_list=self.seq_lens_list,
+            is_decode_only=all(q == 1 for q in self.query_lens),
+        )
+
+
+def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInputs:
+    tokens: list[int] = []
+    query_lens, seq_lens, starts, tables, logits_indices = [], [], [], [], []
+    for s in scheduled:
+        seq, n = s.seq, s.num_new_tokens
+        c = seq.num_computed_tokens
+        starts.append(c)
+        tokens.extend(seq.token_ids[c:c + n])
+        query_lens.append(n)
+        seq_lens.append(c + n)
+        tables.append(seq.block_ids)
+        if s.samples:
+            logits_indices.append(len(tokens) - 1)
+    B = len(scheduled)
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    max_blocks = max(len(t) for t in tables)
+    block_tables = torch.zeros(B, max_blocks, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    # Absolute position of every token, computed without a Python loop over tokens.
+    seq_of_token = torch.repeat_interleave(torch.arange(B), q_lens)
+    query_start = torch.zeros(B + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=query_start[1:])
+    positions = torch.arange(len(tokens)) - query_start[:-1][seq_of_token] + torch.tensor(starts)[seq_of_token]
+    slots = block_tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+    return StepInputs(
+        input_ids=torch.tensor(tokens, dtype=torch.int64),
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=query_start.to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        query_lens=query_lens,
+        seq_lens_list=seq_lens,
+    )
+
+
+class ModelRunner:
+    """Owns this process's model shard and KV cache."""
+
+    def __init__(self, model_dir, hf_config, dtype: torch.dtype, device: torch.device, attention_backend: str,
+                 max_model_len: int, layer_partition: list[int] | None = None):
+        self.device = device
+        self.dtype = dtype
+        backend = select_backend(attention_backend, device, uses_alibi=_uses_alibi(hf_config))
+        self.backend_name = backend.name
+        self.model = load_model(model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+
+    def bytes_per_block(self, block_size: int) -> int:
+        m = self.model
+        per_token = 2 * m.num_local_layers * m.num_kv_heads_local * m.head_dim * torch.finfo(self.dtype).bits // 8
+        return max(1, per_token * block_size)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        m = self.model
+        shape = (num_blocks, block_size, m.num_kv_heads_local, m.head_dim)
+        self.block_size = block_size
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(m.num_local_layers)
+        ]
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
+        """Bytes of activation memory one step of num_tokens tokens needs (CUDA only): run it on a scratch
+        cache and read the allocator's peak."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        blocks = -(-num_tokens // block_size)
+        self.allocate_kv_cache(blocks, block_size)
+        positions = torch.arange(num_tokens)
+        inputs = StepInputs(
+            input_ids=torch.zeros(num_tokens, dtype=torch.int64), positions=positions, slot_mapping=positions,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+            block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
+            logits_indices=torch.tensor([num_tokens - 1]), query_lens=[num_tokens], seq_lens_list=[num_tokens],
+        )
+        self.execute(inputs)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step. On the last pipeline stage returns float32 logits [S, vocab] for inputs.logits_indices;
+        on other stages the hidden states to hand to the next stage."""
+        if inputs.input_ids.device != self.device:
+            inputs = inputs.to(self.device)
+        meta = inputs.attention_metadata()
+        out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden)
+        if not self.model.ps.is_last_stage:
+            return out
+        return self.model.compute_logits(out.index_select(0, inputs.logits_indices))
+
+
+def _uses_alibi(hf_config) -> bool:
+    from .models import model_class
+
+    return bool(getattr(model_class(hf_config), "uses_alibi", False))

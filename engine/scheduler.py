@@ -1,0 +1,167 @@
+"""Continuous batching under a per-step token budget.
+
+Every step the scheduler hands out at most `max_num_batched_tokens` tokens: first to running sequences (one token
+each for decodes, the next chunk for prompts still being prefilled), then to waiting sequences in policy order.
+A long prompt is spread over several steps (chunked prefill) so decodes keep flowing. When the KV pool runs
+dry, the newest (or, under the priority policy, the lowest-priority) running sequence is preempted: its blocks
+are freed and it is recomputed later from its prompt and the tokens it has generated so far.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockPool, hash_block
+from .sequence import Sequence, SeqStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool  # this step computes the sequence's last known token, so a new one is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------------------------
+    def _order_key(self, seq: Sequence):
+        r = seq.request
+        return (r.priority, r.arrival_time, seq.seq_id) if self.policy == "priority" else (r.arrival_time, seq.seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self._free_blocks(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        if seq.block_ids:
+            self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)  # it arrived before everything still waiting
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        logger.debug("preempted %s (recompute of %d tokens)", seq.request.request_id, seq.num_tokens)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_ids))
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        if self.policy == "priority":
+            self.running.sort(key=self._order_key)
+            self.waiting = deque(sorted(self.waiting, key=self._order_key))
+
+        scheduled_ids = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self._blocks_needed(seq, seq.num_computed_tokens + n)
+            while need > self.pool.num_free:
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted itself; running[i] is now the next sequence
+            seq.block_ids += self.pool.allocate(need)
+            scheduled_ids.add(id(seq))
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            budget -= n
+            i += 1
+
+        # Admit waiting sequences only when nothing had to be preempted: the pool is under pressure otherwise.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_ids:
+                # Reuse cached full blocks, but always compute at least the last token (its logits are needed).
+                seq.block_ids, seq.block_hashes = self.pool.lookup_prefix(seq.token_ids, seq.num_tokens - 1)
+                seq.num_computed_tokens = len(seq.block_ids) * self.block_size
+                seq.num_cached_tokens = seq.num_computed_tokens
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    self._free_blocks(seq)
+                    break
+                n = budget
+            need = self._blocks_needed(seq, seq.num_computed_tokens + n)
+            if need > self.pool.num_free:
+                self._free_blocks(seq)  # give back the prefix-cache references; retried next step
+                break
+            self.waiting.popleft()
+            seq.block_ids += self.pool.allocate(need)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            budget -= n
+        return out
+
+    def after_step(self, out: SchedulerOutput) -> None:
+        """Account for the tokens computed this step and publish newly filled blocks to the prefix cache."""
+        bs = self.block_size
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if not self.pool.enable_prefix_caching:
+                continue
+            full = seq.num_computed_tokens // bs
+            while len(seq.block_hashes) < full:
+                i = len(seq.block_hashes)
+                parent = seq.block_hashes[-1] if seq.block_hashes else None
+                h = hash_block(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                self.pool.cache_block(seq.block_ids[i], h)
+                seq.block_hashes.append(h)

@@ -1,0 +1,76 @@
+"""Per-request state: a Request owns n Sequences (one per completion), each with its tokens and KV blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .outputs import Logprob
+from .sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: "Request"
+    index: int  # completion index within the request
+    token_ids: list[int]  # prompt then generated tokens
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None
+    detokenizer: object = None
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the leading full, computed blocks
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    seqs: list[Sequence] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
