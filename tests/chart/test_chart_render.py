@@ -160,7 +160,10 @@ EXPECTED_RULES = {
     ("", "pods"): {"get", "list", "watch", "delete"},
     ("", "events"): {"create", "patch"},
 }
-CLUSTER_ONLY_RULES = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
+CLUSTER_ONLY_RULES = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("", "namespaces"): {"get", "list", "watch"},
+}
 
 
 def flatten_rules(rules):
@@ -177,13 +180,18 @@ def flatten_rules(rules):
 def test_cluster_role_is_least_privilege(values):
     objects = render(values)
     rules = flatten_rules(one(objects, "ClusterRole")["rules"])
-    expected = {**EXPECTED_RULES, **CLUSTER_ONLY_RULES}
-    if values:  # -n with namespace names: kopf lists namespaces to tell which exist
-        expected[("", "namespaces")] = {"list", "watch"}
-    assert rules == expected
+    assert rules == {**EXPECTED_RULES, **CLUSTER_ONLY_RULES}
     for (group, resource), verbs in rules.items():
         assert "*" not in verbs and group != "*" and resource != "*"
         assert resource != "secrets"  # engine pods read API keys themselves; the operator never does
+
+
+def test_rbac_matches_the_permissions_the_operator_declares():
+    """operator/kube.py lists exactly what the handlers and kopf use; the chart grants exactly that."""
+    kube = pytest.importorskip("shoal.operator.kube")
+    declared = {(group, resource): set(verbs) for group, resource, verbs in kube.PERMISSIONS}
+    assert declared == {**EXPECTED_RULES, **CLUSTER_ONLY_RULES}
+    assert {resource for _, resource in CLUSTER_ONLY_RULES} == set(kube.CLUSTER_SCOPED)
 
 
 def test_namespaced_roles_grant_the_same_namespaced_rules():

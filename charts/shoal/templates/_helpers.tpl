@@ -107,16 +107,18 @@ handlers and kopf itself use.
   verbs: [create, patch]
 {{- end }}
 
-{{/* Cluster-scoped reads kopf uses to notice CRDs (and namespaces) appearing at run time. */}}
+{{/*
+Cluster-scoped reads kopf uses to follow CRDs (resource discovery) and namespaces at run time. The namespaced
+variant (rbac.scope=namespace) goes without: kopf then scans resources once at start-up and treats the
+-n names literally, which is all a namespaced operator needs.
+*/}}
 {{- define "shoal.rbacClusterRules" -}}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
-  verbs: [list, watch]
-{{- if .Values.operator.watchNamespaces }}
+  verbs: [get, list, watch]
 - apiGroups: [""]
   resources: [namespaces]
-  verbs: [list, watch]
-{{- end }}
+  verbs: [get, list, watch]
 {{- end }}
 
 {{/* Labels that select the gateway Services the operator renders for InferenceServices (see operator/render.py). */}}
