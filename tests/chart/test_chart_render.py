@@ -28,7 +28,8 @@ CASES = {
         "image": {"repository": "registry.example.com/ml/shoal-operator", "digest": DIGEST, "pullPolicy": "Always"},
         "engineImage": {"repository": "registry.example.com/ml/shoal-engine", "tag": "0.1.0-cu13"},
         "imagePullSecrets": [{"name": "regcred"}],
-        "operator": {"logFormat": "plain", "verbose": True, "extraArgs": ["--max-gpus-per-node=4"],
+        "operator": {"logFormat": "plain", "verbose": True, "extraArgs": ["--debug"], "maxGpusPerNode": 4,
+                     "clusterDomain": "k8s.example.internal",
                      "extraEnv": [{"name": "TZ", "value": "UTC"}], "healthPort": 9090},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": 1, "memory": "1Gi"}},
         "nodeSelector": {"kubernetes.io/os": "linux"},
@@ -145,6 +146,21 @@ def test_watched_namespaces_match_the_rbac(case):
         assert b["roleRef"]["name"] == b["metadata"]["name"]
 
 
+def test_shoal_operator_accepts_the_rendered_arguments(tmp_path):
+    """The Deployment's arguments parse: shoal-operator's own flags, then kopf run's (click refuses unknown
+    options before it looks at --help, so `ARGS --help` exits 0 only when every option is known)."""
+    pytest.importorskip("shoal.operator.handlers")
+    import subprocess
+    import sys
+
+    for values in (None, CASES["custom-image"], CASES["namespace-scope-many"]):
+        _, c = _container(render(values))
+        out = subprocess.run([sys.executable, "-m", "shoal.operator", *c["args"], "--help"], capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "Usage: shoal-operator run" in out.stdout, out.stdout
+
+
 # ------------------------------------------------------------------------------------------------- RBAC
 # What the operator may do, and nothing more: (apiGroup, resource) -> verbs.
 EXPECTED_RULES = {
@@ -221,7 +237,8 @@ def test_custom_image_values_reach_the_deployment():
     assert c["image"] == f"registry.example.com/ml/shoal-operator@{DIGEST}"
     assert c["imagePullPolicy"] == "Always"
     assert "--engine-image=registry.example.com/ml/shoal-engine:0.1.0-cu13" in c["args"]
-    assert c["args"][-1] == "--max-gpus-per-node=4" and "--verbose" in c["args"]
+    assert c["args"][-1] == "--debug" and "--verbose" in c["args"]
+    assert "--max-gpus-per-node=4" in c["args"] and "--cluster-domain=k8s.example.internal" in c["args"]
     assert "--log-format=plain" in c["args"]
     assert {"name": "TZ", "value": "UTC"} in c["env"]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]

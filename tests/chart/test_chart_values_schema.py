@@ -52,6 +52,8 @@ INVALID = [
     ({"engineImage": {"repository": "ghcr.io/x/y:tag"}}, "/engineImage/repository"),
     ({"operator": {"logFormat": "xml"}}, "/operator/logFormat"),
     ({"operator": {"healthPort": 80}}, "/operator/healthPort"),
+    ({"operator": {"maxGpusPerNode": 0}}, "/operator/maxGpusPerNode"),
+    ({"operator": {"clusterDomain": "Cluster Local"}}, "/operator/clusterDomain"),
     ({"operator": {"healthPort": "8080"}}, "/operator/healthPort"),
     ({"operator": {"watchNamespaces": ["Team_A"]}}, "/operator/watchNamespaces/0"),
     ({"operator": {"watchNamespaces": ["a", "a"]}}, "/operator/watchNamespaces"),
