@@ -99,6 +99,7 @@ class RequestStream:
         self._req = req
         self.request_id = req.request_id
         self.finished = False
+        self.finished_normally = False  # True once the engine's final output came through
         self._pending: Any = None
 
     def __aiter__(self) -> "RequestStream":
@@ -129,6 +130,7 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
+            self.finished_normally = True
         return item
 
     def abort(self) -> None:
@@ -167,6 +169,7 @@ class AsyncEngine:
         self.tokenizer: Any = None  # a private copy for the event-loop side (tokenize, chat templates)
         self.max_model_len: int | None = None
         self.model_name: str = config.model_name
+        self.chat_template: str | None = None  # resolved --chat-template, if any
 
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}
@@ -345,6 +348,10 @@ class AsyncEngine:
             self.max_model_len = getattr(self.engine, "max_model_len", None)
             self.model_name = getattr(self.engine, "model_name", None) or self.config.model_name
             self.tokenizer = _private_copy(getattr(self.engine, "tokenizer", None))
+            if self.config.chat_template is not None:
+                from shoal.engine.tokenizer import load_chat_template
+
+                self.chat_template = load_chat_template(self.config.chat_template)
             self._refresh_stats()
             self.heartbeat = time.monotonic()
             self._loaded.set()

@@ -9,8 +9,6 @@ several servers can live in one process (tests).
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -58,8 +56,8 @@ class _EngineStatsCollector:
 
         get = (lambda k: getattr(s, k, 0) or 0) if s is not None else (lambda k: 0)
         yield gauge("num_requests_running", "Number of requests in model execution batches.", get("num_running"))
-        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                    get("num_waiting") + self.engine.num_waiting() - (get("num_waiting") if s is not None else 0))
+        # Requests handed to the engine thread but not yet in its queue count as waiting too.
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", self.engine.num_waiting())
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", get("kv_cache_usage"))
         yield gauge("num_kv_blocks", "Number of blocks in the KV-cache pool.", get("num_kv_blocks"))
         yield gauge("num_free_kv_blocks", "Number of free blocks in the KV-cache pool.", get("num_free_kv_blocks"))
@@ -138,6 +136,3 @@ class ServerMetrics(MetricsSink):
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-
-def _now() -> float:
-    return time.time()

@@ -1,0 +1,286 @@
+"""`shoal-engine`: serve | demo | bench serve | bench throughput.
+
+Flags follow vLLM's names so habits and manifests carry over. Adding flags: put engine knobs in
+`add_engine_args` (and map them in `engine_config_from_args`), server knobs in `add_server_args`; a new group
+(e.g. multi-node) gets its own `add_*_args` function registered in `SERVE_ARG_GROUPS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+
+DEMO_SERVED_NAME = "shoal-demo"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_POW = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_bytes(text: str) -> int:
+    """'536870912', '512MiB', '2GiB', '512M' (binary), '2GB' (decimal) -> bytes."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 536870912, 512MiB, 2GiB, 1.5G)")
+    num, unit, i, b = m.groups()
+    unit = unit.lower()
+    base = 1000 if (unit and b and not i) else 1024  # "GB" is decimal; "GiB", "G" are binary
+    value = int(float(num) * base ** _POW[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def parse_len(text: str) -> int:
+    """An integer with an optional k/m suffix (vLLM's --max-model-len accepts '4k')."""
+    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a length: {text!r} (examples: 4096, 4k)")
+    mult = {"": 1, "k": 1000, "K": 1024, "m": 1_000_000, "M": 1024 * 1024}[m.group(2)]
+    return int(float(m.group(1)) * mult)
+
+
+_DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16", "bfloat16": "bfloat16",
+           "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32"}
+
+
+def parse_dtype(text: str) -> str:
+    if text not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid dtype {text!r} (choose from {', '.join(_DTYPES)})")
+    return _DTYPES[text]
+
+
+# --------------------------------------------------------------------------------------------- argument groups
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="local Hugging Face model directory, or a hub id present in the local HF cache. Without "
+                        "it, the built-in tiny demo model (random weights, generated on first use) is served.")
+    g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory or id (default: the model's)")
+    g.add_argument("--revision", default=None, help="model revision (hub ids only)")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model directory")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or inline template) for models without one")
+    g.add_argument("--dtype", type=parse_dtype, default="auto",
+                   help="auto | float16 (half) | bfloat16 | float32 (float); auto: the checkpoint's dtype on GPU, "
+                        "float32 on CPU")
+    g.add_argument("--seed", type=int, default=0, help="random seed")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--max-model-len", type=parse_len, default=None,
+                   help="context length (prompt + output); default: the model's (accepts 4k)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="maximum sequences per step (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=parse_len, default=None, help="token budget per step")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default 16)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of GPU memory for weights, activations and KV cache (GPU only; default 0.9)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV cache size in bytes; this is how the KV cache is sized on CPU (default 512MiB). "
+                        "Accepts suffixes: 512MiB, 2GiB, 1.5G (binary), 2GB (decimal). On GPU it overrides "
+                        "--gpu-memory-utilization.")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="pin the KV pool to exactly this many blocks (overrides the size above)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse KV blocks of shared prompt prefixes (default on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over several steps (default on)")
+    g.add_argument("--attention-backend", choices=["auto", "sdpa", "triton", "flash"], default="auto")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--max-queue-len", type=int, default=None,
+                   help="waiting requests beyond this are refused with 429 (default 1024)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=None, help="bind address (default: all interfaces)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route except health and /metrics "
+                        "(also: $SHOAL_API_KEY, --api-key-file)")
+    g.add_argument("--api-key-file", default=None, help="read the API key from this file (e.g. a mounted Secret)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    g.add_argument("--engine-heartbeat-timeout", type=float, default=None,
+                   help="seconds without an engine-loop iteration before /livez fails (default 5)")
+    g.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+# Each entry adds one group of `serve` flags; extend this list for new groups (e.g. multi-node flags).
+SERVE_ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [add_model_args, add_engine_args, add_server_args]
+
+# Maps from argparse dest to EngineConfig field, for flags whose None means "EngineConfig's default".
+_ENGINE_FIELDS = (
+    "tokenizer", "revision", "served_model_name", "trust_remote_code", "chat_template", "dtype", "device", "seed",
+    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
+    "max_queue_len", "block_size", "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks",
+    "enable_prefix_caching", "attention_backend", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
+)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """EngineConfig from parsed flags; flags left unset keep EngineConfig's defaults."""
+    from shoal.engine.config import EngineConfig
+
+    kw = {}
+    for name in _ENGINE_FIELDS:
+        if hasattr(args, name):
+            v = getattr(args, name)
+            if v is not None:
+                kw[name] = v
+    model = args.model
+    if model is None:
+        from shoal.engine.demo import ensure_demo_model
+
+        model = str(ensure_demo_model())
+        kw.setdefault("served_model_name", DEMO_SERVED_NAME)
+    return EngineConfig(model=model, **kw)
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    if getattr(args, "api_key", None):
+        return args.api_key
+    path = getattr(args, "api_key_file", None)
+    if path:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+        if not key:
+            raise ValueError(f"API key file {path} is empty")
+        return key
+    return os.environ.get("SHOAL_API_KEY") or None
+
+
+def _config_error(parser: argparse.ArgumentParser, e: Exception) -> None:
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        parts = []
+        for err in e.errors(include_url=False):
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            flag = "--" + loc.replace("_", "-") if loc else "config"
+            parts.append(f"{flag}: {err.get('msg')}")
+        parser.error("; ".join(parts))
+    parser.error(str(e))
+
+
+def setup_logging(level: str = "info") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":
+        for noisy in ("httpx", "urllib3", "filelock"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+# --------------------------------------------------------------------------------------------- commands
+def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    setup_logging(args.log_level)
+    try:
+        config = engine_config_from_args(args)
+    except Exception as e:  # noqa: BLE001 - validation errors become a clean usage error (exit 2)
+        _config_error(parser, e)
+    if config.chat_template is not None:
+        from shoal.engine.tokenizer import ChatTemplateError, load_chat_template
+
+        try:
+            load_chat_template(config.chat_template)
+        except ChatTemplateError as e:
+            parser.error(str(e))
+    try:
+        api_key = resolve_api_key(args)
+    except (OSError, ValueError) as e:
+        parser.error(f"--api-key-file: {e}")
+    from shoal.engine.async_engine import DEFAULT_HEARTBEAT_TIMEOUT
+    from shoal.engine.server.run import ServerOptions, run
+
+    opts = ServerOptions(
+        host=args.host, port=args.port, api_key=api_key, shutdown_timeout=args.shutdown_timeout,
+        access_log=not args.disable_access_log,
+        heartbeat_timeout=args.engine_heartbeat_timeout or DEFAULT_HEARTBEAT_TIMEOUT,
+    )
+    return run(config, opts)
+
+
+def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.engine.server.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.engine.bench_serve import run_bench
+
+    return run_bench(args)
+
+
+def cmd_bench_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.engine import bench_throughput
+
+    return bench_throughput.main(list(args.rest)) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal-engine",
+        description="Shoal's paged-attention inference engine with an OpenAI-compatible HTTP server.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                           description="Serve a model over an OpenAI-compatible HTTP API (vLLM's flag names).")
+    for add in SERVE_ARG_GROUPS:
+        add(serve)
+    serve.set_defaults(func=cmd_serve, parser=serve)
+
+    demo = sub.add_parser("demo", help="start a server, stream one chat answer through the openai client, stop",
+                          description="Start the server (the built-in demo model unless --model is given), send "
+                                      "one streaming chat request with the openai client, print the answer and a "
+                                      "few metrics, then stop. The demo model has random weights: its answers are "
+                                      "gibberish. Serve real models with `shoal-engine serve --model DIR`.")
+    demo.add_argument("--model", default=None, help="a Hugging Face model directory (default: the demo model)")
+    demo.add_argument("--prompt", default="Tell me about a shoal of fish.")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--port", type=int, default=0, help="port for the server (default: a free one)")
+    demo.add_argument("--startup-timeout", type=float, default=300.0)
+    demo.add_argument("extra", nargs=argparse.REMAINDER, help="further `serve` flags, after `--`")
+    demo.set_defaults(func=cmd_demo, parser=demo)
+
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), throughput (offline)")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    bs = bsub.add_parser("serve", help="load-test a running server (like `vllm bench serve`)")
+    from shoal.engine.bench_serve import add_bench_serve_args
+
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=cmd_bench_serve, parser=bs)
+    bt = bsub.add_parser("throughput", help="offline throughput vs transformers (shoal.engine.bench_throughput)",
+                         add_help=False)
+    bt.add_argument("rest", nargs=argparse.REMAINDER)
+    bt.set_defaults(func=cmd_bench_throughput, parser=bt)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "throughput"]:  # its own parser owns every flag after the subcommand
+        from shoal.engine import bench_throughput
+
+        return int(bench_throughput.main(argv[2:]) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args, args.parser)
+    except KeyboardInterrupt:
+        code = 130
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The aiohttp application: routes, auth, OpenAI error bodies, health with Kubernetes semantics, metrics.
+
+Routes
+  POST /v1/completions, /v1/chat/completions     OpenAI shapes, `stream: true` as SSE ending in `data: [DONE]`
+  GET  /v1/models, /version
+  POST /tokenize, /detokenize                    vLLM's shapes
+  GET  /metrics                                  Prometheus text (per-app registry)
+  GET  /startupz /readyz /livez /health          model loaded / able to admit / engine loop alive / alias of livez
+
+`--api-key` protects every route except the health endpoints and /metrics. Access logs carry method, path,
+status and duration, never bodies (so never prompt text); health and metrics requests are not logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from pydantic import ValidationError
+
+from shoal.engine.async_engine import (
+    AsyncEngine,
+    DrainingError,
+    EngineDeadError,
+    EngineNotReadyError,
+    QueueFullError,
+)
+from shoal.engine.server.metrics import ServerMetrics
+from shoal.engine.server.protocol import (
+    APIError,
+    DetokenizeRequest,
+    TokenizeRequest,
+    validation_error_to_api_error,
+)
+
+logger = logging.getLogger("shoal.engine.server")
+
+OPEN_PATHS = frozenset({"/health", "/livez", "/readyz", "/startupz", "/metrics"})
+QUIET_PATHS = OPEN_PATHS
+RETRY_AFTER_SECONDS = 1
+
+STATE_KEY = web.AppKey("shoal_state", object)
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, api_key: str | None):
+        self.engine = engine
+        self.metrics = metrics
+        self.api_key = api_key
+        self.active_handlers = 0  # generation requests whose HTTP response is not finished yet
+        self.created = int(time.time())
+
+    @property
+    def served_model_name(self) -> str:
+        return self.engine.model_name
+
+
+def get_state(request: web.Request) -> ServerState:
+    return request.app[STATE_KEY]
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as v
+
+        return v("shoal")
+    except Exception:  # noqa: BLE001
+        return "0.0.0"
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode(),
+        status=status,
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def api_error_response(e: APIError) -> web.Response:
+    return json_response(e.body(), status=e.status, headers=e.headers)
+
+
+def engine_error_to_api_error(e: Exception) -> APIError:
+    """Map AsyncEngine's admission errors (and ValueError for bad input) to HTTP errors."""
+    retry = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+    if isinstance(e, QueueFullError):
+        return APIError(str(e), 429, code="queue_full", headers=retry)
+    if isinstance(e, DrainingError):
+        return APIError("the server is shutting down; retry on another replica", 503, code="draining",
+                        headers=retry)
+    if isinstance(e, EngineNotReadyError):
+        return APIError("the model is still loading", 503, code="loading", headers=retry)
+    if isinstance(e, EngineDeadError):
+        return APIError(f"the engine is not running: {e}", 503, code="engine_dead")
+    if isinstance(e, ValueError):
+        return APIError(str(e), 400, param=_param_from_message(str(e)))
+    return APIError("internal server error", 500)
+
+
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
+                    "prompt")
+
+
+def _param_from_message(msg: str) -> str | None:
+    head = msg.split(" ", 1)[0].strip(":,'\"`")
+    return head if head in _SAMPLING_FIELDS else None
+
+
+async def read_json(request: web.Request, model: type) -> Any:
+    """Parse the body into `model`: 400 for malformed JSON, a non-object body, or a field of the wrong type."""
+    raw = await request.read()
+    try:
+        data = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"request body is not valid JSON: {e}", 400) from None
+    if not isinstance(data, dict):
+        raise APIError("request body must be a JSON object", 400)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error_to_api_error(e) from None
+    except APIError:
+        raise
+    except ValueError as e:
+        raise APIError(str(e), 400) from None
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is None or name == "":
+        return
+    if name not in (state.served_model_name, state.engine.config.model):
+        raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
+
+
+def require_loaded(state: ServerState) -> None:
+    eng = state.engine
+    if eng.fatal_error is not None:
+        raise engine_error_to_api_error(EngineDeadError(str(eng.fatal_error)))
+    if not eng.is_loaded:
+        raise engine_error_to_api_error(EngineNotReadyError())
+
+
+# --------------------------------------------------------------------------------------------- middlewares
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        return api_error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        msg = {404: f"route {request.method} {request.path} not found",
+               405: f"method {request.method} not allowed on {request.path}",
+               413: "request body too large"}.get(e.status, e.reason)
+        return api_error_response(APIError(msg, e.status, code=None))
+    except (ConnectionResetError, ConnectionError):
+        raise
+    except Exception:  # noqa: BLE001 - a bug, not bad input: log it and answer 500, never crash
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return api_error_response(APIError("internal server error", 500))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    key = get_state(request).api_key
+    if key and request.path not in OPEN_PATHS:
+        given = request.headers.get("Authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
+        if not token or not hmac.compare_digest(token.encode(), key.encode()):
+            raise APIError("Invalid or missing API key (send 'Authorization: Bearer <key>').", 401,
+                           code="invalid_api_key")
+    return await handler(request)
+
+
+class AccessLogger(AbstractAccessLogger):
+    """Method, path (no query), status, size, duration. Never bodies; health and metrics not logged."""
+
+    def log(self, request, response, time):  # noqa: A002 - aiohttp's signature
+        if request.path in QUIET_PATHS:
+            return
+        self.logger.info('%s "%s %s" %s %s %.3fs', request.remote, request.method, request.path,
+                         response.status, response.body_length, time)
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)
+
+
+# --------------------------------------------------------------------------------------------- health/misc
+async def startupz(request: web.Request) -> web.Response:
+    eng = get_state(request).engine
+    if eng.is_loaded:
+        return json_response({"status": "started"})
+    if eng.fatal_error is not None:
+        return json_response({"status": "failed", "error": str(eng.fatal_error)}, 503)
+    return json_response({"status": "loading"}, 503)
+
+
+async def readyz(request: web.Request) -> web.Response:
+    eng = get_state(request).engine
+    if eng.is_ready():
+        return json_response({"status": "ready"})
+    reason = ("failed" if eng.fatal_error is not None else "loading" if not eng.is_loaded
+              else "not_alive" if not eng.is_alive() else "draining" if eng.draining
+              else "queue_full" if eng.queue_full() else "not_ready")
+    return json_response({"status": reason}, 503)
+
+
+async def livez(request: web.Request) -> web.Response:
+    eng = get_state(request).engine
+    if eng.is_alive():
+        return json_response({"status": "alive", "heartbeat_age_s": round(eng.heartbeat_age(), 3)})
+    reason = f"engine loop died: {eng.fatal_error}" if eng.fatal_error else "engine loop heartbeat is stale"
+    return json_response({"status": "dead", "reason": reason}, 503)
+
+
+async def health(request: web.Request) -> web.Response:
+    eng = get_state(request).engine
+    return web.Response(status=200 if eng.is_alive() else 503)
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    body, ctype = get_state(request).metrics.render()
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = ctype
+    return resp
+
+
+async def version_route(request: web.Request) -> web.Response:
+    return json_response({"version": version()})
+
+
+async def models_route(request: web.Request) -> web.Response:
+    state = get_state(request)
+    require_loaded(state)
+    eng = state.engine
+    card = {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "shoal",
+        "root": eng.config.model,
+        "parent": None,
+        "max_model_len": eng.max_model_len,
+        "permission": [],
+    }
+    return json_response({"object": "list", "data": [card]})
+
+
+async def tokenize_route(request: web.Request) -> web.Response:
+    from shoal.engine.server.openai_api import render_chat_prompt
+
+    state = get_state(request)
+    req = await read_json(request, TokenizeRequest)
+    check_model(state, req.model)
+    require_loaded(state)
+    tok = state.engine.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("give exactly one of 'prompt' or 'messages'", 400)
+    if req.prompt is not None:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = list(tok.encode(req.prompt, add_special_tokens=add_special))
+    else:
+        ids = render_chat_prompt(state, [m for m in req.messages], req.add_generation_prompt,
+                                 req.continue_final_message, req.chat_template_kwargs,
+                                 add_special_tokens=bool(req.add_special_tokens))
+    out = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
+    if req.return_token_strs:
+        out["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return json_response(out)
+
+
+async def detokenize_route(request: web.Request) -> web.Response:
+    state = get_state(request)
+    req = await read_json(request, DetokenizeRequest)
+    check_model(state, req.model)
+    require_loaded(state)
+    tok = state.engine.tokenizer
+    vocab = len(tok)
+    bad = [t for t in req.tokens if t < 0 or t >= vocab]
+    if bad:
+        raise APIError(f"token id {bad[0]} is out of range [0, {vocab})", 400, param="tokens")
+    return json_response({"prompt": tok.decode(req.tokens)})
+
+
+# --------------------------------------------------------------------------------------------- app
+def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | None = None,
+              client_max_size: int = 64 * 1024 * 1024) -> web.Application:
+    from shoal.engine.server import openai_api as oai
+
+    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=client_max_size)
+    app[STATE_KEY] = ServerState(engine, metrics, api_key or None)
+    r = app.router
+    r.add_post("/v1/completions", oai.create_completion)
+    r.add_post("/v1/chat/completions", oai.create_chat_completion)
+    r.add_get("/v1/models", models_route)
+    r.add_post("/tokenize", tokenize_route)
+    r.add_post("/detokenize", detokenize_route)
+    r.add_get("/version", version_route)
+    r.add_get("/metrics", metrics_route)
+    r.add_get("/startupz", startupz)
+    r.add_get("/readyz", readyz)
+    r.add_get("/livez", livez)
+    r.add_get("/health", health)
+    return app

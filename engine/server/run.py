@@ -1,0 +1,130 @@
+"""Run the HTTP server around an AsyncEngine: bind first, load the model on the engine thread, drain on SIGTERM.
+
+Order of events:
+  1. the socket is bound at once, so /startupz, /livez and /metrics answer while the model loads (startup 503);
+  2. the engine thread builds LLMEngine; a load failure is logged and the process exits 1;
+  3. SIGTERM (or SIGINT): readiness fails immediately, new requests get 503 + Retry-After, in-flight requests run
+     to completion for up to `shutdown_timeout` seconds, then the process exits 0. A second signal, or the
+     timeout, aborts whatever is left (streams end with finish_reason "abort") and exits promptly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from shoal.engine.async_engine import DEFAULT_HEARTBEAT_TIMEOUT, AsyncEngine
+from shoal.engine.config import EngineConfig
+from shoal.engine.server.app import STATE_KEY, AccessLogger, build_app
+from shoal.engine.server.metrics import ServerMetrics
+
+logger = logging.getLogger("shoal.engine.server")
+
+
+@dataclass
+class ServerOptions:
+    host: str | None = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    shutdown_timeout: float = 30.0
+    access_log: bool = True
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+
+
+async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=None) -> int:
+    """Serve until a signal; returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    metrics = ServerMetrics(config.model_name)
+    engine = AsyncEngine(config, engine_factory=engine_factory, heartbeat_timeout=opts.heartbeat_timeout,
+                         metrics=metrics)
+    metrics.attach(engine)
+    app = build_app(engine, metrics, api_key=opts.api_key)
+    state = app[STATE_KEY]
+    runner_kw = {"access_log_class": AccessLogger} if opts.access_log else {"access_log": None}
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, **runner_kw)
+    await runner.setup()
+    host = opts.host or "0.0.0.0"
+    try:
+        site = web.TCPSite(runner, host, opts.port, reuse_address=True)
+        await site.start()
+    except OSError as e:
+        logger.error("cannot listen on %s:%s: %s", host, opts.port, e)
+        await runner.cleanup()
+        return 1
+    port = opts.port
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # the real port when --port 0
+    except Exception:  # noqa: BLE001
+        pass
+    logger.info("listening on http://%s:%d (model %s loading)", host, port, config.model_name)
+
+    signals = asyncio.Queue()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread / not POSIX
+            pass
+
+    engine.start()
+    load = asyncio.create_task(engine.wait_loaded())
+    first_signal = asyncio.create_task(signals.get())
+    done, _ = await asyncio.wait({load, first_signal}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if load in done:
+        if load.exception() is not None:
+            logger.error("%s", load.exception())
+            first_signal.cancel()
+            await runner.cleanup()
+            return 1
+        logger.info("ready: serving %s at http://%s:%d (max_model_len %s)", engine.model_name, host, port,
+                    engine.max_model_len)
+        sig = await first_signal
+        logger.info("received %s: draining (up to %.0fs); readiness now fails", signal.Signals(sig).name,
+                    opts.shutdown_timeout)
+        engine.start_draining()
+        code = await _drain(engine, state, signals, opts.shutdown_timeout)
+    else:
+        load.cancel()
+        engine.start_draining()
+    await runner.cleanup()
+    await asyncio.to_thread(engine.shutdown, 5.0)
+    logger.info("shut down")
+    return code
+
+
+async def _drain(engine: AsyncEngine, state, signals: asyncio.Queue, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+
+    async def idle():
+        while engine.num_in_flight() or state.active_handlers:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    waiter = asyncio.create_task(idle())
+    second = asyncio.create_task(signals.get())
+    done, _ = await asyncio.wait({waiter, second}, return_when=asyncio.FIRST_COMPLETED)
+    if waiter in done and waiter.result():
+        second.cancel()
+        logger.info("drained: all in-flight requests finished")
+        return 0
+    waiter.cancel()
+    second.cancel()
+    why = "second signal" if second in done and not second.cancelled() else "shutdown timeout"
+    logger.warning("%s: aborting %d in-flight request(s)", why, engine.num_in_flight())
+    engine.abort_all()
+    # Let the handlers write their final "abort" chunks.
+    end = time.monotonic() + 1.0
+    while state.active_handlers and time.monotonic() < end:
+        await asyncio.sleep(0.02)
+    return 0
+
+
+def run(config: EngineConfig, opts: ServerOptions, *, engine_factory=None) -> int:
+    return asyncio.run(serve(config, opts, engine_factory=engine_factory))
