@@ -1,0 +1,96 @@
+"""Static checks of the images' recipes (they cannot be built here) and of the e2e script."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+
+import pytest
+from packaging.requirements import Requirement
+
+from chartkit import ROOT
+
+tomllib = pytest.importorskip("tomllib", reason="Python < 3.11")
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+DEPENDENCIES = {Requirement(r).name.lower().replace("_", "-"): Requirement(r) for r in PYPROJECT["project"]["dependencies"]}
+
+
+def instructions(path):
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def pip_pins(instrs):
+    pins = {}
+    for word, rest in instrs:
+        if word == "RUN" and "pip install" in rest:
+            for token in shlex.split(rest.replace("&&", " ")):
+                if "==" in token and not token.startswith("-"):
+                    name, _, version = token.partition("==")
+                    pins[name.lower().replace("_", "-")] = version
+    return pins
+
+
+@pytest.mark.parametrize("dockerfile,entrypoint,port", [
+    ("Dockerfile.operator", "shoal-operator", 8080),
+    ("Dockerfile.engine", "shoal-engine", 8000),
+])
+def test_dockerfile_is_pinned_non_root_and_has_the_entrypoint(dockerfile, entrypoint, port):
+    instrs = instructions(ROOT / dockerfile)
+    args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for word, rest in instrs if word == "ARG" and "=" in rest}
+    bases = [rest.split()[0] for word, rest in instrs if word == "FROM"]
+    for base in bases:
+        image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
+        name, _, tag = image.rpartition(":")
+        assert name and tag and tag != "latest" and re.search(r"\d+\.\d+", tag), f"{image} is not pinned"
+    users = [rest for word, rest in instrs if word == "USER"]
+    assert users, "no USER"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) > 0, "the final user must be a numeric non-root uid (runAsNonRoot)"
+    (ep,) = [rest for word, rest in instrs if word == "ENTRYPOINT"]
+    assert entrypoint in ep and ep.startswith("[")  # exec form: signals reach the process
+    assert f"EXPOSE {port}" in [f"{w} {r}" for w, r in instrs]
+    # the distribution is installed without re-resolving the engine's heavy dependencies
+    assert any(w == "RUN" and "pip install --no-deps /src" in r for w, r in instrs)
+
+
+@pytest.mark.parametrize("dockerfile,required", [
+    ("Dockerfile.operator", {"kopf", "kubernetes", "pydantic", "pyyaml", "aiohttp"}),
+    ("Dockerfile.engine", {"torch", "transformers", "tokenizers", "safetensors", "aiohttp", "pydantic",
+                           "prometheus-client", "pyyaml", "numpy"}),
+])
+def test_pinned_versions_satisfy_pyproject(dockerfile, required):
+    instrs = instructions(ROOT / dockerfile)
+    args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for word, rest in instrs if word == "ARG" and "=" in rest}
+    pins = {name: re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], v) for name, v in pip_pins(instrs).items()}
+    assert required <= set(pins), f"unpinned: {sorted(required - set(pins))}"
+    for name, version in pins.items():
+        if name in DEPENDENCIES:
+            assert DEPENDENCIES[name].specifier.contains(version), f"{name}=={version} vs {DEPENDENCIES[name]}"
+
+
+def test_dockerignore_keeps_what_the_builds_copy():
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    assert patterns[0] == "*"
+    kept = {p[1:] for p in patterns if p.startswith("!")}
+    for dockerfile in ("Dockerfile.operator", "Dockerfile.engine"):
+        for word, rest in instructions(ROOT / dockerfile):
+            if word == "COPY" and "--from" not in rest:
+                for src in rest.split()[:-1]:
+                    assert src in kept, f"{dockerfile} copies {src}, which .dockerignore drops"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_e2e_script_parses():
+    out = subprocess.run(["bash", "-n", str(ROOT / "e2e" / "run.sh")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
