@@ -1,0 +1,162 @@
+"""The engine against transformers: same greedy tokens, same logits, under every scheduling regime."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_reference import hf_greedy
+from shoal.engine import LLM, SamplingParams
+
+PROMPTS = [
+    "Hello world! The quick brown",
+    "Once upon a time there was a little shoal of fish that swam together in the warm",
+    "def add(a, b):",
+    "Kubernetes runs pods on nodes; an operator reconciles custom resources into deployments",
+    "A",
+    "numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and punctuation",
+]
+MAX_NEW = 12
+
+# Each scheduling regime the engine must get right. block_size 4 keeps blocks small so that tiny prompts still
+# span several of them.
+REGIMES = {
+    "batched": dict(block_size=4, max_model_len=128),
+    "chunked-prefill": dict(block_size=4, max_model_len=128, max_num_batched_tokens=8),
+    "preemption": dict(block_size=4, max_model_len=64, num_kv_blocks=16, max_num_batched_tokens=16),
+    "no-prefix-cache": dict(block_size=8, max_model_len=128, enable_prefix_caching=False),
+}
+
+
+def check_against_hf(model_dir, tokenizer, outputs, prompts, max_new=MAX_NEW, logprob_tol=2e-4):
+    for prompt, out in zip(prompts, outputs):
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        ref_ids, ref_lp = hf_greedy(model_dir, ids, max_new)
+        got = out.outputs[0]
+        assert got.token_ids == ref_ids, f"prompt {prompt!r}: {got.token_ids} != transformers {ref_ids}"
+        assert got.finish_reason == "length"
+        if got.logprobs is not None:
+            for step, entry in enumerate(got.logprobs):
+                for tid, lp in entry.items():
+                    assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=logprob_tol), (prompt, step, tid)
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_greedy_matches_transformers(any_model, regime):
+    arch, model_dir = any_model
+    with LLM(model=model_dir, **REGIMES[regime]) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+        outputs = llm.generate(PROMPTS, params)
+        check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS)
+        engine = llm.llm_engine
+        if regime == "preemption":
+            assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
+        engine.pool.check_all_free()
+
+
+def test_prefix_caching_reuses_blocks_and_matches(model_factory):
+    model_dir = model_factory("llama")
+    shared = "Kubernetes runs pods on nodes; an operator reconciles custom resources into deployments and services."
+    prompts = [shared + tail for tail in (" Hello", " Once upon a time", " def add(a, b):", " numbers 0 1 2")]
+    with LLM(model=model_dir, block_size=4, max_model_len=128) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+        first = llm.generate(prompts[:1], params)
+        rest = llm.generate(prompts[1:], params)
+        engine = llm.llm_engine
+        assert engine.pool.prefix_hits > 0
+        assert all(o.num_cached_tokens >= 4 * (len(llm.get_tokenizer().encode(shared)) // 4 - 1) for o in rest)
+        check_against_hf(model_dir, llm.get_tokenizer(), first + rest, prompts)
+        # The same prompt again is served almost entirely from the cache and still matches.
+        again = llm.generate(prompts[:1], params)
+        assert again[0].num_cached_tokens > 0
+        assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+        engine.pool.check_all_free()
+
+
+def test_requests_arriving_while_others_decode(any_model):
+    arch, model_dir = any_model
+    with LLM(model=model_dir, block_size=4, max_model_len=128, max_num_batched_tokens=12) as llm:
+        engine = llm.llm_engine
+        tok = llm.get_tokenizer()
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+        pending = list(enumerate(PROMPTS))
+        finished = {}
+        step = 0
+        while pending or engine.has_unfinished_requests():
+            if pending and step % 3 == 0:  # a new request every third step, mid-decode of the others
+                i, p = pending.pop(0)
+                engine.add_request(str(i), p, params)
+            for out in engine.step():
+                if out.finished:
+                    finished[int(out.request_id)] = out
+            step += 1
+        check_against_hf(model_dir, tok, [finished[i] for i in range(len(PROMPTS))], PROMPTS)
+        engine.pool.check_all_free()
+
+
+def test_sharded_checkpoint_loads_tensor_by_tensor(model_factory):
+    model_dir = model_factory("llama", max_shard_size="40KB")
+    assert len(list(model_dir.glob("*.safetensors"))) > 2 and (model_dir / "model.safetensors.index.json").exists()
+    with LLM(model=model_dir, block_size=4, max_model_len=64) as llm:
+        outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS[:2], max_new=6)
+
+
+def test_token_id_prompts_and_order(llama_model):
+    with LLM(model=llama_model, block_size=4, max_model_len=64) as llm:
+        tok = llm.get_tokenizer()
+        prompts = [{"prompt_token_ids": tok.encode(p)} for p in PROMPTS[:3]]
+        outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 7, 5)])
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 7, 5]
+        assert outputs[1].prompt_token_ids == prompts[1]["prompt_token_ids"]
+
+
+def test_random_aborts_return_every_block(llama_model):
+    """Requests arrive, get preempted, finish or are aborted at random: the pool ends with every block free."""
+    rng = random.Random(7)
+    with LLM(model=llama_model, block_size=4, max_model_len=48, num_kv_blocks=20, max_num_batched_tokens=16,
+             max_num_seqs=6) as llm:
+        engine = llm.llm_engine
+        vocab = engine.vocab_size
+        live: set[str] = set()
+        for step in range(300):
+            if rng.random() < 0.4 and len(live) < 12:
+                rid = f"r{step}"
+                prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 24))]
+                engine.add_request(rid, prompt, SamplingParams(temperature=rng.choice([0, 1.0]), n=rng.choice([1, 2]),
+                                                              max_tokens=rng.randint(1, 20), ignore_eos=True))
+                live.add(rid)
+            if live and rng.random() < 0.15:
+                victim = rng.choice(sorted(live))
+                engine.abort_request(victim)
+                live.discard(victim)
+            for out in engine.step():
+                if out.finished:
+                    live.discard(out.request_id)
+            # Every referenced block is held by exactly as many live sequences as its ref count says.
+            held: dict[int, int] = {}
+            for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+                for b in seq.block_ids:
+                    held[b] = held.get(b, 0) + 1
+            assert {b.block_id: b.ref_count for b in engine.pool.blocks if b.ref_count} == held
+        engine.abort_request(sorted(live))
+        assert not engine.has_unfinished_requests()
+        engine.pool.check_all_free()
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_priority_policy_preempts_lowest_priority(llama_model):
+    with LLM(model=llama_model, block_size=4, max_model_len=40, num_kv_blocks=12, max_num_batched_tokens=64,
+             scheduling_policy="priority") as llm:
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        engine.add_request("low", [5] * 10, params, priority=10)
+        engine.step()
+        engine.add_request("high", [6] * 10, params, priority=0)
+        order = []
+        while engine.has_unfinished_requests():
+            order += [o.request_id for o in engine.step() if o.finished]
+        assert order[0] == "high"
+        assert engine.scheduler.num_preemptions > 0
