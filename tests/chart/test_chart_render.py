@@ -21,7 +21,7 @@ CASES = {
     "namespace-scope-many": {"rbac": {"scope": "namespace"},
                              "operator": {"watchNamespaces": ["team-a", "team-b"]}},
     "cluster-scope-some-namespaces": {"operator": {"watchNamespaces": ["team-a"]}},
-    "service-monitor": {"metrics": {"serviceMonitor": {
+    "service-monitor": {"metrics": {"scraperNamespace": "monitoring", "serviceMonitor": {
         "enabled": True, "namespace": "monitoring", "labels": {"release": "kube-prometheus-stack"},
         "interval": "15s", "scrapeTimeout": "5s"}}},
     "custom-image": {
@@ -153,7 +153,7 @@ def test_shoal_operator_accepts_the_rendered_arguments(tmp_path):
     import subprocess
     import sys
 
-    for values in (None, CASES["custom-image"], CASES["namespace-scope-many"]):
+    for values in (None, CASES["custom-image"], CASES["namespace-scope-many"], CASES["service-monitor"]):
         _, c = _container(render(values))
         out = subprocess.run([sys.executable, "-m", "shoal.operator", *c["args"], "--help"], capture_output=True,
                              text=True, timeout=60, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
@@ -271,7 +271,11 @@ def test_service_monitor_is_off_by_default():
 
 def test_service_monitor():
     values = CASES["service-monitor"]
-    sm = one(render(values), "ServiceMonitor")
+    objects = render(values)
+    sm = one(objects, "ServiceMonitor")
+    # the engines' NetworkPolicies must let that Prometheus in
+    assert "--operator-namespace=monitoring" in _container(objects)[1]["args"]
+    assert not [a for a in _container(render())[1]["args"] if a.startswith("--operator-namespace")]
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["namespace"] == "monitoring"
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"

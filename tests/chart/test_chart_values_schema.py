@@ -65,6 +65,7 @@ INVALID = [
     ({"livenessProbe": {"periodSeconds": 0}}, "/livenessProbe/periodSeconds"),
     ({"tolerations": [{"key": "a", "operator": "Maybe"}]}, "/tolerations/0/operator"),
     ({"nodeSelector": {"disk": 1}}, "/nodeSelector/disk"),
+    ({"metrics": {"scraperNamespace": "Monitoring"}}, "/metrics/scraperNamespace"),
     ({"metrics": {"serviceMonitor": {"enabled": "true"}}}, "/metrics/serviceMonitor/enabled"),
     ({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}}, "/metrics/serviceMonitor/interval"),
     ({"metrics": {"serviceMonitor": {"namespace": "Monitoring"}}}, "/metrics/serviceMonitor/namespace"),
