@@ -1,0 +1,58 @@
+"""`shoal-operator` / `python -m shoal.operator`: `kopf run` with the package's handlers.
+
+Every flag of `kopf run` is accepted and passed through (--standalone, -n/--namespace, -A/--all-namespaces,
+-L/--liveness, -v/--verbose, -d/--debug, -q/--quiet, --log-format plain|full|json, --dev, -P/--peering, ...).
+Shoal's own flags (each also settable by its environment variable):
+
+  --engine-image IMAGE        default engine image for specs without spec.image   (SHOAL_ENGINE_IMAGE)
+  --max-gpus-per-node N       GPUs one node offers; caps the default gpusPerPod   (SHOAL_MAX_GPUS_PER_NODE)
+  --cluster-domain DOMAIN     for the status URL and rank-0 addresses             (SHOAL_CLUSTER_DOMAIN)
+  --operator-namespace NS     namespace allowed to scrape engine metrics          (SHOAL_OPERATOR_NAMESPACE,
+                                                                                   else POD_NAMESPACE)
+Credentials: in-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config.
+Typical in-cluster command: shoal-operator --standalone -A --liveness=http://0.0.0.0:8080/healthz
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+OWN_FLAGS = {
+    "--engine-image": "SHOAL_ENGINE_IMAGE",
+    "--max-gpus-per-node": "SHOAL_MAX_GPUS_PER_NODE",
+    "--cluster-domain": "SHOAL_CLUSTER_DOMAIN",
+    "--operator-namespace": "SHOAL_OPERATOR_NAMESPACE",
+}
+
+
+def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Split shoal's own flags (returned as env vars) from the rest (kopf run's)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for flag in OWN_FLAGS:
+        parser.add_argument(flag)
+    known, rest = parser.parse_known_args(argv)
+    env = {OWN_FLAGS[f]: str(v) for f in OWN_FLAGS if (v := getattr(known, f[2:].replace("-", "_"))) is not None}
+    if "--max-gpus-per-node" in [a.split("=")[0] for a in argv]:
+        value = int(env["SHOAL_MAX_GPUS_PER_NODE"])
+        if value < 1:
+            raise SystemExit("--max-gpus-per-node must be at least 1")
+    return env, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        argv = ["--help"]
+    env, rest = parse(argv)
+    os.environ.update(env)
+    from kopf import cli
+
+    sys.exit(cli.main(["run", *rest, "-m", "shoal.operator.handlers"], prog_name="shoal-operator",
+                      standalone_mode=True))
+
+
+if __name__ == "__main__":
+    main()

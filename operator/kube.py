@@ -1,0 +1,161 @@
+"""The few Kubernetes API calls the handlers make, in one place.
+
+Verbs used: get, list, watch (kopf's watch streams and indexes), create, patch (JSON merge patch only:
+``application/merge-patch+json``, which means the same on every API server), delete. No server-side apply,
+no PUT, no strategic merge.
+
+``PERMISSIONS`` below is the exact list the operator needs; the Helm chart's ClusterRole (and its namespaced
+Role variant) must grant exactly these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.operator import api
+
+logger = logging.getLogger(__name__)
+
+# (apiGroup, resource, verbs) — least privilege for shoal-operator, including what kopf itself does.
+PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    # the custom resource: watched by kopf; kopf patches annotations (progress/diff-base) on the object
+    (api.GROUP, "inferenceservices", ("get", "list", "watch", "patch")),
+    (api.GROUP, "inferenceservices/status", ("get", "patch")),
+    # children get ownerReferences with blockOwnerDeletion=true (OwnerReferencesPermissionEnforcement)
+    (api.GROUP, "inferenceservices/finalizers", ("update",)),
+    # children: reconciled (create / merge-patch / prune) and watched (indexes, drift repair, status)
+    ("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete")),
+    ("apps", "statefulsets", ("get", "list", "watch", "create", "patch", "delete")),
+    ("", "services", ("get", "list", "watch", "create", "patch", "delete")),
+    ("", "configmaps", ("get", "list", "watch", "create", "patch", "delete")),
+    ("networking.k8s.io", "networkpolicies", ("get", "list", "watch", "create", "patch", "delete")),
+    ("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete")),
+    # pods: watched for status reasons; deleted to restart a multi-pod group as a whole
+    ("", "pods", ("get", "list", "watch", "delete")),
+    # Events: posted by kopf.event() for transitions
+    ("", "events", ("create", "patch")),
+    # kopf: resource discovery follows CRDs as they appear; namespaces for -n patterns / -A
+    ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch")),
+    ("", "namespaces", ("get", "list", "watch")),
+)
+# A namespaced deployment (`shoal-operator -n NS`) needs everything above except the cluster-scoped rows
+# (customresourcedefinitions, namespaces) in a Role; the CRD itself is installed by the chart.
+CLUSTER_SCOPED = frozenset({"customresourcedefinitions", "namespaces"})
+
+# kind -> (apiVersion, plural); everything the operator creates, patches or deletes
+KINDS: dict[str, tuple[str, str]] = {
+    "Deployment": ("apps/v1", "deployments"),
+    "StatefulSet": ("apps/v1", "statefulsets"),
+    "Service": ("v1", "services"),
+    "ConfigMap": ("v1", "configmaps"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
+    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+    "Pod": ("v1", "pods"),
+    api.KIND: (api.API_VERSION, api.PLURAL),
+}
+CHILD_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy", "PodDisruptionBudget")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str = ""):
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    api_version, plural = KINDS[kind]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    p = f"{prefix}/namespaces/{namespace}/{plural}"
+    if name:
+        p += f"/{name}"
+        if subresource:
+            p += f"/{subresource}"
+    return p
+
+
+@dataclass
+class Kube:
+    """A thin JSON client over the official `kubernetes` package (kubeconfig / in-cluster auth, TLS, exec
+    plugins and token refresh all come from it); blocking calls run in a small thread pool."""
+
+    api_client: Any
+    executor: concurrent.futures.ThreadPoolExecutor
+
+    @classmethod
+    def from_environment(cls, workers: int = 16) -> "Kube":
+        """In-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config."""
+        import kubernetes
+
+        configuration = kubernetes.client.Configuration()
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config(client_configuration=configuration)
+        configuration.connection_pool_maxsize = workers
+        configuration.retries = False
+        return cls(kubernetes.client.ApiClient(configuration),
+                   concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="shoal-kube"))
+
+    def _call(self, method: str, url: str, body: Any = None, query: list | None = None,
+              content_type: str = "application/json") -> dict[str, Any]:
+        import kubernetes
+
+        c = self.api_client
+        try:
+            _method, full_url, headers, data, post = c.param_serialize(
+                method=method, resource_path=url, query_params=query or [], body=body,
+                header_params={"Accept": "application/json", "Content-Type": content_type},
+                auth_settings=["BearerToken"])
+            resp = c.call_api(_method, full_url, header_params=headers, body=data, post_params=post,
+                              _request_timeout=(10, 60))
+            resp.read()
+        except kubernetes.client.ApiException as e:
+            raise ApiError(e.status or 0, e.reason or "", str(e.body or "")) from None
+        raw = resp.data or b""
+        if not 200 <= resp.status < 300:
+            try:
+                status = json.loads(raw or b"{}")
+            except ValueError:
+                status = {}
+            raise ApiError(resp.status, status.get("reason") or resp.reason or "", status.get("message", ""))
+        return json.loads(raw) if raw else {}
+
+    async def _run(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: self._call(*args, **kwargs))
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any]:
+        return await self._run("GET", path(kind, namespace, name))
+
+    async def list(self, kind: str, namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        query = [("labelSelector", label_selector)] if label_selector else []
+        return (await self._run("GET", path(kind, namespace), query=query)).get("items", [])
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return await self._run("POST", path(obj["kind"], obj["metadata"]["namespace"]), body=obj)
+
+    async def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any],
+                          subresource: str | None = None) -> dict[str, Any]:
+        return await self._run("PATCH", path(kind, namespace, name, subresource), body=patch,
+                               content_type="application/merge-patch+json")
+
+    async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None,
+                     propagation: str = "Background") -> None:
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}
+        if uid:  # never delete a same-named successor of the object we decided about
+            body["preconditions"] = {"uid": uid}
+        await self._run("DELETE", path(kind, namespace, name), body=body)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.api_client.close()
+        except Exception:  # pragma: no cover - best effort at shutdown
+            pass

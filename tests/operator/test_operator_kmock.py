@@ -1,0 +1,295 @@
+"""kopf runs shoal's handlers for real against the emulated API (conftest.Cluster) over HTTP.
+
+The tests play the cluster's controllers: they patch a Deployment's status as the deployment controller
+would, create a StatefulSet's pods, mark a pod failed, delete children, and make the API fail for a while.
+"""
+
+from __future__ import annotations
+
+import time
+
+from conftest import condition, isvc_body, wait_for
+
+from shoal.operator.render import L_GROUP, L_ISVC, L_MANAGED_BY, L_POD_INDEX
+
+ISVC = "inferenceservices"
+
+
+def children(env, ns: str) -> dict[tuple[str, str], dict]:
+    found = {}
+    for plural in ("deployments", "statefulsets", "services", "networkpolicies", "poddisruptionbudgets",
+                   "configmaps"):
+        for obj in env.cluster.find(plural, ns):
+            found[(plural, obj["metadata"]["name"])] = obj
+    return found
+
+
+def ready_deployment(env, ns: str, name: str, n: int, generation: int | None = None) -> None:
+    dep = env.client.get("deployments", ns, name)
+    gen = generation or dep["metadata"]["generation"]
+    env.client.patch("deployments", ns, name, {"status": {
+        "observedGeneration": gen, "replicas": n, "readyReplicas": n, "updatedReplicas": n, "availableReplicas": n,
+    }}, sub="status")
+
+
+def get_isvc(env, ns: str, name: str) -> dict:
+    return env.client.get(ISVC, ns, name)
+
+
+def ready_is(env, ns, name, status: str, reason: str | None = None, timeout: float = 10):
+    def check():
+        c = condition(get_isvc(env, ns, name), "Ready")
+        return c if c and c["status"] == status and (reason is None or c["reason"] == reason) else None
+    return wait_for(check, timeout, f"Ready={status} {reason or ''} on {ns}/{name}")
+
+
+def test_create_makes_children_with_owner_references(env, ns):
+    isvc = env.client.create(ISVC, ns, isvc_body("chat", {"replicas": 2, "model": {"uri": "hf://org/model"}}))
+    uid = isvc["metadata"]["uid"]
+    expected = {("deployments", "chat"), ("services", "chat"), ("networkpolicies", "chat"),
+                ("poddisruptionbudgets", "chat")}
+    wait_for(lambda: set(children(env, ns)) == expected, 10, "children")
+    kids = children(env, ns)
+    for obj in kids.values():
+        refs = obj["metadata"]["ownerReferences"]
+        assert refs == [{"apiVersion": "serving.shoal.dev/v1alpha1", "kind": "InferenceService", "name": "chat",
+                         "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+        assert obj["metadata"]["labels"][L_MANAGED_BY] == "shoal-operator"
+    dep = kids[("deployments", "chat")]
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.test/shoal-engine:test"
+    # status before any pod is ready: honest, not Ready
+    status = wait_for(lambda: get_isvc(env, ns, "chat").get("status"), 5, "status")
+    assert status["observedGeneration"] == 1 and status["readyReplicas"] == 0
+    assert condition({"status": status}, "Ready")["status"] == "False"
+    # Events about what was created
+    events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "Created"], 5, "events")
+    assert all(e["involvedObject"]["uid"] == uid for e in events)
+
+
+def test_deployment_status_makes_isvc_ready(env, ns):
+    env.client.create(ISVC, ns, isvc_body("qa", {"replicas": 2}))
+    wait_for(lambda: env.client.get("deployments", ns, "qa"), 10, "deployment")
+    ready_deployment(env, ns, "qa", 2)
+    cond = ready_is(env, ns, "qa", "True", "AllReplicasReady")
+    status = get_isvc(env, ns, "qa")["status"]
+    assert status["phase"] == "Ready"
+    assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
+    assert status["url"] == f"http://qa.{ns}.svc.cluster.local:8000"
+    assert status["selector"] == f"app.kubernetes.io/component=engine,{L_ISVC}=qa"
+    assert "2/2 replicas ready" in cond["message"]
+    assert condition(get_isvc(env, ns, "qa"), "Degraded")["status"] == "False"
+    assert condition(get_isvc(env, ns, "qa"), "Progressing")["status"] == "False"
+    # one replica lost -> Degraded phase, Ready False
+    env.client.patch("deployments", ns, "qa", {"status": {"readyReplicas": 1}}, sub="status")
+    ready_is(env, ns, "qa", "False")
+    assert get_isvc(env, ns, "qa")["status"]["phase"] == "Degraded"
+
+
+def test_scale_via_spec_children_follow(env, ns):
+    env.client.create(ISVC, ns, isvc_body("sc", {"replicas": 1}))
+    wait_for(lambda: env.client.get("deployments", ns, "sc"), 10, "deployment")
+    assert env.client.get("poddisruptionbudgets", ns, "sc") is None
+    env.client.patch(ISVC, ns, "sc", {"spec": {"replicas": 3}})
+    wait_for(lambda: env.client.get("deployments", ns, "sc")["spec"]["replicas"] == 3, 10, "scaled up")
+    wait_for(lambda: env.client.get("poddisruptionbudgets", ns, "sc"), 10, "PDB for replicas > 1")
+    ready_deployment(env, ns, "sc", 3)
+    ready_is(env, ns, "sc", "True")
+    assert get_isvc(env, ns, "sc")["status"]["observedGeneration"] == 2
+    env.client.patch(ISVC, ns, "sc", {"spec": {"replicas": 1}})
+    wait_for(lambda: env.client.get("deployments", ns, "sc")["spec"]["replicas"] == 1, 10, "scaled down")
+    wait_for(lambda: env.client.get("poddisruptionbudgets", ns, "sc") is None, 10, "PDB pruned")
+
+
+def test_model_change_rolls_out_new_pod_template(env, ns):
+    env.client.create(ISVC, ns, isvc_body("ro", {"model": {"uri": "hf://org/a"}}))
+    wait_for(lambda: env.client.get("deployments", ns, "ro"), 10, "deployment")
+    ready_deployment(env, ns, "ro", 1)
+    ready_is(env, ns, "ro", "True")
+    old = env.client.get("deployments", ns, "ro")
+    env.client.patch(ISVC, ns, "ro", {"spec": {"model": {"uri": "hf://org/b"}}})
+
+    def new_template():
+        dep = env.client.get("deployments", ns, "ro")
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        return dep if args[args.index("--model") + 1] == "org/b" else None
+    dep = wait_for(new_template, 10, "new pod template")
+    assert dep["metadata"]["generation"] == old["metadata"]["generation"] + 1
+    assert dep["metadata"]["uid"] == old["metadata"]["uid"]  # patched in place: a rolling update, not a recreate
+    # the deployment controller has not caught up yet -> Progressing
+    wait_for(lambda: condition(get_isvc(env, ns, "ro"), "Progressing")["status"] == "True", 10, "Progressing")
+    ready_deployment(env, ns, "ro", 1)
+    ready_is(env, ns, "ro", "True")
+    assert get_isvc(env, ns, "ro")["status"]["servedModelName"] == "org/b"
+
+
+def test_deleted_or_edited_child_comes_back(env, ns):
+    env.client.create(ISVC, ns, isvc_body("dr", {"replicas": 2}))
+    svc = wait_for(lambda: env.client.get("services", ns, "dr"), 10, "service")
+    wait_for(lambda: env.client.get("deployments", ns, "dr"), 10, "deployment")
+    env.client.delete("services", ns, "dr")
+    back = wait_for(lambda: env.client.get("services", ns, "dr"), 10, "service recreated")
+    assert back["metadata"]["uid"] != svc["metadata"]["uid"]
+    env.client.delete("deployments", ns, "dr")
+    wait_for(lambda: env.client.get("deployments", ns, "dr"), 10, "deployment recreated")
+    # drift: someone edits the deployment by hand -> restored
+    env.client.patch("deployments", ns, "dr", {"spec": {"replicas": 7}})
+    wait_for(lambda: env.client.get("deployments", ns, "dr")["spec"]["replicas"] == 2, 10, "drift repaired")
+    env.client.patch("services", ns, "dr", {"spec": {"selector": {"app": "hijacked"}}})
+    wait_for(lambda: env.client.get("services", ns, "dr")["spec"]["selector"].get(L_ISVC) == "dr", 10,
+             "selector restored")
+
+
+def test_invalid_spec_sets_invalidspec_and_touches_no_children(env, ns):
+    # passes the schema of the emulator (no CEL there), caught by the operator's own checks
+    env.client.create(ISVC, ns, isvc_body("bad", {"engine": {"tensorParallelSize": 4},
+                                                  "resources": {"gpusPerPod": 3}}))
+    cond = ready_is(env, ns, "bad", "False", "InvalidSpec")
+    assert "spec.resources.gpusPerPod" in cond["message"]
+    assert get_isvc(env, ns, "bad")["status"]["phase"] == "Failed"
+    env.client.create(ISVC, ns, isvc_body("bad2", {"engine": {"extraArgs": ["--port", "9000"]}}))
+    cond = ready_is(env, ns, "bad2", "False", "InvalidSpec")
+    assert "spec.engine.extraArgs[0]" in cond["message"]
+    time.sleep(0.3)
+    assert children(env, ns) == {}
+    warnings = [e for e in env.cluster.find("events", ns) if e["reason"] == "InvalidSpec"]
+    assert warnings and warnings[0]["type"] == "Warning"
+    # fixing the spec recovers
+    env.client.patch(ISVC, ns, "bad", {"spec": {"resources": {"gpusPerPod": 4}}})
+    wait_for(lambda: env.client.get("deployments", ns, "bad"), 10, "children after the fix")
+    wait_for(lambda: condition(get_isvc(env, ns, "bad"), "Ready")["reason"] != "InvalidSpec", 10, "reason cleared")
+
+
+def test_invalid_update_leaves_existing_children_alone(env, ns):
+    env.client.create(ISVC, ns, isvc_body("keep", {"replicas": 2}))
+    dep = wait_for(lambda: env.client.get("deployments", ns, "keep"), 10, "deployment")
+    env.client.patch(ISVC, ns, "keep", {"spec": {"replicas": 1, "engine": {"extraArgs": ["--model=x"]}}})
+    ready_is(env, ns, "keep", "False", "InvalidSpec")
+    time.sleep(0.3)
+    assert env.client.get("deployments", ns, "keep")["metadata"]["resourceVersion"] == \
+        dep["metadata"]["resourceVersion"]
+    assert env.client.get("poddisruptionbudgets", ns, "keep") is not None
+
+
+def _group_pod(ns: str, isvc: str, group: int, ordinal: int, ready: bool = True) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"{isvc}-g{group}-{ordinal}", "labels": {
+            L_ISVC: isvc, L_MANAGED_BY: "shoal-operator", "app.kubernetes.io/component": "engine",
+            L_GROUP: str(group), L_POD_INDEX: str(ordinal)}},
+        "spec": {"containers": [{"name": "engine", "image": "x"}]},
+    }
+
+
+def _pod_status(ready: bool, restarts: int = 0, phase: str = "Running") -> dict:
+    return {"status": {
+        "phase": phase,
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        "containerStatuses": [{"name": "engine", "ready": ready, "started": True, "restartCount": restarts,
+                               "state": {"running": {}}}],
+    }}
+
+
+def test_multi_pod_group_restarts_together(env, ns):
+    spec = {"replicas": 2, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
+            "resources": {"gpusPerPod": 8}}
+    env.client.create(ISVC, ns, isvc_body("big", spec))
+    wait_for(lambda: all(env.client.get("statefulsets", ns, f"big-g{r}") for r in (0, 1)), 10, "statefulsets")
+    assert env.client.get("services", ns, "big-g0")["spec"]["clusterIP"] == "None"
+    assert env.client.get("services", ns, "big")["spec"]["selector"][L_POD_INDEX] == "0"
+    # play the StatefulSet controller: two pods per group, all ready
+    for g in (0, 1):
+        env.client.patch("statefulsets", ns, f"big-g{g}", {"status": {
+            "observedGeneration": 1, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}}, sub="status")
+        for o in (0, 1):
+            env.client.create("pods", ns, _group_pod(ns, "big", g, o))
+            env.client.patch("pods", ns, f"big-g{g}-{o}", _pod_status(ready=o == 0), sub="status")
+    # rank 1 not ready anywhere -> no group ready (a group is ready only when all its pods are)
+    time.sleep(0.3)
+    assert get_isvc(env, ns, "big")["status"]["readyReplicas"] == 0
+    for g in (0, 1):
+        env.client.patch("pods", ns, f"big-g{g}-1", _pod_status(ready=True), sub="status")
+    ready_is(env, ns, "big", "True")
+    assert get_isvc(env, ns, "big")["status"]["readyReplicas"] == 2
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in env.cluster.find("pods", ns)}
+    # rank 1 of group 0 restarts (its container died): the whole group must restart, group 1 untouched
+    env.client.patch("pods", ns, "big-g0-1", _pod_status(ready=False, restarts=1), sub="status")
+    wait_for(lambda: env.client.get("pods", ns, "big-g0-0") is None and env.client.get("pods", ns, "big-g0-1")
+             is None, 10, "group 0 pods deleted")
+    assert {p["metadata"]["uid"] for p in env.cluster.find("pods", ns)} == {uids["big-g1-0"], uids["big-g1-1"]}
+    restart_events = [e for e in env.cluster.find("events", ns) if e["reason"] == "GroupRestart"]
+    assert restart_events and "big-g0-1" in restart_events[0]["message"]
+    ready_is(env, ns, "big", "False")
+    # the StatefulSet controller recreates the group; once all its ranks are ready, the service is whole again
+    for o in (0, 1):
+        env.client.create("pods", ns, _group_pod(ns, "big", 0, o))
+        env.client.patch("pods", ns, f"big-g0-{o}", _pod_status(ready=True), sub="status")
+    ready_is(env, ns, "big", "True")
+    deletes = [w for w in env.cluster.writes if w[0] == "delete" and w[1] == "pods" and w[2] == ns]
+    assert sorted(w[3] for w in deletes) == ["big-g0-0", "big-g0-1"]
+
+
+def test_failed_pod_reasons_surface_in_status(env, ns):
+    env.client.create(ISVC, ns, isvc_body("img", {"replicas": 1}))
+    wait_for(lambda: env.client.get("deployments", ns, "img"), 10, "deployment")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "img-abc", "labels": {
+        L_ISVC: "img", L_MANAGED_BY: "shoal-operator", "app.kubernetes.io/component": "engine"}},
+        "spec": {"containers": [{"name": "engine", "image": "x"}]}}
+    env.client.create("pods", ns, pod)
+    env.client.patch("pods", ns, "img-abc", {"status": {"phase": "Pending", "containerStatuses": [{
+        "name": "engine", "ready": False, "restartCount": 0, "state": {"waiting": {
+            "reason": "ImagePullBackOff", "message": "Back-off pulling image \"x\""}}}]}}, sub="status")
+    cond = ready_is(env, ns, "img", "False", "ImagePullBackOff")
+    assert "img-abc" in cond["message"] and "Back-off pulling image" in cond["message"]
+    isvc = get_isvc(env, ns, "img")
+    assert isvc["status"]["phase"] == "Failed"
+    assert condition(isvc, "Degraded")["status"] == "True"
+
+
+def test_api_errors_are_retried_and_converge_without_duplicates(env, ns):
+    cluster = env.cluster
+    faults = [cluster.inject("create", "deployments", 500, 2),
+              cluster.inject("create", "services", 409, 1),
+              cluster.inject("update", ISVC, 500, 1, subresource="status")]
+    try:
+        env.client.create(ISVC, ns, isvc_body("flaky", {"replicas": 2}))
+        wait_for(lambda: env.client.get("deployments", ns, "flaky") and env.client.get("services", ns, "flaky"),
+                 15, "children despite errors")
+        wait_for(lambda: get_isvc(env, ns, "flaky").get("status"), 15, "status despite errors")
+        ready_deployment(env, ns, "flaky", 2)
+        ready_is(env, ns, "flaky", "True", timeout=15)
+        faults.append(cluster.inject("update", "deployments", 503, 2, subresource=None))
+        env.client.patch("deployments", ns, "flaky", {"spec": {"replicas": 5}})  # drift while patches fail
+        wait_for(lambda: env.client.get("deployments", ns, "flaky")["spec"]["replicas"] == 2, 15, "repaired")
+    finally:
+        for f in faults:
+            f.remaining = 0
+    creates = [w for w in cluster.writes if w[0] == "create" and w[2] == ns]
+    kinds = sorted(w[1] for w in creates if w[1] != "events")
+    assert kinds == ["deployments", "inferenceservices", "networkpolicies", "poddisruptionbudgets", "services"]
+    assert len(cluster.find("deployments", ns)) == 1 and len(cluster.find("services", ns)) == 1
+
+
+def test_operator_restart_resumes_without_duplicates(env, ns):
+    env.client.create(ISVC, ns, isvc_body("res", {"replicas": 2}))
+    wait_for(lambda: len(children(env, ns)) == 4, 10, "children")
+    env.operator.stop()
+    env.operator = None
+    env.client.delete("networkpolicies", ns, "res")  # changed while the operator was down
+    env.client.patch(ISVC, ns, "res", {"spec": {"replicas": 3}})
+    before = len([w for w in env.cluster.writes if w[0] == "create" and w[2] == ns and w[1] != "events"])
+    env.restart_operator()
+    wait_for(lambda: env.client.get("networkpolicies", ns, "res"), 10, "netpol recreated on resume")
+    wait_for(lambda: env.client.get("deployments", ns, "res")["spec"]["replicas"] == 3, 10, "scaled on resume")
+    time.sleep(0.3)
+    after = [w for w in env.cluster.writes if w[0] == "create" and w[2] == ns and w[1] != "events"]
+    assert len(after) == before + 1  # only the missing NetworkPolicy
+
+
+def test_deleting_the_isvc_collects_children(env, ns):
+    env.client.create(ISVC, ns, isvc_body("gone", {"replicas": 2}))
+    wait_for(lambda: len(children(env, ns)) == 4, 10, "children")
+    env.client.delete(ISVC, ns, "gone")
+    wait_for(lambda: children(env, ns) == {}, 10, "children collected through ownerReferences")
+    time.sleep(0.3)
+    assert children(env, ns) == {}  # and the operator does not resurrect them

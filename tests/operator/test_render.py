@@ -1,0 +1,276 @@
+"""render.py: every topology and option, every object validated against the official Kubernetes schemas."""
+
+from __future__ import annotations
+
+import copy
+
+import kubernetes_validate
+import pytest
+
+from shoal.operator import api, render
+from shoal.operator.render import L_GROUP, L_ISVC, L_POD_INDEX, Settings
+
+K8S_VERSION = kubernetes_validate.latest_version()  # the newest schemas the installed package ships
+SETTINGS = Settings(engine_image="registry.test/shoal-engine:1", operator_namespace="shoal-system")
+
+
+def isvc(spec: dict | None = None, name: str = "llm", namespace: str = "team-a") -> dict:
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND,
+            "metadata": {"name": name, "namespace": namespace, "uid": "0b9a5c1e-uid", "generation": 1},
+            "spec": spec or {}}
+
+
+def by_kind(children: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+def container(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+TOPOLOGIES = {
+    "cpu-demo": {"resources": {"gpusPerPod": 0, "cpu": 2, "memory": "4Gi"}},
+    "single-gpu": {"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}},
+    "tp4": {"model": {"uri": "pvc://models/llama-70b"}, "engine": {"tensorParallelSize": 4}, "replicas": 2},
+    "tp8xpp2": {"model": {"uri": "hf://meta-llama/Llama-3.1-405B"}, "replicas": 2,
+                "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}, "resources": {"gpusPerPod": 8}},
+    "everything": {
+        "model": {"uri": "file:///opt/models/m", "servedName": "m", "chatTemplate": "{{ messages }}"},
+        "replicas": 3, "image": "my.registry/engine:2", "imagePullPolicy": "Always", "imagePullSecrets": ["pull"],
+        "engine": {"tensorParallelSize": 2, "dtype": "bfloat16", "maxModelLen": 8192, "maxNumSeqs": 64,
+                   "maxNumBatchedTokens": 4096, "gpuMemoryUtilization": 0.85, "enablePrefixCaching": False,
+                   "attentionBackend": "triton", "enforceEager": True, "shutdownTimeoutSeconds": 120,
+                   "extraArgs": ["--seed", "7"]},
+        "resources": {"gpusPerPod": 2, "gpuResource": "amd.com/gpu", "cpu": "16", "memory": "128Gi",
+                      "shmSize": "16Gi", "cacheSize": "200Gi"},
+        "scheduling": {"nodeSelector": {"gpu": "a100"},
+                       "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                       "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                           "nodeSelectorTerms": [{"matchExpressions": [
+                               {"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+                       "priorityClassName": "inference"},
+        "env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "HF_HUB_OFFLINE", "value": "0"}],
+        "security": {"apiKeySecretRef": {"name": "llm-key", "key": "token"},
+                     "networkPolicy": {"allowFrom": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}]}},
+        "probes": {"startupTimeoutSeconds": 3600},
+        "rollout": {"maxUnavailable": 1, "maxSurge": 0},
+    },
+    "no-netpol": {"security": {"networkPolicy": {"enabled": False}}, "replicas": 0},
+}
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_every_rendered_object_is_valid_kubernetes(topology):
+    children = render.render(isvc(TOPOLOGIES[topology]), SETTINGS)
+    assert children
+    for obj in children:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_children_are_owned_labelled_and_hashed(topology):
+    for obj in render.render(isvc(TOPOLOGIES[topology]), SETTINGS):
+        meta = obj["metadata"]
+        assert meta["namespace"] == "team-a"
+        assert meta["ownerReferences"] == [{"apiVersion": api.API_VERSION, "kind": api.KIND, "name": "llm",
+                                            "uid": "0b9a5c1e-uid", "controller": True, "blockOwnerDeletion": True}]
+        assert meta["labels"][L_ISVC] == "llm"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "shoal-operator"
+        assert meta["labels"]["app.kubernetes.io/instance"] == "llm"
+        assert len(meta["annotations"][render.A_SPEC_HASH]) == 16
+
+
+def test_rendering_is_deterministic_and_hash_follows_content():
+    a = render.render(isvc(TOPOLOGIES["tp4"]), SETTINGS)
+    assert a == render.render(isvc(TOPOLOGIES["tp4"]), SETTINGS)
+    spec = copy.deepcopy(TOPOLOGIES["tp4"])
+    spec["model"]["uri"] = "pvc://models/other"
+    b = render.render(isvc(spec), SETTINGS)
+    ha = {o["kind"]: o["metadata"]["annotations"][render.A_SPEC_HASH] for o in a}
+    hb = {o["kind"]: o["metadata"]["annotations"][render.A_SPEC_HASH] for o in b}
+    assert ha["Deployment"] != hb["Deployment"] and ha["Service"] == hb["Service"]
+
+
+def test_cpu_demo_single_pod():
+    kids = by_kind(render.render(isvc(TOPOLOGIES["cpu-demo"]), SETTINGS))
+    assert set(kids) == {("Deployment", "llm"), ("Service", "llm"), ("NetworkPolicy", "llm")}  # replicas 1: no PDB
+    dep = kids[("Deployment", "llm")]
+    c = container(dep)
+    assert c["command"] == ["shoal-engine", "serve"]
+    assert "--model" not in c["args"]  # demo:// -> the engine's built-in demo model
+    assert flag(c["args"], "--served-model-name") == "llm"
+    assert flag(c["args"], "--port") == "8000" and flag(c["args"], "--host") == "0.0.0.0"
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
+    assert "nvidia.com/gpu" not in str(c["resources"])
+    assert c["image"] == "registry.test/shoal-engine:1"
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["selector"]["matchLabels"] == {L_ISVC: "llm", "app.kubernetes.io/component": "engine"}
+
+
+def test_single_gpu_hf_model():
+    kids = by_kind(render.render(isvc(TOPOLOGIES["single-gpu"]), SETTINGS))
+    c = container(kids[("Deployment", "llm")])
+    assert flag(c["args"], "--model") == "Qwen/Qwen2.5-7B-Instruct"
+    assert flag(c["args"], "--served-model-name") == "Qwen/Qwen2.5-7B-Instruct"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["HF_HOME"] == "/cache/huggingface" and "HF_HUB_OFFLINE" not in env
+    assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+
+
+def test_tp4_pvc_single_pod_with_four_gpus():
+    kids = by_kind(render.render(isvc(TOPOLOGIES["tp4"]), SETTINGS))
+    dep = kids[("Deployment", "llm")]
+    c = container(dep)
+    assert flag(c["args"], "--tensor-parallel-size") == "4" and flag(c["args"], "--pipeline-parallel-size") == "1"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert flag(c["args"], "--model") == "/models/llama-70b"
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert "--nnodes" not in c["args"]
+    pdb = kids[("PodDisruptionBudget", "llm")]
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_tp8xpp2_two_pod_groups():
+    kids = by_kind(render.render(isvc(TOPOLOGIES["tp8xpp2"]), SETTINGS))
+    assert ("Deployment", "llm") not in kids
+    for r in (0, 1):
+        sts = kids[("StatefulSet", f"llm-g{r}")]
+        headless = kids[("Service", f"llm-g{r}")]
+        assert sts["spec"]["replicas"] == 2 and sts["spec"]["podManagementPolicy"] == "Parallel"
+        assert sts["spec"]["serviceName"] == f"llm-g{r}"
+        assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+        assert sts["spec"]["selector"]["matchLabels"][L_GROUP] == str(r)
+        assert sts["spec"]["template"]["metadata"]["labels"][L_GROUP] == str(r)
+        assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+        c = container(sts)
+        args = c["args"]
+        assert flag(args, "--nnodes") == "2"
+        assert flag(args, "--node-rank") == "$(SHOAL_NODE_RANK)"
+        assert flag(args, "--master-addr") == f"llm-g{r}-0.llm-g{r}.team-a.svc.cluster.local"
+        assert flag(args, "--master-port") == "29500"
+        assert c["command"][:2] == ["/bin/sh", "-c"] and "--headless" in c["command"][2]
+        rank = next(e for e in c["env"] if e["name"] == "SHOAL_NODE_RANK")
+        assert rank["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{L_POD_INDEX}']"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert c["startupProbe"]["httpGet"]["path"] == "/readyz"  # workers serve /livez and /readyz only
+        assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
+    gateway = kids[("Service", "llm")]
+    assert gateway["spec"]["selector"][L_POD_INDEX] == "0"  # only rank 0 behind the gateway
+    netpol = kids[("NetworkPolicy", "llm")]
+    same_isvc = [r for r in netpol["spec"]["ingress"] if "ports" not in r]
+    assert same_isvc == [{"from": [{"podSelector": {"matchLabels": {
+        L_ISVC: "llm", "app.kubernetes.io/component": "engine"}}}]}]
+
+
+def test_plan_status_fields():
+    p = render.plan(isvc(TOPOLOGIES["tp8xpp2"]), SETTINGS)
+    assert p.pods_per_replica == 2 and p.multi_pod and p.gpus_per_pod == 8
+    assert p.url == "http://llm.team-a.svc.cluster.local:8000"
+    assert p.selector_str == f"app.kubernetes.io/component=engine,{L_POD_INDEX}=0,{L_ISVC}=llm"
+    assert render.plan(isvc(), Settings(cluster_domain="k8s.example")).url.endswith(".svc.k8s.example:8000")
+
+
+def test_default_gpus_capped_by_node_size():
+    spec = {"engine": {"tensorParallelSize": 16}}
+    p = render.plan(isvc(spec), Settings(max_gpus_per_node=8))
+    assert p.gpus_per_pod == 8 and p.pods_per_replica == 2
+
+
+def test_every_option_reaches_the_pod():
+    kids = by_kind(render.render(isvc(TOPOLOGIES["everything"]), SETTINGS))
+    dep = kids[("Deployment", "llm")]
+    pod = dep["spec"]["template"]["spec"]
+    c = container(dep)
+    args = c["args"]
+    assert args[:2] == ["--model", "/opt/models/m"]
+    assert flag(args, "--served-model-name") == "m"
+    assert flag(args, "--dtype") == "bfloat16" and flag(args, "--max-model-len") == "8192"
+    assert flag(args, "--max-num-seqs") == "64" and flag(args, "--max-num-batched-tokens") == "4096"
+    assert flag(args, "--gpu-memory-utilization") == "0.85"
+    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+    assert flag(args, "--attention-backend") == "triton" and "--enforce-eager" in args
+    assert flag(args, "--chat-template") == "/etc/shoal/chat-template/template.jinja"
+    assert flag(args, "--shutdown-timeout") == "120"
+    assert flag(args, "--api-key") == "$(SHOAL_API_KEY)"
+    assert args[-2:] == ["--seed", "7"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["SHOAL_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "llm-key", "key": "token"}
+    assert env["NCCL_DEBUG"]["value"] == "INFO" and env["HF_HUB_OFFLINE"]["value"] == "0"  # user env wins
+    assert [e["name"] for e in c["env"]].count("HF_HUB_OFFLINE") == 1
+    assert c["image"] == "my.registry/engine:2" and c["imagePullPolicy"] == "Always"
+    assert pod["imagePullSecrets"] == [{"name": "pull"}]
+    assert c["resources"] == {"requests": {"cpu": "16", "memory": "128Gi", "amd.com/gpu": "2"},
+                              "limits": {"memory": "128Gi", "amd.com/gpu": "2"}}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert vols["cache"]["emptyDir"] == {"sizeLimit": "200Gi"}
+    assert vols["chat-template"]["configMap"]["name"] == "llm-chat-template"
+    assert kids[("ConfigMap", "llm-chat-template")]["data"] == {"template.jinja": "{{ messages }}"}
+    assert pod["nodeSelector"] == {"gpu": "a100"} and pod["priorityClassName"] == "inference"
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu" and "nodeAffinity" in pod["affinity"]
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 3600
+    # drain: preStop sleep, then --shutdown-timeout, all inside the grace period
+    assert pod["terminationGracePeriodSeconds"] > 120 + c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    np = kids[("NetworkPolicy", "llm")]
+    assert np["spec"]["ingress"][0]["from"] == [{"namespaceSelector": {"matchLabels": {"team": "b"}}}]
+    assert np["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "shoal-system"}
+
+
+def test_pod_security_and_probes():
+    dep = render.render(isvc(), SETTINGS)[0]
+    pod = dep["spec"]["template"]["spec"]
+    c = container(dep)
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/dev/shm", "/cache", "/tmp"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/startupz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert c["startupProbe"]["failureThreshold"] == 180  # 1800 s default budget / 10 s period
+    assert pod["terminationGracePeriodSeconds"] == 30 + 5 + 15
+    assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+
+
+def test_network_policy_disabled_and_zero_replicas():
+    kids = by_kind(render.render(isvc(TOPOLOGIES["no-netpol"]), SETTINGS))
+    assert set(kids) == {("Deployment", "llm"), ("Service", "llm")}
+    assert kids[("Deployment", "llm")]["spec"]["replicas"] == 0
+
+
+def test_default_network_policy_allows_same_namespace_only():
+    np = by_kind(render.render(isvc(), Settings()))[("NetworkPolicy", "llm")]
+    assert np["spec"]["ingress"] == [{"from": [{"podSelector": {}}], "ports": [{"port": 8000, "protocol": "TCP"}]}]
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+
+
+@pytest.mark.parametrize("spec,field", [
+    ({"engine": {"extraArgs": ["--port=9000"]}}, "spec.engine.extraArgs[0]"),
+    ({"engine": {"extraArgs": ["--seed", "1", "--tensor-parallel-size", "2"]}}, "spec.engine.extraArgs[2]"),
+    ({"resources": {"gpusPerPod": 16}, "engine": {"tensorParallelSize": 16}}, "spec.resources.gpusPerPod"),
+    ({"env": [{"value": "x"}]}, "spec.env[0].name"),
+    ({"engine": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 3}}, "spec.resources.gpusPerPod"),
+])
+def test_semantic_errors_name_the_field(spec, field):
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc(spec), SETTINGS)
+    assert e.value.field == field
+
+
+def test_long_names_are_refused():
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc(name="x" * 60), SETTINGS)
+    assert e.value.field == "metadata.name"
