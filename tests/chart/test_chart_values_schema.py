@@ -68,6 +68,8 @@ INVALID = [
     ({"metrics": {"scraperNamespace": "Monitoring"}}, "/metrics/scraperNamespace"),
     ({"metrics": {"serviceMonitor": {"enabled": "true"}}}, "/metrics/serviceMonitor/enabled"),
     ({"metrics": {"serviceMonitor": {"interval": "30 seconds"}}}, "/metrics/serviceMonitor/interval"),
+    ({"metrics": {"serviceMonitor": {"interval": "1.5s"}}}, "/metrics/serviceMonitor/interval"),
+    ({"metrics": {"serviceMonitor": {"scrapeTimeout": ""}}}, "/metrics/serviceMonitor/scrapeTimeout"),
     ({"metrics": {"serviceMonitor": {"namespace": "Monitoring"}}}, "/metrics/serviceMonitor/namespace"),
     ({"grafanaDashboard": {"labels": {"grafana_dashboard": 1}}}, "/grafanaDashboard/labels/grafana_dashboard"),
 ]
