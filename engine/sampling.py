@@ -24,6 +24,27 @@ MAX_N = 128  # cap on n (completions per request)
 MAX_LOGPROBS = 20  # cap on logprobs (top alternatives per token), as OpenAI's top_logprobs
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum per row (torch's CPU argmax is ~3x slower than max)."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim of finite logits (faster than torch.logsumexp on CPU)."""
+    m = x.amax(dim=-1, keepdim=True)
+    return (x - m).exp_().sum(dim=-1).log_() + m.squeeze(-1)
+
+
+def _sort_desc(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows sorted descending, with indices. numpy's argsort is several times faster than torch.sort on CPU."""
+    if z.device.type == "cpu":
+        import numpy as np
+
+        ids = torch.from_numpy(np.argsort(-z.numpy(), axis=-1))
+        return z.gather(1, ids), ids
+    return z.sort(dim=-1, descending=True)
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -191,6 +212,8 @@ class Sampler:
         elif isinstance(eos_token_ids, int):
             eos_token_ids = {eos_token_ids}
         self.eos_token_ids = sorted(set(eos_token_ids))
+        # CPU only: truncation (top-k/top-p) works on each row's best `num_candidates` tokens when they decide it.
+        self.num_candidates = 128
 
     # ------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -212,12 +235,12 @@ class Sampler:
         # ---- choose tokens --------------------------------------------------------------------------------
         greedy = [p.temperature < _SAMPLING_EPS for p in params]
         if all(greedy):
-            tokens = x.argmax(dim=-1)
+            tokens = _argmax(x)
         else:
             tokens = self._sample(x, rows, greedy, V)
 
         # ---- log-probs of the raw distribution ----------------------------------------------------------------
-        lse = torch.logsumexp(raw, dim=-1)
+        lse = _logsumexp(raw)
         tok_logit = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
         sampled_lp = tok_logit - lse
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -277,113 +300,181 @@ class Sampler:
         return x
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow], pen_rows: list[int], V: int) -> None:
-        """In place on x[pen_rows]: repetition over prompt+output (HF/vLLM), frequency/presence over output."""
+        """In place on x: repetition over prompt+output (HF/vLLM), then frequency/presence over output (OpenAI).
+
+        Index operations on the touched (row, token) pairs only, no [B, V] temporaries.
+        """
         device = x.device
-        n = len(pen_rows)
         rep_r: list[int] = []
         rep_t: list[int] = []
-        out_r: list[int] = []
-        out_t: list[int] = []
-        rep, freq, pres = [], [], []
-        for j, i in enumerate(pen_rows):
+        rep_v: list[float] = []
+        fr_r: list[int] = []
+        fr_t: list[int] = []
+        fr_v: list[float] = []
+        pr_r: list[int] = []
+        pr_t: list[int] = []
+        pr_v: list[float] = []
+        for i in pen_rows:
             r = rows[i]
             p = r.params
-            rep.append(p.repetition_penalty)
-            freq.append(p.frequency_penalty)
-            pres.append(p.presence_penalty)
             if p.repetition_penalty != 1.0:
-                toks = r.prompt_token_ids + r.output_token_ids
+                toks = set(r.prompt_token_ids)
+                toks.update(r.output_token_ids)
                 rep_t.extend(toks)
-                rep_r.extend([j] * len(toks))
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-                out_t.extend(r.output_token_ids)
-                out_r.extend([j] * len(r.output_token_ids))
-        idx = torch.tensor(pen_rows, device=device)
-        sub = x.index_select(0, idx)
+                rep_r.extend([i] * len(toks))
+                rep_v.extend([p.repetition_penalty] * len(toks))
+            if p.frequency_penalty != 0.0 and r.output_token_ids:
+                n = len(r.output_token_ids)
+                fr_t.extend(r.output_token_ids)
+                fr_r.extend([i] * n)
+                fr_v.extend([-p.frequency_penalty] * n)
+            if p.presence_penalty != 0.0 and r.output_token_ids:
+                toks = set(r.output_token_ids)
+                pr_t.extend(toks)
+                pr_r.extend([i] * len(toks))
+                pr_v.extend([-p.presence_penalty] * len(toks))
+
+        def idx(rr: list[int], tt: list[int], vv: list[float]):
+            r = torch.tensor(rr, device=device)
+            t = torch.tensor(tt, device=device)
+            v = torch.tensor(vv, device=device, dtype=x.dtype)
+            keep = t < V
+            if not bool(keep.all()):
+                r, t, v = r[keep], t[keep], v[keep]
+            return r, t, v
+
         if rep_t:
-            rt = torch.tensor(rep_t, device=device)
-            rr = torch.tensor(rep_r, device=device)
-            keep = rt < V
-            seen = torch.zeros(n, V, dtype=torch.bool, device=device)
-            seen[rr[keep], rt[keep]] = True
-            penalty = torch.tensor(rep, device=device, dtype=x.dtype).unsqueeze(1)
-            penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
-            sub = torch.where(seen, penalised, sub)
-        if out_t:
-            ot = torch.tensor(out_t, device=device)
-            orr = torch.tensor(out_r, device=device)
-            keep = ot < V
-            counts = torch.zeros(n, V, dtype=x.dtype, device=device)
-            counts.index_put_((orr[keep], ot[keep]), torch.ones(int(keep.sum()), dtype=x.dtype, device=device),
-                              accumulate=True)
-            f = torch.tensor(freq, device=device, dtype=x.dtype).unsqueeze(1)
-            pr = torch.tensor(pres, device=device, dtype=x.dtype).unsqueeze(1)
-            sub = sub - f * counts - pr * (counts > 0).to(x.dtype)
-        x.index_copy_(0, idx, sub)
+            r, t, pen = idx(rep_r, rep_t, rep_v)
+            vals = x[r, t]
+            x[r, t] = torch.where(vals > 0, vals / pen, vals * pen)
+        if fr_t or pr_t:
+            r, t, v = idx(fr_r + pr_r, fr_t + pr_t, fr_v + pr_v)
+            x.index_put_((r, t), v, accumulate=True)
+
+    @staticmethod
+    def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One draw per row from unnormalised non-negative weights; a zero-weight column is never chosen."""
+        cum = probs.cumsum(dim=-1)
+        total = cum[:, -1:]
+        target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+        idx = torch.searchsorted(cum, target, right=True)
+        return idx.clamp_max_(probs.shape[1] - 1).squeeze(1)
+
+    def _uniforms(self, rows: list[SamplingRow], rand_rows: list[int], device: torch.device) -> torch.Tensor:
+        """One U[0,1) per sampled row; a seeded row draws exactly one value from its own generator per step."""
+        u = torch.rand(len(rand_rows), device=device)
+        pos: list[int] = []
+        vals: list[torch.Tensor] = []
+        for j, i in enumerate(rand_rows):
+            g = rows[i].generator
+            if g is not None:
+                pos.append(j)
+                vals.append(torch.rand(1, generator=g, device=g.device).to(device))
+        if pos:
+            u.index_copy_(0, torch.tensor(pos, device=device), torch.cat(vals))
+        return u
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow], greedy: list[bool], V: int) -> torch.Tensor:
         device = x.device
         params = [r.params for r in rows]
-        argmax = x.argmax(dim=-1)
-
-        # Only the random rows go through truncation and sampling.
         rand_rows = [i for i, g in enumerate(greedy) if not g]
-        all_random = len(rand_rows) == len(rows)
-        ridx = None if all_random else torch.tensor(rand_rows, device=device)
-        z = x if all_random else x.index_select(0, ridx)
+        n = len(rand_rows)
+        all_random = n == len(rows)
+        z = x if all_random else x.index_select(0, torch.tensor(rand_rows, device=device))
         rp = [params[i] for i in rand_rows]
-        temp = torch.tensor([p.temperature for p in rp], device=device, dtype=z.dtype).unsqueeze(1)
-        z = z / temp
-
+        temps = [p.temperature for p in rp]
+        if any(t != 1.0 for t in temps):
+            z = z / torch.tensor(temps, device=device, dtype=z.dtype).unsqueeze(1)
         top_k = [p.top_k if 0 < p.top_k < V else 0 for p in rp]
         top_p = [p.top_p for p in rp]
-        use_k = any(top_k)
-        use_p = any(v < 1.0 for v in top_p)
-        neg_inf = float("-inf")
-        if use_p:
-            sorted_z, sorted_idx = z.sort(dim=-1, descending=True)
-            if use_k:
-                k = torch.tensor([k if k else V for k in top_k], device=device).unsqueeze(1)
-                pos = torch.arange(V, device=device).unsqueeze(0)
-                sorted_z = sorted_z.masked_fill(pos >= k, neg_inf)
-            probs_sorted = sorted_z.softmax(dim=-1)
-            cum = probs_sorted.cumsum(dim=-1)
-            tp = torch.tensor(top_p, device=device, dtype=z.dtype).unsqueeze(1)
-            # Drop a token when the mass strictly before it already reaches top_p; the first token always stays.
-            drop = (cum - probs_sorted) >= tp
-            drop[:, 0] = False
-            sorted_z = sorted_z.masked_fill(drop, neg_inf)
-            z = torch.empty_like(z).scatter_(1, sorted_idx, sorted_z)
-        elif use_k:
-            kmax = max(top_k)
-            top_vals = z.topk(kmax, dim=-1).values
-            k = torch.tensor([k if k else 1 for k in top_k], device=device).unsqueeze(1)
-            thresh = top_vals.gather(1, k - 1)
-            off = torch.tensor([k == 0 for k in top_k], device=device).unsqueeze(1)
-            thresh = thresh.masked_fill(off, neg_inf)
-            z = z.masked_fill(z < thresh, neg_inf)
-
-        probs = z.softmax(dim=-1)
         min_p = [p.min_p for p in rp]
+        u = self._uniforms(rows, rand_rows, device)
+
+        out = torch.empty(n, dtype=torch.long, device=device)
+        trunc = [j for j in range(n) if top_k[j] or top_p[j] < 1.0]
+        plain = [j for j in range(n) if not (top_k[j] or top_p[j] < 1.0)]
+        if plain:
+            pi = None if len(plain) == n else torch.tensor(plain, device=device)
+            zp = z if pi is None else z.index_select(0, pi)
+            probs = zp.softmax(dim=-1)
+            mp = [min_p[j] for j in plain]
+            if any(mp):
+                thr = probs.amax(dim=-1, keepdim=True) * torch.tensor(mp, device=device, dtype=probs.dtype).unsqueeze(1)
+                probs = probs.masked_fill(probs < thr, 0.0)
+            tok = self._inverse_cdf(probs, u if pi is None else u.index_select(0, pi))
+            if pi is None:
+                out = tok
+            else:
+                out.index_copy_(0, pi, tok)
+        if trunc:
+            # Candidates: on CPU with a large vocabulary, top-K by partial selection usually holds the whole
+            # nucleus; rows whose truncation the candidates cannot decide fall back to a full sort. Which path a
+            # row takes depends on that row alone, so seeded rows stay batch-independent.
+            K = self.num_candidates if device.type == "cpu" and V > 2 * self.num_candidates else V
+            every = len(trunc) == n
+            ti = None if every else torch.tensor(trunc, device=device)
+            zt = z if every else z.index_select(0, ti)
+            ut = u if every else u.index_select(0, ti)
+            tk = [top_k[j] for j in trunc]
+            tp = [top_p[j] for j in trunc]
+            tm = [min_p[j] for j in trunc]
+            tok, resolved = self._truncated(zt, K, tk, tp, tm, ut)
+            if resolved is not None and not bool(resolved.all()):
+                bad = torch.nonzero(~resolved).squeeze(1)
+                bl = bad.tolist()
+                tok2, _ = self._truncated(zt.index_select(0, bad), V, [tk[b] for b in bl], [tp[b] for b in bl],
+                                          [tm[b] for b in bl], ut.index_select(0, bad))
+                tok = tok.index_copy(0, bad, tok2)
+            if every:
+                out = tok
+            else:
+                out.index_copy_(0, ti, tok)
+        if all_random:
+            return out
+        tokens = _argmax(x)
+        tokens.index_copy_(0, torch.tensor(rand_rows, device=device), out)
+        return tokens
+
+    def _truncated(self, z: torch.Tensor, K: int, top_k: list[int], top_p: list[float], min_p: list[float],
+                   u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """top-k -> top-p -> min-p -> sample in the space of the K best tokens of each row (sorted, descending).
+
+        Returns the sampled token ids and, when K < V, which rows the candidates decided (None when K == V).
+        """
+        device = z.device
+        V = z.shape[1]
+        if K >= V:
+            vals, ids = _sort_desc(z)
+            K = V
+        else:
+            vals, ids = z.topk(K, dim=-1)
+        pos = torch.arange(K, device=device).unsqueeze(0)
+        has_k = [0 < k <= K for k in top_k]
+        if any(has_k):
+            kt = torch.tensor([k if h else K for k, h in zip(top_k, has_k)], device=device).unsqueeze(1)
+            vals = vals.masked_fill(pos >= kt, float("-inf"))
+        # Normaliser: the kept top-k mass for top-k rows, the whole row otherwise.
+        lse = _logsumexp(z) if K < V else _logsumexp(vals)
+        if K < V and any(has_k):
+            lse = torch.where(torch.tensor(has_k, device=device), _logsumexp(vals), lse)
+        probs = (vals - lse.unsqueeze(1)).exp()
+        resolved = None
+        if any(p < 1.0 for p in top_p):
+            cum = probs.cumsum(dim=-1)
+            tpt = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], device=device, dtype=probs.dtype).unsqueeze(1)
+            # Drop a token when the mass strictly before it already reaches top_p; the best token always stays.
+            drop = (cum - probs) >= tpt
+            drop[:, 0] = False
+            probs = probs.masked_fill(drop, 0.0)
+            if K < V:
+                resolved = torch.tensor(has_k, device=device) | (cum[:, -1] >= tpt.squeeze(1))
+        if K < V:
+            need_k = torch.tensor([0 < k <= K or p < 1.0 for k, p in zip(top_k, top_p)], device=device)
+            big_k = torch.tensor([k > K for k in top_k], device=device)
+            base = need_k & ~big_k
+            resolved = base if resolved is None else (resolved & ~big_k)
         if any(m > 0.0 for m in min_p):
             mp = torch.tensor(min_p, device=device, dtype=probs.dtype).unsqueeze(1)
-            thresh = probs.amax(dim=-1, keepdim=True) * mp
-            probs = probs.masked_fill(probs < thresh, 0.0)
-
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p (p need not be normalised).
-        q = torch.empty_like(probs)
-        seeded = [(j, rows[i].generator) for j, i in enumerate(rand_rows) if rows[i].generator is not None]
-        if len(seeded) < len(rand_rows):
-            q.exponential_()
-        for j, g in seeded:
-            if g.device == q.device:
-                q[j].exponential_(generator=g)
-            else:
-                q[j] = torch.empty(V, device=g.device).exponential_(generator=g).to(device)
-        q.clamp_min_(1e-30)
-        sampled = (probs / q).argmax(dim=-1)
-        if all_random:
-            return sampled
-        out = argmax.clone()
-        out.index_copy_(0, ridx, sampled)
-        return out
+            probs = probs.masked_fill(probs < probs[:, :1] * mp, 0.0)
+        idx = self._inverse_cdf(probs, u)
+        return ids.gather(1, idx.unsqueeze(1)).squeeze(1), resolved

@@ -20,11 +20,19 @@ from shoal.engine.sampling import (
 )
 
 
-def row(prompt=(1, 2), output=(), gen=None, **kw) -> SamplingRow:
+def row(prompt=(1, 2), output=(), gen=None, device="cpu", **kw) -> SamplingRow:
     p = SamplingParams(**kw)
     if gen is None and p.seed is not None:
-        gen = make_generator(p.seed)
+        gen = make_generator(p.seed, device=device)
     return SamplingRow(p, list(prompt), list(output), gen)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """The sampler's tensors live where the logits do; CUDA runs are skipped without a GPU."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return request.param
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -107,9 +115,9 @@ def test_valid_edges_accepted():
 # Greedy, vocab padding, logprobs
 
 
-def test_greedy_is_argmax():
+def test_greedy_is_argmax(device):
     torch.manual_seed(0)
-    logits = torch.randn(7, 50)
+    logits = torch.randn(7, 50).to(device)
     out = Sampler(50, {0})(logits, [row(temperature=0) for _ in range(7)])
     assert out.token_ids == logits.argmax(-1).tolist()
     # a mixed batch: greedy rows still take the argmax
@@ -119,10 +127,10 @@ def test_greedy_is_argmax():
         assert out.token_ids[i] == int(logits[i].argmax())
 
 
-def test_vocab_padding_never_sampled():
+def test_vocab_padding_never_sampled(device):
     torch.manual_seed(0)
     V, pad = 20, 12
-    logits = torch.randn(64, V + pad)
+    logits = torch.randn(64, V + pad).to(device)
     logits[:, V:] = 1e4  # padding columns would win everything if looked at
     sampler = Sampler(V, {0})
     rows = [row(temperature=t) for t in (0.0, 1.0, 2.0, 0.5)] * 16
@@ -130,16 +138,16 @@ def test_vocab_padding_never_sampled():
         out = sampler(logits, rows)
         assert max(out.token_ids) < V
     # and the reported distribution is over the real vocabulary only
-    lp = torch.log_softmax(logits[:, :V], -1)
+    lp = torch.log_softmax(logits[:, :V].cpu(), -1)
     assert out.logprobs[0] == pytest.approx(float(lp[0, out.token_ids[0]]), abs=1e-5)
 
 
-def test_logprobs_match_log_softmax():
+def test_logprobs_match_log_softmax(device):
     torch.manual_seed(1)
-    logits = torch.randn(4, 30) * 3
+    logits = (torch.randn(4, 30) * 3).to(device)
     rows = [row(temperature=0, logprobs=5), row(temperature=0.9, logprobs=0), row(temperature=0), row(logprobs=20)]
     out = Sampler(30, {0})(logits, rows)
-    lp = torch.log_softmax(logits.double(), -1)
+    lp = torch.log_softmax(logits.cpu().double(), -1)
     for i, t in enumerate(out.token_ids):
         assert out.logprobs[i] == pytest.approx(float(lp[i, t]), abs=1e-5)
     assert out.top_logprobs[2] is None and out.ranks[2] is None
@@ -185,7 +193,7 @@ def test_half_precision_logits():
 # Penalties
 
 
-def test_repetition_penalty_matches_transformers():
+def test_repetition_penalty_matches_transformers(device):
     from transformers import RepetitionPenaltyLogitsProcessor
 
     torch.manual_seed(2)
@@ -195,7 +203,7 @@ def test_repetition_penalty_matches_transformers():
     outputs = [[9, 1, 30], [], [0, 0, 38]]
     pens = [1.3, 0.7, 2.0]
     rows = [row(prompt=p, output=o, repetition_penalty=r) for p, o, r in zip(prompts, outputs, pens)]
-    got = Sampler(V, {0}).process_logits(logits, rows)
+    got = Sampler(V, {0}).process_logits(logits.to(device), rows).cpu()
     for i in range(3):
         ids = torch.tensor([prompts[i] + outputs[i]])
         want = RepetitionPenaltyLogitsProcessor(pens[i])(ids, logits[i : i + 1].clone())
@@ -208,7 +216,7 @@ def test_repetition_penalty_matches_transformers():
     assert torch.equal(got[0, untouched], logits[0, untouched])
 
 
-def test_frequency_and_presence_penalties_openai_semantics():
+def test_frequency_and_presence_penalties_openai_semantics(device):
     V = 12
     logits = torch.linspace(-2, 3, V).repeat(2, 1)
     prompt = [4, 4, 4, 6]  # prompt tokens are not penalised by frequency/presence
@@ -217,7 +225,7 @@ def test_frequency_and_presence_penalties_openai_semantics():
         row(prompt=prompt, output=output, frequency_penalty=0.5, presence_penalty=0.25),
         row(prompt=prompt, output=output, frequency_penalty=-1.0),
     ]
-    got = Sampler(V, {0}).process_logits(logits, rows)
+    got = Sampler(V, {0}).process_logits(logits.to(device), rows).cpu()
     counts = torch.zeros(V)
     for t in output:
         counts[t] += 1
@@ -253,9 +261,9 @@ def test_penalty_changes_greedy_choice():
 # min_tokens, EOS, stop_token_ids
 
 
-def test_min_tokens_masks_eos_and_stop_token_ids():
+def test_min_tokens_masks_eos_and_stop_token_ids(device):
     V = 10
-    logits = torch.zeros(4, V)
+    logits = torch.zeros(4, V, device=device)
     logits[:, 0] = 50.0  # EOS
     logits[:, 3] = 40.0  # a stop token id
     logits[:, 7] = 30.0
@@ -317,8 +325,9 @@ def _allowed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     top_k=st.integers(0, 12),
     top_p=st.sampled_from([1.0, 0.95, 0.8, 0.5, 0.2, 0.05]),
     min_p=st.sampled_from([0.0, 0.05, 0.2, 0.5]),
+    num_candidates=st.sampled_from([512, 1, 3, 8]),
 )
-def test_truncation_never_emits_excluded_tokens(seed, V, temperature, top_k, top_p, min_p):
+def test_truncation_never_emits_excluded_tokens(seed, V, temperature, top_k, top_p, min_p, num_candidates):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(V, generator=g, dtype=torch.float64) * 2.5
     # distinct values so top-k has no ties
@@ -331,33 +340,89 @@ def test_truncation_never_emits_excluded_tokens(seed, V, temperature, top_k, top
     rows = [row(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p) for _ in range(B)]
     # mix in rows with other settings so per-row parameters are really per row
     rows[::7] = [row(temperature=1.0)] * len(rows[::7])
-    out = Sampler(V, {0})(logits, rows)
+    sampler = Sampler(V, {0})
+    sampler.num_candidates = num_candidates  # small: the candidate path and its full-sort fallback on CPU
+    out = sampler(logits, rows)
     got = {t for i, t in enumerate(out.token_ids) if i % 7}
     assert got <= allowed, (got - allowed, allowed)
 
 
-def test_top_k_top_p_min_p_fixed_cases():
-    # probabilities 0.5, 0.25, 0.125, 0.0625, ... (log-space linear)
+@pytest.mark.parametrize("num_candidates", [512, 1, 2])
+def test_top_k_top_p_min_p_fixed_cases(device, num_candidates):
+    # probabilities 0.5, 0.25, 0.125, 0.0625, ... (log-space linear), shuffled over the vocabulary
     V = 8
-    logits = torch.tensor([-(i * math.log(2)) for i in range(V)]).repeat(2000, 1)
+    perm = torch.tensor([3, 6, 0, 7, 1, 5, 2, 4])  # rank r lives at token perm[r]
+    base = torch.empty(V)
+    base[perm] = torch.tensor([-(i * math.log(2)) for i in range(V)])
+    logits = base.repeat(2000, 1).to(device)
     s = Sampler(V, set())
+    s.num_candidates = num_candidates
+
+    def ranks(*r):
+        return {int(perm[i]) for i in r}
 
     def emitted(**kw):
         return set(s(logits, [row(**kw) for _ in range(2000)]).token_ids)
 
-    assert emitted(top_k=1) == {0}
-    assert emitted(top_k=3) == {0, 1, 2}
-    assert emitted(top_p=0.5) == {0}
-    assert emitted(top_p=0.7) == {0, 1}
-    assert emitted(top_p=0.8) == {0, 1, 2}
-    assert emitted(min_p=0.3) == {0, 1}
-    assert emitted(min_p=0.2, top_k=4) == {0, 1, 2}
+    assert emitted(top_k=1) == ranks(0)
+    assert emitted(top_k=3) == ranks(0, 1, 2)
+    assert emitted(top_k=6) == ranks(0, 1, 2, 3, 4, 5)
+    assert emitted(top_p=0.5) == ranks(0)
+    assert emitted(top_p=0.7) == ranks(0, 1)
+    assert emitted(top_p=0.8) == ranks(0, 1, 2)
+    assert emitted(top_p=0.99) == ranks(0, 1, 2, 3, 4, 5, 6)
+    assert emitted(top_p=0.8, top_k=2) == ranks(0, 1)
+    assert emitted(min_p=0.3) == ranks(0, 1)
+    assert emitted(min_p=0.2, top_k=4) == ranks(0, 1, 2)
     assert emitted(top_k=0, top_p=1.0) == set(range(V))
 
 
-def test_sampling_follows_the_distribution():
+def _reference_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """vLLM's truncation order in float64: temperature -> top-k -> top-p -> min-p, renormalised."""
+    z = logits.double() / temperature
+    order = torch.argsort(z, descending=True)
+    keep = torch.zeros_like(z, dtype=torch.bool)
+    keep[order[: top_k if top_k > 0 else z.numel()]] = True
+    p = torch.softmax(z.masked_fill(~keep, float("-inf")), -1)
+    ps = p[order]
+    drop = (torch.cumsum(ps, 0) - ps) >= top_p
+    drop[0] = False
+    keep[order[drop]] = False
+    p = torch.softmax(z.masked_fill(~keep, float("-inf")), -1)
+    p = p.masked_fill(p < p.max() * min_p, 0.0)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("num_candidates", [16, 10**6])
+def test_truncated_sampling_matches_reference_distribution(num_candidates):
+    """Large vocabulary: the CPU candidate path (decided within 16 candidates, or falling back to a full sort)
+    samples the same distribution as the reference."""
+    V, N = 3000, 1500
+    torch.manual_seed(0)  # the sampler's draws: fixed, so the tolerance below is not a flake risk
+    g = torch.Generator().manual_seed(5)
+    peaked = torch.randn(V, generator=g)
+    peaked[torch.tensor([17, 2900, 5, 1234, 640, 99])] += torch.tensor([9.0, 8.5, 8.0, 7.5, 7.0, 6.0])
+    flat = torch.randn(V, generator=g) * 0.1
+    s = Sampler(V, set())
+    s.num_candidates = num_candidates
+    cases = [
+        (peaked, dict(top_p=0.9)),
+        (peaked, dict(top_k=3, temperature=2.0)),
+        (peaked, dict(top_k=40, top_p=0.95, min_p=0.05)),
+        (flat, dict(top_p=0.5)),  # the nucleus is far larger than the candidates: full-sort fallback
+        (flat, dict(top_k=1000, temperature=0.7)),  # top_k above the candidates
+    ]
+    for base, kw in cases:
+        want = _reference_probs(base, **kw)
+        out = s(base.repeat(N, 1), [row(**kw) for _ in range(N)]).token_ids
+        got = torch.bincount(torch.tensor(out), minlength=V).double() / N
+        assert set(torch.nonzero(got).flatten().tolist()) <= set(torch.nonzero(want).flatten().tolist()), kw
+        assert (got - want).abs().max() < 0.045, (kw, (got - want).abs().max())
+
+
+def test_sampling_follows_the_distribution(device):
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log().repeat(20000, 1)
+    logits = probs.log().repeat(20000, 1).to(device)
     out = Sampler(4, set())(logits, [row() for _ in range(20000)])
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=4).double() / 20000
     assert torch.allclose(freq, probs.double(), atol=0.015), freq
@@ -384,22 +449,22 @@ def _run_steps(sampler, logits_per_step, make_rows, target_index):
     return toks
 
 
-def test_seeded_request_reproducible_regardless_of_batch():
+def test_seeded_request_reproducible_regardless_of_batch(device):
     V = 64
     torch.manual_seed(0)
-    base = torch.randn(V)
+    base = torch.randn(V, device=device)
     steps = [lambda b, k=k: (base + 0.1 * k).repeat(b, 1) for k in range(12)]
     s = Sampler(V, set())
-    target = dict(temperature=1.3, top_p=0.95, seed=1234)
+    target = dict(temperature=1.3, top_p=0.95, seed=1234, device=device)
 
     alone = _run_steps(s, steps, lambda: [row(**target)], 0)
     torch.manual_seed(99)
     crowded = _run_steps(
         s, steps,
-        lambda: [row(), row(seed=7), row(temperature=0), row(**target), row(seed=1234, temperature=0.5), row()],
+        lambda: [row(), row(seed=7, device=device), row(temperature=0), row(**target), row(seed=1234, temperature=0.5, device=device), row()],
         3,
     )
-    first = _run_steps(s, steps, lambda: [row(**target), row(seed=5), row()], 0)
+    first = _run_steps(s, steps, lambda: [row(**target), row(seed=5, device=device), row()], 0)
     assert alone == crowded == first
     other = _run_steps(s, steps, lambda: [row(**{**target, "seed": 4321})], 0)
     assert other != alone
@@ -412,9 +477,9 @@ def test_make_generator_streams():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-def test_unseeded_rows_vary():
+def test_unseeded_rows_vary(device):
     V = 200
-    logits = torch.zeros(16, V)  # uniform
+    logits = torch.zeros(16, V, device=device)  # uniform
     s = Sampler(V, set())
     rows = [row() for _ in range(16)]
     a = s(logits, rows).token_ids
