@@ -301,7 +301,16 @@ class AsyncEngine:
         self._inbox.put((_ADD, req, prompt, params, priority, arrival))
         stream = RequestStream(self, req)
         try:
-            first = await req.queue.get()
+            while True:
+                try:
+                    first = await asyncio.wait_for(req.queue.get(), 1.0)
+                    break
+                except asyncio.TimeoutError:
+                    # A loop that died after our admission check never answers: do not wait forever.
+                    if self._thread is None or not self._thread.is_alive():
+                        self._requests.pop(request_id, None)
+                        stream.finished = True
+                        raise EngineDeadError(f"engine loop is not running: {self.fatal_error}") from None
         except BaseException:
             # Cancelled while waiting for acceptance: abort (the abort queues behind the add).
             stream.abort()

@@ -66,8 +66,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or inline template) for models without one")
     g.add_argument("--dtype", type=parse_dtype, default="auto",
-                   help="auto | float16 (half) | bfloat16 | float32 (float); auto: the checkpoint's dtype on GPU, "
-                        "float32 on CPU")
+                   help="auto | float16 (half) | bfloat16 | float32 (float); auto: the checkpoint's dtype "
+                        "(float16 checkpoints run as bfloat16 on CPU)")
     g.add_argument("--seed", type=int, default=0, help="random seed")
 
 
@@ -116,8 +116,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
 
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """--nnodes/--node-rank/--master-addr/--master-port/--headless and the failure-detection knobs (owned by
+    shoal.engine.worker)."""
+    from shoal.engine.worker import add_distributed_args as add
+
+    add(p)
+
+
 # Each entry adds one group of `serve` flags; extend this list for new groups (e.g. multi-node flags).
-SERVE_ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [add_model_args, add_engine_args, add_server_args]
+SERVE_ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [add_model_args, add_engine_args, add_server_args,
+                                                                     add_distributed_args]
 
 # Maps from argparse dest to EngineConfig field, for flags whose None means "EngineConfig's default".
 _ENGINE_FIELDS = (
@@ -183,6 +192,15 @@ def setup_logging(level: str = "info") -> None:
 # --------------------------------------------------------------------------------------------- commands
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     setup_logging(args.log_level)
+    # Multi-process / multi-node: a --headless node runs its worker ranks (and only /livez, /readyz) and returns.
+    from shoal.engine.worker import serve_hook
+
+    try:
+        code = serve_hook(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if code is not None:
+        return code
     try:
         config = engine_config_from_args(args)
     except Exception as e:  # noqa: BLE001 - validation errors become a clean usage error (exit 2)

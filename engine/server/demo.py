@@ -74,7 +74,7 @@ def run_demo(args) -> int:
     cmd = [sys.executable, "-m", "shoal.engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--disable-access-log", *(["--model", args.model] if args.model else []), *extra]
     print(NOTE if not args.model else f"Serving {args.model}", flush=True)
-    print(f"Starting the server: {' '.join(cmd[2:])}", flush=True)
+    print(f"Starting the server: shoal-engine {' '.join(cmd[3:])}", flush=True)
     log = tempfile.NamedTemporaryFile("w+", prefix="shoal-demo-", suffix=".log", delete=False)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -64,8 +64,8 @@ def validation_error_to_api_error(e: ValidationError) -> APIError:
     if not errs:
         return APIError(str(e), 400)
     first = errs[0]
-    loc = [str(x) for x in first.get("loc", ()) if not isinstance(x, int) or True]
-    # Drop union-branch names pydantic puts in the location (e.g. 'str', 'list[int]').
+    # Drop the union-branch names pydantic puts in the location (e.g. 'str', 'list[int]'); keep list indices.
+    loc = [str(x) for x in first.get("loc", ())]
     loc = [x for x in loc if not any(c in x for c in "[]") and x not in {"str", "int", "float", "bool", "list"}]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value")

@@ -322,3 +322,70 @@ async def test_async_engine_fatal_step_error_kills_loop(async_engine):
     assert not eng.is_alive() and not eng.is_ready() and isinstance(eng.fatal_error, RuntimeError)
     with pytest.raises(EngineDeadError):
         await eng.add_request("g", [5, 6, 7], _params())
+
+
+# ------------------------------------------------------------------------------------------ app while loading
+async def _app_client(engine):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from shoal.engine.server.app import build_app
+    from shoal.engine.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(engine.model_name)
+    metrics.attach(engine)
+    client = TestClient(TestServer(build_app(engine, metrics)))
+    await client.start_server()
+    return client
+
+
+async def test_health_while_loading_then_ready(llama_model):
+    import threading
+
+    from shoal.engine.async_engine import AsyncEngine
+    from shoal.engine.config import EngineConfig
+    from shoal.engine.engine import LLMEngine
+
+    gate = threading.Event()
+
+    def slow_load(config):  # the real engine, held back until the test has looked at the loading state
+        gate.wait(30)
+        return LLMEngine(config)
+
+    eng = AsyncEngine(EngineConfig(model=str(llama_model), num_kv_blocks=64), engine_factory=slow_load)
+    eng.start()
+    client = await _app_client(eng)
+    try:
+        assert (await client.get("/startupz")).status == 503
+        assert (await client.get("/readyz")).status == 503
+        assert (await client.get("/livez")).status == 200  # loading is not dead
+        assert (await client.get("/metrics")).status == 200
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status == 503 and r.headers.get("Retry-After") and (await r.json())["error"]["code"] == "loading"
+        gate.set()
+        await eng.wait_loaded(60)
+        for path in ("/startupz", "/readyz", "/livez", "/health"):
+            assert (await client.get(path)).status == 200, path
+    finally:
+        gate.set()
+        await client.close()
+        eng.shutdown()
+
+
+async def test_failed_load_fails_startup_and_liveness(tmp_path):
+    from shoal.engine.async_engine import AsyncEngine, EngineDeadError
+    from shoal.engine.config import EngineConfig
+
+    eng = AsyncEngine(EngineConfig(model=str(tmp_path / "missing")))
+    eng.start()
+    with pytest.raises(EngineDeadError):
+        await eng.wait_loaded(60)
+    client = await _app_client(eng)
+    try:
+        r = await client.get("/startupz")
+        assert r.status == 503 and (await r.json())["status"] == "failed"
+        assert (await client.get("/livez")).status == 503
+        assert (await client.get("/health")).status == 503
+        r = await client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status == 503
+    finally:
+        await client.close()
