@@ -286,8 +286,8 @@ class Sampler:
         for i, r in enumerate(rows):
             p = r.params
             if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
-                banned = set(self.eos_token_ids)
-                banned.update(p.stop_token_ids)
+                # vLLM: the ids that would stop the sequence; with ignore_eos, EOS does not stop it, so stays
+                banned = set(p.stop_token_ids) if p.ignore_eos else set(self.eos_token_ids).union(p.stop_token_ids)
                 for t in banned:
                     if t < V:
                         mask_rows.append(i)

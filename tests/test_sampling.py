@@ -271,7 +271,7 @@ def test_min_tokens_masks_eos_and_stop_token_ids(device):
     rows = [
         row(output=[5], temperature=0, min_tokens=3, stop_token_ids=[3]),  # 1 < 3: EOS and 3 masked
         row(output=[5, 5, 5], temperature=0, min_tokens=3, stop_token_ids=[3]),  # reached: EOS allowed
-        row(output=[], temperature=0, ignore_eos=True),  # ignore_eos does not mask, the engine just goes on
+        row(output=[], temperature=0, ignore_eos=True, min_tokens=2),  # EOS does not stop it: not masked (vLLM)
         row(output=[], temperature=1.0, min_tokens=2),  # random row: EOS masked, 3 is not a stop id here
     ]
     out = s(logits, rows)

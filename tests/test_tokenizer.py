@@ -330,3 +330,43 @@ def test_chat_template_errors(tmp_path, tok):
         render_chat(tok, [])
     with pytest.raises(ChatTemplateError, match="only text content"):
         render_chat(tok, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A SentencePiece-style tokenizer (Llama's decoder: "▁" for spaces, byte fallback, leading space stripped)
+
+
+@pytest.fixture(scope="module")
+def sp_tok():
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for ch in "▁abcdefghijklmnopqrstuvwxyzHTé.,!?":
+        vocab.setdefault(ch, len(vocab))
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("▁", "a"), ("▁", "c")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("text", ["the cat ate 東京 🐟 café!", "a cat, the end. 🐟🐠 é"])
+def test_sentencepiece_style_keeps_the_leading_space(sp_tok, text):
+    prompt = sp_tok.encode("the", add_special_tokens=False)
+    full = sp_tok.encode("the " + text, add_special_tokens=False)
+    assert full[: len(prompt)] == prompt
+    out = full[len(prompt):]
+    assert any("\ufffd" in sp_tok.decode([i]) for i in out)  # bytes split across tokens
+    deltas, d = stream(sp_tok, prompt, out)
+    # like vLLM: the text continues the prompt, so the first word keeps its space (decode(out) would strip it)
+    assert d.text == "".join(deltas) == " " + text
+    assert not any("\ufffd" in x for x in deltas)
+    deltas, d = stream(sp_tok, prompt, out, stop=["te 東", ", the e", "🐠 é"])
+    assert d.stop_string is not None
+    assert d.text == (" " + text)[: (" " + text).find(d.stop_string)]
