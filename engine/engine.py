@@ -18,7 +18,8 @@ from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from .kv_cache import BlockPool
 from .model_loader import load_hf_config, resolve_dtype, resolve_model_dir
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .runner import ModelRunner, build_step_inputs
+from .executor import make_runner
+from .runner import build_step_inputs
 from .sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SeqStatus
@@ -69,8 +70,9 @@ class LLMEngine:
         self.model_name = config.served_model_name or config.model
         torch.manual_seed(config.seed)
 
-        self.runner = ModelRunner(self.model_dir, self.hf_config, self.dtype, self.device, config.attention_backend,
-                                  self.max_model_len)
+        # One process: a ModelRunner. tensor/pipeline parallel: a DistributedExecutor (same interface) that starts
+        # the local worker ranks and broadcasts every step's plan to them.
+        self.runner = make_runner(config, self.model_dir, self.hf_config, self.dtype, self.device, self.max_model_len)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks, config.block_size)
         capacity = num_blocks * config.block_size
@@ -196,6 +198,7 @@ class LLMEngine:
                     seq.finish_reason = "abort"
 
     def has_unfinished_requests(self) -> bool:
+        self.runner.check_health()  # raises once a rank of a multi-process engine has failed
         return bool(self.requests)
 
     # -- one step -------------------------------------------------------------------------------------------
@@ -292,4 +295,4 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        self.runner.kv_caches = []
+        self.runner.shutdown()

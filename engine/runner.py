@@ -151,6 +151,12 @@ class ModelRunner:
             return out
         return self.model.compute_logits(out.index_select(0, inputs.logits_indices))
 
+    def check_health(self) -> None:
+        """Nothing to check in one process (DistributedExecutor raises here once a rank has failed)."""
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+
 
 def _uses_alibi(hf_config) -> bool:
     from .models import model_class

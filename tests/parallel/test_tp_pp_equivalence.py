@@ -1,0 +1,123 @@
+"""TP=2, PP=2 and TP=2 x PP=2 (gloo, worker processes on this machine) against the single-process engine and
+transformers: same greedy tokens, logprobs within float32 tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_reference import hf_greedy
+from shoal.engine import LLM, SamplingParams
+from shoal.engine.executor import pack_plan, split_micro_batches, unpack_plan
+from shoal.engine.runner import build_step_inputs
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Hello world! The quick brown",
+    "Once upon a time there was a little shoal of fish that swam together in the warm",
+    "def add(a, b):",
+    "A",
+    "Kubernetes runs pods on nodes; an operator reconciles custom resources",
+    "numbers 0 1 2 3 4 5 6 7 8 9 10 100",
+]
+MAX_NEW = 10
+# Small blocks and a small token budget: chunked prefill mixes with decodes, so micro-batches hold both.
+OPTIONS = dict(block_size=4, max_model_len=128, num_kv_blocks=128, max_num_batched_tokens=24)
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+
+_single_cache: dict = {}
+
+
+def single_process(model_dir):
+    key = str(model_dir)
+    if key not in _single_cache:
+        with LLM(model=model_dir, **OPTIONS) as llm:
+            _single_cache[key] = llm.generate(PROMPTS, PARAMS)
+    return _single_cache[key]
+
+
+def compare(model_dir, outputs, tokenizer):
+    ref_outputs = single_process(model_dir)
+    for prompt, out, ref in zip(PROMPTS, outputs, ref_outputs):
+        got, single = out.outputs[0], ref.outputs[0]
+        hf_ids, hf_lp = hf_greedy(model_dir, tokenizer.encode(prompt), MAX_NEW)
+        assert got.token_ids == single.token_ids == hf_ids, prompt
+        for step, (entry, single_entry) in enumerate(zip(got.logprobs, single.logprobs)):
+            assert set(entry) == set(single_entry), (prompt, step)
+            for tid, lp in entry.items():
+                assert lp.logprob == pytest.approx(single_entry[tid].logprob, abs=1e-4), (prompt, step, tid)
+                assert lp.logprob == pytest.approx(float(hf_lp[step, tid]), abs=2e-4), (prompt, step, tid)
+
+
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]
+
+
+@pytest.mark.parametrize("tp,pp", LAYOUTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("model", ["llama_kv1", "bloom4"])
+def test_parallel_matches_single_process_and_transformers(request, model, tp, pp):
+    model_dir = request.getfixturevalue(model)
+    with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **OPTIONS) as llm:
+        executor = llm.llm_engine.runner
+        assert executor.group.world_size == tp * pp
+        outputs = llm.generate(PROMPTS, PARAMS)
+        compare(model_dir, outputs, llm.get_tokenizer())
+        llm.llm_engine.pool.check_all_free()
+        if pp > 1:
+            stats = executor.pipeline_stats()
+            assert all(s["steps"] == stats[0]["steps"] > 0 for s in stats)
+    # workers are gone and the process group is torn down: a single-process engine works again afterwards
+    assert all(p.poll() is not None for _, p in executor.children)
+    assert not torch.distributed.is_initialized()
+
+
+def test_tp2_kv_heads_split_qwen2(qwen2_gqa):
+    """tp <= num_kv_heads: each rank owns its own KV head (QKV bias sliced too, tied LM head)."""
+    with LLM(model=qwen2_gqa, tensor_parallel_size=2, **OPTIONS) as llm:
+        assert llm.llm_engine.runner.runner.model.num_kv_heads_local == 1
+        compare(qwen2_gqa, llm.generate(PROMPTS, PARAMS), llm.get_tokenizer())
+
+
+# ------------------------------------------------------------------------------------------------ plan unit tests
+class _Seq:
+    def __init__(self, tokens, computed, blocks):
+        self.token_ids, self.num_computed_tokens, self.block_ids = tokens, computed, blocks
+
+
+class _Sched:
+    def __init__(self, seq, n, samples=True):
+        self.seq, self.num_new_tokens, self.samples = seq, n, samples
+
+
+def _plan():
+    scheduled = [_Sched(_Seq(list(range(10)), 0, [0, 1, 2]), 10), _Sched(_Seq(list(range(9)), 8, [3, 4, 5]), 1),
+                 _Sched(_Seq(list(range(7)), 0, [6, 7]), 5, samples=False), _Sched(_Seq([5, 6, 7], 2, [8]), 1)]
+    return build_step_inputs(scheduled, block_size=4)
+
+
+def test_plan_roundtrip():
+    inputs = _plan()
+    header, body = pack_plan(inputs)
+    back = unpack_plan(header, body)
+    for name, value in inputs.__dict__.items():
+        other = getattr(back, name)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value.long(), other.long()), name
+        else:
+            assert value == other, name
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
+def test_micro_batches_cover_the_step_in_order(m):
+    inputs = _plan()
+    parts = split_micro_batches(inputs, m)
+    assert len(parts) == min(m, 4)
+    assert torch.equal(torch.cat([p.input_ids for p in parts]), inputs.input_ids)
+    assert sum(p.logits_indices.numel() for p in parts) == inputs.logits_indices.numel()
+    offset = 0
+    for p in parts:
+        assert int(p.query_start_loc[0]) == 0 and int(p.query_start_loc[-1]) == p.input_ids.numel()
+        assert torch.equal(p.logits_indices + offset,
+                           inputs.logits_indices[(inputs.logits_indices >= offset)
+                                                 & (inputs.logits_indices < offset + p.input_ids.numel())])
+        offset += p.input_ids.numel()
