@@ -92,10 +92,11 @@ class ModelRunner:
     """Owns this process's model shard and KV cache."""
 
     def __init__(self, model_dir, hf_config, dtype: torch.dtype, device: torch.device, attention_backend: str,
-                 max_model_len: int, layer_partition: list[int] | None = None):
+                 max_model_len: int, layer_partition: list[int] | None = None, block_size: int = 16):
         self.device = device
         self.dtype = dtype
-        backend = select_backend(attention_backend, device, uses_alibi=_uses_alibi(hf_config))
+        backend = select_backend(attention_backend, device, uses_alibi=_uses_alibi(hf_config), dtype=dtype,
+                                 block_size=block_size, **_attention_shape(hf_config))
         self.backend_name = backend.name
         self.model = load_model(model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -156,6 +157,14 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.kv_caches = []
+
+
+def _attention_shape(hf_config) -> dict:
+    heads = getattr(hf_config, "num_attention_heads", None) or getattr(hf_config, "n_head")
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd")
+    return {"head_dim": getattr(hf_config, "head_dim", None) or hidden // heads, "num_heads": heads,
+            "num_kv_heads": kv_heads}
 
 
 def _uses_alibi(hf_config) -> bool:

@@ -9,6 +9,10 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# Triton fixes interpreted-vs-compiled at its first import (transformers imports it), so decide before that:
+# without a GPU, Triton kernels run in the interpreter.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ARCHS = ["llama", "mistral", "qwen2", "bloom", "gpt2"]
 

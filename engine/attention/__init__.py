@@ -32,27 +32,31 @@ def backend_class(name: str) -> type[AttentionBackend] | None:
         return None
 
 
-def _usable(name: str, device: torch.device, uses_alibi: bool) -> tuple[bool, str]:
+def _usable(name: str, device: torch.device, uses_alibi: bool, model_shape: dict) -> tuple[bool, str]:
     cls = backend_class(name)
     if cls is None:
         return False, f"the {name} backend could not be imported"
     if uses_alibi and not cls.supports_alibi:
         return False, (f"the {name} attention backend does not support ALiBi models (e.g. BLOOM); "
                        "use --attention-backend triton or sdpa")
-    return cls.is_available(device)
+    ok, why = cls.is_available(device)
+    if ok and model_shape and hasattr(cls, "check_config"):
+        ok, why = cls.check_config(uses_alibi=uses_alibi, **model_shape)
+    return ok, why
 
 
-def select_backend(choice: str, device: torch.device, uses_alibi: bool) -> AttentionBackend:
+def select_backend(choice: str, device: torch.device, uses_alibi: bool, **model_shape) -> AttentionBackend:
+    """model_shape: head_dim, dtype, block_size, num_heads, num_kv_heads — checked by backends that have limits."""
     """The backend instance for --attention-backend `choice`; a clear ValueError when it cannot be used."""
     if choice != "auto":
         if choice not in _BACKENDS:
             raise ValueError(f"unknown attention backend {choice!r}; choose from auto, {', '.join(_BACKENDS)}")
-        ok, why = _usable(choice, device, uses_alibi)
+        ok, why = _usable(choice, device, uses_alibi, model_shape)
         if not ok:
             raise ValueError(f"--attention-backend {choice} cannot be used: {why}")
         return backend_class(choice)()
     for name in _AUTO_ORDER.get(device.type, ["sdpa"]):
-        ok, why = _usable(name, device, uses_alibi)
+        ok, why = _usable(name, device, uses_alibi, model_shape)
         if ok:
             logger.info("attention backend: %s (auto on %s%s)", name, device.type, ", ALiBi model" if uses_alibi else "")
             return backend_class(name)()

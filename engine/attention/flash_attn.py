@@ -99,6 +99,9 @@ class FlashAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if alibi_slopes is not None:
             raise ValueError(ALIBI_REFUSAL)
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flash backend supports float16 and bfloat16 only, not {q.dtype}; "
+                             "use --dtype float16/bfloat16, or --attention-backend triton or sdpa")
         if self._varlen is None:
             from flash_attn import flash_attn_varlen_func
 

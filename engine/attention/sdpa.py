@@ -21,33 +21,35 @@ class SdpaBackend(AttentionBackend):
         plan = meta.scratch.get("sdpa")
         if plan is not None:
             return plan
-        B, max_q, L = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+        B, max_q = meta.num_seqs, meta.max_query_len
+        blocks = meta.block_tables.to(device=device, dtype=torch.long)  # [B, nblk]
+        L = blocks.shape[1] * block_size
         q_lens = torch.tensor(meta.query_lens_list, device=device)
         seq_lens = meta.seq_lens.to(device=device, dtype=torch.long)
         ctx_lens = seq_lens - q_lens
         key_pos = torch.arange(L, device=device)
-        block_idx = (key_pos // block_size).clamp(max=meta.block_tables.shape[1] - 1)
-        blocks = meta.block_tables.to(device=device, dtype=torch.long)[:, block_idx]  # [B, L]
-        key_slots = blocks * block_size + key_pos % block_size
         key_valid = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
-        key_slots = torch.where(key_valid, key_slots, torch.zeros_like(key_slots))
-
-        j = torch.arange(max_q, device=device)
-        q_valid = j.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
-        q_rows = meta.query_start_loc[:-1].to(device=device, dtype=torch.long).unsqueeze(1) + j
-        q_rows = torch.where(q_valid, q_rows, torch.zeros_like(q_rows))
-        q_pos = ctx_lens.unsqueeze(1) + j  # absolute position of each padded query row
-        allowed = (key_pos.view(1, 1, L) <= q_pos.unsqueeze(2)) & key_valid.unsqueeze(1)  # [B, max_q, L]
-        # Padding query rows attend to key 0 so softmax stays finite; their outputs are dropped.
-        allowed = allowed | (~q_valid).unsqueeze(2) & (key_pos == 0).view(1, 1, L)
-        single_causal = B == 1 and int(ctx_lens[0]) == 0
+        decode = meta.is_decode_only
+        if decode:
+            allowed = key_valid.view(B, 1, 1, L)
+            q_rows = valid_flat = None
+        else:
+            j = torch.arange(max_q, device=device)
+            q_valid = j.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
+            q_rows = meta.query_start_loc[:-1].to(device=device, dtype=torch.long).unsqueeze(1) + j
+            q_rows = torch.where(q_valid, q_rows, torch.zeros_like(q_rows))
+            q_pos = ctx_lens.unsqueeze(1) + j  # absolute position of each padded query row
+            allowed = (key_pos.view(1, 1, L) <= q_pos.unsqueeze(2)) & key_valid.unsqueeze(1)  # [B, max_q, L]
+            # Padding query rows attend to key 0 so softmax stays finite; their outputs are dropped.
+            allowed = (allowed | (~q_valid).unsqueeze(2) & (key_pos == 0).view(1, 1, L)).unsqueeze(1)
+            valid_flat = q_valid.flatten().nonzero().squeeze(1)
         plan = {
-            "key_slots": key_slots,
+            "blocks": blocks,
             "q_rows": q_rows,
-            "valid_flat": q_valid.flatten().nonzero().squeeze(1),
-            "mask": allowed.unsqueeze(1),  # [B, 1, max_q, L]
+            "valid_flat": valid_flat,
+            "mask": allowed,  # [B, 1, max_q, L]
             "key_pos": key_pos,
-            "causal_only": single_causal,
+            "causal_only": B == 1 and int(ctx_lens[0]) == 0 and L == max_q,
         }
         meta.scratch["sdpa"] = plan
         return plan
@@ -56,14 +58,17 @@ class SdpaBackend(AttentionBackend):
         T, H, D = q.shape
         nb, bs, kvh, _ = k_cache.shape
         plan = self._plan(meta, bs, q.device)
-        B, max_q = plan["q_rows"].shape
-        flat_k = k_cache.view(nb * bs, kvh, D)
-        flat_v = v_cache.view(nb * bs, kvh, D)
-        k = flat_k[plan["key_slots"]].transpose(1, 2)  # [B, kvh, L, D]
-        v = flat_v[plan["key_slots"]].transpose(1, 2)
-        qp = q[plan["q_rows"]].transpose(1, 2)  # [B, H, max_q, D]
-        if alibi_slopes is None and plan["causal_only"] and max_q == k.shape[2]:
-            out = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=kvh != H)
+        B = meta.num_seqs
+        # Gather whole blocks (contiguous chunks), not single slots: far fewer, larger copies.
+        k = k_cache[plan["blocks"]].view(B, -1, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
+        v = v_cache[plan["blocks"]].view(B, -1, kvh, D).transpose(1, 2)
+        if plan["q_rows"] is None:
+            qp = q.view(B, 1, H, D).transpose(1, 2)  # decode: one query per sequence, already in order
+        else:
+            qp = q[plan["q_rows"]].transpose(1, 2)  # [B, H, max_q, D]
+        gqa = kvh != H
+        if alibi_slopes is None and plan["causal_only"]:
+            out = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             if alibi_slopes is None:
                 mask = plan["mask"]
@@ -74,8 +79,8 @@ class SdpaBackend(AttentionBackend):
                     bias = alibi_slopes.to(q.device).view(1, H, 1, 1) * plan["key_pos"].view(1, 1, 1, -1).float()
                     mask = bias.masked_fill(~plan["mask"], float("-inf")).to(q.dtype)
                     meta.scratch[key] = mask
-            out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=kvh != H)
-        out = out.transpose(1, 2).reshape(B * max_q, H, D)
-        if B * max_q == T:
+            out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(-1, H, D)
+        if plan["valid_flat"] is None or out.shape[0] == T:
             return out
         return out.index_select(0, plan["valid_flat"])

@@ -5,12 +5,11 @@ copy); softmax is computed online (FlashAttention style) in float32, whatever th
 prefill, chunked prefill against cached context, decode, grouped-query attention, BLOOM-style ALiBi and any
 head_dim (padded to a power of two with masks).
 
-Runs compiled on CUDA, and on CPU under Triton's interpreter (`TRITON_INTERPRET=1`), which is how the tests run
-it. The kernel is wrapped with `triton.jit` lazily, on first use, so whether it is interpreted follows
-TRITON_INTERPRET at that moment, not at import time.
+Runs compiled on CUDA, and on CPU under Triton's interpreter, which is how the tests run it. Triton decides
+interpreted-or-compiled when a function is wrapped by `triton.jit`, and its own library functions (tl.max, tl.sum,
+...) are wrapped when `triton` is first imported: TRITON_INTERPRET=1 must therefore be in the environment before
+the first `import triton` of the process (transformers' model classes import triton, so set it early).
 """
-
-import os
 
 import torch
 
@@ -27,6 +26,7 @@ _LOG2E = 1.4426950408889634
 
 if triton is not None:
 
+    @triton.jit
     def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr,
@@ -46,6 +46,7 @@ if triton is not None:
         NUM_SPLITS: tl.constexpr,
         USE_ALIBI: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,  # dots in float32 (for the interpreter, whose bfloat16 dot is broken)
     ):
         """Causal attention of a tile of query tokens against the paged context of their sequence.
 
@@ -97,6 +98,8 @@ if triton is not None:
 
         q_offs = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
         q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
         if USE_ALIBI:
             slope_log2 = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
 
@@ -119,7 +122,7 @@ if triton is not None:
 
             k_offs = block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh \
                 + dims[:, None] * stride_kd
-            k = tl.load(k_cache_ptr + k_offs, mask=k_ok[None, :] & dim_ok[:, None], other=0.0)  # [D, N]
+            k = tl.load(k_cache_ptr + k_offs, mask=k_ok[None, :] & dim_ok[:, None], other=0.0).to(q.dtype)  # [D, N]
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N] float32
             if USE_ALIBI:
                 s += slope_log2[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
@@ -133,8 +136,8 @@ if triton is not None:
 
             v_offs = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh \
                 + dims[None, :] * stride_vd
-            v = tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0.0)  # [N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            v = tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)  # [N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         if NUM_SPLITS == 1:
@@ -150,50 +153,45 @@ if triton is not None:
 
 
 def _interpreting() -> bool:
-    """True when Triton's interpreter is on (TRITON_INTERPRET=1), read the way triton itself reads it."""
-    knobs = getattr(triton, "knobs", None) if triton is not None else None
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """True when this process runs Triton through its interpreter: both triton's library and this kernel were
+    wrapped with TRITON_INTERPRET=1 set (it is read at `triton.jit` time, not at launch)."""
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
 
-
-_jitted: dict[bool, object] = {}
-
-
-def _kernel():
-    """The kernel wrapped for the current mode (interpreted or compiled), made once per mode."""
-    mode = _interpreting()
-    if mode not in _jitted:
-        _jitted[mode] = triton.jit(_paged_attention_kernel)
-    return _jitted[mode]
+    return isinstance(tl.cdiv, InterpretedFunction) and isinstance(_paged_attention_kernel, InterpretedFunction)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-_sm_counts: dict[int, int] = {}
+_device_props: dict[int, tuple[int, int]] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def _cuda_props(device: torch.device) -> tuple[int, int]:
+    """(SM count, compute capability major) of a CUDA device, cached."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_counts:
-        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_counts[idx]
+    if idx not in _device_props:
+        props = torch.cuda.get_device_properties(idx)
+        _device_props[idx] = (props.multi_processor_count, props.major)
+    return _device_props[idx]
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention in one Triton launch per layer call; supports ALiBi, GQA, any head_dim, fp32/fp16/bf16.
 
     `num_splits` forces the split-KV (flash-decoding) factor; None picks it from the batch shape on CUDA
-    (only for decode-heavy batches that would leave most SMs idle) and 1 under the interpreter.
+    (only for decode-only batches that would leave most SMs idle) and 1 under the interpreter.
+    `tiles` forces (BLOCK_M, BLOCK_N) (powers of two >= 16), for tuning and tests; None picks them.
     """
 
     name = "triton"
     supports_alibi = True
 
-    def __init__(self, num_splits: int | None = None):
+    def __init__(self, num_splits: int | None = None, tiles: tuple[int, int] | None = None):
         self.num_splits = num_splits
+        self.tiles = tiles
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
@@ -203,15 +201,15 @@ class TritonAttentionBackend(AttentionBackend):
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 return False, "CUDA is not available"
-            major, _ = torch.cuda.get_device_capability(device)
-            if major < 7:
-                return False, f"the triton backend needs a GPU of compute capability >= 7.0 (got {major}.x)"
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (7, 5):
+                return False, f"the triton backend needs a GPU of compute capability >= 7.5 (got {major}.{minor})"
             return True, ""
         if device.type == "cpu":
             if _interpreting():
                 return True, ""
-            return False, ("the triton backend runs on CPU only under Triton's interpreter "
-                           "(set TRITON_INTERPRET=1; it is slow, meant for tests)")
+            return False, ("the triton backend runs on CPU only under Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is first imported (slow; meant for tests)")
         return False, f"the triton backend does not run on {device.type} devices"
 
     @classmethod
@@ -233,12 +231,13 @@ class TritonAttentionBackend(AttentionBackend):
             return max(1, int(self.num_splits))
         if device.type != "cuda" or meta.max_query_len > 1:
             return 1
-        # Decode: split the keys when (sequences x kv heads) alone would leave SMs idle and contexts are long.
-        target = 2 * _sm_count(device)
-        if programs >= target or meta.max_seq_len < 4 * block_n:
+        # Decode: split the keys when (sequences x kv heads) alone would leave SMs idle and contexts are long
+        # (at least two key tiles per split for the longest sequence). Powers of two bound recompilations.
+        target = 2 * _cuda_props(device)[0]
+        tiles = meta.max_seq_len // (2 * block_n)
+        if programs >= target or tiles < 2:
             return 1
-        splits = min(_next_pow2(-(-target // programs)), 16, _next_pow2(meta.max_seq_len // (2 * block_n)))
-        return max(1, splits)
+        return min(_next_pow2(-(-target // programs)), 16, 1 << (tiles.bit_length() - 1))
 
     def forward(
         self,
@@ -262,16 +261,25 @@ class TritonAttentionBackend(AttentionBackend):
         head_dim_p = max(16, _next_pow2(head_dim))
 
         interpreting = _interpreting() and q.device.type == "cpu"
-        if interpreting:
+        if self.tiles is not None:
+            block_m, block_n = max(self.tiles[0], group_p), self.tiles[1]
+        elif interpreting:
             block_m, block_n = max(16, group_p), 16  # small tiles: cheap in numpy, and the tests cross tiles
         else:
+            # Decode-like batches: 16 rows (a GQA group of one token, or a few tokens); prefill: 64 rows.
+            # Wide tiles (head_dim > 128, float32, pre-Ampere GPUs) are halved to keep shared memory within
+            # ~64 KB (sm_75) / ~100 KB (sm_86/89); float32 with head_dim 256 is quartered.
             decode_like = meta.max_query_len * group_p <= 16
-            block_m = max(16 if decode_like else (64 if head_dim_p <= 128 else 32), group_p)
-            block_n = 64 if head_dim_p <= 128 else 32
+            wide = head_dim_p > 128 or q.dtype == torch.float32 or _cuda_props(q.device)[1] < 8
+            block_m = max(16 if decode_like else (32 if wide else 64), group_p)
+            block_n = 32 if wide else 64
+            if head_dim_p > 128 and q.dtype == torch.float32:
+                block_m, block_n = max(16, group_p), 16
         block_q = block_m // group_p
+        upcast = interpreting and q.dtype == torch.bfloat16
 
         grid0 = num_tokens // block_q + num_seqs
-        splits = self._pick_num_splits(q.device, meta, grid0 * num_kv_heads, block_n)
+        splits = self._pick_num_splits(q.device, meta, num_seqs * num_kv_heads, block_n)
 
         if alibi_slopes is not None:
             alibi = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
@@ -288,7 +296,7 @@ class TritonAttentionBackend(AttentionBackend):
         seq_lens = meta.seq_lens.to(torch.int32)
         query_start_loc = meta.query_start_loc.to(torch.int32)
         extra = {} if interpreting else {"num_warps": 4, "num_stages": 2}
-        _kernel()[(grid0, num_kv_heads, splits)](
+        _paged_attention_kernel[(grid0, num_kv_heads, splits)](
             out, q, k_cache, v_cache,
             block_tables, seq_lens, query_start_loc, alibi,
             part_acc, part_m, part_l,
@@ -303,7 +311,8 @@ class TritonAttentionBackend(AttentionBackend):
             PAGE_SIZE=page_size,
             NUM_SPLITS=splits,
             USE_ALIBI=alibi_slopes is not None,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+            UPCAST=upcast,
             **extra,
         )
         if splits > 1:
