@@ -2,8 +2,13 @@
 
 The sampler is stateless: each call gets the step's logits and one `SamplingRow` per running sequence (its
 parameters, prompt and output token ids, and its private `torch.Generator` when the request is seeded). Work is
-vectorised over the batch; the only per-row Python loop on the hot path draws the noise of seeded rows from
-their own generators, which is what makes a seeded request reproducible whatever its batch-mates are.
+vectorised over the batch. Sampling is by inverse CDF with one uniform per row: unseeded rows share one batch
+draw, a seeded row draws its single value from its own generator (the only per-row loop on the hot path), so a
+seeded request is reproducible whatever its batch-mates are. Every transformation is row-wise, and which code
+path a row takes depends on that row alone.
+
+On CPU, top-k/top-p work on each row's best `num_candidates` tokens (a partial selection) when those decide the
+truncation, with a full sort (numpy's, several times faster than torch's on CPU) for the rows they do not.
 
 Order of operations (vLLM's): penalties (repetition over prompt+output, frequency/presence over output) ->
 min_tokens (EOS and stop_token_ids masked until enough tokens exist) -> greedy rows take the argmax ->
