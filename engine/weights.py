@@ -49,7 +49,11 @@ class WeightSource:
         try:
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
+                if n > path.stat().st_size - 8:
+                    raise ValueError(f"header length {n} exceeds the file size")
                 header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
         except (OSError, struct.error, ValueError) as e:
             raise WeightError(f"{path}: corrupt safetensors header ({e})") from e
         return [k for k in header if k != "__metadata__"]
