@@ -49,6 +49,10 @@ class EngineNotReadyError(EngineError):
     """The model is still loading."""
 
 
+class RequestFailedError(EngineError):
+    """The engine refused one request for a reason other than bad input (a bug, reported as a 500)."""
+
+
 class QueueFullError(EngineError):
     """The waiting queue is at its cap; retry later."""
 
@@ -423,8 +427,11 @@ class AsyncEngine:
                 try:
                     engine.add_request(req.request_id, prompt, params, arrival_time=arrival, priority=priority)
                     accepted.append((req, _ACCEPTED))
-                except (ValueError, TypeError) as e:
+                except (ValueError, TypeError, OverflowError) as e:  # bad input: the caller's 400
                     accepted.append((req, e if isinstance(e, ValueError) else ValueError(str(e))))
+                except Exception as e:  # noqa: BLE001 - fails this request only, never the loop
+                    logger.exception("add_request failed for %s", req.request_id)
+                    accepted.append((req, RequestFailedError(f"the engine could not accept the request: {e}")))
             elif item[0] == _ABORT:
                 ids = [i for i in item[1] if i in self._requests]
                 if ids:

@@ -29,6 +29,7 @@ from shoal.engine.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
     QueueFullError,
+    RequestFailedError,
 )
 from shoal.engine.server.metrics import ServerMetrics
 from shoal.engine.server.protocol import (
@@ -100,6 +101,8 @@ def engine_error_to_api_error(e: Exception) -> APIError:
         return APIError(f"the engine is not running: {e}", 503, code="engine_dead")
     if isinstance(e, ValueError):
         return APIError(str(e), 400, param=_param_from_message(str(e)))
+    if isinstance(e, RequestFailedError):
+        return APIError(str(e), 500)
     return APIError("internal server error", 500)
 
 
@@ -113,12 +116,16 @@ def _param_from_message(msg: str) -> str | None:
     return head if head in _SAMPLING_FIELDS else None
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
 async def read_json(request: web.Request, model: type) -> Any:
     """Parse the body into `model`: 400 for malformed JSON, a non-object body, or a field of the wrong type."""
     raw = await request.read()
     try:
-        data = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError) as e:
+        data = json.loads(raw, parse_constant=_reject_constant) if raw else None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise APIError(f"request body is not valid JSON: {e}", 400) from None
     if not isinstance(data, dict):
         raise APIError("request body must be a JSON object", 400)

@@ -269,9 +269,9 @@ def _chat_logprobs(state: ServerState, comp: CompletionOutput, start: int, end: 
 
 # ------------------------------------------------------------------------------------------ SSE helpers
 class _SSE:
-    def __init__(self, request: web.Request):
+    def __init__(self, request: web.Request, request_id: str):
         self.request = request
-        self.resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        self.resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": request_id})
 
     async def start(self) -> None:
         await self.resp.prepare(self.request)
@@ -367,7 +367,7 @@ def _completion_delta(state: ServerState, req: CompletionRequest, job: _Job, ch:
 
 
 async def _stream_completion(request, state, req: CompletionRequest, jobs, choices, base_id, created, model):
-    sse = _SSE(request)
+    sse = _SSE(request, base_id)
     await sse.start()
     n = req.n
     include_usage = req.include_usage
@@ -460,7 +460,8 @@ async def _full_completion(state, req: CompletionRequest, jobs, choices, base_id
     from shoal.engine.server.app import json_response
 
     return json_response({"id": base_id, "object": "text_completion", "created": created, "model": model,
-                          "choices": out_choices, "usage": usage, "system_fingerprint": None})
+                          "choices": out_choices, "usage": usage, "system_fingerprint": None},
+                         headers={"X-Request-Id": base_id})
 
 
 # ------------------------------------------------------------------------------------------ chat
@@ -504,7 +505,7 @@ def _chat_chunk(base_id, created, model, index, delta, lp, finish_reason, includ
 
 
 async def _stream_chat(request, state, req: ChatCompletionRequest, jobs, choices, base_id, created, model, top):
-    sse = _SSE(request)
+    sse = _SSE(request, base_id)
     await sse.start()
     include_usage = req.include_usage
     completion_tokens: dict[int, int] = {}
@@ -566,4 +567,4 @@ async def _full_chat(state, req: ChatCompletionRequest, jobs, choices, base_id, 
 
     return json_response({"id": base_id, "object": "chat.completion", "created": created, "model": model,
                           "choices": out_choices, "usage": _usage(len(jobs[0].prompt_ids), completion_tokens),
-                          "system_fingerprint": None})
+                          "system_fingerprint": None}, headers={"X-Request-Id": base_id})

@@ -88,6 +88,7 @@ def test_stream_ends_with_done_and_usage(server):
         {"model": "tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True,
          "stream_options": {"include_usage": True}})
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert headers["X-Request-Id"].startswith("cmpl-")
     events = [e for e in raw.decode().split("\n\n") if e.strip()]
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
@@ -282,6 +283,42 @@ def test_out_of_range_is_400(server, field, value):
     status, err, _ = _err(server.post("/v1/completions", body))
     assert status == 400, err
     assert err["param"] == field or field in err["message"], err
+
+
+NASTY = [
+    b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
+    b'{"model": "tiny", "prompt": "x", "top_p": Infinity}',
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 1e30}',
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "stop_token_ids": [-1]}',
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "stop": [1, 2]}',
+    b'{"model": "tiny", "prompt": [[1, "a"]], "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": [-3], "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "logprobs": -1}',
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "stream_options": {"include_usage": "yes"}}',
+    b'{"model": 5, "prompt": "x"}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": {"a": 1}}]}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": "two"}',
+    b'{"model": "tiny", "prompt": "x", "max_tokens": 2, "priority": "high"}',
+    b'[' * 100000,
+]
+
+
+def test_huge_seed_is_fine(server):
+    status, body, _ = server.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2,
+                                                      "seed": 2**70, "temperature": 1.0})
+    assert status in (200, 400), body
+    assert server.get("/livez")[0] == 200
+
+
+@pytest.mark.parametrize("i", range(len(NASTY)))
+def test_nasty_input_is_400_and_server_survives(server, i):
+    path = "/v1/chat/completions" if b'"messages"' in NASTY[i] else "/v1/completions"
+    status, raw, headers = server.request("POST", path, NASTY[i])
+    status, err, _ = _err((status, json.loads(raw), headers))
+    assert status == 400, err
+    assert server.get("/livez")[0] == 200
+    ok, body, _ = server.post("/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 1})
+    assert ok == 200, body
 
 
 def test_chat_errors_are_400(server):

@@ -118,8 +118,8 @@ def test_second_sigterm_exits_promptly(keyed):
     t0 = time.monotonic()
     keyed.proc.send_signal(signal.SIGTERM)
     reasons = [c.choices[0].finish_reason for c in it if c.choices and c.choices[0].finish_reason]
-    assert keyed.proc.wait(10) == 0
-    assert time.monotonic() - t0 < 8
+    assert keyed.proc.wait(20) == 0
+    assert time.monotonic() - t0 < 12  # far below the 60s shutdown timeout
     assert reasons in (["abort"], ["length"])
 
 
@@ -162,7 +162,7 @@ def test_shutdown_timeout_aborts_and_exits_0(start_server, llama_model):
     t0 = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     reasons = [c.choices[0].finish_reason for c in it if c.choices and c.choices[0].finish_reason]
-    assert srv.proc.wait(10) == 0 and time.monotonic() - t0 < 6
+    assert srv.proc.wait(20) == 0 and time.monotonic() - t0 < 12
     assert reasons in (["abort"], ["length"])
 
 

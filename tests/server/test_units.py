@@ -223,8 +223,7 @@ async def async_engine(llama_model):
     from shoal.engine.async_engine import AsyncEngine
     from shoal.engine.config import EngineConfig
 
-    eng = AsyncEngine(EngineConfig(model=str(llama_model), num_kv_blocks=64, max_queue_len=2),
-                      heartbeat_timeout=0.5)
+    eng = AsyncEngine(EngineConfig(model=str(llama_model), num_kv_blocks=64, max_queue_len=2))
     eng.start()
     await eng.wait_loaded(120)
     yield eng
@@ -296,6 +295,7 @@ async def test_async_engine_wedged_step_fails_liveness(async_engine):
         eng.engine.step = real
         return real()
 
+    eng.heartbeat_timeout = 0.5
     eng.engine.step = slow
     stream = await eng.add_request("w", [5, 6, 7], _params(max_tokens=2))
     deadline = time.monotonic() + 3
@@ -303,7 +303,12 @@ async def test_async_engine_wedged_step_fails_liveness(async_engine):
         await asyncio.sleep(0.05)
     assert not eng.is_alive()  # heartbeat stale while the step hangs
     outs = [o async for o in stream]
-    assert outs[-1].finished and eng.is_alive()  # and fresh again once it moves
+    assert outs[-1].finished
+    eng.heartbeat_timeout = 5.0
+    deadline = time.monotonic() + 5
+    while not eng.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert eng.is_alive()  # fresh again once the loop moves
 
 
 async def test_async_engine_fatal_step_error_kills_loop(async_engine):
