@@ -160,3 +160,25 @@ def test_priority_policy_preempts_lowest_priority(llama_model):
             order += [o.request_id for o in engine.step() if o.finished]
         assert order[0] == "high"
         assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "bloom"])
+def test_triton_backend_matches_transformers(model_factory, arch):
+    """The Triton paged kernel (run by Triton's interpreter on CPU) drives the whole engine to the same tokens."""
+    from shoal.engine.attention import backend_class
+
+    ok, why = backend_class("triton").is_available(torch.device("cpu"))
+    if not ok:
+        pytest.skip(why)
+    model_dir = model_factory(arch)
+    with LLM(model=model_dir, block_size=4, max_model_len=64, max_num_batched_tokens=8,
+             attention_backend="triton") as llm:
+        assert llm.llm_engine.runner.backend_name == "triton"
+        prompts = PROMPTS[:3]
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2))
+        check_against_hf(model_dir, llm.get_tokenizer(), outputs, prompts, max_new=4)
+
+
+def test_flash_backend_is_refused_for_alibi(model_factory):
+    with pytest.raises(ValueError, match="ALiBi"):
+        LLM(model=model_factory("bloom"), max_model_len=64, attention_backend="flash")
