@@ -1,0 +1,92 @@
+"""`shoal-engine serve` as several processes: the multi-node flags (ranks started 10 s apart), and failure of a
+rank mid-generation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from serving import Served, free_port, pid_gone
+from shoal.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--block-size", "4", "--max-model-len", "512", "--num-kv-blocks", "256", "--served-model-name", "tiny",
+          "--log-level", "info"]
+# The documented bound on detecting a dead rank: heartbeat timeout 10 s + 2 polls, plus rank 0's 2 s exit grace;
+# a connection reset is usually seen at once. A little slack for a loaded 2-core machine.
+FAILURE_BOUND_S = 25.0
+
+
+def test_multinode_flags_staggered_start_serve_through_rank0(llama_kv1, tmp_path):
+    master, http0, http1 = free_port(), free_port(), free_port()
+    dist = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--nnodes", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(master)]
+    node0 = Served(["--model", str(llama_kv1), *COMMON, *dist, "--node-rank", "0"], tmp_path / "node0.log", http0)
+    node1 = None
+    try:
+        time.sleep(10)  # node 1 comes up 10 s later: node 0 waits for it and says who is missing
+        assert node0.get("/readyz") != 200
+        node1 = Served([*dist, "--node-rank", "1", "--headless"], tmp_path / "node1.log", http1)
+        node0.wait_status("/readyz", 200, timeout=120)
+        node1.wait_status("/readyz", 200, timeout=30)
+        assert "waiting for ranks [2, 3] of 4 to join" in node0.text()
+        assert node1.get("/v1/models") == 404  # workers serve health only
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http0}/v1", api_key="none")
+        prompt = "Once upon a time there was a little shoal"
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.usage.completion_tokens == 12
+        with LLM(model=llama_kv1, block_size=4, max_model_len=512) as llm:
+            want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert got.choices[0].text == want[0].outputs[0].text
+
+        node0.proc.terminate()  # SIGTERM: drain, tell the workers to stop; everyone exits 0
+        assert node0.proc.wait(30) == 0
+        assert node1.proc.wait(30) == 0
+    finally:
+        node0.stop()
+        if node1 is not None:
+            node1.stop()
+
+
+def test_killing_a_worker_mid_generation_fails_liveness_and_stops_every_rank(llama_kv1, tmp_path):
+    server = Served(["--model", str(llama_kv1), *COMMON, "--tensor-parallel-size", "2",
+                     "--pipeline-parallel-size", "2"], tmp_path / "serve.log", free_port())
+    try:
+        server.wait_status("/readyz", 200, timeout=120)
+        workers = server.worker_pids()
+        assert len(workers) == 3
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(model="tiny", prompt="Hello world", max_tokens=480, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        for _ in range(5):
+            next(chunks)
+        victim = workers[-1]  # rank 3: last pipeline stage, tensor-parallel rank 1
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        livez_failed_at = server.wait_status("/livez", 503, timeout=FAILURE_BOUND_S)
+        with pytest.raises(Exception) as failure:  # the stream ends with the engine's error instead of hanging
+            for chunk in chunks:
+                assert chunk.choices[0].finish_reason != "length"
+        rest = str(failure.value)
+        assert "Connection" in rest or "engine" in rest, rest
+        assert server.proc.wait(FAILURE_BOUND_S) != 0
+        exited_at = time.monotonic()
+        assert livez_failed_at < exited_at
+        assert exited_at - killed_at < FAILURE_BOUND_S
+        deadline = time.monotonic() + 5
+        while not all(pid_gone(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(pid_gone(p) for p in workers)
+        log = server.text()
+        for rank in (1, 2):  # the survivors noticed by themselves and exited 1
+            assert f"local worker rank {rank} exited with code 1" in log, log[-4000:]
+    finally:
+        server.stop()
