@@ -258,7 +258,13 @@ def print_table(res: dict) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    res = asyncio.run(bench(args))
+    import aiohttp
+
+    try:
+        res = asyncio.run(bench(args))
+    except (aiohttp.ClientError, OSError, KeyError, IndexError) as e:
+        print(f"bench serve: cannot use the server at {args.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     if args.json:
         json.dump(res, sys.stdout)
         print()

@@ -468,14 +468,27 @@ async def test_64_concurrent_streams_match_sequential(server, aclient, client):
 
 
 # ------------------------------------------------------------------------------------------ bench serve
-def test_bench_serve_json(server, capsys):
+@pytest.mark.parametrize("endpoint,arrival", [("completions", "poisson"), ("chat", "fixed")])
+def test_bench_serve_json(server, capsys, endpoint, arrival):
     from shoal.engine.cli import main
 
     code = main(["bench", "serve", "--base-url", server.base, "--num-prompts", "6", "--input-len", "16",
-                 "--output-len", "4", "--request-rate", "50", "--max-concurrency", "3", "--json"])
+                 "--output-len", "4", "--request-rate", "50", "--max-concurrency", "3", "--json",
+                 "--endpoint", endpoint, "--arrival", arrival])
     assert code == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["completed"] == 6 and res["failed"] == 0 and res["total_output_tokens"] == 24
     assert res["model"] == "tiny" and res["output_throughput"] > 0 and res["request_throughput"] > 0
     for key in ("ttft_ms", "itl_ms", "e2e_latency_ms"):
         assert set(res[key]) >= {"p50", "p90", "p99"} and res[key]["p50"] is not None
+
+
+def test_bench_serve_table(server, capsys):
+    from shoal.engine.cli import main
+
+    assert main(["bench", "serve", "--base-url", server.base + "/v1", "--model", "tiny", "--num-prompts", "3",
+                 "--input-len", "8", "--output-len", "3"]) == 0
+    out = capsys.readouterr().out
+    for line in ("Request throughput (req/s)", "Output token throughput (tok/s)", "Time to First Token",
+                 "Inter-token Latency", "p99 (ms)", "Failed requests"):
+        assert line in out
