@@ -6,6 +6,9 @@ Order of events:
   3. SIGTERM (or SIGINT): readiness fails immediately, new requests get 503 + Retry-After, in-flight requests run
      to completion for up to `shutdown_timeout` seconds, then the process exits 0. A second signal, or the
      timeout, aborts whatever is left (streams end with finish_reason "abort") and exits promptly.
+  4. If the engine loop dies (an exception in a step, e.g. a lost tensor-parallel rank), in-flight requests get
+     an error, /livez fails at once, and after `fatal_exit_grace` seconds (so probes and clients see it) the
+     process exits 1, like vLLM's server does when its engine dies.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     access_log: bool = True
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
+    fatal_exit_grace: float = 2.0
 
 
 async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=None) -> int:
@@ -79,22 +83,49 @@ async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=Non
         if load.exception() is not None:
             logger.error("%s", load.exception())
             first_signal.cancel()
+            _remove_signal_handlers(loop)
             await runner.cleanup()
             return 1
         logger.info("ready: serving %s at http://%s:%d (max_model_len %s)", engine.model_name, host, port,
                     engine.max_model_len)
-        sig = await first_signal
-        logger.info("received %s: draining (up to %.0fs); readiness now fails", signal.Signals(sig).name,
-                    opts.shutdown_timeout)
-        engine.start_draining()
-        code = await _drain(engine, state, signals, opts.shutdown_timeout)
+        death = asyncio.create_task(_engine_death(engine))
+        done, _ = await asyncio.wait({first_signal, death}, return_when=asyncio.FIRST_COMPLETED)
+        if first_signal in done:
+            death.cancel()
+            sig = first_signal.result()
+            logger.info("received %s: draining (up to %.0fs); readiness now fails", signal.Signals(sig).name,
+                        opts.shutdown_timeout)
+            engine.start_draining()
+            code = await _drain(engine, state, signals, opts.shutdown_timeout)
+        else:
+            first_signal.cancel()
+            logger.error("engine loop died (%s): /livez fails; exiting with code 1 in %.1fs", engine.fatal_error,
+                         opts.fatal_exit_grace)
+            engine.start_draining()
+            await asyncio.sleep(opts.fatal_exit_grace)
+        if engine.fatal_error is not None:
+            code = 1
     else:
         load.cancel()
         engine.start_draining()
+    _remove_signal_handlers(loop)
     await runner.cleanup()
     await asyncio.to_thread(engine.shutdown, 5.0)
     logger.info("shut down")
     return code
+
+
+def _remove_signal_handlers(loop: asyncio.AbstractEventLoop) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.remove_signal_handler(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+
+
+async def _engine_death(engine: AsyncEngine, poll: float = 0.1) -> None:
+    while engine.fatal_error is None:
+        await asyncio.sleep(poll)
 
 
 async def _drain(engine: AsyncEngine, state, signals: asyncio.Queue, timeout: float) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 import types
@@ -394,3 +395,66 @@ async def test_failed_load_fails_startup_and_liveness(tmp_path):
         assert r.status == 503
     finally:
         await client.close()
+
+
+# ------------------------------------------------------------------------------------------ engine death
+async def test_engine_death_errors_streams_fails_liveness_then_exits_1(llama_model):
+    """serve() in-process over the real engine whose step starts raising (as when a parallel rank is lost)."""
+    import threading
+
+    import aiohttp
+
+    from shoal.engine.config import EngineConfig
+    from shoal.engine.engine import LLMEngine
+    from shoal.engine.server.run import ServerOptions, serve
+
+    from .conftest import free_port
+
+    die = threading.Event()
+
+    def factory(config):
+        eng = LLMEngine(config)
+        real = eng.step
+
+        def step():
+            if die.is_set():
+                raise RuntimeError("lost tensor-parallel rank 3")
+            return real()
+
+        eng.step = step
+        return eng
+
+    port = free_port()
+    opts = ServerOptions(host="127.0.0.1", port=port, access_log=False, fatal_exit_grace=1.0)
+    task = asyncio.create_task(serve(EngineConfig(model=str(llama_model), num_kv_blocks=64), opts,
+                                     engine_factory=factory))
+    base = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as http:
+        deadline = time.monotonic() + 60
+        while True:
+            assert not task.done(), task
+            try:
+                async with http.get(base + "/readyz") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        body = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        events = []
+        async with http.post(base + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip())
+                    if len(events) == 3:
+                        die.set()
+        assert events[-1] == b"[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert "lost tensor-parallel rank 3" in err["message"] and set(err) == {"message", "type", "param", "code"}
+        async with http.get(base + "/livez") as r:
+            assert r.status == 503
+        async with http.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
+            assert r.status == 503
+    assert await asyncio.wait_for(task, 15) == 1
