@@ -458,3 +458,41 @@ async def test_engine_death_errors_streams_fails_liveness_then_exits_1(llama_mod
         async with http.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
             assert r.status == 503
     assert await asyncio.wait_for(task, 15) == 1
+
+
+async def test_chat_template_flag_serves_a_model_without_one(llama_model, tmp_path):
+    import shutil
+
+    from shoal.engine.async_engine import AsyncEngine
+    from shoal.engine.config import EngineConfig
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_model, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = model / "tokenizer_config.json"
+    cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "chat_template"}))
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+    for chat_template, expect in ((None, 400), (str(template), 200)):
+        eng = AsyncEngine(EngineConfig(model=str(model), num_kv_blocks=64, chat_template=chat_template))
+        eng.start()
+        await eng.wait_loaded(60)
+        client = await _app_client(eng)
+        try:
+            msgs = [{"role": "user", "content": "Hello there"}]
+            r = await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3})
+            body = await r.json()
+            assert r.status == expect, body
+            if expect == 400:
+                assert "--chat-template" in body["error"]["message"]
+            else:
+                assert body["usage"]["completion_tokens"] == 3
+                r = await client.post("/tokenize", json={"messages": msgs})
+                toks = (await r.json())["tokens"]
+                assert eng.tokenizer.decode(toks) == "[user] Hello there\n[assistant] "
+                assert body["usage"]["prompt_tokens"] == len(toks)
+        finally:
+            await client.close()
+            eng.shutdown()
