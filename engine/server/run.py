@@ -52,9 +52,9 @@ async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=Non
     runner_kw = {"access_log_class": AccessLogger} if opts.access_log else {"access_log": None}
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, **runner_kw)
     await runner.setup()
-    host = opts.host or "0.0.0.0"
+    host = opts.host or "0.0.0.0"  # for display; no --host binds every interface (IPv4 and IPv6)
     try:
-        site = web.TCPSite(runner, host, opts.port, reuse_address=True)
+        site = web.TCPSite(runner, opts.host or None, opts.port, reuse_address=True)
         await site.start()
     except OSError as e:
         logger.error("cannot listen on %s:%s: %s", host, opts.port, e)
