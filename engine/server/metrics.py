@@ -126,8 +126,6 @@ class ServerMetrics(MetricsSink):
         m = output.metrics
         if m is not None and m.first_scheduled_time is not None:
             self._queue.observe(max(0.0, m.first_scheduled_time - (m.arrival_time or times.arrival)))
-        elif times.first_token is not None:
-            self._queue.observe(0.0)
         if output.prompt_token_ids:
             self._prompt_len.observe(len(output.prompt_token_ids))
         if output.outputs:
