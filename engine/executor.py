@@ -15,6 +15,7 @@ is about (P - 1) / (M + P - 1) of the step; each rank measures its own busy time
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import subprocess
@@ -234,6 +235,7 @@ def worker_env(settings: DistributedSettings, local_world: int, device_type: str
     if settings.micro_batches:
         env["SHOAL_PP_MICROBATCHES"] = str(settings.micro_batches)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("SHOAL_LOG_LEVEL", logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower())
     return env
 
 
@@ -344,9 +346,10 @@ class DistributedExecutor:
         if device.type == "cpu" and per_node > 1:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
-        self.children = spawn_workers([(r, r) for r in range(1, per_node)], world, tp, pp, master, settings,
-                                      device.type)
+        self.children: list = []
         try:
+            self.children = spawn_workers([(r, r) for r in range(1, per_node)], world, tp, pp, master, settings,
+                                          device.type)
             self.group = init_group(0, world, tp, pp, 0, device, settings, master[1])
             self.group.monitor = HeartbeatMonitor(self.group, self._on_failure, lambda: self.children).start()
             spec = {"config": config.model_dump(), "dtype": str(dtype).removeprefix("torch."),
@@ -355,11 +358,15 @@ class DistributedExecutor:
             self.runner = _build_runner(self.group, model_dir, hf_config, dtype, device, config.attention_backend,
                                         max_model_len)
         except BaseException:
+            self._closed = True
             self._kill_children()
-            if dist.is_initialized():
+            if hasattr(self, "group"):
+                self.group.destroy()
+            elif dist.is_initialized():
                 dist.destroy_process_group()
             tag_logs(None)
             raise
+        atexit.register(self.shutdown)  # an engine that is never shut down leaves no workers behind
         self.shard = Shard(self.group, self.runner, hf_config.hidden_size, hf_config.vocab_size,
                            spec["micro_batches"])
         self.device, self.dtype = device, dtype
@@ -447,6 +454,7 @@ class DistributedExecutor:
     def shutdown(self) -> None:
         if self._closed:
             return
+        atexit.unregister(self.shutdown)
         self.group.monitor.stop()
         if self.failure is None:
             try:

@@ -90,3 +90,24 @@ def test_killing_a_worker_mid_generation_fails_liveness_and_stops_every_rank(lla
             assert f"local worker rank {rank} exited with code 1" in log, log[-4000:]
     finally:
         server.stop()
+
+
+def test_a_hung_worker_is_noticed_by_heartbeat_while_idle(llama_kv1, tmp_path):
+    """SIGSTOP (a hung rank: no connection is closed) while no request runs: only the heartbeat can tell."""
+    server = Served(["--model", str(llama_kv1), *COMMON, "--tensor-parallel-size", "2", "--heartbeat-timeout", "3"],
+                    tmp_path / "serve.log", free_port())
+    try:
+        server.wait_status("/readyz", 200, timeout=120)
+        (worker,) = server.worker_pids()
+        os.kill(worker, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        livez_failed_at = server.wait_status("/livez", 503, timeout=15)
+        assert server.proc.wait(15) != 0
+        assert livez_failed_at - stopped_at < 3 + 2 * 1 + 2  # heartbeat timeout + two polls + slack
+        assert "sent no heartbeat" in server.text()
+        deadline = time.monotonic() + 5
+        while not pid_gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid_gone(worker)
+    finally:
+        server.stop()
