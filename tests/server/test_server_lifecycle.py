@@ -169,7 +169,8 @@ def test_shutdown_timeout_aborts_and_exits_0(start_server, llama_model):
 def test_bad_flags_exit_2_without_traceback(llama_model):
     for args in (["--block-size", "0"], ["--max-num-batched-tokens", "4", "--block-size", "16"],
                  ["--kv-cache-memory", "lots"], ["--attention-backend", "magic"],
-                 ["--chat-template", "/no/such/template.jinja"]):
+                 ["--chat-template", "/no/such/template.jinja"], ["--api-key-file", "/no/such/key"],
+                 ["--max-model-len", "lots"], ["--gpu-memory-utilization", "1.5"]):
         p = subprocess.run([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", str(llama_model), *args],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 2, (args, p.stderr)
