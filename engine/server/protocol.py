@@ -120,6 +120,13 @@ class _SamplingFields(BaseModel):
             raise ValueError("best_of is not supported (use n)")
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v, info):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):

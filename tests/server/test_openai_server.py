@@ -156,6 +156,12 @@ def test_batch_prompts_and_n(client):
     greedy_batch = client.completions.create(model="tiny", prompt=["Hello world", "The quick brown fox"],
                                              max_tokens=6, **GREEDY)
     assert {c.index: c.text for c in greedy_batch.choices}[1] == single.choices[0].text
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model="tiny", prompt=["Hello world", "The quick brown fox"],
+                                           max_tokens=6, stream=True, **GREEDY):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in greedy_batch.choices}
 
 
 def test_seed_reproducible_and_n_streaming(client):
@@ -276,6 +282,7 @@ def test_wrong_types_are_400(server, field, value):
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -5), ("min_p", 2.0),
     ("presence_penalty", 5.0), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0), ("max_tokens", -1),
+    ("stream_options", {"include_usage": True}),
     ("n", 0), ("n", 100000), ("logprobs", 50), ("min_tokens", -1),
 ])
 def test_out_of_range_is_400(server, field, value):
