@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .layers.linear import PackedMatmul
 from .models import model_class
 from .weights import WeightError, WeightSource
 
@@ -72,6 +73,9 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     finally:
         src.close()
     model.eval()
+    for module in model.modules():
+        if isinstance(module, PackedMatmul):  # a tied LM head shares its weight with the embedding: keep it
+            module.prepack(free_original=not getattr(module, "tied", False))
     logger.info("loaded %s (%s, %s) from %s in %.2fs", cls.__name__, str(dtype).removeprefix("torch."),
                 device, model_dir, time.perf_counter() - t0)
     return model

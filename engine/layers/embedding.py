@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel_state import get_parallel_state
-from .linear import Reader
+from .linear import PackedMatmul, Reader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -35,7 +35,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.ps.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(PackedMatmul):
     """Projects hidden states to float32 logits over the full vocabulary (gathered from every rank)."""
 
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool, bias: bool = False):
@@ -56,6 +56,6 @@ class ParallelLMHead(nn.Module):
             self.weight.data[:n].copy_(read(0, e.vocab_start, n))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias)
+        logits = self.matmul(hidden, self.bias)
         logits = self.embedding.ps.all_gather_last_dim(logits)
         return logits[..., : self.embedding.vocab_size].float()

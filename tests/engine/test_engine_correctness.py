@@ -182,3 +182,22 @@ def test_triton_backend_matches_transformers(model_factory, arch):
 def test_flash_backend_is_refused_for_alibi(model_factory):
     with pytest.raises(ValueError, match="ALiBi"):
         LLM(model=model_factory("bloom"), max_model_len=64, attention_backend="flash")
+
+
+def test_bfloat16_engine_tracks_transformers(model_factory):
+    """bf16 (with oneDNN-prepacked weights on CPU) stays within bf16 rounding of transformers in bf16."""
+    model_dir = model_factory("llama")
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    with LLM(model=model_dir, dtype="bfloat16", block_size=4, max_model_len=64) as llm:
+        tok = llm.get_tokenizer()
+        outputs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))
+        for prompt, out in zip(PROMPTS[:3], outputs):
+            ids = tok.encode(prompt)
+            with torch.no_grad():
+                logits = ref(torch.tensor([ids + out.outputs[0].token_ids])).logits[0].float()
+            ref_lp = torch.log_softmax(logits[len(ids) - 1:-1], dim=-1)
+            for step, (tid, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+                assert entry[tid].logprob == pytest.approx(float(ref_lp[step, tid]), abs=0.1)
+                assert float(ref_lp[step, tid]) >= float(ref_lp[step].max()) - 0.1  # greedy pick is (near) the top
