@@ -242,8 +242,7 @@ def worker_env(settings: DistributedSettings, local_world: int, device_type: str
 def spawn_workers(ranks: list[tuple[int, int]], world_size: int, tp: int, pp: int, master: tuple[str, int],
                   settings: DistributedSettings, device_type: str, ready_dir: str | None = None):
     """Start `python -m shoal.engine.worker` for each (rank, local_rank); returns [(rank, Popen)]."""
-    local_world = len(ranks) + (1 if settings.node_rank == 0 and ranks and ranks[0][1] == 1 else 0)
-    env = worker_env(settings, max(1, local_world), device_type)
+    env = worker_env(settings, max(local_rank for _, local_rank in ranks) + 1 if ranks else 1, device_type)
     procs = []
     for rank, local_rank in ranks:
         cmd = worker_command(rank, local_rank, world_size, tp, pp, master, settings.nnodes, ready_dir)

@@ -131,7 +131,7 @@ class HeadlessNode:
         first = settings.node_rank * per_node
         self.ranks = list(range(first, first + per_node))
         self.ready_dir = tempfile.mkdtemp(prefix="shoal-ready-")
-        master = (settings.master_addr, settings.master_port or 29500)
+        master = (settings.master_addr, settings.port())
         self.procs = spawn_workers([(r, r - first) for r in self.ranks], world, tp, pp, master, settings,
                                    device_type, self.ready_dir)
 
@@ -173,9 +173,8 @@ def run_headless(args: argparse.Namespace, tp: int, pp: int) -> int:
     handler = type("Handler", (_HealthHandler,), {"node": node})
     server = http.server.ThreadingHTTPServer((args.host or "0.0.0.0", args.port), handler)
     threading.Thread(target=server.serve_forever, name="shoal-health", daemon=True).start()
-    logger.info("headless node %d of %d: ranks %s, health on :%d, master %s:%s", settings.node_rank,
-                settings.nnodes, node.ranks, server.server_address[1], settings.master_addr,
-                settings.master_port or 29500)
+    logger.info("headless node %d of %d: ranks %s, health on :%d, master %s:%d", settings.node_rank,
+                settings.nnodes, node.ranks, server.server_address[1], settings.master_addr, settings.port())
 
     def on_signal(signum, frame):
         logger.info("received %s: stopping workers", signal.Signals(signum).name)
