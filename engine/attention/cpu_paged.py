@@ -1,0 +1,161 @@
+"""CPU paged attention: a C++ kernel that reads keys/values straight from the paged cache through the block table.
+
+The SDPA backend gathers every sequence's blocks into a dense copy per layer (k_cache[block_tables]) and then runs
+SDPA over it; in decode, which is memory-bound, that copy dominates. This backend streams each sequence's blocks in
+place with an online softmax in float32, handling the whole flat batch (decode, prefill, chunked prefill against
+cached context), GQA (all query heads of a kv head share each block load) and ALiBi, for float32/bfloat16/float16
+caches and any head_dim up to 256. See csrc/cpu_paged_attention.cpp.
+
+The kernel is compiled on first use with torch.utils.cpp_extension (-O3 -march=native -fopenmp) and cached in
+torch's extensions directory (TORCH_EXTENSIONS_DIR), keyed by the source and by this CPU's feature flags, since
+-march=native code must not run on a different CPU sharing that directory. If it cannot be built, is_available
+says why and `auto` falls back to SDPA.
+
+`python -m shoal.engine.attention.cpu_paged` benchmarks decode attention per layer against the SDPA backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from .base import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's instruction-set flags (what -march=native compiles for)."""
+    try:
+        flags = re.search(r"^(?:flags|Features)\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1)
+    except (OSError, AttributeError):
+        flags = platform.processor()
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+
+
+def _summarise(err: BaseException) -> str:
+    text = str(err)
+    errors = [ln.strip() for ln in text.splitlines() if re.search(r"\berror\b", ln, re.I)]
+    summary = "; ".join(errors[:3]) if errors else text.strip().splitlines()[0] if text.strip() else repr(err)
+    return f"the cpu attention kernel could not be built: {summary[:600]}"
+
+
+@functools.cache
+def load_kernel() -> tuple[object | None, str, float]:
+    """(torch.ops.shoal_cpu_paged.paged_attention or None, why not, seconds spent building/loading)."""
+    start = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        if not SOURCE.exists():
+            raise FileNotFoundError(f"{SOURCE} is missing from this installation")
+        load(name=f"shoal_cpu_paged_attention_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        op = torch.ops.shoal_cpu_paged.paged_attention
+    except Exception as e:  # a missing compiler/ninja/header must never break the engine: report and fall back
+        logger.warning("cpu paged attention unavailable: %s", e)
+        return None, _summarise(e), time.perf_counter() - start
+    return op, "", time.perf_counter() - start
+
+
+class CpuPagedAttentionBackend(AttentionBackend):
+    name = "cpu"
+    supports_alibi = True
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        if torch.device(device).type != "cpu":
+            return False, "the cpu attention backend runs on CPU only"
+        op, why, _ = load_kernel()
+        return op is not None, why
+
+    @classmethod
+    def check_config(cls, *, head_dim: int, dtype: torch.dtype, block_size: int, uses_alibi: bool = False,
+                     num_heads: int | None = None, num_kv_heads: int | None = None) -> tuple[bool, str]:
+        if dtype not in DTYPES:
+            return False, f"the cpu backend supports float32/bfloat16/float16, not {dtype}"
+        if not 1 <= head_dim <= MAX_HEAD_DIM:
+            return False, f"the cpu backend supports head_dim up to {MAX_HEAD_DIM} (got {head_dim})"
+        if block_size < 1:
+            return False, f"block_size must be positive (got {block_size})"
+        if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
+            return False, f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        return True, ""
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, alibi_slopes=None):
+        op, why, _ = load_kernel()
+        if op is None:
+            raise RuntimeError(why)
+        in_dtype = q.dtype
+        q = q.to(k_cache.dtype)
+        if q.stride(-1) != 1:
+            q = q.contiguous()  # rows may be strided (a view of a fused QKV projection); head_dim may not
+        out = torch.empty(q.shape, dtype=q.dtype)
+        ints = [t.to(torch.int32).contiguous() for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)]
+        slopes = None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous()
+        op(out, q, k_cache, v_cache, *ints, slopes, float(scale))
+        return out.to(in_dtype)
+
+
+# ------------------------------------------------------------------------------------------------- benchmark
+
+
+def _bench(num_seqs=32, ctx=(150, 400), num_heads=8, num_kv_heads=4, head_dim=64, block_size=16,
+           dtype=torch.bfloat16, iters=50):
+    from .sdpa import SdpaBackend
+
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(ctx[0], ctx[1] + 1, (num_seqs,), generator=gen).tolist()
+    nblk = [-(-s // block_size) for s in seq_lens]
+    perm = torch.randperm(sum(nblk) + 8, generator=gen)
+    tables = torch.zeros(num_seqs, max(nblk), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(nblk):
+        tables[i, :n] = perm[start:start + n]
+        start += n
+    k_cache = torch.randn(len(perm), block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
+    print(f"decode attention per layer: B={num_seqs} contexts {ctx[0]}-{ctx[1]} (mean {sum(seq_lens) / num_seqs:.0f})"
+          f" H={num_heads} kvh={num_kv_heads} D={head_dim} {str(dtype).split('.')[-1]} block {block_size}")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        line = []
+        for backend in (SdpaBackend(), CpuPagedAttentionBackend()):
+            # One step's metadata shared by every layer, as in the engine (SDPA plans once per step).
+            meta = AttentionMetadata(
+                slot_mapping=torch.zeros(num_seqs, dtype=torch.int64),
+                query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, max_query_len=1,
+                max_seq_len=max(seq_lens), query_lens_list=[1] * num_seqs, seq_lens_list=seq_lens,
+                is_decode_only=True)
+            for _ in range(5):
+                backend.forward(q, k_cache, v_cache, meta, head_dim ** -0.5)
+            times = []
+            for _ in range(iters):
+                t = time.perf_counter()
+                backend.forward(q, k_cache, v_cache, meta, head_dim ** -0.5)
+                times.append(time.perf_counter() - t)
+            times.sort()
+            line.append(f"{backend.name} median {1e3 * times[len(times) // 2]:.3f} ms (min {1e3 * times[0]:.3f})")
+        print(f"  {threads} thread(s): " + ";  ".join(line))
+
+
+if __name__ == "__main__":
+    op, why, secs = load_kernel()
+    if op is None:
+        raise SystemExit(why)
+    print(f"kernel ready in {secs:.1f} s (build on first use, then cached)")
+    _bench()

@@ -1,0 +1,354 @@
+// CPU paged attention over the flat batch described in engine/attention/base.py.
+//
+// Keys and values are read in place from the paged cache [num_blocks, block_size, kv_heads, head_dim] through
+// the block table: nothing is gathered into a dense copy. One work item is (sequence, kv head, query tile): it
+// holds the tile's rows for all GROUP query heads sharing that kv head (row = token-major, head-minor), so every
+// K/V block is read once per tile, and streams the sequence's keys block by block with an online
+// (FlashAttention-style) softmax in float32. Items are scheduled dynamically over OpenMP threads (torch's own
+// libgomp, so torch.set_num_threads applies), biggest first.
+//
+// Only light headers are included (not torch/extension.h): the build takes seconds instead of ~40 s. The op is
+// registered with the dispatcher (TORCH_LIBRARY) and called as torch.ops.shoal_cpu_paged.paged_attention.
+//
+// Vectorisation is left to the compiler (-O3 -march=native -fopenmp): `#pragma omp simd` lets it vectorise the
+// float reductions over head_dim without -ffast-math, and exp2 is a polynomial (no libm call) so it vectorises.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kMaxHeadDim = 256;
+constexpr int kTileRows = 64;  // target rows (tokens x heads of a group) per query tile
+
+// ---------------------------------------------------------------------------------------------- conversions
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  // bfloat16 is the top half of a float32: a shift, which the compiler vectorises (c10's operator float is
+  // opaque enough that it may not).
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }  // c10::BFloat16/Half round to nearest even
+
+// 2^x for x <= 0, branch-free and vectorisable. Scores live in the log2 domain (scale * log2(e) is folded into the
+// queries), so softmax needs exp2 only. x = n + f with n = round(x) and f in [-0.5, 0.5]; 2^f by its Taylor
+// polynomial to degree 7 (relative error < 1e-8, below float rounding); 2^n by writing n + 127 into the exponent
+// bits. x is clamped to -127 first: 2^-127 then has exponent bits 0 and comes out as exactly 0, so -inf
+// (exp2(-inf - m) for the initial running max) gives 0 as it should.
+inline float exp2_neg(float x) {
+  x = std::max(x, -127.0f);
+  // Round to nearest via the 1.5 * 2^23 trick (exact for |x| < 2^22); valid because we do not build with
+  // -ffast-math, so the compiler may not fold (x + C) - C into x.
+  const float n = (x + 12582912.0f) - 12582912.0f;
+  const float f = (x - n) * 0.6931471805599453f;  // 2^f = e^(f ln 2)
+  float p = 1.0f / 5040.0f;
+  p = p * f + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float pow2n;
+  std::memcpy(&pow2n, &bits, sizeof pow2n);
+  return p * pow2n;
+}
+
+// ------------------------------------------------------------------------------------------------ the kernel
+
+template <typename T>
+struct Params {
+  const T* q;
+  T* out;
+  const T* k;
+  const T* v;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  const float* slopes;  // [H] or null
+  float qk_scale;       // softmax scale * log2(e)
+  int64_t sq_t, sq_h, so_t, so_h;  // q/out strides (head_dim is contiguous)
+  int64_t sk_b, sk_s, sk_h, sv_b, sv_s, sv_h;  // cache strides
+  int64_t bt_stride;
+  int H, group, D, block_size, tile_tokens;
+};
+
+struct Item {
+  int32_t seq, kv_head, t0, t1;  // query tokens [t0, t1) of the sequence's query
+  int64_t cost;
+};
+
+// Per-thread scratch, sized once per call.
+struct Scratch {
+  std::vector<float> q, acc, s, kbuf, vbuf, m, l;
+  std::vector<const float*> krow, vrow;
+  Scratch(int rows, int D, int bs)
+      : q(size_t(rows) * D), acc(size_t(rows) * D), s(size_t(rows) * bs), kbuf(size_t(bs) * D),
+        vbuf(size_t(bs) * D), m(rows), l(rows), krow(bs), vrow(bs) {}
+};
+
+// Rows of one cache block as float pointers: straight into the cache for float32, else converted into `buf`.
+template <typename T>
+inline void block_rows(const T* base, int64_t stride, int n, int D, float* buf, const float** rows) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int j = 0; j < n; ++j) rows[j] = base + j * stride;
+  } else {
+    for (int j = 0; j < n; ++j) {
+      const T* src = base + j * stride;
+      float* dst = buf + size_t(j) * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+      rows[j] = dst;
+    }
+  }
+}
+
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t stride, int n, int D) {
+  const int64_t bytes = int64_t(D) * sizeof(T);
+  for (int j = 0; j < n; ++j)
+    for (int64_t off = 0; off < bytes; off += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(base + j * stride) + off);
+}
+
+template <typename T>
+void attend_tile(const Params<T>& p, const Item& it, Scratch& sc) {
+  const int D = p.D, G = p.group, bs = p.block_size;
+  const int q_start = p.query_start_loc[it.seq];
+  const int q_len = p.query_start_loc[it.seq + 1] - q_start;
+  const int ctx = p.seq_lens[it.seq] - q_len;  // cached tokens before this step's queries
+  const int rows = (it.t1 - it.t0) * G;
+  const int h0 = it.kv_head * G;
+  float* qf = sc.q.data();
+  float* acc = sc.acc.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+
+  // Row r = (token t0 + r / G, query head h0 + r % G), at absolute position ctx + t0 + r / G.
+  for (int r = 0; r < rows; ++r) {
+    const T* src = p.q + int64_t(q_start + it.t0 + r / G) * p.sq_t + int64_t(h0 + r % G) * p.sq_h;
+    float* dst = qf + size_t(r) * D;
+    const float scale = p.qk_scale;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+    std::fill_n(acc + size_t(r) * D, D, 0.0f);
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+
+  const int32_t* table = p.block_tables + int64_t(it.seq) * p.bt_stride;
+  const int kv_end = ctx + it.t1;  // keys visible to the tile's last token (causal)
+  for (int k0 = 0, blk = 0; k0 < kv_end; k0 += bs, ++blk) {
+    const int n = std::min(bs, kv_end - k0);
+    const int64_t b = table[blk];
+    if (k0 + bs < kv_end) {  // the block table makes the next block's address unpredictable: prefetch it
+      const int64_t nb = table[blk + 1];
+      prefetch_rows(p.k + nb * p.sk_b + int64_t(it.kv_head) * p.sk_h, p.sk_s, std::min(bs, kv_end - k0 - bs), D);
+      prefetch_rows(p.v + nb * p.sv_b + int64_t(it.kv_head) * p.sv_h, p.sv_s, std::min(bs, kv_end - k0 - bs), D);
+    }
+    block_rows(p.k + b * p.sk_b + int64_t(it.kv_head) * p.sk_h, p.sk_s, n, D, sc.kbuf.data(), sc.krow.data());
+    block_rows(p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h, p.sv_s, n, D, sc.vbuf.data(), sc.vrow.data());
+    const float* const* K = sc.krow.data();
+    const float* const* V = sc.vrow.data();
+
+    for (int r = 0; r < rows; ++r) {
+      const int pos = ctx + it.t0 + r / G;
+      // Causal mask without -inf: the row only looks at the block's first nr keys (none when it starts later).
+      const int nr = std::min(n, pos - k0 + 1);
+      if (nr <= 0) continue;
+      const float* qr = qf + size_t(r) * D;
+      float* s = sc.s.data() + size_t(r) * bs;
+
+      // Scores, four keys at a time: four independent accumulator chains that share each load of q.
+      int j = 0;
+      for (; j + 4 <= nr; j += 4) {
+        const float *k_0 = K[j], *k_1 = K[j + 1], *k_2 = K[j + 2], *k_3 = K[j + 3];
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int d = 0; d < D; ++d) {
+          const float x = qr[d];
+          a0 += x * k_0[d];
+          a1 += x * k_1[d];
+          a2 += x * k_2[d];
+          a3 += x * k_3[d];
+        }
+        s[j] = a0, s[j + 1] = a1, s[j + 2] = a2, s[j + 3] = a3;
+      }
+      for (; j < nr; ++j) {
+        const float* kj = K[j];
+        float a = 0.f;
+#pragma omp simd reduction(+ : a)
+        for (int d = 0; d < D; ++d) a += qr[d] * kj[d];
+        s[j] = a;
+      }
+      if (p.slopes != nullptr) {  // ALiBi: slope * (key_pos - query_pos), in the log2 domain like the scores
+        const float slope = p.slopes[h0 + r % G] * kLog2e;
+        for (int jj = 0; jj < nr; ++jj) s[jj] += slope * float(k0 + jj - pos);
+      }
+
+      // Online softmax: rescale what was accumulated so far by 2^(old max - new max).
+      float mx = m[r];
+      for (int jj = 0; jj < nr; ++jj) mx = std::max(mx, s[jj]);
+      const float corr = exp2_neg(m[r] - mx);  // 0 on the first block (m = -inf)
+      m[r] = mx;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int jj = 0; jj < nr; ++jj) {
+        s[jj] = exp2_neg(s[jj] - mx);
+        sum += s[jj];
+      }
+      l[r] = l[r] * corr + sum;
+
+      // acc = acc * corr + P V, four keys per pass over the accumulator row (which stays in L1). The key loop
+      // must stay outside the d loop: with it inside, GCC vectorises over keys with gathers.
+      float* a = acc + size_t(r) * D;
+      if (corr != 1.0f) {
+#pragma omp simd
+        for (int d = 0; d < D; ++d) a[d] *= corr;
+      }
+      int jj = 0;
+      for (; jj + 4 <= nr; jj += 4) {
+        const float p0 = s[jj], p1 = s[jj + 1], p2 = s[jj + 2], p3 = s[jj + 3];
+        const float *v0 = V[jj], *v1 = V[jj + 1], *v2 = V[jj + 2], *v3 = V[jj + 3];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+      }
+      for (; jj < nr; ++jj) {
+        const float pj = s[jj];
+        const float* vj = V[jj];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) a[d] += pj * vj[d];
+      }
+    }
+  }
+
+  for (int r = 0; r < rows; ++r) {
+    T* dst = p.out + int64_t(q_start + it.t0 + r / G) * p.so_t + int64_t(h0 + r % G) * p.so_h;
+    const float* a = acc + size_t(r) * D;
+    const float inv = 1.0f / l[r];  // l >= 1: every row sees at least its own key
+    for (int d = 0; d < D; ++d) dst[d] = from_float<T>(a[d] * inv);
+  }
+}
+
+template <typename T>
+void run(const Params<T>& p, int num_seqs, int kv_heads) {
+  // Work items, most expensive first so that dynamic scheduling ends balanced.
+  std::vector<Item> items;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
+    const int ctx = p.seq_lens[s] - q_len;
+    for (int t0 = 0; t0 < q_len; t0 += p.tile_tokens) {
+      const int t1 = std::min(q_len, t0 + p.tile_tokens);
+      const int64_t cost = int64_t(t1 - t0) * (ctx + t1) + 64;  // + fixed overhead per item
+      for (int g = 0; g < kv_heads; ++g) items.push_back({s, g, t0, t1, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  const int64_t n_items = int64_t(items.size());
+#pragma omp parallel if (n_items > 1)
+  {
+    Scratch scratch(p.tile_tokens * p.group, p.D, p.block_size);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) attend_tile(p, items[i], scratch);
+  }
+}
+
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
+                     double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "expected q/out [T, H, D] and caches [num_blocks, block_size, kv_heads, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), kvh = k_cache.size(2);
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == D, "k/v cache shapes must match q");
+  TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, "head_dim must be in [1, ", kMaxHeadDim, "], got ", D);
+  TORCH_CHECK(kvh >= 1 && H % kvh == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", kvh, ")");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "q, out and the caches must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "the head_dim axis must be contiguous");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "metadata tensors must be contiguous int32");
+  const int64_t B = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.dim() == 2 && block_tables.size(0) >= B,
+              "inconsistent metadata shapes");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, "query_start_loc must span q's ", T, " tokens");
+  for (int64_t s = 0; s < B; ++s) {
+    const int32_t q_len = qsl[s + 1] - qsl[s];
+    TORCH_CHECK(q_len >= 0 && sl[s] >= q_len && sl[s] <= block_tables.size(1) * bs,
+                "sequence ", s, ": query length ", q_len, ", context length ", sl[s], " and ",
+                block_tables.size(1), " table blocks do not fit together");
+  }
+  const float* slopes = nullptr;
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& a = *alibi_slopes;
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.numel() == H,
+                "alibi_slopes must be a contiguous float32 tensor of num_heads values");
+    slopes = a.data_ptr<float>();
+  }
+  const int group = int(H / kvh);
+
+  auto launch = [&](auto tag) {
+    using Tp = decltype(tag);
+    Params<Tp> p{};
+    p.q = static_cast<const Tp*>(q.data_ptr());
+    p.out = static_cast<Tp*>(out.data_ptr());
+    p.k = static_cast<const Tp*>(k_cache.data_ptr());
+    p.v = static_cast<const Tp*>(v_cache.data_ptr());
+    p.block_tables = block_tables.data_ptr<int32_t>();
+    p.seq_lens = sl;
+    p.query_start_loc = qsl;
+    p.slopes = slopes;
+    p.qk_scale = float(scale) * kLog2e;
+    p.sq_t = q.stride(0), p.sq_h = q.stride(1), p.so_t = out.stride(0), p.so_h = out.stride(1);
+    p.sk_b = k_cache.stride(0), p.sk_s = k_cache.stride(1), p.sk_h = k_cache.stride(2);
+    p.sv_b = v_cache.stride(0), p.sv_s = v_cache.stride(1), p.sv_h = v_cache.stride(2);
+    p.bt_stride = block_tables.stride(0);
+    p.H = int(H), p.group = group, p.D = int(D), p.block_size = int(bs);
+    p.tile_tokens = std::max(1, kTileRows / group);
+    run(p, int(B), int(kvh));
+  };
+  switch (dtype) {
+    case at::kFloat: launch(float{}); break;
+    case at::kBFloat16: launch(c10::BFloat16{}); break;
+    case at::kHalf: launch(c10::Half{}); break;
+    default: TORCH_CHECK(false, "cpu paged attention supports float32, bfloat16 and float16, not ", dtype);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(shoal_cpu_paged, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(shoal_cpu_paged, CPU, m) { m.impl("paged_attention", &paged_attention); }
