@@ -96,18 +96,6 @@ def split_micro_batches(inputs: StepInputs, m: int) -> list[StepInputs]:
     return out
 
 
-def profile_inputs(num_tokens: int, block_size: int) -> StepInputs:
-    blocks = -(-num_tokens // block_size)
-    positions = torch.arange(num_tokens)
-    return StepInputs(
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64), positions=positions, slot_mapping=positions,
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
-        logits_indices=torch.tensor([num_tokens - 1]), query_lens=[num_tokens], seq_lens_list=[num_tokens],
-    )
-
-
 # ------------------------------------------------------------------------------------------------ one shard
 @dataclass
 class PipelineStats:
@@ -175,27 +163,19 @@ class Shard:
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
     def profile(self, num_tokens: int, block_size: int) -> int:
-        """Peak activation bytes of one step of num_tokens (CUDA), measured on a scratch cache."""
-        device = self.runner.device
-        if device.type != "cuda":
+        """Peak activation bytes of one pipelined step of num_tokens (CUDA; every rank runs it together)."""
+        if self.runner.device.type != "cuda":
             return 0
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        self.runner.allocate_kv_cache(-(-num_tokens // block_size), block_size)
-        self.run_step(profile_inputs(num_tokens, block_size), time.perf_counter())
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-        self.runner.kv_caches = []
-        torch.cuda.empty_cache()
-        return peak
+        return self.runner.profile_peak_memory(num_tokens, block_size,
+                                               execute=lambda inputs: self.run_step(inputs, time.perf_counter()))
 
 
-def _build_runner(group: Group, model_dir, hf_config, dtype, device, attention_backend: str,
-                  max_model_len: int) -> ModelRunner:
+def _build_runner(group: Group, config, model_dir, hf_config, dtype, device, max_model_len: int) -> ModelRunner:
     previous = get_parallel_state()
     set_parallel_state(group.state)  # the layers read it while they are built
     try:
-        return ModelRunner(model_dir, hf_config, dtype, device, attention_backend, max_model_len)
+        return ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
+                           block_size=config.block_size)
     finally:
         set_parallel_state(previous)
 
@@ -283,8 +263,7 @@ def run_worker(rank: int, local_rank: int, world_size: int, tp: int, pp: int, ma
         model_dir = resolve_model_dir(config.model, config.revision)
         hf_config = load_hf_config(model_dir, config.trust_remote_code)
         dtype = getattr(torch, spec["dtype"])
-        runner = _build_runner(group, model_dir, hf_config, dtype, device, config.attention_backend,
-                               spec["max_model_len"])
+        runner = _build_runner(group, config, model_dir, hf_config, dtype, device, spec["max_model_len"])
         shard = Shard(group, runner, hf_config.hidden_size, hf_config.vocab_size, spec["micro_batches"])
         if ready_dir:
             Path(ready_dir, f"rank-{rank}").write_text(str(os.getpid()))
@@ -354,8 +333,7 @@ class DistributedExecutor:
             spec = {"config": config.model_dump(), "dtype": str(dtype).removeprefix("torch."),
                     "max_model_len": max_model_len, "micro_batches": _micro_batches(settings, pp)}
             dist.broadcast_object_list([spec], src=0, group=self.group.control)
-            self.runner = _build_runner(self.group, model_dir, hf_config, dtype, device, config.attention_backend,
-                                        max_model_len)
+            self.runner = _build_runner(self.group, config, model_dir, hf_config, dtype, device, max_model_len)
         except BaseException:
             self._closed = True
             self._kill_children()
@@ -487,6 +465,7 @@ class DistributedExecutor:
 def make_runner(config, model_dir, hf_config, dtype, device, max_model_len: int):
     """A ModelRunner for one process, a DistributedExecutor (which starts the local workers) for several."""
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
-        return ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len)
+        return ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
+                           block_size=config.block_size)
     return DistributedExecutor(config, model_dir, hf_config, dtype, device, max_model_len)
 

@@ -118,9 +118,10 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
+    def profile_peak_memory(self, num_tokens: int, block_size: int, execute=None) -> int:
         """Bytes of activation memory one step of num_tokens tokens needs (CUDA only): run it on a scratch
-        cache and read the allocator's peak."""
+        cache and read the allocator's peak. `execute(inputs)` runs the step (default: this runner alone; a
+        multi-process shard passes its pipelined step)."""
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         blocks = -(-num_tokens // block_size)
@@ -133,7 +134,7 @@ class ModelRunner:
             block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
             logits_indices=torch.tensor([num_tokens - 1]), query_lens=[num_tokens], seq_lens_list=[num_tokens],
         )
-        self.execute(inputs)
+        (execute or self.execute)(inputs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_caches = []
