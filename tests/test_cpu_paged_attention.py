@@ -82,12 +82,13 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 def check(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,
-          alibi=False, seed=0):
+          alibi=False, seed=0, dense_prefill=False):
+    """dense_prefill=False runs every sequence through the kernel; True lets long prefill chunks take SDPA."""
     q, k_cache, v_cache, meta, ks, vs = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim,
                                                   block_size, dtype, seed)
     scale = head_dim ** -0.5
     slopes = alibi_slopes(num_heads) if alibi else None
-    out = CpuPagedAttentionBackend().forward(q, k_cache, v_cache, meta, scale, slopes)
+    out = CpuPagedAttentionBackend(dense_prefill).forward(q, k_cache, v_cache, meta, scale, slopes)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     ref = reference(q, ks, vs, query_lens, scale, slopes)
@@ -113,21 +114,37 @@ def test_decode(block_size, head_dim):
     check([1] * len(sl), sl, 8, 4, head_dim, block_size)
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_prefill(block_size):
-    # 100 tokens with group 2 spans several 32-token query tiles.
+def test_prefill(block_size, dense):
+    # 100 tokens with group 2 spans several 32-token query tiles (and is long enough for the dense path).
     ql = [5, 17, 1, 33, 100]
-    check(ql, ql, 4, 2, 64, block_size)
+    check(ql, ql, 4, 2, 64, block_size, dense_prefill=dense)
 
 
-def test_chunked_prefill_with_context():
+@pytest.mark.parametrize("dense", [False, True])
+def test_chunked_prefill_with_context(dense):
     # 13, 21, 0 and 70 tokens of cached context before this step's chunks.
-    check([7, 16, 9, 40], [20, 37, 9, 110], 6, 2, 20, 16)
+    check([7, 16, 9, 40], [20, 37, 9, 110], 6, 2, 20, 16, dense_prefill=dense)
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_batch(block_size):
-    check([12, 1, 5, 1, 3, 1], [12, 29, 21, 7, 40, 64], 8, 4, 64, block_size, seed=1)
+def test_mixed_batch(block_size, dense):
+    check([12, 1, 5, 1, 3, 1, 64], [12, 29, 21, 7, 40, 64, 80], 8, 4, 64, block_size, seed=1, dense_prefill=dense)
+
+
+def test_only_long_prefill_chunks_take_the_dense_path(monkeypatch):
+    calls = []
+    dense = CpuPagedAttentionBackend._dense_sequence
+    monkeypatch.setattr(CpuPagedAttentionBackend, "_dense_sequence",
+                        staticmethod(lambda i, *a: calls.append(i) or dense(i, *a)))
+    # 15 tokens: too short; 16 x 300 and 64 x 64 pairs: enough; 16 x 100: too few pairs; decodes never.
+    check([15, 16, 1, 64, 16], [300, 300, 50, 64, 100], 8, 4, 32, 16, dense_prefill=True)
+    assert calls == [1, 3]
+    calls.clear()
+    check([1, 1], [300, 200], 8, 4, 32, 16, dense_prefill=True)
+    assert calls == []
 
 
 def test_strided_q_like_a_fused_qkv_split():
@@ -138,15 +155,18 @@ def test_strided_q_like_a_fused_qkv_split():
     torch.testing.assert_close(out.double(), reference(q, ks, vs, ql, 0.3), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)])
-def test_alibi(heads):
-    check([9, 1, 6, 1], [9, 26, 38, 70], heads[0], heads[1], 16, 4, alibi=True)
+def test_alibi(heads, dense):
+    check([9, 1, 6, 1, 70], [9, 26, 38, 70, 90], heads[0], heads[1], 16, 4, alibi=True, dense_prefill=dense)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 20])
 def test_half_precision(dtype, head_dim):
-    check([10, 1, 4, 1], [10, 35, 19, 200], 8, 4, head_dim, 16, dtype=dtype, alibi=dtype == torch.float16)
+    ql, sl = [10, 1, 4, 1, 48], [10, 35, 19, 200, 150]
+    for dense in (False, True):
+        check(ql, sl, 8, 4, head_dim, 16, dtype=dtype, alibi=dtype == torch.float16, dense_prefill=dense)
 
 
 def test_large_head_dim_and_group():

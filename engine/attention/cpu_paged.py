@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .base import AttentionBackend, AttentionMetadata
 
@@ -34,6 +35,11 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A sequence whose query chunk this step has at least DENSE_MIN_QUERY_LEN tokens and DENSE_MIN_PAIRS
+# (query, key) pairs goes to torch's SDPA over a gathered copy of its context instead of the kernel (crossover
+# measured on an AVX-512 Xeon, bf16, head_dim 64, 1 thread; see _dense_sequence).
+DENSE_MIN_QUERY_LEN = 16
+DENSE_MIN_PAIRS = 4096
 
 
 def _cpu_tag() -> str:
@@ -94,6 +100,9 @@ class CpuPagedAttentionBackend(AttentionBackend):
             return False, f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         return True, ""
 
+    def __init__(self, dense_prefill: bool = True):
+        self.dense_prefill = dense_prefill  # False: the kernel does every sequence, long prefill chunks included
+
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, alibi_slopes=None):
         op, why, _ = load_kernel()
         if op is None:
@@ -105,8 +114,41 @@ class CpuPagedAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype)
         ints = [t.to(torch.int32).contiguous() for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)]
         slopes = None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous()
-        op(out, q, k_cache, v_cache, *ints, slopes, float(scale))
+        dense = [] if meta.is_decode_only or not self.dense_prefill else [
+            i for i, (n, s) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list))
+            if n >= DENSE_MIN_QUERY_LEN and n * s >= DENSE_MIN_PAIRS]
+        skip = None
+        if dense:
+            skip = torch.zeros(meta.num_seqs, dtype=torch.bool)
+            skip[dense] = True
+        op(out, q, k_cache, v_cache, *ints, slopes, float(scale), skip)  # the kernel leaves `dense` sequences
+        for i in dense:
+            self._dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes)
         return out.to(in_dtype)
+
+    @staticmethod
+    def _dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes):
+        """A long prefill chunk is compute-bound: there gathering its context is cheap next to the attention
+        itself, and torch's SDPA (bf16 GEMM micro-kernels) beats the streaming kernel's float32 dot products."""
+        nb, bs, kvh, D = k_cache.shape
+        H = q.shape[1]
+        q_len, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
+        start = int(meta.query_start_loc[i])
+        blocks = meta.block_tables[i, : -(-seq_len // bs)].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None]  # [1, kvh, seq_len, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+        qi = q[start: start + q_len].transpose(0, 1)[None]  # [1, H, q_len, D]: 4-D takes the flash kernel
+        ctx = seq_len - q_len
+        if ctx == 0 and slopes is None:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=H != kvh)
+        else:
+            rel = torch.arange(seq_len).view(1, -1) - torch.arange(ctx, seq_len).view(-1, 1)  # key - query pos
+            if slopes is None:
+                mask = rel <= 0
+            else:
+                mask = (slopes.view(H, 1, 1) * rel).masked_fill(rel > 0, float("-inf")).to(q.dtype)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=H != kvh)
+        out[start: start + q_len] = o[0].transpose(0, 1)
 
 
 # ------------------------------------------------------------------------------------------------- benchmark

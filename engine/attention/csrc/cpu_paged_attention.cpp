@@ -253,11 +253,12 @@ void attend_tile(const Params<T>& p, const Item& it, Scratch& sc) {
 }
 
 template <typename T>
-void run(const Params<T>& p, int num_seqs, int kv_heads) {
+void run(const Params<T>& p, int num_seqs, int kv_heads, const bool* skip) {
   // Work items, most expensive first so that dynamic scheduling ends balanced.
   std::vector<Item> items;
   for (int s = 0; s < num_seqs; ++s) {
     const int q_len = p.query_start_loc[s + 1] - p.query_start_loc[s];
+    if (skip != nullptr && skip[s]) continue;  // the caller computes this one (a long prefill chunk)
     const int ctx = p.seq_lens[s] - q_len;
     for (int t0 = 0; t0 < q_len; t0 += p.tile_tokens) {
       const int t1 = std::min(q_len, t0 + p.tile_tokens);
@@ -279,7 +280,7 @@ void run(const Params<T>& p, int num_seqs, int kv_heads) {
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
-                     double scale) {
+                     double scale, const std::optional<at::Tensor>& skip_seqs) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "expected q/out [T, H, D] and caches [num_blocks, block_size, kv_heads, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -314,6 +315,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                 "alibi_slopes must be a contiguous float32 tensor of num_heads values");
     slopes = a.data_ptr<float>();
   }
+  const bool* skip = nullptr;
+  if (skip_seqs.has_value()) {
+    TORCH_CHECK(skip_seqs->scalar_type() == at::kBool && skip_seqs->is_contiguous() && skip_seqs->numel() == B,
+                "skip_seqs must be a contiguous bool tensor with one entry per sequence");
+    skip = skip_seqs->data_ptr<bool>();
+  }
   const int group = int(H / kvh);
 
   auto launch = [&](auto tag) {
@@ -334,7 +341,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     p.bt_stride = block_tables.stride(0);
     p.H = int(H), p.group = group, p.D = int(D), p.block_size = int(bs);
     p.tile_tokens = std::max(1, kTileRows / group);
-    run(p, int(B), int(kvh));
+    run(p, int(B), int(kvh), skip);
   };
   switch (dtype) {
     case at::kFloat: launch(float{}); break;
@@ -348,7 +355,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY(shoal_cpu_paged, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale, Tensor? skip_seqs=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(shoal_cpu_paged, CPU, m) { m.impl("paged_attention", &paged_attention); }
