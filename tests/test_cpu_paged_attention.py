@@ -6,6 +6,10 @@ here and in CI, so a failed build FAILS these tests rather than skipping them.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -193,3 +197,16 @@ def test_rejects_bad_shapes():
     meta.seq_lens = torch.tensor([500], dtype=torch.int32)  # more tokens than the block table holds
     with pytest.raises(RuntimeError, match="do not fit"):
         CpuPagedAttentionBackend().forward(q, k_cache, v_cache, meta, 0.25)
+
+
+def test_build_failure_is_reported_not_raised(tmp_path):
+    """A kernel that does not compile makes is_available (False, the compiler's error); nothing raises."""
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int f() { return 0 }\n")
+    code = (f"import torch, pathlib\nfrom shoal.engine.attention import cpu_paged as cp\n"
+            f"cp.SOURCE = pathlib.Path({str(bad)!r})\nprint(cp.CpuPagedAttentionBackend.is_available(torch.device('cpu')))")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(False, 'the cpu attention kernel could not be built:" in proc.stdout
+    assert "bad.cpp:1:" in proc.stdout and "error:" in proc.stdout

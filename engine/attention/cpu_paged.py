@@ -52,9 +52,10 @@ def _cpu_tag() -> str:
 
 
 def _summarise(err: BaseException) -> str:
-    text = str(err)
-    errors = [ln.strip() for ln in text.splitlines() if re.search(r"\berror\b", ln, re.I)]
-    summary = "; ".join(errors[:3]) if errors else text.strip().splitlines()[0] if text.strip() else repr(err)
+    """The compiler's own error lines when there are some (not the command line), else the exception's first."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.search(r"(^|: )(fatal )?error:", ln)]
+    summary = "; ".join(errors[:3]) if errors else lines[0] if lines else repr(err)
     return f"the cpu attention kernel could not be built: {summary[:600]}"
 
 
@@ -71,8 +72,10 @@ def load_kernel() -> tuple[object | None, str, float]:
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         op = torch.ops.shoal_cpu_paged.paged_attention
     except Exception as e:  # a missing compiler/ninja/header must never break the engine: report and fall back
-        logger.warning("cpu paged attention unavailable: %s", e)
-        return None, _summarise(e), time.perf_counter() - start
+        why = _summarise(e)
+        logger.warning("%s", why)
+        logger.debug("cpu attention kernel build failure", exc_info=True)
+        return None, why, time.perf_counter() - start
     return op, "", time.perf_counter() - start
 
 
