@@ -55,7 +55,8 @@ def section(cls: type) -> Any:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    # strict: like the API server, no "yes" for a boolean or "2" for an integer
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True)
 
 
 class ModelSource(_Model):
@@ -208,7 +209,7 @@ class Condition(_Model):
 
 
 class InferenceServiceStatus(_Model):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
 
     phase: Literal["Pending", "Loading", "Ready", "Degraded", "Failed"] | None = None
     replicas: int | None = Field(default=None, ge=0)

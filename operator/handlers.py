@@ -28,7 +28,7 @@ from typing import Any
 import kopf
 
 from shoal.operator import api, render
-from shoal.operator.kube import CHILD_KINDS, ApiError, Kube
+from shoal.operator.kube import CHILD_KINDS, ApiError, Kube, load_configuration
 from shoal.operator.render import (A_GROUP_SIZE, A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
 
@@ -357,6 +357,8 @@ class Reconciler:
 
         observed = self.observed(key)
         desired = {(o["kind"], o["metadata"]["name"]): o for o in plan.children}
+        if any(ck not in observed for ck in desired) and not await self._still_exists(isvc):
+            return  # deleted meanwhile (its DELETED event is still on its way): never resurrect its children
         for ck, obj in desired.items():
             actual = observed.get(ck)
             if actual is None:
@@ -391,6 +393,18 @@ class Reconciler:
         if _status_changed(old_status, status):
             await self.kube.merge_patch(api.KIND, namespace, name, {"status": status}, subresource="status")
             self._event_on_transition(isvc, old_status, status)
+
+    async def _still_exists(self, isvc: dict[str, Any]) -> bool:
+        """Watch streams of different kinds are not ordered: children may vanish (garbage collection) before the
+        owner's own DELETED event arrives. Creating children is the one step that asks the API first."""
+        meta = isvc["metadata"]
+        try:
+            fresh = await self.kube.get(api.KIND, meta["namespace"], meta["name"])
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return fresh["metadata"].get("uid") == meta.get("uid") and not _terminating(fresh)
 
     async def restart_broken_groups(self, isvc: dict[str, Any], plan: Plan,
                                     observed: dict[tuple[str, str], dict], pods: list[dict[str, Any]]) -> None:
@@ -473,6 +487,24 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         memo.reconciler = Reconciler(kube=Kube.from_environment(), settings=settings_from_env())
     logger.info("shoal-operator: engine image %s, %d GPUs per node", memo.reconciler.settings.engine_image,
                 memo.reconciler.settings.max_gpus_per_node)
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's own connection, from the same configuration as the operator's client (see kube.load_configuration):
+    in-cluster service account, else $KUBECONFIG as it is when the operator starts."""
+    try:
+        cfg = load_configuration()
+    except Exception as e:
+        raise kopf.LoginError(f"cannot authenticate neither in-cluster nor via kubeconfig: {e}") from e
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+        username=cfg.username or None, password=cfg.password or None, scheme=scheme, token=token,
+        certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
+    )
 
 
 @kopf.on.cleanup()

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,20 @@ def path(kind: str, namespace: str, name: str | None = None, subresource: str | 
     return p
 
 
+def load_configuration() -> Any:
+    """A fresh `kubernetes.client.Configuration`: the in-cluster service account when running in a pod, else
+    the kubeconfig named by $KUBECONFIG *now* (the client library fixes its default path at import time)."""
+    import kubernetes
+
+    configuration = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+    except kubernetes.config.ConfigException:
+        config_file = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+        kubernetes.config.load_kube_config(config_file=config_file, client_configuration=configuration)
+    return configuration
+
+
 @dataclass
 class Kube:
     """A thin JSON client over the official `kubernetes` package (kubeconfig / in-cluster auth, TLS, exec
@@ -93,11 +108,7 @@ class Kube:
         """In-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config."""
         import kubernetes
 
-        configuration = kubernetes.client.Configuration()
-        try:
-            kubernetes.config.load_incluster_config(client_configuration=configuration)
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config(client_configuration=configuration)
+        configuration = load_configuration()
         configuration.connection_pool_maxsize = workers
         configuration.retries = False
         return cls(kubernetes.client.ApiClient(configuration),

@@ -162,7 +162,18 @@ class Cluster(kmock.KubernetesEmulator):
         self.store[key] = obj
         self.writes.append(("create", res[2], meta.get("namespace"), meta["name"]))
         await self._emit(res, "ADDED", obj)
+        owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+        if self.gc and owners and not any(o["metadata"].get("uid") in owners for o in self.store.values()):
+            # the garbage collector deletes dependents whose owners are all gone (created in a race)
+            asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(self._orphaned(key)))
         return aiohttp.web.json_response(obj, status=201)
+
+    async def _orphaned(self, key: tuple) -> None:
+        obj = self.store.pop(key, None)
+        if obj is not None:
+            self._bump(obj)
+            await self._emit(key[0], "DELETED", obj)
+            await self._collect(obj)
 
     async def _patch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = self._key(request)
@@ -538,6 +549,7 @@ def env(tmp_path_factory):
     finally:
         if e.operator is not None:
             e.operator.stop()
+        e.client.http.close()
         server.close()
         mp.undo()
 

@@ -292,4 +292,4 @@ def test_deleting_the_isvc_collects_children(env, ns):
     env.client.delete(ISVC, ns, "gone")
     wait_for(lambda: children(env, ns) == {}, 10, "children collected through ownerReferences")
     time.sleep(0.3)
-    assert children(env, ns) == {}  # and the operator does not resurrect them
+    assert children(env, ns) == {}  # and nothing resurrects them
