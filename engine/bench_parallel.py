@@ -65,8 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--micro-batches", type=int, default=None, help="pipeline micro-batches per step")
+    ap.add_argument("--layer-partition", default=None, metavar="N,N",
+                    help="decoder layers per pipeline stage for the PP layouts (default: even)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
+    from .distributed import configure
+
+    configure(micro_batches=args.micro_batches,
+              layer_partition=[int(x) for x in args.layer_partition.split(",")] if args.layer_partition else None)
 
     import logging
 

@@ -82,7 +82,11 @@ class DistributedSettings:
     exit_grace: float = field(default_factory=lambda: _env_float("SHOAL_FAILURE_EXIT_GRACE", 2.0))
     micro_batches: int | None = field(
         default_factory=lambda: int(os.environ["SHOAL_PP_MICROBATCHES"]) if os.environ.get("SHOAL_PP_MICROBATCHES")
-        else None)  # pipeline micro-batches per step; None: 2 * pipeline_parallel_size
+        else None)  # pipeline micro-batches per step; None: pipeline_parallel_size
+
+    layer_partition: list[int] | None = field(
+        default_factory=lambda: [int(x) for x in os.environ["SHOAL_PP_LAYER_PARTITION"].split(",")]
+        if os.environ.get("SHOAL_PP_LAYER_PARTITION") else None)  # decoder layers per stage; None: even split
 
     def port(self) -> int:
         if self.master_port is not None:

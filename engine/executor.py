@@ -5,12 +5,17 @@ one int64 tensor) on the control group, runs its own shard, and gets the last st
 receive a plan, run their shard, pass hidden states on.
 
 Pipeline parallelism: each step's batch is split into up to M micro-batches (contiguous runs of sequences with
-balanced token counts; M = 2 * pipeline_parallel_size by default, `SHOAL_PP_MICROBATCHES` overrides) and pushed
-through the stages GPipe-style: stage s works on micro-batch m while stage s+1 works on m-1, hidden states go
-stage to stage with point-to-point isend/recv (tensor-parallel rank t of stage s talks to rank t of stage s+1),
-and the last stage's tensor-parallel rank 0 sends each micro-batch's logits to rank 0. The pipeline drains at the
-end of every step (rank 0 needs the logits to sample before it can schedule the next one), so the bubble per step
-is about (P - 1) / (M + P - 1) of the step; each rank measures its own busy time, see `pipeline_stats`.
+balanced token counts) and pushed through the stages GPipe-style: stage s works on micro-batch m while stage s+1
+works on m-1. Hidden states go stage to stage with point-to-point isend/recv (tensor-parallel rank t of stage s
+talks to rank t of stage s+1), and the last stage's tensor-parallel rank 0 sends each micro-batch's logits to rank
+0, which samples (the sampler's per-request state — seeded generators, penalty histories — lives with the
+scheduler). The pipeline drains at the end of every step (rank 0 needs the logits before it can schedule the next
+one), so the ideal bubble is (P - 1) / (M + P - 1) of a step; every rank measures its own (`pipeline_stats`).
+
+M defaults to P, one micro-batch per stage in flight (`--pipeline-micro-batches` / `SHOAL_PP_MICROBATCHES`
+override it). On the 2-core CPU benchmark more micro-batches lowered the ideal bubble but not the time: smaller
+matmuls and more messages cost more than the idle time they save (PP=2: M=2 ~390 tok/s, M=4 ~280, M=8 ~175);
+on GPUs with large batches a larger M pays off.
 """
 
 from __future__ import annotations
@@ -170,12 +175,13 @@ class Shard:
                                                execute=lambda inputs: self.run_step(inputs, time.perf_counter()))
 
 
-def _build_runner(group: Group, config, model_dir, hf_config, dtype, device, max_model_len: int) -> ModelRunner:
+def _build_runner(group: Group, config, model_dir, hf_config, dtype, device, max_model_len: int,
+                  layer_partition: list[int] | None) -> ModelRunner:
     previous = get_parallel_state()
     set_parallel_state(group.state)  # the layers read it while they are built
     try:
         return ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
-                           block_size=config.block_size)
+                           layer_partition, block_size=config.block_size)
     finally:
         set_parallel_state(previous)
 
@@ -187,7 +193,7 @@ def _broadcast_header(group: Group, header: torch.Tensor, body: torch.Tensor | N
 
 
 def _micro_batches(settings: DistributedSettings, pp_size: int) -> int:
-    return settings.micro_batches or 2 * pp_size
+    return settings.micro_batches or pp_size
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -212,8 +218,6 @@ def worker_env(settings: DistributedSettings, local_world: int, device_type: str
         env[name] = str(value)
     if settings.backend:
         env["SHOAL_DIST_BACKEND"] = settings.backend
-    if settings.micro_batches:
-        env["SHOAL_PP_MICROBATCHES"] = str(settings.micro_batches)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("SHOAL_LOG_LEVEL", logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower())
     return env
@@ -263,7 +267,8 @@ def run_worker(rank: int, local_rank: int, world_size: int, tp: int, pp: int, ma
         model_dir = resolve_model_dir(config.model, config.revision)
         hf_config = load_hf_config(model_dir, config.trust_remote_code)
         dtype = getattr(torch, spec["dtype"])
-        runner = _build_runner(group, config, model_dir, hf_config, dtype, device, spec["max_model_len"])
+        runner = _build_runner(group, config, model_dir, hf_config, dtype, device, spec["max_model_len"],
+                               spec["layer_partition"])
         shard = Shard(group, runner, hf_config.hidden_size, hf_config.vocab_size, spec["micro_batches"])
         if ready_dir:
             Path(ready_dir, f"rank-{rank}").write_text(str(os.getpid()))
@@ -331,9 +336,11 @@ class DistributedExecutor:
             self.group = init_group(0, world, tp, pp, 0, device, settings, master[1])
             self.group.monitor = HeartbeatMonitor(self.group, self._on_failure, lambda: self.children).start()
             spec = {"config": config.model_dump(), "dtype": str(dtype).removeprefix("torch."),
-                    "max_model_len": max_model_len, "micro_batches": _micro_batches(settings, pp)}
+                    "max_model_len": max_model_len, "micro_batches": _micro_batches(settings, pp),
+                    "layer_partition": settings.layer_partition}
             dist.broadcast_object_list([spec], src=0, group=self.group.control)
-            self.runner = _build_runner(self.group, config, model_dir, hf_config, dtype, device, max_model_len)
+            self.runner = _build_runner(self.group, config, model_dir, hf_config, dtype, device, max_model_len,
+                                        settings.layer_partition)
         except BaseException:
             self._closed = True
             self._kill_children()

@@ -39,6 +39,18 @@ def add_distributed_args(p: argparse.ArgumentParser) -> None:
                    help="seconds ranks wait for each other at start-up, logging who is missing (default 600)")
     g.add_argument("--heartbeat-timeout", type=float, default=None,
                    help="seconds without a rank's heartbeat before the group is declared failed (default 10)")
+    g.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="micro-batches per step in flight through the pipeline (default: one per stage)")
+    g.add_argument("--pipeline-layer-partition", type=_partition, default=None, metavar="N,N,...",
+                   help="decoder layers per pipeline stage, e.g. 5,3 (default: an even split; the last stage also "
+                        "runs the LM head, so giving it fewer layers can balance the stages)")
+
+
+def _partition(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of layer counts: {text!r}") from None
 
 
 def settings_from_args(args: argparse.Namespace, exit_on_failure: bool):
@@ -47,7 +59,8 @@ def settings_from_args(args: argparse.Namespace, exit_on_failure: bool):
     changes = dict(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                    master_port=args.master_port, exit_on_failure=exit_on_failure)
     for flag, name in (("distributed_backend", "backend"), ("distributed_timeout", "collective_timeout"),
-                       ("distributed_startup_timeout", "startup_timeout"), ("heartbeat_timeout", "heartbeat_timeout")):
+                       ("distributed_startup_timeout", "startup_timeout"), ("heartbeat_timeout", "heartbeat_timeout"),
+                       ("pipeline_micro_batches", "micro_batches"), ("pipeline_layer_partition", "layer_partition")):
         if getattr(args, flag, None) is not None:
             changes[name] = getattr(args, flag)
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:

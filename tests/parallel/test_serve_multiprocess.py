@@ -26,7 +26,8 @@ def test_multinode_flags_staggered_start_serve_through_rank0(llama_kv1, tmp_path
     master, http0, http1 = free_port(), free_port(), free_port()
     dist = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--nnodes", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(master)]
-    node0 = Served(["--model", str(llama_kv1), *COMMON, *dist, "--node-rank", "0"], tmp_path / "node0.log", http0)
+    node0 = Served(["--model", str(llama_kv1), *COMMON, *dist, "--node-rank", "0", "--pipeline-layer-partition", "3,1",
+                    "--pipeline-micro-batches", "3"], tmp_path / "node0.log", http0)
     node1 = None
     try:
         time.sleep(10)  # node 1 comes up 10 s later: node 0 waits for it and says who is missing
@@ -35,6 +36,8 @@ def test_multinode_flags_staggered_start_serve_through_rank0(llama_kv1, tmp_path
         node0.wait_status("/readyz", 200, timeout=120)
         node1.wait_status("/readyz", 200, timeout=30)
         assert "waiting for ranks [2, 3] of 4 to join" in node0.text()
+        assert "3 micro-batches per step" in node0.text()
+        assert "[rank 3 (pp stage 1/2, tp 1/2)] shard loaded (layers 3-3)" in node1.text()  # partition 3,1
         assert node1.get("/v1/models") == 404  # workers serve health only
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http0}/v1", api_key="none")

@@ -8,6 +8,7 @@ import torch
 
 from hf_reference import hf_greedy
 from shoal.engine import LLM, SamplingParams
+from shoal.engine.distributed import configure, get_settings
 from shoal.engine.executor import pack_plan, split_micro_batches, unpack_plan
 from shoal.engine.runner import build_step_inputs
 
@@ -53,13 +54,23 @@ def compare(model_dir, outputs, tokenizer):
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 
 
+@pytest.fixture
+def micro_batches():
+    """Three micro-batches per step (the default is one per stage): uneven splits of 6 sequences."""
+    before = get_settings()
+    configure(micro_batches=3)
+    yield 3
+    configure(micro_batches=before.micro_batches)
+
+
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=lambda v: str(v))
 @pytest.mark.parametrize("model", ["llama_kv1", "bloom4"])
-def test_parallel_matches_single_process_and_transformers(request, model, tp, pp):
+def test_parallel_matches_single_process_and_transformers(request, model, tp, pp, micro_batches):
     model_dir = request.getfixturevalue(model)
     with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **OPTIONS) as llm:
         executor = llm.llm_engine.runner
         assert executor.group.world_size == tp * pp
+        assert executor.shard.micro_batches == (micro_batches if pp > 1 else 1)
         outputs = llm.generate(PROMPTS, PARAMS)
         compare(model_dir, outputs, llm.get_tokenizer())
         llm.llm_engine.pool.check_all_free()
