@@ -138,15 +138,7 @@ def test_invalid_cr_is_rejected_by_the_crd_naming_the_field(field, value, named)
         assert repr(field.rsplit(".", 1)[1]) in messages, messages
 
 
-# pydantic's lax mode turns "yes"/"false" into booleans where the CRD (rightly) wants a JSON boolean. Harmless on a
-# real cluster (the API server applies the CRD schema first) but a divergence between the two validators.
-_LAX_BOOL = pytest.mark.xfail(reason="api.py coerces strings to booleans (pydantic lax mode); the CRD does not",
-                              strict=False)
-
-
-@pytest.mark.parametrize("field,value,named", [
-    pytest.param(f, v, n, marks=_LAX_BOOL) if v in ("yes", "false") else (f, v, n) for f, v, n in INVALID
-], ids=[f"{f}={v!r}" for f, v, _ in INVALID])
+@pytest.mark.parametrize("field,value,named", INVALID, ids=[f"{f}={v!r}" for f, v, _ in INVALID])
 def test_invalid_cr_is_rejected_by_the_operator_naming_the_field(field, value, named):
     """The operator's own validation (api.validate: for objects the schema never saw) names the same field."""
     api = pytest.importorskip("shoal.operator.api")
