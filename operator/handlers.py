@@ -149,7 +149,7 @@ def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
     if _pod_ready(pod):
         return None
     statuses = status.get("containerStatuses") or []
-    if statuses and all((cs.get("state") or {}).get("running") for cs in statuses):
+    if statuses and all("running" in (cs.get("state") or {}) for cs in statuses):
         if all(cs.get("started") for cs in statuses):
             return "ProbeFailing", f"pod {name} is running but fails its readiness probe (/readyz)"
         return "ModelLoading", f"pod {name} is loading the model (startup probe /startupz not passed yet)"
@@ -296,6 +296,7 @@ class Reconciler:
     dirty: set[tuple[str, str]] = field(default_factory=set)
     tasks: dict[tuple[str, str], asyncio.Task] = field(default_factory=dict)
     max_backoff: float = 10.0
+    plans: dict[tuple[str, str], tuple[tuple, Plan]] = field(default_factory=dict)
 
     def trigger(self, namespace: str, name: str) -> None:
         key = (namespace, name)
@@ -340,6 +341,7 @@ class Reconciler:
         key = (namespace, name)
         isvcs = self._get(api.KIND, key)
         if not isvcs:
+            self.plans.pop(key, None)
             return  # deleted: the garbage collector removes the children through their ownerReferences
         isvc = isvcs[0]
         if _terminating(isvc):
@@ -347,7 +349,7 @@ class Reconciler:
         uid = isvc["metadata"].get("uid")
         old_status = isvc.get("status") or {}
         try:
-            plan = render.plan(isvc, self.settings)
+            plan = self._plan(isvc)
         except api.SpecError as e:
             status = invalid_status(isvc, e)
             if _status_changed(old_status, status):
@@ -359,12 +361,13 @@ class Reconciler:
         desired = {(o["kind"], o["metadata"]["name"]): o for o in plan.children}
         if any(ck not in observed for ck in desired) and not await self._still_exists(isvc):
             return  # deleted meanwhile (its DELETED event is still on its way): never resurrect its children
+        created: list[str] = []
         for ck, obj in desired.items():
             actual = observed.get(ck)
             if actual is None:
                 try:
                     await self.kube.create(obj)
-                    _event(isvc, "Normal", "Created", message=f"created {ck[0]} {ck[1]}")
+                    created.append(f"{ck[0]} {ck[1]}")
                 except ApiError as e:
                     if e.status != 409:  # 409: created by a previous pass whose watch event is still on its way
                         raise
@@ -376,6 +379,8 @@ class Reconciler:
                 patch["metadata"] = {k: obj["metadata"][k] for k in ("labels", "annotations", "ownerReferences")}
                 await self.kube.merge_patch(ck[0], namespace, ck[1], patch)
                 logger.info("updated %s %s/%s", ck[0], namespace, ck[1])
+        if created:
+            _event(isvc, "Normal", "Created", message="created " + ", ".join(created))
         for ck, actual in observed.items():
             if ck not in desired and _owned_by(actual, uid) and not _terminating(actual):
                 try:
@@ -393,6 +398,18 @@ class Reconciler:
         if _status_changed(old_status, status):
             await self.kube.merge_patch(api.KIND, namespace, name, {"status": status}, subresource="status")
             self._event_on_transition(isvc, old_status, status)
+
+    def _plan(self, isvc: dict[str, Any]) -> Plan:
+        """render.plan, memoised per (uid, generation): every child event re-reconciles, the spec rarely changes."""
+        meta = isvc["metadata"]
+        key = (meta["namespace"], meta["name"])
+        cache_key = (meta.get("uid"), meta.get("generation"))
+        cached = self.plans.get(key)
+        if cached is not None and cached[0] == cache_key and cache_key[1] is not None:
+            return cached[1]
+        plan = render.plan(isvc, self.settings)
+        self.plans[key] = (cache_key, plan)
+        return plan
 
     async def _still_exists(self, isvc: dict[str, Any]) -> bool:
         """Watch streams of different kinds are not ordered: children may vanish (garbage collection) before the

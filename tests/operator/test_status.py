@@ -1,0 +1,174 @@
+"""Status aggregation (pure functions of handlers.py) and the shoal-operator command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shoal.operator import __main__ as cli
+from shoal.operator import api, handlers, kube, render
+from shoal.operator.render import L_GROUP, Settings
+
+
+def isvc(spec=None, status=None):
+    return {"metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 3}, "spec": spec or {},
+            "status": status or {}}
+
+
+def pod(name, *, ready=False, waiting=None, running=True, started=True, phase="Running", group=None,
+        unschedulable=False, restarts=0):
+    cs = {"name": "engine", "ready": ready, "started": started, "restartCount": restarts,
+          "state": {"waiting": waiting} if waiting else {"running": {}} if running else {}}
+    conds = [{"type": "Ready", "status": "True" if ready else "False"}]
+    if unschedulable:
+        conds.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                      "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."})
+        cs = None
+    labels = {L_GROUP: str(group)} if group is not None else {}
+    return {"metadata": {"name": name, "labels": labels},
+            "status": {"phase": phase, "conditions": conds, "containerStatuses": [cs] if cs else []}}
+
+
+def deployment(ready, replicas=2, updated=None, gen=1, observed=1, conditions=None):
+    return {("Deployment", "m"): {"metadata": {"name": "m", "generation": gen}, "status": {
+        "replicas": replicas, "readyReplicas": ready, "updatedReplicas": replicas if updated is None else updated,
+        "observedGeneration": observed, "conditions": conditions or []}}}
+
+
+def status_for(spec, children, pods, old=None):
+    obj = isvc(spec, old)
+    return handlers.compute_status(obj, render.plan(obj, Settings()), children, pods)
+
+
+def cond(status, type_):
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+def test_all_ready():
+    s = status_for({"replicas": 2}, deployment(2), [pod("a", ready=True), pod("b", ready=True)])
+    assert s["phase"] == "Ready" and s["readyReplicas"] == 2 and s["observedGeneration"] == 3
+    assert cond(s, "Ready")["status"] == "True" and cond(s, "Ready")["reason"] == "AllReplicasReady"
+    assert cond(s, "Progressing")["status"] == "False" and cond(s, "Degraded")["status"] == "False"
+    assert all(c["observedGeneration"] == 3 for c in s["conditions"])
+
+
+@pytest.mark.parametrize("waiting,reason", [
+    ({"reason": "ImagePullBackOff", "message": "Back-off pulling image"}, "ImagePullBackOff"),
+    ({"reason": "ErrImagePull", "message": "not found"}, "ImagePullBackOff"),
+    ({"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting failed container"}, "CrashLoopBackOff"),
+    ({"reason": "CreateContainerConfigError", "message": "secret \"k\" not found"}, "CreateContainerConfigError"),
+])
+def test_container_waiting_reasons(waiting, reason):
+    s = status_for({"replicas": 1}, deployment(0, replicas=1), [pod("p1", waiting=waiting, running=False)])
+    ready = cond(s, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == reason
+    assert "p1" in ready["message"] and waiting["message"] in ready["message"]
+    assert s["phase"] == "Failed" and cond(s, "Degraded")["reason"] == reason
+
+
+def test_probe_failing_loading_unschedulable():
+    s = status_for({"replicas": 1}, deployment(0, replicas=1), [pod("p", started=True, ready=False)])
+    assert cond(s, "Ready")["reason"] == "ProbeFailing" and s["phase"] == "Loading"
+    assert cond(s, "Degraded")["status"] == "True"
+    s = status_for({"replicas": 1}, deployment(0, replicas=1), [pod("p", started=False)])
+    assert cond(s, "Ready")["reason"] == "ModelLoading" and s["phase"] == "Loading"
+    assert cond(s, "Degraded")["status"] == "False"
+    s = status_for({"replicas": 1}, deployment(0, replicas=1), [pod("p", unschedulable=True, phase="Pending")])
+    assert cond(s, "Ready")["reason"] == "Unschedulable" and "Insufficient nvidia.com/gpu" in cond(s, "Ready")[
+        "message"]
+
+
+def test_partial_and_rollout_and_deadline():
+    s = status_for({"replicas": 2}, deployment(1), [pod("a", ready=True)])
+    assert s["phase"] == "Degraded" and cond(s, "Ready")["status"] == "False"
+    s = status_for({"replicas": 2}, deployment(2, gen=2, observed=1), [])
+    assert cond(s, "Progressing")["status"] == "True" and s["updatedReplicas"] == 0
+    dl = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+           "message": "ReplicaSet \"m-1\" has timed out progressing."}]
+    s = status_for({"replicas": 2}, deployment(0, conditions=dl), [])
+    assert cond(s, "Progressing")["reason"] == "ProgressDeadlineExceeded" and s["phase"] == "Failed"
+
+
+def test_scaled_to_zero():
+    s = status_for({"replicas": 0}, deployment(0, replicas=0), [])
+    assert cond(s, "Ready")["reason"] == "ScaledToZero" and s["phase"] == "Pending"
+
+
+def test_last_transition_time_kept_while_status_unchanged():
+    first = status_for({"replicas": 1}, deployment(1, replicas=1), [])
+    old = dict(first)
+    old["conditions"] = [dict(c, lastTransitionTime="2020-01-01T00:00:00Z") for c in first["conditions"]]
+    again = status_for({"replicas": 1}, deployment(1, replicas=1), [], old=old)
+    assert cond(again, "Ready")["lastTransitionTime"] == "2020-01-01T00:00:00Z"
+    flipped = status_for({"replicas": 1}, deployment(0, replicas=1), [], old=old)
+    assert cond(flipped, "Ready")["lastTransitionTime"] != "2020-01-01T00:00:00Z"
+
+
+def test_multi_pod_group_ready_only_when_all_ranks_are():
+    spec = {"replicas": 2, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
+            "resources": {"gpusPerPod": 8}}
+    sts = {("StatefulSet", f"m-g{r}"): {"metadata": {"name": f"m-g{r}", "generation": 1}, "status": {
+        "observedGeneration": 1, "updatedReplicas": 2, "replicas": 2}} for r in (0, 1)}
+    pods = [pod("m-g0-0", ready=True, group=0), pod("m-g0-1", ready=True, group=0),
+            pod("m-g1-0", ready=True, group=1), pod("m-g1-1", ready=False, group=1)]
+    s = status_for(spec, sts, pods)
+    assert (s["replicas"], s["readyReplicas"], s["updatedReplicas"]) == (2, 1, 2)
+    assert s["phase"] == "Degraded" and "1/2 replicas ready" in cond(s, "Ready")["message"]
+
+
+def test_invalid_status_names_the_field():
+    s = handlers.invalid_status(isvc(), api.SpecError("spec.engine.dtype", "bad"))
+    assert s["phase"] == "Failed" and cond(s, "Ready")["reason"] == "InvalidSpec"
+    assert cond(s, "Ready")["message"] == "spec.engine.dtype: bad"
+
+
+def test_drift_detection():
+    desired = render.render(isvc({"replicas": 2}) | {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}})[0]
+    actual = {**desired, "metadata": {**desired["metadata"], "resourceVersion": "5"},
+              "spec": {**desired["spec"], "progressDeadlineSeconds": desired["spec"]["progressDeadlineSeconds"],
+                       "paused": False}}
+    assert not handlers._drifted(actual, desired)  # server-side defaults are not drift
+    edited = {**actual, "spec": {**actual["spec"], "replicas": 7}}
+    assert handlers._drifted(edited, desired)
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+def test_cli_splits_own_flags_from_kopf_flags():
+    env, rest = cli.parse(["--standalone", "--engine-image=r/e:1", "-A", "--max-gpus-per-node", "4",
+                           "--liveness=http://0.0.0.0:8080/healthz", "--log-format=json", "--verbose"])
+    assert env == {"SHOAL_ENGINE_IMAGE": "r/e:1", "SHOAL_MAX_GPUS_PER_NODE": "4"}
+    assert rest == ["--standalone", "-A", "--liveness=http://0.0.0.0:8080/healthz", "--log-format=json",
+                    "--verbose"]
+    with pytest.raises(SystemExit):
+        cli.parse(["--max-gpus-per-node=0"])
+
+
+def test_settings_from_env(monkeypatch):
+    monkeypatch.setenv("SHOAL_ENGINE_IMAGE", "x/y:z")
+    monkeypatch.setenv("SHOAL_MAX_GPUS_PER_NODE", "4")
+    monkeypatch.delenv("SHOAL_OPERATOR_NAMESPACE", raising=False)
+    monkeypatch.setenv("POD_NAMESPACE", "ops")
+    s = handlers.settings_from_env()
+    assert (s.engine_image, s.max_gpus_per_node, s.operator_namespace) == ("x/y:z", 4, "ops")
+
+
+def test_cli_accepts_kopf_run_flags():
+    out = subprocess.run([sys.executable, "-m", "shoal.operator", "--engine-image", "a/b:c", "--standalone",
+                          "-n", "team-a", "--liveness=http://0.0.0.0:8080/healthz", "--verbose", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--all-namespaces" in out.stdout and "--liveness" in out.stdout and "--log-format" in out.stdout
+
+
+def test_permissions_cover_every_kind_the_operator_writes():
+    granted = {(g, r): set(v) for g, r, v in kube.PERMISSIONS}
+    for kind, (api_version, plural) in kube.KINDS.items():
+        group = api_version.rpartition("/")[0]
+        verbs = granted[(group, plural)]
+        assert {"get", "list", "watch"} <= verbs, kind
+        if kind in kube.CHILD_KINDS:
+            assert {"create", "patch", "delete"} <= verbs, kind
+    assert granted[("", "pods")] >= {"delete"} and granted[(api.GROUP, "inferenceservices/status")] >= {"patch"}
+    assert all("update" not in v or r.endswith("/finalizers") for (g, r), v in granted.items())  # no PUT
