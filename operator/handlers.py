@@ -497,8 +497,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
     settings.networking.error_backoffs = [0.5, 1, 2, 5, 10]
-    for child in ("apps/deployments", "apps/statefulsets", "v1/services", "v1/configmaps", "v1/pods",
-                  "networking.k8s.io/networkpolicies", "policy/poddisruptionbudgets"):
+    for child in (("apps", "v1", "deployments"), ("apps", "v1", "statefulsets"), ("", "v1", "services"),
+                  ("", "v1", "configmaps"), ("", "v1", "pods"), ("networking.k8s.io", "v1", "networkpolicies"),
+                  ("policy", "v1", "poddisruptionbudgets")):
         settings.watching.label_selectors[child] = MANAGED_SELECTOR  # server-side filtering of the watches
     if "reconciler" not in memo:
         memo.reconciler = Reconciler(kube=Kube.from_environment(), settings=settings_from_env())

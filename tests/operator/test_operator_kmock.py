@@ -293,3 +293,46 @@ def test_deleting_the_isvc_collects_children(env, ns):
     wait_for(lambda: children(env, ns) == {}, 10, "children collected through ownerReferences")
     time.sleep(0.3)
     assert children(env, ns) == {}  # and nothing resurrects them
+
+
+def test_multi_pod_rollout_restarts_one_group_at_a_time(env, ns):
+    spec = {"replicas": 2, "engine": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 2}}
+    env.client.create(ISVC, ns, isvc_body("roll", spec))
+    wait_for(lambda: all(env.client.get("statefulsets", ns, f"roll-g{r}") for r in (0, 1)), 10, "statefulsets")
+    for g in (0, 1):
+        for o in (0, 1):
+            body = _group_pod(ns, "roll", g, o)
+            body["metadata"]["labels"]["controller-revision-hash"] = f"roll-g{g}-rev1"
+            env.client.create("pods", ns, body)
+            env.client.patch("pods", ns, f"roll-g{g}-{o}", _pod_status(ready=True), sub="status")
+        env.client.patch("statefulsets", ns, f"roll-g{g}", {"status": {
+            "observedGeneration": 1, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
+            "currentRevision": f"roll-g{g}-rev1", "updateRevision": f"roll-g{g}-rev1"}}, sub="status")
+    ready_is(env, ns, "roll", "True")
+    env.client.patch(ISVC, ns, "roll", {"spec": {"model": {"uri": "hf://org/new"}}})
+    wait_for(lambda: "org/new" in str(env.client.get("statefulsets", ns, "roll-g1")["spec"]["template"]), 10,
+             "templates updated")
+    # the StatefulSet controller computes the new revision; with OnDelete it replaces nothing by itself
+    for g in (0, 1):
+        env.client.patch("statefulsets", ns, f"roll-g{g}", {"status": {
+            "observedGeneration": 2, "updatedReplicas": 0, "updateRevision": f"roll-g{g}-rev2"}}, sub="status")
+    wait_for(lambda: len([p for p in env.cluster.find("pods", ns)]) == 2, 10, "one group restarted")
+    time.sleep(0.3)
+    left = sorted(p["metadata"]["name"] for p in env.cluster.find("pods", ns))
+    assert left in (["roll-g0-0", "roll-g0-1"], ["roll-g1-0", "roll-g1-1"])  # never both groups at once
+    restarted = 1 if left[0].startswith("roll-g0") else 0
+    for o in (0, 1):
+        body = _group_pod(ns, "roll", restarted, o)
+        body["metadata"]["labels"]["controller-revision-hash"] = f"roll-g{restarted}-rev2"
+        env.client.create("pods", ns, body)
+        env.client.patch("pods", ns, f"roll-g{restarted}-{o}", _pod_status(ready=True), sub="status")
+    other = 1 - restarted
+    wait_for(lambda: env.client.get("pods", ns, f"roll-g{other}-0") is None, 10, "second group restarted next")
+
+
+def test_child_watches_are_filtered_server_side(env, ns):
+    watches = [r for r in env.cluster._requests if r.action is not None and r.action.value == "WATCH"]
+    by_plural = {r.resource.plural: r.params.get("labelSelector") for r in watches}
+    for plural in ("deployments", "statefulsets", "services", "configmaps", "pods", "networkpolicies",
+                   "poddisruptionbudgets"):
+        assert by_plural[plural] == "app.kubernetes.io/managed-by=shoal-operator", plural
