@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import (DistributedError, DistributedSettings, Group, HeartbeatMonitor, get_settings, init_group,
-                          rank_label, tag_logs)
+                          pick_backend, rank_label, tag_logs)
 from .parallel_state import get_parallel_state, set_parallel_state
 from .runner import ModelRunner, StepInputs
 
@@ -144,8 +144,9 @@ class Shard:
             t0 = time.perf_counter()
             out = runner.execute(mb, hidden)
             busy += time.perf_counter() - t0
-            if not self.last:
-                pending.append((dist.isend(out.contiguous(), dst=self.next), out))
+            if not self.last:  # keep each sent tensor referenced until its send completes
+                out = out.contiguous()
+                pending.append((dist.isend(out, dst=self.next), out))
             elif rank == 0:
                 logits.append(out)
             elif rank == self.logits_src and out.shape[0]:
@@ -216,8 +217,8 @@ def worker_env(settings: DistributedSettings, local_world: int, device_type: str
                         ("SHOAL_HEARTBEAT_INTERVAL", settings.heartbeat_interval),
                         ("SHOAL_STARTUP_TIMEOUT", settings.startup_timeout)):
         env[name] = str(value)
-    if settings.backend:
-        env["SHOAL_DIST_BACKEND"] = settings.backend
+    # every rank of a node uses the backend (and so the device type) its parent chose
+    env["SHOAL_DIST_BACKEND"] = pick_backend(torch.device(device_type), settings.backend)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("SHOAL_LOG_LEVEL", logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower())
     return env
@@ -242,7 +243,7 @@ def run_worker(rank: int, local_rank: int, world_size: int, tp: int, pp: int, ma
     label = rank_label(rank, tp, pp)
     tag_logs(label)
     device = torch.device("cpu")
-    if torch.cuda.is_available() and (settings.backend or "nccl") == "nccl":
+    if settings.backend == "nccl":  # set by the parent from its own device (gloo: CPU ranks)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     group = None

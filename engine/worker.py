@@ -181,7 +181,8 @@ def run_headless(args: argparse.Namespace, tp: int, pp: int) -> int:
     import torch
 
     settings = settings_from_args(args, exit_on_failure=True)
-    device_type = "cuda" if torch.cuda.is_available() and settings.backend != "gloo" else "cpu"
+    use_cuda = torch.cuda.is_available() and getattr(args, "device", "auto") != "cpu" and settings.backend != "gloo"
+    device_type = "cuda" if use_cuda else "cpu"  # as node 0 picks its device (gloo means CPU ranks)
     node = HeadlessNode(settings, tp, pp, device_type)
     handler = type("Handler", (_HealthHandler,), {"node": node})
     server = http.server.ThreadingHTTPServer((args.host or "0.0.0.0", args.port), handler)
