@@ -210,3 +210,23 @@ def test_build_failure_is_reported_not_raised(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "(False, 'the cpu attention kernel could not be built:" in proc.stdout
     assert "bad.cpp:1:" in proc.stdout and "error:" in proc.stdout
+
+
+@pytest.fixture(params=["fast", "generic"])
+def bf16_path(request):
+    """Both bfloat16 paths: AVX512-BF16 dot products (when this CPU and build have them) and float conversion."""
+    assert load_kernel()[0] is not None
+    switch = torch.ops.shoal_cpu_paged.set_bf16_fast_path
+    if request.param == "fast" and not switch(True):
+        pytest.skip("this CPU/build has no AVX512-BF16 path (the generic case covers it)")
+    switch(request.param == "fast")
+    yield request.param
+    switch(True)
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 5])
+def test_bf16_paths(bf16_path, block_size):
+    # Odd context lengths and odd block sizes leave odd key counts per block (the fast path pairs keys).
+    ql, sl = [1, 1, 1, 7, 20, 1], [1, 2, 33, 7, 45, 301]
+    for head_dim in (64, 96, 20):  # the fast path needs head_dim % 32 == 0
+        check(ql, sl, 8, 4, head_dim, block_size, dtype=torch.bfloat16, alibi=head_dim == 96)

@@ -4,7 +4,8 @@ The SDPA backend gathers every sequence's blocks into a dense copy per layer (k_
 SDPA over it; in decode, which is memory-bound, that copy dominates. This backend streams each sequence's blocks in
 place with an online softmax in float32, handling the whole flat batch (decode, prefill, chunked prefill against
 cached context), GQA (all query heads of a kv head share each block load) and ALiBi, for float32/bfloat16/float16
-caches and any head_dim up to 256. See csrc/cpu_paged_attention.cpp.
+caches and any head_dim up to 256; on CPUs with AVX512-BF16, bfloat16 dot products use vdpbf16ps. Long prefill
+chunks (compute-bound, where a gather is cheap) go to torch's SDPA instead. See csrc/cpu_paged_attention.cpp.
 
 The kernel is compiled on first use with torch.utils.cpp_extension (-O3 -march=native -fopenmp) and cached in
 torch's extensions directory (TORCH_EXTENSIONS_DIR), keyed by the source and by this CPU's feature flags, since
