@@ -29,7 +29,7 @@ import kopf
 
 from shoal.operator import api, render
 from shoal.operator.kube import CHILD_KINDS, ApiError, Kube, load_configuration
-from shoal.operator.render import (A_GROUP_SIZE, A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
+from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
 
 logger = logging.getLogger("shoal.operator")
@@ -396,7 +396,12 @@ class Reconciler:
 
         status = compute_status(isvc, plan, observed, pods)
         if _status_changed(old_status, status):
-            await self.kube.merge_patch(api.KIND, namespace, name, {"status": status}, subresource="status")
+            try:
+                await self.kube.merge_patch(api.KIND, namespace, name, {"status": status}, subresource="status")
+            except ApiError as e:
+                if e.status == 404:
+                    return  # deleted while we worked
+                raise
             self._event_on_transition(isvc, old_status, status)
 
     def _plan(self, isvc: dict[str, Any]) -> Plan:
@@ -617,5 +622,4 @@ async def child_changed(namespace: str, labels: dict, memo: kopf.Memo, **kwargs:
     _trigger(memo, kwargs, namespace, labels.get(L_ISVC))
 
 
-__all__ = ["Reconciler", "compute_status", "invalid_status", "pod_problem", "settings_from_env",
-           "A_GROUP_SIZE"]
+__all__ = ["Reconciler", "compute_status", "invalid_status", "pod_problem", "settings_from_env"]

@@ -24,7 +24,6 @@ import string
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,8 @@ import jsonpatch
 import kmock
 import pytest
 import requests
-from kmock._internal import apps, enums
+from kmock._internal import enums
+from opkit import condition, isvc_body, wait_for  # noqa: F401  (re-exported for bench_scale.py)
 
 GROUP, VERSION, PLURAL = "serving.shoal.dev", "v1alpha1", "inferenceservices"
 
@@ -497,32 +497,6 @@ class Client:
                           params={"labelSelector": selector} if selector else None)
         r.raise_for_status()
         return r.json()["items"]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except (KeyError, TypeError, IndexError, AttributeError):
-            last = None
-        if last:
-            return last
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
-def condition(isvc: dict | None, type_: str) -> dict | None:
-    for c in ((isvc or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == type_:
-            return c
-    return None
-
-
-def isvc_body(name: str, spec: dict | None = None) -> dict:
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService", "metadata": {"name": name},
-            "spec": spec or {}}
 
 
 @dataclass

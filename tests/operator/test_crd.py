@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -21,6 +22,11 @@ def test_committed_crd_files_are_current():
         path = ROOT / rel
         assert path.exists(), f"{rel} missing: run `python -m shoal.operator.crdgen`"
         assert path.read_text() == expected, f"{rel} is stale: run `python -m shoal.operator.crdgen`"
+
+
+def test_crd_is_a_valid_customresourcedefinition():
+    crd = yaml.safe_load((ROOT / crdgen.TARGETS[0]).read_text())
+    kubernetes_validate.validate(crd, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_check_mode_reports_stale(tmp_path, capsys):

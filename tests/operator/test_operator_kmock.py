@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from conftest import condition, isvc_body, wait_for
+from opkit import condition, isvc_body, wait_for
 
 from shoal.operator.render import L_GROUP, L_ISVC, L_MANAGED_BY, L_POD_INDEX
 
