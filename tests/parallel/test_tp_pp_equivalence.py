@@ -132,3 +132,24 @@ def test_micro_batches_cover_the_step_in_order(m):
                            inputs.logits_indices[(inputs.logits_indices >= offset)
                                                  & (inputs.logits_indices < offset + p.input_ids.numel())])
         offset += p.input_ids.numel()
+
+
+def test_offline_engine_raises_instead_of_hanging_when_a_worker_dies(llama_kv1):
+    import signal
+    import time
+
+    from shoal.engine.distributed import DistributedError
+
+    llm = LLM(model=llama_kv1, tensor_parallel_size=2, **OPTIONS)
+    try:
+        (rank, worker), = llm.llm_engine.runner.children
+        worker.send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(DistributedError):
+            for _ in range(50):  # the first step may race the failure; one soon fails
+                llm.generate(PROMPTS[:2], PARAMS)
+                time.sleep(0.2)
+        assert time.monotonic() - started < 15
+    finally:
+        llm.shutdown()
+    assert not torch.distributed.is_initialized()
