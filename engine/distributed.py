@@ -16,9 +16,11 @@ up), announces itself, and waits until all ``world_size`` ranks have joined, log
 every few seconds, up to the start-up timeout (``SHOAL_STARTUP_TIMEOUT``, 600 s). Only then are the process groups
 created, so ranks started minutes apart still form the group.
 
-Failure detection (the documented bound: every surviving process notices a failure within
-``heartbeat_timeout + 2 * heartbeat_interval`` = 12 s by default, and a rank hung inside a step within the
-collective timeout, 20 s; rank 0 then keeps /livez failing for ``exit_grace`` = 2 s before it exits 1):
+Failure detection. The bound, with the defaults: a dead, stopped or unreachable rank is noticed by every other
+process within ``heartbeat_timeout + 2 * heartbeat_interval`` = 12 s (a killed process usually at once: its peers'
+sockets close); a rank stuck inside a step while its process lives on, within the collective timeout, 20 s. Rank
+0's /livez fails at that moment; it exits 1 ``exit_grace`` = 2 s later, the workers at once. So every process has
+exited non-zero within 22 s (< 30 s); the flags --heartbeat-timeout and --distributed-timeout move the bound.
   - every rank bumps a counter ``hb/<rank>`` in the store each second (a separate store connection on a daemon
     thread, so a busy step does not delay it);
   - rank 0 watches the counters (and the exit codes of the workers it spawned itself): a counter that has not moved

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -224,14 +225,26 @@ def worker_env(settings: DistributedSettings, local_world: int, device_type: str
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except Exception:  # noqa: BLE001 - not Linux: the workers still notice through the heartbeat
+        pass
+
+
 def spawn_workers(ranks: list[tuple[int, int]], world_size: int, tp: int, pp: int, master: tuple[str, int],
-                  settings: DistributedSettings, device_type: str, ready_dir: str | None = None):
-    """Start `python -m shoal.engine.worker` for each (rank, local_rank); returns [(rank, Popen)]."""
+                  settings: DistributedSettings, device_type: str, ready_dir: str | None = None,
+                  die_with_parent: bool = False):
+    """Start `python -m shoal.engine.worker` for each (rank, local_rank); returns [(rank, Popen)].
+    die_with_parent: the workers are killed when the spawning *thread* ends (use it from a main thread only)."""
     env = worker_env(settings, max(local_rank for _, local_rank in ranks) + 1 if ranks else 1, device_type)
     procs = []
     for rank, local_rank in ranks:
         cmd = worker_command(rank, local_rank, world_size, tp, pp, master, settings.nnodes, ready_dir)
-        procs.append((rank, subprocess.Popen(cmd, env=env)))
+        procs.append((rank, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if die_with_parent else None)))
     logger.info("started local workers %s (pids %s)", [r for r, _ in procs], [p.pid for _, p in procs])
     return procs
 

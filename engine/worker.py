@@ -146,7 +146,7 @@ class HeadlessNode:
         self.ready_dir = tempfile.mkdtemp(prefix="shoal-ready-")
         master = (settings.master_addr, settings.port())
         self.procs = spawn_workers([(r, r - first) for r in self.ranks], world, tp, pp, master, settings,
-                                   device_type, self.ready_dir)
+                                   device_type, self.ready_dir, die_with_parent=True)
 
     def alive(self) -> bool:
         return all(p.poll() in (None, 0) for _, p in self.procs)
