@@ -24,9 +24,9 @@ VERSION = "v1alpha1"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
-# "isvc" is KServe's short name: a cluster running both would resolve `kubectl get isvc` to whichever CRD
-# was registered first. "sisvc" never clashes; `kubectl get inferenceservices.serving.shoal.dev` always works.
-SHORT_NAMES = ["sisvc"]
+# `kubectl get isvc` is what users expect. KServe uses "isvc" too, and a cluster running both resolves it to one
+# of the two CRDs, so "sisvc" is registered as well: it never clashes (nor does inferenceservices.serving.shoal.dev).
+SHORT_NAMES = ["isvc", "sisvc"]
 CATEGORIES = ["shoal", "all"]
 API_VERSION = f"{GROUP}/{VERSION}"
 

@@ -375,7 +375,7 @@ def _merge(target: Any, patch: Any) -> Any:
 def declare_resources(cluster: Cluster) -> None:
     cluster.resources.load_bundled()
     cluster.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = kmock.ResourceInfo(
-        kind="InferenceService", singular="inferenceservice", namespaced=True, shortnames={"sisvc"},
+        kind="InferenceService", singular="inferenceservice", namespaced=True, shortnames={"isvc", "sisvc"},
         verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status", "scale"})
 
 

@@ -63,7 +63,7 @@ def test_schema_is_structural():
     assert "status" in version["subresources"]
     assert [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")] == [
         "Ready", "Replicas", "Model", "URL", "Age"]
-    assert crd["spec"]["names"]["shortNames"] == ["sisvc"]
+    assert crd["spec"]["names"]["shortNames"] == ["isvc", "sisvc"]
     rules = schema["properties"]["spec"]["x-kubernetes-validations"]
     assert len(rules) == len(api.CROSS_FIELD_RULES) and all(r["fieldPath"].startswith(".") for r in rules)
 
