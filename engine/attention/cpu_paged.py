@@ -176,10 +176,15 @@ def _bench(num_seqs=32, ctx=(150, 400), num_heads=8, num_kv_heads=4, head_dim=64
     q = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
     print(f"decode attention per layer: B={num_seqs} contexts {ctx[0]}-{ctx[1]} (mean {sum(seq_lens) / num_seqs:.0f})"
           f" H={num_heads} kvh={num_kv_heads} D={head_dim} {str(dtype).split('.')[-1]} block {block_size}")
+    switch = torch.ops.shoal_cpu_paged.set_bf16_fast_path
+    variants = [("sdpa", SdpaBackend(), True), ("cpu", CpuPagedAttentionBackend(), True)]
+    if dtype == torch.bfloat16 and switch(True):
+        variants.append(("cpu without AVX512-BF16", CpuPagedAttentionBackend(), False))
     for threads in (1, 2):
         torch.set_num_threads(threads)
         line = []
-        for backend in (SdpaBackend(), CpuPagedAttentionBackend()):
+        for label, backend, fast in variants:
+            switch(fast)
             # One step's metadata shared by every layer, as in the engine (SDPA plans once per step).
             meta = AttentionMetadata(
                 slot_mapping=torch.zeros(num_seqs, dtype=torch.int64),
@@ -195,8 +200,9 @@ def _bench(num_seqs=32, ctx=(150, 400), num_heads=8, num_kv_heads=4, head_dim=64
                 backend.forward(q, k_cache, v_cache, meta, head_dim ** -0.5)
                 times.append(time.perf_counter() - t)
             times.sort()
-            line.append(f"{backend.name} median {1e3 * times[len(times) // 2]:.3f} ms (min {1e3 * times[0]:.3f})")
+            line.append(f"{label} median {1e3 * times[len(times) // 2]:.3f} ms (min {1e3 * times[0]:.3f})")
         print(f"  {threads} thread(s): " + ";  ".join(line))
+    switch(True)
 
 
 if __name__ == "__main__":
