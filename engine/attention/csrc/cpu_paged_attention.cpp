@@ -143,7 +143,8 @@ inline void prefetch_rows(const T* base, int64_t stride, int n, int D) {
 }
 
 // The block table makes the address of a later block unpredictable to the hardware prefetcher: prefetch the
-// keys/values of the block SHOAL_PREFETCH_AHEAD blocks ahead (1 to 3 measured alike on a Xeon; 0 slightly slower).
+// keys/values of the block SHOAL_PREFETCH_AHEAD blocks ahead (0 to 3 measured within noise of each other on a Xeon;
+// kept at 1 as cheap insurance against slower memory).
 #ifndef SHOAL_PREFETCH_AHEAD
 #define SHOAL_PREFETCH_AHEAD 1
 #endif
