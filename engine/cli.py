@@ -93,7 +93,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse KV blocks of shared prompt prefixes (default on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts over several steps (default on)")
-    g.add_argument("--attention-backend", choices=["auto", "sdpa", "triton", "flash"], default="auto")
+    g.add_argument("--attention-backend", choices=["auto", "sdpa", "triton", "flash", "cpu"], default="auto",
+                   help="auto: flash > triton > sdpa on CUDA, cpu (C++ paged kernel) > sdpa on CPU")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="waiting requests beyond this are refused with 429 (default 1024)")

@@ -36,7 +36,7 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(default=None, gt=0, description="pin the KV pool to this many blocks")
     enable_prefix_caching: bool = True
 
-    attention_backend: Literal["auto", "sdpa", "triton", "flash"] = "auto"
+    attention_backend: Literal["auto", "sdpa", "triton", "flash", "cpu"] = "auto"
     enforce_eager: bool = False
 
     tensor_parallel_size: int = Field(default=1, gt=0)

@@ -86,7 +86,7 @@ class EngineOptions(_Model):
     max_num_batched_tokens: int | None = Field(default=None, ge=1, le=16777216)
     gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "sdpa", "triton", "flash"] = "auto"
+    attention_backend: Literal["auto", "sdpa", "triton", "flash", "cpu"] = "auto"
     enforce_eager: bool = False
     shutdown_timeout_seconds: int = Field(
         default=30, ge=0, le=3600,

@@ -1,7 +1,8 @@
 """Attention backends over the paged KV cache, and the rule that picks one.
 
 `auto` prefers, on CUDA: FlashAttention (when installed and the model has no ALiBi), then the Triton paged
-kernel, then SDPA; on CPU: SDPA (the Triton kernel runs on CPU only under TRITON_INTERPRET=1, for tests).
+kernel, then SDPA; on CPU: the C++ paged kernel (compiled on first use), then SDPA. The Triton kernel runs on CPU
+only under TRITON_INTERPRET=1, for tests.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ logger = logging.getLogger(__name__)
 _BACKENDS = {
     "flash": ("flash_attn", "FlashAttentionBackend"),
     "triton": ("triton_attn", "TritonAttentionBackend"),
+    "cpu": ("cpu_paged", "CpuPagedAttentionBackend"),
     "sdpa": ("sdpa", "SdpaBackend"),
 }
-_AUTO_ORDER = {"cuda": ["flash", "triton", "sdpa"], "cpu": ["sdpa"]}
+_AUTO_ORDER = {"cuda": ["flash", "triton", "sdpa"], "cpu": ["cpu", "sdpa"]}
 
 
 def backend_class(name: str) -> type[AttentionBackend] | None:
@@ -38,7 +40,7 @@ def _usable(name: str, device: torch.device, uses_alibi: bool, model_shape: dict
         return False, f"the {name} backend could not be imported"
     if uses_alibi and not cls.supports_alibi:
         return False, (f"the {name} attention backend does not support ALiBi models (e.g. BLOOM); "
-                       "use --attention-backend triton or sdpa")
+                       "use --attention-backend triton, cpu or sdpa")
     ok, why = cls.is_available(device)
     if ok and model_shape and hasattr(cls, "check_config"):
         ok, why = cls.check_config(uses_alibi=uses_alibi, **model_shape)

@@ -41,17 +41,19 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq.float()
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+        half = freqs.shape[-1]
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: one roll instead of chunk, neg and cat.
+        self.register_buffer("cos", (torch.cat([freqs, freqs], dim=-1).cos() * scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (torch.cat([-freqs, freqs], dim=-1).sin() * scaling).to(dtype), persistent=False)
+        self.half = half
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, d], k: [T, kv_heads, d] → rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, scratch: dict | None = None) -> torch.Tensor:
+        """x: [T, heads, head_dim] (queries and keys stacked along heads) -> rotated copy. The per-position
+        tables are looked up once per step (cached in `scratch`) and shared by every layer."""
+        tables = scratch.get("rope") if scratch is not None else None
+        if tables is None:
+            tables = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+            if scratch is not None:
+                scratch["rope"] = tables
+        cos, sin = tables
+        return x * cos + torch.roll(x, self.half, dims=-1) * sin

@@ -36,13 +36,16 @@ class LlamaDecoderLayer(nn.Module):
             raise ValueError(f"Llama-family hidden_act {config.hidden_act!r} is not supported (only silu)")
 
     def forward(self, x, positions, kv_cache, meta):
-        h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h)
         T = x.shape[0]
-        q, k = self.rotary(positions, q.view(T, -1, self.attn.head_dim), k.view(T, -1, self.attn.head_dim))
+        qkv = self.qkv_proj.matmul(self.input_layernorm(x), self.qkv_proj.bias)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        # Queries and keys sit side by side in the fused projection: rotate them in one pass.
+        qk = self.rotary(positions, qkv[:, :q_size + kv_size].view(T, -1, self.attn.head_dim), meta.scratch)
+        q, k = qk.split([self.attn.num_heads, self.attn.num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size:]
         x = x + self.o_proj(self.attn(q, k, v, kv_cache, meta))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x.add_(self.down_proj(F.silu(gate, inplace=True).mul_(up)))  # in place: fewer temporaries
 
     def load(self, src, p: str, config, head_dim: int):
         h, nh, nkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads

@@ -27,6 +27,8 @@ REGIMES = {
     "chunked-prefill": dict(block_size=4, max_model_len=128, max_num_batched_tokens=8),
     "preemption": dict(block_size=4, max_model_len=64, num_kv_blocks=16, max_num_batched_tokens=16),
     "no-prefix-cache": dict(block_size=8, max_model_len=128, enable_prefix_caching=False),
+    # auto picks the C++ paged kernel on CPU; the SDPA backend (gathered blocks) must agree too.
+    "sdpa-chunked": dict(block_size=4, max_model_len=128, max_num_batched_tokens=8, attention_backend="sdpa"),
 }
 
 
@@ -47,6 +49,7 @@ def check_against_hf(model_dir, tokenizer, outputs, prompts, max_new=MAX_NEW, lo
 def test_greedy_matches_transformers(any_model, regime):
     arch, model_dir = any_model
     with LLM(model=model_dir, **REGIMES[regime]) as llm:
+        assert llm.llm_engine.runner.backend_name == REGIMES[regime].get("attention_backend", "cpu")
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
         outputs = llm.generate(PROMPTS, params)
         check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS)
