@@ -272,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("extra", nargs=argparse.REMAINDER, help="further `serve` flags, after `--`")
     demo.set_defaults(func=cmd_demo, parser=demo)
 
+    from shoal.engine import download
+
+    dl = sub.add_parser("download", help="fetch a hub model into the local HF cache (the operator's init container)",
+                        description=download.__doc__.splitlines()[0])
+    download.add_args(dl)
+    dl.set_defaults(func=lambda args, parser: download.run(args), parser=dl)
+
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), throughput (offline)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     bs = bsub.add_parser("serve", help="load-test a running server (like `vllm bench serve`)")

@@ -212,9 +212,8 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
         {"name": "SHOAL_CACHE", "value": f"{CACHE_DIR}/shoal"},
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
-        {"name": "HF_HUB_OFFLINE", "value": "1"} if not spec.model.uri.startswith("hf://") else None,
+        {"name": "HF_HUB_OFFLINE", "value": "1"},  # hf:// models are fetched by the init container first
     ]
-    env = [e for e in env if e]
     if multi:
         env.append({"name": "SHOAL_NODE_RANK",
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}})
@@ -283,8 +282,27 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
+    init_containers = []
+    if spec.model.uri.startswith("hf://"):
+        # The engine never downloads; this fills the cache volume it reads (HF_TOKEN may come from spec.env).
+        download_args = ["--model", spec.model.uri[len("hf://"):]]
+        if spec.model.revision:
+            download_args += ["--revision", spec.model.revision]
+        init_containers.append({
+            "name": "model-download",
+            "image": container["image"],
+            "command": ["shoal-engine", "download"],
+            "args": download_args,
+            "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
+            "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
+            "securityContext": copy.deepcopy(container["securityContext"]),
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        })
+        if spec.image_pull_policy:
+            init_containers[0]["imagePullPolicy"] = spec.image_pull_policy
 
     pod_spec: dict[str, Any] = {
+        **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
         "volumes": volumes,
         "automountServiceAccountToken": False,

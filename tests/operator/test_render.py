@@ -118,8 +118,23 @@ def test_single_gpu_hf_model():
     assert flag(c["args"], "--served-model-name") == "Qwen/Qwen2.5-7B-Instruct"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["HF_HOME"] == "/cache/huggingface" and "HF_HUB_OFFLINE" not in env
+    assert env["HF_HOME"] == "/cache/huggingface" and env["HF_HUB_OFFLINE"] == "1"  # the engine never downloads
     assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+    # An init container fills the cache the engine reads, with the same HF_HOME and the network allowed.
+    pod = kids[("Deployment", "llm")]["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["shoal-engine", "download"] and flag(init["args"], "--model") == "Qwen/Qwen2.5-7B-Instruct"
+    init_env = {e["name"]: e.get("value") for e in init["env"]}
+    assert init_env["HF_HOME"] == "/cache/huggingface" and "HF_HUB_OFFLINE" not in init_env
+    assert {"name": "cache", "mountPath": "/cache"} in init["volumeMounts"]
+    assert init["securityContext"] == c["securityContext"]
+
+
+def test_non_hub_models_need_no_download():
+    for topology in ("cpu-demo", "tp4"):
+        for obj in render.render(isvc(TOPOLOGIES[topology]), SETTINGS):
+            if obj["kind"] in ("Deployment", "StatefulSet"):
+                assert "initContainers" not in obj["spec"]["template"]["spec"]
 
 
 def test_tp4_pvc_single_pod_with_four_gpus():
