@@ -70,25 +70,30 @@ class LLMEngine:
         self.model_name = config.served_model_name or config.model
         torch.manual_seed(config.seed)
 
-        # One process: a ModelRunner. tensor/pipeline parallel: a DistributedExecutor (same interface) that starts
-        # the local worker ranks and broadcasts every step's plan to them.
-        self.runner = make_runner(config, self.model_dir, self.hf_config, self.dtype, self.device, self.max_model_len)
-        num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks, config.block_size)
-        capacity = num_blocks * config.block_size
-        if capacity < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer than "
-                f"max_model_len={self.max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization / "
-                f"--num-kv-blocks or lower --max-model-len"
-            )
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_num_batched_tokens = config.max_num_batched_tokens or self._default_batched_tokens()
         if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_model_len ({self.max_model_len}), or long prompts could never be scheduled"
             )
+
+        # One process: a ModelRunner. tensor/pipeline parallel: a DistributedExecutor (same interface) that starts
+        # the local worker ranks and broadcasts every step's plan to them.
+        self.runner = make_runner(config, self.model_dir, self.hf_config, self.dtype, self.device, self.max_model_len)
+        try:
+            num_blocks = self._num_kv_blocks()
+            capacity = num_blocks * config.block_size
+            if capacity < self.max_model_len:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer than "
+                    f"max_model_len={self.max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization / "
+                    f"--num-kv-blocks or lower --max-model-len"
+                )
+            self.runner.allocate_kv_cache(num_blocks, config.block_size)
+        except BaseException:
+            self.runner.shutdown()  # a failed start must not leave worker ranks behind
+            raise
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_dir)

@@ -153,3 +153,31 @@ def test_offline_engine_raises_instead_of_hanging_when_a_worker_dies(llama_kv1):
     finally:
         llm.shutdown()
     assert not torch.distributed.is_initialized()
+
+
+def test_failed_start_stops_the_workers_it_spawned(llama_kv1):
+    """A configuration error found after the workers started (here: a KV pool too small for max_model_len)
+    is reported and leaves no worker process or process group behind."""
+    options = {**OPTIONS, "num_kv_blocks": 1}
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(model=llama_kv1, tensor_parallel_size=2, **options)
+    assert not torch.distributed.is_initialized()
+    assert not _live_worker_children(), "worker processes left behind"
+
+
+def _live_worker_children() -> list[int]:
+    """This test process's child `shoal.engine.worker` processes that are still running (not zombies)."""
+    import os
+    from pathlib import Path
+
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == os.getpid() and state != "Z" and b"shoal.engine.worker" in cmdline:
+            pids.append(int(proc.name))
+    return pids
