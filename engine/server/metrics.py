@@ -9,7 +9,7 @@ several servers can live in one process (tests).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -75,10 +75,15 @@ class _EngineStatsCollector:
 class ServerMetrics(MetricsSink):
     """The per-app registry; also the AsyncEngine's MetricsSink."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         r, ln = self.registry, ["model_name"]
+        # Which process this is: the HTTP server is always global rank 0 (pipeline stage 0, tensor rank 0);
+        # headless workers publish shoal:worker_rank_info with their own ranks.
+        Gauge(PREFIX + "parallel_info", "Parallel layout of this engine; this process is rank 0.",
+              ln + ["rank", "tp_size", "pp_size"], registry=r).labels(
+            model_name, "0", str(tensor_parallel_size), str(pipeline_parallel_size)).set(1)
         self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
                                        ln + ["finished_reason"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",

@@ -43,7 +43,7 @@ class ServerOptions:
 async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=None) -> int:
     """Serve until a signal; returns the process exit code."""
     loop = asyncio.get_running_loop()
-    metrics = ServerMetrics(config.model_name)
+    metrics = ServerMetrics(config.model_name, config.tensor_parallel_size, config.pipeline_parallel_size)
     engine = AsyncEngine(config, engine_factory=engine_factory, heartbeat_timeout=opts.heartbeat_timeout,
                          metrics=metrics)
     metrics.attach(engine)

@@ -48,6 +48,14 @@ def test_multinode_flags_staggered_start_serve_through_rank0(llama_kv1, tmp_path
         with LLM(model=llama_kv1, block_size=4, max_model_len=512) as llm:
             want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         assert got.choices[0].text == want[0].outputs[0].text
+        # Metrics say which rank and stage each process is.
+        import urllib.request
+
+        def scrape(port):
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+        assert 'shoal:parallel_info{model_name="tiny",pp_size="2",rank="0",tp_size="2"} 1.0' in scrape(http0)
+        assert 'shoal:worker_rank_info{rank="2",pp_rank="1",tp_rank="0"' in scrape(http1)
 
         node0.proc.terminate()  # SIGTERM: drain, tell the workers to stop; everyone exits 0
         assert node0.proc.wait(30) == 0

@@ -394,6 +394,7 @@ def test_metrics_names_and_labels(server, client):
                  "shoal:time_to_first_token_seconds_count", "shoal:inter_token_latency_seconds_count",
                  "shoal:e2e_request_latency_seconds_count", "shoal:request_queue_time_seconds_count"):
         assert any(k.startswith(name + '{') and 'model_name="tiny"' in k for k in m), name
+    assert metric(m, "shoal:parallel_info", rank="0", tp_size="1", pp_size="1") == 1  # which rank this process is
     assert metric(m, "shoal:request_success_total", finished_reason="length") >= \
         metric(before, "shoal:request_success_total", finished_reason="length") + 1
     assert metric(m, "shoal:generation_tokens_total") >= metric(before, "shoal:generation_tokens_total") + 4
