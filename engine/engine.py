@@ -216,11 +216,10 @@ class LLMEngine:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
         inputs = build_step_inputs(sched.scheduled, self.config.block_size)
-        logits = self.runner.execute(inputs)
         sampling = [s.seq for s in sched.scheduled if s.samples]
-        rows = [SamplingRow(seq.params, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids, seq.generator)
+        rows = [SamplingRow(seq.params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator)
                 for seq in sampling]
-        sampled = self.sampler(logits, rows) if sampling else None
+        sampled = self.runner.execute_and_sample(inputs, rows, self.sampler)
         self.scheduler.after_step(sched)
 
         now = time.time()

@@ -7,10 +7,11 @@ receive a plan, run their shard, pass hidden states on.
 Pipeline parallelism: each step's batch is split into up to M micro-batches (contiguous runs of sequences with
 balanced token counts) and pushed through the stages GPipe-style: stage s works on micro-batch m while stage s+1
 works on m-1. Hidden states go stage to stage with point-to-point isend/recv (tensor-parallel rank t of stage s
-talks to rank t of stage s+1), and the last stage's tensor-parallel rank 0 sends each micro-batch's logits to rank
-0, which samples (the sampler's per-request state — seeded generators, penalty histories — lives with the
-scheduler). The pipeline drains at the end of every step (rank 0 needs the logits before it can schedule the next
-one), so the ideal bubble is (P - 1) / (M + P - 1) of a step; every rank measures its own (`pipeline_stats`).
+talks to rank t of stage s+1). The last stage's tensor-parallel rank 0 samples: with the plan, rank 0 sends it the
+step's sampling rows (parameters; token histories only where penalties read them; seeded rows' draws made ahead
+from the generators rank 0 keeps), and gets back only the sampled tokens and logprobs, never [batch, vocab] logits.
+The pipeline drains at the end of every step (rank 0 needs the tokens before it can schedule the next one), so
+the ideal bubble is (P - 1) / (M + P - 1) of a step; every rank measures its own (`pipeline_stats`).
 
 M defaults to P, one micro-batch per stage in flight (`--pipeline-micro-batches` / `SHOAL_PP_MICROBATCHES`
 override it). On the 2-core CPU benchmark more micro-batches lowered the ideal bubble but not the time: smaller
@@ -126,12 +127,13 @@ class Shard:
         self.first, self.last = ps.is_first_stage, ps.is_last_stage
         self.prev = group.stage_rank(ps.pp_rank - 1, ps.tp_rank) if not self.first else None
         self.next = group.stage_rank(ps.pp_rank + 1, ps.tp_rank) if not self.last else None
-        self.logits_src = group.stage_rank(group.pp_size - 1, 0)  # sends the logits to rank 0
+        self.sampler_rank = group.stage_rank(group.pp_size - 1, 0)  # last stage, tensor rank 0: samples
         self.stats = PipelineStats()
+        self._samplers: dict = {}
 
     @torch.inference_mode()
     def run_step(self, inputs: StepInputs, started: float) -> torch.Tensor | None:
-        """Run this shard over the step; rank 0 gets the step's logits [S, vocab], other ranks None."""
+        """Run this shard over the step; the sampler rank gets the step's logits [S, vocab], other ranks None."""
         runner, device = self.runner, self.runner.device
         rank = self.group.rank
         mbs = split_micro_batches(inputs, self.micro_batches)
@@ -148,26 +150,26 @@ class Shard:
             if not self.last:  # keep each sent tensor referenced until its send completes
                 out = out.contiguous()
                 pending.append((dist.isend(out, dst=self.next), out))
-            elif rank == 0:
+            elif rank == self.sampler_rank:
                 logits.append(out)
-            elif rank == self.logits_src and out.shape[0]:
-                out = out.contiguous()
-                pending.append((dist.isend(out, dst=0), out))
-        if rank == 0 and not self.last:
-            for mb in mbs:
-                n = mb.logits_indices.numel()
-                buf = torch.empty(n, self.vocab_size, dtype=torch.float32, device=device)
-                if n:
-                    dist.recv(buf, src=self.logits_src)
-                logits.append(buf)
         for work, _ in pending:
             work.wait()
         self.stats.steps += 1
         self.stats.busy_s += busy
         self.stats.wall_s += time.perf_counter() - started
-        if rank != 0:
+        if rank != self.sampler_rank:
             return None
         return logits[0] if len(logits) == 1 else torch.cat(logits)
+
+    def sample_remote(self, logits: torch.Tensor, request: tuple) -> None:
+        """On the sampler rank of a pipeline: sample what rank 0 asked for and send back the SamplerOutput."""
+        from .sampling import Sampler
+
+        vocab_size, eos_ids, rows = request
+        key = (vocab_size, tuple(eos_ids))
+        if key not in self._samplers:
+            self._samplers = {key: Sampler(vocab_size, eos_ids)}
+        dist.send_object_list([self._samplers[key](logits, rows)], dst=0, group=self.group.control)
 
     def profile(self, num_tokens: int, block_size: int) -> int:
         """Peak activation bytes of one pipelined step of num_tokens (CUDA; every rank runs it together)."""
@@ -296,7 +298,13 @@ def run_worker(rank: int, local_rank: int, world_size: int, tp: int, pp: int, ma
             if cmd == CMD_STEP:
                 body = torch.empty(body_size(header), dtype=torch.int64)
                 dist.broadcast(body, src=0, group=group.control)
-                shard.run_step(unpack_plan(header, body), started)
+                sampling = rank == shard.sampler_rank and int(header[4]) > 0
+                request = [None]
+                if sampling:  # posted before the step, so rank 0's send never waits on this stage's compute
+                    dist.recv_object_list(request, src=0, group=group.control)
+                logits = shard.run_step(unpack_plan(header, body), started)
+                if sampling:
+                    shard.sample_remote(logits, request[0])
             elif cmd == CMD_ALLOC:
                 runner.allocate_kv_cache(int(header[5]), int(header[6]))
             elif cmd == CMD_PROFILE:
@@ -427,12 +435,23 @@ class DistributedExecutor:
             return int(peak)
         return self._guarded(run)
 
-    def execute(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def execute_and_sample(self, inputs: StepInputs, rows: list, sampler):
+        """Run the step on every rank and sample its rows: here when rank 0 is also the last stage, else on the
+        last stage's sampler rank (see the module docstring). None when nothing samples this step."""
         def run():
             started = time.perf_counter()
             header, body = pack_plan(inputs)
             self._command(header, body)
-            return self.shard.run_step(inputs, started)
+            remote = self.shard.sampler_rank != 0 and len(rows) > 0
+            if remote:
+                request = (sampler.vocab_size, list(sampler.eos_token_ids), [r.for_remote() for r in rows])
+                dist.send_object_list([request], dst=self.shard.sampler_rank, group=self.group.control)
+            logits = self.shard.run_step(inputs, started)
+            if remote:
+                result = [None]
+                dist.recv_object_list(result, src=self.shard.sampler_rank, group=self.group.control)
+                return result[0]
+            return sampler(logits, rows) if rows else None
         return self._guarded(run)
 
     def pipeline_stats(self, reset: bool = False) -> list[dict]:

@@ -153,6 +153,11 @@ class ModelRunner:
             return out
         return self.model.compute_logits(out.index_select(0, inputs.logits_indices))
 
+    def execute_and_sample(self, inputs: StepInputs, rows: list, sampler):
+        """One step and the sampling of its rows (the interface a multi-process executor shares)."""
+        logits = self.execute(inputs)
+        return sampler(logits, rows) if rows else None
+
     def check_health(self) -> None:
         """Nothing to check in one process (DistributedExecutor raises here once a rank has failed)."""
 

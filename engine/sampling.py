@@ -194,6 +194,22 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # set by the engine when params.seed is not None; kept across steps
+    uniform: float | None = None  # this step's U[0,1) drawn ahead from `generator` (see for_remote)
+
+    def for_remote(self) -> "SamplingRow":
+        """A picklable copy for a sampler in another process (the last pipeline stage): the seeded draw is made
+        here, from this row's own generator, exactly as the local sampler would; token histories travel only
+        when penalties or min_tokens read them."""
+        p = self.params
+        uniform = self.uniform
+        if self.generator is not None and not p.is_greedy:
+            uniform = float(torch.rand(1, generator=self.generator, device=self.generator.device))
+        return SamplingRow(
+            params=p,
+            prompt_token_ids=list(self.prompt_token_ids) if p.repetition_penalty != 1.0 else [],
+            output_token_ids=list(self.output_token_ids) if (p.uses_penalties or p.min_tokens) else [],
+            uniform=uniform,
+        )
 
 
 @dataclass
@@ -371,10 +387,13 @@ class Sampler:
         pos: list[int] = []
         vals: list[torch.Tensor] = []
         for j, i in enumerate(rand_rows):
-            g = rows[i].generator
-            if g is not None:
+            row = rows[i]
+            if row.uniform is not None:
                 pos.append(j)
-                vals.append(torch.rand(1, generator=g, device=g.device).to(device))
+                vals.append(torch.tensor([row.uniform], device=device))
+            elif row.generator is not None:
+                pos.append(j)
+                vals.append(torch.rand(1, generator=row.generator, device=row.generator.device).to(device))
         if pos:
             u.index_copy_(0, torch.tensor(pos, device=device), torch.cat(vals))
         return u

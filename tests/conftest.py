@@ -46,3 +46,14 @@ def any_model(request, model_factory):
 @pytest.fixture(scope="session")
 def llama_model(model_factory):
     return model_factory("llama")
+
+
+@pytest.fixture(autouse=True)
+def _isolate_distributed_settings():
+    """`shoal-engine serve` run in-process (server unit tests) installs process-wide distributed settings, e.g.
+    rank 0 exiting after a rank failure; restore them so a later offline-engine test is not affected."""
+    from shoal.engine import distributed
+
+    before = distributed.get_settings()
+    yield
+    distributed._settings = before

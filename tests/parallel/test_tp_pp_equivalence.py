@@ -181,3 +181,23 @@ def _live_worker_children() -> list[int]:
         if int(ppid) == os.getpid() and state != "Z" and b"shoal.engine.worker" in cmdline:
             pids.append(int(proc.name))
     return pids
+
+
+def test_pipeline_samples_on_the_last_stage_like_one_process(llama_kv1):
+    """Seeded random sampling with penalties and min_tokens gives the same tokens through a two-stage pipeline
+    (where the last stage samples, with rank 0's seeded draws) as in one process."""
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, seed=12, repetition_penalty=1.3, frequency_penalty=0.5,
+                       max_tokens=8, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, presence_penalty=1.0, min_tokens=4, max_tokens=8),
+        SamplingParams(temperature=0.7, seed=13, n=2, max_tokens=8, ignore_eos=True),
+    ]
+    prompts = PROMPTS[:4]
+    with LLM(model=llama_kv1, **OPTIONS) as llm:
+        want = llm.generate(prompts, params)
+    with LLM(model=llama_kv1, pipeline_parallel_size=2, **OPTIONS) as llm:
+        got = llm.generate(prompts, params)
+    for w, g in zip(want, got):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], w.prompt
+        assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
