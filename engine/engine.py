@@ -243,8 +243,8 @@ class LLMEngine:
         token = sampled.token_ids[row]
         params = seq.params
         seq.token_ids.append(token)
-        seq.cumulative_logprob += sampled.logprobs[row]
         if seq.logprobs is not None:
+            seq.cumulative_logprob += sampled.logprobs[row]
             entry = {token: Logprob(sampled.logprobs[row], sampled.ranks[row] if sampled.ranks else None,
                                     self.tokenizer.decode([token]))}
             for rank, (tid, lp) in enumerate(sampled.top_logprobs[row] or [], start=1):

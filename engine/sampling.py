@@ -215,7 +215,8 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
-    logprobs: list[float]  # log-prob of the sampled token under the raw model distribution
+    # log-prob of the sampled token under the raw model distribution; None for rows whose params.logprobs is None
+    logprobs: list[float | None]
     # per row: the top-N (token, logprob) of the raw distribution, best first, when params.logprobs is not None
     # (an empty list for logprobs=0), else None
     top_logprobs: list[list[tuple[int, float]] | None]
@@ -261,18 +262,20 @@ class Sampler:
             tokens = self._sample(x, rows, greedy, V)
 
         # ---- log-probs of the raw distribution ----------------------------------------------------------------
-        lse = _logsumexp(raw)
-        tok_logit = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        sampled_lp = tok_logit - lse
+        # Only rows that asked for logprobs pay for them (a full pass over the vocabulary per row).
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         top_out: list[list[tuple[int, float]] | None] = [None] * B
         ranks_out: list[int | None] = [None] * B
+        sampled_out: list[float | None] = [None] * B
         token_list = tokens.tolist()
         if lp_rows:
             idx = torch.tensor(lp_rows, device=device) if len(lp_rows) < B else None
             sub_raw = raw if idx is None else raw.index_select(0, idx)
-            sub_tok_logit = tok_logit if idx is None else tok_logit.index_select(0, idx)
-            sub_lse = lse if idx is None else lse.index_select(0, idx)
+            sub_lse = _logsumexp(sub_raw)
+            sub_tok_logit = sub_raw.gather(1, (tokens if idx is None else tokens.index_select(0, idx)).unsqueeze(1)
+                                           ).squeeze(1)
+            for i, lp in zip(lp_rows, (sub_tok_logit - sub_lse).tolist()):
+                sampled_out[i] = lp
             ranks = ((sub_raw > sub_tok_logit.unsqueeze(1)).sum(dim=-1) + 1).tolist()
             kmax = max(params[i].logprobs for i in lp_rows)
             if kmax > 0:
@@ -283,7 +286,7 @@ class Sampler:
                 k = params[i].logprobs
                 top_out[i] = [(ids[j][m], vals[j][m]) for m in range(min(k, V))] if k else []
                 ranks_out[i] = ranks[j]
-        return SamplerOutput(token_list, sampled_lp.tolist(), top_out, ranks_out)
+        return SamplerOutput(token_list, sampled_out, top_out, ranks_out)
 
     # ------------------------------------------------------------------------------------------------------
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
