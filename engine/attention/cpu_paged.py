@@ -60,6 +60,20 @@ def _summarise(err: BaseException) -> str:
     return f"the cpu attention kernel could not be built: {summary[:600]}"
 
 
+def _put_ninja_on_path() -> None:
+    """torch finds ninja on PATH; the `ninja` wheel (a dependency) installs it next to this interpreter, which is
+    not on PATH when a virtualenv's python is run without activating it."""
+    import os
+
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
 @functools.cache
 def load_kernel() -> tuple[object | None, str, float]:
     """(torch.ops.shoal_cpu_paged.paged_attention or None, why not, seconds spent building/loading)."""
@@ -69,6 +83,7 @@ def load_kernel() -> tuple[object | None, str, float]:
 
         if not SOURCE.exists():
             raise FileNotFoundError(f"{SOURCE} is missing from this installation")
+        _put_ninja_on_path()
         load(name=f"shoal_cpu_paged_attention_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         op = torch.ops.shoal_cpu_paged.paged_attention
