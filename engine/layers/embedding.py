@@ -11,18 +11,20 @@ from .linear import PackedMatmul, Reader
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype):
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, materialize: bool = True):
         super().__init__()
         ps = get_parallel_state()
         self.ps = ps
         self.vocab_size = vocab_size
+        self.hidden = hidden
         self.vocab_local = -(-vocab_size // ps.tp_size)  # padded so every rank holds the same count
         self.vocab_start = ps.tp_rank * self.vocab_local
-        self.weight = nn.Parameter(torch.zeros(self.vocab_local, hidden, dtype=dtype), requires_grad=False)
+        rows = self.vocab_local if materialize else 0  # a pipeline stage that never embeds holds no table
+        self.weight = nn.Parameter(torch.zeros(rows, hidden, dtype=dtype), requires_grad=False)
 
     def load(self, read: Reader) -> None:
         n = max(0, min(self.vocab_local, self.vocab_size - self.vocab_start))
-        if n:
+        if n and self.weight.shape[0]:
             self.weight.data[:n].copy_(read(0, self.vocab_start, n))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -38,21 +40,22 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(PackedMatmul):
     """Projects hidden states to float32 logits over the full vocabulary (gathered from every rank)."""
 
-    def __init__(self, embedding: VocabParallelEmbedding, tied: bool, bias: bool = False):
+    def __init__(self, embedding: VocabParallelEmbedding, tied: bool, bias: bool = False, materialize: bool = True):
         super().__init__()
         self.embedding = embedding
         self.tied = tied
+        rows = embedding.vocab_local if materialize else 0  # only the last pipeline stage projects to logits
+        dtype = embedding.weight.dtype
         if tied:
             self.weight = embedding.weight
         else:
-            self.weight = nn.Parameter(torch.zeros_like(embedding.weight), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(embedding.vocab_local, dtype=embedding.weight.dtype),
-                                 requires_grad=False) if bias else None
+            self.weight = nn.Parameter(torch.zeros(rows, embedding.hidden, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(rows, dtype=dtype), requires_grad=False) if bias else None
 
     def load(self, read: Reader) -> None:
         e = self.embedding
         n = max(0, min(e.vocab_local, e.vocab_size - e.vocab_start))
-        if n:
+        if n and self.weight.shape[0]:
             self.weight.data[:n].copy_(read(0, e.vocab_start, n))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ class PackedMatmul(nn.Module):
     packed: torch.Tensor | None = None
 
     def prepack(self, free_original: bool = True) -> None:
-        if self.packed is None and can_prepack(self.weight):
+        if self.packed is None and self.weight.numel() and can_prepack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
             if free_original:
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)

@@ -72,7 +72,8 @@ class BloomForCausalLM(CausalLM):
         # Each rank attends with its own heads, so it takes those heads' slopes.
         slopes = alibi_slopes(nh)[self.ps.tp_rank * local_heads:(self.ps.tp_rank + 1) * local_heads].contiguous()
         start, end = self.stage_layers(config.n_layer, layer_partition)
-        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, dtype)
+        first, last = self.ps.is_first_stage, self.ps.is_last_stage
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, h, dtype, materialize=first or last)
         self.word_embeddings_layernorm = LayerNorm(h, config.layer_norm_epsilon, dtype)
         self.layers = nn.ModuleList(BloomBlock(config, dtype, backend, slopes) for _ in range(start, end))
         self.ln_f = LayerNorm(h, config.layer_norm_epsilon, dtype)
@@ -89,7 +90,8 @@ class BloomForCausalLM(CausalLM):
         c = self.config
         h = c.hidden_size
         p = find_prefix(src, ["transformer.", ""], "ln_f.weight")
-        self.word_embeddings.load(reader(src, p + "word_embeddings.weight", (c.vocab_size, h)))
+        if self.ps.is_first_stage or self.ps.is_last_stage:  # the LM head is tied to the embedding
+            self.word_embeddings.load(reader(src, p + "word_embeddings.weight", (c.vocab_size, h)))
         if self.ps.is_first_stage:
             for n in ("weight", "bias"):
                 getattr(self.word_embeddings_layernorm, n).data.copy_(src.load(f"{p}word_embeddings_layernorm.{n}", (h,)))

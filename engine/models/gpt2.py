@@ -65,8 +65,9 @@ class GPT2LMHeadModel(CausalLM):
         h = config.n_embd
         self.head_dim = h // config.n_head
         start, end = self.stage_layers(config.n_layer, layer_partition)
-        self.wte = VocabParallelEmbedding(config.vocab_size, h, dtype)
-        self.wpe = nn.Parameter(torch.zeros(config.n_positions, h, dtype=dtype), requires_grad=False)
+        first, last = self.ps.is_first_stage, self.ps.is_last_stage
+        self.wte = VocabParallelEmbedding(config.vocab_size, h, dtype, materialize=first or last)
+        self.wpe = nn.Parameter(torch.zeros(config.n_positions if first else 0, h, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(GPT2Block(config, dtype, backend, i) for i in range(start, end))
         self.ln_f = LayerNorm(h, config.layer_norm_epsilon, dtype)
         self.lm_head = ParallelLMHead(self.wte, tied=True)
@@ -82,7 +83,8 @@ class GPT2LMHeadModel(CausalLM):
         c = self.config
         h, inner = c.n_embd, c.n_inner or 4 * c.n_embd
         p = find_prefix(src, ["transformer.", ""], "ln_f.weight")
-        self.wte.load(reader(src, p + "wte.weight", (c.vocab_size, h)))
+        if self.ps.is_first_stage or self.ps.is_last_stage:  # the LM head is tied to the embedding
+            self.wte.load(reader(src, p + "wte.weight", (c.vocab_size, h)))
         if self.ps.is_first_stage:
             self.wpe.data.copy_(src.load(p + "wpe.weight", (c.n_positions, h)))
         for i, layer in enumerate(self.layers):

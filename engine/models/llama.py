@@ -74,13 +74,15 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         start, end = self.stage_layers(config.num_hidden_layers, layer_partition)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        first, last, tied = self.ps.is_first_stage, self.ps.is_last_stage, bool(config.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype,
+                                                   materialize=first or (last and tied))
         self.rotary = RotaryEmbedding(config, self.head_dim, max_model_len, dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype, backend, self.rotary, self.head_dim) for _ in range(start, end)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = ParallelLMHead(self.embed_tokens, tied=bool(config.tie_word_embeddings))
+        self.lm_head = ParallelLMHead(self.embed_tokens, tied=tied, materialize=last)
         self.num_kv_heads_local = self.layers[0].qkv_proj.num_kv_heads if len(self.layers) else 0
 
     def embed(self, input_ids, positions):

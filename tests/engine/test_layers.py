@@ -37,3 +37,28 @@ def test_pipeline_layer_split():
     assert [layer_range(10, r, 2, [3, 7]) for r in range(2)] == [(0, 3), (3, 10)]
     with pytest.raises(ValueError, match="cannot be split"):
         layer_range(2, 0, 3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "bloom", "gpt2"])
+def test_pipeline_stages_hold_only_the_vocabulary_tables_they_use(model_factory, arch):
+    """A middle stage holds no embedding and no LM head; the first embeds; the last projects (tied or not)."""
+    from shoal.engine.model_loader import load_hf_config, load_model
+    from shoal.engine.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+
+    model_dir = model_factory(arch)
+    hf_config = load_hf_config(model_dir)
+    before = get_parallel_state()
+    vocab_rows = {}
+    try:
+        for rank in range(3):
+            set_parallel_state(ParallelState(pp_rank=rank, pp_size=3))
+            model = load_model(model_dir, hf_config, torch.float32, torch.device("cpu"), None, 64)
+            embed = next(m for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding")
+            vocab_rows[rank] = (embed.weight.shape[0], model.lm_head.weight.shape[0])
+    finally:
+        set_parallel_state(before)
+    vocab = hf_config.vocab_size
+    tied = bool(getattr(hf_config, "tie_word_embeddings", True))
+    assert vocab_rows[1] == (0, 0)
+    assert vocab_rows[0][0] == vocab and vocab_rows[2][1] == vocab
+    assert vocab_rows[2][0] == (vocab if tied else 0)  # a tied head reads the embedding table

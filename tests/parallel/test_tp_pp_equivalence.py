@@ -201,3 +201,10 @@ def test_pipeline_samples_on_the_last_stage_like_one_process(llama_kv1):
     for w, g in zip(want, got):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], w.prompt
         assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
+
+
+def test_three_stage_pipeline_with_an_empty_middle_vocabulary(llama_kv1):
+    """PP=3: the middle stage holds neither embedding nor LM head and the output is unchanged."""
+    with LLM(model=llama_kv1, pipeline_parallel_size=3, **OPTIONS) as llm:
+        outputs = llm.generate(PROMPTS, PARAMS)
+        compare(llama_kv1, outputs, llm.get_tokenizer())
