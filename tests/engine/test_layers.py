@@ -62,3 +62,46 @@ def test_pipeline_stages_hold_only_the_vocabulary_tables_they_use(model_factory,
     assert vocab_rows[1] == (0, 0)
     assert vocab_rows[0][0] == vocab and vocab_rows[2][1] == vocab
     assert vocab_rows[2][0] == (vocab if tied else 0)  # a tied head reads the embedding table
+
+
+@pytest.mark.parametrize("arch", ["llama", "bloom", "gpt2"])
+def test_tensor_parallel_rank_reads_only_its_slices(model_factory, monkeypatch, arch):
+    """No rank materialises the full weights: at tp=2 every sharded tensor is read as a half, and a rank reads
+    about half of the checkpoint (norms and biases of row-parallel layers are replicated)."""
+    from safetensors import safe_open
+
+    from shoal.engine import weights
+    from shoal.engine.model_loader import load_hf_config, load_model
+    from shoal.engine.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+
+    heads = {"llama": {"num_attention_heads": 4, "num_key_value_heads": 2}, "bloom": {"n_head": 4}, "gpt2": {}}
+    model_dir = model_factory(arch, **heads[arch])
+    hf_config = load_hf_config(model_dir)
+    full = {}
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            full.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    reads: list[tuple[str, int]] = []
+    original = weights.WeightSource.load
+
+    def recording_load(self, name, *args, **kwargs):
+        tensor = original(self, name, *args, **kwargs)
+        reads.append((name, tensor.numel()))
+        return tensor
+
+    monkeypatch.setattr(weights.WeightSource, "load", recording_load)
+    before = get_parallel_state()
+    try:
+        set_parallel_state(ParallelState(tp_rank=1, tp_size=2))
+        load_model(model_dir, hf_config, torch.float32, torch.device("cpu"), None, 64)
+    finally:
+        set_parallel_state(before)
+    import math
+
+    sizes = {name: math.prod(shape) for name, shape in full.items()}
+    # Every matrix is split on some dimension, except GPT-2's small position table, which every rank keeps.
+    big = {name for name, shape in full.items() if len(shape) == 2 and not name.endswith("wpe.weight")}
+    for name, numel in reads:
+        if name in big:
+            assert numel <= sizes[name] // 2, f"{name}: read {numel} of {sizes[name]} elements at tp=2"
+    assert sum(n for _, n in reads) < 0.6 * sum(sizes.values())
