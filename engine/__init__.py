@@ -10,23 +10,23 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig", "LLMEngine", "RequestOutput"
 def __getattr__(name: str):
     # Lazy, so `import shoal.engine` (e.g. for the CLI's --help) does not pull in torch and transformers.
     if name == "LLM":
-        from .llm import LLM
+        from shoal.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from .sampling import SamplingParams
+        from shoal.engine.execution.sampling import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":
-        from .config import EngineConfig
+        from shoal.engine.config import EngineConfig
 
         return EngineConfig
     if name == "LLMEngine":
-        from .engine import LLMEngine
+        from shoal.engine.core.engine import LLMEngine
 
         return LLMEngine
     if name in ("RequestOutput", "CompletionOutput"):
-        from . import outputs
+        from shoal.engine.core import outputs
 
         return getattr(outputs, name)
     raise AttributeError(name)

@@ -119,8 +119,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
     """--nnodes/--node-rank/--master-addr/--master-port/--headless and the failure-detection knobs (owned by
-    shoal.engine.worker)."""
-    from shoal.engine.worker import add_distributed_args as add
+    shoal.engine.distributed.worker)."""
+    from shoal.engine.distributed.worker import add_distributed_args as add
 
     add(p)
 
@@ -150,7 +150,7 @@ def engine_config_from_args(args: argparse.Namespace):
                 kw[name] = v
     model = args.model
     if model is None:
-        from shoal.engine.demo import ensure_demo_model
+        from shoal.engine.tools.tiny_model import ensure_demo_model
 
         model = str(ensure_demo_model())
         kw.setdefault("served_model_name", DEMO_SERVED_NAME)
@@ -194,7 +194,7 @@ def setup_logging(level: str = "info") -> None:
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     setup_logging(args.log_level)
     # Multi-process / multi-node: a --headless node runs its worker ranks (and only /livez, /readyz) and returns.
-    from shoal.engine.worker import serve_hook
+    from shoal.engine.distributed.worker import serve_hook
 
     try:
         code = serve_hook(args)
@@ -207,7 +207,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except Exception as e:  # noqa: BLE001 - validation errors become a clean usage error (exit 2)
         _config_error(parser, e)
     if config.chat_template is not None:
-        from shoal.engine.tokenizer import ChatTemplateError, load_chat_template
+        from shoal.engine.core.tokenizer import ChatTemplateError, load_chat_template
 
         try:
             load_chat_template(config.chat_template)
@@ -217,7 +217,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         api_key = resolve_api_key(args)
     except (OSError, ValueError) as e:
         parser.error(f"--api-key-file: {e}")
-    from shoal.engine.async_engine import DEFAULT_HEARTBEAT_TIMEOUT
+    from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT
     from shoal.engine.server.run import ServerOptions, run
 
     opts = ServerOptions(
@@ -229,19 +229,19 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from shoal.engine.server.demo import run_demo
+    from shoal.engine.tools.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_bench_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from shoal.engine.bench_serve import run_bench
+    from shoal.engine.tools.bench_serve import run_bench
 
     return run_bench(args)
 
 
 def cmd_bench_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from shoal.engine import bench_throughput
+    from shoal.engine.tools import bench_throughput
 
     return bench_throughput.main(list(args.rest)) or 0
 
@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("extra", nargs=argparse.REMAINDER, help="further `serve` flags, after `--`")
     demo.set_defaults(func=cmd_demo, parser=demo)
 
-    from shoal.engine import download
+    from shoal.engine.tools import download
 
     dl = sub.add_parser("download", help="fetch a hub model into the local HF cache (the operator's init container)",
                         description=download.__doc__.splitlines()[0])
@@ -282,11 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), throughput (offline)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     bs = bsub.add_parser("serve", help="load-test a running server (like `vllm bench serve`)")
-    from shoal.engine.bench_serve import add_bench_serve_args
+    from shoal.engine.tools.bench_serve import add_bench_serve_args
 
     add_bench_serve_args(bs)
     bs.set_defaults(func=cmd_bench_serve, parser=bs)
-    bt = bsub.add_parser("throughput", help="offline throughput vs transformers (shoal.engine.bench_throughput)",
+    bt = bsub.add_parser("throughput", help="offline throughput vs transformers (shoal.engine.tools.bench_throughput)",
                          add_help=False)
     bt.add_argument("rest", nargs=argparse.REMAINDER)
     bt.set_defaults(func=cmd_bench_throughput, parser=bt)
@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "throughput"]:  # its own parser owns every flag after the subcommand
-        from shoal.engine import bench_throughput
+        from shoal.engine.tools import bench_throughput
 
         return int(bench_throughput.main(argv[2:]) or 0)
     parser = build_parser()

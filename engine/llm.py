@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from .config import EngineConfig
-from .engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling import SamplingParams
+from shoal.engine.config import EngineConfig
+from shoal.engine.core.engine import LLMEngine
+from shoal.engine.core.outputs import RequestOutput
+from shoal.engine.execution.sampling import SamplingParams
 
 Prompt = str | dict[str, Any] | list[int]
 

@@ -22,7 +22,7 @@ def model_factory(tmp_path_factory):
     """make(arch, **config_overrides) -> directory; cached per distinct arguments for the session."""
     import transformers
 
-    from shoal.engine.demo import make_model
+    from shoal.engine.tools.tiny_model import make_model
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -52,7 +52,7 @@ def llama_model(model_factory):
 def _isolate_distributed_settings():
     """`shoal-engine serve` run in-process (server unit tests) installs process-wide distributed settings, e.g.
     rank 0 exiting after a rank failure; restore them so a later offline-engine test is not affected."""
-    from shoal.engine import distributed
+    from shoal.engine.distributed import comm as distributed
 
     before = distributed.get_settings()
     yield

@@ -20,9 +20,9 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shoal.engine.attention.base import AttentionMetadata, write_kv
-from shoal.engine.attention.flash_attn import ALIBI_REFUSAL, FlashAttentionBackend
-from shoal.engine.attention.triton_attn import TritonAttentionBackend
+from shoal.engine.execution.attention.base import AttentionMetadata, write_kv
+from shoal.engine.execution.attention.flash_attn import ALIBI_REFUSAL, FlashAttentionBackend
+from shoal.engine.execution.attention.triton_attn import TritonAttentionBackend
 
 triton = pytest.importorskip("triton")
 

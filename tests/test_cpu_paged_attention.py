@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from shoal.engine.attention.base import AttentionMetadata, write_kv
-from shoal.engine.attention.cpu_paged import CpuPagedAttentionBackend, load_kernel
+from shoal.engine.execution.attention.base import AttentionMetadata, write_kv
+from shoal.engine.execution.attention.cpu_paged import CpuPagedAttentionBackend, load_kernel
 
 CPU = torch.device("cpu")
 
@@ -203,7 +203,7 @@ def test_build_failure_is_reported_not_raised(tmp_path):
     """A kernel that does not compile makes is_available (False, the compiler's error); nothing raises."""
     bad = tmp_path / "bad.cpp"
     bad.write_text("int f() { return 0 }\n")
-    code = (f"import torch, pathlib\nfrom shoal.engine.attention import cpu_paged as cp\n"
+    code = (f"import torch, pathlib\nfrom shoal.engine.execution.attention import cpu_paged as cp\n"
             f"cp.SOURCE = pathlib.Path({str(bad)!r})\nprint(cp.CpuPagedAttentionBackend.is_available(torch.device('cpu')))")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

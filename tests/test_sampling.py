@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shoal.engine.sampling import (
+from shoal.engine.execution.sampling import (
     MAX_LOGPROBS,
     MAX_N,
     Sampler,

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shoal.engine.demo import _CORPUS, CHAT_TEMPLATE, make_tokenizer
-from shoal.engine.sampling import SamplingParams
-from shoal.engine.tokenizer import (
+from shoal.engine.tools.tiny_model import _CORPUS, CHAT_TEMPLATE, make_tokenizer
+from shoal.engine.execution.sampling import SamplingParams
+from shoal.engine.core.tokenizer import (
     ChatTemplateError,
     IncrementalDetokenizer,
     TokenizerLoadError,

@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from pydantic import ValidationError
 
-from shoal.engine.async_engine import (
+from shoal.engine.core.async_engine import (
     AsyncEngine,
     DrainingError,
     EngineDeadError,

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from shoal.engine.async_engine import AsyncEngine, MetricsSink, PerRequestTimes
-from shoal.engine.outputs import RequestOutput
+from shoal.engine.core.async_engine import AsyncEngine, MetricsSink, PerRequestTimes
+from shoal.engine.core.outputs import RequestOutput
 
 PREFIX = "shoal:"
 

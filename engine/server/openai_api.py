@@ -17,8 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from shoal.engine.async_engine import EngineDeadError, EngineError, RequestStream
-from shoal.engine.outputs import CompletionOutput, RequestOutput
+from shoal.engine.core.async_engine import EngineDeadError, EngineError, RequestStream
+from shoal.engine.core.outputs import CompletionOutput, RequestOutput
 from shoal.engine.server.app import (
     ServerState,
     check_model,
@@ -37,7 +37,7 @@ def _dumps(obj: Any) -> str:
 
 
 def _make_params(kwargs: dict[str, Any]):
-    from shoal.engine.sampling import SamplingParams
+    from shoal.engine.execution.sampling import SamplingParams
 
     try:
         return SamplingParams(**kwargs)
@@ -82,7 +82,7 @@ def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_gene
         raise APIError(str(e), 400, param="messages") from None
     if continue_final_message and add_generation_prompt:
         add_generation_prompt = False
-    from shoal.engine import tokenizer as tk
+    from shoal.engine.core import tokenizer as tk
 
     template = getattr(state.engine, "chat_template", None)
     try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from shoal.engine.async_engine import DEFAULT_HEARTBEAT_TIMEOUT, AsyncEngine
+from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT, AsyncEngine
 from shoal.engine.config import EngineConfig
 from shoal.engine.server.app import STATE_KEY, AccessLogger, build_app
 from shoal.engine.server.metrics import ServerMetrics

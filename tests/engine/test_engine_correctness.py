@@ -168,7 +168,7 @@ def test_priority_policy_preempts_lowest_priority(llama_model):
 @pytest.mark.parametrize("arch", ["llama", "bloom"])
 def test_triton_backend_matches_transformers(model_factory, arch):
     """The Triton paged kernel (run by Triton's interpreter on CPU) drives the whole engine to the same tokens."""
-    from shoal.engine.attention import backend_class
+    from shoal.engine.execution.attention import backend_class
 
     ok, why = backend_class("triton").is_available(torch.device("cpu"))
     if not ok:

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.engine.layers.linear import ColumnParallelLinear, can_prepack
-from shoal.engine.parallel_state import layer_range
+from shoal.engine.execution.layers.linear import ColumnParallelLinear, can_prepack
+from shoal.engine.distributed.parallel_state import layer_range
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
@@ -42,8 +42,8 @@ def test_pipeline_layer_split():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "bloom", "gpt2"])
 def test_pipeline_stages_hold_only_the_vocabulary_tables_they_use(model_factory, arch):
     """A middle stage holds no embedding and no LM head; the first embeds; the last projects (tied or not)."""
-    from shoal.engine.model_loader import load_hf_config, load_model
-    from shoal.engine.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+    from shoal.engine.execution.model_loader import load_hf_config, load_model
+    from shoal.engine.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
 
     model_dir = model_factory(arch)
     hf_config = load_hf_config(model_dir)
@@ -70,9 +70,9 @@ def test_tensor_parallel_rank_reads_only_its_slices(model_factory, monkeypatch, 
     about half of the checkpoint (norms and biases of row-parallel layers are replicated)."""
     from safetensors import safe_open
 
-    from shoal.engine import weights
-    from shoal.engine.model_loader import load_hf_config, load_model
-    from shoal.engine.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+    from shoal.engine.execution import weights
+    from shoal.engine.execution.model_loader import load_hf_config, load_model
+    from shoal.engine.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
 
     heads = {"llama": {"num_attention_heads": 4, "num_key_value_heads": 2}, "bloom": {"n_head": 4}, "gpt2": {}}
     model_dir = model_factory(arch, **heads[arch])

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from shoal.engine import LLM, SamplingParams
-from shoal.engine.weights import WeightError
+from shoal.engine.execution.weights import WeightError
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from shoal.engine.distributed import free_port  # noqa: F401 - re-exported for the tests
+from shoal.engine.distributed.comm import free_port  # noqa: F401 - re-exported for the tests
 
 
 class Served:

@@ -8,9 +8,9 @@ import torch
 
 from hf_reference import hf_greedy
 from shoal.engine import LLM, SamplingParams
-from shoal.engine.distributed import configure, get_settings
-from shoal.engine.executor import pack_plan, split_micro_batches, unpack_plan
-from shoal.engine.runner import build_step_inputs
+from shoal.engine.distributed.comm import configure, get_settings
+from shoal.engine.distributed.executor import pack_plan, split_micro_batches, unpack_plan
+from shoal.engine.execution.runner import build_step_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -138,7 +138,7 @@ def test_offline_engine_raises_instead_of_hanging_when_a_worker_dies(llama_kv1):
     import signal
     import time
 
-    from shoal.engine.distributed import DistributedError
+    from shoal.engine.distributed.comm import DistributedError
 
     llm = LLM(model=llama_kv1, tensor_parallel_size=2, **OPTIONS)
     try:
@@ -166,7 +166,7 @@ def test_failed_start_stops_the_workers_it_spawned(llama_kv1):
 
 
 def _live_worker_children() -> list[int]:
-    """This test process's child `shoal.engine.worker` processes that are still running (not zombies)."""
+    """This test process's child `shoal.engine.distributed.worker` processes that are still running (not zombies)."""
     import os
     from pathlib import Path
 
@@ -178,7 +178,7 @@ def _live_worker_children() -> list[int]:
         except (OSError, ValueError):
             continue
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == os.getpid() and state != "Z" and b"shoal.engine.worker" in cmdline:
+        if int(ppid) == os.getpid() and state != "Z" and b"shoal.engine.distributed.worker" in cmdline:
             pids.append(int(proc.name))
     return pids
 

@@ -75,7 +75,7 @@ def test_unset_flags_keep_config_defaults():
 
 
 def test_without_model_serves_the_demo_model(monkeypatch, tmp_path):
-    import shoal.engine.demo as demo
+    import shoal.engine.tools.tiny_model as demo
 
     monkeypatch.setattr(demo, "ensure_demo_model", lambda: tmp_path / "demo-llama")
     c = cli.engine_config_from_args(_serve_args())
@@ -119,9 +119,9 @@ def test_api_key_sources(tmp_path, monkeypatch):
 
 def test_bench_throughput_delegates(monkeypatch):
     seen = {}
-    fake = types.ModuleType("shoal.engine.bench_throughput")
+    fake = types.ModuleType("shoal.engine.tools.bench_throughput")
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
-    monkeypatch.setitem(sys.modules, "shoal.engine.bench_throughput", fake)
+    monkeypatch.setitem(sys.modules, "shoal.engine.tools.bench_throughput", fake)
     import shoal.engine as pkg
 
     monkeypatch.setattr(pkg, "bench_throughput", fake, raising=False)
@@ -145,7 +145,7 @@ def test_sampling_kwargs_use_vllm_names():
     kw = r.sampling_kwargs()
     assert kw["stop"] == ["END"] and kw["stop_token_ids"] == [7] and kw["top_k"] == 4 and kw["n"] == 2
     assert kw["ignore_eos"] is True and kw["min_tokens"] == 2 and kw["seed"] == 3 and kw["min_p"] == 0.1
-    from shoal.engine.sampling import SamplingParams
+    from shoal.engine.execution.sampling import SamplingParams
 
     SamplingParams(max_tokens=4, **kw)  # every name is one SamplingParams knows
 
@@ -171,8 +171,8 @@ def test_chat_request_details():
 def test_metrics_registry_is_per_app_and_reads_engine_stats():
     from prometheus_client import REGISTRY
 
-    from shoal.engine.async_engine import PerRequestTimes
-    from shoal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from shoal.engine.core.async_engine import PerRequestTimes
+    from shoal.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from shoal.engine.server.metrics import ServerMetrics
 
     stats = types.SimpleNamespace(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_kv_blocks=8,
@@ -204,7 +204,7 @@ def test_metrics_registry_is_per_app_and_reads_engine_stats():
 def test_bench_statistics():
     import random
 
-    from shoal.engine import bench_serve
+    from shoal.engine.tools import bench_serve
 
     p = bench_serve.percentiles([float(i) for i in range(1, 101)])
     assert p["p50"] == pytest.approx(50.5) and p["p99"] == pytest.approx(99.01) and p["mean"] == 50.5
@@ -221,7 +221,7 @@ def test_bench_statistics():
 # ------------------------------------------------------------------------------------------ AsyncEngine
 @pytest.fixture
 async def async_engine(llama_model):
-    from shoal.engine.async_engine import AsyncEngine
+    from shoal.engine.core.async_engine import AsyncEngine
     from shoal.engine.config import EngineConfig
 
     eng = AsyncEngine(EngineConfig(model=str(llama_model), num_kv_blocks=64, max_queue_len=2))
@@ -232,7 +232,7 @@ async def async_engine(llama_model):
 
 
 def _params(**kw):
-    from shoal.engine.sampling import SamplingParams
+    from shoal.engine.execution.sampling import SamplingParams
 
     return SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **kw})
 
@@ -268,7 +268,7 @@ async def test_async_engine_generates_and_cancellation_aborts(async_engine):
 
 
 async def test_async_engine_drain_and_queue_cap(async_engine):
-    from shoal.engine.async_engine import DrainingError, QueueFullError
+    from shoal.engine.core.async_engine import DrainingError, QueueFullError
 
     eng = async_engine
     eng.max_queue_len = 1
@@ -313,7 +313,7 @@ async def test_async_engine_wedged_step_fails_liveness(async_engine):
 
 
 async def test_async_engine_fatal_step_error_kills_loop(async_engine):
-    from shoal.engine.async_engine import EngineDeadError
+    from shoal.engine.core.async_engine import EngineDeadError
 
     eng = async_engine
 
@@ -347,9 +347,9 @@ async def _app_client(engine):
 async def test_health_while_loading_then_ready(llama_model):
     import threading
 
-    from shoal.engine.async_engine import AsyncEngine
+    from shoal.engine.core.async_engine import AsyncEngine
     from shoal.engine.config import EngineConfig
-    from shoal.engine.engine import LLMEngine
+    from shoal.engine.core.engine import LLMEngine
 
     gate = threading.Event()
 
@@ -378,7 +378,7 @@ async def test_health_while_loading_then_ready(llama_model):
 
 
 async def test_failed_load_fails_startup_and_liveness(tmp_path):
-    from shoal.engine.async_engine import AsyncEngine, EngineDeadError
+    from shoal.engine.core.async_engine import AsyncEngine, EngineDeadError
     from shoal.engine.config import EngineConfig
 
     eng = AsyncEngine(EngineConfig(model=str(tmp_path / "missing")))
@@ -405,7 +405,7 @@ async def test_engine_death_errors_streams_fails_liveness_then_exits_1(llama_mod
     import aiohttp
 
     from shoal.engine.config import EngineConfig
-    from shoal.engine.engine import LLMEngine
+    from shoal.engine.core.engine import LLMEngine
     from shoal.engine.server.run import ServerOptions, serve
 
     from .conftest import free_port
@@ -463,7 +463,7 @@ async def test_engine_death_errors_streams_fails_liveness_then_exits_1(llama_mod
 async def test_chat_template_flag_serves_a_model_without_one(llama_model, tmp_path):
     import shutil
 
-    from shoal.engine.async_engine import AsyncEngine
+    from shoal.engine.core.async_engine import AsyncEngine
     from shoal.engine.config import EngineConfig
 
     model = tmp_path / "model"

@@ -14,16 +14,16 @@ from typing import Iterable
 
 import torch
 
-from .config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from .kv_cache import BlockPool
-from .model_loader import load_hf_config, resolve_dtype, resolve_model_dir
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .executor import make_runner
-from .runner import build_step_inputs
-from .sampling import Sampler, SamplingParams, SamplingRow, make_generator
-from .scheduler import Scheduler
-from .sequence import Request, Sequence, SeqStatus
-from .tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
+from shoal.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from shoal.engine.core.kv_cache import BlockPool
+from shoal.engine.execution.model_loader import load_hf_config, resolve_dtype, resolve_model_dir
+from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from shoal.engine.distributed.executor import make_runner
+from shoal.engine.execution.runner import build_step_inputs
+from shoal.engine.execution.sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from shoal.engine.core.scheduler import Scheduler
+from shoal.engine.core.sequence import Request, Sequence, SeqStatus
+from shoal.engine.core.tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

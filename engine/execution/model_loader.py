@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from .layers.linear import PackedMatmul
-from .models import model_class
-from .weights import WeightError, WeightSource
+from shoal.engine.execution.layers.linear import PackedMatmul
+from shoal.engine.execution.models import model_class
+from shoal.engine.execution.weights import WeightError, WeightSource
 
 logger = logging.getLogger(__name__)
 

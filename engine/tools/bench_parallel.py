@@ -1,4 +1,4 @@
-"""`python -m shoal.engine.bench_parallel`: output tokens/s of TP=1 vs TP=2 vs PP=2 (and more) on one model in one
+"""`python -m shoal.engine.tools.bench_parallel`: output tokens/s of TP=1 vs TP=2 vs PP=2 (and more) on one model in one
 run, plus the pipeline bubble fraction.
 
 The workload is bench_throughput's (seeded prompts and output lengths, ignore_eos, greedy) on its default
@@ -19,8 +19,8 @@ import time
 
 
 def run_layout(model_dir, reqs, tp: int, pp: int, args) -> dict:
-    from .llm import LLM
-    from .sampling import SamplingParams
+    from shoal.engine.llm import LLM
+    from shoal.engine.execution.sampling import SamplingParams
 
     options = dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                    tensor_parallel_size=tp, pipeline_parallel_size=pp)
@@ -51,9 +51,9 @@ def run_layout(model_dir, reqs, tp: int, pp: int, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench_throughput import bench_model_dir, workload
+    from shoal.engine.tools.bench_throughput import bench_model_dir, workload
 
-    ap = argparse.ArgumentParser(prog="python -m shoal.engine.bench_parallel", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m shoal.engine.tools.bench_parallel", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model directory (default: bench_throughput's generated benchmark model)")
     ap.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2"], metavar="TPxPP",
                     help="tensor x pipeline parallel sizes to compare (default: 1x1 2x1 1x2)")
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="decoder layers per pipeline stage for the PP layouts (default: even)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
-    from .distributed import configure
+    from shoal.engine.distributed.comm import configure
 
     configure(micro_batches=args.micro_batches,
               layer_partition=[int(x) for x in args.layer_partition.split(",")] if args.layer_partition else None)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from .model_loader import load_hf_config
+    from shoal.engine.execution.model_loader import load_hf_config
 
     model_dir = args.model or bench_model_dir()
     vocab = load_hf_config(model_dir).vocab_size

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.layer import PagedAttention
-from ..layers.alibi import alibi_slopes
-from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..layers.linear import ColumnParallelLinear, RowParallelLinear
-from ..layers.norm import LayerNorm
-from ..parallel_state import divide
-from .base import CausalLM, find_prefix, reader
+from shoal.engine.execution.attention.layer import PagedAttention
+from shoal.engine.execution.layers.alibi import alibi_slopes
+from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shoal.engine.execution.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shoal.engine.execution.layers.norm import LayerNorm
+from shoal.engine.distributed.parallel_state import divide
+from shoal.engine.execution.models.base import CausalLM, find_prefix, reader
 
 
 class BloomBlock(nn.Module):

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from .base import AttentionBackend, AttentionMetadata, write_kv
+from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 logger = logging.getLogger(__name__)
 

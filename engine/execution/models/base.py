@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention.base import AttentionMetadata
-from ..parallel_state import get_parallel_state, layer_range
-from ..weights import WeightError, WeightSource
+from shoal.engine.execution.attention.base import AttentionMetadata
+from shoal.engine.distributed.parallel_state import get_parallel_state, layer_range
+from shoal.engine.execution.weights import WeightError, WeightSource
 
 
 class CausalLM(nn.Module):

@@ -13,8 +13,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockPool, hash_block
-from .sequence import Sequence, SeqStatus
+from shoal.engine.core.kv_cache import BlockPool, hash_block
+from shoal.engine.core.sequence import Sequence, SeqStatus
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import CausalLM
+from shoal.engine.execution.models.base import CausalLM
 
 _REGISTRY = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),

@@ -1,4 +1,4 @@
-"""Worker processes: `python -m shoal.engine.worker` (one rank), and the headless node launcher.
+"""Worker processes: `python -m shoal.engine.distributed.worker` (one rank), and the headless node launcher.
 
 A headless node (`shoal-engine serve --headless --nnodes N --node-rank R ...`, R > 0) runs no OpenAI API: it starts
 one worker process per local rank and serves only /livez and /readyz on --port (plus /metrics with the node's
@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-logger = logging.getLogger("shoal.engine.worker")
+logger = logging.getLogger("shoal.engine.distributed.worker")
 
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def _partition(text: str) -> list[int]:
 
 
 def settings_from_args(args: argparse.Namespace, exit_on_failure: bool):
-    from .distributed import configure
+    from shoal.engine.distributed.comm import configure
 
     changes = dict(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                    master_port=args.master_port, exit_on_failure=exit_on_failure)
@@ -74,7 +74,7 @@ def settings_from_args(args: argparse.Namespace, exit_on_failure: bool):
 
 # ------------------------------------------------------------------------------------------------ one rank
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shoal.engine.worker", description="one Shoal worker rank")
+    p = argparse.ArgumentParser(prog="python -m shoal.engine.distributed.worker", description="one Shoal worker rank")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--local-rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .distributed import configure
-    from .executor import run_worker
+    from shoal.engine.distributed.comm import configure
+    from shoal.engine.distributed.executor import run_worker
 
     settings = configure(nnodes=args.nnodes, master_addr=args.master_addr, master_port=args.master_port)
     return run_worker(args.rank, args.local_rank, args.world_size, args.tensor_parallel_size,
@@ -134,7 +134,7 @@ class _HealthHandler(http.server.BaseHTTPRequestHandler):
 
 class HeadlessNode:
     def __init__(self, settings, tp: int, pp: int, device_type: str):
-        from .executor import spawn_workers
+        from shoal.engine.distributed.executor import spawn_workers
 
         world = tp * pp
         if world % settings.nnodes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import AttentionBackend, AttentionMetadata, write_kv
+from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 
 class PagedAttention(nn.Module):

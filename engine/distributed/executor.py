@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .distributed import (DistributedError, DistributedSettings, Group, HeartbeatMonitor, get_settings, init_group,
+from shoal.engine.distributed.comm import (DistributedError, DistributedSettings, Group, HeartbeatMonitor, get_settings, init_group,
                           pick_backend, rank_label, tag_logs)
-from .parallel_state import get_parallel_state, set_parallel_state
-from .runner import ModelRunner, StepInputs
+from shoal.engine.distributed.parallel_state import get_parallel_state, set_parallel_state
+from shoal.engine.execution.runner import ModelRunner, StepInputs
 
-logger = logging.getLogger("shoal.engine.executor")
+logger = logging.getLogger("shoal.engine.distributed.executor")
 
 CMD_STEP, CMD_ALLOC, CMD_PROFILE, CMD_STATS, CMD_SHUTDOWN = 1, 2, 3, 4, 5
 _HEADER = 8  # [cmd, T, B, max_blocks, S, arg1, arg2, reserved]
@@ -163,7 +163,7 @@ class Shard:
 
     def sample_remote(self, logits: torch.Tensor, request: tuple) -> None:
         """On the sampler rank of a pipeline: sample what rank 0 asked for and send back the SamplerOutput."""
-        from .sampling import Sampler
+        from shoal.engine.execution.sampling import Sampler
 
         vocab_size, eos_ids, rows = request
         key = (vocab_size, tuple(eos_ids))
@@ -203,7 +203,7 @@ def _micro_batches(settings: DistributedSettings, pp_size: int) -> int:
 # ------------------------------------------------------------------------------------------------ workers
 def worker_command(rank: int, local_rank: int, world_size: int, tp: int, pp: int, master: tuple[str, int],
                    nnodes: int, ready_dir: str | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "shoal.engine.worker", "--rank", str(rank), "--local-rank", str(local_rank),
+    cmd = [sys.executable, "-m", "shoal.engine.distributed.worker", "--rank", str(rank), "--local-rank", str(local_rank),
            "--world-size", str(world_size), "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
            "--master-addr", master[0], "--master-port", str(master[1]), "--nnodes", str(nnodes)]
     if ready_dir:
@@ -240,7 +240,7 @@ def _die_with_parent() -> None:
 def spawn_workers(ranks: list[tuple[int, int]], world_size: int, tp: int, pp: int, master: tuple[str, int],
                   settings: DistributedSettings, device_type: str, ready_dir: str | None = None,
                   die_with_parent: bool = False):
-    """Start `python -m shoal.engine.worker` for each (rank, local_rank); returns [(rank, Popen)].
+    """Start `python -m shoal.engine.distributed.worker` for each (rank, local_rank); returns [(rank, Popen)].
     die_with_parent: the workers are killed when the spawning *thread* ends (use it from a main thread only)."""
     env = worker_env(settings, max(local_rank for _, local_rank in ranks) + 1 if ranks else 1, device_type)
     procs = []
@@ -276,8 +276,8 @@ def run_worker(rank: int, local_rank: int, world_size: int, tp: int, pp: int, ma
         payload = [None]
         dist.broadcast_object_list(payload, src=0, group=group.control)
         spec = payload[0]
-        from .config import EngineConfig
-        from .model_loader import load_hf_config, resolve_model_dir
+        from shoal.engine.config import EngineConfig
+        from shoal.engine.execution.model_loader import load_hf_config, resolve_model_dir
 
         config = EngineConfig(**spec["config"])
         model_dir = resolve_model_dir(config.model, config.revision)

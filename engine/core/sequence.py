@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .outputs import Logprob
-from .sampling import SamplingParams
+from shoal.engine.core.outputs import Logprob
+from shoal.engine.execution.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.outputs import RequestOutput
+from shoal.engine.core.outputs import RequestOutput
 
-logger = logging.getLogger("shoal.engine.async_engine")
+logger = logging.getLogger("shoal.engine.core.async_engine")
 
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0  # seconds without a loop iteration before liveness fails
 _IDLE_WAIT = 0.2  # the loop wakes at least this often when idle, to refresh the heartbeat
@@ -351,7 +351,7 @@ class AsyncEngine:
     def _build_engine(self) -> Any:
         if self._factory is not None:
             return self._factory(self.config)
-        from shoal.engine.engine import LLMEngine
+        from shoal.engine.core.engine import LLMEngine
 
         return LLMEngine(self.config)
 
@@ -362,7 +362,7 @@ class AsyncEngine:
             self.model_name = getattr(self.engine, "model_name", None) or self.config.model_name
             self.tokenizer = _private_copy(getattr(self.engine, "tokenizer", None))
             if self.config.chat_template is not None:
-                from shoal.engine.tokenizer import load_chat_template
+                from shoal.engine.core.tokenizer import load_chat_template
 
                 self.chat_template = load_chat_template(self.config.chat_template)
             self._refresh_stats()

@@ -46,9 +46,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .parallel_state import ParallelState
+from shoal.engine.distributed.parallel_state import ParallelState
 
-logger = logging.getLogger("shoal.engine.distributed")
+logger = logging.getLogger("shoal.engine.distributed.comm")
 
 _PREFIX = "shoal/"
 

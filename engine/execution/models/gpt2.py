@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention.layer import PagedAttention
-from ..layers.activation import get_activation
-from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from ..layers.norm import LayerNorm
-from .base import CausalLM, find_prefix, reader
+from shoal.engine.execution.attention.layer import PagedAttention
+from shoal.engine.execution.layers.activation import get_activation
+from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shoal.engine.execution.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shoal.engine.execution.layers.norm import LayerNorm
+from shoal.engine.execution.models.base import CausalLM, find_prefix, reader
 
 
 class GPT2Block(nn.Module):

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import select_backend
-from .attention.base import AttentionMetadata
-from .model_loader import load_model
-from .scheduler import ScheduledSeq
+from shoal.engine.execution.attention import select_backend
+from shoal.engine.execution.attention.base import AttentionMetadata
+from shoal.engine.execution.model_loader import load_model
+from shoal.engine.core.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,6 @@ def _attention_shape(hf_config) -> dict:
 
 
 def _uses_alibi(hf_config) -> bool:
-    from .models import model_class
+    from shoal.engine.execution.models import model_class
 
     return bool(getattr(model_class(hf_config), "uses_alibi", False))

@@ -18,7 +18,7 @@ def bench_model_dir() -> Path:
     """The default benchmark model: Llama-shaped, hidden 512, 8 layers, GQA 8/4, vocab 32000, bfloat16."""
     import os
 
-    from .demo import make_model
+    from shoal.engine.tools.tiny_model import make_model
 
     root = Path(os.environ.get("SHOAL_CACHE", Path.home() / ".cache" / "shoal"))
     path = root / "bench-llama-512"
@@ -39,8 +39,8 @@ def workload(seed: int, n: int, vocab: int, prompt_range, output_range):
 
 
 def run_shoal(model_dir, reqs, args) -> float:
-    from .llm import LLM
-    from .sampling import SamplingParams
+    from shoal.engine.llm import LLM
+    from shoal.engine.execution.sampling import SamplingParams
 
     options = dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                    max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.layer import PagedAttention
-from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding
-from .base import CausalLM, find_prefix, reader
+from shoal.engine.execution.attention.layer import PagedAttention
+from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shoal.engine.execution.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shoal.engine.execution.layers.norm import RMSNorm
+from shoal.engine.execution.layers.rotary import RotaryEmbedding
+from shoal.engine.execution.models.base import CausalLM, find_prefix, reader
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -20,7 +20,7 @@ import importlib.util
 
 import torch
 
-from .base import AttentionBackend, AttentionMetadata
+from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata
 
 ALIBI_REFUSAL = (
     "the flash attention backend does not support models with ALiBi positional bias (BLOOM-style ALiBi is "

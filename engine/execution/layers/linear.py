@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel_state import divide, get_parallel_state
+from shoal.engine.distributed.parallel_state import divide, get_parallel_state
 
 # read(dim, start, length) -> tensor in [out, in] layout, sliced along `dim` (0 = out, 1 = in) of that layout
 Reader = Callable[[int, int, int], torch.Tensor]

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel_state import get_parallel_state
-from .linear import PackedMatmul, Reader
+from shoal.engine.distributed.parallel_state import get_parallel_state
+from shoal.engine.execution.layers.linear import PackedMatmul, Reader
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -13,7 +13,7 @@ the first `import triton` of the process (transformers' model classes import tri
 
 import torch
 
-from .base import AttentionBackend, AttentionMetadata
+from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata
 
 try:
     import triton

@@ -12,7 +12,7 @@ torch's extensions directory (TORCH_EXTENSIONS_DIR), keyed by the source and by 
 -march=native code must not run on a different CPU sharing that directory. If it cannot be built, is_available
 says why and `auto` falls back to SDPA.
 
-`python -m shoal.engine.attention.cpu_paged` benchmarks decode attention per layer against the SDPA backend.
+`python -m shoal.engine.execution.attention.cpu_paged` benchmarks decode attention per layer against the SDPA backend.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend, AttentionMetadata
+from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
 def _bench(num_seqs=32, ctx=(150, 400), num_heads=8, num_kv_heads=4, head_dim=64, block_size=16,
            dtype=torch.bfloat16, iters=50):
-    from .sdpa import SdpaBackend
+    from shoal.engine.execution.attention.sdpa import SdpaBackend
 
     gen = torch.Generator().manual_seed(0)
     seq_lens = torch.randint(ctx[0], ctx[1] + 1, (num_seqs,), generator=gen).tolist()
