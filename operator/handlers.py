@@ -1,4 +1,4 @@
-"""kopf handlers: InferenceService -> children, children -> InferenceService status.
+"""kopf handlers: the reconciler (InferenceService -> children) and its wiring into kopf.
 
 How it fits together
 --------------------
@@ -10,8 +10,11 @@ How it fits together
   InferenceService dirty and wakes one worker task per resource. The worker reconciles until it is clean:
   render the desired children (render.py), create the missing, merge-patch the drifted (a spec-hash
   annotation plus a subset comparison of the spec), delete the unwanted (uid preconditions), restart
-  multi-pod groups that lost a rank, then compute status from the indexes and patch it when it changed.
+  multi-pod groups that lost a rank, then compute status from the indexes (status.py) and patch it when it
+  changed.
   A failed pass (API errors, conflicts) is retried with exponential backoff (0.2 s .. 10 s).
+* The kopf wiring is one table (``CHILDREN``, ``OWNER``): per watched kind an index, a watch label selector
+  and an event handler; the reconciler looks its indexes up by kind.
 * An invalid spec (see api.validate) sets Ready=False / reason InvalidSpec naming the field, phase Failed,
   and leaves the children alone.
 """
@@ -19,7 +22,7 @@ How it fits together
 from __future__ import annotations
 
 import asyncio
-import datetime
+import copy
 import logging
 import os
 from dataclasses import dataclass, field
@@ -27,28 +30,14 @@ from typing import Any
 
 import kopf
 
-from shoal.operator import api, render
-from shoal.operator.kube import CHILD_KINDS, ApiError, Kube, load_configuration
+from shoal.operator import api, render, status
+from shoal.operator.kube import CHILD_KINDS, KINDS, WATCHED_KINDS, ApiError, Kube, load_configuration
 from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
 
 logger = logging.getLogger("shoal.operator")
 
 MANAGED_SELECTOR = f"{L_MANAGED_BY}={MANAGED_BY}"
-# Pod problems worth a reason of their own (container waiting reasons seen on pods -> condition reason)
-WAITING_REASONS = {
-    "ImagePullBackOff": "ImagePullBackOff", "ErrImagePull": "ImagePullBackOff", "InvalidImageName": "ImagePullBackOff",
-    "CrashLoopBackOff": "CrashLoopBackOff", "CreateContainerConfigError": "CreateContainerConfigError",
-    "CreateContainerError": "CreateContainerConfigError", "RunContainerError": "CrashLoopBackOff",
-}
-# the more serious first: the Ready condition reports the worst one seen
-SEVERITY = ["InvalidSpec", "CreateContainerConfigError", "ImagePullBackOff", "CrashLoopBackOff", "PodFailed",
-            "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing", "GroupRestarting", "ModelLoading",
-            "PodsPending"]
-FATAL_WHEN_NOTHING_READY = {"CreateContainerConfigError", "ImagePullBackOff", "CrashLoopBackOff",
-                            "ProgressDeadlineExceeded", "PodFailed"}
-
-
 def settings_from_env() -> Settings:
     """shoal-operator's flags arrive as environment variables (kopf loads this module itself)."""
     return Settings(
@@ -60,14 +49,8 @@ def settings_from_env() -> Settings:
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
 def _slim(body: Any) -> dict[str, Any]:
     """A plain copy of an object for the indexes (without managedFields, the bulk nobody reads)."""
-    import copy
-
     obj = copy.deepcopy(dict(body))
     meta = dict(obj.get("metadata") or {})
     meta.pop("managedFields", None)
@@ -112,179 +95,6 @@ def _ref(isvc: dict[str, Any]) -> dict[str, Any]:
 def _event(isvc: dict[str, Any], type_: str, reason: str, message: str) -> None:
     """A Kubernetes Event on the InferenceService (kopf posts it in the background)."""
     kopf.event(_ref(isvc), type=type_, reason=reason, message=message)
-
-
-def _pod_ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
-def _terminating(obj: dict[str, Any]) -> bool:
-    return bool(obj["metadata"].get("deletionTimestamp"))
-
-
-def _restarts(pod: dict[str, Any]) -> int:
-    status = pod.get("status") or {}
-    return sum(int(c.get("restartCount") or 0)
-               for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []))
-
-
-def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
-    """(reason, message) for a pod that is not serving, or None when it is ready."""
-    name = pod["metadata"]["name"]
-    status = pod.get("status") or {}
-    if status.get("phase") == "Failed":
-        return "PodFailed", f"pod {name} failed: {status.get('reason') or ''} {status.get('message') or ''}".strip()
-    for cs in status.get("containerStatuses") or []:
-        waiting = (cs.get("state") or {}).get("waiting") or {}
-        reason = WAITING_REASONS.get(waiting.get("reason", ""))
-        if reason:
-            last = ((cs.get("lastState") or {}).get("terminated") or {})
-            extra = f" (last exit: {last.get('reason')}, code {last.get('exitCode')})" if last else ""
-            return reason, (f"pod {name} container {cs.get('name')}: {waiting.get('reason')}: "
-                            f"{waiting.get('message') or ''}{extra}").strip()
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-            return "Unschedulable", f"pod {name} cannot be scheduled: {cond.get('message') or cond.get('reason')}"
-    if _pod_ready(pod):
-        return None
-    statuses = status.get("containerStatuses") or []
-    if statuses and all("running" in (cs.get("state") or {}) for cs in statuses):
-        if all(cs.get("started") for cs in statuses):
-            return "ProbeFailing", f"pod {name} is running but fails its readiness probe (/readyz)"
-        return "ModelLoading", f"pod {name} is loading the model (startup probe /startupz not passed yet)"
-    return "PodsPending", f"pod {name} is {status.get('phase') or 'Pending'}"
-
-
-# ------------------------------------------------------------------------------------------------------- status
-def _condition(type_: str, ok: bool, reason: str, message: str, previous: dict[str, dict], generation: int | None):
-    status = "True" if ok else "False"
-    prev = previous.get(type_)
-    ltt = prev.get("lastTransitionTime") if prev and prev.get("status") == status else None
-    return {"type": type_, "status": status, "reason": reason, "message": message[:32000],
-            "lastTransitionTime": ltt or _now(), "observedGeneration": generation}
-
-
-def invalid_status(isvc: dict[str, Any], error: api.SpecError) -> dict[str, Any]:
-    previous = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or []}
-    gen = isvc["metadata"].get("generation")
-    message = f"{error.field}: {error.message}"
-    return {
-        "phase": "Failed", "observedGeneration": gen,
-        "conditions": [
-            _condition("Ready", False, "InvalidSpec", message, previous, gen),
-            _condition("Progressing", False, "InvalidSpec", "children are left as they are until the spec is fixed",
-                       previous, gen),
-            _condition("Degraded", True, "InvalidSpec", message, previous, gen),
-        ],
-    }
-
-
-def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, str], dict],
-                   pods: list[dict[str, Any]]) -> dict[str, Any]:
-    spec = plan.spec
-    desired = spec.replicas
-    gen = isvc["metadata"].get("generation")
-    previous = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or []}
-    live_pods = [p for p in pods if not _terminating(p)]
-    problems: list[tuple[str, str]] = []
-    deadline_exceeded = False
-
-    if plan.multi_pod:
-        n = plan.pods_per_replica
-        replicas = ready = updated = 0
-        for r in range(desired):
-            sts = children.get(("StatefulSet", render.group_name(plan.name, r)))
-            if sts is None:
-                continue
-            replicas += 1
-            group = [p for p in live_pods if p["metadata"].get("labels", {}).get(L_GROUP) == str(r)]
-            if len(group) == n and all(_pod_ready(p) for p in group):
-                ready += 1
-            sstatus = sts.get("status") or {}
-            current = (sts["metadata"].get("generation") or 0) <= (sstatus.get("observedGeneration") or 0)
-            if current and (sstatus.get("updatedReplicas") or 0) >= n:
-                updated += 1
-    else:
-        dep = children.get(("Deployment", plan.name)) or {}
-        dstatus = dep.get("status") or {}
-        current = bool(dep) and (dep["metadata"].get("generation") or 0) <= (dstatus.get("observedGeneration") or 0)
-        replicas = int(dstatus.get("replicas") or 0)
-        ready = int(dstatus.get("readyReplicas") or 0) if current else min(int(dstatus.get("readyReplicas") or 0),
-                                                                            desired)
-        updated = int(dstatus.get("updatedReplicas") or 0) if current else 0
-        for cond in dstatus.get("conditions") or []:
-            if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
-                deadline_exceeded = True
-                problems.append(("ProgressDeadlineExceeded",
-                                 f"deployment {plan.name}: {cond.get('message') or 'rollout stalled'}"))
-
-    for pod in live_pods:
-        problem = pod_problem(pod)
-        if problem:
-            problems.append(problem)
-    problems.sort(key=lambda p: SEVERITY.index(p[0]) if p[0] in SEVERITY else len(SEVERITY))
-    worst = problems[0] if problems else None
-    errors = [p for p in problems if p[0] not in ("ModelLoading", "PodsPending")]
-
-    all_ready = desired > 0 and ready >= desired
-    rolling = updated < desired or replicas > desired or not all_ready
-    if desired == 0:
-        ready_cond = ("ScaledToZero", "spec.replicas is 0: nothing serves requests")
-    elif all_ready:
-        ready_cond = ("AllReplicasReady", f"{ready}/{desired} replicas ready; serving {plan.served_model_name} "
-                                          f"at {plan.url}")
-    elif worst:
-        ready_cond = (worst[0], f"{ready}/{desired} replicas ready; {worst[1]}")
-    else:
-        ready_cond = ("ReplicasNotReady", f"{ready}/{desired} replicas ready")
-
-    if deadline_exceeded:
-        progressing = (False, "ProgressDeadlineExceeded", "the rollout made no progress within its deadline")
-    elif rolling and desired > 0:
-        what = "rolling out a new pod template" if updated < desired else "waiting for replicas to become ready"
-        progressing = (True, "RollingOut" if updated < desired else "ReplicasStarting",
-                       f"{what}: {updated}/{desired} updated, {ready}/{desired} ready")
-    else:
-        progressing = (False, "RolloutComplete", f"{updated}/{desired} replicas run the current spec")
-
-    if errors:
-        degraded = (True, errors[0][0], errors[0][1])
-    elif 0 < ready < desired and not progressing[0]:
-        degraded = (True, "ReplicasUnavailable", f"only {ready}/{desired} replicas ready")
-    else:
-        degraded = (False, "AsExpected", "no problem seen on the pods")
-
-    if all_ready:
-        phase = "Ready"
-    elif ready > 0:
-        phase = "Degraded"
-    elif desired > 0 and worst and worst[0] in FATAL_WHEN_NOTHING_READY:
-        phase = "Failed"
-    elif any(p[0] in ("ModelLoading", "ProbeFailing") for p in problems):
-        phase = "Loading"
-    else:
-        phase = "Pending"
-
-    return {
-        "phase": phase,
-        "replicas": replicas,
-        "readyReplicas": ready,
-        "updatedReplicas": updated,
-        "selector": plan.selector_str,
-        "url": plan.url,
-        "servedModelName": plan.served_model_name,
-        "observedGeneration": gen,
-        "conditions": [
-            _condition("Ready", all_ready, ready_cond[0], ready_cond[1], previous, gen),
-            _condition("Progressing", progressing[0], progressing[1], progressing[2], previous, gen),
-            _condition("Degraded", degraded[0], degraded[1], degraded[2], previous, gen),
-        ],
-    }
-
-
-def _status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    return any(old.get(k) != v for k, v in new.items())
 
 
 # ---------------------------------------------------------------------------------------------------- reconciler
@@ -344,17 +154,17 @@ class Reconciler:
             self.plans.pop(key, None)
             return  # deleted: the garbage collector removes the children through their ownerReferences
         isvc = isvcs[0]
-        if _terminating(isvc):
+        if status.terminating(isvc):
             return
         uid = isvc["metadata"].get("uid")
         old_status = isvc.get("status") or {}
         try:
             plan = self._plan(isvc)
         except api.SpecError as e:
-            status = invalid_status(isvc, e)
-            if _status_changed(old_status, status):
-                await self.kube.merge_patch(api.KIND, namespace, name, {"status": status}, subresource="status")
-                self._event_on_transition(isvc, old_status, status)
+            new_status = status.invalid_status(isvc, e)
+            if status.status_changed(old_status, new_status):
+                await self.kube.merge_patch(api.KIND, namespace, name, {"status": new_status}, subresource="status")
+                self._event_on_transition(isvc, old_status, new_status)
             return
 
         observed = self.observed(key)
@@ -382,7 +192,7 @@ class Reconciler:
         if created:
             _event(isvc, "Normal", "Created", message="created " + ", ".join(created))
         for ck, actual in observed.items():
-            if ck not in desired and _owned_by(actual, uid) and not _terminating(actual):
+            if ck not in desired and _owned_by(actual, uid) and not status.terminating(actual):
                 try:
                     await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
                     _event(isvc, "Normal", "Deleted", message=f"deleted {ck[0]} {ck[1]} (no longer wanted)")
@@ -394,15 +204,15 @@ class Reconciler:
         if plan.multi_pod:
             await self.restart_broken_groups(isvc, plan, observed, pods)
 
-        status = compute_status(isvc, plan, observed, pods)
-        if _status_changed(old_status, status):
+        new_status = status.compute_status(isvc, plan, observed, pods)
+        if status.status_changed(old_status, new_status):
             try:
-                await self.kube.merge_patch(api.KIND, namespace, name, {"status": status}, subresource="status")
+                await self.kube.merge_patch(api.KIND, namespace, name, {"status": new_status}, subresource="status")
             except ApiError as e:
                 if e.status == 404:
                     return  # deleted while we worked
                 raise
-            self._event_on_transition(isvc, old_status, status)
+            self._event_on_transition(isvc, old_status, new_status)
 
     def _plan(self, isvc: dict[str, Any]) -> Plan:
         """render.plan, memoised per (uid, generation): every child event re-reconciles, the spec rarely changes."""
@@ -426,7 +236,7 @@ class Reconciler:
             if e.status == 404:
                 return False
             raise
-        return fresh["metadata"].get("uid") == meta.get("uid") and not _terminating(fresh)
+        return fresh["metadata"].get("uid") == meta.get("uid") and not status.terminating(fresh)
 
     async def restart_broken_groups(self, isvc: dict[str, Any], plan: Plan,
                                     observed: dict[tuple[str, str], dict], pods: list[dict[str, Any]]) -> None:
@@ -441,10 +251,10 @@ class Reconciler:
             if sts is None:
                 continue
             group = [p for p in pods if p["metadata"].get("labels", {}).get(L_GROUP) == str(r)]
-            live = [p for p in group if not _terminating(p)]
-            broken = [p for p in live if (p.get("status") or {}).get("phase") == "Failed" or _restarts(p) > 0]
+            live = [p for p in group if not status.terminating(p)]
+            broken = [p for p in live if (p.get("status") or {}).get("phase") == "Failed" or status.restarts(p) > 0]
             lost = bool(live) and len(live) < len(group)  # someone deleted or evicted a member
-            if not all(_pod_ready(p) for p in live) or len(live) < n:
+            if not all(status.pod_ready(p) for p in live) or len(live) < n:
                 unready_groups += 1
             if broken or lost:
                 who = broken[0]["metadata"]["name"] if broken else "a member"
@@ -502,10 +312,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
     settings.networking.error_backoffs = [0.5, 1, 2, 5, 10]
-    for child in (("apps", "v1", "deployments"), ("apps", "v1", "statefulsets"), ("", "v1", "services"),
-                  ("", "v1", "configmaps"), ("", "v1", "pods"), ("networking.k8s.io", "v1", "networkpolicies"),
-                  ("policy", "v1", "poddisruptionbudgets")):
-        settings.watching.label_selectors[child] = MANAGED_SELECTOR  # server-side filtering of the watches
+    for w in CHILDREN:  # server-side filtering of the child watches
+        settings.watching.label_selectors[(w.group, w.version, w.plural)] = MANAGED_SELECTOR
     if "reconciler" not in memo:
         memo.reconciler = Reconciler(kube=Kube.from_environment(), settings=settings_from_env())
     logger.info("shoal-operator: engine image %s, %d GPUs per node", memo.reconciler.settings.engine_image,
@@ -539,87 +347,62 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         reconciler.kube.close()
 
 
-# Indexes: (namespace, InferenceService name) -> objects. kopf passes them to handlers by these names.
-@kopf.index(api.GROUP, api.VERSION, api.PLURAL)
-def isvc_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+# ------------------------------------------------------------------------------------------------ kopf wiring
+# One table drives everything kopf watches: the index of each kind (kopf passes an index to handlers as the
+# keyword argument named by its id), the label selector of its watch, and the handler that triggers a reconcile.
+@dataclass(frozen=True)
+class Watched:
+    kind: str
+    group: str
+    version: str
+    plural: str
+
+    @property
+    def index_id(self) -> str:
+        return f"{self.kind.lower()}_index"
+
+
+CHILDREN = tuple(Watched(kind, *KINDS[kind][0].rpartition("/")[::2], KINDS[kind][1]) for kind in WATCHED_KINDS)
+OWNER = Watched(api.KIND, api.GROUP, api.VERSION, api.PLURAL)
+_MANAGED = {L_MANAGED_BY: MANAGED_BY}
+
+
+def _isvc_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     return {(namespace, name): _slim(body)}
 
 
-def _child_index(namespace: str, labels: dict, body: kopf.Body) -> dict:
+def _child_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
     owner = labels.get(L_ISVC)
     return {(namespace, owner): _slim(body)} if owner else {}
 
 
-_MANAGED = {L_MANAGED_BY: MANAGED_BY}
-
-
-@kopf.index("apps", "v1", "deployments", labels=_MANAGED)
-def deployment_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("apps", "v1", "statefulsets", labels=_MANAGED)
-def statefulset_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("", "v1", "services", labels=_MANAGED)
-def service_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("", "v1", "configmaps", labels=_MANAGED)
-def configmap_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels=_MANAGED)
-def networkpolicy_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("policy", "v1", "poddisruptionbudgets", labels=_MANAGED)
-def pdb_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("", "v1", "pods", labels=_MANAGED)
-def pod_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-INDEX_KWARGS = {
-    api.KIND: "isvc_index", "Deployment": "deployment_index", "StatefulSet": "statefulset_index",
-    "Service": "service_index", "ConfigMap": "configmap_index", "NetworkPolicy": "networkpolicy_index",
-    "PodDisruptionBudget": "pdb_index", "Pod": "pod_index",
-}
+kopf.index(OWNER.group, OWNER.version, OWNER.plural, id=OWNER.index_id)(_isvc_index)
+for _w in CHILDREN:
+    kopf.index(_w.group, _w.version, _w.plural, labels=_MANAGED, id=_w.index_id)(_child_index)
 
 
 def _trigger(memo: kopf.Memo, kwargs: dict[str, Any], namespace: str | None, name: str | None) -> None:
     reconciler: Reconciler = memo.reconciler
-    if not reconciler.indexes:
-        reconciler.indexes = {kind: kwargs[arg] for kind, arg in INDEX_KWARGS.items()}
+    if not reconciler.indexes:  # the same index objects on every call: bind them once
+        reconciler.indexes = {w.kind: kwargs[w.index_id] for w in (OWNER, *CHILDREN)}
     if namespace and name:
         reconciler.trigger(namespace, name)
 
 
-@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.resume(OWNER.group, OWNER.version, OWNER.plural)
+@kopf.on.create(OWNER.group, OWNER.version, OWNER.plural)
+@kopf.on.update(OWNER.group, OWNER.version, OWNER.plural)
 async def isvc_changed(namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
     _trigger(memo, kwargs, namespace, name)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=_MANAGED)
-@kopf.on.event("apps", "v1", "statefulsets", labels=_MANAGED)
-@kopf.on.event("", "v1", "services", labels=_MANAGED)
-@kopf.on.event("", "v1", "configmaps", labels=_MANAGED)
-@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=_MANAGED)
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=_MANAGED)
-@kopf.on.event("", "v1", "pods", labels=_MANAGED)
 async def child_changed(namespace: str, labels: dict, memo: kopf.Memo, **kwargs: Any) -> None:
     """Drift repair and status: any change of a child (incl. its deletion) re-reconciles its owner."""
     _trigger(memo, kwargs, namespace, labels.get(L_ISVC))
 
 
-__all__ = ["Reconciler", "compute_status", "invalid_status", "pod_problem", "settings_from_env"]
+for _w in CHILDREN:
+    kopf.on.event(_w.group, _w.version, _w.plural, labels=_MANAGED, id=f"{_w.kind.lower()}_changed")(child_changed)
+
+
+__all__ = ["Reconciler", "settings_from_env"]

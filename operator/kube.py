@@ -60,6 +60,8 @@ KINDS: dict[str, tuple[str, str]] = {
     api.KIND: (api.API_VERSION, api.PLURAL),
 }
 CHILD_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy", "PodDisruptionBudget")
+# what the operator watches besides InferenceServices: its children, and the pods of its workloads
+WATCHED_KINDS = (*CHILD_KINDS, "Pod")
 
 
 class ApiError(Exception):

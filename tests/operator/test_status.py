@@ -1,4 +1,4 @@
-"""Status aggregation (pure functions of handlers.py) and the shoal-operator command line."""
+"""Status diagnosis (status.py, pure functions) and the shoal-operator command line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from shoal.operator import __main__ as cli
-from shoal.operator import api, handlers, kube, render
+from shoal.operator import api, handlers, kube, render, status
 from shoal.operator.render import L_GROUP, Settings
 
 
@@ -39,7 +39,7 @@ def deployment(ready, replicas=2, updated=None, gen=1, observed=1, conditions=No
 
 def status_for(spec, children, pods, old=None):
     obj = isvc(spec, old)
-    return handlers.compute_status(obj, render.plan(obj, Settings()), children, pods)
+    return status.compute_status(obj, render.plan(obj, Settings()), children, pods)
 
 
 def cond(status, type_):
@@ -119,7 +119,7 @@ def test_multi_pod_group_ready_only_when_all_ranks_are():
 
 
 def test_invalid_status_names_the_field():
-    s = handlers.invalid_status(isvc(), api.SpecError("spec.engine.dtype", "bad"))
+    s = status.invalid_status(isvc(), api.SpecError("spec.engine.dtype", "bad"))
     assert s["phase"] == "Failed" and cond(s, "Ready")["reason"] == "InvalidSpec"
     assert cond(s, "Ready")["message"] == "spec.engine.dtype: bad"
 
