@@ -8,8 +8,9 @@ How it fits together
   restarted operator sees what exists and never duplicates it.
 * Every trigger — the resource created, updated or resumed, or any event of one of its children — marks the
   InferenceService dirty and wakes one worker task per resource. The worker reconciles until it is clean:
-  render the desired children (render.py), create the missing, merge-patch the drifted (a spec-hash
-  annotation plus a subset comparison of the spec), delete the unwanted (uid preconditions), restart
+  render the desired children (render.py), server-side apply the missing and the drifted (a spec-hash
+  annotation plus a subset comparison of the spec; apply removes what is no longer rendered, see kube.py),
+  delete the unwanted (uid preconditions), restart
   multi-pod groups that lost a rank, then compute status from the indexes (status.py) and patch it when it
   changed.
   A failed pass (API errors, conflicts) is retried with exponential backoff (0.2 s .. 10 s).
@@ -58,16 +59,28 @@ def _slim(body: Any) -> dict[str, Any]:
     return obj
 
 
+def _same_quantity(actual: Any, desired: Any) -> bool:
+    """The API server stores quantities canonically ("1024Mi" comes back as "1Gi", "2000m" as "2")."""
+    from kubernetes.utils import parse_quantity
+
+    try:
+        return parse_quantity(actual) == parse_quantity(desired)
+    except (ValueError, TypeError, ArithmeticError):
+        return False
+
+
 def _contains(actual: Any, desired: Any) -> bool:
-    """Is `desired` a subset of `actual` (what the API server stores after defaulting)?"""
+    """Is `desired` a subset of `actual` (what the API server stores after defaulting and canonicalising)?"""
     if isinstance(desired, dict):
         return isinstance(actual, dict) and all(_contains(actual.get(k), v) for k, v in desired.items())
     if isinstance(desired, list):
         return isinstance(actual, list) and len(actual) == len(desired) and all(
             _contains(a, d) for a, d in zip(actual, desired))
+    if actual == desired:
+        return True
     if isinstance(desired, (int, float)) and not isinstance(desired, bool) and isinstance(actual, str):
-        return str(desired) == actual
-    return actual == desired
+        return str(desired) == actual or _same_quantity(actual, desired)
+    return isinstance(desired, str) and isinstance(actual, (str, int)) and _same_quantity(actual, desired)
 
 
 def _drifted(actual: dict[str, Any], desired: dict[str, Any]) -> bool:
@@ -174,21 +187,15 @@ class Reconciler:
         created: list[str] = []
         for ck, obj in desired.items():
             actual = observed.get(ck)
-            if actual is None:
-                try:
-                    await self.kube.create(obj)
-                    created.append(f"{ck[0]} {ck[1]}")
-                except ApiError as e:
-                    if e.status != 409:  # 409: created by a previous pass whose watch event is still on its way
-                        raise
-            elif not _owned_by(actual, uid):
+            if actual is not None and not _owned_by(actual, uid):
                 _event(isvc, "Warning", "ChildConflict",
-                          message=f"{ck[0]} {ck[1]} exists but is not owned by this InferenceService; not touching it")
-            elif _drifted(actual, obj):
-                patch = {k: v for k, v in obj.items() if k in ("spec", "data")}
-                patch["metadata"] = {k: obj["metadata"][k] for k in ("labels", "annotations", "ownerReferences")}
-                await self.kube.merge_patch(ck[0], namespace, ck[1], patch)
-                logger.info("updated %s %s/%s", ck[0], namespace, ck[1])
+                       message=f"{ck[0]} {ck[1]} exists but is not owned by this InferenceService; not touching it")
+            elif actual is None or _drifted(actual, obj):
+                await self.kube.apply(obj)  # creates, updates and removes fields we no longer render
+                if actual is None:
+                    created.append(f"{ck[0]} {ck[1]}")
+                else:
+                    logger.info("updated %s %s/%s", ck[0], namespace, ck[1])
         if created:
             _event(isvc, "Normal", "Created", message="created " + ", ".join(created))
         for ck, actual in observed.items():

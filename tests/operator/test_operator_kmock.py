@@ -248,8 +248,9 @@ def test_failed_pod_reasons_surface_in_status(env, ns):
 
 def test_api_errors_are_retried_and_converge_without_duplicates(env, ns):
     cluster = env.cluster
-    faults = [cluster.inject("create", "deployments", 500, 2),
-              cluster.inject("create", "services", 409, 1),
+    # children are created by server-side apply (a PATCH, "update" to the emulator's request classification)
+    faults = [cluster.inject("update", "deployments", 500, 2, subresource=None),
+              cluster.inject("update", "services", 409, 1, subresource=None),
               cluster.inject("update", ISVC, 500, 1, subresource="status")]
     try:
         env.client.create(ISVC, ns, isvc_body("flaky", {"replicas": 2}))
@@ -336,3 +337,74 @@ def test_child_watches_are_filtered_server_side(env, ns):
     for plural in ("deployments", "statefulsets", "services", "configmaps", "pods", "networkpolicies",
                    "poddisruptionbudgets"):
         assert by_plural[plural] == "app.kubernetes.io/managed-by=shoal-operator", plural
+
+
+EVERY_OPTIONAL_FIELD = {
+    "model": {"uri": "hf://org/model", "revision": "v2", "servedName": "m", "chatTemplate": "{{ messages }}"},
+    "replicas": 3, "image": "my.registry/engine:2", "imagePullPolicy": "Always", "imagePullSecrets": ["pull"],
+    "engine": {"tensorParallelSize": 2, "dtype": "bfloat16", "maxModelLen": 8192, "maxNumSeqs": 64,
+               "maxNumBatchedTokens": 4096, "gpuMemoryUtilization": 0.85, "enablePrefixCaching": False,
+               "attentionBackend": "triton", "enforceEager": True, "shutdownTimeoutSeconds": 120,
+               "extraArgs": ["--seed", "7"]},
+    "resources": {"gpusPerPod": 2, "gpuResource": "amd.com/gpu", "cpu": "16", "memory": "128Gi",
+                  "shmSize": "16Gi", "cacheSize": "200Gi"},
+    "scheduling": {"nodeSelector": {"gpu": "a100"},
+                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                   "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                       "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In",
+                                                                    "values": ["a"]}]}]}}},
+                   "priorityClassName": "inference"},
+    "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+    "security": {"apiKeySecretRef": {"name": "llm-key", "key": "token"},
+                 "networkPolicy": {"allowFrom": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}]}},
+    "probes": {"startupTimeoutSeconds": 3600},
+    "rollout": {"maxUnavailable": 1, "maxSurge": 0},
+}
+
+
+def converged(env, ns: str, name: str) -> bool:
+    """Does every child hold exactly what the operator renders for the stored spec (nothing more)?"""
+    from shoal.operator import handlers, render
+
+    want = {(c["kind"], c["metadata"]["name"]): c
+            for c in render.render(get_isvc(env, ns, name), handlers.settings_from_env())}
+    plural = {"Deployment": "deployments", "StatefulSet": "statefulsets", "Service": "services",
+              "NetworkPolicy": "networkpolicies", "PodDisruptionBudget": "poddisruptionbudgets",
+              "ConfigMap": "configmaps"}
+    have = children(env, ns)
+    if set(have) != {(plural[k], n) for k, n in want}:
+        return False
+    for (kind, n), desired in want.items():
+        actual = have[(plural[kind], n)]
+        if any(actual.get(k) != desired.get(k) for k in ("spec", "data")):
+            return False
+        if any(actual["metadata"].get(k) != desired["metadata"].get(k) for k in ("labels", "annotations")):
+            return False
+    return True
+
+
+def test_removing_every_optional_field_converges_to_the_rendered_children(env, ns):
+    env.client.create(ISVC, ns, isvc_body("opt", EVERY_OPTIONAL_FIELD))
+    wait_for(lambda: converged(env, ns, "opt"), 10, "children with every option")
+    pod = env.client.get("deployments", ns, "opt")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] and pod["tolerations"] and pod["initContainers"] and pod["imagePullSecrets"]
+    # back to the defaults: every optional field removed (JSON merge patch: null deletes)
+    env.client.patch(ISVC, ns, "opt", {"spec": {k: None for k in EVERY_OPTIONAL_FIELD}})
+    wait_for(lambda: converged(env, ns, "opt"), 10, "children without any option")
+    pod = env.client.get("deployments", ns, "opt")["spec"]["template"]["spec"]
+    for gone in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets",
+                 "initContainers"):
+        assert gone not in pod, gone
+    assert env.client.get("configmaps", ns, "opt-chat-template") is None
+    assert not any(e["name"] in ("NCCL_DEBUG", "SHOAL_API_KEY") for e in pod["containers"][0]["env"])
+
+
+def test_multi_pod_to_single_pod_converges(env, ns):
+    env.client.create(ISVC, ns, isvc_body("shrink", {"engine": {"tensorParallelSize": 4},
+                                                     "resources": {"gpusPerPod": 2}}))
+    wait_for(lambda: converged(env, ns, "shrink"), 10, "multi-pod children")
+    assert env.client.get("services", ns, "shrink")["spec"]["selector"][L_POD_INDEX] == "0"
+    env.client.patch(ISVC, ns, "shrink", {"spec": {"engine": None, "resources": None}})
+    wait_for(lambda: converged(env, ns, "shrink"), 10, "single-pod children")
+    assert L_POD_INDEX not in env.client.get("services", ns, "shrink")["spec"]["selector"]
+    assert env.client.get("statefulsets", ns, "shrink-g0") is None

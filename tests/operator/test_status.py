@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -132,6 +133,18 @@ def test_drift_detection():
     assert not handlers._drifted(actual, desired)  # server-side defaults are not drift
     edited = {**actual, "spec": {**actual["spec"], "replicas": 7}}
     assert handlers._drifted(edited, desired)
+
+
+def test_drift_compares_quantities_canonically():
+    desired = render.render(isvc({"resources": {"gpusPerPod": 0, "cpu": "2000m", "memory": "1024Mi"}}) |
+                            {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}})[0]
+    actual = copy.deepcopy(desired)
+    res = actual["spec"]["template"]["spec"]["containers"][0]["resources"]
+    res["requests"].update(cpu="2", memory="1Gi")  # as the API server stores them
+    res["limits"].update(memory="1Gi")
+    assert not handlers._drifted(actual, desired)
+    res["requests"]["memory"] = "2Gi"
+    assert handlers._drifted(actual, desired)
 
 
 # ------------------------------------------------------------------------------------------------------- CLI
