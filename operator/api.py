@@ -325,8 +325,11 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
                                 f"{gpus} GPUs per pod exceeds the {max_gpus_per_node} GPUs a node has "
                                 f"(operator setting --max-gpus-per-node)"))
     pods = spec.pods_per_replica(max_gpus_per_node)
-    # Longest child name: <name>-g<replica>-<ordinal> for pods of a multi-pod group, <name>-<hash>-<hash> else.
-    limit = 63 - len(f"-g{max(spec.replicas - 1, 0)}-{pods - 1}") if pods > 1 else 47
+    # Longest child name: <name>-g<index>-<ordinal> for pods of a multi-pod group (a rollout may surge groups up
+    # to index replicas+maxSurge-1), <name>-<hash>-<hash> else.
+    surge = spec.rollout.max_surge
+    surge = surge if isinstance(surge, int) else math.ceil(int(surge.rstrip("%")) * spec.replicas / 100)
+    limit = 63 - len(f"-g{max(spec.replicas + surge - 1, 0)}-{pods - 1}") if pods > 1 else 47
     if len(name) > limit:
         errors.append(SpecError("metadata.name", f"must be at most {limit} characters for this topology "
                                                  "(child and pod names are derived from it)"))

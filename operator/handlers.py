@@ -31,7 +31,7 @@ from typing import Any
 
 import kopf
 
-from shoal.operator import api, render, status
+from shoal.operator import api, render, rollout, status
 from shoal.operator.kube import CHILD_KINDS, KINDS, WATCHED_KINDS, ApiError, Kube, load_configuration
 from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
@@ -182,6 +182,25 @@ class Reconciler:
 
         observed = self.observed(key)
         desired = {(o["kind"], o["metadata"]["name"]): o for o in plan.children}
+        pods = self._get("Pod", key)
+        keep: set[tuple[str, str]] = set()  # outdated groups that still serve: left alone until retired
+        if plan.multi_pod:
+            groups = status.observe_groups([o for (kind, _), o in observed.items() if kind == "StatefulSet"
+                                            and _owned_by(o, uid)], pods, plan.pods_per_replica, plan.revision)
+            move = rollout.step(groups, plan.spec.replicas, plan.spec.rollout.max_surge,
+                                plan.spec.rollout.max_unavailable)
+            for g in groups:
+                if g.index in move.retire:
+                    continue
+                service, sts = plan.group(g.index)
+                desired[("Service", service["metadata"]["name"])] = service
+                if g.current or g.index in move.update:
+                    desired[("StatefulSet", sts["metadata"]["name"])] = sts
+                else:
+                    keep.add(("StatefulSet", sts["metadata"]["name"]))
+            for index in move.create:
+                desired.update({(o["kind"], o["metadata"]["name"]): o for o in plan.group(index)})
+            self._rollout_events(isvc, move, bool(groups))
         if any(ck not in observed for ck in desired) and not await self._still_exists(isvc):
             return  # deleted meanwhile (its DELETED event is still on its way): never resurrect its children
         created: list[str] = []
@@ -199,15 +218,13 @@ class Reconciler:
         if created:
             _event(isvc, "Normal", "Created", message="created " + ", ".join(created))
         for ck, actual in observed.items():
-            if ck not in desired and _owned_by(actual, uid) and not status.terminating(actual):
+            if ck not in desired and ck not in keep and _owned_by(actual, uid) and not status.terminating(actual):
                 try:
                     await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
                     _event(isvc, "Normal", "Deleted", message=f"deleted {ck[0]} {ck[1]} (no longer wanted)")
                 except ApiError as e:
                     if e.status not in (404, 409):
                         raise
-
-        pods = [p for p in self._get("Pod", key)]
         if plan.multi_pod:
             await self.restart_broken_groups(isvc, plan, observed, pods)
 
@@ -245,40 +262,42 @@ class Reconciler:
             raise
         return fresh["metadata"].get("uid") == meta.get("uid") and not status.terminating(fresh)
 
+    def _rollout_events(self, isvc: dict[str, Any], move: rollout.Step, had_groups: bool) -> None:
+        for index in move.create:
+            if had_groups:
+                _event(isvc, "Normal", "GroupSurge", message=f"starting group {index} on the current spec")
+        for index in move.retire:
+            _event(isvc, "Normal", "GroupRetire", message=f"retiring group {index} (outdated or surplus)")
+        for index in move.update:
+            _event(isvc, "Normal", "GroupRollout", message=f"replacing group {index} in place (maxSurge 0)")
+
     async def restart_broken_groups(self, isvc: dict[str, Any], plan: Plan,
                                     observed: dict[tuple[str, str], dict], pods: list[dict[str, Any]]) -> None:
         """A torch.distributed job cannot lose a rank: when a member of a group failed, restarted or is gone,
-        delete the whole group's pods so that the StatefulSet recreates them together. Groups whose pods run
-        an outdated template (OnDelete updates) are restarted one at a time while all other groups are ready."""
+        delete the whole group's pods so that the StatefulSet recreates them together. A group updated in place
+        (OnDelete) gets its pods restarted together once its controller has seen the new template."""
         n = plan.pods_per_replica
-        outdated: list[tuple[int, list[dict]]] = []
-        unready_groups = 0
-        for r in range(plan.spec.replicas):
-            sts = observed.get(("StatefulSet", render.group_name(plan.name, r)))
-            if sts is None:
+        for (kind, sts_name), sts in observed.items():
+            index = (sts["metadata"].get("labels") or {}).get(L_GROUP)
+            if kind != "StatefulSet" or index is None or status.terminating(sts):
                 continue
-            group = [p for p in pods if p["metadata"].get("labels", {}).get(L_GROUP) == str(r)]
+            group = [p for p in pods if p["metadata"].get("labels", {}).get(L_GROUP) == index]
             live = [p for p in group if not status.terminating(p)]
             broken = [p for p in live if (p.get("status") or {}).get("phase") == "Failed" or status.restarts(p) > 0]
             lost = bool(live) and len(live) < len(group)  # someone deleted or evicted a member
-            if not all(status.pod_ready(p) for p in live) or len(live) < n:
-                unready_groups += 1
             if broken or lost:
                 who = broken[0]["metadata"]["name"] if broken else "a member"
                 why = "failed" if broken and (broken[0].get("status") or {}).get("phase") == "Failed" else \
                     "restarted" if broken else "was deleted"
                 _event(isvc, "Warning", "GroupRestart",
-                          message=f"{who} of group {r} {why}: restarting all {n} pods of the group together")
+                       message=f"{who} of group {index} {why}: restarting all {n} pods of the group together")
                 await self._delete_pods(isvc, live)
                 continue
             update_rev = (sts.get("status") or {}).get("updateRevision")
             if update_rev and live and any(p["metadata"].get("labels", {}).get("controller-revision-hash")
                                            not in (None, update_rev) for p in live):
-                outdated.append((r, live))
-        if outdated and unready_groups == 0:
-            r, live = outdated[0]
-            _event(isvc, "Normal", "GroupRollout", message=f"restarting group {r} on the new pod template")
-            await self._delete_pods(isvc, live)
+                _event(isvc, "Normal", "GroupRestart", message=f"restarting group {index} on its new pod template")
+                await self._delete_pods(isvc, live)
 
     async def _delete_pods(self, isvc: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         ns = isvc["metadata"]["namespace"]

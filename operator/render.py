@@ -5,8 +5,8 @@ Topology
 One replica is a *group* of ``pods_per_replica = ceil(tp*pp / gpusPerPod)`` pods (1 on CPU, gpusPerPod 0).
 
 * single-pod replicas: one Deployment ``<name>`` with ``spec.replicas`` pods;
-* multi-pod replicas: per replica ``r`` one StatefulSet ``<name>-g<r>`` (Parallel pod management, OnDelete
-  updates: the operator rolls whole groups) and its headless Service ``<name>-g<r>`` (publishNotReadyAddresses,
+* multi-pod replicas: per replica one StatefulSet ``<name>-g<index>`` (Parallel pod management, OnDelete
+  updates: the operator rolls whole groups, see rollout.py) and its headless Service ``<name>-g<index>`` (publishNotReadyAddresses,
   so ranks resolve each other before they are ready). The rank is the pod ordinal, read through the downward
   API from the label ``apps.kubernetes.io/pod-index`` (set by the StatefulSet controller, Kubernetes >= 1.28)
   into ``SHOAL_NODE_RANK``; rank 0 is ``<name>-g<r>-0.<name>-g<r>.<ns>.svc.<domain>``. Ranks other than 0 add
@@ -43,6 +43,7 @@ L_GROUP = "serving.shoal.dev/group"
 L_POD_INDEX = "apps.kubernetes.io/pod-index"
 A_SPEC_HASH = "serving.shoal.dev/spec-hash"
 A_GROUP_SIZE = "serving.shoal.dev/group-size"
+A_REVISION = "serving.shoal.dev/revision"  # of a group's template, independent of its index (rollout.py)
 MANAGED_BY = "shoal-operator"
 
 CACHE_DIR = "/cache"
@@ -79,7 +80,15 @@ class Plan:
     served_model_name: str
     url: str
     selector: dict[str, str]
-    children: list[dict[str, Any]] = field(default_factory=list)
+    children: list[dict[str, Any]] = field(default_factory=list)  # all but the groups of a multi-pod replica
+    revision: str = ""  # of the groups' template (multi-pod)
+    isvc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    settings: Settings = field(default_factory=Settings, repr=False, compare=False)
+
+    def group(self, index: int) -> list[dict[str, Any]]:
+        """The children of group `index` of a multi-pod replica: its headless Service and StatefulSet."""
+        return [headless_service(self.isvc, self.spec, index),
+                statefulset(self.isvc, self.spec, self.settings, index, self.revision)]
 
     @property
     def multi_pod(self) -> bool:
@@ -350,12 +359,18 @@ def deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Setti
     })
 
 
-def statefulset(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, replica: int) -> dict:
+def group_revision(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> str:
+    """Everything the spec puts into a group, hashed without the group's index (the same for every group)."""
+    return statefulset(isvc, spec, settings, 0, "")["metadata"]["annotations"][A_SPEC_HASH]
+
+
+def statefulset(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, replica: int,
+                revision: str) -> dict:
     name = isvc["metadata"]["name"]
     group = group_name(name, replica)
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     meta = _meta(isvc, group, "engine", {L_GROUP: str(replica)})
-    meta["annotations"] = {A_GROUP_SIZE: str(pods)}
+    meta["annotations"] = {A_GROUP_SIZE: str(pods), A_REVISION: revision}
     return _finish({
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -458,11 +473,7 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
     children: list[dict[str, Any]] = []
     if spec.model.chat_template:
         children.append(chat_template_configmap(isvc, spec))
-    if multi:
-        for r in range(spec.replicas):
-            children.append(headless_service(isvc, spec, r))
-            children.append(statefulset(isvc, spec, settings, r))
-    else:
+    if not multi:  # the groups of multi-pod replicas are chosen by the rollout (Plan.group, rollout.py)
         children.append(deployment(isvc, spec, settings))
     children.append(gateway_service(isvc, spec, multi))
     if spec.security.network_policy.enabled:
@@ -476,9 +487,13 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
         served_model_name=api.served_model_name(name, spec),
         url=f"http://{name}.{namespace}.svc.{settings.cluster_domain}:{ENGINE_PORT}",
         selector=selector, children=children,
+        revision=group_revision(isvc, spec, settings) if multi else "", isvc=isvc, settings=settings,
     )
 
 
 def render(isvc: dict[str, Any], settings: Settings = Settings()) -> list[dict[str, Any]]:
-    """The desired children of an InferenceService (raises api.SpecError for an invalid spec)."""
-    return plan(isvc, settings).children
+    """The desired children of an InferenceService once rolled out: groups 0..replicas-1 for multi-pod replicas
+    (raises api.SpecError for an invalid spec)."""
+    p = plan(isvc, settings)
+    groups = [obj for r in range(p.spec.replicas) for obj in p.group(r)] if p.multi_pod else []
+    return groups + p.children

@@ -8,10 +8,11 @@ on a pod (``pod_problem``) with the API's own words; ``invalid_status`` is the s
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any
 
-from shoal.operator import api, render
-from shoal.operator.render import L_GROUP, Plan
+from shoal.operator import api
+from shoal.operator.render import A_REVISION, L_GROUP, Plan
 
 # Pod problems worth a reason of their own (container waiting reasons seen on pods -> condition reason)
 WAITING_REASONS = {
@@ -44,6 +45,48 @@ def restarts(pod: dict[str, Any]) -> int:
     status = pod.get("status") or {}
     return sum(int(c.get("restartCount") or 0)
                for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []))
+
+
+@dataclass(frozen=True)
+class Group:
+    """What is observed about one group."""
+
+    index: int
+    revision: str | None  # of its StatefulSet's template
+    current: bool  # the StatefulSet carries the desired revision
+    ready: bool  # every rank Ready, running the StatefulSet's template as observed by its controller
+    updated: bool  # current, and every rank runs that template
+    pods: tuple[dict[str, Any], ...] = ()
+
+
+
+def _index(sts: dict[str, Any]) -> int | None:
+    value = (sts["metadata"].get("labels") or {}).get(L_GROUP, "")
+    return int(value) if value.isdigit() else None
+
+
+def observe_groups(statefulsets: list[dict[str, Any]], pods: list[dict[str, Any]], size: int,
+            revision: str) -> list[Group]:
+    """Groups from the live (not terminating) StatefulSets and pods of one InferenceService."""
+    groups = []
+    for sts in statefulsets:
+        index = _index(sts)
+        if index is None or sts["metadata"].get("deletionTimestamp"):
+            continue
+        members = tuple(p for p in pods if (p["metadata"].get("labels") or {}).get(L_GROUP) == str(index)
+                        and not p["metadata"].get("deletionTimestamp"))
+        status = sts.get("status") or {}
+        seen = (sts["metadata"].get("generation") or 0) <= (status.get("observedGeneration") or 0)
+        update_rev = status.get("updateRevision")
+        on_template = seen and all(
+            (p["metadata"].get("labels") or {}).get("controller-revision-hash") in (None, update_rev)
+            for p in members)
+        ready = len(members) == size and all(pod_ready(p) for p in members) and on_template
+        own = (sts["metadata"].get("annotations") or {}).get(A_REVISION)
+        groups.append(Group(index=index, revision=own, current=own == revision, ready=ready, pods=members,
+                            updated=own == revision and on_template and len(members) == size))
+    return sorted(groups, key=lambda g: g.index)
+
 
 
 def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
@@ -108,20 +151,9 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     deadline_exceeded = False
 
     if plan.multi_pod:
-        n = plan.pods_per_replica
-        replicas = ready = updated = 0
-        for r in range(desired):
-            sts = children.get(("StatefulSet", render.group_name(plan.name, r)))
-            if sts is None:
-                continue
-            replicas += 1
-            group = [p for p in live_pods if p["metadata"].get("labels", {}).get(L_GROUP) == str(r)]
-            if len(group) == n and all(pod_ready(p) for p in group):
-                ready += 1
-            sstatus = sts.get("status") or {}
-            current = (sts["metadata"].get("generation") or 0) <= (sstatus.get("observedGeneration") or 0)
-            if current and (sstatus.get("updatedReplicas") or 0) >= n:
-                updated += 1
+        groups = observe_groups([o for (kind, _), o in children.items() if kind == "StatefulSet"], live_pods,
+                                plan.pods_per_replica, plan.revision)
+        replicas, ready, updated = len(groups), sum(g.ready for g in groups), sum(g.updated for g in groups)
     else:
         dep = children.get(("Deployment", plan.name)) or {}
         dstatus = dep.get("status") or {}

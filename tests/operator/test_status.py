@@ -110,7 +110,10 @@ def test_last_transition_time_kept_while_status_unchanged():
 def test_multi_pod_group_ready_only_when_all_ranks_are():
     spec = {"replicas": 2, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
             "resources": {"gpusPerPod": 8}}
-    sts = {("StatefulSet", f"m-g{r}"): {"metadata": {"name": f"m-g{r}", "generation": 1}, "status": {
+    revision = render.plan(isvc(spec), Settings()).revision
+    sts = {("StatefulSet", f"m-g{r}"): {"metadata": {
+        "name": f"m-g{r}", "generation": 1, "labels": {L_GROUP: str(r)},
+        "annotations": {render.A_REVISION: revision}}, "status": {
         "observedGeneration": 1, "updatedReplicas": 2, "replicas": 2}} for r in (0, 1)}
     pods = [pod("m-g0-0", ready=True, group=0), pod("m-g0-1", ready=True, group=0),
             pod("m-g1-0", ready=True, group=1), pod("m-g1-1", ready=False, group=1)]
