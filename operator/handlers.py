@@ -39,6 +39,13 @@ from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, M
 logger = logging.getLogger("shoal.operator")
 
 MANAGED_SELECTOR = f"{L_MANAGED_BY}={MANAGED_BY}"
+# API answers that refuse a child for what it is (schema, admission webhooks, policies): shown on the status,
+# not only logged; 403 too, since admission webhooks and missing RBAC both answer it
+REJECTED = (400, 403, 422)
+
+
+class ChildrenRejected(Exception):
+    """The API refused some children; the status says which and why."""
 def settings_from_env() -> Settings:
     """shoal-operator's flags arrive as environment variables (kopf loads this module itself)."""
     return Settings(
@@ -204,13 +211,20 @@ class Reconciler:
         if any(ck not in observed for ck in desired) and not await self._still_exists(isvc):
             return  # deleted meanwhile (its DELETED event is still on its way): never resurrect its children
         created: list[str] = []
+        rejected: list[str] = []
         for ck, obj in desired.items():
             actual = observed.get(ck)
             if actual is not None and not _owned_by(actual, uid):
                 _event(isvc, "Warning", "ChildConflict",
                        message=f"{ck[0]} {ck[1]} exists but is not owned by this InferenceService; not touching it")
             elif actual is None or _drifted(actual, obj):
-                await self.kube.apply(obj)  # creates, updates and removes fields we no longer render
+                try:
+                    await self.kube.apply(obj)  # creates, updates and removes fields we no longer render
+                except ApiError as e:
+                    if e.status not in REJECTED:
+                        raise
+                    rejected.append(f"{ck[0]} {ck[1]} rejected by the API ({e.status} {e.reason}): {e.message}")
+                    continue
                 if actual is None:
                     created.append(f"{ck[0]} {ck[1]}")
                 else:
@@ -228,7 +242,7 @@ class Reconciler:
         if plan.multi_pod:
             await self.restart_broken_groups(isvc, plan, observed, pods)
 
-        new_status = status.compute_status(isvc, plan, observed, pods)
+        new_status = status.compute_status(isvc, plan, observed, pods, rejected)
         if status.status_changed(old_status, new_status):
             try:
                 await self.kube.merge_patch(api.KIND, namespace, name, {"status": new_status}, subresource="status")
@@ -237,6 +251,8 @@ class Reconciler:
                     return  # deleted while we worked
                 raise
             self._event_on_transition(isvc, old_status, new_status)
+        if rejected:  # an admission webhook or a policy may change its mind: retry, with the worker's backoff
+            raise ChildrenRejected("; ".join(rejected))
 
     def _plan(self, isvc: dict[str, Any]) -> Plan:
         """render.plan, memoised per (uid, generation): every child event re-reconciles, the spec rarely changes."""

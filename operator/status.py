@@ -21,11 +21,11 @@ WAITING_REASONS = {
     "CreateContainerError": "CreateContainerConfigError", "RunContainerError": "CrashLoopBackOff",
 }
 # the more serious first: the Ready condition reports the worst one seen
-SEVERITY = ["InvalidSpec", "CreateContainerConfigError", "ImagePullBackOff", "CrashLoopBackOff", "PodFailed",
-            "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing", "GroupRestarting", "ModelLoading",
-            "PodsPending"]
-FATAL_WHEN_NOTHING_READY = {"CreateContainerConfigError", "ImagePullBackOff", "CrashLoopBackOff",
-                            "ProgressDeadlineExceeded", "PodFailed"}
+SEVERITY = ["InvalidSpec", "ChildRejected", "FailedCreate", "CreateContainerConfigError", "ImagePullBackOff",
+            "CrashLoopBackOff", "PodFailed", "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing",
+            "GroupRestarting", "ModelLoading", "PodsPending"]
+FATAL_WHEN_NOTHING_READY = {"ChildRejected", "FailedCreate", "CreateContainerConfigError", "ImagePullBackOff",
+                            "CrashLoopBackOff", "ProgressDeadlineExceeded", "PodFailed"}
 
 
 def _now() -> str:
@@ -89,6 +89,18 @@ def observe_groups(statefulsets: list[dict[str, Any]], pods: list[dict[str, Any]
 
 
 
+def admission_failures(children: dict[tuple[str, str], dict]) -> list[tuple[str, str]]:
+    """Pods a workload controller could not create (quota exceeded, Pod Security admission, a webhook): the
+    Deployment controller reports them as the condition ReplicaFailure / FailedCreate with the API's message."""
+    found = []
+    for (kind, name), obj in sorted(children.items()):
+        for cond in (obj.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+                found.append(("FailedCreate", f"{kind.lower()} {name} cannot create pods: "
+                                              f"{cond.get('message') or cond.get('reason')}"))
+    return found
+
+
 def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
     """(reason, message) for a pod that is not serving, or None when it is ready."""
     name = pod["metadata"]["name"]
@@ -141,7 +153,8 @@ def invalid_status(isvc: dict[str, Any], error: api.SpecError) -> dict[str, Any]
 
 
 def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, str], dict],
-                   pods: list[dict[str, Any]]) -> dict[str, Any]:
+                   pods: list[dict[str, Any]], rejected: list[str] = ()) -> dict[str, Any]:
+    """`rejected`: the API's messages for children the API refused to create or change (422, admission)."""
     spec = plan.spec
     desired = spec.replicas
     gen = isvc["metadata"].get("generation")
@@ -168,6 +181,8 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
                 problems.append(("ProgressDeadlineExceeded",
                                  f"deployment {plan.name}: {cond.get('message') or 'rollout stalled'}"))
 
+    problems += [("ChildRejected", message) for message in rejected]
+    problems += admission_failures(children)
     for pod in live_pods:
         problem = pod_problem(pod)
         if problem:

@@ -71,6 +71,7 @@ class Fault:
     status: int
     remaining: int
     subresource: str | None = "*"
+    message: str = "injected by the test"
 
 
 @attrs.define(kw_only=True)
@@ -92,8 +93,8 @@ class Cluster(kmock.KubernetesEmulator):
         return self._changed
 
     def inject(self, action: str | None, plural: str | None, status: int, times: int,
-               subresource: str | None = "*") -> Fault:
-        fault = Fault(action, plural, status, times, subresource)
+               subresource: str | None = "*", message: str = "injected by the test") -> Fault:
+        fault = Fault(action, plural, status, times, subresource, message)
         self.faults.append(fault)
         return fault
 
@@ -134,8 +135,9 @@ class Cluster(kmock.KubernetesEmulator):
             return await super(kmock.KubernetesEmulator, self)._handle(request)  # discovery etc.
         fault = self._fault(request)
         if fault is not None:
-            reason = {409: "Conflict", 500: "InternalError", 503: "ServiceUnavailable", 429: "TooManyRequests"}
-            return self._error(fault.status, reason.get(fault.status, "Injected"), "injected by the test")
+            reason = {409: "Conflict", 500: "InternalError", 503: "ServiceUnavailable", 429: "TooManyRequests",
+                      422: "Invalid", 403: "Forbidden"}
+            return self._error(fault.status, reason.get(fault.status, "Injected"), fault.message)
         action = request.action
         if action == enums.action.CREATE:
             return await self._create(request)

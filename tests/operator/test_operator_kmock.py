@@ -404,6 +404,38 @@ def test_multi_pod_rollout_in_place_with_max_surge_zero(env, ns):
     assert len(created) == 2  # never a surge group
 
 
+def test_quota_exceeded_shows_on_conditions_and_events(env, ns):
+    env.client.create(ISVC, ns, isvc_body("quota", {"replicas": 1}))
+    wait_for(lambda: env.client.get("deployments", ns, "quota"), 10, "deployment")
+    message = ('pods "quota-7d9f-x2" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, '
+               'used: requests.nvidia.com/gpu=8, limited: requests.nvidia.com/gpu=8')
+    env.client.patch("deployments", ns, "quota", {"status": {"observedGeneration": 1, "replicas": 0, "conditions": [
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": message}]}}, sub="status")
+    cond = ready_is(env, ns, "quota", "False", "FailedCreate")
+    assert message in cond["message"]
+    isvc = get_isvc(env, ns, "quota")
+    assert condition(isvc, "Degraded")["status"] == "True" and condition(isvc, "Degraded")["reason"] == "FailedCreate"
+    assert isvc["status"]["phase"] == "Failed"
+    events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "FailedCreate"], 5, "event")
+    assert events[0]["type"] == "Warning" and "exceeded quota" in events[0]["message"]
+
+
+def test_rejected_child_shows_on_conditions_and_recovers(env, ns):
+    message = 'admission webhook "policy.example.com" denied the request: GPU pods need a team label'
+    fault = env.cluster.inject("update", "deployments", 422, 1000, subresource=None, message=message)
+    try:
+        env.client.create(ISVC, ns, isvc_body("denied", {"replicas": 1}))
+        cond = ready_is(env, ns, "denied", "False", "ChildRejected")
+        assert "Deployment denied" in cond["message"] and message in cond["message"]
+        assert get_isvc(env, ns, "denied")["status"]["phase"] == "Failed"
+        wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "ChildRejected"], 5, "event")
+        assert env.client.get("services", ns, "denied")  # the other children were still created
+    finally:
+        fault.remaining = 0
+    wait_for(lambda: env.client.get("deployments", ns, "denied"), 15, "deployment once the API accepts it")
+    wait_for(lambda: condition(get_isvc(env, ns, "denied"), "Ready")["reason"] != "ChildRejected", 15, "cleared")
+
+
 def test_child_watches_are_filtered_server_side(env, ns):
     watches = [r for r in env.cluster._requests if r.action is not None and r.action.value == "WATCH"]
     by_plural = {r.resource.plural: r.params.get("labelSelector") for r in watches}
