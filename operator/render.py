@@ -46,6 +46,7 @@ A_GROUP_SIZE = "serving.shoal.dev/group-size"
 A_REVISION = "serving.shoal.dev/revision"  # of a group's template, independent of its index (rollout.py)
 MANAGED_BY = "shoal-operator"
 
+API_KEY_ENV = "SHOAL_API_KEY"  # read by `shoal-engine serve` when --api-key is not given
 CACHE_DIR = "/cache"
 MODELS_DIR = "/models"
 CHAT_TEMPLATE_DIR = "/etc/shoal/chat-template"
@@ -188,8 +189,6 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
     if spec.model.chat_template:
         args += ["--chat-template", f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_KEY}"]
     args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
-    if spec.security.api_key_secret_ref:
-        args += ["--api-key", "$(SHOAL_API_KEY)"]  # expanded by the kubelet from the Secret-backed env var
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     if pods > 1:
         assert replica is not None
@@ -226,11 +225,15 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     if multi:
         env.append({"name": "SHOAL_NODE_RANK",
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}})
-    ref = spec.security.api_key_secret_ref
-    if ref:
-        env.append({"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     user_names = {e.get("name") for e in spec.env}
     env = [e for e in env if e["name"] not in user_names] + [copy.deepcopy(e) for e in spec.env]
+    # The API key reaches the engine only as an env var from the Secret, which the engine reads itself: never
+    # in args (the kubelet would expand it into /proc/*/cmdline and the runtime's config) nor in init containers.
+    engine_env = list(env)
+    ref = spec.security.api_key_secret_ref
+    if ref:
+        engine_env = [e for e in env if e["name"] != API_KEY_ENV] + [
+            {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
@@ -272,7 +275,7 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         "args": args,
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
                  + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else []),
-        "env": env,
+        "env": engine_env,
         "resources": resources,
         "volumeMounts": mounts,
         "startupProbe": _probe(startup_path, 10, max(1, math.ceil(spec.probes.startup_timeout_seconds / 10)), 5),

@@ -493,6 +493,9 @@ def test_removing_every_optional_field_converges_to_the_rendered_children(env, n
     wait_for(lambda: converged(env, ns, "opt"), 10, "children with every option")
     pod = env.client.get("deployments", ns, "opt")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] and pod["tolerations"] and pod["initContainers"] and pod["imagePullSecrets"]
+    for c in pod["containers"] + pod["initContainers"]:  # the API key is never in args, nor in init containers
+        assert not any("SHOAL_API_KEY" in a or a == "--api-key" for a in c.get("command", []) + c.get("args", []))
+    assert not any(e["name"] == "SHOAL_API_KEY" for e in pod["initContainers"][0]["env"])
     # back to the defaults: every optional field removed (JSON merge patch: null deletes)
     env.client.patch(ISVC, ns, "opt", {"spec": {k: None for k in EVERY_OPTIONAL_FIELD}})
     wait_for(lambda: converged(env, ns, "opt"), 10, "children without any option")

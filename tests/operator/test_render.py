@@ -197,6 +197,19 @@ def test_default_gpus_capped_by_node_size():
     assert p.gpus_per_pod == 8 and p.pods_per_replica == 2
 
 
+def test_api_key_is_only_an_env_var_of_the_engine_container():
+    spec = {**TOPOLOGIES["tp8xpp2"], "security": {"apiKeySecretRef": {"name": "k"}}}
+    for obj in render.render(isvc(spec), SETTINGS):
+        if obj["kind"] != "StatefulSet":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod["initContainers"]:
+            assert not any("SHOAL_API_KEY" in a or a == "--api-key" for a in c["command"] + c.get("args", []))
+        assert [e for e in pod["containers"][0]["env"] if e["name"] == "SHOAL_API_KEY"] == [
+            {"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
+        assert not any(e["name"] == "SHOAL_API_KEY" for e in pod["initContainers"][0]["env"])
+
+
 def test_every_option_reaches_the_pod():
     kids = by_kind(render.render(isvc(TOPOLOGIES["everything"]), SETTINGS))
     dep = kids[("Deployment", "llm")]
@@ -212,7 +225,7 @@ def test_every_option_reaches_the_pod():
     assert flag(args, "--attention-backend") == "triton" and "--enforce-eager" in args
     assert flag(args, "--chat-template") == "/etc/shoal/chat-template/template.jinja"
     assert flag(args, "--shutdown-timeout") == "120"
-    assert flag(args, "--api-key") == "$(SHOAL_API_KEY)"
+    assert "--api-key" not in args and not any("SHOAL_API_KEY" in a for a in args)  # never in /proc/*/cmdline
     assert args[-2:] == ["--seed", "7"]
     env = {e["name"]: e for e in c["env"]}
     assert env["SHOAL_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "llm-key", "key": "token"}
