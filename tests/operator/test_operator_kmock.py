@@ -370,7 +370,7 @@ def rolled_out(env, ns: str, name: str, model: str, groups: int):
 
 
 def test_multi_pod_rollout_surges_a_group_and_never_drops_to_zero(env, ns):
-    spec = {"replicas": 1, "model": {"uri": "hf://org/old"}, "engine": {"tensorParallelSize": 4},
+    spec = {"replicas": 1, "model": {"uri": "hf://org/old"}, "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
             "resources": {"gpusPerPod": 2}}  # default rollout: maxSurge 1, maxUnavailable 0
     env.client.create(ISVC, ns, isvc_body("surge", spec))
     roll(env, ns, "surge", rolled_out(env, ns, "surge", "org/old", 1))
@@ -389,7 +389,7 @@ def test_multi_pod_rollout_surges_a_group_and_never_drops_to_zero(env, ns):
 
 
 def test_multi_pod_rollout_in_place_with_max_surge_zero(env, ns):
-    spec = {"replicas": 2, "model": {"uri": "hf://org/old"}, "engine": {"tensorParallelSize": 4},
+    spec = {"replicas": 2, "model": {"uri": "hf://org/old"}, "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
             "resources": {"gpusPerPod": 2}, "rollout": {"maxSurge": 0, "maxUnavailable": 1}}
     env.client.create(ISVC, ns, isvc_body("inplace", spec))
     roll(env, ns, "inplace", rolled_out(env, ns, "inplace", "org/old", 2))
@@ -508,7 +508,7 @@ def test_removing_every_optional_field_converges_to_the_rendered_children(env, n
 
 
 def test_multi_pod_to_single_pod_converges(env, ns):
-    env.client.create(ISVC, ns, isvc_body("shrink", {"engine": {"tensorParallelSize": 4},
+    env.client.create(ISVC, ns, isvc_body("shrink", {"engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
                                                      "resources": {"gpusPerPod": 2}}))
     wait_for(lambda: converged(env, ns, "shrink"), 10, "multi-pod children")
     assert env.client.get("services", ns, "shrink")["spec"]["selector"][L_POD_INDEX] == "0"
