@@ -109,6 +109,11 @@ class Resources(_Model):
     memory: Quantity | None = Field(default=None, description="memory request and limit per pod")
     shm_size: Quantity = Field(default="2Gi", description="size limit of the in-memory /dev/shm")
     cache_size: Quantity | None = Field(default=None, description="size limit of the model cache emptyDir")
+    tensor_parallel_across_pods: bool = Field(
+        default=False,
+        description="allow a tensor-parallel group to span pods (nodes): slow without NVLink-class networking, so "
+                    "refused unless set. By default every pod holds whole tensor-parallel groups.",
+    )
 
     @field_validator("cpu", "memory", "shm_size", "cache_size")
     @classmethod
@@ -178,7 +183,8 @@ class InferenceServiceSpec(_Model):
     def _cross_field(self) -> "InferenceServiceSpec":
         for rule in CROSS_FIELD_RULES:
             if not rule.check(self):
-                raise ValueError(f"spec.{rule.field_path.lstrip('.')}: {rule.message}")
+                detail = f" ({rule.explain(self)})" if rule.explain else ""
+                raise ValueError(f"spec.{rule.field_path.lstrip('.')}: {rule.message}{detail}")
         return self
 
     # Derived values (one place for the arithmetic render.py and status use)
@@ -187,9 +193,16 @@ class InferenceServiceSpec(_Model):
         return self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
 
     def gpus_per_pod(self, max_gpus_per_node: int = 8) -> int:
+        """Explicit, else the whole job in one pod when a node has the GPUs, else as many whole tensor-parallel
+        groups (pipeline stages) per pod as fit a node; tensor groups split across pods only when allowed."""
         if self.resources.gpus_per_pod is not None:
             return self.resources.gpus_per_pod
-        return min(self.world_size, max_gpus_per_node)
+        world, tp, pp = self.world_size, self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size
+        if world <= max_gpus_per_node:
+            return world
+        if tp <= max_gpus_per_node:
+            return tp * max(k for k in range(1, pp + 1) if pp % k == 0 and tp * k <= max_gpus_per_node)
+        return max(d for d in range(1, max_gpus_per_node + 1) if tp % d == 0)  # refused unless allowed
 
     def pods_per_replica(self, max_gpus_per_node: int = 8) -> int:
         gpus = self.gpus_per_pod(max_gpus_per_node)
@@ -234,6 +247,7 @@ class CrossFieldRule:
     message: str
     field_path: str  # relative to spec, as the CRD's fieldPath (".resources.gpusPerPod")
     check: Callable[[InferenceServiceSpec], bool]
+    explain: Callable[[InferenceServiceSpec], str] | None = None  # the numbers, in the operator's message
 
 
 def _zero(v: int | str) -> bool:
@@ -250,6 +264,9 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
                 "(every pod of a replica holds the same number of ranks)",
         field_path=".resources.gpusPerPod",
         check=lambda s: not s.resources.gpus_per_pod or s.world_size % s.resources.gpus_per_pod == 0,
+        explain=lambda s: (f"tensor {s.engine.tensor_parallel_size} × pipeline {s.engine.pipeline_parallel_size} = "
+                           f"{s.world_size} ranks on pods of {s.resources.gpus_per_pod} GPUs would leave "
+                           f"{-s.world_size % s.resources.gpus_per_pod} requested GPUs idle"),
     ),
     CrossFieldRule(
         cel="!has(self.engine) || !has(self.engine.maxNumBatchedTokens) || !has(self.engine.maxNumSeqs) || "
@@ -320,13 +337,27 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
     """Rules the schema cannot express (they depend on the operator's settings or on derived names)."""
     errors: list[SpecError] = []
     gpus = spec.gpus_per_pod(max_gpus_per_node)
+    tp = spec.engine.tensor_parallel_size
     if gpus > max_gpus_per_node:
         errors.append(SpecError("spec.resources.gpusPerPod",
                                 f"{gpus} GPUs per pod exceeds the {max_gpus_per_node} GPUs a node has "
                                 f"(operator setting --max-gpus-per-node)"))
+    elif gpus > 0 and gpus % tp and not spec.resources.tensor_parallel_across_pods:
+        explicit = spec.resources.gpus_per_pod is not None
+        errors.append(SpecError(
+            "spec.resources.gpusPerPod" if explicit else "spec.engine.tensorParallelSize",
+            (f"{gpus} GPUs per pod split each tensor-parallel group of {tp} across "
+             f"{math.ceil(tp / gpus) if gpus < tp else 2} pods; use a multiple of {tp} GPUs per pod"
+             if explicit else
+             f"a tensor-parallel group of {tp} GPUs does not fit one node ({max_gpus_per_node} GPUs, operator "
+             f"setting --max-gpus-per-node); lower tensorParallelSize (raise pipelineParallelSize)")
+            + ", or set spec.resources.tensorParallelAcrossPods: true to accept tensor parallelism across nodes"))
     pods = spec.pods_per_replica(max_gpus_per_node)
-    # Longest child name: <name>-g<replica>-<ordinal> for pods of a multi-pod group, <name>-<hash>-<hash> else.
-    limit = 63 - len(f"-g{max(spec.replicas - 1, 0)}-{pods - 1}") if pods > 1 else 47
+    # Longest child name: <name>-g<index>-<ordinal> for pods of a multi-pod group (a rollout may surge groups up
+    # to index replicas+maxSurge-1), <name>-<hash>-<hash> else.
+    surge = spec.rollout.max_surge
+    surge = surge if isinstance(surge, int) else math.ceil(int(surge.rstrip("%")) * spec.replicas / 100)
+    limit = 63 - len(f"-g{max(spec.replicas + surge - 1, 0)}-{pods - 1}") if pods > 1 else 47
     if len(name) > limit:
         errors.append(SpecError("metadata.name", f"must be at most {limit} characters for this topology "
                                                  "(child and pod names are derived from it)"))

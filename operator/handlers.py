@@ -1,4 +1,4 @@
-"""kopf handlers: InferenceService -> children, children -> InferenceService status.
+"""kopf handlers: the reconciler (InferenceService -> children) and its wiring into kopf.
 
 How it fits together
 --------------------
@@ -8,10 +8,14 @@ How it fits together
   restarted operator sees what exists and never duplicates it.
 * Every trigger — the resource created, updated or resumed, or any event of one of its children — marks the
   InferenceService dirty and wakes one worker task per resource. The worker reconciles until it is clean:
-  render the desired children (render.py), create the missing, merge-patch the drifted (a spec-hash
-  annotation plus a subset comparison of the spec), delete the unwanted (uid preconditions), restart
-  multi-pod groups that lost a rank, then compute status from the indexes and patch it when it changed.
+  render the desired children (render.py), server-side apply the missing and the drifted (a spec-hash
+  annotation plus a subset comparison of the spec; apply removes what is no longer rendered, see kube.py),
+  delete the unwanted (uid preconditions), restart
+  multi-pod groups that lost a rank, then compute status from the indexes (status.py) and patch it when it
+  changed.
   A failed pass (API errors, conflicts) is retried with exponential backoff (0.2 s .. 10 s).
+* The kopf wiring is one table (``CHILDREN``, ``OWNER``): per watched kind an index, a watch label selector
+  and an event handler; the reconciler looks its indexes up by kind.
 * An invalid spec (see api.validate) sets Ready=False / reason InvalidSpec naming the field, phase Failed,
   and leaves the children alone.
 """
@@ -19,7 +23,7 @@ How it fits together
 from __future__ import annotations
 
 import asyncio
-import datetime
+import copy
 import logging
 import os
 from dataclasses import dataclass, field
@@ -27,28 +31,21 @@ from typing import Any
 
 import kopf
 
-from shoal.operator import api, render
-from shoal.operator.kube import CHILD_KINDS, ApiError, Kube, load_configuration
+from shoal.operator import api, render, rollout, status
+from shoal.operator.kube import CHILD_KINDS, KINDS, WATCHED_KINDS, ApiError, Kube, load_configuration
 from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
 
 logger = logging.getLogger("shoal.operator")
 
 MANAGED_SELECTOR = f"{L_MANAGED_BY}={MANAGED_BY}"
-# Pod problems worth a reason of their own (container waiting reasons seen on pods -> condition reason)
-WAITING_REASONS = {
-    "ImagePullBackOff": "ImagePullBackOff", "ErrImagePull": "ImagePullBackOff", "InvalidImageName": "ImagePullBackOff",
-    "CrashLoopBackOff": "CrashLoopBackOff", "CreateContainerConfigError": "CreateContainerConfigError",
-    "CreateContainerError": "CreateContainerConfigError", "RunContainerError": "CrashLoopBackOff",
-}
-# the more serious first: the Ready condition reports the worst one seen
-SEVERITY = ["InvalidSpec", "CreateContainerConfigError", "ImagePullBackOff", "CrashLoopBackOff", "PodFailed",
-            "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing", "GroupRestarting", "ModelLoading",
-            "PodsPending"]
-FATAL_WHEN_NOTHING_READY = {"CreateContainerConfigError", "ImagePullBackOff", "CrashLoopBackOff",
-                            "ProgressDeadlineExceeded", "PodFailed"}
+# API answers that refuse a child for what it is (schema, admission webhooks, policies): shown on the status,
+# not only logged; 403 too, since admission webhooks and missing RBAC both answer it
+REJECTED = (400, 403, 422)
 
 
+class ChildrenRejected(Exception):
+    """The API refused some children; the status says which and why."""
 def settings_from_env() -> Settings:
     """shoal-operator's flags arrive as environment variables (kopf loads this module itself)."""
     return Settings(
@@ -60,14 +57,8 @@ def settings_from_env() -> Settings:
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
 def _slim(body: Any) -> dict[str, Any]:
     """A plain copy of an object for the indexes (without managedFields, the bulk nobody reads)."""
-    import copy
-
     obj = copy.deepcopy(dict(body))
     meta = dict(obj.get("metadata") or {})
     meta.pop("managedFields", None)
@@ -75,16 +66,28 @@ def _slim(body: Any) -> dict[str, Any]:
     return obj
 
 
+def _same_quantity(actual: Any, desired: Any) -> bool:
+    """The API server stores quantities canonically ("1024Mi" comes back as "1Gi", "2000m" as "2")."""
+    from kubernetes.utils import parse_quantity
+
+    try:
+        return parse_quantity(actual) == parse_quantity(desired)
+    except (ValueError, TypeError, ArithmeticError):
+        return False
+
+
 def _contains(actual: Any, desired: Any) -> bool:
-    """Is `desired` a subset of `actual` (what the API server stores after defaulting)?"""
+    """Is `desired` a subset of `actual` (what the API server stores after defaulting and canonicalising)?"""
     if isinstance(desired, dict):
         return isinstance(actual, dict) and all(_contains(actual.get(k), v) for k, v in desired.items())
     if isinstance(desired, list):
         return isinstance(actual, list) and len(actual) == len(desired) and all(
             _contains(a, d) for a, d in zip(actual, desired))
+    if actual == desired:
+        return True
     if isinstance(desired, (int, float)) and not isinstance(desired, bool) and isinstance(actual, str):
-        return str(desired) == actual
-    return actual == desired
+        return str(desired) == actual or _same_quantity(actual, desired)
+    return isinstance(desired, str) and isinstance(actual, (str, int)) and _same_quantity(actual, desired)
 
 
 def _drifted(actual: dict[str, Any], desired: dict[str, Any]) -> bool:
@@ -112,179 +115,6 @@ def _ref(isvc: dict[str, Any]) -> dict[str, Any]:
 def _event(isvc: dict[str, Any], type_: str, reason: str, message: str) -> None:
     """A Kubernetes Event on the InferenceService (kopf posts it in the background)."""
     kopf.event(_ref(isvc), type=type_, reason=reason, message=message)
-
-
-def _pod_ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
-def _terminating(obj: dict[str, Any]) -> bool:
-    return bool(obj["metadata"].get("deletionTimestamp"))
-
-
-def _restarts(pod: dict[str, Any]) -> int:
-    status = pod.get("status") or {}
-    return sum(int(c.get("restartCount") or 0)
-               for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []))
-
-
-def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
-    """(reason, message) for a pod that is not serving, or None when it is ready."""
-    name = pod["metadata"]["name"]
-    status = pod.get("status") or {}
-    if status.get("phase") == "Failed":
-        return "PodFailed", f"pod {name} failed: {status.get('reason') or ''} {status.get('message') or ''}".strip()
-    for cs in status.get("containerStatuses") or []:
-        waiting = (cs.get("state") or {}).get("waiting") or {}
-        reason = WAITING_REASONS.get(waiting.get("reason", ""))
-        if reason:
-            last = ((cs.get("lastState") or {}).get("terminated") or {})
-            extra = f" (last exit: {last.get('reason')}, code {last.get('exitCode')})" if last else ""
-            return reason, (f"pod {name} container {cs.get('name')}: {waiting.get('reason')}: "
-                            f"{waiting.get('message') or ''}{extra}").strip()
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-            return "Unschedulable", f"pod {name} cannot be scheduled: {cond.get('message') or cond.get('reason')}"
-    if _pod_ready(pod):
-        return None
-    statuses = status.get("containerStatuses") or []
-    if statuses and all("running" in (cs.get("state") or {}) for cs in statuses):
-        if all(cs.get("started") for cs in statuses):
-            return "ProbeFailing", f"pod {name} is running but fails its readiness probe (/readyz)"
-        return "ModelLoading", f"pod {name} is loading the model (startup probe /startupz not passed yet)"
-    return "PodsPending", f"pod {name} is {status.get('phase') or 'Pending'}"
-
-
-# ------------------------------------------------------------------------------------------------------- status
-def _condition(type_: str, ok: bool, reason: str, message: str, previous: dict[str, dict], generation: int | None):
-    status = "True" if ok else "False"
-    prev = previous.get(type_)
-    ltt = prev.get("lastTransitionTime") if prev and prev.get("status") == status else None
-    return {"type": type_, "status": status, "reason": reason, "message": message[:32000],
-            "lastTransitionTime": ltt or _now(), "observedGeneration": generation}
-
-
-def invalid_status(isvc: dict[str, Any], error: api.SpecError) -> dict[str, Any]:
-    previous = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or []}
-    gen = isvc["metadata"].get("generation")
-    message = f"{error.field}: {error.message}"
-    return {
-        "phase": "Failed", "observedGeneration": gen,
-        "conditions": [
-            _condition("Ready", False, "InvalidSpec", message, previous, gen),
-            _condition("Progressing", False, "InvalidSpec", "children are left as they are until the spec is fixed",
-                       previous, gen),
-            _condition("Degraded", True, "InvalidSpec", message, previous, gen),
-        ],
-    }
-
-
-def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, str], dict],
-                   pods: list[dict[str, Any]]) -> dict[str, Any]:
-    spec = plan.spec
-    desired = spec.replicas
-    gen = isvc["metadata"].get("generation")
-    previous = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or []}
-    live_pods = [p for p in pods if not _terminating(p)]
-    problems: list[tuple[str, str]] = []
-    deadline_exceeded = False
-
-    if plan.multi_pod:
-        n = plan.pods_per_replica
-        replicas = ready = updated = 0
-        for r in range(desired):
-            sts = children.get(("StatefulSet", render.group_name(plan.name, r)))
-            if sts is None:
-                continue
-            replicas += 1
-            group = [p for p in live_pods if p["metadata"].get("labels", {}).get(L_GROUP) == str(r)]
-            if len(group) == n and all(_pod_ready(p) for p in group):
-                ready += 1
-            sstatus = sts.get("status") or {}
-            current = (sts["metadata"].get("generation") or 0) <= (sstatus.get("observedGeneration") or 0)
-            if current and (sstatus.get("updatedReplicas") or 0) >= n:
-                updated += 1
-    else:
-        dep = children.get(("Deployment", plan.name)) or {}
-        dstatus = dep.get("status") or {}
-        current = bool(dep) and (dep["metadata"].get("generation") or 0) <= (dstatus.get("observedGeneration") or 0)
-        replicas = int(dstatus.get("replicas") or 0)
-        ready = int(dstatus.get("readyReplicas") or 0) if current else min(int(dstatus.get("readyReplicas") or 0),
-                                                                            desired)
-        updated = int(dstatus.get("updatedReplicas") or 0) if current else 0
-        for cond in dstatus.get("conditions") or []:
-            if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
-                deadline_exceeded = True
-                problems.append(("ProgressDeadlineExceeded",
-                                 f"deployment {plan.name}: {cond.get('message') or 'rollout stalled'}"))
-
-    for pod in live_pods:
-        problem = pod_problem(pod)
-        if problem:
-            problems.append(problem)
-    problems.sort(key=lambda p: SEVERITY.index(p[0]) if p[0] in SEVERITY else len(SEVERITY))
-    worst = problems[0] if problems else None
-    errors = [p for p in problems if p[0] not in ("ModelLoading", "PodsPending")]
-
-    all_ready = desired > 0 and ready >= desired
-    rolling = updated < desired or replicas > desired or not all_ready
-    if desired == 0:
-        ready_cond = ("ScaledToZero", "spec.replicas is 0: nothing serves requests")
-    elif all_ready:
-        ready_cond = ("AllReplicasReady", f"{ready}/{desired} replicas ready; serving {plan.served_model_name} "
-                                          f"at {plan.url}")
-    elif worst:
-        ready_cond = (worst[0], f"{ready}/{desired} replicas ready; {worst[1]}")
-    else:
-        ready_cond = ("ReplicasNotReady", f"{ready}/{desired} replicas ready")
-
-    if deadline_exceeded:
-        progressing = (False, "ProgressDeadlineExceeded", "the rollout made no progress within its deadline")
-    elif rolling and desired > 0:
-        what = "rolling out a new pod template" if updated < desired else "waiting for replicas to become ready"
-        progressing = (True, "RollingOut" if updated < desired else "ReplicasStarting",
-                       f"{what}: {updated}/{desired} updated, {ready}/{desired} ready")
-    else:
-        progressing = (False, "RolloutComplete", f"{updated}/{desired} replicas run the current spec")
-
-    if errors:
-        degraded = (True, errors[0][0], errors[0][1])
-    elif 0 < ready < desired and not progressing[0]:
-        degraded = (True, "ReplicasUnavailable", f"only {ready}/{desired} replicas ready")
-    else:
-        degraded = (False, "AsExpected", "no problem seen on the pods")
-
-    if all_ready:
-        phase = "Ready"
-    elif ready > 0:
-        phase = "Degraded"
-    elif desired > 0 and worst and worst[0] in FATAL_WHEN_NOTHING_READY:
-        phase = "Failed"
-    elif any(p[0] in ("ModelLoading", "ProbeFailing") for p in problems):
-        phase = "Loading"
-    else:
-        phase = "Pending"
-
-    return {
-        "phase": phase,
-        "replicas": replicas,
-        "readyReplicas": ready,
-        "updatedReplicas": updated,
-        "selector": plan.selector_str,
-        "url": plan.url,
-        "servedModelName": plan.served_model_name,
-        "observedGeneration": gen,
-        "conditions": [
-            _condition("Ready", all_ready, ready_cond[0], ready_cond[1], previous, gen),
-            _condition("Progressing", progressing[0], progressing[1], progressing[2], previous, gen),
-            _condition("Degraded", degraded[0], degraded[1], degraded[2], previous, gen),
-        ],
-    }
-
-
-def _status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    return any(old.get(k) != v for k, v in new.items())
 
 
 # ---------------------------------------------------------------------------------------------------- reconciler
@@ -344,65 +174,85 @@ class Reconciler:
             self.plans.pop(key, None)
             return  # deleted: the garbage collector removes the children through their ownerReferences
         isvc = isvcs[0]
-        if _terminating(isvc):
+        if status.terminating(isvc):
             return
         uid = isvc["metadata"].get("uid")
         old_status = isvc.get("status") or {}
         try:
             plan = self._plan(isvc)
         except api.SpecError as e:
-            status = invalid_status(isvc, e)
-            if _status_changed(old_status, status):
-                await self.kube.merge_patch(api.KIND, namespace, name, {"status": status}, subresource="status")
-                self._event_on_transition(isvc, old_status, status)
+            new_status = status.invalid_status(isvc, e)
+            if status.status_changed(old_status, new_status):
+                await self.kube.merge_patch(api.KIND, namespace, name, {"status": new_status}, subresource="status")
+                self._event_on_transition(isvc, old_status, new_status)
             return
 
         observed = self.observed(key)
         desired = {(o["kind"], o["metadata"]["name"]): o for o in plan.children}
+        pods = self._get("Pod", key)
+        keep: set[tuple[str, str]] = set()  # outdated groups that still serve: left alone until retired
+        if plan.multi_pod:
+            groups = status.observe_groups([o for (kind, _), o in observed.items() if kind == "StatefulSet"
+                                            and _owned_by(o, uid)], pods, plan.pods_per_replica, plan.revision)
+            move = rollout.step(groups, plan.spec.replicas, plan.spec.rollout.max_surge,
+                                plan.spec.rollout.max_unavailable)
+            for g in groups:
+                if g.index in move.retire:
+                    continue
+                service, sts = plan.group(g.index)
+                desired[("Service", service["metadata"]["name"])] = service
+                if g.current or g.index in move.update:
+                    desired[("StatefulSet", sts["metadata"]["name"])] = sts
+                else:
+                    keep.add(("StatefulSet", sts["metadata"]["name"]))
+            for index in move.create:
+                desired.update({(o["kind"], o["metadata"]["name"]): o for o in plan.group(index)})
+            self._rollout_events(isvc, move, bool(groups))
         if any(ck not in observed for ck in desired) and not await self._still_exists(isvc):
             return  # deleted meanwhile (its DELETED event is still on its way): never resurrect its children
         created: list[str] = []
+        rejected: list[str] = []
         for ck, obj in desired.items():
             actual = observed.get(ck)
-            if actual is None:
-                try:
-                    await self.kube.create(obj)
-                    created.append(f"{ck[0]} {ck[1]}")
-                except ApiError as e:
-                    if e.status != 409:  # 409: created by a previous pass whose watch event is still on its way
-                        raise
-            elif not _owned_by(actual, uid):
+            if actual is not None and not _owned_by(actual, uid):
                 _event(isvc, "Warning", "ChildConflict",
-                          message=f"{ck[0]} {ck[1]} exists but is not owned by this InferenceService; not touching it")
-            elif _drifted(actual, obj):
-                patch = {k: v for k, v in obj.items() if k in ("spec", "data")}
-                patch["metadata"] = {k: obj["metadata"][k] for k in ("labels", "annotations", "ownerReferences")}
-                await self.kube.merge_patch(ck[0], namespace, ck[1], patch)
-                logger.info("updated %s %s/%s", ck[0], namespace, ck[1])
+                       message=f"{ck[0]} {ck[1]} exists but is not owned by this InferenceService; not touching it")
+            elif actual is None or _drifted(actual, obj):
+                try:
+                    await self.kube.apply(obj)  # creates, updates and removes fields we no longer render
+                except ApiError as e:
+                    if e.status not in REJECTED:
+                        raise
+                    rejected.append(f"{ck[0]} {ck[1]} rejected by the API ({e.status} {e.reason}): {e.message}")
+                    continue
+                if actual is None:
+                    created.append(f"{ck[0]} {ck[1]}")
+                else:
+                    logger.info("updated %s %s/%s", ck[0], namespace, ck[1])
         if created:
             _event(isvc, "Normal", "Created", message="created " + ", ".join(created))
         for ck, actual in observed.items():
-            if ck not in desired and _owned_by(actual, uid) and not _terminating(actual):
+            if ck not in desired and ck not in keep and _owned_by(actual, uid) and not status.terminating(actual):
                 try:
                     await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
                     _event(isvc, "Normal", "Deleted", message=f"deleted {ck[0]} {ck[1]} (no longer wanted)")
                 except ApiError as e:
                     if e.status not in (404, 409):
                         raise
-
-        pods = [p for p in self._get("Pod", key)]
         if plan.multi_pod:
             await self.restart_broken_groups(isvc, plan, observed, pods)
 
-        status = compute_status(isvc, plan, observed, pods)
-        if _status_changed(old_status, status):
+        new_status = status.compute_status(isvc, plan, observed, pods, rejected)
+        if status.status_changed(old_status, new_status):
             try:
-                await self.kube.merge_patch(api.KIND, namespace, name, {"status": status}, subresource="status")
+                await self.kube.merge_patch(api.KIND, namespace, name, {"status": new_status}, subresource="status")
             except ApiError as e:
                 if e.status == 404:
                     return  # deleted while we worked
                 raise
-            self._event_on_transition(isvc, old_status, status)
+            self._event_on_transition(isvc, old_status, new_status)
+        if rejected:  # an admission webhook or a policy may change its mind: retry, with the worker's backoff
+            raise ChildrenRejected("; ".join(rejected))
 
     def _plan(self, isvc: dict[str, Any]) -> Plan:
         """render.plan, memoised per (uid, generation): every child event re-reconciles, the spec rarely changes."""
@@ -426,42 +276,44 @@ class Reconciler:
             if e.status == 404:
                 return False
             raise
-        return fresh["metadata"].get("uid") == meta.get("uid") and not _terminating(fresh)
+        return fresh["metadata"].get("uid") == meta.get("uid") and not status.terminating(fresh)
+
+    def _rollout_events(self, isvc: dict[str, Any], move: rollout.Step, had_groups: bool) -> None:
+        for index in move.create:
+            if had_groups:
+                _event(isvc, "Normal", "GroupSurge", message=f"starting group {index} on the current spec")
+        for index in move.retire:
+            _event(isvc, "Normal", "GroupRetire", message=f"retiring group {index} (outdated or surplus)")
+        for index in move.update:
+            _event(isvc, "Normal", "GroupRollout", message=f"replacing group {index} in place (maxSurge 0)")
 
     async def restart_broken_groups(self, isvc: dict[str, Any], plan: Plan,
                                     observed: dict[tuple[str, str], dict], pods: list[dict[str, Any]]) -> None:
         """A torch.distributed job cannot lose a rank: when a member of a group failed, restarted or is gone,
-        delete the whole group's pods so that the StatefulSet recreates them together. Groups whose pods run
-        an outdated template (OnDelete updates) are restarted one at a time while all other groups are ready."""
+        delete the whole group's pods so that the StatefulSet recreates them together. A group updated in place
+        (OnDelete) gets its pods restarted together once its controller has seen the new template."""
         n = plan.pods_per_replica
-        outdated: list[tuple[int, list[dict]]] = []
-        unready_groups = 0
-        for r in range(plan.spec.replicas):
-            sts = observed.get(("StatefulSet", render.group_name(plan.name, r)))
-            if sts is None:
+        for (kind, sts_name), sts in observed.items():
+            index = (sts["metadata"].get("labels") or {}).get(L_GROUP)
+            if kind != "StatefulSet" or index is None or status.terminating(sts):
                 continue
-            group = [p for p in pods if p["metadata"].get("labels", {}).get(L_GROUP) == str(r)]
-            live = [p for p in group if not _terminating(p)]
-            broken = [p for p in live if (p.get("status") or {}).get("phase") == "Failed" or _restarts(p) > 0]
+            group = [p for p in pods if p["metadata"].get("labels", {}).get(L_GROUP) == index]
+            live = [p for p in group if not status.terminating(p)]
+            broken = [p for p in live if (p.get("status") or {}).get("phase") == "Failed" or status.restarts(p) > 0]
             lost = bool(live) and len(live) < len(group)  # someone deleted or evicted a member
-            if not all(_pod_ready(p) for p in live) or len(live) < n:
-                unready_groups += 1
             if broken or lost:
                 who = broken[0]["metadata"]["name"] if broken else "a member"
                 why = "failed" if broken and (broken[0].get("status") or {}).get("phase") == "Failed" else \
                     "restarted" if broken else "was deleted"
                 _event(isvc, "Warning", "GroupRestart",
-                          message=f"{who} of group {r} {why}: restarting all {n} pods of the group together")
+                       message=f"{who} of group {index} {why}: restarting all {n} pods of the group together")
                 await self._delete_pods(isvc, live)
                 continue
             update_rev = (sts.get("status") or {}).get("updateRevision")
             if update_rev and live and any(p["metadata"].get("labels", {}).get("controller-revision-hash")
                                            not in (None, update_rev) for p in live):
-                outdated.append((r, live))
-        if outdated and unready_groups == 0:
-            r, live = outdated[0]
-            _event(isvc, "Normal", "GroupRollout", message=f"restarting group {r} on the new pod template")
-            await self._delete_pods(isvc, live)
+                _event(isvc, "Normal", "GroupRestart", message=f"restarting group {index} on its new pod template")
+                await self._delete_pods(isvc, live)
 
     async def _delete_pods(self, isvc: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         ns = isvc["metadata"]["namespace"]
@@ -502,10 +354,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
     settings.networking.error_backoffs = [0.5, 1, 2, 5, 10]
-    for child in (("apps", "v1", "deployments"), ("apps", "v1", "statefulsets"), ("", "v1", "services"),
-                  ("", "v1", "configmaps"), ("", "v1", "pods"), ("networking.k8s.io", "v1", "networkpolicies"),
-                  ("policy", "v1", "poddisruptionbudgets")):
-        settings.watching.label_selectors[child] = MANAGED_SELECTOR  # server-side filtering of the watches
+    for w in CHILDREN:  # server-side filtering of the child watches
+        settings.watching.label_selectors[(w.group, w.version, w.plural)] = MANAGED_SELECTOR
     if "reconciler" not in memo:
         memo.reconciler = Reconciler(kube=Kube.from_environment(), settings=settings_from_env())
     logger.info("shoal-operator: engine image %s, %d GPUs per node", memo.reconciler.settings.engine_image,
@@ -539,87 +389,62 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         reconciler.kube.close()
 
 
-# Indexes: (namespace, InferenceService name) -> objects. kopf passes them to handlers by these names.
-@kopf.index(api.GROUP, api.VERSION, api.PLURAL)
-def isvc_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+# ------------------------------------------------------------------------------------------------ kopf wiring
+# One table drives everything kopf watches: the index of each kind (kopf passes an index to handlers as the
+# keyword argument named by its id), the label selector of its watch, and the handler that triggers a reconcile.
+@dataclass(frozen=True)
+class Watched:
+    kind: str
+    group: str
+    version: str
+    plural: str
+
+    @property
+    def index_id(self) -> str:
+        return f"{self.kind.lower()}_index"
+
+
+CHILDREN = tuple(Watched(kind, *KINDS[kind][0].rpartition("/")[::2], KINDS[kind][1]) for kind in WATCHED_KINDS)
+OWNER = Watched(api.KIND, api.GROUP, api.VERSION, api.PLURAL)
+_MANAGED = {L_MANAGED_BY: MANAGED_BY}
+
+
+def _isvc_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     return {(namespace, name): _slim(body)}
 
 
-def _child_index(namespace: str, labels: dict, body: kopf.Body) -> dict:
+def _child_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
     owner = labels.get(L_ISVC)
     return {(namespace, owner): _slim(body)} if owner else {}
 
 
-_MANAGED = {L_MANAGED_BY: MANAGED_BY}
-
-
-@kopf.index("apps", "v1", "deployments", labels=_MANAGED)
-def deployment_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("apps", "v1", "statefulsets", labels=_MANAGED)
-def statefulset_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("", "v1", "services", labels=_MANAGED)
-def service_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("", "v1", "configmaps", labels=_MANAGED)
-def configmap_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels=_MANAGED)
-def networkpolicy_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("policy", "v1", "poddisruptionbudgets", labels=_MANAGED)
-def pdb_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-@kopf.index("", "v1", "pods", labels=_MANAGED)
-def pod_index(namespace: str, labels: dict, body: kopf.Body, **_: Any) -> dict:
-    return _child_index(namespace, labels, body)
-
-
-INDEX_KWARGS = {
-    api.KIND: "isvc_index", "Deployment": "deployment_index", "StatefulSet": "statefulset_index",
-    "Service": "service_index", "ConfigMap": "configmap_index", "NetworkPolicy": "networkpolicy_index",
-    "PodDisruptionBudget": "pdb_index", "Pod": "pod_index",
-}
+kopf.index(OWNER.group, OWNER.version, OWNER.plural, id=OWNER.index_id)(_isvc_index)
+for _w in CHILDREN:
+    kopf.index(_w.group, _w.version, _w.plural, labels=_MANAGED, id=_w.index_id)(_child_index)
 
 
 def _trigger(memo: kopf.Memo, kwargs: dict[str, Any], namespace: str | None, name: str | None) -> None:
     reconciler: Reconciler = memo.reconciler
-    if not reconciler.indexes:
-        reconciler.indexes = {kind: kwargs[arg] for kind, arg in INDEX_KWARGS.items()}
+    if not reconciler.indexes:  # the same index objects on every call: bind them once
+        reconciler.indexes = {w.kind: kwargs[w.index_id] for w in (OWNER, *CHILDREN)}
     if namespace and name:
         reconciler.trigger(namespace, name)
 
 
-@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.resume(OWNER.group, OWNER.version, OWNER.plural)
+@kopf.on.create(OWNER.group, OWNER.version, OWNER.plural)
+@kopf.on.update(OWNER.group, OWNER.version, OWNER.plural)
 async def isvc_changed(namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
     _trigger(memo, kwargs, namespace, name)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=_MANAGED)
-@kopf.on.event("apps", "v1", "statefulsets", labels=_MANAGED)
-@kopf.on.event("", "v1", "services", labels=_MANAGED)
-@kopf.on.event("", "v1", "configmaps", labels=_MANAGED)
-@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=_MANAGED)
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=_MANAGED)
-@kopf.on.event("", "v1", "pods", labels=_MANAGED)
 async def child_changed(namespace: str, labels: dict, memo: kopf.Memo, **kwargs: Any) -> None:
     """Drift repair and status: any change of a child (incl. its deletion) re-reconciles its owner."""
     _trigger(memo, kwargs, namespace, labels.get(L_ISVC))
 
 
-__all__ = ["Reconciler", "compute_status", "invalid_status", "pod_problem", "settings_from_env"]
+for _w in CHILDREN:
+    kopf.on.event(_w.group, _w.version, _w.plural, labels=_MANAGED, id=f"{_w.kind.lower()}_changed")(child_changed)
+
+
+__all__ = ["Reconciler", "settings_from_env"]

@@ -1,8 +1,13 @@
 """The few Kubernetes API calls the handlers make, in one place.
 
-Verbs used: get, list, watch (kopf's watch streams and indexes), create, patch (JSON merge patch only:
-``application/merge-patch+json``, which means the same on every API server), delete. No server-side apply,
-no PUT, no strategic merge.
+Verbs used: get, list, watch (kopf's watch streams and indexes), patch and delete.
+
+Children are written with server-side apply (``application/apply-patch+yaml``, field manager ``shoal-operator``,
+``force=true``): the API server records which fields the operator set, so a field the operator stops rendering
+(a removed nodeSelector, the download init container after hf:// -> pvc://) is removed from the child, while
+fields other controllers own (a Service's clusterIP, an HPA's replicas elsewhere) are left alone. Applying an
+object that does not exist creates it. The InferenceService's status is written with a JSON merge patch.
+No PUT, no strategic merge.
 
 ``PERMISSIONS`` below is the exact list the operator needs; the Helm chart's ClusterRole (and its namespaced
 Role variant) must grant exactly these.
@@ -29,7 +34,8 @@ PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (api.GROUP, "inferenceservices/status", ("get", "patch")),
     # children get ownerReferences with blockOwnerDeletion=true (OwnerReferencesPermissionEnforcement)
     (api.GROUP, "inferenceservices/finalizers", ("update",)),
-    # children: reconciled (create / merge-patch / prune) and watched (indexes, drift repair, status)
+    # children: reconciled (server-side apply, which creates too; prune) and watched (indexes, drift, status)
+    # (an apply that creates the object is authorized as create too)
     ("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete")),
     ("apps", "statefulsets", ("get", "list", "watch", "create", "patch", "delete")),
     ("", "services", ("get", "list", "watch", "create", "patch", "delete")),
@@ -60,6 +66,11 @@ KINDS: dict[str, tuple[str, str]] = {
     api.KIND: (api.API_VERSION, api.PLURAL),
 }
 CHILD_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy", "PodDisruptionBudget")
+# what the operator watches besides InferenceServices: its children, and the pods of its workloads
+WATCHED_KINDS = (*CHILD_KINDS, "Pod")
+
+
+FIELD_MANAGER = "shoal-operator"
 
 
 class ApiError(Exception):
@@ -149,8 +160,13 @@ class Kube:
         query = [("labelSelector", label_selector)] if label_selector else []
         return (await self._run("GET", path(kind, namespace), query=query)).get("items", [])
 
-    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        return await self._run("POST", path(obj["kind"], obj["metadata"]["namespace"]), body=obj)
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply of a complete desired object (creates it when missing): afterwards the object holds
+        exactly these fields of ours, fields we applied before and no longer do are removed."""
+        meta = obj["metadata"]
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        return await self._run("PATCH", path(obj["kind"], meta["namespace"], meta["name"]), body=obj, query=query,
+                               content_type="application/apply-patch+yaml")
 
     async def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any],
                           subresource: str | None = None) -> dict[str, Any]:

@@ -5,8 +5,8 @@ Topology
 One replica is a *group* of ``pods_per_replica = ceil(tp*pp / gpusPerPod)`` pods (1 on CPU, gpusPerPod 0).
 
 * single-pod replicas: one Deployment ``<name>`` with ``spec.replicas`` pods;
-* multi-pod replicas: per replica ``r`` one StatefulSet ``<name>-g<r>`` (Parallel pod management, OnDelete
-  updates: the operator rolls whole groups) and its headless Service ``<name>-g<r>`` (publishNotReadyAddresses,
+* multi-pod replicas: per replica one StatefulSet ``<name>-g<index>`` (Parallel pod management, OnDelete
+  updates: the operator rolls whole groups, see rollout.py) and its headless Service ``<name>-g<index>`` (publishNotReadyAddresses,
   so ranks resolve each other before they are ready). The rank is the pod ordinal, read through the downward
   API from the label ``apps.kubernetes.io/pod-index`` (set by the StatefulSet controller, Kubernetes >= 1.28)
   into ``SHOAL_NODE_RANK``; rank 0 is ``<name>-g<r>-0.<name>-g<r>.<ns>.svc.<domain>``. Ranks other than 0 add
@@ -43,8 +43,10 @@ L_GROUP = "serving.shoal.dev/group"
 L_POD_INDEX = "apps.kubernetes.io/pod-index"
 A_SPEC_HASH = "serving.shoal.dev/spec-hash"
 A_GROUP_SIZE = "serving.shoal.dev/group-size"
+A_REVISION = "serving.shoal.dev/revision"  # of a group's template, independent of its index (rollout.py)
 MANAGED_BY = "shoal-operator"
 
+API_KEY_ENV = "SHOAL_API_KEY"  # read by `shoal-engine serve` when --api-key is not given
 CACHE_DIR = "/cache"
 MODELS_DIR = "/models"
 CHAT_TEMPLATE_DIR = "/etc/shoal/chat-template"
@@ -79,7 +81,15 @@ class Plan:
     served_model_name: str
     url: str
     selector: dict[str, str]
-    children: list[dict[str, Any]] = field(default_factory=list)
+    children: list[dict[str, Any]] = field(default_factory=list)  # all but the groups of a multi-pod replica
+    revision: str = ""  # of the groups' template (multi-pod)
+    isvc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    settings: Settings = field(default_factory=Settings, repr=False, compare=False)
+
+    def group(self, index: int) -> list[dict[str, Any]]:
+        """The children of group `index` of a multi-pod replica: its headless Service and StatefulSet."""
+        return [headless_service(self.isvc, self.spec, index),
+                statefulset(self.isvc, self.spec, self.settings, index, self.revision)]
 
     @property
     def multi_pod(self) -> bool:
@@ -179,8 +189,6 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
     if spec.model.chat_template:
         args += ["--chat-template", f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_KEY}"]
     args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
-    if spec.security.api_key_secret_ref:
-        args += ["--api-key", "$(SHOAL_API_KEY)"]  # expanded by the kubelet from the Secret-backed env var
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     if pods > 1:
         assert replica is not None
@@ -217,11 +225,15 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     if multi:
         env.append({"name": "SHOAL_NODE_RANK",
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}})
-    ref = spec.security.api_key_secret_ref
-    if ref:
-        env.append({"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     user_names = {e.get("name") for e in spec.env}
     env = [e for e in env if e["name"] not in user_names] + [copy.deepcopy(e) for e in spec.env]
+    # The API key reaches the engine only as an env var from the Secret, which the engine reads itself: never
+    # in args (the kubelet would expand it into /proc/*/cmdline and the runtime's config) nor in init containers.
+    engine_env = list(env)
+    ref = spec.security.api_key_secret_ref
+    if ref:
+        engine_env = [e for e in env if e["name"] != API_KEY_ENV] + [
+            {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
@@ -263,7 +275,7 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         "args": args,
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
                  + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else []),
-        "env": env,
+        "env": engine_env,
         "resources": resources,
         "volumeMounts": mounts,
         "startupProbe": _probe(startup_path, 10, max(1, math.ceil(spec.probes.startup_timeout_seconds / 10)), 5),
@@ -350,12 +362,18 @@ def deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Setti
     })
 
 
-def statefulset(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, replica: int) -> dict:
+def group_revision(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> str:
+    """Everything the spec puts into a group, hashed without the group's index (the same for every group)."""
+    return statefulset(isvc, spec, settings, 0, "")["metadata"]["annotations"][A_SPEC_HASH]
+
+
+def statefulset(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, replica: int,
+                revision: str) -> dict:
     name = isvc["metadata"]["name"]
     group = group_name(name, replica)
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     meta = _meta(isvc, group, "engine", {L_GROUP: str(replica)})
-    meta["annotations"] = {A_GROUP_SIZE: str(pods)}
+    meta["annotations"] = {A_GROUP_SIZE: str(pods), A_REVISION: revision}
     return _finish({
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -458,11 +476,7 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
     children: list[dict[str, Any]] = []
     if spec.model.chat_template:
         children.append(chat_template_configmap(isvc, spec))
-    if multi:
-        for r in range(spec.replicas):
-            children.append(headless_service(isvc, spec, r))
-            children.append(statefulset(isvc, spec, settings, r))
-    else:
+    if not multi:  # the groups of multi-pod replicas are chosen by the rollout (Plan.group, rollout.py)
         children.append(deployment(isvc, spec, settings))
     children.append(gateway_service(isvc, spec, multi))
     if spec.security.network_policy.enabled:
@@ -476,9 +490,13 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
         served_model_name=api.served_model_name(name, spec),
         url=f"http://{name}.{namespace}.svc.{settings.cluster_domain}:{ENGINE_PORT}",
         selector=selector, children=children,
+        revision=group_revision(isvc, spec, settings) if multi else "", isvc=isvc, settings=settings,
     )
 
 
 def render(isvc: dict[str, Any], settings: Settings = Settings()) -> list[dict[str, Any]]:
-    """The desired children of an InferenceService (raises api.SpecError for an invalid spec)."""
-    return plan(isvc, settings).children
+    """The desired children of an InferenceService once rolled out: groups 0..replicas-1 for multi-pod replicas
+    (raises api.SpecError for an invalid spec)."""
+    p = plan(isvc, settings)
+    groups = [obj for r in range(p.spec.replicas) for obj in p.group(r)] if p.multi_pod else []
+    return groups + p.children

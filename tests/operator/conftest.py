@@ -3,7 +3,8 @@
 `Cluster` (a KubernetesEmulator subclass) adds what kopf and the operator rely on from a real API server:
 uid / creationTimestamp / resourceVersion / generation, namespaces from the URL, generateName, 409 on an
 existing name or a stale resourceVersion, 422 when a JSON-patch `test` fails, status isolation (/status
-changes only status, the main endpoint never does), no-op patches that change nothing (no event), uid
+changes only status, the main endpoint never does), server-side apply (`Cluster._apply`: per field manager, fields
+a manager applied before and no longer applies are removed; lists are atomic), no-op patches that change nothing (no event), uid
 preconditions on delete, label selectors on lists and watches, resourceVersion on lists, watches that
 replay only events newer than the requested resourceVersion (subscribing before the replay, so nothing is
 lost in between), `timeoutSeconds`, ownerReference garbage collection, and fault injection
@@ -33,6 +34,7 @@ import jsonpatch
 import kmock
 import pytest
 import requests
+import yaml
 from kmock._internal import enums
 from opkit import condition, isvc_body, wait_for  # noqa: F401  (re-exported for bench_scale.py)
 
@@ -69,6 +71,7 @@ class Fault:
     status: int
     remaining: int
     subresource: str | None = "*"
+    message: str = "injected by the test"
 
 
 @attrs.define(kw_only=True)
@@ -78,6 +81,7 @@ class Cluster(kmock.KubernetesEmulator):
     rv: int = attrs.field(default=1000, init=False)
     faults: list[Fault] = attrs.field(factory=list, init=False)
     writes: list[tuple[str, str, str | None, str | None]] = attrs.field(factory=list, init=False)
+    applied: dict[tuple, dict[str, dict[str, Any]]] = attrs.field(factory=dict, init=False)  # key -> manager -> cfg
     gc: bool = attrs.field(default=True)
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
 
@@ -89,8 +93,8 @@ class Cluster(kmock.KubernetesEmulator):
         return self._changed
 
     def inject(self, action: str | None, plural: str | None, status: int, times: int,
-               subresource: str | None = "*") -> Fault:
-        fault = Fault(action, plural, status, times, subresource)
+               subresource: str | None = "*", message: str = "injected by the test") -> Fault:
+        fault = Fault(action, plural, status, times, subresource, message)
         self.faults.append(fault)
         return fault
 
@@ -131,8 +135,9 @@ class Cluster(kmock.KubernetesEmulator):
             return await super(kmock.KubernetesEmulator, self)._handle(request)  # discovery etc.
         fault = self._fault(request)
         if fault is not None:
-            reason = {409: "Conflict", 500: "InternalError", 503: "ServiceUnavailable", 429: "TooManyRequests"}
-            return self._error(fault.status, reason.get(fault.status, "Injected"), "injected by the test")
+            reason = {409: "Conflict", 500: "InternalError", 503: "ServiceUnavailable", 429: "TooManyRequests",
+                      422: "Invalid", 403: "Forbidden"}
+            return self._error(fault.status, reason.get(fault.status, "Injected"), fault.message)
         action = request.action
         if action == enums.action.CREATE:
             return await self._create(request)
@@ -175,6 +180,10 @@ class Cluster(kmock.KubernetesEmulator):
         key = (res, meta.get("namespace"), meta["name"])
         if key in self.store:
             return self._error(409, "AlreadyExists", f"{res[2]} \"{meta['name']}\" already exists")
+        return await self._insert(res, key, obj)
+
+    async def _insert(self, res: tuple, key: tuple, obj: dict[str, Any]) -> aiohttp.web.StreamResponse:
+        meta = obj["metadata"]
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         for field in ("resourceVersion", "deletionTimestamp"):
             meta.pop(field, None)
@@ -199,15 +208,17 @@ class Cluster(kmock.KubernetesEmulator):
         res = self._key(request)
         key = (res, request.namespace, request.name)
         old = self.store.get(key)
+        ctype = (request.headers.get("Content-Type") or "").split(";")[0]
+        if old is None and ctype == "application/apply-patch+yaml":
+            return await self._apply(request, res, key, None)
         if old is None:
             return self._error(404, "NotFound", f"{res[2]} \"{request.name}\" not found")
-        ctype = (request.headers.get("Content-Type") or "").split(";")[0]
         patch = request.data
         try:
             if ctype == "application/json-patch+json" or isinstance(patch, list):
                 new = jsonpatch.apply_patch(json.loads(json.dumps(old)), patch)
             elif ctype == "application/apply-patch+yaml":
-                return self._error(415, "UnsupportedMediaType", "server-side apply is not emulated")
+                return await self._apply(request, res, key, old)
             else:  # merge patch (strategic merge is treated as a JSON merge patch, lists replaced)
                 want_rv = (patch.get("metadata") or {}).get("resourceVersion")
                 if want_rv and want_rv != old["metadata"]["resourceVersion"]:
@@ -218,6 +229,11 @@ class Cluster(kmock.KubernetesEmulator):
             return self._error(422, "Invalid", f"the server rejected our request: {e}")
         except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
             return self._error(422, "Invalid", str(e))
+        return await self._commit(request, res, key, old, new)
+
+    async def _commit(self, request: kmock.Request, res: tuple, key: tuple, old: dict[str, Any],
+                      new: dict[str, Any]) -> aiohttp.web.StreamResponse:
+        """Store the result of a patch or apply, with status isolation, generation and resourceVersion."""
         # status isolation: /status changes only status, the main endpoint everything but status
         if request.subresource == "status":
             merged = json.loads(json.dumps(old))
@@ -251,6 +267,41 @@ class Cluster(kmock.KubernetesEmulator):
             await self._emit(res, "MODIFIED", new)
         return aiohttp.web.json_response(new)
 
+    async def _apply(self, request: kmock.Request, res: tuple, key: tuple,
+                     old: dict[str, Any] | None) -> aiohttp.web.StreamResponse:
+        """Server-side apply, reduced to what decides convergence: each field manager owns the leaves (lists are
+        atomic leaves) of the configuration it applied last; a leaf it applied before and no longer applies is
+        removed unless another manager applies it too; without force, changing another manager's leaf is a 409."""
+        manager = request.params.get("fieldManager")
+        if not manager:
+            return self._error(422, "Invalid", "PATCH /apply: fieldManager is required for apply requests")
+        applied = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text or "{}")
+        if not isinstance(applied, dict) or not applied.get("apiVersion") or not applied.get("kind"):
+            return self._error(400, "BadRequest", "apply needs a complete object with apiVersion and kind")
+        if (applied.get("metadata") or {}).get("name") not in (None, request.name):
+            return self._error(400, "BadRequest", "the name of the object does not match the name in the URL")
+        applied = json.loads(json.dumps(applied))
+        managers = self.applied.setdefault(key, {})
+        others = {leaf for m, cfg in managers.items() if m != manager for leaf in _leaves(cfg)}
+        if old is not None and request.params.get("force") != "true":
+            clashes = [".".join(p) for p in _leaves(applied) & others
+                       if _get_path(old, p) != _get_path(applied, p)]
+            if clashes:
+                return self._error(409, "Conflict", f"Apply failed with {len(clashes)} conflicts: {clashes}")
+        before = managers.get(manager) or {}
+        managers[manager] = applied
+        if old is None:
+            obj = json.loads(json.dumps(applied))
+            obj.setdefault("metadata", {})["namespace"] = request.namespace
+            obj["metadata"]["managedFields"] = [{"manager": manager, "operation": "Apply"}]
+            return await self._insert(res, key, obj)
+        new = json.loads(json.dumps(old))
+        for leaf in _leaves(before) - _leaves(applied) - others:
+            _remove_path(new, leaf)
+        new = _merge_atomic(new, applied)
+        new["metadata"]["managedFields"] = [{"manager": m, "operation": "Apply"} for m in sorted(managers)]
+        return await self._commit(request, res, key, old, new)
+
     async def _delete(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = self._key(request)
         key = (res, request.namespace, request.name)
@@ -271,6 +322,7 @@ class Cluster(kmock.KubernetesEmulator):
                 await self._emit(res, "MODIFIED", obj)
             return aiohttp.web.json_response(obj)
         del self.store[key]
+        self.applied.pop(key, None)
         self._bump(obj)
         await self._emit(res, "DELETED", obj)
         await self._collect(obj)
@@ -369,6 +421,44 @@ def _merge(target: Any, patch: Any) -> Any:
             target.pop(k, None)
         else:
             target[k] = _merge(target.get(k), v)
+    return target
+
+
+def _leaves(obj: Any, prefix: tuple = ()) -> set[tuple]:
+    """Paths of the leaves of an applied configuration (maps recurse; lists, scalars and empty maps are leaves)."""
+    if isinstance(obj, dict) and obj:
+        return {leaf for k, v in obj.items() for leaf in _leaves(v, prefix + (k,))}
+    return {prefix} if prefix else set()
+
+
+def _get_path(obj: Any, path: tuple) -> Any:
+    for part in path:
+        if not isinstance(obj, dict) or part not in obj:
+            return None
+        obj = obj[part]
+    return obj
+
+
+def _remove_path(obj: dict, path: tuple) -> None:
+    """Remove a leaf and the maps it leaves empty."""
+    parents = [obj]
+    for part in path[:-1]:
+        child = parents[-1].get(part)
+        if not isinstance(child, dict):
+            return
+        parents.append(child)
+    parents[-1].pop(path[-1], None)
+    for depth in range(len(path) - 1, 0, -1):
+        if parents[depth] == {}:
+            parents[depth - 1].pop(path[depth - 1], None)
+
+
+def _merge_atomic(target: Any, applied: Any) -> Any:
+    """Apply's merge: maps merge key by key, everything else (lists included) is replaced."""
+    if not isinstance(applied, dict) or not isinstance(target, dict):
+        return applied
+    for k, v in applied.items():
+        target[k] = _merge_atomic(target.get(k), v)
     return target
 
 

@@ -6,6 +6,8 @@ would, create a StatefulSet's pods, mark a pod failed, delete children, and make
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 
 from opkit import condition, isvc_body, wait_for
@@ -248,8 +250,9 @@ def test_failed_pod_reasons_surface_in_status(env, ns):
 
 def test_api_errors_are_retried_and_converge_without_duplicates(env, ns):
     cluster = env.cluster
-    faults = [cluster.inject("create", "deployments", 500, 2),
-              cluster.inject("create", "services", 409, 1),
+    # children are created by server-side apply (a PATCH, "update" to the emulator's request classification)
+    faults = [cluster.inject("update", "deployments", 500, 2, subresource=None),
+              cluster.inject("update", "services", 409, 1, subresource=None),
               cluster.inject("update", ISVC, 500, 1, subresource="status")]
     try:
         env.client.create(ISVC, ns, isvc_body("flaky", {"replicas": 2}))
@@ -295,39 +298,142 @@ def test_deleting_the_isvc_collects_children(env, ns):
     assert children(env, ns) == {}  # and nothing resurrects them
 
 
-def test_multi_pod_rollout_restarts_one_group_at_a_time(env, ns):
-    spec = {"replicas": 2, "engine": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 2}}
-    env.client.create(ISVC, ns, isvc_body("roll", spec))
-    wait_for(lambda: all(env.client.get("statefulsets", ns, f"roll-g{r}") for r in (0, 1)), 10, "statefulsets")
-    for g in (0, 1):
-        for o in (0, 1):
-            body = _group_pod(ns, "roll", g, o)
-            body["metadata"]["labels"]["controller-revision-hash"] = f"roll-g{g}-rev1"
-            env.client.create("pods", ns, body)
-            env.client.patch("pods", ns, f"roll-g{g}-{o}", _pod_status(ready=True), sub="status")
-        env.client.patch("statefulsets", ns, f"roll-g{g}", {"status": {
-            "observedGeneration": 1, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
-            "currentRevision": f"roll-g{g}-rev1", "updateRevision": f"roll-g{g}-rev1"}}, sub="status")
-    ready_is(env, ns, "roll", "True")
-    env.client.patch(ISVC, ns, "roll", {"spec": {"model": {"uri": "hf://org/new"}}})
-    wait_for(lambda: "org/new" in str(env.client.get("statefulsets", ns, "roll-g1")["spec"]["template"]), 10,
-             "templates updated")
-    # the StatefulSet controller computes the new revision; with OnDelete it replaces nothing by itself
-    for g in (0, 1):
-        env.client.patch("statefulsets", ns, f"roll-g{g}", {"status": {
-            "observedGeneration": 2, "updatedReplicas": 0, "updateRevision": f"roll-g{g}-rev2"}}, sub="status")
-    wait_for(lambda: len([p for p in env.cluster.find("pods", ns)]) == 2, 10, "one group restarted")
-    time.sleep(0.3)
-    left = sorted(p["metadata"]["name"] for p in env.cluster.find("pods", ns))
-    assert left in (["roll-g0-0", "roll-g0-1"], ["roll-g1-0", "roll-g1-1"])  # never both groups at once
-    restarted = 1 if left[0].startswith("roll-g0") else 0
-    for o in (0, 1):
-        body = _group_pod(ns, "roll", restarted, o)
-        body["metadata"]["labels"]["controller-revision-hash"] = f"roll-g{restarted}-rev2"
-        env.client.create("pods", ns, body)
-        env.client.patch("pods", ns, f"roll-g{restarted}-{o}", _pod_status(ready=True), sub="status")
-    other = 1 - restarted
-    wait_for(lambda: env.client.get("pods", ns, f"roll-g{other}-0") is None, 10, "second group restarted next")
+def play_statefulsets(env, ns: str) -> None:
+    """One pass of the StatefulSet controller and the kubelets: pods for every ordinal of every StatefulSet, on its
+    template (OnDelete: existing pods keep theirs), labelled with its revision; a pod created in one pass becomes
+    Ready in the next, so a rollout always has moments with unready new pods."""
+    pods = {p["metadata"]["name"]: p for p in env.client.list("pods", ns)}
+    for sts in env.client.list("statefulsets", ns):
+        meta, template = sts["metadata"], sts["spec"]["template"]
+        rev = meta["name"] + "-" + hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:8]
+        ready = 0
+        for ordinal in range(sts["spec"]["replicas"]):
+            name = f"{meta['name']}-{ordinal}"
+            pod = pods.get(name)
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                env.client.create("pods", ns, {
+                    "apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": name, "labels": {**template["metadata"]["labels"], L_POD_INDEX: str(ordinal),
+                                                          "controller-revision-hash": rev},
+                                 "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "controller": True,
+                                                      "name": meta["name"], "uid": meta["uid"]}]},
+                    "spec": template["spec"]})
+                env.client.patch("pods", ns, name, _pod_status(ready=False), sub="status")
+            elif not condition(pod, "Ready") or condition(pod, "Ready")["status"] != "True":
+                env.client.patch("pods", ns, name, _pod_status(ready=True), sub="status")
+            else:
+                ready += 1
+        env.client.patch("statefulsets", ns, meta["name"], {"status": {
+            "observedGeneration": meta["generation"], "replicas": sts["spec"]["replicas"], "readyReplicas": ready,
+            "updateRevision": rev}}, sub="status")
+
+
+def ready_groups_timeline(env, ns: str, size: int, since_rv: int) -> list[int]:
+    """Replaying the API's event log: the number of groups with all ranks Ready after every pod event."""
+    pods: dict[str, dict] = {}
+    timeline = []
+    for rv, res, event in list(env.cluster.log):
+        obj = event["object"]
+        if res[2] != "pods" or obj["metadata"].get("namespace") != ns:
+            continue
+        if event["type"] == "DELETED":
+            pods.pop(obj["metadata"]["name"], None)
+        else:
+            pods[obj["metadata"]["name"]] = obj
+        if rv > since_rv:
+            ready: dict[str, int] = {}
+            for p in pods.values():
+                if condition(p, "Ready") and condition(p, "Ready")["status"] == "True":
+                    group = p["metadata"]["labels"][L_GROUP]
+                    ready[group] = ready.get(group, 0) + 1
+            timeline.append(sum(1 for n in ready.values() if n == size))
+    return timeline
+
+
+def roll(env, ns: str, name: str, done) -> None:
+    """Play the StatefulSet controller until `done()` holds (bounded)."""
+    deadline = time.monotonic() + 20
+    while not done():
+        assert time.monotonic() < deadline, "rollout did not finish"
+        play_statefulsets(env, ns)
+        time.sleep(0.05)
+
+
+def rolled_out(env, ns: str, name: str, model: str, groups: int):
+    def check():
+        isvc = get_isvc(env, ns, name)
+        sets = env.client.list("statefulsets", ns)
+        return (condition(isvc, "Ready") or {}).get("status") == "True" and len(sets) == groups and \
+            all(model in str(s["spec"]["template"]) for s in sets) and \
+            isvc["status"]["updatedReplicas"] == groups and isvc["status"]["replicas"] == groups
+    return check
+
+
+def test_multi_pod_rollout_surges_a_group_and_never_drops_to_zero(env, ns):
+    spec = {"replicas": 1, "model": {"uri": "hf://org/old"}, "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+            "resources": {"gpusPerPod": 2}}  # default rollout: maxSurge 1, maxUnavailable 0
+    env.client.create(ISVC, ns, isvc_body("surge", spec))
+    roll(env, ns, "surge", rolled_out(env, ns, "surge", "org/old", 1))
+    assert [s["metadata"]["name"] for s in env.client.list("statefulsets", ns)] == ["surge-g0"]
+    start = env.cluster.rv
+    env.client.patch(ISVC, ns, "surge", {"spec": {"model": {"uri": "hf://org/new"}}})
+    roll(env, ns, "surge", rolled_out(env, ns, "surge", "org/new", 1))
+    timeline = ready_groups_timeline(env, ns, 2, start)
+    assert timeline and min(timeline) >= 1, timeline  # never zero ready groups
+    assert max(timeline) == 2  # the new group was Ready before the old one went
+    assert [s["metadata"]["name"] for s in env.client.list("statefulsets", ns)] == ["surge-g1"]
+    assert sorted(p["metadata"]["name"] for p in env.client.list("pods", ns)) == ["surge-g1-0", "surge-g1-1"]
+    assert env.client.get("services", ns, "surge-g0") is None and env.client.get("services", ns, "surge-g1")
+    reasons = [e["reason"] for e in env.cluster.find("events", ns)]
+    assert "GroupSurge" in reasons and "GroupRetire" in reasons
+
+
+def test_multi_pod_rollout_in_place_with_max_surge_zero(env, ns):
+    spec = {"replicas": 2, "model": {"uri": "hf://org/old"}, "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+            "resources": {"gpusPerPod": 2}, "rollout": {"maxSurge": 0, "maxUnavailable": 1}}
+    env.client.create(ISVC, ns, isvc_body("inplace", spec))
+    roll(env, ns, "inplace", rolled_out(env, ns, "inplace", "org/old", 2))
+    start = env.cluster.rv
+    uids = {s["metadata"]["uid"] for s in env.client.list("statefulsets", ns)}
+    env.client.patch(ISVC, ns, "inplace", {"spec": {"model": {"uri": "hf://org/new"}}})
+    roll(env, ns, "inplace", rolled_out(env, ns, "inplace", "org/new", 2))
+    timeline = ready_groups_timeline(env, ns, 2, start)
+    assert min(timeline) == 1, timeline  # one group at a time (maxUnavailable 1), never both
+    assert {s["metadata"]["uid"] for s in env.client.list("statefulsets", ns)} == uids  # same groups, in place
+    created = [w for w in env.cluster.writes if w[0] == "create" and w[1] == "statefulsets" and w[2] == ns]
+    assert len(created) == 2  # never a surge group
+
+
+def test_quota_exceeded_shows_on_conditions_and_events(env, ns):
+    env.client.create(ISVC, ns, isvc_body("quota", {"replicas": 1}))
+    wait_for(lambda: env.client.get("deployments", ns, "quota"), 10, "deployment")
+    message = ('pods "quota-7d9f-x2" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, '
+               'used: requests.nvidia.com/gpu=8, limited: requests.nvidia.com/gpu=8')
+    env.client.patch("deployments", ns, "quota", {"status": {"observedGeneration": 1, "replicas": 0, "conditions": [
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": message}]}}, sub="status")
+    cond = ready_is(env, ns, "quota", "False", "FailedCreate")
+    assert message in cond["message"]
+    isvc = get_isvc(env, ns, "quota")
+    assert condition(isvc, "Degraded")["status"] == "True" and condition(isvc, "Degraded")["reason"] == "FailedCreate"
+    assert isvc["status"]["phase"] == "Failed"
+    events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "FailedCreate"], 5, "event")
+    assert events[0]["type"] == "Warning" and "exceeded quota" in events[0]["message"]
+
+
+def test_rejected_child_shows_on_conditions_and_recovers(env, ns):
+    message = 'admission webhook "policy.example.com" denied the request: GPU pods need a team label'
+    fault = env.cluster.inject("update", "deployments", 422, 1000, subresource=None, message=message)
+    try:
+        env.client.create(ISVC, ns, isvc_body("denied", {"replicas": 1}))
+        cond = ready_is(env, ns, "denied", "False", "ChildRejected")
+        assert "Deployment denied" in cond["message"] and message in cond["message"]
+        assert get_isvc(env, ns, "denied")["status"]["phase"] == "Failed"
+        wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "ChildRejected"], 5, "event")
+        assert env.client.get("services", ns, "denied")  # the other children were still created
+    finally:
+        fault.remaining = 0
+    wait_for(lambda: env.client.get("deployments", ns, "denied"), 15, "deployment once the API accepts it")
+    wait_for(lambda: condition(get_isvc(env, ns, "denied"), "Ready")["reason"] != "ChildRejected", 15, "cleared")
 
 
 def test_child_watches_are_filtered_server_side(env, ns):
@@ -336,3 +442,77 @@ def test_child_watches_are_filtered_server_side(env, ns):
     for plural in ("deployments", "statefulsets", "services", "configmaps", "pods", "networkpolicies",
                    "poddisruptionbudgets"):
         assert by_plural[plural] == "app.kubernetes.io/managed-by=shoal-operator", plural
+
+
+EVERY_OPTIONAL_FIELD = {
+    "model": {"uri": "hf://org/model", "revision": "v2", "servedName": "m", "chatTemplate": "{{ messages }}"},
+    "replicas": 3, "image": "my.registry/engine:2", "imagePullPolicy": "Always", "imagePullSecrets": ["pull"],
+    "engine": {"tensorParallelSize": 2, "dtype": "bfloat16", "maxModelLen": 8192, "maxNumSeqs": 64,
+               "maxNumBatchedTokens": 4096, "gpuMemoryUtilization": 0.85, "enablePrefixCaching": False,
+               "attentionBackend": "triton", "enforceEager": True, "shutdownTimeoutSeconds": 120,
+               "extraArgs": ["--seed", "7"]},
+    "resources": {"gpusPerPod": 2, "gpuResource": "amd.com/gpu", "cpu": "16", "memory": "128Gi",
+                  "shmSize": "16Gi", "cacheSize": "200Gi"},
+    "scheduling": {"nodeSelector": {"gpu": "a100"},
+                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                   "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                       "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In",
+                                                                    "values": ["a"]}]}]}}},
+                   "priorityClassName": "inference"},
+    "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+    "security": {"apiKeySecretRef": {"name": "llm-key", "key": "token"},
+                 "networkPolicy": {"allowFrom": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}]}},
+    "probes": {"startupTimeoutSeconds": 3600},
+    "rollout": {"maxUnavailable": 1, "maxSurge": 0},
+}
+
+
+def converged(env, ns: str, name: str) -> bool:
+    """Does every child hold exactly what the operator renders for the stored spec (nothing more)?"""
+    from shoal.operator import handlers, render
+
+    want = {(c["kind"], c["metadata"]["name"]): c
+            for c in render.render(get_isvc(env, ns, name), handlers.settings_from_env())}
+    plural = {"Deployment": "deployments", "StatefulSet": "statefulsets", "Service": "services",
+              "NetworkPolicy": "networkpolicies", "PodDisruptionBudget": "poddisruptionbudgets",
+              "ConfigMap": "configmaps"}
+    have = children(env, ns)
+    if set(have) != {(plural[k], n) for k, n in want}:
+        return False
+    for (kind, n), desired in want.items():
+        actual = have[(plural[kind], n)]
+        if any(actual.get(k) != desired.get(k) for k in ("spec", "data")):
+            return False
+        if any(actual["metadata"].get(k) != desired["metadata"].get(k) for k in ("labels", "annotations")):
+            return False
+    return True
+
+
+def test_removing_every_optional_field_converges_to_the_rendered_children(env, ns):
+    env.client.create(ISVC, ns, isvc_body("opt", EVERY_OPTIONAL_FIELD))
+    wait_for(lambda: converged(env, ns, "opt"), 10, "children with every option")
+    pod = env.client.get("deployments", ns, "opt")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] and pod["tolerations"] and pod["initContainers"] and pod["imagePullSecrets"]
+    for c in pod["containers"] + pod["initContainers"]:  # the API key is never in args, nor in init containers
+        assert not any("SHOAL_API_KEY" in a or a == "--api-key" for a in c.get("command", []) + c.get("args", []))
+    assert not any(e["name"] == "SHOAL_API_KEY" for e in pod["initContainers"][0]["env"])
+    # back to the defaults: every optional field removed (JSON merge patch: null deletes)
+    env.client.patch(ISVC, ns, "opt", {"spec": {k: None for k in EVERY_OPTIONAL_FIELD}})
+    wait_for(lambda: converged(env, ns, "opt"), 10, "children without any option")
+    pod = env.client.get("deployments", ns, "opt")["spec"]["template"]["spec"]
+    for gone in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets",
+                 "initContainers"):
+        assert gone not in pod, gone
+    assert env.client.get("configmaps", ns, "opt-chat-template") is None
+    assert not any(e["name"] in ("NCCL_DEBUG", "SHOAL_API_KEY") for e in pod["containers"][0]["env"])
+
+
+def test_multi_pod_to_single_pod_converges(env, ns):
+    env.client.create(ISVC, ns, isvc_body("shrink", {"engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+                                                     "resources": {"gpusPerPod": 2}}))
+    wait_for(lambda: converged(env, ns, "shrink"), 10, "multi-pod children")
+    assert env.client.get("services", ns, "shrink")["spec"]["selector"][L_POD_INDEX] == "0"
+    env.client.patch(ISVC, ns, "shrink", {"spec": {"engine": None, "resources": None}})
+    wait_for(lambda: converged(env, ns, "shrink"), 10, "single-pod children")
+    assert L_POD_INDEX not in env.client.get("services", ns, "shrink")["spec"]["selector"]
+    assert env.client.get("statefulsets", ns, "shrink-g0") is None

@@ -191,10 +191,49 @@ def test_plan_status_fields():
     assert render.plan(isvc(), Settings(cluster_domain="k8s.example")).url.endswith(".svc.k8s.example:8000")
 
 
-def test_default_gpus_capped_by_node_size():
-    spec = {"engine": {"tensorParallelSize": 16}}
-    p = render.plan(isvc(spec), Settings(max_gpus_per_node=8))
-    assert p.gpus_per_pod == 8 and p.pods_per_replica == 2
+@pytest.mark.parametrize("tp,pp,gpus,pods", [
+    (4, 3, 4, 3),  # was 2 pods × 8 GPUs with 6 ranks each: 4 GPUs idle, one TP group across two nodes
+    (4, 2, 8, 1), (8, 2, 8, 2), (2, 8, 8, 2), (4, 6, 8, 3), (1, 12, 6, 2), (3, 5, 3, 5),
+])
+def test_default_placement_keeps_tensor_groups_in_one_pod(tp, pp, gpus, pods):
+    p = render.plan(isvc({"engine": {"tensorParallelSize": tp, "pipelineParallelSize": pp}}),
+                    Settings(max_gpus_per_node=8))
+    assert (p.gpus_per_pod, p.pods_per_replica) == (gpus, pods)
+    assert gpus % tp == 0 and gpus * pods == tp * pp  # whole TP groups per pod, no idle GPU
+
+
+def test_cross_node_tensor_parallel_only_when_asked():
+    with pytest.raises(api.SpecError) as e:
+        render.plan(isvc({"engine": {"tensorParallelSize": 16}}), Settings(max_gpus_per_node=8))
+    assert e.value.field == "spec.engine.tensorParallelSize"
+    assert "16" in e.value.message and "8 GPUs" in e.value.message and "tensorParallelAcrossPods" in e.value.message
+    with pytest.raises(api.SpecError) as e:
+        render.plan(isvc({"engine": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 2}}), SETTINGS)
+    assert e.value.field == "spec.resources.gpusPerPod" and "group of 4 across 2 pods" in e.value.message
+    p = render.plan(isvc({"engine": {"tensorParallelSize": 16}, "resources": {"tensorParallelAcrossPods": True}}),
+                    Settings(max_gpus_per_node=8))
+    assert (p.gpus_per_pod, p.pods_per_replica) == (8, 2)
+
+
+def test_idle_gpus_are_refused_with_the_numbers():
+    with pytest.raises(api.SpecError) as e:
+        render.plan(isvc({"engine": {"tensorParallelSize": 4, "pipelineParallelSize": 3},
+                          "resources": {"gpusPerPod": 8}}), SETTINGS)
+    assert e.value.field == "spec.resources.gpusPerPod"
+    assert "4 × pipeline 3 = 12 ranks on pods of 8 GPUs would leave 4 requested GPUs idle" in e.value.message
+
+
+def test_api_key_is_only_an_env_var_of_the_engine_container():
+    spec = {**TOPOLOGIES["tp8xpp2"], "security": {"apiKeySecretRef": {"name": "k"}}}
+    for obj in render.render(isvc(spec), SETTINGS):
+        if obj["kind"] != "StatefulSet":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        for c in pod["containers"] + pod["initContainers"]:
+            assert not any("SHOAL_API_KEY" in a or a == "--api-key" for a in c["command"] + c.get("args", []))
+        assert [e for e in pod["containers"][0]["env"] if e["name"] == "SHOAL_API_KEY"] == [
+            {"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
+        assert not any(e["name"] == "SHOAL_API_KEY" for e in pod["initContainers"][0]["env"])
 
 
 def test_every_option_reaches_the_pod():
@@ -212,7 +251,7 @@ def test_every_option_reaches_the_pod():
     assert flag(args, "--attention-backend") == "triton" and "--enforce-eager" in args
     assert flag(args, "--chat-template") == "/etc/shoal/chat-template/template.jinja"
     assert flag(args, "--shutdown-timeout") == "120"
-    assert flag(args, "--api-key") == "$(SHOAL_API_KEY)"
+    assert "--api-key" not in args and not any("SHOAL_API_KEY" in a for a in args)  # never in /proc/*/cmdline
     assert args[-2:] == ["--seed", "7"]
     env = {e["name"]: e for e in c["env"]}
     assert env["SHOAL_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "llm-key", "key": "token"}

@@ -1,14 +1,15 @@
-"""Status aggregation (pure functions of handlers.py) and the shoal-operator command line."""
+"""Status diagnosis (status.py, pure functions) and the shoal-operator command line."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
 import pytest
 
 from shoal.operator import __main__ as cli
-from shoal.operator import api, handlers, kube, render
+from shoal.operator import api, handlers, kube, render, status
 from shoal.operator.render import L_GROUP, Settings
 
 
@@ -39,7 +40,7 @@ def deployment(ready, replicas=2, updated=None, gen=1, observed=1, conditions=No
 
 def status_for(spec, children, pods, old=None):
     obj = isvc(spec, old)
-    return handlers.compute_status(obj, render.plan(obj, Settings()), children, pods)
+    return status.compute_status(obj, render.plan(obj, Settings()), children, pods)
 
 
 def cond(status, type_):
@@ -109,7 +110,10 @@ def test_last_transition_time_kept_while_status_unchanged():
 def test_multi_pod_group_ready_only_when_all_ranks_are():
     spec = {"replicas": 2, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
             "resources": {"gpusPerPod": 8}}
-    sts = {("StatefulSet", f"m-g{r}"): {"metadata": {"name": f"m-g{r}", "generation": 1}, "status": {
+    revision = render.plan(isvc(spec), Settings()).revision
+    sts = {("StatefulSet", f"m-g{r}"): {"metadata": {
+        "name": f"m-g{r}", "generation": 1, "labels": {L_GROUP: str(r)},
+        "annotations": {render.A_REVISION: revision}}, "status": {
         "observedGeneration": 1, "updatedReplicas": 2, "replicas": 2}} for r in (0, 1)}
     pods = [pod("m-g0-0", ready=True, group=0), pod("m-g0-1", ready=True, group=0),
             pod("m-g1-0", ready=True, group=1), pod("m-g1-1", ready=False, group=1)]
@@ -119,7 +123,7 @@ def test_multi_pod_group_ready_only_when_all_ranks_are():
 
 
 def test_invalid_status_names_the_field():
-    s = handlers.invalid_status(isvc(), api.SpecError("spec.engine.dtype", "bad"))
+    s = status.invalid_status(isvc(), api.SpecError("spec.engine.dtype", "bad"))
     assert s["phase"] == "Failed" and cond(s, "Ready")["reason"] == "InvalidSpec"
     assert cond(s, "Ready")["message"] == "spec.engine.dtype: bad"
 
@@ -132,6 +136,18 @@ def test_drift_detection():
     assert not handlers._drifted(actual, desired)  # server-side defaults are not drift
     edited = {**actual, "spec": {**actual["spec"], "replicas": 7}}
     assert handlers._drifted(edited, desired)
+
+
+def test_drift_compares_quantities_canonically():
+    desired = render.render(isvc({"resources": {"gpusPerPod": 0, "cpu": "2000m", "memory": "1024Mi"}}) |
+                            {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}})[0]
+    actual = copy.deepcopy(desired)
+    res = actual["spec"]["template"]["spec"]["containers"][0]["resources"]
+    res["requests"].update(cpu="2", memory="1Gi")  # as the API server stores them
+    res["limits"].update(memory="1Gi")
+    assert not handlers._drifted(actual, desired)
+    res["requests"]["memory"] = "2Gi"
+    assert handlers._drifted(actual, desired)
 
 
 # ------------------------------------------------------------------------------------------------------- CLI

@@ -1,0 +1,252 @@
+"""Status diagnosis: what the children and pods say about an InferenceService, as its status.
+
+Pure functions of the objects kopf's indexes hold (no I/O): ``compute_status`` aggregates the children of a valid
+spec into phase, replica counts and the Ready / Progressing / Degraded conditions, naming the worst problem seen
+on a pod (``pod_problem``) with the API's own words; ``invalid_status`` is the status of a refused spec.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.operator import api
+from shoal.operator.render import A_REVISION, L_GROUP, Plan
+
+# Pod problems worth a reason of their own (container waiting reasons seen on pods -> condition reason)
+WAITING_REASONS = {
+    "ImagePullBackOff": "ImagePullBackOff", "ErrImagePull": "ImagePullBackOff", "InvalidImageName": "ImagePullBackOff",
+    "CrashLoopBackOff": "CrashLoopBackOff", "CreateContainerConfigError": "CreateContainerConfigError",
+    "CreateContainerError": "CreateContainerConfigError", "RunContainerError": "CrashLoopBackOff",
+}
+# the more serious first: the Ready condition reports the worst one seen
+SEVERITY = ["InvalidSpec", "ChildRejected", "FailedCreate", "CreateContainerConfigError", "ImagePullBackOff",
+            "CrashLoopBackOff", "PodFailed", "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing",
+            "GroupRestarting", "ModelLoading", "PodsPending"]
+FATAL_WHEN_NOTHING_READY = {"ChildRejected", "FailedCreate", "CreateContainerConfigError", "ImagePullBackOff",
+                            "CrashLoopBackOff", "ProgressDeadlineExceeded", "PodFailed"}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def terminating(obj: dict[str, Any]) -> bool:
+    return bool(obj["metadata"].get("deletionTimestamp"))
+
+
+def restarts(pod: dict[str, Any]) -> int:
+    status = pod.get("status") or {}
+    return sum(int(c.get("restartCount") or 0)
+               for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []))
+
+
+@dataclass(frozen=True)
+class Group:
+    """What is observed about one group."""
+
+    index: int
+    revision: str | None  # of its StatefulSet's template
+    current: bool  # the StatefulSet carries the desired revision
+    ready: bool  # every rank Ready, running the StatefulSet's template as observed by its controller
+    updated: bool  # current, and every rank runs that template
+    pods: tuple[dict[str, Any], ...] = ()
+
+
+
+def _index(sts: dict[str, Any]) -> int | None:
+    value = (sts["metadata"].get("labels") or {}).get(L_GROUP, "")
+    return int(value) if value.isdigit() else None
+
+
+def observe_groups(statefulsets: list[dict[str, Any]], pods: list[dict[str, Any]], size: int,
+            revision: str) -> list[Group]:
+    """Groups from the live (not terminating) StatefulSets and pods of one InferenceService."""
+    groups = []
+    for sts in statefulsets:
+        index = _index(sts)
+        if index is None or sts["metadata"].get("deletionTimestamp"):
+            continue
+        members = tuple(p for p in pods if (p["metadata"].get("labels") or {}).get(L_GROUP) == str(index)
+                        and not p["metadata"].get("deletionTimestamp"))
+        status = sts.get("status") or {}
+        seen = (sts["metadata"].get("generation") or 0) <= (status.get("observedGeneration") or 0)
+        update_rev = status.get("updateRevision")
+        on_template = seen and all(
+            (p["metadata"].get("labels") or {}).get("controller-revision-hash") in (None, update_rev)
+            for p in members)
+        ready = len(members) == size and all(pod_ready(p) for p in members) and on_template
+        own = (sts["metadata"].get("annotations") or {}).get(A_REVISION)
+        groups.append(Group(index=index, revision=own, current=own == revision, ready=ready, pods=members,
+                            updated=own == revision and on_template and len(members) == size))
+    return sorted(groups, key=lambda g: g.index)
+
+
+
+def admission_failures(children: dict[tuple[str, str], dict]) -> list[tuple[str, str]]:
+    """Pods a workload controller could not create (quota exceeded, Pod Security admission, a webhook): the
+    Deployment controller reports them as the condition ReplicaFailure / FailedCreate with the API's message."""
+    found = []
+    for (kind, name), obj in sorted(children.items()):
+        for cond in (obj.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+                found.append(("FailedCreate", f"{kind.lower()} {name} cannot create pods: "
+                                              f"{cond.get('message') or cond.get('reason')}"))
+    return found
+
+
+def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) for a pod that is not serving, or None when it is ready."""
+    name = pod["metadata"]["name"]
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return "PodFailed", f"pod {name} failed: {status.get('reason') or ''} {status.get('message') or ''}".strip()
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = WAITING_REASONS.get(waiting.get("reason", ""))
+        if reason:
+            last = ((cs.get("lastState") or {}).get("terminated") or {})
+            extra = f" (last exit: {last.get('reason')}, code {last.get('exitCode')})" if last else ""
+            return reason, (f"pod {name} container {cs.get('name')}: {waiting.get('reason')}: "
+                            f"{waiting.get('message') or ''}{extra}").strip()
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return "Unschedulable", f"pod {name} cannot be scheduled: {cond.get('message') or cond.get('reason')}"
+    if pod_ready(pod):
+        return None
+    statuses = status.get("containerStatuses") or []
+    if statuses and all("running" in (cs.get("state") or {}) for cs in statuses):
+        if all(cs.get("started") for cs in statuses):
+            return "ProbeFailing", f"pod {name} is running but fails its readiness probe (/readyz)"
+        return "ModelLoading", f"pod {name} is loading the model (startup probe /startupz not passed yet)"
+    return "PodsPending", f"pod {name} is {status.get('phase') or 'Pending'}"
+
+
+# ------------------------------------------------------------------------------------------------------- status
+def _condition(type_: str, ok: bool, reason: str, message: str, previous: dict[str, dict], generation: int | None):
+    status = "True" if ok else "False"
+    prev = previous.get(type_)
+    ltt = prev.get("lastTransitionTime") if prev and prev.get("status") == status else None
+    return {"type": type_, "status": status, "reason": reason, "message": message[:32000],
+            "lastTransitionTime": ltt or _now(), "observedGeneration": generation}
+
+
+def invalid_status(isvc: dict[str, Any], error: api.SpecError) -> dict[str, Any]:
+    previous = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or []}
+    gen = isvc["metadata"].get("generation")
+    message = f"{error.field}: {error.message}"
+    return {
+        "phase": "Failed", "observedGeneration": gen,
+        "conditions": [
+            _condition("Ready", False, "InvalidSpec", message, previous, gen),
+            _condition("Progressing", False, "InvalidSpec", "children are left as they are until the spec is fixed",
+                       previous, gen),
+            _condition("Degraded", True, "InvalidSpec", message, previous, gen),
+        ],
+    }
+
+
+def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, str], dict],
+                   pods: list[dict[str, Any]], rejected: list[str] = ()) -> dict[str, Any]:
+    """`rejected`: the API's messages for children the API refused to create or change (422, admission)."""
+    spec = plan.spec
+    desired = spec.replicas
+    gen = isvc["metadata"].get("generation")
+    previous = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or []}
+    live_pods = [p for p in pods if not terminating(p)]
+    problems: list[tuple[str, str]] = []
+    deadline_exceeded = False
+
+    if plan.multi_pod:
+        groups = observe_groups([o for (kind, _), o in children.items() if kind == "StatefulSet"], live_pods,
+                                plan.pods_per_replica, plan.revision)
+        replicas, ready, updated = len(groups), sum(g.ready for g in groups), sum(g.updated for g in groups)
+    else:
+        dep = children.get(("Deployment", plan.name)) or {}
+        dstatus = dep.get("status") or {}
+        current = bool(dep) and (dep["metadata"].get("generation") or 0) <= (dstatus.get("observedGeneration") or 0)
+        replicas = int(dstatus.get("replicas") or 0)
+        ready = int(dstatus.get("readyReplicas") or 0) if current else min(int(dstatus.get("readyReplicas") or 0),
+                                                                            desired)
+        updated = int(dstatus.get("updatedReplicas") or 0) if current else 0
+        for cond in dstatus.get("conditions") or []:
+            if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+                deadline_exceeded = True
+                problems.append(("ProgressDeadlineExceeded",
+                                 f"deployment {plan.name}: {cond.get('message') or 'rollout stalled'}"))
+
+    problems += [("ChildRejected", message) for message in rejected]
+    problems += admission_failures(children)
+    for pod in live_pods:
+        problem = pod_problem(pod)
+        if problem:
+            problems.append(problem)
+    problems.sort(key=lambda p: SEVERITY.index(p[0]) if p[0] in SEVERITY else len(SEVERITY))
+    worst = problems[0] if problems else None
+    errors = [p for p in problems if p[0] not in ("ModelLoading", "PodsPending")]
+
+    all_ready = desired > 0 and ready >= desired
+    rolling = updated < desired or replicas > desired or not all_ready
+    if desired == 0:
+        ready_cond = ("ScaledToZero", "spec.replicas is 0: nothing serves requests")
+    elif all_ready:
+        ready_cond = ("AllReplicasReady", f"{ready}/{desired} replicas ready; serving {plan.served_model_name} "
+                                          f"at {plan.url}")
+    elif worst:
+        ready_cond = (worst[0], f"{ready}/{desired} replicas ready; {worst[1]}")
+    else:
+        ready_cond = ("ReplicasNotReady", f"{ready}/{desired} replicas ready")
+
+    if deadline_exceeded:
+        progressing = (False, "ProgressDeadlineExceeded", "the rollout made no progress within its deadline")
+    elif rolling and desired > 0:
+        what = "rolling out a new pod template" if updated < desired else "waiting for replicas to become ready"
+        progressing = (True, "RollingOut" if updated < desired else "ReplicasStarting",
+                       f"{what}: {updated}/{desired} updated, {ready}/{desired} ready")
+    else:
+        progressing = (False, "RolloutComplete", f"{updated}/{desired} replicas run the current spec")
+
+    if errors:
+        degraded = (True, errors[0][0], errors[0][1])
+    elif 0 < ready < desired and not progressing[0]:
+        degraded = (True, "ReplicasUnavailable", f"only {ready}/{desired} replicas ready")
+    else:
+        degraded = (False, "AsExpected", "no problem seen on the pods")
+
+    if all_ready:
+        phase = "Ready"
+    elif ready > 0:
+        phase = "Degraded"
+    elif desired > 0 and worst and worst[0] in FATAL_WHEN_NOTHING_READY:
+        phase = "Failed"
+    elif any(p[0] in ("ModelLoading", "ProbeFailing") for p in problems):
+        phase = "Loading"
+    else:
+        phase = "Pending"
+
+    return {
+        "phase": phase,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "updatedReplicas": updated,
+        "selector": plan.selector_str,
+        "url": plan.url,
+        "servedModelName": plan.served_model_name,
+        "observedGeneration": gen,
+        "conditions": [
+            _condition("Ready", all_ready, ready_cond[0], ready_cond[1], previous, gen),
+            _condition("Progressing", progressing[0], progressing[1], progressing[2], previous, gen),
+            _condition("Degraded", degraded[0], degraded[1], degraded[2], previous, gen),
+        ],
+    }
+
+
+def status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Would patching `new` change the stored status (a no-op patch still costs an API call)?"""
+    return any(old.get(k) != v for k, v in new.items())
