@@ -151,6 +151,11 @@ class Security(_Model):
 class Probes(_Model):
     startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400,
                                          description="model load budget before the pod is restarted")
+    download_timeout_seconds: int = Field(
+        default=21600, ge=60, le=604800,
+        description="budget of the hf:// model download (init container), counted apart from the rollout's "
+                    "progress deadline: a slow, healthy download is progress (reason ModelDownloading); beyond "
+                    "the budget the reason is ModelDownloadTimeout")
 
 
 class Rollout(_Model):

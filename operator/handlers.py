@@ -337,7 +337,7 @@ class Reconciler:
         cond = next(c for c in new["conditions"] if c["type"] == "Ready")
         if after[0] == "True":
             _event(isvc, "Normal", "Ready", message=cond["message"])
-        elif after[1] in ("ModelLoading", "PodsPending", "ReplicasNotReady", "ScaledToZero"):
+        elif after[1] in ("ModelDownloading", "ModelLoading", "PodsPending", "ReplicasNotReady", "ScaledToZero"):
             _event(isvc, "Normal", after[1], message=cond["message"])
         else:
             _event(isvc, "Warning", after[1] or "NotReady", message=cond["message"])

@@ -47,6 +47,7 @@ A_REVISION = "serving.shoal.dev/revision"  # of a group's template, independent 
 MANAGED_BY = "shoal-operator"
 
 API_KEY_ENV = "SHOAL_API_KEY"  # read by `shoal-engine serve` when --api-key is not given
+DOWNLOAD_CONTAINER = "model-download"  # init container that fetches hf:// models (status.py watches it)
 CACHE_DIR = "/cache"
 MODELS_DIR = "/models"
 CHAT_TEMPLATE_DIR = "/etc/shoal/chat-template"
@@ -301,7 +302,7 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         if spec.model.revision:
             download_args += ["--revision", spec.model.revision]
         init_containers.append({
-            "name": "model-download",
+            "name": DOWNLOAD_CONTAINER,
             "image": container["image"],
             "command": ["shoal-engine", "download"],
             "args": download_args,

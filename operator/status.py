@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.operator import api
-from shoal.operator.render import A_REVISION, L_GROUP, Plan
+from shoal.operator.render import A_REVISION, DOWNLOAD_CONTAINER, L_GROUP, Plan
 
 # Pod problems worth a reason of their own (container waiting reasons seen on pods -> condition reason)
 WAITING_REASONS = {
@@ -23,8 +23,8 @@ WAITING_REASONS = {
 # the more serious first: the Ready condition reports the worst one seen
 SEVERITY = ["InvalidSpec", "ChildRejected", "FailedCreate", "CreateContainerConfigError", "ImagePullBackOff",
             "CrashLoopBackOff", "PodFailed", "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing",
-            "GroupRestarting", "ModelLoading", "PodsPending"]
-FATAL_WHEN_NOTHING_READY = {"ChildRejected", "FailedCreate", "CreateContainerConfigError", "ImagePullBackOff",
+            "GroupRestarting", "ModelDownloadTimeout", "ModelDownloading", "ModelLoading", "PodsPending"]
+FATAL_WHEN_NOTHING_READY = {"ChildRejected", "FailedCreate", "ModelDownloadTimeout", "CreateContainerConfigError", "ImagePullBackOff",
                             "CrashLoopBackOff", "ProgressDeadlineExceeded", "PodFailed"}
 
 
@@ -101,13 +101,41 @@ def admission_failures(children: dict[tuple[str, str], dict]) -> list[tuple[str,
     return found
 
 
-def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
+def _seconds_since(timestamp: str | None, now: datetime.datetime) -> int | None:
+    try:
+        started = datetime.datetime.fromisoformat((timestamp or "").replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return max(0, int((now - started).total_seconds()))
+
+
+def _download_problem(pod: dict[str, Any], now: datetime.datetime, budget: int | None) -> tuple[str, str] | None:
+    """The model download (init container) has its own budget: a slow, healthy download is progress."""
+    name = pod["metadata"]["name"]
+    for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if cs.get("name") != DOWNLOAD_CONTAINER:
+            continue
+        running = (cs.get("state") or {}).get("running")
+        if running is None:
+            return None
+        elapsed = _seconds_since(running.get("startedAt"), now)
+        so_far = f"{elapsed // 60} min so far" if elapsed is not None else "started"
+        if budget is not None and elapsed is not None and elapsed > budget:
+            return "ModelDownloadTimeout", (f"pod {name} has downloaded the model for {so_far}, beyond its budget "
+                                            f"of {budget} s (spec.probes.downloadTimeoutSeconds)")
+        return "ModelDownloading", (f"pod {name} is downloading the model ({so_far}; progress: kubectl logs "
+                                    f"{name} -c {DOWNLOAD_CONTAINER})")
+    return None
+
+
+def pod_problem(pod: dict[str, Any], now: datetime.datetime | None = None,
+                download_budget: int | None = None) -> tuple[str, str] | None:
     """(reason, message) for a pod that is not serving, or None when it is ready."""
     name = pod["metadata"]["name"]
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
         return "PodFailed", f"pod {name} failed: {status.get('reason') or ''} {status.get('message') or ''}".strip()
-    for cs in status.get("containerStatuses") or []:
+    for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
         waiting = (cs.get("state") or {}).get("waiting") or {}
         reason = WAITING_REASONS.get(waiting.get("reason", ""))
         if reason:
@@ -120,6 +148,9 @@ def pod_problem(pod: dict[str, Any]) -> tuple[str, str] | None:
             return "Unschedulable", f"pod {name} cannot be scheduled: {cond.get('message') or cond.get('reason')}"
     if pod_ready(pod):
         return None
+    downloading = _download_problem(pod, now or datetime.datetime.now(datetime.timezone.utc), download_budget)
+    if downloading:
+        return downloading
     statuses = status.get("containerStatuses") or []
     if statuses and all("running" in (cs.get("state") or {}) for cs in statuses):
         if all(cs.get("started") for cs in statuses):
@@ -153,7 +184,8 @@ def invalid_status(isvc: dict[str, Any], error: api.SpecError) -> dict[str, Any]
 
 
 def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, str], dict],
-                   pods: list[dict[str, Any]], rejected: list[str] = ()) -> dict[str, Any]:
+                   pods: list[dict[str, Any]], rejected: list[str] = (),
+                   now: datetime.datetime | None = None) -> dict[str, Any]:
     """`rejected`: the API's messages for children the API refused to create or change (422, admission)."""
     spec = plan.spec
     desired = spec.replicas
@@ -183,13 +215,17 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
 
     problems += [("ChildRejected", message) for message in rejected]
     problems += admission_failures(children)
+    budget = spec.probes.download_timeout_seconds if spec.model.uri.startswith("hf://") else None
     for pod in live_pods:
-        problem = pod_problem(pod)
+        problem = pod_problem(pod, now, budget)
         if problem:
             problems.append(problem)
+    if any(p[0] == "ModelDownloading" for p in problems):  # the rollout deadline does not count the download
+        deadline_exceeded = False
+        problems = [p for p in problems if p[0] != "ProgressDeadlineExceeded"]
     problems.sort(key=lambda p: SEVERITY.index(p[0]) if p[0] in SEVERITY else len(SEVERITY))
     worst = problems[0] if problems else None
-    errors = [p for p in problems if p[0] not in ("ModelLoading", "PodsPending")]
+    errors = [p for p in problems if p[0] not in ("ModelDownloading", "ModelLoading", "PodsPending")]
 
     all_ready = desired > 0 and ready >= desired
     rolling = updated < desired or replicas > desired or not all_ready
@@ -225,7 +261,7 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
         phase = "Degraded"
     elif desired > 0 and worst and worst[0] in FATAL_WHEN_NOTHING_READY:
         phase = "Failed"
-    elif any(p[0] in ("ModelLoading", "ProbeFailing") for p in problems):
+    elif any(p[0] in ("ModelDownloading", "ModelLoading", "ProbeFailing") for p in problems):
         phase = "Loading"
     else:
         phase = "Pending"

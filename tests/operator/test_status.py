@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import subprocess
 import sys
 
@@ -188,3 +189,42 @@ def test_permissions_cover_every_kind_the_operator_writes():
             assert {"create", "patch", "delete"} <= verbs, kind
     assert granted[("", "pods")] >= {"delete"} and granted[(api.GROUP, "inferenceservices/status")] >= {"patch"}
     assert all("update" not in v or r.endswith("/finalizers") for (g, r), v in granted.items())  # no PUT
+
+
+def downloading_pod(started: str, waiting: dict | None = None) -> dict:
+    state = {"waiting": waiting} if waiting else {"running": {"startedAt": started}}
+    return {"metadata": {"name": "dl", "labels": {}}, "status": {
+        "phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}],
+        "initContainerStatuses": [{"name": "model-download", "ready": False, "restartCount": 0, "state": state}],
+        "containerStatuses": [{"name": "engine", "ready": False, "restartCount": 0,
+                               "state": {"waiting": {"reason": "PodInitializing"}}}]}}
+
+
+DEADLINE = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+             "message": "ReplicaSet \"m-1\" has timed out progressing."}]
+NOW = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.timezone.utc)
+
+
+def test_a_slow_healthy_download_is_progress_not_a_failure():
+    obj = isvc({"model": {"uri": "hf://org/big"}})
+    s = status.compute_status(obj, render.plan(obj, Settings()), deployment(0, replicas=1, conditions=DEADLINE),
+                              [downloading_pod("2026-01-01T10:00:00Z")], now=NOW)
+    assert cond(s, "Ready")["reason"] == "ModelDownloading" and "120 min so far" in cond(s, "Ready")["message"]
+    assert "kubectl logs dl -c model-download" in cond(s, "Ready")["message"]
+    assert s["phase"] == "Loading" and cond(s, "Degraded")["status"] == "False"
+    assert cond(s, "Progressing")["status"] == "True"
+
+
+def test_a_download_beyond_its_budget_fails():
+    obj = isvc({"model": {"uri": "hf://org/big"}, "probes": {"downloadTimeoutSeconds": 3600}})
+    s = status.compute_status(obj, render.plan(obj, Settings()), deployment(0, replicas=1),
+                              [downloading_pod("2026-01-01T10:00:00Z")], now=NOW)
+    assert cond(s, "Ready")["reason"] == "ModelDownloadTimeout" and "3600 s" in cond(s, "Ready")["message"]
+    assert s["phase"] == "Failed"
+
+
+def test_a_failing_download_reports_the_init_container():
+    obj = isvc({"model": {"uri": "hf://org/big"}})
+    pod = downloading_pod("", waiting={"reason": "CrashLoopBackOff", "message": "back-off 40s"})
+    s = status.compute_status(obj, render.plan(obj, Settings()), deployment(0, replicas=1), [pod], now=NOW)
+    assert cond(s, "Ready")["reason"] == "CrashLoopBackOff" and "model-download" in cond(s, "Ready")["message"]
