@@ -9,6 +9,8 @@ Shoal's own flags (each also settable by its environment variable):
   --cluster-domain DOMAIN     for the status URL and rank-0 addresses             (SHOAL_CLUSTER_DOMAIN)
   --operator-namespace NS     namespace allowed to scrape engine metrics          (SHOAL_OPERATOR_NAMESPACE,
                                                                                    else POD_NAMESPACE)
+  --metrics-namespace NS      Prometheus' namespace, admitted to /metrics by every (SHOAL_METRICS_NAMESPACES,
+                              NetworkPolicy; repeatable                             comma-separated)
 Credentials: in-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config.
 Typical in-cluster command: shoal-operator --standalone -A --liveness=http://0.0.0.0:8080/healthz
 """
@@ -25,6 +27,7 @@ OWN_FLAGS = {
     "--cluster-domain": "SHOAL_CLUSTER_DOMAIN",
     "--operator-namespace": "SHOAL_OPERATOR_NAMESPACE",
 }
+REPEATABLE = {"--metrics-namespace": "SHOAL_METRICS_NAMESPACES"}
 
 
 def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -32,8 +35,11 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     parser = argparse.ArgumentParser(add_help=False)
     for flag in OWN_FLAGS:
         parser.add_argument(flag)
+    for flag in REPEATABLE:
+        parser.add_argument(flag, action="append")
     known, rest = parser.parse_known_args(argv)
     env = {OWN_FLAGS[f]: str(v) for f in OWN_FLAGS if (v := getattr(known, f[2:].replace("-", "_"))) is not None}
+    env |= {REPEATABLE[f]: ",".join(v) for f in REPEATABLE if (v := getattr(known, f[2:].replace("-", "_")))}
     if "--max-gpus-per-node" in [a.split("=")[0] for a in argv]:
         value = int(env["SHOAL_MAX_GPUS_PER_NODE"])
         if value < 1:

@@ -141,6 +141,11 @@ class NetworkPolicyOptions(_Model):
         default_factory=list,
         description="NetworkPolicyPeers allowed to reach the HTTP port; empty means pods of the same namespace",
     )
+    metrics_from: list[FreeObject] = Field(
+        default_factory=list,
+        description="NetworkPolicyPeers of the Prometheus that scrapes /metrics (served on the HTTP port), besides "
+                    "the operator's namespace and its --metrics-namespace settings",
+    )
 
 
 class Security(_Model):

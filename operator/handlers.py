@@ -53,6 +53,8 @@ def settings_from_env() -> Settings:
         max_gpus_per_node=int(os.environ.get("SHOAL_MAX_GPUS_PER_NODE") or 8),
         cluster_domain=os.environ.get("SHOAL_CLUSTER_DOMAIN") or "cluster.local",
         operator_namespace=os.environ.get("SHOAL_OPERATOR_NAMESPACE") or os.environ.get("POD_NAMESPACE") or None,
+        metrics_namespaces=tuple(ns.strip() for ns in (os.environ.get("SHOAL_METRICS_NAMESPACES") or "").split(",")
+                                 if ns.strip()),
     )
 
 

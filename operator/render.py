@@ -66,6 +66,7 @@ class Settings:
     max_gpus_per_node: int = 8
     cluster_domain: str = "cluster.local"
     operator_namespace: str | None = None  # metrics scraping allowed from there by the NetworkPolicy
+    metrics_namespaces: tuple[str, ...] = ()  # Prometheus' namespaces: admitted like the operator's
     prestop_seconds: int = 5
     run_as_user: int = 1000
 
@@ -431,9 +432,12 @@ def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: S
     http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
     peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
     rules: list[dict[str, Any]] = [{"from": peers, "ports": http}]
-    if settings.operator_namespace:
-        rules.append({"from": [{"namespaceSelector": {"matchLabels": {
-            "kubernetes.io/metadata.name": settings.operator_namespace}}}], "ports": http})
+    # Scrapers: /metrics is served on the HTTP port (routes other than health and metrics still need the API key)
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+                for ns in dict.fromkeys(filter(None, (settings.operator_namespace, *settings.metrics_namespaces)))]
+    scrapers += copy.deepcopy(spec.security.network_policy.metrics_from)
+    if scrapers:
+        rules.append({"from": scrapers, "ports": http})
     if multi:
         # torch.distributed: rendezvous on 29500, NCCL/gloo on ephemeral ports -> every port, same service only
         rules.append({"from": [{"podSelector": {"matchLabels": pod_selector(name)}}]})

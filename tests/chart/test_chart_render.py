@@ -274,8 +274,11 @@ def test_service_monitor():
     objects = render(values)
     sm = one(objects, "ServiceMonitor")
     # the engines' NetworkPolicies must let that Prometheus in
-    assert "--operator-namespace=monitoring" in _container(objects)[1]["args"]
-    assert not [a for a in _container(render())[1]["args"] if a.startswith("--operator-namespace")]
+    assert "--metrics-namespace=monitoring" in _container(objects)[1]["args"]
+    assert not [a for a in _container(render())[1]["args"] if a.startswith("--metrics-namespace")]
+    # without an explicit scraper namespace, the ServiceMonitor's namespace is the scraper's
+    sm_only = {"metrics": {"serviceMonitor": {"enabled": True, "namespace": "prom"}}}
+    assert "--metrics-namespace=prom" in _container(render(sm_only))[1]["args"]
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["namespace"] == "monitoring"
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"

@@ -305,6 +305,21 @@ def test_network_policy_disabled_and_zero_replicas():
     assert kids[("Deployment", "llm")]["spec"]["replicas"] == 0
 
 
+def test_network_policy_admits_metrics_scrapers_on_the_http_port():
+    spec = {"security": {"networkPolicy": {"metricsFrom": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]}}}
+    settings = Settings(operator_namespace="shoal-system", metrics_namespaces=("monitoring", "shoal-system"))
+    np = by_kind(render.render(isvc(spec), settings))[("NetworkPolicy", "llm")]
+    (scrape,) = [r for r in np["spec"]["ingress"][1:] if "ports" in r]
+    assert scrape["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    names = [p.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+             for p in scrape["from"]]
+    assert names == ["shoal-system", "monitoring", "observability"]
+    assert scrape["from"][2]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+    kubernetes_validate.validate(np, K8S_VERSION, strict=True)
+
+
 def test_default_network_policy_allows_same_namespace_only():
     np = by_kind(render.render(isvc(), Settings()))[("NetworkPolicy", "llm")]
     assert np["spec"]["ingress"] == [{"from": [{"podSelector": {}}], "ports": [{"port": 8000, "protocol": "TCP"}]}]

@@ -160,6 +160,8 @@ def test_cli_splits_own_flags_from_kopf_flags():
                     "--verbose"]
     with pytest.raises(SystemExit):
         cli.parse(["--max-gpus-per-node=0"])
+    env, rest = cli.parse(["--metrics-namespace", "monitoring", "--metrics-namespace=prom", "-A"])
+    assert env == {"SHOAL_METRICS_NAMESPACES": "monitoring,prom"} and rest == ["-A"]
 
 
 def test_settings_from_env(monkeypatch):
@@ -167,8 +169,10 @@ def test_settings_from_env(monkeypatch):
     monkeypatch.setenv("SHOAL_MAX_GPUS_PER_NODE", "4")
     monkeypatch.delenv("SHOAL_OPERATOR_NAMESPACE", raising=False)
     monkeypatch.setenv("POD_NAMESPACE", "ops")
+    monkeypatch.setenv("SHOAL_METRICS_NAMESPACES", "monitoring, prom")
     s = handlers.settings_from_env()
     assert (s.engine_image, s.max_gpus_per_node, s.operator_namespace) == ("x/y:z", 4, "ops")
+    assert s.metrics_namespaces == ("monitoring", "prom")
 
 
 def test_cli_accepts_kopf_run_flags():
