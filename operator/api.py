@@ -44,6 +44,8 @@ MANAGED_FLAGS = frozenset({
     "--master-addr", "--master-port", "--headless",
 })
 
+RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "serving.shoal.dev/", "apps.kubernetes.io/",
+                           "controller-revision-hash", "statefulset.kubernetes.io/", "pod-template-hash")
 Quantity = Annotated[Union[int, str], Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
 IntOrPercent = Annotated[Union[int, str], Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
 FreeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
@@ -109,6 +111,9 @@ class Resources(_Model):
     memory: Quantity | None = Field(default=None, description="memory request and limit per pod")
     shm_size: Quantity = Field(default="2Gi", description="size limit of the in-memory /dev/shm")
     cache_size: Quantity | None = Field(default=None, description="size limit of the model cache emptyDir")
+    extra: dict[str, Quantity] = Field(
+        default_factory=dict, description="more extended resources per pod, requested and limited (e.g. "
+                                          "rdma/hca_shared_devices_a: 1)")
     tensor_parallel_across_pods: bool = Field(
         default=False,
         description="allow a tensor-parallel group to span pods (nodes): slow without NVLink-class networking, so "
@@ -128,6 +133,26 @@ class Scheduling(_Model):
     tolerations: list[FreeObject] = Field(default_factory=list)
     affinity: FreeObject | None = None
     priority_class_name: str | None = Field(default=None, max_length=253)
+    topology_spread_constraints: list[FreeObject] = Field(default_factory=list, max_length=32)
+    scheduler_name: str | None = Field(default=None, min_length=1, max_length=253,
+                                       description="e.g. a gang scheduler (Volcano) or a batch scheduler")
+    runtime_class_name: str | None = Field(default=None, min_length=1, max_length=253,
+                                           description="e.g. `nvidia` on k3s/RKE2, where it is not the default")
+
+
+class PodOptions(_Model):
+    labels: dict[str, str] = Field(default_factory=dict, description="extra labels of the engine pods (e.g. a "
+                                   "Kueue queue); the operator's own labels cannot be overridden")
+    annotations: dict[str, str] = Field(default_factory=dict, description="extra annotations of the engine pods "
+                                        "(e.g. Multus networks, sidecar opt-outs)")
+    service_account_name: str | None = Field(default=None, min_length=1, max_length=253)
+    automount_service_account_token: bool = Field(default=False, description="engines never call the API; "
+                                                  "set it for a service account whose token a sidecar needs")
+    template: FreeObject | None = Field(
+        default=None,
+        description="strategic-merge overlay on the rendered pod template ({metadata, spec}), applied last: "
+                    "containers, volumes, env... merge by name, `$patch: delete` removes an item, null a field",
+    )
 
 
 class SecretKeyRef(_Model):
@@ -150,6 +175,9 @@ class NetworkPolicyOptions(_Model):
 
 class Security(_Model):
     api_key_secret_ref: SecretKeyRef | None = Field(default=None, description="Secret holding the API key")
+    capabilities: list[Literal["IPC_LOCK", "SYS_RESOURCE"]] = Field(
+        default_factory=list, description="Linux capabilities added to the engine container (all others are "
+                                          "dropped); IPC_LOCK lets RDMA (GPUDirect, InfiniBand) pin memory")
     network_policy: NetworkPolicyOptions = section(NetworkPolicyOptions)
 
 
@@ -188,6 +216,7 @@ class InferenceServiceSpec(_Model):
     security: Security = section(Security)
     probes: Probes = section(Probes)
     rollout: Rollout = section(Rollout)
+    pod: PodOptions = section(PodOptions)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "InferenceServiceSpec":
@@ -376,6 +405,15 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
         if flag in MANAGED_FLAGS:
             errors.append(SpecError(f"spec.engine.extraArgs[{i}]",
                                     f"{flag} is set by the operator from the spec; set the spec field instead"))
+    for key in spec.pod.labels:
+        if key.startswith(RESERVED_LABEL_PREFIXES):
+            errors.append(SpecError(f"spec.pod.labels[{key}]", "is set by the operator (selectors depend on it)"))
+    for key, value in spec.resources.extra.items():
+        if not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$", key):
+            errors.append(SpecError(f"spec.resources.extra[{key}]", "must be an extended resource name "
+                                                                   "(domain/name, e.g. rdma/hca)"))
+        elif isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+            errors.append(SpecError(f"spec.resources.extra[{key}]", f"{value!r} is not a Kubernetes quantity"))
     for i, env in enumerate(spec.env):
         if not isinstance(env.get("name"), str) or not env.get("name"):
             errors.append(SpecError(f"spec.env[{i}].name", "every env entry needs a name"))

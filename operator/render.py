@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.operator import api
+from shoal.operator import api, overlay
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/shoal-dev/shoal-engine:0.1.0"
@@ -245,6 +245,8 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         requests["memory"] = limits["memory"] = str(spec.resources.memory)
     if gpus > 0:
         requests[spec.resources.gpu_resource] = limits[spec.resources.gpu_resource] = str(gpus)
+    for resource, quantity in spec.resources.extra.items():
+        requests[resource] = limits[resource] = str(quantity)
     resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
     mounts = [
@@ -289,7 +291,8 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
             "privileged": False,
             "readOnlyRootFilesystem": True,
             "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
+            "capabilities": {"drop": ["ALL"], **({"add": list(spec.security.capabilities)}
+                                                  if spec.security.capabilities else {})},
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -309,7 +312,8 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
             "args": download_args,
             "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
             "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
-            "securityContext": copy.deepcopy(container["securityContext"]),
+            "securityContext": {**copy.deepcopy(container["securityContext"]),
+                                "capabilities": {"drop": ["ALL"]}},
             "terminationMessagePolicy": "FallbackToLogsOnError",
         })
         if spec.image_pull_policy:
@@ -319,7 +323,7 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
         "volumes": volumes,
-        "automountServiceAccountToken": False,
+        "automountServiceAccountToken": spec.pod.automount_service_account_token,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": spec.engine.shutdown_timeout_seconds + settings.prestop_seconds + 15,
         "securityContext": {
@@ -339,9 +343,27 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         pod_spec["affinity"] = copy.deepcopy(sched.affinity)
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
+    if sched.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = copy.deepcopy(sched.topology_spread_constraints)
+    if sched.scheduler_name:
+        pod_spec["schedulerName"] = sched.scheduler_name
+    if sched.runtime_class_name:
+        pod_spec["runtimeClassName"] = sched.runtime_class_name
+    if spec.pod.service_account_name:
+        pod_spec["serviceAccountName"] = spec.pod.service_account_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
-    return {"metadata": {"labels": pod_labels}, "spec": pod_spec}
+    metadata: dict[str, Any] = {"labels": {**spec.pod.labels, **pod_labels}}
+    if spec.pod.annotations:
+        metadata["annotations"] = dict(spec.pod.annotations)
+    template = {"metadata": metadata, "spec": pod_spec}
+    if spec.pod.template:
+        try:
+            template = overlay.strategic_merge(template, spec.pod.template)
+        except overlay.OverlayError as e:
+            raise api.SpecError(f"spec.pod.template.{e.path}", e.message) from None
+        template.setdefault("metadata", {}).setdefault("labels", {}).update(pod_labels)  # selectors stay intact
+    return template
 
 
 # ------------------------------------------------------------------------------------------------------ children

@@ -60,6 +60,25 @@ TOPOLOGIES = {
         "rollout": {"maxUnavailable": 1, "maxSurge": 0},
     },
     "no-netpol": {"security": {"networkPolicy": {"enabled": False}}, "replicas": 0},
+    "platform-knobs": {
+        "model": {"uri": "hf://org/m"}, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
+        "scheduling": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                                      "whenUnsatisfiable": "ScheduleAnyway",
+                                                      "labelSelector": {"matchLabels": {L_ISVC: "llm"}}}],
+                       "schedulerName": "volcano", "runtimeClassName": "nvidia"},
+        "resources": {"extra": {"rdma/hca_shared_devices_a": 1}},
+        "security": {"capabilities": ["IPC_LOCK"]},
+        "pod": {"labels": {"kueue.x-k8s.io/queue-name": "gpu-queue"},
+                "annotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net", "sidecar.istio.io/inject": "false"},
+                "serviceAccountName": "llm-runner", "automountServiceAccountToken": True,
+                "template": {"metadata": {"labels": {L_ISVC: "hijack"}},
+                             "spec": {"hostIPC": True,
+                                      "containers": [{"name": "engine", "env": [
+                                          {"name": "NCCL_IB_HCA", "value": "mlx5"}, {"name": "HOME", "$patch": "delete"}],
+                                          "volumeMounts": [{"mountPath": "/dev/infiniband", "name": "ib"}]},
+                                          {"name": "log-shipper", "image": "fluent/fluent-bit:3"}],
+                                      "volumes": [{"name": "ib", "hostPath": {"path": "/dev/infiniband"}}]}}},
+    },
 }
 
 
@@ -318,6 +337,45 @@ def test_network_policy_admits_metrics_scrapers_on_the_http_port():
     assert names == ["shoal-system", "monitoring", "observability"]
     assert scrape["from"][2]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
     kubernetes_validate.validate(np, K8S_VERSION, strict=True)
+
+
+def test_platform_knobs_reach_every_pod_template():
+    for obj in render.render(isvc(TOPOLOGIES["platform-knobs"]), SETTINGS):
+        if obj["kind"] != "StatefulSet":
+            continue
+        tmpl = obj["spec"]["template"]
+        pod, c = tmpl["spec"], tmpl["spec"]["containers"][0]
+        assert pod["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+        assert (pod["schedulerName"], pod["runtimeClassName"]) == ("volcano", "nvidia")
+        assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("llm-runner", True)
+        assert c["resources"]["limits"]["rdma/hca_shared_devices_a"] == "1"
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == "8"
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert pod["initContainers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert tmpl["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        assert tmpl["metadata"]["labels"][L_ISVC] == "llm"  # the overlay cannot break the selectors
+        assert tmpl["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
+        # the strategic-merge overlay: merged by name / mountPath, $patch: delete, new sidecar appended
+        assert pod["hostIPC"] is True
+        env = [e["name"] for e in c["env"]]
+        assert "NCCL_IB_HCA" in env and "HOME" not in env and "HF_HOME" in env
+        assert [m["mountPath"] for m in c["volumeMounts"]][-1] == "/dev/infiniband"
+        assert c["image"] == "registry.test/shoal-engine:1" and c["args"]  # untouched fields stay
+        assert [x["name"] for x in pod["containers"]] == ["engine", "log-shipper"]
+        assert pod["volumes"][-1] == {"name": "ib", "hostPath": {"path": "/dev/infiniband"}}
+
+
+@pytest.mark.parametrize("spec,field", [
+    ({"pod": {"labels": {"app.kubernetes.io/name": "x"}}}, "spec.pod.labels[app.kubernetes.io/name]"),
+    ({"resources": {"extra": {"gpu": 1}}}, "spec.resources.extra[gpu]"),
+    ({"pod": {"template": {"spec": {"containers": [{"image": "x"}]}}}}, "spec.pod.template.spec.containers[0]"),
+    ({"pod": {"template": {"spec": {"$setElementOrder/containers": []}}}},
+     "spec.pod.template.spec.$setElementOrder/containers"),
+])
+def test_bad_pod_knobs_are_invalid_spec(spec, field):
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc(spec), SETTINGS)
+    assert e.value.field == field
 
 
 def test_default_network_policy_allows_same_namespace_only():
