@@ -61,6 +61,29 @@ class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True)
 
 
+class ModelCache(_Model):
+    """Where hf:// models are downloaded to (and the engine's other caches live)."""
+
+    size: Quantity | None = Field(default=None, description="cache size: the emptyDir's sizeLimit and the pod's "
+                                  "ephemeral-storage request, or the storage the operator's claim requests; "
+                                  "defaults to resources.cacheSize")
+    claim_name: str | None = Field(default=None, min_length=1, max_length=253,
+                                   description="an existing PersistentVolumeClaim (ReadWriteMany for several pods) "
+                                               "mounted at /cache by every pod: the model is downloaded once")
+    persistent: bool = Field(default=False, description="the operator creates the cache claim(s) (needs size): "
+                             "ReadWriteMany -> one claim <name>-model-cache shared by every pod; ReadWriteOnce -> "
+                             "one claim per pod of a multi-pod group (volumeClaimTemplates)")
+    storage_class_name: str | None = Field(default=None, min_length=1, max_length=253)
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
+
+    @field_validator("size")
+    @classmethod
+    def _quantity(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, str) and not re.match(QUANTITY_PATTERN, v):
+            raise ValueError(f"{v!r} is not a Kubernetes quantity")
+        return v
+
+
 class ModelSource(_Model):
     uri: str = Field(
         default=DEMO_URI, pattern=URI_PATTERN,
@@ -77,6 +100,7 @@ class ModelSource(_Model):
         default=None, max_length=262144,
         description="Jinja chat template text for models without one (mounted from a ConfigMap)",
     )
+    cache: ModelCache = section(ModelCache)
 
 
 class EngineOptions(_Model):
@@ -110,7 +134,8 @@ class Resources(_Model):
     cpu: Quantity | None = Field(default=None, description="CPU request per pod")
     memory: Quantity | None = Field(default=None, description="memory request and limit per pod")
     shm_size: Quantity = Field(default="2Gi", description="size limit of the in-memory /dev/shm")
-    cache_size: Quantity | None = Field(default=None, description="size limit of the model cache emptyDir")
+    cache_size: Quantity | None = Field(default=None, description="size of the model cache (see model.cache.size, "
+                                        "which wins)")
     extra: dict[str, Quantity] = Field(
         default_factory=dict, description="more extended resources per pod, requested and limited (e.g. "
                                           "rdma/hca_shared_devices_a: 1)")
@@ -227,6 +252,9 @@ class InferenceServiceSpec(_Model):
         return self
 
     # Derived values (one place for the arithmetic render.py and status use)
+    def cache_size(self) -> int | str | None:
+        return self.model.cache.size if self.model.cache.size is not None else self.resources.cache_size
+
     @property
     def world_size(self) -> int:
         return self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size
@@ -405,6 +433,15 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
         if flag in MANAGED_FLAGS:
             errors.append(SpecError(f"spec.engine.extraArgs[{i}]",
                                     f"{flag} is set by the operator from the spec; set the spec field instead"))
+    cache = spec.model.cache
+    if cache.claim_name and cache.persistent:
+        errors.append(SpecError("spec.model.cache.claimName", "use either an existing claim or persistent: true"))
+    if cache.persistent and spec.cache_size() is None:
+        errors.append(SpecError("spec.model.cache.size", "a persistent cache needs a size (the claim's request)"))
+    if cache.persistent and cache.access_mode == "ReadWriteOnce" and pods == 1:
+        errors.append(SpecError("spec.model.cache.accessMode",
+                                "ReadWriteOnce claims are per pod, which only multi-pod groups (StatefulSets) have; "
+                                "use ReadWriteMany (one claim shared by every pod) or claimName"))
     for key in spec.pod.labels:
         if key.startswith(RESERVED_LABEL_PREFIXES):
             errors.append(SpecError(f"spec.pod.labels[{key}]", "is set by the operator (selectors depend on it)"))

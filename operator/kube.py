@@ -27,31 +27,35 @@ from shoal.operator import api
 
 logger = logging.getLogger(__name__)
 
-# (apiGroup, resource, verbs) — least privilege for shoal-operator, including what kopf itself does.
+# (apiGroup, resource, verbs) — least privilege for shoal-operator, including what kopf itself does. Children are
+# read from watch streams only (kopf's indexes), so no `get` on them.
+_CHILD_VERBS = ("list", "watch", "create", "patch", "delete")  # an apply that creates is authorized as create
 PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    # the custom resource: watched by kopf; kopf patches annotations (progress/diff-base) on the object
+    # the custom resource: watched by kopf, read once before creating children (never resurrect a deleted one);
+    # kopf patches annotations (progress/diff-base) on the object
     (api.GROUP, "inferenceservices", ("get", "list", "watch", "patch")),
-    (api.GROUP, "inferenceservices/status", ("get", "patch")),
+    (api.GROUP, "inferenceservices/status", ("patch",)),
     # children get ownerReferences with blockOwnerDeletion=true (OwnerReferencesPermissionEnforcement)
     (api.GROUP, "inferenceservices/finalizers", ("update",)),
-    # children: reconciled (server-side apply, which creates too; prune) and watched (indexes, drift, status)
-    # (an apply that creates the object is authorized as create too)
-    ("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete")),
-    ("apps", "statefulsets", ("get", "list", "watch", "create", "patch", "delete")),
-    ("", "services", ("get", "list", "watch", "create", "patch", "delete")),
-    ("", "configmaps", ("get", "list", "watch", "create", "patch", "delete")),
-    ("networking.k8s.io", "networkpolicies", ("get", "list", "watch", "create", "patch", "delete")),
-    ("policy", "poddisruptionbudgets", ("get", "list", "watch", "create", "patch", "delete")),
+    # children: reconciled (server-side apply; prune) and watched (indexes, drift, status)
+    ("apps", "deployments", _CHILD_VERBS),
+    ("apps", "statefulsets", _CHILD_VERBS),
+    ("", "services", _CHILD_VERBS),
+    ("", "configmaps", _CHILD_VERBS),
+    ("", "persistentvolumeclaims", _CHILD_VERBS),  # the shared model cache claim (model.cache.persistent)
+    ("networking.k8s.io", "networkpolicies", _CHILD_VERBS),
+    ("policy", "poddisruptionbudgets", _CHILD_VERBS),
     # pods: watched for status reasons; deleted to restart a multi-pod group as a whole
-    ("", "pods", ("get", "list", "watch", "delete")),
+    ("", "pods", ("list", "watch", "delete")),
     # Events: posted by kopf.event() for transitions
     ("", "events", ("create", "patch")),
-    # kopf: resource discovery follows CRDs as they appear; namespaces for -n patterns / -A
-    ("apiextensions.k8s.io", "customresourcedefinitions", ("get", "list", "watch")),
-    ("", "namespaces", ("get", "list", "watch")),
+    # kopf: resource discovery follows CRDs as they appear (cluster-wide operators)
+    ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),
 )
-# A namespaced deployment (`shoal-operator -n NS`) needs everything above except the cluster-scoped rows
-# (customresourcedefinitions, namespaces) in a Role; the CRD itself is installed by the chart.
+# kopf lists and watches namespaces only to resolve -n names in a cluster-wide deployment; with -A it never does.
+NAMESPACE_PERMISSIONS = ("", "namespaces", ("list", "watch"))
+# A namespaced deployment (`shoal-operator -n NS`) needs everything above except the cluster-scoped rows in a
+# Role; the CRD itself is installed by the chart.
 CLUSTER_SCOPED = frozenset({"customresourcedefinitions", "namespaces"})
 
 # kind -> (apiVersion, plural); everything the operator creates, patches or deletes
@@ -62,10 +66,12 @@ KINDS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("v1", "configmaps"),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+    "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
     "Pod": ("v1", "pods"),
     api.KIND: (api.API_VERSION, api.PLURAL),
 }
-CHILD_KINDS = ("ConfigMap", "Service", "StatefulSet", "Deployment", "NetworkPolicy", "PodDisruptionBudget")
+CHILD_KINDS = ("ConfigMap", "PersistentVolumeClaim", "Service", "StatefulSet", "Deployment", "NetworkPolicy",
+               "PodDisruptionBudget")
 # what the operator watches besides InferenceServices: its children, and the pods of its workloads
 WATCHED_KINDS = (*CHILD_KINDS, "Pod")
 

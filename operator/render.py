@@ -11,6 +11,7 @@ One replica is a *group* of ``pods_per_replica = ceil(tp*pp / gpusPerPod)`` pods
   API from the label ``apps.kubernetes.io/pod-index`` (set by the StatefulSet controller, Kubernetes >= 1.28)
   into ``SHOAL_NODE_RANK``; rank 0 is ``<name>-g<r>-0.<name>-g<r>.<ns>.svc.<domain>``. Ranks other than 0 add
   ``--headless`` (a two-line ``sh`` wrapper, since a StatefulSet has one pod template for all ordinals);
+* a PersistentVolumeClaim ``<name>-model-cache`` for a persistent shared model cache (model.cache);
 * always: the gateway Service ``<name>`` (port 8000 -> rank-0 pods), a NetworkPolicy ``<name>`` (unless
   disabled), a PodDisruptionBudget ``<name>`` when replicas > 1, a ConfigMap ``<name>-chat-template`` when
   the spec carries a chat template.
@@ -254,14 +255,15 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         {"name": "cache", "mountPath": CACHE_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    cache: dict[str, Any] = {}
-    if spec.resources.cache_size is not None:
-        cache["sizeLimit"] = str(spec.resources.cache_size)
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(spec.resources.shm_size)}},
-        {"name": "cache", "emptyDir": cache},
+        *cache_volume(name, spec),
         {"name": "tmp", "emptyDir": {}},
     ]
+    size = spec.cache_size()
+    if size is not None and not _cache_claimed(spec):  # the emptyDir lives on the node's ephemeral storage
+        requests["ephemeral-storage"] = str(size)
+        resources["requests"] = requests
     if spec.model.uri.startswith("pvc://"):
         claim = spec.model.uri[len("pvc://"):].split("/", 1)[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
@@ -366,7 +368,52 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     return template
 
 
+def cache_claim_name(name: str) -> str:
+    return f"{name}-model-cache"
+
+
+def _per_pod_cache(spec: InferenceServiceSpec) -> bool:
+    return spec.model.cache.persistent and spec.model.cache.access_mode == "ReadWriteOnce"
+
+
+def _cache_claimed(spec: InferenceServiceSpec) -> bool:
+    return bool(spec.model.cache.claim_name or spec.model.cache.persistent)
+
+
+def cache_volume(name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The /cache volume: an existing claim, the operator's shared claim, none (a StatefulSet's per-pod claim
+    from volumeClaimTemplates) or an emptyDir."""
+    cache = spec.model.cache
+    if cache.claim_name:
+        return [{"name": "cache", "persistentVolumeClaim": {"claimName": cache.claim_name}}]
+    if _per_pod_cache(spec):
+        return []
+    if cache.persistent:
+        return [{"name": "cache", "persistentVolumeClaim": {"claimName": cache_claim_name(name)}}]
+    size = spec.cache_size()
+    return [{"name": "cache", "emptyDir": {"sizeLimit": str(size)} if size is not None else {}}]
+
+
+def _claim_spec(spec: InferenceServiceSpec) -> dict[str, Any]:
+    claim: dict[str, Any] = {"accessModes": [spec.model.cache.access_mode],
+                             "resources": {"requests": {"storage": str(spec.cache_size())}}}
+    if spec.model.cache.storage_class_name:
+        claim["storageClassName"] = spec.model.cache.storage_class_name
+    return claim
+
+
 # ------------------------------------------------------------------------------------------------------ children
+def cache_claim(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    """One ReadWriteMany claim shared by every pod, every rollout and restart: the model is downloaded once."""
+    name = isvc["metadata"]["name"]
+    return _finish({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(isvc, cache_claim_name(name), "model-cache"),
+        "spec": _claim_spec(spec),
+    })
+
+
 def deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
     name = isvc["metadata"]["name"]
     return _finish({
@@ -411,6 +458,10 @@ def statefulset(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Sett
             "revisionHistoryLimit": 5,
             "selector": {"matchLabels": {**pod_selector(name), L_GROUP: str(replica)}},
             "template": pod_template(isvc, spec, settings, replica=replica),
+            **({"volumeClaimTemplates": [{"metadata": {"name": "cache"}, "spec": _claim_spec(spec)}],
+                # a group's claims go with it; kept while it only scales, as ranks restart in place
+                "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"}}
+               if _per_pod_cache(spec) else {}),
         },
     })
 
@@ -503,6 +554,8 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
     children: list[dict[str, Any]] = []
     if spec.model.chat_template:
         children.append(chat_template_configmap(isvc, spec))
+    if spec.model.cache.persistent and not _per_pod_cache(spec):
+        children.append(cache_claim(isvc, spec))
     if not multi:  # the groups of multi-pod replicas are chosen by the rollout (Plan.group, rollout.py)
         children.append(deployment(isvc, spec, settings))
     children.append(gateway_service(isvc, spec, multi))

@@ -165,21 +165,22 @@ def test_shoal_operator_accepts_the_rendered_arguments(tmp_path):
 # What the operator may do, and nothing more: (apiGroup, resource) -> verbs.
 EXPECTED_RULES = {
     ("serving.shoal.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
-    ("serving.shoal.dev", "inferenceservices/status"): {"get", "patch"},
+    ("serving.shoal.dev", "inferenceservices/status"): {"patch"},
     ("serving.shoal.dev", "inferenceservices/finalizers"): {"update"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("apps", "statefulsets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "pods"): {"get", "list", "watch", "delete"},
+    ("apps", "deployments"): {"list", "watch", "create", "patch", "delete"},
+    ("apps", "statefulsets"): {"list", "watch", "create", "patch", "delete"},
+    ("", "services"): {"list", "watch", "create", "patch", "delete"},
+    ("", "configmaps"): {"list", "watch", "create", "patch", "delete"},
+    ("", "persistentvolumeclaims"): {"list", "watch", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
+    ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
+    ("", "pods"): {"list", "watch", "delete"},
     ("", "events"): {"create", "patch"},
 }
 CLUSTER_ONLY_RULES = {
-    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
-    ("", "namespaces"): {"get", "list", "watch"},
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
 }
+NAMESPACE_RULES = {("", "namespaces"): {"list", "watch"}}  # only to resolve -n names cluster-wide
 
 
 def flatten_rules(rules):
@@ -196,7 +197,7 @@ def flatten_rules(rules):
 def test_cluster_role_is_least_privilege(values):
     objects = render(values)
     rules = flatten_rules(one(objects, "ClusterRole")["rules"])
-    assert rules == {**EXPECTED_RULES, **CLUSTER_ONLY_RULES}
+    assert rules == {**EXPECTED_RULES, **CLUSTER_ONLY_RULES, **(NAMESPACE_RULES if values else {})}
     for (group, resource), verbs in rules.items():
         assert "*" not in verbs and group != "*" and resource != "*"
         assert resource != "secrets"  # engine pods read API keys themselves; the operator never does
@@ -207,7 +208,9 @@ def test_rbac_matches_the_permissions_the_operator_declares():
     kube = pytest.importorskip("shoal.operator.kube")
     declared = {(group, resource): set(verbs) for group, resource, verbs in kube.PERMISSIONS}
     assert declared == {**EXPECTED_RULES, **CLUSTER_ONLY_RULES}
-    assert {resource for _, resource in CLUSTER_ONLY_RULES} == set(kube.CLUSTER_SCOPED)
+    group, resource, verbs = kube.NAMESPACE_PERMISSIONS
+    assert {(group, resource): set(verbs)} == NAMESPACE_RULES
+    assert {resource for _, resource in {**CLUSTER_ONLY_RULES, **NAMESPACE_RULES}} == set(kube.CLUSTER_SCOPED)
 
 
 def test_namespaced_roles_grant_the_same_namespaced_rules():

@@ -20,3 +20,16 @@ def test_download_requires_a_model():
     proc = subprocess.run([sys.executable, "-m", "shoal.engine.cli", "download"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--model" in proc.stderr
+
+
+def test_progress_counts_partial_files_against_the_total(tmp_path):
+    from shoal.engine.download import Progress
+
+    blobs = tmp_path / "models--org--m" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / "aaa").write_bytes(b"x" * 2**20)
+    progress = Progress(tmp_path / "models--org--m", total=4 * 2**20)
+    (blobs / "bbb.incomplete").write_bytes(b"x" * 2**20)  # a resumed partial file counts
+    line = progress.line()
+    assert line.startswith("downloading: 0.00 GiB of 0.00 GiB (50.0%)") and line.endswith("MiB/s")
+    assert "\r" not in line  # plain log lines, no terminal progress bar

@@ -20,7 +20,7 @@ ISVC = "inferenceservices"
 def children(env, ns: str) -> dict[tuple[str, str], dict]:
     found = {}
     for plural in ("deployments", "statefulsets", "services", "networkpolicies", "poddisruptionbudgets",
-                   "configmaps"):
+                   "configmaps", "persistentvolumeclaims"):
         for obj in env.cluster.find(plural, ns):
             found[(plural, obj["metadata"]["name"])] = obj
     return found
@@ -440,30 +440,38 @@ def test_child_watches_are_filtered_server_side(env, ns):
     watches = [r for r in env.cluster._requests if r.action is not None and r.action.value == "WATCH"]
     by_plural = {r.resource.plural: r.params.get("labelSelector") for r in watches}
     for plural in ("deployments", "statefulsets", "services", "configmaps", "pods", "networkpolicies",
-                   "poddisruptionbudgets"):
+                   "poddisruptionbudgets", "persistentvolumeclaims"):
         assert by_plural[plural] == "app.kubernetes.io/managed-by=shoal-operator", plural
 
 
 EVERY_OPTIONAL_FIELD = {
-    "model": {"uri": "hf://org/model", "revision": "v2", "servedName": "m", "chatTemplate": "{{ messages }}"},
+    "model": {"uri": "hf://org/model", "revision": "v2", "servedName": "m", "chatTemplate": "{{ messages }}",
+              "cache": {"persistent": True, "size": "500Gi", "storageClassName": "cephfs"}},
     "replicas": 3, "image": "my.registry/engine:2", "imagePullPolicy": "Always", "imagePullSecrets": ["pull"],
     "engine": {"tensorParallelSize": 2, "dtype": "bfloat16", "maxModelLen": 8192, "maxNumSeqs": 64,
                "maxNumBatchedTokens": 4096, "gpuMemoryUtilization": 0.85, "enablePrefixCaching": False,
                "attentionBackend": "triton", "enforceEager": True, "shutdownTimeoutSeconds": 120,
                "extraArgs": ["--seed", "7"]},
     "resources": {"gpusPerPod": 2, "gpuResource": "amd.com/gpu", "cpu": "16", "memory": "128Gi",
-                  "shmSize": "16Gi", "cacheSize": "200Gi"},
+                  "shmSize": "16Gi", "cacheSize": "200Gi", "extra": {"rdma/hca": 1}},
     "scheduling": {"nodeSelector": {"gpu": "a100"},
                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                        "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In",
                                                                     "values": ["a"]}]}]}}},
-                   "priorityClassName": "inference"},
+                   "priorityClassName": "inference",
+                   "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone",
+                                                  "whenUnsatisfiable": "ScheduleAnyway"}],
+                   "schedulerName": "volcano", "runtimeClassName": "nvidia"},
     "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
-    "security": {"apiKeySecretRef": {"name": "llm-key", "key": "token"},
-                 "networkPolicy": {"allowFrom": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}]}},
-    "probes": {"startupTimeoutSeconds": 3600},
+    "security": {"apiKeySecretRef": {"name": "llm-key", "key": "token"}, "capabilities": ["IPC_LOCK"],
+                 "networkPolicy": {"allowFrom": [{"namespaceSelector": {"matchLabels": {"team": "b"}}}],
+                                   "metricsFrom": [{"namespaceSelector": {"matchLabels": {"prom": "yes"}}}]}},
+    "probes": {"startupTimeoutSeconds": 3600, "downloadTimeoutSeconds": 7200},
     "rollout": {"maxUnavailable": 1, "maxSurge": 0},
+    "pod": {"labels": {"kueue.x-k8s.io/queue-name": "q"}, "annotations": {"a": "b"}, "serviceAccountName": "sa",
+            "automountServiceAccountToken": True,
+            "template": {"spec": {"hostIPC": True, "containers": [{"name": "side", "image": "busybox"}]}}},
 }
 
 
@@ -475,7 +483,7 @@ def converged(env, ns: str, name: str) -> bool:
             for c in render.render(get_isvc(env, ns, name), handlers.settings_from_env())}
     plural = {"Deployment": "deployments", "StatefulSet": "statefulsets", "Service": "services",
               "NetworkPolicy": "networkpolicies", "PodDisruptionBudget": "poddisruptionbudgets",
-              "ConfigMap": "configmaps"}
+              "ConfigMap": "configmaps", "PersistentVolumeClaim": "persistentvolumeclaims"}
     have = children(env, ns)
     if set(have) != {(plural[k], n) for k, n in want}:
         return False
@@ -491,6 +499,7 @@ def converged(env, ns: str, name: str) -> bool:
 def test_removing_every_optional_field_converges_to_the_rendered_children(env, ns):
     env.client.create(ISVC, ns, isvc_body("opt", EVERY_OPTIONAL_FIELD))
     wait_for(lambda: converged(env, ns, "opt"), 10, "children with every option")
+    assert env.client.get("persistentvolumeclaims", ns, "opt-model-cache")
     pod = env.client.get("deployments", ns, "opt")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] and pod["tolerations"] and pod["initContainers"] and pod["imagePullSecrets"]
     for c in pod["containers"] + pod["initContainers"]:  # the API key is never in args, nor in init containers
@@ -501,9 +510,13 @@ def test_removing_every_optional_field_converges_to_the_rendered_children(env, n
     wait_for(lambda: converged(env, ns, "opt"), 10, "children without any option")
     pod = env.client.get("deployments", ns, "opt")["spec"]["template"]["spec"]
     for gone in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets",
-                 "initContainers"):
+                 "initContainers", "topologySpreadConstraints", "schedulerName", "runtimeClassName",
+                 "serviceAccountName", "hostIPC"):
         assert gone not in pod, gone
+    assert [c["name"] for c in pod["containers"]] == ["engine"] and pod["automountServiceAccountToken"] is False
+    assert "add" not in pod["containers"][0]["securityContext"]["capabilities"]
     assert env.client.get("configmaps", ns, "opt-chat-template") is None
+    assert env.client.get("persistentvolumeclaims", ns, "opt-model-cache") is None
     assert not any(e["name"] in ("NCCL_DEBUG", "SHOAL_API_KEY") for e in pod["containers"][0]["env"])
 
 

@@ -278,7 +278,8 @@ def test_every_option_reaches_the_pod():
     assert [e["name"] for e in c["env"]].count("HF_HUB_OFFLINE") == 1
     assert c["image"] == "my.registry/engine:2" and c["imagePullPolicy"] == "Always"
     assert pod["imagePullSecrets"] == [{"name": "pull"}]
-    assert c["resources"] == {"requests": {"cpu": "16", "memory": "128Gi", "amd.com/gpu": "2"},
+    assert c["resources"] == {"requests": {"cpu": "16", "memory": "128Gi", "amd.com/gpu": "2",
+                                           "ephemeral-storage": "200Gi"},
                               "limits": {"memory": "128Gi", "amd.com/gpu": "2"}}
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
@@ -375,6 +376,54 @@ def test_platform_knobs_reach_every_pod_template():
 def test_bad_pod_knobs_are_invalid_spec(spec, field):
     with pytest.raises(api.SpecError) as e:
         render.render(isvc(spec), SETTINGS)
+    assert e.value.field == field
+
+
+def test_model_cache_variants():
+    def pod_and_kids(cache, extra=None):
+        kids = by_kind(render.render(isvc({"model": {"uri": "hf://org/m", "cache": cache}, **(extra or {})}),
+                                     SETTINGS))
+        for obj in kids.values():
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        workload = next(o for o in kids.values() if o["kind"] in ("Deployment", "StatefulSet"))
+        return workload, kids
+
+    # emptyDir: sized, and the pod requests that much ephemeral storage (no eviction surprise, no overcommit)
+    dep, _ = pod_and_kids({"size": "300Gi"})
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["cache"] == {"name": "cache", "emptyDir": {"sizeLimit": "300Gi"}}
+    assert container(dep)["resources"]["requests"]["ephemeral-storage"] == "300Gi"
+    # an existing claim, shared by every pod
+    dep, _ = pod_and_kids({"claimName": "models-rwx"})
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["cache"]["persistentVolumeClaim"] == {"claimName": "models-rwx"}
+    assert "ephemeral-storage" not in container(dep)["resources"].get("requests", {})
+    # the operator's shared ReadWriteMany claim
+    dep, kids = pod_and_kids({"persistent": True, "size": "500Gi", "storageClassName": "cephfs"})
+    pvc = kids[("PersistentVolumeClaim", "llm-model-cache")]
+    assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "500Gi"}},
+                           "storageClassName": "cephfs"}
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["cache"]["persistentVolumeClaim"] == {"claimName": "llm-model-cache"}
+    # one ReadWriteOnce claim per pod of a multi-pod group
+    sts, kids = pod_and_kids({"persistent": True, "size": "500Gi", "accessMode": "ReadWriteOnce"},
+                             {"engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}})
+    assert not [k for k in kids if k[0] == "PersistentVolumeClaim"]
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "cache"
+    assert "cache" not in {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert {"name": "cache", "mountPath": "/cache"} in container(sts)["volumeMounts"]
+    assert {"name": "cache", "mountPath": "/cache"} in sts["spec"]["template"]["spec"]["initContainers"][0][
+        "volumeMounts"]
+
+
+@pytest.mark.parametrize("cache,field", [
+    ({"persistent": True}, "spec.model.cache.size"),
+    ({"persistent": True, "size": "1Ti", "claimName": "x"}, "spec.model.cache.claimName"),
+    ({"persistent": True, "size": "1Ti", "accessMode": "ReadWriteOnce"}, "spec.model.cache.accessMode"),
+])
+def test_bad_cache_settings_are_invalid(cache, field):
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc({"model": {"uri": "hf://org/m", "cache": cache}}), SETTINGS)
     assert e.value.field == field
 
 

@@ -78,29 +78,30 @@ handlers and kopf itself use.
   verbs: [get, list, watch, patch]
 - apiGroups: [serving.shoal.dev]
   resources: [inferenceservices/status]
-  verbs: [get, patch]
+  verbs: [patch]
 # Children carry ownerReferences with blockOwnerDeletion, which clusters with the
 # OwnerReferencesPermissionEnforcement admission plugin only allow with update on the owner's finalizers.
 - apiGroups: [serving.shoal.dev]
   resources: [inferenceservices/finalizers]
   verbs: [update]
-# Children rendered from an InferenceService (ConfigMaps: chat templates).
+# Children rendered from an InferenceService (ConfigMaps: chat templates; PersistentVolumeClaims: the shared model
+# cache), written with server-side apply (create, patch) and read from watches only (no get).
 - apiGroups: [apps]
   resources: [deployments, statefulsets]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [list, watch, create, patch, delete]
 - apiGroups: [""]
-  resources: [services, configmaps]
-  verbs: [get, list, watch, create, patch, delete]
+  resources: [services, configmaps, persistentvolumeclaims]
+  verbs: [list, watch, create, patch, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [list, watch, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [list, watch, create, patch, delete]
 # Engine pods: watched for status (ImagePullBackOff, probe failures), deleted to restart a multi-pod group.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, delete]
+  verbs: [list, watch, delete]
 # Events on InferenceServices (kopf's own and the handlers').
 - apiGroups: [""]
   resources: [events]
@@ -115,10 +116,13 @@ variant (rbac.scope=namespace) goes without: kopf then scans resources once at s
 {{- define "shoal.rbacClusterRules" -}}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
-  verbs: [get, list, watch]
+  verbs: [list, watch]
+{{- if .Values.operator.watchNamespaces }}
+# kopf resolves the -n names against the cluster's namespaces (with -A it never reads them)
 - apiGroups: [""]
   resources: [namespaces]
-  verbs: [get, list, watch]
+  verbs: [list, watch]
+{{- end }}
 {{- end }}
 
 {{/* Labels that select the gateway Services the operator renders for InferenceServices (see operator/render.py). */}}
