@@ -94,3 +94,20 @@ def test_dockerignore_keeps_what_the_builds_copy():
 def test_e2e_script_parses():
     out = subprocess.run(["bash", "-n", str(ROOT / "e2e" / "run.sh")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_engine_image_states_its_compatibility_floors():
+    """CUDA 12 (driver >= 525.60.13 through minor-version compatibility), not 13 (R580 only); the floors are labels;
+    the chart's kubeVersion matches the preStop sleep action (Kubernetes 1.30)."""
+    instrs = instructions(ROOT / "Dockerfile.engine")
+    args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for word, rest in instrs if word == "ARG" and "=" in rest}
+    cuda = re.search(r"nvidia/cuda:(\d+)\.(\d+)", args["CUDA_IMAGE"])
+    assert cuda and cuda.group(1) == "12"
+    assert args["TORCH_INDEX_URL"].endswith(f"/cu{cuda.group(1)}{cuda.group(2)}")  # wheel and base agree
+    labels = " ".join(rest for word, rest in instrs if word == "LABEL")
+    assert 'dev.shoal.min-nvidia-driver="525.60.13"' in labels and 'dev.shoal.min-kubernetes="1.30"' in labels
+    assert any(word == "ENV" and 'NVIDIA_REQUIRE_CUDA="cuda>=12.0"' in rest for word, rest in instrs)
+    import yaml
+
+    chart = yaml.safe_load((ROOT / "charts" / "shoal" / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == ">=1.30.0-0"
