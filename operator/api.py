@@ -27,7 +27,8 @@ SINGULAR = "inferenceservice"
 # `kubectl get isvc` is what users expect. KServe uses "isvc" too, and a cluster running both resolves it to one
 # of the two CRDs, so "sisvc" is registered as well: it never clashes (nor does inferenceservices.serving.shoal.dev).
 SHORT_NAMES = ["isvc", "sisvc"]
-CATEGORIES = ["shoal", "all"]
+# not "all": `kubectl delete all --all` must never delete models
+CATEGORIES = ["shoal"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
 ENGINE_PORT = 8000  # HTTP, metrics and health on every rank
@@ -294,6 +295,7 @@ class InferenceServiceStatus(_Model):
     phase: Literal["Pending", "Loading", "Ready", "Degraded", "Failed"] | None = None
     replicas: int | None = Field(default=None, ge=0)
     ready_replicas: int | None = Field(default=None, ge=0)
+    ready: str | None = Field(default=None, description="ready/desired replicas, for `kubectl get`")
     updated_replicas: int | None = Field(default=None, ge=0)
     selector: str | None = Field(default=None, description="label selector of the serving pods (scale subresource)")
     url: str | None = Field(default=None, description="in-cluster URL of the gateway Service")

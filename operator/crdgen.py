@@ -130,13 +130,16 @@ def build_crd() -> dict[str, Any]:
                     },
                 },
                 "additionalPrinterColumns": [
-                    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                    # ready/desired, like a Deployment's READY column
+                    {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
                     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
                     {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
                     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas", "priority": 1},
                     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
+                    {"name": "Serving", "type": "string", "priority": 1,
+                     "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
                     {"name": "Reason", "type": "string", "priority": 1,
                      "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
                 ],

@@ -314,6 +314,9 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
             "args": download_args,
             "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
             "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
+            # a download is network and disk bound; requests keep the pod out of BestEffort while it runs,
+            # the limit bounds the hub client's parallel buffers
+            "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "8Gi"}},
             "securityContext": {**copy.deepcopy(container["securityContext"]),
                                 "capabilities": {"drop": ["ALL"]}},
             "terminationMessagePolicy": "FallbackToLogsOnError",

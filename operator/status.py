@@ -270,6 +270,7 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
         "phase": phase,
         "replicas": replicas,
         "readyReplicas": ready,
+        "ready": f"{min(ready, desired)}/{desired}",
         "updatedReplicas": updated,
         "selector": plan.selector_str,
         "url": plan.url,

@@ -63,7 +63,10 @@ def test_schema_is_structural():
     assert "status" in version["subresources"]
     assert [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")] == [
         "Ready", "Replicas", "Model", "URL", "Age"]
+    ready = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Ready")
+    assert ready["jsonPath"] == ".status.ready"  # "1/2", like a Deployment's READY
     assert crd["spec"]["names"]["shortNames"] == ["isvc", "sisvc"]
+    assert "all" not in crd["spec"]["names"]["categories"]  # `kubectl delete all` never deletes models
     rules = schema["properties"]["spec"]["x-kubernetes-validations"]
     assert len(rules) == len(api.CROSS_FIELD_RULES) and all(r["fieldPath"].startswith(".") for r in rules)
 

@@ -253,6 +253,7 @@ def test_api_key_is_only_an_env_var_of_the_engine_container():
         assert [e for e in pod["containers"][0]["env"] if e["name"] == "SHOAL_API_KEY"] == [
             {"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
         assert not any(e["name"] == "SHOAL_API_KEY" for e in pod["initContainers"][0]["env"])
+        assert pod["initContainers"][0]["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi"}
 
 
 def test_every_option_reaches_the_pod():

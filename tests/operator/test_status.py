@@ -51,6 +51,7 @@ def cond(status, type_):
 def test_all_ready():
     s = status_for({"replicas": 2}, deployment(2), [pod("a", ready=True), pod("b", ready=True)])
     assert s["phase"] == "Ready" and s["readyReplicas"] == 2 and s["observedGeneration"] == 3
+    assert s["ready"] == "2/2"
     assert cond(s, "Ready")["status"] == "True" and cond(s, "Ready")["reason"] == "AllReplicasReady"
     assert cond(s, "Progressing")["status"] == "False" and cond(s, "Degraded")["status"] == "False"
     assert all(c["observedGeneration"] == 3 for c in s["conditions"])
