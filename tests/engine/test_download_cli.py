@@ -23,7 +23,7 @@ def test_download_requires_a_model():
 
 
 def test_progress_counts_partial_files_against_the_total(tmp_path):
-    from shoal.engine.download import Progress
+    from shoal.engine.tools.download import Progress
 
     blobs = tmp_path / "models--org--m" / "blobs"
     blobs.mkdir(parents=True)
