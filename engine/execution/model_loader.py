@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config, is_gguf
 from shoal.engine.execution.layers.linear import PackedMatmul
 from shoal.engine.execution.models import model_class
 from shoal.engine.execution.weights import WeightError, WeightSource
@@ -23,7 +24,10 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise WeightError(f"{model}: is a file; --model takes a Hugging Face model directory or hub id")
+        if is_gguf(path):
+            return path
+        raise WeightError(f"{model}: is a file but not a GGUF file; --model takes a Hugging Face model directory, "
+                          "a hub id or a .gguf file")
     if model.count("/") > 1 or model.startswith((".", "/", "~")):
         raise WeightError(f"{model}: no such model directory")
     from huggingface_hub import snapshot_download
@@ -40,6 +44,8 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
 def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
+    if is_gguf(model_dir):
+        return gguf_config(model_dir)
     if not (model_dir / "config.json").exists():
         raise WeightError(f"{model_dir}: config.json is missing")
     try:
@@ -67,7 +73,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     t0 = time.perf_counter()
     with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor
         model = cls(hf_config, dtype, backend, max_model_len, layer_partition)
-    src = WeightSource(model_dir)
+    src = GGUFWeightSource(model_dir, hf_config) if is_gguf(model_dir) else WeightSource(model_dir)
     try:
         model.load_weights(src)
     finally:

@@ -17,9 +17,32 @@ import time
 import urllib.error
 import urllib.request
 
-NOTE = ("Note: the built-in demo model is a tiny Llama with RANDOM weights, generated on first use - it proves the "
+NOTE = ("Note: falling back to a tiny Llama with RANDOM weights, generated on first use - it proves the "
         "machinery (paged KV cache, batching, streaming, metrics), not language quality, so its answer is "
-        "gibberish.\nServe a real model with: shoal-engine serve --model /path/to/hf-dir")
+        "gibberish.\nServe a real model with: shoal-engine serve --model /path/to/hf-dir (or FILE.gguf)")
+
+
+def offline() -> bool:
+    """The user said there is no network (the Hugging Face convention, or Shoal's own switch)."""
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes") for k in ("SHOAL_OFFLINE", "HF_HUB_OFFLINE"))
+
+
+def pick_demo_model(no_download: bool = False) -> tuple[str | None, str]:
+    """(GGUF path or None for the random tiny model, a line saying what is served and why)."""
+    from shoal.engine.tools import demo_model
+
+    found = demo_model.find_demo_model()
+    if found is not None:
+        return str(found), f"Serving {demo_model.MODEL_LABEL} from {found}"
+    if no_download or offline():
+        why = "--no-download was given" if no_download else "offline (SHOAL_OFFLINE/HF_HUB_OFFLINE is set)"
+        return None, f"The demo model {demo_model.MODEL_LABEL} is not cached and {why}.\n{NOTE}"
+    print(f"Fetching {demo_model.MODEL_LABEL} into {demo_model.cached_path().parent} (once, ~93 MB)", flush=True)
+    try:
+        path = demo_model.fetch_demo_model()
+    except demo_model.DemoModelError as e:
+        return None, f"Could not fetch the demo model: {e}\n{NOTE}"
+    return str(path), f"Serving {demo_model.MODEL_LABEL} from {path}"
 
 
 def free_port() -> int:
@@ -71,9 +94,17 @@ def run_demo(args) -> int:
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"
     extra = [a for a in (args.extra or []) if a != "--"]
+    model, served = args.model, None
+    if model is None:
+        model, line = pick_demo_model(args.no_download)
+        print(line, flush=True)
+        if model is not None:
+            served = "SmolLM2-135M-Instruct"
+    else:
+        print(f"Serving {model}", flush=True)
     cmd = [sys.executable, "-m", "shoal.engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--disable-access-log", *(["--model", args.model] if args.model else []), *extra]
-    print(NOTE if not args.model else f"Serving {args.model}", flush=True)
+           "--disable-access-log", *(["--model", model] if model else []),
+           *(["--served-model-name", served] if served else []), *extra]
     print(f"Starting the server: shoal-engine {' '.join(cmd[3:])}", flush=True)
     log = tempfile.NamedTemporaryFile("w+", prefix="shoal-demo-", suffix=".log", delete=False)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
@@ -91,7 +122,7 @@ def run_demo(args) -> int:
         print(f"\nuser> {args.prompt}\n{model}> ", end="", flush=True)
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens,
-            temperature=0.8, seed=0, stream=True, stream_options={"include_usage": True},
+            temperature=args.temperature, seed=0, stream=True, stream_options={"include_usage": True},
         )
         usage = None
         for chunk in stream:

@@ -193,6 +193,7 @@ def test_demo_command(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     out = p.stdout
     assert "random weights" in out.lower() and "--model /path/to/hf-dir" in out
+    assert "is not cached and offline" in out  # conftest sets HF_HUB_OFFLINE: it says why it fell back
     assert "shoal-demo>" in out and "usage: " in out and "12 completion tokens" in out
     assert "shoal:generation_tokens_total" in out and "server stopped (exit code 0)" in out
     assert (tmp_path / "demo-llama" / "config.json").exists()

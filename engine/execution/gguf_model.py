@@ -1,0 +1,250 @@
+"""Serve a single GGUF file (llama.cpp's format): config, tokenizer and weights all come from the file.
+
+- `is_gguf(path)`: a file that starts with the GGUF magic.
+- `gguf_config(path)`: a transformers config built from the GGUF metadata (llama, mistral, qwen2 families).
+- `load_gguf_tokenizer(path)`: transformers' GGUF tokenizer conversion (vocabulary, merges, special tokens and the
+  chat template stored in the metadata).
+- `GGUFWeightSource`: the `WeightSource` interface over the file's tensors, under Hugging Face names. Every tensor
+  type the `gguf` package can dequantize loads (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...); quantized
+  tensors are dequantized on load into the compute dtype, because no packed GGUF kernel exists here (the log
+  says so, with the types found). A tensor-parallel rank dequantizes only the rows it owns (GGUF quantizes each
+  row on its own, so a row range is a byte range).
+
+llama.cpp's converter permutes the rows of Llama's q/k projections (interleaved rotary halves); they are put
+back in Hugging Face order per head, which is why a rank's q/k slice must start on a head boundary.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shoal.engine.execution.weights import WeightError
+
+logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+# general.architecture -> (transformers model_type, architectures entry, q/k rows permuted by llama.cpp)
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM", True),
+    "mistral": ("mistral", "MistralForCausalLM", True),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+}
+
+# GGUF tensor names -> Hugging Face names (the llama family; other families need their own table).
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    if not p.is_file():
+        return False
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: str, mtime_ns: int):
+    """One parsed GGUFReader per file and process: parsing the metadata of a 49k-token vocabulary takes seconds,
+    and config, tokenizer and weights all read it."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on truncated or foreign files
+        raise WeightError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def open_gguf(path: str | os.PathLike):
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise WeightError(f"{path}: reading GGUF files needs the 'gguf' package (pip install gguf)") from None
+    p = Path(path).resolve()
+    return _open(str(p), p.stat().st_mtime_ns)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _architecture(reader, path) -> tuple[str, str, str, bool]:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise WeightError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {supported})")
+    model_type, hf_arch, permuted = ARCHITECTURES[arch]
+    name = str(_field(reader, "general.name", "") or "").lower()
+    if arch == "llama" and "mistral" in name:  # llama.cpp files Mistral under llama
+        model_type, hf_arch = "mistral", "MistralForCausalLM"
+    return arch, model_type, hf_arch, permuted
+
+
+def gguf_config(path: str | os.PathLike):
+    """A transformers PretrainedConfig from the GGUF metadata."""
+    from transformers import AutoConfig
+
+    reader = open_gguf(path)
+    arch, model_type, hf_arch, _ = _architecture(reader, path)
+
+    def need(key: str):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise WeightError(f"{path}: GGUF metadata {arch}.{key} is missing")
+        return value
+
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise WeightError(f"{path}: tensor token_embd.weight is missing")
+    vocab = _field(reader, f"{arch}.vocab_size") or int(embd.shape[-1])
+    kw = dict(
+        architectures=[hf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        hidden_act="silu",
+    )
+    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
+    if head_dim and model_type != "qwen2":
+        kw["head_dim"] = int(head_dim)
+    if model_type == "llama":
+        kw["attention_bias"] = "blk.0.attn_q.bias" in names
+    if model_type == "mistral":
+        kw["sliding_window"] = None
+    for key, attr in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("padding_token_id", "pad_token_id")):
+        value = _field(reader, f"tokenizer.ggml.{key}")
+        if value is not None:
+            kw[attr] = int(value)
+    config = AutoConfig.for_model(model_type, **kw)
+    config.dtype = torch.bfloat16  # GGUF weights are mostly quantized: compute in bf16 unless --dtype says
+    return config
+
+
+def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):
+    """The tokenizer (and chat template) stored in the GGUF metadata, through transformers' converter."""
+    from transformers import AutoTokenizer
+
+    p = Path(path).resolve()
+    if _field(open_gguf(p), "tokenizer.ggml.tokens") is None:
+        raise WeightError(f"{p}: the GGUF file has no tokenizer; pass --tokenizer DIR")
+    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True, **kwargs)
+
+
+class GGUFWeightSource:
+    """WeightSource over one GGUF file: Hugging Face tensor names, dequantized float32 slices."""
+
+    def __init__(self, path: str | os.PathLike, hf_config):
+        self.model_dir = Path(path)  # named like WeightSource's for error messages
+        reader = open_gguf(path)
+        _, _, _, self._permuted = _architecture(reader, path)
+        self._heads = {"self_attn.q_proj": hf_config.num_attention_heads,
+                       "self_attn.k_proj": hf_config.num_key_value_heads}
+        self._tensors = {}
+        for t in reader.tensors:
+            hf = self._hf_name(t.name)
+            if hf is not None:
+                self._tensors[hf] = t
+        self.used: set[str] = set()
+        types = Counter(t.tensor_type.name for t in self._tensors.values())
+        quantized = sorted(k for k in types if k not in ("F32", "F16", "BF16"))
+        logger.info("GGUF %s: tensor types %s; %s", self.model_dir.name,
+                    ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
+                    f"{'/'.join(quantized)} dequantized on load (no packed GGUF kernel on this device)"
+                    if quantized else "no quantized tensors")
+
+    @staticmethod
+    def _hf_name(name: str) -> str | None:
+        stem, _, kind = name.rpartition(".")
+        if kind not in ("weight", "bias"):
+            return None
+        if stem in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[stem]}.{kind}"
+        parts = stem.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+            return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+        return None
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def _tensor(self, name: str):
+        if name not in self._tensors:
+            raise WeightError(f"{self.model_dir}: tensor {name!r} is missing from the GGUF file")
+        self.used.add(name)
+        return self._tensors[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._tensor(name).shape))  # GGUF lists dimensions innermost first
+
+    def load(self, name: str, expected_shape: tuple[int, ...] | None = None,
+             dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
+        from gguf import quants
+
+        t = self._tensor(name)
+        full = self.shape(name)
+        if expected_shape is not None and full != tuple(expected_shape):
+            raise WeightError(f"{self.model_dir}: tensor {name!r} has shape {list(full)} but the config implies "
+                              f"{list(expected_shape)}")
+        if dim is not None and length is None:
+            length = full[dim] - start
+        data = t.data
+        rows = dim == 0 and len(full) == 2
+        if rows:  # a row range is a byte range: dequantize only this rank's rows
+            data = data[start:start + length]
+        try:
+            w = quants.dequantize(np.ascontiguousarray(data), t.tensor_type)
+        except NotImplementedError:
+            raise WeightError(f"{self.model_dir}: tensor {name!r} has type {t.tensor_type.name}, which the gguf "
+                              f"package cannot dequantize") from None
+        w = torch.from_numpy(np.require(w, np.float32, ["C", "W"])).reshape(
+            (length if rows else full[0],) + tuple(full[1:]))
+        proj = ".".join(name.split(".")[-3:-1])
+        if self._permuted and proj in self._heads:
+            w = self._unpermute(w, full[0] // self._heads[proj], name, start if rows else 0)
+        if dim is not None and not rows:
+            w = w.narrow(dim, start, length)
+        return w
+
+    def _unpermute(self, w: torch.Tensor, head_dim: int, name: str, start: int) -> torch.Tensor:
+        """Undo llama.cpp's per-head row interleave of q/k (rows [h, d/2, 2] back to [h, 2, d/2])."""
+        if start % head_dim or w.shape[0] % head_dim:
+            raise WeightError(f"{self.model_dir}: {name!r} can only be split on attention-head boundaries")
+        heads = w.shape[0] // head_dim
+        rest = tuple(w.shape[1:])
+        return w.reshape(heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+    def close(self) -> None:
+        pass

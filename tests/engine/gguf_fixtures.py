@@ -1,0 +1,133 @@
+"""Tiny GGUF files written with the `gguf` package from a tiny random Hugging Face model.
+
+Weights of the types gguf-py can quantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1) are the model's own weights,
+quantized round-to-nearest. gguf-py has no quantizer for the K types (Q4_K, Q5_K, Q6_K), so those tensors are
+blocks of seeded random quants with sane scales laid out byte for byte as llama.cpp's block structs: the
+oracle (transformers' own GGUF loader) reads the very same bytes, so the comparison stays exact.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# K-quant block layouts (bytes per 256 weights) and where the fp16 scale fields sit:
+# Q4_K: d, dmin (f16) | 12 B packed 6-bit scales/mins | 128 B 4-bit quants
+# Q5_K: d, dmin (f16) | 12 B scales/mins | 32 B high bits | 128 B low 4 bits
+# Q6_K: 128 B low 4 bits | 64 B high 2 bits | 16 int8 scales | d (f16)
+_K_SCALES = {"Q4_K": (3e-4, 3e-4 * 7.5), "Q5_K": (1.5e-4, 1.5e-4 * 15.5), "Q6_K": (7.5e-5, None)}
+
+
+def _random_k_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    d, dmin = _K_SCALES[qtype.name]
+    if qtype.name == "Q6_K":
+        raw[..., 208:210] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
+    else:
+        raw[..., 0:2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
+        raw[..., 2:4] = np.frombuffer(np.float16(dmin).tobytes(), dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter layout for Llama q/k rows (the inverse of what loaders undo)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32", embed_type: str | None = None,
+               seed: int = 0, name: str = "tiny") -> Path:
+    """Convert the tiny HF model in `model_dir` (llama or qwen2) into a GGUF file; 2-D weights get `weight_type`
+    (the token embedding `embed_type`, default the same), norms stay F32."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+    from gguf import GGMLQuantizationType as QT
+
+    model_dir, out = Path(model_dir), Path(out)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = cfg["model_type"]
+    tensors = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors.update({k: v.to(torch.float32).numpy() for k, v in load_file(str(f)).items()})
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)))
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(w, model_dir, cfg)
+
+    rng = np.random.default_rng(seed)
+    gg = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for hf_name, arr in tensors.items():
+        stem, kind = hf_name.rsplit(".", 1)
+        if stem in gg:
+            g = gg[stem]
+        else:
+            parts = stem.split(".")
+            g = f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
+        if arch == "llama" and kind == "weight" and g.endswith(("attn_q", "attn_k")):
+            arr = _permute_qk(arr, heads if g.endswith("attn_q") else kv_heads)
+        qname = embed_type if (embed_type and g == "token_embd") else weight_type
+        qtype = QT[qname] if arr.ndim == 2 else QT.F32
+        _add_tensor(w, f"{g}.{kind}", arr, qtype, rng)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tensor(w, name: str, arr: np.ndarray, qtype, rng) -> None:
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants
+
+    if qtype == QT.F32:
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    elif qtype == QT.F16:
+        w.add_tensor(name, arr.astype(np.float16))
+    elif qtype.name in _K_SCALES:
+        w.add_tensor(name, _random_k_blocks(arr.shape[0], arr.shape[1], qtype, rng), raw_dtype=qtype)
+    else:
+        w.add_tensor(name, quants.quantize(arr, qtype), raw_dtype=qtype)
+
+
+def _add_tokenizer(w, model_dir: Path, cfg: dict) -> None:
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg.get("bos_token_id", 1))
+    w.add_eos_token_id(cfg.get("eos_token_id", 0))
+    w.add_pad_token_id(cfg.get("pad_token_id", 0))
+    w.add_add_bos_token(False)
+    tc = model_dir / "tokenizer_config.json"
+    template = json.loads(tc.read_text()).get("chat_template") if tc.exists() else None
+    if template is None and (model_dir / "chat_template.jinja").exists():
+        template = (model_dir / "chat_template.jinja").read_text()
+    if template:
+        w.add_chat_template(template)

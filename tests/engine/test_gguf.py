@@ -1,0 +1,132 @@
+"""`--model FILE.gguf`: config, tokenizer and weights from one GGUF file; transformers' own GGUF loader is the
+oracle (the same file, dequantized by transformers; greedy tokens equal and logprobs close in float32)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from gguf_fixtures import write_gguf
+from shoal.engine import LLM, SamplingParams
+from shoal.engine.execution.weights import WeightError
+
+pytest.importorskip("gguf")
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+PROMPTS = ["Hello world! The quick brown", "Once upon a time there was a little shoal of fish", "def add(a, b):"]
+MAX_NEW = 10
+OPTIONS = dict(dtype="float32", max_model_len=128, block_size=4)
+# K-quants need rows that are multiples of 256 weights: hidden 256, intermediate 512.
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.fixture(scope="module")
+def hf_llama(model_factory):
+    return model_factory("llama", **SHAPE)
+
+
+@functools.lru_cache(maxsize=4)
+def _oracle(path: str):
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def check_against_transformers_gguf(path: Path, llm: LLM, logprob_tol: float = 2e-4) -> None:
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    outputs = llm.generate(PROMPTS, params)
+    model = _oracle(str(path))
+    for prompt, out in zip(PROMPTS, outputs):
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        ref_ids = ref.sequences[0, len(ids):].tolist()
+        ref_lp = torch.log_softmax(torch.stack([step[0] for step in ref.logits]).float(), dim=-1)
+        got = out.outputs[0]
+        assert got.token_ids == ref_ids, f"{path.name} {prompt!r}: {got.token_ids} != transformers {ref_ids}"
+        for step, entry in enumerate(got.logprobs):
+            for tid, lp in entry.items():
+                assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=logprob_tol), (prompt, step, tid)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_each_tensor_type_matches_transformers_gguf_loader(hf_llama, gguf_dir, qtype, caplog):
+    path = write_gguf(hf_llama, gguf_dir / f"tiny-llama-{qtype}.gguf", weight_type=qtype)
+    caplog.set_level("INFO", logger="shoal.engine.execution.gguf_model")
+    with LLM(model=str(path), **OPTIONS) as llm:
+        check_against_transformers_gguf(path, llm)
+    log = caplog.text
+    assert f"{qtype} x" in log
+    if qtype not in ("F32", "F16", "BF16"):
+        assert "dequantized on load" in log  # the log says no packed kernel is used
+
+
+def test_config_tokenizer_and_chat_template_come_from_the_file(hf_llama, gguf_dir):
+    from transformers import AutoTokenizer
+
+    path = write_gguf(hf_llama, gguf_dir / "tiny-meta.gguf", weight_type="Q8_0")
+    with LLM(model=str(path), **OPTIONS) as llm:
+        cfg = llm.llm_engine.hf_config
+        assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == (256, 2, 2)
+        assert cfg.architectures == ["LlamaForCausalLM"]
+        ours = llm.get_tokenizer()
+        ref = AutoTokenizer.from_pretrained(str(hf_llama))
+        for text in PROMPTS + ["Ünïcödé 🐟 naïve café"]:
+            assert ours.encode(text) == ref.encode(text)
+        assert ours.chat_template and "<|assistant|>" in ours.chat_template
+        rendered = ours.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                            add_generation_prompt=True)
+        assert rendered == "<|user|>hi<|end|><|assistant|>"
+        assert ours.eos_token_id in llm.llm_engine.eos_token_ids
+
+
+def test_tokenizer_flag_overrides_the_files_tokenizer(hf_llama, gguf_dir, tmp_path):
+    from shoal.engine.tools.tiny_model import make_tokenizer
+
+    path = write_gguf(hf_llama, gguf_dir / "tiny-tokover.gguf", weight_type="F16")
+    other = make_tokenizer(tmp_path / "tok", vocab_size=300, chat_template=False)
+    with LLM(model=str(path), tokenizer=str(tmp_path / "tok"), **OPTIONS) as llm:
+        assert llm.get_tokenizer().encode("Hello world") == other.encode("Hello world")
+        assert llm.get_tokenizer().chat_template is None
+
+
+def test_tied_q8_embedding_with_q4_1_layers_like_smollm2(hf_llama, gguf_dir):
+    path = write_gguf(hf_llama, gguf_dir / "tiny-mixed.gguf", weight_type="Q4_1", embed_type="Q8_0")
+    with LLM(model=str(path), **OPTIONS) as llm:
+        assert llm.llm_engine.hf_config.tie_word_embeddings is False  # the fixture's llama has an lm_head
+        check_against_transformers_gguf(path, llm)
+
+
+def test_qwen2_gguf_with_qkv_bias_and_tied_embeddings(model_factory, gguf_dir):
+    hf = model_factory("qwen2", **SHAPE)
+    path = write_gguf(hf, gguf_dir / "tiny-qwen2.gguf", weight_type="Q8_0")
+    with LLM(model=str(path), **OPTIONS) as llm:
+        assert llm.llm_engine.hf_config.tie_word_embeddings is True
+        check_against_transformers_gguf(path, llm)
+
+
+def test_bad_files_get_clear_errors(tmp_path, hf_llama, gguf_dir):
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"\0" * 64)
+    with pytest.raises(WeightError, match="not a GGUF file"):
+        LLM(model=str(not_gguf))
+    good = write_gguf(hf_llama, gguf_dir / "tiny-trunc.gguf", weight_type="Q8_0").read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good[:2000])
+    with pytest.raises(WeightError, match="truncated.gguf"):
+        LLM(model=str(truncated))
