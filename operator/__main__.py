@@ -11,6 +11,9 @@ Shoal's own flags (each also settable by its environment variable):
                                                                                    else POD_NAMESPACE)
   --metrics-namespace NS      Prometheus' namespace, admitted to /metrics by every (SHOAL_METRICS_NAMESPACES,
                               NetworkPolicy; repeatable                             comma-separated)
+  --peering-priority auto     with kopf's --peering: a random priority of its own for this process, so that of
+                              several replicas exactly one (the highest) reconciles and the others stand by
+                              (kopf pauses every operator when two share a priority)
 Credentials: in-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config.
 Typical in-cluster command: shoal-operator --standalone -A --liveness=http://0.0.0.0:8080/healthz
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 
 OWN_FLAGS = {
@@ -47,12 +51,29 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return env, rest
 
 
+def peering_priority(argv: list[str]) -> list[str]:
+    """Replace `--peering-priority auto` by kopf's `--priority N` with N random and distinct per process."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--peering-priority" or arg.startswith("--peering-priority="):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            if value != "auto":
+                raise SystemExit("--peering-priority takes 'auto' (use kopf's --priority for a fixed one)")
+            out += ["--priority", str(1 + secrets.randbelow(2**31 - 2))]
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         argv = ["--help"]
-    env, rest = parse(argv)
+    env, rest = parse(peering_priority(argv))
     os.environ.update(env)
     from kopf import cli
 

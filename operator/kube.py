@@ -52,6 +52,10 @@ PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # kopf: resource discovery follows CRDs as they appear (cluster-wide operators)
     ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),
 )
+# kopf peering (several operator replicas, the chart's highAvailability): a ClusterKopfPeering for a cluster-wide
+# operator, a KopfPeering in each watched namespace for a namespaced one.
+CLUSTER_PEERING_PERMISSIONS = ("kopf.dev", "clusterkopfpeerings", ("list", "watch", "patch"))
+NAMESPACED_PEERING_PERMISSIONS = ("kopf.dev", "kopfpeerings", ("list", "watch", "patch"))
 # kopf lists and watches namespaces only to resolve -n names in a cluster-wide deployment; with -A it never does.
 NAMESPACE_PERMISSIONS = ("", "namespaces", ("list", "watch"))
 # A namespaced deployment (`shoal-operator -n NS`) needs everything above except the cluster-scoped rows in a

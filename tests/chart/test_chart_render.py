@@ -66,6 +66,9 @@ def test_every_object_validates_against_kubernetes_schemas(case):
     for obj in objects:
         if obj["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # not a Kubernetes API: checked structurally in test_service_monitor
+        if obj["apiVersion"] == "kopf.dev/v1":  # kopf's peering: a CRD of the chart's crds/ (test_high_avail...)
+            assert obj["kind"] in PEERING_KINDS and set(obj) == {"apiVersion", "kind", "metadata"}
+            continue
         kube_validate(obj)
 
 
@@ -78,7 +81,8 @@ def test_lint_is_clean(case):
 
 def test_every_namespaced_object_has_a_namespace(case):
     _, _, objects = case
-    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "Namespace", "CustomResourceDefinition"}
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "Namespace", "CustomResourceDefinition",
+                      "ClusterKopfPeering"}
     for obj in objects:
         if obj["kind"] not in cluster_scoped:
             assert obj["metadata"].get("namespace"), obj["metadata"]
@@ -103,12 +107,16 @@ def test_operator_pod_meets_the_restricted_pod_security_standard(case):
     assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
 
 
-def test_operator_runs_kopf_standalone_with_a_liveness_endpoint(case):
+def test_operator_runs_kopf_with_a_liveness_endpoint(case):
     _, values, objects = case
     dep, c = _container(objects)
     port = ((values or {}).get("operator") or {}).get("healthPort", 8080)
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
-    assert "--standalone" in c["args"]
+    if ((values or {}).get("highAvailability") or {}).get("enabled", True):
+        assert dep["spec"]["replicas"] == 2 and "--standalone" not in c["args"]
+        assert f"--peering={dep['metadata']['name']}" in c["args"] and "--peering-priority=auto" in c["args"]
+    else:
+        assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+        assert "--standalone" in c["args"]
     assert f"--liveness=http://0.0.0.0:{port}/healthz" in c["args"]
     assert c["ports"] == [{"name": "health", "containerPort": port, "protocol": "TCP"}]
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -181,6 +189,9 @@ CLUSTER_ONLY_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
 }
 NAMESPACE_RULES = {("", "namespaces"): {"list", "watch"}}  # only to resolve -n names cluster-wide
+CLUSTER_PEERING_RULES = {("kopf.dev", "clusterkopfpeerings"): {"list", "watch", "patch"}}  # highAvailability
+NAMESPACED_PEERING_RULES = {("kopf.dev", "kopfpeerings"): {"list", "watch", "patch"}}
+PEERING_KINDS = {"ClusterKopfPeering", "KopfPeering"}
 
 
 def flatten_rules(rules):
@@ -193,11 +204,15 @@ def flatten_rules(rules):
     return out
 
 
-@pytest.mark.parametrize("values", [None, {"operator": {"watchNamespaces": ["a"]}}], ids=["all", "some"])
+@pytest.mark.parametrize("values", [None, {"operator": {"watchNamespaces": ["a"]}},
+                                    {"highAvailability": {"enabled": False}}], ids=["all", "some", "single"])
 def test_cluster_role_is_least_privilege(values):
     objects = render(values)
     rules = flatten_rules(one(objects, "ClusterRole")["rules"])
-    assert rules == {**EXPECTED_RULES, **CLUSTER_ONLY_RULES, **(NAMESPACE_RULES if values else {})}
+    ha = ((values or {}).get("highAvailability") or {}).get("enabled", True)
+    some = bool(((values or {}).get("operator") or {}).get("watchNamespaces"))
+    assert rules == {**EXPECTED_RULES, **CLUSTER_ONLY_RULES, **(NAMESPACE_RULES if some else {}),
+                     **(CLUSTER_PEERING_RULES if ha else {})}
     for (group, resource), verbs in rules.items():
         assert "*" not in verbs and group != "*" and resource != "*"
         assert resource != "secrets"  # engine pods read API keys themselves; the operator never does
@@ -208,15 +223,39 @@ def test_rbac_matches_the_permissions_the_operator_declares():
     kube = pytest.importorskip("shoal.operator.kube")
     declared = {(group, resource): set(verbs) for group, resource, verbs in kube.PERMISSIONS}
     assert declared == {**EXPECTED_RULES, **CLUSTER_ONLY_RULES}
-    group, resource, verbs = kube.NAMESPACE_PERMISSIONS
-    assert {(group, resource): set(verbs)} == NAMESPACE_RULES
+    for declared_rule, rules in ((kube.NAMESPACE_PERMISSIONS, NAMESPACE_RULES),
+                                 (kube.CLUSTER_PEERING_PERMISSIONS, CLUSTER_PEERING_RULES),
+                                 (kube.NAMESPACED_PEERING_PERMISSIONS, NAMESPACED_PEERING_RULES)):
+        group, resource, verbs = declared_rule
+        assert {(group, resource): set(verbs)} == rules
     assert {resource for _, resource in {**CLUSTER_ONLY_RULES, **NAMESPACE_RULES}} == set(kube.CLUSTER_SCOPED)
 
 
 def test_namespaced_roles_grant_the_same_namespaced_rules():
     objects = render({"rbac": {"scope": "namespace"}, "operator": {"watchNamespaces": ["a", "b"]}})
     for role in by_kind(objects, "Role"):
-        assert flatten_rules(role["rules"]) == EXPECTED_RULES
+        assert flatten_rules(role["rules"]) == {**EXPECTED_RULES, **NAMESPACED_PEERING_RULES}
+
+
+def test_high_availability_peers_two_replicas():
+    crdgen = pytest.importorskip("shoal.operator.crdgen")
+    peering_crds = {c["spec"]["names"]["kind"]: c for c in crdgen.build_peering_crds()}
+    assert set(peering_crds) == PEERING_KINDS and all(
+        (CHART_DIR / "crds" / crdgen.PEERING_FILENAME).read_text() == crdgen.render_peering_yaml() for _ in [0])
+    objects = render()
+    dep, _ = _container(objects)
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    (peering,) = by_kind(objects, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "shoal" and peering_crds["ClusterKopfPeering"]["spec"]["scope"] == "Cluster"
+    pdb = one(objects, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1 and pdb["spec"]["selector"] == dep["spec"]["selector"]
+    # namespaced operators peer in every watched namespace
+    objects = render({"rbac": {"scope": "namespace"}, "operator": {"watchNamespaces": ["a", "b"]}})
+    assert sorted(p["metadata"]["namespace"] for p in by_kind(objects, "KopfPeering")) == ["a", "b"]
+    assert not by_kind(objects, "ClusterKopfPeering")
+    # off: one standalone process, no peering, no budget
+    objects = render({"highAvailability": {"enabled": False}})
+    assert not by_kind(objects, "ClusterKopfPeering") and not by_kind(objects, "PodDisruptionBudget")
 
 
 # ------------------------------------------------------------------------------------------ specific values
@@ -335,7 +374,9 @@ def test_chart_ships_the_generated_crd():
         pytest.skip("charts/shoal/crds/ is not generated yet (python -m shoal.operator.crdgen)")
     with helm.Chart.load(str(CHART_DIR)) as chart:
         crds = chart.crds
-    assert [c["filename"] for c in crds] == [f"shoal/crds/{CHART_CRD_FILE.name}"]
+    assert sorted(c["filename"] for c in crds) == [f"shoal/crds/{CHART_CRD_FILE.name}",
+                                                    "shoal/crds/kopfpeerings.kopf.dev.yaml"]
+    crds = [c for c in crds if c["filename"].endswith(CHART_CRD_FILE.name)]
     assert CHART_CRD_FILE.read_text() == CRD_FILE.read_text()
     (doc,) = [d for d in yaml.safe_load_all(crds[0]["data"]) if d]
     kube_validate(doc)

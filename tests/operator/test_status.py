@@ -165,6 +165,15 @@ def test_cli_splits_own_flags_from_kopf_flags():
     assert env == {"SHOAL_METRICS_NAMESPACES": "monitoring,prom"} and rest == ["-A"]
 
 
+def test_peering_priority_auto_is_random_and_distinct():
+    a = cli.peering_priority(["--peering=shoal", "--peering-priority", "auto", "-A"])
+    b = cli.peering_priority(["--peering=shoal", "--peering-priority=auto", "-A"])
+    assert a[0] == "--peering=shoal" and a[1] == "--priority" and a[3:] == ["-A"] and b[3:] == ["-A"]
+    assert 0 < int(a[2]) < 2**31 and a[2] != b[2]
+    with pytest.raises(SystemExit):
+        cli.peering_priority(["--peering-priority", "7"])
+
+
 def test_settings_from_env(monkeypatch):
     monkeypatch.setenv("SHOAL_ENGINE_IMAGE", "x/y:z")
     monkeypatch.setenv("SHOAL_MAX_GPUS_PER_NODE", "4")

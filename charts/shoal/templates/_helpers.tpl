@@ -106,6 +106,12 @@ handlers and kopf itself use.
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
+{{- if and .Values.highAvailability.enabled (eq .Values.rbac.scope "namespace") }}
+# kopf peering of the operator replicas (highAvailability): keep-alives in the KopfPeering's status.
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [list, watch, patch]
+{{- end }}
 {{- end }}
 
 {{/*
@@ -117,6 +123,12 @@ variant (rbac.scope=namespace) goes without: kopf then scans resources once at s
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+{{- if .Values.highAvailability.enabled }}
+# kopf peering of the operator replicas (highAvailability): keep-alives in the ClusterKopfPeering's status.
+- apiGroups: [kopf.dev]
+  resources: [clusterkopfpeerings]
+  verbs: [list, watch, patch]
+{{- end }}
 {{- if .Values.operator.watchNamespaces }}
 # kopf resolves the -n names against the cluster's namespaces (with -A it never reads them)
 - apiGroups: [""]
