@@ -39,6 +39,8 @@ from kmock._internal import enums
 from opkit import condition, isvc_body, wait_for  # noqa: F401  (re-exported for bench_scale.py)
 
 GROUP, VERSION, PLURAL = "serving.shoal.dev", "v1alpha1", "inferenceservices"
+# resources whose CRD declares no status subresource: their status is written through the main endpoint
+WITHOUT_STATUS_SUBRESOURCE = {"clusterkopfpeerings", "kopfpeerings"}
 
 
 def _now() -> str:
@@ -241,7 +243,7 @@ class Cluster(kmock.KubernetesEmulator):
             if merged["status"] is None:
                 merged.pop("status")
             new = merged
-        elif request.subresource in (None, ""):
+        elif request.subresource in (None, "") and res[2] not in WITHOUT_STATUS_SUBRESOURCE:
             if "status" in old:
                 new["status"] = old["status"]
             else:
@@ -464,6 +466,9 @@ def _merge_atomic(target: Any, applied: Any) -> Any:
 
 def declare_resources(cluster: Cluster) -> None:
     cluster.resources.load_bundled()
+    cluster.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
+        kind="ClusterKopfPeering", singular="clusterkopfpeering", namespaced=False,
+        verbs={"get", "list", "watch", "create", "patch", "delete"})
     cluster.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = kmock.ResourceInfo(
         kind="InferenceService", singular="inferenceservice", namespaced=True, shortnames={"isvc", "sisvc"},
         verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status", "scale"})
@@ -517,7 +522,8 @@ class EmulatorServer:
 class OperatorThread:
     """kopf.operator() with shoal's handlers, in its own thread and loop, against the emulator."""
 
-    def __init__(self):
+    def __init__(self, peering: tuple[str, int] | None = None):
+        """`peering`: (peering name, priority) to run peered (as the chart's highAvailability), else standalone."""
         import kopf
 
         import shoal.operator.handlers  # noqa: F401  (registers the handlers in kopf's default registry)
@@ -529,8 +535,9 @@ class OperatorThread:
 
         def target():
             try:
-                asyncio.run(kopf.operator(standalone=True, clusterwide=True, stop_flag=self.stop_flag,
-                                          ready_flag=self.ready_flag, memo=self.memo))
+                mode = dict(peering_name=peering[0], priority=peering[1]) if peering else dict(standalone=True)
+                asyncio.run(kopf.operator(clusterwide=True, stop_flag=self.stop_flag, ready_flag=self.ready_flag,
+                                          memo=self.memo, **mode))
             except BaseException as e:  # pragma: no cover - surfaced by the fixture
                 self.error = e
 
