@@ -193,6 +193,7 @@ class Reconciler:
         desired = {(o["kind"], o["metadata"]["name"]): o for o in plan.children}
         pods = self._get("Pod", key)
         keep: set[tuple[str, str]] = set()  # outdated groups that still serve: left alone until retired
+        in_place: set[tuple[str, str]] = set()  # groups replaced in place (maxSurge 0)
         if plan.multi_pod:
             groups = status.observe_groups([o for (kind, _), o in observed.items() if kind == "StatefulSet"
                                             and _owned_by(o, uid)], pods, plan.pods_per_replica, plan.revision)
@@ -205,6 +206,8 @@ class Reconciler:
                 desired[("Service", service["metadata"]["name"])] = service
                 if g.current or g.index in move.update:
                     desired[("StatefulSet", sts["metadata"]["name"])] = sts
+                    if g.index in move.update:
+                        in_place.add(("StatefulSet", sts["metadata"]["name"]))
                 else:
                     keep.add(("StatefulSet", sts["metadata"]["name"]))
             for index in move.create:
@@ -223,6 +226,12 @@ class Reconciler:
                 try:
                     await self.kube.apply(obj)  # creates, updates and removes fields we no longer render
                 except ApiError as e:
+                    if e.status == 422 and ck in in_place and actual is not None:
+                        # a StatefulSet field that cannot change (volumeClaimTemplates, ...): the group goes down
+                        # anyway, so replace the StatefulSet; the next pass creates it on the new spec
+                        await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
+                        _event(isvc, "Normal", "GroupRecreate", message=f"recreating {ck[1]}: {e.message}")
+                        continue
                     if e.status not in REJECTED:
                         raise
                     rejected.append(f"{ck[0]} {ck[1]} rejected by the API ({e.status} {e.reason}): {e.message}")

@@ -39,6 +39,9 @@ from kmock._internal import enums
 from opkit import condition, isvc_body, wait_for  # noqa: F401  (re-exported for bench_scale.py)
 
 GROUP, VERSION, PLURAL = "serving.shoal.dev", "v1alpha1", "inferenceservices"
+# the API server's validation of StatefulSet updates: everything else in spec is immutable
+STATEFULSET_MUTABLE = {"replicas", "ordinals", "template", "updateStrategy", "persistentVolumeClaimRetentionPolicy",
+                       "minReadySeconds", "revisionHistoryLimit"}
 # resources whose CRD declares no status subresource: their status is written through the main endpoint
 WITHOUT_STATUS_SUBRESOURCE = {"clusterkopfpeerings", "kopfpeerings"}
 
@@ -248,6 +251,12 @@ class Cluster(kmock.KubernetesEmulator):
                 new["status"] = old["status"]
             else:
                 new.pop("status", None)
+        if res[2] == "statefulsets" and request.subresource in (None, ""):
+            fixed = {k: v for k, v in (new.get("spec") or {}).items() if k not in STATEFULSET_MUTABLE}
+            if fixed != {k: v for k, v in (old.get("spec") or {}).items() if k not in STATEFULSET_MUTABLE}:
+                return self._error(422, "Invalid", f"StatefulSet.apps \"{request.name}\" is invalid: spec: "
+                                                   "Forbidden: updates to statefulset spec for fields other than "
+                                                   f"{sorted(STATEFULSET_MUTABLE)} are forbidden")
         for field in ("uid", "creationTimestamp", "namespace", "name"):
             if field in old["metadata"]:
                 new["metadata"][field] = old["metadata"][field]

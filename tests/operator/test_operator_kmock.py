@@ -404,6 +404,23 @@ def test_multi_pod_rollout_in_place_with_max_surge_zero(env, ns):
     assert len(created) == 2  # never a surge group
 
 
+def test_in_place_group_update_of_an_immutable_field_recreates_the_group(env, ns):
+    spec = {"replicas": 1, "model": {"uri": "hf://org/m"}, "engine": {"tensorParallelSize": 2,
+            "pipelineParallelSize": 2}, "resources": {"gpusPerPod": 2}, "rollout": {"maxSurge": 0, "maxUnavailable": 1}}
+    env.client.create(ISVC, ns, isvc_body("immut", spec))
+    roll(env, ns, "immut", rolled_out(env, ns, "immut", "org/m", 1))
+    uid = env.client.get("statefulsets", ns, "immut-g0")["metadata"]["uid"]
+    # per-pod cache claims: volumeClaimTemplates cannot change on a StatefulSet (422)
+    env.client.patch(ISVC, ns, "immut", {"spec": {"model": {"cache": {
+        "persistent": True, "size": "100Gi", "accessMode": "ReadWriteOnce"}}}})
+
+    def recreated():
+        sts = env.client.get("statefulsets", ns, "immut-g0")
+        return sts and sts["metadata"]["uid"] != uid and sts["spec"].get("volumeClaimTemplates")
+    roll(env, ns, "immut", recreated)
+    assert [e for e in env.cluster.find("events", ns) if e["reason"] == "GroupRecreate"]
+
+
 def test_quota_exceeded_shows_on_conditions_and_events(env, ns):
     env.client.create(ISVC, ns, isvc_body("quota", {"replicas": 1}))
     wait_for(lambda: env.client.get("deployments", ns, "quota"), 10, "deployment")
