@@ -6,10 +6,10 @@ One replica is a *group* of ``pods_per_replica = ceil(tp*pp / gpusPerPod)`` pods
 
 * single-pod replicas: one Deployment ``<name>`` with ``spec.replicas`` pods;
 * multi-pod replicas: per replica one StatefulSet ``<name>-g<index>`` (Parallel pod management, OnDelete
-  updates: the operator rolls whole groups, see rollout.py) and its headless Service ``<name>-g<index>`` (publishNotReadyAddresses,
-  so ranks resolve each other before they are ready). The rank is the pod ordinal, read through the downward
-  API from the label ``apps.kubernetes.io/pod-index`` (set by the StatefulSet controller, Kubernetes >= 1.28)
-  into ``SHOAL_NODE_RANK``; rank 0 is ``<name>-g<r>-0.<name>-g<r>.<ns>.svc.<domain>``. Ranks other than 0 add
+  updates: the operator rolls whole groups, see rollout.py) and its headless Service ``<name>-g<index>``
+  (publishNotReadyAddresses, so ranks resolve each other before they are ready). The rank is the pod ordinal,
+  read through the downward API from the label ``apps.kubernetes.io/pod-index`` (set by the StatefulSet
+  controller, Kubernetes >= 1.28) into ``SHOAL_NODE_RANK``; rank 0 is ``<name>-g<r>-0.<name>-g<r>.<ns>.svc.<domain>``. Ranks other than 0 add
   ``--headless`` (a two-line ``sh`` wrapper, since a StatefulSet has one pod template for all ordinals);
 * a PersistentVolumeClaim ``<name>-model-cache`` for a persistent shared model cache (model.cache);
 * always: the gateway Service ``<name>`` (port 8000 -> rank-0 pods), a NetworkPolicy ``<name>`` (unless

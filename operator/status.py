@@ -24,8 +24,8 @@ WAITING_REASONS = {
 SEVERITY = ["InvalidSpec", "ChildRejected", "FailedCreate", "CreateContainerConfigError", "ImagePullBackOff",
             "CrashLoopBackOff", "PodFailed", "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing",
             "GroupRestarting", "ModelDownloadTimeout", "ModelDownloading", "ModelLoading", "PodsPending"]
-FATAL_WHEN_NOTHING_READY = {"ChildRejected", "FailedCreate", "ModelDownloadTimeout", "CreateContainerConfigError", "ImagePullBackOff",
-                            "CrashLoopBackOff", "ProgressDeadlineExceeded", "PodFailed"}
+FATAL_WHEN_NOTHING_READY = {"ChildRejected", "FailedCreate", "ModelDownloadTimeout", "CreateContainerConfigError",
+                            "ImagePullBackOff", "CrashLoopBackOff", "ProgressDeadlineExceeded", "PodFailed"}
 
 
 def _now() -> str:

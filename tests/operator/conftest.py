@@ -3,8 +3,9 @@
 `Cluster` (a KubernetesEmulator subclass) adds what kopf and the operator rely on from a real API server:
 uid / creationTimestamp / resourceVersion / generation, namespaces from the URL, generateName, 409 on an
 existing name or a stale resourceVersion, 422 when a JSON-patch `test` fails, status isolation (/status
-changes only status, the main endpoint never does), server-side apply (`Cluster._apply`: per field manager, fields
-a manager applied before and no longer applies are removed; lists are atomic), no-op patches that change nothing (no event), uid
+changes only status, the main endpoint never does), server-side apply (`Cluster._apply`: per field manager,
+fields a manager applied before and no longer applies are removed; lists are atomic), no-op patches that change
+nothing (no event), uid
 preconditions on delete, label selectors on lists and watches, resourceVersion on lists, watches that
 replay only events newer than the requested resourceVersion (subscribing before the replay, so nothing is
 lost in between), `timeoutSeconds`, ownerReference garbage collection, and fault injection

@@ -315,8 +315,9 @@ def play_statefulsets(env, ns: str) -> None:
                     "apiVersion": "v1", "kind": "Pod",
                     "metadata": {"name": name, "labels": {**template["metadata"]["labels"], L_POD_INDEX: str(ordinal),
                                                           "controller-revision-hash": rev},
-                                 "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "controller": True,
-                                                      "name": meta["name"], "uid": meta["uid"]}]},
+                                 "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                                      "controller": True, "name": meta["name"],
+                                                      "uid": meta["uid"]}]},
                     "spec": template["spec"]})
                 env.client.patch("pods", ns, name, _pod_status(ready=False), sub="status")
             elif not condition(pod, "Ready") or condition(pod, "Ready")["status"] != "True":
@@ -370,7 +371,8 @@ def rolled_out(env, ns: str, name: str, model: str, groups: int):
 
 
 def test_multi_pod_rollout_surges_a_group_and_never_drops_to_zero(env, ns):
-    spec = {"replicas": 1, "model": {"uri": "hf://org/old"}, "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+    spec = {"replicas": 1, "model": {"uri": "hf://org/old"},
+            "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
             "resources": {"gpusPerPod": 2}}  # default rollout: maxSurge 1, maxUnavailable 0
     env.client.create(ISVC, ns, isvc_body("surge", spec))
     roll(env, ns, "surge", rolled_out(env, ns, "surge", "org/old", 1))
@@ -389,7 +391,8 @@ def test_multi_pod_rollout_surges_a_group_and_never_drops_to_zero(env, ns):
 
 
 def test_multi_pod_rollout_in_place_with_max_surge_zero(env, ns):
-    spec = {"replicas": 2, "model": {"uri": "hf://org/old"}, "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+    spec = {"replicas": 2, "model": {"uri": "hf://org/old"},
+            "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
             "resources": {"gpusPerPod": 2}, "rollout": {"maxSurge": 0, "maxUnavailable": 1}}
     env.client.create(ISVC, ns, isvc_body("inplace", spec))
     roll(env, ns, "inplace", rolled_out(env, ns, "inplace", "org/old", 2))

@@ -74,7 +74,8 @@ TOPOLOGIES = {
                 "template": {"metadata": {"labels": {L_ISVC: "hijack"}},
                              "spec": {"hostIPC": True,
                                       "containers": [{"name": "engine", "env": [
-                                          {"name": "NCCL_IB_HCA", "value": "mlx5"}, {"name": "HOME", "$patch": "delete"}],
+                                          {"name": "NCCL_IB_HCA", "value": "mlx5"},
+                                          {"name": "HOME", "$patch": "delete"}],
                                           "volumeMounts": [{"mountPath": "/dev/infiniband", "name": "ib"}]},
                                           {"name": "log-shipper", "image": "fluent/fluent-bit:3"}],
                                       "volumes": [{"name": "ib", "hostPath": {"path": "/dev/infiniband"}}]}}},
