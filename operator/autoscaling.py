@@ -192,7 +192,8 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
             return result(current, "WaitingToScaleToZero",
                           f"idle for {min(idle_for, policy.scale_to_zero_after):.0f}s of "
                           f"{policy.scale_to_zero_after:g}s before scaling to zero")
-        return result(max(down_to, floor), "ScaleDown", f"scale down to {max(down_to, floor)}")
+        if max(down_to, floor) < current:
+            return result(max(down_to, floor), "ScaleDown", f"scale down to {max(down_to, floor)}")
 
     if current < policy.min_replicas or current > policy.max_replicas:
         return result(current, "OutOfBounds", "replicas brought within [minReplicas, maxReplicas]")
