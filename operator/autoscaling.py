@@ -22,7 +22,8 @@ Stabilization, per direction (like the HPA's behavior field):
 * scale down to the *highest* recommendation of the last ``scaleDownStabilizationSeconds``;
 * a change of direction waits for the window of the new direction since the last change, so steady load
   flips direction at most once per window;
-* the last replica goes only after ``scaleToZeroAfterSeconds`` without any load (and only with minReplicas 0);
+* the last replica goes only after ``scaleToZeroAfterSeconds`` without any load (and only with minReplicas 0),
+  and never while it is still starting (it was started for someone, typically a request the gateway holds);
 * from zero, any load (a held request, a wake-up from the gateway) scales to the need at once, bypassing the
   windows: someone is waiting.
 """
@@ -184,6 +185,10 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
                                                   f"{policy.scale_down_window:g}s ago")
         if down_to == 0 and policy.min_replicas == 0:
             idle_for = now - history.last_busy if history.last_busy is not None else math.inf
+            if obs.starting and current <= floor:
+                # a replica still loading was asked for (by a held request, most likely): let it serve first
+                return result(current, "WaitingForStartingReplicas",
+                              f"no load seen, but {obs.starting} replica(s) still starting; not scaling to zero")
             if idle_for >= policy.scale_to_zero_after:
                 return result(0, "ScaleToZero", f"idle for {policy.scale_to_zero_after:g}s")
             if current > floor:

@@ -140,6 +140,21 @@ def test_from_zero_a_held_request_scales_at_the_first_decision():
     assert d.desired == 3
 
 
+def test_a_replica_started_from_zero_is_not_removed_before_it_served():
+    policy = Policy(min_replicas=0, max_replicas=2, scale_down_window=1, scale_to_zero_after=2)
+    history = History()
+    assert decide(Observation(now=0.0, current=0, ready=0, wake=True), policy, history).desired == 1
+    # the model loads for a minute; the held request is invisible to the scrape meanwhile
+    for t in range(1, 60):
+        d = decide(Observation(now=float(t), current=1, ready=0), policy, history)
+        assert d.desired == 1, d
+    assert d.reason == "WaitingForStartingReplicas"
+    # ready, serves, goes idle: then it may go
+    decide(Observation(now=60.0, current=1, ready=1, replicas=(ReplicaLoad("p", running=1),)), policy, history)
+    ds = [decide(Observation(now=60.0 + t, current=1, ready=1), policy, history).desired for t in range(1, 5)]
+    assert ds[-1] == 0
+
+
 def test_starting_replicas_count_as_capacity():
     policy = Policy(min_replicas=1, max_replicas=10, target_in_flight=10, scale_up_window=0)
     history = History()
