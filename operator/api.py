@@ -241,7 +241,7 @@ class Autoscaling(_Model):
                     "num_requests_waiting, plus requests the gateway holds); about maxNumSeqs/2 keeps batches "
                     "full without queueing")
     target_kv_cache_usage: float = Field(
-        default=0.8, gt=0.0, le=1.0,
+        default=0.8, gt=0.0, le=1.0, alias="targetKVCacheUsage",
         description="KV-cache usage per replica to aim for (long contexts fill the cache before the batch)")
     target_waiting_prefill_tokens_per_replica: int | None = Field(
         default=None, ge=1, le=16777216,

@@ -120,4 +120,21 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
     assert costs["qa-b"] < 0 and costs["qa-a"] < 0 and costs["qa-d"] < 0
     events = [e["reason"] for e in env.cluster.find("events", ns)]
     assert "ScaledUp" in events and "ScaledDown" in events
+    # the operator's own metrics (served on --metrics-port)
+    from prometheus_client import generate_latest
+
+    from shoal.operator.autoscaler import REGISTRY
+
+    text = generate_latest(REGISTRY).decode()
+    assert f'shoal:autoscaler_desired_replicas{{name="qa",namespace="{ns}"}} 1.0' in text
+    assert f'shoal:autoscaler_scalings_total{{name="qa",namespace="{ns}",reason="ScaleUp"}} 1.0' in text
+
+
+def test_metrics_port_flag():
+    from shoal.operator.__main__ import parse
+
+    env, rest = parse(["--metrics-port", "9090", "--standalone"])
+    assert env["SHOAL_METRICS_PORT"] == "9090" and rest == ["--standalone"]
+    with pytest.raises(SystemExit, match="port number"):
+        parse(["--metrics-port", "http"])
 
