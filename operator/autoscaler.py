@@ -384,12 +384,14 @@ async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
         server[0].shutdown()
 
 
+ISVC_INDEX = f"{api.KIND.lower()}_index"  # the id of handlers.py's index of InferenceServices
+
+
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-async def isvc_event(type: str | None, body: kopf.Body, memo: kopf.Memo, isvc_index: kopf.Index,
-                     **_: Any) -> None:
+async def isvc_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     """Every event of an InferenceService (incl. the initial listing): start or wake its autoscaling loop."""
     autoscaler: Autoscaler | None = memo.get("autoscaler")
     if autoscaler is None or type == "DELETED" or not body.get("metadata"):
         return
-    autoscaler.indexes[api.KIND] = isvc_index
+    autoscaler.indexes[api.KIND] = kwargs[ISVC_INDEX]
     autoscaler.notice(dict(body))
