@@ -58,12 +58,17 @@ class Waker:
         self.last = now
         self._task = asyncio.get_running_loop().create_task(self._send(), name="gateway-wake")
 
+    async def start(self) -> None:
+        """Resolve credentials and open the connection pool before the first request is held (loading a
+        kubeconfig takes a few hundred milliseconds: not on the scale-from-zero path)."""
+        if self.api is None:
+            self.api = await asyncio.to_thread(KubeAPI.from_environment)
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+
     async def _send(self) -> None:
         try:
-            if self.api is None:
-                self.api = await asyncio.to_thread(KubeAPI.from_environment)
-            if self._session is None:
-                self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            await self.start()
             url = self.api.server + ISVC_PATH.format(namespace=quote(self.namespace), name=quote(self.name))
             headers = {**self.api.headers(), "Content-Type": "application/merge-patch+json"}
             async with self._session.patch(url, data=json.dumps(wake_patch()), headers=headers,
