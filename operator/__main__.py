@@ -14,6 +14,7 @@ Shoal's own flags (each also settable by its environment variable):
   --peering-priority auto     with kopf's --peering: a random priority of its own for this process, so that of
                               several replicas exactly one (the highest) reconciles and the others stand by
                               (kopf pauses every operator when two share a priority)
+  --metrics-port PORT         serve the autoscaler's shoal:autoscaler_* metrics    (SHOAL_METRICS_PORT)
 Credentials: in-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config.
 Typical in-cluster command: shoal-operator --standalone -A --liveness=http://0.0.0.0:8080/healthz
 """
@@ -30,6 +31,7 @@ OWN_FLAGS = {
     "--max-gpus-per-node": "SHOAL_MAX_GPUS_PER_NODE",
     "--cluster-domain": "SHOAL_CLUSTER_DOMAIN",
     "--operator-namespace": "SHOAL_OPERATOR_NAMESPACE",
+    "--metrics-port": "SHOAL_METRICS_PORT",
 }
 REPEATABLE = {"--metrics-namespace": "SHOAL_METRICS_NAMESPACES"}
 
@@ -44,6 +46,9 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     known, rest = parser.parse_known_args(argv)
     env = {OWN_FLAGS[f]: str(v) for f in OWN_FLAGS if (v := getattr(known, f[2:].replace("-", "_"))) is not None}
     env |= {REPEATABLE[f]: ",".join(v) for f in REPEATABLE if (v := getattr(known, f[2:].replace("-", "_")))}
+    if "SHOAL_METRICS_PORT" in env and not (env["SHOAL_METRICS_PORT"].isdigit()
+                                             and 0 < int(env["SHOAL_METRICS_PORT"]) < 65536):
+        raise SystemExit(f"--metrics-port must be a port number, got {env['SHOAL_METRICS_PORT']!r}")
     if "--max-gpus-per-node" in [a.split("=")[0] for a in argv]:
         value = int(env["SHOAL_MAX_GPUS_PER_NODE"])
         if value < 1:

@@ -229,6 +229,35 @@ class Rollout(_Model):
         return v
 
 
+class Autoscaling(_Model):
+    """When set, the operator owns spec.replicas (through the scale subresource) and sizes the fleet to the load."""
+
+    min_replicas: int = Field(default=1, ge=0, le=1000,
+                              description="fewest replicas; 0 lets the fleet scale to zero when idle")
+    max_replicas: int = Field(ge=1, le=1000, description="most replicas (a cap on GPUs spent)")
+    target_in_flight_per_replica: int = Field(
+        default=16, ge=1, le=65536,
+        description="requests running or waiting per replica to aim for (engines' num_requests_running + "
+                    "num_requests_waiting, plus requests the gateway holds); about maxNumSeqs/2 keeps batches "
+                    "full without queueing")
+    target_kv_cache_usage: float = Field(
+        default=0.8, gt=0.0, le=1.0, alias="targetKVCacheUsage",
+        description="KV-cache usage per replica to aim for (long contexts fill the cache before the batch)")
+    target_waiting_prefill_tokens_per_replica: int | None = Field(
+        default=None, ge=1, le=16777216,
+        description="prompt tokens waiting for prefill per replica to aim for (off when unset)")
+    scale_up_stabilization_seconds: int = Field(
+        default=5, ge=0, le=3600,
+        description="scale up to the lowest recommendation of this window (short spikes add nothing)")
+    scale_down_stabilization_seconds: int = Field(
+        default=60, ge=0, le=3600,
+        description="scale down to the highest recommendation of this window; replicas still starting count "
+                    "as capacity, so a long window is not needed to stop overshoot while models load")
+    scale_to_zero_after_seconds: int = Field(
+        default=300, ge=0, le=86400,
+        description="with minReplicas 0: the last replica goes after this long without any request")
+
+
 class InferenceServiceSpec(_Model):
     model: ModelSource = section(ModelSource)
     replicas: int = Field(default=1, ge=0, le=1000)
@@ -243,6 +272,8 @@ class InferenceServiceSpec(_Model):
     probes: Probes = section(Probes)
     rollout: Rollout = section(Rollout)
     pod: PodOptions = section(PodOptions)
+    autoscaling: Autoscaling | None = Field(
+        default=None, description="size the fleet to the load (min 0 allowed); the operator then owns replicas")
 
     @model_validator(mode="after")
     def _cross_field(self) -> "InferenceServiceSpec":
@@ -289,6 +320,29 @@ class Condition(_Model):
     observed_generation: int | None = Field(default=None, ge=0)
 
 
+class AutoscalingInputs(_Model):
+    in_flight: int = Field(default=0, ge=0, description="requests running or waiting on engines, plus held")
+    held: int = Field(default=0, ge=0, description="requests the gateway holds while no replica is ready")
+    kv_cache_usage: float = Field(default=0.0, ge=0.0, description="sum over serving replicas (1.0 = one full)")
+    waiting_prefill_tokens: int = Field(default=0, ge=0)
+    ready: int = Field(default=0, ge=0)
+    starting: int = Field(default=0, ge=0)
+
+
+class AutoscalingStatus(_Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
+
+    current_replicas: int | None = Field(default=None, ge=0, description="spec.replicas when the decision ran")
+    desired_replicas: int | None = Field(default=None, ge=0)
+    needed_replicas: int | None = Field(default=None, ge=0, description="what the load needed, before "
+                                                                        "stabilization and limits")
+    reason: str | None = Field(default=None, max_length=256)
+    message: str | None = Field(default=None, max_length=4096)
+    last_decision_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    last_scale_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    inputs: AutoscalingInputs | None = None
+
+
 class InferenceServiceStatus(_Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
 
@@ -301,6 +355,7 @@ class InferenceServiceStatus(_Model):
     url: str | None = Field(default=None, description="in-cluster URL of the gateway Service")
     served_model_name: str | None = None
     observed_generation: int | None = Field(default=None, ge=0)
+    autoscaling: AutoscalingStatus | None = Field(default=None, description="the autoscaler's last decision")
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
@@ -358,6 +413,13 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
         message="revision applies to hf:// models only",
         field_path=".model.revision",
         check=lambda s: s.model.revision is None or s.model.uri.startswith("hf://"),
+    ),
+    CrossFieldRule(
+        cel="!has(self.autoscaling) || !has(self.autoscaling.minReplicas) || "
+            "self.autoscaling.minReplicas <= self.autoscaling.maxReplicas",
+        message="minReplicas must not exceed maxReplicas",
+        field_path=".autoscaling.minReplicas",
+        check=lambda s: s.autoscaling is None or s.autoscaling.min_replicas <= s.autoscaling.max_replicas,
     ),
 )
 

@@ -458,4 +458,6 @@ for _w in CHILDREN:
     kopf.on.event(_w.group, _w.version, _w.plural, labels=_MANAGED, id=f"{_w.kind.lower()}_changed")(child_changed)
 
 
+from shoal.operator import autoscaler  # noqa: E402,F401  (registers the autoscaling handlers with kopf)
+
 __all__ = ["Reconciler", "settings_from_env"]

@@ -35,6 +35,8 @@ PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # kopf patches annotations (progress/diff-base) on the object
     (api.GROUP, "inferenceservices", ("get", "list", "watch", "patch")),
     (api.GROUP, "inferenceservices/status", ("patch",)),
+    # the autoscaler sets spec.replicas the way `kubectl scale` does
+    (api.GROUP, "inferenceservices/scale", ("patch",)),
     # children get ownerReferences with blockOwnerDeletion=true (OwnerReferencesPermissionEnforcement)
     (api.GROUP, "inferenceservices/finalizers", ("update",)),
     # children: reconciled (server-side apply; prune) and watched (indexes, drift, status)
@@ -45,8 +47,11 @@ PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "persistentvolumeclaims", _CHILD_VERBS),  # the shared model cache claim (model.cache.persistent)
     ("networking.k8s.io", "networkpolicies", _CHILD_VERBS),
     ("policy", "poddisruptionbudgets", _CHILD_VERBS),
-    # pods: watched for status reasons; deleted to restart a multi-pod group as a whole
-    ("", "pods", ("list", "watch", "delete")),
+    # pods: watched for status reasons; deleted to restart a multi-pod group as a whole; annotated with a
+    # deletion cost by the autoscaler so that a scale-down removes the least busy ones
+    ("", "pods", ("list", "watch", "patch", "delete")),
+    # the autoscaler lists the engine and gateway endpoints it scrapes from their Services' EndpointSlices
+    ("discovery.k8s.io", "endpointslices", ("list", "watch")),
     # Events: posted by kopf.event() for transitions
     ("", "events", ("create", "patch")),
     # kopf: resource discovery follows CRDs as they appear (cluster-wide operators)
@@ -72,6 +77,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
     "Pod": ("v1", "pods"),
+    "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices"),
     api.KIND: (api.API_VERSION, api.PLURAL),
 }
 CHILD_KINDS = ("ConfigMap", "PersistentVolumeClaim", "Service", "StatefulSet", "Deployment", "NetworkPolicy",

@@ -280,6 +280,8 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
             _condition("Ready", all_ready, ready_cond[0], ready_cond[1], previous, gen),
             _condition("Progressing", progressing[0], progressing[1], progressing[2], previous, gen),
             _condition("Degraded", degraded[0], degraded[1], degraded[2], previous, gen),
+            # conditions owned by others (the autoscaler's) stay as they are
+            *(c for t, c in previous.items() if t not in ("Ready", "Progressing", "Degraded")),
         ],
     }
 

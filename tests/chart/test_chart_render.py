@@ -182,7 +182,9 @@ EXPECTED_RULES = {
     ("", "persistentvolumeclaims"): {"list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
-    ("", "pods"): {"list", "watch", "delete"},
+    ("", "pods"): {"list", "watch", "patch", "delete"},  # patch: the autoscaler's deletion costs
+    ("serving.shoal.dev", "inferenceservices/scale"): {"patch"},  # the autoscaler
+    ("discovery.k8s.io", "endpointslices"): {"list", "watch"},  # the autoscaler's scrape targets
     ("", "events"): {"create", "patch"},
 }
 CLUSTER_ONLY_RULES = {

@@ -573,7 +573,7 @@ class Client:
     def _path(plural: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
         prefix = {"inferenceservices": f"/apis/{GROUP}/{VERSION}", "deployments": "/apis/apps/v1",
                   "statefulsets": "/apis/apps/v1", "networkpolicies": "/apis/networking.k8s.io/v1",
-                  "poddisruptionbudgets": "/apis/policy/v1"}.get(plural, "/api/v1")
+                  "poddisruptionbudgets": "/apis/policy/v1", "endpointslices": "/apis/discovery.k8s.io/v1"}.get(plural, "/api/v1")
         path = f"{prefix}/namespaces/{namespace}/{plural}"
         return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
 

@@ -79,6 +79,10 @@ handlers and kopf itself use.
 - apiGroups: [serving.shoal.dev]
   resources: [inferenceservices/status]
   verbs: [patch]
+# The autoscaler (spec.autoscaling) sets replicas through the scale subresource, like `kubectl scale`.
+- apiGroups: [serving.shoal.dev]
+  resources: [inferenceservices/scale]
+  verbs: [patch]
 # Children carry ownerReferences with blockOwnerDeletion, which clusters with the
 # OwnerReferencesPermissionEnforcement admission plugin only allow with update on the owner's finalizers.
 - apiGroups: [serving.shoal.dev]
@@ -98,10 +102,15 @@ handlers and kopf itself use.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [list, watch, create, patch, delete]
-# Engine pods: watched for status (ImagePullBackOff, probe failures), deleted to restart a multi-pod group.
+# Engine pods: watched for status (ImagePullBackOff, probe failures), deleted to restart a multi-pod group,
+# annotated with a deletion cost by the autoscaler (a scale-down removes the least busy pods).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch, delete]
+  verbs: [list, watch, patch, delete]
+# The autoscaler lists the engine and gateway endpoints it scrapes from their Services' EndpointSlices.
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [list, watch]
 # Events on InferenceServices (kopf's own and the handlers').
 - apiGroups: [""]
   resources: [events]

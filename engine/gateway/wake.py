@@ -1,0 +1,91 @@
+"""Scale from zero: when the gateway starts holding a request because no engine is ready, it tells the operator at
+once by annotating the InferenceService with `serving.shoal.dev/wake-requested-at` (a JSON merge patch).
+
+Why an annotation and not a call to the operator: it goes through the API server the operator already watches, so
+it reaches whichever operator replica is active, needs no Service or port on the operator, survives an operator
+restart (the annotation is still there when it lists), and costs one RBAC rule (patch on inferenceservices). The
+operator reacts within its watch latency (milliseconds) instead of its next 1 s tick.
+
+At most one patch per `min_interval` seconds per gateway process, sent in the background: holding a request never
+waits for the API server, and a failed patch only logs (the operator's 1 s scrape of held requests still sees
+the load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import time
+from urllib.parse import quote
+
+import aiohttp
+
+from shoal.engine.gateway.discovery import KubeAPI
+
+log = logging.getLogger("shoal.gateway.wake")
+
+ANNOTATION = "serving.shoal.dev/wake-requested-at"
+ISVC_PATH = "/apis/serving.shoal.dev/v1alpha1/namespaces/{namespace}/inferenceservices/{name}"
+
+
+def wake_patch(now: datetime.datetime | None = None) -> dict:
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    stamp = now.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return {"metadata": {"annotations": {ANNOTATION: stamp}}}
+
+
+class Waker:
+    """A `Gateway.on_hold` hook: call it (synchronously) whenever a request starts waiting for an engine."""
+
+    def __init__(self, namespace: str, name: str, api: KubeAPI | None = None, min_interval: float = 1.0):
+        self.namespace = namespace
+        self.name = name
+        self.api = api
+        self.min_interval = min_interval
+        self.last: float | None = None
+        self.sent = 0
+        self.failed = 0
+        self._task: asyncio.Task | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if (self.last is not None and now - self.last < self.min_interval) or \
+                (self._task is not None and not self._task.done()):
+            return
+        self.last = now
+        self._task = asyncio.get_running_loop().create_task(self._send(), name="gateway-wake")
+
+    async def start(self) -> None:
+        """Resolve credentials and open the connection pool before the first request is held (loading a
+        kubeconfig takes a few hundred milliseconds: not on the scale-from-zero path)."""
+        if self.api is None:
+            self.api = await asyncio.to_thread(KubeAPI.from_environment)
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+
+    async def _send(self) -> None:
+        try:
+            await self.start()
+            url = self.api.server + ISVC_PATH.format(namespace=quote(self.namespace), name=quote(self.name))
+            headers = {**self.api.headers(), "Content-Type": "application/merge-patch+json"}
+            async with self._session.patch(url, data=json.dumps(wake_patch()), headers=headers,
+                                           ssl=self.api.ssl_context) as r:
+                if r.status >= 300:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+            self.sent += 1
+            log.info("requests held: woke the autoscaler of %s/%s", self.namespace, self.name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the operator's scrape of held requests is the fallback
+            self.failed += 1
+            log.warning("could not wake the autoscaler of %s/%s: %s", self.namespace, self.name, e)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,213 @@
+"""The autoscaling decision: load samples + replica counts + policy + history -> desired replicas and a reason.
+
+Pure and synchronous (no I/O, the clock is an argument), so it is tested on recorded load traces.
+
+How the number is chosen
+------------------------
+Every signal is turned into an *absolute* number of replicas the load needs, never into a ratio of the replicas
+that happen to be ready::
+
+    by in-flight   = ceil((running + waiting on every engine + requests held by the gateway) / targetInFlight)
+    by KV cache    = ceil(sum of KV-cache usage over serving engines / targetKVCacheUsage)
+    by prefill     = ceil(prompt tokens waiting for prefill / targetWaitingPrefillTokens)      (when set)
+
+and the recommendation is the largest of them. A replica that is still starting (pod created, model loading)
+counts as capacity that is arriving: the load it will absorb is already in the sums above, so a slow model load
+does not make the recommendation climb (the ratio formula of a CPU-style HPA does climb, because only ready
+pods report and they stay saturated until the new ones arrive; that is why 300 s windows are usual there).
+
+Stabilization, per direction (like the HPA's behavior field):
+* scale up to the *lowest* recommendation of the last ``scaleUpStabilizationSeconds`` (a spike shorter than the
+  window does not add replicas);
+* scale down to the *highest* recommendation of the last ``scaleDownStabilizationSeconds``;
+* a change of direction waits for the window of the new direction since the last change, so steady load
+  flips direction at most once per window;
+* the last replica goes only after ``scaleToZeroAfterSeconds`` without any load (and only with minReplicas 0),
+  and never while it is still starting (it was started for someone, typically a request the gateway holds);
+* from zero, any load (a held request, a wake-up from the gateway) scales to the need at once, bypassing the
+  windows: someone is waiting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+# Defaults, documented in api.Autoscaling and the README.
+DEFAULT_TARGET_IN_FLIGHT = 16
+DEFAULT_TARGET_KV_CACHE_USAGE = 0.8
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One engine replica's load, scraped from its /metrics (shoal:num_requests_running/waiting, ...)."""
+
+    pod: str
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    waiting_prefill_tokens: int = 0
+    ready: bool = True  # False: starting or draining; it still carries in-flight requests
+
+    @property
+    def in_flight(self) -> int:
+        return self.running + self.waiting
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything one decision looks at, taken at time `now` (seconds, monotonic)."""
+
+    now: float
+    current: int  # spec.replicas as it is
+    ready: int  # replicas serving
+    replicas: tuple[ReplicaLoad, ...] = ()
+    held: int = 0  # requests the gateway holds because no replica is ready
+    wake: bool = False  # the gateway asked for capacity since the last decision
+
+    @property
+    def starting(self) -> int:
+        return max(self.current - self.ready, 0)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas) + self.held
+
+    @property
+    def kv_sum(self) -> float:
+        return sum(r.kv_cache_usage for r in self.replicas if r.ready)
+
+    @property
+    def waiting_prefill_tokens(self) -> int:
+        return sum(r.waiting_prefill_tokens for r in self.replicas)
+
+
+@dataclass(frozen=True)
+class Policy:
+    min_replicas: int = 1
+    max_replicas: int = 10
+    target_in_flight: int = DEFAULT_TARGET_IN_FLIGHT
+    target_kv_cache_usage: float = DEFAULT_TARGET_KV_CACHE_USAGE
+    target_waiting_prefill_tokens: int | None = None
+    scale_up_window: float = 5.0
+    scale_down_window: float = 60.0
+    scale_to_zero_after: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"need 0 <= minReplicas ({self.min_replicas}) <= maxReplicas ({self.max_replicas}), "
+                             "maxReplicas >= 1")
+        if self.target_in_flight < 1 or not 0 < self.target_kv_cache_usage <= 1:
+            raise ValueError("targetInFlight must be >= 1 and targetKVCacheUsage in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    reason: str  # CamelCase, for the condition and the Event
+    message: str  # what a person reads: the inputs and why
+    needed: int  # what the load needs right now, before stabilization and limits
+
+    def direction(self, current: int) -> int:
+        return (self.desired > current) - (self.desired < current)
+
+
+@dataclass
+class History:
+    """What the decision remembers between calls (kept in the operator's memory, per InferenceService)."""
+
+    recommendations: deque = field(default_factory=deque)  # (time, needed)
+    last_change_time: float | None = None
+    last_direction: int = 0
+    last_busy: float | None = None  # last time any load was seen
+
+    def forget_before(self, t: float) -> None:
+        while self.recommendations and self.recommendations[0][0] < t:
+            self.recommendations.popleft()
+
+
+def needed_replicas(obs: Observation, policy: Policy) -> tuple[int, str]:
+    """What the load needs, and which signal says so."""
+    by = {"in-flight": math.ceil(obs.in_flight / policy.target_in_flight),
+          "KV cache": math.ceil(round(obs.kv_sum / policy.target_kv_cache_usage, 6))}
+    if policy.target_waiting_prefill_tokens:
+        by["waiting prefill"] = math.ceil(obs.waiting_prefill_tokens / policy.target_waiting_prefill_tokens)
+    signal = max(by, key=lambda k: by[k])
+    return by[signal], signal
+
+
+def _inputs(obs: Observation, policy: Policy) -> str:
+    text = (f"{obs.in_flight} in flight ({obs.held} held) for target {policy.target_in_flight}/replica, "
+            f"KV {obs.kv_sum:.2f} for target {policy.target_kv_cache_usage:.2f}/replica")
+    if policy.target_waiting_prefill_tokens:
+        text += f", {obs.waiting_prefill_tokens} prefill tokens waiting"
+    return text + f"; {obs.ready} ready, {obs.starting} starting"
+
+
+def decide(obs: Observation, policy: Policy, history: History) -> Decision:
+    """The desired replica count for `obs`; updates `history` (call once per observation, in time order)."""
+    now, current = obs.now, obs.current
+    needed, signal = needed_replicas(obs, policy)
+    busy = obs.in_flight > 0 or obs.wake
+    if busy:
+        history.last_busy = now
+        needed = max(needed, 1)
+    history.recommendations.append((now, needed))
+    history.forget_before(now - max(policy.scale_up_window, policy.scale_down_window))
+    inputs = _inputs(obs, policy)
+
+    def result(desired: int, reason: str, why: str) -> Decision:
+        desired = min(max(desired, policy.min_replicas), policy.max_replicas)
+        direction = (desired > current) - (desired < current)
+        if direction:
+            history.last_change_time, history.last_direction = now, direction
+        return Decision(desired, reason, f"{why}: {inputs}", needed)
+
+    if current == 0 and busy:  # someone is waiting: no window applies
+        return result(needed, "ScaleFromZero", f"scale from zero to {min(needed, policy.max_replicas)}")
+
+    window_up = [n for t, n in history.recommendations if t >= now - policy.scale_up_window]
+    window_down = [n for t, n in history.recommendations if t >= now - policy.scale_down_window]
+    up_to, down_to = min(window_up), max(window_down)
+
+    if min(up_to, policy.max_replicas) > current:
+        if history.last_direction < 0 and now - (history.last_change_time or -math.inf) < policy.scale_up_window:
+            return result(current, "Stabilizing", f"{up_to} needed, but scaled down less than "
+                                                  f"{policy.scale_up_window:g}s ago")
+        capped = " (maxReplicas)" if up_to > policy.max_replicas else ""
+        return result(up_to, "ScaleUp", f"scale up to {min(up_to, policy.max_replicas)}{capped} by {signal}")
+
+    floor = max(policy.min_replicas, 1)
+    if down_to < current:
+        if history.last_direction > 0 and now - (history.last_change_time or -math.inf) < policy.scale_down_window:
+            return result(current, "Stabilizing", f"{down_to} needed, but scaled up less than "
+                                                  f"{policy.scale_down_window:g}s ago")
+        if down_to == 0 and policy.min_replicas == 0:
+            idle_for = now - history.last_busy if history.last_busy is not None else math.inf
+            if obs.starting and current <= floor:
+                # a replica still loading was asked for (by a held request, most likely): let it serve first
+                return result(current, "WaitingForStartingReplicas",
+                              f"no load seen, but {obs.starting} replica(s) still starting; not scaling to zero")
+            if idle_for >= policy.scale_to_zero_after:
+                return result(0, "ScaleToZero", f"idle for {policy.scale_to_zero_after:g}s")
+            if current > floor:
+                return result(floor, "ScaleDown", f"scale down to {floor}; zero after "
+                                                  f"{policy.scale_to_zero_after:g}s idle")
+            return result(current, "WaitingToScaleToZero",
+                          f"idle for {min(idle_for, policy.scale_to_zero_after):.0f}s of "
+                          f"{policy.scale_to_zero_after:g}s before scaling to zero")
+        if max(down_to, floor) < current:
+            return result(max(down_to, floor), "ScaleDown", f"scale down to {max(down_to, floor)}")
+
+    if current < policy.min_replicas or current > policy.max_replicas:
+        return result(current, "OutOfBounds", "replicas brought within [minReplicas, maxReplicas]")
+    if needed > current and current >= policy.max_replicas:
+        return result(current, "LimitedByMaxReplicas", f"{needed} needed, maxReplicas is {policy.max_replicas}")
+    return result(current, "Steady", f"{current} replicas fit the load")
+
+
+def pick_victims(replicas: list[ReplicaLoad], count: int) -> list[str]:
+    """The `count` pods to remove on scale-down: the ones with the least in flight (not-ready ones first)."""
+    order = sorted(replicas, key=lambda r: (r.ready, r.in_flight, r.kv_cache_usage, r.pod))
+    return [r.pod for r in order[:max(count, 0)]]

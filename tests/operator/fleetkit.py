@@ -1,0 +1,219 @@
+"""A local "kubelet" for end-to-end fleet tests: it plays the ReplicaSet controller, the kubelet and the
+EndpointSlice controller for the engine Deployments the operator creates in the emulator.
+
+* Deployment `spec.replicas` -> Pods (labels and annotations from the pod template, a finalizer of ours so that
+  deletion is graceful as on a real cluster). A scale-down deletes pods in the ReplicaSet's order: not ready
+  first, then the lowest `controller.kubernetes.io/pod-deletion-cost`, then the newest.
+* Every pod is a local `shoal-engine serve` process run with the container's own arguments, except that
+  `--host/--port` are mapped to 127.0.0.1 and a free port (as a container port mapping would).
+* Readiness comes from the process's /readyz and is written to the pod's Ready condition, the Deployment's
+  status and one EndpointSlice per pod (a slice holds one port list, and each local pod has its own port).
+* A deleted pod turns not-ready/terminating in its EndpointSlice at once, gets SIGTERM (the engine drains its
+  in-flight requests) and disappears when the process exits (SIGKILL after the grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+FINALIZER = "test.shoal.dev/kubelet"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=0.5) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+@dataclass
+class LocalPod:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log_path: str
+    created: float = field(default_factory=time.monotonic)
+    ready: bool = False
+    ready_at: float | None = None
+    terminating_since: float | None = None
+    grace: float = 60.0
+
+    def logs(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+
+class Kubelet:
+    def __init__(self, client, cluster, namespace: str, engine_service: str, env: dict | None = None,
+                 interval: float = 0.1):
+        self.client = client
+        self.cluster = cluster
+        self.ns = namespace
+        self.service = engine_service
+        self.env = env or {}
+        self.interval = interval
+        self.pods: dict[str, LocalPod] = {}
+        self.events: list[tuple[float, str, str]] = []  # (time, pod, what): started/ready/terminating/exited
+        self.stop_flag = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="kubelet", daemon=True)
+
+    def __enter__(self) -> "Kubelet":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_flag.set()
+        self.thread.join(30)
+        for pod in self.pods.values():
+            if pod.proc.poll() is None:
+                pod.proc.kill()
+                pod.proc.wait(10)
+
+    def ready_pods(self) -> list[str]:
+        return [p.name for p in self.pods.values() if p.ready and p.terminating_since is None]
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self.stop_flag.is_set():
+            try:
+                self._sync()
+            except BaseException as e:  # surfaced by the test through .error
+                self.error = e
+            self.stop_flag.wait(self.interval)
+
+    def _sync(self) -> None:
+        for dep in self.cluster.find("deployments", self.ns):
+            if dep["metadata"]["labels"].get("app.kubernetes.io/component") == "engine":
+                self._sync_deployment(dep)
+
+    def _sync_deployment(self, dep: dict) -> None:
+        name = dep["metadata"]["name"]
+        api_pods = [p for p in self.cluster.find("pods", self.ns) if p["metadata"]["name"].startswith(name + "-")]
+        live = [p for p in api_pods if not p["metadata"].get("deletionTimestamp")]
+        want = dep["spec"].get("replicas", 1)
+        for _ in range(want - len(live)):
+            self._create_pod(dep)
+        if len(live) > want:
+            for victim in sorted(live, key=self._deletion_order)[:len(live) - want]:
+                self.client.delete("pods", self.ns, victim["metadata"]["name"])
+        for pod in api_pods:
+            self._sync_pod(pod)
+        local = [self.pods[p["metadata"]["name"]] for p in live if p["metadata"]["name"] in self.pods]
+        ready = sum(1 for p in local if p.ready)
+        status = {"observedGeneration": dep["metadata"].get("generation"), "replicas": len(live),
+                  "updatedReplicas": len(live), "readyReplicas": ready, "availableReplicas": ready}
+        if any((dep.get("status") or {}).get(k) != v for k, v in status.items()):
+            self.client.patch("deployments", self.ns, name, {"status": status}, sub="status")
+
+    def _deletion_order(self, pod: dict) -> tuple:
+        local = self.pods.get(pod["metadata"]["name"])
+        cost = int((pod["metadata"].get("annotations") or {}).get(A_DELETION_COST, "0"))
+        return (bool(local and local.ready), cost, -(local.created if local else 0.0))
+
+    def _create_pod(self, dep: dict) -> None:
+        template = dep["spec"]["template"]
+        name = f"{dep['metadata']['name']}-" + "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+        container = template["spec"]["containers"][0]
+        args = list(container.get("args") or [])
+        port = free_port()
+        for flag, value in (("--host", "127.0.0.1"), ("--port", str(port))):
+            if flag in args:
+                args[args.index(flag) + 1] = value
+            else:
+                args += [flag, value]
+        if args and args[0] == "serve":
+            args = args[1:]
+        log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{name}-", suffix=".log", delete=False)
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **self.env)
+        proc = subprocess.Popen([sys.executable, "-m", "shoal.engine.cli", "serve", *args], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+        grace = float(template["spec"].get("terminationGracePeriodSeconds") or 30)
+        self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace)
+        self.events.append((time.monotonic(), name, "started"))
+        self.client.create("pods", self.ns, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": dict(template["metadata"].get("labels") or {}),
+                         "annotations": dict(template["metadata"].get("annotations") or {}),
+                         "finalizers": [FINALIZER],
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "controller": True,
+                                              "name": dep["metadata"]["name"], "uid": dep["metadata"]["uid"]}]},
+            "spec": template["spec"],
+            "status": {"phase": "Pending"},
+        })
+
+    def _sync_pod(self, pod: dict) -> None:
+        name = pod["metadata"]["name"]
+        local = self.pods.get(name)
+        if local is None:
+            return
+        terminating = bool(pod["metadata"].get("deletionTimestamp"))
+        if terminating and local.terminating_since is None:
+            local.terminating_since = time.monotonic()
+            self.events.append((time.monotonic(), name, "terminating"))
+            self._publish(local, pod, ready=False, terminating=True)
+            if local.proc.poll() is None:
+                local.proc.send_signal(signal.SIGTERM)
+        if local.terminating_since is not None:
+            if local.proc.poll() is None and time.monotonic() - local.terminating_since > local.grace:
+                local.proc.kill()
+            if local.proc.poll() is not None:
+                self.events.append((time.monotonic(), name, f"exited {local.proc.returncode}"))
+                self._unpublish(name)
+                self.client.patch("pods", self.ns, name, {"metadata": {"finalizers": None}})
+                del self.pods[name]
+            return
+        exited = local.proc.poll() is not None
+        ready = not exited and _ready(local.port)
+        if ready != local.ready or not (pod.get("status") or {}).get("conditions"):
+            local.ready = ready
+            if ready:
+                local.ready_at = time.monotonic()
+                self.events.append((local.ready_at, name, "ready"))
+            state = {"terminated": {"exitCode": local.proc.returncode}} if exited else {"running": {}}
+            self.client.patch("pods", self.ns, name, {"status": {
+                "phase": "Failed" if exited else "Running", "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                "containerStatuses": [{"name": "engine", "ready": ready, "started": ready, "restartCount": 0,
+                                       "state": state}]}}, sub="status")
+            self._publish(local, pod, ready=ready, terminating=False)
+
+    def _publish(self, local: LocalPod, pod: dict, ready: bool, terminating: bool) -> None:
+        body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+                "metadata": {"name": f"{self.service}-{local.name}",
+                             "labels": {"kubernetes.io/service-name": self.service}},
+                "ports": [{"name": "http", "port": local.port, "protocol": "TCP"}],
+                "endpoints": [{"addresses": ["127.0.0.1"],
+                               "conditions": {"ready": ready, "serving": ready or terminating,
+                                              "terminating": terminating},
+                               "targetRef": {"kind": "Pod", "name": local.name, "namespace": self.ns}}]}
+        existing = self.client.get("endpointslices", self.ns, body["metadata"]["name"])
+        if existing is None:
+            self.client.create("endpointslices", self.ns, body)
+        else:
+            self.client.patch("endpointslices", self.ns, body["metadata"]["name"], {"endpoints": body["endpoints"]})
+
+    def _unpublish(self, pod_name: str) -> None:
+        try:
+            self.client.delete("endpointslices", self.ns, f"{self.service}-{pod_name}")
+        except Exception:
+            pass

@@ -1,0 +1,140 @@
+"""The autoscaling loop in the running operator, against the emulated API: the test plays the gateway (wake
+annotation), the EndpointSlice controller (slices pointing at a metrics endpoint it serves) and the engines
+(Prometheus text with the load it chooses)."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from opkit import condition, isvc_body, wait_for
+
+from shoal.operator.autoscaler import A_DELETION_COST, A_WAKE
+
+ISVC = "inferenceservices"
+
+
+class FakeEngines:
+    """One tiny HTTP server per pod serving Prometheus text with the load the test sets."""
+
+    def __init__(self):
+        self.load: dict[str, tuple[int, int, float]] = {}
+        self.servers: dict[str, ThreadingHTTPServer] = {}
+
+    def port(self, pod: str) -> int:
+        if pod not in self.servers:
+            engines = self
+
+            class Handler(BaseHTTPRequestHandler):
+                def do_GET(self):
+                    running, waiting, kv = engines.load.get(pod, (0, 0, 0.0))
+                    body = (f'shoal:num_requests_running{{model_name="m"}} {running}\n'
+                            f'shoal:num_requests_waiting{{model_name="m"}} {waiting}\n'
+                            f'shoal:kv_cache_usage_perc{{model_name="m"}} {kv}\n').encode()
+                    self.send_response(200 if self.path == "/metrics" else 404)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+
+                def log_message(self, *args):
+                    pass
+
+            server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.servers[pod] = server
+        return self.servers[pod].server_address[1]
+
+    def close(self):
+        for server in self.servers.values():
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture
+def engines():
+    e = FakeEngines()
+    yield e
+    e.close()
+
+
+def publish_slices(env, ns: str, service: str, pods: list[str], engines: FakeEngines, ready: bool = True) -> None:
+    """One EndpointSlice per pod (each listens on its own port, and a slice has one port list)."""
+    for pod in pods:
+        body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+                "metadata": {"name": f"{service}-{pod}", "labels": {"kubernetes.io/service-name": service}},
+                "ports": [{"name": "http", "port": engines.port(pod), "protocol": "TCP"}],
+                "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready},
+                               "targetRef": {"kind": "Pod", "name": pod, "namespace": ns}}]}
+        env.client.create("endpointslices", ns, body)
+
+
+def test_wake_annotation_scales_from_zero_at_once_and_reports_it(env, ns):
+    env.client.create(ISVC, ns, isvc_body("chat", {"replicas": 0, "autoscaling": {
+        "minReplicas": 0, "maxReplicas": 3, "scaleUpStabilizationSeconds": 30}}))
+    wait_for(lambda: env.client.get("deployments", ns, "chat"), 10, "deployment")
+    # idle at zero: the loop runs and says why it stays there
+    st = wait_for(lambda: (env.client.get(ISVC, ns, "chat").get("status") or {}).get("autoscaling"), 10,
+                  "status.autoscaling")
+    assert st["desiredReplicas"] == 0
+    # the gateway holds a request and asks for capacity
+    env.client.patch(ISVC, ns, "chat", {"metadata": {"annotations": {A_WAKE: "2026-01-01T00:00:00.000Z"}}})
+    wait_for(lambda: env.client.get(ISVC, ns, "chat")["spec"]["replicas"] == 1, 5, "replicas 1")
+    wait_for(lambda: env.client.get("deployments", ns, "chat")["spec"]["replicas"] == 1, 5, "deployment scaled")
+    isvc = wait_for(lambda: (i := env.client.get(ISVC, ns, "chat")) and
+                    (i["status"].get("autoscaling") or {}).get("desiredReplicas") == 1 and i, 5, "status")
+    st = isvc["status"]["autoscaling"]
+    assert st["lastScaleTime"] and st["currentReplicas"] in (0, 1)
+    cond = condition(isvc, "Autoscaling")
+    assert cond["status"] == "True" and "the operator owns spec.replicas" in cond["message"]
+    assert condition(isvc, "Ready") is not None  # the reconciler's conditions survive next to it
+    events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "ScaledUp"], 5, "event")
+    assert "0 -> 1 (ScaleFromZero)" in events[0]["message"]
+    # removing spec.autoscaling hands replicas back and removes what the autoscaler reported
+    env.client.patch(ISVC, ns, "chat", {"spec": {"autoscaling": None}})
+    wait_for(lambda: "autoscaling" not in (env.client.get(ISVC, ns, "chat").get("status") or {}) and
+             condition(env.client.get(ISVC, ns, "chat"), "Autoscaling") is None, 10, "status cleaned")
+
+
+def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engines):
+    env.client.create(ISVC, ns, isvc_body("qa", {"replicas": 1, "autoscaling": {
+        "minReplicas": 1, "maxReplicas": 4, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 2}}))
+    wait_for(lambda: env.client.get("deployments", ns, "qa"), 10, "deployment")
+    engines.load["qa-a"] = (8, 27, 0.3)
+    publish_slices(env, ns, "qa", ["qa-a"], engines)
+    wait_for(lambda: env.client.get(ISVC, ns, "qa")["spec"]["replicas"] == 4, 10, "scaled up to 4 (35/10)")
+    st = wait_for(lambda: (s := env.client.get(ISVC, ns, "qa")["status"]["autoscaling"])["desiredReplicas"] == 4
+                  and s, 5, "status of the scale-up")
+    assert st["neededReplicas"] == 4 and st["inputs"]["inFlight"] == 35 and st["inputs"]["kvCacheUsage"] == 0.3
+    # the new replicas came up, the load went away; qa-c stays busy the longest
+    for pod in ("qa-a", "qa-b", "qa-c", "qa-d"):
+        env.client.create("pods", ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod}})
+    publish_slices(env, ns, "qa", ["qa-b", "qa-c", "qa-d"], engines)
+    engines.load.update({"qa-a": (0, 0, 0.0), "qa-b": (1, 0, 0.1), "qa-c": (5, 0, 0.1), "qa-d": (0, 0, 0.0)})
+    wait_for(lambda: env.client.get(ISVC, ns, "qa")["spec"]["replicas"] == 1, 15, "scaled down to 1 (6/10)")
+    costs = {p: int(env.client.get("pods", ns, p)["metadata"]["annotations"][A_DELETION_COST])
+             for p in ("qa-a", "qa-b", "qa-c", "qa-d")}
+    assert max(costs, key=costs.get) == "qa-c", costs  # the busiest pod is the one kept
+    assert costs["qa-b"] < 0 and costs["qa-a"] < 0 and costs["qa-d"] < 0
+    events = [e["reason"] for e in env.cluster.find("events", ns)]
+    assert "ScaledUp" in events and "ScaledDown" in events
+    # the operator's own metrics (served on --metrics-port)
+    from prometheus_client import generate_latest
+
+    from shoal.operator.autoscaler import REGISTRY
+
+    text = generate_latest(REGISTRY).decode()
+    assert f'shoal:autoscaler_desired_replicas{{name="qa",namespace="{ns}"}} 1.0' in text
+    assert f'shoal:autoscaler_scalings_total{{name="qa",namespace="{ns}",reason="ScaleUp"}} 1.0' in text
+
+
+def test_metrics_port_flag():
+    from shoal.operator.__main__ import parse
+
+    env, rest = parse(["--metrics-port", "9090", "--standalone"])
+    assert env["SHOAL_METRICS_PORT"] == "9090" and rest == ["--standalone"]
+    with pytest.raises(SystemExit, match="port number"):
+        parse(["--metrics-port", "http"])
+

@@ -1,0 +1,146 @@
+"""Autoscaling end to end on one machine: the emulated API server, the real operator (kopf, in a thread), a real
+`shoal-gateway` process discovering engines through EndpointSlices, and the local kubelet (fleetkit) running
+every engine pod the operator asks for as a real `shoal-engine serve` process with a tiny random model.
+
+From zero replicas a request is held by the gateway, the gateway wakes the operator, a replica starts and the
+request completes; a load ramp scales up; idle scales back down to zero, and no client sees an error.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import pytest
+from fleetkit import Kubelet, free_port
+from opkit import isvc_body, wait_for
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("shoal.engine.gateway")
+
+ISVC = "inferenceservices"
+
+
+class GatewayProcess:
+    def __init__(self, namespace: str, name: str, hold_timeout: float = 90):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w", prefix="gateway-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(self.port),
+             "--service", name, "--namespace", namespace, "--inferenceservice", name,
+             "--hold-timeout", str(hold_timeout)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        wait_for(self._ready, 30, "gateway /readyz")
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.logs()}")
+        try:
+            with urllib.request.urlopen(self.base + "/readyz", timeout=1) as r:
+                return r.status == 200
+        except Exception:
+            return False
+
+    def logs(self) -> str:
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()[-5000:]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def stream(client, model: str, max_tokens: int) -> tuple[str, float, float]:
+    """One streamed chat completion: (text, time of the first token, time of the end)."""
+    text, first = "", None
+    chunks = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello there"}], stream=True, max_tokens=max_tokens,
+        extra_body={"ignore_eos": True})
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.monotonic()
+            text += chunk.choices[0].delta.content
+    return text, first or time.monotonic(), time.monotonic()
+
+
+@pytest.mark.slow
+def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns, llama_model):
+    name = "chat"
+    env.client.create(ISVC, ns, isvc_body(name, {
+        "replicas": 0, "model": {"uri": f"file://{llama_model}", "servedName": "tiny"},
+        "engine": {"attentionBackend": "sdpa", "maxNumSeqs": 4, "shutdownTimeoutSeconds": 20},
+        "autoscaling": {"minReplicas": 0, "maxReplicas": 2, "targetInFlightPerReplica": 2,
+                        "scaleUpStabilizationSeconds": 1, "scaleDownStabilizationSeconds": 3,
+                        "scaleToZeroAfterSeconds": 5}}))
+    wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
+    kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=name)
+    gateway = None
+    errors: list[BaseException] = []
+    try:
+        with kubelet:
+            gateway = GatewayProcess(ns, name)
+            client = openai.OpenAI(base_url=gateway.base + "/v1", api_key="none", max_retries=0, timeout=120)
+            assert env.client.get(ISVC, ns, name)["spec"]["replicas"] == 0
+
+            # 1. from zero: the request is held, a replica starts, the request completes
+            sent = time.monotonic()
+            text, first_token, _ = stream(client, "tiny", 8)
+            assert text
+            ready = [t for t, _pod, what in kubelet.events if what == "ready"]
+            assert ready and sent < ready[0] <= first_token, kubelet.events  # held until a replica was ready
+            scaled = [e for e in env.cluster.find("events", ns) if e["reason"] == "ScaledUp"]
+            assert scaled and "0 -> 1 (ScaleFromZero)" in scaled[0]["message"]
+
+            # 2. a ramp: 5 clients streaming back to back need ceil(5/2) = 3 replicas, capped at 2
+            stop = threading.Event()
+
+            def client_loop():
+                while not stop.is_set():
+                    try:
+                        assert stream(client, "tiny", 24)[0]
+                    except BaseException as e:  # noqa: BLE001 - asserted below
+                        errors.append(e)
+                        return
+
+            threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(5)]
+            for t in threads:
+                t.start()
+            try:
+                wait_for(lambda: env.client.get(ISVC, ns, name)["spec"]["replicas"] == 2, 30, "scale up to 2")
+                wait_for(lambda: len(kubelet.ready_pods()) == 2, 60, "second replica ready")
+                time.sleep(1.0)  # both replicas serve the load for a moment
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(60)
+            assert not errors, errors
+            st = env.client.get(ISVC, ns, name)["status"]["autoscaling"]
+            assert st["desiredReplicas"] == 2
+
+            # 3. idle: back to zero, pods drained and gone, and nobody saw an error
+            wait_for(lambda: env.client.get(ISVC, ns, name)["spec"]["replicas"] == 0, 30, "scale to zero")
+            wait_for(lambda: not kubelet.pods, 40, "engine pods gone")
+            assert all(what.startswith("exited 0") for _t, _p, what in kubelet.events if what.startswith("exited"))
+            reasons = [e["message"] for e in env.cluster.find("events", ns) if e["reason"] == "ScaledDown"]
+            assert any("-> 0 (ScaleToZero)" in m for m in reasons), reasons
+            assert kubelet.error is None, kubelet.error
+    except BaseException:
+        print("kubelet events:", kubelet.events)
+        print("gateway log:", gateway.logs() if gateway else None)
+        for pod in kubelet.pods.values():
+            print(f"pod {pod.name} log:", pod.logs()[-3000:])
+        raise
+    finally:
+        if gateway is not None:
+            gateway.close()
+        env.client.delete(ISVC, ns, name)
