@@ -1,0 +1,5 @@
+import sys
+
+from shoal.engine.gateway.cli import main
+
+sys.exit(main())

@@ -1,0 +1,141 @@
+"""The backend set: which engines exist, which may take traffic now, and how loaded each one is.
+
+Three sources of truth meet here, each with its own failure mode:
+- discovery (static URLs or EndpointSlices) says which engines exist and are Ready; an engine that leaves the
+  set (a draining pod) gets no new request at once, while its in-flight requests finish;
+- the poller's /readyz and /metrics answers: a definite "not ready" (non-200, connection refused) excludes the
+  engine; data older than `stale_after` is *unknown* (scored by the gateway's own counts, still eligible);
+  no answer for longer than `stall_after` marks it stalled (excluded while a healthy engine exists — never
+  halting dispatch when every engine looks stalled);
+- the proxy's own outcomes: consecutive failures open the engine's circuit for `circuit_cooldown` seconds.
+
+`BackendSet.wait_for_eligible` lets requests wait (bounded, with a deadline) for an engine to appear, which is
+what holding requests while a fleet scales from zero needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class HealthPolicy:
+    stale_after: float = 1.0  # seconds without a successful poll: load data is unknown
+    stall_after: float = 2.0  # seconds without any poll answer: the engine is stalled (excluded unless all are)
+    circuit_failures: int = 3  # consecutive proxy failures that open the circuit
+    circuit_cooldown: float = 5.0  # seconds an open circuit stays open before one trial request
+
+
+@dataclass(eq=False)
+class Backend:
+    url: str
+    policy: HealthPolicy
+    added_at: float = field(default_factory=time.monotonic)
+    removed: bool = False
+    # Counted by this gateway.
+    inflight: int = 0
+    # From the poller; `ready` is None until a poll answered.
+    ready: bool | None = None
+    last_answer: float | None = None  # any poll answer (even "not ready")
+    last_ok: float | None = None  # a poll that returned load data
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    # Circuit breaker.
+    failures: int = 0
+    open_until: float = 0.0
+
+    def fresh(self, now: float) -> bool:
+        return self.last_ok is not None and now - self.last_ok <= self.policy.stale_after
+
+    def stalled(self, now: float) -> bool:
+        since = self.last_answer if self.last_answer is not None else self.added_at
+        return now - since > self.policy.stall_after
+
+    def circuit_open(self, now: float) -> bool:
+        return now < self.open_until
+
+    def usable(self, now: float) -> bool:
+        """May take a new request (before the stalled check, which only applies while others are healthy)."""
+        return not self.removed and self.ready is not False and not self.circuit_open(now)
+
+    def load(self, now: float) -> float:
+        """Requests' worth of load: the gateway's own in-flight count, or the engine's running + waiting when
+        that is higher (other gateway replicas send to it too), with queued requests counted twice (a queue
+        means the engine is saturated) and a nearly full KV cache as one more (preemption ahead). Stale or
+        missing engine data: the gateway's own count alone."""
+        if not self.fresh(now):
+            return float(self.inflight)
+        return (max(float(self.inflight), self.running + self.waiting) + self.waiting
+                + (1.0 if self.kv_usage >= 0.95 else 0.0))
+
+    # Outcomes reported by the proxy and the poller.
+    def on_success(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+
+    def on_failure(self, now: float) -> None:
+        self.failures += 1
+        if self.failures >= self.policy.circuit_failures:
+            self.open_until = now + self.policy.circuit_cooldown
+
+    def on_refused(self, now: float) -> None:
+        """Nobody listens: not ready until a poll says otherwise (an engine that restarts comes back at once)."""
+        self.ready = False
+        self.on_failure(now)
+
+
+class BackendSet:
+    """The engines the gateway may route to, keyed by base URL."""
+
+    def __init__(self, policy: HealthPolicy | None = None):
+        self.policy = policy or HealthPolicy()
+        self._backends: dict[str, Backend] = {}
+        self._changed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._backends)
+
+    def all(self) -> list[Backend]:
+        return list(self._backends.values())
+
+    def replace(self, urls: set[str] | list[str]) -> None:
+        """Make the set exactly `urls` (discovery's view). Engines that left are marked removed, so requests
+        still holding them finish but no new one is sent there."""
+        wanted = {u.rstrip("/") for u in urls}
+        for url in list(self._backends):
+            if url not in wanted:
+                self._backends.pop(url).removed = True
+        for url in sorted(wanted):
+            if url not in self._backends:
+                self._backends[url] = Backend(url, self.policy)
+        self.notify()
+
+    def eligible(self, now: float | None = None, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
+        """Engines that may take a new request, sorted by URL (a stable order for round-robin and ties).
+        Stalled engines count only when no other engine is usable: stale data never halts dispatch."""
+        now = time.monotonic() if now is None else now
+        usable = [b for b in self._backends.values() if b.usable(now) and b not in exclude]
+        healthy = [b for b in usable if not b.stalled(now)]
+        return sorted(healthy or usable, key=lambda b: b.url)
+
+    def notify(self) -> None:
+        """Wake requests waiting for an engine (the set or some engine's state changed)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_for_eligible(self, deadline: float, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
+        """Wait until some engine is eligible or `deadline` (monotonic) passes; [] on timeout."""
+        while True:
+            now = time.monotonic()
+            found = self.eligible(now, exclude)
+            if found or now >= deadline:
+                return found
+            event = self._changed
+            try:
+                # Woken by changes; a short cap re-checks circuits whose cooldown has passed.
+                await asyncio.wait_for(event.wait(), min(deadline - now, 0.5))
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,178 @@
+"""`shoal-gateway`: the inference-aware gateway's command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Sequence
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from shoal.engine.gateway.backends import HealthPolicy
+from shoal.engine.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
+from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app
+from shoal.engine.gateway.routing import ROUTINGS
+
+log = logging.getLogger("shoal.gateway")
+
+
+def endpoint_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an engine base URL like http://10.0.0.5:8000")
+    try:
+        parts.port
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return text.rstrip("/")
+
+
+def positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = GatewayConfig()
+    p = argparse.ArgumentParser(
+        prog="shoal-gateway",
+        description="Inference-aware gateway for shoal-engine replicas: prefix-cache and load-aware routing of "
+                    "the OpenAI routes (/v1/*, /tokenize, /detokenize), SSE passed through unbuffered.")
+    p.add_argument("--host", default=None, help="address to bind (default: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    src = p.add_argument_group("backends (one source)")
+    src.add_argument("--endpoint", action="append", type=endpoint_url, default=[], metavar="URL",
+                     help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
+    src.add_argument("--service", help="discover engines from this Kubernetes Service's EndpointSlices")
+    src.add_argument("--namespace", help="the Service's namespace (default: the pod's own namespace)")
+    src.add_argument("--port-name", help="the EndpointSlice port to use (default: the first TCP port)")
+    r = p.add_argument_group("routing")
+    r.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="default: %(default)s")
+    r.add_argument("--prefix-block-chars", type=positive(int), default=d.block_chars,
+                   help="characters per hashed prompt block (default %(default)s)")
+    r.add_argument("--prefix-max-blocks", type=positive(int), default=d.max_blocks,
+                   help="hash at most this many leading blocks of a prompt (default %(default)s)")
+    r.add_argument("--load-factor", type=float, default=d.load_factor,
+                   help="bounded-load factor c >= 1: an engine may take a request while its load + 1 <= "
+                        "ceil(c * (total load + 1) / engines) (default %(default)s)")
+    r.add_argument("--prefix-index-size", type=positive(int), default=d.index_size,
+                   help="block hashes remembered for affinity (LRU; default %(default)s)")
+    rel = p.add_argument_group("reliability")
+    rel.add_argument("--max-pending", type=positive(int), default=d.max_pending,
+                     help="requests inside the gateway at once; more get 429 (default %(default)s)")
+    rel.add_argument("--max-body-bytes", type=positive(int), default=d.max_body_bytes,
+                     help="largest request body; larger get 413 (default %(default)s)")
+    rel.add_argument("--hold-timeout", type=non_negative, default=d.hold_timeout,
+                     help="seconds a request waits for an engine when none is ready (scale from zero); "
+                          "0 answers 503 at once (default)")
+    rel.add_argument("--retry-after", type=positive(int), default=d.retry_after,
+                     help="Retry-After seconds on 503/429 (default %(default)s)")
+    rel.add_argument("--connect-timeout", type=positive(float), default=d.connect_timeout)
+    rel.add_argument("--read-timeout", type=positive(float), default=d.read_timeout,
+                     help="seconds of silence from an engine before giving up (default %(default)s)")
+    rel.add_argument("--poll-interval", type=positive(float), default=d.poll_interval)
+    rel.add_argument("--poll-timeout", type=positive(float), default=d.poll_timeout)
+    h = HealthPolicy()
+    rel.add_argument("--stale-after", type=positive(float), default=h.stale_after,
+                     help="engine load data older than this is unknown (default %(default)s s)")
+    rel.add_argument("--stall-after", type=positive(float), default=h.stall_after,
+                     help="an engine silent this long is skipped while others answer (default %(default)s s)")
+    rel.add_argument("--circuit-failures", type=positive(int), default=h.circuit_failures)
+    rel.add_argument("--circuit-cooldown", type=positive(float), default=h.circuit_cooldown)
+    p.add_argument("--shutdown-timeout", type=non_negative, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish (default %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    if args.load_factor < 1.0:
+        raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
+    return GatewayConfig(
+        routing=args.routing, block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
+        load_factor=args.load_factor, index_size=args.prefix_index_size, max_pending=args.max_pending,
+        max_body_bytes=args.max_body_bytes, hold_timeout=args.hold_timeout, retry_after=args.retry_after,
+        connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, poll_interval=args.poll_interval,
+        poll_timeout=args.poll_timeout,
+        health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,
+                            circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown))
+
+
+def own_namespace() -> str | None:
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace", encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+async def serve(config: GatewayConfig, discovery, host: str | None, port: int, shutdown_timeout: float) -> int:
+    gateway = Gateway(config)
+    app = build_app(gateway)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+    except OSError as e:
+        log.error("cannot listen on %s:%s: %s", host or "0.0.0.0", port, e)
+        await runner.cleanup()
+        return 1
+    await gateway.start(discovery)
+    log.info("shoal-gateway listening on http://%s:%d, routing %s", host or "0.0.0.0", port, config.routing)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Readiness fails first, in-flight requests finish (aiohttp waits up to shutdown_timeout for handlers).
+    gateway.draining = True
+    log.info("shutting down: finishing in-flight requests (up to %.0fs)", shutdown_timeout)
+    await runner.cleanup()
+    await gateway.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(args.endpoint) == bool(args.service):
+        parser.error("give the engines either as --endpoint URL (repeatable) or as --service NAME")
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.endpoint:
+        discovery = StaticDiscovery(args.endpoint)
+    else:
+        namespace = args.namespace or own_namespace()
+        if not namespace:
+            parser.error("--service needs --namespace outside a pod")
+        discovery = EndpointSliceDiscovery(args.service, namespace, port_name=args.port_name)
+    return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""shoal:gateway_* metrics. Per-engine gauges are read from the backend set at scrape time, so an engine that
+left the set leaves no stale series behind. Every gateway gets its own registry (several can share a process)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from shoal.engine.gateway.backends import BackendSet
+
+P = "shoal:gateway_"
+PICK_BUCKETS = [0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1]
+
+
+class _BackendCollector:
+    def __init__(self, backends: BackendSet):
+        self.backends = backends
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        now = time.monotonic()
+        eligible = set(self.backends.eligible(now))
+        healthy = GaugeMetricFamily(P + "backend_healthy", "1 when the engine may take new requests.", labels=["backend"])
+        circuit = GaugeMetricFamily(P + "backend_circuit_open", "1 while the engine's circuit breaker is open.",
+                                    labels=["backend"])
+        inflight = GaugeMetricFamily(P + "inflight_requests", "Requests this gateway has in flight to the engine.",
+                                     labels=["backend"])
+        load = GaugeMetricFamily(P + "backend_load", "The engine's load as the router scores it (requests).",
+                                 labels=["backend"])
+        for b in self.backends.all():
+            healthy.add_metric([b.url], 1.0 if b in eligible else 0.0)
+            circuit.add_metric([b.url], 1.0 if b.circuit_open(now) else 0.0)
+            inflight.add_metric([b.url], float(b.inflight))
+            load.add_metric([b.url], b.load(now))
+        yield healthy
+        yield circuit
+        yield inflight
+        yield load
+        yield GaugeMetricFamily(P + "ready_backends", "Engines that may take new requests.", value=len(eligible))
+
+
+class GatewayMetrics:
+    def __init__(self, backends: BackendSet):
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        self.requests = Counter(P + "requests", "Requests answered, by engine (\"none\" when no engine answered) "
+                                "and HTTP status.", ["backend", "code"], registry=r)
+        self.pick_latency = Histogram(P + "pick_latency_seconds", "Time to choose an engine (prompt hashing "
+                                      "included).", buckets=PICK_BUCKETS, registry=r)
+        self.retries = Counter(P + "retries", "Requests retried on another engine before any byte reached the "
+                               "client, by reason.", ["reason"], registry=r)
+        self.decisions = Counter(P + "routing_decisions", "Routing decisions: affinity | cold | spill | "
+                                 "least-load | round-robin.", ["decision"], registry=r)
+        self.affinity_hits = Counter(P + "prefix_affinity_hits", "Requests sent to an engine that served a "
+                                     "matching prompt prefix before.", registry=r)
+        self.matched_chars = Counter(P + "prefix_matched_chars", "Prompt characters matched by prefix affinity.",
+                                     registry=r)
+        self.rejected = Counter(P + "rejected", "Requests refused by the gateway itself, by reason.", ["reason"],
+                                registry=r)
+        self.pending = Gauge(P + "pending_requests", "Requests inside the gateway (proxied or held).", registry=r)
+        self.held = Gauge(P + "held_requests", "Requests waiting for an engine to become ready.", registry=r)
+        r.register(_BackendCollector(backends))

@@ -1,0 +1,97 @@
+"""Polls every engine's /readyz and /metrics about every 250 ms, concurrently and with a timeout per poll.
+
+One task per round polls all engines at once; an engine whose previous poll is still running is skipped (a
+hung engine costs one pending poll, never a pile of them), so a slow engine cannot delay the others' data.
+Only three gauges are read from /metrics, with a line scan rather than a full Prometheus parse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from shoal.engine.gateway.backends import Backend, BackendSet
+
+log = logging.getLogger("shoal.gateway.poller")
+
+_GAUGES = {
+    "shoal:num_requests_running": "running",
+    "shoal:num_requests_waiting": "waiting",
+    "shoal:kv_cache_usage_perc": "kv_usage",
+}
+
+
+def parse_load(text: str) -> dict[str, float]:
+    """running / waiting / kv_usage from an engine's Prometheus text (summed over label sets; KV as max)."""
+    out = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+    for line in text.splitlines():
+        if not line.startswith("shoal:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = _GAUGES.get(name)
+        if key is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        out[key] = max(out[key], value) if key == "kv_usage" else out[key] + value
+    return out
+
+
+class Poller:
+    def __init__(self, backends: BackendSet, session: aiohttp.ClientSession, interval: float = 0.25,
+                 timeout: float = 1.0):
+        self.backends = backends
+        self.session = session
+        self.interval = interval
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._polling: dict[Backend, asyncio.Task] = {}
+
+    async def run(self) -> None:
+        while True:
+            for b in self.backends.all():
+                task = self._polling.get(b)
+                if task is None or task.done():
+                    self._polling[b] = asyncio.create_task(self.poll(b))
+            # Forget engines that left the set once their last poll is over.
+            for b in [b for b, t in self._polling.items() if b.removed and t.done()]:
+                del self._polling[b]
+            await asyncio.sleep(self.interval)
+
+    async def close(self) -> None:
+        for t in self._polling.values():
+            t.cancel()
+        await asyncio.gather(*self._polling.values(), return_exceptions=True)
+
+    async def poll(self, b: Backend) -> None:
+        was_usable = b.usable(time.monotonic())
+        try:
+            async with self.session.get(b.url + "/readyz", timeout=self.timeout) as r:
+                await r.read()
+                ready = r.status == 200
+            async with self.session.get(b.url + "/metrics", timeout=self.timeout) as r:
+                text = await r.text() if r.status == 200 else None
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError):
+            b.ready, b.last_answer = False, time.monotonic()  # nobody listens: a definite "no"
+            self._changed(b, was_usable)
+            return
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.debug("poll of %s failed: %r", b.url, e)  # no answer: the data goes stale, then stalled
+            return
+        now = time.monotonic()
+        b.ready, b.last_answer = ready, now
+        if text is not None:
+            load = parse_load(text)
+            b.running, b.waiting, b.kv_usage = load["running"], load["waiting"], load["kv_usage"]
+            b.last_ok = now
+        if ready and not b.circuit_open(now):
+            b.failures = 0  # a healthy answer forgives earlier failures of a closed circuit
+        self._changed(b, was_usable)
+
+    def _changed(self, b: Backend, was_usable: bool) -> None:
+        if b.usable(time.monotonic()) != was_usable:
+            self.backends.notify()
