@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--load-factor", type=float, default=d.load_factor,
                    help="bounded-load factor c >= 1: an engine may take a request while its load + 1 <= "
                         "ceil(c * (total load + 1) / engines) (default %(default)s)")
+    r.add_argument("--affinity-slack", type=non_negative, default=d.affinity_slack,
+                   help="the engine holding a prompt's prefix keeps getting it while its load is at most the "
+                        "least loaded engine's + this many requests (default %(default)s)")
     r.add_argument("--prefix-index-size", type=positive(int), default=d.index_size,
                    help="block hashes remembered for affinity (LRU; default %(default)s)")
     rel = p.add_argument_group("reliability")
@@ -111,7 +114,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
     return GatewayConfig(
         routing=args.routing, block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
-        load_factor=args.load_factor, index_size=args.prefix_index_size, max_pending=args.max_pending,
+        load_factor=args.load_factor, affinity_slack=args.affinity_slack, index_size=args.prefix_index_size,
+        max_pending=args.max_pending,
         max_body_bytes=args.max_body_bytes, hold_timeout=args.hold_timeout, retry_after=args.retry_after,
         connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, poll_interval=args.poll_interval,
         poll_timeout=args.poll_timeout,

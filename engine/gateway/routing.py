@@ -9,8 +9,11 @@ prefix-load (default)
        rendezvous hash of (first block hash, engine URL), and the first one under the bound wins. Every gateway
        replica computes the same order from the same prompt, so replicas agree on where a new prefix lives
        without sharing any state; the bound spills a hot prefix over to the next engines in its order.
-    Bound: an engine may take the request while load + 1 <= ceil(load_factor * (total load + 1) / engines)
-    (Mirrokni et al.'s consistent hashing with bounded loads, c = load_factor, default 1.25). Load is the
+    Bounds. Cold placement: an engine may take the request while load + 1 <= ceil(c * (total load + 1) /
+    engines) (Mirrokni et al.'s consistent hashing with bounded loads; c = load_factor, default 1.25).
+    Affinity is allowed a little more: also while load <= least load + `affinity_slack` (default 2), because a
+    cached prefix saves a whole prefill while one more sequence in a running batch costs little — without it,
+    at low concurrency any second request of a group would leave the engine that holds its prefix. Load is the
     gateway's in-flight count blended with the engine's polled queue (see Backend.load).
 least-load
     The least loaded engine; ties rotate.
@@ -74,10 +77,14 @@ class LeastLoad:
 class PrefixLoad:
     name = "prefix-load"
 
-    def __init__(self, load_factor: float = 1.25, index_size: int = 200_000, holders_per_block: int = 4):
+    def __init__(self, load_factor: float = 1.25, affinity_slack: float = 2.0, index_size: int = 200_000,
+                 holders_per_block: int = 4):
         if load_factor < 1.0:
             raise ValueError("load_factor must be >= 1")
+        if affinity_slack < 0:
+            raise ValueError("affinity_slack must be >= 0")
         self.load_factor = load_factor
+        self.affinity_slack = affinity_slack
         self.index_size = index_size
         self.holders_per_block = holders_per_block
         # block hash -> {engine URL: last time it was routed there}, least recently used first.
@@ -101,6 +108,7 @@ class PrefixLoad:
     def pick(self, candidates: list[Backend], hashes: list[bytes], now: float) -> Pick:
         loads = {b: b.load(now) for b in candidates}
         capacity = math.ceil(self.load_factor * (sum(loads.values()) + 1) / len(candidates))
+        affinity_limit = min(loads.values()) + self.affinity_slack
 
         def within(b: Backend) -> bool:
             return loads[b] + 1 <= capacity
@@ -109,7 +117,7 @@ class PrefixLoad:
         if matched:
             holders = sorted((b for b in candidates if b.url in matched), key=lambda b: (-matched[b.url], loads[b]))
             for b in holders:
-                if within(b):
+                if within(b) or loads[b] <= affinity_limit:
                     return Pick(b, "affinity", matched[b.url])
         key = hashes[0] if hashes else b""
         order = sorted(candidates, key=lambda b: _rendezvous(key, b.url), reverse=True)
@@ -137,9 +145,9 @@ class PrefixLoad:
             index.popitem(last=False)
 
 
-def make_router(name: str, load_factor: float = 1.25, index_size: int = 200_000):
+def make_router(name: str, load_factor: float = 1.25, affinity_slack: float = 2.0, index_size: int = 200_000):
     if name == "prefix-load":
-        return PrefixLoad(load_factor=load_factor, index_size=index_size)
+        return PrefixLoad(load_factor=load_factor, affinity_slack=affinity_slack, index_size=index_size)
     if name == "least-load":
         return LeastLoad()
     if name == "round-robin":

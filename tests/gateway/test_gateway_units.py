@@ -1,0 +1,251 @@
+"""The gateway's parts without engines: prompt hashing, routing decisions, CLI errors, admission limits, holding
+requests while no engine is ready. Fast; the fleet tests cover the real thing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from shoal.engine.gateway.backends import Backend, BackendSet, HealthPolicy
+from shoal.engine.gateway.discovery import ready_urls
+from shoal.engine.gateway.poller import parse_load
+from shoal.engine.gateway.prefix import block_hashes, render_prompt
+from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app
+from shoal.engine.gateway.routing import PrefixLoad, make_router
+
+
+def test_gateway_imports_no_torch():
+    code = ("import sys, shoal.engine.gateway.cli, shoal.engine.gateway.proxy, shoal.engine.gateway.discovery; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_block_hashes_chain_like_the_prefix_cache():
+    a = block_hashes("x" * 64 + "y" * 64 + "z" * 64, 64, 100)
+    b = block_hashes("x" * 64 + "y" * 64 + "w" * 64, 64, 100)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    # A later block's hash depends on every earlier block, not just on its own text.
+    c = block_hashes("q" * 64 + "y" * 64, 64, 100)
+    assert c[1] != a[1]
+    assert block_hashes("short", 64, 100) == []
+    assert len(block_hashes("x" * 64 * 10, 64, 4)) == 4  # bounded work on long prompts
+    assert block_hashes("é" * 128, 64, 10) != block_hashes("e" * 128, 64, 10)
+
+
+def test_block_hashes_agree_across_processes():
+    code = "from shoal.engine.gateway.prefix import block_hashes; print(block_hashes('ab' * 100, 64, 10)[-1].hex())"
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+                           env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout for seed in ("1", "2")}
+    assert len(outs) == 1 and outs.pop().strip() == block_hashes("ab" * 100, 64, 10)[-1].hex()
+
+
+def test_render_prompt():
+    chat = {"model": "m", "messages": [{"role": "system", "content": "S"},
+                                       {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    text = render_prompt("/v1/chat/completions", chat)
+    assert text.startswith("m") and "S" in text and "hi" in text
+    # The same messages for another model are a different prefix.
+    assert render_prompt("/v1/chat/completions", dict(chat, model="n")) != text
+    assert render_prompt("/v1/completions", {"model": "m", "prompt": ["first", "second"]}).endswith("first")
+    assert render_prompt("/v1/completions", {"model": "m", "prompt": [1, 2, 3]}).endswith("1,2,3")
+    assert render_prompt("/v1/completions", {"prompt": None}) is None
+    assert render_prompt("/v1/chat/completions", {"messages": "oops"}) is None
+    assert render_prompt("/v1/completions", ["not", "an", "object"]) is None
+
+
+def backends(n: int) -> list[Backend]:
+    policy = HealthPolicy()
+    return [Backend(f"http://10.0.0.{i}:8000", policy) for i in range(n)]
+
+
+def test_prefix_load_prefers_the_engine_holding_the_longest_prefix():
+    r, bs, now = PrefixLoad(), backends(3), time.monotonic()
+    shared = block_hashes("s" * 640, 64, 100)
+    r.record(bs[2], shared[:4], now)
+    r.record(bs[1], shared, now)  # holds the whole chain
+    pick = r.pick(bs, shared + block_hashes("t" * 64, 64, 1), now)
+    assert pick.backend is bs[1] and pick.decision == "affinity" and pick.matched_blocks == len(shared)
+    # The holder is busy beyond the slack: the next-longest holder that is within the bound wins.
+    bs[1].inflight = 5
+    pick = r.pick(bs, shared, now)
+    assert pick.backend is bs[2] and pick.matched_blocks == 4
+
+
+def test_prefix_load_spills_a_hot_prefix_under_bounded_load():
+    r, bs, now = PrefixLoad(load_factor=1.25, affinity_slack=0), backends(3), time.monotonic()
+    hashes = block_hashes("hot prefix " * 30, 64, 100)
+    picks = []
+    for _ in range(9):
+        pick = r.pick(bs, hashes, now)
+        r.record(pick.backend, hashes, now)
+        pick.backend.inflight += 1
+        picks.append(pick.decision)
+    assert sorted(b.inflight for b in bs) == [3, 3, 3]  # c=1.25 over 9 requests: at most ceil(1.25*9/3)=4 each
+    assert picks[0] == "cold" and "spill" in picks
+
+
+def test_cold_prefixes_agree_across_gateway_replicas():
+    """Two gateways with no shared state place each new prefix on the same engine."""
+    now = time.monotonic()
+    r1, r2 = PrefixLoad(), PrefixLoad()
+    bs1, bs2 = backends(4), list(reversed(backends(4)))
+    chosen = set()
+    for i in range(40):
+        hashes = block_hashes(f"system prompt {i} " * 10, 64, 100)
+        p1, p2 = r1.pick(bs1, hashes, now), r2.pick(bs2, hashes, now)
+        assert p1.backend.url == p2.backend.url and p1.decision == p2.decision == "cold"
+        chosen.add(p1.backend.url)
+    assert len(chosen) == 4  # and they spread over the engines
+
+
+def test_least_load_and_round_robin():
+    bs, now = backends(3), time.monotonic()
+    bs[0].inflight, bs[1].inflight = 2, 1
+    assert make_router("least-load").pick(bs, [], now).backend is bs[2]
+    rr = make_router("round-robin")
+    assert [rr.pick(bs, [], now).backend for _ in range(4)] == [bs[0], bs[1], bs[2], bs[0]]
+    with pytest.raises(ValueError, match="unknown routing"):
+        make_router("random")
+
+
+def test_load_uses_engine_queue_only_while_fresh():
+    b, now = backends(1)[0], time.monotonic()
+    b.inflight, b.running, b.waiting, b.last_ok = 1, 3, 2, now
+    assert b.load(now) == 3 + 2 + 2
+    assert b.load(now + 5) == 1  # stale data is unknown: the gateway's own count only
+
+
+def test_stalled_engines_are_skipped_only_while_another_answers():
+    s = BackendSet(HealthPolicy(stall_after=1.0))
+    s.replace(["http://a:1", "http://b:1"])
+    a, b = sorted(s.all(), key=lambda x: x.url)
+    now = time.monotonic()
+    a.last_answer, b.last_answer = now, now - 10
+    assert s.eligible(now) == [a]
+    a.last_answer = now - 10
+    assert s.eligible(now) == [a, b]  # everything looks stalled: dispatch goes on
+    b.ready = False
+    assert s.eligible(now) == [a]
+
+
+def test_parse_load_and_ready_urls():
+    text = ('# HELP x\nshoal:num_requests_running{model_name="m"} 3.0\nshoal:num_requests_waiting{model_name="m"} 2\n'
+            'shoal:kv_cache_usage_perc{model_name="m"} 0.5\nshoal:num_requests_running_other 9\n')
+    assert parse_load(text) == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.5}
+    slices = {"s1": {"ports": [{"name": "http", "port": 8000, "protocol": "TCP"}], "endpoints": [
+        {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+        {"addresses": ["10.0.0.2"], "conditions": {"ready": False, "terminating": True}},
+        {"addresses": ["fd00::3"], "conditions": {}}]}, "s2": {"ports": [], "endpoints": [{"addresses": ["x"]}]}}
+    assert ready_urls(slices) == {"http://10.0.0.1:8000", "http://[fd00::3]:8000"}
+    assert ready_urls(slices, port_name="metrics") == set()
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "either as --endpoint"),
+    (["--endpoint", "localhost:8000"], "not an engine base URL"),
+    (["--endpoint", "http://a:1", "--service", "s"], "either as --endpoint"),
+    (["--endpoint", "http://a:1", "--load-factor", "0.5"], "--load-factor must be >= 1"),
+    (["--service", "s"], "--namespace"),
+])
+def test_cli_rejects_bad_arguments(argv, message):
+    out = subprocess.run([sys.executable, "-m", "shoal.engine.gateway", *argv], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+# ---- the app in-process, against a stand-in engine -----------------------------------------------------------
+def stand_in_engine(delay: float = 0.0, seen: list | None = None) -> web.Application:
+    """The engine's HTTP contract, reduced to what the gateway uses: /readyz, /metrics and one completion."""
+    app = web.Application()
+    seen = [] if seen is None else seen
+
+    async def readyz(request):
+        return web.json_response({"status": "ready"})
+
+    async def metrics(request):
+        return web.Response(text='shoal:num_requests_running{model_name="m"} 0\n')
+
+    async def complete(request):
+        seen.append({"auth": request.headers.get("Authorization"), "body": await request.json()})
+        await asyncio.sleep(delay)
+        return web.json_response({"choices": [{"text": "ok"}]})
+
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", complete)
+    return app
+
+
+async def gateway_client(config: GatewayConfig, urls: list[str]) -> tuple[Gateway, TestClient]:
+    gw = Gateway(config)
+    gw.backends.replace(urls)
+    await gw.start()
+    client = TestClient(TestServer(build_app(gw)))
+    await client.start_server()
+    return gw, client
+
+
+async def test_body_limit_pending_limit_and_unknown_routes():
+    seen: list[dict] = []
+    engine = TestServer(stand_in_engine(delay=0.5, seen=seen))
+    await engine.start_server()
+    gw, client = await gateway_client(GatewayConfig(max_body_bytes=1000, max_pending=1),
+                                      [str(engine.make_url("")).rstrip("/")])
+    try:
+        r = await client.post("/v1/completions", data=b"x" * 5000, headers={"Content-Type": "application/json"})
+        assert r.status == 413 and (await r.json())["error"]["code"] == "body_too_large"
+        first = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "a"},
+                                                headers={"Authorization": "Bearer k"}))
+        while gw.pending == 0:
+            await asyncio.sleep(0.01)
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "b"})
+        assert r.status == 429 and r.headers["Retry-After"] and (await r.json())["error"]["type"] == "rate_limit_error"
+        r = await first
+        assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
+        assert seen[0]["auth"] == "Bearer k"
+        r = await client.get("/nothing/here")
+        assert r.status == 404 and "error" in await r.json()
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.close()
+
+
+async def test_requests_are_held_until_an_engine_appears():
+    gw, client = await gateway_client(GatewayConfig(hold_timeout=30), [])
+    engine = TestServer(stand_in_engine())
+    held_calls = []
+    gw.on_hold.append(lambda: held_calls.append(1))
+    try:
+        assert (await client.get("/readyz")).status == 200  # ready to hold requests with no engine
+        pending = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "wake up"}))
+        while gw.metrics.held._value.get() == 0:
+            await asyncio.sleep(0.01)
+        assert held_calls == [1]
+        await engine.start_server()
+        gw.backends.replace([str(engine.make_url("")).rstrip("/")])  # what discovery does when a pod is Ready
+        r = await pending
+        assert r.status == 200
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.close()
+
+
+async def test_hold_deadline_then_503():
+    gw, client = await gateway_client(GatewayConfig(hold_timeout=0.3, retry_after=7), [])
+    try:
+        r = await client.post("/v1/completions", data=json.dumps({"model": "m", "prompt": "x"}))
+        assert r.status == 503 and r.headers["Retry-After"] == "7"
+        assert (await r.json())["error"]["type"] == "service_unavailable"
+    finally:
+        await client.close()
+        await gw.stop()
