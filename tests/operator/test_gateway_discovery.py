@@ -1,0 +1,185 @@
+"""shoal-gateway discovering engines from a Service's EndpointSlices, watched on the API emulator.
+
+The gateway is the real `shoal-gateway --service NAME --namespace NS` process, reading the emulator through the
+kubeconfig the `env` fixture writes. The engines behind it are stand-ins serving the engine's HTTP contract as far
+as the gateway uses it (/readyz, /metrics, /v1/completions), each recording what reached it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from aiohttp import web
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StandInEngines:
+    """Several engine stand-ins on 127.0.0.1, served by one event loop in a thread."""
+
+    def __init__(self, count: int):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="stand-in-engines")
+        self.thread.start()
+        self.ports = [_free_port() for _ in range(count)]
+        self.seen = {p: 0 for p in self.ports}
+        self.runners = [self._run(self._start(p)) for p in self.ports]
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    async def _start(self, port: int) -> web.AppRunner:
+        async def readyz(request):
+            return web.json_response({"status": "ready"})
+
+        async def metrics(request):
+            return web.Response(text='shoal:num_requests_running{model_name="tiny"} 0\n')
+
+        async def complete(request):
+            await request.read()
+            self.seen[port] += 1
+            return web.json_response({"choices": [{"index": 0, "text": str(port)}]})
+
+        app = web.Application()
+        app.router.add_get("/readyz", readyz)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_post("/v1/completions", complete)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    def close(self) -> None:
+        for r in self.runners:
+            self._run(r.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def endpoint_slice(name: str, service: str, port: int, ready: bool = True) -> dict:
+    return {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready, "serving": True,
+                                                                     "terminating": not ready}}],
+    }
+
+
+def _post(url: str, body: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+
+
+def _gateway_backends(url: str) -> set[str]:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return set()
+    return {line.split('"')[1] for line in text.splitlines()
+            if line.startswith("shoal:gateway_backend_healthy{") and line.endswith(" 1.0")}
+
+
+def _wait(predicate, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def engines():
+    e = StandInEngines(3)
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def gateway(env, ns):
+    port = _free_port()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.engine.gateway", "--service", "llm", "--namespace", ns, "--routing",
+         "round-robin", "--host", "127.0.0.1", "--port", str(port), "--poll-interval", "0.1",
+         "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: _gateway_backends(url) is not None and proc.poll() is None and _livez(url), "the gateway")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        os.unlink(log.name)
+
+
+def _livez(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/livez", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def test_gateway_follows_ready_endpoints_of_the_service(env, ns, engines, gateway):
+    http = env.client.http
+    base = f"{env.server.url}/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+    a, b, c = engines.ports
+    url = {p: f"http://127.0.0.1:{p}" for p in engines.ports}
+
+    # Nothing yet: 503 with Retry-After (never 404).
+    status, body, headers = _post(gateway + "/v1/completions", {"model": "tiny", "prompt": "x"})
+    assert status == 503 and headers.get("Retry-After") and body["error"]["code"] == "no_backend"
+
+    for name, port in (("llm-a", a), ("llm-b", b)):
+        http.post(base, json=endpoint_slice(name, "llm", port)).raise_for_status()
+    # A slice of another Service is not ours.
+    http.post(base, json=endpoint_slice("other-c", "other", c)).raise_for_status()
+    _wait(lambda: _gateway_backends(gateway) == {url[a], url[b]}, "both engines discovered")
+    for i in range(6):
+        assert _post(gateway + "/v1/completions", {"model": "tiny", "prompt": f"p{i}"})[0] == 200
+    assert engines.seen[a] == 3 and engines.seen[b] == 3 and engines.seen[c] == 0
+
+    # b's pod starts terminating: its endpoint turns not-ready and it gets nothing new.
+    r = http.patch(f"{base}/llm-b", data=json.dumps(endpoint_slice("llm-b", "llm", b, ready=False)),
+                   headers={"Content-Type": "application/merge-patch+json"})
+    r.raise_for_status()
+    _wait(lambda: _gateway_backends(gateway) == {url[a]}, "the draining engine to leave")
+    for i in range(4):
+        assert _post(gateway + "/v1/completions", {"model": "tiny", "prompt": f"q{i}"})[0] == 200
+    assert engines.seen[a] == 7 and engines.seen[b] == 3
+
+    # A new replica appears; a deleted slice takes its engine with it.
+    http.post(base, json=endpoint_slice("llm-c", "llm", c)).raise_for_status()
+    http.delete(f"{base}/llm-a").raise_for_status()
+    _wait(lambda: _gateway_backends(gateway) == {url[c]}, "the new engine alone")
+    assert _post(gateway + "/v1/completions", {"model": "tiny", "prompt": "z"})[0] == 200
+    assert engines.seen[c] == 1
