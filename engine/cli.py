@@ -1,4 +1,4 @@
-"""`shoal-engine`: serve | demo | bench serve | bench throughput.
+"""`shoal-engine`: serve | demo | bench serve | bench fleet | bench throughput.
 
 Flags follow vLLM's names so habits and manifests carry over. Adding flags: put engine knobs in
 `add_engine_args` (and map them in `engine_config_from_args`), server knobs in `add_server_args`; a new group
@@ -249,6 +249,12 @@ def cmd_bench_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return run_bench(args)
 
 
+def cmd_bench_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.engine.tools.bench_fleet import run_bench
+
+    return run_bench(args)
+
+
 def cmd_bench_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from shoal.engine.tools import bench_throughput
 
@@ -295,13 +301,20 @@ def build_parser() -> argparse.ArgumentParser:
     download.add_args(dl)
     dl.set_defaults(func=lambda args, parser: download.run(args), parser=dl)
 
-    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), throughput (offline)")
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), fleet (gateway routing), "
+                           "throughput (offline)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     bs = bsub.add_parser("serve", help="load-test a running server (like `vllm bench serve`)")
     from shoal.engine.tools.bench_serve import add_bench_serve_args
 
     add_bench_serve_args(bs)
     bs.set_defaults(func=cmd_bench_serve, parser=bs)
+    bf = bsub.add_parser("fleet", help="N engine replicas behind shoal-gateway: routing policies compared "
+                         "(shoal.engine.tools.bench_fleet)")
+    from shoal.engine.tools.bench_fleet import add_bench_fleet_args
+
+    add_bench_fleet_args(bf)
+    bf.set_defaults(func=cmd_bench_fleet, parser=bf)
     bt = bsub.add_parser("throughput", help="offline throughput vs transformers (shoal.engine.tools.bench_throughput)",
                          add_help=False)
     bt.add_argument("rest", nargs=argparse.REMAINDER)

@@ -1,0 +1,373 @@
+"""`shoal-engine bench fleet`: N engine replicas behind shoal-gateway on this machine, routing policies compared.
+
+For each workload and request rate, every routing policy gets the same kind of seeded traffic (fresh prompts per
+run, so no run profits from another's cache):
+  shared      groups of requests sharing a long system prompt, each with its own question;
+  multiturn   chats whose every turn resends the whole conversation so far (turns of one chat in sequence);
+  unique      prompts that share nothing.
+Routings: prefix-load, round-robin, least-load through the gateway, plus `oracle` for shared/multiturn (the
+client pins each group/chat to one engine directly: the best possible prefix hit rate). Requests arrive as a
+Poisson process and stream; printed: TTFT p50/p99, output tokens/s, and the engines' own prefix-cache hit rate
+(hits/queries from their /metrics). Finally the gateway's own added latency on a no-op route: the same requests at
+a fixed rate to a no-op backend, directly and through the gateway (p50/p99 of the difference of the two
+latency distributions' percentiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+WORKLOADS = ("shared", "multiturn", "unique")
+ROUTINGS = ("prefix-load", "round-robin", "least-load")
+_WORDS = ("alpha bravo cedar delta ember fjord gravel harbor island jetty kelp lagoon meadow nectar orbit pebble "
+          "quartz reef summit tundra umber valley willow xenon yarrow zephyr").split()
+
+
+def add_bench_fleet_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: a small random-weight Llama built "
+                   "once into a temporary directory)")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--routings", default=",".join(ROUTINGS) + ",oracle")
+    p.add_argument("--rates", default="2,6", help="request rates (req/s), comma-separated")
+    p.add_argument("--requests", type=int, default=48, help="requests per run")
+    p.add_argument("--groups", type=int, default=6, help="shared: groups; multiturn: chats")
+    p.add_argument("--system-chars", type=int, default=2400, help="length of a shared system prompt")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--overhead-rate", type=float, default=200.0, help="req/s for the no-op overhead run")
+    p.add_argument("--overhead-seconds", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+class Child:
+    def __init__(self, cmd: list[str]):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="shoal-bench-fleet-", suffix=".log", delete=False)
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(self.port)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env)
+
+    async def wait_ready(self, session: aiohttp.ClientSession, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"{self.url} exited:\n{self.log.read()[-3000:]}")
+            try:
+                async with session.get(self.url + "/readyz") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"{self.url} not ready after {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+# ---- workloads -------------------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One request, or (multiturn) the turns of one chat, sent in order; `group` picks the oracle's engine."""
+    group: int
+    prompts: list[str]
+    at: float = 0.0  # arrival offset in seconds
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    out, n = [], 0
+    while n < chars:
+        w = rng.choice(_WORDS)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:chars]
+
+
+def make_jobs(workload: str, args, rate: float, seed: int) -> list[Job]:
+    rng = random.Random(seed)
+    jobs: list[Job] = []
+    if workload == "shared":
+        systems = [_text(rng, args.system_chars) for _ in range(args.groups)]
+        for _ in range(args.requests):
+            g = rng.randrange(args.groups)
+            jobs.append(Job(g, [f"{systems[g]}\nQuestion: {_text(rng, 120)}\nAnswer:"]))
+    elif workload == "multiturn":
+        turns = max(1, args.requests // args.groups)
+        for g in range(args.groups):
+            history = _text(rng, args.system_chars // 2)
+            prompts = []
+            for _ in range(turns):
+                history += f"\nUser: {_text(rng, 150)}\nAssistant:"
+                prompts.append(history)
+                history += " " + _text(rng, 200)  # the previous answer, as a client would resend it
+            jobs.append(Job(g, prompts))
+    else:
+        for i in range(args.requests):
+            jobs.append(Job(i, [_text(rng, args.system_chars + 120)]))
+    # Poisson arrivals: per request (or per chat, spread so turns keep the same overall request rate).
+    per_job = len(jobs[0].prompts)
+    t = 0.0
+    for j in jobs:
+        j.at = t
+        t += rng.expovariate(rate / per_job)
+    return jobs
+
+
+@dataclass
+class RunResult:
+    ttfts: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    hit_rate: float = float("nan")
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str, out_len: int, res: RunResult):
+    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "stream": True, "ignore_eos": True,
+            "temperature": 0.0, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                res.errors += 1
+                await r.read()
+                return
+            first = None
+            async for line in r.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                    first = time.perf_counter() - start
+                if chunk.get("usage"):
+                    res.output_tokens += chunk["usage"].get("completion_tokens", 0)
+            if first is not None:
+                res.ttfts.append(first)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        res.errors += 1
+
+
+async def _prefix_counters(session: aiohttp.ClientSession, engines: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for url in engines:
+        async with session.get(url + "/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith("shoal:prefix_cache_hits_total"):
+                    hits += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("shoal:prefix_cache_queries_total"):
+                    queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+async def run_workload(session, engines: list[str], target: str | None, model: str, jobs: list[Job],
+                       out_len: int) -> RunResult:
+    """`target` is the gateway URL; None means the oracle (each group pinned to one engine, directly)."""
+    res = RunResult()
+    h0, q0 = await _prefix_counters(session, engines)
+    start = time.perf_counter()
+
+    async def job(j: Job):
+        await asyncio.sleep(max(0.0, start + j.at - time.perf_counter()))
+        url = target or engines[j.group % len(engines)]
+        for prompt in j.prompts:
+            await _stream(session, url, model, prompt, out_len, res)
+
+    await asyncio.gather(*(job(j) for j in jobs))
+    res.seconds = time.perf_counter() - start
+    h1, q1 = await _prefix_counters(session, engines)
+    res.hit_rate = (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan")
+    return res
+
+
+# ---- the gateway's own overhead ----------------------------------------------------------------------------------
+def noop_server(port: int) -> None:
+    """A backend that answers instantly: what is left of a request's latency is the HTTP path itself."""
+    from aiohttp import web
+
+    async def ok(request):
+        await request.read()
+        return web.json_response({"choices": [{"text": ""}]})
+
+    async def ready(request):
+        return web.json_response({"status": "ready"})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", ok)
+    app.router.add_get("/readyz", ready)
+    app.router.add_get("/metrics", lambda r: web.Response(text=""))
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+async def measure_latencies(session, url: str, rate: float, seconds: float) -> list[float]:
+    body = json.dumps({"model": "m", "prompt": "a no-op request of a typical short prompt " * 4}).encode()
+    lat: list[float] = []
+    n = int(rate * seconds)
+    start = time.perf_counter()
+
+    async def one(i: int):
+        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        t = time.perf_counter()
+        async with session.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}) as r:
+            await r.read()
+        lat.append(time.perf_counter() - t)
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return lat
+
+
+async def gateway_overhead(session, args) -> dict:
+    port = _free_port()
+    noop = subprocess.Popen([sys.executable, "-c", f"from shoal.engine.tools.bench_fleet import noop_server; "
+                             f"noop_server({port})"])
+    backend = f"http://127.0.0.1:{port}"
+    gw = Child([sys.executable, "-m", "shoal.engine.gateway", "--endpoint", backend, "--log-level", "warning"])
+    try:
+        await gw.wait_ready(session, 60)
+        await measure_latencies(session, gw.url, args.overhead_rate, 1.0)  # warm connections
+        direct, through = [], []
+        for _ in range(2):  # interleaved, so load drift on the machine hits both alike
+            direct += await measure_latencies(session, backend, args.overhead_rate, args.overhead_seconds / 2)
+            through += await measure_latencies(session, gw.url, args.overhead_rate, args.overhead_seconds / 2)
+        async with session.get(gw.url + "/metrics") as r:
+            text = await r.text()
+        pick_sum = pick_n = 0.0
+        for line in text.splitlines():
+            if line.startswith("shoal:gateway_pick_latency_seconds_sum"):
+                pick_sum = float(line.rsplit(" ", 1)[1])
+            elif line.startswith("shoal:gateway_pick_latency_seconds_count"):
+                pick_n = float(line.rsplit(" ", 1)[1])
+        return {"rate": args.overhead_rate, "requests": len(through),
+                "direct_p50_ms": _pct(direct, 50) * 1e3, "direct_p99_ms": _pct(direct, 99) * 1e3,
+                "gateway_p50_ms": _pct(through, 50) * 1e3, "gateway_p99_ms": _pct(through, 99) * 1e3,
+                "added_p50_ms": (_pct(through, 50) - _pct(direct, 50)) * 1e3,
+                "added_p99_ms": (_pct(through, 99) - _pct(direct, 99)) * 1e3,
+                "pick_mean_us": pick_sum / pick_n * 1e6 if pick_n else float("nan")}
+    finally:
+        gw.stop()
+        noop.terminate()
+        noop.wait(10)
+
+
+# ---- the whole benchmark -------------------------------------------------------------------------------------------
+def _bench_model() -> str:
+    from shoal.engine.tools.tiny_model import make_model
+
+    path = os.path.join(tempfile.gettempdir(), "shoal-bench-fleet-model")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        # Prefill-heavy enough that a cached prefix matters, small enough for a CPU fleet.
+        make_model(path, arch="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
+    return path
+
+
+async def main_async(args) -> int:
+    model_dir = args.model or _bench_model()
+    workloads = [w for w in args.workloads.split(",") if w]
+    routings = [r for r in args.routings.split(",") if r]
+    rates = [float(r) for r in args.rates.split(",") if r]
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    for r in routings:
+        if r not in ROUTINGS + ("oracle",):
+            raise SystemExit(f"unknown routing {r!r}; choose from {', '.join(ROUTINGS + ('oracle',))}")
+    engines = [Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model_dir,
+                      "--served-model-name", "bench", "--kv-cache-memory", args.kv_cache_memory,
+                      "--max-model-len", "4096"]) for _ in range(args.replicas)]
+    gateways = {r: Child([sys.executable, "-m", "shoal.engine.gateway", "--routing", r, "--log-level", "warning",
+                          *sum((["--endpoint", e.url] for e in engines), [])])
+                for r in routings if r != "oracle"}
+    results = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+            for c in [*engines, *gateways.values()]:
+                await c.wait_ready(session)
+            urls = [e.url for e in engines]
+            # Warm every engine (first-request costs) with a prompt no workload shares.
+            for u in urls:
+                await _stream(session, u, "bench", "warm up " * 20, 4, RunResult())
+            seed = args.seed
+            for w in workloads:
+                for rate in rates:
+                    for r in routings:
+                        if r == "oracle" and w == "unique":
+                            continue
+                        seed += 1
+                        jobs = make_jobs(w, args, rate, seed)
+                        res = await run_workload(session, urls, None if r == "oracle" else gateways[r].url,
+                                                 "bench", jobs, args.output_len)
+                        row = {"workload": w, "rate": rate, "routing": r,
+                               "ttft_p50_ms": _pct(res.ttfts, 50) * 1e3, "ttft_p99_ms": _pct(res.ttfts, 99) * 1e3,
+                               "output_tok_s": res.output_tokens / res.seconds, "prefix_hit_rate": res.hit_rate,
+                               "errors": res.errors}
+                        results.append(row)
+                        if not args.json:
+                            print(f"{w:10s} {rate:6.1f} req/s  {r:12s}  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  "
+                                  f"p99 {row['ttft_p99_ms']:8.1f} ms  {row['output_tok_s']:7.1f} tok/s  "
+                                  f"prefix hits {row['prefix_hit_rate']:6.1%}  errors {res.errors}", flush=True)
+            overhead = await gateway_overhead(session, args) if args.overhead_seconds > 0 else None
+    finally:
+        for c in [*gateways.values(), *engines]:
+            c.stop()
+    if args.json:
+        print(json.dumps({"runs": results, "gateway_overhead": overhead}, indent=2))
+    elif overhead:
+        print(f"gateway overhead at {overhead['rate']:.0f} req/s on a no-op backend ({overhead['requests']} "
+              f"requests): added p50 {overhead['added_p50_ms']:.2f} ms, p99 {overhead['added_p99_ms']:.2f} ms "
+              f"(direct p50/p99 {overhead['direct_p50_ms']:.2f}/{overhead['direct_p99_ms']:.2f} ms, through the "
+              f"gateway {overhead['gateway_p50_ms']:.2f}/{overhead['gateway_p99_ms']:.2f} ms; "
+              f"mean pick {overhead['pick_mean_us']:.1f} us)")
+    return 0
+
+
+def run_bench(args) -> int:
+    return asyncio.run(main_async(args))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="shoal-engine bench fleet", description=__doc__.split("\n")[0])
+    add_bench_fleet_args(p)
+    return run_bench(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
