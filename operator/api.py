@@ -258,6 +258,33 @@ class Autoscaling(_Model):
         description="with minReplicas 0: the last replica goes after this long without any request")
 
 
+class GatewayResources(_Model):
+    cpu: Quantity | None = Field(default="250m", description="CPU request per gateway pod")
+    memory: Quantity | None = Field(default="256Mi", description="memory request and limit per gateway pod")
+
+    @field_validator("cpu", "memory")
+    @classmethod
+    def _quantity(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, str) and not re.match(QUANTITY_PATTERN, v):
+            raise ValueError(f"{v!r} is not a Kubernetes quantity")
+        return v
+
+
+class GatewayOptions(_Model):
+    enabled: bool = Field(
+        default=True,
+        description="run shoal-gateway (prefix-cache and load-aware routing) in front of the engines; the Service "
+                    "<name> points at it, and engines accept HTTP only from it. false: <name> points at the "
+                    "engines directly (plain L4 balancing).",
+    )
+    routing: Literal["prefix-load", "least-load", "round-robin"] = Field(
+        default="prefix-load", description="shoal-gateway --routing")
+    replicas: int = Field(default=2, ge=2, le=100, description="gateway pods (at least 2, for availability)")
+    image: str | None = Field(default=None, max_length=1024,
+                              description="gateway image; the operator's default (the small image without torch)")
+    resources: GatewayResources = section(GatewayResources)
+
+
 class InferenceServiceSpec(_Model):
     model: ModelSource = section(ModelSource)
     replicas: int = Field(default=1, ge=0, le=1000)
@@ -274,6 +301,7 @@ class InferenceServiceSpec(_Model):
     pod: PodOptions = section(PodOptions)
     autoscaling: Autoscaling | None = Field(
         default=None, description="size the fleet to the load (min 0 allowed); the operator then owns replicas")
+    gateway: GatewayOptions = section(GatewayOptions)
 
     @model_validator(mode="after")
     def _cross_field(self) -> "InferenceServiceSpec":

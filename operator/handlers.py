@@ -50,6 +50,7 @@ def settings_from_env() -> Settings:
     """shoal-operator's flags arrive as environment variables (kopf loads this module itself)."""
     return Settings(
         engine_image=os.environ.get("SHOAL_ENGINE_IMAGE") or render.DEFAULT_ENGINE_IMAGE,
+        gateway_image=os.environ.get("SHOAL_GATEWAY_IMAGE") or render.DEFAULT_GATEWAY_IMAGE,
         max_gpus_per_node=int(os.environ.get("SHOAL_MAX_GPUS_PER_NODE") or 8),
         cluster_domain=os.environ.get("SHOAL_CLUSTER_DOMAIN") or "cluster.local",
         operator_namespace=os.environ.get("SHOAL_OPERATOR_NAMESPACE") or os.environ.get("POD_NAMESPACE") or None,

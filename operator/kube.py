@@ -50,7 +50,12 @@ PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # pods: watched for status reasons; deleted to restart a multi-pod group as a whole; annotated with a
     # deletion cost by the autoscaler so that a scale-down removes the least busy ones
     ("", "pods", ("list", "watch", "patch", "delete")),
-    # the autoscaler lists the engine and gateway endpoints it scrapes from their Services' EndpointSlices
+    # the gateway's identity (per InferenceService): its ServiceAccount, and a Role + RoleBinding
+    ("", "serviceaccounts", _CHILD_VERBS),
+    ("rbac.authorization.k8s.io", "roles", _CHILD_VERBS),
+    ("rbac.authorization.k8s.io", "rolebindings", _CHILD_VERBS),
+    # the autoscaler lists the engine and gateway endpoints it scrapes from their Services' EndpointSlices; RBAC
+    # lets the operator grant only what it holds itself, so this also covers the gateway's Role (list, watch)
     ("discovery.k8s.io", "endpointslices", ("list", "watch")),
     # Events: posted by kopf.event() for transitions
     ("", "events", ("create", "patch")),
@@ -76,12 +81,15 @@ KINDS: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
+    "ServiceAccount": ("v1", "serviceaccounts"),
+    "Role": ("rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
     "Pod": ("v1", "pods"),
     "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices"),
     api.KIND: (api.API_VERSION, api.PLURAL),
 }
 CHILD_KINDS = ("ConfigMap", "PersistentVolumeClaim", "Service", "StatefulSet", "Deployment", "NetworkPolicy",
-               "PodDisruptionBudget")
+               "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding")
 # what the operator watches besides InferenceServices: its children, and the pods of its workloads
 WATCHED_KINDS = (*CHILD_KINDS, "Pod")
 

@@ -12,9 +12,15 @@ One replica is a *group* of ``pods_per_replica = ceil(tp*pp / gpusPerPod)`` pods
   controller, Kubernetes >= 1.28) into ``SHOAL_NODE_RANK``; rank 0 is ``<name>-g<r>-0.<name>-g<r>.<ns>.svc.<domain>``. Ranks other than 0 add
   ``--headless`` (a two-line ``sh`` wrapper, since a StatefulSet has one pod template for all ordinals);
 * a PersistentVolumeClaim ``<name>-model-cache`` for a persistent shared model cache (model.cache);
-* always: the gateway Service ``<name>`` (port 8000 -> rank-0 pods), a NetworkPolicy ``<name>`` (unless
-  disabled), a PodDisruptionBudget ``<name>`` when replicas > 1, a ConfigMap ``<name>-chat-template`` when
-  the spec carries a chat template.
+* always: the Service ``<name>`` (port 8000), a NetworkPolicy ``<name>`` for the engines (unless disabled), a
+  PodDisruptionBudget ``<name>`` when replicas > 1, a ConfigMap ``<name>-chat-template`` when the spec carries a
+  chat template;
+* with ``spec.gateway.enabled`` (the default): ``<name>`` selects the shoal-gateway pods of the Deployment
+  ``<name>-gateway``, which discovers the rank-0 engine pods through the EndpointSlices of the headless Service
+  ``<name>-engines`` (ServiceAccount, Role and RoleBinding ``<name>-gateway``: list/watch EndpointSlices, nothing
+  else), with its own PodDisruptionBudget and NetworkPolicy ``<name>-gateway``; the engines then accept HTTP only
+  from the gateway pods (and the operator's namespace, for metrics). Disabled: ``<name>`` selects the rank-0
+  engine pods directly.
 
 Every child carries an ownerReference (controller) to the InferenceService, the label scheme below, and the
 annotation ``serving.shoal.dev/spec-hash`` (hash of the rendered object) that the reconciler compares.
@@ -33,6 +39,9 @@ from shoal.operator import api, overlay
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/shoal-dev/shoal-engine:0.1.0"
+# shoal-gateway needs no torch: the operator's small image (Dockerfile.operator) carries it.
+DEFAULT_GATEWAY_IMAGE = "ghcr.io/shoal-dev/shoal-operator:0.1.0"
+GATEWAY_UID = 65532  # the operator image's user
 
 L_NAME = "app.kubernetes.io/name"
 L_INSTANCE = "app.kubernetes.io/instance"
@@ -64,6 +73,7 @@ class Settings:
     """Operator-wide settings (CLI flags of shoal-operator)."""
 
     engine_image: str = DEFAULT_ENGINE_IMAGE
+    gateway_image: str = DEFAULT_GATEWAY_IMAGE
     max_gpus_per_node: int = 8
     cluster_domain: str = "cluster.local"
     operator_namespace: str | None = None  # metrics scraping allowed from there by the NetworkPolicy
@@ -109,6 +119,18 @@ def group_name(name: str, replica: int) -> str:
 
 def pod_selector(name: str) -> dict[str, str]:
     return {L_ISVC: name, L_COMPONENT: "engine"}
+
+
+def gateway_selector(name: str) -> dict[str, str]:
+    return {L_ISVC: name, L_COMPONENT: "gateway"}
+
+
+def gateway_name(name: str) -> str:
+    return f"{name}-gateway"
+
+
+def engines_service_name(name: str) -> str:
+    return f"{name}-engines"
 
 
 def labels(name: str, component: str) -> dict[str, str]:
@@ -486,11 +508,17 @@ def headless_service(isvc: dict[str, Any], spec: InferenceServiceSpec, replica: 
     })
 
 
-def gateway_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
-    name = isvc["metadata"]["name"]
+def serving_selector(name: str, multi: bool) -> dict[str, str]:
+    """The engine pods that serve the OpenAI API: every pod, or rank 0 of each multi-pod group."""
     selector = pod_selector(name)
     if multi:
         selector[L_POD_INDEX] = "0"  # only rank 0 serves the OpenAI API
+    return selector
+
+
+def gateway_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
+    name = isvc["metadata"]["name"]
+    selector = gateway_selector(name) if spec.gateway.enabled else serving_selector(name, multi)
     return _finish({
         "apiVersion": "v1",
         "kind": "Service",
@@ -506,7 +534,10 @@ def gateway_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: boo
 def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, multi: bool) -> dict:
     name = isvc["metadata"]["name"]
     http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
-    peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
+    if spec.gateway.enabled:  # clients -> gateway -> engines: only the gateway reaches the engines' API
+        peers = [{"podSelector": {"matchLabels": gateway_selector(name)}}]
+    else:
+        peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
     rules: list[dict[str, Any]] = [{"from": peers, "ports": http}]
     # Scrapers: /metrics is served on the HTTP port (routes other than health and metrics still need the API key)
     scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
@@ -535,6 +566,157 @@ def disruption_budget(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": pod_selector(name)},
                  "unhealthyPodEvictionPolicy": "AlwaysAllow"},
     })
+
+
+# ------------------------------------------------------------------------------------------------------ the gateway
+def engines_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
+    """Headless: no virtual IP, it exists for its EndpointSlices (Ready serving engines), which the gateway watches."""
+    name = isvc["metadata"]["name"]
+    return _finish({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(isvc, engines_service_name(name), "engines"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": serving_selector(name, multi),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    })
+
+
+def scales_from_zero(spec: InferenceServiceSpec) -> bool:
+    return spec.autoscaling is not None and spec.autoscaling.min_replicas == 0
+
+
+def gateway_rbac(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The gateway's identity: it may list and watch EndpointSlices in its namespace, and, when the fleet can scale
+    to zero, annotate its own InferenceService to wake the autoscaler (engine/gateway/wake.py); nothing else."""
+    name = isvc["metadata"]["name"]
+    gw = gateway_name(name)
+    rules = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
+    if scales_from_zero(spec):
+        rules.append({"apiGroups": [api.GROUP], "resources": [api.PLURAL], "resourceNames": [name],
+                      "verbs": ["patch"]})
+    return [
+        _finish({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(isvc, gw, "gateway"),
+                 "automountServiceAccountToken": False}),  # mounted by the gateway pod alone
+        _finish({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(isvc, gw, "gateway"),
+                 "rules": rules}),
+        _finish({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                 "metadata": _meta(isvc, gw, "gateway"),
+                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": gw},
+                 "subjects": [{"kind": "ServiceAccount", "name": gw, "namespace": isvc["metadata"]["namespace"]}]}),
+    ]
+
+
+def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
+    name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
+    gw, res = spec.gateway, spec.gateway.resources
+    requests = {k: str(v) for k, v in (("cpu", res.cpu), ("memory", res.memory)) if v is not None}
+    resources: dict[str, Any] = {"requests": requests} if requests else {}
+    if res.memory is not None:
+        resources["limits"] = {"memory": str(res.memory)}
+    # In-flight streams may run as long as the engines' drain allows.
+    drain = spec.engine.shutdown_timeout_seconds
+    hold_args: list[str] = []
+    if scales_from_zero(spec):
+        # At zero replicas requests wait for the first engine (up to its model-load budget, at most 10 min) and
+        # the gateway wakes the autoscaler at once by annotating the InferenceService.
+        hold = min(spec.probes.startup_timeout_seconds, 600)
+        hold_args = ["--hold-timeout", str(hold), "--inferenceservice", name]
+    container = {
+        "name": "gateway",
+        "image": gw.image or settings.gateway_image,
+        "command": ["shoal-gateway"],
+        "args": ["--service", engines_service_name(name), "--namespace", namespace, "--port-name", "http",
+                 "--port", str(ENGINE_PORT), "--routing", gw.routing, "--shutdown-timeout", str(drain)]
+                + hold_args,
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "resources": resources,
+        "readinessProbe": _probe("/readyz", 2, 2, 2),
+        "livenessProbe": _probe("/livez", 10, 3, 5),
+        "lifecycle": {"preStop": {"sleep": {"seconds": settings.prestop_seconds}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": gateway_name(name),
+        "automountServiceAccountToken": True,  # it watches EndpointSlices
+        "enableServiceLinks": False,
+        "containers": [container],
+        "terminationGracePeriodSeconds": drain + settings.prestop_seconds + 15,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": GATEWAY_UID,
+            "runAsGroup": GATEWAY_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # Replicas on different nodes when possible: one node going away keeps the API up.
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                       "whenUnsatisfiable": "ScheduleAnyway",
+                                       "labelSelector": {"matchLabels": gateway_selector(name)}}],
+    }
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    return _finish({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(isvc, gateway_name(name), "gateway"),
+        "spec": {
+            "replicas": gw.replicas,
+            "selector": {"matchLabels": gateway_selector(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "revisionHistoryLimit": 5,
+            "template": {"metadata": {"labels": labels(name, "gateway")}, "spec": pod_spec},
+        },
+    })
+
+
+def gateway_network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict:
+    """Clients (`allowFrom`, else the namespace's pods) reach the gateway; the operator's namespace its metrics."""
+    name = isvc["metadata"]["name"]
+    http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
+    peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
+    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}]
+    if settings.operator_namespace:
+        rules.append({"from": [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": settings.operator_namespace}}}], "ports": http})
+    return _finish({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(isvc, gateway_name(name), "network-policy"),
+        "spec": {"podSelector": {"matchLabels": gateway_selector(name)}, "policyTypes": ["Ingress"],
+                 "ingress": rules},
+    })
+
+
+def gateway_disruption_budget(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    name = isvc["metadata"]["name"]
+    return _finish({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(isvc, gateway_name(name), "disruption-budget"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": gateway_selector(name)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+    })
+
+
+def gateway_children(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings,
+                     multi: bool) -> list[dict[str, Any]]:
+    children = [engines_service(isvc, spec, multi), *gateway_rbac(isvc, spec),
+                gateway_deployment(isvc, spec, settings), gateway_disruption_budget(isvc, spec)]
+    if spec.security.network_policy.enabled:
+        children.append(gateway_network_policy(isvc, spec, settings))
+    return children
 
 
 def chat_template_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -566,6 +748,8 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
         children.append(network_policy(isvc, spec, settings, multi))
     if spec.replicas > 1:
         children.append(disruption_budget(isvc, spec))
+    if spec.gateway.enabled:
+        children += gateway_children(isvc, spec, settings, multi)
     selector = pod_selector(name) if not multi else {**pod_selector(name), L_POD_INDEX: "0"}
     return Plan(
         name=name, namespace=namespace, spec=spec, pods_per_replica=pods,

@@ -186,6 +186,11 @@ EXPECTED_RULES = {
     ("serving.shoal.dev", "inferenceservices/scale"): {"patch"},  # the autoscaler
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},  # the autoscaler's scrape targets
     ("", "events"): {"create", "patch"},
+    # each InferenceService's gateway: its ServiceAccount + Role + RoleBinding, granting EndpointSlice reads
+    ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
 }
 CLUSTER_ONLY_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
@@ -329,8 +334,9 @@ def test_service_monitor():
     spec = sm["spec"]
     assert set(spec) <= {"namespaceSelector", "selector", "endpoints", "targetLabels", "jobLabel"}
     assert spec["namespaceSelector"] == {"any": True}
-    assert spec["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "shoal-operator",
-                                               "app.kubernetes.io/component": "gateway"}
+    assert spec["selector"] == {"matchLabels": {"app.kubernetes.io/managed-by": "shoal-operator"},
+                                "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                                                      "values": ["gateway", "engines"]}]}
     (ep,) = spec["endpoints"]
     assert ep == {"port": "http", "path": "/metrics", "scheme": "http", "interval": "15s",
                   "scrapeTimeout": "5s", "honorLabels": True}
@@ -340,21 +346,33 @@ def test_service_monitor():
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
 
 
-def test_service_monitor_selects_the_gateway_services_the_operator_renders():
-    """The ServiceMonitor's selector and port name must match what operator/render.py puts on gateway Services,
-    and must not select the headless rank Services of multi-pod groups (workers serve no metrics)."""
+def _selects(selector: dict, labels: dict) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] == "In", e
+        if labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("gateway", [True, False])
+def test_service_monitor_selects_the_metrics_services_the_operator_renders(gateway):
+    """The ServiceMonitor's selector and port name must match what operator/render.py puts on the Services whose
+    pods serve /metrics (the gateway's, the rank-0 engines'), and must not select the headless rank Services of
+    multi-pod groups (workers serve no metrics)."""
     render_mod = pytest.importorskip("shoal.operator.render")
     sm = one(render({"metrics": {"serviceMonitor": {"enabled": True}}}), "ServiceMonitor")
-    selector = sm["spec"]["selector"]["matchLabels"]
     port = sm["spec"]["endpoints"][0]["port"]
     isvc = {"apiVersion": "serving.shoal.dev/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": "big", "namespace": "ml", "uid": "u-1", "generation": 1},
             "spec": {"engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
-                     "resources": {"gpusPerPod": 8}, "replicas": 2}}
+                     "resources": {"gpusPerPod": 8}, "replicas": 2, "gateway": {"enabled": gateway}}}
     services = [o for o in render_mod.render(isvc) if o["kind"] == "Service"]
-    selected = [s for s in services if selector.items() <= s["metadata"]["labels"].items()]
-    assert [s["metadata"]["name"] for s in selected] == ["big"]
-    assert port in {p["name"] for p in selected[0]["spec"]["ports"]}
+    selected = [s for s in services if _selects(sm["spec"]["selector"], s["metadata"]["labels"])]
+    assert sorted(s["metadata"]["name"] for s in selected) == (["big", "big-engines"] if gateway else ["big"])
+    for s in selected:
+        assert port in {p["name"] for p in s["spec"]["ports"]}
 
 
 def test_grafana_dashboard_configmap():

@@ -110,14 +110,22 @@ def test_rendering_is_deterministic_and_hash_follows_content():
     spec = copy.deepcopy(TOPOLOGIES["tp4"])
     spec["model"]["uri"] = "pvc://models/other"
     b = render.render(isvc(spec), SETTINGS)
-    ha = {o["kind"]: o["metadata"]["annotations"][render.A_SPEC_HASH] for o in a}
-    hb = {o["kind"]: o["metadata"]["annotations"][render.A_SPEC_HASH] for o in b}
-    assert ha["Deployment"] != hb["Deployment"] and ha["Service"] == hb["Service"]
+    ha = {(o["kind"], o["metadata"]["name"]): o["metadata"]["annotations"][render.A_SPEC_HASH] for o in a}
+    hb = {(o["kind"], o["metadata"]["name"]): o["metadata"]["annotations"][render.A_SPEC_HASH] for o in b}
+    assert ha[("Deployment", "llm")] != hb[("Deployment", "llm")] and ha[("Service", "llm")] == hb[("Service", "llm")]
+    assert ha[("Deployment", "llm-gateway")] == hb[("Deployment", "llm-gateway")]
+
+
+# What spec.gateway (on by default) adds for an InferenceService named llm.
+GATEWAY_KIDS = {("Deployment", "llm-gateway"), ("Service", "llm-engines"), ("ServiceAccount", "llm-gateway"),
+                ("Role", "llm-gateway"), ("RoleBinding", "llm-gateway"), ("PodDisruptionBudget", "llm-gateway"),
+                ("NetworkPolicy", "llm-gateway")}
 
 
 def test_cpu_demo_single_pod():
     kids = by_kind(render.render(isvc(TOPOLOGIES["cpu-demo"]), SETTINGS))
-    assert set(kids) == {("Deployment", "llm"), ("Service", "llm"), ("NetworkPolicy", "llm")}  # replicas 1: no PDB
+    # replicas 1: no PDB for the engines (the gateway has two replicas and its own)
+    assert set(kids) == {("Deployment", "llm"), ("Service", "llm"), ("NetworkPolicy", "llm")} | GATEWAY_KIDS
     dep = kids[("Deployment", "llm")]
     c = container(dep)
     assert c["command"] == ["shoal-engine", "serve"]
@@ -195,8 +203,8 @@ def test_tp8xpp2_two_pod_groups():
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
         assert c["startupProbe"]["httpGet"]["path"] == "/readyz"  # workers serve /livez and /readyz only
         assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
-    gateway = kids[("Service", "llm")]
-    assert gateway["spec"]["selector"][L_POD_INDEX] == "0"  # only rank 0 behind the gateway
+    engines = kids[("Service", "llm-engines")]
+    assert engines["spec"]["selector"][L_POD_INDEX] == "0"  # only rank 0 behind the gateway
     netpol = kids[("NetworkPolicy", "llm")]
     same_isvc = [r for r in netpol["spec"]["ingress"] if "ports" not in r]
     assert same_isvc == [{"from": [{"podSelector": {"matchLabels": {
@@ -294,10 +302,15 @@ def test_every_option_reaches_the_pod():
     # drain: preStop sleep, then --shutdown-timeout, all inside the grace period
     assert pod["terminationGracePeriodSeconds"] > 120 + c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
-    np = kids[("NetworkPolicy", "llm")]
-    assert np["spec"]["ingress"][0]["from"] == [{"namespaceSelector": {"matchLabels": {"team": "b"}}}]
-    assert np["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"] == {
-        "kubernetes.io/metadata.name": "shoal-system"}
+    # clients (allowFrom) reach the gateway; the engines only the gateway; metrics from the operator's namespace
+    for np_name in ("llm-gateway", "llm"):
+        np = kids[("NetworkPolicy", np_name)]
+        assert np["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"] == {
+            "kubernetes.io/metadata.name": "shoal-system"}
+    assert kids[("NetworkPolicy", "llm-gateway")]["spec"]["ingress"][0]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"team": "b"}}}]
+    assert kids[("NetworkPolicy", "llm")]["spec"]["ingress"][0]["from"] == [
+        {"podSelector": {"matchLabels": {L_ISVC: "llm", "app.kubernetes.io/component": "gateway"}}}]
 
 
 def test_pod_security_and_probes():
@@ -323,7 +336,7 @@ def test_pod_security_and_probes():
 
 def test_network_policy_disabled_and_zero_replicas():
     kids = by_kind(render.render(isvc(TOPOLOGIES["no-netpol"]), SETTINGS))
-    assert set(kids) == {("Deployment", "llm"), ("Service", "llm")}
+    assert set(kids) == {("Deployment", "llm"), ("Service", "llm")} | GATEWAY_KIDS - {("NetworkPolicy", "llm-gateway")}
     assert kids[("Deployment", "llm")]["spec"]["replicas"] == 0
 
 
@@ -430,9 +443,13 @@ def test_bad_cache_settings_are_invalid(cache, field):
 
 
 def test_default_network_policy_allows_same_namespace_only():
-    np = by_kind(render.render(isvc(), Settings()))[("NetworkPolicy", "llm")]
+    kids = by_kind(render.render(isvc(), Settings()))
+    np = kids[("NetworkPolicy", "llm-gateway")]
     assert np["spec"]["ingress"] == [{"from": [{"podSelector": {}}], "ports": [{"port": 8000, "protocol": "TCP"}]}]
     assert np["spec"]["policyTypes"] == ["Ingress"]
+    # without the gateway, the engines take the clients themselves
+    np = by_kind(render.render(isvc({"gateway": {"enabled": False}}), Settings()))[("NetworkPolicy", "llm")]
+    assert np["spec"]["ingress"] == [{"from": [{"podSelector": {}}], "ports": [{"port": 8000, "protocol": "TCP"}]}]
 
 
 @pytest.mark.parametrize("spec,field", [

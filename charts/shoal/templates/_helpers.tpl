@@ -102,6 +102,15 @@ handlers and kopf itself use.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [list, watch, create, patch, delete]
+# shoal-gateway's identity per InferenceService: a ServiceAccount and a Role + RoleBinding that let it list and
+# watch EndpointSlices (granted through the autoscaler's EndpointSlice rule below: RBAC only lets the operator grant
+# what it holds itself).
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [list, watch, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [list, watch, create, patch, delete]
 # Engine pods: watched for status (ImagePullBackOff, probe failures), deleted to restart a multi-pod group,
 # annotated with a deletion cost by the autoscaler (a scale-down removes the least busy pods).
 - apiGroups: [""]
@@ -146,8 +155,14 @@ variant (rbac.scope=namespace) goes without: kopf then scans resources once at s
 {{- end }}
 {{- end }}
 
-{{/* Labels that select the gateway Services the operator renders for InferenceServices (see operator/render.py). */}}
+{{/* Selects the Services the operator renders whose pods serve /metrics (see operator/render.py): `<name>`
+(the gateway pods, or the rank-0 engines when the gateway is disabled) and `<name>-engines` (the rank-0 engines
+behind the gateway). */}}
 {{- define "shoal.gatewaySelector" -}}
-app.kubernetes.io/managed-by: shoal-operator
-app.kubernetes.io/component: gateway
+matchLabels:
+  app.kubernetes.io/managed-by: shoal-operator
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values: [gateway, engines]
 {{- end }}
