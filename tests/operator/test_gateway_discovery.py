@@ -1,4 +1,5 @@
-"""shoal-gateway discovering engines from a Service's EndpointSlices, watched on the API emulator.
+"""shoal-gateway on the API emulator: discovering engines from a Service's EndpointSlices, and the operator
+deploying (and removing) each InferenceService's gateway objects.
 
 The gateway is the real `shoal-gateway --service NAME --namespace NS` process, reading the emulator through the
 kubeconfig the `env` fixture writes. The engines behind it are stand-ins serving the engine's HTTP contract as far
@@ -22,6 +23,7 @@ import urllib.request
 
 import pytest
 from aiohttp import web
+from opkit import isvc_body, wait_for
 
 
 def _free_port() -> int:
@@ -183,3 +185,41 @@ def test_gateway_follows_ready_endpoints_of_the_service(env, ns, engines, gatewa
     _wait(lambda: _gateway_backends(gateway) == {url[c]}, "the new engine alone")
     assert _post(gateway + "/v1/completions", {"model": "tiny", "prompt": "z"})[0] == 200
     assert engines.seen[c] == 1
+
+
+# ---- the operator deploys the gateway ------------------------------------------------------------------------
+def _get(env, path: str) -> dict | None:
+    r = env.client.http.get(env.server.url + path)
+    if r.status_code == 404:
+        return None
+    r.raise_for_status()
+    return r.json()
+
+
+def test_operator_reconciles_the_gateway(env, ns):
+    env.client.create("inferenceservices", ns, isvc_body("llm", {"replicas": 2, "gateway": {"routing": "least-load"}}))
+    paths = {
+        "Deployment": f"/apis/apps/v1/namespaces/{ns}/deployments/llm-gateway",
+        "ServiceAccount": f"/api/v1/namespaces/{ns}/serviceaccounts/llm-gateway",
+        "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles/llm-gateway",
+        "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings/llm-gateway",
+        "engines Service": f"/api/v1/namespaces/{ns}/services/llm-engines",
+        "PodDisruptionBudget": f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/llm-gateway",
+        "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies/llm-gateway",
+    }
+    for what, path in paths.items():
+        wait_for(lambda p=path: _get(env, p), 15, f"the gateway's {what}")
+    dep = _get(env, paths["Deployment"])
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--routing") + 1] == "least-load" and dep["spec"]["replicas"] == 2
+    assert dep["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    service = f"/api/v1/namespaces/{ns}/services/llm"
+    wait_for(lambda: _get(env, service)["spec"]["selector"]["app.kubernetes.io/component"] == "gateway", 15,
+             "the Service to point at the gateway")
+
+    # Turned off: the gateway's objects go, and the Service points at the engines again.
+    env.client.patch("inferenceservices", ns, "llm", {"spec": {"gateway": {"enabled": False}}})
+    for what, path in paths.items():
+        wait_for(lambda p=path: _get(env, p) is None, 15, f"the gateway's {what} to be deleted")
+    wait_for(lambda: _get(env, service)["spec"]["selector"]["app.kubernetes.io/component"] == "engine", 15,
+             "the Service to point at the engines")

@@ -17,10 +17,17 @@ from shoal.operator.render import L_GROUP, L_ISVC, L_MANAGED_BY, L_POD_INDEX
 ISVC = "inferenceservices"
 
 
+def gateway_children(name: str) -> set[tuple[str, str]]:
+    """What spec.gateway (on by default) adds to an InferenceService's children."""
+    gw = f"{name}-gateway"
+    return {("deployments", gw), ("services", f"{name}-engines"), ("serviceaccounts", gw), ("roles", gw),
+            ("rolebindings", gw), ("poddisruptionbudgets", gw), ("networkpolicies", gw)}
+
+
 def children(env, ns: str) -> dict[tuple[str, str], dict]:
     found = {}
     for plural in ("deployments", "statefulsets", "services", "networkpolicies", "poddisruptionbudgets",
-                   "configmaps", "persistentvolumeclaims"):
+                   "configmaps", "persistentvolumeclaims", "serviceaccounts", "roles", "rolebindings"):
         for obj in env.cluster.find(plural, ns):
             found[(plural, obj["metadata"]["name"])] = obj
     return found
@@ -49,7 +56,7 @@ def test_create_makes_children_with_owner_references(env, ns):
     isvc = env.client.create(ISVC, ns, isvc_body("chat", {"replicas": 2, "model": {"uri": "hf://org/model"}}))
     uid = isvc["metadata"]["uid"]
     expected = {("deployments", "chat"), ("services", "chat"), ("networkpolicies", "chat"),
-                ("poddisruptionbudgets", "chat")}
+                ("poddisruptionbudgets", "chat")} | gateway_children("chat")
     wait_for(lambda: set(children(env, ns)) == expected, 10, "children")
     kids = children(env, ns)
     for obj in kids.values():
@@ -198,7 +205,7 @@ def test_multi_pod_group_restarts_together(env, ns):
     env.client.create(ISVC, ns, isvc_body("big", spec))
     wait_for(lambda: all(env.client.get("statefulsets", ns, f"big-g{r}") for r in (0, 1)), 10, "statefulsets")
     assert env.client.get("services", ns, "big-g0")["spec"]["clusterIP"] == "None"
-    assert env.client.get("services", ns, "big")["spec"]["selector"][L_POD_INDEX] == "0"
+    assert env.client.get("services", ns, "big-engines")["spec"]["selector"][L_POD_INDEX] == "0"
     # play the StatefulSet controller: two pods per group, all ready
     for g in (0, 1):
         env.client.patch("statefulsets", ns, f"big-g{g}", {"status": {
@@ -269,13 +276,15 @@ def test_api_errors_are_retried_and_converge_without_duplicates(env, ns):
             f.remaining = 0
     creates = [w for w in cluster.writes if w[0] == "create" and w[2] == ns]
     kinds = sorted(w[1] for w in creates if w[1] != "events")
-    assert kinds == ["deployments", "inferenceservices", "networkpolicies", "poddisruptionbudgets", "services"]
-    assert len(cluster.find("deployments", ns)) == 1 and len(cluster.find("services", ns)) == 1
+    assert kinds == sorted(["deployments", "inferenceservices", "networkpolicies", "poddisruptionbudgets", "services",
+                            *(plural for plural, _ in gateway_children("flaky"))])
+    # the engines' and the gateway's Deployment; the Service <name> and the gateway's <name>-engines
+    assert len(cluster.find("deployments", ns)) == 2 and len(cluster.find("services", ns)) == 2
 
 
 def test_operator_restart_resumes_without_duplicates(env, ns):
     env.client.create(ISVC, ns, isvc_body("res", {"replicas": 2}))
-    wait_for(lambda: len(children(env, ns)) == 4, 10, "children")
+    wait_for(lambda: len(children(env, ns)) == 4 + len(gateway_children("res")), 10, "children")
     env.operator.stop()
     env.operator = None
     env.client.delete("networkpolicies", ns, "res")  # changed while the operator was down
@@ -291,7 +300,7 @@ def test_operator_restart_resumes_without_duplicates(env, ns):
 
 def test_deleting_the_isvc_collects_children(env, ns):
     env.client.create(ISVC, ns, isvc_body("gone", {"replicas": 2}))
-    wait_for(lambda: len(children(env, ns)) == 4, 10, "children")
+    wait_for(lambda: len(children(env, ns)) == 4 + len(gateway_children("gone")), 10, "children")
     env.client.delete(ISVC, ns, "gone")
     wait_for(lambda: children(env, ns) == {}, 10, "children collected through ownerReferences")
     time.sleep(0.3)
@@ -503,13 +512,14 @@ def converged(env, ns: str, name: str) -> bool:
             for c in render.render(get_isvc(env, ns, name), handlers.settings_from_env())}
     plural = {"Deployment": "deployments", "StatefulSet": "statefulsets", "Service": "services",
               "NetworkPolicy": "networkpolicies", "PodDisruptionBudget": "poddisruptionbudgets",
-              "ConfigMap": "configmaps", "PersistentVolumeClaim": "persistentvolumeclaims"}
+              "ConfigMap": "configmaps", "PersistentVolumeClaim": "persistentvolumeclaims",
+              "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings"}
     have = children(env, ns)
     if set(have) != {(plural[k], n) for k, n in want}:
         return False
     for (kind, n), desired in want.items():
         actual = have[(plural[kind], n)]
-        if any(actual.get(k) != desired.get(k) for k in ("spec", "data")):
+        if any(actual.get(k) != desired.get(k) for k in ("spec", "data", "rules", "roleRef", "subjects")):
             return False
         if any(actual["metadata"].get(k) != desired["metadata"].get(k) for k in ("labels", "annotations")):
             return False
@@ -544,8 +554,8 @@ def test_multi_pod_to_single_pod_converges(env, ns):
     env.client.create(ISVC, ns, isvc_body("shrink", {"engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
                                                      "resources": {"gpusPerPod": 2}}))
     wait_for(lambda: converged(env, ns, "shrink"), 10, "multi-pod children")
-    assert env.client.get("services", ns, "shrink")["spec"]["selector"][L_POD_INDEX] == "0"
+    assert env.client.get("services", ns, "shrink-engines")["spec"]["selector"][L_POD_INDEX] == "0"
     env.client.patch(ISVC, ns, "shrink", {"spec": {"engine": None, "resources": None}})
     wait_for(lambda: converged(env, ns, "shrink"), 10, "single-pod children")
-    assert L_POD_INDEX not in env.client.get("services", ns, "shrink")["spec"]["selector"]
+    assert L_POD_INDEX not in env.client.get("services", ns, "shrink-engines")["spec"]["selector"]
     assert env.client.get("statefulsets", ns, "shrink-g0") is None

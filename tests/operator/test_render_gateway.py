@@ -1,0 +1,106 @@
+"""render.py: the per-InferenceService shoal-gateway (spec.gateway) and how it changes the engines' exposure."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from shoal.operator import api, render
+from shoal.operator.render import L_COMPONENT, L_ISVC, L_POD_INDEX, Settings
+
+SETTINGS = Settings(engine_image="registry.test/shoal-engine:1", gateway_image="registry.test/shoal-operator:1",
+                    operator_namespace="shoal-system")
+GATEWAY_PODS = {L_ISVC: "llm", L_COMPONENT: "gateway"}
+
+
+def isvc(spec: dict | None = None) -> dict:
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND,
+            "metadata": {"name": "llm", "namespace": "team-a", "uid": "uid-1", "generation": 1}, "spec": spec or {}}
+
+
+def kids(spec: dict | None = None) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in render.render(isvc(spec), SETTINGS)}
+
+
+def test_default_gateway_deployment():
+    k = kids()
+    dep = k[("Deployment", "llm-gateway")]
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["selector"]["matchLabels"] == GATEWAY_PODS
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == "registry.test/shoal-operator:1" and c["command"] == ["shoal-gateway"]
+    args = c["args"]
+    assert args[args.index("--service") + 1] == "llm-engines" and args[args.index("--namespace") + 1] == "team-a"
+    assert args[args.index("--routing") + 1] == "prefix-load" and args[args.index("--port-name") + 1] == "http"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert c["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}}
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"]
+    assert pod["serviceAccountName"] == "llm-gateway" and pod["automountServiceAccountToken"] is True
+    # streams may last as long as the engines' drain
+    assert pod["terminationGracePeriodSeconds"] > int(args[args.index("--shutdown-timeout") + 1])
+    assert pod["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"] == GATEWAY_PODS
+
+
+def test_service_points_at_the_gateway_and_the_gateway_at_ready_engines():
+    k = kids()
+    assert k[("Service", "llm")]["spec"]["selector"] == GATEWAY_PODS
+    engines = k[("Service", "llm-engines")]["spec"]
+    assert engines["clusterIP"] == "None" and not engines.get("publishNotReadyAddresses")  # Ready endpoints only
+    assert engines["selector"] == {L_ISVC: "llm", L_COMPONENT: "engine"}
+    assert engines["ports"][0]["name"] == "http"
+    multi = kids({"engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}, "resources": {"gpusPerPod": 8}})
+    assert multi[("Service", "llm-engines")]["spec"]["selector"][L_POD_INDEX] == "0"  # rank 0 serves the API
+
+
+def test_gateway_may_read_endpointslices_and_nothing_else():
+    k = kids()
+    assert k[("Role", "llm-gateway")]["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
+    rb = k[("RoleBinding", "llm-gateway")]
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llm-gateway"}
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "llm-gateway", "namespace": "team-a"}]
+    assert k[("ServiceAccount", "llm-gateway")]["automountServiceAccountToken"] is False
+
+
+def test_network_policies_clients_to_gateway_to_engines():
+    k = kids({"security": {"networkPolicy": {"allowFrom": [{"namespaceSelector": {"matchLabels": {"t": "x"}}}]}}})
+    engines, gateway = k[("NetworkPolicy", "llm")], k[("NetworkPolicy", "llm-gateway")]
+    assert engines["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": GATEWAY_PODS}}]
+    assert gateway["spec"]["podSelector"] == {"matchLabels": GATEWAY_PODS}
+    assert gateway["spec"]["ingress"][0]["from"] == [{"namespaceSelector": {"matchLabels": {"t": "x"}}}]
+    assert k[("PodDisruptionBudget", "llm-gateway")]["spec"]["maxUnavailable"] == 1
+
+
+def test_gateway_options_reach_the_deployment():
+    k = kids({"gateway": {"routing": "least-load", "replicas": 3, "image": "my/gw:2",
+                          "resources": {"cpu": "1", "memory": "1Gi"}}})
+    dep = k[("Deployment", "llm-gateway")]
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert dep["spec"]["replicas"] == 3 and c["image"] == "my/gw:2"
+    assert c["args"][c["args"].index("--routing") + 1] == "least-load"
+    assert c["resources"] == {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "1Gi"}}
+
+
+def test_gateway_disabled_exposes_the_engines_directly():
+    k = kids({"gateway": {"enabled": False}})
+    assert not [key for key in k if key[1].startswith(("llm-gateway", "llm-engines"))]
+    assert k[("Service", "llm")]["spec"]["selector"] == {L_ISVC: "llm", L_COMPONENT: "engine"}
+
+
+@pytest.mark.parametrize("gateway, field", [
+    ({"replicas": 1}, "spec.gateway.replicas"),
+    ({"routing": "random"}, "spec.gateway.routing"),
+    ({"resources": {"memory": "lots"}}, "spec.gateway.resources.memory"),
+])
+def test_bad_gateway_options_name_the_field(gateway, field):
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc({"gateway": gateway}), SETTINGS)
+    assert e.value.field == field
+
+
+def test_gateway_objects_are_valid_kubernetes():
+    version = kubernetes_validate.latest_version()
+    for (kind, name), obj in kids({"replicas": 3}).items():
+        if name.startswith("llm-"):
+            kubernetes_validate.validate(obj, version, strict=True)
