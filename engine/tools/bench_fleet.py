@@ -8,9 +8,9 @@ run, so no run profits from another's cache):
 Routings: prefix-load, round-robin, least-load through the gateway, plus `oracle` for shared/multiturn (the
 client pins each group/chat to one engine directly: the best possible prefix hit rate). Requests arrive as a
 Poisson process and stream; printed: TTFT p50/p99, output tokens/s, and the engines' own prefix-cache hit rate
-(hits/queries from their /metrics). Finally the gateway's own added latency on a no-op route: the same requests at
-a fixed rate to a no-op backend, directly and through the gateway (p50/p99 of the difference of the two
-latency distributions' percentiles).
+(hits/queries from their /metrics). Finally the gateway's own added latency on a no-op route: at a fixed rate, each
+request goes at the same moment to a no-op backend directly and through the gateway; p50/p99 of the paired
+differences.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def add_bench_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: a small random-weight Llama built "
                    "once into a temporary directory)")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated; empty: only the overhead run")
     p.add_argument("--routings", default=",".join(ROUTINGS) + ",oracle")
     p.add_argument("--rates", default="2,6", help="request rates (req/s), comma-separated")
     p.add_argument("--requests", type=int, default=48, help="requests per run")
@@ -236,21 +236,28 @@ def noop_server(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-async def measure_latencies(session, url: str, rate: float, seconds: float) -> list[float]:
+async def paired_latencies(session, direct_url: str, gateway_url: str, rate: float,
+                           seconds: float) -> list[tuple[float, float]]:
+    """At `rate` pairs/s, the same request sent at the same moment directly and through the gateway: the two
+    see the same machine, so their difference is the gateway's own cost even when the machine is noisy."""
     body = json.dumps({"model": "m", "prompt": "a no-op request of a typical short prompt " * 4}).encode()
-    lat: list[float] = []
-    n = int(rate * seconds)
+    headers = {"Content-Type": "application/json"}
+    pairs: list[tuple[float, float]] = []
     start = time.perf_counter()
 
-    async def one(i: int):
-        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+    async def timed(url: str) -> float:
         t = time.perf_counter()
-        async with session.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}) as r:
+        async with session.post(url + "/v1/completions", data=body, headers=headers) as r:
             await r.read()
-        lat.append(time.perf_counter() - t)
+        return time.perf_counter() - t
 
-    await asyncio.gather(*(one(i) for i in range(n)))
-    return lat
+    async def pair(i: int):
+        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        direct, through = await asyncio.gather(timed(direct_url), timed(gateway_url))
+        pairs.append((direct, through))
+
+    await asyncio.gather(*(pair(i) for i in range(int(rate * seconds))))
+    return pairs
 
 
 async def gateway_overhead(session, args) -> dict:
@@ -261,11 +268,11 @@ async def gateway_overhead(session, args) -> dict:
     gw = Child([sys.executable, "-m", "shoal.engine.gateway", "--endpoint", backend, "--log-level", "warning"])
     try:
         await gw.wait_ready(session, 60)
-        await measure_latencies(session, gw.url, args.overhead_rate, 1.0)  # warm connections
-        direct, through = [], []
-        for _ in range(2):  # interleaved, so load drift on the machine hits both alike
-            direct += await measure_latencies(session, backend, args.overhead_rate, args.overhead_seconds / 2)
-            through += await measure_latencies(session, gw.url, args.overhead_rate, args.overhead_seconds / 2)
+        await paired_latencies(session, backend, gw.url, args.overhead_rate, 1.0)  # warm connections
+        pairs = await paired_latencies(session, backend, gw.url, args.overhead_rate, args.overhead_seconds)
+        direct = [d for d, _ in pairs]
+        through = [t for _, t in pairs]
+        added = [t - d for d, t in pairs]
         async with session.get(gw.url + "/metrics") as r:
             text = await r.text()
         pick_sum = pick_n = 0.0
@@ -274,11 +281,10 @@ async def gateway_overhead(session, args) -> dict:
                 pick_sum = float(line.rsplit(" ", 1)[1])
             elif line.startswith("shoal:gateway_pick_latency_seconds_count"):
                 pick_n = float(line.rsplit(" ", 1)[1])
-        return {"rate": args.overhead_rate, "requests": len(through),
+        return {"rate": args.overhead_rate, "requests": len(pairs),
                 "direct_p50_ms": _pct(direct, 50) * 1e3, "direct_p99_ms": _pct(direct, 99) * 1e3,
                 "gateway_p50_ms": _pct(through, 50) * 1e3, "gateway_p99_ms": _pct(through, 99) * 1e3,
-                "added_p50_ms": (_pct(through, 50) - _pct(direct, 50)) * 1e3,
-                "added_p99_ms": (_pct(through, 99) - _pct(direct, 99)) * 1e3,
+                "added_p50_ms": _pct(added, 50) * 1e3, "added_p99_ms": _pct(added, 99) * 1e3,
                 "pick_mean_us": pick_sum / pick_n * 1e6 if pick_n else float("nan")}
     finally:
         gw.stop()
@@ -299,8 +305,8 @@ def _bench_model() -> str:
 
 
 async def main_async(args) -> int:
-    model_dir = args.model or _bench_model()
-    workloads = [w for w in args.workloads.split(",") if w]
+    workloads = [w for w in args.workloads.split(",") if w]  # none: only the gateway's overhead
+    model_dir = args.model or (_bench_model() if workloads else "")
     routings = [r for r in args.routings.split(",") if r]
     rates = [float(r) for r in args.rates.split(",") if r]
     for w in workloads:
@@ -311,10 +317,10 @@ async def main_async(args) -> int:
             raise SystemExit(f"unknown routing {r!r}; choose from {', '.join(ROUTINGS + ('oracle',))}")
     engines = [Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model_dir,
                       "--served-model-name", "bench", "--kv-cache-memory", args.kv_cache_memory,
-                      "--max-model-len", "4096"]) for _ in range(args.replicas)]
+                      "--max-model-len", "4096"]) for _ in range(args.replicas if workloads else 0)]
     gateways = {r: Child([sys.executable, "-m", "shoal.engine.gateway", "--routing", r, "--log-level", "warning",
                           *sum((["--endpoint", e.url] for e in engines), [])])
-                for r in routings if r != "oracle"}
+                for r in routings if r != "oracle" and engines}
     results = []
     timeout = aiohttp.ClientTimeout(total=600)
     try:
@@ -352,7 +358,7 @@ async def main_async(args) -> int:
         print(json.dumps({"runs": results, "gateway_overhead": overhead}, indent=2))
     elif overhead:
         print(f"gateway overhead at {overhead['rate']:.0f} req/s on a no-op backend ({overhead['requests']} "
-              f"requests): added p50 {overhead['added_p50_ms']:.2f} ms, p99 {overhead['added_p99_ms']:.2f} ms "
+              f"paired requests): added p50 {overhead['added_p50_ms']:.2f} ms, p99 {overhead['added_p99_ms']:.2f} ms "
               f"(direct p50/p99 {overhead['direct_p50_ms']:.2f}/{overhead['direct_p99_ms']:.2f} ms, through the "
               f"gateway {overhead['gateway_p50_ms']:.2f}/{overhead['gateway_p99_ms']:.2f} ms; "
               f"mean pick {overhead['pick_mean_us']:.1f} us)")
