@@ -165,7 +165,8 @@ class Gateway:
                                   "invalid_request_error", "body_too_large")
         hashes = self.prompt_hashes(request.path, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        headers["X-Forwarded-For"] = request.remote or ""
+        forwarded = request.headers.get("X-Forwarded-For")
+        headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else (request.remote or "")
         tried: tuple[Backend, ...] = ()
         for attempt in range(2):
             last = attempt == 1
