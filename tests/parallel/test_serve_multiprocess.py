@@ -55,7 +55,12 @@ def test_multinode_flags_staggered_start_serve_through_rank0(llama_kv1, tmp_path
             return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
         assert 'shoal:parallel_info{model_name="tiny",pp_size="2",rank="0",tp_size="2"} 1.0' in scrape(http0)
-        assert 'shoal:worker_rank_info{rank="2",pp_rank="1",tp_rank="0"' in scrape(http1)
+        from prometheus_client.parser import text_string_to_metric_families
+
+        ranks = {(s.labels["rank"], s.labels["pp_rank"], s.labels["tp_rank"], s.labels["node_rank"]): s.value
+                 for family in text_string_to_metric_families(scrape(http1)) for s in family.samples
+                 if s.name == "shoal:worker_rank_info"}
+        assert ranks == {("2", "1", "0", "1"): 1.0, ("3", "1", "1", "1"): 1.0}
 
         node0.proc.terminate()  # SIGTERM: drain, tell the workers to stop; everyone exits 0
         assert node0.proc.wait(30) == 0
