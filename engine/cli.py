@@ -164,11 +164,11 @@ _FLAG_OF_FIELD = {field: flag for flag, field in _DISTRIBUTED_FIELDS}
 
 
 def distributed_config_from_args(args: argparse.Namespace):
-    """DistributedConfig from the multi-node flags; a serving rank 0 exits 1 shortly after a rank failure."""
+    """DistributedConfig from the multi-node flags; flags left unset keep its defaults."""
     from shoal.engine.config import DistributedConfig
 
     kw = {field: getattr(args, flag) for flag, field in _DISTRIBUTED_FIELDS if getattr(args, flag, None) is not None}
-    return DistributedConfig(exit_on_failure=True, **kw)
+    return DistributedConfig(**kw)
 
 
 # Each entry adds one group of `serve` flags; extend this list for new groups (e.g. multi-node flags).
@@ -254,6 +254,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config = engine_config_from_args(args)
     except Exception as e:  # noqa: BLE001 - validation errors become a clean usage error (exit 2)
         _config_error(parser, e)
+    # Serving: rank 0 exits 1 shortly after a rank failure, so Kubernetes restarts the whole group.
+    config.distributed = config.distributed.model_copy(update={"exit_on_failure": True})
     if config.chat_template is not None:
         from shoal.engine.core.tokenizer import ChatTemplateError, load_chat_template
 
