@@ -30,14 +30,15 @@ def run_layout(model_dir, reqs, tp: int, pp: int, args) -> dict:
         options["distributed"] = {"micro_batches": args.micro_batches, "layer_partition": (
             [int(x) for x in args.layer_partition.split(",")] if args.layer_partition else None)}
     with LLM(model=str(model_dir), **options) as llm:
-        llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
         executor = llm.llm_engine.executor
         if hasattr(executor, "pipeline_stats"):
             executor.pipeline_stats(reset=True)
         prompts = [{"prompt_token_ids": p} for p, _ in reqs]
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         row = {"tp": tp, "pp": pp, "seconds": round(elapsed, 2), "output_tokens": tokens,
