@@ -27,8 +27,7 @@ from shoal.engine.distributed.comm import (DistributedError, HeartbeatMonitor, i
                                            rendezvous_port, tag_logs)
 from shoal.engine.distributed.pipeline import PipelineStats, Shard, build_runner
 from shoal.engine.distributed.spawn import spawn_workers
-from shoal.engine.distributed.wire import Command, Header, pack_plan
-from shoal.engine.distributed.worker import SHUTDOWN_BARRIER_TIMEOUT
+from shoal.engine.distributed.wire import SHUTDOWN_BARRIER_TIMEOUT, Command, Header, pack_plan
 from shoal.engine.execution.runner import StepInputs
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import astuple, dataclass, fields
+from datetime import timedelta
 
 import torch
 
@@ -20,7 +21,12 @@ class Command(enum.IntEnum):
     ALLOC_KV_CACHE = 2  # num_blocks, block_size
     PROFILE = 3  # num_tokens, block_size: every rank runs a dummy step and the peaks are max-reduced
     STATS = 4  # gather every rank's PipelineStats; reset=1 zeroes them afterwards
-    SHUTDOWN = 5  # leave the loop and exit 0
+    SHUTDOWN = 5  # meet at a barrier (SHUTDOWN_BARRIER_TIMEOUT), leave the loop and exit 0
+
+
+# After SHUTDOWN every rank confirms at a barrier before rank 0 closes the rendezvous store, so no worker can
+# mistake the store going away for rank 0 dying.
+SHUTDOWN_BARRIER_TIMEOUT = timedelta(seconds=30)
 
 
 @dataclass(frozen=True)

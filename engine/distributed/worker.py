@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -25,12 +24,9 @@ import torch.distributed as dist
 from shoal.engine.config import DistributedConfig
 from shoal.engine.distributed.comm import DistributedError, HeartbeatMonitor, init_group, rank_label, tag_logs
 from shoal.engine.distributed.pipeline import PipelineStats, Shard, build_runner
-from shoal.engine.distributed.wire import Command, Header, unpack_plan
+from shoal.engine.distributed.wire import SHUTDOWN_BARRIER_TIMEOUT, Command, Header, unpack_plan
 
 logger = logging.getLogger("shoal.engine.distributed.worker")
-
-SHUTDOWN_BARRIER_TIMEOUT = timedelta(seconds=30)  # every rank confirms SHUTDOWN before rank 0 closes the store
-
 
 def keep_serving_on_signals() -> None:
     """SIGTERM / SIGINT: log and keep serving; rank 0 ends the group once it has drained."""
