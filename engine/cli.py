@@ -121,11 +121,54 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
-    """--nnodes/--node-rank/--master-addr/--master-port/--headless and the failure-detection knobs (owned by
-    shoal.engine.distributed.worker)."""
-    from shoal.engine.distributed.worker import add_distributed_args as add
+    g = p.add_argument_group("multi-node (torch.distributed)")
+    g.add_argument("--nnodes", type=int, default=None, help="number of nodes (pods) in this engine's group")
+    g.add_argument("--node-rank", type=int, default=None, help="this node's index; node 0 runs the API server")
+    g.add_argument("--master-addr", default=None, help="address of node 0 (rank 0 hosts the rendezvous)")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port on node 0 (default: a free port on one node, 29500 on several)")
+    g.add_argument("--headless", action="store_true",
+                   help="run this node's worker ranks only (no OpenAI API; /livez and /readyz on --port)")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="torch.distributed backend (default: nccl on CUDA, gloo on CPU)")
+    g.add_argument("--distributed-timeout", type=float, default=None,
+                   help="seconds a collective or send/recv may wait before the group is declared failed (default 20)")
+    g.add_argument("--distributed-startup-timeout", type=float, default=None,
+                   help="seconds ranks wait for each other at start-up, logging who is missing (default 600)")
+    g.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help="seconds without a rank's heartbeat before the group is declared failed (default 10)")
+    g.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="micro-batches per step in flight through the pipeline (default: one per stage)")
+    g.add_argument("--pipeline-layer-partition", type=_partition, default=None, metavar="N,N,...",
+                   help="decoder layers per pipeline stage, e.g. 5,3 (default: an even split; the last stage also "
+                        "runs the LM head, so giving it fewer layers can balance the stages)")
 
-    add(p)
+
+def _partition(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of layer counts: {text!r}") from None
+
+
+# Maps from argparse dest to DistributedConfig field, for flags whose None means "DistributedConfig's default".
+_DISTRIBUTED_FIELDS = (
+    ("nnodes", "nnodes"), ("node_rank", "node_rank"), ("master_addr", "master_addr"), ("master_port", "master_port"),
+    ("distributed_backend", "backend"), ("distributed_timeout", "collective_timeout"),
+    ("distributed_startup_timeout", "startup_timeout"), ("heartbeat_timeout", "heartbeat_timeout"),
+    ("pipeline_micro_batches", "micro_batches"), ("pipeline_layer_partition", "layer_partition"),
+)
+
+
+_FLAG_OF_FIELD = {field: flag for flag, field in _DISTRIBUTED_FIELDS}
+
+
+def distributed_config_from_args(args: argparse.Namespace):
+    """DistributedConfig from the multi-node flags; flags left unset keep its defaults."""
+    from shoal.engine.config import DistributedConfig
+
+    kw = {field: getattr(args, flag) for flag, field in _DISTRIBUTED_FIELDS if getattr(args, flag, None) is not None}
+    return DistributedConfig(**kw)
 
 
 # Each entry adds one group of `serve` flags; extend this list for new groups (e.g. multi-node flags).
@@ -145,7 +188,7 @@ def engine_config_from_args(args: argparse.Namespace):
     """EngineConfig from parsed flags; flags left unset keep EngineConfig's defaults."""
     from shoal.engine.config import EngineConfig
 
-    kw = {}
+    kw = {"distributed": distributed_config_from_args(args)}
     for name in _ENGINE_FIELDS:
         if hasattr(args, name):
             v = getattr(args, name)
@@ -185,8 +228,9 @@ def _config_error(parser: argparse.ArgumentParser, e: Exception) -> None:
     if isinstance(e, ValidationError):
         parts = []
         for err in e.errors(include_url=False):
-            loc = ".".join(str(x) for x in err.get("loc", ()))
-            flag = "--" + loc.replace("_", "-") if loc else "config"
+            loc = [str(x) for x in err.get("loc", ()) if x != "distributed"]
+            name = _FLAG_OF_FIELD.get(loc[0], loc[0]) if loc else None
+            flag = "--" + name.replace("_", "-") if name else "config"
             parts.append(f"{flag}: {err.get('msg')}")
         parser.error("; ".join(parts))
     parser.error(str(e))
@@ -202,19 +246,16 @@ def setup_logging(level: str = "info") -> None:
 # --------------------------------------------------------------------------------------------- commands
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     setup_logging(args.log_level)
-    # Multi-process / multi-node: a --headless node runs its worker ranks (and only /livez, /readyz) and returns.
-    from shoal.engine.distributed.worker import serve_hook
-
-    try:
-        code = serve_hook(args)
-    except ValueError as e:
-        parser.error(str(e))
-    if code is not None:
-        return code
+    if args.headless:  # a node > 0 of a multi-node group: its worker ranks and health endpoints only
+        return cmd_serve_headless(args, parser)
+    if getattr(args, "node_rank", None):
+        parser.error("nodes other than node 0 run workers only: pass --headless")
     try:
         config = engine_config_from_args(args)
     except Exception as e:  # noqa: BLE001 - validation errors become a clean usage error (exit 2)
         _config_error(parser, e)
+    # Serving: rank 0 exits 1 shortly after a rank failure, so Kubernetes restarts the whole group.
+    config.distributed = config.distributed.model_copy(update={"exit_on_failure": True})
     if config.chat_template is not None:
         from shoal.engine.core.tokenizer import ChatTemplateError, load_chat_template
 
@@ -235,6 +276,27 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         heartbeat_timeout=args.engine_heartbeat_timeout or DEFAULT_HEARTBEAT_TIMEOUT,
     )
     return run(config, opts)
+
+
+def cmd_serve_headless(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pydantic import ValidationError
+
+    from shoal.engine.distributed.headless import run_headless
+
+    try:
+        config = distributed_config_from_args(args)
+    except ValidationError as e:
+        _config_error(parser, e)
+    if config.node_rank == 0:
+        parser.error("--headless is for nodes other than 0 (node 0 runs rank 0 and the API server)")
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if (tp * pp) % config.nnodes:
+        parser.error(f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} is not divisible by "
+                     f"--nnodes {config.nnodes}")
+    try:
+        return run_headless(config, tp, pp, args.device, args.host, args.port, args.shutdown_timeout)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -1,4 +1,9 @@
-"""EngineConfig: every knob of the engine in one validated place (the CLI and LLM() both build one)."""
+"""EngineConfig: every knob of the engine in one validated place (the CLI and LLM() both build one).
+
+DistributedConfig is the part a multi-process group needs before any model is known: how a rank finds its group
+and notices failures. It travels inside EngineConfig (`config.distributed`), on its own to a --headless node and
+to every worker process (as JSON on its command line).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,38 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # 512 MiB on CPU unless --kv-cache-memory says otherwise
+
+
+class DistributedConfig(BaseModel):
+    """How this process joins its tensor/pipeline-parallel group (flags: --nnodes, --node-rank, --master-addr,
+    --master-port, --distributed-*, --heartbeat-timeout, --pipeline-*). The defaults suit one machine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nnodes: int = Field(default=1, gt=0, description="nodes (pods) in the group")
+    node_rank: int = Field(default=0, ge=0, description="this node's index; node 0 runs rank 0 and the API")
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = Field(default=None, gt=0, lt=65536,
+                                    description="rendezvous port; None: a free port on one node, 29500 on several")
+    backend: Literal["nccl", "gloo"] | None = Field(default=None, description="None: nccl on CUDA, gloo on CPU")
+    startup_timeout: float = Field(default=600.0, gt=0, description="seconds ranks wait for each other at start")
+    collective_timeout: float = Field(default=20.0, gt=0, description="seconds a collective or send/recv may wait")
+    heartbeat_interval: float = Field(default=1.0, gt=0)
+    heartbeat_timeout: float = Field(default=10.0, gt=0, description="seconds without a heartbeat: rank failed")
+    exit_on_failure: bool = Field(default=False, description="rank 0 exits 1 after exit_grace once a rank failed "
+                                                             "(serving); the offline LLM raises instead")
+    exit_grace: float = Field(default=2.0, ge=0)
+    micro_batches: int | None = Field(default=None, gt=0,
+                                      description="pipeline micro-batches per step; None: one per stage")
+    layer_partition: list[int] | None = Field(default=None, description="decoder layers per pipeline stage")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DistributedConfig":
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be in [0, nnodes {self.nnodes})")
+        if self.layer_partition is not None and min(self.layer_partition, default=0) < 1:
+            raise ValueError(f"layer_partition {self.layer_partition} must list positive layer counts")
+        return self
 
 
 class EngineConfig(BaseModel):
@@ -41,6 +78,7 @@ class EngineConfig(BaseModel):
 
     tensor_parallel_size: int = Field(default=1, gt=0)
     pipeline_parallel_size: int = Field(default=1, gt=0)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -48,6 +86,13 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size ({self.block_size})"
             )
+        d = self.distributed
+        if self.world_size % d.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                             f"{self.pipeline_parallel_size} is not divisible by nnodes {d.nnodes}")
+        if d.layer_partition is not None and len(d.layer_partition) != self.pipeline_parallel_size:
+            raise ValueError(f"layer_partition {d.layer_partition} must give one layer count per pipeline stage "
+                             f"({self.pipeline_parallel_size})")
         return self
 
     @property

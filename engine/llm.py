@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Sequence
 
 from shoal.engine.config import EngineConfig
@@ -40,8 +41,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in input order."""
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in input order. use_tqdm: a progress bar on stderr (requests
+        finished, prompt and output tokens/s so far), like vLLM's."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = [self._prompt(p) for p in prompts]
@@ -55,6 +57,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = []
+        progress = _Progress(len(prompts)) if use_tqdm else None
         try:
             for prompt, sp in zip(prompts, params):
                 rid = str(next(self._ids))
@@ -65,9 +68,14 @@ class LLM:
                 for out in engine.step():
                     if out.finished:
                         finished[out.request_id] = out
+                        if progress is not None:
+                            progress.finished(out)
         except BaseException:
             engine.abort_request(ids)  # a failed or interrupted batch leaves no blocks behind
             raise
+        finally:
+            if progress is not None:
+                progress.close()
         return [finished[rid] for rid in ids]
 
     def shutdown(self) -> None:
@@ -78,3 +86,25 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class _Progress:
+    """A tqdm bar over one generate() call: a tick per finished request, with prompt and output tokens/s."""
+
+    def __init__(self, total: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+        self.started = time.perf_counter()
+        self.prompt_tokens = self.output_tokens = 0
+
+    def finished(self, out: RequestOutput) -> None:
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"input {self.prompt_tokens / elapsed:.1f} tok/s, "
+                                 f"output {self.output_tokens / elapsed:.1f} tok/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -47,13 +47,3 @@ def any_model(request, model_factory):
 def llama_model(model_factory):
     return model_factory("llama")
 
-
-@pytest.fixture(autouse=True)
-def _isolate_distributed_settings():
-    """`shoal-engine serve` run in-process (server unit tests) installs process-wide distributed settings, e.g.
-    rank 0 exiting after a rank failure; restore them so a later offline-engine test is not affected."""
-    from shoal.engine.distributed import comm as distributed
-
-    before = distributed.get_settings()
-    yield
-    distributed._settings = before

@@ -15,7 +15,6 @@ from shoal.engine.execution.sampling import (
     Sampler,
     SamplingParams,
     SamplingRow,
-    SamplingType,
     make_generator,
 )
 
@@ -46,13 +45,12 @@ def test_defaults_match_vllm():
     assert p.max_tokens == 16 and p.min_tokens == 0 and p.logprobs is None and p.seed is None
     assert p.stop == [] and p.stop_token_ids == [] and not p.ignore_eos
     assert p.skip_special_tokens and p.spaces_between_special_tokens and not p.include_stop_str_in_output
-    assert p.sampling_type is SamplingType.RANDOM
-    assert SamplingParams(seed=3).sampling_type is SamplingType.RANDOM_SEED
+    assert not p.is_greedy
 
 
 def test_greedy_and_normalisation():
     p = SamplingParams(temperature=0, max_tokens=8, top_k=5, top_p=0.5, stop="###")
-    assert p.is_greedy and p.sampling_type is SamplingType.GREEDY
+    assert p.is_greedy
     assert p.max_tokens == 8 and p.stop == ["###"]
     assert (p.top_k, p.top_p, p.min_p) == (0, 1.0, 0.0)  # meaningless for greedy, reset
     assert SamplingParams(top_k=-1).top_k == 0

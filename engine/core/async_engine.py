@@ -393,6 +393,7 @@ class AsyncEngine:
         engine = self.engine
         while not self._stop.is_set():
             self.heartbeat = time.monotonic()
+            engine.check_health()  # a failed rank ends the loop even while idle (then /livez fails)
             busy = engine.has_unfinished_requests()
             items = self._take_inbox(block=not busy)
             if self._stop.is_set():

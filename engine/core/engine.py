@@ -18,7 +18,7 @@ from shoal.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.execution.model_loader import load_hf_config, resolve_dtype, resolve_model_dir
 from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from shoal.engine.distributed.executor import make_runner
+from shoal.engine.execution.executor import Executor, make_executor
 from shoal.engine.execution.runner import build_step_inputs
 from shoal.engine.execution.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from shoal.engine.core.scheduler import Scheduler
@@ -77,9 +77,12 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}), or long prompts could never be scheduled"
             )
 
-        # One process: a ModelRunner. tensor/pipeline parallel: a DistributedExecutor (same interface) that starts
-        # the local worker ranks and broadcasts every step's plan to them.
-        self.runner = make_runner(config, self.model_dir, self.hf_config, self.dtype, self.device, self.max_model_len)
+        self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_dir)
+        self.vocab_size = self.hf_config.vocab_size
+        # One process: the ModelRunner and Sampler side by side. Tensor/pipeline parallel: a DistributedExecutor
+        # that starts the local worker ranks and broadcasts every step's plan to them.
+        self.executor: Executor = make_executor(config, self.model_dir, self.hf_config, self.dtype, self.device,
+                                                self.max_model_len, Sampler(self.vocab_size, self.eos_token_ids))
         try:
             num_blocks = self._num_kv_blocks()
             capacity = num_blocks * config.block_size
@@ -89,16 +92,13 @@ class LLMEngine:
                     f"max_model_len={self.max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization / "
                     f"--num-kv-blocks or lower --max-model-len"
                 )
-            self.runner.allocate_kv_cache(num_blocks, config.block_size)
+            self.executor.allocate_kv_cache(num_blocks, config.block_size)
         except BaseException:
-            self.runner.shutdown()  # a failed start must not leave worker ranks behind
+            self.executor.shutdown()  # a failed start must not leave worker ranks behind
             raise
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
-        self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_dir)
-        self.vocab_size = self.hf_config.vocab_size
-        self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -106,8 +106,8 @@ class LLMEngine:
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB); max concurrency %.1f requests at max_model_len=%d; "
             "attention backend %s; prefix caching %s; max_num_batched_tokens=%d",
-            num_blocks, config.block_size, num_blocks * self.runner.bytes_per_block(config.block_size) / 2**20,
-            capacity / self.max_model_len, self.max_model_len, self.runner.backend_name,
+            num_blocks, config.block_size, num_blocks * self.executor.bytes_per_block(config.block_size) / 2**20,
+            capacity / self.max_model_len, self.max_model_len, self.executor.backend_name,
             "on" if config.enable_prefix_caching else "off", self.max_num_batched_tokens,
         )
 
@@ -136,12 +136,12 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         c = self.config
-        per_block = self.runner.bytes_per_block(c.block_size)
+        per_block = self.executor.bytes_per_block(c.block_size)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if self.device.type == "cuda" and c.kv_cache_memory is None:
             free, total = torch.cuda.mem_get_info(self.device)
-            peak = self.runner.profile_peak_memory(
+            peak = self.executor.profile_peak_memory(
                 min(c.max_num_batched_tokens or self._default_batched_tokens(), self.max_model_len), c.block_size)
             used_by_others = total - free - torch.cuda.memory_allocated(self.device)
             budget = total * c.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - peak - used_by_others
@@ -203,8 +203,12 @@ class LLMEngine:
                     seq.finish_reason = "abort"
 
     def has_unfinished_requests(self) -> bool:
-        self.runner.check_health()  # raises once a rank of a multi-process engine has failed
         return bool(self.requests)
+
+    def check_health(self) -> None:
+        """Raise once the executor can no longer run steps (a rank of a multi-process engine failed), so an idle
+        engine loop notices too."""
+        self.executor.check_health()
 
     # -- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -219,7 +223,7 @@ class LLMEngine:
         sampling = [s.seq for s in sched.scheduled if s.samples]
         rows = [SamplingRow(seq.params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator)
                 for seq in sampling]
-        sampled = self.runner.execute_and_sample(inputs, rows, self.sampler)
+        sampled = self.executor.execute(inputs, rows)
         self.scheduler.after_step(sched)
 
         now = time.time()
@@ -299,4 +303,4 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        self.runner.shutdown()
+        self.executor.shutdown()

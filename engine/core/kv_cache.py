@@ -11,8 +11,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-def hash_block(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+def _hash_chain(token_ids: list[int], block_size: int, start_block: int, parent: int | None):
+    """Hashes of the full blocks of token_ids from block `start_block` on, each chained to the previous one
+    (`parent`: the hash of block start_block - 1, None at the start). The one place hashes are computed."""
+    for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        yield parent
 
 
 @dataclass
@@ -76,32 +80,36 @@ class BlockPool:
         Returns (block ids, their hashes); the blocks are referenced (the caller owns them now)."""
         if not self.enable_prefix_caching:
             return [], []
-        bs = self.block_size
         self.prefix_queries += max_tokens
-        ids, hashes, parent = [], [], None
-        for start in range(0, max_tokens - bs + 1, bs):
-            h = hash_block(parent, tuple(token_ids[start:start + bs]))
+        ids, hashes = [], []
+        for h in _hash_chain(token_ids[:max_tokens], self.block_size, 0, None):
             block_id = self._cached.get(h)
             if block_id is None:
                 break
             ids.append(block_id)
             hashes.append(h)
-            parent = h
         for block_id in ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
-        self.prefix_hits += len(ids) * bs
+        self.prefix_hits += len(ids) * self.block_size
         return ids, hashes
 
-    def cache_block(self, block_id: int, block_hash: int) -> None:
-        """Publish a full, computed block under its hash (first writer wins: a duplicate stays private)."""
+    def cache_full_blocks(self, token_ids: list[int], block_ids: list[int], block_hashes: list[int],
+                          num_computed_tokens: int) -> None:
+        """Publish a sequence's blocks that are now full and computed, extending its chain of block hashes in
+        place (block_hashes[i] is block_ids[i]'s). First writer wins: a duplicate block stays private."""
         if not self.enable_prefix_caching:
             return
-        if block_hash not in self._cached:
-            self._cached[block_hash] = block_id
-            self.blocks[block_id].block_hash = block_hash
+        done = len(block_hashes)
+        computed = token_ids[:num_computed_tokens - num_computed_tokens % self.block_size]
+        parent = block_hashes[-1] if block_hashes else None
+        for i, h in enumerate(_hash_chain(computed, self.block_size, done, parent), start=done):
+            block_hashes.append(h)
+            if h not in self._cached:
+                self._cached[h] = block_ids[i]
+                self.blocks[block_ids[i]].block_hash = h
 
     def check_all_free(self) -> None:
         """Raise if any block is still referenced (used by tests and on shutdown)."""

@@ -13,7 +13,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from shoal.engine.core.kv_cache import BlockPool, hash_block
+from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.core.sequence import Sequence, SeqStatus
 
 logger = logging.getLogger(__name__)
@@ -83,17 +83,6 @@ class Scheduler:
         out.preempted.append(seq)
         logger.debug("preempted %s (recompute of %d tokens)", seq.request.request_id, seq.num_tokens)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
-
     # -- one step ------------------------------------------------------------------------------------------
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_ids))
@@ -105,21 +94,19 @@ class Scheduler:
             self.running.sort(key=self._order_key)
             self.waiting = deque(sorted(self.waiting, key=self._order_key))
 
-        scheduled_ids = set()
+        # Running sequences in order: running[:i] are scheduled, so the preemption victim (the newest, or the
+        # lowest priority) is always running[-1], never one already scheduled.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self._blocks_needed(seq, seq.num_computed_tokens + n)
-            while need > self.pool.num_free:
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted itself; running[i] is now the next sequence
+            while need > self.pool.num_free and self.running[-1] is not seq:
+                self._preempt(self.running[-1], out)
+            if need > self.pool.num_free:
+                self._preempt(seq, out)  # the last unscheduled sequence itself: nothing is left to schedule
+                break
             seq.block_ids += self.pool.allocate(need)
-            scheduled_ids.add(id(seq))
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
             i += 1
@@ -152,16 +139,7 @@ class Scheduler:
 
     def after_step(self, out: SchedulerOutput) -> None:
         """Account for the tokens computed this step and publish newly filled blocks to the prefix cache."""
-        bs = self.block_size
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
-            if not self.pool.enable_prefix_caching:
-                continue
-            full = seq.num_computed_tokens // bs
-            while len(seq.block_hashes) < full:
-                i = len(seq.block_hashes)
-                parent = seq.block_hashes[-1] if seq.block_hashes else None
-                h = hash_block(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-                self.pool.cache_block(seq.block_ids[i], h)
-                seq.block_hashes.append(h)
+            self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens)

@@ -5,15 +5,15 @@ Rank layout (vLLM's): ``rank = pp_rank * tp_size + tp_rank``; node ``n`` of ``nn
 it owns the scheduler, the sampler and the HTTP server, and broadcasts every step's plan.
 
 Groups
-  - the default (world) group, backend NCCL on CUDA and gloo on CPU (``SHOAL_DIST_BACKEND`` overrides): the
+  - the default (world) group, backend NCCL on CUDA and gloo on CPU (``--distributed-backend`` overrides): the
     tensor-parallel all-reduces / all-gathers (one subgroup per pipeline stage) and the pipeline's point-to-point
-    sends of hidden states and logits. Its timeout is the *collective timeout* (``SHOAL_DIST_TIMEOUT``, 20 s).
+    sends of hidden states and logits. Its timeout is the *collective timeout* (``--distributed-timeout``, 20 s).
   - a gloo "control" group on CPU for the step-plan broadcast. Workers block in it while the server is idle, so it
     has no practical timeout; liveness there comes from the heartbeat below.
 
 Start-up: rank 0 hosts a TCPStore at ``master_addr:master_port``. Every rank connects (retrying until the master is
 up), announces itself, and waits until all ``world_size`` ranks have joined, logging which ranks are still missing
-every few seconds, up to the start-up timeout (``SHOAL_STARTUP_TIMEOUT``, 600 s). Only then are the process groups
+every few seconds, up to the start-up timeout (``--distributed-startup-timeout``, 600 s). Only then are the process groups
 created, so ranks started minutes apart still form the group.
 
 Failure detection. The bound, with the defaults: a dead, stopped or unreachable rank is noticed by every other
@@ -24,7 +24,7 @@ exited non-zero within 22 s (< 30 s); the flags --heartbeat-timeout and --distri
   - every rank bumps a counter ``hb/<rank>`` in the store each second (a separate store connection on a daemon
     thread, so a busy step does not delay it);
   - rank 0 watches the counters (and the exit codes of the workers it spawned itself): a counter that has not moved
-    for ``heartbeat_timeout`` (``SHOAL_HEARTBEAT_TIMEOUT``, 10 s) means that rank is dead, hung or cut off. It then
+    for ``heartbeat_timeout`` (``--heartbeat-timeout``, 10 s) means that rank is dead, hung or cut off. It then
     sets the key ``failed`` with the reason;
   - workers poll ``failed`` every second; a store that stops answering means rank 0 (which hosts it) is gone;
   - a collective or send/recv that raises (peer closed the connection) or times out fails the step at once.
@@ -39,13 +39,14 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from shoal.engine.config import DistributedConfig
 from shoal.engine.distributed.parallel_state import ParallelState
 
 logger = logging.getLogger("shoal.engine.distributed.comm")
@@ -61,53 +62,12 @@ class StartupTimeoutError(DistributedError):
     """Not every rank joined within the start-up timeout."""
 
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
-
-
-@dataclass
-class DistributedSettings:
-    """How this process joins its group. The CLI fills it from --nnodes/--node-rank/--master-addr/--master-port;
-    the offline LLM uses the defaults (one node, a free local port). Environment variables override defaults."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port on one node, 29500 on several
-    backend: str | None = field(default_factory=lambda: os.environ.get("SHOAL_DIST_BACKEND") or None)
-    startup_timeout: float = field(default_factory=lambda: _env_float("SHOAL_STARTUP_TIMEOUT", 600.0))
-    collective_timeout: float = field(default_factory=lambda: _env_float("SHOAL_DIST_TIMEOUT", 20.0))
-    heartbeat_interval: float = field(default_factory=lambda: _env_float("SHOAL_HEARTBEAT_INTERVAL", 1.0))
-    heartbeat_timeout: float = field(default_factory=lambda: _env_float("SHOAL_HEARTBEAT_TIMEOUT", 10.0))
-    exit_on_failure: bool = False  # rank 0 only: exit(1) after exit_grace once a failure is detected (serving)
-    exit_grace: float = field(default_factory=lambda: _env_float("SHOAL_FAILURE_EXIT_GRACE", 2.0))
-    micro_batches: int | None = field(
-        default_factory=lambda: int(os.environ["SHOAL_PP_MICROBATCHES"]) if os.environ.get("SHOAL_PP_MICROBATCHES")
-        else None)  # pipeline micro-batches per step; None: pipeline_parallel_size
-
-    layer_partition: list[int] | None = field(
-        default_factory=lambda: [int(x) for x in os.environ["SHOAL_PP_LAYER_PARTITION"].split(",")]
-        if os.environ.get("SHOAL_PP_LAYER_PARTITION") else None)  # decoder layers per stage; None: even split
-
-    def port(self) -> int:
-        if self.master_port is not None:
-            return self.master_port
-        return 29500 if self.nnodes > 1 else free_port()
-
-
-_settings = DistributedSettings()
-
-
-def configure(**changes) -> DistributedSettings:
-    """Set the process-wide settings (the CLI calls this before building the engine)."""
-    global _settings
-    _settings = replace(_settings, **changes)
-    return _settings
-
-
-def get_settings() -> DistributedSettings:
-    return _settings
+def rendezvous_port(config: DistributedConfig) -> int:
+    """The master port: the configured one, else a free local port (one node) or 29500 (several nodes must
+    agree on it without talking)."""
+    if config.master_port is not None:
+        return config.master_port
+    return 29500 if config.nnodes > 1 else free_port()
 
 
 def free_port() -> int:
@@ -154,23 +114,23 @@ def _store_client(host: str, port: int, timeout: float):
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
 
-def connect_store(rank: int, world_size: int, host: str, port: int, settings: DistributedSettings):
+def connect_store(rank: int, world_size: int, host: str, port: int, config: DistributedConfig):
     """Rank 0 hosts the store; the others connect, retrying until the start-up deadline."""
-    deadline = time.monotonic() + settings.startup_timeout
+    deadline = time.monotonic() + config.startup_timeout
     if rank == 0:
         return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=settings.collective_timeout))
+                             timeout=timedelta(seconds=config.collective_timeout))
     last_log = 0.0
     while True:
         try:
-            store = _store_client(host, port, min(5.0, settings.startup_timeout))
-            store.set_timeout(timedelta(seconds=settings.collective_timeout))
+            store = _store_client(host, port, min(5.0, config.startup_timeout))
+            store.set_timeout(timedelta(seconds=config.collective_timeout))
             return store
         except Exception as e:  # noqa: BLE001 - connection refused / timeout while the master is not up yet
             now = time.monotonic()
             if now >= deadline:
                 raise StartupTimeoutError(
-                    f"rank {rank}: the master at {host}:{port} did not come up within {settings.startup_timeout:.0f}s"
+                    f"rank {rank}: the master at {host}:{port} did not come up within {config.startup_timeout:.0f}s"
                 ) from e
             if now - last_log >= 5.0:
                 logger.info("waiting for the master (rank 0) at %s:%d (%s)", host, port, type(e).__name__)
@@ -178,10 +138,10 @@ def connect_store(rank: int, world_size: int, host: str, port: int, settings: Di
             time.sleep(0.5)
 
 
-def wait_for_ranks(store, rank: int, world_size: int, settings: DistributedSettings) -> None:
+def wait_for_ranks(store, rank: int, world_size: int, config: DistributedConfig) -> None:
     """Announce this rank and wait until all world_size ranks have, logging the missing ones."""
     store.set(f"{_PREFIX}join/{rank}", f"{socket.gethostname()}:{os.getpid()}")
-    deadline = time.monotonic() + settings.startup_timeout
+    deadline = time.monotonic() + config.startup_timeout
     started = time.monotonic()
     last_log = started
     keys = [f"{_PREFIX}join/{r}" for r in range(world_size)]
@@ -192,9 +152,9 @@ def wait_for_ranks(store, rank: int, world_size: int, settings: DistributedSetti
             if now >= deadline:
                 raise StartupTimeoutError(
                     f"rank {rank}: ranks {missing} of {world_size} did not join within "
-                    f"{settings.startup_timeout:.0f}s (SHOAL_STARTUP_TIMEOUT)")
+                    f"{config.startup_timeout:.0f}s (--distributed-startup-timeout)")
             logger.info("waiting for ranks %s of %d to join (%.0fs so far, start-up timeout %.0fs)", missing,
-                        world_size, now - started, settings.startup_timeout)
+                        world_size, now - started, config.startup_timeout)
             last_log = now
         time.sleep(0.2)
     logger.info("all %d ranks joined after %.1fs", world_size, time.monotonic() - started)
@@ -214,7 +174,7 @@ class Group:
     master: tuple[str, int]
     control: object  # gloo group for step plans
     state: ParallelState
-    settings: DistributedSettings
+    config: DistributedConfig
     monitor: "HeartbeatMonitor | None" = None
 
     @property
@@ -244,16 +204,16 @@ class Group:
 
 
 def init_group(rank: int, world_size: int, tp_size: int, pp_size: int, local_rank: int, device: torch.device,
-               settings: DistributedSettings, master_port: int) -> Group:
+               config: DistributedConfig, master_port: int) -> Group:
     if world_size != tp_size * pp_size:
         raise ValueError(f"world size {world_size} != tensor_parallel_size {tp_size} x pipeline_parallel_size {pp_size}")
     if dist.is_initialized():
         raise DistributedError("torch.distributed is already initialised in this process (one engine per process)")
-    host = settings.master_addr
-    store = connect_store(rank, world_size, host, master_port, settings)
-    wait_for_ranks(store, rank, world_size, settings)
-    backend = pick_backend(device, settings.backend)
-    timeout = timedelta(seconds=settings.collective_timeout)
+    host = config.master_addr
+    store = connect_store(rank, world_size, host, master_port, config)
+    wait_for_ranks(store, rank, world_size, config)
+    backend = pick_backend(device, config.backend)
+    timeout = timedelta(seconds=config.collective_timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"{_PREFIX}pg", store), rank=rank,
                             world_size=world_size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timedelta(days=7))
@@ -266,8 +226,9 @@ def init_group(rank: int, world_size: int, tp_size: int, pp_size: int, local_ran
     state = ParallelState(tp_rank=rank % tp_size, tp_size=tp_size, pp_rank=rank // tp_size, pp_size=pp_size,
                           tp_group=tp_group)
     group = Group(rank, world_size, tp_size, pp_size, local_rank, backend, store, (host, master_port), control,
-                  state, settings)
-    logger.info("process group formed (backend %s, collective timeout %.0fs, heartbeat timeout %.0fs)", backend, settings.collective_timeout, settings.heartbeat_timeout)
+                  state, config)
+    logger.info("process group formed (backend %s, collective timeout %.0fs, heartbeat timeout %.0fs)", backend,
+                config.collective_timeout, config.heartbeat_timeout)
     return group
 
 
@@ -299,7 +260,7 @@ class HeartbeatMonitor:
             self.on_failure(reason)
 
     def _run(self) -> None:
-        g, s = self.group, self.group.settings
+        g, s = self.group, self.group.config
         try:
             store = _store_client(*g.master, max(2.0, s.heartbeat_timeout / 2))
         except Exception as e:  # noqa: BLE001

@@ -88,6 +88,19 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
     )
 
 
+def dummy_step_inputs(num_tokens: int, block_size: int) -> StepInputs:
+    """One prompt of num_tokens zeros over blocks 0.. of the cache: the step memory profiling runs."""
+    blocks = -(-num_tokens // block_size)
+    positions = torch.arange(num_tokens)
+    return StepInputs(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64), positions=positions, slot_mapping=positions,
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
+        logits_indices=torch.tensor([num_tokens - 1]), query_lens=[num_tokens], seq_lens_list=[num_tokens],
+    )
+
+
 class ModelRunner:
     """Owns this process's model shard and KV cache."""
 
@@ -117,29 +130,8 @@ class ModelRunner:
             for _ in range(m.num_local_layers)
         ]
 
-    @torch.inference_mode()
-    def profile_peak_memory(self, num_tokens: int, block_size: int, execute=None) -> int:
-        """Bytes of activation memory one step of num_tokens tokens needs (CUDA only): run it on a scratch
-        cache and read the allocator's peak. `execute(inputs)` runs the step (default: this runner alone; a
-        multi-process shard passes its pipelined step)."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        blocks = -(-num_tokens // block_size)
-        self.allocate_kv_cache(blocks, block_size)
-        positions = torch.arange(num_tokens)
-        inputs = StepInputs(
-            input_ids=torch.zeros(num_tokens, dtype=torch.int64), positions=positions, slot_mapping=positions,
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-            block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
-            logits_indices=torch.tensor([num_tokens - 1]), query_lens=[num_tokens], seq_lens_list=[num_tokens],
-        )
-        (execute or self.execute)(inputs)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
+    def free_kv_cache(self) -> None:
         self.kv_caches = []
-        torch.cuda.empty_cache()
-        return peak
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,17 +144,6 @@ class ModelRunner:
         if not self.model.ps.is_last_stage:
             return out
         return self.model.compute_logits(out.index_select(0, inputs.logits_indices))
-
-    def execute_and_sample(self, inputs: StepInputs, rows: list, sampler):
-        """One step and the sampling of its rows (the interface a multi-process executor shares)."""
-        logits = self.execute(inputs)
-        return sampler(logits, rows) if rows else None
-
-    def check_health(self) -> None:
-        """Nothing to check in one process (DistributedExecutor raises here once a rank has failed)."""
-
-    def shutdown(self) -> None:
-        self.kv_caches = []
 
 
 def _attention_shape(hf_config) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 import torch
 
@@ -48,12 +47,6 @@ def _sort_desc(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.from_numpy(np.argsort(-z.numpy(), axis=-1))
         return z.gather(1, ids), ids
     return z.sort(dim=-1, descending=True)
-
-
-class SamplingType(IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
 
 
 @dataclass
@@ -148,12 +141,6 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids!r}.")
 
     # ---- derived -------------------------------------------------------------------------------------------
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature < _SAMPLING_EPS:
-            return SamplingType.GREEDY
-        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
-
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS

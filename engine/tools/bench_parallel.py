@@ -26,25 +26,29 @@ def run_layout(model_dir, reqs, tp: int, pp: int, args) -> dict:
                    tensor_parallel_size=tp, pipeline_parallel_size=pp)
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if pp > 1:
+        options["distributed"] = {"micro_batches": args.micro_batches, "layer_partition": (
+            [int(x) for x in args.layer_partition.split(",")] if args.layer_partition else None)}
     with LLM(model=str(model_dir), **options) as llm:
-        llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True))
-        runner = llm.llm_engine.runner
-        if hasattr(runner, "pipeline_stats"):
-            runner.pipeline_stats(reset=True)
+        llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        executor = llm.llm_engine.executor
+        if hasattr(executor, "pipeline_stats"):
+            executor.pipeline_stats(reset=True)
         prompts = [{"prompt_token_ids": p} for p, _ in reqs]
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         row = {"tp": tp, "pp": pp, "seconds": round(elapsed, 2), "output_tokens": tokens,
                "output_tok_s": round(tokens / elapsed, 1), "first_tokens": outs[0].outputs[0].token_ids[:8]}
-        if hasattr(runner, "pipeline_stats"):
-            stats = runner.pipeline_stats()
+        if hasattr(executor, "pipeline_stats"):
+            stats = executor.pipeline_stats()
             row["bubble"] = round(sum(s["bubble"] for s in stats) / len(stats), 3)
             row["bubble_per_rank"] = [round(s["bubble"], 3) for s in stats]
             row["steps"] = stats[0]["steps"]
-            m = runner.shard.micro_batches
+            m = executor.shard.micro_batches
             row["micro_batches"] = m
             row["ideal_bubble"] = round((pp - 1) / (m + pp - 1), 3)
     return row
@@ -70,11 +74,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="decoder layers per pipeline stage for the PP layouts (default: even)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
-    from shoal.engine.distributed.comm import configure
-
-    configure(micro_batches=args.micro_batches,
-              layer_partition=[int(x) for x in args.layer_partition.split(",")] if args.layer_partition else None)
-
     import logging
 
     logging.basicConfig(level=logging.WARNING)

@@ -48,11 +48,12 @@ def run_shoal(model_dir, reqs, args) -> float:
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     with LLM(model=str(model_dir), **options) as llm:
-        llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
         prompts = [{"prompt_token_ids": p} for p, _ in reqs]
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(m for _, m in reqs)
     return elapsed

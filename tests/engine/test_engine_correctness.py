@@ -49,7 +49,7 @@ def check_against_hf(model_dir, tokenizer, outputs, prompts, max_new=MAX_NEW, lo
 def test_greedy_matches_transformers(any_model, regime):
     arch, model_dir = any_model
     with LLM(model=model_dir, **REGIMES[regime]) as llm:
-        assert llm.llm_engine.runner.backend_name == REGIMES[regime].get("attention_backend", "cpu")
+        assert llm.llm_engine.executor.backend_name == REGIMES[regime].get("attention_backend", "cpu")
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
         outputs = llm.generate(PROMPTS, params)
         check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS)
@@ -176,7 +176,7 @@ def test_triton_backend_matches_transformers(model_factory, arch):
     model_dir = model_factory(arch)
     with LLM(model=model_dir, block_size=4, max_model_len=64, max_num_batched_tokens=8,
              attention_backend="triton") as llm:
-        assert llm.llm_engine.runner.backend_name == "triton"
+        assert llm.llm_engine.executor.backend_name == "triton"
         prompts = PROMPTS[:3]
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2))
         check_against_hf(model_dir, llm.get_tokenizer(), outputs, prompts, max_new=4)

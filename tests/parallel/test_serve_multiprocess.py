@@ -4,6 +4,7 @@ rank mid-generation."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -55,11 +56,38 @@ def test_multinode_flags_staggered_start_serve_through_rank0(llama_kv1, tmp_path
             return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
         assert 'shoal:parallel_info{model_name="tiny",pp_size="2",rank="0",tp_size="2"} 1.0' in scrape(http0)
-        assert 'shoal:worker_rank_info{rank="2",pp_rank="1",tp_rank="0"' in scrape(http1)
+        from prometheus_client.parser import text_string_to_metric_families
 
-        node0.proc.terminate()  # SIGTERM: drain, tell the workers to stop; everyone exits 0
-        assert node0.proc.wait(30) == 0
-        assert node1.proc.wait(30) == 0
+        ranks = {(s.labels["rank"], s.labels["pp_rank"], s.labels["tp_rank"], s.labels["node_rank"]): s.value
+                 for family in text_string_to_metric_families(scrape(http1)) for s in family.samples
+                 if s.name == "shoal:worker_rank_info"}
+        assert ranks == {("2", "1", "0", "1"): 1.0, ("3", "1", "1", "1"): 1.0}
+
+        # Drain: SIGTERM reaches every process of the group at once (as when both pods are deleted) in the middle
+        # of a stream. Every rank serves on while rank 0 finishes the stream, then rank 0 stops the group and
+        # every process exits 0.
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=100, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        text = next(chunks).choices[0].text
+        processes = {node: _group_pids(node.proc.pid) for node in (node0, node1)}
+        assert [len(pids) for pids in processes.values()] == [2, 3]  # rank 0 + rank 1; headless + ranks 2, 3
+        for node in (node0, node1):
+            os.killpg(node.proc.pid, signal.SIGTERM)
+        reasons = []
+        for chunk in chunks:
+            text += chunk.choices[0].text
+            reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+        assert reasons == ["length"]
+        with LLM(model=llama_kv1, block_size=4, max_model_len=512) as llm:
+            want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        assert text == want[0].outputs[0].text  # every token, none lost to a rank that stopped early
+        assert node0.proc.wait(60) == 0
+        assert node1.proc.wait(60) == 0
+        assert "local worker rank 1 exited with code 0" in node0.text()
+        assert "node 1: all workers stopped" in node1.text()
+        for node, name in ((node0, "rank 1 "), (node1, "rank 2 "), (node1, "rank 3 ")):
+            assert re.search(rf"\[{name}[^\]]*\] received SIGTERM: serving on", node.text()), name
     finally:
         node0.stop()
         if node1 is not None:
@@ -122,3 +150,19 @@ def test_a_hung_worker_is_noticed_by_heartbeat_while_idle(llama_kv1, tmp_path):
         assert pid_gone(worker)
     finally:
         server.stop()
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """The live processes of a process group (a `serve` started in its own session and the workers it spawned)."""
+    from pathlib import Path
+
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        state, _ppid, group = stat.rsplit(")", 1)[1].split()[:3]
+        if int(group) == pgid and state != "Z":
+            pids.append(int(proc.name))
+    return pids

@@ -8,8 +8,8 @@ import torch
 
 from hf_reference import hf_greedy
 from shoal.engine import LLM, SamplingParams
-from shoal.engine.distributed.comm import configure, get_settings
-from shoal.engine.distributed.executor import pack_plan, split_micro_batches, unpack_plan
+from shoal.engine.distributed.pipeline import split_micro_batches
+from shoal.engine.distributed.wire import Command, Header, pack_plan, unpack_plan
 from shoal.engine.execution.runner import build_step_inputs
 
 pytestmark = pytest.mark.slow
@@ -54,21 +54,17 @@ def compare(model_dir, outputs, tokenizer):
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 
 
-@pytest.fixture
-def micro_batches():
-    """Three micro-batches per step (the default is one per stage): uneven splits of 6 sequences."""
-    before = get_settings()
-    configure(micro_batches=3)
-    yield 3
-    configure(micro_batches=before.micro_batches)
+MICRO_BATCHES = 3  # the default is one per stage: three give uneven splits of 6 sequences
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=lambda v: str(v))
 @pytest.mark.parametrize("model", ["llama_kv1", "bloom4"])
-def test_parallel_matches_single_process_and_transformers(request, model, tp, pp, micro_batches):
+def test_parallel_matches_single_process_and_transformers(request, model, tp, pp):
     model_dir = request.getfixturevalue(model)
-    with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **OPTIONS) as llm:
-        executor = llm.llm_engine.runner
+    micro_batches = MICRO_BATCHES
+    with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             distributed={"micro_batches": micro_batches}, **OPTIONS) as llm:
+        executor = llm.llm_engine.executor
         assert executor.group.world_size == tp * pp
         assert executor.shard.micro_batches == (micro_batches if pp > 1 else 1)
         outputs = llm.generate(PROMPTS, PARAMS)
@@ -85,7 +81,7 @@ def test_parallel_matches_single_process_and_transformers(request, model, tp, pp
 def test_tp2_kv_heads_split_qwen2(qwen2_gqa):
     """tp <= num_kv_heads: each rank owns its own KV head (QKV bias sliced too, tied LM head)."""
     with LLM(model=qwen2_gqa, tensor_parallel_size=2, **OPTIONS) as llm:
-        assert llm.llm_engine.runner.runner.model.num_kv_heads_local == 1
+        assert llm.llm_engine.executor.runner.model.num_kv_heads_local == 1
         compare(qwen2_gqa, llm.generate(PROMPTS, PARAMS), llm.get_tokenizer())
 
 
@@ -109,6 +105,8 @@ def _plan():
 def test_plan_roundtrip():
     inputs = _plan()
     header, body = pack_plan(inputs)
+    assert header.command is Command.STEP and body.numel() == header.plan_size
+    header = Header.decode(header.encode())  # what a worker receives
     back = unpack_plan(header, body)
     for name, value in inputs.__dict__.items():
         other = getattr(back, name)
@@ -142,7 +140,7 @@ def test_offline_engine_raises_instead_of_hanging_when_a_worker_dies(llama_kv1):
 
     llm = LLM(model=llama_kv1, tensor_parallel_size=2, **OPTIONS)
     try:
-        (rank, worker), = llm.llm_engine.runner.children
+        (rank, worker), = llm.llm_engine.executor.children
         worker.send_signal(signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(DistributedError):

@@ -1,0 +1,212 @@
+"""DistributedExecutor: rank 0's Executor when world_size > 1 (see shoal.engine.execution.executor).
+
+Rank 0 runs the scheduler; for every command it broadcasts a Header (and for a step its plan, see wire.py) on the
+control group and then plays its own part: it runs its shard (pipeline.py) like every other rank. When rank 0 is
+not the last pipeline stage, the last stage's tensor-parallel rank 0 samples: rank 0 sends it the step's
+sampling rows (parameters; token histories only where penalties read them; seeded rows' draws made ahead from
+the generators rank 0 keeps) and receives the SamplerOutput. The sampler's constants went to every rank once, in
+the start-up spec.
+
+Failures (comm.py explains the detection) mark the executor failed: check_health() and every later command raise
+DistributedError, and when serving (exit_on_failure) the process exits 1 after exit_grace seconds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import subprocess
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from shoal.engine.distributed.comm import (DistributedError, HeartbeatMonitor, init_group, pick_backend, rank_label,
+                                           rendezvous_port, tag_logs)
+from shoal.engine.distributed.pipeline import PipelineStats, Shard, build_runner
+from shoal.engine.distributed.spawn import spawn_workers
+from shoal.engine.distributed.wire import SHUTDOWN_BARRIER_TIMEOUT, Command, Header, pack_plan
+from shoal.engine.execution.runner import StepInputs
+from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
+
+logger = logging.getLogger("shoal.engine.distributed.driver")
+
+
+class DistributedExecutor:
+    def __init__(self, config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                 sampler: Sampler):
+        dcfg = config.distributed.model_copy(update={"backend": pick_backend(device, config.distributed.backend)})
+        self.config = dcfg
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        world = tp * pp
+        if dcfg.node_rank != 0:
+            raise ValueError("the engine (rank 0) runs on node 0; other nodes run `shoal-engine serve --headless`")
+        per_node = world // dcfg.nnodes
+        port = rendezvous_port(dcfg)
+        tag_logs(rank_label(0, tp, pp))
+        self.failure: str | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads_before = None
+        if device.type == "cpu" and per_node > 1:
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+        self.children: list[tuple[int, subprocess.Popen]] = []
+        try:
+            self.children = spawn_workers([(r, r) for r in range(1, per_node)], tp, pp, port, dcfg, device.type)
+            self.group = init_group(0, world, tp, pp, 0, device, dcfg, port)
+            self.group.monitor = HeartbeatMonitor(self.group, self._on_failure, lambda: self.children).start()
+            spec = {"config": config.model_dump(), "dtype": str(dtype).removeprefix("torch."),
+                    "max_model_len": max_model_len, "vocab_size": sampler.vocab_size,
+                    "eos_token_ids": list(sampler.eos_token_ids)}
+            dist.broadcast_object_list([spec], src=0, group=self.group.control)
+            runner = build_runner(self.group, config, model_dir, hf_config, dtype, device, max_model_len)
+        except BaseException:
+            self._closed = True
+            self._kill_children()
+            if hasattr(self, "group"):
+                self.group.destroy()
+            elif dist.is_initialized():
+                dist.destroy_process_group()
+            tag_logs(None)
+            raise
+        atexit.register(self.shutdown)  # an engine that is never shut down leaves no workers behind
+        self.shard = Shard(self.group, runner, hf_config.hidden_size, dcfg.micro_batches or pp, sampler)
+        self.sampler = sampler
+        self.backend_name = runner.backend_name
+        logger.info("distributed engine: tp %d x pp %d = %d ranks over %d node(s), backend %s, %d micro-batches "
+                    "per step", tp, pp, world, dcfg.nnodes, self.group.backend, self.shard.micro_batches)
+
+    @property
+    def runner(self):
+        """Rank 0's own ModelRunner."""
+        return self.shard.runner
+
+    # -- failure handling ---------------------------------------------------------------------------------
+    def _on_failure(self, reason: str) -> None:
+        if self.failure is not None:
+            return
+        self.failure = reason
+        logger.error("distributed engine failed: %s", reason)
+        self.group.report_failure(reason)
+        if self.config.exit_on_failure:
+            def exit_later():
+                time.sleep(self.config.exit_grace)  # /livez answers 503 meanwhile
+                self._kill_children(log=True)
+                logger.error("exiting with code 1 after a rank failure")
+                logging.shutdown()
+                os._exit(1)
+
+            threading.Thread(target=exit_later, name="shoal-exit", daemon=True).start()
+
+    def check_health(self) -> None:
+        if self.failure is not None:
+            raise DistributedError(f"a rank failed: {self.failure}")
+
+    def _command(self, header: Header, body: torch.Tensor | None = None) -> None:
+        self.check_health()
+        if self._closed:
+            raise DistributedError("the distributed executor was shut down")
+        dist.broadcast(header.encode(), src=0, group=self.group.control)
+        if body is not None and body.numel():
+            dist.broadcast(body, src=0, group=self.group.control)
+
+    def _guarded(self, fn):
+        with self._lock:
+            try:
+                return fn()
+            except DistributedError:
+                raise
+            except Exception as e:  # a peer closed its connection, or a collective timed out
+                self._on_failure(f"{type(e).__name__}: {e}")
+                raise DistributedError(f"distributed step failed: {e}") from e
+
+    # -- the Executor protocol ----------------------------------------------------------------------------
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.runner.bytes_per_block(block_size)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        def run():
+            self._command(Header(Command.ALLOC_KV_CACHE, num_blocks=num_blocks, block_size=block_size))
+            self.runner.allocate_kv_cache(num_blocks, block_size)
+        self._guarded(run)
+
+    def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
+        def run():
+            self._command(Header(Command.PROFILE, num_tokens=num_tokens, block_size=block_size))
+            peak = torch.tensor([self.shard.profile(num_tokens, block_size)], dtype=torch.int64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group.control)
+            return int(peak)
+        return self._guarded(run)
+
+    def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
+        """Run the step on every rank and sample its rows: here when rank 0 is also the last stage, else on the
+        last stage's sampler rank. None when nothing samples this step."""
+        def run():
+            started = time.perf_counter()
+            header, body = pack_plan(inputs)
+            self._command(header, body)
+            remote = self.shard.sampler is None and len(rows) > 0
+            if remote:
+                dist.send_object_list([[r.for_remote() for r in rows]], dst=self.shard.sampler_rank,
+                                      group=self.group.control)
+            logits = self.shard.run_step(inputs, started)
+            if remote:
+                result = [None]
+                dist.recv_object_list(result, src=self.shard.sampler_rank, group=self.group.control)
+                return result[0]
+            return self.sampler(logits, rows) if rows else None
+        return self._guarded(run)
+
+    def pipeline_stats(self, reset: bool = False) -> list[dict]:
+        """Per rank: steps, busy seconds (its layers), wall seconds (plan received to step end), bubble fraction."""
+        def run():
+            self._command(Header(Command.STATS, reset=int(reset)))
+            out = [None] * self.group.world_size
+            dist.gather_object(self.shard.stats.as_list(), out, dst=0, group=self.group.control)
+            if reset:
+                self.shard.stats = PipelineStats()
+            return out
+        rows = self._guarded(run)
+        return [{"rank": r, "pp_rank": r // self.group.tp_size, "tp_rank": r % self.group.tp_size,
+                 "steps": int(s), "busy_s": b, "wall_s": w, "bubble": (1 - b / w) if w else 0.0}
+                for r, (s, b, w) in enumerate(rows)]
+
+    def shutdown(self) -> None:
+        """Tell every rank to stop, wait until all have confirmed (so no worker mistakes the store closing for a
+        failure), then reap the local workers and tear the group down."""
+        if self._closed:
+            return
+        atexit.unregister(self.shutdown)
+        self.group.monitor.stop()
+        if self.failure is None:
+            try:
+                with self._lock:
+                    dist.broadcast(Header(Command.SHUTDOWN).encode(), src=0, group=self.group.control)
+                    dist.monitored_barrier(self.group.control, timeout=SHUTDOWN_BARRIER_TIMEOUT)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("could not stop every rank cleanly: %s", e)
+        self._closed = True
+        self.runner.free_kv_cache()
+        deadline = time.monotonic() + 15
+        for rank, proc in self.children:
+            try:
+                code = proc.wait(max(0.1, deadline - time.monotonic()))
+                logger.info("local worker rank %d exited with code %d", rank, code)
+            except subprocess.TimeoutExpired:
+                logger.warning("rank %d did not stop in time; killing it", rank)
+        self._kill_children()
+        self.group.destroy()
+        tag_logs(None)
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+
+    def _kill_children(self, log: bool = False) -> None:
+        for rank, proc in self.children:
+            if proc.poll() is None:
+                proc.kill()
+            code = proc.wait()
+            if log:
+                logger.error("local worker rank %d exited with code %d", rank, code)

@@ -1,0 +1,101 @@
+"""The executor seam: what LLMEngine drives to run a step, whatever the process layout behind it.
+
+LLMEngine plans a step (scheduler -> StepInputs) and hands it to its executor together with one SamplingRow per
+sequence that samples this step; it gets the sampled tokens back. It never sees logits, processes or ranks.
+
+  - UniProcExecutor (here): one process owns the ModelRunner (model shard + KV cache) and the Sampler.
+  - DistributedExecutor (shoal.engine.distributed.driver): rank 0 of a tensor/pipeline-parallel group; it starts
+    the other ranks and broadcasts each step's plan to them.
+
+The sampler's constants (vocabulary size, EOS ids) are fixed when the executor is built, on every rank that
+samples; a step carries only the rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from shoal.engine.execution.runner import ModelRunner, StepInputs, dummy_step_inputs
+from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
+
+
+class Executor(Protocol):
+    backend_name: str  # the attention backend every rank runs
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """KV-cache bytes one block takes on the rank that holds the most (what sizes the pool)."""
+
+    def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
+        """Activation bytes a step of num_tokens needs (CUDA; the most over all ranks)."""
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the paged KV cache on every rank."""
+
+    def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
+        """Run one step and sample `rows` (one per entry of inputs.logits_indices); None when rows is empty."""
+
+    def check_health(self) -> None:
+        """Raise once this executor can no longer run steps (e.g. a rank of its group failed)."""
+
+    def shutdown(self) -> None:
+        """Release the KV cache and stop any process this executor started (idempotent)."""
+
+
+class UniProcExecutor:
+    """One process: the ModelRunner and the Sampler side by side."""
+
+    def __init__(self, config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                 sampler: Sampler):
+        self.runner = ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
+                                  block_size=config.block_size)
+        self.sampler = sampler
+        self.backend_name = self.runner.backend_name
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.runner.bytes_per_block(block_size)
+
+    def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
+        return profile_peak_memory(self.runner, num_tokens, block_size, self.runner.execute)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+
+    def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
+        logits = self.runner.execute(inputs)
+        return self.sampler(logits, rows) if rows else None
+
+    def check_health(self) -> None:
+        """One process has no peer that could fail: a failed step raises from execute() itself."""
+
+    def shutdown(self) -> None:
+        self.runner.free_kv_cache()
+
+
+@torch.inference_mode()
+def profile_peak_memory(runner: ModelRunner, num_tokens: int, block_size: int,
+                        run_step: Callable[[StepInputs], object]) -> int:
+    """Bytes of activation memory one step of num_tokens tokens needs (CUDA only): run it with `run_step` (the
+    runner alone, or a rank's pipelined step) on a scratch KV cache and read the allocator's peak."""
+    device = runner.device
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    runner.allocate_kv_cache(-(-num_tokens // block_size), block_size)
+    try:
+        run_step(dummy_step_inputs(num_tokens, block_size))
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    finally:
+        runner.free_kv_cache()
+        torch.cuda.empty_cache()
+
+
+def make_executor(config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                  sampler: Sampler) -> Executor:
+    """A UniProcExecutor for world size 1, a DistributedExecutor (which starts the local worker ranks) above."""
+    if config.world_size == 1:
+        return UniProcExecutor(config, model_dir, hf_config, dtype, device, max_model_len, sampler)
+    from shoal.engine.distributed.driver import DistributedExecutor  # imports torch.distributed machinery
+
+    return DistributedExecutor(config, model_dir, hf_config, dtype, device, max_model_len, sampler)
