@@ -19,6 +19,7 @@ from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.execution.model_loader import load_hf_config, resolve_dtype, resolve_model_dir
 from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from shoal.engine.distributed.executor import make_runner
+from shoal.engine.execution.graph_capture import decode_capture_backend
 from shoal.engine.execution.runner import build_step_inputs
 from shoal.engine.execution.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from shoal.engine.core.scheduler import Scheduler
@@ -80,6 +81,8 @@ class LLMEngine:
         # One process: a ModelRunner. tensor/pipeline parallel: a DistributedExecutor (same interface) that starts
         # the local worker ranks and broadcasts every step's plan to them.
         self.runner = make_runner(config, self.model_dir, self.hf_config, self.dtype, self.device, self.max_model_len)
+        if hasattr(self.runner, "enable_decode_capture"):  # one process; ranks of a group run eagerly
+            self.runner.enable_decode_capture(decode_capture_backend(config, self.device), config.max_num_seqs)
         try:
             num_blocks = self._num_kv_blocks()
             capacity = num_blocks * config.block_size
