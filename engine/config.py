@@ -74,7 +74,9 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
 
     attention_backend: Literal["auto", "sdpa", "triton", "flash", "cpu"] = "auto"
-    enforce_eager: bool = False
+    enforce_eager: bool = Field(default=False, description="never capture decode steps (graph_capture.py)")
+    decode_capture: Literal["auto", "cuda-graph", "eager", "none"] = Field(
+        default="auto", description="decode capture backend; auto: cuda-graph on CUDA, none on CPU")
 
     tensor_parallel_size: int = Field(default=1, gt=0)
     pipeline_parallel_size: int = Field(default=1, gt=0)

@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from shoal.engine.execution.graph_capture import decode_capture_backend
 from shoal.engine.execution.runner import ModelRunner, StepInputs, dummy_step_inputs
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
@@ -50,6 +51,8 @@ class UniProcExecutor:
                  sampler: Sampler):
         self.runner = ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
                                   block_size=config.block_size)
+        # Decode graph capture is a one-process feature: the ranks of a parallel group run every step eagerly.
+        self.runner.enable_decode_capture(decode_capture_backend(config, device), config.max_num_seqs)
         self.sampler = sampler
         self.backend_name = self.runner.backend_name
 

@@ -13,6 +13,7 @@ import torch
 
 from shoal.engine.execution.attention import select_backend
 from shoal.engine.execution.attention.base import AttentionMetadata
+from shoal.engine.execution.graph_capture import DecodeGraphs
 from shoal.engine.execution.model_loader import load_model
 from shoal.engine.core.scheduler import ScheduledSeq
 
@@ -110,10 +111,28 @@ class ModelRunner:
         self.dtype = dtype
         backend = select_backend(attention_backend, device, uses_alibi=_uses_alibi(hf_config), dtype=dtype,
                                  block_size=block_size, **_attention_shape(hf_config))
+        self.backend = backend
         self.backend_name = backend.name
+        self.max_model_len = max_model_len
         self.model = load_model(model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+        self.capture: tuple[str, int] | None = None  # (backend, max_num_seqs) once decode capture is enabled
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def enable_decode_capture(self, backend: str | None, max_num_seqs: int) -> None:
+        """Capture pure decode steps with `backend` (see graph_capture.py); None leaves every step eager. Call
+        before allocate_kv_cache, which then adds the padding rows' own KV block."""
+        if backend is None:
+            return
+        if not self.backend.graph_capture_safe and backend != "eager":
+            logger.info("decode graph capture is off: the %s attention backend cannot be captured",
+                        self.backend_name)
+            return
+        if not (self.model.ps.is_first_stage and self.model.ps.is_last_stage):
+            logger.info("decode graph capture is off under pipeline parallelism")
+            return
+        self.capture = (backend, max_num_seqs)
 
     def bytes_per_block(self, block_size: int) -> int:
         m = self.model
@@ -122,13 +141,19 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         m = self.model
-        shape = (num_blocks, block_size, m.num_kv_heads_local, m.head_dim)
+        # With decode capture, one block past the pool belongs to the padding rows of padded batches.
+        shape = (num_blocks + (self.capture is not None), block_size, m.num_kv_heads_local, m.head_dim)
         self.block_size = block_size
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(m.num_local_layers)
         ]
+        self.decode_graphs = None
+        if self.capture is not None:
+            backend, max_num_seqs = self.capture
+            self.decode_graphs = DecodeGraphs(self, backend, max_num_seqs, self.max_model_len, block_size,
+                                              pad_block=num_blocks)
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
@@ -137,6 +162,10 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step. On the last pipeline stage returns float32 logits [S, vocab] for inputs.logits_indices;
         on other stages the hidden states to hand to the next stage."""
+        if self.decode_graphs is not None and hidden is None:
+            logits = self.decode_graphs.run(inputs)  # None: not a decode step that fits a bucket
+            if logits is not None:
+                return logits
         if inputs.input_ids.device != self.device:
             inputs = inputs.to(self.device)
         meta = inputs.attention_metadata()

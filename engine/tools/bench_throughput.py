@@ -3,6 +3,11 @@
 A seeded workload (default: 32 requests, prompts 32-256 tokens, outputs 64-128 tokens, ignore_eos) runs through
 Shoal's engine and through transformers: one request at a time, and in left-padded static batches. Every
 figure counts only the tokens each request asked for, so padding work is not rewarded.
+
+The model is `--model DIR` (any local Hugging Face directory) or a built-in random-weight preset: `bench` (wide and
+shallow: hidden 512, 8 layers) or `smollm2-135m` (deep and narrow: SmolLM2-135M's shape, 30 layers, hidden 576).
+`--profile` runs the workload once more with timers attached and prints where a step's time goes, with the
+memory-traffic floor of a decode step (see shoal.engine.tools.step_profile).
 """
 
 from __future__ import annotations
@@ -14,18 +19,32 @@ import time
 from pathlib import Path
 
 
-def bench_model_dir() -> Path:
-    """The default benchmark model: Llama-shaped, hidden 512, 8 layers, GQA 8/4, vocab 32000, bfloat16."""
+# Built-in random-weight models (Llama architecture, bfloat16), made once into the local cache directory.
+PRESETS = {
+    # Wide and shallow: the original benchmark model.
+    "bench": ("bench-llama-512", dict(
+        vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False)),
+    # Deep and narrow: SmolLM2-135M's shape, where per-layer overhead (not weight traffic) dominates a step.
+    "smollm2-135m": ("smollm2-135m-shape", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)),
+}
+
+
+def bench_model_dir(preset: str = "bench") -> Path:
+    """The directory of a built-in benchmark model (see PRESETS), made on first use."""
     import os
 
     from shoal.engine.tools.tiny_model import make_model
 
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    name, config = PRESETS[preset]
     root = Path(os.environ.get("SHOAL_CACHE", Path.home() / ".cache" / "shoal"))
-    path = root / "bench-llama-512"
+    path = root / name
     if not (path / "config.json").exists():
-        make_model(path, arch="llama", seed=0, dtype="bfloat16", vocab_size=32000, hidden_size=512,
-                   intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                   max_position_embeddings=2048, tie_word_embeddings=False)
+        make_model(path, arch="llama", seed=0, dtype="bfloat16", **config)
     return path
 
 
@@ -38,13 +57,14 @@ def workload(seed: int, n: int, vocab: int, prompt_range, output_range):
     return reqs
 
 
-def run_shoal(model_dir, reqs, args) -> float:
+def run_shoal(model_dir, reqs, args) -> tuple[float, str | None]:
+    """Seconds the workload takes through Shoal, and with --profile the per-step breakdown of a second run."""
     from shoal.engine.llm import LLM
     from shoal.engine.execution.sampling import SamplingParams
 
     options = dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                    max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-                   pipeline_parallel_size=args.pipeline_parallel_size)
+                   pipeline_parallel_size=args.pipeline_parallel_size, enforce_eager=args.enforce_eager)
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     with LLM(model=str(model_dir), **options) as llm:
@@ -56,7 +76,18 @@ def run_shoal(model_dir, reqs, args) -> float:
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(m for _, m in reqs)
-    return elapsed
+        report = None
+        if args.profile:
+            from shoal.engine.tools import step_profile
+
+            profiler = step_profile.StepProfiler(llm.llm_engine)
+            with profiler.attached():
+                llm.generate(prompts, params)
+            n = profiler.steps["decode"]
+            batch = round(profiler.decode_batch / n) if n else 0
+            report = profiler.report(step_profile.measure_read_bandwidth(),
+                                     step_profile.measure_matmul_flops(profiler.model, batch))
+    return elapsed, report
 
 
 def run_hf(model_dir, reqs, batch_size: int, dtype) -> float:
@@ -83,14 +114,18 @@ def run_hf(model_dir, reqs, batch_size: int, dtype) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shoal-engine bench throughput", description=__doc__)
-    ap.add_argument("--model", help="model directory (default: a generated Llama-shaped benchmark model)")
+    ap.add_argument("--model", help="a local Hugging Face model directory (default: the --preset model)")
+    ap.add_argument("--preset", default="bench", choices=sorted(PRESETS),
+                    help="built-in random-weight model when no --model is given: bench (hidden 512, 8 layers) or "
+                         "smollm2-135m (SmolLM2-135M's shape: 30 layers, hidden 576, vocab 49152)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "float16", "bfloat16"])
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: 1024, or the model's own limit when that is smaller")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -100,19 +135,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-sequential", type=int, default=8,
                     help="requests to run one at a time through transformers (0 to skip; default 8: it is slow)")
     ap.add_argument("--skip-hf", action="store_true", help="measure Shoal only")
+    ap.add_argument("--enforce-eager", action="store_true", help="no decode graph capture")
+    ap.add_argument("--profile", action="store_true",
+                    help="run the workload once more with timers and print where a step's time goes")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
 
     import torch
 
-    model_dir = Path(args.model) if args.model else bench_model_dir()
+    model_dir = Path(args.model) if args.model else bench_model_dir(args.preset)
+    if not (model_dir / "config.json").is_file():
+        ap.error(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
-    reqs = workload(args.seed, args.num_prompts, vocab, args.prompt_len, args.output_len)
+    from shoal.engine.core.engine import _model_max_len
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if args.max_model_len is None:
+        args.max_model_len = min(1024, _model_max_len(config) or 1024)
+    longest = args.prompt_len[1] + args.output_len[1]
+    if longest > args.max_model_len:
+        ap.error(f"prompts up to {args.prompt_len[1]} plus outputs up to {args.output_len[1]} tokens exceed "
+                 f"max_model_len {args.max_model_len}; shorten them")
+    reqs = workload(args.seed, args.num_prompts, config.vocab_size, args.prompt_len, args.output_len)
     tokens = sum(m for _, m in reqs)
     results: dict[str, float] = {}
-    results["shoal"] = tokens / run_shoal(model_dir, reqs, args)
+    elapsed, profile = run_shoal(model_dir, reqs, args)
+    results["shoal"] = tokens / elapsed
     if not args.skip_hf:
         dtype = {"auto": "auto", "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
         if args.hf_sequential:
@@ -126,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(model_dir), "requests": len(reqs), "output_tokens": tokens, "dtype": args.dtype,
         "threads": torch.get_num_threads(), "output_tokens_per_s": {k: round(v, 1) for k, v in results.items()},
         "speedup_vs_best_hf": round(results["shoal"] / hf[best], 2) if best else None, "best_hf": best,
+        "shoal_seconds": round(elapsed, 3),
     }
+    if profile:
+        summary["profile"] = profile
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -137,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:<22} {value:9.1f} output tok/s{ratio}")
     if best:
         print(f"Shoal vs best transformers ({best}): {summary['speedup_vs_best_hf']}x")
+    if profile:
+        print(f"profile of a second Shoal run (timers attached):\n{profile}")
     return 0
 
 

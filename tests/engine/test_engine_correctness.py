@@ -29,6 +29,9 @@ REGIMES = {
     "no-prefix-cache": dict(block_size=8, max_model_len=128, enable_prefix_caching=False),
     # auto picks the C++ paged kernel on CPU; the SDPA backend (gathered blocks) must agree too.
     "sdpa-chunked": dict(block_size=4, max_model_len=128, max_num_batched_tokens=8, attention_backend="sdpa"),
+    # Decode steps padded into batch-size buckets and run from static buffers (graph_capture.py, eager backend:
+    # the CUDA-graph path minus the graph). Capture off is every regime above (no capture on CPU by default).
+    "decode-capture": dict(block_size=4, max_model_len=128, decode_capture="eager"),
 }
 
 
@@ -54,6 +57,8 @@ def test_greedy_matches_transformers(any_model, regime):
         outputs = llm.generate(PROMPTS, params)
         check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS)
         engine = llm.llm_engine
+        if regime == "decode-capture":
+            assert engine.runner.decode_graphs.num_padded_steps > 0
         if regime == "preemption":
             assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
         engine.pool.check_all_free()

@@ -52,6 +52,9 @@ class AttentionBackend:
 
     name: str = "base"
     supports_alibi: bool = True
+    # A decode step's forward reads only tensor metadata (host-side values at most as upper bounds that size the
+    # work), so it can be captured into a graph once and replayed (see execution/graph_capture.py).
+    graph_capture_safe: bool = False
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:

@@ -97,6 +97,7 @@ def load_kernel() -> tuple[object | None, str, float]:
 
 class CpuPagedAttentionBackend(AttentionBackend):
     name = "cpu"
+    graph_capture_safe = True
     supports_alibi = True
 
     @classmethod

@@ -187,6 +187,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    graph_capture_safe = True
     supports_alibi = True
 
     def __init__(self, num_splits: int | None = None, tiles: tuple[int, int] | None = None):

@@ -35,9 +35,16 @@ class PackedMatmul(nn.Module):
     """A weight that may be prepacked for oneDNN once loaded (see can_prepack)."""
 
     packed: torch.Tensor | None = None
+    packed_shape: tuple[int, int] | None = None  # [out, in] of the weight the packed copy replaced
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """[out, in] of this layer's weight, whether it is held as is or only prepacked."""
+        return self.packed_shape or tuple(self.weight.shape)
 
     def prepack(self, free_original: bool = True) -> None:
         if self.packed is None and self.weight.numel() and can_prepack(self.weight):
+            self.packed_shape = tuple(self.weight.shape)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
             if free_original:
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)

@@ -1,10 +1,12 @@
-"""Normalisation layers, computed in float32 like the reference implementations."""
+"""Normalisation layers, computed in float32 like the reference implementations (RMSNorm: see layers.fused)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shoal.engine.execution.layers.fused import add_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -14,12 +16,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel
-        # Reduced precision: normalise in float32, round, then scale — the reference's exact rounding steps.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps)
+
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """norm(residual + delta), adding delta into the residual stream in place (one fused kernel on CPU)."""
+        return add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):

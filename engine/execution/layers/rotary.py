@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shoal.engine.execution.layers.fused import rotary_
+
 _STATIC_TYPES = {"default", "linear", "llama3", "yarn"}
 
 
@@ -47,13 +49,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (torch.cat([-freqs, freqs], dim=-1).sin() * scaling).to(dtype), persistent=False)
         self.half = half
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, scratch: dict | None = None) -> torch.Tensor:
-        """x: [T, heads, head_dim] (queries and keys stacked along heads) -> rotated copy. The per-position
-        tables are looked up once per step (cached in `scratch`) and shared by every layer."""
-        tables = scratch.get("rope") if scratch is not None else None
-        if tables is None:
-            tables = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
-            if scratch is not None:
-                scratch["rope"] = tables
-        cos, sin = tables
-        return x * cos + torch.roll(x, self.half, dims=-1) * sin
+    def rotate_(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> None:
+        """Rotate, in place, the first `heads` heads (queries, then keys) of each row of a fused QKV projection's
+        output [T, (heads + kv_heads) * head_dim] by that token's position (one fused kernel on CPU)."""
+        rotary_(qkv, positions, self.cos, self.sin, heads, self.cos.shape[-1])

@@ -6,11 +6,11 @@ RoPE, grouped-query attention (optional QKV bias for Qwen2), SwiGLU MLP, RMSNorm
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.execution.attention.layer import PagedAttention
 from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shoal.engine.execution.layers.fused import silu_and_mul
 from shoal.engine.execution.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shoal.engine.execution.layers.norm import RMSNorm
 from shoal.engine.execution.layers.rotary import RotaryEmbedding
@@ -35,17 +35,16 @@ class LlamaDecoderLayer(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"Llama-family hidden_act {config.hidden_act!r} is not supported (only silu)")
 
-    def forward(self, x, positions, kv_cache, meta):
-        T = x.shape[0]
-        qkv = self.qkv_proj.matmul(self.input_layernorm(x), self.qkv_proj.bias)
+    def forward(self, x, positions, kv_cache, meta, delta=None):
+        """x: the residual stream, updated in place; delta: the previous layer's output, not yet added to it (so
+        that the add fuses with this layer's first norm). Returns (x, this layer's output)."""
+        qkv = self.qkv_proj.matmul(self.input_layernorm.add_and_norm(x, delta), self.qkv_proj.bias)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        # Queries and keys sit side by side in the fused projection: rotate them in one pass.
-        qk = self.rotary(positions, qkv[:, :q_size + kv_size].view(T, -1, self.attn.head_dim), meta.scratch)
-        q, k = qk.split([self.attn.num_heads, self.attn.num_kv_heads], dim=1)
-        v = qkv[:, q_size + kv_size:]
-        x = x + self.o_proj(self.attn(q, k, v, kv_cache, meta))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x.add_(self.down_proj(F.silu(gate, inplace=True).mul_(up)))  # in place: fewer temporaries
+        # Queries and keys sit side by side in the fused projection: rotate both in place in one pass.
+        self.rotary.rotate_(positions, qkv, self.attn.num_heads + self.attn.num_kv_heads)
+        q, k, v = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]
+        h = self.post_attention_layernorm.add_and_norm(x, self.o_proj(self.attn(q, k, v, kv_cache, meta)))
+        return x, self.down_proj(silu_and_mul(self.gate_up_proj(h)))
 
     def load(self, src, p: str, config, head_dim: int):
         h, nh, nkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
@@ -87,6 +86,17 @@ class LlamaForCausalLM(CausalLM):
 
     def embed(self, input_ids, positions):
         return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
+        """CausalLM.forward with each layer's residual add deferred into the next norm (fused add + RMSNorm)."""
+        # The residual stream is updated in place: a stage's input from the previous stage is copied first.
+        x = self.embed(input_ids, positions) if self.ps.is_first_stage else hidden.clone()
+        delta = None
+        for i, layer in enumerate(self.layers):
+            x, delta = layer(x, positions, kv_caches[i], meta, delta)
+        if self.ps.is_last_stage:
+            return self.norm.add_and_norm(x, delta)
+        return x if delta is None else x.add_(delta)
 
     def final_norm(self, hidden):
         return self.norm(hidden)

@@ -1,0 +1,162 @@
+"""Decode graph capture: batch-size buckets, padded static input buffers, capture after warm-up, replay.
+
+A pure decode step (every sequence adds one token and samples) has the same tensor shapes whenever it has the same
+number of sequences. Such a step is padded up to the next bucket size (1, 2, 4, 8, then multiples of 8 up to
+max_num_seqs), its inputs are copied into that bucket's static buffers, and the bucket's forward — embedding,
+every layer, LM head — runs as one captured graph. Padding rows decode token 0 at position 0 into a KV block of
+their own (one extra block the runner allocates past the pool), so they never touch a real sequence's cache; their
+logits are dropped. Steps with prompt tokens, larger batches, and pipeline stages run eagerly.
+
+One mechanism, pluggable backends (`--enforce-eager` turns capture off):
+  - "cuda-graph": torch.cuda.CUDAGraph per bucket, all sharing one memory pool; captured on a bucket's first use
+    after two warm-up runs. This removes the per-kernel launch overhead that dominates small decode steps.
+  - "eager": the same bucketing and static buffers, run eagerly. It saves nothing (padding costs a little) and
+    exists so that the mechanism itself runs and is tested on machines without a GPU.
+On CPU the default is no capture: a torch.compile backend per bucket was not kept (see README: Performance).
+
+If capturing a bucket fails, a warning is logged and decode steps run eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shoal.engine.execution.attention.base import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("cuda-graph", "eager")
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Bucket sizes: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (which is always the last)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+def decode_capture_backend(config, device: torch.device) -> str | None:
+    """The capture backend an engine config asks for on this device (None: every step eager)."""
+    if config.enforce_eager or config.decode_capture == "none":
+        return None
+    if config.decode_capture == "auto":
+        return "cuda-graph" if device.type == "cuda" else None
+    return config.decode_capture
+
+
+class DecodeGraphs:
+    """Padded, captured decode steps for one ModelRunner (see the module docstring)."""
+
+    def __init__(self, runner, backend: str, max_num_seqs: int, max_model_len: int, block_size: int,
+                 pad_block: int):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown decode capture backend {backend!r}; choose from {', '.join(BACKENDS)}")
+        self.runner = runner
+        self.backend = backend
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.pad_block = pad_block
+        P, dev = self.buckets[-1], runner.device
+        width = -(-max_model_len // block_size)
+        # Static input buffers, shared by every bucket (bucket b reads their first b rows).
+        self.input_ids = torch.zeros(P, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(P, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(P, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(P, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(P + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(P, width, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (graph, its static logits)
+        self.pool = None
+        self.failed = False
+        self.num_padded_steps = 0  # decode steps that ran through a bucket (captured or eager)
+
+    # -- which steps ---------------------------------------------------------------------------------------------
+    def bucket_for(self, inputs) -> int | None:
+        """The bucket of a pure decode step that samples every sequence, or None (the step runs eagerly)."""
+        B = len(inputs.query_lens)
+        if self.failed or B > self.buckets[-1] or any(q != 1 for q in inputs.query_lens):
+            return None
+        if inputs.logits_indices.numel() != B or max(inputs.seq_lens_list) > self.max_model_len:
+            return None
+        return next(b for b in self.buckets if b >= B)
+
+    # -- padding ---------------------------------------------------------------------------------------------------
+    def _fill(self, inputs, bucket: int) -> None:
+        """Copy a step into the static buffers; rows B..bucket become padding rows."""
+        B = len(inputs.query_lens)
+        self.input_ids[:B].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:B].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:B].copy_(inputs.slot_mapping, non_blocking=True)
+        self.seq_lens[:B].copy_(inputs.seq_lens, non_blocking=True)
+        w = inputs.block_tables.shape[1]
+        self.block_tables[:B, :w].copy_(inputs.block_tables, non_blocking=True)
+        if bucket > B:
+            self.input_ids[B:bucket].zero_()
+            self.positions[B:bucket].zero_()
+            self.slot_mapping[B:bucket].fill_(self.pad_block * self.block_size)
+            self.seq_lens[B:bucket].fill_(1)
+            self.block_tables[B:bucket, 0].fill_(self.pad_block)
+
+    def _meta(self, bucket: int, seq_lens_list: list[int]) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket], query_start_loc=self.query_start_loc[:bucket + 1],
+            seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket], max_query_len=1,
+            max_seq_len=max(seq_lens_list), query_lens_list=[1] * bucket, seq_lens_list=seq_lens_list,
+            is_decode_only=True)
+
+    def _forward(self, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
+        model = self.runner.model
+        hidden = model(self.input_ids[:bucket], self.positions[:bucket], self.runner.kv_caches, meta)
+        return model.compute_logits(hidden)
+
+    # -- run -------------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, inputs) -> torch.Tensor | None:
+        """Logits [B, vocab] of a decode step through its bucket, or None when the step must run eagerly."""
+        bucket = self.bucket_for(inputs)
+        if bucket is None:
+            return None
+        B = len(inputs.query_lens)
+        self._fill(inputs, bucket)
+        self.num_padded_steps += 1
+        if self.backend == "eager":
+            # Host-side values are exact here (nothing is baked into a graph): backends may plan from them.
+            lens = list(inputs.seq_lens_list) + [1] * (bucket - B)
+            return self._forward(bucket, self._meta(bucket, lens))[:B]
+        entry = self.graphs.get(bucket)
+        if entry is None:
+            entry = self._capture(bucket)
+            if entry is None:
+                self.num_padded_steps -= 1
+                return None
+        graph, logits = entry
+        graph.replay()
+        return logits[:B]
+
+    def _capture(self, bucket: int):
+        """Warm up, then capture one bucket's forward; None (and eager from now on) if that fails."""
+        # Host-side values become constants of the graph: every sequence is taken to be max_model_len long, an
+        # upper bound that backends which support capture only use to size their work (see graph_capture_safe).
+        meta = self._meta(bucket, [self.max_model_len] * bucket)
+        try:
+            stream = torch.cuda.Stream(self.runner.device)
+            stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: lazy initialisation and autotuning must not happen under capture
+                    self._forward(bucket, meta)
+            torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward(bucket, meta)
+        except Exception as e:  # any capture failure: warn once and keep serving eagerly
+            self.failed = True
+            logger.warning("decode graph capture failed for batch size %d (%s: %s); running decode steps eagerly",
+                           bucket, e.__class__.__name__, e)
+            return None
+        self.graphs[bucket] = (graph, logits)
+        logger.info("captured the decode graph for batch size %d", bucket)
+        return graph, logits

@@ -1,0 +1,236 @@
+// Fused CPU kernels for a decoder layer's small elementwise steps: residual add + RMSNorm, SwiGLU (SiLU(gate) *
+// up) and RoPE applied in place to the queries and keys of a fused QKV projection.
+//
+// In a decode step each of these touches only batch x hidden values; the time goes to launching the 3-9 separate
+// torch ops each one is made of, and to their temporaries. One call each, no temporaries. Every kernel keeps the
+// reference's rounding steps (see layers/fused.py): in bfloat16/float16 each intermediate the torch reference
+// rounds is rounded here too, so the results match it to the last bit except for the order of a float32 sum.
+//
+// Registered with the dispatcher (TORCH_LIBRARY) as torch.ops.shoal_cpu_fused.*; built by layers/fused.py with
+// torch.utils.cpp_extension (-O3 -march=native -fopenmp).
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kParallelMin = 1 << 15;  // elements below which OpenMP's fork/join costs more than it saves
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // bfloat16 is the top half of a float32
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }  // round to nearest even
+template <>
+inline float from_float<float>(float x) { return x; }
+// What the reference does to an intermediate: nothing in float32, a rounding to T otherwise.
+template <typename T>
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
+
+// e^x, branch-free and vectorisable: 2^(x log2 e) split into 2^n (exponent bits) and 2^f (degree-7 polynomial,
+// relative error < 1e-8). x is clamped so that 2^n stays a normal float: e^x saturates at ~1.7e38 and ~1e-38,
+// which is what SiLU needs (x / (1 + e^-x) is then x or ~0, as in float32 arithmetic).
+inline float exp_approx(float x) {
+  float y = std::min(std::max(x * 1.4426950408889634f, -126.0f), 127.0f);
+  const float n = (y + 12582912.0f) - 12582912.0f;  // round to nearest (no -ffast-math, so not folded away)
+  const float f = (y - n) * 0.6931471805599453f;
+  float p = 1.0f / 5040.0f;
+  p = p * f + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float pow2n;
+  std::memcpy(&pow2n, &bits, sizeof pow2n);
+  return p * pow2n;
+}
+
+template <typename F>
+void for_rows(int64_t rows, int64_t work, F&& body) {
+#pragma omp parallel for schedule(static) if (work >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) body(r);
+}
+
+// ------------------------------------------------------------------------------------------ residual + RMSNorm
+
+template <typename T>
+void add_rms_norm_impl(T* out, T* residual, const T* delta, const T* weight, int64_t rows, int64_t hidden,
+                       int64_t s_out, int64_t s_res, int64_t s_delta, float eps) {
+  for_rows(rows, rows * hidden, [&](int64_t r) {
+    T* res = residual + r * s_res;
+    T* o = out + r * s_out;
+    float sumsq = 0.0f;
+    if (delta != nullptr) {
+      const T* d = delta + r * s_delta;
+#pragma omp simd reduction(+ : sumsq)
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float v = round_to<T>(to_float(res[i]) + to_float(d[i]));  // the residual stream is stored in T
+        res[i] = from_float<T>(v);
+        sumsq += v * v;
+      }
+    } else {
+#pragma omp simd reduction(+ : sumsq)
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float v = to_float(res[i]);
+        sumsq += v * v;
+      }
+    }
+    const float inv = 1.0f / std::sqrt(sumsq / float(hidden) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) {
+      // Reference (reduced precision): normalise in float32, round to T, then scale by the weight in T.
+      o[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(res[i]) * inv));
+    }
+  });
+}
+
+// out = rms_norm(residual + delta) * weight, with residual += delta stored in place; delta may be absent (then
+// out = rms_norm(residual) * weight and residual is left alone).
+void add_rms_norm(const at::Tensor& out, const at::Tensor& residual, const std::optional<at::Tensor>& delta,
+                  const at::Tensor& weight, double eps) {
+  TORCH_CHECK(residual.dim() == 2 && out.sizes() == residual.sizes(), "expected out and residual [T, hidden]");
+  const int64_t rows = residual.size(0), hidden = residual.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous(), "weight must be [hidden]");
+  TORCH_CHECK(out.stride(1) == 1 && residual.stride(1) == 1, "the hidden axis must be contiguous");
+  const auto dtype = residual.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype && weight.scalar_type() == dtype, "out, residual and weight dtypes differ");
+  int64_t s_delta = 0;
+  if (delta.has_value()) {
+    TORCH_CHECK(delta->sizes() == residual.sizes() && delta->stride(1) == 1 && delta->scalar_type() == dtype,
+                "delta must match residual");
+    s_delta = delta->stride(0);
+  }
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm_impl<T>(static_cast<T*>(out.data_ptr()), static_cast<T*>(residual.data_ptr()),
+                         delta.has_value() ? static_cast<const T*>(delta->data_ptr()) : nullptr,
+                         static_cast<const T*>(weight.data_ptr()), rows, hidden, out.stride(0), residual.stride(0),
+                         s_delta, float(eps));
+  };
+  if (dtype == at::kFloat) launch(float{});
+  else if (dtype == at::kBFloat16) launch(c10::BFloat16{});
+  else if (dtype == at::kHalf) launch(c10::Half{});
+  else TORCH_CHECK(false, "add_rms_norm supports float32/bfloat16/float16, got ", dtype);
+}
+
+// ------------------------------------------------------------------------------------------------------ SwiGLU
+
+template <typename T>
+void silu_and_mul_impl(T* out, const T* in, int64_t rows, int64_t inter, int64_t s_out, int64_t s_in) {
+  for_rows(rows, rows * inter, [&](int64_t r) {
+    const T* g = in + r * s_in;
+    const T* u = g + inter;
+    T* o = out + r * s_out;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = to_float(g[i]);
+      const float act = round_to<T>(x / (1.0f + exp_approx(-x)));  // F.silu's result in T
+      o[i] = from_float<T>(act * to_float(u[i]));
+    }
+  });
+}
+
+// out [T, I] = silu(in[:, :I]) * in[:, I:] for in [T, 2I] (gate and up side by side, as a merged projection).
+void silu_and_mul(const at::Tensor& out, const at::Tensor& in) {
+  TORCH_CHECK(in.dim() == 2 && in.size(1) % 2 == 0, "expected in [T, 2 * intermediate]");
+  const int64_t rows = in.size(0), inter = in.size(1) / 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == inter, "expected out [T, intermediate]");
+  TORCH_CHECK(in.stride(1) == 1 && out.stride(1) == 1, "the feature axis must be contiguous");
+  const auto dtype = in.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype, "in and out dtypes differ");
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    silu_and_mul_impl<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(in.data_ptr()), rows, inter,
+                         out.stride(0), in.stride(0));
+  };
+  if (dtype == at::kFloat) launch(float{});
+  else if (dtype == at::kBFloat16) launch(c10::BFloat16{});
+  else if (dtype == at::kHalf) launch(c10::Half{});
+  else TORCH_CHECK(false, "silu_and_mul supports float32/bfloat16/float16, got ", dtype);
+}
+
+// ------------------------------------------------------------------------------------------------------- RoPE
+
+template <typename T>
+void rotary_impl(T* x, const int64_t* positions, const T* cos, const T* sin, int64_t rows, int64_t heads,
+                 int64_t D, int64_t s_row, int64_t max_pos) {
+  const int64_t half = D / 2;
+  for_rows(rows, rows * heads * D, [&](int64_t r) {
+    const int64_t pos = positions[r];  // checked by the caller (no exception may leave an OpenMP region)
+    const T* c = cos + pos * D;
+    const T* s = sin + pos * D;
+    float buf[512];
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + r * s_row + h * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) buf[i] = to_float(v[i]);
+      // x * cos + roll(x, half) * sin, sin holding [-sin, sin]: each product and the sum rounded as in T.
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) {
+        const float rolled = buf[i < half ? i + half : i - half];
+        const float a = round_to<T>(buf[i] * to_float(c[i]));
+        const float b = round_to<T>(rolled * to_float(s[i]));
+        v[i] = from_float<T>(a + b);
+      }
+    }
+  });
+}
+
+// Rotates, in place, the first `heads` heads of every row of x [T, >= heads * D] (queries then keys of a fused QKV
+// projection) by the table rows of each token's position: cos [P, D] = [cos, cos], sin [P, D] = [-sin, sin].
+void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) >= heads * head_dim, "expected x [T, >= heads * D]");
+  TORCH_CHECK(head_dim % 2 == 0 && head_dim <= 512, "head_dim must be even and at most 512");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0) && positions.scalar_type() == at::kLong &&
+              positions.is_contiguous(), "positions must be contiguous int64 [T]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
+              sin.is_contiguous(), "cos/sin must be contiguous [max_positions, head_dim]");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "x and the tables' dtypes differ");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < x.size(0); ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0), "position ", pos[r], " is outside the rotary table (",
+                cos.size(0), " positions)");
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    rotary_impl<T>(static_cast<T*>(x.data_ptr()), positions.data_ptr<int64_t>(), static_cast<const T*>(cos.data_ptr()),
+                   static_cast<const T*>(sin.data_ptr()), x.size(0), heads, head_dim, x.stride(0), cos.size(0));
+  };
+  if (dtype == at::kFloat) launch(float{});
+  else if (dtype == at::kBFloat16) launch(c10::BFloat16{});
+  else if (dtype == at::kHalf) launch(c10::Half{});
+  else TORCH_CHECK(false, "rotary_embedding supports float32/bfloat16/float16, got ", dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(shoal_cpu_fused, m) {
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor? delta, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(shoal_cpu_fused, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}
