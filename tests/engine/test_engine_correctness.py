@@ -58,7 +58,7 @@ def test_greedy_matches_transformers(any_model, regime):
         check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS)
         engine = llm.llm_engine
         if regime == "decode-capture":
-            assert engine.runner.decode_graphs.num_padded_steps > 0
+            assert engine.executor.runner.decode_graphs.num_padded_steps > 0
         if regime == "preemption":
             assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
         engine.pool.check_all_free()
