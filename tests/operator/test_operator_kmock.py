@@ -10,6 +10,8 @@ import hashlib
 import json
 import time
 
+import requests
+
 from opkit import condition, isvc_body, wait_for
 
 from shoal.operator.render import L_GROUP, L_ISVC, L_MANAGED_BY, L_POD_INDEX
@@ -333,9 +335,14 @@ def play_statefulsets(env, ns: str) -> None:
                 env.client.patch("pods", ns, name, _pod_status(ready=True), sub="status")
             else:
                 ready += 1
-        env.client.patch("statefulsets", ns, meta["name"], {"status": {
-            "observedGeneration": meta["generation"], "replicas": sts["spec"]["replicas"], "readyReplicas": ready,
-            "updateRevision": rev}}, sub="status")
+        try:
+            env.client.patch("statefulsets", ns, meta["name"], {"status": {
+                "observedGeneration": meta["generation"], "replicas": sts["spec"]["replicas"], "readyReplicas": ready,
+                "updateRevision": rev}}, sub="status")
+        except requests.HTTPError as e:
+            # The operator deleted it since the list (a group being recreated); a real controller skips it too.
+            if e.response.status_code != 404:
+                raise
 
 
 def ready_groups_timeline(env, ns: str, size: int, since_rv: int) -> list[int]:
