@@ -116,8 +116,11 @@ def _ref(isvc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _event(isvc: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    """A Kubernetes Event on the InferenceService (kopf posts it in the background)."""
-    kopf.event(_ref(isvc), type=type_, reason=reason, message=message)
+    """A Kubernetes Event on the InferenceService (kopf posts it in the background); best effort."""
+    try:
+        kopf.event(_ref(isvc), type=type_, reason=reason, message=message)
+    except LookupError:  # outside kopf's handler context (never expected): an Event is not worth a failed pass
+        logger.warning("cannot post event %s on %s: %s", reason, isvc["metadata"]["name"], message)
 
 
 # ---------------------------------------------------------------------------------------------------- reconciler
@@ -158,6 +161,18 @@ class Reconciler:
         finally:
             if self.tasks.get(key) is asyncio.current_task():
                 del self.tasks[key]
+
+    async def recheck_forever(self, interval: float) -> None:
+        """What no watch reports — pods a StatefulSet keeps failing to create (Events only), a model download
+        outliving its budget — is found by reconciling every InferenceService that is not Ready now and then.
+        (A kopf timer would do it too, but timers put a finalizer on every object.)"""
+        while True:
+            await asyncio.sleep(interval)
+            for key in list(self.indexes.get(api.KIND) or {}):
+                isvcs = self._get(api.KIND, key)
+                conditions = ((isvcs[0] if isvcs else {}).get("status") or {}).get("conditions") or []
+                if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
+                    self.trigger(*key)
 
     def _get(self, index: str, key: tuple[str, str]) -> list[dict[str, Any]]:
         idx = self.indexes.get(index)
@@ -254,7 +269,8 @@ class Reconciler:
         if plan.multi_pod:
             await self.restart_broken_groups(isvc, plan, observed, pods)
 
-        new_status = status.compute_status(isvc, plan, observed, pods, rejected)
+        failed = await self._failed_creates(namespace, observed, pods, plan.pods_per_replica) if plan.multi_pod else []
+        new_status = status.compute_status(isvc, plan, observed, pods, rejected, failed_creates=failed)
         if status.status_changed(old_status, new_status):
             try:
                 await self.kube.merge_patch(api.KIND, namespace, name, {"status": new_status}, subresource="status")
@@ -289,6 +305,27 @@ class Reconciler:
                 return False
             raise
         return fresh["metadata"].get("uid") == meta.get("uid") and not status.terminating(fresh)
+
+    async def _failed_creates(self, namespace: str, observed: dict[tuple[str, str], dict],
+                              pods: list[dict[str, Any]], size: int) -> list[tuple[str, str]]:
+        """A StatefulSet reports pods it cannot create (quota, Pod Security admission) only as Events: read them
+        for the groups that miss pods (a Deployment has the ReplicaFailure condition instead)."""
+        found = []
+        for (kind, name), sts in sorted(observed.items()):
+            index = (sts["metadata"].get("labels") or {}).get(L_GROUP)
+            if kind != "StatefulSet" or status.terminating(sts) or index is None:
+                continue
+            if sum(1 for p in pods if (p["metadata"].get("labels") or {}).get(L_GROUP) == index) >= size:
+                continue
+            events = await self.kube.list("Event", namespace, field_selector=(
+                f"involvedObject.kind=StatefulSet,involvedObject.name={name},reason=FailedCreate"))
+            events = [e for e in events if (e.get("involvedObject") or {}).get("name") == name
+                      and (e.get("involvedObject") or {}).get("uid") in (None, sts["metadata"].get("uid"))
+                      and e.get("reason") == "FailedCreate"]
+            if events:
+                latest = max(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+                found.append(("FailedCreate", f"statefulset {name} cannot create pods: {latest.get('message')}"))
+        return found
 
     def _rollout_events(self, isvc: dict[str, Any], move: rollout.Step, had_groups: bool) -> None:
         for index in move.create:
@@ -439,6 +476,10 @@ def _trigger(memo: kopf.Memo, kwargs: dict[str, Any], namespace: str | None, nam
     reconciler: Reconciler = memo.reconciler
     if not reconciler.indexes:  # the same index objects on every call: bind them once
         reconciler.indexes = {w.kind: kwargs[w.index_id] for w in (OWNER, *CHILDREN)}
+        # started from a handler, so that its reconciles run in kopf's handler context (kopf.event needs it)
+        interval = float(os.environ.get("SHOAL_RECHECK_SECONDS") or 30)  # tests shorten it
+        reconciler.tasks[("", "recheck")] = asyncio.get_running_loop().create_task(
+            reconciler.recheck_forever(interval), name="recheck")
     if namespace and name:
         reconciler.trigger(namespace, name)
 

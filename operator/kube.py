@@ -57,8 +57,9 @@ PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # the autoscaler lists the engine and gateway endpoints it scrapes from their Services' EndpointSlices; RBAC
     # lets the operator grant only what it holds itself, so this also covers the gateway's Role (list, watch)
     ("discovery.k8s.io", "endpointslices", ("list", "watch")),
-    # Events: posted by kopf.event() for transitions
-    ("", "events", ("create", "patch")),
+    # Events: posted by kopf.event() for transitions; listed (FailedCreate of a StatefulSet, which has no
+    # condition for it) only while a group misses pods
+    ("", "events", ("list", "create", "patch")),
     # kopf: resource discovery follows CRDs as they appear (cluster-wide operators)
     ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),
 )
@@ -86,6 +87,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
     "Pod": ("v1", "pods"),
     "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices"),
+    "Event": ("v1", "events"),
     api.KIND: (api.API_VERSION, api.PLURAL),
 }
 CHILD_KINDS = ("ConfigMap", "PersistentVolumeClaim", "Service", "StatefulSet", "Deployment", "NetworkPolicy",
@@ -180,8 +182,10 @@ class Kube:
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any]:
         return await self._run("GET", path(kind, namespace, name))
 
-    async def list(self, kind: str, namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+    async def list(self, kind: str, namespace: str, label_selector: str | None = None,
+                   field_selector: str | None = None) -> list[dict[str, Any]]:
         query = [("labelSelector", label_selector)] if label_selector else []
+        query += [("fieldSelector", field_selector)] if field_selector else []
         return (await self._run("GET", path(kind, namespace), query=query)).get("items", [])
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:

@@ -185,8 +185,10 @@ def invalid_status(isvc: dict[str, Any], error: api.SpecError) -> dict[str, Any]
 
 def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, str], dict],
                    pods: list[dict[str, Any]], rejected: list[str] = (),
+                   failed_creates: list[tuple[str, str]] = (),
                    now: datetime.datetime | None = None) -> dict[str, Any]:
-    """`rejected`: the API's messages for children the API refused to create or change (422, admission)."""
+    """`rejected`: the API's messages for children the API refused to create or change (422, admission);
+    `failed_creates`: (reason, message) of workloads whose pods cannot be created, from Events."""
     spec = plan.spec
     desired = spec.replicas
     gen = isvc["metadata"].get("generation")
@@ -214,7 +216,7 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
                                  f"deployment {plan.name}: {cond.get('message') or 'rollout stalled'}"))
 
     problems += [("ChildRejected", message) for message in rejected]
-    problems += admission_failures(children)
+    problems += admission_failures(children) + list(failed_creates)
     budget = spec.probes.download_timeout_seconds if spec.model.uri.startswith("hf://") else None
     for pod in live_pods:
         problem = pod_problem(pod, now, budget)

@@ -185,7 +185,7 @@ EXPECTED_RULES = {
     ("", "pods"): {"list", "watch", "patch", "delete"},  # patch: the autoscaler's deletion costs
     ("serving.shoal.dev", "inferenceservices/scale"): {"patch"},  # the autoscaler
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},  # the autoscaler's scrape targets
-    ("", "events"): {"create", "patch"},
+    ("", "events"): {"list", "create", "patch"},
     # each InferenceService's gateway: its ServiceAccount + Role + RoleBinding, granting EndpointSlice reads
     ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch", "delete"},

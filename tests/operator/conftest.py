@@ -642,6 +642,7 @@ def env(tmp_path_factory):
     mp.setenv("KUBECONFIG", _kubeconfig(tmp_path_factory, server.url))
     mp.setenv("SHOAL_ENGINE_IMAGE", "registry.test/shoal-engine:test")
     mp.setenv("SHOAL_OPERATOR_NAMESPACE", "shoal-system")
+    mp.setenv("SHOAL_RECHECK_SECONDS", "1")
     logging.getLogger("kopf").setLevel(logging.WARNING)
     e = Env(server=server, client=Client(server.url), operator=None)
     e.restart_operator()

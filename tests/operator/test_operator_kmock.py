@@ -315,34 +315,37 @@ def play_statefulsets(env, ns: str) -> None:
     Ready in the next, so a rollout always has moments with unready new pods."""
     pods = {p["metadata"]["name"]: p for p in env.client.list("pods", ns)}
     for sts in env.client.list("statefulsets", ns):
-        meta, template = sts["metadata"], sts["spec"]["template"]
-        rev = meta["name"] + "-" + hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:8]
-        ready = 0
-        for ordinal in range(sts["spec"]["replicas"]):
-            name = f"{meta['name']}-{ordinal}"
-            pod = pods.get(name)
-            if pod is None or pod["metadata"].get("deletionTimestamp"):
-                env.client.create("pods", ns, {
-                    "apiVersion": "v1", "kind": "Pod",
-                    "metadata": {"name": name, "labels": {**template["metadata"]["labels"], L_POD_INDEX: str(ordinal),
-                                                          "controller-revision-hash": rev},
-                                 "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",
-                                                      "controller": True, "name": meta["name"],
-                                                      "uid": meta["uid"]}]},
-                    "spec": template["spec"]})
-                env.client.patch("pods", ns, name, _pod_status(ready=False), sub="status")
-            elif not condition(pod, "Ready") or condition(pod, "Ready")["status"] != "True":
-                env.client.patch("pods", ns, name, _pod_status(ready=True), sub="status")
-            else:
-                ready += 1
         try:
-            env.client.patch("statefulsets", ns, meta["name"], {"status": {
-                "observedGeneration": meta["generation"], "replicas": sts["spec"]["replicas"], "readyReplicas": ready,
-                "updateRevision": rev}}, sub="status")
-        except requests.HTTPError as e:
-            # The operator deleted it since the list (a group being recreated); a real controller skips it too.
-            if e.response.status_code != 404:
+            _play_statefulset(env, ns, sts, pods)
+        except requests.HTTPError as e:  # the operator deleted it (or its pod) meanwhile: next pass
+            if e.response is None or e.response.status_code not in (404, 409):
                 raise
+
+
+def _play_statefulset(env, ns: str, sts: dict, pods: dict) -> None:
+    meta, template = sts["metadata"], sts["spec"]["template"]
+    rev = meta["name"] + "-" + hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:8]
+    ready = 0
+    for ordinal in range(sts["spec"]["replicas"]):
+        name = f"{meta['name']}-{ordinal}"
+        pod = pods.get(name)
+        if pod is None or pod["metadata"].get("deletionTimestamp"):
+            env.client.create("pods", ns, {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "labels": {**template["metadata"]["labels"], L_POD_INDEX: str(ordinal),
+                                                      "controller-revision-hash": rev},
+                             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                                  "controller": True, "name": meta["name"],
+                                                  "uid": meta["uid"]}]},
+                "spec": template["spec"]})
+            env.client.patch("pods", ns, name, _pod_status(ready=False), sub="status")
+        elif not condition(pod, "Ready") or condition(pod, "Ready")["status"] != "True":
+            env.client.patch("pods", ns, name, _pod_status(ready=True), sub="status")
+        else:
+            ready += 1
+    env.client.patch("statefulsets", ns, meta["name"], {"status": {
+        "observedGeneration": meta["generation"], "replicas": sts["spec"]["replicas"], "readyReplicas": ready,
+        "updateRevision": rev}}, sub="status")
 
 
 def ready_groups_timeline(env, ns: str, size: int, since_rv: int) -> list[int]:
@@ -371,7 +374,12 @@ def roll(env, ns: str, name: str, done) -> None:
     """Play the StatefulSet controller until `done()` holds (bounded)."""
     deadline = time.monotonic() + 20
     while not done():
-        assert time.monotonic() < deadline, "rollout did not finish"
+        assert time.monotonic() < deadline, "rollout did not finish: " + json.dumps({
+            "statefulsets": [(s["metadata"]["name"], s["metadata"].get("annotations"), s.get("status"))
+                             for s in env.client.list("statefulsets", ns)],
+            "pods": [(p["metadata"]["name"], p["metadata"]["labels"].get("controller-revision-hash"),
+                      condition(p, "Ready")) for p in env.client.list("pods", ns)],
+            "status": get_isvc(env, ns, name).get("status")}, indent=1)
         play_statefulsets(env, ns)
         time.sleep(0.05)
 
@@ -454,6 +462,23 @@ def test_quota_exceeded_shows_on_conditions_and_events(env, ns):
     assert isvc["status"]["phase"] == "Failed"
     events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "FailedCreate"], 5, "event")
     assert events[0]["type"] == "Warning" and "exceeded quota" in events[0]["message"]
+
+
+def test_statefulset_failed_create_events_show_on_conditions(env, ns):
+    spec = {"replicas": 1, "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+            "resources": {"gpusPerPod": 2}}
+    env.client.create(ISVC, ns, isvc_body("stsq", spec))
+    sts = wait_for(lambda: env.client.get("statefulsets", ns, "stsq-g0"), 10, "statefulset")
+    message = ('create Pod stsq-g0-0 in StatefulSet stsq-g0 failed error: pods "stsq-g0-0" is forbidden: '
+               'violates PodSecurity "restricted:latest": hostPath volumes')
+    # the StatefulSet controller reports it only as an Event (no condition, no status change to watch)
+    env.client.create("events", ns, {"apiVersion": "v1", "kind": "Event", "metadata": {"name": "stsq-g0.1"},
+                                     "type": "Warning", "reason": "FailedCreate", "message": message,
+                                     "lastTimestamp": "2026-01-01T00:00:00Z",
+                                     "involvedObject": {"kind": "StatefulSet", "name": "stsq-g0", "namespace": ns,
+                                                        "uid": sts["metadata"]["uid"]}})
+    cond = ready_is(env, ns, "stsq", "False", "FailedCreate", timeout=15)
+    assert "violates PodSecurity" in cond["message"] and "stsq-g0" in cond["message"]
 
 
 def test_rejected_child_shows_on_conditions_and_recovers(env, ns):

@@ -120,10 +120,10 @@ handlers and kopf itself use.
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
   verbs: [list, watch]
-# Events on InferenceServices (kopf's own and the handlers').
+# Events on InferenceServices (kopf's own and the handlers'); listed for a StatefulSet's FailedCreate.
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [list, create, patch]
 {{- if and .Values.highAvailability.enabled (eq .Values.rbac.scope "namespace") }}
 # kopf peering of the operator replicas (highAvailability): keep-alives in the KopfPeering's status.
 - apiGroups: [kopf.dev]
