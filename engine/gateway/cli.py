@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--hold-timeout", type=non_negative, default=d.hold_timeout,
                      help="seconds a request waits for an engine when none is ready (scale from zero); "
                           "0 answers 503 at once (default)")
+    rel.add_argument("--inferenceservice", metavar="NAME",
+                     help="with --hold-timeout: annotate this InferenceService (in --namespace) when requests start "
+                          "waiting, so the operator's autoscaler wakes at once (scale from zero)")
     rel.add_argument("--retry-after", type=positive(int), default=d.retry_after,
                      help="Retry-After seconds on 503/429 (default %(default)s)")
     rel.add_argument("--connect-timeout", type=positive(float), default=d.connect_timeout)
@@ -131,8 +134,12 @@ def own_namespace() -> str | None:
         return None
 
 
-async def serve(config: GatewayConfig, discovery, host: str | None, port: int, shutdown_timeout: float) -> int:
+async def serve(config: GatewayConfig, discovery, host: str | None, port: int, shutdown_timeout: float,
+                waker=None) -> int:
     gateway = Gateway(config)
+    if waker is not None:
+        await waker.start()
+        gateway.on_hold.append(waker)
     app = build_app(gateway)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None)
     await runner.setup()
@@ -155,6 +162,8 @@ async def serve(config: GatewayConfig, discovery, host: str | None, port: int, s
     log.info("shutting down: finishing in-flight requests (up to %.0fs)", shutdown_timeout)
     await runner.cleanup()
     await gateway.stop()
+    if waker is not None:
+        await waker.close()
     return 0
 
 
@@ -168,14 +177,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    namespace = args.namespace or own_namespace()
     if args.endpoint:
         discovery = StaticDiscovery(args.endpoint)
     else:
-        namespace = args.namespace or own_namespace()
         if not namespace:
             parser.error("--service needs --namespace outside a pod")
         discovery = EndpointSliceDiscovery(args.service, namespace, port_name=args.port_name)
-    return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout))
+    waker = None
+    if args.inferenceservice:
+        if not namespace:
+            parser.error("--inferenceservice needs --namespace outside a pod")
+        from shoal.engine.gateway.wake import Waker
+
+        waker = Waker(namespace, args.inferenceservice)
+    return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout, waker))
 
 
 if __name__ == "__main__":
