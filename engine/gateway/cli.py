@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--affinity-slack", type=non_negative, default=d.affinity_slack,
                    help="the engine holding a prompt's prefix keeps getting it while its load is at most the "
                         "least loaded engine's + this many requests (default %(default)s)")
+    r.add_argument("--cold-slack", type=non_negative, default=d.cold_slack,
+                   help="a prompt prefix no engine holds goes to its consistent-hash engine only while that "
+                        "engine's load is at most the least loaded one's + this many requests (default %(default)s)")
     r.add_argument("--prefix-index-size", type=positive(int), default=d.index_size,
                    help="block hashes remembered for affinity (LRU; default %(default)s)")
     rel = p.add_argument_group("reliability")
@@ -117,7 +120,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
     return GatewayConfig(
         routing=args.routing, block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
-        load_factor=args.load_factor, affinity_slack=args.affinity_slack, index_size=args.prefix_index_size,
+        load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
+        index_size=args.prefix_index_size,
         max_pending=args.max_pending,
         max_body_bytes=args.max_body_bytes, hold_timeout=args.hold_timeout, retry_after=args.retry_after,
         connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, poll_interval=args.poll_interval,
