@@ -76,14 +76,14 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
-def engine_service(name: str) -> str:
-    """The Service whose EndpointSlices list the serving (rank-0) engine pods."""
-    return name
+def engine_service(name: str, spec: api.InferenceServiceSpec) -> str:
+    """The Service whose EndpointSlices list the serving (rank-0) engine pods (render.py)."""
+    return f"{name}-engines" if spec.gateway.enabled else name
 
 
-def gateway_service(name: str) -> str | None:
+def gateway_service(name: str, spec: api.InferenceServiceSpec) -> str | None:
     """The Service in front of the gateway pods, whose metrics report held requests (None: no gateway)."""
-    return None
+    return name if spec.gateway.enabled else None
 
 
 def policy_of(spec: api.InferenceServiceSpec) -> Policy:
@@ -253,8 +253,8 @@ class Autoscaler:
 
     async def observe(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, woken: bool) -> Observation:
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
-        engines = await self._endpoints(ns, engine_service(name))
-        gw_service = gateway_service(name)
+        engines = await self._endpoints(ns, engine_service(name, spec))
+        gw_service = gateway_service(name, spec)
         gateways = await self._endpoints(ns, gw_service) if gw_service else []
         scraped = await asyncio.gather(*(self._scrape(e.url) for e in engines + gateways))
         replicas = []

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--affinity-slack", type=non_negative, default=d.affinity_slack,
                    help="the engine holding a prompt's prefix keeps getting it while its load is at most the "
                         "least loaded engine's + this many requests (default %(default)s)")
+    r.add_argument("--cold-slack", type=non_negative, default=d.cold_slack,
+                   help="a prompt prefix no engine holds goes to its consistent-hash engine only while that "
+                        "engine's load is at most the least loaded one's + this many requests (default %(default)s)")
     r.add_argument("--prefix-index-size", type=positive(int), default=d.index_size,
                    help="block hashes remembered for affinity (LRU; default %(default)s)")
     rel = p.add_argument_group("reliability")
@@ -89,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--hold-timeout", type=non_negative, default=d.hold_timeout,
                      help="seconds a request waits for an engine when none is ready (scale from zero); "
                           "0 answers 503 at once (default)")
+    rel.add_argument("--inferenceservice", metavar="NAME",
+                     help="with --hold-timeout: annotate this InferenceService (in --namespace) when requests start "
+                          "waiting, so the operator's autoscaler wakes at once (scale from zero)")
     rel.add_argument("--retry-after", type=positive(int), default=d.retry_after,
                      help="Retry-After seconds on 503/429 (default %(default)s)")
     rel.add_argument("--connect-timeout", type=positive(float), default=d.connect_timeout)
@@ -114,7 +120,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
     return GatewayConfig(
         routing=args.routing, block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
-        load_factor=args.load_factor, affinity_slack=args.affinity_slack, index_size=args.prefix_index_size,
+        load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
+        index_size=args.prefix_index_size,
         max_pending=args.max_pending,
         max_body_bytes=args.max_body_bytes, hold_timeout=args.hold_timeout, retry_after=args.retry_after,
         connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, poll_interval=args.poll_interval,
@@ -131,8 +138,12 @@ def own_namespace() -> str | None:
         return None
 
 
-async def serve(config: GatewayConfig, discovery, host: str | None, port: int, shutdown_timeout: float) -> int:
+async def serve(config: GatewayConfig, discovery, host: str | None, port: int, shutdown_timeout: float,
+                waker=None) -> int:
     gateway = Gateway(config)
+    if waker is not None:
+        await waker.start()
+        gateway.on_hold.append(waker)
     app = build_app(gateway)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None)
     await runner.setup()
@@ -155,6 +166,8 @@ async def serve(config: GatewayConfig, discovery, host: str | None, port: int, s
     log.info("shutting down: finishing in-flight requests (up to %.0fs)", shutdown_timeout)
     await runner.cleanup()
     await gateway.stop()
+    if waker is not None:
+        await waker.close()
     return 0
 
 
@@ -168,14 +181,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    namespace = args.namespace or own_namespace()
     if args.endpoint:
         discovery = StaticDiscovery(args.endpoint)
     else:
-        namespace = args.namespace or own_namespace()
         if not namespace:
             parser.error("--service needs --namespace outside a pod")
         discovery = EndpointSliceDiscovery(args.service, namespace, port_name=args.port_name)
-    return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout))
+    waker = None
+    if args.inferenceservice:
+        if not namespace:
+            parser.error("--inferenceservice needs --namespace outside a pod")
+        from shoal.engine.gateway.wake import Waker
+
+        waker = Waker(namespace, args.inferenceservice)
+    return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout, waker))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ class _BackendCollector:
     def collect(self):
         now = time.monotonic()
         eligible = set(self.backends.eligible(now))
-        healthy = GaugeMetricFamily(P + "backend_healthy", "1 when the engine may take new requests.", labels=["backend"])
+        healthy = GaugeMetricFamily(P + "backend_healthy", "1 when the engine may take new requests.",
+                                    labels=["backend"])
         circuit = GaugeMetricFamily(P + "backend_circuit_open", "1 while the engine's circuit breaker is open.",
                                     labels=["backend"])
         inflight = GaugeMetricFamily(P + "inflight_requests", "Requests this gateway has in flight to the engine.",

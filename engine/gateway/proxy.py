@@ -49,6 +49,7 @@ class GatewayConfig:
     max_blocks: int = 512  # hash at most the first block_chars * max_blocks characters
     load_factor: float = 1.25
     affinity_slack: float = 2.0
+    cold_slack: float = 1.0
     index_size: int = 200_000
     max_pending: int = 4096
     max_body_bytes: int = 32 * 1024 * 1024
@@ -75,7 +76,8 @@ class Gateway:
     def __init__(self, config: GatewayConfig, backends: BackendSet | None = None):
         self.config = config
         self.backends = backends or BackendSet(config.health)
-        self.router = make_router(config.routing, config.load_factor, config.affinity_slack, config.index_size)
+        self.router = make_router(config.routing, config.load_factor, config.affinity_slack, config.cold_slack,
+                                  config.index_size)
         self.metrics = GatewayMetrics(self.backends)
         self.pending = 0
         self.draining = False

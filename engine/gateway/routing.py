@@ -10,7 +10,10 @@ prefix-load (default)
        replica computes the same order from the same prompt, so replicas agree on where a new prefix lives
        without sharing any state; the bound spills a hot prefix over to the next engines in its order.
     Bounds. Cold placement: an engine may take the request while load + 1 <= ceil(c * (total load + 1) /
-    engines) (Mirrokni et al.'s consistent hashing with bounded loads; c = load_factor, default 1.25).
+    engines) (Mirrokni et al.'s consistent hashing with bounded loads; c = load_factor, default 1.25) and its
+    load is at most the least loaded engine's + `cold_slack` (default 1): a new prefix has no cache to win yet,
+    so when the engines' loads differ (one runs slower, or is busy with long prompts) it goes where the queue is
+    short, like least-load; while loads are even, every gateway replica still picks the same engine.
     Affinity is allowed a little more: also while load <= least load + `affinity_slack` (default 2), because a
     cached prefix saves a whole prefill while one more sequence in a running batch costs little — without it,
     at low concurrency any second request of a group would leave the engine that holds its prefix. Load is the
@@ -77,12 +80,13 @@ class LeastLoad:
 class PrefixLoad:
     name = "prefix-load"
 
-    def __init__(self, load_factor: float = 1.25, affinity_slack: float = 2.0, index_size: int = 200_000,
-                 holders_per_block: int = 4):
+    def __init__(self, load_factor: float = 1.25, affinity_slack: float = 2.0, cold_slack: float = 1.0,
+                 index_size: int = 200_000, holders_per_block: int = 4):
         if load_factor < 1.0:
             raise ValueError("load_factor must be >= 1")
-        if affinity_slack < 0:
-            raise ValueError("affinity_slack must be >= 0")
+        if affinity_slack < 0 or cold_slack < 0:
+            raise ValueError("affinity_slack and cold_slack must be >= 0")
+        self.cold_slack = cold_slack
         self.load_factor = load_factor
         self.affinity_slack = affinity_slack
         self.index_size = index_size
@@ -108,7 +112,8 @@ class PrefixLoad:
     def pick(self, candidates: list[Backend], hashes: list[bytes], now: float) -> Pick:
         loads = {b: b.load(now) for b in candidates}
         capacity = math.ceil(self.load_factor * (sum(loads.values()) + 1) / len(candidates))
-        affinity_limit = min(loads.values()) + self.affinity_slack
+        least = min(loads.values())
+        affinity_limit = least + self.affinity_slack
 
         def within(b: Backend) -> bool:
             return loads[b] + 1 <= capacity
@@ -123,7 +128,7 @@ class PrefixLoad:
         order = sorted(candidates, key=lambda b: _rendezvous(key, b.url), reverse=True)
         decision = "spill" if matched else "cold"
         for b in order:
-            if within(b):
+            if within(b) and loads[b] <= least + self.cold_slack:
                 return Pick(b, decision)
         return Pick(min(candidates, key=lambda b: loads[b]), decision)
 
@@ -145,9 +150,11 @@ class PrefixLoad:
             index.popitem(last=False)
 
 
-def make_router(name: str, load_factor: float = 1.25, affinity_slack: float = 2.0, index_size: int = 200_000):
+def make_router(name: str, load_factor: float = 1.25, affinity_slack: float = 2.0, cold_slack: float = 1.0,
+                index_size: int = 200_000):
     if name == "prefix-load":
-        return PrefixLoad(load_factor=load_factor, affinity_slack=affinity_slack, index_size=index_size)
+        return PrefixLoad(load_factor=load_factor, affinity_slack=affinity_slack, cold_slack=cold_slack,
+                          index_size=index_size)
     if name == "least-load":
         return LeastLoad()
     if name == "round-robin":

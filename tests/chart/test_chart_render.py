@@ -187,10 +187,9 @@ EXPECTED_RULES = {
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},  # the autoscaler's scrape targets
     ("", "events"): {"list", "create", "patch"},
     # each InferenceService's gateway: its ServiceAccount + Role + RoleBinding, granting EndpointSlice reads
-    ("", "serviceaccounts"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "roles"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
+    ("", "serviceaccounts"): {"list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"list", "watch", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"list", "watch", "create", "patch", "delete"},
 }
 CLUSTER_ONLY_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},

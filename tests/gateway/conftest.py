@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from gwkit import Proc, gateway_cmd
+from .gwkit import Proc, gateway_cmd
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import threading
 
 import openai
 import pytest
-from gwkit import Proc, engine_cmd, http, metric, wait_for
+from .gwkit import Proc, engine_cmd, http, metric, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -106,6 +106,15 @@ def test_cold_prefixes_agree_across_gateway_replicas():
     assert len(chosen) == 4  # and they spread over the engines
 
 
+def test_cold_prefix_goes_where_the_queue_is_short_when_loads_differ():
+    r, bs, now = PrefixLoad(cold_slack=1), backends(3), time.monotonic()
+    hashes = block_hashes("a brand new prompt " * 10, 64, 100)
+    first = r.pick(bs, hashes, now).backend  # even loads: the consistent-hash choice
+    first.inflight = 2  # that engine is slower; the others are idle
+    pick = r.pick(bs, hashes, now)
+    assert pick.backend is not first and pick.backend.inflight == 0 and pick.decision == "cold"
+
+
 def test_least_load_and_round_robin():
     bs, now = backends(3), time.monotonic()
     bs[0].inflight, bs[1].inflight = 2, 1

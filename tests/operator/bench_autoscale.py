@@ -142,7 +142,7 @@ def main() -> None:
                         "scaleDownStabilizationSeconds": 10, "scaleToZeroAfterSeconds": 10}}))
     while client.get("deployments", NS, NAME) is None:
         time.sleep(0.05)
-    kubelet = Kubelet(Client(server.url), server.cluster, NS, engine_service=NAME)
+    kubelet = Kubelet(Client(server.url), server.cluster, NS, engine_service=f"{NAME}-engines")
     gateway = None
     try:
         with kubelet:

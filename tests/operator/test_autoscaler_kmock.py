@@ -103,7 +103,7 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
         "scaleDownStabilizationSeconds": 2}}))
     wait_for(lambda: env.client.get("deployments", ns, "qa"), 10, "deployment")
     engines.load["qa-a"] = (8, 27, 0.3)
-    publish_slices(env, ns, "qa", ["qa-a"], engines)
+    publish_slices(env, ns, "qa-engines", ["qa-a"], engines)
     wait_for(lambda: env.client.get(ISVC, ns, "qa")["spec"]["replicas"] == 4, 10, "scaled up to 4 (35/10)")
     st = wait_for(lambda: (s := env.client.get(ISVC, ns, "qa")["status"]["autoscaling"])["desiredReplicas"] == 4
                   and s, 5, "status of the scale-up")
@@ -111,7 +111,7 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
     # the new replicas came up, the load went away; qa-c stays busy the longest
     for pod in ("qa-a", "qa-b", "qa-c", "qa-d"):
         env.client.create("pods", ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod}})
-    publish_slices(env, ns, "qa", ["qa-b", "qa-c", "qa-d"], engines)
+    publish_slices(env, ns, "qa-engines", ["qa-b", "qa-c", "qa-d"], engines)
     engines.load.update({"qa-a": (0, 0, 0.0), "qa-b": (1, 0, 0.1), "qa-c": (5, 0, 0.1), "qa-d": (0, 0, 0.0)})
     wait_for(lambda: env.client.get(ISVC, ns, "qa")["spec"]["replicas"] == 1, 15, "scaled down to 1 (6/10)")
     costs = {p: int(env.client.get("pods", ns, p)["metadata"]["annotations"][A_DELETION_COST])

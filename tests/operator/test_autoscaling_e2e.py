@@ -33,7 +33,7 @@ class GatewayProcess:
         self.log = tempfile.NamedTemporaryFile("w", prefix="gateway-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(self.port),
-             "--service", name, "--namespace", namespace, "--inferenceservice", name,
+             "--service", f"{name}-engines", "--namespace", namespace, "--inferenceservice", name,
              "--hold-timeout", str(hold_timeout)],
             stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
         wait_for(self._ready, 30, "gateway /readyz")
@@ -83,7 +83,7 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
                         "scaleUpStabilizationSeconds": 1, "scaleDownStabilizationSeconds": 3,
                         "scaleToZeroAfterSeconds": 5}}))
     wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
-    kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=name)
+    kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=f"{name}-engines")
     gateway = None
     errors: list[BaseException] = []
     try:

@@ -56,7 +56,7 @@ def test_service_points_at_the_gateway_and_the_gateway_at_ready_engines():
 def test_gateway_may_read_endpointslices_and_nothing_else():
     k = kids()
     assert k[("Role", "llm-gateway")]["rules"] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
     rb = k[("RoleBinding", "llm-gateway")]
     assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llm-gateway"}
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "llm-gateway", "namespace": "team-a"}]
@@ -104,3 +104,15 @@ def test_gateway_objects_are_valid_kubernetes():
     for (kind, name), obj in kids({"replicas": 3}).items():
         if name.startswith("llm-"):
             kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_scale_from_zero_makes_the_gateway_hold_requests_and_wake_the_autoscaler():
+    k = kids({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "probes": {"startupTimeoutSeconds": 300}})
+    args = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--hold-timeout") + 1] == "300" and args[args.index("--inferenceservice") + 1] == "llm"
+    # the Waker annotates its own InferenceService, and no other
+    assert k[("Role", "llm-gateway")]["rules"][1] == {"apiGroups": ["serving.shoal.dev"],
+                                                      "resources": ["inferenceservices"], "resourceNames": ["llm"],
+                                                      "verbs": ["patch"]}
+    assert "--hold-timeout" not in kids({"autoscaling": {"minReplicas": 1, "maxReplicas": 2}})[
+        ("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
