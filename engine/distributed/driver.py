@@ -186,6 +186,7 @@ class DistributedExecutor:
                 with self._lock:
                     dist.broadcast(Header(Command.SHUTDOWN).encode(), src=0, group=self.group.control)
                     dist.monitored_barrier(self.group.control, timeout=SHUTDOWN_BARRIER_TIMEOUT)
+                logger.info("all %d ranks confirmed the shutdown", self.group.world_size)
             except Exception as e:  # noqa: BLE001
                 logger.warning("could not stop every rank cleanly: %s", e)
         self._closed = True
