@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.engine.core.outputs import Logprob
+from shoal.engine.core.outputs import Logprob, RequestMetrics
 from shoal.engine.execution.sampling import SamplingParams
 
 
@@ -35,6 +35,10 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # What the last output left to send (DELTA outputs): generated tokens already emitted, and text released by
+    # the detokenizer since.
+    num_sent_tokens: int = 0
+    unsent_text: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -63,13 +67,13 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float
+    metrics: RequestMetrics  # the request's timing record
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
 
     @property
     def is_finished(self) -> bool:

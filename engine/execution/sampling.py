@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.engine.core.outputs import RequestOutputKind
+
 _SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's threshold)
 MAX_N = 128  # cap on n (completions per request)
 MAX_LOGPROBS = 20  # cap on logprobs (top alternatives per token), as OpenAI's top_logprobs
@@ -75,6 +77,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Normalise.

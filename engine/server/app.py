@@ -14,55 +14,30 @@ status and duration, never bodies (so never prompt text); health and metrics req
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-import time
-from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
-from pydantic import ValidationError
 
-from shoal.engine.core.async_engine import (
-    AsyncEngine,
-    DrainingError,
-    EngineDeadError,
-    EngineNotReadyError,
-    QueueFullError,
-    RequestFailedError,
+from shoal.engine.core.async_engine import AsyncEngine
+from shoal.engine.server import openai_api as oai
+from shoal.engine.server.common import (
+    STATE_KEY,
+    ServerState,
+    api_error_response,
+    check_model,
+    get_state,
+    json_response,
+    read_json,
+    require_loaded,
 )
 from shoal.engine.server.metrics import ServerMetrics
-from shoal.engine.server.protocol import (
-    APIError,
-    DetokenizeRequest,
-    TokenizeRequest,
-    validation_error_to_api_error,
-)
+from shoal.engine.server.protocol import APIError, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("shoal.engine.server")
 
 OPEN_PATHS = frozenset({"/health", "/livez", "/readyz", "/startupz", "/metrics"})
 QUIET_PATHS = OPEN_PATHS
-RETRY_AFTER_SECONDS = 1
-
-STATE_KEY = web.AppKey("shoal_state", object)
-
-
-class ServerState:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, api_key: str | None):
-        self.engine = engine
-        self.metrics = metrics
-        self.api_key = api_key
-        self.active_handlers = 0  # generation requests whose HTTP response is not finished yet
-        self.created = int(time.time())
-
-    @property
-    def served_model_name(self) -> str:
-        return self.engine.model_name
-
-
-def get_state(request: web.Request) -> ServerState:
-    return request.app[STATE_KEY]
 
 
 def version() -> str:
@@ -72,86 +47,6 @@ def version() -> str:
         return v("shoal")
     except Exception:  # noqa: BLE001
         return "0.0.0"
-
-
-def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode(),
-        status=status,
-        content_type="application/json",
-        headers=headers,
-    )
-
-
-def api_error_response(e: APIError) -> web.Response:
-    return json_response(e.body(), status=e.status, headers=e.headers)
-
-
-def engine_error_to_api_error(e: Exception) -> APIError:
-    """Map AsyncEngine's admission errors (and ValueError for bad input) to HTTP errors."""
-    retry = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-    if isinstance(e, QueueFullError):
-        return APIError(str(e), 429, code="queue_full", headers=retry)
-    if isinstance(e, DrainingError):
-        return APIError("the server is shutting down; retry on another replica", 503, code="draining",
-                        headers=retry)
-    if isinstance(e, EngineNotReadyError):
-        return APIError("the model is still loading", 503, code="loading", headers=retry)
-    if isinstance(e, EngineDeadError):
-        return APIError(f"the engine is not running: {e}", 503, code="engine_dead")
-    if isinstance(e, ValueError):
-        return APIError(str(e), 400, param=_param_from_message(str(e)))
-    if isinstance(e, RequestFailedError):
-        return APIError(str(e), 500)
-    return APIError("internal server error", 500)
-
-
-_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-                    "prompt")
-
-
-def _param_from_message(msg: str) -> str | None:
-    head = msg.split(" ", 1)[0].strip(":,'\"`")
-    return head if head in _SAMPLING_FIELDS else None
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def read_json(request: web.Request, model: type) -> Any:
-    """Parse the body into `model`: 400 for malformed JSON, a non-object body, or a field of the wrong type."""
-    raw = await request.read()
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant) if raw else None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise APIError(f"request body is not valid JSON: {e}", 400) from None
-    if not isinstance(data, dict):
-        raise APIError("request body must be a JSON object", 400)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error_to_api_error(e) from None
-    except APIError:
-        raise
-    except ValueError as e:
-        raise APIError(str(e), 400) from None
-
-
-def check_model(state: ServerState, name: str | None) -> None:
-    if name is None or name == "":
-        return
-    if name not in (state.served_model_name, state.engine.config.model):
-        raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
-
-
-def require_loaded(state: ServerState) -> None:
-    eng = state.engine
-    if eng.fatal_error is not None:
-        raise engine_error_to_api_error(EngineDeadError(str(eng.fatal_error)))
-    if not eng.is_loaded:
-        raise engine_error_to_api_error(EngineNotReadyError())
 
 
 # --------------------------------------------------------------------------------------------- middlewares
@@ -263,8 +158,6 @@ async def models_route(request: web.Request) -> web.Response:
 
 
 async def tokenize_route(request: web.Request) -> web.Response:
-    from shoal.engine.server.openai_api import render_chat_prompt
-
     state = get_state(request)
     req = await read_json(request, TokenizeRequest)
     check_model(state, req.model)
@@ -276,7 +169,7 @@ async def tokenize_route(request: web.Request) -> web.Response:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(tok.encode(req.prompt, add_special_tokens=add_special))
     else:
-        ids = render_chat_prompt(state, [m for m in req.messages], req.add_generation_prompt,
+        ids = oai.render_chat_prompt(state, [m for m in req.messages], req.add_generation_prompt,
                                  req.continue_final_message, req.chat_template_kwargs,
                                  add_special_tokens=bool(req.add_special_tokens))
     out = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
@@ -301,8 +194,6 @@ async def detokenize_route(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------------------------- app
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | None = None,
               client_max_size: int = 64 * 1024 * 1024) -> web.Application:
-    from shoal.engine.server import openai_api as oai
-
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=client_max_size)
     app[STATE_KEY] = ServerState(engine, metrics, api_key or None)
     r = app.router

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from shoal.engine.core.async_engine import AsyncEngine, MetricsSink, PerRequestTimes
+from shoal.engine.core.async_engine import AsyncEngine, MetricsSink
 from shoal.engine.core.outputs import RequestOutput
 
 PREFIX = "shoal:"
@@ -121,20 +121,22 @@ class ServerMetrics(MetricsSink):
         for _ in range(max(1, num_tokens)):
             self._itl.observe(per)
 
-    def on_finished(self, output: RequestOutput, times: PerRequestTimes, finished_time: float) -> None:
+    def on_finished(self, output: RequestOutput, finished_time: float) -> None:
         reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
         reason = reasons[0] if reasons else "abort"
         if reason not in self._success:
             self._success[reason] = self.request_success.labels(self.model_name, reason)
         self._success[reason].inc()
-        self._e2e.observe(max(0.0, finished_time - times.arrival))
         m = output.metrics
-        if m is not None and m.first_scheduled_time is not None:
-            self._queue.observe(max(0.0, m.first_scheduled_time - (m.arrival_time or times.arrival)))
+        if m is None:
+            return
+        self._e2e.observe(max(0.0, finished_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self._queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if output.prompt_token_ids:
             self._prompt_len.observe(len(output.prompt_token_ids))
         if output.outputs:
-            self._gen_len.observe(sum(len(c.token_ids) for c in output.outputs))
+            self._gen_len.observe(m.num_generation_tokens)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

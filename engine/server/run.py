@@ -23,7 +23,8 @@ from aiohttp import web
 
 from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT, AsyncEngine
 from shoal.engine.config import EngineConfig
-from shoal.engine.server.app import STATE_KEY, AccessLogger, build_app
+from shoal.engine.server.app import AccessLogger, build_app
+from shoal.engine.server.common import STATE_KEY
 from shoal.engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger("shoal.engine.server")
