@@ -5,7 +5,8 @@ Routes
   GET  /v1/models, /version
   POST /tokenize, /detokenize                    vLLM's shapes
   GET  /metrics                                  Prometheus text (per-app registry)
-  GET  /startupz /readyz /livez /health          model loaded / able to admit / engine loop alive / alias of livez
+  GET  /startupz /readyz /livez                  model loaded / able to admit / engine loop alive
+  GET  /health                                   vLLM's: model loaded and engine loop alive (503 while loading)
 
 `--api-key` protects every route except the health endpoints and /metrics. Access logs carry method, path,
 status and duration, never bodies (so never prompt text); health and metrics requests are not logged.
@@ -125,8 +126,10 @@ async def livez(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """vLLM's meaning (vLLM listens only once ready, so clients poll /health and then send traffic): 200 only
+    while the model is loaded and the engine loop alive; 503 while loading and once the loop stopped or died."""
     eng = get_state(request).engine
-    return web.Response(status=200 if eng.is_alive() else 503)
+    return web.Response(status=200 if eng.is_healthy() else 503)
 
 
 async def metrics_route(request: web.Request) -> web.Response:

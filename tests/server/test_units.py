@@ -368,6 +368,7 @@ async def test_health_while_loading_then_ready(llama_model):
         assert (await client.get("/startupz")).status == 503
         assert (await client.get("/readyz")).status == 503
         assert (await client.get("/livez")).status == 200  # loading is not dead
+        assert (await client.get("/health")).status == 503  # vLLM's meaning: 200 only once ready to serve
         assert (await client.get("/metrics")).status == 200
         r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status == 503 and r.headers.get("Retry-After") and (await r.json())["error"]["code"] == "loading"
@@ -375,6 +376,8 @@ async def test_health_while_loading_then_ready(llama_model):
         await eng.wait_loaded(60)
         for path in ("/startupz", "/readyz", "/livez", "/health"):
             assert (await client.get(path)).status == 200, path
+        eng.shutdown()  # the loop has stopped: nothing will be served any more
+        assert (await client.get("/health")).status == 503
     finally:
         gate.set()
         await client.close()
