@@ -332,6 +332,16 @@ class AsyncEngine:
         finally:
             stream.abort()
 
+    async def compile_grammar(self, spec: Any) -> Any:
+        """Compile a StructuredOutputsParams (cached) on a worker thread, so neither the event loop nor the engine
+        loop waits for a slow schema. Raises structured_outputs.GrammarError for an invalid one."""
+        from shoal.engine.core.structured_outputs import GrammarError
+
+        compiler = getattr(self.engine, "grammar_compiler", None)
+        if compiler is None:
+            raise GrammarError("this engine does not support structured outputs")
+        return await asyncio.to_thread(compiler.compile, spec)
+
     def abort(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         live = [i for i in ids if i in self._requests]

@@ -21,7 +21,8 @@ from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics,
 from shoal.engine.execution.executor import Executor, make_executor
 from shoal.engine.execution.runner import build_step_inputs
 from shoal.engine.execution.sampling import Sampler, SamplingParams, SamplingRow, make_generator
-from shoal.engine.core.scheduler import Scheduler
+from shoal.engine.core.scheduler import ScheduledSeq, Scheduler
+from shoal.engine.core.structured_outputs import CompiledGrammar, GrammarCompiler, StructuredOutputsParams
 from shoal.engine.core.sequence import Request, Sequence, SeqStatus
 from shoal.engine.core.tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
 
@@ -110,6 +111,8 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
+        # Thread-safe: AsyncEngine compiles on worker threads, off the engine loop.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -179,11 +182,19 @@ class LLMEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(token_ids)
-        if len(token_ids) + max_tokens > self.max_model_len or max_tokens < 1:
+        # An explicit max_tokens=0 scores the prompt (prompt_logprobs) without generating.
+        if len(token_ids) + max_tokens > self.max_model_len or (max_tokens < 1 and params.max_tokens != 0):
             raise ContextLengthError(self.max_model_len, len(token_ids), max(max_tokens, 1))
         if max_tokens != params.max_tokens:
             params = params.clone(max_tokens=max_tokens)
+        grammar = params.structured_outputs
+        if isinstance(grammar, StructuredOutputsParams):  # offline callers; the server compiles ahead, off-loop
+            grammar = self.grammar_compiler.compile(grammar)
+        if grammar is not None and not isinstance(grammar, CompiledGrammar):
+            raise TypeError(f"structured_outputs must be StructuredOutputsParams, got {type(grammar).__name__}")
         request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
         for i in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids), request=request, index=i, token_ids=list(token_ids),
@@ -192,6 +203,7 @@ class LLMEngine:
                 detokenizer=IncrementalDetokenizer.from_params(self.tokenizer, token_ids, params),
             )
             seq.logprobs = [] if params.logprobs is not None else None
+            seq.grammar = grammar.matcher() if grammar is not None else None
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -226,16 +238,16 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.seq.request.metrics.first_scheduled_time is None:
                 s.seq.request.metrics.first_scheduled_time = now
+        rows, sampling, scoring = self._sampling_rows(sched.scheduled)
         inputs = build_step_inputs(sched.scheduled, self.config.block_size)
-        sampling = [s.seq for s in sched.scheduled if s.samples]
-        rows = [SamplingRow(seq.params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator)
-                for seq in sampling]
         sampled = self.executor.execute(inputs, rows)
         self.scheduler.after_step(sched)
 
+        for row, request in scoring:
+            self._record_prompt_logprob(request, row, sampled)
         now = time.time()
         touched: dict[str, Request] = {}
-        for i, seq in enumerate(sampling):
+        for i, seq in sampling:
             self._append_token(seq, i, sampled)
             seq.request.metrics.num_generation_tokens += 1
             touched[seq.request.request_id] = seq.request
@@ -256,9 +268,51 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
+    def _sampling_rows(self, scheduled: list[ScheduledSeq]):
+        """One sampler row per logits row, in the runner's order: a sequence's prompt-scoring rows (prompt
+        logprobs), then its sampling row. Constrained rows get their grammar's bitmask for this step."""
+        rows: list[SamplingRow] = []
+        sampling: list[tuple[int, Sequence]] = []
+        scoring: list[tuple[int, Request]] = []
+        constrained: list[tuple[int, Sequence]] = []
+        for s in scheduled:
+            seq = s.seq
+            upto = seq.prompt_scored_upto
+            if upto is not None:
+                c = seq.num_computed_tokens
+                s.scored = range(max(c, upto), min(c + s.num_new_tokens, seq.num_prompt_tokens - 1))
+                for p in s.scored:
+                    scoring.append((len(rows), seq.request))
+                    rows.append(SamplingRow(seq.params, [], [], target=seq.token_ids[p + 1]))
+            if s.samples:
+                if seq.grammar is not None:
+                    constrained.append((len(rows), seq))
+                sampling.append((len(rows), seq))
+                rows.append(SamplingRow(seq.params, seq.request.prompt_token_ids, seq.output_token_ids,
+                                        seq.generator))
+        if constrained:
+            words = -(-max(self.vocab_size, len(self.tokenizer)) // 32)
+            bitmask = torch.zeros(len(constrained), words, dtype=torch.int32)
+            for j, (i, seq) in enumerate(constrained):
+                seq.grammar.fill_bitmask(bitmask, j)
+                rows[i].token_bitmask = bitmask[j]
+        return rows, sampling, scoring
+
+    def _record_prompt_logprob(self, request: Request, row: int, sampled) -> None:
+        token = sampled.token_ids[row]
+        entry = {token: Logprob(sampled.logprobs[row], sampled.ranks[row] if sampled.ranks else None,
+                                self.tokenizer.decode([token]))}
+        for rank, (tid, lp) in enumerate(sampled.top_logprobs[row] or [], start=1):
+            entry.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
+        request.prompt_logprobs.append(entry)
+
     def _append_token(self, seq: Sequence, row: int, sampled) -> None:
         token = sampled.token_ids[row]
         params = seq.params
+        if params.max_tokens == 0:  # scoring only: the prompt is computed, nothing is generated
+            seq.finish_reason = "length"
+            self.scheduler.remove(seq)
+            return
         seq.token_ids.append(token)
         if seq.logprobs is not None:
             seq.cumulative_logprob += sampled.logprobs[row]
@@ -277,6 +331,10 @@ class LLMEngine:
             seq.unsent_text += seq.detokenizer.append(token)
             if seq.detokenizer.stop_string is not None:
                 reason, stop_reason = "stop", seq.detokenizer.stop_string
+        if seq.grammar is not None and reason is None:
+            seq.grammar.accept(token)
+            if seq.grammar.is_finished:  # complete: nothing may follow (EOS itself already stopped it above)
+                reason = "stop"
         if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
@@ -294,8 +352,10 @@ class LLMEngine:
         outputs = []
         for seq in request.seqs:
             start = seq.num_sent_tokens if kind is RequestOutputKind.DELTA else 0
-            if kind is RequestOutputKind.DELTA and start == seq.num_output_tokens and not seq.unsent_text:
+            if (kind is RequestOutputKind.DELTA and start == seq.num_output_tokens and not seq.unsent_text
+                    and (seq.finish_sent or seq.finish_reason is None)):
                 continue  # nothing new (a finished sibling, or a sequence still prefilling)
+            seq.finish_sent = seq.finish_reason is not None
             outputs.append(CompletionOutput(
                 index=seq.index,
                 text=seq.unsent_text if kind is RequestOutputKind.DELTA else seq.detokenizer.text,
@@ -306,8 +366,14 @@ class LLMEngine:
             ))
             seq.num_sent_tokens = seq.num_output_tokens
             seq.unsent_text = ""
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and (kind is not RequestOutputKind.DELTA
+                                                    or not request.prompt_logprobs_sent):
+            prompt_logprobs = request.prompt_logprobs
+            request.prompt_logprobs_sent = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.is_finished, request.metrics, request.seqs[0].num_cached_tokens)
+                             request.is_finished, request.metrics, request.seqs[0].num_cached_tokens,
+                             prompt_logprobs)
 
     # -- introspection --------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -39,6 +39,18 @@ class Sequence:
     # the detokenizer since.
     num_sent_tokens: int = 0
     unsent_text: str = ""
+    finish_sent: bool = False
+    grammar: object = None  # a structured_outputs.GrammarMatcher when the request is grammar-constrained
+
+    @property
+    def prompt_scored_upto(self) -> int | None:
+        """When this sequence still owes prompt logprobs: the position up to which they exist (the prefix cache may
+        serve only positions before it). None when it owes none (only completion 0 of a request scores the
+        prompt)."""
+        plp = self.request.prompt_logprobs
+        if self.index != 0 or plp is None or len(plp) >= self.num_prompt_tokens:
+            return None
+        return max(0, len(plp) - 1)
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +82,8 @@ class Request:
     metrics: RequestMetrics  # the request's timing record
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # one entry per prompt token scored so far (the first is None)
+    prompt_logprobs_sent: bool = False
 
     @property
     def arrival_time(self) -> float:

@@ -4,6 +4,7 @@ Routes
   POST /v1/completions, /v1/chat/completions     OpenAI shapes, `stream: true` as SSE ending in `data: [DONE]`
   GET  /v1/models, /version
   POST /tokenize, /detokenize                    vLLM's shapes
+  GET  /tokenizer_info                           vLLM's: the tokenizer's class and configuration
   GET  /metrics                                  Prometheus text (per-app registry)
   GET  /startupz /readyz /livez                  model loaded / able to admit / engine loop alive
   GET  /health                                   vLLM's: model loaded and engine loop alive (503 while loading)
@@ -172,8 +173,11 @@ async def tokenize_route(request: web.Request) -> web.Response:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(tok.encode(req.prompt, add_special_tokens=add_special))
     else:
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs.setdefault("tools", req.tools)
         ids = oai.render_chat_prompt(state, [m for m in req.messages], req.add_generation_prompt,
-                                 req.continue_final_message, req.chat_template_kwargs,
+                                 req.continue_final_message, kwargs,
                                  add_special_tokens=bool(req.add_special_tokens))
     out = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:
@@ -194,17 +198,32 @@ async def detokenize_route(request: web.Request) -> web.Response:
     return json_response({"prompt": tok.decode(req.tokens)})
 
 
+async def tokenizer_info_route(request: web.Request) -> web.Response:
+    """vLLM's /tokenizer_info: the tokenizer's class and configuration (evaluation clients probe it)."""
+    state = get_state(request)
+    require_loaded(state)
+    tok = state.engine.tokenizer
+    info = {k: v for k, v in getattr(tok, "init_kwargs", {}).items()
+            if isinstance(v, (str, int, float, bool, type(None))) or k == "added_tokens_decoder"}
+    info.pop("added_tokens_decoder", None)  # AddedToken objects; not JSON
+    info.update(tokenizer_class=type(tok).__name__, model_max_length=state.engine.max_model_len,
+                vocab_size=len(tok), eos_token=tok.eos_token, bos_token=tok.bos_token, pad_token=tok.pad_token,
+                chat_template=getattr(state.engine, "chat_template", None) or getattr(tok, "chat_template", None))
+    return json_response(info)
+
+
 # --------------------------------------------------------------------------------------------- app
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | None = None,
-              client_max_size: int = 64 * 1024 * 1024) -> web.Application:
+              client_max_size: int = 64 * 1024 * 1024, tool_call_parser: str | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=client_max_size)
-    app[STATE_KEY] = ServerState(engine, metrics, api_key or None)
+    app[STATE_KEY] = ServerState(engine, metrics, api_key or None, tool_call_parser)
     r = app.router
     r.add_post("/v1/completions", oai.create_completion)
     r.add_post("/v1/chat/completions", oai.create_chat_completion)
     r.add_get("/v1/models", models_route)
     r.add_post("/tokenize", tokenize_route)
     r.add_post("/detokenize", detokenize_route)
+    r.add_get("/tokenizer_info", tokenizer_info_route)
     r.add_get("/version", version_route)
     r.add_get("/metrics", metrics_route)
     r.add_get("/startupz", startupz)

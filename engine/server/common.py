@@ -27,10 +27,12 @@ STATE_KEY = web.AppKey("shoal_state", object)
 
 
 class ServerState:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, api_key: str | None):
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, api_key: str | None,
+                 tool_call_parser: str | None = None):
         self.engine = engine
         self.metrics = metrics
         self.api_key = api_key
+        self.tool_call_parser = tool_call_parser  # tool_choice "auto" enabled with this parser
         self.active_handlers = 0  # generation requests whose HTTP response is not finished yet
         self.created = int(time.time())
 

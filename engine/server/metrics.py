@@ -99,6 +99,9 @@ class ServerMetrics(MetricsSink):
                                     buckets=TOKEN_BUCKETS, registry=r)
         self.gen_len = Histogram(PREFIX + "request_generation_tokens", "Number of generation tokens processed.", ln,
                                  buckets=TOKEN_BUCKETS, registry=r)
+        self.structured_requests = Counter(
+            PREFIX + "structured_output_requests", "Requests with grammar-constrained output, by constraint kind "
+            "(json_schema, json_object, regex, choice, grammar, tool_call).", ln + ["kind"], registry=r)
         # Children bound once (label lookups are not free on the hot path).
         self._ttft = self.ttft.labels(model_name)
         self._itl = self.itl.labels(model_name)
@@ -137,6 +140,9 @@ class ServerMetrics(MetricsSink):
             self._prompt_len.observe(len(output.prompt_token_ids))
         if output.outputs:
             self._gen_len.observe(m.num_generation_tokens)
+
+    def on_structured_request(self, kind: str) -> None:
+        self.structured_requests.labels(self.model_name, kind).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

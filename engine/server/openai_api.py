@@ -19,7 +19,9 @@ from typing import Any
 from aiohttp import web
 
 from shoal.engine.core.async_engine import EngineDeadError, EngineError, RequestStream
-from shoal.engine.core.outputs import CompletionOutput, RequestOutput
+from shoal.engine.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from shoal.engine.core.structured_outputs import GrammarError
+from shoal.engine.server import structured, tools
 from shoal.engine.server.common import (
     ServerState,
     check_model,
@@ -76,6 +78,27 @@ def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_gene
     if isinstance(rendered, str):
         return list(tok.encode(rendered, add_special_tokens=add_special_tokens))
     return list(rendered)
+
+
+async def _compile(state: ServerState, grammar: structured.GrammarRequest | None):
+    """The compiled grammar for SamplingParams.structured_outputs (None when unconstrained); 400 naming the problem
+    for an invalid or unsupported one. Counted in shoal:structured_output_requests."""
+    if grammar is None:
+        return None
+    try:
+        compiled = await state.engine.compile_grammar(grammar.spec)
+    except GrammarError as e:
+        raise APIError(f"{grammar.param}: {e}", 400, param=grammar.param) from None
+    state.metrics.on_structured_request(grammar.kind)
+    return compiled
+
+
+def _vllm_prompt_logprobs(plp: PromptLogprobs | None) -> list | None:
+    """vLLM's JSON shape of prompt_logprobs: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
+    if plp is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()} for d in plp]
 
 
 # ------------------------------------------------------------------------------------------ engine streams
@@ -213,11 +236,15 @@ class _Endpoint:
     def opening_choices(self) -> list[dict]:
         return []
 
-    def delta_choice(self, index: int, job: _Job, comp: CompletionOutput) -> dict | None:
+    def delta_choice(self, index: int, job: _Job, comp: CompletionOutput, out: RequestOutput) -> dict | None:
         raise NotImplementedError
 
-    def final_choice(self, index: int, job: _Job, comp: CompletionOutput) -> dict:
+    def final_choice(self, index: int, job: _Job, comp: CompletionOutput, out: RequestOutput | None) -> dict:
         raise NotImplementedError
+
+    def response_fields(self, finals: list[RequestOutput | None]) -> dict:
+        """Extra top-level fields of a full response."""
+        return {}
 
     def abort_choice(self, index: int) -> dict:
         raise NotImplementedError
@@ -232,7 +259,8 @@ class _Completions(_Endpoint):
         self.text_offset: dict[int, int] = {}  # per choice: characters before the next logprob token
         self.started: set[int] = set()  # choices whose echo (if any) was sent
 
-    def _text_and_logprobs(self, index: int, job: _Job, comp: CompletionOutput) -> tuple[str, dict | None]:
+    def _text_and_logprobs(self, index: int, job: _Job, comp: CompletionOutput,
+                           out: RequestOutput | None) -> tuple[str, dict | None]:
         req, text, lp = self.req, comp.text, None
         k = req.logprobs
         first = index not in self.started
@@ -240,8 +268,10 @@ class _Completions(_Endpoint):
         offset = self.text_offset.get(index, 0)
         if first and req.echo:
             text = job.prompt_text + text
-            if k is not None:
-                lp = _completion_logprobs(self.state, job.prompt_ids, [None] * len(job.prompt_ids), k, offset)
+            if k is not None:  # the prompt's own logprobs (the first token has none), then the generated ones
+                plp = out.prompt_logprobs if out is not None and out.prompt_logprobs else None
+                lp = _completion_logprobs(self.state, job.prompt_ids, plp or [None] * len(job.prompt_ids), k,
+                                          offset)
                 offset += sum(len(t) for t in lp["tokens"])
         if k is not None and comp.token_ids:
             new = _completion_logprobs(self.state, comp.token_ids, comp.logprobs or [], k, offset)
@@ -250,54 +280,121 @@ class _Completions(_Endpoint):
         self.text_offset[index] = offset
         return text, lp
 
-    def delta_choice(self, index, job, comp):
-        text, lp = self._text_and_logprobs(index, job, comp)
+    def delta_choice(self, index, job, comp, out):
+        first = index not in self.started
+        text, lp = self._text_and_logprobs(index, job, comp, out)
         if not (text or lp or comp.finish_reason is not None):
             return None
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason}
+        if first and self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs)
         if comp.finish_reason is not None:
             choice["stop_reason"] = comp.stop_reason
         return choice
 
-    def final_choice(self, index, job, comp):
-        text, lp = self._text_and_logprobs(index, job, comp)
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason or "abort",
-                "stop_reason": comp.stop_reason}
+    def final_choice(self, index, job, comp, out):
+        text, lp = self._text_and_logprobs(index, job, comp, out)
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason or "abort",
+                  "stop_reason": comp.stop_reason}
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs if out is not None else None)
+        return choice
 
     def abort_choice(self, index):
         return {"index": index, "text": "", "logprobs": None, "finish_reason": "abort"}
 
 
 class _Chat(_Endpoint):
+    """Chat choices; with tools, the text is a forced call's JSON (named / required: buffered or streamed as
+    arguments) or free text a parser searches for calls (auto: content streams until a call may start)."""
+
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, state: ServerState, jobs: list[_Job], req: ChatCompletionRequest, top: int | None):
+    def __init__(self, state: ServerState, jobs: list[_Job], req: ChatCompletionRequest, top: int | None,
+                 plan: tools.ToolPlan):
         super().__init__(state, jobs, req.n)
-        self.req, self.top = req, top
+        self.req, self.top, self.plan = req, top, plan
+        self.text: dict[int, str] = {}  # tool modes: each choice's text so far
+        self.sent: dict[int, int] = {}  # auto: characters of it already streamed as content
+        self.named_ids: dict[int, str] = {}  # named: the call id announced in the first chunk
 
     def _logprobs(self, comp: CompletionOutput) -> dict | None:
         if self.top is None or not comp.token_ids:
             return None
         return _chat_logprobs(self.state, comp.token_ids, comp.logprobs or [], self.top)
 
+    def _calls(self, text: str) -> tuple[str | None, list[tools.ToolCall]]:
+        """(content, tool calls) of a whole choice's text."""
+        if self.plan.mode in ("named", "required"):
+            calls = tools.forced_calls(self.plan, text)
+            return (None, calls) if calls else (text, [])
+        if self.plan.mode == "auto":
+            return self.plan.parser.extract(text)
+        return text, []
+
+    @staticmethod
+    def _finish(reason: str | None, calls: list) -> str | None:
+        return "tool_calls" if calls and reason == "stop" else reason
+
     def opening_choices(self):  # the role comes first, as OpenAI sends it
         return [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for c in range(self.n)]
 
-    def delta_choice(self, index, job, comp):
+    def delta_choice(self, index, job, comp, out):
         lp = self._logprobs(comp)
-        if not (comp.text or lp or comp.finish_reason is not None):
+        delta, finish = self._tool_delta(index, comp) if self.plan.mode != "none" else (
+            {"content": comp.text} if comp.text else {}, comp.finish_reason)
+        if not (delta or lp or finish is not None):
             return None
-        choice = {"index": index, "delta": {"content": comp.text} if comp.text else {}, "logprobs": lp,
-                  "finish_reason": comp.finish_reason}
-        if comp.finish_reason is not None:
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if finish is not None:
             choice["stop_reason"] = comp.stop_reason
         return choice
 
-    def final_choice(self, index, job, comp):
-        return {"index": index, "message": {"role": "assistant", "content": comp.text, "tool_calls": []},
-                "logprobs": self._logprobs(comp), "finish_reason": comp.finish_reason or "abort",
-                "stop_reason": comp.stop_reason}
+    def _tool_delta(self, index: int, comp: CompletionOutput) -> tuple[dict, str | None]:
+        text = self.text.get(index, "") + comp.text
+        self.text[index] = text
+        done = comp.finish_reason is not None
+        if self.plan.mode == "named":  # the output is the arguments: stream them as they come
+            delta = {}
+            if index not in self.named_ids:
+                self.named_ids[index] = tools.ToolCall(self.plan.named, "").id
+                delta = {"tool_calls": [{"index": 0, "id": self.named_ids[index], "type": "function",
+                                         "function": {"name": self.plan.named, "arguments": comp.text}}]}
+            elif comp.text:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": comp.text}}]}
+            return delta, self._finish(comp.finish_reason, [True]) if done else None
+        if self.plan.mode == "auto" and not done:  # stream content up to where a call may begin
+            upto = self.plan.parser.safe_prefix(text)
+            start = self.sent.get(index, 0)
+            self.sent[index] = max(start, upto)
+            return ({"content": text[start:upto]} if upto > start else {}), None
+        if not done:  # required: the JSON array is parsed once complete
+            return {}, None
+        content, calls = self._calls(text)
+        delta: dict = {}
+        if self.plan.mode == "auto":  # the content not yet streamed: up to the first call, or all of it
+            end = (self.plan.parser.call_start(text) or 0) if calls else len(text)
+            start = self.sent.get(index, 0)
+            if end > start:
+                delta["content"] = text[start:end]
+        elif not calls and text:  # required, cut short before the array was complete
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c.to_openai()} for i, c in enumerate(calls)]
+        return delta, self._finish(comp.finish_reason, calls)
+
+    def final_choice(self, index, job, comp, out):
+        content, calls = self._calls(comp.text)
+        message = {"role": "assistant", "content": content,
+                   "tool_calls": [c.to_openai() for c in calls]}
+        return {"index": index, "message": message, "logprobs": self._logprobs(comp),
+                "finish_reason": self._finish(comp.finish_reason, calls) or "abort", "stop_reason": comp.stop_reason}
+
+    def response_fields(self, finals):
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": _vllm_prompt_logprobs(finals[0].prompt_logprobs if finals[0] else None)}
 
     def abort_choice(self, index):
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": "abort", "stop_reason": None}
@@ -356,7 +453,7 @@ async def _stream(request: web.Request, api: _Endpoint, base_id: str, created: i
                 completion_tokens += len(comp.token_ids)
                 if comp.finish_reason is not None:
                     open_choices.discard(index)
-                choice = api.delta_choice(index, jobs[i], comp)
+                choice = api.delta_choice(index, jobs[i], comp, out)
                 if choice is not None:
                     await sse.send(chunk(choice))
         if include_usage:
@@ -393,11 +490,11 @@ async def _respond(api: _Endpoint, base_id: str, created: int, model: str) -> we
         for c in range(n):
             comp = comps.get(c) or CompletionOutput(index=c, text="", token_ids=[], finish_reason="abort")
             completion_tokens += len(comp.token_ids)
-            choices.append(api.final_choice(i * n + c, job, comp))
+            choices.append(api.final_choice(i * n + c, job, comp, finals[i]))
     usage = _usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens)
     return json_response({"id": base_id, "object": api.object_full, "created": created, "model": model,
-                          "choices": choices, "usage": usage, "system_fingerprint": None},
-                         headers={"X-Request-Id": base_id})
+                          "choices": choices, "usage": usage, "system_fingerprint": None,
+                          **api.response_fields(finals)}, headers={"X-Request-Id": base_id})
 
 
 async def _run(request: web.Request, state: ServerState, api: _Endpoint, params, req, id_prefix: str,
@@ -439,6 +536,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     kw["max_tokens"] = req.max_tokens
     if req.logprobs is not None:
         kw["logprobs"] = req.logprobs
+        if req.echo:  # the echoed prompt tokens carry their logprobs too (what evaluation clients read)
+            kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
+    kw["structured_outputs"] = await _compile(state, structured.from_request(req))
     params = _make_params(kw)
     if req.echo:
         for j in jobs:
@@ -452,13 +552,26 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)
     check_model(state, req.model)
     require_loaded(state)
+    plan = tools.plan(req.tools, req.tool_choice, state.tool_call_parser)
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if plan.tools:
+        template_kwargs.setdefault("tools", plan.tools)
     prompt_ids = render_chat_prompt(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                    req.chat_template_kwargs)
+                                    template_kwargs)
     kw = req.sampling_kwargs()
     kw["max_tokens"] = req.requested_max_tokens()
     top = req.requested_logprobs()
     if top is not None:
         kw["logprobs"] = top
+    grammar = structured.from_request(req)
+    if plan.grammar is not None:
+        if grammar is not None:
+            raise APIError(f"tool_choice {plan.mode!r} cannot be combined with {grammar.param}", 400,
+                           param="tool_choice")
+        grammar = plan.grammar
+    if plan.mode == "auto" and isinstance(plan.parser, tools.MistralParser):
+        kw["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
+    kw["structured_outputs"] = await _compile(state, grammar)
     params = _make_params(kw)
     jobs = [_Job(prompt_ids, "")]
-    return await _run(request, state, _Chat(state, jobs, req, top), params, req, "chatcmpl", "messages")
+    return await _run(request, state, _Chat(state, jobs, req, top, plan), params, req, "chatcmpl", "messages")
