@@ -367,8 +367,8 @@ class LLMEngine:
             seq.num_sent_tokens = seq.num_output_tokens
             seq.unsent_text = ""
         prompt_logprobs = None
-        if request.prompt_logprobs is not None and (kind is not RequestOutputKind.DELTA
-                                                    or not request.prompt_logprobs_sent):
+        complete = request.prompt_logprobs is not None and len(request.prompt_logprobs) == len(request.prompt_token_ids)
+        if complete and (kind is not RequestOutputKind.DELTA or not request.prompt_logprobs_sent):
             prompt_logprobs = request.prompt_logprobs
             request.prompt_logprobs_sent = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,

@@ -109,6 +109,7 @@ class _Job:
     prompt_ids: list[int]
     prompt_text: str
     stream: RequestStream | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # from the engine's first output that carries them
 
 
 async def _merge_streams(jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput | None]]:
@@ -269,9 +270,8 @@ class _Completions(_Endpoint):
         if first and req.echo:
             text = job.prompt_text + text
             if k is not None:  # the prompt's own logprobs (the first token has none), then the generated ones
-                plp = out.prompt_logprobs if out is not None and out.prompt_logprobs else None
-                lp = _completion_logprobs(self.state, job.prompt_ids, plp or [None] * len(job.prompt_ids), k,
-                                          offset)
+                lp = _completion_logprobs(self.state, job.prompt_ids,
+                                          job.prompt_logprobs or [None] * len(job.prompt_ids), k, offset)
                 offset += sum(len(t) for t in lp["tokens"])
         if k is not None and comp.token_ids:
             new = _completion_logprobs(self.state, comp.token_ids, comp.logprobs or [], k, offset)
@@ -287,7 +287,7 @@ class _Completions(_Endpoint):
             return None
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason}
         if first and self.req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs)
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(job.prompt_logprobs)
         if comp.finish_reason is not None:
             choice["stop_reason"] = comp.stop_reason
         return choice
@@ -297,7 +297,7 @@ class _Completions(_Endpoint):
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason or "abort",
                   "stop_reason": comp.stop_reason}
         if self.req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs if out is not None else None)
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(job.prompt_logprobs)
         return choice
 
     def abort_choice(self, index):
@@ -446,6 +446,8 @@ async def _stream(request: web.Request, api: _Endpoint, base_id: str, created: i
                     open_choices.discard(index)
                     await sse.send(chunk(api.abort_choice(index)))
                 continue
+            if out.prompt_logprobs is not None:
+                jobs[i].prompt_logprobs = out.prompt_logprobs
             for comp in out.outputs:
                 index = i * n + comp.index
                 if index not in open_choices:
@@ -486,6 +488,8 @@ async def _respond(api: _Endpoint, base_id: str, created: int, model: str) -> we
         raise APIError(f"generation failed: {e}", 500, code="engine_dead") from None
     choices, completion_tokens = [], 0
     for i, job in enumerate(jobs):
+        if finals[i] is not None:
+            job.prompt_logprobs = finals[i].prompt_logprobs
         comps = {c.index: c for c in (finals[i].outputs if finals[i] is not None else [])}
         for c in range(n):
             comp = comps.get(c) or CompletionOutput(index=c, text="", token_ids=[], finish_reason="abort")

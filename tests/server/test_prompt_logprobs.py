@@ -71,9 +71,14 @@ def test_echo_logprobs_equal_transformers_with_prefix_cache_and_chunked_prefill(
     # echo + generation, streamed: the prompt's logprobs come first, then one per generated token.
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=0,
                                             temperature=0, stream=True))
-    streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for v in ch.choices[0].logprobs.token_logprobs]
     assert len(streamed) == len(ids) + 3 and streamed[0] is None
     assert streamed[1:len(ids)] == pytest.approx(ref, abs=2e-4)
+    # n > 1: every choice echoes the prompt with its logprobs.
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=2, echo=True, logprobs=0, seed=1)
+    for c in r.choices:
+        assert c.logprobs.token_logprobs[1:len(ids)] == pytest.approx(ref, abs=2e-4)
 
 
 def test_vllm_prompt_logprobs_field(server, hf):
@@ -90,7 +95,8 @@ def test_vllm_prompt_logprobs_field(server, hf):
         assert own["logprob"] == pytest.approx(ref[i - 1], abs=2e-4) and len(entry) <= 3 and own["rank"] >= 1
     status, r, _ = server.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 1, "prompt_logprobs": 0,
                                                         "messages": [{"role": "user", "content": PROMPT}]})
-    assert status == 200 and r["prompt_logprobs"][0] is None and len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"]
+    assert status == 200 and r["prompt_logprobs"][0] is None
+    assert len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"]
 
 
 def test_tokenizer_info(server):

@@ -251,7 +251,8 @@ def test_tool_choice_none_and_auto_with_hermes_parser(client):
     # Auto: the model's text is searched with the hermes parser. Random weights never write a call on their own,
     # so a regex makes them write one: content, then a hermes tool call.
     canned = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>'
-    kw = dict(model="tiny", messages=MSGS, tools=[WEATHER], max_tokens=200, extra_body={"guided_regex": re.escape(canned)})
+    kw = dict(model="tiny", messages=MSGS, tools=[WEATHER], max_tokens=200,
+              extra_body={"guided_regex": re.escape(canned)})
     c = client.chat.completions.create(**kw).choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content == "Let me check."
     assert c.message.tool_calls[0].function.name == "get_weather"
