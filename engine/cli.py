@@ -117,6 +117,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-heartbeat-timeout", type=float, default=None,
                    help="seconds without an engine-loop iteration before /livez fails (default 5)")
     g.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
+                   help="how tool calls look in the model's output, for tool_choice \"auto\"")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
 
@@ -267,6 +271,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         api_key = resolve_api_key(args)
     except (OSError, ValueError) as e:
         parser.error(f"--api-key-file: {e}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
     from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT
     from shoal.engine.server.run import ServerOptions, run
 
@@ -274,6 +280,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         host=args.host, port=args.port, api_key=api_key, shutdown_timeout=args.shutdown_timeout,
         access_log=not args.disable_access_log,
         heartbeat_timeout=args.engine_heartbeat_timeout or DEFAULT_HEARTBEAT_TIMEOUT,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     return run(config, opts)
 

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from shoal.engine.config import EngineConfig
 from shoal.engine.core.engine import LLMEngine
-from shoal.engine.core.outputs import RequestOutput
+from shoal.engine.core.outputs import RequestOutput, RequestOutputKind
 from shoal.engine.execution.sampling import SamplingParams
 
 Prompt = str | dict[str, Any] | list[int]
@@ -61,6 +61,8 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params):
                 rid = str(next(self._ids))
+                if sp.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # no per-step copies of the outputs
                 engine.add_request(rid, prompt, sp)
                 ids.append(rid)
             finished: dict[str, RequestOutput] = {}

@@ -5,7 +5,9 @@ The HTTP server (and anything else async) talks to the engine only through this 
 - requests and aborts go to the engine thread through one thread-safe queue and are applied between steps
   (LLMEngine is not thread-safe: only the engine thread ever calls it, including its constructor);
 - each step's outputs come back in one `loop.call_soon_threadsafe` call and are spread over per-request
-  asyncio queues, so a slow step never blocks HTTP, health or metrics;
+  asyncio queues, so a slow step never blocks HTTP, health or metrics. Outputs are deltas (every request runs
+  in RequestOutputKind.DELTA): each carries only the tokens, text and logprobs new since the previous one;
+  per-request timing is the engine's own record (`RequestOutput.metrics`);
 - a heartbeat timestamp is refreshed on every loop iteration (idle too): `is_alive()` fails when it goes stale
   (a wedged step) or when the loop died (an exception in `step()` is fatal: every in-flight request gets
   `EngineDeadError` and liveness fails);
@@ -25,11 +27,11 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.core.outputs import RequestOutput
+from shoal.engine.core.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 
 logger = logging.getLogger("shoal.engine.core.async_engine")
 
@@ -61,22 +63,13 @@ class DrainingError(EngineError):
     """The engine is shutting down and admits no new requests."""
 
 
-@dataclass
-class PerRequestTimes:
-    """Timestamps the AsyncEngine records itself (time.time()), independent of the engine's own metrics."""
-
-    arrival: float
-    first_token: float | None = None
-    last_token: float | None = None
-    num_generation_tokens: int = 0
-
-
 class MetricsSink:
     """What AsyncEngine reports per request; the server's metrics implement it. All no-ops here."""
 
     def on_first_token(self, ttft: float) -> None: ...
     def on_inter_token(self, itl: float, num_tokens: int) -> None: ...
-    def on_finished(self, output: RequestOutput, times: PerRequestTimes, finished_time: float) -> None: ...
+    def on_finished(self, output: RequestOutput, finished_time: float) -> None:
+        """`output.metrics` is the request's timing record."""
 
 
 @dataclass
@@ -84,8 +77,7 @@ class _Request:
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    times: PerRequestTimes
-    num_tokens: dict[int, int] = field(default_factory=dict)  # per completion index: tokens seen
+    arrival: float  # for the timing record of a request aborted before the engine reported anything
     finished: bool = False
 
 
@@ -117,12 +109,12 @@ class RequestStream:
             item, self._pending = self._pending, None
         else:
             item = await q.get()
-        # Outputs are cumulative: if several piled up while the consumer was busy, merge them (newest per
-        # completion index wins) so a slow reader catches up in one write.
+        # Outputs are deltas: if several piled up while the consumer was busy, add them up so a slow reader
+        # catches up in one write.
         while isinstance(item, RequestOutput) and not item.finished and not q.empty():
             nxt = q.get_nowait()
             if isinstance(nxt, RequestOutput):
-                item = _merge(item, nxt)
+                item.add(nxt)
             else:
                 self._pending = nxt
                 break
@@ -294,11 +286,13 @@ class AsyncEngine:
         EngineNotReadyError or EngineDeadError.
         """
         self._check_admission()
+        if params.output_kind is not RequestOutputKind.DELTA:
+            params = params.clone(output_kind=RequestOutputKind.DELTA)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         arrival = arrival_time if arrival_time is not None else time.time()
-        req = _Request(request_id, loop, asyncio.Queue(), PerRequestTimes(arrival=arrival))
+        req = _Request(request_id, loop, asyncio.Queue(), arrival)
         self._requests[request_id] = req
         with self._lock:
             self._pending_adds += 1
@@ -329,7 +323,7 @@ class AsyncEngine:
     async def generate(
         self, prompt: str | list[int], params: Any, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs until it finishes. Cancelling or closing the iterator aborts
+        """Yield the request's outputs (deltas) until it finishes. Cancelling or closing the iterator aborts
         the request, which frees its KV blocks at once."""
         stream = await self.add_request(request_id, prompt, params, priority=priority)
         try:
@@ -337,6 +331,16 @@ class AsyncEngine:
                 yield out
         finally:
             stream.abort()
+
+    async def compile_grammar(self, spec: Any) -> Any:
+        """Compile a StructuredOutputsParams (cached) on a worker thread, so neither the event loop nor the engine
+        loop waits for a slow schema. Raises structured_outputs.GrammarError for an invalid one."""
+        from shoal.engine.core.structured_outputs import GrammarError
+
+        compiler = getattr(self.engine, "grammar_compiler", None)
+        if compiler is None:
+            raise GrammarError("this engine does not support structured outputs")
+        return await asyncio.to_thread(compiler.compile, spec)
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -402,9 +406,9 @@ class AsyncEngine:
                 self._apply(items)
             if engine.has_unfinished_requests():
                 outputs = engine.step()
+                self._refresh_stats()  # before the outputs: a client that saw its response sees its stats too
                 if outputs:
                     self._dispatch(outputs)
-                self._refresh_stats()
 
     def _take_inbox(self, block: bool) -> list:
         items = []
@@ -452,9 +456,10 @@ class AsyncEngine:
             if req is None or req.finished:
                 continue
             req.finished = True
-            out = RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[], outputs=[], finished=True)
+            out = RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[], outputs=[], finished=True,
+                                metrics=RequestMetrics(arrival_time=req.arrival))
             try:
-                self.metrics.on_finished(out, req.times, now)
+                self.metrics.on_finished(out, now)
             except Exception:  # noqa: BLE001
                 logger.exception("metrics failed")
             done.append((req, _FINISHED))
@@ -468,23 +473,16 @@ class AsyncEngine:
             req = self._requests.get(out.request_id)
             if req is None or req.finished:
                 continue
-            new_tokens = 0
-            for comp in out.outputs:
-                n = len(comp.token_ids)
-                new_tokens += max(0, n - req.num_tokens.get(comp.index, 0))
-                req.num_tokens[comp.index] = n
-            t = req.times
+            new_tokens = sum(len(c.token_ids) for c in out.outputs)
+            m = out.metrics
             try:
-                if new_tokens:
-                    if t.first_token is None:
-                        t.first_token = now
-                        self.metrics.on_first_token(now - t.arrival)
-                    else:
-                        self.metrics.on_inter_token(now - (t.last_token or now), new_tokens)
-                    t.last_token = now
-                    t.num_generation_tokens += new_tokens
+                if new_tokens and m is not None:
+                    if m.num_generation_tokens == new_tokens:  # the request's first tokens
+                        self.metrics.on_first_token(m.first_token_time - m.arrival_time)
+                    elif m.inter_token_latency is not None:
+                        self.metrics.on_inter_token(m.inter_token_latency, new_tokens)
                 if out.finished:
-                    self.metrics.on_finished(out, t, now)
+                    self.metrics.on_finished(out, now)
             except Exception:  # noqa: BLE001 - metrics must never kill the loop
                 logger.exception("metrics failed")
             batch.append((req, out))
@@ -515,19 +513,6 @@ class AsyncEngine:
             self.snapshot = StatsSnapshot(self.engine.get_stats(), time.time())
         except Exception:  # noqa: BLE001
             logger.debug("get_stats failed", exc_info=True)
-
-
-def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """b is newer than a; keep the newest CompletionOutput of every index either has."""
-    if len(b.outputs) >= len(a.outputs) and {c.index for c in a.outputs} <= {c.index for c in b.outputs}:
-        return b
-    by_index = {c.index: c for c in a.outputs}
-    by_index.update({c.index: c for c in b.outputs})
-    return RequestOutput(
-        request_id=b.request_id, prompt=b.prompt, prompt_token_ids=b.prompt_token_ids,
-        outputs=[by_index[i] for i in sorted(by_index)], finished=b.finished, metrics=b.metrics,
-        num_cached_tokens=b.num_cached_tokens, extra=b.extra,
-    )
 
 
 def _deliver(items: list) -> None:

@@ -17,11 +17,12 @@ import torch
 from shoal.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.execution.model_loader import load_hf_config, resolve_dtype, resolve_model_dir
-from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from shoal.engine.execution.executor import Executor, make_executor
 from shoal.engine.execution.runner import build_step_inputs
 from shoal.engine.execution.sampling import Sampler, SamplingParams, SamplingRow, make_generator
-from shoal.engine.core.scheduler import Scheduler
+from shoal.engine.core.scheduler import ScheduledSeq, Scheduler
+from shoal.engine.core.structured_outputs import CompiledGrammar, GrammarCompiler, StructuredOutputsParams
 from shoal.engine.core.sequence import Request, Sequence, SeqStatus
 from shoal.engine.core.tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
 
@@ -40,6 +41,17 @@ class EngineStats:
     prefix_cache_hits_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+
+
+class ContextLengthError(ValueError):
+    """The prompt plus the tokens to generate do not fit in max_model_len (the one place this is checked)."""
+
+    def __init__(self, max_model_len: int, prompt_len: int, max_tokens: int):
+        self.max_model_len, self.prompt_len, self.max_tokens = max_model_len, prompt_len, max_tokens
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            "Please reduce the length of the prompt or the maximum number of tokens.")
 
 
 def _model_max_len(hf_config) -> int | None:
@@ -99,6 +111,8 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy)
+        # Thread-safe: AsyncEngine compiles on worker threads, off the engine loop.
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -168,15 +182,19 @@ class LLMEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(token_ids)
-        if len(token_ids) + max_tokens > self.max_model_len or max_tokens < 1:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but {len(token_ids) + max(max_tokens, 1)} "
-                f"were requested ({len(token_ids)} in the prompt, {max(max_tokens, 1)} for the completion); "
-                "shorten the prompt or lower max_tokens"
-            )
+        # An explicit max_tokens=0 scores the prompt (prompt_logprobs) without generating.
+        if len(token_ids) + max_tokens > self.max_model_len or (max_tokens < 1 and params.max_tokens != 0):
+            raise ContextLengthError(self.max_model_len, len(token_ids), max(max_tokens, 1))
         if max_tokens != params.max_tokens:
             params = params.clone(max_tokens=max_tokens)
-        request = Request(request_id, text, token_ids, params, arrival_time or time.time(), priority)
+        grammar = params.structured_outputs
+        if isinstance(grammar, StructuredOutputsParams):  # offline callers; the server compiles ahead, off-loop
+            grammar = self.grammar_compiler.compile(grammar)
+        if grammar is not None and not isinstance(grammar, CompiledGrammar):
+            raise TypeError(f"structured_outputs must be StructuredOutputsParams, got {type(grammar).__name__}")
+        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
         for i in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids), request=request, index=i, token_ids=list(token_ids),
@@ -185,6 +203,7 @@ class LLMEngine:
                 detokenizer=IncrementalDetokenizer.from_params(self.tokenizer, token_ids, params),
             )
             seq.logprobs = [] if params.logprobs is not None else None
+            seq.grammar = grammar.matcher() if grammar is not None else None
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -217,35 +236,83 @@ class LLMEngine:
             return []
         now = time.time()
         for s in sched.scheduled:
-            if s.seq.request.first_scheduled_time is None:
-                s.seq.request.first_scheduled_time = now
+            if s.seq.request.metrics.first_scheduled_time is None:
+                s.seq.request.metrics.first_scheduled_time = now
+        rows, sampling, scoring = self._sampling_rows(sched.scheduled)
         inputs = build_step_inputs(sched.scheduled, self.config.block_size)
-        sampling = [s.seq for s in sched.scheduled if s.samples]
-        rows = [SamplingRow(seq.params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator)
-                for seq in sampling]
         sampled = self.executor.execute(inputs, rows)
         self.scheduler.after_step(sched)
 
+        for row, request in scoring:
+            self._record_prompt_logprob(request, row, sampled)
         now = time.time()
         touched: dict[str, Request] = {}
-        for i, seq in enumerate(sampling):
+        for i, seq in sampling:
             self._append_token(seq, i, sampled)
-            request = seq.request
-            request.first_token_time = request.first_token_time or now
-            request.last_token_time = now
-            touched[request.request_id] = request
+            seq.request.metrics.num_generation_tokens += 1
+            touched[seq.request.request_id] = seq.request
         self.generation_tokens_total += len(sampling)
         outputs = []
         for request in touched.values():
+            m = request.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            else:
+                m.inter_token_latency = now - m.last_token_time
+            m.last_token_time = now
             if request.is_finished:
-                request.finished_time = now
+                m.finished_time = now
                 self.requests.pop(request.request_id, None)
-            outputs.append(self._request_output(request))
+            out = self._request_output(request)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _sampling_rows(self, scheduled: list[ScheduledSeq]):
+        """One sampler row per logits row, in the runner's order: a sequence's prompt-scoring rows (prompt
+        logprobs), then its sampling row. Constrained rows get their grammar's bitmask for this step."""
+        rows: list[SamplingRow] = []
+        sampling: list[tuple[int, Sequence]] = []
+        scoring: list[tuple[int, Request]] = []
+        constrained: list[tuple[int, Sequence]] = []
+        for s in scheduled:
+            seq = s.seq
+            upto = seq.prompt_scored_upto
+            if upto is not None:
+                c = seq.num_computed_tokens
+                s.scored = range(max(c, upto), min(c + s.num_new_tokens, seq.num_prompt_tokens - 1))
+                for p in s.scored:
+                    scoring.append((len(rows), seq.request))
+                    rows.append(SamplingRow(seq.params, [], [], target=seq.token_ids[p + 1]))
+            if s.samples:
+                if seq.grammar is not None:
+                    constrained.append((len(rows), seq))
+                sampling.append((len(rows), seq))
+                rows.append(SamplingRow(seq.params, seq.request.prompt_token_ids, seq.output_token_ids,
+                                        seq.generator))
+        if constrained:
+            words = -(-max(self.vocab_size, len(self.tokenizer)) // 32)
+            bitmask = torch.zeros(len(constrained), words, dtype=torch.int32)
+            for j, (i, seq) in enumerate(constrained):
+                seq.grammar.fill_bitmask(bitmask, j)
+                rows[i].token_bitmask = bitmask[j]
+        return rows, sampling, scoring
+
+    def _record_prompt_logprob(self, request: Request, row: int, sampled) -> None:
+        token = sampled.token_ids[row]
+        entry = {token: Logprob(sampled.logprobs[row], sampled.ranks[row] if sampled.ranks else None,
+                                self.tokenizer.decode([token]))}
+        for rank, (tid, lp) in enumerate(sampled.top_logprobs[row] or [], start=1):
+            entry.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
+        request.prompt_logprobs.append(entry)
 
     def _append_token(self, seq: Sequence, row: int, sampled) -> None:
         token = sampled.token_ids[row]
         params = seq.params
+        if params.max_tokens == 0:  # scoring only: the prompt is computed, nothing is generated
+            seq.finish_reason = "length"
+            self.scheduler.remove(seq)
+            return
         seq.token_ids.append(token)
         if seq.logprobs is not None:
             seq.cumulative_logprob += sampled.logprobs[row]
@@ -261,31 +328,52 @@ class LLMEngine:
         elif token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
         if reason is None or params.include_stop_str_in_output:
-            seq.detokenizer.append(token)
+            seq.unsent_text += seq.detokenizer.append(token)
             if seq.detokenizer.stop_string is not None:
                 reason, stop_reason = "stop", seq.detokenizer.stop_string
+        if seq.grammar is not None and reason is None:
+            seq.grammar.accept(token)
+            if seq.grammar.is_finished:  # complete: nothing may follow (EOS itself already stopped it above)
+                reason = "stop"
         if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
             if seq.detokenizer.stop_string is None:
-                seq.detokenizer.flush()
+                seq.unsent_text += seq.detokenizer.flush()
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self.scheduler.remove(seq)
 
-    def _request_output(self, request: Request) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=seq.index, text=seq.detokenizer.text, token_ids=seq.output_token_ids,
+    def _request_output(self, request: Request) -> RequestOutput | None:
+        """This step's output of a request in its params.output_kind: cumulative, only what is new since the last
+        output (DELTA: the one place where "new" is decided), or nothing until it finishes (FINAL_ONLY)."""
+        kind = request.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not request.is_finished:
+            return None
+        outputs = []
+        for seq in request.seqs:
+            start = seq.num_sent_tokens if kind is RequestOutputKind.DELTA else 0
+            if (kind is RequestOutputKind.DELTA and start == seq.num_output_tokens and not seq.unsent_text
+                    and (seq.finish_sent or seq.finish_reason is None)):
+                continue  # nothing new (a finished sibling, or a sequence still prefilling)
+            seq.finish_sent = seq.finish_reason is not None
+            outputs.append(CompletionOutput(
+                index=seq.index,
+                text=seq.unsent_text if kind is RequestOutputKind.DELTA else seq.detokenizer.text,
+                token_ids=seq.token_ids[seq.num_prompt_tokens + start:],
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            )
-            for seq in request.seqs
-        ]
-        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
-                                 request.last_token_time, request.finished_time)
+            ))
+            seq.num_sent_tokens = seq.num_output_tokens
+            seq.unsent_text = ""
+        prompt_logprobs = None
+        complete = request.prompt_logprobs is not None and len(request.prompt_logprobs) == len(request.prompt_token_ids)
+        if complete and (kind is not RequestOutputKind.DELTA or not request.prompt_logprobs_sent):
+            prompt_logprobs = request.prompt_logprobs
+            request.prompt_logprobs_sent = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.is_finished, metrics, request.seqs[0].num_cached_tokens)
+                             request.is_finished, request.metrics, request.seqs[0].num_cached_tokens,
+                             prompt_logprobs)
 
     # -- introspection --------------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

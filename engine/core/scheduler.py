@@ -24,6 +24,8 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     samples: bool  # this step computes the sequence's last known token, so a new one is sampled
+    # Positions of this step whose logits score the next prompt token (prompt logprobs), set by the engine.
+    scored: range = range(0)
 
 
 @dataclass
@@ -115,8 +117,10 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_ids:
-                # Reuse cached full blocks, but always compute at least the last token (its logits are needed).
-                seq.block_ids, seq.block_hashes = self.pool.lookup_prefix(seq.token_ids, seq.num_tokens - 1)
+                # Reuse cached full blocks, but always compute at least the last token (its logits are needed),
+                # and every prompt position whose logprobs are still wanted.
+                usable = seq.num_tokens - 1 if seq.prompt_scored_upto is None else seq.prompt_scored_upto
+                seq.block_ids, seq.block_hashes = self.pool.lookup_prefix(seq.token_ids, usable)
                 seq.num_computed_tokens = len(seq.block_ids) * self.block_size
                 seq.num_cached_tokens = seq.num_computed_tokens
             n = seq.num_tokens - seq.num_computed_tokens

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.engine.core.outputs import Logprob
+from shoal.engine.core.outputs import Logprob, RequestMetrics
 from shoal.engine.execution.sampling import SamplingParams
 
 
@@ -35,6 +35,22 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # What the last output left to send (DELTA outputs): generated tokens already emitted, and text released by
+    # the detokenizer since.
+    num_sent_tokens: int = 0
+    unsent_text: str = ""
+    finish_sent: bool = False
+    grammar: object = None  # a structured_outputs.GrammarMatcher when the request is grammar-constrained
+
+    @property
+    def prompt_scored_upto(self) -> int | None:
+        """When this sequence still owes prompt logprobs: the position up to which they exist (the prefix cache may
+        serve only positions before it). None when it owes none (only completion 0 of a request scores the
+        prompt)."""
+        plp = self.request.prompt_logprobs
+        if self.index != 0 or plp is None or len(plp) >= self.num_prompt_tokens:
+            return None
+        return max(0, len(plp) - 1)
 
     @property
     def num_tokens(self) -> int:
@@ -63,13 +79,15 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float
+    metrics: RequestMetrics  # the request's timing record
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
+    prompt_logprobs: list | None = None  # one entry per prompt token scored so far (the first is None)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
 
     @property
     def is_finished(self) -> bool:

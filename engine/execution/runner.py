@@ -62,6 +62,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
         query_lens.append(n)
         seq_lens.append(c + n)
         tables.append(seq.block_ids)
+        for p in s.scored:  # prompt positions whose logits score the next prompt token
+            logits_indices.append(len(tokens) - n + (p - c))
         if s.samples:
             logits_indices.append(len(tokens) - 1)
     B = len(scheduled)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.engine.core.outputs import RequestOutputKind
+
 _SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's threshold)
 MAX_N = 128  # cap on n (completions per request)
 MAX_LOGPROBS = 20  # cap on logprobs (top alternatives per token), as OpenAI's top_logprobs
@@ -75,6 +77,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # top-N alternatives per prompt token (vLLM's); 0: only the token's own
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Grammar-constrained decoding: a StructuredOutputsParams (what to enforce) or an already compiled grammar
+    # (shoal.engine.core.structured_outputs.CompiledGrammar); None: unconstrained.
+    structured_outputs: object | None = None
 
     def __post_init__(self) -> None:
         # Normalise.
@@ -123,8 +130,9 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1]")
         if self.seed is not None and not is_int(self.seed):
             raise bad("seed", "an integer or None")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1 or None")
+        # max_tokens=0 scores the prompt without generating (with prompt_logprobs; the completions API's echo)
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            raise bad("max_tokens", "an integer >= 0 or None")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -133,6 +141,9 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
@@ -152,7 +163,7 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         """A copy (lists copied too), optionally with some fields changed (validated again)."""
         if changes:
-            d = {k: copy.copy(v) for k, v in self.__dict__.items()}
+            d = {k: v if k == "structured_outputs" else copy.copy(v) for k, v in self.__dict__.items()}
             d.update(changes)
             return SamplingParams(**d)
         new = copy.copy(self)
@@ -182,6 +193,12 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # set by the engine when params.seed is not None; kept across steps
     uniform: float | None = None  # this step's U[0,1) drawn ahead from `generator` (see for_remote)
+    # Grammar-constrained rows: the allowed tokens as a packed bitmask (int32 [ceil(vocab/32)], bit t%32 of word
+    # t//32 set = token t allowed), filled by the row's grammar matcher.
+    token_bitmask: torch.Tensor | None = None
+    # Scoring rows (prompt logprobs): the row's "sample" is this known next prompt token; only its logprob and
+    # the top-`params.prompt_logprobs` alternatives are computed.
+    target: int | None = None
 
     def for_remote(self) -> "SamplingRow":
         """A picklable copy for a sampler in another process (the last pipeline stage): the seeded draw is made
@@ -195,7 +212,7 @@ class SamplingRow:
             params=p,
             prompt_token_ids=list(self.prompt_token_ids) if p.repetition_penalty != 1.0 else [],
             output_token_ids=list(self.output_token_ids) if (p.uses_penalties or p.min_tokens) else [],
-            uniform=uniform,
+            uniform=uniform, token_bitmask=self.token_bitmask, target=self.target,
         )
 
 
@@ -209,6 +226,22 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None]
     # per row: 1-based rank of the sampled token in the raw distribution when params.logprobs is not None
     ranks: list[int | None] = field(default_factory=list)
+
+
+def _apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """In place: -inf at every token whose bit is clear in its row's packed int32 bitmask [R, ceil(V/32)].
+
+    One vectorised unpack for all constrained rows (no per-row or per-token Python loop)."""
+    V = x.shape[1]
+    bits = torch.tensor([1 << k for k in range(31)] + [-(1 << 31)], dtype=torch.int32, device=x.device)
+    allowed = (bitmask.unsqueeze(-1) & bits) != 0  # [R, W, 32]
+    allowed = allowed.flatten(1)[:, :V]
+    if allowed.shape[1] < V:  # a bitmask narrower than the logits: the extra (padding) columns are banned
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    if rows is None:
+        x.masked_fill_(~allowed, float("-inf"))
+    else:
+        x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
 
 
 class Sampler:
@@ -242,15 +275,20 @@ class Sampler:
         x = self._process(raw, rows, V)
 
         # ---- choose tokens --------------------------------------------------------------------------------
-        greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        greedy = [p.temperature < _SAMPLING_EPS or r.target is not None for p, r in zip(params, rows)]
         if all(greedy):
             tokens = _argmax(x)
         else:
             tokens = self._sample(x, rows, greedy, V)
+        score_rows = [i for i, r in enumerate(rows) if r.target is not None]
+        if score_rows:
+            tokens[torch.tensor(score_rows, device=device)] = torch.tensor(
+                [rows[i].target for i in score_rows], device=device, dtype=tokens.dtype)
 
         # ---- log-probs of the raw distribution ----------------------------------------------------------------
         # Only rows that asked for logprobs pay for them (a full pass over the vocabulary per row).
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        num_lp = [p.prompt_logprobs if r.target is not None else p.logprobs for p, r in zip(params, rows)]
+        lp_rows = [i for i, k in enumerate(num_lp) if k is not None]
         top_out: list[list[tuple[int, float]] | None] = [None] * B
         ranks_out: list[int | None] = [None] * B
         sampled_out: list[float | None] = [None] * B
@@ -264,13 +302,13 @@ class Sampler:
             for i, lp in zip(lp_rows, (sub_tok_logit - sub_lse).tolist()):
                 sampled_out[i] = lp
             ranks = ((sub_raw > sub_tok_logit.unsqueeze(1)).sum(dim=-1) + 1).tolist()
-            kmax = max(params[i].logprobs for i in lp_rows)
+            kmax = max(num_lp[i] for i in lp_rows)
             if kmax > 0:
                 vals, ids = sub_raw.topk(min(kmax, V), dim=-1)
                 vals = (vals - sub_lse.unsqueeze(1)).tolist()
                 ids = ids.tolist()
             for j, i in enumerate(lp_rows):
-                k = params[i].logprobs
+                k = num_lp[i]
                 top_out[i] = [(ids[j][m], vals[j][m]) for m in range(min(k, V))] if k else []
                 ranks_out[i] = ranks[j]
         return SamplerOutput(token_list, sampled_out, top_out, ranks_out)
@@ -284,10 +322,16 @@ class Sampler:
         return x.clone() if x is raw else x
 
     def _process(self, raw: torch.Tensor, rows: list[SamplingRow], V: int) -> torch.Tensor:
-        """Penalties then min_tokens; returns `raw` itself when nothing applies (never modifies it)."""
+        """Grammar bitmasks, penalties, then min_tokens; returns `raw` itself when nothing applies (never
+        modifies it)."""
         device = raw.device
         params = [r.params for r in rows]
         x = raw
+        masked = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+        if masked:
+            x = x.clone()
+            _apply_token_bitmask(x, torch.stack([rows[i].token_bitmask for i in masked]).to(device),
+                                 None if len(masked) == len(rows) else torch.tensor(masked, device=device))
         pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
         if pen_rows:
             x = x.clone()

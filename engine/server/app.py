@@ -4,8 +4,10 @@ Routes
   POST /v1/completions, /v1/chat/completions     OpenAI shapes, `stream: true` as SSE ending in `data: [DONE]`
   GET  /v1/models, /version
   POST /tokenize, /detokenize                    vLLM's shapes
+  GET  /tokenizer_info                           vLLM's: the tokenizer's class and configuration
   GET  /metrics                                  Prometheus text (per-app registry)
-  GET  /startupz /readyz /livez /health          model loaded / able to admit / engine loop alive / alias of livez
+  GET  /startupz /readyz /livez                  model loaded / able to admit / engine loop alive
+  GET  /health                                   vLLM's: model loaded and engine loop alive (503 while loading)
 
 `--api-key` protects every route except the health endpoints and /metrics. Access logs carry method, path,
 status and duration, never bodies (so never prompt text); health and metrics requests are not logged.
@@ -14,55 +16,30 @@ status and duration, never bodies (so never prompt text); health and metrics req
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-import time
-from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
-from pydantic import ValidationError
 
-from shoal.engine.core.async_engine import (
-    AsyncEngine,
-    DrainingError,
-    EngineDeadError,
-    EngineNotReadyError,
-    QueueFullError,
-    RequestFailedError,
+from shoal.engine.core.async_engine import AsyncEngine
+from shoal.engine.server import openai_api as oai
+from shoal.engine.server.common import (
+    STATE_KEY,
+    ServerState,
+    api_error_response,
+    check_model,
+    get_state,
+    json_response,
+    read_json,
+    require_loaded,
 )
 from shoal.engine.server.metrics import ServerMetrics
-from shoal.engine.server.protocol import (
-    APIError,
-    DetokenizeRequest,
-    TokenizeRequest,
-    validation_error_to_api_error,
-)
+from shoal.engine.server.protocol import APIError, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("shoal.engine.server")
 
 OPEN_PATHS = frozenset({"/health", "/livez", "/readyz", "/startupz", "/metrics"})
 QUIET_PATHS = OPEN_PATHS
-RETRY_AFTER_SECONDS = 1
-
-STATE_KEY = web.AppKey("shoal_state", object)
-
-
-class ServerState:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, api_key: str | None):
-        self.engine = engine
-        self.metrics = metrics
-        self.api_key = api_key
-        self.active_handlers = 0  # generation requests whose HTTP response is not finished yet
-        self.created = int(time.time())
-
-    @property
-    def served_model_name(self) -> str:
-        return self.engine.model_name
-
-
-def get_state(request: web.Request) -> ServerState:
-    return request.app[STATE_KEY]
 
 
 def version() -> str:
@@ -72,86 +49,6 @@ def version() -> str:
         return v("shoal")
     except Exception:  # noqa: BLE001
         return "0.0.0"
-
-
-def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode(),
-        status=status,
-        content_type="application/json",
-        headers=headers,
-    )
-
-
-def api_error_response(e: APIError) -> web.Response:
-    return json_response(e.body(), status=e.status, headers=e.headers)
-
-
-def engine_error_to_api_error(e: Exception) -> APIError:
-    """Map AsyncEngine's admission errors (and ValueError for bad input) to HTTP errors."""
-    retry = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-    if isinstance(e, QueueFullError):
-        return APIError(str(e), 429, code="queue_full", headers=retry)
-    if isinstance(e, DrainingError):
-        return APIError("the server is shutting down; retry on another replica", 503, code="draining",
-                        headers=retry)
-    if isinstance(e, EngineNotReadyError):
-        return APIError("the model is still loading", 503, code="loading", headers=retry)
-    if isinstance(e, EngineDeadError):
-        return APIError(f"the engine is not running: {e}", 503, code="engine_dead")
-    if isinstance(e, ValueError):
-        return APIError(str(e), 400, param=_param_from_message(str(e)))
-    if isinstance(e, RequestFailedError):
-        return APIError(str(e), 500)
-    return APIError("internal server error", 500)
-
-
-_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-                    "prompt")
-
-
-def _param_from_message(msg: str) -> str | None:
-    head = msg.split(" ", 1)[0].strip(":,'\"`")
-    return head if head in _SAMPLING_FIELDS else None
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def read_json(request: web.Request, model: type) -> Any:
-    """Parse the body into `model`: 400 for malformed JSON, a non-object body, or a field of the wrong type."""
-    raw = await request.read()
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant) if raw else None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise APIError(f"request body is not valid JSON: {e}", 400) from None
-    if not isinstance(data, dict):
-        raise APIError("request body must be a JSON object", 400)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error_to_api_error(e) from None
-    except APIError:
-        raise
-    except ValueError as e:
-        raise APIError(str(e), 400) from None
-
-
-def check_model(state: ServerState, name: str | None) -> None:
-    if name is None or name == "":
-        return
-    if name not in (state.served_model_name, state.engine.config.model):
-        raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
-
-
-def require_loaded(state: ServerState) -> None:
-    eng = state.engine
-    if eng.fatal_error is not None:
-        raise engine_error_to_api_error(EngineDeadError(str(eng.fatal_error)))
-    if not eng.is_loaded:
-        raise engine_error_to_api_error(EngineNotReadyError())
 
 
 # --------------------------------------------------------------------------------------------- middlewares
@@ -230,8 +127,10 @@ async def livez(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """vLLM's meaning (vLLM listens only once ready, so clients poll /health and then send traffic): 200 only
+    while the model is loaded and the engine loop alive; 503 while loading and once the loop stopped or died."""
     eng = get_state(request).engine
-    return web.Response(status=200 if eng.is_alive() else 503)
+    return web.Response(status=200 if eng.is_healthy() else 503)
 
 
 async def metrics_route(request: web.Request) -> web.Response:
@@ -263,8 +162,6 @@ async def models_route(request: web.Request) -> web.Response:
 
 
 async def tokenize_route(request: web.Request) -> web.Response:
-    from shoal.engine.server.openai_api import render_chat_prompt
-
     state = get_state(request)
     req = await read_json(request, TokenizeRequest)
     check_model(state, req.model)
@@ -276,8 +173,11 @@ async def tokenize_route(request: web.Request) -> web.Response:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(tok.encode(req.prompt, add_special_tokens=add_special))
     else:
-        ids = render_chat_prompt(state, [m for m in req.messages], req.add_generation_prompt,
-                                 req.continue_final_message, req.chat_template_kwargs,
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs.setdefault("tools", req.tools)
+        ids = oai.render_chat_prompt(state, [m for m in req.messages], req.add_generation_prompt,
+                                 req.continue_final_message, kwargs,
                                  add_special_tokens=bool(req.add_special_tokens))
     out = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:
@@ -298,19 +198,32 @@ async def detokenize_route(request: web.Request) -> web.Response:
     return json_response({"prompt": tok.decode(req.tokens)})
 
 
+async def tokenizer_info_route(request: web.Request) -> web.Response:
+    """vLLM's /tokenizer_info: the tokenizer's class and configuration (evaluation clients probe it)."""
+    state = get_state(request)
+    require_loaded(state)
+    tok = state.engine.tokenizer
+    info = {k: v for k, v in getattr(tok, "init_kwargs", {}).items()
+            if isinstance(v, (str, int, float, bool, type(None))) or k == "added_tokens_decoder"}
+    info.pop("added_tokens_decoder", None)  # AddedToken objects; not JSON
+    info.update(tokenizer_class=type(tok).__name__, model_max_length=state.engine.max_model_len,
+                vocab_size=len(tok), eos_token=tok.eos_token, bos_token=tok.bos_token, pad_token=tok.pad_token,
+                chat_template=getattr(state.engine, "chat_template", None) or getattr(tok, "chat_template", None))
+    return json_response(info)
+
+
 # --------------------------------------------------------------------------------------------- app
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | None = None,
-              client_max_size: int = 64 * 1024 * 1024) -> web.Application:
-    from shoal.engine.server import openai_api as oai
-
+              client_max_size: int = 64 * 1024 * 1024, tool_call_parser: str | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=client_max_size)
-    app[STATE_KEY] = ServerState(engine, metrics, api_key or None)
+    app[STATE_KEY] = ServerState(engine, metrics, api_key or None, tool_call_parser)
     r = app.router
     r.add_post("/v1/completions", oai.create_completion)
     r.add_post("/v1/chat/completions", oai.create_chat_completion)
     r.add_get("/v1/models", models_route)
     r.add_post("/tokenize", tokenize_route)
     r.add_post("/detokenize", detokenize_route)
+    r.add_get("/tokenizer_info", tokenizer_info_route)
     r.add_get("/version", version_route)
     r.add_get("/metrics", metrics_route)
     r.add_get("/startupz", startupz)

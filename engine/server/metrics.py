@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from shoal.engine.core.async_engine import AsyncEngine, MetricsSink, PerRequestTimes
+from shoal.engine.core.async_engine import AsyncEngine, MetricsSink
 from shoal.engine.core.outputs import RequestOutput
 
 PREFIX = "shoal:"
@@ -99,6 +99,9 @@ class ServerMetrics(MetricsSink):
                                     buckets=TOKEN_BUCKETS, registry=r)
         self.gen_len = Histogram(PREFIX + "request_generation_tokens", "Number of generation tokens processed.", ln,
                                  buckets=TOKEN_BUCKETS, registry=r)
+        self.structured_requests = Counter(
+            PREFIX + "structured_output_requests", "Requests with grammar-constrained output, by constraint kind "
+            "(json_schema, json_object, regex, choice, grammar, tool_call).", ln + ["kind"], registry=r)
         # Children bound once (label lookups are not free on the hot path).
         self._ttft = self.ttft.labels(model_name)
         self._itl = self.itl.labels(model_name)
@@ -121,20 +124,25 @@ class ServerMetrics(MetricsSink):
         for _ in range(max(1, num_tokens)):
             self._itl.observe(per)
 
-    def on_finished(self, output: RequestOutput, times: PerRequestTimes, finished_time: float) -> None:
+    def on_finished(self, output: RequestOutput, finished_time: float) -> None:
         reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
         reason = reasons[0] if reasons else "abort"
         if reason not in self._success:
             self._success[reason] = self.request_success.labels(self.model_name, reason)
         self._success[reason].inc()
-        self._e2e.observe(max(0.0, finished_time - times.arrival))
         m = output.metrics
-        if m is not None and m.first_scheduled_time is not None:
-            self._queue.observe(max(0.0, m.first_scheduled_time - (m.arrival_time or times.arrival)))
+        if m is None:
+            return
+        self._e2e.observe(max(0.0, finished_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self._queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         if output.prompt_token_ids:
             self._prompt_len.observe(len(output.prompt_token_ids))
         if output.outputs:
-            self._gen_len.observe(sum(len(c.token_ids) for c in output.outputs))
+            self._gen_len.observe(m.num_generation_tokens)
+
+    def on_structured_request(self, kind: str) -> None:
+        self.structured_requests.labels(self.model_name, kind).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,29 +1,35 @@
 """/v1/completions and /v1/chat/completions: request -> SamplingParams -> AsyncEngine -> OpenAI JSON or SSE.
 
-The engine hands back cumulative, display-safe text per completion (never a partial UTF-8 character, never a
-prefix of a stop string still pending); this module turns it into deltas for SSE. A client that disconnects
-(or whose handler is cancelled) has its requests aborted at once, which frees their KV blocks.
+The engine streams deltas (only what is new since its previous output: display-safe text, token ids, logprobs),
+so a streamed chunk is one delta rendered as the endpoint's choice, and a full response is the deltas added up.
+What differs between the two endpoints is an `_Endpoint` (how a choice looks); one loop streams both and one
+collects both. A client that disconnects (or whose handler is cancelled) has its requests aborted at once, which
+frees their KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from shoal.engine.core.async_engine import EngineDeadError, EngineError, RequestStream
-from shoal.engine.core.outputs import CompletionOutput, RequestOutput
-from shoal.engine.server.app import (
+from shoal.engine.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from shoal.engine.core.structured_outputs import GrammarError
+from shoal.engine.server import structured, tools
+from shoal.engine.server.common import (
     ServerState,
     check_model,
+    dumps,
     engine_error_to_api_error,
     get_state,
+    json_response,
+    param_from_message,
     read_json,
     require_loaded,
 )
@@ -32,43 +38,13 @@ from shoal.engine.server.protocol import APIError, ChatCompletionRequest, ChatMe
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
 def _make_params(kwargs: dict[str, Any]):
     from shoal.engine.execution.sampling import SamplingParams
 
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
-        msg = str(e)
-        head = msg.split(" ", 1)[0].strip(":,'\"`")
-        raise APIError(msg, 400, param=head if head in kwargs else None) from None
-
-
-def _prompt_too_long(max_model_len: int, prompt_len: int, max_tokens: int, where: str) -> APIError:
-    return APIError(
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} for the completion). "
-        f"Please reduce the length of the {where} or the maximum number of tokens.",
-        400, param="max_tokens" if prompt_len < max_model_len else "prompt", code="context_length_exceeded",
-    )
-
-
-def _resolve_max_tokens(state: ServerState, prompt_len: int, requested: int | None, where: str) -> int:
-    max_len = state.engine.max_model_len
-    if prompt_len == 0:
-        raise APIError(f"the {where} is empty", 400, param="prompt" if where == "prompt" else "messages")
-    if max_len is None:
-        return requested if requested is not None else 16
-    if prompt_len >= max_len and requested != 0:
-        raise _prompt_too_long(max_len, prompt_len, requested or 0, where)
-    if requested is None:
-        return max_len - prompt_len
-    if prompt_len + requested > max_len:
-        raise _prompt_too_long(max_len, prompt_len, requested, where)
-    return requested
+        raise APIError(str(e), 400, param=param_from_message(str(e))) from None
 
 
 def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -104,22 +80,28 @@ def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_gene
     return list(rendered)
 
 
-# ------------------------------------------------------------------------------------------ per-choice state
-@dataclass
-class _Choice:
-    index: int
-    prompt_text: str = ""
-    echo: bool = False
-    text_len: int = 0  # characters of the engine's cumulative text already sent
-    num_tokens: int = 0  # tokens whose logprobs were already sent
-    text_offset: int = 0  # running offset for completions logprobs
-    started: bool = False  # chat: role delta sent
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    final: CompletionOutput | None = None
-    token_ids: list[int] = field(default_factory=list)
+async def _compile(state: ServerState, grammar: structured.GrammarRequest | None):
+    """The compiled grammar for SamplingParams.structured_outputs (None when unconstrained); 400 naming the problem
+    for an invalid or unsupported one. Counted in shoal:structured_output_requests."""
+    if grammar is None:
+        return None
+    try:
+        compiled = await state.engine.compile_grammar(grammar.spec)
+    except GrammarError as e:
+        raise APIError(f"{grammar.param}: {e}", 400, param=grammar.param) from None
+    state.metrics.on_structured_request(grammar.kind)
+    return compiled
 
 
+def _vllm_prompt_logprobs(plp: PromptLogprobs | None) -> list | None:
+    """vLLM's JSON shape of prompt_logprobs: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
+    if plp is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()} for d in plp]
+
+
+# ------------------------------------------------------------------------------------------ engine streams
 @dataclass
 class _Job:
     """One prompt of a request: its engine stream and the prompt's ids/text."""
@@ -127,6 +109,7 @@ class _Job:
     prompt_ids: list[int]
     prompt_text: str
     stream: RequestStream | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # from the engine's first output that carries them
 
 
 async def _merge_streams(jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput | None]]:
@@ -166,7 +149,8 @@ async def _merge_streams(jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOu
             t.cancel()
 
 
-async def _start_jobs(state: ServerState, base_id: str, jobs: list[_Job], params, priority: int) -> None:
+async def _start_jobs(state: ServerState, base_id: str, jobs: list[_Job], params, priority: int,
+                      prompt_param: str) -> None:
     """Hand every prompt to the engine; on any failure abort those already added and raise an APIError."""
     try:
         for i, job in enumerate(jobs):
@@ -174,7 +158,7 @@ async def _start_jobs(state: ServerState, base_id: str, jobs: list[_Job], params
             job.stream = await state.engine.add_request(rid, job.prompt_ids, params, priority=priority)
     except (EngineError, ValueError) as e:
         _abort_jobs(jobs)
-        raise engine_error_to_api_error(e) from None
+        raise engine_error_to_api_error(e, prompt_param) from None
     except BaseException:
         _abort_jobs(jobs)
         raise
@@ -205,23 +189,12 @@ def _sorted_top(d: dict) -> list[tuple[int, Any]]:
     return sorted(d.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob))
 
 
-def _new_logprobs(comp: CompletionOutput, start: int) -> list[dict] | None:
-    """The per-token logprob dicts for tokens [start:], whether the engine reports them cumulatively or not."""
-    lps = comp.logprobs
-    if lps is None:
-        return None
-    n = len(comp.token_ids)
-    if len(lps) == n:
-        return lps[start:]
-    return lps[-(n - start):] if n > start else []
-
-
-def _completion_logprobs(state: ServerState, comp: CompletionOutput, start: int, end: int, k: int,
-                         choice: _Choice) -> dict:
+def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: list[dict | None], k: int,
+                         text_offset: int) -> dict:
+    """OpenAI's completions logprobs object for these tokens; offsets count from `text_offset`."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    lps = _new_logprobs(comp, start) or []
-    for j, tid in enumerate(comp.token_ids[start:end]):
-        d = lps[j] if j < len(lps) else {}
+    for tid, d in zip(token_ids, logprobs):
+        d = d or {}
         lp = d.get(tid)
         s = _token_str(state, tid, lp)
         tokens.append(s)
@@ -230,32 +203,14 @@ def _completion_logprobs(state: ServerState, comp: CompletionOutput, start: int,
         if lp is not None:
             top.setdefault(s, lp.logprob)
         tops.append(top or None)
-        offsets.append(choice.text_offset)
-        choice.text_offset += len(s)
+        offsets.append(text_offset)
+        text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _echo_logprobs(state: ServerState, prompt_ids: list[int], choice: _Choice) -> dict:
-    tokens = [state.engine.tokenizer.decode([t]) for t in prompt_ids]
-    offsets = []
-    for s in tokens:
-        offsets.append(choice.text_offset)
-        choice.text_offset += len(s)
-    return {"tokens": tokens, "token_logprobs": [None] * len(tokens), "top_logprobs": [None] * len(tokens),
-            "text_offset": offsets}
-
-
-def _merge_lp(a: dict | None, b: dict) -> dict:
-    if a is None:
-        return b
-    return {k: a[k] + b[k] for k in a}
-
-
-def _chat_logprobs(state: ServerState, comp: CompletionOutput, start: int, end: int, k: int) -> dict:
+def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list[dict], k: int) -> dict:
     content = []
-    lps = _new_logprobs(comp, start) or []
-    for j, tid in enumerate(comp.token_ids[start:end]):
-        d = lps[j] if j < len(lps) else {}
+    for tid, d in zip(token_ids, logprobs):
         lp = d.get(tid)
         s = _token_str(state, tid, lp)
         top = []
@@ -267,7 +222,185 @@ def _chat_logprobs(state: ServerState, comp: CompletionOutput, start: int, end: 
     return {"content": content}
 
 
-# ------------------------------------------------------------------------------------------ SSE helpers
+# ------------------------------------------------------------------------------------------ endpoints
+class _Endpoint:
+    """How one endpoint renders choices. `delta_choice` renders one engine delta (None: nothing to send);
+    `final_choice` a whole completion. Per-choice state is only what OpenAI's format itself carries across
+    chunks (the completions text offset, whether the echo was sent)."""
+
+    object_full: str
+    object_chunk: str
+
+    def __init__(self, state: ServerState, jobs: list[_Job], n: int):
+        self.state, self.jobs, self.n = state, jobs, n
+
+    def opening_choices(self) -> list[dict]:
+        return []
+
+    def delta_choice(self, index: int, job: _Job, comp: CompletionOutput, out: RequestOutput) -> dict | None:
+        raise NotImplementedError
+
+    def final_choice(self, index: int, job: _Job, comp: CompletionOutput, out: RequestOutput | None) -> dict:
+        raise NotImplementedError
+
+    def response_fields(self, finals: list[RequestOutput | None]) -> dict:
+        """Extra top-level fields of a full response."""
+        return {}
+
+    def abort_choice(self, index: int) -> dict:
+        raise NotImplementedError
+
+
+class _Completions(_Endpoint):
+    object_full = object_chunk = "text_completion"
+
+    def __init__(self, state: ServerState, jobs: list[_Job], req: CompletionRequest):
+        super().__init__(state, jobs, req.n)
+        self.req = req
+        self.text_offset: dict[int, int] = {}  # per choice: characters before the next logprob token
+        self.started: set[int] = set()  # choices whose echo (if any) was sent
+
+    def _text_and_logprobs(self, index: int, job: _Job, comp: CompletionOutput,
+                           out: RequestOutput | None) -> tuple[str, dict | None]:
+        req, text, lp = self.req, comp.text, None
+        k = req.logprobs
+        first = index not in self.started
+        self.started.add(index)
+        offset = self.text_offset.get(index, 0)
+        if first and req.echo:
+            text = job.prompt_text + text
+            if k is not None:  # the prompt's own logprobs (the first token has none), then the generated ones
+                lp = _completion_logprobs(self.state, job.prompt_ids,
+                                          job.prompt_logprobs or [None] * len(job.prompt_ids), k, offset)
+                offset += sum(len(t) for t in lp["tokens"])
+        if k is not None and comp.token_ids:
+            new = _completion_logprobs(self.state, comp.token_ids, comp.logprobs or [], k, offset)
+            offset += sum(len(t) for t in new["tokens"])
+            lp = new if lp is None else {key: lp[key] + new[key] for key in lp}
+        self.text_offset[index] = offset
+        return text, lp
+
+    def delta_choice(self, index, job, comp, out):
+        first = index not in self.started
+        text, lp = self._text_and_logprobs(index, job, comp, out)
+        if not (text or lp or comp.finish_reason is not None):
+            return None
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason}
+        if first and self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(job.prompt_logprobs)
+        if comp.finish_reason is not None:
+            choice["stop_reason"] = comp.stop_reason
+        return choice
+
+    def final_choice(self, index, job, comp, out):
+        text, lp = self._text_and_logprobs(index, job, comp, out)
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason or "abort",
+                  "stop_reason": comp.stop_reason}
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(job.prompt_logprobs)
+        return choice
+
+    def abort_choice(self, index):
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": "abort"}
+
+
+class _Chat(_Endpoint):
+    """Chat choices; with tools, the text is a forced call's JSON (named / required: buffered or streamed as
+    arguments) or free text a parser searches for calls (auto: content streams until a call may start)."""
+
+    object_full, object_chunk = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, state: ServerState, jobs: list[_Job], req: ChatCompletionRequest, top: int | None,
+                 plan: tools.ToolPlan):
+        super().__init__(state, jobs, req.n)
+        self.req, self.top, self.plan = req, top, plan
+        self.text: dict[int, str] = {}  # tool modes: each choice's text so far
+        self.sent: dict[int, int] = {}  # auto: characters of it already streamed as content
+        self.named_ids: dict[int, str] = {}  # named: the call id announced in the first chunk
+
+    def _logprobs(self, comp: CompletionOutput) -> dict | None:
+        if self.top is None or not comp.token_ids:
+            return None
+        return _chat_logprobs(self.state, comp.token_ids, comp.logprobs or [], self.top)
+
+    def _calls(self, text: str) -> tuple[str | None, list[tools.ToolCall]]:
+        """(content, tool calls) of a whole choice's text."""
+        if self.plan.mode in ("named", "required"):
+            calls = tools.forced_calls(self.plan, text)
+            return (None, calls) if calls else (text, [])
+        if self.plan.mode == "auto":
+            return self.plan.parser.extract(text)
+        return text, []
+
+    @staticmethod
+    def _finish(reason: str | None, calls: list) -> str | None:
+        return "tool_calls" if calls and reason == "stop" else reason
+
+    def opening_choices(self):  # the role comes first, as OpenAI sends it
+        return [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for c in range(self.n)]
+
+    def delta_choice(self, index, job, comp, out):
+        lp = self._logprobs(comp)
+        delta, finish = self._tool_delta(index, comp) if self.plan.mode != "none" else (
+            {"content": comp.text} if comp.text else {}, comp.finish_reason)
+        if not (delta or lp or finish is not None):
+            return None
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = comp.stop_reason
+        return choice
+
+    def _tool_delta(self, index: int, comp: CompletionOutput) -> tuple[dict, str | None]:
+        text = self.text.get(index, "") + comp.text
+        self.text[index] = text
+        done = comp.finish_reason is not None
+        if self.plan.mode == "named":  # the output is the arguments: stream them as they come
+            delta = {}
+            if index not in self.named_ids:
+                self.named_ids[index] = tools.ToolCall(self.plan.named, "").id
+                delta = {"tool_calls": [{"index": 0, "id": self.named_ids[index], "type": "function",
+                                         "function": {"name": self.plan.named, "arguments": comp.text}}]}
+            elif comp.text:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": comp.text}}]}
+            return delta, self._finish(comp.finish_reason, [True]) if done else None
+        if self.plan.mode == "auto" and not done:  # stream content up to where a call may begin
+            upto = self.plan.parser.safe_prefix(text)
+            start = self.sent.get(index, 0)
+            self.sent[index] = max(start, upto)
+            return ({"content": text[start:upto]} if upto > start else {}), None
+        if not done:  # required: the JSON array is parsed once complete
+            return {}, None
+        content, calls = self._calls(text)
+        delta: dict = {}
+        if self.plan.mode == "auto":  # the content not yet streamed: up to the first call, or all of it
+            end = (self.plan.parser.call_start(text) or 0) if calls else len(text)
+            start = self.sent.get(index, 0)
+            if end > start:
+                delta["content"] = text[start:end]
+        elif not calls and text:  # required, cut short before the array was complete
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c.to_openai()} for i, c in enumerate(calls)]
+        return delta, self._finish(comp.finish_reason, calls)
+
+    def final_choice(self, index, job, comp, out):
+        content, calls = self._calls(comp.text)
+        message = {"role": "assistant", "content": content,
+                   "tool_calls": [c.to_openai() for c in calls]}
+        return {"index": index, "message": message, "logprobs": self._logprobs(comp),
+                "finish_reason": self._finish(comp.finish_reason, calls) or "abort", "stop_reason": comp.stop_reason}
+
+    def response_fields(self, finals):
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": _vllm_prompt_logprobs(finals[0].prompt_logprobs if finals[0] else None)}
+
+    def abort_choice(self, index):
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": "abort", "stop_reason": None}
+
+
+# ------------------------------------------------------------------------------------------ responses
 class _SSE:
     def __init__(self, request: web.Request, request_id: str):
         self.request = request
@@ -277,7 +410,7 @@ class _SSE:
         await self.resp.prepare(self.request)
 
     async def send(self, obj: Any) -> None:
-        await self.resp.write(f"data: {_dumps(obj)}\n\n".encode())
+        await self.resp.write(f"data: {dumps(obj)}\n\n".encode())
 
     async def done(self) -> None:
         await self.resp.write(b"data: [DONE]\n\n")
@@ -289,18 +422,103 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _track(state: ServerState):
-    class _Active:
-        def __enter__(self):
-            state.active_handlers += 1
+async def _stream(request: web.Request, api: _Endpoint, base_id: str, created: int, model: str,
+                  include_usage: bool) -> web.StreamResponse:
+    """The one SSE loop: every engine delta becomes a chunk of the endpoint's shape."""
+    sse = _SSE(request, base_id)
+    await sse.start()
+    n, jobs = api.n, api.jobs
 
-        def __exit__(self, *exc):
-            state.active_handlers -= 1
+    def chunk(choice: dict) -> dict:
+        c = {"id": base_id, "object": api.object_chunk, "created": created, "model": model, "choices": [choice]}
+        if include_usage:
+            c["usage"] = None
+        return c
 
-    return _Active()
+    completion_tokens = 0
+    open_choices = set(range(len(jobs) * n))
+    try:
+        for choice in api.opening_choices():
+            await sse.send(chunk(choice))
+        async for i, out in _merge_streams(jobs):
+            if out is None:  # aborted (shutdown): close the open choices
+                for index in sorted(c for c in open_choices if c // n == i):
+                    open_choices.discard(index)
+                    await sse.send(chunk(api.abort_choice(index)))
+                continue
+            if out.prompt_logprobs is not None:
+                jobs[i].prompt_logprobs = out.prompt_logprobs
+            for comp in out.outputs:
+                index = i * n + comp.index
+                if index not in open_choices:
+                    continue
+                completion_tokens += len(comp.token_ids)
+                if comp.finish_reason is not None:
+                    open_choices.discard(index)
+                choice = api.delta_choice(index, jobs[i], comp, out)
+                if choice is not None:
+                    await sse.send(chunk(choice))
+        if include_usage:
+            usage = _usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens)
+            await sse.send({"id": base_id, "object": api.object_chunk, "created": created, "model": model,
+                            "choices": [], "usage": usage})
+        await sse.done()
+    except EngineDeadError as e:
+        err = APIError(f"generation failed: {e}", 500, code="engine_dead")
+        try:
+            await sse.send(err.body())
+            await sse.done()
+        except ConnectionError:
+            pass
+    return sse.resp
 
 
-# ------------------------------------------------------------------------------------------ completions
+async def _respond(api: _Endpoint, base_id: str, created: int, model: str) -> web.Response:
+    """The one non-streaming path: every job's deltas added up, then rendered."""
+    jobs, n = api.jobs, api.n
+    finals: list[RequestOutput | None] = [None] * len(jobs)
+    try:
+        async for i, out in _merge_streams(jobs):
+            if out is not None:
+                if finals[i] is None:
+                    finals[i] = out
+                else:
+                    finals[i].add(out)
+    except EngineDeadError as e:
+        raise APIError(f"generation failed: {e}", 500, code="engine_dead") from None
+    choices, completion_tokens = [], 0
+    for i, job in enumerate(jobs):
+        if finals[i] is not None:
+            job.prompt_logprobs = finals[i].prompt_logprobs
+        comps = {c.index: c for c in (finals[i].outputs if finals[i] is not None else [])}
+        for c in range(n):
+            comp = comps.get(c) or CompletionOutput(index=c, text="", token_ids=[], finish_reason="abort")
+            completion_tokens += len(comp.token_ids)
+            choices.append(api.final_choice(i * n + c, job, comp, finals[i]))
+    usage = _usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens)
+    return json_response({"id": base_id, "object": api.object_full, "created": created, "model": model,
+                          "choices": choices, "usage": usage, "system_fingerprint": None,
+                          **api.response_fields(finals)}, headers={"X-Request-Id": base_id})
+
+
+async def _run(request: web.Request, state: ServerState, api: _Endpoint, params, req, id_prefix: str,
+               prompt_param: str) -> web.StreamResponse:
+    base_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    state.active_handlers += 1
+    try:
+        await _start_jobs(state, base_id, api.jobs, params, req.priority, prompt_param)
+        try:
+            if req.stream:
+                return await _stream(request, api, base_id, created, state.served_model_name, req.include_usage)
+            return await _respond(api, base_id, created, state.served_model_name)
+        finally:
+            _abort_jobs(api.jobs)
+    finally:
+        state.active_handlers -= 1
+
+
+# ------------------------------------------------------------------------------------------ routes
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     req: CompletionRequest = await read_json(request, CompletionRequest)
@@ -318,253 +536,46 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             jobs.append(_Job(ids, p))
         else:
             jobs.append(_Job(list(p), ""))
-    max_tokens = None
-    for j in jobs:
-        mt = _resolve_max_tokens(state, len(j.prompt_ids), req.max_tokens, "prompt")
-        max_tokens = mt if max_tokens is None else min(max_tokens, mt)
     kw = req.sampling_kwargs()
-    kw["max_tokens"] = max_tokens
+    kw["max_tokens"] = req.max_tokens
     if req.logprobs is not None:
         kw["logprobs"] = req.logprobs
+        if req.echo:  # the echoed prompt tokens carry their logprobs too (what evaluation clients read)
+            kw["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
+    kw["structured_outputs"] = await _compile(state, structured.from_request(req))
     params = _make_params(kw)
     if req.echo:
         for j in jobs:
             if not j.prompt_text:
                 j.prompt_text = tok.decode(j.prompt_ids)
-    base_id = f"cmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    model = state.served_model_name
-    n = req.n
-    choices = {i * n + c: _Choice(index=i * n + c, echo=req.echo, prompt_text=jobs[i].prompt_text)
-               for i in range(len(jobs)) for c in range(n)}
-    with _track(state):
-        await _start_jobs(state, base_id, jobs, params, req.priority)
-        try:
-            if req.stream:
-                return await _stream_completion(request, state, req, jobs, choices, base_id, created, model)
-            return await _full_completion(state, req, jobs, choices, base_id, created, model)
-        finally:
-            _abort_jobs(jobs)
+    return await _run(request, state, _Completions(state, jobs, req), params, req, "cmpl", "prompt")
 
 
-def _completion_delta(state: ServerState, req: CompletionRequest, job: _Job, ch: _Choice,
-                      comp: CompletionOutput) -> tuple[str, dict | None]:
-    """New text (and logprobs) of one choice since the last send; advances the choice's cursors."""
-    text = comp.text[ch.text_len:]
-    lp = None
-    if not ch.started:
-        ch.started = True
-        if ch.echo:
-            text = ch.prompt_text + text
-            if req.logprobs is not None:
-                lp = _echo_logprobs(state, job.prompt_ids, ch)
-    ntok = len(comp.token_ids)
-    if req.logprobs is not None and ntok > ch.num_tokens:
-        lp = _merge_lp(lp, _completion_logprobs(state, comp, ch.num_tokens, ntok, req.logprobs, ch))
-    ch.text_len = len(comp.text)
-    ch.num_tokens = ntok
-    return text, lp
-
-
-async def _stream_completion(request, state, req: CompletionRequest, jobs, choices, base_id, created, model):
-    sse = _SSE(request, base_id)
-    await sse.start()
-    n = req.n
-    include_usage = req.include_usage
-    completion_tokens: dict[int, int] = {}
-    try:
-        async for i, out in _merge_streams(jobs):
-            comps = out.outputs if out is not None else []
-            if out is None:  # aborted (shutdown): close the open choices
-                for c in range(n):
-                    ch = choices[i * n + c]
-                    if ch.finish_reason is None:
-                        ch.finish_reason = "abort"
-                        await sse.send(_completion_chunk(base_id, created, model, ch.index, "", None, "abort",
-                                                         include_usage))
-                continue
-            for comp in comps:
-                ch = choices[i * n + comp.index]
-                if ch.finish_reason is not None:
-                    continue
-                text, lp = _completion_delta(state, req, jobs[i], ch, comp)
-                completion_tokens[ch.index] = len(comp.token_ids)
-                if comp.finish_reason is not None:
-                    ch.finish_reason = comp.finish_reason
-                    ch.stop_reason = comp.stop_reason
-                if text or lp or comp.finish_reason is not None:
-                    chunk = _completion_chunk(base_id, created, model, ch.index, text, lp, comp.finish_reason,
-                                              include_usage)
-                    if comp.finish_reason is not None:
-                        chunk["choices"][0]["stop_reason"] = comp.stop_reason
-                    await sse.send(chunk)
-        if include_usage:
-            usage = _usage(sum(len(j.prompt_ids) for j in jobs), sum(completion_tokens.values()))
-            await sse.send({"id": base_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": usage})
-        await sse.done()
-    except EngineDeadError as e:
-        await _send_stream_error(sse, e)
-    return sse.resp
-
-
-async def _send_stream_error(sse: _SSE, e: Exception) -> None:
-    err = APIError(f"generation failed: {e}", 500, code="engine_dead")
-    try:
-        await sse.send(err.body())
-        await sse.done()
-    except ConnectionError:
-        pass
-
-
-def _completion_chunk(base_id, created, model, index, text, lp, finish_reason, include_usage) -> dict:
-    chunk = {"id": base_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}]}
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-async def _collect(jobs: list[_Job]) -> list[RequestOutput | None]:
-    finals: list[RequestOutput | None] = [None] * len(jobs)
-    try:
-        async for i, out in _merge_streams(jobs):
-            if out is not None:
-                finals[i] = out if finals[i] is None else _merge_outputs(finals[i], out)
-    except EngineDeadError as e:
-        raise APIError(f"generation failed: {e}", 500, code="engine_dead") from None
-    return finals
-
-
-def _merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    by = {c.index: c for c in a.outputs}
-    by.update({c.index: c for c in b.outputs})
-    b.outputs = [by[k] for k in sorted(by)]
-    return b
-
-
-async def _full_completion(state, req: CompletionRequest, jobs, choices, base_id, created, model):
-    finals = await _collect(jobs)
-    out_choices = []
-    completion_tokens = 0
-    for i, job in enumerate(jobs):
-        comps = {c.index: c for c in (finals[i].outputs if finals[i] is not None else [])}
-        for c in range(req.n):
-            ch = choices[i * req.n + c]
-            comp = comps.get(c) or CompletionOutput(index=c, text="", token_ids=[], finish_reason="abort")
-            text, lp = _completion_delta(state, req, job, ch, comp)
-            completion_tokens += len(comp.token_ids)
-            out_choices.append({"index": ch.index, "text": text, "logprobs": lp,
-                                "finish_reason": comp.finish_reason or "abort", "stop_reason": comp.stop_reason})
-    usage = _usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens)
-    from shoal.engine.server.app import json_response
-
-    return json_response({"id": base_id, "object": "text_completion", "created": created, "model": model,
-                          "choices": out_choices, "usage": usage, "system_fingerprint": None},
-                         headers={"X-Request-Id": base_id})
-
-
-# ------------------------------------------------------------------------------------------ chat
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)
     check_model(state, req.model)
     require_loaded(state)
+    plan = tools.plan(req.tools, req.tool_choice, state.tool_call_parser)
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if plan.tools:
+        template_kwargs.setdefault("tools", plan.tools)
     prompt_ids = render_chat_prompt(state, req.messages, req.add_generation_prompt, req.continue_final_message,
-                                    req.chat_template_kwargs)
+                                    template_kwargs)
     kw = req.sampling_kwargs()
-    kw["max_tokens"] = _resolve_max_tokens(state, len(prompt_ids), req.requested_max_tokens(), "messages")
+    kw["max_tokens"] = req.requested_max_tokens()
     top = req.requested_logprobs()
     if top is not None:
         kw["logprobs"] = top
+    grammar = structured.from_request(req)
+    if plan.grammar is not None:
+        if grammar is not None:
+            raise APIError(f"tool_choice {plan.mode!r} cannot be combined with {grammar.param}", 400,
+                           param="tool_choice")
+        grammar = plan.grammar
+    if plan.mode == "auto" and isinstance(plan.parser, tools.MistralParser):
+        kw["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
+    kw["structured_outputs"] = await _compile(state, grammar)
     params = _make_params(kw)
     jobs = [_Job(prompt_ids, "")]
-    base_id = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    model = state.served_model_name
-    choices = {c: _Choice(index=c) for c in range(req.n)}
-    with _track(state):
-        await _start_jobs(state, base_id, jobs, params, req.priority)
-        try:
-            if req.stream:
-                return await _stream_chat(request, state, req, jobs, choices, base_id, created, model, top)
-            return await _full_chat(state, req, jobs, choices, base_id, created, model, top)
-        finally:
-            _abort_jobs(jobs)
-
-
-def _chat_chunk(base_id, created, model, index, delta, lp, finish_reason, include_usage, stop_reason=None) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-    if finish_reason is not None:
-        choice["stop_reason"] = stop_reason
-    chunk = {"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [choice]}
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-async def _stream_chat(request, state, req: ChatCompletionRequest, jobs, choices, base_id, created, model, top):
-    sse = _SSE(request, base_id)
-    await sse.start()
-    include_usage = req.include_usage
-    completion_tokens: dict[int, int] = {}
-    try:
-        for ch in choices.values():  # the role comes first, as OpenAI sends it
-            ch.started = True
-            await sse.send(_chat_chunk(base_id, created, model, ch.index, {"role": "assistant", "content": ""},
-                                       None, None, include_usage))
-        async for _, out in _merge_streams(jobs):
-            if out is None:
-                for ch in choices.values():
-                    if ch.finish_reason is None:
-                        ch.finish_reason = "abort"
-                        await sse.send(_chat_chunk(base_id, created, model, ch.index, {}, None, "abort",
-                                                   include_usage))
-                continue
-            for comp in out.outputs:
-                ch = choices.get(comp.index)
-                if ch is None or ch.finish_reason is not None:
-                    continue
-                text = comp.text[ch.text_len:]
-                ntok = len(comp.token_ids)
-                lp = None
-                if top is not None and ntok > ch.num_tokens:
-                    lp = _chat_logprobs(state, comp, ch.num_tokens, ntok, top)
-                completion_tokens[ch.index] = ntok
-                if not (text or lp or comp.finish_reason is not None):
-                    continue
-                ch.text_len = len(comp.text)
-                ch.num_tokens = ntok
-                delta = {"content": text} if text else {}
-                if comp.finish_reason is not None:
-                    ch.finish_reason = comp.finish_reason
-                await sse.send(_chat_chunk(base_id, created, model, ch.index, delta, lp, comp.finish_reason,
-                                           include_usage, comp.stop_reason))
-        if include_usage:
-            usage = _usage(len(jobs[0].prompt_ids), sum(completion_tokens.values()))
-            await sse.send({"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": usage})
-        await sse.done()
-    except EngineDeadError as e:
-        await _send_stream_error(sse, e)
-    return sse.resp
-
-
-async def _full_chat(state, req: ChatCompletionRequest, jobs, choices, base_id, created, model, top):
-    finals = await _collect(jobs)
-    comps = {c.index: c for c in (finals[0].outputs if finals[0] is not None else [])}
-    out_choices = []
-    completion_tokens = 0
-    for c in range(req.n):
-        comp = comps.get(c) or CompletionOutput(index=c, text="", token_ids=[], finish_reason="abort")
-        completion_tokens += len(comp.token_ids)
-        lp = _chat_logprobs(state, comp, 0, len(comp.token_ids), top) if top is not None else None
-        out_choices.append({"index": c, "message": {"role": "assistant", "content": comp.text, "tool_calls": []},
-                            "logprobs": lp, "finish_reason": comp.finish_reason or "abort",
-                            "stop_reason": comp.stop_reason})
-    from shoal.engine.server.app import json_response
-
-    return json_response({"id": base_id, "object": "chat.completion", "created": created, "model": model,
-                          "choices": out_choices, "usage": _usage(len(jobs[0].prompt_ids), completion_tokens),
-                          "system_fingerprint": None}, headers={"X-Request-Id": base_id})
+    return await _run(request, state, _Chat(state, jobs, req, top, plan), params, req, "chatcmpl", "messages")

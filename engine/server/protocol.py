@@ -7,6 +7,7 @@ ignored, as vLLM and OpenAI do, so clients sending newer fields keep working.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
@@ -112,6 +113,15 @@ class _SamplingFields(BaseModel):
     spaces_between_special_tokens: StrictBool = True
     priority: int = 0
     request_id: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its legacy guided_* fields
+    # (turned into one grammar by server/structured.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("best_of")
     @classmethod
@@ -153,6 +163,8 @@ class _SamplingFields(BaseModel):
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop_token_ids:
             kw["stop_token_ids"] = list(self.stop_token_ids)
+        if self.prompt_logprobs is not None:
+            kw["prompt_logprobs"] = self.prompt_logprobs
         return kw
 
     @property
@@ -197,8 +209,15 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def to_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it: text parts joined into one string."""
+        """The message as the chat template sees it: text parts joined into one string; an assistant's
+        tool_calls with their arguments as objects (templates render them with `tojson`), a tool result's
+        tool_call_id kept."""
         d: dict[str, Any] = {k: v for k, v in self.model_dump(exclude_none=True).items()}
+        calls = d.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise ValueError("tool_calls must be a list")
+            d["tool_calls"] = [_template_tool_call(i, c) for i, c in enumerate(calls)]
         c = self.content
         if isinstance(c, list):
             texts = []
@@ -214,6 +233,19 @@ class ChatMessage(BaseModel):
         return d
 
 
+def _template_tool_call(i: int, call: Any) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"tool_calls[{i}] must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ValueError(f"tool_calls[{i}].function.arguments is not valid JSON") from None
+    return {**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}}
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=0)
@@ -222,26 +254,12 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
     # vLLM extras
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: StrictBool = False
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v):
-        if v:
-            raise ValueError("tool calling is not supported by this server")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format(cls, v):
-        if v and v.get("type") not in (None, "text"):
-            raise ValueError(f"response_format {v.get('type')!r} is not supported (only 'text')")
-        return v
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -263,6 +281,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: StrictBool = False
 
 

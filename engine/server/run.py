@@ -23,7 +23,8 @@ from aiohttp import web
 
 from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT, AsyncEngine
 from shoal.engine.config import EngineConfig
-from shoal.engine.server.app import STATE_KEY, AccessLogger, build_app
+from shoal.engine.server.app import AccessLogger, build_app
+from shoal.engine.server.common import STATE_KEY
 from shoal.engine.server.metrics import ServerMetrics
 
 logger = logging.getLogger("shoal.engine.server")
@@ -38,6 +39,7 @@ class ServerOptions:
     access_log: bool = True
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     fatal_exit_grace: float = 2.0
+    tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled with this parser
 
 
 async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=None) -> int:
@@ -47,7 +49,7 @@ async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=Non
     engine = AsyncEngine(config, engine_factory=engine_factory, heartbeat_timeout=opts.heartbeat_timeout,
                          metrics=metrics)
     metrics.attach(engine)
-    app = build_app(engine, metrics, api_key=opts.api_key)
+    app = build_app(engine, metrics, api_key=opts.api_key, tool_call_parser=opts.tool_call_parser)
     state = app[STATE_KEY]
     runner_kw = {"access_log_class": AccessLogger} if opts.access_log else {"access_log": None}
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, **runner_kw)

@@ -165,15 +165,12 @@ def test_chat_request_details():
     assert r.requested_max_tokens() == 3 and r.requested_logprobs() is None
     r = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True)
     assert r.requested_logprobs() == 0
-    with pytest.raises(ValidationError):
-        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema"})
 
 
 # ------------------------------------------------------------------------------------------ metrics / bench
 def test_metrics_registry_is_per_app_and_reads_engine_stats():
     from prometheus_client import REGISTRY
 
-    from shoal.engine.core.async_engine import PerRequestTimes
     from shoal.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from shoal.engine.server.metrics import ServerMetrics
 
@@ -186,10 +183,11 @@ def test_metrics_registry_is_per_app_and_reads_engine_stats():
     a.attach(engine)
     b.attach(engine)
     out = RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "ab", [4, 5], finish_reason="stop")], True,
-                        RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5))
+                        RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=10.7,
+                                       num_generation_tokens=2))
     a.on_first_token(0.2)
     a.on_inter_token(0.1, 2)
-    a.on_finished(out, PerRequestTimes(arrival=10.0, first_token=10.7), 12.0)
+    a.on_finished(out, 12.0)
     text = a.render()[0].decode()
     assert 'shoal:num_requests_running{model_name="m"} 2.0' in text
     assert 'shoal:num_requests_waiting{model_name="m"} 4.0' in text
@@ -242,7 +240,9 @@ def _params(**kw):
 async def test_async_engine_generates_and_cancellation_aborts(async_engine):
     eng = async_engine
     outs = [o async for o in eng.generate([5, 6, 7], _params(), "a")]
-    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
+    # Deltas: every output carries only its new tokens; together they are the 8 generated.
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert all(o.outputs[0].token_ids for o in outs) and sum(len(o.outputs[0].token_ids) for o in outs) == 8
     agen = eng.generate([5, 6, 7], _params(max_tokens=400, ignore_eos=True), "b")
     await agen.__anext__()
     await agen.aclose()  # GeneratorExit -> abort
@@ -366,6 +366,7 @@ async def test_health_while_loading_then_ready(llama_model):
         assert (await client.get("/startupz")).status == 503
         assert (await client.get("/readyz")).status == 503
         assert (await client.get("/livez")).status == 200  # loading is not dead
+        assert (await client.get("/health")).status == 503  # vLLM's meaning: 200 only once ready to serve
         assert (await client.get("/metrics")).status == 200
         r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status == 503 and r.headers.get("Retry-After") and (await r.json())["error"]["code"] == "loading"
@@ -373,6 +374,8 @@ async def test_health_while_loading_then_ready(llama_model):
         await eng.wait_loaded(60)
         for path in ("/startupz", "/readyz", "/livez", "/health"):
             assert (await client.get(path)).status == 200, path
+        eng.shutdown()  # the loop has stopped: nothing will be served any more
+        assert (await client.get("/health")).status == 503
     finally:
         gate.set()
         await client.close()
