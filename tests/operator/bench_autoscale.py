@@ -198,7 +198,8 @@ def main() -> None:
             cut = [r for r in clients.results if r["cut"]]
             during_down = [r for r in clients.results if r["end"] >= down_start]
             print(f"   peak replicas {peak} for {needed} needed ({peak / needed:.2f}x); "
-                  f"ready replicas while steady: {sorted({ready for t, _r, ready in rec.samples if t >= steady_from})}")
+                  f"ready replicas while steady: "
+                  f"{sorted({ready for t, _r, ready in rec.samples if steady_from <= t < down_start})}")
             print(f"C. scale-down: {len(during_down)} streams ran during it, "
                   f"{sum(1 for r in during_down if r['cut'])} cut; fleet at zero "
                   f"{(zero - down_start):.1f} s after the load dropped" if zero else "C. not at zero in time")
