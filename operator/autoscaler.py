@@ -139,7 +139,6 @@ class State:
     history: History = field(default_factory=History)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     woken_at: str | None = None  # the last wake annotation value acted upon
-    task: asyncio.Task | None = None
     last_status: tuple | None = None
     last_status_time: float = 0.0
     last_scale_time: str | None = None
@@ -155,46 +154,37 @@ class Autoscaler:
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def notice(self, isvc: dict[str, Any]) -> None:
-        """Called on every event of an InferenceService: start its loop when it autoscales; wake it when the
-        gateway asked for capacity."""
+        """Called on every event of an InferenceService: wake its loop when the gateway asked for capacity."""
         meta = isvc["metadata"]
-        key = (meta["namespace"], meta["name"])
-        if not (isvc.get("spec") or {}).get("autoscaling") or meta.get("deletionTimestamp"):
-            return  # a running loop notices this itself and ends
-        state = self.states.setdefault(key, State())
+        if not (isvc.get("spec") or {}).get("autoscaling"):
+            return
+        state = self.states.setdefault((meta["namespace"], meta["name"]), State())
         wake = (meta.get("annotations") or {}).get(A_WAKE)
         if wake and wake != state.woken_at:
             state.woken_at = wake
             state.wake.set()
-        if state.task is None or state.task.done():
-            state.task = asyncio.get_running_loop().create_task(self._loop(key), name=f"autoscale {key}")
-
-    def wake(self, namespace: str, name: str) -> None:
-        state = self.states.get((namespace, name))
-        if state is not None:
-            state.wake.set()
 
     async def close(self) -> None:
-        for state in self.states.values():
-            if state.task is not None:
-                state.task.cancel()
-        await asyncio.gather(*(s.task for s in self.states.values() if s.task), return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+            self.session = None
 
     def _isvc(self, key: tuple[str, str]) -> dict[str, Any] | None:
         found = list((self.indexes.get(api.KIND) or {}).get(key, []))
         return found[0] if found else None
 
-    async def _loop(self, key: tuple[str, str]) -> None:
-        state = self.states[key]
+    async def run(self, key: tuple[str, str], stopped: Any) -> None:
+        """The loop of one InferenceService, as a kopf daemon: kopf starts it for every resource with
+        spec.autoscaling, and stops it when the field goes, the resource is deleted, or this operator replica
+        stops leading (peering: only the active replica scales)."""
+        state = self.states.setdefault(key, State())
         logger.info("autoscaling %s/%s", *key)
         try:
-            while True:
+            while not stopped:
                 isvc = self._isvc(key)
-                if isvc is None or not (isvc.get("spec") or {}).get("autoscaling") or \
-                        isvc["metadata"].get("deletionTimestamp"):
-                    break
+                if isvc is None:
+                    await asyncio.sleep(0.05)  # the index is filled before handlers run; deleted meanwhile
+                    continue
                 woken = state.wake.is_set()
                 state.wake.clear()
                 try:
@@ -209,7 +199,9 @@ class Autoscaler:
                     await asyncio.wait_for(state.wake.wait(), self.interval)
                 except asyncio.TimeoutError:
                     pass
-            if isvc is not None and not isvc["metadata"].get("deletionTimestamp"):
+            isvc = self._isvc(key)
+            if isvc is not None and not (isvc.get("spec") or {}).get("autoscaling") and \
+                    not isvc["metadata"].get("deletionTimestamp"):
                 await self._forget(isvc)
         finally:
             logger.info("autoscaling of %s/%s stopped", *key)
@@ -387,11 +379,25 @@ async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
 ISVC_INDEX = f"{api.KIND.lower()}_index"  # the id of handlers.py's index of InferenceServices
 
 
+def _autoscaled(spec: kopf.Spec, **_: Any) -> bool:
+    return bool(spec.get("autoscaling"))
+
+
+@kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, id="autoscaler", when=_autoscaled,
+             cancellation_backoff=INTERVAL + 0.5, cancellation_timeout=5.0)  # a tick ends, then the loop exits
+async def autoscale(namespace: str, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+    """A kopf daemon (not a task of our own) so that kopf stops it when this operator replica pauses for a
+    peer with a higher priority: only the leading replica scales. kopf puts a finalizer on autoscaled
+    InferenceServices for it (removed when spec.autoscaling goes)."""
+    autoscaler: Autoscaler = memo.autoscaler
+    autoscaler.indexes[api.KIND] = kwargs[ISVC_INDEX]
+    await autoscaler.run((namespace, name), stopped)
+
+
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-async def isvc_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
-    """Every event of an InferenceService (incl. the initial listing): start or wake its autoscaling loop."""
+async def isvc_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A wake-up annotation from a gateway makes the loop decide at once instead of on its next tick."""
     autoscaler: Autoscaler | None = memo.get("autoscaler")
     if autoscaler is None or type == "DELETED" or not body.get("metadata"):
         return
-    autoscaler.indexes[api.KIND] = kwargs[ISVC_INDEX]
     autoscaler.notice(dict(body))

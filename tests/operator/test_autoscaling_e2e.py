@@ -116,8 +116,9 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
             for t in threads:
                 t.start()
             try:
-                wait_for(lambda: env.client.get(ISVC, ns, name)["spec"]["replicas"] == 2, 30, "scale up to 2")
-                wait_for(lambda: len(kubelet.ready_pods()) == 2, 60, "second replica ready")
+                wait_for(lambda: env.client.get(ISVC, ns, name)["spec"]["replicas"] == 2, 60, "scale up to 2")
+                # bounds, not expectations: a loaded 2-core machine takes up to a minute or two to start an engine
+                wait_for(lambda: len(kubelet.ready_pods()) == 2, 180, "second replica ready")
                 time.sleep(1.0)  # both replicas serve the load for a moment
             finally:
                 stop.set()
@@ -128,8 +129,8 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
             assert st["desiredReplicas"] == 2
 
             # 3. idle: back to zero, pods drained and gone, and nobody saw an error
-            wait_for(lambda: env.client.get(ISVC, ns, name)["spec"]["replicas"] == 0, 30, "scale to zero")
-            wait_for(lambda: not kubelet.pods, 40, "engine pods gone")
+            wait_for(lambda: env.client.get(ISVC, ns, name)["spec"]["replicas"] == 0, 60, "scale to zero")
+            wait_for(lambda: not kubelet.pods, 60, "engine pods gone")
             assert all(what.startswith("exited 0") for _t, _p, what in kubelet.events if what.startswith("exited"))
             reasons = [e["message"] for e in env.cluster.find("events", ns) if e["reason"] == "ScaledDown"]
             assert any("-> 0 (ScaleToZero)" in m for m in reasons), reasons
