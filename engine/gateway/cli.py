@@ -142,7 +142,10 @@ async def serve(config: GatewayConfig, discovery, host: str | None, port: int, s
                 waker=None) -> int:
     gateway = Gateway(config)
     if waker is not None:
-        await waker.start()
+        try:
+            await waker.start()  # credentials now, not on the scale-from-zero path
+        except Exception as e:  # noqa: BLE001 - retried on the first held request
+            log.warning("wake-ups for %s/%s: %s", waker.namespace, waker.name, e)
         gateway.on_hold.append(waker)
     app = build_app(gateway)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None)

@@ -1,0 +1,68 @@
+"""The gateway's wake-up for scale from zero: a merge patch of the InferenceService's wake annotation, at most once
+per interval, never blocking the held request, and a failure only logged."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+pytest.importorskip("shoal.engine.gateway.discovery")
+
+from shoal.engine.gateway.discovery import KubeAPI  # noqa: E402
+from shoal.engine.gateway.wake import ANNOTATION, Waker  # noqa: E402
+
+
+async def _api_server(status: int = 200):
+    seen: list[dict] = []
+
+    async def patch(request: web.Request) -> web.Response:
+        seen.append({"path": request.path, "type": request.content_type, "auth": request.headers.get("Authorization"),
+                     "body": json.loads(await request.read())})
+        return web.json_response({}, status=status)
+
+    app = web.Application()
+    app.router.add_patch("/apis/serving.shoal.dev/v1alpha1/namespaces/{ns}/inferenceservices/{name}", patch)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}", seen
+
+
+async def test_held_requests_wake_the_operator_once_per_interval():
+    runner, url, seen = await _api_server()
+    waker = Waker("team-a", "chat", api=KubeAPI(url, token="tok"), min_interval=0.3)
+    try:
+        await waker.start()
+        for _ in range(5):  # five requests start holding at once: one patch
+            waker()
+        await asyncio.sleep(0.2)
+        assert len(seen) == 1
+        assert seen[0]["path"] == "/apis/serving.shoal.dev/v1alpha1/namespaces/team-a/inferenceservices/chat"
+        assert seen[0]["type"] == "application/merge-patch+json" and seen[0]["auth"] == "Bearer tok"
+        stamp = seen[0]["body"]["metadata"]["annotations"][ANNOTATION]
+        assert stamp.endswith("Z") and "T" in stamp
+        await asyncio.sleep(0.3)
+        waker()  # after the interval: a new patch with a new stamp
+        await asyncio.sleep(0.2)
+        assert len(seen) == 2 and waker.sent == 2
+    finally:
+        await waker.close()
+        await runner.cleanup()
+
+
+async def test_a_refused_patch_is_logged_not_raised(caplog):
+    runner, url, seen = await _api_server(status=403)
+    waker = Waker("team-a", "chat", api=KubeAPI(url), min_interval=0.0)
+    try:
+        waker()
+        await asyncio.sleep(0.3)
+        assert len(seen) == 1 and waker.failed == 1 and waker.sent == 0
+        assert "could not wake the autoscaler of team-a/chat" in caplog.text and "403" in caplog.text
+    finally:
+        await waker.close()
+        await runner.cleanup()
