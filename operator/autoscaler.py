@@ -39,7 +39,7 @@ import kopf
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from shoal.operator import api
+from shoal.operator import api, render
 from shoal.operator.autoscaling import Decision, History, Observation, Policy, ReplicaLoad, decide, pick_victims
 from shoal.operator.kube import ApiError, Kube
 
@@ -77,8 +77,8 @@ def _now() -> str:
 
 
 def engine_service(name: str, spec: api.InferenceServiceSpec) -> str:
-    """The Service whose EndpointSlices list the serving (rank-0) engine pods (render.py)."""
-    return f"{name}-engines" if spec.gateway.enabled else name
+    """The Service whose EndpointSlices list the serving (rank-0) engine pods."""
+    return render.engines_service_name(name) if spec.gateway.enabled else name
 
 
 def gateway_service(name: str, spec: api.InferenceServiceSpec) -> str | None:

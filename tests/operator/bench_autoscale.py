@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import openai  # noqa: E402
 from conftest import Client, EmulatorServer, OperatorThread, isvc_body  # noqa: E402
 from fleetkit import Kubelet  # noqa: E402
-from test_autoscaling_e2e import GatewayProcess  # noqa: E402
+from test_autoscaling_e2e import GatewayProcess, publish_gateway  # noqa: E402
 
 NS, NAME = "bench", "chat"
 
@@ -146,7 +146,8 @@ def main() -> None:
     gateway = None
     try:
         with kubelet:
-            gateway = GatewayProcess(NS, NAME, hold_timeout=180)
+            gateway = GatewayProcess(NS, NAME, service=f"{NAME}-engines", hold_timeout=180)
+            publish_gateway(client, NS, NAME, gateway.port)
             rec = Recorder(server, kubelet)
             rec.start()
             clients = Clients(gateway.base, max_tokens=32)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 FINALIZER = "test.shoal.dev/kubelet"
+FAILURE_THRESHOLD = 3  # like a readiness probe's failureThreshold: one slow answer on a busy machine is no outage
 
 
 def free_port() -> int:
@@ -39,7 +40,7 @@ def free_port() -> int:
 
 def _ready(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=0.5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2.0) as r:
             return r.status == 200
     except Exception:
         return False
@@ -53,6 +54,7 @@ class LocalPod:
     log_path: str
     created: float = field(default_factory=time.monotonic)
     ready: bool = False
+    failures: int = 0  # consecutive failed probes (a ready pod turns unready after FAILURE_THRESHOLD)
     ready_at: float | None = None
     terminating_since: float | None = None
     grace: float = 60.0
@@ -183,7 +185,9 @@ class Kubelet:
                 del self.pods[name]
             return
         exited = local.proc.poll() is not None
-        ready = not exited and _ready(local.port)
+        probe = not exited and _ready(local.port)
+        local.failures = 0 if probe else local.failures + 1
+        ready = probe or (local.ready and not exited and local.failures < FAILURE_THRESHOLD)
         if ready != local.ready or not (pod.get("status") or {}).get("conditions"):
             local.ready = ready
             if ready:

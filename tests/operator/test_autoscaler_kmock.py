@@ -20,6 +20,7 @@ class FakeEngines:
 
     def __init__(self):
         self.load: dict[str, tuple[int, int, float]] = {}
+        self.held: dict[str, int] = {}  # gateway pods: requests held
         self.servers: dict[str, ThreadingHTTPServer] = {}
 
     def port(self, pod: str) -> int:
@@ -29,9 +30,12 @@ class FakeEngines:
             class Handler(BaseHTTPRequestHandler):
                 def do_GET(self):
                     running, waiting, kv = engines.load.get(pod, (0, 0, 0.0))
-                    body = (f'shoal:num_requests_running{{model_name="m"}} {running}\n'
-                            f'shoal:num_requests_waiting{{model_name="m"}} {waiting}\n'
-                            f'shoal:kv_cache_usage_perc{{model_name="m"}} {kv}\n').encode()
+                    if pod in engines.held:
+                        body = f"shoal:gateway_held_requests {engines.held[pod]}\n".encode()
+                    else:
+                        body = (f'shoal:num_requests_running{{model_name="m"}} {running}\n'
+                                f'shoal:num_requests_waiting{{model_name="m"}} {waiting}\n'
+                                f'shoal:kv_cache_usage_perc{{model_name="m"}} {kv}\n').encode()
                     self.send_response(200 if self.path == "/metrics" else 404)
                     self.send_header("Content-Type", "text/plain; version=0.0.4")
                     self.send_header("Content-Length", str(len(body)))
@@ -128,6 +132,19 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
     text = generate_latest(REGISTRY).decode()
     assert f'shoal:autoscaler_desired_replicas{{name="qa",namespace="{ns}"}} 1.0' in text
     assert f'shoal:autoscaler_scalings_total{{name="qa",namespace="{ns}",reason="ScaleUp"}} 1.0' in text
+
+
+def test_requests_held_by_the_gateways_scale_from_zero_to_what_they_need(env, ns, engines):
+    env.client.create(ISVC, ns, isvc_body("hold", {"replicas": 0, "autoscaling": {
+        "minReplicas": 0, "maxReplicas": 8, "targetInFlightPerReplica": 16}}))
+    wait_for(lambda: env.client.get("deployments", ns, "hold"), 10, "deployment")
+    # two gateway pods behind the Service "hold" hold 40 requests between them (no wake-up annotation)
+    engines.held.update({"hold-gw-1": 25, "hold-gw-2": 15})
+    publish_slices(env, ns, "hold", ["hold-gw-1", "hold-gw-2"], engines)
+    wait_for(lambda: env.client.get(ISVC, ns, "hold")["spec"]["replicas"] == 3, 10, "scaled to ceil(40/16)")
+    st = wait_for(lambda: (s := env.client.get(ISVC, ns, "hold")["status"].get("autoscaling")) and
+                  s["desiredReplicas"] == 3 and s, 5, "status")
+    assert st["inputs"]["held"] == 40 and st["inputs"]["inFlight"] == 40
 
 
 def test_metrics_port_flag():
