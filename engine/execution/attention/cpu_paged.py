@@ -132,7 +132,10 @@ class CpuPagedAttentionBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()  # rows may be strided (a view of a fused QKV projection); head_dim may not
         out = torch.empty(q.shape, dtype=q.dtype)
-        ints = [t.to(torch.int32).contiguous() for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)]
+        ints = meta.scratch.get("cpu_ints")  # converted once per step, shared by every layer
+        if ints is None:
+            ints = [t.to(torch.int32).contiguous() for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)]
+            meta.scratch["cpu_ints"] = ints
         slopes = None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous()
         dense = [] if meta.is_decode_only or not self.dense_prefill else [
             i for i, (n, s) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list))
