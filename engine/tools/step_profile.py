@@ -23,6 +23,7 @@ import torch
 
 from shoal.engine.execution.attention.layer import PagedAttention
 from shoal.engine.execution.layers.linear import PackedMatmul
+from shoal.engine.execution.sampling import Sampler
 
 
 def _sync(device: torch.device) -> None:
@@ -110,8 +111,7 @@ class StepProfiler:
         self._patch(StepInputs, "attention_metadata", "build inputs")
         self._patch(IncrementalDetokenizer, "append", "detokenize")
         self._patch(IncrementalDetokenizer, "flush", "detokenize")
-        sampler = e.sampler
-        self._patch(type(sampler), "__call__", "sampler")
+        self._patch(Sampler, "__call__", "sampler")
         self._hook(m, "model")
         if hasattr(m, "embed_tokens"):
             self._hook(m.embed_tokens, "model/embedding")
