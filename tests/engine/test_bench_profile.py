@@ -18,7 +18,7 @@ def test_profile_prints_where_a_decode_step_goes(model_factory, capsys):
     assert re.search(r"shoal\s+[\d.]+ output tok/s", out)
     decode = out.split("decode-only steps:")[1].split("steps with prompt tokens")[0]
     for row in ("scheduler", "build inputs", "model forward", "embedding", "4 decoder layers", "linear",
-                "attention", "other", "final norm, lm head", "sampler", "detokenize", "engine other"):
+                "attention", "other", "final norm", "lm head (logits)", "sampler", "detokenize", "engine other"):
         assert row in decode, row
     step_ms = float(re.search(r"step\s+([\d.]+) ms", decode).group(1))
     forward_ms = float(re.search(r"model forward\s+([\d.]+) ms", decode).group(1))
