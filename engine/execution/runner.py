@@ -52,39 +52,45 @@ class StepInputs:
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInputs:
+    """The flat batch of a step. Plain Python lists first and one tensor per field at the end: in a decode step
+    each sequence adds one token, and a handful of list appends per sequence beats any per-sequence tensor op."""
     tokens: list[int] = []
-    query_lens, seq_lens, starts, tables, logits_indices = [], [], [], [], []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    query_start = [0]
+    width = max(len(s.seq.block_ids) for s in scheduled)
+    tables: list[list[int]] = []
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
         c = seq.num_computed_tokens
-        starts.append(c)
-        tokens.extend(seq.token_ids[c:c + n])
+        blocks = seq.block_ids
+        if n == 1:
+            tokens.append(seq.token_ids[c])
+            positions.append(c)
+            slots.append(blocks[c // block_size] * block_size + c % block_size)
+        else:
+            tokens.extend(seq.token_ids[c:c + n])
+            span = range(c, c + n)
+            positions.extend(span)
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
         query_lens.append(n)
         seq_lens.append(c + n)
-        tables.append(seq.block_ids)
+        query_start.append(len(tokens))
+        tables.append(blocks + [0] * (width - len(blocks)))
         for p in s.scored:  # prompt positions whose logits score the next prompt token
             logits_indices.append(len(tokens) - n + (p - c))
         if s.samples:
             logits_indices.append(len(tokens) - 1)
-    B = len(scheduled)
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)
-    max_blocks = max(len(t) for t in tables)
-    block_tables = torch.zeros(B, max_blocks, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    # Absolute position of every token, computed without a Python loop over tokens.
-    seq_of_token = torch.repeat_interleave(torch.arange(B), q_lens)
-    query_start = torch.zeros(B + 1, dtype=torch.int64)
-    torch.cumsum(q_lens, 0, out=query_start[1:])
-    positions = torch.arange(len(tokens)) - query_start[:-1][seq_of_token] + torch.tensor(starts)[seq_of_token]
-    slots = block_tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
     return StepInputs(
         input_ids=torch.tensor(tokens, dtype=torch.int64),
-        positions=positions,
-        slot_mapping=slots,
-        query_start_loc=query_start.to(torch.int32),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
+        block_tables=torch.tensor(tables, dtype=torch.int32),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         query_lens=query_lens,
         seq_lens_list=seq_lens,

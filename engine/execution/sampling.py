@@ -51,6 +51,15 @@ def _sort_desc(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return z.sort(dim=-1, descending=True)
 
 
+def _plain_greedy(row: "SamplingRow") -> bool:
+    """Greedy with nothing that changes the logits first (penalties, min_tokens, a grammar's bitmask), no known
+    target token (a scoring row) and no log-probs to report."""
+    p = row.params
+    return (p.temperature < _SAMPLING_EPS and p.logprobs is None and not p.uses_penalties
+            and row.token_bitmask is None and row.target is None
+            and not (p.min_tokens and len(row.output_token_ids) < p.min_tokens))
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling parameters; vLLM's names, defaults and meanings.
@@ -266,6 +275,10 @@ class Sampler:
         if B == 0:
             return SamplerOutput([], [], [], [])
         V = min(self.vocab_size, logits.shape[1])
+        if all(_plain_greedy(r) for r in rows):
+            # Fast path (the common greedy batch): the argmax is all there is to do.
+            tokens = _argmax(logits[:, :V]).tolist()
+            return SamplerOutput(tokens, [None] * B, [None] * B, [None] * B)
         raw = logits[:, :V]
         if raw.dtype != torch.float32:
             raw = raw.float()

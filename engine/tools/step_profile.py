@@ -3,9 +3,9 @@
 StepProfiler attaches timers to an engine from the outside (wrapped methods and forward hooks, all removed by
 detach), so the engine carries no profiling code: scheduler, host-side batch building, the model forward split
 into embedding / each decoder layer (its linear layers, its attention — KV write plus kernel — and the rest:
-norms, RoPE, activations, residual adds) / final norm and LM head, the sampler, detokenization, and the engine's
-own bookkeeping (what is left of the step). Steps whose every sequence decodes one token are reported apart from
-steps that carry prompt tokens.
+norms, RoPE, activations, residual adds) / final norm; then the LM head (logits), the sampler, detokenization, and
+the engine's own bookkeeping (what is left of the step). Steps whose every sequence decodes one token are
+reported apart from steps that carry prompt tokens.
 
 The memory-traffic floor of a decode step is the bytes it must read at least once (every weight matrix, the
 embedding rows of its tokens, and the whole KV context of every sequence) divided by the machine's measured read
@@ -23,6 +23,7 @@ import torch
 
 from shoal.engine.execution.attention.layer import PagedAttention
 from shoal.engine.execution.layers.linear import PackedMatmul
+from shoal.engine.execution.sampling import Sampler
 
 
 def _sync(device: torch.device) -> None:
@@ -110,8 +111,7 @@ class StepProfiler:
         self._patch(StepInputs, "attention_metadata", "build inputs")
         self._patch(IncrementalDetokenizer, "append", "detokenize")
         self._patch(IncrementalDetokenizer, "flush", "detokenize")
-        sampler = e.sampler
-        self._patch(type(sampler), "__call__", "sampler")
+        self._patch(Sampler, "__call__", "sampler")
         self._hook(m, "model")
         if hasattr(m, "embed_tokens"):
             self._hook(m.embed_tokens, "model/embedding")
@@ -123,7 +123,7 @@ class StepProfiler:
             elif isinstance(module, PackedMatmul):
                 self._hook(module, "model/layers/linear")
         if getattr(m, "lm_head", None) is not None:
-            self._hook(m.lm_head, "model/lm head")
+            self._hook(m.lm_head, "lm head")  # runs after the model's forward (compute_logits)
         original_step = e.step
 
         def step(*a, **kw):
@@ -172,11 +172,13 @@ class StepProfiler:
             "model/layers/linear": t.get("model/layers/linear", 0.0),
             "model/layers/attention": t.get("model/layers/attention", 0.0),
             "model/layers/other": layers - t.get("model/layers/linear", 0.0) - t.get("model/layers/attention", 0.0),
-            "model/final norm, lm head": model - layers - t.get("model/embedding", 0.0),
+            "model/final norm": model - layers - t.get("model/embedding", 0.0),
+            "lm head (logits)": t.get("lm head", 0.0),
             "sampler": t.get("sampler", 0.0),
             "detokenize": t.get("detokenize", 0.0),
         }
-        accounted = sum(rows[k] for k in ("scheduler", "build inputs", "model forward", "sampler", "detokenize"))
+        accounted = sum(rows[k] for k in ("scheduler", "build inputs", "model forward", "lm head (logits)",
+                                          "sampler", "detokenize"))
         rows["engine other"] = rows["step"] - accounted
         return rows
 

@@ -128,11 +128,19 @@ class CpuPagedAttentionBackend(AttentionBackend):
         if op is None:
             raise RuntimeError(why)
         in_dtype = q.dtype
-        q = q.to(k_cache.dtype)
+        if q.dtype != k_cache.dtype:
+            q = q.to(k_cache.dtype)
         if q.stride(-1) != 1:
             q = q.contiguous()  # rows may be strided (a view of a fused QKV projection); head_dim may not
         out = torch.empty(q.shape, dtype=q.dtype)
-        ints = [t.to(torch.int32).contiguous() for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)]
+        # Converted once per step and shared by every layer (while the metadata holds the same tensors).
+        sources = (meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        cached = meta.scratch.get("cpu_ints")
+        if cached is not None and all(a is b for a, b in zip(cached[0], sources)):
+            ints = cached[1]
+        else:
+            ints = [t.to(torch.int32).contiguous() for t in sources]
+            meta.scratch["cpu_ints"] = (sources, ints)
         slopes = None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous()
         dense = [] if meta.is_decode_only or not self.dense_prefill else [
             i for i, (n, s) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list))
@@ -144,7 +152,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         op(out, q, k_cache, v_cache, *ints, slopes, float(scale), skip)  # the kernel leaves `dense` sequences
         for i in dense:
             self._dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes)
-        return out.to(in_dtype)
+        return out if out.dtype == in_dtype else out.to(in_dtype)
 
     @staticmethod
     def _dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes):
