@@ -113,6 +113,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill, config.scheduling_policy)
         # Thread-safe: AsyncEngine compiles on worker threads, off the engine loop.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._bitmask_words = -(-max(self.vocab_size, len(self.tokenizer)) // 32)  # one bit per token id
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -291,8 +292,7 @@ class LLMEngine:
                 rows.append(SamplingRow(seq.params, seq.request.prompt_token_ids, seq.output_token_ids,
                                         seq.generator))
         if constrained:
-            words = -(-max(self.vocab_size, len(self.tokenizer)) // 32)
-            bitmask = torch.zeros(len(constrained), words, dtype=torch.int32)
+            bitmask = torch.zeros(len(constrained), self._bitmask_words, dtype=torch.int32)
             for j, (i, seq) in enumerate(constrained):
                 seq.grammar.fill_bitmask(bitmask, j)
                 rows[i].token_bitmask = bitmask[j]

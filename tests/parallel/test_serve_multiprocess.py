@@ -46,9 +46,17 @@ def test_multinode_flags_staggered_start_serve_through_rank0(llama_kv1, tmp_path
         got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
                                         extra_body={"ignore_eos": True})
         assert got.usage.completion_tokens == 12
+        # Grammar bitmasks and prompt-scoring rows travel to the last stage's sampler with the step's rows.
+        choice = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, n=2, seed=1,
+                                           extra_body={"guided_choice": ["yes", "no"]})
+        assert all(c.text in ("yes", "no") and c.finish_reason == "stop" for c in choice.choices)
+        echo = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
         with LLM(model=llama_kv1, block_size=4, max_model_len=512) as llm:
             want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+            scored = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
         assert got.choices[0].text == want[0].outputs[0].text
+        want_lp = [d[t].logprob for d, t in zip(scored.prompt_logprobs[1:], scored.prompt_token_ids[1:])]
+        assert echo.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want_lp, abs=1e-3)
         # Metrics say which rank and stage each process is.
         import urllib.request
 
