@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
+import sys
+import threading
 
 import pytest
+
+
+def _serialise_ast_parse() -> None:
+    """CPython 3.11.0-3.11.7 and 3.12.0-3.12.1 track the AST constructor's recursion depth in global state, so two
+    threads in ast.parse at once can raise "SystemError: AST constructor recursion depth mismatch" (gh-106905,
+    fixed in 3.11.8 / 3.12.2). Here the two are pytest's assertion rewriter and a background thread (kopf, the
+    gateway, an engine loop) formatting a traceback, which parses the failing line on 3.11. One lock makes it safe."""
+    if not ((3, 11) <= sys.version_info[:3] < (3, 11, 8) or (3, 12) <= sys.version_info[:3] < (3, 12, 2)):
+        return
+    lock, parse = threading.RLock(), ast.parse
+
+    @functools.wraps(parse)
+    def locked_parse(*args, **kwargs):
+        with lock:
+            return parse(*args, **kwargs)
+
+    ast.parse = locked_parse
+
+
+_serialise_ast_parse()
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
