@@ -165,7 +165,7 @@ async def serve(config: GatewayConfig, discovery, host: str | None, port: int, s
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     # Readiness fails first, in-flight requests finish (aiohttp waits up to shutdown_timeout for handlers).
-    gateway.draining = True
+    gateway.start_draining()
     log.info("shutting down: finishing in-flight requests (up to %.0fs)", shutdown_timeout)
     await runner.cleanup()
     await gateway.stop()

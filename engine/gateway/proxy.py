@@ -108,6 +108,11 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
 
+    def start_draining(self) -> None:
+        """Readiness fails from now on, and requests held for an engine are answered 503 at once."""
+        self.draining = True
+        self.backends.notify()
+
     # ---- routing ---------------------------------------------------------------------------------------------
     def prompt_hashes(self, path: str, body: bytes) -> list[bytes]:
         if self.config.routing != "prefix-load" or path not in ROUTED_PATHS or not body:
@@ -125,9 +130,13 @@ class Gateway:
             for hook in self.on_hold:
                 hook()
             self.metrics.held.inc()
+            deadline = time.monotonic() + self.config.hold_timeout
             try:
-                candidates = await self.backends.wait_for_eligible(
-                    time.monotonic() + self.config.hold_timeout, exclude=tried)
+                # A draining gateway lets its held requests go at once (503 + Retry-After, which clients retry
+                # on another gateway replica, where the hold goes on) instead of cutting them at exit.
+                while not candidates and not self.draining and time.monotonic() < deadline:
+                    candidates = await self.backends.wait_for_eligible(min(deadline, time.monotonic() + 0.5),
+                                                                       exclude=tried)
             finally:
                 self.metrics.held.dec()
         if not candidates:

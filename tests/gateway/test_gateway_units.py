@@ -249,6 +249,21 @@ async def test_requests_are_held_until_an_engine_appears():
         await engine.close()
 
 
+async def test_a_draining_gateway_answers_its_held_requests_at_once():
+    gw, client = await gateway_client(GatewayConfig(hold_timeout=60, retry_after=2), [])
+    try:
+        pending = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "x"}))
+        while gw.metrics.held._value.get() == 0:
+            await asyncio.sleep(0.01)
+        gw.start_draining()  # SIGTERM: this replica restarts; its clients retry on another one
+        r = await asyncio.wait_for(pending, 5)  # not after the 60 s hold
+        assert r.status == 503 and r.headers["Retry-After"] == "2"
+        assert (await client.get("/readyz")).status == 503
+    finally:
+        await client.close()
+        await gw.stop()
+
+
 async def test_hold_deadline_then_503():
     gw, client = await gateway_client(GatewayConfig(hold_timeout=0.3, retry_after=7), [])
     try:
