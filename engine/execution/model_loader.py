@@ -68,7 +68,7 @@ def resolve_dtype(choice: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, backend,
-               max_model_len: int, layer_partition: list[int] | None = None):
+               max_model_len: int, layer_partition: list[int] | None = None, quantization: str | None = None):
     cls = model_class(hf_config)
     t0 = time.perf_counter()
     with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor
@@ -79,6 +79,10 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     finally:
         src.close()
     model.eval()
+    if quantization is not None:
+        from shoal.engine.execution.quantization import quantize_model
+
+        quantize_model(model, quantization)
     for module in model.modules():
         if isinstance(module, PackedMatmul):  # a tied LM head shares its weight with the embedding: keep it
             module.prepack(free_original=not getattr(module, "tied", False))
