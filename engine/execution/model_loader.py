@@ -74,6 +74,11 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor
         model = cls(hf_config, dtype, backend, max_model_len, layer_partition)
     src = GGUFWeightSource(model_dir, hf_config) if is_gguf(model_dir) else WeightSource(model_dir)
+    quant_config = getattr(hf_config, "quantization_config", None)
+    if quant_config:  # GPTQ / AWQ: packed weights dequantized as they are read
+        from shoal.engine.execution.quantization.prequantized import PrequantizedSource
+
+        src = PrequantizedSource(src, quant_config)
     try:
         model.load_weights(src)
     finally:

@@ -86,11 +86,11 @@ def test_int4_engine_equals_a_dense_model_holding_the_dequantized_weights(model_
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     with LLM(model=model, quantization="int4", **OPTIONS) as q:
         got = q.generate(PROMPTS, params)
-        deq = {name: m.quantized.dequantize() for name, m in q.llm_engine.runner.model.named_modules()
+        deq = {name: m.quantized.dequantize() for name, m in q.llm_engine.executor.runner.model.named_modules()
                if isinstance(m, PackedMatmul) and m.quantized is not None}
     assert len(deq) == 4 * 3  # qkv, o, gate_up, down in each of the 3 layers; the LM head stays dense
     with LLM(model=model, **OPTIONS) as dense:
-        modules = dict(dense.llm_engine.runner.model.named_modules())
+        modules = dict(dense.llm_engine.executor.runner.model.named_modules())
         for name, w in deq.items():
             modules[name].weight.data = w
         ref = dense.generate(PROMPTS, params)

@@ -62,3 +62,17 @@ def quantize_model(model: torch.nn.Module, method: str) -> None:
         count += 1
     logger.info("quantized %d linear layers to %s (%s): %.1f MiB -> %.1f MiB", count, method,
                 ", ".join(sorted(kernels)), before / 2**20, after / 2**20)
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights hold: dense parameters, oneDNN-packed copies and quantized forms."""
+    from shoal.engine.execution.layers.linear import PackedMatmul
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, PackedMatmul):
+            if module.packed is not None and not getattr(module, "tied", False):
+                total += module.packed.numel() * module.packed.element_size()
+            if module.quantized is not None:
+                total += module.quantized.nbytes()
+    return total
