@@ -154,13 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     model_dir = Path(args.model) if args.model else bench_model_dir(args.preset)
-    if not (model_dir / "config.json").is_file():
-        ap.error(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")
-    from transformers import AutoConfig
+    from shoal.engine.execution.gguf_model import is_gguf
 
+    if not (model_dir / "config.json").is_file() and not is_gguf(model_dir):
+        ap.error(f"--model {model_dir}: not a Hugging Face model directory (no config.json) nor a GGUF file")
     from shoal.engine.core.engine import _model_max_len
+    from shoal.engine.execution.model_loader import load_hf_config
 
-    config = AutoConfig.from_pretrained(str(model_dir))
+    config = load_hf_config(model_dir)  # a directory or a GGUF file
     if args.max_model_len is None:
         args.max_model_len = min(1024, _model_max_len(config) or 1024)
     longest = args.prompt_len[1] + args.output_len[1]
