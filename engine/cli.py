@@ -71,6 +71,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", type=parse_dtype, default="auto",
                    help="auto | float16 (half) | bfloat16 | float32 (float); auto: the checkpoint's dtype "
                         "(float16 checkpoints run as bfloat16 on CPU)")
+    g.add_argument("--quantization", "-q", choices=["int8", "int4", "fp8"], default=None,
+                   help="quantize linear weights on load: int8 (per-channel weights, dynamic per-token int8 "
+                        "activations), int4 (group-wise, weight-only), fp8 (e4m3; CUDA, compute capability >= 8.9)")
     g.add_argument("--seed", type=int, default=0, help="random seed")
 
 
@@ -181,7 +184,8 @@ SERVE_ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [add_model_a
 
 # Maps from argparse dest to EngineConfig field, for flags whose None means "EngineConfig's default".
 _ENGINE_FIELDS = (
-    "tokenizer", "revision", "served_model_name", "trust_remote_code", "chat_template", "dtype", "device", "seed",
+    "tokenizer", "revision", "served_model_name", "trust_remote_code", "chat_template", "dtype", "quantization",
+    "device", "seed",
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
     "max_queue_len", "block_size", "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks",
     "enable_prefix_caching", "attention_backend", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",

@@ -57,6 +57,8 @@ class EngineConfig(BaseModel):
     chat_template: str | None = None
 
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    quantization: Literal["int8", "int4", "fp8"] | None = Field(
+        default=None, description="quantize linear weights on load (int8 W8A8, int4 weight-only, fp8 on GPU)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
 

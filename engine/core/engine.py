@@ -77,6 +77,10 @@ class LLMEngine:
         self.hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        if config.quantization is not None:  # refuse before loading anything
+            from shoal.engine.execution.quantization import check_supported
+
+            check_supported(config.quantization, self.device)
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir, config.revision, config.trust_remote_code)
         self.model_name = config.served_model_name or config.model

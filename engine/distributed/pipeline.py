@@ -75,7 +75,8 @@ def build_runner(group: Group, config, model_dir, hf_config, dtype, device, max_
     set_parallel_state(group.state)
     try:
         return ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
-                           config.distributed.layer_partition, block_size=config.block_size)
+                           config.distributed.layer_partition, block_size=config.block_size,
+                           quantization=config.quantization)
     finally:
         set_parallel_state(previous)
 

@@ -220,23 +220,39 @@ class GGUFWeightSource:
                               f"{list(expected_shape)}")
         if dim is not None and length is None:
             length = full[dim] - start
-        data = t.data
-        rows = dim == 0 and len(full) == 2
+        data, rows, cols = t.data, dim == 0 and len(full) == 2, dim == 1 and len(full) == 2
         if rows:  # a row range is a byte range: dequantize only this rank's rows
             data = data[start:start + length]
+        elif cols:  # whole quantization blocks of every row, when the column range falls on block boundaries
+            cols = self._column_bytes(data, t.tensor_type, start, length)
+            if cols:
+                data = data[:, cols[0]:cols[1]]
         try:
             w = quants.dequantize(np.ascontiguousarray(data), t.tensor_type)
         except NotImplementedError:
             raise WeightError(f"{self.model_dir}: tensor {name!r} has type {t.tensor_type.name}, which the gguf "
                               f"package cannot dequantize") from None
-        w = torch.from_numpy(np.require(w, np.float32, ["C", "W"])).reshape(
-            (length if rows else full[0],) + tuple(full[1:]))
+        w = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        w = w.reshape(length, *full[1:]) if rows else w.reshape(full[0], length) if cols else w.reshape(full)
         proj = ".".join(name.split(".")[-3:-1])
         if self._permuted and proj in self._heads:
             w = self._unpermute(w, full[0] // self._heads[proj], name, start if rows else 0)
-        if dim is not None and not rows:
+        if dim is not None and not rows and not cols:
             w = w.narrow(dim, start, length)
         return w
+
+    @staticmethod
+    def _column_bytes(data: np.ndarray, qtype, start: int, length: int) -> tuple[int, int] | None:
+        """The [first, last) positions in a row of `data` that hold columns [start, start+length), or None when
+        the range cuts through a quantization block."""
+        from gguf import GGML_QUANT_SIZES
+
+        block, size = GGML_QUANT_SIZES[qtype]
+        if data.dtype != np.uint8:  # F32/F16 arrays are indexed by element
+            block, size = 1, 1
+        if start % block or length % block:
+            return None
+        return start // block * size, (start + length) // block * size
 
     def _unpermute(self, w: torch.Tensor, head_dim: int, name: str, start: int) -> torch.Tensor:
         """Undo llama.cpp's per-head row interleave of q/k (rows [h, d/2, 2] back to [h, 2, d/2])."""

@@ -68,17 +68,26 @@ def resolve_dtype(choice: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, backend,
-               max_model_len: int, layer_partition: list[int] | None = None):
+               max_model_len: int, layer_partition: list[int] | None = None, quantization: str | None = None):
     cls = model_class(hf_config)
     t0 = time.perf_counter()
     with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor
         model = cls(hf_config, dtype, backend, max_model_len, layer_partition)
     src = GGUFWeightSource(model_dir, hf_config) if is_gguf(model_dir) else WeightSource(model_dir)
+    quant_config = getattr(hf_config, "quantization_config", None)
+    if quant_config:  # GPTQ / AWQ: packed weights dequantized as they are read
+        from shoal.engine.execution.quantization.prequantized import PrequantizedSource
+
+        src = PrequantizedSource(src, quant_config)
     try:
         model.load_weights(src)
     finally:
         src.close()
     model.eval()
+    if quantization is not None:
+        from shoal.engine.execution.quantization import quantize_model
+
+        quantize_model(model, quantization)
     for module in model.modules():
         if isinstance(module, PackedMatmul):  # a tied LM head shares its weight with the embedding: keep it
             module.prepack(free_original=not getattr(module, "tied", False))

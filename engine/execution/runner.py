@@ -114,7 +114,8 @@ class ModelRunner:
     """Owns this process's model shard and KV cache."""
 
     def __init__(self, model_dir, hf_config, dtype: torch.dtype, device: torch.device, attention_backend: str,
-                 max_model_len: int, layer_partition: list[int] | None = None, block_size: int = 16):
+                 max_model_len: int, layer_partition: list[int] | None = None, block_size: int = 16,
+                 quantization: str | None = None):
         self.device = device
         self.dtype = dtype
         backend = select_backend(attention_backend, device, uses_alibi=_uses_alibi(hf_config), dtype=dtype,
@@ -122,7 +123,8 @@ class ModelRunner:
         self.backend = backend
         self.backend_name = backend.name
         self.max_model_len = max_model_len
-        self.model = load_model(model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition)
+        self.model = load_model(model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition,
+                                quantization)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.capture: tuple[str, int] | None = None  # (backend, max_num_seqs) once decode capture is enabled

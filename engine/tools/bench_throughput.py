@@ -57,17 +57,24 @@ def workload(seed: int, n: int, vocab: int, prompt_range, output_range):
     return reqs
 
 
-def run_shoal(model_dir, reqs, args) -> tuple[float, str | None]:
-    """Seconds the workload takes through Shoal, and with --profile the per-step breakdown of a second run."""
+def run_shoal(model_dir, reqs, args, memory: dict | None = None, **extra) -> tuple[float, str | None]:
+    """Seconds the workload takes through Shoal, and with --profile the per-step breakdown of a second run;
+    `memory` (one process only) receives the resident weight and KV-cache bytes."""
     from shoal.engine.llm import LLM
     from shoal.engine.execution.sampling import SamplingParams
 
     options = dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                    max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-                   pipeline_parallel_size=args.pipeline_parallel_size, enforce_eager=args.enforce_eager)
+                   pipeline_parallel_size=args.pipeline_parallel_size, enforce_eager=args.enforce_eager, **extra)
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     with LLM(model=str(model_dir), **options) as llm:
+        runner = getattr(llm.llm_engine.executor, "runner", None)  # one process only
+        if memory is not None and runner is not None:
+            from shoal.engine.execution.quantization import resident_weight_bytes
+
+            memory["weights"] = resident_weight_bytes(runner.model)
+            memory["kv"] = sum(t.numel() * t.element_size() for kv in runner.kv_caches for t in kv)
         llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
         prompts = [{"prompt_token_ids": p} for p, _ in reqs]
@@ -138,19 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="no decode graph capture")
     ap.add_argument("--profile", action="store_true",
                     help="run the workload once more with timers and print where a step's time goes")
+    ap.add_argument("--quantization", nargs="+", choices=["none", "int8", "int4", "fp8"], default=None,
+                    help="compare these quantizations side by side (Shoal only): output tok/s and resident weight "
+                         "and KV-cache memory, e.g. --quantization none int8 int4")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
 
     import torch
 
     model_dir = Path(args.model) if args.model else bench_model_dir(args.preset)
-    if not (model_dir / "config.json").is_file():
-        ap.error(f"--model {model_dir}: not a Hugging Face model directory (no config.json)")
-    from transformers import AutoConfig
+    from shoal.engine.execution.gguf_model import is_gguf
 
+    if not (model_dir / "config.json").is_file() and not is_gguf(model_dir):
+        ap.error(f"--model {model_dir}: not a Hugging Face model directory (no config.json) nor a GGUF file")
     from shoal.engine.core.engine import _model_max_len
+    from shoal.engine.execution.model_loader import load_hf_config
 
-    config = AutoConfig.from_pretrained(str(model_dir))
+    config = load_hf_config(model_dir)  # a directory or a GGUF file
     if args.max_model_len is None:
         args.max_model_len = min(1024, _model_max_len(config) or 1024)
     longest = args.prompt_len[1] + args.output_len[1]
@@ -159,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"max_model_len {args.max_model_len}; shorten them")
     reqs = workload(args.seed, args.num_prompts, config.vocab_size, args.prompt_len, args.output_len)
     tokens = sum(m for _, m in reqs)
+    if args.quantization:
+        return compare_quantizations(model_dir, reqs, tokens, args)
     results: dict[str, float] = {}
     elapsed, profile = run_shoal(model_dir, reqs, args)
     results["shoal"] = tokens / elapsed
@@ -191,6 +204,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Shoal vs best transformers ({best}): {summary['speedup_vs_best_hf']}x")
     if profile:
         print(f"profile of a second Shoal run (timers attached):\n{profile}")
+    return 0
+
+
+def compare_quantizations(model_dir, reqs, tokens: int, args) -> int:
+    import torch
+
+    rows = []
+    for q in args.quantization:
+        memory: dict = {}
+        elapsed, _ = run_shoal(model_dir, reqs, args, memory, quantization=None if q == "none" else q)
+        rows.append({"quantization": q, "output_tokens_per_s": round(tokens / elapsed, 1),
+                     "weight_mib": round(memory.get("weights", 0) / 2**20, 1),
+                     "kv_cache_mib": round(memory.get("kv", 0) / 2**20, 1)})
+    base = rows[0]["output_tokens_per_s"]
+    if args.json:
+        print(json.dumps({"model": str(model_dir), "requests": len(reqs), "output_tokens": tokens,
+                          "dtype": args.dtype, "threads": torch.get_num_threads(), "results": rows}))
+        return 0
+    print(f"model {model_dir}  dtype {args.dtype}  {len(reqs)} requests, {tokens} output tokens, "
+          f"{torch.get_num_threads()} threads")
+    print(f"  {'quantization':<14}{'output tok/s':>14}{'vs first':>10}{'weights MiB':>13}{'KV cache MiB':>14}")
+    for r in rows:
+        print(f"  {r['quantization']:<14}{r['output_tokens_per_s']:>14.1f}{r['output_tokens_per_s'] / base:>9.2f}x"
+              f"{r['weight_mib']:>13.1f}{r['kv_cache_mib']:>14.1f}")
     return 0
 
 

@@ -130,3 +130,37 @@ def test_bad_files_get_clear_errors(tmp_path, hf_llama, gguf_dir):
     truncated.write_bytes(good[:2000])
     with pytest.raises(WeightError, match="truncated.gguf"):
         LLM(model=str(truncated))
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_a_tensor_parallel_rank_dequantizes_only_its_slices(hf_llama, gguf_dir, monkeypatch, qtype):
+    """At tp=2 every weight matrix is read as a half: rows are byte ranges, columns whole blocks of each row;
+    the slices equal the same slices of the fully dequantized tensor."""
+    import gguf.quants
+
+    from shoal.engine.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+    from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config
+    from shoal.engine.execution.model_loader import load_model
+
+    path = write_gguf(hf_llama, gguf_dir / f"tiny-tp-{qtype}.gguf", weight_type=qtype)
+    config = gguf_config(path)
+    src = GGUFWeightSource(path, config)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
+        full = src.load(name)
+        for dim in (0, 1):
+            half = full.shape[dim] // 2
+            torch.testing.assert_close(src.load(name, dim=dim, start=half, length=half), full.narrow(dim, half, half))
+
+    read, original = [], gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qt: read.append(data.size) or original(data, qt))
+    before = get_parallel_state()
+    try:
+        set_parallel_state(ParallelState(tp_rank=1, tp_size=2))
+        load_model(path, config, torch.float32, torch.device("cpu"), None, 64)
+    finally:
+        set_parallel_state(before)
+    matrices = [t for t in src._tensors.values() if len(t.shape) == 2]
+    # The vocabulary is split too (embedding and LM head); norms are tiny and replicated.
+    assert max(read) <= max(t.data.size for t in matrices) // 2
+    assert sum(read) < 0.55 * sum(t.data.size for t in src._tensors.values())

@@ -32,10 +32,12 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 
 class PackedMatmul(nn.Module):
-    """A weight that may be prepacked for oneDNN once loaded (see can_prepack)."""
+    """A weight that may be prepacked for oneDNN once loaded (see can_prepack), or replaced by a quantized form
+    (execution.quantization) that then runs the matmul."""
 
     packed: torch.Tensor | None = None
-    packed_shape: tuple[int, int] | None = None  # [out, in] of the weight the packed copy replaced
+    packed_shape: tuple[int, int] | None = None  # [out, in] of the weight a packed/quantized copy replaced
+    quantized = None  # a quantization.QuantizedWeight once --quantization applied
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -43,13 +45,15 @@ class PackedMatmul(nn.Module):
         return self.packed_shape or tuple(self.weight.shape)
 
     def prepack(self, free_original: bool = True) -> None:
-        if self.packed is None and self.weight.numel() and can_prepack(self.weight):
+        if self.quantized is None and self.packed is None and self.weight.numel() and can_prepack(self.weight):
             self.packed_shape = tuple(self.weight.shape)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
             if free_original:
                 self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.matmul(x, bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)

@@ -1,0 +1,78 @@
+"""Quantized linear layers: `--quantization int8|int4|fp8` applied on load to bf16/fp16/fp32 checkpoints.
+
+Each method turns a loaded dense weight (this rank's slice: tensor parallelism quantizes exactly what each rank
+owns) into a `QuantizedWeight` whose `matmul(x, bias)` replaces the dense one:
+
+- int8: per-output-channel round-to-nearest weights, activations quantized per token at run time (dynamic
+  W8A8), integer matmul through `torch._int_mm` (oneDNN on CPU, cuBLASLt on CUDA). Measured fastest on CPU; the
+  weight-only int8 pack kernel was slower than bf16 there (see the README's benchmark table).
+- int4: group-wise (default 128 input features, smaller when the width demands) asymmetric round-to-nearest,
+  two weights per byte in torch's int4 pack layout, `_weight_int4pack_mm` (weight-only: activations stay in the
+  compute dtype).
+- fp8: per-output-channel e4m3 weights with per-token dynamic activation scales through `torch._scaled_mm`;
+  CUDA devices of compute capability 8.9 or newer only.
+
+The LM head and embeddings stay in the compute dtype (as in vLLM): they hold the logits' precision.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shoal.engine.execution.quantization.base import QuantizedWeight
+from shoal.engine.execution.quantization.fp8 import Fp8Weight
+from shoal.engine.execution.quantization.int4 import Int4Weight
+from shoal.engine.execution.quantization.int8 import Int8Weight
+
+logger = logging.getLogger(__name__)
+
+METHODS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
+
+
+class QuantizationError(ValueError):
+    """A --quantization choice this model or device cannot use; the message says why."""
+
+
+def check_supported(method: str, device: torch.device) -> None:
+    if method not in METHODS:
+        raise QuantizationError(f"unknown quantization {method!r} (choose from {', '.join(METHODS)})")
+    reason = METHODS[method].unsupported_reason(device)
+    if reason:
+        raise QuantizationError(f"--quantization {method}: {reason}")
+
+
+def quantize_model(model: torch.nn.Module, method: str) -> None:
+    """Replace the dense weight of every quantizable linear layer of `model` by its quantized form, in place."""
+    from shoal.engine.execution.layers.embedding import ParallelLMHead
+    from shoal.engine.execution.layers.linear import PackedMatmul
+
+    cls = METHODS[method]
+    count, before, after, kernels = 0, 0, 0, set()
+    for module in model.modules():
+        if not isinstance(module, PackedMatmul) or isinstance(module, ParallelLMHead) or not module.weight.numel():
+            continue
+        before += module.weight.numel() * module.weight.element_size()
+        module.quantized = cls.from_dense(module.weight.data)
+        module.packed_shape = tuple(module.weight.shape)
+        module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
+        after += module.quantized.nbytes()
+        kernels.add(module.quantized.kernel)
+        count += 1
+    logger.info("quantized %d linear layers to %s (%s): %.1f MiB -> %.1f MiB", count, method,
+                ", ".join(sorted(kernels)), before / 2**20, after / 2**20)
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights hold: dense parameters, oneDNN-packed copies and quantized forms."""
+    from shoal.engine.execution.layers.linear import PackedMatmul
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, PackedMatmul):
+            if module.packed is not None and not getattr(module, "tied", False):
+                total += module.packed.numel() * module.packed.element_size()
+            if module.quantized is not None:
+                total += module.quantized.nbytes()
+    return total

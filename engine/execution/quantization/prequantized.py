@@ -1,0 +1,136 @@
+"""Pre-quantized checkpoints (GPTQ, AWQ) named by `quantization_config` in config.json.
+
+`PrequantizedSource` wraps a `WeightSource` and answers `load("...q_proj.weight")` with the dense [out, in]
+weight rebuilt from the checkpoint's packed tensors, so every model loads them unchanged; the log says they were
+dequantized on load (add `--quantization int8|int4` to run them through a quantized kernel again).
+
+Layouts (both store W transposed, [in, out], with per-group scales and zero points):
+- GPTQ: `qweight` int32 [in*bits/32, out] packs `32/bits` consecutive *input* rows per word, lowest bits first;
+  `qzeros` int32 [groups, out*bits/32] packs consecutive *output* columns; `scales` [groups, out]; `g_idx` [in]
+  gives each input row's group (act-order checkpoints permute it). Format "gptq" stores zero - 1.
+- AWQ (GEMM): `qweight` int32 [in, out/8] and `qzeros` int32 [in/group, out/8] pack 8 output columns per word in
+  the interleaved order 0 2 4 6 1 3 5 7; `scales` [in/group, out]; w = (q - zero) * scale.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shoal.engine.execution.weights import WeightError
+
+logger = logging.getLogger(__name__)
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i] of its 8
+
+
+def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [n, m] -> [n * 32/bits, m]: word row r holds rows r*k .. r*k+k-1 (k = 32/bits), lowest bits first."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    vals = (packed.unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << bits) - 1)
+    return vals.reshape(packed.shape[0] * per, packed.shape[1])
+
+
+def _unpack_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [n, m] -> [n, m * 32/bits]: word column c holds columns c*k .. c*k+k-1 (nibble i -> column order[i])."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    vals = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [n, m, per], nibble i at index i
+    if order is not None:
+        vals = vals[..., torch.argsort(torch.tensor(order))]  # column j comes from nibble order.index(j)
+    return vals.reshape(packed.shape[0], packed.shape[1] * per)
+
+
+def dequantize_gptq(qweight, qzeros, scales, g_idx, bits: int, zero_minus_one: bool = True) -> torch.Tensor:
+    q = _unpack_rows(qweight, bits)  # [in, out]
+    z = _unpack_cols(qzeros, bits) + (1 if zero_minus_one else 0)  # [groups, out]
+    g = g_idx.long()
+    return ((q - z[g]).float() * scales.float()[g]).t().contiguous()  # [out, in]
+
+
+def dequantize_awq(qweight, qzeros, scales, group: int) -> torch.Tensor:
+    q = _unpack_cols(qweight, 4, AWQ_ORDER)  # [in, out]
+    z = _unpack_cols(qzeros, 4, AWQ_ORDER)  # [in/group, out]
+    g = torch.arange(q.shape[0]) // group
+    return ((q - z[g]).float() * scales.float()[g]).t().contiguous()
+
+
+def _get(config, key, default=None):
+    return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
+
+
+class PrequantizedSource:
+    """A WeightSource whose `<layer>.weight` of packed layers is dequantized from `<layer>.qweight` & co."""
+
+    def __init__(self, src, quant_config):
+        self.src, self.model_dir, self.used = src, src.model_dir, src.used
+        method = str(_get(quant_config, "quant_method", "")).lower()
+        self.method = method
+        self.bits = int(_get(quant_config, "bits", _get(quant_config, "w_bit", 4)) or 4)
+        self.group = int(_get(quant_config, "group_size", _get(quant_config, "q_group_size", 128)) or -1)
+        if method == "gptq":
+            if self.bits not in (2, 4, 8):
+                raise WeightError(f"{self.model_dir}: GPTQ with {self.bits} bits is not supported (2, 4 or 8)")
+            self.zero_minus_one = str(_get(quant_config, "checkpoint_format", "gptq")).lower() != "gptq_v2"
+        elif method == "awq":
+            version = str(_get(quant_config, "version", "gemm")).lower()
+            if version != "gemm" or self.bits != 4:
+                raise WeightError(f"{self.model_dir}: AWQ {version} with {self.bits} bits is not supported "
+                                  f"(only 4-bit GEMM packing)")
+        else:
+            raise WeightError(f"{self.model_dir}: quantization_config quant_method {method!r} is not supported "
+                              f"(supported: gptq, awq)")
+        packed = sorted(n[: -len(".qweight")] for n in src.names() if n.endswith(".qweight"))
+        self._packed = set(packed)
+        logger.info("%s %d-bit checkpoint (group size %s): %d packed linear layers dequantized on load",
+                    method.upper(), self.bits, self.group, len(packed))
+
+    def _layer(self, name: str) -> str | None:
+        stem = name[: -len(".weight")] if name.endswith(".weight") else None
+        return stem if stem in self._packed else None
+
+    def names(self) -> set[str]:
+        return self.src.names() | {p + ".weight" for p in self._packed}
+
+    def has(self, name: str) -> bool:
+        return self._layer(name) is not None or self.src.has(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        layer = self._layer(name)
+        if layer is None:
+            return self.src.shape(name)
+        out = self.src.shape(layer + ".scales")[1]
+        rows = self.src.shape(layer + ".qweight")[0]
+        return (out, rows * 32 // self.bits if self.method == "gptq" else rows)
+
+    def _dense(self, layer: str) -> torch.Tensor:
+        qweight, qzeros, scales = (self.src.load(f"{layer}.{n}") for n in ("qweight", "qzeros", "scales"))
+        if self.method == "awq":
+            return dequantize_awq(qweight, qzeros, scales, self.group)
+        in_features = qweight.shape[0] * 32 // self.bits
+        if self.src.has(layer + ".g_idx"):
+            g_idx = self.src.load(layer + ".g_idx")
+        else:
+            g_idx = torch.arange(in_features) // (self.group if self.group > 0 else in_features)
+        return dequantize_gptq(qweight, qzeros, scales, g_idx, self.bits, self.zero_minus_one)
+
+    def load(self, name: str, expected_shape=None, dim: int | None = None, start: int = 0,
+             length: int | None = None) -> torch.Tensor:
+        layer = self._layer(name)
+        if layer is None:
+            return self.src.load(name, expected_shape, dim=dim, start=start, length=length)
+        try:
+            w = self._dense(layer)
+        except (RuntimeError, IndexError) as e:  # shapes of qweight/qzeros/scales/g_idx that do not fit together
+            raise WeightError(f"{self.model_dir}: packed tensors of {layer!r} are inconsistent ({e})") from None
+        if expected_shape is not None and tuple(w.shape) != tuple(expected_shape):
+            raise WeightError(f"{self.model_dir}: {layer!r} dequantizes to {list(w.shape)} but the config implies "
+                              f"{list(expected_shape)}")
+        if dim is not None:
+            w = w.narrow(dim, start, w.shape[dim] - start if length is None else length)
+        return w
+
+    def close(self) -> None:
+        self.src.close()

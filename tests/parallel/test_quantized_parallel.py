@@ -1,0 +1,51 @@
+"""Quantized models under tensor parallelism (gloo, two worker processes): a GGUF file at tp=2 equals the single
+process; --quantization int8 at tp=2 stays within the single-process quantization error of the dense model."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from shoal.engine import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # gguf_fixtures
+from gguf_fixtures import write_gguf  # noqa: E402
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("gguf")
+
+PROMPTS = ["Hello world! The quick brown", "Once upon a time there was a little shoal of fish", "def add(a, b):"]
+OPTIONS = dict(dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=128)
+# These tests check results, not failure detection: a rank slowed by a loaded machine must not time out.
+PARALLEL = dict(tensor_parallel_size=2, distributed={"collective_timeout": 120.0})
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def model(model_factory):
+    return model_factory("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+
+
+def _run(model_path, **kw):
+    with LLM(model=str(model_path), **OPTIONS, **kw) as llm:
+        return [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def test_gguf_at_tp2_equals_one_process(model, tmp_path):
+    path = write_gguf(model, tmp_path / "tiny-q4k.gguf", weight_type="Q4_K", embed_type="Q8_0")
+    ref, got = _run(path), _run(path, **PARALLEL)
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids
+        for ea, eb in zip(a.logprobs, b.logprobs):
+            for t in ea:
+                assert eb[t].logprob == pytest.approx(ea[t].logprob, abs=2e-4)
+
+
+def test_int8_at_tp2_stays_close_to_the_dense_model(model):
+    dense, got = _run(model), _run(model, quantization="int8", **PARALLEL)
+    diffs = [abs(a.logprobs[0][t].logprob - b.logprobs[0][t].logprob)
+             for a, b in zip(dense, got) for t in set(a.logprobs[0]) & set(b.logprobs[0])]
+    assert sum(diffs) / len(diffs) < 0.25 and max(diffs) < 1.0, diffs
