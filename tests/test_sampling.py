@@ -87,7 +87,8 @@ def test_clone_is_independent():
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
-        ({"max_tokens": -1}, "max_tokens"),  # 0 is valid: it scores the prompt (echo)
+        ({"max_tokens": -1}, "max_tokens"),  # 0 is valid: score the prompt (prompt_logprobs) without generating
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"logprobs": -1}, "logprobs"),

@@ -212,11 +212,14 @@ class SamplingRow:
     def for_remote(self) -> "SamplingRow":
         """A picklable copy for a sampler in another process (the last pipeline stage): the seeded draw is made
         here, from this row's own generator, exactly as the local sampler would; token histories travel only
-        when penalties or min_tokens read them."""
+        when penalties or min_tokens read them; a grammar travels as this step's bitmask only."""
         p = self.params
         uniform = self.uniform
         if self.generator is not None and not p.is_greedy:
             uniform = float(torch.rand(1, generator=self.generator, device=self.generator.device))
+        if p.structured_outputs is not None:  # the compiled grammar stays on rank 0 (and does not pickle)
+            p = copy.copy(p)
+            p.structured_outputs = None
         return SamplingRow(
             params=p,
             prompt_token_ids=list(self.prompt_token_ids) if p.repetition_penalty != 1.0 else [],
