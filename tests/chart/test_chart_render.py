@@ -3,6 +3,7 @@ rendered object validated against the official Kubernetes schemas."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import helm_python as helm
@@ -157,7 +158,7 @@ def test_watched_namespaces_match_the_rbac(case):
 def test_shoal_operator_accepts_the_rendered_arguments(tmp_path):
     """The Deployment's arguments parse: shoal-operator's own flags, then kopf run's (click refuses unknown
     options before it looks at --help, so `ARGS --help` exits 0 only when every option is known)."""
-    pytest.importorskip("shoal.operator.handlers")
+    importlib.import_module("shoal.operator.handlers")
     import subprocess
     import sys
 
@@ -226,7 +227,7 @@ def test_cluster_role_is_least_privilege(values):
 
 def test_rbac_matches_the_permissions_the_operator_declares():
     """operator/kube.py lists exactly what the handlers and kopf use; the chart grants exactly that."""
-    kube = pytest.importorskip("shoal.operator.kube")
+    kube = importlib.import_module("shoal.operator.kube")
     declared = {(group, resource): set(verbs) for group, resource, verbs in kube.PERMISSIONS}
     assert declared == {**EXPECTED_RULES, **CLUSTER_ONLY_RULES}
     for declared_rule, rules in ((kube.NAMESPACE_PERMISSIONS, NAMESPACE_RULES),
@@ -244,7 +245,7 @@ def test_namespaced_roles_grant_the_same_namespaced_rules():
 
 
 def test_high_availability_peers_two_replicas():
-    crdgen = pytest.importorskip("shoal.operator.crdgen")
+    crdgen = importlib.import_module("shoal.operator.crdgen")
     peering_crds = {c["spec"]["names"]["kind"]: c for c in crdgen.build_peering_crds()}
     assert set(peering_crds) == PEERING_KINDS and all(
         (CHART_DIR / "crds" / crdgen.PEERING_FILENAME).read_text() == crdgen.render_peering_yaml() for _ in [0])
@@ -273,7 +274,7 @@ def test_images_default_to_the_app_version():
 
 
 def test_engine_image_default_matches_the_operators_own_default():
-    render_mod = pytest.importorskip("shoal.operator.render")
+    render_mod = importlib.import_module("shoal.operator.render")
     _, c = _container(render())
     assert f"--engine-image={render_mod.DEFAULT_ENGINE_IMAGE}" in c["args"]
 
@@ -360,7 +361,7 @@ def test_service_monitor_selects_the_metrics_services_the_operator_renders(gatew
     """The ServiceMonitor's selector and port name must match what operator/render.py puts on the Services whose
     pods serve /metrics (the gateway's, the rank-0 engines'), and must not select the headless rank Services of
     multi-pod groups (workers serve no metrics)."""
-    render_mod = pytest.importorskip("shoal.operator.render")
+    render_mod = importlib.import_module("shoal.operator.render")
     sm = one(render({"metrics": {"serviceMonitor": {"enabled": True}}}), "ServiceMonitor")
     port = sm["spec"]["endpoints"][0]["port"]
     isvc = {"apiVersion": "serving.shoal.dev/v1alpha1", "kind": "InferenceService",

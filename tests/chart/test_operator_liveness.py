@@ -3,6 +3,7 @@ against a real HTTP Kubernetes API (kmock's emulator on localhost) and answers t
 
 from __future__ import annotations
 
+import importlib
 import asyncio
 import os
 import socket
@@ -15,8 +16,8 @@ import yaml
 
 from chartkit import one, render
 
-kmock = pytest.importorskip("kmock")
-pytest.importorskip("shoal.operator.handlers")
+kmock = importlib.import_module("kmock")
+importlib.import_module("shoal.operator.handlers")
 
 
 def _free_port() -> int:

@@ -3,13 +3,14 @@ per interval, never blocking the held request, and a failure only logged."""
 
 from __future__ import annotations
 
+import importlib
 import asyncio
 import json
 
 import pytest
 from aiohttp import web
 
-pytest.importorskip("shoal.engine.gateway.discovery")
+importlib.import_module("shoal.engine.gateway.discovery")
 
 from shoal.engine.gateway.discovery import KubeAPI  # noqa: E402
 from shoal.engine.gateway.wake import ANNOTATION, Waker  # noqa: E402

@@ -3,6 +3,7 @@ process; --quantization int8 at tp=2 stays within the single-process quantizatio
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # gguf_
 from gguf_fixtures import write_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("gguf")
+importlib.import_module("gguf")
 
 PROMPTS = ["Hello world! The quick brown", "Once upon a time there was a little shoal of fish", "def add(a, b):"]
 OPTIONS = dict(dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=128)
