@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 class EngineStats:
     num_running: int
     num_waiting: int
+    num_waiting_prefill_tokens: int  # prompt (or recompute) tokens not yet in the KV cache: the autoscaler's signal
     kv_cache_usage: float
     num_kv_blocks: int
     num_free_kv_blocks: int
@@ -380,10 +381,17 @@ class LLMEngine:
                              prompt_logprobs)
 
     # -- introspection --------------------------------------------------------------------------------------
+    def _waiting_prefill_tokens(self) -> int:
+        waiting = sum(seq.num_tokens - seq.num_computed_tokens for seq in self.scheduler.waiting)
+        prefilling = sum(seq.num_prompt_tokens - seq.num_computed_tokens for seq in self.scheduler.running
+                         if seq.num_computed_tokens < seq.num_prompt_tokens)
+        return waiting + prefilling
+
     def get_stats(self) -> EngineStats:
         return EngineStats(
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
+            num_waiting_prefill_tokens=self._waiting_prefill_tokens(),
             kv_cache_usage=self.pool.usage(),
             num_kv_blocks=self.pool.num_blocks,
             num_free_kv_blocks=self.pool.num_free,

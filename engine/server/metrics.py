@@ -58,6 +58,8 @@ class _EngineStatsCollector:
         yield gauge("num_requests_running", "Number of requests in model execution batches.", get("num_running"))
         # Requests handed to the engine thread but not yet in its queue count as waiting too.
         yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", self.engine.num_waiting())
+        yield gauge("num_waiting_prefill_tokens", "Prompt tokens of queued or prefilling requests not yet computed.",
+                    get("num_waiting_prefill_tokens"))
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", get("kv_cache_usage"))
         yield gauge("num_kv_blocks", "Number of blocks in the KV-cache pool.", get("num_kv_blocks"))
         yield gauge("num_free_kv_blocks", "Number of free blocks in the KV-cache pool.", get("num_free_kv_blocks"))

@@ -96,3 +96,19 @@ def test_invalid_params_raise_clear_errors():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_waiting_prefill_tokens_count_what_is_not_yet_computed(llama_model):
+    """The autoscaler's prefill signal: queued prompt tokens, then only the part chunked prefill has not reached."""
+    with LLM(model=llama_model, block_size=4, max_model_len=128, max_num_batched_tokens=16,
+             enable_chunked_prefill=True, enable_prefix_caching=False) as llm:
+        engine = llm.llm_engine
+        prompts = [list(range(5, 45)), list(range(50, 60))]  # 40 + 10 prompt tokens
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=2, ignore_eos=True))
+        assert engine.get_stats().num_waiting_prefill_tokens == 50
+        engine.step()  # a 16-token chunk of the first prompt
+        assert engine.get_stats().num_waiting_prefill_tokens == 34
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.get_stats().num_waiting_prefill_tokens == 0
