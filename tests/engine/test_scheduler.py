@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from shoal.engine.core.kv_cache import BlockPool
+from shoal.engine.core.outputs import RequestMetrics
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.sequence import Request, Sequence, SeqStatus
 from shoal.engine.execution.sampling import SamplingParams
 
 
 def _seq(seq_id: int, tokens: list[int]) -> Sequence:
-    request = Request(f"r{seq_id}", None, list(tokens), SamplingParams(), arrival_time=float(seq_id))
+    request = Request(f"r{seq_id}", None, list(tokens), SamplingParams(), RequestMetrics(arrival_time=float(seq_id)))
     seq = Sequence(seq_id, request, 0, list(tokens), len(tokens))
     request.seqs.append(seq)
     return seq
