@@ -94,6 +94,7 @@ class _Seq:
 class _Sched:
     def __init__(self, seq, n, samples=True):
         self.seq, self.num_new_tokens, self.samples = seq, n, samples
+        self.scored = range(0)  # no prompt logprobs in these plans
 
 
 def _plan():
