@@ -15,6 +15,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 DEMO_SERVED_NAME = "shoal-demo"
+# SmolLM2's first answer token is a near-tie in bfloat16: one bf16 rounding step in any kernel turns "The capital
+# of France is Paris." into French prose. float32 keeps the demo's answer stable and costs little at 135M params.
+DEMO_DTYPE = "float32"
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 _POW = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -214,6 +217,8 @@ def engine_config_from_args(args: argparse.Namespace):
                 "`python -m shoal.engine.tools.demo_model` to fetch it): serving the random-weight tiny model")
         model = str(found or ensure_demo_model())
         kw.setdefault("served_model_name", DEMO_SERVED_NAME)
+        if found is not None and kw.get("dtype") == _DTYPES["auto"]:
+            kw["dtype"] = DEMO_DTYPE
     return EngineConfig(model=model, **kw)
 
 

@@ -102,9 +102,11 @@ def run_demo(args) -> int:
             served = "SmolLM2-135M-Instruct"
     else:
         print(f"Serving {model}", flush=True)
+    from shoal.engine.cli import DEMO_DTYPE
+
     cmd = [sys.executable, "-m", "shoal.engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--disable-access-log", *(["--model", model] if model else []),
-           *(["--served-model-name", served] if served else []), *extra]
+           *(["--served-model-name", served, "--dtype", DEMO_DTYPE] if served else []), *extra]
     print(f"Starting the server: shoal-engine {' '.join(cmd[3:])}", flush=True)
     log = tempfile.NamedTemporaryFile("w+", prefix="shoal-demo-", suffix=".log", delete=False)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
