@@ -124,9 +124,10 @@ def test_bench_throughput_delegates(monkeypatch):
     fake = types.ModuleType("shoal.engine.tools.bench_throughput")
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
     monkeypatch.setitem(sys.modules, "shoal.engine.tools.bench_throughput", fake)
-    import shoal.engine as pkg
+    import shoal.engine.tools as tools
 
-    monkeypatch.setattr(pkg, "bench_throughput", fake, raising=False)
+    # `from shoal.engine.tools import bench_throughput` reads the package attribute once the real one was imported
+    monkeypatch.setattr(tools, "bench_throughput", fake, raising=False)
     assert cli.main(["bench", "throughput", "--model", "/m", "--num-prompts", "4"]) == 0
     assert seen["argv"] == ["--model", "/m", "--num-prompts", "4"]
 
