@@ -13,6 +13,8 @@ import time
 import urllib.error
 import urllib.request
 
+from promkit import metric, parse_metrics  # noqa: F401  (metric re-exported for the fleet tests)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,25 +35,6 @@ def http(method: str, url: str, body: dict | bytes | None = None, headers: dict 
         return e.code, e.read(), dict(e.headers)
     except (urllib.error.URLError, ConnectionError, OSError):
         return 0, b"", {}
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, val = line.rpartition(" ")
-            out[key] = float(val)
-    return out
-
-
-def metric(samples: dict[str, float], name: str, **labels) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, v in samples.items():
-        base, _, rest = key.partition("{")
-        if base == name and all(f'{k}="{val}"' in rest for k, val in labels.items()):
-            total += v
-    return total
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from promkit import metric, parse_metrics  # noqa: F401  (re-exported: tests import metric from here)
 
 
 def free_port() -> int:
@@ -98,27 +99,6 @@ class ServerProcess:
         except OSError:
             pass
         return self.proc.returncode
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, val = line.rpartition(" ")
-            out[key] = float(val)
-    return out
-
-
-def metric(samples: dict[str, float], name: str, **labels) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, v in samples.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        if all(f'{k}="{val}"' in rest for k, val in labels.items()):
-            total += v
-    return total
 
 
 @pytest.fixture(scope="module")
