@@ -35,6 +35,71 @@ def test_int8_w8a8_matches_dense_within_quantization_error(m, k, n, dtype):
     assert q.nbytes() < w.numel() * 1.1  # one byte per weight plus scales
 
 
+@pytest.mark.parametrize("m", [1, 5, 32, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_cpu_kernel_equals_the_torch_ops_it_replaces(m, dtype):
+    """The fused C++ op (oneDNN-prepacked weight, per-token quantization, one epilogue) computes the same W8A8
+    arithmetic as quantize_rows_int8 + torch._int_mm + scaling; only the float32 product order differs."""
+    from shoal.engine.execution.quantization.int8 import quantize_rows_int8
+
+    torch.manual_seed(2)
+    w, x, b = torch.randn(96, 160) * 0.05, torch.randn(m, 160).to(dtype), (torch.randn(96) * 0.1).to(dtype)
+    q = Int8Weight.from_dense(w.to(dtype))
+    assert q.packed is not None and "oneDNN" in q.kernel  # the CPU path, not the fallback
+    wq, ws = quantize_rows_int8(w.to(dtype))
+    assert torch.equal(q.dequantize(), wq.float() * ws)  # the packed layout holds exactly the quantized weight
+    xq, xs = quantize_rows_int8(x)
+    ref = (torch._int_mm(xq, wq.t().contiguous()).float() * xs * ws.view(1, -1) + b.float()).to(dtype)
+    got = q.matmul(x, b)
+    assert got.dtype == dtype and got.shape == (m, 96)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    # a strided row view (a slice of a fused projection) and a 3-D batch take the same path
+    wide = torch.cat([x, x], dim=1)[:, :160]
+    torch.testing.assert_close(q.matmul(wide, b), got)
+    torch.testing.assert_close(q.matmul(x.unsqueeze(0), b)[0], got)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_quantizes_the_lm_head_and_embedding_and_halves_weight_memory(model_factory, tied):
+    from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from shoal.engine.execution.quantization import resident_weight_bytes
+
+    model = model_factory("llama", hidden_size=192, intermediate_size=256, vocab_size=2048,
+                          tie_word_embeddings=tied)
+    options = dict(OPTIONS, dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=8, seed=0)
+    with LLM(model=model, **options) as llm:
+        dense_bytes = resident_weight_bytes(llm.llm_engine.executor.runner.model)
+        ref = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    with LLM(model=model, quantization="int8", **options) as llm:
+        net = llm.llm_engine.executor.runner.model
+        heads = [m for m in net.modules() if isinstance(m, ParallelLMHead)]
+        tables = [m for m in net.modules() if isinstance(m, VocabParallelEmbedding)]
+        assert heads and all(isinstance(h.quantized, Int8Weight) for h in heads)
+        assert tables and all(t.int8_rows is not None and not t.weight.numel() for t in tables)
+        int8_bytes = resident_weight_bytes(net)
+        got = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    # Every weight is one byte instead of two, plus scales and the norms. (A tied table is held twice either way:
+    # for lookups and in oneDNN's layout for the LM head.)
+    assert int8_bytes < dense_bytes * 0.56, (int8_bytes, dense_bytes)
+    mean, worst = _logprob_error(ref, got)
+    assert mean < 0.25 and worst < 1.0, (mean, worst)
+
+
+def test_int8_embedding_lookup_reads_the_quantized_rows():
+    from shoal.engine.execution.layers.embedding import VocabParallelEmbedding
+    from shoal.engine.execution.quantization.int8 import quantize_rows_int8
+
+    torch.manual_seed(3)
+    emb = VocabParallelEmbedding(50, 24, torch.bfloat16)
+    emb.weight.data.copy_(torch.randn(50, 24))
+    q, scale = quantize_rows_int8(emb.weight.data)
+    emb.quantize_int8()
+    emb.weight.data = torch.empty(0, dtype=torch.bfloat16)
+    ids = torch.tensor([0, 7, 7, 49])
+    torch.testing.assert_close(emb(ids), (q[ids].float() * scale[ids]).bfloat16())
+
+
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_int4_kernel_equals_dense_matmul_with_its_dequantized_weight(m, k, n):
     torch.manual_seed(1)

@@ -21,6 +21,21 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = ps.tp_rank * self.vocab_local
         rows = self.vocab_local if materialize else 0  # a pipeline stage that never embeds holds no table
         self.weight = nn.Parameter(torch.zeros(rows, hidden, dtype=dtype), requires_grad=False)
+        self.int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (int8 table, float32 scale per row)
+
+    def quantize_int8(self) -> None:
+        """Keep the table as int8 rows with one scale each (--quantization int8): a lookup then dequantizes only
+        the rows it reads. The dense weight is left for the caller to free (a tied LM head reads it first)."""
+        from shoal.engine.execution.quantization.int8 import quantize_rows_int8
+
+        q, scale = quantize_rows_int8(self.weight.data)
+        self.int8_rows = (q, scale.reshape(-1))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.int8_rows is None:
+            return F.embedding(ids, self.weight)
+        q, scale = self.int8_rows
+        return (F.embedding(ids, q).float() * scale[ids].unsqueeze(-1)).to(self.weight.dtype)
 
     def load(self, read: Reader) -> None:
         n = max(0, min(self.vocab_local, self.vocab_size - self.vocab_start))
@@ -29,10 +44,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ps.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_local)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.ps.all_reduce(out)
 

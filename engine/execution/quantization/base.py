@@ -7,6 +7,7 @@ import torch
 
 class QuantizedWeight:
     kernel: str = ""  # which kernel runs the matmul (logged)
+    quantizes_vocab_tables: bool = False  # also the LM head and the token embedding (see quantization/__init__)
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:

@@ -14,21 +14,56 @@ def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(t / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
-class Int8Weight(QuantizedWeight):
-    kernel = "dynamic W8A8 int8 (torch._int_mm)"
+def _cpu_kernel(weight: torch.Tensor):
+    """The fused C++ int8_linear op (layers/csrc/cpu_fused_ops.cpp) when this weight lives on a CPU where it and
+    oneDNN's int8 prepack are available, else None."""
+    from shoal.engine.execution.layers.fused import load_kernels
 
-    def __init__(self, weight_t: torch.Tensor, scale: torch.Tensor):
-        self.weight_t = weight_t  # int8 [in, out]: the right-hand operand _int_mm wants
+    if weight.device.type != "cpu" or not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        return None
+    ops = load_kernels()[0]
+    if ops is None:
+        return None
+    return ops.int8_linear
+
+
+class Int8Weight(QuantizedWeight):
+    """On CPU the weight is prepacked once into oneDNN's int8 layout and one C++ call per layer quantizes the
+    activations, runs the int8 GEMM and scales back (measured 1.3-1.9x a prepacked bf16 matmul at batch 32, one
+    thread; the same arithmetic as separate torch ops around torch._int_mm, which also re-lays the weight out on
+    every call, gained nothing). Elsewhere (CUDA) the torch ops around torch._int_mm (cuBLASLt) run."""
+
+    quantizes_vocab_tables = True
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         self.scale = scale  # float32 [out]
+        self.kernel_fn = _cpu_kernel(q)
+        if self.kernel_fn is not None:
+            self.kernel = "dynamic W8A8 int8 (oneDNN prepacked, fused per-token quantization)"
+            self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # oneDNN's blocked layout, [in, out] bytes
+            self.zero_points = torch.zeros(q.shape[0], dtype=torch.int64)
+            self.weight_t = None
+        else:
+            self.kernel = "dynamic W8A8 int8 (torch._int_mm)"
+            self.packed = None
+            self.weight_t = q.t().contiguous()  # int8 [in, out]: the right-hand operand _int_mm wants
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> "Int8Weight":
         q, scale = quantize_rows_int8(weight)
-        return cls(q.t().contiguous(), scale.reshape(-1))
+        return cls(q, scale.reshape(-1))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        xq, xs = quantize_rows_int8(x.reshape(-1, shape[-1]))
+        x2 = x.reshape(-1, shape[-1])
+        if self.packed is not None:
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            if bias is not None and bias.dtype != x2.dtype:
+                bias = bias.to(x2.dtype)
+            y = self.kernel_fn(x2, self.packed, self.scale, self.zero_points, bias)
+            return y.reshape(*shape[:-1], -1)
+        xq, xs = quantize_rows_int8(x2)
         if xq.is_cuda and xq.shape[0] <= 16:  # cuBLASLt's int8 GEMM wants more than 16 rows
             xq = torch.nn.functional.pad(xq, (0, 0, 0, 17 - xq.shape[0]))
         y = torch._int_mm(xq, self.weight_t)[: xs.shape[0]].float().mul_(xs).mul_(self.scale)
@@ -37,7 +72,15 @@ class Int8Weight(QuantizedWeight):
         return y.to(x.dtype).reshape(*shape[:-1], -1)
 
     def dequantize(self) -> torch.Tensor:
-        return self.weight_t.t().float() * self.scale[:, None]
+        if self.packed is None:
+            return self.weight_t.t().float() * self.scale[:, None]
+        # The packed layout is oneDNN's own: read it back by multiplying the identity (exact in int8 arithmetic).
+        k = self.packed.numel() // self.scale.numel()
+        eye = torch.eye(k, dtype=torch.uint8) + 128  # zero point 128: the unsigned form of the identity
+        ones = torch.ones_like(self.scale)
+        w_t = torch.ops.onednn.qlinear_pointwise(eye, 1.0, 128, self.packed, ones, self.zero_points, None, 1.0, 0,
+                                                  torch.float32, "none", [], "")
+        return w_t.t() * self.scale[:, None]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.weight_t, self.scale]
+        return [self.scale] + [self.packed if self.packed is not None else self.weight_t]

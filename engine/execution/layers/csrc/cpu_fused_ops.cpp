@@ -1,5 +1,6 @@
 // Fused CPU kernels for a decoder layer's small elementwise steps: residual add + RMSNorm, SwiGLU (SiLU(gate) *
-// up) and RoPE applied in place to the queries and keys of a fused QKV projection.
+// up), RoPE applied in place to the queries and keys of a fused QKV projection, and the int8 W8A8 linear layer
+// (per-token activation quantization and the dequantizing epilogue around oneDNN's int8 GEMM).
 //
 // In a decode step each of these touches only batch x hidden values; the time goes to launching the 3-9 separate
 // torch ops each one is made of, and to their temporaries. One call each, no temporaries. Every kernel keeps the
@@ -10,6 +11,8 @@
 // torch.utils.cpp_extension (-O3 -march=native -fopenmp).
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -221,16 +224,100 @@ void rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at
   else TORCH_CHECK(false, "rotary_embedding supports float32/bfloat16/float16, got ", dtype);
 }
 
+// -------------------------------------------------------------------------------------------- int8 W8A8 linear
+
+// Per-row symmetric int8 quantization of x [M, K] (as quantization/int8.py's quantize_rows_int8: scale =
+// max|x| / 127, q = round(x / scale), ties to even), stored offset by +128 as uint8: oneDNN's fast int8 GEMM
+// (VNNI multiplies unsigned x signed bytes) wants unsigned activations, and zero point 128 makes them exact.
+template <typename T>
+void quantize_rows_u8(uint8_t* q, float* scales, const T* x, int64_t rows, int64_t K, int64_t s_x) {
+  for_rows(rows, rows * K, [&](int64_t r) {
+    const T* xr = x + r * s_x;
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < K; ++i) amax = std::max(amax, std::fabs(to_float(xr[i])));
+    const float scale = std::max(amax, 1e-8f) / 127.0f;
+    scales[r] = scale;
+    uint8_t* qr = q + r * K;
+#pragma omp simd
+    for (int64_t i = 0; i < K; ++i) {
+      const float v = std::nearbyint(to_float(xr[i]) / scale);
+      qr[i] = static_cast<uint8_t>(static_cast<int32_t>(std::min(std::max(v, -127.0f), 127.0f)) + 128);
+    }
+  });
+}
+
+// The exact C++ signature onednn::qlinear_pointwise was registered with (the dispatcher checks it).
+using QLinearFn = at::Tensor(at::Tensor, double, int64_t, at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>,
+                             double, int64_t, std::optional<c10::ScalarType>, c10::string_view,
+                             c10::List<std::optional<c10::Scalar>>, c10::string_view);
+
+// y = x @ W^T for W quantized per output channel (int8, prepacked by torch.ops.onednn.qlinear_prepack, scales
+// w_scale [N] float32): x is quantized per token, oneDNN's int8 GEMM gives acc * w_scale in float32, and one pass
+// multiplies by the token's scale, adds the bias and rounds to x's dtype. One call from Python per layer instead
+// of the ~12 torch ops the same arithmetic takes there.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_scale,
+                       const at::Tensor& w_zero_point, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "expected x [M, K] with a contiguous feature axis");
+  const int64_t M = x.size(0), K = x.size(1), N = w_scale.size(0);
+  TORCH_CHECK(w_scale.dim() == 1 && w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(),
+              "w_scale must be contiguous float32 [N]");
+  const auto dtype = x.scalar_type();
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == dtype,
+                "bias must be contiguous [N] in x's dtype");
+  static const auto qlinear = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("onednn::qlinear_pointwise", "")
+                                  .typed<QLinearFn>();
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kByte));
+  at::Tensor xs = at::empty({M}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({M, N}, x.options());
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    quantize_rows_u8<T>(xq.data_ptr<uint8_t>(), xs.data_ptr<float>(), static_cast<const T*>(x.data_ptr()), M, K,
+                        x.stride(0));
+    const at::Tensor acc = qlinear.call(xq, 1.0, 128, w_packed, w_scale, w_zero_point, std::nullopt, 1.0, 0,
+                                        at::kFloat, "none", c10::List<std::optional<c10::Scalar>>(), "");
+    TORCH_CHECK(acc.is_contiguous() && acc.size(0) == M && acc.size(1) == N, "unexpected int8 GEMM output");
+    const float* a = acc.data_ptr<float>();
+    const float* xsp = xs.data_ptr<float>();
+    const T* b = bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
+    T* o = static_cast<T*>(out.data_ptr());
+    for_rows(M, M * N, [&](int64_t r) {
+      const float* ar = a + r * N;
+      T* orow = o + r * N;
+      const float s = xsp[r];
+      if (b == nullptr) {
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) orow[j] = from_float<T>(ar[j] * s);
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) orow[j] = from_float<T>(ar[j] * s + to_float(b[j]));
+      }
+    });
+  };
+  if (dtype == at::kFloat) launch(float{});
+  else if (dtype == at::kBFloat16) launch(c10::BFloat16{});
+  else if (dtype == at::kHalf) launch(c10::Half{});
+  else TORCH_CHECK(false, "int8_linear supports float32/bfloat16/float16 activations, got ", dtype);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(shoal_cpu_fused, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor? delta, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+  m.def("int8_linear(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_zero_point, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(shoal_cpu_fused, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("int8_linear", &int8_linear);
 }
+
+// The prepacked int8 weight is an MKLDNN tensor, which makes the dispatcher pick this key for int8_linear.
+TORCH_LIBRARY_IMPL(shoal_cpu_fused, MkldnnCPU, m) { m.impl("int8_linear", &int8_linear); }
