@@ -14,6 +14,11 @@
 // vectorise the float reductions over head_dim without -ffast-math, and exp2 is a polynomial (no libm call) so it
 // vectorises. Where the CPU has AVX512-BF16, bfloat16 caches with head_dim % 32 == 0 take a path written with
 // intrinsics (attend_tile_avx512bf16) that multiplies bf16 directly instead of converting to float: ~1.4x faster.
+//
+// FP8 caches (--kv-cache-dtype fp8): keys/values are float8_e4m3fn bytes with one float32 scale per (slot, kv head)
+// (see engine/attention/base.py). The cache element type is a template parameter of its own (queries and output
+// stay in the model dtype); a block's rows are decoded to float with a branch-free bit conversion and multiplied
+// by their row's scale in the same pass, so the rest of the tile code is the float path unchanged.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -57,6 +62,29 @@ inline float to_float(c10::BFloat16 x) {
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }  // c10::BFloat16/Half round to nearest even
 
+// A float8_e4m3fn cache element (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities).
+struct Fp8E4M3 {
+  uint8_t x;
+};
+// Branch-free (the select is integer masking, not a conditional), so that `omp simd` loops over a row vectorise
+// instead of gathering from a table. Normal numbers: the 7 magnitude bits shifted into a float's exponent/mantissa
+// fields are the same number with exponent bias 7 instead of 127, so adding 120 to the exponent field rebiases it.
+// Subnormals (exponent 0) are mantissa * 2^-9, computed from the integer: no float denormal is ever formed (those
+// can cost a microcode assist per operation on x86). 0x7F/0xFF (NaN) decode to +-480: quantize_fp8 clamps, so the
+// cache never holds them.
+inline float to_float(Fp8E4M3 v) {
+  const uint32_t mag = v.x & 0x7Fu;
+  const uint32_t normal = (mag << 20) + (120u << 23);
+  const float subnormal_f = float(int32_t(mag)) * (1.0f / 512.0f);
+  uint32_t subnormal;
+  std::memcpy(&subnormal, &subnormal_f, sizeof subnormal);
+  const uint32_t is_normal = 0u - uint32_t(mag >= 8u);
+  const uint32_t bits = (normal & is_normal) | (subnormal & ~is_normal) | (uint32_t(v.x & 0x80u) << 24);
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
 // 2^x for x <= 0, branch-free and vectorisable. Scores live in the log2 domain (scale * log2(e) is folded into the
 // queries), so softmax needs exp2 only. x = n + f with n = round(x) and f in [-0.5, 0.5]; 2^f by its Taylor
 // polynomial to degree 7 (relative error < 1e-8, below float rounding); 2^n by writing n + 127 into the exponent
@@ -84,12 +112,16 @@ inline float exp2_neg(float x) {
 
 // ------------------------------------------------------------------------------------------------ the kernel
 
-template <typename T>
+// T: queries and output (the model dtype); C: the cache's elements (T itself, or Fp8E4M3 with scales).
+template <typename T, typename C = T>
 struct Params {
   const T* q;
   T* out;
-  const T* k;
-  const T* v;
+  const C* k;
+  const C* v;
+  const float* k_scale;  // fp8 caches: [num_blocks, block_size, kv_heads] row scales; else null
+  const float* v_scale;
+  int64_t sks_b, sks_s, sks_h, svs_b, svs_s, svs_h;  // scale strides
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
@@ -118,11 +150,22 @@ struct Scratch {
         vpairs(size_t(bs / 2 + 1) * D), ppairs(bs / 2 + 1) {}
 };
 
-// Rows of one cache block as float pointers: straight into the cache for float32, else converted into `buf`.
+// Rows of one cache block as float pointers: straight into the cache for float32, else converted into `buf`
+// (fp8 rows times their scale: scales[j * scale_stride]).
 template <typename T>
-inline void block_rows(const T* base, int64_t stride, int n, int D, float* buf, const float** rows) {
+inline void block_rows(const T* base, int64_t stride, int n, int D, float* buf, const float** rows,
+                       const float* scales = nullptr, int64_t scale_stride = 0) {
   if constexpr (std::is_same_v<T, float>) {
     for (int j = 0; j < n; ++j) rows[j] = base + j * stride;
+  } else if constexpr (std::is_same_v<T, Fp8E4M3>) {
+    for (int j = 0; j < n; ++j) {
+      const T* src = base + j * stride;
+      float* dst = buf + size_t(j) * D;
+      const float s = scales[j * scale_stride];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]) * s;
+      rows[j] = dst;
+    }
   } else {
     for (int j = 0; j < n; ++j) {
       const T* src = base + j * stride;
@@ -148,8 +191,9 @@ inline void prefetch_rows(const T* base, int64_t stride, int n, int D) {
 #ifndef SHOAL_PREFETCH_AHEAD
 #define SHOAL_PREFETCH_AHEAD 1
 #endif
-template <typename T>
-inline void prefetch_block(const Params<T>& p, const Item& it, const int32_t* table, int blk, int k0, int kv_end) {
+template <typename T, typename C>
+inline void prefetch_block(const Params<T, C>& p, const Item& it, const int32_t* table, int blk, int k0,
+                           int kv_end) {
   constexpr int ahead = SHOAL_PREFETCH_AHEAD;
   const int start = k0 + ahead * p.block_size;
   if (ahead <= 0 || start >= kv_end) return;
@@ -159,8 +203,8 @@ inline void prefetch_block(const Params<T>& p, const Item& it, const int32_t* ta
   prefetch_rows(p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h, p.sv_s, n, p.D);
 }
 
-template <typename T>
-void attend_tile(const Params<T>& p, const Item& it, Scratch& sc) {
+template <typename T, typename C>
+void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
   const int D = p.D, G = p.group, bs = p.block_size;
   const int q_start = p.query_start_loc[it.seq];
   const int q_len = p.query_start_loc[it.seq + 1] - q_start;
@@ -190,8 +234,16 @@ void attend_tile(const Params<T>& p, const Item& it, Scratch& sc) {
     const int n = std::min(bs, kv_end - k0);
     const int64_t b = table[blk];
     prefetch_block(p, it, table, blk, k0, kv_end);
-    block_rows(p.k + b * p.sk_b + int64_t(it.kv_head) * p.sk_h, p.sk_s, n, D, sc.kbuf.data(), sc.krow.data());
-    block_rows(p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h, p.sv_s, n, D, sc.vbuf.data(), sc.vrow.data());
+    const int64_t kh = int64_t(it.kv_head);
+    if constexpr (std::is_same_v<C, Fp8E4M3>) {
+      block_rows(p.k + b * p.sk_b + kh * p.sk_h, p.sk_s, n, D, sc.kbuf.data(), sc.krow.data(),
+                 p.k_scale + b * p.sks_b + kh * p.sks_h, p.sks_s);
+      block_rows(p.v + b * p.sv_b + kh * p.sv_h, p.sv_s, n, D, sc.vbuf.data(), sc.vrow.data(),
+                 p.v_scale + b * p.svs_b + kh * p.svs_h, p.svs_s);
+    } else {
+      block_rows(p.k + b * p.sk_b + kh * p.sk_h, p.sk_s, n, D, sc.kbuf.data(), sc.krow.data());
+      block_rows(p.v + b * p.sv_b + kh * p.sv_h, p.sv_s, n, D, sc.vbuf.data(), sc.vrow.data());
+    }
     const float* const* K = sc.krow.data();
     const float* const* V = sc.vrow.data();
 
@@ -426,8 +478,8 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
 }
 #endif
 
-template <typename T>
-void run(const Params<T>& p, int num_seqs, int kv_heads, const bool* skip) {
+template <typename T, typename C>
+void run(const Params<T, C>& p, int num_seqs, int kv_heads, const bool* skip) {
   // Work items, most expensive first so that dynamic scheduling ends balanced.
   std::vector<Item> items;
   for (int s = 0; s < num_seqs; ++s) {
@@ -449,7 +501,7 @@ void run(const Params<T>& p, int num_seqs, int kv_heads, const bool* skip) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
 #ifdef SHOAL_AVX512_BF16
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
         if (p.D % 32 == 0 && use_fast_path) {
           attend_tile_avx512bf16(p, items[i], scratch);
           continue;
@@ -464,7 +516,8 @@ void run(const Params<T>& p, int num_seqs, int kv_heads, const bool* skip) {
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
-                     double scale, const std::optional<at::Tensor>& skip_seqs) {
+                     double scale, const std::optional<at::Tensor>& skip_seqs,
+                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "expected q/out [T, H, D] and caches [num_blocks, block_size, kv_heads, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -474,8 +527,18 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, "head_dim must be in [1, ", kMaxHeadDim, "], got ", D);
   TORCH_CHECK(kvh >= 1 && H % kvh == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", kvh, ")");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(out.scalar_type() == dtype && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "q, out and the caches must share a dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(out.scalar_type() == dtype && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (fp8 || k_cache.scalar_type() == dtype),
+              "q and out must share a dtype, and the caches must have it too (or both be float8_e4m3fn)");
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              fp8 ? "a float8_e4m3fn cache needs k_scale and v_scale" : "k_scale/v_scale are for fp8 caches only");
+  if (fp8) {
+    for (const at::Tensor* t : {&*k_scale, &*v_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == k_cache.size(0) &&
+                      t->size(1) == bs && t->size(2) == kvh,
+                  "k_scale/v_scale must be float32 [num_blocks, block_size, kv_heads]");
+  }
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "the head_dim axis must be contiguous");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
@@ -507,13 +570,20 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   }
   const int group = int(H / kvh);
 
-  auto launch = [&](auto tag) {
+  auto launch = [&](auto tag, auto cache_tag) {
     using Tp = decltype(tag);
-    Params<Tp> p{};
+    using Cp = decltype(cache_tag);
+    Params<Tp, Cp> p{};
     p.q = static_cast<const Tp*>(q.data_ptr());
     p.out = static_cast<Tp*>(out.data_ptr());
-    p.k = static_cast<const Tp*>(k_cache.data_ptr());
-    p.v = static_cast<const Tp*>(v_cache.data_ptr());
+    p.k = static_cast<const Cp*>(k_cache.data_ptr());
+    p.v = static_cast<const Cp*>(v_cache.data_ptr());
+    if constexpr (std::is_same_v<Cp, Fp8E4M3>) {
+      p.k_scale = k_scale->data_ptr<float>();
+      p.v_scale = v_scale->data_ptr<float>();
+      p.sks_b = k_scale->stride(0), p.sks_s = k_scale->stride(1), p.sks_h = k_scale->stride(2);
+      p.svs_b = v_scale->stride(0), p.svs_s = v_scale->stride(1), p.svs_h = v_scale->stride(2);
+    }
     p.block_tables = block_tables.data_ptr<int32_t>();
     p.seq_lens = sl;
     p.query_start_loc = qsl;
@@ -528,9 +598,9 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     run(p, int(B), int(kvh), skip);
   };
   switch (dtype) {
-    case at::kFloat: launch(float{}); break;
-    case at::kBFloat16: launch(c10::BFloat16{}); break;
-    case at::kHalf: launch(c10::Half{}); break;
+    case at::kFloat: fp8 ? launch(float{}, Fp8E4M3{}) : launch(float{}, float{}); break;
+    case at::kBFloat16: fp8 ? launch(c10::BFloat16{}, Fp8E4M3{}) : launch(c10::BFloat16{}, c10::BFloat16{}); break;
+    case at::kHalf: fp8 ? launch(c10::Half{}, Fp8E4M3{}) : launch(c10::Half{}, c10::Half{}); break;
     default: TORCH_CHECK(false, "cpu paged attention supports float32, bfloat16 and float16, not ", dtype);
   }
 }
@@ -539,7 +609,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY(shoal_cpu_paged, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale, Tensor? skip_seqs=None) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale, Tensor? skip_seqs=None, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
 }
 
 // Switches the AVX512-BF16 path on or off; returns whether this build has it.
