@@ -225,21 +225,33 @@ def test_cpu_kernel_fp8_bfloat16_queries(cpu_kernel, fast):
         switch(True)
 
 
-def test_cpu_kernel_decodes_every_e4m3_code(cpu_kernel):
-    """Raw bytes, every finite e4m3 code (subnormals, zero and -0 included), with arbitrary scales: the kernel's
-    bit conversion must agree with torch's float8 conversion exactly."""
+@pytest.mark.parametrize("q_dtype,fast", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_cpu_kernel_decodes_every_e4m3_code(cpu_kernel, q_dtype, fast):
+    """Raw bytes, every finite e4m3 code (subnormals, zero and -0 included): the kernel's float conversion (and, with
+    bfloat16 queries and head_dim 32, the AVX512-BF16 path's bf16 conversion) must agree with torch's. Scales are
+    powers of two, so the dequantized cache is exact in bfloat16 too and the comparison can be tight."""
     gen = torch.Generator().manual_seed(3)
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    q, meta, caches = make_case([1, 2], [40, 30], 2, 2, 32, 8, seed=3)
+    q, meta, caches = make_case([1, 2], [40, 30], 4, 2, 32, 8, seed=3)
+    q = q.to(q_dtype)
     fp8 = caches["fp8"]
     n = fp8.k.numel()
     fp8.k.view(torch.uint8).view(-1).copy_(codes[torch.randint(len(codes), (n,), generator=gen)])
-    fp8.v.view(torch.uint8).view(-1).copy_(codes.flip(0).repeat(n // len(codes) + 1)[:n])
-    fp8.k_scale.copy_(torch.rand(fp8.k_scale.shape, generator=gen) * 0.01)
-    fp8.v_scale.copy_(torch.rand(fp8.v_scale.shape, generator=gen))
-    deq = KVCache(dequantize_fp8(fp8.k, fp8.k_scale, torch.float32), dequantize_fp8(fp8.v, fp8.v_scale, torch.float32))
+    fp8.k_scale.copy_(2.0 ** torch.randint(-12, -6, fp8.k_scale.shape, generator=gen))
+    fp8.v_scale.copy_(2.0 ** torch.randint(-8, 0, fp8.v_scale.shape, generator=gen))
+    small = codes[(codes & 0x7F) < 16]  # subnormals and the smallest normals: they alone make up the values
     backend = CpuPagedAttentionBackend(False)
-    torch.testing.assert_close(attend(backend, q, fp8, meta), attend(backend, q, deq, meta), atol=2e-5, rtol=2e-5)
+    switch = torch.ops.shoal_cpu_paged.set_bf16_fast_path
+    switch(fast)
+    try:
+        for values in (codes.flip(0).repeat(n // len(codes) + 1)[:n], small.repeat(n // len(small) + 1)[:n]):
+            fp8.v.view(torch.uint8).view(-1).copy_(values)
+            deq = KVCache(dequantize_fp8(fp8.k, fp8.k_scale, q_dtype), dequantize_fp8(fp8.v, fp8.v_scale, q_dtype))
+            out, ref = attend(backend, q, fp8, meta).float(), attend(backend, q, deq, meta).float()
+            tol = 2e-5 if q_dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+            torch.testing.assert_close(out / ref.abs().amax(), ref / ref.abs().amax(), atol=tol, rtol=tol)
+    finally:
+        switch(True)
 
 
 def test_cpu_kernel_rejects_fp8_without_scales(cpu_kernel):

@@ -13,7 +13,8 @@ torch's extensions directory (TORCH_EXTENSIONS_DIR), keyed by the source and by 
 -march=native code must not run on a different CPU sharing that directory. If it cannot be built, is_available
 says why and `auto` falls back to SDPA.
 
-`python -m shoal.engine.execution.attention.cpu_paged` benchmarks decode attention per layer against the SDPA backend.
+`python -m shoal.engine.execution.attention.cpu_paged` benchmarks decode attention per layer against the SDPA backend,
+over bf16 and fp8 caches.
 """
 
 from __future__ import annotations
@@ -216,6 +217,8 @@ def _bench(num_seqs=32, ctx=(150, 400), num_heads=8, num_kv_heads=4, head_dim=64
     if dtype == torch.bfloat16 and switch(True):
         variants.append(("cpu without AVX512-BF16", CpuPagedAttentionBackend(), False, plain))
     variants.append(("cpu fp8 KV", CpuPagedAttentionBackend(), True, fp8))
+    if dtype == torch.bfloat16 and switch(True):
+        variants.append(("cpu fp8 KV without AVX512-BF16", CpuPagedAttentionBackend(), False, fp8))
     for threads in (1, 2):
         torch.set_num_threads(threads)
         line = []

@@ -144,10 +144,13 @@ struct Scratch {
   std::vector<const float*> krow, vrow;
   std::vector<uint16_t> qb;              // bf16 fast path: raw query rows
   std::vector<uint32_t> vpairs, ppairs;  // bf16 fast path: interleaved value pairs, probability pairs
-  Scratch(int rows, int D, int bs)
+  std::vector<uint16_t> kb16, vb16;      // bf16 fast path over an fp8 cache: the block's rows decoded to bf16
+  std::vector<float> kscale, vscale;     // ... and their row scales
+  Scratch(int rows, int D, int bs, bool fp8)
       : q(size_t(rows) * D), acc(size_t(rows) * D), s(size_t(rows) * bs + 1), kbuf(size_t(bs) * D),
         vbuf(size_t(bs) * D), m(rows), l(rows), krow(bs), vrow(bs), qb(size_t(rows) * D),
-        vpairs(size_t(bs / 2 + 1) * D), ppairs(bs / 2 + 1) {}
+        vpairs(size_t(bs / 2 + 1) * D), ppairs(bs / 2 + 1), kb16(fp8 ? size_t(bs) * D : 0),
+        vb16(fp8 ? size_t(bs) * D : 0), kscale(fp8 ? bs : 0), vscale(fp8 ? bs : 0) {}
 };
 
 // Rows of one cache block as float pointers: straight into the cache for float32, else converted into `buf`
@@ -336,8 +339,29 @@ void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
 //           (v[j][d], v[j+1][d]) pairs, so the d-th float lane accumulates p[j] v[j][d] + p[j+1] v[j+1][d] with
 //           (p[j], p[j+1]) broadcast. P is rounded to bf16 for this product (as FlashAttention does on GPUs);
 //           the softmax sum l and everything else stay float32.
+// An fp8 cache takes the same path with bfloat16 queries: each block's rows are decoded to bf16 once (exact: bf16
+// has more exponent and mantissa bits than e4m3) into scratch, 32 values per few integer instructions; key scales
+// multiply the scores and value scales the probabilities (after the softmax sum l is taken), as in the Triton kernel.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SHOAL_AVX512_BF16 1
+
+// 32 e4m3 codes to 32 bfloat16 values. bf16 shares float32's exponent, so the float trick of to_float(Fp8E4M3)
+// works on 16-bit lanes: magnitude bits << 4, exponent rebiased by + 120 << 7. Subnormals (magnitude < 8) come from
+// an 8-entry table (a permute), blended in by a compare mask.
+inline __m512i fp8x32_to_bf16(const uint8_t* src, __m512i subnormals) {
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  const __mmask32 is_sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  const __m512i r = _mm512_mask_blend_epi16(is_sub, normal, _mm512_permutexvar_epi16(mag, subnormals));
+  return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+}
+
+inline __m512i fp8_subnormal_table() {
+  alignas(64) uint16_t t[32] = {};
+  for (int m = 0; m < 8; ++m) t[m] = c10::BFloat16(float(m) / 512.0f).x;  // m * 2^-9, exact in bf16
+  return _mm512_load_si512(t);
+}
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
@@ -351,7 +375,9 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
 }
 
-void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scratch& sc) {
+template <typename C>
+void attend_tile_avx512bf16(const Params<c10::BFloat16, C>& p, const Item& it, Scratch& sc) {
+  constexpr bool kFp8 = std::is_same_v<C, Fp8E4M3>;
   const int D = p.D, G = p.group, bs = p.block_size;
   const int q_start = p.query_start_loc[it.seq];
   const int q_len = p.query_start_loc[it.seq + 1] - q_start;
@@ -380,6 +406,8 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
     hi_idx[k] = uint16_t((k & 1) * 32 + 16 + k / 2);
   }
   const __m512i idx_lo = _mm512_load_si512(lo_idx), idx_hi = _mm512_load_si512(hi_idx);
+  __m512i subnormals = _mm512_setzero_si512();
+  if constexpr (kFp8) subnormals = fp8_subnormal_table();
 
   const int32_t* table = p.block_tables + int64_t(it.seq) * p.bt_stride;
   const int kv_end = ctx + it.t1;
@@ -387,14 +415,37 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
     const int n = std::min(bs, kv_end - k0);
     const int64_t b = table[blk];
     prefetch_block(p, it, table, blk, k0, kv_end);
-    const c10::BFloat16* K = p.k + b * p.sk_b + int64_t(it.kv_head) * p.sk_h;
-    const c10::BFloat16* V = p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h;
+    const c10::BFloat16* K;
+    const c10::BFloat16* V;
+    int64_t k_stride, v_stride;  // between a block's rows
+    if constexpr (kFp8) {
+      const int64_t kh = int64_t(it.kv_head);
+      const C* kc = p.k + b * p.sk_b + kh * p.sk_h;
+      const C* vc = p.v + b * p.sv_b + kh * p.sv_h;
+      for (int j = 0; j < n; ++j) {
+        for (int c = 0; c < D; c += 32) {
+          _mm512_storeu_si512(sc.kb16.data() + size_t(j) * D + c,
+                              fp8x32_to_bf16(&kc[int64_t(j) * p.sk_s + c].x, subnormals));
+          _mm512_storeu_si512(sc.vb16.data() + size_t(j) * D + c,
+                              fp8x32_to_bf16(&vc[int64_t(j) * p.sv_s + c].x, subnormals));
+        }
+        sc.kscale[j] = p.k_scale[b * p.sks_b + kh * p.sks_h + j * p.sks_s];
+        sc.vscale[j] = p.v_scale[b * p.svs_b + kh * p.svs_h + j * p.svs_s];
+      }
+      K = reinterpret_cast<const c10::BFloat16*>(sc.kb16.data());
+      V = reinterpret_cast<const c10::BFloat16*>(sc.vb16.data());
+      k_stride = v_stride = D;
+    } else {
+      K = p.k + b * p.sk_b + int64_t(it.kv_head) * p.sk_h;
+      V = p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h;
+      k_stride = p.sk_s, v_stride = p.sv_s;
+    }
 
     // Interleave value rows pairwise once per block, for all rows of the tile (an odd last key pairs with 0s).
     const int npairs = (n + 1) / 2;
     for (int jp = 0; jp < npairs; ++jp) {
-      const c10::BFloat16* v0 = V + int64_t(2 * jp) * p.sv_s;
-      const c10::BFloat16* v1 = V + int64_t(2 * jp + 1) * p.sv_s;
+      const c10::BFloat16* v0 = V + int64_t(2 * jp) * v_stride;
+      const c10::BFloat16* v1 = V + int64_t(2 * jp + 1) * v_stride;
       for (int c = 0; c < D; c += 32) {
         const __m512i a = _mm512_loadu_si512(v0 + c);
         const __m512i bb = 2 * jp + 1 < n ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
@@ -413,8 +464,8 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
       int j = 0;
       const __m128 scale4 = _mm_set1_ps(p.qk_scale);
       for (; j + 4 <= nr; j += 4) {  // four keys at a time: independent accumulator chains, one reduction
-        const c10::BFloat16* k_0 = K + int64_t(j) * p.sk_s;
-        const c10::BFloat16 *k_1 = k_0 + p.sk_s, *k_2 = k_1 + p.sk_s, *k_3 = k_2 + p.sk_s;
+        const c10::BFloat16* k_0 = K + int64_t(j) * k_stride;
+        const c10::BFloat16 *k_1 = k_0 + k_stride, *k_2 = k_1 + k_stride, *k_3 = k_2 + k_stride;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int c = 0; c < D; c += 32) {
           const __m512bh qv = as_bh(_mm512_loadu_si512(qr + c));
@@ -426,11 +477,14 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
         _mm_storeu_ps(s + j, _mm_mul_ps(reduce4(a0, a1, a2, a3), scale4));
       }
       for (; j < nr; ++j) {
-        const c10::BFloat16* ka = K + int64_t(j) * p.sk_s;
+        const c10::BFloat16* ka = K + int64_t(j) * k_stride;
         __m512 a0 = _mm512_setzero_ps();
         for (int c = 0; c < D; c += 32)
           a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(ka + c)), as_bh(_mm512_loadu_si512(qr + c)));
         s[j] = _mm512_reduce_add_ps(a0) * p.qk_scale;
+      }
+      if constexpr (kFp8) {
+        for (int jj = 0; jj < nr; ++jj) s[jj] *= sc.kscale[jj];
       }
       if (p.slopes != nullptr) {
         const float slope = p.slopes[h0 + r % G] * kLog2e;
@@ -448,6 +502,9 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
         sum += s[jj];
       }
       l[r] = l[r] * corr + sum;
+      if constexpr (kFp8) {
+        for (int jj = 0; jj < nr; ++jj) s[jj] *= sc.vscale[jj];
+      }
       // Probabilities to bf16, 16 at a time; consecutive bf16 values are exactly the (p[j], p[j+1]) pairs. A key
       // past this row's causal limit (odd nr) must weigh 0: its interleaved value may be a real, later key.
       const int rp = (nr + 1) / 2;
@@ -497,11 +554,12 @@ void run(const Params<T, C>& p, int num_seqs, int kv_heads, const bool* skip) {
   const int64_t n_items = int64_t(items.size());
 #pragma omp parallel if (n_items > 1)
   {
-    Scratch scratch(p.tile_tokens * p.group, p.D, p.block_size);
+    Scratch scratch(p.tile_tokens * p.group, p.D, p.block_size, std::is_same_v<C, Fp8E4M3>);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
 #ifdef SHOAL_AVX512_BF16
-      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> &&
+                    (std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, Fp8E4M3>)) {
         if (p.D % 32 == 0 && use_fast_path) {
           attend_tile_avx512bf16(p, items[i], scratch);
           continue;
