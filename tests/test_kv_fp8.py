@@ -254,6 +254,39 @@ def test_cpu_kernel_decodes_every_e4m3_code(cpu_kernel, q_dtype, fast):
         switch(True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_cpu_write_is_bit_identical_to_the_torch_ops(cpu_kernel, dtype, monkeypatch):
+    """The C++ writer (used once the cpu extension is loaded) and quantize_fp8 + index_copy_ fill the cache with the
+    same bytes and scales: values at e4m3's rounding ties, in the subnormal range, zero rows, strided inputs."""
+    from shoal.engine.execution.attention import base
+
+    assert base.fused_cpu_fp8_write is not None
+    gen = torch.Generator().manual_seed(5)
+    T, H, D = 37, 3, 40
+    x = torch.randn(T, H, 2 * D, generator=gen) * torch.logspace(-3, 2, T).view(T, 1, 1)
+    codes = torch.arange(256, dtype=torch.uint8)
+    grid = codes[(codes & 0x7F) != 0x7F].view(FP8_DTYPE).float().unique()
+    ties = (grid[1:] + grid[:-1]) / 2  # exactly halfway between neighbours: round half to even decides
+    x[0, 0, :D] = ties[torch.randint(len(ties), (D,), generator=gen)]
+    x[0, 0, 0] = 448.0  # pins the row's scale to 1, so the ties stay ties after dividing
+    x[1, 2] = 0.0
+    k, v = x[..., :D].to(dtype), x[..., D:].to(dtype)  # strided views, as a fused QKV projection hands them over
+    slots = torch.randperm(64, generator=gen)[:T]
+    caches = []
+    for fused in (True, False):
+        monkeypatch.setattr(base, "fused_cpu_fp8_write", base.fused_cpu_fp8_write if fused else None)
+        cache = KVCache.allocate(8, 8, H, D, dtype, CPU, "fp8")
+        cache.write(k, v, slots)
+        caches.append(cache)
+    fused, ref = caches
+    assert torch.equal(fused.k.view(torch.uint8), ref.k.view(torch.uint8))
+    assert torch.equal(fused.v.view(torch.uint8), ref.v.view(torch.uint8))
+    assert torch.equal(fused.k_scale, ref.k_scale) and torch.equal(fused.v_scale, ref.v_scale)
+    with pytest.raises(RuntimeError, match="slot 64 is outside the cache's 64"):
+        torch.ops.shoal_cpu_paged.write_fp8(k, v, fused.k, fused.v, fused.k_scale, fused.v_scale,
+                                            torch.full((T,), 64))
+
+
 def test_cpu_kernel_rejects_fp8_without_scales(cpu_kernel):
     q, meta, caches = make_case([1], [5], 2, 2, 16, 4)
     with pytest.raises(RuntimeError, match="needs k_scale and v_scale"):
@@ -420,3 +453,23 @@ def test_engine_fp8_kv_preemption_returns_every_block(llama_model, backend):
         engine.step()
         engine.abort_request("x")
         engine.pool.check_all_free()
+
+
+def test_engine_fp8_kv_with_decode_capture_matches_eager(llama_model):
+    """Padded decode buckets (graph_capture.py's eager backend) write their padding rows into the pad block of the
+    fp8 cache and read the same values as uncaptured steps."""
+    from shoal.engine import LLM, SamplingParams
+
+    prompts = ["Hello world! The quick brown", "def add(a, b):", "A"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = {}
+    for capture in ("none", "eager"):
+        with LLM(model=llama_model, block_size=4, max_model_len=64, kv_cache_dtype="fp8", decode_capture=capture) as llm:
+            outs[capture] = llm.generate(prompts, params, use_tqdm=False)
+            graphs = llm.llm_engine.executor.runner.decode_graphs
+            assert (graphs is not None and graphs.num_padded_steps > 0) == (capture == "eager")
+    for a, b in zip(outs["none"], outs["eager"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for t in ea:
+                assert eb[t].logprob == pytest.approx(ea[t].logprob, abs=1e-4)

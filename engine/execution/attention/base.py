@@ -46,8 +46,14 @@ class AttentionMetadata:
 
 
 FP8_DTYPE = torch.float8_e4m3fn
+# torch.ops.shoal_cpu_paged.write_fp8 once the C++ cpu attention extension is loaded (cpu_paged.load_kernel sets
+# it): quantize + scatter in one pass, bit for bit what the torch ops below produce. None: the torch ops.
+fused_cpu_fp8_write = None
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +129,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k_scale is None:
         k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return
+    if fused_cpu_fp8_write is not None and k_cache.device.type == "cpu" and k.dtype in _FUSED_DTYPES:
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        fused_cpu_fp8_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
         return
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         values, s = quantize_fp8(x)

@@ -89,6 +89,9 @@ def load_kernel() -> tuple[object | None, str, float]:
         load(name=f"shoal_cpu_paged_attention_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         op = torch.ops.shoal_cpu_paged.paged_attention
+        from shoal.engine.execution.attention import base
+
+        base.fused_cpu_fp8_write = torch.ops.shoal_cpu_paged.write_fp8
     except Exception as e:  # a missing compiler/ninja/header must never break the engine: report and fall back
         why = _summarise(e)
         logger.warning("%s", why)

@@ -85,6 +85,25 @@ inline float to_float(Fp8E4M3 v) {
   return out;
 }
 
+// float -> e4m3 code, round to nearest even, saturating at +-448: bit for bit what torch's .to(float8_e4m3fn)
+// gives for values clamped to [-448, 448] (quantize_fp8 in engine/attention/base.py), branch-free so it vectorises.
+// Normal range: round the float's mantissa to 3 bits (add 0x7FFFF plus the lowest kept bit, truncate), then
+// rebias the exponent from 127 to 7. Below 2^-6 (e4m3's subnormals): the code is the integer nearest to y * 2^9,
+// rounded half to even by the 1.5 * 2^23 trick; 8 there is exactly the smallest normal's code.
+inline uint8_t fp8_from_float(float y) {
+  y = std::min(std::max(y, -448.0f), 448.0f);
+  uint32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  float a;
+  std::memcpy(&a, &abs_bits, sizeof a);
+  const uint32_t subnormal = uint32_t(int32_t((a * 512.0f + 12582912.0f) - 12582912.0f));
+  const uint32_t normal = ((abs_bits + 0x7FFFFu + ((abs_bits >> 20) & 1u)) >> 20) - (120u << 3);
+  const uint32_t is_subnormal = 0u - uint32_t(a < 0.015625f);
+  return uint8_t((subnormal & is_subnormal) | (normal & ~is_subnormal) | sign);
+}
+
 // 2^x for x <= 0, branch-free and vectorisable. Scores live in the log2 domain (scale * log2(e) is folded into the
 // queries), so softmax needs exp2 only. x = n + f with n = round(x) and f in [-0.5, 0.5]; 2^f by its Taylor
 // polynomial to degree 7 (relative error < 1e-8, below float rounding); 2^n by writing n + 127 into the exponent
@@ -665,6 +684,63 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 }  // namespace
 
+// Quantizes new keys and values ([T, kv_heads, D], float32/bfloat16/float16) into an fp8 cache: per (token, kv head)
+// scale = amax / 448 (1 for an all-zero row), values x / scale as e4m3, both into the token's slot. One pass over
+// the rows instead of the ~10 tensor ops (and their temporaries) of quantize_fp8 + index_copy_ per layer.
+template <typename T>
+void write_rows_fp8(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& scales, const int64_t* slots) {
+  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2);
+  const T* src = static_cast<const T*>(x.data_ptr());
+  uint8_t* dst = static_cast<uint8_t*>(cache.data_ptr());
+  float* sc = scales.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+#pragma omp parallel for if (T_ * H * D > 32768)
+  for (int64_t r = 0; r < T_ * H; ++r) {
+    const int64_t t = r / H, h = r % H;
+    const T* row = src + t * st + h * sh;
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(row[d])));
+    const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+    uint8_t* out = dst + (slots[t] * H + h) * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = fp8_from_float(to_float(row[d]) / scale);  // divide: as torch does
+    sc[slots[t] * H + h] = scale;
+  }
+}
+
+void write_fp8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
+              "k and v must be [T, kv_heads, head_dim] of one dtype");
+  const int64_t T_ = k.size(0), H = k.size(1), D = k.size(2);
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "the head_dim axis of k and v must be contiguous");
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == at::kFloat8_e4m3fn && c->is_contiguous() && c->dim() == 4 && c->size(2) == H &&
+                    c->size(3) == D, "caches must be contiguous float8_e4m3fn [num_blocks, block_size, ", H, ", ", D, "]");
+  for (const at::Tensor* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() &&
+                    s->numel() == k_cache.size(0) * k_cache.size(1) * H,
+                "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T_,
+              "slot_mapping must be contiguous int64 with one slot per token");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the cache's ", num_slots);
+  auto both = [&](auto tag) {
+    using Tp = decltype(tag);
+    write_rows_fp8<Tp>(k, k_cache, k_scale, slots);
+    write_rows_fp8<Tp>(v, v_cache, v_scale, slots);
+  };
+  switch (k.scalar_type()) {
+    case at::kFloat: both(float{}); break;
+    case at::kBFloat16: both(c10::BFloat16{}); break;
+    case at::kHalf: both(c10::Half{}); break;
+    default: TORCH_CHECK(false, "write_fp8 takes float32, bfloat16 or float16 keys/values, not ", k.scalar_type());
+  }
+}
+
 TORCH_LIBRARY(shoal_cpu_paged, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale, Tensor? skip_seqs=None, "
@@ -683,4 +759,12 @@ bool set_bf16_fast_path(bool enabled) {
 
 TORCH_LIBRARY_FRAGMENT(shoal_cpu_paged, m) { m.def("set_bf16_fast_path(bool enabled) -> bool", &set_bf16_fast_path); }
 
-TORCH_LIBRARY_IMPL(shoal_cpu_paged, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_FRAGMENT(shoal_cpu_paged, m) {
+  m.def("write_fp8(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, "
+        "Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(shoal_cpu_paged, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_fp8", &write_fp8);
+}
