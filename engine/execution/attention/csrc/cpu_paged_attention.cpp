@@ -163,13 +163,13 @@ struct Scratch {
   std::vector<const float*> krow, vrow;
   std::vector<uint16_t> qb;              // bf16 fast path: raw query rows
   std::vector<uint32_t> vpairs, ppairs;  // bf16 fast path: interleaved value pairs, probability pairs
-  std::vector<uint16_t> kb16, vb16;      // bf16 fast path over an fp8 cache: the block's rows decoded to bf16
+  std::vector<uint16_t> kb16;            // bf16 fast path over an fp8 cache: the block's keys decoded to bf16
   std::vector<float> kscale, vscale;     // ... and their row scales
   Scratch(int rows, int D, int bs, bool fp8)
       : q(size_t(rows) * D), acc(size_t(rows) * D), s(size_t(rows) * bs + 1), kbuf(size_t(bs) * D),
         vbuf(size_t(bs) * D), m(rows), l(rows), krow(bs), vrow(bs), qb(size_t(rows) * D),
-        vpairs(size_t(bs / 2 + 1) * D), ppairs(bs / 2 + 1), kb16(fp8 ? size_t(bs) * D : 0),
-        vb16(fp8 ? size_t(bs) * D : 0), kscale(fp8 ? bs : 0), vscale(fp8 ? bs : 0) {}
+        vpairs(size_t(bs / 2 + 1) * D), ppairs(bs / 2 + 1), kb16(fp8 ? size_t(bs) * D : 0), kscale(fp8 ? bs : 0),
+        vscale(fp8 ? bs : 0) {}
 };
 
 // Rows of one cache block as float pointers: straight into the cache for float32, else converted into `buf`
@@ -434,40 +434,41 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16, C>& p, const Item& it, S
     const int n = std::min(bs, kv_end - k0);
     const int64_t b = table[blk];
     prefetch_block(p, it, table, blk, k0, kv_end);
+    const C* Vc = p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h;
     const c10::BFloat16* K;
-    const c10::BFloat16* V;
-    int64_t k_stride, v_stride;  // between a block's rows
-    if constexpr (kFp8) {
+    int64_t k_stride;  // between a block's key rows
+    if constexpr (kFp8) {  // keys decoded once into scratch (every row of the tile reads them); values below
       const int64_t kh = int64_t(it.kv_head);
       const C* kc = p.k + b * p.sk_b + kh * p.sk_h;
-      const C* vc = p.v + b * p.sv_b + kh * p.sv_h;
       for (int j = 0; j < n; ++j) {
-        for (int c = 0; c < D; c += 32) {
+        for (int c = 0; c < D; c += 32)
           _mm512_storeu_si512(sc.kb16.data() + size_t(j) * D + c,
                               fp8x32_to_bf16(&kc[int64_t(j) * p.sk_s + c].x, subnormals));
-          _mm512_storeu_si512(sc.vb16.data() + size_t(j) * D + c,
-                              fp8x32_to_bf16(&vc[int64_t(j) * p.sv_s + c].x, subnormals));
-        }
         sc.kscale[j] = p.k_scale[b * p.sks_b + kh * p.sks_h + j * p.sks_s];
         sc.vscale[j] = p.v_scale[b * p.svs_b + kh * p.svs_h + j * p.svs_s];
       }
       K = reinterpret_cast<const c10::BFloat16*>(sc.kb16.data());
-      V = reinterpret_cast<const c10::BFloat16*>(sc.vb16.data());
-      k_stride = v_stride = D;
+      k_stride = D;
     } else {
       K = p.k + b * p.sk_b + int64_t(it.kv_head) * p.sk_h;
-      V = p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h;
-      k_stride = p.sk_s, v_stride = p.sv_s;
+      k_stride = p.sk_s;
     }
 
-    // Interleave value rows pairwise once per block, for all rows of the tile (an odd last key pairs with 0s).
+    // Interleave value rows pairwise once per block, for all rows of the tile (an odd last key pairs with 0s);
+    // fp8 values are decoded on the way, straight from the cache.
     const int npairs = (n + 1) / 2;
     for (int jp = 0; jp < npairs; ++jp) {
-      const c10::BFloat16* v0 = V + int64_t(2 * jp) * v_stride;
-      const c10::BFloat16* v1 = V + int64_t(2 * jp + 1) * v_stride;
+      const C* v0 = Vc + int64_t(2 * jp) * p.sv_s;
+      const C* v1 = Vc + int64_t(2 * jp + 1) * p.sv_s;
       for (int c = 0; c < D; c += 32) {
-        const __m512i a = _mm512_loadu_si512(v0 + c);
-        const __m512i bb = 2 * jp + 1 < n ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+        __m512i a, bb;
+        if constexpr (kFp8) {
+          a = fp8x32_to_bf16(&v0[c].x, subnormals);
+          bb = 2 * jp + 1 < n ? fp8x32_to_bf16(&v1[c].x, subnormals) : _mm512_setzero_si512();
+        } else {
+          a = _mm512_loadu_si512(v0 + c);
+          bb = 2 * jp + 1 < n ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+        }
         _mm512_storeu_si512(vp + size_t(jp) * D + c, _mm512_permutex2var_epi16(a, idx_lo, bb));
         _mm512_storeu_si512(vp + size_t(jp) * D + c + 16, _mm512_permutex2var_epi16(a, idx_hi, bb));
       }
