@@ -225,11 +225,22 @@ def test_cpu_kernel_fp8_bfloat16_queries(cpu_kernel, fast):
         switch(True)
 
 
-@pytest.mark.parametrize("q_dtype,fast", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
-def test_cpu_kernel_decodes_every_e4m3_code(cpu_kernel, q_dtype, fast):
-    """Raw bytes, every finite e4m3 code (subnormals, zero and -0 included): the kernel's float conversion (and, with
-    bfloat16 queries and head_dim 32, the AVX512-BF16 path's bf16 conversion) must agree with torch's. Scales are
-    powers of two, so the dequantized cache is exact in bfloat16 too and the comparison can be tight."""
+def _triton():
+    from shoal.engine.execution.attention.triton_attn import TritonAttentionBackend
+
+    if not TritonAttentionBackend.is_available(CPU)[0]:
+        pytest.skip("triton missing, or imported without TRITON_INTERPRET=1 earlier in this process")
+    return TritonAttentionBackend()
+
+
+@pytest.mark.parametrize("backend,q_dtype,fast", [("cpu", torch.float32, True), ("cpu", torch.bfloat16, True),
+                                                  ("cpu", torch.bfloat16, False), ("triton", torch.float32, True)])
+def test_kernels_decode_every_e4m3_code(cpu_kernel, backend, q_dtype, fast):
+    """Raw bytes, every finite e4m3 code (subnormals, zero and -0 included): the kernels' own e4m3 decoding (the C++
+    float conversion; with bfloat16 queries and head_dim 32 the AVX512-BF16 path's bf16 conversion; Triton's
+    integer decoding) must agree with torch's. Scales are powers of two, so the dequantized cache is exact in
+    bfloat16 too and the comparison can be tight; a second pass uses only subnormal and tiny codes, so that an
+    error there is not drowned by the large values."""
     gen = torch.Generator().manual_seed(3)
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     q, meta, caches = make_case([1, 2], [40, 30], 4, 2, 32, 8, seed=3)
@@ -240,7 +251,7 @@ def test_cpu_kernel_decodes_every_e4m3_code(cpu_kernel, q_dtype, fast):
     fp8.k_scale.copy_(2.0 ** torch.randint(-12, -6, fp8.k_scale.shape, generator=gen))
     fp8.v_scale.copy_(2.0 ** torch.randint(-8, 0, fp8.v_scale.shape, generator=gen))
     small = codes[(codes & 0x7F) < 16]  # subnormals and the smallest normals: they alone make up the values
-    backend = CpuPagedAttentionBackend(False)
+    backend = CpuPagedAttentionBackend(False) if backend == "cpu" else _triton()
     switch = torch.ops.shoal_cpu_paged.set_bf16_fast_path
     switch(fast)
     try:

@@ -4,8 +4,10 @@ Keys and values are read straight from the paged cache through the block table (
 copy); softmax is computed online (FlashAttention style) in float32, whatever the cache dtype. Handles causal
 prefill, chunked prefill against cached context, decode, grouped-query attention, BLOOM-style ALiBi and any
 head_dim (padded to a power of two with masks). An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is loaded as
-fp8 and widened exactly to the compute dtype; its per-(slot, kv head) scales fold into the scores (s_j * ks_j) and
-into the probabilities that weight the values (p_j * vs_j), so no dequantized copy of a tile is formed.
+bytes and decoded with integer ops (_e4m3_to_float: exact, and the same on every GPU generation — Triton's own
+fp8e4nv conversions need compute capability 8.9 on some versions — and in the interpreter); its per-(slot, kv
+head) scales fold into the scores (s_j * ks_j) and into the probabilities that weight the values (p_j * vs_j), so
+no dequantized copy of a tile is formed.
 
 Runs compiled on CUDA, and on CPU under Triton's interpreter, which is how the tests run it. Triton decides
 interpreted-or-compiled when a function is wrapped by `triton.jit`, and its own library functions (tl.max, tl.sum,
@@ -27,6 +29,16 @@ except ImportError:  # the engine runs without triton (sdpa); this backend then 
 _LOG2E = 1.4426950408889634
 
 if triton is not None:
+
+    @triton.jit
+    def _e4m3_to_float(x):
+        """float8_e4m3fn codes (uint8) -> float32, exactly: normals by rebiasing the exponent bits (7 -> 127),
+        subnormals (exponent 0) as mantissa * 2^-9. NaN codes decode to +-480 (the cache never holds them)."""
+        x = x.to(tl.int32)
+        mag = x & 0x7F
+        normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        value = tl.where(mag < 8, mag.to(tl.float32) * 0.001953125, normal)
+        return tl.where((x & 0x80) != 0, -value, value)
 
     @triton.jit
     def _paged_attention_kernel(
@@ -128,7 +140,11 @@ if triton is not None:
 
             k_offs = block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh \
                 + dims[:, None] * stride_kd
-            k = tl.load(k_cache_ptr + k_offs, mask=k_ok[None, :] & dim_ok[:, None], other=0.0).to(q.dtype)  # [D, N]
+            if FP8_KV:
+                k = _e4m3_to_float(tl.load(k_cache_ptr + k_offs, mask=k_ok[None, :] & dim_ok[:, None], other=0))
+                k = k.to(q.dtype)  # exact: e4m3 fits in float16 and bfloat16
+            else:
+                k = tl.load(k_cache_ptr + k_offs, mask=k_ok[None, :] & dim_ok[:, None], other=0.0).to(q.dtype)  # [D, N]
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N] float32
             if FP8_KV:
                 k_sc = tl.load(k_scale_ptr + block * stride_ksb + slot * stride_kss + kv_head * stride_ksh,
@@ -146,7 +162,11 @@ if triton is not None:
 
             v_offs = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh \
                 + dims[None, :] * stride_vd
-            v = tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)  # [N, D]
+            if FP8_KV:
+                v = _e4m3_to_float(tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0))
+                v = v.to(q.dtype)
+            else:
+                v = tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)  # [N, D]
             if FP8_KV:  # the values' scales weigh the probabilities; l_i above sums the unscaled ones
                 v_sc = tl.load(v_scale_ptr + block * stride_vsb + slot * stride_vss + kv_head * stride_vsh,
                                mask=k_ok, other=0.0)
@@ -317,6 +337,8 @@ class TritonAttentionBackend(AttentionBackend):
         query_start_loc = meta.query_start_loc.to(torch.int32)
         extra = {} if interpreting else {"num_warps": 4, "num_stages": 2}
         fp8 = k_scale is not None
+        if fp8:  # read as bytes and decoded in the kernel (see the module docstring)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         scales = (k_scale, v_scale) if fp8 else (out, out)  # never read without FP8_KV
         scale_strides = (*k_scale.stride(), *v_scale.stride()) if fp8 else (0,) * 6
         _paged_attention_kernel[(grid0, num_kv_heads, splits)](
