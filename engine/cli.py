@@ -96,6 +96,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in bytes; this is how the KV cache is sized on CPU (default 512MiB). "
                         "Accepts suffixes: 512MiB, 2GiB, 1.5G (binary), 2GB (decimal). On GPU it overrides "
                         "--gpu-memory-utilization.")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                   help="KV cache storage: auto (the model dtype) or fp8 (float8 e4m3 with a float32 scale per "
+                        "token and kv head, computed as the cache is written: ~0.53x the bytes of bf16 at head_dim "
+                        "64, so the same --kv-cache-memory holds ~1.9x the tokens; read by the cpu, sdpa, triton "
+                        "and flash backends)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="pin the KV pool to exactly this many blocks (overrides the size above)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -190,7 +195,7 @@ _ENGINE_FIELDS = (
     "tokenizer", "revision", "served_model_name", "trust_remote_code", "chat_template", "dtype", "quantization",
     "device", "seed",
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
-    "max_queue_len", "block_size", "gpu_memory_utilization", "kv_cache_memory", "num_kv_blocks",
+    "max_queue_len", "block_size", "gpu_memory_utilization", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks",
     "enable_prefix_caching", "attention_backend", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
 )
 

@@ -124,9 +124,10 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB); max concurrency %.1f requests at max_model_len=%d; "
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %s); max concurrency %.1f requests at max_model_len=%d; "
             "attention backend %s; prefix caching %s; max_num_batched_tokens=%d",
             num_blocks, config.block_size, num_blocks * self.executor.bytes_per_block(config.block_size) / 2**20,
+            "fp8 e4m3 with per-token scales" if config.kv_cache_dtype == "fp8" else f"{str(self.dtype)[6:]}",
             capacity / self.max_model_len, self.max_model_len, self.executor.backend_name,
             "on" if config.enable_prefix_caching else "off", self.max_num_batched_tokens,
         )

@@ -76,7 +76,7 @@ def build_runner(group: Group, config, model_dir, hf_config, dtype, device, max_
     try:
         return ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
                            config.distributed.layer_partition, block_size=config.block_size,
-                           quantization=config.quantization)
+                           quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
     finally:
         set_parallel_state(previous)
 

@@ -50,7 +50,8 @@ class UniProcExecutor:
     def __init__(self, config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
                  sampler: Sampler):
         self.runner = ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
-                                  block_size=config.block_size, quantization=config.quantization)
+                                  block_size=config.block_size, quantization=config.quantization,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         # Decode graph capture is a one-process feature: the ranks of a parallel group run every step eagerly.
         self.runner.enable_decode_capture(decode_capture_backend(config, device), config.max_num_seqs)
         self.sampler = sampler

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.engine.execution.attention import select_backend
-from shoal.engine.execution.attention.base import AttentionMetadata
+from shoal.engine.execution.attention.base import AttentionMetadata, KVCache
 from shoal.engine.execution.graph_capture import DecodeGraphs
 from shoal.engine.execution.model_loader import load_model
 from shoal.engine.core.scheduler import ScheduledSeq
@@ -115,17 +115,19 @@ class ModelRunner:
 
     def __init__(self, model_dir, hf_config, dtype: torch.dtype, device: torch.device, attention_backend: str,
                  max_model_len: int, layer_partition: list[int] | None = None, block_size: int = 16,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
         self.device = device
         self.dtype = dtype
-        backend = select_backend(attention_backend, device, uses_alibi=_uses_alibi(hf_config), dtype=dtype,
-                                 block_size=block_size, **_attention_shape(hf_config))
+        self.kv_cache_dtype = kv_cache_dtype
+        backend = select_backend(attention_backend, device, uses_alibi=_uses_alibi(hf_config),
+                                 kv_cache_dtype=kv_cache_dtype, dtype=dtype, block_size=block_size,
+                                 **_attention_shape(hf_config))
         self.backend = backend
         self.backend_name = backend.name
         self.max_model_len = max_model_len
         self.model = load_model(model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition,
                                 quantization)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.capture: tuple[str, int] | None = None  # (backend, max_num_seqs) once decode capture is enabled
         self.decode_graphs: DecodeGraphs | None = None
@@ -145,18 +147,24 @@ class ModelRunner:
         self.capture = (backend, max_num_seqs)
 
     def bytes_per_block(self, block_size: int) -> int:
+        """K and V bytes of one block over this rank's layers; an fp8 cache counts its scales too."""
         m = self.model
-        per_token = 2 * m.num_local_layers * m.num_kv_heads_local * m.head_dim * torch.finfo(self.dtype).bits // 8
-        return max(1, per_token * block_size)
+        per_head = KVCache.bytes_per_token_head(m.head_dim, self.dtype, self.kv_cache_dtype)
+        return max(1, m.num_local_layers * m.num_kv_heads_local * per_head * block_size)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the allocated KV cache holds (values and, for fp8, scales)."""
+        return sum(c.nbytes for c in self.kv_caches)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         m = self.model
         # With decode capture, one block past the pool belongs to the padding rows of padded batches.
-        shape = (num_blocks + (self.capture is not None), block_size, m.num_kv_heads_local, m.head_dim)
+        blocks = num_blocks + (self.capture is not None)
         self.block_size = block_size
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            KVCache.allocate(blocks, block_size, m.num_kv_heads_local, m.head_dim, self.dtype, self.device,
+                             self.kv_cache_dtype)
             for _ in range(m.num_local_layers)
         ]
         self.decode_graphs = None

@@ -8,6 +8,9 @@ The model is `--model DIR` (any local Hugging Face directory) or a built-in rand
 shallow: hidden 512, 8 layers) or `smollm2-135m` (deep and narrow: SmolLM2-135M's shape, 30 layers, hidden 576).
 `--profile` runs the workload once more with timers attached and prints where a step's time goes, with the
 memory-traffic floor of a decode step (see shoal.engine.tools.step_profile).
+
+`--quantization none int8 ...` and/or `--kv-cache-dtype auto fp8` run Shoal once per combination and print them
+side by side: output tok/s, resident weight and KV-cache MiB, and how many KV blocks (tokens) that cache holds.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def run_shoal(model_dir, reqs, args, memory: dict | None = None, **extra) -> tup
     from shoal.engine.execution.sampling import SamplingParams
 
     options = dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+                   kv_cache_memory=getattr(args, "kv_cache_memory", None),
                    max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
                    pipeline_parallel_size=args.pipeline_parallel_size, enforce_eager=args.enforce_eager, **extra)
     if args.max_num_batched_tokens:
@@ -74,7 +78,8 @@ def run_shoal(model_dir, reqs, args, memory: dict | None = None, **extra) -> tup
             from shoal.engine.execution.quantization import resident_weight_bytes
 
             memory["weights"] = resident_weight_bytes(runner.model)
-            memory["kv"] = sum(t.numel() * t.element_size() for kv in runner.kv_caches for t in kv)
+            memory["kv"] = runner.kv_cache_bytes
+            memory["kv_blocks"] = llm.llm_engine.pool.num_blocks
         llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
         prompts = [{"prompt_token_ids": p} for p, _ in reqs]
@@ -148,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", nargs="+", choices=["none", "int8", "int4", "fp8"], default=None,
                     help="compare these quantizations side by side (Shoal only): output tok/s and resident weight "
                          "and KV-cache memory, e.g. --quantization none int8 int4")
+    ap.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8"], default=None,
+                    help="compare these KV cache dtypes side by side (Shoal only; combined with --quantization "
+                         "when both are given): output tok/s, KV-cache MiB and blocks, e.g. --kv-cache-dtype auto fp8")
+    ap.add_argument("--kv-cache-memory", type=int, default=None,
+                    help="KV cache bytes (default: the engine's, 512 MiB on CPU); the same budget for every row")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
 
@@ -170,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"max_model_len {args.max_model_len}; shorten them")
     reqs = workload(args.seed, args.num_prompts, config.vocab_size, args.prompt_len, args.output_len)
     tokens = sum(m for _, m in reqs)
-    if args.quantization:
-        return compare_quantizations(model_dir, reqs, tokens, args)
+    if args.quantization or args.kv_cache_dtype:
+        return compare_variants(model_dir, reqs, tokens, args)
     results: dict[str, float] = {}
     elapsed, profile = run_shoal(model_dir, reqs, args)
     results["shoal"] = tokens / elapsed
@@ -207,16 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def compare_quantizations(model_dir, reqs, tokens: int, args) -> int:
+def compare_variants(model_dir, reqs, tokens: int, args) -> int:
+    """One Shoal run per (quantization, KV cache dtype) combination, printed side by side."""
     import torch
 
     rows = []
-    for q in args.quantization:
-        memory: dict = {}
-        elapsed, _ = run_shoal(model_dir, reqs, args, memory, quantization=None if q == "none" else q)
-        rows.append({"quantization": q, "output_tokens_per_s": round(tokens / elapsed, 1),
-                     "weight_mib": round(memory.get("weights", 0) / 2**20, 1),
-                     "kv_cache_mib": round(memory.get("kv", 0) / 2**20, 1)})
+    for q in args.quantization or ["none"]:
+        for kv in args.kv_cache_dtype or ["auto"]:
+            memory: dict = {}
+            elapsed, _ = run_shoal(model_dir, reqs, args, memory, quantization=None if q == "none" else q,
+                                   kv_cache_dtype=kv)
+            blocks = memory.get("kv_blocks", 0)
+            rows.append({"quantization": q, "kv_cache_dtype": kv, "output_tokens_per_s": round(tokens / elapsed, 1),
+                         "weight_mib": round(memory.get("weights", 0) / 2**20, 1),
+                         "kv_cache_mib": round(memory.get("kv", 0) / 2**20, 1),
+                         "kv_blocks": blocks, "kv_tokens": blocks * args.block_size})
     base = rows[0]["output_tokens_per_s"]
     if args.json:
         print(json.dumps({"model": str(model_dir), "requests": len(reqs), "output_tokens": tokens,
@@ -224,10 +239,12 @@ def compare_quantizations(model_dir, reqs, tokens: int, args) -> int:
         return 0
     print(f"model {model_dir}  dtype {args.dtype}  {len(reqs)} requests, {tokens} output tokens, "
           f"{torch.get_num_threads()} threads")
-    print(f"  {'quantization':<14}{'output tok/s':>14}{'vs first':>10}{'weights MiB':>13}{'KV cache MiB':>14}")
+    print(f"  {'quantization':<14}{'KV dtype':<10}{'output tok/s':>14}{'vs first':>10}{'weights MiB':>13}"
+          f"{'KV cache MiB':>14}{'KV blocks':>11}{'KV tokens':>11}")
     for r in rows:
-        print(f"  {r['quantization']:<14}{r['output_tokens_per_s']:>14.1f}{r['output_tokens_per_s'] / base:>9.2f}x"
-              f"{r['weight_mib']:>13.1f}{r['kv_cache_mib']:>14.1f}")
+        print(f"  {r['quantization']:<14}{r['kv_cache_dtype']:<10}{r['output_tokens_per_s']:>14.1f}"
+              f"{r['output_tokens_per_s'] / base:>9.2f}x{r['weight_mib']:>13.1f}{r['kv_cache_mib']:>14.1f}"
+              f"{r['kv_blocks']:>11}{r['kv_tokens']:>11}")
     return 0
 
 

@@ -50,3 +50,17 @@ def test_int8_at_tp2_stays_close_to_the_dense_model(model):
     diffs = [abs(a.logprobs[0][t].logprob - b.logprobs[0][t].logprob)
              for a, b in zip(dense, got) for t in set(a.logprobs[0]) & set(b.logprobs[0])]
     assert sum(diffs) / len(diffs) < 0.25 and max(diffs) < 1.0, diffs
+
+
+def test_fp8_kv_cache_at_tp2_equals_one_process(model):
+    """Scales are per (slot, kv head) and each rank owns whole kv heads: tp=2 quantizes exactly what one process
+    does, so the results agree to float32 rounding (and the workers got --kv-cache-dtype: an auto cache differs)."""
+    ref, got = _run(model, kv_cache_dtype="fp8"), _run(model, kv_cache_dtype="fp8", **PARALLEL)
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids
+        for ea, eb in zip(a.logprobs, b.logprobs):
+            for t in ea:
+                assert eb[t].logprob == pytest.approx(ea[t].logprob, abs=2e-4)
+    dense = _run(model)
+    assert any(abs(a.logprobs[0][t].logprob - b.logprobs[0][t].logprob) > 1e-3
+               for a, b in zip(dense, got) for t in set(a.logprobs[0]) & set(b.logprobs[0]))

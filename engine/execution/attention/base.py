@@ -6,9 +6,15 @@ decode tokens alike). Sequence i owns rows query_start_loc[i]:query_start_loc[i+
 block_tables[i]. Keys and values of the new tokens are written to the cache (slot_mapping) before attention
 runs, so a backend reads every key/value from the cache.
 
-Cache layout per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+Cache layout per layer (a KVCache): k, v of shape [num_blocks, block_size, num_kv_heads, head_dim].
 A token at position p of sequence i sits in block block_tables[i][p // block_size], offset p % block_size;
 its slot is block * block_size + offset.
+
+FP8 KV cache (--kv-cache-dtype fp8): k and v are stored as float8_e4m3fn, each (slot, kv head) row with its own
+float32 scale in k_scale / v_scale [num_blocks, block_size, num_kv_heads]: the stored row is x / s with
+s = amax(|x|) / 448 (448 is e4m3's largest finite value), so every row uses e4m3's whole range, whatever the
+model, without calibration. A backend reads x = float(stored) * s; the scale folds into attention cheaply:
+score_j = (q . k_j) * ks_j and out += (p_j * vs_j) * v_j.
 """
 
 from __future__ import annotations
@@ -39,12 +45,101 @@ class AttentionMetadata:
         return len(self.seq_lens_list)
 
 
+FP8_DTYPE = torch.float8_e4m3fn
+# torch.ops.shoal_cpu_paged.write_fp8 once the C++ cpu attention extension is loaded (cpu_paged.load_kernel sets
+# it): quantize + scatter in one pass, bit for bit what the torch ops below produce. None: the torch ops.
+fused_cpu_fp8_write = None
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (float8_e4m3fn values, float32 scales [...]) with x ~= values * scales[..., None].
+
+    One scale per row (per token and kv head): amax / 448, so the row's largest element lands on e4m3's largest
+    value. An all-zero row gets scale 1 (0 / 1 = 0 exactly) rather than a 0 that would divide 0 by 0."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Clamped: x / scale can round a hair past 448, and e4m3fn has no infinity (out of range would become NaN).
+    q = (xf / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of quantize_fp8, in `dtype` (values [..., head_dim], scales [...])."""
+    return (values.float() * scales.unsqueeze(-1)).to(dtype)
+
+
+@dataclass
+class KVCache:
+    """One layer's paged cache: k, v [num_blocks, block_size, kv_heads, head_dim]; with an fp8 cache also the
+    per-(slot, kv head) float32 scales k_scale, v_scale [num_blocks, block_size, kv_heads] (None otherwise)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, kv_cache_dtype: str = "auto") -> "KVCache":
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        if kv_cache_dtype == "auto":
+            return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        if kv_cache_dtype != "fp8":
+            raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r}; choose from {', '.join(KV_CACHE_DTYPES)}")
+        scales = shape[:3]
+        return cls(torch.zeros(shape, dtype=FP8_DTYPE, device=device),
+                   torch.zeros(shape, dtype=FP8_DTYPE, device=device),
+                   torch.ones(scales, dtype=torch.float32, device=device),
+                   torch.ones(scales, dtype=torch.float32, device=device))
+
+    @staticmethod
+    def bytes_per_token_head(head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """Bytes one token of one kv head takes for K and V together (values plus scales)."""
+        if kv_cache_dtype == "fp8":
+            return 2 * (head_dim + 4)  # one byte per value, one float32 scale per row
+        return 2 * head_dim * torch.finfo(dtype).bits // 8
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k_scale is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_kv(k, v, self.k, self.v, slot_mapping, self.k_scale, self.v_scale)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter the new tokens' keys/values ([T, kv_heads, head_dim]) into their cache slots."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Scatter the new tokens' keys/values ([T, kv_heads, head_dim]) into their cache slots; into an fp8 cache
+    (scales given) quantized per (token, kv head), their scales into the same slots of k_scale / v_scale."""
     nb, bs, h, d = k_cache.shape
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k_scale is None:
+        k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return
+    if fused_cpu_fp8_write is not None and k_cache.device.type == "cpu" and k.dtype in _FUSED_DTYPES:
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        fused_cpu_fp8_write(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        return
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        values, s = quantize_fp8(x)
+        # Scattered as bytes: index_copy_ has no float8 kernel on every device.
+        cache.view(torch.uint8).view(nb * bs, h, d).index_copy_(0, slot_mapping, values.view(torch.uint8))
+        scales.view(nb * bs, h).index_copy_(0, slot_mapping, s)
 
 
 class AttentionBackend:
@@ -55,6 +150,9 @@ class AttentionBackend:
     # A decode step's forward reads only tensor metadata (host-side values at most as upper bounds that size the
     # work), so it can be captured into a graph once and replayed (see execution/graph_capture.py).
     graph_capture_safe: bool = False
+    # Reads a float8_e4m3fn cache with per-(slot, kv head) scales (--kv-cache-dtype fp8).
+    supports_fp8_kv: bool = False
+    fp8_kv_refusal: str = ""  # why not, for the error message
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
@@ -69,5 +167,7 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32, this rank's heads only
+        k_scale: torch.Tensor | None = None,  # fp8 caches: [num_blocks, block_size, kv_heads] float32
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         raise NotImplementedError

@@ -4,7 +4,8 @@ The SDPA backend gathers every sequence's blocks into a dense copy per layer (k_
 SDPA over it; in decode, which is memory-bound, that copy dominates. This backend streams each sequence's blocks in
 place with an online softmax in float32, handling the whole flat batch (decode, prefill, chunked prefill against
 cached context), GQA (all query heads of a kv head share each block load) and ALiBi, for float32/bfloat16/float16
-caches and any head_dim up to 256; on CPUs with AVX512-BF16, bfloat16 dot products use vdpbf16ps. Long prefill
+caches and any head_dim up to 256; on CPUs with AVX512-BF16, bfloat16 dot products use vdpbf16ps. FP8 caches
+(float8_e4m3fn with per-row scales, --kv-cache-dtype fp8) are decoded to float in the kernel, block by block. Long prefill
 chunks (compute-bound, where a gather is cheap) go to torch's SDPA instead. See csrc/cpu_paged_attention.cpp.
 
 The kernel is compiled on first use with torch.utils.cpp_extension (-O3 -march=native -fopenmp) and cached in
@@ -12,7 +13,8 @@ torch's extensions directory (TORCH_EXTENSIONS_DIR), keyed by the source and by 
 -march=native code must not run on a different CPU sharing that directory. If it cannot be built, is_available
 says why and `auto` falls back to SDPA.
 
-`python -m shoal.engine.execution.attention.cpu_paged` benchmarks decode attention per layer against the SDPA backend.
+`python -m shoal.engine.execution.attention.cpu_paged` benchmarks decode attention per layer against the SDPA backend,
+over bf16 and fp8 caches.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata
+from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, FP8_DTYPE, dequantize_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,9 @@ def load_kernel() -> tuple[object | None, str, float]:
         load(name=f"shoal_cpu_paged_attention_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         op = torch.ops.shoal_cpu_paged.paged_attention
+        from shoal.engine.execution.attention import base
+
+        base.fused_cpu_fp8_write = torch.ops.shoal_cpu_paged.write_fp8
     except Exception as e:  # a missing compiler/ninja/header must never break the engine: report and fall back
         why = _summarise(e)
         logger.warning("%s", why)
@@ -99,6 +104,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     name = "cpu"
     graph_capture_safe = True
     supports_alibi = True
+    supports_fp8_kv = True
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
@@ -123,12 +129,13 @@ class CpuPagedAttentionBackend(AttentionBackend):
     def __init__(self, dense_prefill: bool = True):
         self.dense_prefill = dense_prefill  # False: the kernel does every sequence, long prefill chunks included
 
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, alibi_slopes=None):
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, alibi_slopes=None, k_scale=None,
+                v_scale=None):
         op, why, _ = load_kernel()
         if op is None:
             raise RuntimeError(why)
         in_dtype = q.dtype
-        if q.dtype != k_cache.dtype:
+        if q.dtype != k_cache.dtype and k_cache.dtype != FP8_DTYPE:  # an fp8 cache is read with q's dtype
             q = q.to(k_cache.dtype)
         if q.stride(-1) != 1:
             q = q.contiguous()  # rows may be strided (a view of a fused QKV projection); head_dim may not
@@ -149,13 +156,14 @@ class CpuPagedAttentionBackend(AttentionBackend):
         if dense:
             skip = torch.zeros(meta.num_seqs, dtype=torch.bool)
             skip[dense] = True
-        op(out, q, k_cache, v_cache, *ints, slopes, float(scale), skip)  # the kernel leaves `dense` sequences
+        # the kernel leaves `dense` sequences
+        op(out, q, k_cache, v_cache, *ints, slopes, float(scale), skip, k_scale, v_scale)
         for i in dense:
-            self._dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes)
+            self._dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes, k_scale, v_scale)
         return out if out.dtype == in_dtype else out.to(in_dtype)
 
     @staticmethod
-    def _dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes):
+    def _dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes, k_scale=None, v_scale=None):
         """A long prefill chunk is compute-bound: there gathering its context is cheap next to the attention
         itself, and torch's SDPA (bf16 GEMM micro-kernels) beats the streaming kernel's float32 dot products."""
         nb, bs, kvh, D = k_cache.shape
@@ -163,8 +171,11 @@ class CpuPagedAttentionBackend(AttentionBackend):
         q_len, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
         start = int(meta.query_start_loc[i])
         blocks = meta.block_tables[i, : -(-seq_len // bs)].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None]  # [1, kvh, seq_len, D]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+        k, v = k_cache[blocks].flatten(0, 1)[:seq_len], v_cache[blocks].flatten(0, 1)[:seq_len]
+        if k_scale is not None:
+            k = dequantize_fp8(k, k_scale[blocks].flatten(0, 1)[:seq_len], q.dtype)
+            v = dequantize_fp8(v, v_scale[blocks].flatten(0, 1)[:seq_len], q.dtype)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kvh, seq_len, D]
         qi = q[start: start + q_len].transpose(0, 1)[None]  # [1, H, q_len, D]: 4-D takes the flash kernel
         ctx = seq_len - q_len
         if ctx == 0 and slopes is None:
@@ -184,6 +195,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
 def _bench(num_seqs=32, ctx=(150, 400), num_heads=8, num_kv_heads=4, head_dim=64, block_size=16,
            dtype=torch.bfloat16, iters=50):
+    from shoal.engine.execution.attention.base import quantize_fp8
     from shoal.engine.execution.attention.sdpa import SdpaBackend
 
     gen = torch.Generator().manual_seed(0)
@@ -198,16 +210,22 @@ def _bench(num_seqs=32, ctx=(150, 400), num_heads=8, num_kv_heads=4, head_dim=64
     k_cache = torch.randn(len(perm), block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
+    plain = (k_cache, v_cache, None, None)
+    (k8, ks), (v8, vs) = quantize_fp8(k_cache), quantize_fp8(v_cache)
+    fp8 = (k8, v8, ks, vs)
     print(f"decode attention per layer: B={num_seqs} contexts {ctx[0]}-{ctx[1]} (mean {sum(seq_lens) / num_seqs:.0f})"
           f" H={num_heads} kvh={num_kv_heads} D={head_dim} {str(dtype).split('.')[-1]} block {block_size}")
     switch = torch.ops.shoal_cpu_paged.set_bf16_fast_path
-    variants = [("sdpa", SdpaBackend(), True), ("cpu", CpuPagedAttentionBackend(), True)]
+    variants = [("sdpa", SdpaBackend(), True, plain), ("cpu", CpuPagedAttentionBackend(), True, plain)]
     if dtype == torch.bfloat16 and switch(True):
-        variants.append(("cpu without AVX512-BF16", CpuPagedAttentionBackend(), False))
+        variants.append(("cpu without AVX512-BF16", CpuPagedAttentionBackend(), False, plain))
+    variants.append(("cpu fp8 KV", CpuPagedAttentionBackend(), True, fp8))
+    if dtype == torch.bfloat16 and switch(True):
+        variants.append(("cpu fp8 KV without AVX512-BF16", CpuPagedAttentionBackend(), False, fp8))
     for threads in (1, 2):
         torch.set_num_threads(threads)
         line = []
-        for label, backend, fast in variants:
+        for label, backend, fast, (kc, vc, ksc, vsc) in variants:
             switch(fast)
             # One step's metadata shared by every layer, as in the engine (SDPA plans once per step).
             meta = AttentionMetadata(
@@ -217,15 +235,15 @@ def _bench(num_seqs=32, ctx=(150, 400), num_heads=8, num_kv_heads=4, head_dim=64
                 max_seq_len=max(seq_lens), query_lens_list=[1] * num_seqs, seq_lens_list=seq_lens,
                 is_decode_only=True)
             for _ in range(5):
-                backend.forward(q, k_cache, v_cache, meta, head_dim ** -0.5)
+                backend.forward(q, kc, vc, meta, head_dim ** -0.5, k_scale=ksc, v_scale=vsc)
             times = []
             for _ in range(iters):
                 t = time.perf_counter()
-                backend.forward(q, k_cache, v_cache, meta, head_dim ** -0.5)
+                backend.forward(q, kc, vc, meta, head_dim ** -0.5, k_scale=ksc, v_scale=vsc)
                 times.append(time.perf_counter() - t)
             times.sort()
             line.append(f"{label} median {1e3 * times[len(times) // 2]:.3f} ms (min {1e3 * times[0]:.3f})")
-        print(f"  {threads} thread(s): " + ";  ".join(line))
+        print(f"  {threads} thread(s): " + ";\n               ".join(line))
     switch(True)
 
 

@@ -10,6 +10,10 @@ the page size is a multiple of 256 ("Paged KV cache block size must be divisible
 With such a block size we pass the cache and block table straight through; with any other block size (the
 default 16) we gather each sequence's keys/values by block table into one contiguous varlen buffer first.
 
+FP8 KV cache (--kv-cache-dtype fp8): flash-attn 2 has no fp8 input, so the context's keys/values are always
+gathered (whatever the block size) and dequantized to the compute dtype with their row scales on the way. That
+costs a gathered copy per layer like the default block size does, in exchange for the cache's halved footprint.
+
 Constraints (see `check_config`): float16/bfloat16 only, head_dim <= 256 and a multiple of 8, Ampere or newer.
 ALiBi models are refused: BLOOM-style ALiBi is not supported by the flash backend here.
 """
@@ -20,7 +24,7 @@ import importlib.util
 
 import torch
 
-from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata
+from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, dequantize_fp8
 
 ALIBI_REFUSAL = (
     "the flash attention backend does not support models with ALiBi positional bias (BLOOM-style ALiBi is "
@@ -44,6 +48,7 @@ class FlashAttentionBackend(AttentionBackend):
 
     name = "flash"
     supports_alibi = False
+    supports_fp8_kv = True
 
     def __init__(self) -> None:
         self._varlen = None
@@ -96,6 +101,8 @@ class FlashAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         alibi_slopes: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if alibi_slopes is not None:
             raise ValueError(ALIBI_REFUSAL)
@@ -121,11 +128,14 @@ class FlashAttentionBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
         )
-        if self.reads_cache_in_place(block_size):
+        if k_scale is None and self.reads_cache_in_place(block_size):
             return self._varlen(q, k_cache, v_cache, block_table=meta.block_tables.to(torch.int32), **common)
         slots = self._context_slots(meta, block_size, q.device)
         k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_select(0, slots)
         v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_select(0, slots)
+        if k_scale is not None:
+            k = dequantize_fp8(k, k_scale.view(-1, num_kv_heads).index_select(0, slots), q.dtype)
+            v = dequantize_fp8(v, v_scale.view(-1, num_kv_heads).index_select(0, slots), q.dtype)
         return self._varlen(q, k, v, **common)
 
     @staticmethod

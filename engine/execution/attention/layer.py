@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, KVCache
 
 
 class PagedAttention(nn.Module):
@@ -17,12 +17,12 @@ class PagedAttention(nn.Module):
         self.alibi_slopes = alibi_slopes
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         T = q.shape[0]
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale, self.alibi_slopes)
+        kv_cache.write(k, v, meta.slot_mapping)
+        out = self.backend.forward(q, kv_cache.k, kv_cache.v, meta, self.scale, self.alibi_slopes,
+                                   k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
         return out.reshape(T, self.num_heads * self.head_dim)

@@ -2,7 +2,8 @@
 
 Once per step it builds, for the whole batch, the cache slot of every (sequence, key position) and a padded
 [B, max_query_len] view of the queries with a causal mask (plus the ALiBi bias when the model uses it). Every
-layer then runs one batched SDPA call: no Python loop over sequences.
+layer then runs one batched SDPA call: no Python loop over sequences. An fp8 cache's gathered blocks are
+dequantized (values times their row scales) to the queries' dtype first.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata
+from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, dequantize_fp8
 
 
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     supports_alibi = True
+    supports_fp8_kv = True
 
     def _plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> dict:
         plan = meta.scratch.get("sdpa")
@@ -54,14 +56,18 @@ class SdpaBackend(AttentionBackend):
         meta.scratch["sdpa"] = plan
         return plan
 
-    def forward(self, q, k_cache, v_cache, meta, scale, alibi_slopes=None):
+    def forward(self, q, k_cache, v_cache, meta, scale, alibi_slopes=None, k_scale=None, v_scale=None):
         T, H, D = q.shape
         nb, bs, kvh, _ = k_cache.shape
         plan = self._plan(meta, bs, q.device)
         B = meta.num_seqs
         # Gather whole blocks (contiguous chunks), not single slots: far fewer, larger copies.
-        k = k_cache[plan["blocks"]].view(B, -1, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
-        v = v_cache[plan["blocks"]].view(B, -1, kvh, D).transpose(1, 2)
+        k, v = k_cache[plan["blocks"]], v_cache[plan["blocks"]]
+        if k_scale is not None:
+            k = dequantize_fp8(k, k_scale[plan["blocks"]], q.dtype)
+            v = dequantize_fp8(v, v_scale[plan["blocks"]], q.dtype)
+        k = k.view(B, -1, kvh, D).transpose(1, 2)  # [B, kvh, L, D]
+        v = v.view(B, -1, kvh, D).transpose(1, 2)
         if plan["q_rows"] is None:
             qp = q.view(B, 1, H, D).transpose(1, 2)  # decode: one query per sequence, already in order
         else:

@@ -3,7 +3,11 @@
 Keys and values are read straight from the paged cache through the block table (no gather into a contiguous
 copy); softmax is computed online (FlashAttention style) in float32, whatever the cache dtype. Handles causal
 prefill, chunked prefill against cached context, decode, grouped-query attention, BLOOM-style ALiBi and any
-head_dim (padded to a power of two with masks).
+head_dim (padded to a power of two with masks). An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is loaded as
+bytes and decoded with integer ops (_e4m3_to_float: exact, and the same on every GPU generation — Triton's own
+fp8e4nv conversions need compute capability 8.9 on some versions — and in the interpreter); its per-(slot, kv
+head) scales fold into the scores (s_j * ks_j) and into the probabilities that weight the values (p_j * vs_j), so
+no dequantized copy of a tile is formed.
 
 Runs compiled on CUDA, and on CPU under Triton's interpreter, which is how the tests run it. Triton decides
 interpreted-or-compiled when a function is wrapped by `triton.jit`, and its own library functions (tl.max, tl.sum,
@@ -27,8 +31,19 @@ _LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
+    def _e4m3_to_float(x):
+        """float8_e4m3fn codes (uint8) -> float32, exactly: normals by rebiasing the exponent bits (7 -> 127),
+        subnormals (exponent 0) as mantissa * 2^-9. NaN codes decode to +-480 (the cache never holds them)."""
+        x = x.to(tl.int32)
+        mag = x & 0x7F
+        normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        value = tl.where(mag < 8, mag.to(tl.float32) * 0.001953125, normal)
+        return tl.where((x & 0x80) != 0, -value, value)
+
+    @triton.jit
     def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        k_scale_ptr, v_scale_ptr,  # fp8 caches: [num_blocks, block_size, kv_heads] float32 (FP8_KV only)
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr,
         part_acc_ptr, part_m_ptr, part_l_ptr,
         scale_log2,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper than exp)
@@ -38,6 +53,8 @@ if triton is not None:
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         stride_bt,
+        stride_ksb, stride_kss, stride_ksh,
+        stride_vsb, stride_vss, stride_vsh,
         stride_ps, stride_pt, stride_ph,  # partial results [NUM_SPLITS, T, H, (HEAD_DIM)] (split-KV only)
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr,
@@ -47,6 +64,7 @@ if triton is not None:
         USE_ALIBI: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,  # dots in float32 (for the interpreter, whose bfloat16 dot is broken)
+        FP8_KV: tl.constexpr,
     ):
         """Causal attention of a tile of query tokens against the paged context of their sequence.
 
@@ -122,8 +140,16 @@ if triton is not None:
 
             k_offs = block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh \
                 + dims[:, None] * stride_kd
-            k = tl.load(k_cache_ptr + k_offs, mask=k_ok[None, :] & dim_ok[:, None], other=0.0).to(q.dtype)  # [D, N]
+            if FP8_KV:
+                k = _e4m3_to_float(tl.load(k_cache_ptr + k_offs, mask=k_ok[None, :] & dim_ok[:, None], other=0))
+                k = k.to(q.dtype)  # exact: e4m3 fits in float16 and bfloat16
+            else:
+                k = tl.load(k_cache_ptr + k_offs, mask=k_ok[None, :] & dim_ok[:, None], other=0.0).to(q.dtype)  # [D, N]
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N] float32
+            if FP8_KV:
+                k_sc = tl.load(k_scale_ptr + block * stride_ksb + slot * stride_kss + kv_head * stride_ksh,
+                               mask=k_ok, other=0.0)
+                s = s * k_sc[None, :]
             if USE_ALIBI:
                 s += slope_log2[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
             s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
@@ -136,8 +162,18 @@ if triton is not None:
 
             v_offs = block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh \
                 + dims[None, :] * stride_vd
-            v = tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)  # [N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+            if FP8_KV:
+                v = _e4m3_to_float(tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0))
+                v = v.to(q.dtype)
+            else:
+                v = tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)  # [N, D]
+            if FP8_KV:  # the values' scales weigh the probabilities; l_i above sums the unscaled ones
+                v_sc = tl.load(v_scale_ptr + block * stride_vsb + slot * stride_vss + kv_head * stride_vsh,
+                               mask=k_ok, other=0.0)
+                pv = p * v_sc[None, :]
+            else:
+                pv = p
+            acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         if NUM_SPLITS == 1:
@@ -189,6 +225,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     graph_capture_safe = True
     supports_alibi = True
+    supports_fp8_kv = True
 
     def __init__(self, num_splits: int | None = None, tiles: tuple[int, int] | None = None):
         self.num_splits = num_splits
@@ -248,6 +285,8 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         alibi_slopes: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_cache.shape
@@ -297,14 +336,21 @@ class TritonAttentionBackend(AttentionBackend):
         seq_lens = meta.seq_lens.to(torch.int32)
         query_start_loc = meta.query_start_loc.to(torch.int32)
         extra = {} if interpreting else {"num_warps": 4, "num_stages": 2}
+        fp8 = k_scale is not None
+        if fp8:  # read as bytes and decoded in the kernel (see the module docstring)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        scales = (k_scale, v_scale) if fp8 else (out, out)  # never read without FP8_KV
+        scale_strides = (*k_scale.stride(), *v_scale.stride()) if fp8 else (0,) * 6
         _paged_attention_kernel[(grid0, num_kv_heads, splits)](
             out, q, k_cache, v_cache,
+            *scales,
             block_tables, seq_lens, query_start_loc, alibi,
             part_acc, part_m, part_l,
             scale * _LOG2E,
             num_seqs,
             *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
             block_tables.stride(0),
+            *scale_strides,
             num_tokens * num_heads if splits > 1 else 0, num_heads if splits > 1 else 0, 1 if splits > 1 else 0,
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
             GROUP=group, GROUP_P=group_p,
@@ -314,6 +360,7 @@ class TritonAttentionBackend(AttentionBackend):
             USE_ALIBI=alibi_slopes is not None,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
             UPCAST=upcast,
+            FP8_KV=fp8,
             **extra,
         )
         if splits > 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.engine.execution.attention.base import AttentionMetadata
+from shoal.engine.execution.attention.base import AttentionMetadata, KVCache
 from shoal.engine.distributed.parallel_state import get_parallel_state, layer_range
 from shoal.engine.execution.weights import WeightError, WeightSource
 
@@ -39,7 +39,7 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                kv_caches: list[KVCache], meta: AttentionMetadata,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage. The first stage embeds input_ids; later stages take the previous stage's hidden
         states. The last stage returns final-normed hidden states, others the raw residual stream."""

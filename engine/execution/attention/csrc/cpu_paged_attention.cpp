@@ -14,6 +14,11 @@
 // vectorise the float reductions over head_dim without -ffast-math, and exp2 is a polynomial (no libm call) so it
 // vectorises. Where the CPU has AVX512-BF16, bfloat16 caches with head_dim % 32 == 0 take a path written with
 // intrinsics (attend_tile_avx512bf16) that multiplies bf16 directly instead of converting to float: ~1.4x faster.
+//
+// FP8 caches (--kv-cache-dtype fp8): keys/values are float8_e4m3fn bytes with one float32 scale per (slot, kv head)
+// (see engine/attention/base.py). The cache element type is a template parameter of its own (queries and output
+// stay in the model dtype); a block's rows are decoded to float with a branch-free bit conversion and multiplied
+// by their row's scale in the same pass, so the rest of the tile code is the float path unchanged.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -57,6 +62,48 @@ inline float to_float(c10::BFloat16 x) {
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }  // c10::BFloat16/Half round to nearest even
 
+// A float8_e4m3fn cache element (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities).
+struct Fp8E4M3 {
+  uint8_t x;
+};
+// Branch-free (the select is integer masking, not a conditional), so that `omp simd` loops over a row vectorise
+// instead of gathering from a table. Normal numbers: the 7 magnitude bits shifted into a float's exponent/mantissa
+// fields are the same number with exponent bias 7 instead of 127, so adding 120 to the exponent field rebiases it.
+// Subnormals (exponent 0) are mantissa * 2^-9, computed from the integer: no float denormal is ever formed (those
+// can cost a microcode assist per operation on x86). 0x7F/0xFF (NaN) decode to +-480: quantize_fp8 clamps, so the
+// cache never holds them.
+inline float to_float(Fp8E4M3 v) {
+  const uint32_t mag = v.x & 0x7Fu;
+  const uint32_t normal = (mag << 20) + (120u << 23);
+  const float subnormal_f = float(int32_t(mag)) * (1.0f / 512.0f);
+  uint32_t subnormal;
+  std::memcpy(&subnormal, &subnormal_f, sizeof subnormal);
+  const uint32_t is_normal = 0u - uint32_t(mag >= 8u);
+  const uint32_t bits = (normal & is_normal) | (subnormal & ~is_normal) | (uint32_t(v.x & 0x80u) << 24);
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// float -> e4m3 code, round to nearest even, saturating at +-448: bit for bit what torch's .to(float8_e4m3fn)
+// gives for values clamped to [-448, 448] (quantize_fp8 in engine/attention/base.py), branch-free so it vectorises.
+// Normal range: round the float's mantissa to 3 bits (add 0x7FFFF plus the lowest kept bit, truncate), then
+// rebias the exponent from 127 to 7. Below 2^-6 (e4m3's subnormals): the code is the integer nearest to y * 2^9,
+// rounded half to even by the 1.5 * 2^23 trick; 8 there is exactly the smallest normal's code.
+inline uint8_t fp8_from_float(float y) {
+  y = std::min(std::max(y, -448.0f), 448.0f);
+  uint32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  float a;
+  std::memcpy(&a, &abs_bits, sizeof a);
+  const uint32_t subnormal = uint32_t(int32_t((a * 512.0f + 12582912.0f) - 12582912.0f));
+  const uint32_t normal = ((abs_bits + 0x7FFFFu + ((abs_bits >> 20) & 1u)) >> 20) - (120u << 3);
+  const uint32_t is_subnormal = 0u - uint32_t(a < 0.015625f);
+  return uint8_t((subnormal & is_subnormal) | (normal & ~is_subnormal) | sign);
+}
+
 // 2^x for x <= 0, branch-free and vectorisable. Scores live in the log2 domain (scale * log2(e) is folded into the
 // queries), so softmax needs exp2 only. x = n + f with n = round(x) and f in [-0.5, 0.5]; 2^f by its Taylor
 // polynomial to degree 7 (relative error < 1e-8, below float rounding); 2^n by writing n + 127 into the exponent
@@ -84,12 +131,16 @@ inline float exp2_neg(float x) {
 
 // ------------------------------------------------------------------------------------------------ the kernel
 
-template <typename T>
+// T: queries and output (the model dtype); C: the cache's elements (T itself, or Fp8E4M3 with scales).
+template <typename T, typename C = T>
 struct Params {
   const T* q;
   T* out;
-  const T* k;
-  const T* v;
+  const C* k;
+  const C* v;
+  const float* k_scale;  // fp8 caches: [num_blocks, block_size, kv_heads] row scales; else null
+  const float* v_scale;
+  int64_t sks_b, sks_s, sks_h, svs_b, svs_s, svs_h;  // scale strides
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
@@ -112,17 +163,31 @@ struct Scratch {
   std::vector<const float*> krow, vrow;
   std::vector<uint16_t> qb;              // bf16 fast path: raw query rows
   std::vector<uint32_t> vpairs, ppairs;  // bf16 fast path: interleaved value pairs, probability pairs
-  Scratch(int rows, int D, int bs)
+  std::vector<uint16_t> kb16;            // bf16 fast path over an fp8 cache: the block's keys decoded to bf16
+  std::vector<float> kscale, vscale;     // ... and their row scales
+  Scratch(int rows, int D, int bs, bool fp8)
       : q(size_t(rows) * D), acc(size_t(rows) * D), s(size_t(rows) * bs + 1), kbuf(size_t(bs) * D),
         vbuf(size_t(bs) * D), m(rows), l(rows), krow(bs), vrow(bs), qb(size_t(rows) * D),
-        vpairs(size_t(bs / 2 + 1) * D), ppairs(bs / 2 + 1) {}
+        vpairs(size_t(bs / 2 + 1) * D), ppairs(bs / 2 + 1), kb16(fp8 ? size_t(bs) * D : 0), kscale(fp8 ? bs : 0),
+        vscale(fp8 ? bs : 0) {}
 };
 
-// Rows of one cache block as float pointers: straight into the cache for float32, else converted into `buf`.
+// Rows of one cache block as float pointers: straight into the cache for float32, else converted into `buf`
+// (fp8 rows times their scale: scales[j * scale_stride]).
 template <typename T>
-inline void block_rows(const T* base, int64_t stride, int n, int D, float* buf, const float** rows) {
+inline void block_rows(const T* base, int64_t stride, int n, int D, float* buf, const float** rows,
+                       const float* scales = nullptr, int64_t scale_stride = 0) {
   if constexpr (std::is_same_v<T, float>) {
     for (int j = 0; j < n; ++j) rows[j] = base + j * stride;
+  } else if constexpr (std::is_same_v<T, Fp8E4M3>) {
+    for (int j = 0; j < n; ++j) {
+      const T* src = base + j * stride;
+      float* dst = buf + size_t(j) * D;
+      const float s = scales[j * scale_stride];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]) * s;
+      rows[j] = dst;
+    }
   } else {
     for (int j = 0; j < n; ++j) {
       const T* src = base + j * stride;
@@ -148,8 +213,9 @@ inline void prefetch_rows(const T* base, int64_t stride, int n, int D) {
 #ifndef SHOAL_PREFETCH_AHEAD
 #define SHOAL_PREFETCH_AHEAD 1
 #endif
-template <typename T>
-inline void prefetch_block(const Params<T>& p, const Item& it, const int32_t* table, int blk, int k0, int kv_end) {
+template <typename T, typename C>
+inline void prefetch_block(const Params<T, C>& p, const Item& it, const int32_t* table, int blk, int k0,
+                           int kv_end) {
   constexpr int ahead = SHOAL_PREFETCH_AHEAD;
   const int start = k0 + ahead * p.block_size;
   if (ahead <= 0 || start >= kv_end) return;
@@ -159,8 +225,8 @@ inline void prefetch_block(const Params<T>& p, const Item& it, const int32_t* ta
   prefetch_rows(p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h, p.sv_s, n, p.D);
 }
 
-template <typename T>
-void attend_tile(const Params<T>& p, const Item& it, Scratch& sc) {
+template <typename T, typename C>
+void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
   const int D = p.D, G = p.group, bs = p.block_size;
   const int q_start = p.query_start_loc[it.seq];
   const int q_len = p.query_start_loc[it.seq + 1] - q_start;
@@ -190,8 +256,16 @@ void attend_tile(const Params<T>& p, const Item& it, Scratch& sc) {
     const int n = std::min(bs, kv_end - k0);
     const int64_t b = table[blk];
     prefetch_block(p, it, table, blk, k0, kv_end);
-    block_rows(p.k + b * p.sk_b + int64_t(it.kv_head) * p.sk_h, p.sk_s, n, D, sc.kbuf.data(), sc.krow.data());
-    block_rows(p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h, p.sv_s, n, D, sc.vbuf.data(), sc.vrow.data());
+    const int64_t kh = int64_t(it.kv_head);
+    if constexpr (std::is_same_v<C, Fp8E4M3>) {
+      block_rows(p.k + b * p.sk_b + kh * p.sk_h, p.sk_s, n, D, sc.kbuf.data(), sc.krow.data(),
+                 p.k_scale + b * p.sks_b + kh * p.sks_h, p.sks_s);
+      block_rows(p.v + b * p.sv_b + kh * p.sv_h, p.sv_s, n, D, sc.vbuf.data(), sc.vrow.data(),
+                 p.v_scale + b * p.svs_b + kh * p.svs_h, p.svs_s);
+    } else {
+      block_rows(p.k + b * p.sk_b + kh * p.sk_h, p.sk_s, n, D, sc.kbuf.data(), sc.krow.data());
+      block_rows(p.v + b * p.sv_b + kh * p.sv_h, p.sv_s, n, D, sc.vbuf.data(), sc.vrow.data());
+    }
     const float* const* K = sc.krow.data();
     const float* const* V = sc.vrow.data();
 
@@ -284,8 +358,29 @@ void attend_tile(const Params<T>& p, const Item& it, Scratch& sc) {
 //           (v[j][d], v[j+1][d]) pairs, so the d-th float lane accumulates p[j] v[j][d] + p[j+1] v[j+1][d] with
 //           (p[j], p[j+1]) broadcast. P is rounded to bf16 for this product (as FlashAttention does on GPUs);
 //           the softmax sum l and everything else stay float32.
+// An fp8 cache takes the same path with bfloat16 queries: each block's rows are decoded to bf16 once (exact: bf16
+// has more exponent and mantissa bits than e4m3) into scratch, 32 values per few integer instructions; key scales
+// multiply the scores and value scales the probabilities (after the softmax sum l is taken), as in the Triton kernel.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define SHOAL_AVX512_BF16 1
+
+// 32 e4m3 codes to 32 bfloat16 values. bf16 shares float32's exponent, so the float trick of to_float(Fp8E4M3)
+// works on 16-bit lanes: magnitude bits << 4, exponent rebiased by + 120 << 7. Subnormals (magnitude < 8) come from
+// an 8-entry table (a permute), blended in by a compare mask.
+inline __m512i fp8x32_to_bf16(const uint8_t* src, __m512i subnormals) {
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  const __mmask32 is_sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  const __m512i r = _mm512_mask_blend_epi16(is_sub, normal, _mm512_permutexvar_epi16(mag, subnormals));
+  return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+}
+
+inline __m512i fp8_subnormal_table() {
+  alignas(64) uint16_t t[32] = {};
+  for (int m = 0; m < 8; ++m) t[m] = c10::BFloat16(float(m) / 512.0f).x;  // m * 2^-9, exact in bf16
+  return _mm512_load_si512(t);
+}
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
@@ -299,7 +394,9 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
 }
 
-void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scratch& sc) {
+template <typename C>
+void attend_tile_avx512bf16(const Params<c10::BFloat16, C>& p, const Item& it, Scratch& sc) {
+  constexpr bool kFp8 = std::is_same_v<C, Fp8E4M3>;
   const int D = p.D, G = p.group, bs = p.block_size;
   const int q_start = p.query_start_loc[it.seq];
   const int q_len = p.query_start_loc[it.seq + 1] - q_start;
@@ -328,6 +425,8 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
     hi_idx[k] = uint16_t((k & 1) * 32 + 16 + k / 2);
   }
   const __m512i idx_lo = _mm512_load_si512(lo_idx), idx_hi = _mm512_load_si512(hi_idx);
+  __m512i subnormals = _mm512_setzero_si512();
+  if constexpr (kFp8) subnormals = fp8_subnormal_table();
 
   const int32_t* table = p.block_tables + int64_t(it.seq) * p.bt_stride;
   const int kv_end = ctx + it.t1;
@@ -335,17 +434,41 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
     const int n = std::min(bs, kv_end - k0);
     const int64_t b = table[blk];
     prefetch_block(p, it, table, blk, k0, kv_end);
-    const c10::BFloat16* K = p.k + b * p.sk_b + int64_t(it.kv_head) * p.sk_h;
-    const c10::BFloat16* V = p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h;
+    const C* Vc = p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h;
+    const c10::BFloat16* K;
+    int64_t k_stride;  // between a block's key rows
+    if constexpr (kFp8) {  // keys decoded once into scratch (every row of the tile reads them); values below
+      const int64_t kh = int64_t(it.kv_head);
+      const C* kc = p.k + b * p.sk_b + kh * p.sk_h;
+      for (int j = 0; j < n; ++j) {
+        for (int c = 0; c < D; c += 32)
+          _mm512_storeu_si512(sc.kb16.data() + size_t(j) * D + c,
+                              fp8x32_to_bf16(&kc[int64_t(j) * p.sk_s + c].x, subnormals));
+        sc.kscale[j] = p.k_scale[b * p.sks_b + kh * p.sks_h + j * p.sks_s];
+        sc.vscale[j] = p.v_scale[b * p.svs_b + kh * p.svs_h + j * p.svs_s];
+      }
+      K = reinterpret_cast<const c10::BFloat16*>(sc.kb16.data());
+      k_stride = D;
+    } else {
+      K = p.k + b * p.sk_b + int64_t(it.kv_head) * p.sk_h;
+      k_stride = p.sk_s;
+    }
 
-    // Interleave value rows pairwise once per block, for all rows of the tile (an odd last key pairs with 0s).
+    // Interleave value rows pairwise once per block, for all rows of the tile (an odd last key pairs with 0s);
+    // fp8 values are decoded on the way, straight from the cache.
     const int npairs = (n + 1) / 2;
     for (int jp = 0; jp < npairs; ++jp) {
-      const c10::BFloat16* v0 = V + int64_t(2 * jp) * p.sv_s;
-      const c10::BFloat16* v1 = V + int64_t(2 * jp + 1) * p.sv_s;
+      const C* v0 = Vc + int64_t(2 * jp) * p.sv_s;
+      const C* v1 = Vc + int64_t(2 * jp + 1) * p.sv_s;
       for (int c = 0; c < D; c += 32) {
-        const __m512i a = _mm512_loadu_si512(v0 + c);
-        const __m512i bb = 2 * jp + 1 < n ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+        __m512i a, bb;
+        if constexpr (kFp8) {
+          a = fp8x32_to_bf16(&v0[c].x, subnormals);
+          bb = 2 * jp + 1 < n ? fp8x32_to_bf16(&v1[c].x, subnormals) : _mm512_setzero_si512();
+        } else {
+          a = _mm512_loadu_si512(v0 + c);
+          bb = 2 * jp + 1 < n ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+        }
         _mm512_storeu_si512(vp + size_t(jp) * D + c, _mm512_permutex2var_epi16(a, idx_lo, bb));
         _mm512_storeu_si512(vp + size_t(jp) * D + c + 16, _mm512_permutex2var_epi16(a, idx_hi, bb));
       }
@@ -361,8 +484,8 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
       int j = 0;
       const __m128 scale4 = _mm_set1_ps(p.qk_scale);
       for (; j + 4 <= nr; j += 4) {  // four keys at a time: independent accumulator chains, one reduction
-        const c10::BFloat16* k_0 = K + int64_t(j) * p.sk_s;
-        const c10::BFloat16 *k_1 = k_0 + p.sk_s, *k_2 = k_1 + p.sk_s, *k_3 = k_2 + p.sk_s;
+        const c10::BFloat16* k_0 = K + int64_t(j) * k_stride;
+        const c10::BFloat16 *k_1 = k_0 + k_stride, *k_2 = k_1 + k_stride, *k_3 = k_2 + k_stride;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int c = 0; c < D; c += 32) {
           const __m512bh qv = as_bh(_mm512_loadu_si512(qr + c));
@@ -374,11 +497,14 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
         _mm_storeu_ps(s + j, _mm_mul_ps(reduce4(a0, a1, a2, a3), scale4));
       }
       for (; j < nr; ++j) {
-        const c10::BFloat16* ka = K + int64_t(j) * p.sk_s;
+        const c10::BFloat16* ka = K + int64_t(j) * k_stride;
         __m512 a0 = _mm512_setzero_ps();
         for (int c = 0; c < D; c += 32)
           a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(ka + c)), as_bh(_mm512_loadu_si512(qr + c)));
         s[j] = _mm512_reduce_add_ps(a0) * p.qk_scale;
+      }
+      if constexpr (kFp8) {
+        for (int jj = 0; jj < nr; ++jj) s[jj] *= sc.kscale[jj];
       }
       if (p.slopes != nullptr) {
         const float slope = p.slopes[h0 + r % G] * kLog2e;
@@ -396,6 +522,9 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
         sum += s[jj];
       }
       l[r] = l[r] * corr + sum;
+      if constexpr (kFp8) {
+        for (int jj = 0; jj < nr; ++jj) s[jj] *= sc.vscale[jj];
+      }
       // Probabilities to bf16, 16 at a time; consecutive bf16 values are exactly the (p[j], p[j+1]) pairs. A key
       // past this row's causal limit (odd nr) must weigh 0: its interleaved value may be a real, later key.
       const int rp = (nr + 1) / 2;
@@ -426,8 +555,8 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16>& p, const Item& it, Scra
 }
 #endif
 
-template <typename T>
-void run(const Params<T>& p, int num_seqs, int kv_heads, const bool* skip) {
+template <typename T, typename C>
+void run(const Params<T, C>& p, int num_seqs, int kv_heads, const bool* skip) {
   // Work items, most expensive first so that dynamic scheduling ends balanced.
   std::vector<Item> items;
   for (int s = 0; s < num_seqs; ++s) {
@@ -445,11 +574,12 @@ void run(const Params<T>& p, int num_seqs, int kv_heads, const bool* skip) {
   const int64_t n_items = int64_t(items.size());
 #pragma omp parallel if (n_items > 1)
   {
-    Scratch scratch(p.tile_tokens * p.group, p.D, p.block_size);
+    Scratch scratch(p.tile_tokens * p.group, p.D, p.block_size, std::is_same_v<C, Fp8E4M3>);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
 #ifdef SHOAL_AVX512_BF16
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> &&
+                    (std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, Fp8E4M3>)) {
         if (p.D % 32 == 0 && use_fast_path) {
           attend_tile_avx512bf16(p, items[i], scratch);
           continue;
@@ -464,7 +594,8 @@ void run(const Params<T>& p, int num_seqs, int kv_heads, const bool* skip) {
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
-                     double scale, const std::optional<at::Tensor>& skip_seqs) {
+                     double scale, const std::optional<at::Tensor>& skip_seqs,
+                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "expected q/out [T, H, D] and caches [num_blocks, block_size, kv_heads, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -474,8 +605,18 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, "head_dim must be in [1, ", kMaxHeadDim, "], got ", D);
   TORCH_CHECK(kvh >= 1 && H % kvh == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", kvh, ")");
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(out.scalar_type() == dtype && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "q, out and the caches must share a dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(out.scalar_type() == dtype && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (fp8 || k_cache.scalar_type() == dtype),
+              "q and out must share a dtype, and the caches must have it too (or both be float8_e4m3fn)");
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              fp8 ? "a float8_e4m3fn cache needs k_scale and v_scale" : "k_scale/v_scale are for fp8 caches only");
+  if (fp8) {
+    for (const at::Tensor* t : {&*k_scale, &*v_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == k_cache.size(0) &&
+                      t->size(1) == bs && t->size(2) == kvh,
+                  "k_scale/v_scale must be float32 [num_blocks, block_size, kv_heads]");
+  }
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "the head_dim axis must be contiguous");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
@@ -507,13 +648,20 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   }
   const int group = int(H / kvh);
 
-  auto launch = [&](auto tag) {
+  auto launch = [&](auto tag, auto cache_tag) {
     using Tp = decltype(tag);
-    Params<Tp> p{};
+    using Cp = decltype(cache_tag);
+    Params<Tp, Cp> p{};
     p.q = static_cast<const Tp*>(q.data_ptr());
     p.out = static_cast<Tp*>(out.data_ptr());
-    p.k = static_cast<const Tp*>(k_cache.data_ptr());
-    p.v = static_cast<const Tp*>(v_cache.data_ptr());
+    p.k = static_cast<const Cp*>(k_cache.data_ptr());
+    p.v = static_cast<const Cp*>(v_cache.data_ptr());
+    if constexpr (std::is_same_v<Cp, Fp8E4M3>) {
+      p.k_scale = k_scale->data_ptr<float>();
+      p.v_scale = v_scale->data_ptr<float>();
+      p.sks_b = k_scale->stride(0), p.sks_s = k_scale->stride(1), p.sks_h = k_scale->stride(2);
+      p.svs_b = v_scale->stride(0), p.svs_s = v_scale->stride(1), p.svs_h = v_scale->stride(2);
+    }
     p.block_tables = block_tables.data_ptr<int32_t>();
     p.seq_lens = sl;
     p.query_start_loc = qsl;
@@ -528,18 +676,76 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     run(p, int(B), int(kvh), skip);
   };
   switch (dtype) {
-    case at::kFloat: launch(float{}); break;
-    case at::kBFloat16: launch(c10::BFloat16{}); break;
-    case at::kHalf: launch(c10::Half{}); break;
+    case at::kFloat: fp8 ? launch(float{}, Fp8E4M3{}) : launch(float{}, float{}); break;
+    case at::kBFloat16: fp8 ? launch(c10::BFloat16{}, Fp8E4M3{}) : launch(c10::BFloat16{}, c10::BFloat16{}); break;
+    case at::kHalf: fp8 ? launch(c10::Half{}, Fp8E4M3{}) : launch(c10::Half{}, c10::Half{}); break;
     default: TORCH_CHECK(false, "cpu paged attention supports float32, bfloat16 and float16, not ", dtype);
   }
 }
 
 }  // namespace
 
+// Quantizes new keys and values ([T, kv_heads, D], float32/bfloat16/float16) into an fp8 cache: per (token, kv head)
+// scale = amax / 448 (1 for an all-zero row), values x / scale as e4m3, both into the token's slot. One pass over
+// the rows instead of the ~10 tensor ops (and their temporaries) of quantize_fp8 + index_copy_ per layer.
+template <typename T>
+void write_rows_fp8(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& scales, const int64_t* slots) {
+  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2);
+  const T* src = static_cast<const T*>(x.data_ptr());
+  uint8_t* dst = static_cast<uint8_t*>(cache.data_ptr());
+  float* sc = scales.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+#pragma omp parallel for if (T_ * H * D > 32768)
+  for (int64_t r = 0; r < T_ * H; ++r) {
+    const int64_t t = r / H, h = r % H;
+    const T* row = src + t * st + h * sh;
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(row[d])));
+    const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+    uint8_t* out = dst + (slots[t] * H + h) * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = fp8_from_float(to_float(row[d]) / scale);  // divide: as torch does
+    sc[slots[t] * H + h] = scale;
+  }
+}
+
+void write_fp8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
+              "k and v must be [T, kv_heads, head_dim] of one dtype");
+  const int64_t T_ = k.size(0), H = k.size(1), D = k.size(2);
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "the head_dim axis of k and v must be contiguous");
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == at::kFloat8_e4m3fn && c->is_contiguous() && c->dim() == 4 && c->size(2) == H &&
+                    c->size(3) == D, "caches must be contiguous float8_e4m3fn [num_blocks, block_size, ", H, ", ", D, "]");
+  for (const at::Tensor* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() &&
+                    s->numel() == k_cache.size(0) * k_cache.size(1) * H,
+                "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T_,
+              "slot_mapping must be contiguous int64 with one slot per token");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the cache's ", num_slots);
+  auto both = [&](auto tag) {
+    using Tp = decltype(tag);
+    write_rows_fp8<Tp>(k, k_cache, k_scale, slots);
+    write_rows_fp8<Tp>(v, v_cache, v_scale, slots);
+  };
+  switch (k.scalar_type()) {
+    case at::kFloat: both(float{}); break;
+    case at::kBFloat16: both(c10::BFloat16{}); break;
+    case at::kHalf: both(c10::Half{}); break;
+    default: TORCH_CHECK(false, "write_fp8 takes float32, bfloat16 or float16 keys/values, not ", k.scalar_type());
+  }
+}
+
 TORCH_LIBRARY(shoal_cpu_paged, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale, Tensor? skip_seqs=None) -> ()");
+        "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale, Tensor? skip_seqs=None, "
+        "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
 }
 
 // Switches the AVX512-BF16 path on or off; returns whether this build has it.
@@ -554,4 +760,12 @@ bool set_bf16_fast_path(bool enabled) {
 
 TORCH_LIBRARY_FRAGMENT(shoal_cpu_paged, m) { m.def("set_bf16_fast_path(bool enabled) -> bool", &set_bf16_fast_path); }
 
-TORCH_LIBRARY_IMPL(shoal_cpu_paged, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_FRAGMENT(shoal_cpu_paged, m) {
+  m.def("write_fp8(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, "
+        "Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(shoal_cpu_paged, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_fp8", &write_fp8);
+}
