@@ -487,3 +487,22 @@ def test_unseeded_rows_vary(device):
     b = s(logits, rows).token_ids
     assert a != b
     assert len(set(a)) > 4  # rows in one batch differ too
+
+
+def test_cpu_argmax_kernel_equals_torch_max_indices():
+    """The C++ greedy argmax (first maximum; a NaN counts as the maximum, as in torch.max) on rows of every shape."""
+    from shoal.engine.execution.layers.fused import load_kernels
+    from shoal.engine.execution.sampling import _argmax
+
+    assert load_kernels()[0] is not None  # the kernel path, not the torch fallback
+    torch.manual_seed(0)
+    x = torch.randn(12, 1000)
+    x[1, 100] = x[1, 200] = 50.0  # a tie: the first index wins
+    x[2, 7] = x[2, 9] = float("nan")
+    x[3] = 0.0
+    x[3, 10] = -0.0
+    x[4, 999] = 1e30  # in the tail after the last full 16-lane chunk
+    x[5] = float("-inf")
+    cases = [x, x[:, :997], x[:1], torch.randn(3, 17), torch.randn(2, 1), x[::2]]
+    for t in cases:
+        assert torch.equal(_argmax(t), t.max(dim=-1).indices), t.shape

@@ -31,8 +31,17 @@ MAX_LOGPROBS = 20  # cap on logprobs (top alternatives per token), as OpenAI's t
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of the first maximum per row (torch's CPU argmax is ~3x slower than max)."""
-    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+    """Index of the first maximum per row. On CPU a C++ kernel (layers/csrc/cpu_fused_ops.cpp: ~30 us for 32 rows of
+    32k logits against ~0.8 ms for torch's max(dim), itself ~3x faster than its argmax there)."""
+    if x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    if x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[-1]:
+        from shoal.engine.execution.layers.fused import load_kernels
+
+        ops = load_kernels()[0]
+        if ops is not None:
+            return ops.argmax_rows(x)
+    return x.max(dim=-1).indices
 
 
 def _logsumexp(x: torch.Tensor) -> torch.Tensor:

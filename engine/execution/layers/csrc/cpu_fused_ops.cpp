@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 
 namespace {
@@ -303,12 +304,57 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_packed, const at
   return out;
 }
 
+// ------------------------------------------------------------------------------------------- greedy argmax
+
+// Index of the first maximum of each row of x [B, V] (float32), as torch.max(dim=-1).indices: a NaN counts as the
+// maximum (its first occurrence wins). torch's CPU max/argmax over a row is a scalar loop that kept every value's
+// index (~0.8 ms for 32 x 32000 here); a vectorised max, then a scan for its first occurrence, takes ~30 us.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "argmax_rows expects float32 [B, V] with contiguous rows");
+  const int64_t B = x.size(0), V = x.size(1), sx = x.stride(0);
+  TORCH_CHECK(V > 0, "argmax_rows needs at least one column");
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for_rows(B, B * V, [&](int64_t r) {
+    const float* row = xp + r * sx;
+    // 16 independent lanes (the compiler keeps them in one vector register), folded at the end: a single running
+    // max would be a dependency chain that does not vectorise.
+    float lane_max[16];
+    int32_t lane_nan[16];
+    for (int k = 0; k < 16; ++k) lane_max[k] = -std::numeric_limits<float>::infinity(), lane_nan[k] = 0;
+    int64_t j = 0;
+    for (; j + 16 <= V; j += 16) {
+#pragma omp simd
+      for (int k = 0; k < 16; ++k) {
+        const float v = row[j + k];
+        lane_max[k] = v > lane_max[k] ? v : lane_max[k];
+        lane_nan[k] |= v != v;
+      }
+    }
+    float mx = lane_max[0];
+    int nan = 0;
+    for (int k = 0; k < 16; ++k) mx = std::max(mx, lane_max[k]), nan |= lane_nan[k];
+    for (; j < V; ++j) mx = std::max(mx, row[j]), nan |= row[j] != row[j];
+    int64_t idx = 0;
+    if (nan) {
+      while (row[idx] == row[idx]) ++idx;
+    } else {
+      while (row[idx] != mx) ++idx;  // mx is one of the row's values, so this stops
+    }
+    o[r] = idx;
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(shoal_cpu_fused, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor? delta, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_zero_point, Tensor? bias) -> Tensor");
 }
 
@@ -317,6 +363,7 @@ TORCH_LIBRARY_IMPL(shoal_cpu_fused, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("int8_linear", &int8_linear);
+  m.impl("argmax_rows", &argmax_rows);
 }
 
 // The prepacked int8 weight is an MKLDNN tensor, which makes the dispatcher pick this key for int8_linear.
