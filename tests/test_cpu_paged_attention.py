@@ -230,3 +230,30 @@ def test_bf16_paths(bf16_path, block_size):
     ql, sl = [1, 1, 1, 7, 20, 1], [1, 2, 33, 7, 45, 301]
     for head_dim in (64, 96, 20):  # the fast path needs head_dim % 32 == 0
         check(ql, sl, 8, 4, head_dim, block_size, dtype=torch.bfloat16, alibi=head_dim == 96)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_kv_write_equals_index_copy(dtype):
+    """write_kv's one-call C++ scatter (k/v as strided views of a fused QKV projection, as the models pass them)
+    writes exactly what the two index_copy_ did, and refuses a slot outside the cache."""
+    from shoal.engine.execution.attention import base
+
+    load_kernel()
+    assert base.fused_cpu_kv_write is not None
+    T, H, D = 7, 2, 16
+    qkv = torch.randn(T, 4 * D + 2 * H * D).to(dtype)
+    k = qkv[:, 4 * D:4 * D + H * D].view(T, H, D)
+    v = qkv[:, 4 * D + H * D:].view(T, H, D)
+    slots = torch.randperm(40)[:T]
+    k_cache, v_cache = torch.zeros(10, 4, H, D, dtype=dtype), torch.zeros(10, 4, H, D, dtype=dtype)
+    write_kv(k, v, k_cache, v_cache, slots)
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    k_ref.view(40, H, D).index_copy_(0, slots, k)
+    v_ref.view(40, H, D).index_copy_(0, slots, v)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    heads_apart = torch.randn(T, H, 2 * D).to(dtype)[:, :, :D]  # rows whose heads are not adjacent
+    write_kv(heads_apart, heads_apart, k_cache, v_cache, slots)
+    k_ref.view(40, H, D).index_copy_(0, slots, heads_apart)
+    assert torch.equal(k_cache, k_ref)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        write_kv(k, v, k_cache, v_cache, torch.full((T,), 40))

@@ -49,6 +49,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 # torch.ops.shoal_cpu_paged.write_fp8 once the C++ cpu attention extension is loaded (cpu_paged.load_kernel sets
 # it): quantize + scatter in one pass, bit for bit what the torch ops below produce. None: the torch ops.
 fused_cpu_fp8_write = None
+fused_cpu_kv_write = None  # torch.ops.shoal_cpu_paged.write_kv likewise: both index_copy_ in one call
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -127,6 +128,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     (scales given) quantized per (token, kv head), their scales into the same slots of k_scale / v_scale."""
     nb, bs, h, d = k_cache.shape
     if k_scale is None:
+        if (fused_cpu_kv_write is not None and k_cache.device.type == "cpu" and k.dtype == k_cache.dtype
+                and v.dtype == k.dtype and k.stride(-1) == 1 and v.stride(-1) == 1 and not slot_mapping.is_cuda
+                and slot_mapping.dtype == torch.int64):
+            fused_cpu_kv_write(k, v, k_cache, v_cache, slot_mapping)
+            return
         k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         return

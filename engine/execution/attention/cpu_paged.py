@@ -92,6 +92,7 @@ def load_kernel() -> tuple[object | None, str, float]:
         from shoal.engine.execution.attention import base
 
         base.fused_cpu_fp8_write = torch.ops.shoal_cpu_paged.write_fp8
+        base.fused_cpu_kv_write = torch.ops.shoal_cpu_paged.write_kv
     except Exception as e:  # a missing compiler/ninja/header must never break the engine: report and fall back
         why = _summarise(e)
         logger.warning("%s", why)

@@ -742,6 +742,40 @@ void write_fp8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
   }
 }
 
+// Scatters new keys/values [T, kv_heads, D] into same-dtype caches at their slots: one call for both instead of
+// two index_copy_ (each ~17 us per layer in a decode step, mostly dispatch and TensorIterator set-up).
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
+              "k and v must be [T, kv_heads, head_dim] of one dtype");
+  const int64_t T_ = k.size(0), H = k.size(1), D = k.size(2);
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "the head_dim axis of k and v must be contiguous");
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == k.scalar_type() && c->is_contiguous() && c->dim() == 4 && c->size(2) == H &&
+                    c->size(3) == D, "caches must be contiguous [num_blocks, block_size, ", H, ", ", D, "] of k's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T_,
+              "slot_mapping must be contiguous int64 with one slot per token");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the cache's ", num_slots);
+  const int64_t row = H * D * int64_t(k.element_size());
+  for (const auto& [src, dst] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
+    const char* s = static_cast<const char*>(src->data_ptr());
+    char* d = static_cast<char*>(dst->data_ptr());
+    const int64_t st = src->stride(0) * int64_t(src->element_size()), sh = src->stride(1) * int64_t(src->element_size());
+    const int64_t hd = D * int64_t(src->element_size());
+    for (int64_t t = 0; t < T_; ++t) {
+      char* out = d + slots[t] * row;
+      if (sh == hd) {
+        std::memcpy(out, s + t * st, size_t(row));
+      } else {
+        for (int64_t h = 0; h < H; ++h) std::memcpy(out + h * hd, s + t * st + h * sh, size_t(hd));
+      }
+    }
+  }
+}
+
 TORCH_LIBRARY(shoal_cpu_paged, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale, Tensor? skip_seqs=None, "
@@ -763,9 +797,11 @@ TORCH_LIBRARY_FRAGMENT(shoal_cpu_paged, m) { m.def("set_bf16_fast_path(bool enab
 TORCH_LIBRARY_FRAGMENT(shoal_cpu_paged, m) {
   m.def("write_fp8(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, "
         "Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(shoal_cpu_paged, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_fp8", &write_fp8);
+  m.impl("write_kv", &write_kv);
 }
