@@ -84,3 +84,37 @@ def write_prequantized(model_dir: Path, out: Path, oracle: Path, method: str, bi
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
                                       "zero_point": True}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def write_compressed_tensors_int8(model_dir: Path, out: Path, oracle: Path, strategy: str = "channel") -> None:
+    """An llm-compressor-style W8A8 checkpoint: int8 `weight` with float32 `weight_scale` [out, 1] (or [1] per
+    tensor) from symmetric round-to-nearest; the oracle holds q * scale densely."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    packed, dense = {}, {}
+    for name, t in tensors.items():
+        layer = name[: -len(".weight")]
+        if not (name.endswith(".weight") and layer.rsplit(".", 1)[-1] in LINEARS):
+            packed[name] = dense[name] = t
+            continue
+        w = t.float()
+        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().view(1, 1)
+        scale = amax.clamp(min=1e-8) / 127.0
+        q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        packed[name] = q
+        packed[layer + ".weight_scale"] = scale if strategy == "channel" else scale.view(1)
+        dense[name] = q.float() * scale
+    for d, ts in ((out, packed), (oracle, dense)):
+        shutil.copytree(model_dir, d, dirs_exist_ok=True)
+        save_file({k: v.contiguous() for k, v in ts.items()}, str(d / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                  "dynamic": True}}}}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hf_reference import hf_greedy
-from prequant_fixtures import write_prequantized
+from prequant_fixtures import write_compressed_tensors_int8, write_prequantized
 from shoal.engine import LLM, SamplingParams
 from shoal.engine.execution.weights import WeightError
 
@@ -52,7 +53,52 @@ def test_prequantized_then_int4_kernel(model_factory, tmp_path):
     assert len(text[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_int8_matches_transformers_on_dequantized_weights(model_factory, tmp_path, strategy,
+                                                                             caplog):
+    out, oracle = tmp_path / "quantized", tmp_path / "oracle"
+    write_compressed_tensors_int8(model_factory("llama"), out, oracle, strategy)
+    caplog.set_level("INFO", logger="shoal.engine.execution.quantization.prequantized")
+    with LLM(model=str(out), **OPTIONS) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                       logprobs=3))
+        tok = llm.get_tokenizer()
+    assert "COMPRESSED-TENSORS 8-bit" in caplog.text and "21 packed linear layers" in caplog.text
+    for prompt, o in zip(PROMPTS, outputs):
+        ref_ids, ref_lp = hf_greedy(oracle, tok.encode(prompt), MAX_NEW)
+        assert o.outputs[0].token_ids == ref_ids
+        for step, entry in enumerate(o.outputs[0].logprobs):
+            for tid, lp in entry.items():
+                assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=2e-4)
+
+
+def test_compressed_tensors_int8_then_int8_kernel_keeps_the_checkpoint_integers(model_factory, tmp_path):
+    """--quantization int8 over a per-channel int8 checkpoint re-quantizes every row to the checkpoint's own
+    integers and scales (up to one float32 rounding of the scale)."""
+    from safetensors.torch import load_file
+
+    from shoal.engine.execution.layers.linear import PackedMatmul
+
+    out, oracle = tmp_path / "quantized", tmp_path / "oracle"
+    write_compressed_tensors_int8(model_factory("llama"), out, oracle)
+    dense = load_file(str(oracle / "model.safetensors"))
+    with LLM(model=str(out), quantization="int8", **OPTIONS) as llm:
+        net = llm.llm_engine.executor.runner.model
+        o_proj = next(m for n, m in net.named_modules() if n.endswith("layers.0.o_proj"))
+        assert isinstance(o_proj, PackedMatmul) and o_proj.quantized is not None
+        deq = o_proj.quantized.dequantize()
+        text = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    ref = dense["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.allclose(deq, ref, rtol=1e-6, atol=0)
+    assert len(text[0].outputs[0].token_ids) == 4
+
+
 @pytest.mark.parametrize("qc,match", [
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {}}},
+     "compressed-tensors format 'float-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+     "only symmetric int8 per channel or per tensor"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "GPTQ with 3 bits"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "AWQ gemv"),

@@ -1,4 +1,4 @@
-"""Pre-quantized checkpoints (GPTQ, AWQ) named by `quantization_config` in config.json.
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors int8) named by `quantization_config` in config.json.
 
 `PrequantizedSource` wraps a `WeightSource` and answers `load("...q_proj.weight")` with the dense [out, in]
 weight rebuilt from the checkpoint's packed tensors, so every model loads them unchanged; the log says they were
@@ -10,6 +10,10 @@ Layouts (both store W transposed, [in, out], with per-group scales and zero poin
   gives each input row's group (act-order checkpoints permute it). Format "gptq" stores zero - 1.
 - AWQ (GEMM): `qweight` int32 [in, out/8] and `qzeros` int32 [in/group, out/8] pack 8 output columns per word in
   the interleaved order 0 2 4 6 1 3 5 7; `scales` [in/group, out]; w = (q - zero) * scale.
+- compressed-tensors ("int-quantized", e.g. llm-compressor's W8A8): `weight` is int8 [out, in] itself and
+  `weight_scale` [out, 1] (per channel) or [1] (per tensor); w = q * scale, read slice by slice like a dense weight.
+  Symmetric per-channel int8 is exactly what `--quantization int8` builds, so adding it re-quantizes each row to
+  the checkpoint's own integers (whenever the row's largest |q| is 127, as round-to-nearest calibration gives).
 """
 
 from __future__ import annotations
@@ -79,13 +83,33 @@ class PrequantizedSource:
             if version != "gemm" or self.bits != 4:
                 raise WeightError(f"{self.model_dir}: AWQ {version} with {self.bits} bits is not supported "
                                   f"(only 4-bit GEMM packing)")
+        elif method == "compressed-tensors":
+            strategy = self._check_compressed_tensors(quant_config)
+            self.bits, self.group = 8, f"per {strategy}"
         else:
             raise WeightError(f"{self.model_dir}: quantization_config quant_method {method!r} is not supported "
-                              f"(supported: gptq, awq)")
-        packed = sorted(n[: -len(".qweight")] for n in src.names() if n.endswith(".qweight"))
+                              f"(supported: gptq, awq, compressed-tensors)")
+        suffix = ".weight_scale" if method == "compressed-tensors" else ".qweight"
+        packed = sorted(n[: -len(suffix)] for n in src.names() if n.endswith(suffix))
         self._packed = set(packed)
         logger.info("%s %d-bit checkpoint (group size %s): %d packed linear layers dequantized on load",
                     method.upper(), self.bits, self.group, len(packed))
+
+    def _check_compressed_tensors(self, quant_config) -> str:
+        """Refuses what the loader cannot read; returns the weights' strategy (channel or tensor)."""
+        fmt = str(_get(quant_config, "format", ""))
+        groups = _get(quant_config, "config_groups") or {}
+        if fmt not in ("int-quantized", "naive-quantized") or not groups:
+            raise WeightError(f"{self.model_dir}: compressed-tensors format {fmt!r} is not supported (supported: "
+                              f"int-quantized int8 weights)")
+        for name, group in groups.items():
+            w = _get(group, "weights") or {}
+            ok = (str(_get(w, "type", "int")) == "int" and int(_get(w, "num_bits", 0) or 0) == 8
+                  and _get(w, "symmetric", True) and str(_get(w, "strategy", "")) in ("channel", "tensor"))
+            if not ok:
+                raise WeightError(f"{self.model_dir}: compressed-tensors group {name!r} quantizes weights as "
+                                  f"{dict(w)}; only symmetric int8 per channel or per tensor is supported")
+        return str(_get(_get(next(iter(groups.values())), "weights"), "strategy"))
 
     def _layer(self, name: str) -> str | None:
         stem = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -99,7 +123,7 @@ class PrequantizedSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         layer = self._layer(name)
-        if layer is None:
+        if layer is None or self.method == "compressed-tensors":
             return self.src.shape(name)
         out = self.src.shape(layer + ".scales")[1]
         rows = self.src.shape(layer + ".qweight")[0]
@@ -121,6 +145,8 @@ class PrequantizedSource:
         layer = self._layer(name)
         if layer is None:
             return self.src.load(name, expected_shape, dim=dim, start=start, length=length)
+        if self.method == "compressed-tensors":
+            return self._int8_slice(layer, expected_shape, dim, start, length)
         try:
             w = self._dense(layer)
         except (RuntimeError, IndexError) as e:  # shapes of qweight/qzeros/scales/g_idx that do not fit together
@@ -131,6 +157,23 @@ class PrequantizedSource:
         if dim is not None:
             w = w.narrow(dim, start, w.shape[dim] - start if length is None else length)
         return w
+
+    def _int8_slice(self, layer: str, expected_shape, dim, start: int, length: int | None) -> torch.Tensor:
+        """w = q * scale for just the rows/columns asked for (each tensor-parallel rank reads its own)."""
+        q = self.src.load(layer + ".weight", expected_shape, dim=dim, start=start, length=length)
+        scale = self.src.load(layer + ".weight_scale").float().reshape(-1)
+        if q.dtype != torch.int8:
+            raise WeightError(f"{self.model_dir}: {layer}.weight is {q.dtype}, not the int8 a compressed-tensors "
+                              f"int-quantized checkpoint holds")
+        if scale.numel() > 1:  # per output channel
+            full = self.src.shape(layer + ".weight")[0]
+            if scale.numel() != full:
+                raise WeightError(f"{self.model_dir}: {layer}.weight_scale has {scale.numel()} values for {full} "
+                                  f"output channels")
+            if dim == 0:
+                scale = scale[start:start + q.shape[0]]
+            scale = scale.view(-1, 1)
+        return q.float() * scale
 
     def close(self) -> None:
         self.src.close()
