@@ -511,8 +511,13 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16, C>& p, const Item& it, S
         for (int jj = 0; jj < nr; ++jj) s[jj] += slope * float(k0 + jj - pos);
       }
 
-      float mx = m[r];
-      for (int jj = 0; jj < nr; ++jj) mx = std::max(mx, s[jj]);
+      // The block's max, 16 scores per vector (a scalar running max is a chain of dependent instructions).
+      __m512 mv = _mm512_set1_ps(m[r]);
+      for (int jj = 0; jj < nr; jj += 16) {
+        const __mmask16 mk = _cvtu32_mask16((1u << std::min(16, nr - jj)) - 1u);
+        mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), mk, s + jj));
+      }
+      const float mx = _mm512_reduce_max_ps(mv);
       const float corr = exp2_neg(m[r] - mx);
       m[r] = mx;
       float sum = 0.f;
@@ -534,14 +539,34 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16, C>& p, const Item& it, S
         const __m256bh pb = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, s + jj));
         _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(pp) + jj, mk, (__m256i)pb);
       }
+      // acc = acc * corr + P V, 64 dims at a time in four registers: four independent vdpbf16ps chains over the
+      // block's key pairs (one chain per 16 dims would wait on its own latency at every pair).
       float* a = acc + size_t(r) * D;
       const __m512 cv = _mm512_set1_ps(corr);
-      for (int c = 0; c < D; c += 16) {  // each 16 float accumulators stay in a register across the block
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(a + c), cv);
-        for (int jp = 0; jp < rp; ++jp)
-          x = _mm512_dpbf16_ps(x, as_bh(_mm512_loadu_si512(vp + size_t(jp) * D + c)),
-                               as_bh(_mm512_set1_epi32(int(pp[jp]))));
-        _mm512_storeu_ps(a + c, x);
+      int c = 0;
+      for (; c + 64 <= D; c += 64) {
+        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(a + c), cv), x1 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 16), cv);
+        __m512 x2 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 32), cv), x3 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 48), cv);
+        for (int jp = 0; jp < rp; ++jp) {
+          const __m512bh pb = as_bh(_mm512_set1_epi32(int(pp[jp])));
+          const uint32_t* row = vp + size_t(jp) * D + c;
+          x0 = _mm512_dpbf16_ps(x0, as_bh(_mm512_loadu_si512(row)), pb);
+          x1 = _mm512_dpbf16_ps(x1, as_bh(_mm512_loadu_si512(row + 16)), pb);
+          x2 = _mm512_dpbf16_ps(x2, as_bh(_mm512_loadu_si512(row + 32)), pb);
+          x3 = _mm512_dpbf16_ps(x3, as_bh(_mm512_loadu_si512(row + 48)), pb);
+        }
+        _mm512_storeu_ps(a + c, x0), _mm512_storeu_ps(a + c + 16, x1);
+        _mm512_storeu_ps(a + c + 32, x2), _mm512_storeu_ps(a + c + 48, x3);
+      }
+      if (c < D) {  // D % 64 == 32: the last 32 dims in two chains
+        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(a + c), cv), x1 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 16), cv);
+        for (int jp = 0; jp < rp; ++jp) {
+          const __m512bh pb = as_bh(_mm512_set1_epi32(int(pp[jp])));
+          const uint32_t* row = vp + size_t(jp) * D + c;
+          x0 = _mm512_dpbf16_ps(x0, as_bh(_mm512_loadu_si512(row)), pb);
+          x1 = _mm512_dpbf16_ps(x1, as_bh(_mm512_loadu_si512(row + 16)), pb);
+        }
+        _mm512_storeu_ps(a + c, x0), _mm512_storeu_ps(a + c + 16, x1);
       }
     }
   }
