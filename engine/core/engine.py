@@ -202,12 +202,16 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
+        # A final-only request (the offline LLM) without stop strings needs no text before it finishes: its
+        # detokenizer is built and run once then (_append_token), not once per step on the engine's critical path.
+        text_at_finish = params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop
         for i in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids), request=request, index=i, token_ids=list(token_ids),
                 num_prompt_tokens=len(token_ids),
                 generator=make_generator(params.seed, i, self.device) if params.seed is not None else None,
-                detokenizer=IncrementalDetokenizer.from_params(self.tokenizer, token_ids, params),
+                detokenizer=None if text_at_finish else IncrementalDetokenizer.from_params(self.tokenizer, token_ids,
+                                                                                            params),
             )
             seq.logprobs = [] if params.logprobs is not None else None
             seq.grammar = grammar.matcher() if grammar is not None else None
@@ -333,7 +337,8 @@ class LLMEngine:
             reason, stop_reason = "stop", token
         elif token in self.eos_token_ids and not params.ignore_eos:
             reason = "stop"
-        if reason is None or params.include_stop_str_in_output:
+        shows_token = reason is None or params.include_stop_str_in_output  # a stop token's text is not shown
+        if shows_token and seq.detokenizer is not None:
             seq.unsent_text += seq.detokenizer.append(token)
             if seq.detokenizer.stop_string is not None:
                 reason, stop_reason = "stop", seq.detokenizer.stop_string
@@ -344,6 +349,11 @@ class LLMEngine:
         if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            if seq.detokenizer is None:  # text deferred to the finish (see add_request): all of it at once
+                seq.detokenizer = IncrementalDetokenizer.from_params(
+                    self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], params)
+                shown = seq.output_token_ids if shows_token else seq.output_token_ids[:-1]
+                seq.unsent_text += seq.detokenizer.append(shown)
             if seq.detokenizer.stop_string is None:
                 seq.unsent_text += seq.detokenizer.flush()
             seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -364,7 +374,8 @@ class LLMEngine:
             seq.finish_sent = seq.finish_reason is not None
             outputs.append(CompletionOutput(
                 index=seq.index,
-                text=seq.unsent_text if kind is RequestOutputKind.DELTA else seq.detokenizer.text,
+                text=seq.unsent_text if kind is RequestOutputKind.DELTA else (
+                    seq.detokenizer.text if seq.detokenizer is not None else ""),
                 token_ids=seq.token_ids[seq.num_prompt_tokens + start:],
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
