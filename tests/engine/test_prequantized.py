@@ -27,22 +27,27 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_prequantized_checkpoint_matches_transformers_on_dequantized_weights(model_factory, tmp_path, case, caplog):
-    out, oracle = tmp_path / "quantized", tmp_path / "oracle"
-    write_prequantized(model_factory("llama"), out, oracle, **CASES[case])
+def _assert_greedy_matches_oracle(model_dir, oracle, caplog) -> None:
+    """Greedy tokens equal transformers on the dense oracle, logprobs within float32 tolerance."""
     caplog.set_level("INFO", logger="shoal.engine.execution.quantization.prequantized")
-    with LLM(model=str(out), **OPTIONS) as llm:
+    with LLM(model=str(model_dir), **OPTIONS) as llm:
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
                                                        logprobs=3))
         tok = llm.get_tokenizer()
-    assert "dequantized on load" in caplog.text and "21 packed linear layers" in caplog.text
     for prompt, o in zip(PROMPTS, outputs):
         ref_ids, ref_lp = hf_greedy(oracle, tok.encode(prompt), MAX_NEW)
         assert o.outputs[0].token_ids == ref_ids
         for step, entry in enumerate(o.outputs[0].logprobs):
             for tid, lp in entry.items():
                 assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=2e-4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prequantized_checkpoint_matches_transformers_on_dequantized_weights(model_factory, tmp_path, case, caplog):
+    out, oracle = tmp_path / "quantized", tmp_path / "oracle"
+    write_prequantized(model_factory("llama"), out, oracle, **CASES[case])
+    _assert_greedy_matches_oracle(out, oracle, caplog)
+    assert "dequantized on load" in caplog.text and "21 packed linear layers" in caplog.text
 
 
 def test_prequantized_then_int4_kernel(model_factory, tmp_path):
@@ -58,18 +63,8 @@ def test_compressed_tensors_int8_matches_transformers_on_dequantized_weights(mod
                                                                              caplog):
     out, oracle = tmp_path / "quantized", tmp_path / "oracle"
     write_compressed_tensors_int8(model_factory("llama"), out, oracle, strategy)
-    caplog.set_level("INFO", logger="shoal.engine.execution.quantization.prequantized")
-    with LLM(model=str(out), **OPTIONS) as llm:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
-                                                       logprobs=3))
-        tok = llm.get_tokenizer()
+    _assert_greedy_matches_oracle(out, oracle, caplog)
     assert "COMPRESSED-TENSORS 8-bit" in caplog.text and "21 packed linear layers" in caplog.text
-    for prompt, o in zip(PROMPTS, outputs):
-        ref_ids, ref_lp = hf_greedy(oracle, tok.encode(prompt), MAX_NEW)
-        assert o.outputs[0].token_ids == ref_ids
-        for step, entry in enumerate(o.outputs[0].logprobs):
-            for tid, lp in entry.items():
-                assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=2e-4)
 
 
 def test_compressed_tensors_int8_then_int8_kernel_keeps_the_checkpoint_integers(model_factory, tmp_path):

@@ -735,6 +735,18 @@ void write_rows_fp8(const at::Tensor& x, const at::Tensor& cache, const at::Tens
   }
 }
 
+// The slots new keys/values go to: one int64 per token, each inside the cache (checked before any write, so a bad
+// slot leaves the cache untouched).
+const int64_t* checked_slots(const at::Tensor& slot_mapping, int64_t num_tokens, int64_t num_slots) {
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == num_tokens,
+              "slot_mapping must be contiguous int64 with one slot per token");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the cache's ", num_slots);
+  return slots;
+}
+
 void write_fp8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
@@ -748,12 +760,7 @@ void write_fp8(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
     TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() &&
                     s->numel() == k_cache.size(0) * k_cache.size(1) * H,
                 "scales must be contiguous float32 [num_blocks, block_size, kv_heads]");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T_,
-              "slot_mapping must be contiguous int64 with one slot per token");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < T_; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the cache's ", num_slots);
+  const int64_t* slots = checked_slots(slot_mapping, T_, k_cache.size(0) * k_cache.size(1));
   auto both = [&](auto tag) {
     using Tp = decltype(tag);
     write_rows_fp8<Tp>(k, k_cache, k_scale, slots);
@@ -778,12 +785,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   for (const at::Tensor* c : {&k_cache, &v_cache})
     TORCH_CHECK(c->scalar_type() == k.scalar_type() && c->is_contiguous() && c->dim() == 4 && c->size(2) == H &&
                     c->size(3) == D, "caches must be contiguous [num_blocks, block_size, ", H, ", ", D, "] of k's dtype");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T_,
-              "slot_mapping must be contiguous int64 with one slot per token");
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < T_; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the cache's ", num_slots);
+  const int64_t* slots = checked_slots(slot_mapping, T_, k_cache.size(0) * k_cache.size(1));
   const int64_t row = H * D * int64_t(k.element_size());
   for (const auto& [src, dst] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
     const char* s = static_cast<const char*>(src->data_ptr());
