@@ -49,10 +49,8 @@ def check_supported(method: str, device: torch.device) -> None:
 
 def quantize_model(model: torch.nn.Module, method: str) -> None:
     """Replace the dense weight of every quantizable linear layer of `model` by its quantized form, in place."""
-    from shoal.engine.execution.layers.embedding import ParallelLMHead
+    from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from shoal.engine.execution.layers.linear import PackedMatmul
-
-    from shoal.engine.execution.layers.embedding import VocabParallelEmbedding
 
     cls = METHODS[method]
     vocab = cls.quantizes_vocab_tables

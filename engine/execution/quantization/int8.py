@@ -29,8 +29,8 @@ def _cpu_kernel(weight: torch.Tensor):
 
 class Int8Weight(QuantizedWeight):
     """On CPU the weight is prepacked once into oneDNN's int8 layout and one C++ call per layer quantizes the
-    activations, runs the int8 GEMM and scales back (measured 1.3-1.9x a prepacked bf16 matmul at batch 32, one
-    thread; the same arithmetic as separate torch ops around torch._int_mm, which also re-lays the weight out on
+    activations, runs the int8 GEMM and scales back (measured 1.2-1.9x a prepacked bf16 matmul at batch 32 on two
+    threads; the same arithmetic as separate torch ops around torch._int_mm, which also re-lays the weight out on
     every call, gained nothing). Elsewhere (CUDA) the torch ops around torch._int_mm (cuBLASLt) run."""
 
     quantizes_vocab_tables = True
