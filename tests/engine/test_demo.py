@@ -100,10 +100,14 @@ def _real_gguf():
 
 @pytest.mark.slow
 @pytest.mark.skipif(_real_gguf() is None, reason="the SmolLM2 demo GGUF is not cached on this machine")
-def test_real_smollm2_answers_in_english():
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_real_smollm2_answers_in_english(quantization):
+    """Also through int8 (its linear layers, LM head and embedding all quantized): a trained model's answer
+    survives it."""
     from shoal.engine import LLM, SamplingParams
 
-    with LLM(model=_real_gguf(), max_model_len=512, dtype=cli.DEMO_DTYPE) as llm:  # bf16 flips a near-tie (cli.py)
+    with LLM(model=_real_gguf(), max_model_len=512, dtype=cli.DEMO_DTYPE,  # bf16 flips a near-tie (cli.py)
+             quantization=quantization) as llm:
         tok = llm.get_tokenizer()
         prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                          tokenize=False, add_generation_prompt=True)
