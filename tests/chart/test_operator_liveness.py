@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -15,19 +14,14 @@ import pytest
 import yaml
 
 from chartkit import one, render
+from prockit import free_port
 
 kmock = importlib.import_module("kmock")
 importlib.import_module("shoal.operator.handlers")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_operator_starts_with_the_chart_arguments_and_passes_its_liveness_probe(tmp_path):
-    port = _free_port()
+    port = free_port()
     dep = one(render({"operator": {"healthPort": port, "logFormat": "plain"}}), "Deployment")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     probe = container["livenessProbe"]["httpGet"]

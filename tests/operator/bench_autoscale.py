@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # + prockit
 
 import openai  # noqa: E402
 from conftest import Client, EmulatorServer, OperatorThread, isvc_body  # noqa: E402

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import string
 import subprocess
 import sys
@@ -27,15 +26,11 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from prockit import free_port
+
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 FINALIZER = "test.shoal.dev/kubelet"
 FAILURE_THRESHOLD = 3  # like a readiness probe's failureThreshold: one slow answer on a busy machine is no outage
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready(port: int) -> bool:

@@ -9,17 +9,14 @@ request completes; a load ramp scales up; idle scales back down to zero, and no 
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 
 import pytest
-from fleetkit import Kubelet, free_port
+from fleetkit import Kubelet
 from opkit import isvc_body, wait_for
+from prockit import LoggedProcess, free_port
 
 openai = importlib.import_module("openai")
 importlib.import_module("shoal.engine.gateway")
@@ -27,38 +24,18 @@ importlib.import_module("shoal.engine.gateway")
 ISVC = "inferenceservices"
 
 
-class GatewayProcess:
+class GatewayProcess(LoggedProcess):
     def __init__(self, namespace: str, name: str, service: str, hold_timeout: float = 90):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w", prefix="gateway-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(self.port),
+        port = free_port()
+        super().__init__(
+            [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(port),
              "--service", service, "--namespace", namespace, "--inferenceservice", name,
-             "--hold-timeout", str(hold_timeout)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        wait_for(self._ready, 30, "gateway /readyz")
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.logs()}")
-        try:
-            with urllib.request.urlopen(self.base + "/readyz", timeout=1) as r:
-                return r.status == 200
-        except Exception:
-            return False
-
-    def logs(self) -> str:
-        with open(self.log.name, encoding="utf-8", errors="replace") as f:
-            return f.read()[-5000:]
+             "--hold-timeout", str(hold_timeout)], port, log_prefix="gateway-")
+        self.base = self.url
+        self.wait_ready(30)
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        self.stop(timeout=15)
 
 
 def publish_gateway(client, ns: str, service: str, port: int) -> None:
@@ -149,7 +126,7 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
             assert kubelet.error is None, kubelet.error
     except BaseException:
         print("kubelet events:", kubelet.events)
-        print("gateway log:", gateway.logs() if gateway else None)
+        print("gateway log:", gateway.logs()[-5000:] if gateway else None)
         for pod in kubelet.pods.values():
             print(f"pod {pod.name} log:", pod.logs()[-3000:])
         raise

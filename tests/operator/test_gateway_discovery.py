@@ -10,26 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 from aiohttp import web
 from opkit import isvc_body, wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from prockit import LoggedProcess, free_port, http
 
 
 class StandInEngines:
@@ -39,7 +26,7 @@ class StandInEngines:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="stand-in-engines")
         self.thread.start()
-        self.ports = [_free_port() for _ in range(count)]
+        self.ports = [free_port() for _ in range(count)]
         self.seen = {p: 0 for p in self.ports}
         self.runners = [self._run(self._start(p)) for p in self.ports]
 
@@ -86,32 +73,14 @@ def endpoint_slice(name: str, service: str, port: int, ready: bool = True) -> di
 
 
 def _post(url: str, body: dict) -> tuple[int, dict, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read()), dict(r.headers)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+    status, raw, headers = http("POST", url, body)
+    return status, json.loads(raw or b"{}"), headers
 
 
 def _gateway_backends(url: str) -> set[str]:
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return set()
-    return {line.split('"')[1] for line in text.splitlines()
-            if line.startswith("shoal:gateway_backend_healthy{") and line.endswith(" 1.0")}
-
-
-def _wait(predicate, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    status, raw, _ = http("GET", url + "/metrics", timeout=5)
+    return {line.split('"')[1] for line in raw.decode().splitlines()
+            if line.startswith("shoal:gateway_backend_healthy{") and line.endswith(" 1.0")} if status == 200 else set()
 
 
 @pytest.fixture
@@ -123,32 +92,16 @@ def engines():
 
 @pytest.fixture
 def gateway(env, ns):
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen(
+    port = free_port()
+    gw = LoggedProcess(
         [sys.executable, "-m", "shoal.engine.gateway", "--service", "llm", "--namespace", ns, "--routing",
          "round-robin", "--host", "127.0.0.1", "--port", str(port), "--poll-interval", "0.1",
-         "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
+         "--log-level", "warning"], port)
     try:
-        _wait(lambda: _gateway_backends(url) is not None and proc.poll() is None and _livez(url), "the gateway")
-        yield url
+        gw.wait_ready(30, "/livez")
+        yield gw.url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        os.unlink(log.name)
-
-
-def _livez(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/livez", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
+        gw.stop(timeout=20)
 
 
 def test_gateway_follows_ready_endpoints_of_the_service(env, ns, engines, gateway):
@@ -165,7 +118,7 @@ def test_gateway_follows_ready_endpoints_of_the_service(env, ns, engines, gatewa
         http.post(base, json=endpoint_slice(name, "llm", port)).raise_for_status()
     # A slice of another Service is not ours.
     http.post(base, json=endpoint_slice("other-c", "other", c)).raise_for_status()
-    _wait(lambda: _gateway_backends(gateway) == {url[a], url[b]}, "both engines discovered")
+    wait_for(lambda: _gateway_backends(gateway) == {url[a], url[b]}, 30, "both engines discovered")
     for i in range(6):
         assert _post(gateway + "/v1/completions", {"model": "tiny", "prompt": f"p{i}"})[0] == 200
     assert engines.seen[a] == 3 and engines.seen[b] == 3 and engines.seen[c] == 0
@@ -174,7 +127,7 @@ def test_gateway_follows_ready_endpoints_of_the_service(env, ns, engines, gatewa
     r = http.patch(f"{base}/llm-b", data=json.dumps(endpoint_slice("llm-b", "llm", b, ready=False)),
                    headers={"Content-Type": "application/merge-patch+json"})
     r.raise_for_status()
-    _wait(lambda: _gateway_backends(gateway) == {url[a]}, "the draining engine to leave")
+    wait_for(lambda: _gateway_backends(gateway) == {url[a]}, 30, "the draining engine to leave")
     for i in range(4):
         assert _post(gateway + "/v1/completions", {"model": "tiny", "prompt": f"q{i}"})[0] == 200
     assert engines.seen[a] == 7 and engines.seen[b] == 3
@@ -182,7 +135,7 @@ def test_gateway_follows_ready_endpoints_of_the_service(env, ns, engines, gatewa
     # A new replica appears; a deleted slice takes its engine with it.
     http.post(base, json=endpoint_slice("llm-c", "llm", c)).raise_for_status()
     http.delete(f"{base}/llm-a").raise_for_status()
-    _wait(lambda: _gateway_backends(gateway) == {url[c]}, "the new engine alone")
+    wait_for(lambda: _gateway_backends(gateway) == {url[c]}, 30, "the new engine alone")
     assert _post(gateway + "/v1/completions", {"model": "tiny", "prompt": "z"})[0] == 200
     assert engines.seen[c] == 1
 
