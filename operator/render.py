@@ -230,6 +230,19 @@ def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
+def _restricted_container(add_capabilities=()) -> dict[str, Any]:
+    """A container securityContext that passes the "restricted" Pod Security Standard (plus any capabilities the
+    spec adds back)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"], **({"add": list(add_capabilities)} if add_capabilities else {})},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, *,
                  replica: int | None = None) -> dict[str, Any]:
     name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
@@ -310,15 +323,7 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         "readinessProbe": _probe("/readyz", 5, 3, 5),
         "livenessProbe": _probe("/livez", 10, 6, 10),
         "lifecycle": {"preStop": {"sleep": {"seconds": settings.prestop_seconds}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"], **({"add": list(spec.security.capabilities)}
-                                                  if spec.security.capabilities else {})},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _restricted_container(spec.security.capabilities),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if spec.image_pull_policy:
@@ -636,14 +641,7 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         "readinessProbe": _probe("/readyz", 2, 2, 2),
         "livenessProbe": _probe("/livez", 10, 3, 5),
         "lifecycle": {"preStop": {"sleep": {"seconds": settings.prestop_seconds}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _restricted_container(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if spec.image_pull_policy:
