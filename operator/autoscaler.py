@@ -261,7 +261,9 @@ class Autoscaler:
         current = spec.replicas
         ready = min(sum(1 for e in engines if e.ready), current)
         return Observation(now=time.monotonic(), current=current, ready=ready, replicas=tuple(replicas), held=held,
-                           wake=woken and ready == 0)
+                           wake=woken and ready == 0,
+                           # only Ready endpoints: one still starting or crash-looping serves nothing yet
+                           unanswered=sum(1 for e, m in zip(engines + gateways, scraped) if m is None and e.ready))
 
     # ---- decide and act --------------------------------------------------------------------------------------
     async def tick(self, isvc: dict[str, Any], state: State, woken: bool = False) -> Decision:

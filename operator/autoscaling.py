@@ -25,7 +25,9 @@ Stabilization, per direction (like the HPA's behavior field):
 * the last replica goes only after ``scaleToZeroAfterSeconds`` without any load (and only with minReplicas 0),
   and never while it is still starting (it was started for someone, typically a request the gateway holds);
 * from zero, any load (a held request, a wake-up from the gateway) scales to the need at once, bypassing the
-  windows: someone is waiting.
+  windows: someone is waiting;
+* a Ready engine or gateway whose /metrics did not answer (a busy engine can be slow to) is load unknown, not zero:
+  such a tick counts as busy and never scales down, so a replica is not removed while it may be serving.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Observation:
     replicas: tuple[ReplicaLoad, ...] = ()
     held: int = 0  # requests the gateway holds because no replica is ready
     wake: bool = False  # the gateway asked for capacity since the last decision
+    unanswered: int = 0  # Ready engines/gateways whose /metrics did not answer: their load is unknown, not zero
 
     @property
     def starting(self) -> int:
@@ -150,10 +153,12 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
     now, current = obs.now, obs.current
     needed, signal = needed_replicas(obs, policy)
     busy = obs.in_flight > 0 or obs.wake
-    if busy:
+    if busy or obs.unanswered:  # an unanswered scrape may hide load: never evidence of idleness
         history.last_busy = now
+    if busy:
         needed = max(needed, 1)
-    history.recommendations.append((now, needed))
+    # Unknown load recommends what is there: the down window restarts once every scrape answers again.
+    history.recommendations.append((now, max(needed, current) if obs.unanswered else needed))
     history.forget_before(now - max(policy.scale_up_window, policy.scale_down_window))
     inputs = _inputs(obs, policy)
 
@@ -178,6 +183,9 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
         capped = " (maxReplicas)" if up_to > policy.max_replicas else ""
         return result(up_to, "ScaleUp", f"scale up to {min(up_to, policy.max_replicas)}{capped} by {signal}")
 
+    if obs.unanswered and needed < current:
+        return result(current, "LoadUnknown", f"{needed} needed by the load seen, but {obs.unanswered} /metrics "
+                                              f"did not answer; not scaling down on partial load")
     floor = max(policy.min_replicas, 1)
     if down_to < current:
         if history.last_direction > 0 and now - (history.last_change_time or -math.inf) < policy.scale_down_window:

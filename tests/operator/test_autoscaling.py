@@ -247,3 +247,29 @@ def test_spec_autoscaling_defaults_and_errors():
     with pytest.raises(api.SpecError) as e:
         api.parse_spec({"autoscaling": {"minReplicas": 1}})
     assert e.value.field == "spec.autoscaling.maxReplicas"
+
+
+def test_an_unanswered_metrics_scrape_is_unknown_load_not_idleness():
+    """A busy engine can miss the scrape timeout: reading it as 0 in flight would scale a serving replica away
+    (down, or to zero once scaleToZeroAfter had passed on such reads)."""
+    policy = Policy(min_replicas=0, max_replicas=4, target_in_flight=2, scale_up_window=1, scale_down_window=3,
+                    scale_to_zero_after=5)
+    history = History()
+    current = decide(Observation(now=0.0, current=2, ready=2, replicas=(ReplicaLoad("a", running=2),
+                                                                        ReplicaLoad("b", running=2))),
+                     policy, history).desired
+    # From t=1 every scrape times out, for far longer than both windows; at t=30 one engine answers (idle).
+    for t in range(1, 31):
+        loads = (ReplicaLoad("a"),) if t == 30 else ()
+        d = decide(Observation(now=float(t), current=current, ready=2, replicas=loads, unanswered=1 if t == 30 else 2),
+                   policy, history)
+        assert d.desired == 2 and d.reason == "LoadUnknown" and "did not answer" in d.message, (t, d)
+        current = d.desired
+    # Both answer, idle: the windows count from the last unknown tick (t=30), not from the last load (t=0).
+    desired = {}
+    for t in range(31, 40):
+        current = desired[t] = decide(Observation(now=float(t), current=current, ready=current,
+                                                  replicas=(ReplicaLoad("a"), ReplicaLoad("b"))[:current]),
+                                      policy, history).desired
+    assert desired[33] == 2 and desired[34] == 1  # the 3 s scale-down window after t=30
+    assert desired[35] == 0  # and zero 5 s after t=30
