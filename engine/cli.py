@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -262,8 +263,17 @@ def setup_logging(level: str = "info") -> None:
 
 
 # --------------------------------------------------------------------------------------------- commands
+def _terminated_before_serving(signum: int, _frame) -> None:
+    # Until the server installs its own handlers (imports and config take seconds), a pod deleted while it
+    # starts gets here: nothing is served yet, so stop now and cleanly instead of dying by the signal mid-import.
+    logging.getLogger("shoal.engine.server").info("received %s before serving: exiting", signal.Signals(signum).name)
+    logging.shutdown()
+    os._exit(0)
+
+
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     setup_logging(args.log_level)
+    signal.signal(signal.SIGTERM, _terminated_before_serving)
     if args.headless:  # a node > 0 of a multi-node group: its worker ranks and health endpoints only
         return cmd_serve_headless(args, parser)
     if getattr(args, "node_rank", None):

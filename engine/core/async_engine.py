@@ -36,6 +36,7 @@ from shoal.engine.core.outputs import RequestMetrics, RequestOutput, RequestOutp
 logger = logging.getLogger("shoal.engine.core.async_engine")
 
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0  # seconds without a loop iteration before liveness fails
+ENGINE_THREAD = "shoal-engine-loop"  # the thread that loads the model, then runs the step loop
 _IDLE_WAIT = 0.2  # the loop wakes at least this often when idle, to refresh the heartbeat
 
 
@@ -186,14 +187,18 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self.heartbeat = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="shoal-engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD, daemon=True)
         self._thread.start()
 
     async def wait_loaded(self, timeout: float | None = None) -> None:
         """Wait until the model is loaded; raises EngineDeadError if loading failed."""
-        ok = await asyncio.to_thread(self._load_done.wait, timeout)
-        if not ok:
-            raise TimeoutError("engine did not load in time")
+        # Polled, not waited on in a worker thread: a server stopped mid-load must not leave a thread blocked
+        # on this event for asyncio.run's executor shutdown to wait on until the load ends.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._load_done.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("engine did not load in time")
+            await asyncio.sleep(0.05)
         if self.fatal_error is not None:
             raise EngineDeadError(f"engine failed to start: {self.fatal_error}") from self.fatal_error
 

@@ -2,7 +2,8 @@
 
 Order of events:
   1. the socket is bound at once, so /startupz, /livez and /metrics answer while the model loads (startup 503);
-  2. the engine thread builds LLMEngine; a load failure is logged and the process exits 1;
+  2. the engine thread builds LLMEngine; a load failure is logged and the process exits 1; a signal while it
+     loads exits 0 at once (the CLI's own handler covers the imports before this);
   3. SIGTERM (or SIGINT): readiness fails immediately, new requests get 503 + Retry-After, in-flight requests run
      to completion for up to `shutdown_timeout` seconds, then the process exits 0. A second signal, or the
      timeout, aborts whatever is left (streams end with finish_reason "abort") and exits promptly.
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT, AsyncEngine
+from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT, ENGINE_THREAD, AsyncEngine
 from shoal.engine.config import EngineConfig
 from shoal.engine.server.app import AccessLogger, build_app
 from shoal.engine.server.common import STATE_KEY
@@ -110,9 +113,11 @@ async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=Non
     else:
         load.cancel()
         engine.start_draining()
+        logger.info("received %s while the model was loading: exiting without serving",
+                    signal.Signals(first_signal.result()).name)
     _remove_signal_handlers(loop)
     await runner.cleanup()
-    await asyncio.to_thread(engine.shutdown, 5.0)
+    await asyncio.to_thread(engine.shutdown, 5.0 if engine.is_loaded else 0.0)
     logger.info("shut down")
     return code
 
@@ -160,4 +165,10 @@ async def _drain(engine: AsyncEngine, state, signals: asyncio.Queue, timeout: fl
 
 
 def run(config: EngineConfig, opts: ServerOptions, *, engine_factory=None) -> int:
-    return asyncio.run(serve(config, opts, engine_factory=engine_factory))
+    code = asyncio.run(serve(config, opts, engine_factory=engine_factory))
+    if any(t.name == ENGINE_THREAD and t.is_alive() for t in threading.enumerate()):
+        # Stopped mid-load: a model load cannot be interrupted, and finalizing the interpreter under it aborts
+        # the process (C++ code in a daemon thread), so leave without finalizing; nothing is left to flush.
+        logging.shutdown()
+        os._exit(code)
+    return code

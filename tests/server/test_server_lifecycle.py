@@ -166,6 +166,47 @@ def test_shutdown_timeout_aborts_and_exits_0(start_server, llama_model):
     assert reasons in (["abort"], ["length"])
 
 
+_SLOW_LOAD = """
+import logging, sys, time
+from shoal.engine.config import EngineConfig
+from shoal.engine.server.run import ServerOptions, run
+
+def never_loads(config):
+    time.sleep(600)  # a model load cannot be interrupted: stands for a big checkpoint on a slow disk
+
+logging.basicConfig(level=logging.INFO)
+sys.exit(run(EngineConfig(model=sys.argv[1]), ServerOptions(host="127.0.0.1", port=int(sys.argv[2])),
+             engine_factory=never_loads))
+"""
+
+
+def test_sigterm_while_starting_exits_0_at_once(llama_model):
+    # A pod deleted while it starts (a scale-down of a replica still loading): exit 0 promptly, no abort, no
+    # traceback, whether the signal comes during the imports or while the model loads.
+    from prockit import LoggedProcess, free_port
+
+    port = free_port()
+    loading = LoggedProcess([sys.executable, "-c", _SLOW_LOAD, str(llama_model), str(port)], port)
+    try:
+        loading.wait_ready(60, path="/livez")
+        assert loading.get("/startupz")[0] == 503
+        t0 = time.monotonic()
+        loading.proc.send_signal(signal.SIGTERM)
+        assert loading.proc.wait(30) == 0, loading.logs()
+        assert time.monotonic() - t0 < 10
+        assert "while the model was loading" in loading.logs() and "Traceback" not in loading.logs()
+    finally:
+        loading.stop(timeout=5)
+    p = subprocess.Popen([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", str(llama_model),
+                          "--host", "127.0.0.1", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    time.sleep(0.5)  # importing: before the server's handlers exist
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, out
+    assert "Traceback" not in out and ("before serving" in out or "while the model was loading" in out), out
+
+
 def test_bad_flags_exit_2_without_traceback(llama_model):
     for args in (["--block-size", "0"], ["--max-num-batched-tokens", "4", "--block-size", "16"],
                  ["--kv-cache-memory", "lots"], ["--attention-backend", "magic"],
