@@ -94,7 +94,8 @@ def policy_of(spec: api.InferenceServiceSpec) -> Policy:
                   target_waiting_prefill_tokens=a.target_waiting_prefill_tokens_per_replica,
                   scale_up_window=a.scale_up_stabilization_seconds,
                   scale_down_window=a.scale_down_stabilization_seconds,
-                  scale_to_zero_after=a.scale_to_zero_after_seconds)
+                  scale_to_zero_after=a.scale_to_zero_after_seconds,
+                  startup_timeout=spec.probes.startup_timeout_seconds)
 
 
 def metric_sums(text: str) -> dict[str, float]:

@@ -22,6 +22,10 @@ Stabilization, per direction (like the HPA's behavior field):
 * scale down to the *highest* recommendation of the last ``scaleDownStabilizationSeconds``;
 * a change of direction waits for the window of the new direction since the last change, so steady load
   flips direction at most once per window;
+* a scale-down after a scale-up waits, in addition, until the replicas it added have started (or their startup
+  timeout has passed), and then a whole down window: load seen while capacity is still arriving says little
+  about what the grown fleet will carry, and a replica removed while it loads its model was paid for and never
+  served (with a down window shorter than a model load, a wavering load would start and kill replicas forever);
 * the last replica goes only after ``scaleToZeroAfterSeconds`` without any load (and only with minReplicas 0),
   and never while it is still starting (it was started for someone, typically a request the gateway holds);
 * from zero, any load (a held request, a wake-up from the gateway) scales to the need at once, bypassing the
@@ -96,6 +100,7 @@ class Policy:
     scale_up_window: float = 5.0
     scale_down_window: float = 60.0
     scale_to_zero_after: float = 300.0
+    startup_timeout: float = 1800.0  # how long a replica may take to start (the startup probe's budget)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -124,6 +129,11 @@ class History:
     last_change_time: float | None = None
     last_direction: int = 0
     last_busy: float | None = None  # last time any load was seen
+    last_desired: int = 0  # the count of the last change
+    arrived_at: float | None = None  # when the replicas of the last scale-up had all started (None: not yet)
+
+    def since_change(self, now: float) -> float:
+        return math.inf if self.last_change_time is None else now - self.last_change_time
 
     def forget_before(self, t: float) -> None:
         while self.recommendations and self.recommendations[0][0] < t:
@@ -161,12 +171,17 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
     history.recommendations.append((now, max(needed, current) if obs.unanswered else needed))
     history.forget_before(now - max(policy.scale_up_window, policy.scale_down_window))
     inputs = _inputs(obs, policy)
+    if history.last_direction > 0 and history.arrived_at is None and (
+            (current >= history.last_desired and obs.starting == 0)  # (current: the scale may not show yet)
+            or history.since_change(now) >= policy.startup_timeout):
+        history.arrived_at = now
 
     def result(desired: int, reason: str, why: str) -> Decision:
         desired = min(max(desired, policy.min_replicas), policy.max_replicas)
         direction = (desired > current) - (desired < current)
         if direction:
-            history.last_change_time, history.last_direction = now, direction
+            history.last_change_time, history.last_direction, history.last_desired = now, direction, desired
+            history.arrived_at = None
         return Decision(desired, reason, f"{why}: {inputs}", needed)
 
     if current == 0 and busy:  # someone is waiting: no window applies
@@ -177,7 +192,7 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
     up_to, down_to = min(window_up), max(window_down)
 
     if min(up_to, policy.max_replicas) > current:
-        if history.last_direction < 0 and now - (history.last_change_time or -math.inf) < policy.scale_up_window:
+        if history.last_direction < 0 and history.since_change(now) < policy.scale_up_window:
             return result(current, "Stabilizing", f"{up_to} needed, but scaled down less than "
                                                   f"{policy.scale_up_window:g}s ago")
         capped = " (maxReplicas)" if up_to > policy.max_replicas else ""
@@ -188,9 +203,13 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
                                               f"did not answer; not scaling down on partial load")
     floor = max(policy.min_replicas, 1)
     if down_to < current:
-        if history.last_direction > 0 and now - (history.last_change_time or -math.inf) < policy.scale_down_window:
-            return result(current, "Stabilizing", f"{down_to} needed, but scaled up less than "
-                                                  f"{policy.scale_down_window:g}s ago")
+        if history.last_direction > 0:
+            if history.arrived_at is None:
+                return result(current, "WaitingForStartingReplicas", f"{down_to} needed, but the replicas of the "
+                                                                     "last scale-up are still starting")
+            if now - history.arrived_at < policy.scale_down_window:
+                return result(current, "Stabilizing", f"{down_to} needed, but the last scale-up completed less "
+                                                      f"than {policy.scale_down_window:g}s ago")
         if down_to == 0 and policy.min_replicas == 0:
             idle_for = now - history.last_busy if history.last_busy is not None else math.inf
             if obs.starting and current <= floor:

@@ -22,6 +22,7 @@ class Fleet:
         self.kv_per_request = kv_per_request
         self.ready_at: list[float] = [0.0] * replicas  # when each replica is (or was) ready
         self.log: list[tuple[float, int, int, str]] = []  # (t, load, desired, reason)
+        self.removed_while_starting = 0  # replicas that loaded their model for nothing
 
     @property
     def current(self) -> int:
@@ -42,7 +43,9 @@ class Fleet:
         if decision.desired > self.current:
             self.ready_at += [t + self.load_seconds] * (decision.desired - self.current)
         elif decision.desired < self.current:
-            self.ready_at = sorted(self.ready_at)[:decision.desired]  # starting ones go first
+            by_age = sorted(self.ready_at)  # starting ones go first
+            self.removed_while_starting += sum(1 for r in by_age[decision.desired:] if r > t)
+            self.ready_at = by_age[:decision.desired]
         self.log.append((t, load, decision.desired, decision.reason))
         return decision.desired
 
@@ -217,6 +220,32 @@ def test_a_noisy_steady_load_never_flips_within_a_window():
         if d1 > d0 and d2 < d1:
             assert t2 - t1 >= policy.scale_down_window, events
     assert {d for _t, d in events} <= {3, 4, 5}
+
+
+def test_a_wavering_load_does_not_start_and_kill_replicas_when_a_model_load_outlasts_the_down_window():
+    # What CI's end-to-end run saw: 5 closed-loop clients on one replica read as 4 in flight, then 1 for a few
+    # seconds, and so on, while the second replica took ~10 s to load with a 3 s scale-down window: it was
+    # removed before it was ready, re-added a second later, removed again, and never served.
+    policy = Policy(min_replicas=0, max_replicas=2, target_in_flight=2, scale_up_window=1, scale_down_window=3,
+                    scale_to_zero_after=5)
+    fleet = Fleet(policy, replicas=1, load_seconds=10)
+    trace = [(float(t), 4 if t % 6 < 2 else 1) for t in range(120)]
+    desired = fleet.run(trace, until=120)
+    assert fleet.removed_while_starting == 0, fleet.log
+    ups = [t for t, _l, _d, r in fleet.log if r == "ScaleUp"]
+    # each scale-up's replica becomes ready and serves a whole down window before it may go
+    for a, b in zip(ups, ups[1:]):
+        assert b - a >= fleet.load_seconds + policy.scale_down_window, fleet.log
+    assert 2 in desired
+    # a replica that never becomes ready (crash-looping) holds scale-downs only up to its startup timeout
+    policy = Policy(min_replicas=1, max_replicas=2, target_in_flight=2, scale_up_window=1, scale_down_window=3,
+                    startup_timeout=30)
+    fleet = Fleet(policy, replicas=1, load_seconds=10_000)
+    desired = fleet.run([(0.0, 4), (5.0, 1)], until=60)
+    down = next(t for t, _l, d, _r in fleet.log if t > 5 and d == 1)
+    assert 1 + 30 <= down <= 1 + 30 + policy.scale_down_window + 1, fleet.log
+    starting = next(r for t, _l, _d, r in fleet.log if t == 10)
+    assert starting == "WaitingForStartingReplicas", fleet.log
 
 
 def test_victims_are_the_least_busy_and_not_ready_first():

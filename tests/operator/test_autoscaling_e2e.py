@@ -126,6 +126,8 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
             assert kubelet.error is None, kubelet.error
     except BaseException:
         print("kubelet events:", kubelet.events)
+        for e in env.cluster.find("events", ns):
+            print("event:", e.get("reason"), e.get("message"))
         print("gateway log:", gateway.logs()[-5000:] if gateway else None)
         for pod in kubelet.pods.values():
             print(f"pod {pod.name} log:", pod.logs()[-3000:])
