@@ -16,6 +16,7 @@ import sys
 from shoal.engine.config import DistributedConfig
 
 logger = logging.getLogger("shoal.engine.distributed.spawn")
+_spawned: list[subprocess.Popen] = []  # every worker this process started (see kill_spawned_workers)
 
 
 def worker_command(rank: int, local_rank: int, tp: int, pp: int, master_port: int, config: DistributedConfig,
@@ -58,4 +59,14 @@ def spawn_workers(ranks: list[tuple[int, int]], tp: int, pp: int, master_port: i
         cmd = worker_command(rank, local_rank, tp, pp, master_port, config, ready_dir)
         procs.append((rank, subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if die_with_parent else None)))
     logger.info("started local workers %s (pids %s)", [r for r, _ in procs], [p.pid for _, p in procs])
+    _spawned.extend(p for _, p in procs)
     return procs
+
+
+def kill_spawned_workers() -> None:
+    """SIGKILL the workers this process started that still run: for an exit that skips the engine's shutdown
+    (a server stopped while the model loads), which would otherwise leave them waiting for a rank 0 that is gone."""
+    for p in _spawned:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -168,7 +168,11 @@ def run(config: EngineConfig, opts: ServerOptions, *, engine_factory=None) -> in
     code = asyncio.run(serve(config, opts, engine_factory=engine_factory))
     if any(t.name == ENGINE_THREAD and t.is_alive() for t in threading.enumerate()):
         # Stopped mid-load: a model load cannot be interrupted, and finalizing the interpreter under it aborts
-        # the process (C++ code in a daemon thread), so leave without finalizing; nothing is left to flush.
+        # the process (C++ code in a daemon thread), so leave without finalizing; nothing is left to flush but
+        # the worker ranks the load may have started.
+        from shoal.engine.distributed.spawn import kill_spawned_workers
+
+        kill_spawned_workers()
         logging.shutdown()
         os._exit(code)
     return code

@@ -160,6 +160,28 @@ def test_a_hung_worker_is_noticed_by_heartbeat_while_idle(llama_kv1, tmp_path):
         server.stop()
 
 
+def test_sigterm_while_the_ranks_load_exits_0_and_leaves_no_worker(llama_kv1, tmp_path):
+    # A tensor-parallel pod deleted while it starts: rank 0 must not leave its workers behind. The worker is
+    # stopped as soon as it exists, so rank 0 is still waiting for it (loading) when the signal comes.
+    server = Served(["--model", str(llama_kv1), *COMMON, "--tensor-parallel-size", "2"], tmp_path / "serve.log",
+                    free_port())
+    try:
+        deadline = time.monotonic() + 60
+        while not server.worker_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (worker,) = server.worker_pids()
+        os.kill(worker, signal.SIGSTOP)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(20) == 0, server.text()[-3000:]
+        assert "while the model was loading" in server.text()
+        deadline = time.monotonic() + 5
+        while not pid_gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid_gone(worker)
+    finally:
+        server.stop()
+
+
 def _group_pids(pgid: int) -> list[int]:
     """The live processes of a process group (a `serve` started in its own session and the workers it spawned)."""
     from pathlib import Path
