@@ -26,6 +26,9 @@ Stabilization, per direction (like the HPA's behavior field):
   timeout has passed), and then a whole down window: load seen while capacity is still arriving says little
   about what the grown fleet will carry, and a replica removed while it loads its model was paid for and never
   served (with a down window shorter than a model load, a wavering load would start and kill replicas forever);
+* nothing scales down before the autoscaler has watched the load for a whole down window, and idle time counts
+  from its first observation: an operator restart or a new leader starts with no history, and one idle scrape
+  is not an idle fleet;
 * the last replica goes only after ``scaleToZeroAfterSeconds`` without any load (and only with minReplicas 0),
   and never while it is still starting (it was started for someone, typically a request the gateway holds);
 * from zero, any load (a held request, a wake-up from the gateway) scales to the need at once, bypassing the
@@ -131,6 +134,7 @@ class History:
     last_busy: float | None = None  # last time any load was seen
     last_desired: int = 0  # the count of the last change
     arrived_at: float | None = None  # when the replicas of the last scale-up had all started (None: not yet)
+    started_at: float | None = None  # the first observation (a new operator leader starts with no history)
 
     def since_change(self, now: float) -> float:
         return math.inf if self.last_change_time is None else now - self.last_change_time
@@ -161,6 +165,8 @@ def _inputs(obs: Observation, policy: Policy) -> str:
 def decide(obs: Observation, policy: Policy, history: History) -> Decision:
     """The desired replica count for `obs`; updates `history` (call once per observation, in time order)."""
     now, current = obs.now, obs.current
+    if history.started_at is None:
+        history.started_at = now
     needed, signal = needed_replicas(obs, policy)
     busy = obs.in_flight > 0 or obs.wake
     if busy or obs.unanswered:  # an unanswered scrape may hide load: never evidence of idleness
@@ -203,6 +209,14 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
                                               f"did not answer; not scaling down on partial load")
     floor = max(policy.min_replicas, 1)
     if down_to < current:
+        watched = now - history.started_at
+        if watched < policy.scale_down_window:
+            # One idle scrape after an operator restart or a leader change is not an idle fleet.
+            if current > policy.max_replicas:
+                return result(current, "OutOfBounds", "replicas brought within [minReplicas, maxReplicas]")
+            return result(current, "Stabilizing", f"{down_to} needed, but the load has been watched for only "
+                                                  f"{watched:.0f}s of the {policy.scale_down_window:g}s scale-down "
+                                                  "window (the autoscaler just started)")
         if history.last_direction > 0:
             if history.arrived_at is None:
                 return result(current, "WaitingForStartingReplicas", f"{down_to} needed, but the replicas of the "
@@ -211,7 +225,7 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
                 return result(current, "Stabilizing", f"{down_to} needed, but the last scale-up completed less "
                                                       f"than {policy.scale_down_window:g}s ago")
         if down_to == 0 and policy.min_replicas == 0:
-            idle_for = now - history.last_busy if history.last_busy is not None else math.inf
+            idle_for = now - (history.last_busy if history.last_busy is not None else history.started_at)
             if obs.starting and current <= floor:
                 # a replica still loading was asked for (by a held request, most likely): let it serve first
                 return result(current, "WaitingForStartingReplicas",

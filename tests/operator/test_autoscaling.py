@@ -248,6 +248,24 @@ def test_a_wavering_load_does_not_start_and_kill_replicas_when_a_model_load_outl
     assert starting == "WaitingForStartingReplicas", fleet.log
 
 
+def test_a_new_leader_watches_a_whole_down_window_before_scaling_down_and_counts_idle_time_from_its_start():
+    # An operator restart (or a leader change) starts with no history: one idle scrape of a busy fleet (a gap
+    # between requests) must not remove replicas, nor count as idle since forever.
+    policy = Policy(min_replicas=0, max_replicas=5, scale_down_window=60, scale_to_zero_after=300)
+    history = History()
+    for t in range(0, 60):
+        d = decide(Observation(now=1000.0 + t, current=3, ready=3), policy, history)
+        assert d.desired == 3 and d.reason == "Stabilizing", d
+    assert "just started" in d.message
+    d = decide(Observation(now=1060.0, current=3, ready=3), policy, history)
+    assert d.desired == 1 and d.reason == "ScaleDown", d
+    ds = [decide(Observation(now=1060.0 + t, current=1, ready=1), policy, history) for t in range(1, 241)]
+    assert {d.desired for d in ds[:-1]} == {1} and ds[-1].desired == 0, ds[-1]  # zero at 300 s after start
+    # bounds still apply at once
+    d = decide(Observation(now=0.0, current=7, ready=7), policy, History())
+    assert d.desired == 5
+
+
 def test_victims_are_the_least_busy_and_not_ready_first():
     replicas = [ReplicaLoad("busy", running=9), ReplicaLoad("idle", running=0), ReplicaLoad("some", running=2),
                 ReplicaLoad("loading", ready=False)]
