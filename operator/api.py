@@ -449,6 +449,14 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
         field_path=".autoscaling.minReplicas",
         check=lambda s: s.autoscaling is None or s.autoscaling.min_replicas <= s.autoscaling.max_replicas,
     ),
+    CrossFieldRule(
+        cel="!has(self.autoscaling) || !has(self.autoscaling.minReplicas) || self.autoscaling.minReplicas > 0 || "
+            "!has(self.gateway) || !has(self.gateway.enabled) || self.gateway.enabled",
+        message="autoscaling.minReplicas 0 needs the gateway: it holds requests while no replica runs and wakes "
+                "the autoscaler; without it nothing would ever scale the fleet back up from zero",
+        field_path=".gateway.enabled",
+        check=lambda s: s.autoscaling is None or s.autoscaling.min_replicas > 0 or s.gateway.enabled,
+    ),
 )
 
 

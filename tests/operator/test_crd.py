@@ -146,6 +146,7 @@ INVALID_CROSS = [
     ({"engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "spec.engine.maxNumBatchedTokens"),
     ({"rollout": {"maxUnavailable": 0, "maxSurge": "0%"}}, "spec.rollout.maxSurge"),
     ({"model": {"uri": "demo://", "revision": "main"}}, "spec.model.revision"),
+    ({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "gateway": {"enabled": False}}, "spec.gateway.enabled"),
 ]
 
 
