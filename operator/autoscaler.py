@@ -5,12 +5,14 @@ Observe
     The engine Service's EndpointSlices say where every serving pod is (address, port, pod name, ready or not);
     each engine's /metrics gives running/waiting requests, KV-cache usage and prompt tokens waiting for prefill;
     the gateway's /metrics (its own Service's EndpointSlices) gives the requests it holds while no engine is
-    ready. Scrapes time out after 0.5 s; a pod that does not answer counts as carrying no load.
+    ready. Scrapes time out after 0.5 s; a Ready pod that does not answer is unknown load (never idleness).
 Wake-up
     A gateway that starts holding a request while no engine is ready annotates the InferenceService with
     `serving.shoal.dev/wake-requested-at` (a merge patch, at most once a second). The annotation goes through the
     API server, so it reaches whichever operator replica leads and survives an operator restart; the operator's
-    watch sees it within milliseconds and decides at once instead of on the next tick.
+    watch sees it within milliseconds and decides at once instead of on the next tick. An annotation seen for the
+    first time (an operator restart, a new leader) wakes only if it is recent: one left from a past wake-up must
+    not start a replica; requests that are really waiting show in the gateway's held count anyway.
 Act
     Scale-up and scale-down patch `/scale` (`{"spec": {"replicas": N}}`, what `kubectl scale` sends). Before a
     scale-down of a Deployment the pods are annotated with `controller.kubernetes.io/pod-deletion-cost` from
@@ -51,6 +53,7 @@ L_SERVICE_NAME = "kubernetes.io/service-name"
 INTERVAL = 1.0  # seconds between decisions without a wake-up
 SCRAPE_TIMEOUT = 0.5
 STATUS_REFRESH = 15.0  # rewrite status.autoscaling at most this often when only the inputs moved
+WAKE_FRESH = 30.0  # seconds: a wake-up annotation seen for the first time counts only if this recent
 CONDITION = "Autoscaling"
 
 REGISTRY = CollectorRegistry(auto_describe=False)
@@ -74,6 +77,18 @@ M_DECISION_SECONDS = Histogram("shoal:autoscaler_decision_seconds", "Time to obs
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _recent(stamp: str, now: datetime.datetime | None = None) -> bool:
+    """Whether a wake-up annotation's time (RFC 3339, as the gateway writes it) is within WAKE_FRESH of now."""
+    try:
+        t = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    return abs((now - t).total_seconds()) <= WAKE_FRESH
 
 
 def engine_service(name: str, spec: api.InferenceServiceSpec) -> str:
@@ -162,8 +177,10 @@ class Autoscaler:
         state = self.states.setdefault((meta["namespace"], meta["name"]), State())
         wake = (meta.get("annotations") or {}).get(A_WAKE)
         if wake and wake != state.woken_at:
+            first_sight = state.woken_at is None
             state.woken_at = wake
-            state.wake.set()
+            if not first_sight or _recent(wake):
+                state.wake.set()
 
     async def close(self) -> None:
         if self.session is not None:

@@ -5,11 +5,13 @@ annotation), the EndpointSlice controller (slices pointing at a metrics endpoint
 from __future__ import annotations
 
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from opkit import condition, isvc_body, wait_for
 
+from shoal.engine.gateway.wake import wake_patch
 from shoal.operator.autoscaler import A_DELETION_COST, A_WAKE
 
 ISVC = "inferenceservices"
@@ -75,15 +77,20 @@ def publish_slices(env, ns: str, service: str, pods: list[str], engines: FakeEng
 
 
 def test_wake_annotation_scales_from_zero_at_once_and_reports_it(env, ns):
-    env.client.create(ISVC, ns, isvc_body("chat", {"replicas": 0, "autoscaling": {
-        "minReplicas": 0, "maxReplicas": 3, "scaleUpStabilizationSeconds": 30}}))
+    body = isvc_body("chat", {"replicas": 0, "autoscaling": {
+        "minReplicas": 0, "maxReplicas": 3, "scaleUpStabilizationSeconds": 30}})
+    # left from a wake-up long ago, as a restarted operator (or a new leader) finds it: it must not wake anything
+    body["metadata"].setdefault("annotations", {})[A_WAKE] = "2026-01-01T00:00:00.000Z"
+    env.client.create(ISVC, ns, body)
     wait_for(lambda: env.client.get("deployments", ns, "chat"), 10, "deployment")
     # idle at zero: the loop runs and says why it stays there
     st = wait_for(lambda: (env.client.get(ISVC, ns, "chat").get("status") or {}).get("autoscaling"), 10,
                   "status.autoscaling")
     assert st["desiredReplicas"] == 0
+    time.sleep(2.5)  # a few ticks: still at zero
+    assert env.client.get(ISVC, ns, "chat")["spec"]["replicas"] == 0
     # the gateway holds a request and asks for capacity
-    env.client.patch(ISVC, ns, "chat", {"metadata": {"annotations": {A_WAKE: "2026-01-01T00:00:00.000Z"}}})
+    env.client.patch(ISVC, ns, "chat", wake_patch())
     wait_for(lambda: env.client.get(ISVC, ns, "chat")["spec"]["replicas"] == 1, 5, "replicas 1")
     wait_for(lambda: env.client.get("deployments", ns, "chat")["spec"]["replicas"] == 1, 5, "deployment scaled")
     isvc = wait_for(lambda: (i := env.client.get(ISVC, ns, "chat")) and
