@@ -273,3 +273,56 @@ async def test_hold_deadline_then_503():
     finally:
         await client.close()
         await gw.stop()
+
+
+def failing_engine(mode: str, hits: list) -> web.Application:
+    """An engine that is up (ready, metrics) but fails every completion: "busy" answers 503 + Retry-After (a full
+    queue), "reset" drops the connection before answering (a crashing or overloaded process)."""
+    app = web.Application()
+
+    async def readyz(request):
+        return web.json_response({"status": "ready"})
+
+    async def metrics(request):
+        return web.Response(text='shoal:num_requests_running{model_name="m"} 0\n')
+
+    async def complete(request):
+        hits.append(1)
+        if mode == "busy":
+            return web.json_response({"error": {"message": "queue full"}}, status=503, headers={"Retry-After": "1"})
+        request.transport.close()
+        return web.Response()
+
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", complete)
+    return app
+
+
+@pytest.mark.parametrize("mode", ["busy", "reset"])
+async def test_a_failed_attempt_is_retried_on_another_engine_and_a_failing_engine_trips_its_circuit(mode):
+    bad_hits: list = []
+    good_seen: list = []
+    bad, good = TestServer(failing_engine(mode, bad_hits)), TestServer(stand_in_engine(seen=good_seen))
+    await bad.start_server()
+    await good.start_server()
+    # round-robin alternates the two; polls far apart, so no healthy poll forgives the failures mid-test
+    config = GatewayConfig(routing="round-robin", poll_interval=60)
+    gw, client = await gateway_client(config, [str(s.make_url("")).rstrip("/") for s in (bad, good)])
+    try:
+        for i in range(8):
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"})
+            assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
+        assert len(good_seen) == 8  # every request was answered once, by the engine that works
+        retried = sum(s.value for s in gw.metrics.retries.collect()[0].samples if s.name.endswith("_total"))
+        assert retried == len(bad_hits) >= 1
+        if mode == "reset":
+            # three dropped connections open the engine's circuit: it gets nothing more for the cooldown
+            assert len(bad_hits) == config.health.circuit_failures < 8
+        else:
+            assert len(bad_hits) >= 3  # a full queue is no failure of the engine: it stays in rotation
+    finally:
+        await client.close()
+        await gw.stop()
+        await bad.close()
+        await good.close()
