@@ -148,7 +148,9 @@ async def serve(config: GatewayConfig, discovery, host: str | None, port: int, s
             log.warning("wake-ups for %s/%s: %s", waker.namespace, waker.name, e)
         gateway.on_hold.append(waker)
     app = build_app(gateway)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, access_log=None)
+    # aiohttp reads a shutdown timeout of 0 as "no timeout" (wait for every handler); ours means "do not wait".
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=max(shutdown_timeout, 0.001),
+                           access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, reuse_address=True)

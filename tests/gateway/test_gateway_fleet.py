@@ -191,3 +191,22 @@ def test_concurrent_streams_through_the_gateway(fleet, start_gateway):
     assert not errors and len(texts) == 9
     served = [metric(gw.metrics(), "shoal:gateway_requests_total", backend=u) for u in fleet.shared]
     assert sum(served) == 9 and min(served) >= 1, served
+
+
+def test_sigterm_lets_in_flight_streams_finish_then_exits_0(fleet, start_gateway):
+    # A gateway pod replaced in a rollout: the stream it is relaying runs to its end, then the process exits 0;
+    # with --shutdown-timeout 0 it does not wait for it.
+    for timeout in (60, 0):
+        gw = start_gateway(*fleet.shared, extra=("--shutdown-timeout", str(timeout)))
+        stream = client(gw).completions.create(model="tiny", prompt="Once upon a time", max_tokens=2000,
+                                               stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        gw.signal(signal.SIGTERM)
+        finish = []
+        try:
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        except Exception:  # noqa: BLE001 - the connection cut (the client's error type varies): checked below
+            pass
+        assert finish == (["length"] if timeout else []), (timeout, finish)
+        assert gw.proc.wait(30) == 0
