@@ -180,6 +180,16 @@ sys.exit(run(EngineConfig(model=sys.argv[1]), ServerOptions(host="127.0.0.1", po
 """
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler installed for `sig` (Linux: the SigCgt mask of /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (sig - 1) & 1)
+
+
 def test_sigterm_while_starting_exits_0_at_once(llama_model):
     # A pod deleted while it starts (a scale-down of a replica still loading): exit 0 promptly, no abort, no
     # traceback, whether the signal comes during the imports or while the model loads.
@@ -200,8 +210,10 @@ def test_sigterm_while_starting_exits_0_at_once(llama_model):
     p = subprocess.Popen([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", str(llama_model),
                           "--host", "127.0.0.1", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
-    time.sleep(0.5)  # importing: before the server's handlers exist
-    p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not _catches(p.pid, signal.SIGTERM) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the interpreter itself starts first: no program can catch a signal before that
+    p.send_signal(signal.SIGTERM)  # most likely still importing: before the server's own handlers exist
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 0, out
     assert "Traceback" not in out and ("before serving" in out or "while the model was loading" in out), out
