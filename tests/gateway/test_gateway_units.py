@@ -306,8 +306,9 @@ async def test_a_failed_attempt_is_retried_on_another_engine_and_a_failing_engin
     bad, good = TestServer(failing_engine(mode, bad_hits)), TestServer(stand_in_engine(seen=good_seen))
     await bad.start_server()
     await good.start_server()
-    # round-robin alternates the two; polls far apart, so no healthy poll forgives the failures mid-test
-    config = GatewayConfig(routing="round-robin", poll_interval=60)
+    # round-robin alternates the two; polls far apart, so no healthy poll forgives the failures mid-test, and a
+    # cooldown no loaded machine outlasts
+    config = GatewayConfig(routing="round-robin", poll_interval=60, health=HealthPolicy(circuit_cooldown=120))
     gw, client = await gateway_client(config, [str(s.make_url("")).rstrip("/") for s in (bad, good)])
     try:
         for i in range(8):
