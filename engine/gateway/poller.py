@@ -1,4 +1,4 @@
-"""Polls every engine's /readyz and /metrics about every 250 ms, concurrently and with a timeout per poll.
+"""Polls every engine's /readyz and /metrics about every 250 ms, concurrently and with one timeout per poll.
 
 One task per round polls all engines at once; an engine whose previous poll is still running is skipped (a
 hung engine costs one pending poll, never a pile of them), so a slow engine cannot delay the others' data.
@@ -48,7 +48,7 @@ class Poller:
         self.backends = backends
         self.session = session
         self.interval = interval
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.timeout = timeout  # seconds for one poll: /readyz and /metrics together
         self._polling: dict[Backend, asyncio.Task] = {}
 
     async def run(self) -> None:
@@ -68,13 +68,14 @@ class Poller:
         await asyncio.gather(*self._polling.values(), return_exceptions=True)
 
     async def poll(self, b: Backend) -> None:
+        """/readyz, then /metrics in what is left of the poll's timeout. A readiness answer counts even when the
+        metrics do not come in time (a busy engine renders them slower): only the load data goes stale."""
         was_usable = b.usable(time.monotonic())
+        deadline = time.monotonic() + self.timeout
         try:
-            async with self.session.get(b.url + "/readyz", timeout=self.timeout) as r:
+            async with self.session.get(b.url + "/readyz", timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
                 await r.read()
                 ready = r.status == 200
-            async with self.session.get(b.url + "/metrics", timeout=self.timeout) as r:
-                text = await r.text() if r.status == 200 else None
         except (aiohttp.ClientConnectorError, ConnectionRefusedError):
             b.ready, b.last_answer = False, time.monotonic()  # nobody listens: a definite "no"
             self._changed(b, was_usable)
@@ -82,6 +83,14 @@ class Poller:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             log.debug("poll of %s failed: %r", b.url, e)  # no answer: the data goes stale, then stalled
             return
+        text = None
+        left = deadline - time.monotonic()
+        try:
+            if left > 0:
+                async with self.session.get(b.url + "/metrics", timeout=aiohttp.ClientTimeout(total=left)) as r:
+                    text = await r.text() if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.debug("metrics of %s did not come in time: %r", b.url, e)
         now = time.monotonic()
         b.ready, b.last_answer = ready, now
         if text is not None:

@@ -9,13 +9,14 @@ import subprocess
 import sys
 import time
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from shoal.engine.gateway.backends import Backend, BackendSet, HealthPolicy
 from shoal.engine.gateway.discovery import ready_urls
-from shoal.engine.gateway.poller import parse_load
+from shoal.engine.gateway.poller import Poller, parse_load
 from shoal.engine.gateway.prefix import block_hashes, render_prompt
 from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app
 from shoal.engine.gateway.routing import PrefixLoad, make_router
@@ -327,3 +328,31 @@ async def test_a_failed_attempt_is_retried_on_another_engine_and_a_failing_engin
         await gw.stop()
         await bad.close()
         await good.close()
+
+
+async def test_a_poll_keeps_the_readiness_answer_when_metrics_come_late_and_stays_within_its_timeout():
+    async def readyz(request):
+        return web.json_response({"status": "ready"})
+
+    async def slow_metrics(request):  # a busy engine renders its metrics late
+        await asyncio.sleep(5)
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", slow_metrics)
+    engine = TestServer(app)
+    await engine.start_server()
+    backends = BackendSet()
+    backends.replace([str(engine.make_url("")).rstrip("/")])
+    (b,) = backends.all()
+    try:
+        async with aiohttp.ClientSession() as session:
+            t0 = time.monotonic()
+            await Poller(backends, session, timeout=0.5).poll(b)
+            took = time.monotonic() - t0
+        assert b.ready is True and b.last_answer is not None  # it answered: not stalled, not unready
+        assert b.last_ok is None  # no load data from this poll
+        assert took < 0.5 + 0.4  # one timeout for the whole poll, not one per request
+    finally:
+        await engine.close()
