@@ -68,3 +68,11 @@ def pid_gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return "\nState:\tZ" in state  # exited, not yet reaped by its (dead) parent's adopter
+
+
+def all_gone(pids: list[int], timeout: float = 5.0) -> bool:
+    """Whether every process in `pids` is gone within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not all(pid_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return all(pid_gone(p) for p in pids)
