@@ -89,7 +89,7 @@ def run_shoal(model_dir, reqs, args, memory: dict | None = None, **extra) -> tup
         prompts = [{"prompt_token_ids": p} for p, _ in reqs]
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in reqs]
         elapsed = float("inf")
-        for _ in range(max(1, getattr(args, "repeat", 1))):
+        for _ in range(args.repeat):
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = min(elapsed, time.perf_counter() - t0)
@@ -121,11 +121,10 @@ def find_vllm_python(explicit: str | None) -> str | None:
 def run_vllm(python: str, model_dir, reqs, args) -> float:
     """Best-of-`--repeat` seconds of the workload through vLLM's offline API (tools/vllm_workload.py)."""
     import subprocess
-
-    spec = {"model": str(model_dir), "dtype": args.dtype, "max_model_len": args.max_model_len,
-            "max_num_seqs": args.max_num_seqs, "repeat": max(1, args.repeat), "requests": reqs}
     import tempfile
 
+    spec = {"model": str(model_dir), "dtype": args.dtype, "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs, "repeat": args.repeat, "requests": reqs}
     # Not from the repository root: its top-level `operator/` would shadow the stdlib module in vLLM's processes.
     proc = subprocess.run([python, str(Path(__file__).with_name("vllm_workload.py"))], input=json.dumps(spec),
                           capture_output=True, text=True, cwd=tempfile.gettempdir())
@@ -199,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="KV cache bytes (default: the engine's, 512 MiB on CPU); the same budget for every row")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1 (got {args.repeat})")
 
     import torch
 
