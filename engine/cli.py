@@ -417,6 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from shoal.engine.execution.cpu_features import CpuIsaError, cpu_features
+
+    try:
+        cpu_features()  # first, before torch runs a kernel: a SHOAL_CPU_ISA cap must reach torch and oneDNN too
+    except CpuIsaError as e:
+        print(f"shoal-engine: {e}", file=sys.stderr)
+        return 2
     if argv[:2] == ["bench", "throughput"]:  # its own parser owns every flag after the subcommand
         from shoal.engine.tools import bench_throughput
 

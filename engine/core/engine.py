@@ -77,6 +77,10 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model, config.revision)
         self.hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
         self.device = pick_device(config.device)
+        if self.device.type == "cpu":  # the tier decides dtype auto, kernels and their builds: say which
+            from shoal.engine.execution.cpu_features import log_cpu_features
+
+            log_cpu_features()
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         if config.quantization is not None:  # refuse before loading anything
             from shoal.engine.execution.quantization import check_supported

@@ -62,7 +62,19 @@ def resolve_dtype(choice: str, hf_config, device: torch.device) -> torch.dtype:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = _DTYPES.get(dtype, torch.float32)
-    if device.type == "cpu" and dtype == torch.float16:
+    if device.type != "cpu" or dtype == torch.float32:
+        return dtype
+    from shoal.engine.execution.cpu_features import cpu_features
+
+    features = cpu_features()
+    if not features.bf16_native:
+        # Without bf16 arithmetic in hardware, bf16 matmuls are emulated (3-5x slower than float32 here) and
+        # oneDNN's fast bf16 paths refuse to run: float32 is both correct and fastest, at twice the memory.
+        logger.info("--dtype auto: float32 instead of the checkpoint's %s: CPU tier %s has no native bf16 "
+                    "(pass --dtype bfloat16 to halve weight memory at a speed cost)",
+                    str(dtype).removeprefix("torch."), features.tier)
+        return torch.float32
+    if dtype == torch.float16:
         return torch.bfloat16  # CPU kernels for fp16 are slow and partly missing; bf16 has the same footprint
     return dtype
 

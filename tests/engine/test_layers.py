@@ -20,10 +20,19 @@ def test_prepacked_bf16_linear_is_bit_identical(rows):
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     expected = F.linear(x, weight, layer.bias)
     layer.prepack()
-    if not can_prepack(weight):
-        pytest.skip("oneDNN prepacking is not available in this torch build")
-    assert layer.packed is not None and layer.weight.numel() == 0  # the unpacked copy is freed
+    if can_prepack(weight):
+        assert layer.packed is not None and layer.weight.numel() == 0  # the unpacked copy is freed
+    else:  # a tier without native bf16 (or a capped one): oneDNN refuses the bf16 prepack, F.linear runs
+        assert layer.packed is None and layer.weight.numel() == weight.numel()
     assert torch.equal(layer(x), expected)
+
+
+def test_bf16_prepack_follows_the_cpu_tier():
+    from shoal.engine.execution.cpu_features import cpu_features
+
+    weight = torch.zeros(4, 4, dtype=torch.bfloat16)
+    assert can_prepack(weight) == (cpu_features().bf16_native and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert not can_prepack(weight.float())
 
 
 def test_fp32_weights_are_not_prepacked():

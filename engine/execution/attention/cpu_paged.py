@@ -8,10 +8,9 @@ caches and any head_dim up to 256; on CPUs with AVX512-BF16, bfloat16 dot produc
 (float8_e4m3fn with per-row scales, --kv-cache-dtype fp8) are decoded to float in the kernel, block by block. Long prefill
 chunks (compute-bound, where a gather is cheap) go to torch's SDPA instead. See csrc/cpu_paged_attention.cpp.
 
-The kernel is compiled on first use with torch.utils.cpp_extension (-O3 -march=native -fopenmp) and cached in
-torch's extensions directory (TORCH_EXTENSIONS_DIR), keyed by the source and by this CPU's feature flags, since
--march=native code must not run on a different CPU sharing that directory. If it cannot be built, is_available
-says why and `auto` falls back to SDPA.
+The kernel is compiled on first use for this process's CPU tier (execution/native_build.py: the tier's ISA flags,
+cached in torch's extensions directory keyed by the source and the tier; execution/cpu_features.py picks the tier).
+If it cannot be built, is_available says why and `auto` falls back to SDPA.
 
 `python -m shoal.engine.execution.attention.cpu_paged` benchmarks decode attention per layer against the SDPA backend,
 over bf16 and fp8 caches.
@@ -20,10 +19,7 @@ over bf16 and fp8 caches.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import platform
-import re
 import time
 from pathlib import Path
 
@@ -35,7 +31,6 @@ from shoal.engine.execution.attention.base import AttentionBackend, AttentionMet
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A sequence whose query chunk this step has at least DENSE_MIN_QUERY_LEN tokens and DENSE_MIN_PAIRS
@@ -45,59 +40,22 @@ DENSE_MIN_QUERY_LEN = 16
 DENSE_MIN_PAIRS = 4096
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's instruction-set flags (what -march=native compiles for)."""
-    try:
-        flags = re.search(r"^(?:flags|Features)\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1)
-    except (OSError, AttributeError):
-        flags = platform.processor()
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
-
-
-def _summarise(err: BaseException) -> str:
-    """The compiler's own error lines when there are some (not the command line), else the exception's first."""
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.search(r"(^|: )(fatal )?error:", ln)]
-    summary = "; ".join(errors[:3]) if errors else lines[0] if lines else repr(err)
-    return f"the cpu attention kernel could not be built: {summary[:600]}"
-
-
-def _put_ninja_on_path() -> None:
-    """torch finds ninja on PATH; the `ninja` wheel (a dependency) installs it next to this interpreter, which is
-    not on PATH when a virtualenv's python is run without activating it."""
-    import os
-
-    try:
-        import ninja
-    except ImportError:
-        return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
-
-
 @functools.cache
 def load_kernel() -> tuple[object | None, str, float]:
     """(torch.ops.shoal_cpu_paged.paged_attention or None, why not, seconds spent building/loading)."""
+    from shoal.engine.execution.native_build import NativeBuildError, load_cpu_extension
+
     start = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load
-
-        if not SOURCE.exists():
-            raise FileNotFoundError(f"{SOURCE} is missing from this installation")
-        _put_ninja_on_path()
-        load(name=f"shoal_cpu_paged_attention_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load_cpu_extension("shoal_cpu_paged_attention", [SOURCE], "cpu attention kernel")
         op = torch.ops.shoal_cpu_paged.paged_attention
-        from shoal.engine.execution.attention import base
+    except NativeBuildError as e:  # a missing compiler/ninja/header must never break the engine: fall back
+        logger.warning("%s", e)
+        return None, str(e), time.perf_counter() - start
+    from shoal.engine.execution.attention import base
 
-        base.fused_cpu_fp8_write = torch.ops.shoal_cpu_paged.write_fp8
-        base.fused_cpu_kv_write = torch.ops.shoal_cpu_paged.write_kv
-    except Exception as e:  # a missing compiler/ninja/header must never break the engine: report and fall back
-        why = _summarise(e)
-        logger.warning("%s", why)
-        logger.debug("cpu attention kernel build failure", exc_info=True)
-        return None, why, time.perf_counter() - start
+    base.fused_cpu_fp8_write = torch.ops.shoal_cpu_paged.write_fp8
+    base.fused_cpu_kv_write = torch.ops.shoal_cpu_paged.write_kv
     return op, "", time.perf_counter() - start
 
 

@@ -6,8 +6,8 @@ only batch x hidden values, so their cost was the 3-9 torch ops each was made of
 per layer. Off CPU, or when the kernel cannot be built (no compiler), the reference runs: on CUDA, graph capture
 removes the launch overhead instead.
 
-The kernel is compiled on first use like the CPU attention kernel (see attention/cpu_paged.py) and cached in
-torch's extensions directory. SHOAL_DISABLE_FUSED_OPS=1 forces the reference path (for comparisons).
+The kernel is compiled on first use for this process's CPU tier, like the CPU attention kernel (see
+execution/native_build.py). SHOAL_DISABLE_FUSED_OPS=1 forces the reference path (for comparisons).
 """
 
 from __future__ import annotations
@@ -24,32 +24,24 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_fused_ops.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.cache
 def load_kernels() -> tuple[object | None, str, float]:
     """(torch.ops.shoal_cpu_fused or None, why not, seconds spent building/loading)."""
-    from shoal.engine.execution.attention.cpu_paged import _cpu_tag, _put_ninja_on_path, _summarise
+    from shoal.engine.execution.native_build import NativeBuildError, load_cpu_extension
 
     start = time.perf_counter()
     if os.environ.get("SHOAL_DISABLE_FUSED_OPS") == "1":
         return None, "disabled by SHOAL_DISABLE_FUSED_OPS=1", 0.0
     try:
-        from torch.utils.cpp_extension import load
-
-        if not SOURCE.exists():
-            raise FileNotFoundError(f"{SOURCE} is missing from this installation")
-        _put_ninja_on_path()
-        load(name=f"shoal_cpu_fused_ops_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load_cpu_extension("shoal_cpu_fused_ops", [SOURCE], "cpu fused-op kernels")
         ops = torch.ops.shoal_cpu_fused
         ops.add_rms_norm  # resolve now: a failed registration shows here, not mid-step
-    except Exception as e:  # a missing compiler must never break the engine: report and use the reference
-        why = _summarise(e).replace("cpu attention kernel", "cpu fused-op kernels")
-        logger.warning("%s; using the unfused torch ops", why)
-        return None, why, time.perf_counter() - start
+    except (NativeBuildError, AttributeError, RuntimeError) as e:  # never fatal: use the reference ops
+        logger.warning("%s; using the unfused torch ops", e)
+        return None, str(e), time.perf_counter() - start
     return ops, "", time.perf_counter() - start
 
 

@@ -7,28 +7,38 @@ import torch
 from shoal.engine.execution.quantization.base import QuantizedWeight
 
 
-def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric round-to-nearest per row: (int8 values, float32 scale per row)."""
+# Weight range of the oneDNN path on x86 CPUs without VNNI. There oneDNN's u8 x s8 GEMM multiplies with
+# vpmaddubsw, which adds each pair of byte products into a *saturating* int16: with activations up to 255 (u8,
+# zero point 128) and weights up to 127 a pair reaches 2 * 255 * 127 = 64770 > 32767 and is silently clipped
+# (measured: errors of 0.24 on 10% of outputs). Weights within +-63 keep every pair below 2 * 255 * 63 = 32130,
+# so the integer result is exact again, at one bit less of weight precision. VNNI (vpdpbusd) sums in int32.
+NO_VNNI_WEIGHT_LIMIT = 63
+
+
+def quantize_rows_int8(t: torch.Tensor, limit: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest per row into [-limit, limit]: (int8 values, float32 scale per row)."""
     t = t.float()
-    scale = t.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / 127.0
-    return torch.round(t / scale).clamp_(-127, 127).to(torch.int8), scale
+    scale = t.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / float(limit)
+    return torch.round(t / scale).clamp_(-limit, limit).to(torch.int8), scale
 
 
 def _cpu_kernel(weight: torch.Tensor):
-    """The fused C++ int8_linear op (layers/csrc/cpu_fused_ops.cpp) when this weight lives on a CPU where it and
-    oneDNN's int8 prepack are available, else None."""
+    """(the fused C++ int8_linear op, the weight range it is exact for) on an x86 CPU where it and oneDNN's int8
+    prepack are available, else (None, 127): torch._int_mm then runs, exact everywhere."""
+    from shoal.engine.execution.cpu_features import cpu_features
     from shoal.engine.execution.layers.fused import load_kernels
 
-    if weight.device.type != "cpu" or not hasattr(torch.ops.onednn, "qlinear_prepack"):
-        return None
+    features = cpu_features()
+    if weight.device.type != "cpu" or features.arch != "x86_64" or not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        return None, 127
     ops = load_kernels()[0]
     if ops is None:
-        return None
-    return ops.int8_linear
+        return None, 127
+    return ops.int8_linear, 127 if features.int8_vnni else NO_VNNI_WEIGHT_LIMIT
 
 
 class Int8Weight(QuantizedWeight):
-    """On CPU the weight is prepacked once into oneDNN's int8 layout and one C++ call per layer quantizes the
+    """On x86 CPUs the weight is prepacked once into oneDNN's int8 layout and one C++ call per layer quantizes the
     activations, runs the int8 GEMM and scales back (measured 1.2-1.9x a prepacked bf16 matmul at batch 32 on two
     threads; the same arithmetic as separate torch ops around torch._int_mm, which also re-lays the weight out on
     every call, gained nothing). Elsewhere (CUDA) the torch ops around torch._int_mm (cuBLASLt) run."""
@@ -36,10 +46,15 @@ class Int8Weight(QuantizedWeight):
     quantizes_vocab_tables = True
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        """q: int8 [out, in] within this device's weight_limit(q.device), scale: float32 [out]."""
         self.scale = scale  # float32 [out]
-        self.kernel_fn = _cpu_kernel(q)
+        self.kernel_fn, limit = _cpu_kernel(q)
+        if q.numel() and int(q.abs().max()) > limit:
+            raise ValueError(f"int8 weights beyond +-{limit} would saturate this CPU's int8 GEMM; "
+                             "build them with Int8Weight.from_dense")
         if self.kernel_fn is not None:
-            self.kernel = "dynamic W8A8 int8 (oneDNN prepacked, fused per-token quantization)"
+            bits = "8-bit weights, VNNI" if limit == 127 else "7-bit weights: no VNNI"
+            self.kernel = f"dynamic W8A8 int8 (oneDNN prepacked, fused per-token quantization; {bits})"
             self.packed = torch.ops.onednn.qlinear_prepack(q, None)  # oneDNN's blocked layout, [in, out] bytes
             self.zero_points = torch.zeros(q.shape[0], dtype=torch.int64)
             self.weight_t = None
@@ -48,9 +63,14 @@ class Int8Weight(QuantizedWeight):
             self.packed = None
             self.weight_t = q.t().contiguous()  # int8 [in, out]: the right-hand operand _int_mm wants
 
+    @staticmethod
+    def weight_limit(device: torch.device) -> int:
+        """The largest weight magnitude the int8 kernel on `device` sums exactly (see NO_VNNI_WEIGHT_LIMIT)."""
+        return _cpu_kernel(torch.empty(0, device=device))[1]
+
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> "Int8Weight":
-        q, scale = quantize_rows_int8(weight)
+        q, scale = quantize_rows_int8(weight, cls.weight_limit(weight.device))
         return cls(q, scale.reshape(-1))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,7 +10,7 @@
 // Only light headers are included (not torch/extension.h): the build takes seconds instead of ~40 s. The op is
 // registered with the dispatcher (TORCH_LIBRARY) and called as torch.ops.shoal_cpu_paged.paged_attention.
 //
-// The generic path leaves vectorisation to the compiler (-O3 -march=native -fopenmp): `#pragma omp simd` lets it
+// The generic path leaves vectorisation to the compiler (-O3 -fopenmp and the ISA flags of the CPU tier, see execution/native_build.py): `#pragma omp simd` lets it
 // vectorise the float reductions over head_dim without -ffast-math, and exp2 is a polynomial (no libm call) so it
 // vectorises. Where the CPU has AVX512-BF16, bfloat16 caches with head_dim % 32 == 0 take a path written with
 // intrinsics (attend_tile_avx512bf16) that multiplies bf16 directly instead of converting to float: ~1.4x faster.
@@ -24,6 +24,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "fast_math.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -104,30 +106,8 @@ inline uint8_t fp8_from_float(float y) {
   return uint8_t((subnormal & is_subnormal) | (normal & ~is_subnormal) | sign);
 }
 
-// 2^x for x <= 0, branch-free and vectorisable. Scores live in the log2 domain (scale * log2(e) is folded into the
-// queries), so softmax needs exp2 only. x = n + f with n = round(x) and f in [-0.5, 0.5]; 2^f by its Taylor
-// polynomial to degree 7 (relative error < 1e-8, below float rounding); 2^n by writing n + 127 into the exponent
-// bits. x is clamped to -127 first: 2^-127 then has exponent bits 0 and comes out as exactly 0, so -inf
-// (exp2(-inf - m) for the initial running max) gives 0 as it should.
-inline float exp2_neg(float x) {
-  x = std::max(x, -127.0f);
-  // Round to nearest via the 1.5 * 2^23 trick (exact for |x| < 2^22); valid because we do not build with
-  // -ffast-math, so the compiler may not fold (x + C) - C into x.
-  const float n = (x + 12582912.0f) - 12582912.0f;
-  const float f = (x - n) * 0.6931471805599453f;  // 2^f = e^(f ln 2)
-  float p = 1.0f / 5040.0f;
-  p = p * f + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float pow2n;
-  std::memcpy(&pow2n, &bits, sizeof pow2n);
-  return p * pow2n;
-}
+// Scores live in the log2 domain (scale * log2(e) is folded into the queries), so softmax needs exp2 only.
+using shoal::exp2_neg;  // fast_math.h
 
 // ------------------------------------------------------------------------------------------------ the kernel
 
@@ -350,7 +330,7 @@ void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
 
 // ------------------------------------------------- bfloat16 fast path: AVX512-BF16 dot products (vdpbf16ps)
 //
-// On CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later; -march=native decides) a bfloat16 cache with
+// On CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later; the avx512_bf16 and amx tiers build it) a bfloat16 cache with
 // head_dim a multiple of 32 skips the float conversions: vdpbf16ps multiplies pairs of bf16 values exactly and
 // accumulates them in float32, 32 products per instruction.
 //   Scores: q (kept as raw bf16, the scale applied afterwards) against each key row, straight from the cache.

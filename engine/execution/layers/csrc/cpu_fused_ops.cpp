@@ -8,7 +8,7 @@
 // rounds is rounded here too, so the results match it to the last bit except for the order of a float32 sum.
 //
 // Registered with the dispatcher (TORCH_LIBRARY) as torch.ops.shoal_cpu_fused.*; built by layers/fused.py with
-// torch.utils.cpp_extension (-O3 -march=native -fopenmp).
+// torch.utils.cpp_extension for the CPU tier at hand (execution/native_build.py).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,6 +16,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "fast_math.h"
 
 #include <omp.h>
 
@@ -46,26 +48,7 @@ inline float from_float<float>(float x) { return x; }
 template <typename T>
 inline float round_to(float x) { return to_float(from_float<T>(x)); }
 
-// e^x, branch-free and vectorisable: 2^(x log2 e) split into 2^n (exponent bits) and 2^f (degree-7 polynomial,
-// relative error < 1e-8). x is clamped so that 2^n stays a normal float: e^x saturates at ~1.7e38 and ~1e-38,
-// which is what SiLU needs (x / (1 + e^-x) is then x or ~0, as in float32 arithmetic).
-inline float exp_approx(float x) {
-  float y = std::min(std::max(x * 1.4426950408889634f, -126.0f), 127.0f);
-  const float n = (y + 12582912.0f) - 12582912.0f;  // round to nearest (no -ffast-math, so not folded away)
-  const float f = (y - n) * 0.6931471805599453f;
-  float p = 1.0f / 5040.0f;
-  p = p * f + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float pow2n;
-  std::memcpy(&pow2n, &bits, sizeof pow2n);
-  return p * pow2n;
-}
+using shoal::exp_approx;  // fast_math.h
 
 template <typename F>
 void for_rows(int64_t rows, int64_t work, F&& body) {

@@ -1,0 +1,98 @@
+"""Building the engine's C++ CPU kernels on first use, for the CPU tier this process runs at.
+
+Each extension is compiled with torch.utils.cpp_extension (and ninja) under a name keyed by a hash of its
+sources, the shared headers, the tier's compiler flags and torch's version, so
+- a build made for one tier never runs at another (a cluster's nodes, or a `SHOAL_CPU_ISA` cap, differ), and two
+  versions of the source never overwrite each other's build: nothing is rebuilt in place, which is what used to
+  leave a stale build lock behind when a process was killed mid-build;
+- a lock file older than STALE_LOCK_S (no build takes that long) is a leftover of such a kill and is removed.
+Builds land in torch's extensions directory ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from shoal.engine.execution.cpu_features import cpu_features
+
+logger = logging.getLogger(__name__)
+
+INCLUDE_DIR = Path(__file__).parent / "csrc"  # headers shared by every extension (fast_math.h)
+BASE_CFLAGS = ["-O3", "-fopenmp"]
+STALE_LOCK_S = 600.0
+
+
+class NativeBuildError(RuntimeError):
+    """A kernel could not be built or loaded; the message is short and names the compiler's own error."""
+
+
+def _put_ninja_on_path() -> None:
+    """torch finds ninja on PATH; the `ninja` wheel (a dependency) installs it next to this interpreter, which is
+    not on PATH when a virtualenv's python is run without activating it."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
+def summarise(err: BaseException, what: str) -> str:
+    """The compiler's own error lines when there are some (not the command line), else the exception's first."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.search(r"(^|: )(fatal )?error:", ln)]
+    summary = "; ".join(errors[:3]) if errors else lines[0] if lines else repr(err)
+    return f"the {what} could not be built: {summary[:600]}"
+
+
+def build_key(sources: list[Path], cflags: list[str]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(sources) + sorted(INCLUDE_DIR.glob("*.h")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    h.update(" ".join(cflags).encode())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()[:12]
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a build lock left %.0f s ago by a process that died mid-build: %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
+def load_cpu_extension(name: str, sources: list[Path], what: str) -> None:
+    """Compile (or reuse) and load the extension `name` from `sources` for this process's CPU tier; its ops are
+    then registered under torch.ops. Raises NativeBuildError with a one-line reason."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    for src in sources:
+        if not src.exists():
+            raise NativeBuildError(f"the {what} could not be built: {src} is missing from this installation")
+    features = cpu_features()
+    cflags = BASE_CFLAGS + features.cflags
+    full_name = f"{name}_{features.tier}_{build_key(sources, cflags)}"
+    try:
+        _put_ninja_on_path()
+        build_dir = Path(_get_build_directory(full_name, verbose=False))
+        _clear_stale_lock(build_dir)
+        load(name=full_name, sources=[str(s) for s in sources], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+             extra_include_paths=[str(INCLUDE_DIR)], build_directory=str(build_dir), is_python_module=False,
+             verbose=False)
+    except Exception as e:  # a missing compiler/ninja/header is reported, never fatal: callers fall back
+        logger.debug("%s build failure", what, exc_info=True)
+        raise NativeBuildError(summarise(e, what)) from None
+    logger.info("%s: %s build for tier %s", what, full_name, features.tier)
