@@ -24,6 +24,8 @@ from shoal.engine.execution.attention.base import AttentionMetadata, write_kv
 from shoal.engine.execution.attention.flash_attn import ALIBI_REFUSAL, FlashAttentionBackend
 from shoal.engine.execution.attention.triton_attn import TritonAttentionBackend
 
+pytestmark = pytest.mark.numerics
+
 triton = pytest.importorskip("triton")
 
 CPU = torch.device("cpu")

@@ -16,6 +16,8 @@ import torch
 from shoal.engine.execution.attention.base import AttentionMetadata, write_kv
 from shoal.engine.execution.attention.cpu_paged import CpuPagedAttentionBackend, load_kernel
 
+pytestmark = pytest.mark.numerics
+
 CPU = torch.device("cpu")
 
 

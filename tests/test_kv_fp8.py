@@ -29,6 +29,8 @@ from shoal.engine.execution.attention.cpu_paged import CpuPagedAttentionBackend,
 from shoal.engine.execution.attention.flash_attn import FlashAttentionBackend
 from shoal.engine.execution.attention.sdpa import SdpaBackend
 
+pytestmark = pytest.mark.numerics
+
 CPU = torch.device("cpu")
 
 # Output tolerance of attention over an fp8 cache against the unquantized cache, for unit-variance random q/k/v:

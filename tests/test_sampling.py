@@ -18,6 +18,8 @@ from shoal.engine.execution.sampling import (
     make_generator,
 )
 
+pytestmark = pytest.mark.numerics
+
 
 def row(prompt=(1, 2), output=(), gen=None, device="cpu", **kw) -> SamplingRow:
     p = SamplingParams(**kw)

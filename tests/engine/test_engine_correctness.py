@@ -10,6 +10,8 @@ import torch
 from hf_reference import hf_greedy
 from shoal.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.numerics
+
 PROMPTS = [
     "Hello world! The quick brown",
     "Once upon a time there was a little shoal of fish that swam together in the warm",

@@ -7,6 +7,8 @@ import torch
 
 from shoal.engine.execution.layers import fused
 
+pytestmark = pytest.mark.numerics
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

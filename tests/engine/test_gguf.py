@@ -14,6 +14,8 @@ from gguf_fixtures import write_gguf
 from shoal.engine import LLM, SamplingParams
 from shoal.engine.execution.weights import WeightError
 
+pytestmark = pytest.mark.numerics
+
 importlib.import_module("gguf")
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from shoal.engine.execution.layers.linear import ColumnParallelLinear, can_prepack
 from shoal.engine.distributed.parallel_state import layer_range
 
+pytestmark = pytest.mark.numerics
+
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
 def test_prepacked_bf16_linear_is_bit_identical(rows):

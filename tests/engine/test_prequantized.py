@@ -14,6 +14,8 @@ from prequant_fixtures import write_compressed_tensors_int8, write_prequantized
 from shoal.engine import LLM, SamplingParams
 from shoal.engine.execution.weights import WeightError
 
+pytestmark = pytest.mark.numerics
+
 PROMPTS = ["Hello world! The quick brown", "Once upon a time there was a little shoal of fish", "def add(a, b):"]
 MAX_NEW = 8
 OPTIONS = dict(dtype="float32", max_model_len=128, block_size=4)

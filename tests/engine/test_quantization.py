@@ -13,6 +13,8 @@ from shoal.engine.execution.quantization import METHODS, QuantizationError, chec
 from shoal.engine.execution.quantization.int4 import Int4Weight
 from shoal.engine.execution.quantization.int8 import Int8Weight, quantize_rows_int8
 
+pytestmark = pytest.mark.numerics
+
 PROMPTS = ["Hello world! The quick brown", "Once upon a time there was a little shoal of fish", "def add(a, b):",
            "Kubernetes runs pods on nodes", "numbers 0 1 2 3 4 5 6 7", "What is the capital of France?",
            "A paged cache keeps keys and values", "Continuous batching lets requests join"]
