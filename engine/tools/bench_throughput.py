@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "float16", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                    help="auto (default): what the engine picks on this machine (bfloat16 where the CPU has native "
+                         "bf16, else float32); resolved once, so vLLM and transformers run the same dtype")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: 1024, or the model's own limit when that is smaller")
@@ -212,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     from shoal.engine.execution.model_loader import load_hf_config
 
     config = load_hf_config(model_dir)  # a directory or a GGUF file
+    if args.dtype == "auto":
+        from shoal.engine.core.engine import pick_device
+        from shoal.engine.execution.model_loader import resolve_dtype
+
+        args.dtype = str(resolve_dtype("auto", config, pick_device("auto"))).removeprefix("torch.")
     if args.max_model_len is None:
         args.max_model_len = min(1024, _model_max_len(config) or 1024)
     longest = args.prompt_len[1] + args.output_len[1]

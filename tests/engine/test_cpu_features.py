@@ -92,3 +92,36 @@ def test_a_capped_process_caps_torch_and_onednn_and_logs_the_paths():
     if env["SHOAL_CPU_ISA"] == "generic":
         assert proc.stdout.split() == ["generic", "DEFAULT", "SSE41"]
     assert "int8 linear:" in proc.stderr and "C++ kernels: built for" in proc.stderr
+
+
+def test_builds_are_keyed_by_source_and_tier_flags(tmp_path):
+    from shoal.engine.execution.native_build import build_key
+
+    src = tmp_path / "k.cpp"
+    src.write_text("int f() { return 1; }\n")
+    avx2 = detect(cap="", flags=AVX2, arch="x86_64").cflags
+    bf16 = detect(cap="", flags=AVX512_BF16, arch="x86_64").cflags
+    key = build_key([src], avx2)
+    assert key == build_key([src], avx2) and key != build_key([src], bf16)
+    src.write_text("int f() { return 2; }\n")
+    assert build_key([src], avx2) != key
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
+    from shoal.engine.execution import native_build
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    native_build._clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running right now
+    old = os.stat(lock).st_mtime - native_build.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    native_build._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+
+
+def test_a_missing_kernel_source_is_reported_not_raised_by_the_loaders(tmp_path, monkeypatch):
+    from shoal.engine.execution.native_build import NativeBuildError, load_cpu_extension
+
+    with pytest.raises(NativeBuildError, match="is missing from this installation"):
+        load_cpu_extension("shoal_missing", [tmp_path / "gone.cpp"], "test kernel")

@@ -113,6 +113,47 @@ def test_lowest_tier_gives_the_native_tiers_tokens_and_logprobs(model_factory):
                 assert diff < tol, (name, diff)
 
 
+_BF16_PROBE = r"""
+import json, sys
+from shoal.engine import LLM, SamplingParams
+from shoal.engine.execution.cpu_features import cpu_features
+prompts = [{"prompt_token_ids": ids} for ids in json.loads(sys.argv[2])]
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+out = {"tier": cpu_features().tier, "bf16_native": cpu_features().bf16_native}
+for choice in ("auto", "bfloat16"):
+    with LLM(model=sys.argv[1], dtype=choice, max_model_len=128, block_size=4) as llm:
+        out[choice] = {"dtype": str(llm.llm_engine.dtype),
+                       "ids": [list(r.outputs[0].token_ids) for r in llm.generate(prompts, params, use_tqdm=False)]}
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_bf16_checkpoint_loads_with_dtype_auto_and_bfloat16_at_the_lowest_tier(tmp_path):
+    """What most Hugging Face models ship (bf16 weights, `dtype: bfloat16` in config.json) on a CPU without native
+    bf16: `--dtype auto` runs float32 (the bf16 weights are exact in it, so greedy equals transformers in float32),
+    and an explicit bfloat16 runs too, never crashing in oneDNN's prepack."""
+    from hf_reference import hf_greedy
+
+    from shoal.engine.tools.tiny_model import make_model
+
+    model = make_model(tmp_path / "bf16", arch="llama", dtype="bfloat16")
+    prompts = [[1, 5, 9, 200, 33, 7], [1, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109]]
+    proc = subprocess.run([sys.executable, "-c", _BF16_PROBE, str(model), json.dumps(prompts)],
+                          env=_capped_env(LOWEST), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT"):])
+    assert got["tier"] == LOWEST
+    if not got["bf16_native"]:
+        assert got["auto"]["dtype"] == "torch.float32"
+        assert "no native bf16" in proc.stderr  # the log says why
+        for ids, out in zip(prompts, got["auto"]["ids"]):
+            assert out == hf_greedy(model, ids, 8)[0]
+    assert got["bfloat16"]["dtype"] == "torch.bfloat16"
+    assert all(len(ids) == 8 for ids in got["bfloat16"]["ids"])
+    assert got["bfloat16"]["ids"][0][0] == got["auto"]["ids"][0][0]  # bf16 rounding may drift later, not at once
+
+
 @pytest.mark.slow
 def test_numerics_suite_passes_at_the_lowest_tier():
     """The numerics tests (marked `numerics`) again, in a process capped to the lowest tier: what a node without
