@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "serving.shoal.dev"
@@ -47,8 +47,22 @@ MANAGED_FLAGS = frozenset({
 
 RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "serving.shoal.dev/", "apps.kubernetes.io/",
                            "controller-revision-hash", "statefulset.kubernetes.io/", "pod-template-hash")
-Quantity = Annotated[Union[int, str], Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
-IntOrPercent = Annotated[Union[int, str], Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+
+
+def is_quantity(v: int | str) -> bool:
+    return not isinstance(v, str) or re.match(QUANTITY_PATTERN, v) is not None
+
+
+def _check_quantity(v: int | str) -> int | str:
+    if not is_quantity(v):
+        raise ValueError(f"{v!r} is not a Kubernetes quantity")
+    return v
+
+
+IntOrString = Annotated[Union[int, str], Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+# A Kubernetes quantity (2Gi, 500m, 4): every field of this type is checked by the one validator above.
+Quantity = Annotated[IntOrString, AfterValidator(_check_quantity)]
+IntOrPercent = IntOrString
 FreeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
 
 
@@ -77,12 +91,6 @@ class ModelCache(_Model):
     storage_class_name: str | None = Field(default=None, min_length=1, max_length=253)
     access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
 
-    @field_validator("size")
-    @classmethod
-    def _quantity(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, str) and not re.match(QUANTITY_PATTERN, v):
-            raise ValueError(f"{v!r} is not a Kubernetes quantity")
-        return v
 
 
 class ModelSource(_Model):
@@ -137,7 +145,8 @@ class Resources(_Model):
     shm_size: Quantity = Field(default="2Gi", description="size limit of the in-memory /dev/shm")
     cache_size: Quantity | None = Field(default=None, description="size of the model cache (see model.cache.size, "
                                         "which wins)")
-    extra: dict[str, Quantity] = Field(
+    # values checked with the keys in semantic_errors, so the error names the resource: extra[rdma/hca]
+    extra: dict[str, IntOrString] = Field(
         default_factory=dict, description="more extended resources per pod, requested and limited (e.g. "
                                           "rdma/hca_shared_devices_a: 1)")
     tensor_parallel_across_pods: bool = Field(
@@ -145,13 +154,6 @@ class Resources(_Model):
         description="allow a tensor-parallel group to span pods (nodes): slow without NVLink-class networking, so "
                     "refused unless set. By default every pod holds whole tensor-parallel groups.",
     )
-
-    @field_validator("cpu", "memory", "shm_size", "cache_size")
-    @classmethod
-    def _quantity(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, str) and not re.match(QUANTITY_PATTERN, v):
-            raise ValueError(f"{v!r} is not a Kubernetes quantity")
-        return v
 
 
 class Scheduling(_Model):
@@ -261,13 +263,6 @@ class Autoscaling(_Model):
 class GatewayResources(_Model):
     cpu: Quantity | None = Field(default="250m", description="CPU request per gateway pod")
     memory: Quantity | None = Field(default="256Mi", description="memory request and limit per gateway pod")
-
-    @field_validator("cpu", "memory")
-    @classmethod
-    def _quantity(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, str) and not re.match(QUANTITY_PATTERN, v):
-            raise ValueError(f"{v!r} is not a Kubernetes quantity")
-        return v
 
 
 class GatewayOptions(_Model):
@@ -549,7 +544,7 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
         if not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$", key):
             errors.append(SpecError(f"spec.resources.extra[{key}]", "must be an extended resource name "
                                                                    "(domain/name, e.g. rdma/hca)"))
-        elif isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+        elif not is_quantity(value):
             errors.append(SpecError(f"spec.resources.extra[{key}]", f"{value!r} is not a Kubernetes quantity"))
     for i, env in enumerate(spec.env):
         if not isinstance(env.get("name"), str) or not env.get("name"):
