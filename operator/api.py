@@ -19,6 +19,9 @@ from typing import Annotated, Any, Callable, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from shoal.engine import flags
+from shoal.engine.config import AttentionBackend, Dtype, EngineConfig
+
 GROUP = "serving.shoal.dev"
 VERSION = "v1alpha1"
 KIND = "InferenceService"
@@ -112,17 +115,30 @@ class ModelSource(_Model):
     cache: ModelCache = section(ModelCache)
 
 
+def engine_option(name: str, *, default: Any = None, **limits: Any) -> Any:
+    """A spec.engine field that sets EngineConfig's field `name`: its description is the engine flag's help, and
+    render.py passes it as that flag (flags.to_args). `default` None leaves the engine's own default."""
+    flag = flags.flag_of(EngineConfig.model_fields[name])
+    assert flag is not None, f"EngineConfig.{name} is not a shoal-engine flag"
+    return Field(default=default, description=f"{flag.help} ({flags.flag_name(EngineConfig, name)})", **limits)
+
+
 class EngineOptions(_Model):
-    tensor_parallel_size: int = Field(default=1, ge=1, le=256)
-    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    max_model_len: int | None = Field(default=None, ge=1, le=16777216)
-    max_num_seqs: int | None = Field(default=None, ge=1, le=65536)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1, le=16777216)
-    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
-    enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "sdpa", "triton", "flash", "cpu"] = "auto"
-    enforce_eager: bool = False
+    """Options of the engine (shoal-engine serve flags); unset ones keep the engine's defaults."""
+
+    # Every field but the last two is the EngineConfig field of the same name (ENGINE_FLAG_FIELDS), rendered as
+    # its flag in this order; a new engine option for the spec is one line here.
+
+    tensor_parallel_size: int = engine_option("tensor_parallel_size", default=1, ge=1, le=256)
+    pipeline_parallel_size: int = engine_option("pipeline_parallel_size", default=1, ge=1, le=64)
+    dtype: Dtype = engine_option("dtype", default="auto")
+    max_model_len: int | None = engine_option("max_model_len", ge=1, le=16777216)
+    max_num_seqs: int | None = engine_option("max_num_seqs", ge=1, le=65536)
+    max_num_batched_tokens: int | None = engine_option("max_num_batched_tokens", ge=1, le=16777216)
+    gpu_memory_utilization: float | None = engine_option("gpu_memory_utilization", gt=0.0, le=1.0)
+    enable_prefix_caching: bool = engine_option("enable_prefix_caching", default=True)
+    attention_backend: AttentionBackend = engine_option("attention_backend", default="auto")
+    enforce_eager: bool = engine_option("enforce_eager", default=False)
     shutdown_timeout_seconds: int = Field(
         default=30, ge=0, le=3600,
         description="drain budget on SIGTERM (--shutdown-timeout); the pod's grace period is set above it",
@@ -130,6 +146,10 @@ class EngineOptions(_Model):
     extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, max_length=128, description="appended to `shoal-engine serve`; may not repeat "
                                                           "flags the operator sets")
+
+
+# The spec.engine fields that are engine flags, in rendering order.
+ENGINE_FLAG_FIELDS = tuple(name for name in EngineOptions.model_fields if name in EngineConfig.model_fields)
 
 
 class Resources(_Model):

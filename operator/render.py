@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.engine import flags
+from shoal.engine.config import EngineConfig
 from shoal.operator import api, overlay
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
 
@@ -195,22 +197,9 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
         "--served-model-name", api.served_model_name(name, spec),
         "--host", "0.0.0.0",
         "--port", str(ENGINE_PORT),
-        "--tensor-parallel-size", str(e.tensor_parallel_size),
-        "--pipeline-parallel-size", str(e.pipeline_parallel_size),
-        "--dtype", e.dtype,
     ]
-    if e.max_model_len is not None:
-        args += ["--max-model-len", str(e.max_model_len)]
-    if e.max_num_seqs is not None:
-        args += ["--max-num-seqs", str(e.max_num_seqs)]
-    if e.max_num_batched_tokens is not None:
-        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
-    if e.gpu_memory_utilization is not None:
-        args += ["--gpu-memory-utilization", repr(e.gpu_memory_utilization)]
-    args.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
-    args += ["--attention-backend", e.attention_backend]
-    if e.enforce_eager:
-        args.append("--enforce-eager")
+    for option in api.ENGINE_FLAG_FIELDS:  # spec.engine -> the engine's own flags (unset: the engine's default)
+        args += flags.to_args(EngineConfig, option, getattr(e, option))
     if spec.model.chat_template:
         args += ["--chat-template", f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_KEY}"]
     args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
