@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import importlib
 import logging
 import random
 import string
@@ -536,7 +537,10 @@ class OperatorThread:
         """`peering`: (peering name, priority) to run peered (as the chart's highAvailability), else standalone."""
         import kopf
 
-        import shoal.operator.handlers  # noqa: F401  (registers the handlers in kopf's default registry)
+        from shoal.operator import HANDLER_MODULES
+
+        for module in HANDLER_MODULES:  # importing registers their handlers in kopf's default registry
+            importlib.import_module(module)
 
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
