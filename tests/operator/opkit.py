@@ -2,25 +2,9 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from typing import Any
+from prockit import wait_for  # noqa: F401  (re-exported: the one wait helper)
 
 GROUP, VERSION = "serving.shoal.dev", "v1alpha1"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except (KeyError, TypeError, IndexError, AttributeError):
-            last = None
-        if last:
-            return last
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def condition(isvc: dict | None, type_: str) -> dict | None:

@@ -54,6 +54,14 @@ def ready_is(env, ns, name, status: str, reason: str | None = None, timeout: flo
     return wait_for(check, timeout, f"Ready={status} {reason or ''} on {ns}/{name}")
 
 
+def settled(env, ns: str, name: str) -> None:
+    """Wait until the reconciler has no pass running or pending for ns/name: everything it was told so far has
+    been acted on, so an assertion that nothing happened is meaningful (instead of sleeping and hoping)."""
+    reconciler = env.operator.memo.reconciler
+    wait_for(lambda: (ns, name) not in reconciler.tasks and (ns, name) not in reconciler.dirty, 10,
+             f"the reconciler to settle on {ns}/{name}")
+
+
 def test_create_makes_children_with_owner_references(env, ns):
     isvc = env.client.create(ISVC, ns, isvc_body("chat", {"replicas": 2, "model": {"uri": "hf://org/model"}}))
     uid = isvc["metadata"]["uid"]
@@ -161,7 +169,8 @@ def test_invalid_spec_sets_invalidspec_and_touches_no_children(env, ns):
     env.client.create(ISVC, ns, isvc_body("bad2", {"engine": {"extraArgs": ["--port", "9000"]}}))
     cond = ready_is(env, ns, "bad2", "False", "InvalidSpec")
     assert "spec.engine.extraArgs[0]" in cond["message"]
-    time.sleep(0.3)
+    settled(env, ns, "bad")
+    settled(env, ns, "bad2")
     assert children(env, ns) == {}
     warnings = [e for e in env.cluster.find("events", ns) if e["reason"] == "InvalidSpec"]
     assert warnings and warnings[0]["type"] == "Warning"
@@ -176,7 +185,7 @@ def test_invalid_update_leaves_existing_children_alone(env, ns):
     dep = wait_for(lambda: env.client.get("deployments", ns, "keep"), 10, "deployment")
     env.client.patch(ISVC, ns, "keep", {"spec": {"replicas": 1, "engine": {"extraArgs": ["--model=x"]}}})
     ready_is(env, ns, "keep", "False", "InvalidSpec")
-    time.sleep(0.3)
+    settled(env, ns, "keep")
     assert env.client.get("deployments", ns, "keep")["metadata"]["resourceVersion"] == \
         dep["metadata"]["resourceVersion"]
     assert env.client.get("poddisruptionbudgets", ns, "keep") is not None
@@ -216,7 +225,8 @@ def test_multi_pod_group_restarts_together(env, ns):
             env.client.create("pods", ns, _group_pod(ns, "big", g, o))
             env.client.patch("pods", ns, f"big-g{g}-{o}", _pod_status(ready=o == 0), sub="status")
     # rank 1 not ready anywhere -> no group ready (a group is ready only when all its pods are)
-    time.sleep(0.3)
+    ready_is(env, ns, "big", "False", "ProbeFailing")  # the status has seen the running, unready rank 1 pods
+    settled(env, ns, "big")
     assert get_isvc(env, ns, "big")["status"]["readyReplicas"] == 0
     for g in (0, 1):
         env.client.patch("pods", ns, f"big-g{g}-1", _pod_status(ready=True), sub="status")
@@ -295,7 +305,7 @@ def test_operator_restart_resumes_without_duplicates(env, ns):
     env.restart_operator()
     wait_for(lambda: env.client.get("networkpolicies", ns, "res"), 10, "netpol recreated on resume")
     wait_for(lambda: env.client.get("deployments", ns, "res")["spec"]["replicas"] == 3, 10, "scaled on resume")
-    time.sleep(0.3)
+    settled(env, ns, "res")
     after = [w for w in env.cluster.writes if w[0] == "create" and w[2] == ns and w[1] != "events"]
     assert len(after) == before + 1  # only the missing NetworkPolicy
 
@@ -305,7 +315,7 @@ def test_deleting_the_isvc_collects_children(env, ns):
     wait_for(lambda: len(children(env, ns)) == 4 + len(gateway_children("gone")), 10, "children")
     env.client.delete(ISVC, ns, "gone")
     wait_for(lambda: children(env, ns) == {}, 10, "children collected through ownerReferences")
-    time.sleep(0.3)
+    settled(env, ns, "gone")  # the deletions of the children were seen too
     assert children(env, ns) == {}  # and nothing resurrects them
 
 
