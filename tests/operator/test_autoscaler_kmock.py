@@ -8,7 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from opkit import condition, isvc_body, wait_for
+from kubekit import condition, isvc_body, wait_for
 
 from shoal.engine.gateway.wake import wake_patch
 from shoal.operator.autoscaler import A_DELETION_COST, A_WAKE, REGISTRY

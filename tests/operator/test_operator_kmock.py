@@ -12,7 +12,7 @@ import time
 
 import requests
 
-from opkit import condition, isvc_body, wait_for
+from kubekit import condition, isvc_body, wait_for
 
 from shoal.operator.render import L_GROUP, L_ISVC, L_MANAGED_BY, L_POD_INDEX
 
@@ -601,3 +601,41 @@ def test_multi_pod_to_single_pod_converges(env, ns):
     wait_for(lambda: converged(env, ns, "shrink"), 10, "single-pod children")
     assert L_POD_INDEX not in env.client.get("services", ns, "shrink-engines")["spec"]["selector"]
     assert env.client.get("statefulsets", ns, "shrink-g0") is None
+
+
+# ---- the gateway the operator deploys ---------------------------------------------------------------------------
+def _get(env, path: str) -> dict | None:
+    r = env.client.http.get(env.server.url + path)
+    if r.status_code == 404:
+        return None
+    r.raise_for_status()
+    return r.json()
+
+
+def test_operator_reconciles_the_gateway(env, ns):
+    env.client.create("inferenceservices", ns, isvc_body("llm", {"replicas": 2, "gateway": {"routing": "least-load"}}))
+    paths = {
+        "Deployment": f"/apis/apps/v1/namespaces/{ns}/deployments/llm-gateway",
+        "ServiceAccount": f"/api/v1/namespaces/{ns}/serviceaccounts/llm-gateway",
+        "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles/llm-gateway",
+        "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings/llm-gateway",
+        "engines Service": f"/api/v1/namespaces/{ns}/services/llm-engines",
+        "PodDisruptionBudget": f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/llm-gateway",
+        "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies/llm-gateway",
+    }
+    for what, path in paths.items():
+        wait_for(lambda p=path: _get(env, p), 15, f"the gateway's {what}")
+    dep = _get(env, paths["Deployment"])
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--routing") + 1] == "least-load" and dep["spec"]["replicas"] == 2
+    assert dep["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    service = f"/api/v1/namespaces/{ns}/services/llm"
+    wait_for(lambda: _get(env, service)["spec"]["selector"]["app.kubernetes.io/component"] == "gateway", 15,
+             "the Service to point at the gateway")
+
+    # Turned off: the gateway's objects go, and the Service points at the engines again.
+    env.client.patch("inferenceservices", ns, "llm", {"spec": {"gateway": {"enabled": False}}})
+    for what, path in paths.items():
+        wait_for(lambda p=path: _get(env, p) is None, 15, f"the gateway's {what} to be deleted")
+    wait_for(lambda: _get(env, service)["spec"]["selector"]["app.kubernetes.io/component"] == "engine", 15,
+             "the Service to point at the engines")
