@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# Defaults, documented in api.Autoscaling and the README.
+# Defaults, documented in api.Autoscaling and docs/autoscaling.md.
 DEFAULT_TARGET_IN_FLIGHT = 16
 DEFAULT_TARGET_KV_CACHE_USAGE = 0.8
 
