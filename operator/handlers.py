@@ -6,8 +6,8 @@ How it fits together
   manages (Deployments, StatefulSets, Services, ConfigMaps, NetworkPolicies, PodDisruptionBudgets, Pods),
   keyed by (namespace, InferenceService name). kopf fills them completely before any handler runs, so a
   restarted operator sees what exists and never duplicates it.
-* Every trigger — the resource created, updated or resumed, or any event of one of its children — marks the
-  InferenceService dirty and wakes one worker task per resource. The worker reconciles until it is clean:
+* Every trigger — the resource created, updated or resumed, or any event of one of its children — adds the
+  InferenceService to a work queue (workqueue.py): one worker task per resource reconciles until it is clean:
   render the desired children (render.py), server-side apply the missing and the drifted (a spec-hash
   annotation plus a subset comparison of the spec; apply removes what is no longer rendered, see kube.py),
   delete the unwanted (uid preconditions), restart
@@ -40,6 +40,7 @@ from shoal.operator import api, render, rollout, status
 from shoal.operator.kube import CHILD_KINDS, KINDS, WATCHED_KINDS, ApiError, Kube, load_configuration
 from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
+from shoal.operator.workqueue import WorkQueue
 
 logger = logging.getLogger("shoal.operator")
 
@@ -143,45 +144,27 @@ class Reconciler:
     kube: Kube
     settings: Settings
     indexes: dict[str, Any] = field(default_factory=dict)
-    dirty: set[tuple[str, str]] = field(default_factory=set)
-    tasks: dict[tuple[str, str], asyncio.Task] = field(default_factory=dict)
     max_backoff: float = 10.0
     recheck_interval: float = 30.0
     plans: dict[tuple[str, str], tuple[tuple, Plan]] = field(default_factory=dict)
+    queue: WorkQueue = field(init=False)
+    recheck_task: asyncio.Task | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.queue = WorkQueue(lambda key: self.reconcile(*key), name="reconcile", max_backoff=self.max_backoff)
 
     def trigger(self, namespace: str, name: str, indexes: dict[str, Any] | None = None) -> None:
-        """Mark the InferenceService dirty and make sure its worker runs. `indexes`: kopf's, as the handler that
-        calls got them (the same objects every time; the first call also starts the recheck loop)."""
+        """Queue a reconcile of the InferenceService. `indexes`: kopf's, as the calling handler got them (the same
+        objects every time; the first call also starts the recheck loop)."""
         if indexes is not None and not self.indexes:
             self.indexes = indexes
-            self.tasks[("", "recheck")] = asyncio.get_running_loop().create_task(self.recheck_forever(),
-                                                                                  name="recheck")
-        key = (namespace, name)
-        self.dirty.add(key)
-        task = self.tasks.get(key)
-        if task is None or task.done():
-            self.tasks[key] = asyncio.get_running_loop().create_task(self._worker(key), name=f"reconcile {key}")
+            self.recheck_task = asyncio.get_running_loop().create_task(self.recheck_forever(), name="recheck")
+        self.queue.add((namespace, name))
 
-    async def _worker(self, key: tuple[str, str]) -> None:
-        failures = 0
-        try:
-            while key in self.dirty:
-                self.dirty.discard(key)
-                try:
-                    await self.reconcile(*key)
-                    failures = 0
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # API errors, conflicts, timeouts: retry the whole pass
-                    failures += 1
-                    delay = min(0.2 * 2 ** (failures - 1), self.max_backoff)
-                    level = logging.WARNING if failures > 2 else logging.INFO
-                    logger.log(level, "reconcile %s/%s failed (%s); retrying in %.1fs", *key, e, delay)
-                    self.dirty.add(key)
-                    await asyncio.sleep(delay)
-        finally:
-            if self.tasks.get(key) is asyncio.current_task():
-                del self.tasks[key]
+    def stop(self) -> None:
+        self.queue.cancel()
+        if self.recheck_task is not None:
+            self.recheck_task.cancel()
 
     async def recheck_forever(self) -> None:
         """What no watch reports — pods a StatefulSet keeps failing to create (Events only), a model download
@@ -484,8 +467,7 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     reconciler: Reconciler | None = memo.get("reconciler")
     if reconciler is not None:
-        for task in list(reconciler.tasks.values()):
-            task.cancel()
+        reconciler.stop()
         reconciler.kube.close()
 
 

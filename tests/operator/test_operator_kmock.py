@@ -58,8 +58,7 @@ def settled(env, ns: str, name: str) -> None:
     """Wait until the reconciler has no pass running or pending for ns/name: everything it was told so far has
     been acted on, so an assertion that nothing happened is meaningful (instead of sleeping and hoping)."""
     reconciler = env.operator.memo.reconciler
-    wait_for(lambda: (ns, name) not in reconciler.tasks and (ns, name) not in reconciler.dirty, 10,
-             f"the reconciler to settle on {ns}/{name}")
+    wait_for(lambda: not reconciler.queue.busy((ns, name)), 10, f"the reconciler to settle on {ns}/{name}")
 
 
 def test_create_makes_children_with_owner_references(env, ns):
