@@ -1,8 +1,9 @@
 """`shoal-engine`: serve | demo | bench serve | bench fleet | bench throughput.
 
-Flags follow vLLM's names so habits and manifests carry over. Adding flags: put engine knobs in
-`add_engine_args` (and map them in `engine_config_from_args`), server knobs in `add_server_args`; a new group
-(e.g. multi-node) gets its own `add_*_args` function registered in `SERVE_ARG_GROUPS`.
+Flags follow vLLM's names so habits and manifests carry over. Engine options are defined once, as fields of
+EngineConfig / DistributedConfig (shoal.engine.config) marked with a Flag: their flags, defaults, choices and help
+derive from the field (shoal.engine.flags). Only server knobs, which are no engine option, are written out here
+(`add_server_args`); a new group of flags gets its own `add_*_args` function registered in `SERVE_ARG_GROUPS`.
 """
 
 from __future__ import annotations
@@ -10,110 +11,28 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
+
+from shoal.engine import config, flags
 
 DEMO_SERVED_NAME = "shoal-demo"
 # SmolLM2's first answer token is a near-tie in bfloat16: one bf16 rounding step in any kernel turns "The capital
 # of France is Paris." into French prose. float32 keeps the demo's answer stable and costs little at 135M params.
 DEMO_DTYPE = "float32"
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
-_POW = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
-
-
-def parse_bytes(text: str) -> int:
-    """'536870912', '512MiB', '2GiB', '512M' (binary), '2GB' (decimal) -> bytes."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 536870912, 512MiB, 2GiB, 1.5G)")
-    num, unit, i, b = m.groups()
-    unit = unit.lower()
-    base = 1000 if (unit and b and not i) else 1024  # "GB" is decimal; "GiB", "G" are binary
-    value = int(float(num) * base ** _POW[unit])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
-
-def parse_len(text: str) -> int:
-    """An integer with an optional k/m suffix (vLLM's --max-model-len accepts '4k')."""
-    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$", str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a length: {text!r} (examples: 4096, 4k)")
-    mult = {"": 1, "k": 1000, "K": 1024, "m": 1_000_000, "M": 1024 * 1024}[m.group(2)]
-    return int(float(m.group(1)) * mult)
-
-
-_DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "fp16": "float16", "bfloat16": "bfloat16",
-           "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32"}
-
-
-def parse_dtype(text: str) -> str:
-    if text not in _DTYPES:
-        raise argparse.ArgumentTypeError(f"invalid dtype {text!r} (choose from {', '.join(_DTYPES)})")
-    return _DTYPES[text]
+# Kept importable from here (tests and tools use shoal.engine.cli.parse_bytes).
+parse_bytes, parse_len, parse_dtype = flags.parse_bytes, flags.parse_len, flags.parse_dtype
 
 
 # --------------------------------------------------------------------------------------------- argument groups
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None,
-                   help="local Hugging Face model directory, a hub id present in the local HF cache, or a .gguf "
-                        "file (config, tokenizer and chat template from its metadata). Without it, the demo model: "
-                        "SmolLM2-135M-Instruct if on this machine ($SHOAL_DEMO_GGUF or fetched by `shoal-engine "
-                        "demo`), else a tiny random-weight model.")
-    g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    g.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory, id or .gguf file (default: the model's; for a GGUF model, its metadata)")
-    g.add_argument("--revision", default=None, help="model revision (hub ids only)")
-    g.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model directory")
-    g.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file (or inline template) for models without one")
-    g.add_argument("--dtype", type=parse_dtype, default="auto",
-                   help="auto | float16 (half) | bfloat16 | float32 (float); auto: the checkpoint's dtype "
-                        "(float16 checkpoints run as bfloat16 on CPU)")
-    g.add_argument("--quantization", "-q", choices=["int8", "int4", "fp8"], default=None,
-                   help="quantize linear weights on load: int8 (per-channel weights, dynamic per-token int8 "
-                        "activations), int4 (group-wise, weight-only), fp8 (e4m3; CUDA, compute capability >= 8.9)")
-    g.add_argument("--seed", type=int, default=0, help="random seed")
+    flags.add_flags(p.add_argument_group(config.MODEL), config.EngineConfig, config.MODEL)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    g.add_argument("--max-model-len", type=parse_len, default=None,
-                   help="context length (prompt + output); default: the model's (accepts 4k)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="maximum sequences per step (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=parse_len, default=None, help="token budget per step")
-    g.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default 16)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="fraction of GPU memory for weights, activations and KV cache (GPU only; default 0.9)")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV cache size in bytes; this is how the KV cache is sized on CPU (default 512MiB). "
-                        "Accepts suffixes: 512MiB, 2GiB, 1.5G (binary), 2GB (decimal). On GPU it overrides "
-                        "--gpu-memory-utilization.")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
-                   help="KV cache storage: auto (the model dtype) or fp8 (float8 e4m3 with a float32 scale per "
-                        "token and kv head, computed as the cache is written: ~0.53x the bytes of bf16 at head_dim "
-                        "64, so the same --kv-cache-memory holds ~1.9x the tokens; read by the cpu, sdpa, triton "
-                        "and flash backends)")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="pin the KV pool to exactly this many blocks (overrides the size above)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse KV blocks of shared prompt prefixes (default on)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="split long prompts over several steps (default on)")
-    g.add_argument("--attention-backend", choices=["auto", "sdpa", "triton", "flash", "cpu"], default="auto",
-                   help="auto: flash > triton > sdpa on CUDA, cpu (C++ paged kernel) > sdpa on CPU")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--max-queue-len", type=int, default=None,
-                   help="waiting requests beyond this are refused with 429 (default 1024)")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
+    flags.add_flags(p.add_argument_group(config.ENGINE), config.EngineConfig, config.ENGINE)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -137,80 +56,27 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("multi-node (torch.distributed)")
-    g.add_argument("--nnodes", type=int, default=None, help="number of nodes (pods) in this engine's group")
-    g.add_argument("--node-rank", type=int, default=None, help="this node's index; node 0 runs the API server")
-    g.add_argument("--master-addr", default=None, help="address of node 0 (rank 0 hosts the rendezvous)")
-    g.add_argument("--master-port", type=int, default=None,
-                   help="rendezvous port on node 0 (default: a free port on one node, 29500 on several)")
+    g = p.add_argument_group(config.MULTI_NODE)
+    flags.add_flags(g, config.DistributedConfig, config.MULTI_NODE)
     g.add_argument("--headless", action="store_true",
                    help="run this node's worker ranks only (no OpenAI API; /livez and /readyz on --port)")
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="torch.distributed backend (default: nccl on CUDA, gloo on CPU)")
-    g.add_argument("--distributed-timeout", type=float, default=None,
-                   help="seconds a collective or send/recv may wait before the group is declared failed (default 20)")
-    g.add_argument("--distributed-startup-timeout", type=float, default=None,
-                   help="seconds ranks wait for each other at start-up, logging who is missing (default 600)")
-    g.add_argument("--heartbeat-timeout", type=float, default=None,
-                   help="seconds without a rank's heartbeat before the group is declared failed (default 10)")
-    g.add_argument("--pipeline-micro-batches", type=int, default=None,
-                   help="micro-batches per step in flight through the pipeline (default: one per stage)")
-    g.add_argument("--pipeline-layer-partition", type=_partition, default=None, metavar="N,N,...",
-                   help="decoder layers per pipeline stage, e.g. 5,3 (default: an even split; the last stage also "
-                        "runs the LM head, so giving it fewer layers can balance the stages)")
 
 
-def _partition(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of layer counts: {text!r}") from None
-
-
-# Maps from argparse dest to DistributedConfig field, for flags whose None means "DistributedConfig's default".
-_DISTRIBUTED_FIELDS = (
-    ("nnodes", "nnodes"), ("node_rank", "node_rank"), ("master_addr", "master_addr"), ("master_port", "master_port"),
-    ("distributed_backend", "backend"), ("distributed_timeout", "collective_timeout"),
-    ("distributed_startup_timeout", "startup_timeout"), ("heartbeat_timeout", "heartbeat_timeout"),
-    ("pipeline_micro_batches", "micro_batches"), ("pipeline_layer_partition", "layer_partition"),
-)
-
-
-_FLAG_OF_FIELD = {field: flag for flag, field in _DISTRIBUTED_FIELDS}
-
-
-def distributed_config_from_args(args: argparse.Namespace):
+def distributed_config_from_args(args: argparse.Namespace) -> config.DistributedConfig:
     """DistributedConfig from the multi-node flags; flags left unset keep its defaults."""
-    from shoal.engine.config import DistributedConfig
-
-    kw = {field: getattr(args, flag) for flag, field in _DISTRIBUTED_FIELDS if getattr(args, flag, None) is not None}
-    return DistributedConfig(**kw)
+    return config.DistributedConfig(**flags.values_from_args(args, config.DistributedConfig))
 
 
 # Each entry adds one group of `serve` flags; extend this list for new groups (e.g. multi-node flags).
 SERVE_ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [add_model_args, add_engine_args, add_server_args,
                                                                      add_distributed_args]
 
-# Maps from argparse dest to EngineConfig field, for flags whose None means "EngineConfig's default".
-_ENGINE_FIELDS = (
-    "tokenizer", "revision", "served_model_name", "trust_remote_code", "chat_template", "dtype", "quantization",
-    "device", "seed",
-    "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
-    "max_queue_len", "block_size", "gpu_memory_utilization", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks",
-    "enable_prefix_caching", "attention_backend", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
-)
 
-
-def engine_config_from_args(args: argparse.Namespace):
+def engine_config_from_args(args: argparse.Namespace) -> config.EngineConfig:
     """EngineConfig from parsed flags; flags left unset keep EngineConfig's defaults."""
-    from shoal.engine.config import EngineConfig
-
-    kw = {"distributed": distributed_config_from_args(args)}
-    for name in _ENGINE_FIELDS:
-        if hasattr(args, name):
-            v = getattr(args, name)
-            if v is not None:
-                kw[name] = v
+    kw = flags.values_from_args(args, config.EngineConfig)
+    kw["distributed"] = distributed_config_from_args(args)
+    kw.pop("model", None)
     model = args.model
     if model is None:  # the demo model: SmolLM2 when on this machine (image or cache; never fetched here)
         from shoal.engine.tools.demo_model import find_demo_model
@@ -223,9 +89,9 @@ def engine_config_from_args(args: argparse.Namespace):
                 "`python -m shoal.engine.tools.demo_model` to fetch it): serving the random-weight tiny model")
         model = str(found or ensure_demo_model())
         kw.setdefault("served_model_name", DEMO_SERVED_NAME)
-        if found is not None and kw.get("dtype") == _DTYPES["auto"]:
+        if found is not None and kw.get("dtype", "auto") == "auto":
             kw["dtype"] = DEMO_DTYPE
-    return EngineConfig(model=model, **kw)
+    return config.EngineConfig(model=model, **kw)
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -248,8 +114,9 @@ def _config_error(parser: argparse.ArgumentParser, e: Exception) -> None:
         parts = []
         for err in e.errors(include_url=False):
             loc = [str(x) for x in err.get("loc", ()) if x != "distributed"]
-            name = _FLAG_OF_FIELD.get(loc[0], loc[0]) if loc else None
-            flag = "--" + name.replace("_", "-") if name else "config"
+            field = loc[0] if loc else ""
+            model = config.EngineConfig if field in config.EngineConfig.model_fields else config.DistributedConfig
+            flag = flags.flag_name(model, field) if field in model.model_fields else "config"
             parts.append(f"{flag}: {err.get('msg')}")
         parser.error("; ".join(parts))
     parser.error(str(e))

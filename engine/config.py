@@ -7,11 +7,19 @@ to every worker process (as JSON on its command line).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shoal.engine.flags import Flag, parse_bytes, parse_dtype, parse_int_list, parse_len
+
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # 512 MiB on CPU unless --kv-cache-memory says otherwise
+
+# Value sets shared with the operator's spec.engine (shoal.operator.api): one definition each.
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+AttentionBackend = Literal["auto", "sdpa", "triton", "flash", "cpu"]
+
+MODEL, ENGINE, MULTI_NODE = "model", "engine", "multi-node (torch.distributed)"  # --help sections
 
 
 class DistributedConfig(BaseModel):
@@ -20,22 +28,37 @@ class DistributedConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    nnodes: int = Field(default=1, gt=0, description="nodes (pods) in the group")
-    node_rank: int = Field(default=0, ge=0, description="this node's index; node 0 runs rank 0 and the API")
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = Field(default=None, gt=0, lt=65536,
-                                    description="rendezvous port; None: a free port on one node, 29500 on several")
-    backend: Literal["nccl", "gloo"] | None = Field(default=None, description="None: nccl on CUDA, gloo on CPU")
-    startup_timeout: float = Field(default=600.0, gt=0, description="seconds ranks wait for each other at start")
-    collective_timeout: float = Field(default=20.0, gt=0, description="seconds a collective or send/recv may wait")
+    nnodes: Annotated[int, Flag(MULTI_NODE, "number of nodes (pods) in this engine's group")] = Field(
+        default=1, gt=0)
+    node_rank: Annotated[int, Flag(MULTI_NODE, "this node's index; node 0 runs rank 0 and the API server")] = Field(
+        default=0, ge=0)
+    master_addr: Annotated[str, Flag(MULTI_NODE, "address of node 0 (rank 0 hosts the rendezvous)")] = "127.0.0.1"
+    master_port: Annotated[int | None, Flag(
+        MULTI_NODE, "rendezvous port on node 0 (default: a free port on one node, 29500 on several)")] = Field(
+        default=None, gt=0, lt=65536)
+    backend: Annotated[Literal["nccl", "gloo"] | None, Flag(
+        MULTI_NODE, "torch.distributed backend (default: nccl on CUDA, gloo on CPU)",
+        name="--distributed-backend")] = None
+    startup_timeout: Annotated[float, Flag(
+        MULTI_NODE, "seconds ranks wait for each other at start-up, logging who is missing",
+        name="--distributed-startup-timeout")] = Field(default=600.0, gt=0)
+    collective_timeout: Annotated[float, Flag(
+        MULTI_NODE, "seconds a collective or send/recv may wait before the group is declared failed",
+        name="--distributed-timeout")] = Field(default=20.0, gt=0)
     heartbeat_interval: float = Field(default=1.0, gt=0)
-    heartbeat_timeout: float = Field(default=10.0, gt=0, description="seconds without a heartbeat: rank failed")
+    heartbeat_timeout: Annotated[float, Flag(
+        MULTI_NODE, "seconds without a rank's heartbeat before the group is declared failed")] = Field(
+        default=10.0, gt=0)
     exit_on_failure: bool = Field(default=False, description="rank 0 exits 1 after exit_grace once a rank failed "
                                                              "(serving); the offline LLM raises instead")
     exit_grace: float = Field(default=2.0, ge=0)
-    micro_batches: int | None = Field(default=None, gt=0,
-                                      description="pipeline micro-batches per step; None: one per stage")
-    layer_partition: list[int] | None = Field(default=None, description="decoder layers per pipeline stage")
+    micro_batches: Annotated[int | None, Flag(
+        MULTI_NODE, "micro-batches per step in flight through the pipeline (default: one per stage)",
+        name="--pipeline-micro-batches")] = Field(default=None, gt=0)
+    layer_partition: Annotated[list[int] | None, Flag(
+        MULTI_NODE, "decoder layers per pipeline stage, e.g. 5,3 (default: an even split; the last stage also runs "
+                    "the LM head, so giving it fewer layers can balance the stages)",
+        name="--pipeline-layer-partition", type=parse_int_list, metavar="N,N,...")] = None
 
     @model_validator(mode="after")
     def _check(self) -> "DistributedConfig":
@@ -47,44 +70,68 @@ class DistributedConfig(BaseModel):
 
 
 class EngineConfig(BaseModel):
+    """Every engine option. A field with a Flag is a `shoal-engine serve` flag (shoal.engine.flags derives it)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model: str = Field(description="local Hugging Face directory or a hub id present in the local HF cache")
-    tokenizer: str | None = None
-    revision: str | None = None
-    served_model_name: str | None = None
-    trust_remote_code: bool = False
-    chat_template: str | None = None
+    model: Annotated[str, Flag(
+        MODEL, "local Hugging Face model directory, a hub id present in the local HF cache, or a .gguf file (config, "
+               "tokenizer and chat template from its metadata). Without it, the demo model: SmolLM2-135M-Instruct "
+               "if on this machine ($SHOAL_DEMO_GGUF or fetched by `shoal-engine demo`), else a tiny random-weight "
+               "model.")]
+    served_model_name: Annotated[str | None, Flag(MODEL, "the model name clients use (default: --model)")] = None
+    tokenizer: Annotated[str | None, Flag(
+        MODEL, "tokenizer directory, id or .gguf file (default: the model's; for a GGUF model, its metadata)")] = None
+    revision: Annotated[str | None, Flag(MODEL, "model revision (hub ids only)")] = None
+    trust_remote_code: Annotated[bool, Flag(MODEL, "allow custom code from the model directory")] = False
+    chat_template: Annotated[str | None, Flag(
+        MODEL, "a Jinja chat template file (or inline template) for models without one")] = None
+    dtype: Annotated[Dtype, Flag(
+        MODEL, "auto | float16 (half) | bfloat16 | float32 (float); auto: the checkpoint's dtype (float16 "
+               "checkpoints run as bfloat16 on CPU)", type=parse_dtype)] = "auto"
+    quantization: Annotated[Literal["int8", "int4", "fp8"] | None, Flag(
+        MODEL, "quantize linear weights on load: int8 (per-channel weights, dynamic per-token int8 activations), "
+               "int4 (group-wise, weight-only), fp8 (e4m3; CUDA, compute capability >= 8.9)", aliases=("-q",))] = None
+    seed: Annotated[int, Flag(MODEL, "random seed")] = 0
 
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    quantization: Literal["int8", "int4", "fp8"] | None = Field(
-        default=None, description="quantize linear weights on load (int8 W8A8, int4 weight-only, fp8 on GPU)")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-
-    max_model_len: int | None = Field(default=None, gt=0)
-    max_num_seqs: int = Field(default=256, gt=0)
-    max_num_batched_tokens: int | None = Field(default=None, gt=0)
-    enable_chunked_prefill: bool = True
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    max_queue_len: int = Field(default=1024, gt=0, description="waiting requests beyond this are refused")
-
-    block_size: int = Field(default=16, gt=0, le=256)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    kv_cache_memory: int | None = Field(default=None, gt=0, description="KV cache size in bytes (CPU default 512 MiB)")
-    kv_cache_dtype: Literal["auto", "fp8"] = Field(
-        default="auto", description="auto: the model dtype; fp8: float8 e4m3 values with a float32 scale per token "
-                                    "and kv head (about half the bytes of bf16, so ~1.9x the blocks)")
-    num_kv_blocks: int | None = Field(default=None, gt=0, description="pin the KV pool to this many blocks")
-    enable_prefix_caching: bool = True
-
-    attention_backend: Literal["auto", "sdpa", "triton", "flash", "cpu"] = "auto"
-    enforce_eager: bool = Field(default=False, description="never capture decode steps (graph_capture.py)")
+    device: Annotated[Literal["auto", "cpu", "cuda"], Flag(ENGINE, "where the model runs")] = "auto"
+    tensor_parallel_size: Annotated[int, Flag(
+        ENGINE, "ranks each layer's weights are split over", aliases=("-tp",))] = Field(default=1, gt=0)
+    pipeline_parallel_size: Annotated[int, Flag(
+        ENGINE, "pipeline stages the layers are split over", aliases=("-pp",))] = Field(default=1, gt=0)
+    max_model_len: Annotated[int | None, Flag(
+        ENGINE, "context length (prompt + output); default: the model's", type=parse_len)] = Field(
+        default=None, gt=0)
+    max_num_seqs: Annotated[int, Flag(ENGINE, "maximum sequences per step")] = Field(default=256, gt=0)
+    max_num_batched_tokens: Annotated[int | None, Flag(
+        ENGINE, "token budget per step", type=parse_len)] = Field(default=None, gt=0)
+    block_size: Annotated[int, Flag(ENGINE, "tokens per KV-cache block")] = Field(default=16, gt=0, le=256)
+    gpu_memory_utilization: Annotated[float, Flag(
+        ENGINE, "fraction of GPU memory for weights, activations and KV cache (GPU only)")] = Field(
+        default=0.9, gt=0.0, le=1.0)
+    kv_cache_memory: Annotated[int | None, Flag(
+        ENGINE, f"KV cache size in bytes; this is how the KV cache is sized on CPU (default "
+                f"{DEFAULT_CPU_KV_CACHE_BYTES // 2**20}MiB). Accepts suffixes: 512MiB, 2GiB, 1.5G (binary), 2GB "
+                "(decimal). On GPU it overrides --gpu-memory-utilization.", type=parse_bytes)] = Field(
+        default=None, gt=0)
+    kv_cache_dtype: Annotated[Literal["auto", "fp8"], Flag(
+        ENGINE, "KV cache storage: auto (the model dtype) or fp8 (float8 e4m3 with a float32 scale per token and kv "
+                "head, computed as the cache is written: ~0.53x the bytes of bf16 at head_dim 64, so the same "
+                "--kv-cache-memory holds ~1.9x the tokens; read by the cpu, sdpa, triton and flash backends)")] = "auto"
+    num_kv_blocks: Annotated[int | None, Flag(
+        ENGINE, "pin the KV pool to exactly this many blocks (overrides the size above)")] = Field(default=None, gt=0)
+    enable_prefix_caching: Annotated[bool, Flag(ENGINE, "reuse KV blocks of shared prompt prefixes")] = True
+    enable_chunked_prefill: Annotated[bool, Flag(ENGINE, "split long prompts over several steps")] = True
+    attention_backend: Annotated[AttentionBackend, Flag(
+        ENGINE, "auto: flash > triton > sdpa on CUDA, cpu (C++ paged kernel) > sdpa on CPU")] = "auto"
+    enforce_eager: Annotated[bool, Flag(ENGINE, "no CUDA graphs (never capture decode steps)")] = False
     decode_capture: Literal["auto", "cuda-graph", "eager", "none"] = Field(
         default="auto", description="decode capture backend; auto: cuda-graph on CUDA, none on CPU")
+    max_queue_len: Annotated[int, Flag(ENGINE, "waiting requests beyond this are refused with 429")] = Field(
+        default=1024, gt=0)
+    scheduling_policy: Annotated[Literal["fcfs", "priority"], Flag(
+        ENGINE, "fcfs: first come, first served; priority: lowest request priority value first, then arrival")] = "fcfs"
 
-    tensor_parallel_size: int = Field(default=1, gt=0)
-    pipeline_parallel_size: int = Field(default=1, gt=0)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")

@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(env)
     from kopf import cli
 
-    sys.exit(cli.main(["run", *rest, "-m", "shoal.operator.handlers"], prog_name="shoal-operator",
-                      standalone_mode=True))
+    from shoal.operator import HANDLER_MODULES
+
+    modules = [arg for module in HANDLER_MODULES for arg in ("-m", module)]
+    sys.exit(cli.main(["run", *rest, *modules], prog_name="shoal-operator", standalone_mode=True))
 
 
 if __name__ == "__main__":

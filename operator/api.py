@@ -16,8 +16,11 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from shoal.engine import flags
+from shoal.engine.config import AttentionBackend, Dtype, EngineConfig
 
 GROUP = "serving.shoal.dev"
 VERSION = "v1alpha1"
@@ -47,8 +50,22 @@ MANAGED_FLAGS = frozenset({
 
 RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "serving.shoal.dev/", "apps.kubernetes.io/",
                            "controller-revision-hash", "statefulset.kubernetes.io/", "pod-template-hash")
-Quantity = Annotated[Union[int, str], Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
-IntOrPercent = Annotated[Union[int, str], Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+
+
+def is_quantity(v: int | str) -> bool:
+    return not isinstance(v, str) or re.match(QUANTITY_PATTERN, v) is not None
+
+
+def _check_quantity(v: int | str) -> int | str:
+    if not is_quantity(v):
+        raise ValueError(f"{v!r} is not a Kubernetes quantity")
+    return v
+
+
+IntOrString = Annotated[Union[int, str], Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+# A Kubernetes quantity (2Gi, 500m, 4): every field of this type is checked by the one validator above.
+Quantity = Annotated[IntOrString, AfterValidator(_check_quantity)]
+IntOrPercent = IntOrString
 FreeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
 
 
@@ -77,12 +94,6 @@ class ModelCache(_Model):
     storage_class_name: str | None = Field(default=None, min_length=1, max_length=253)
     access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
 
-    @field_validator("size")
-    @classmethod
-    def _quantity(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, str) and not re.match(QUANTITY_PATTERN, v):
-            raise ValueError(f"{v!r} is not a Kubernetes quantity")
-        return v
 
 
 class ModelSource(_Model):
@@ -104,17 +115,30 @@ class ModelSource(_Model):
     cache: ModelCache = section(ModelCache)
 
 
+def engine_option(name: str, *, default: Any = None, **limits: Any) -> Any:
+    """A spec.engine field that sets EngineConfig's field `name`: its description is the engine flag's help, and
+    render.py passes it as that flag (flags.to_args). `default` None leaves the engine's own default."""
+    flag = flags.flag_of(EngineConfig.model_fields[name])
+    assert flag is not None, f"EngineConfig.{name} is not a shoal-engine flag"
+    return Field(default=default, description=f"{flag.help} ({flags.flag_name(EngineConfig, name)})", **limits)
+
+
 class EngineOptions(_Model):
-    tensor_parallel_size: int = Field(default=1, ge=1, le=256)
-    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    max_model_len: int | None = Field(default=None, ge=1, le=16777216)
-    max_num_seqs: int | None = Field(default=None, ge=1, le=65536)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1, le=16777216)
-    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
-    enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "sdpa", "triton", "flash", "cpu"] = "auto"
-    enforce_eager: bool = False
+    """Options of the engine (shoal-engine serve flags); unset ones keep the engine's defaults."""
+
+    # Every field but the last two is the EngineConfig field of the same name (ENGINE_FLAG_FIELDS), rendered as
+    # its flag in this order; a new engine option for the spec is one line here.
+
+    tensor_parallel_size: int = engine_option("tensor_parallel_size", default=1, ge=1, le=256)
+    pipeline_parallel_size: int = engine_option("pipeline_parallel_size", default=1, ge=1, le=64)
+    dtype: Dtype = engine_option("dtype", default="auto")
+    max_model_len: int | None = engine_option("max_model_len", ge=1, le=16777216)
+    max_num_seqs: int | None = engine_option("max_num_seqs", ge=1, le=65536)
+    max_num_batched_tokens: int | None = engine_option("max_num_batched_tokens", ge=1, le=16777216)
+    gpu_memory_utilization: float | None = engine_option("gpu_memory_utilization", gt=0.0, le=1.0)
+    enable_prefix_caching: bool = engine_option("enable_prefix_caching", default=True)
+    attention_backend: AttentionBackend = engine_option("attention_backend", default="auto")
+    enforce_eager: bool = engine_option("enforce_eager", default=False)
     shutdown_timeout_seconds: int = Field(
         default=30, ge=0, le=3600,
         description="drain budget on SIGTERM (--shutdown-timeout); the pod's grace period is set above it",
@@ -122,6 +146,10 @@ class EngineOptions(_Model):
     extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, max_length=128, description="appended to `shoal-engine serve`; may not repeat "
                                                           "flags the operator sets")
+
+
+# The spec.engine fields that are engine flags, in rendering order.
+ENGINE_FLAG_FIELDS = tuple(name for name in EngineOptions.model_fields if name in EngineConfig.model_fields)
 
 
 class Resources(_Model):
@@ -137,7 +165,8 @@ class Resources(_Model):
     shm_size: Quantity = Field(default="2Gi", description="size limit of the in-memory /dev/shm")
     cache_size: Quantity | None = Field(default=None, description="size of the model cache (see model.cache.size, "
                                         "which wins)")
-    extra: dict[str, Quantity] = Field(
+    # values checked with the keys in semantic_errors, so the error names the resource: extra[rdma/hca]
+    extra: dict[str, IntOrString] = Field(
         default_factory=dict, description="more extended resources per pod, requested and limited (e.g. "
                                           "rdma/hca_shared_devices_a: 1)")
     tensor_parallel_across_pods: bool = Field(
@@ -145,13 +174,6 @@ class Resources(_Model):
         description="allow a tensor-parallel group to span pods (nodes): slow without NVLink-class networking, so "
                     "refused unless set. By default every pod holds whole tensor-parallel groups.",
     )
-
-    @field_validator("cpu", "memory", "shm_size", "cache_size")
-    @classmethod
-    def _quantity(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, str) and not re.match(QUANTITY_PATTERN, v):
-            raise ValueError(f"{v!r} is not a Kubernetes quantity")
-        return v
 
 
 class Scheduling(_Model):
@@ -261,13 +283,6 @@ class Autoscaling(_Model):
 class GatewayResources(_Model):
     cpu: Quantity | None = Field(default="250m", description="CPU request per gateway pod")
     memory: Quantity | None = Field(default="256Mi", description="memory request and limit per gateway pod")
-
-    @field_validator("cpu", "memory")
-    @classmethod
-    def _quantity(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, str) and not re.match(QUANTITY_PATTERN, v):
-            raise ValueError(f"{v!r} is not a Kubernetes quantity")
-        return v
 
 
 class GatewayOptions(_Model):
@@ -549,7 +564,7 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
         if not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$", key):
             errors.append(SpecError(f"spec.resources.extra[{key}]", "must be an extended resource name "
                                                                    "(domain/name, e.g. rdma/hca)"))
-        elif isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+        elif not is_quantity(value):
             errors.append(SpecError(f"spec.resources.extra[{key}]", f"{value!r} is not a Kubernetes quantity"))
     for i, env in enumerate(spec.env):
         if not isinstance(env.get("name"), str) or not env.get("name"):

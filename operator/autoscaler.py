@@ -396,21 +396,20 @@ async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
         server[0].shutdown()
 
 
-ISVC_INDEX = f"{api.KIND.lower()}_index"  # the id of handlers.py's index of InferenceServices
-
-
 def _autoscaled(spec: kopf.Spec, **_: Any) -> bool:
     return bool(spec.get("autoscaling"))
 
 
 @kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, id="autoscaler", when=_autoscaled,
              cancellation_backoff=INTERVAL + 0.5, cancellation_timeout=5.0)  # a tick ends, then the loop exits
-async def autoscale(namespace: str, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+async def autoscale(namespace: str, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
+                    inferenceservice_index: kopf.Index, **_: Any) -> None:
     """A kopf daemon (not a task of our own) so that kopf stops it when this operator replica pauses for a
     peer with a higher priority: only the leading replica scales. kopf puts a finalizer on autoscaled
-    InferenceServices for it (removed when spec.autoscaling goes)."""
+    InferenceServices for it (removed when spec.autoscaling goes). kopf injects handlers.py's index of
+    InferenceServices by its id."""
     autoscaler: Autoscaler = memo.autoscaler
-    autoscaler.indexes[api.KIND] = kwargs[ISVC_INDEX]
+    autoscaler.indexes[api.KIND] = inferenceservice_index
     await autoscaler.run((namespace, name), stopped)
 
 

@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# Defaults, documented in api.Autoscaling and the README.
+# Defaults, documented in api.Autoscaling and docs/autoscaling.md.
 DEFAULT_TARGET_IN_FLIGHT = 16
 DEFAULT_TARGET_KV_CACHE_USAGE = 0.8
 
@@ -162,8 +163,166 @@ def _inputs(obs: Observation, policy: Policy) -> str:
     return text + f"; {obs.ready} ready, {obs.starting} starting"
 
 
-def decide(obs: Observation, policy: Policy, history: History) -> Decision:
-    """The desired replica count for `obs`; updates `history` (call once per observation, in time order)."""
+@dataclass(frozen=True)
+class Tick:
+    """What the rules read at one decision: the observation, the policy, the history so far and the derived
+    numbers (rules never change any of it)."""
+
+    obs: Observation
+    policy: Policy
+    history: History
+    needed: int  # what the load needs now
+    signal: str  # which signal says so
+    busy: bool  # any load or a wake-up
+    up_to: int  # lowest recommendation of the scale-up window
+    down_to: int  # highest recommendation of the scale-down window
+
+    @property
+    def now(self) -> float:
+        return self.obs.now
+
+    @property
+    def current(self) -> int:
+        return self.obs.current
+
+    @property
+    def floor(self) -> int:  # fewest replicas short of zero
+        return max(self.policy.min_replicas, 1)
+
+    @property
+    def wants_fewer(self) -> bool:
+        return self.down_to < self.current
+
+    @property
+    def wants_zero(self) -> bool:
+        return self.wants_fewer and self.down_to == 0 and self.policy.min_replicas == 0
+
+    @property
+    def scaled_up_last(self) -> bool:
+        return self.history.last_direction > 0
+
+    @property
+    def idle_for(self) -> float:
+        h = self.history
+        return self.now - (h.last_busy if h.last_busy is not None else h.started_at)
+
+
+Verdict = tuple[int, str, str]  # (desired before limits, reason, why)
+
+
+# The rules, in the order they are asked: the first that answers decides. Each is a pure function of the tick.
+def scale_from_zero(t: Tick) -> Verdict | None:
+    if t.current == 0 and t.busy:  # someone is waiting: no window applies
+        return t.needed, "ScaleFromZero", f"scale from zero to {min(t.needed, t.policy.max_replicas)}"
+    return None
+
+
+def scale_up(t: Tick) -> Verdict | None:
+    p = t.policy
+    if min(t.up_to, p.max_replicas) <= t.current:
+        return None
+    if t.history.last_direction < 0 and t.history.since_change(t.now) < p.scale_up_window:
+        return t.current, "Stabilizing", f"{t.up_to} needed, but scaled down less than {p.scale_up_window:g}s ago"
+    capped = " (maxReplicas)" if t.up_to > p.max_replicas else ""
+    return t.up_to, "ScaleUp", f"scale up to {min(t.up_to, p.max_replicas)}{capped} by {t.signal}"
+
+
+def load_unknown(t: Tick) -> Verdict | None:
+    if t.obs.unanswered and t.needed < t.current:
+        return t.current, "LoadUnknown", (f"{t.needed} needed by the load seen, but {t.obs.unanswered} /metrics "
+                                          "did not answer; not scaling down on partial load")
+    return None
+
+
+def just_started_watching(t: Tick) -> Verdict | None:
+    # One idle scrape after an operator restart or a leader change is not an idle fleet.
+    watched = t.now - t.history.started_at
+    if not t.wants_fewer or watched >= t.policy.scale_down_window:
+        return None
+    if t.current > t.policy.max_replicas:
+        return t.current, "OutOfBounds", "replicas brought within [minReplicas, maxReplicas]"
+    return t.current, "Stabilizing", (f"{t.down_to} needed, but the load has been watched for only {watched:.0f}s "
+                                      f"of the {t.policy.scale_down_window:g}s scale-down window (the autoscaler "
+                                      "just started)")
+
+
+def scale_up_still_arriving(t: Tick) -> Verdict | None:
+    if t.wants_fewer and t.scaled_up_last and t.history.arrived_at is None:
+        return t.current, "WaitingForStartingReplicas", (f"{t.down_to} needed, but the replicas of the last "
+                                                         "scale-up are still starting")
+    return None
+
+
+def scale_up_just_arrived(t: Tick) -> Verdict | None:
+    window = t.policy.scale_down_window
+    arrived = t.history.arrived_at
+    if t.wants_fewer and t.scaled_up_last and arrived is not None and t.now - arrived < window:
+        return t.current, "Stabilizing", (f"{t.down_to} needed, but the last scale-up completed less than "
+                                          f"{window:g}s ago")
+    return None
+
+
+def last_replica_starting(t: Tick) -> Verdict | None:
+    # a replica still loading was asked for (by a held request, most likely): let it serve first
+    if t.wants_zero and t.obs.starting and t.current <= t.floor:
+        return t.current, "WaitingForStartingReplicas", (f"no load seen, but {t.obs.starting} replica(s) still "
+                                                         "starting; not scaling to zero")
+    return None
+
+
+def scale_to_zero(t: Tick) -> Verdict | None:
+    if t.wants_zero and t.idle_for >= t.policy.scale_to_zero_after:
+        return 0, "ScaleToZero", f"idle for {t.policy.scale_to_zero_after:g}s"
+    return None
+
+
+def scale_down_towards_zero(t: Tick) -> Verdict | None:
+    if t.wants_zero and t.current > t.floor:
+        return t.floor, "ScaleDown", f"scale down to {t.floor}; zero after {t.policy.scale_to_zero_after:g}s idle"
+    return None
+
+
+def waiting_to_scale_to_zero(t: Tick) -> Verdict | None:
+    after = t.policy.scale_to_zero_after
+    if t.wants_zero:
+        return t.current, "WaitingToScaleToZero", (f"idle for {min(t.idle_for, after):.0f}s of {after:g}s before "
+                                                   "scaling to zero")
+    return None
+
+
+def scale_down(t: Tick) -> Verdict | None:
+    target = max(t.down_to, t.floor)
+    if t.wants_fewer and target < t.current:
+        return target, "ScaleDown", f"scale down to {target}"
+    return None
+
+
+def out_of_bounds(t: Tick) -> Verdict | None:
+    if not t.policy.min_replicas <= t.current <= t.policy.max_replicas:
+        return t.current, "OutOfBounds", "replicas brought within [minReplicas, maxReplicas]"
+    return None
+
+
+def limited_by_max_replicas(t: Tick) -> Verdict | None:
+    if t.needed > t.current >= t.policy.max_replicas:
+        return t.current, "LimitedByMaxReplicas", f"{t.needed} needed, maxReplicas is {t.policy.max_replicas}"
+    return None
+
+
+def steady(t: Tick) -> Verdict:
+    return t.current, "Steady", f"{t.current} replicas fit the load"
+
+
+RULES: tuple[Callable[[Tick], Verdict | None], ...] = (
+    scale_from_zero, scale_up, load_unknown,
+    just_started_watching, scale_up_still_arriving, scale_up_just_arrived,
+    last_replica_starting, scale_to_zero, scale_down_towards_zero, waiting_to_scale_to_zero,
+    scale_down, out_of_bounds, limited_by_max_replicas, steady,
+)
+
+
+def _observe(obs: Observation, policy: Policy, history: History) -> Tick:
+    """Record the observation in `history` (load seen, the recommendation, arrival of a scale-up) -> the tick."""
     now, current = obs.now, obs.current
     if history.started_at is None:
         history.started_at = now
@@ -176,76 +335,29 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
     # Unknown load recommends what is there: the down window restarts once every scrape answers again.
     history.recommendations.append((now, max(needed, current) if obs.unanswered else needed))
     history.forget_before(now - max(policy.scale_up_window, policy.scale_down_window))
-    inputs = _inputs(obs, policy)
     if history.last_direction > 0 and history.arrived_at is None and (
             (current >= history.last_desired and obs.starting == 0)  # (current: the scale may not show yet)
             or history.since_change(now) >= policy.startup_timeout):
         history.arrived_at = now
+    up_to = min(n for t, n in history.recommendations if t >= now - policy.scale_up_window)
+    down_to = max(n for t, n in history.recommendations if t >= now - policy.scale_down_window)
+    return Tick(obs, policy, history, needed, signal, busy, up_to, down_to)
 
-    def result(desired: int, reason: str, why: str) -> Decision:
-        desired = min(max(desired, policy.min_replicas), policy.max_replicas)
-        direction = (desired > current) - (desired < current)
-        if direction:
-            history.last_change_time, history.last_direction, history.last_desired = now, direction, desired
-            history.arrived_at = None
-        return Decision(desired, reason, f"{why}: {inputs}", needed)
 
-    if current == 0 and busy:  # someone is waiting: no window applies
-        return result(needed, "ScaleFromZero", f"scale from zero to {min(needed, policy.max_replicas)}")
+def _remember_change(history: History, now: float, current: int, desired: int) -> None:
+    direction = (desired > current) - (desired < current)
+    if direction:
+        history.last_change_time, history.last_direction, history.last_desired = now, direction, desired
+        history.arrived_at = None
 
-    window_up = [n for t, n in history.recommendations if t >= now - policy.scale_up_window]
-    window_down = [n for t, n in history.recommendations if t >= now - policy.scale_down_window]
-    up_to, down_to = min(window_up), max(window_down)
 
-    if min(up_to, policy.max_replicas) > current:
-        if history.last_direction < 0 and history.since_change(now) < policy.scale_up_window:
-            return result(current, "Stabilizing", f"{up_to} needed, but scaled down less than "
-                                                  f"{policy.scale_up_window:g}s ago")
-        capped = " (maxReplicas)" if up_to > policy.max_replicas else ""
-        return result(up_to, "ScaleUp", f"scale up to {min(up_to, policy.max_replicas)}{capped} by {signal}")
-
-    if obs.unanswered and needed < current:
-        return result(current, "LoadUnknown", f"{needed} needed by the load seen, but {obs.unanswered} /metrics "
-                                              f"did not answer; not scaling down on partial load")
-    floor = max(policy.min_replicas, 1)
-    if down_to < current:
-        watched = now - history.started_at
-        if watched < policy.scale_down_window:
-            # One idle scrape after an operator restart or a leader change is not an idle fleet.
-            if current > policy.max_replicas:
-                return result(current, "OutOfBounds", "replicas brought within [minReplicas, maxReplicas]")
-            return result(current, "Stabilizing", f"{down_to} needed, but the load has been watched for only "
-                                                  f"{watched:.0f}s of the {policy.scale_down_window:g}s scale-down "
-                                                  "window (the autoscaler just started)")
-        if history.last_direction > 0:
-            if history.arrived_at is None:
-                return result(current, "WaitingForStartingReplicas", f"{down_to} needed, but the replicas of the "
-                                                                     "last scale-up are still starting")
-            if now - history.arrived_at < policy.scale_down_window:
-                return result(current, "Stabilizing", f"{down_to} needed, but the last scale-up completed less "
-                                                      f"than {policy.scale_down_window:g}s ago")
-        if down_to == 0 and policy.min_replicas == 0:
-            idle_for = now - (history.last_busy if history.last_busy is not None else history.started_at)
-            if obs.starting and current <= floor:
-                # a replica still loading was asked for (by a held request, most likely): let it serve first
-                return result(current, "WaitingForStartingReplicas",
-                              f"no load seen, but {obs.starting} replica(s) still starting; not scaling to zero")
-            if idle_for >= policy.scale_to_zero_after:
-                return result(0, "ScaleToZero", f"idle for {policy.scale_to_zero_after:g}s")
-            if current > floor:
-                return result(floor, "ScaleDown", f"scale down to {floor}; zero after "
-                                                  f"{policy.scale_to_zero_after:g}s idle")
-            return result(current, "WaitingToScaleToZero",
-                          f"idle for {min(idle_for, policy.scale_to_zero_after):.0f}s of "
-                          f"{policy.scale_to_zero_after:g}s before scaling to zero")
-        if max(down_to, floor) < current:
-            return result(max(down_to, floor), "ScaleDown", f"scale down to {max(down_to, floor)}")
-
-    if current < policy.min_replicas or current > policy.max_replicas:
-        return result(current, "OutOfBounds", "replicas brought within [minReplicas, maxReplicas]")
-    if needed > current and current >= policy.max_replicas:
-        return result(current, "LimitedByMaxReplicas", f"{needed} needed, maxReplicas is {policy.max_replicas}")
-    return result(current, "Steady", f"{current} replicas fit the load")
+def decide(obs: Observation, policy: Policy, history: History) -> Decision:
+    """The desired replica count for `obs`; updates `history` (call once per observation, in time order)."""
+    tick = _observe(obs, policy, history)
+    desired, reason, why = next(v for rule in RULES if (v := rule(tick)) is not None)
+    desired = min(max(desired, policy.min_replicas), policy.max_replicas)
+    _remember_change(history, obs.now, obs.current, desired)
+    return Decision(desired, reason, f"{why}: {_inputs(obs, policy)}", tick.needed)
 
 
 def pick_victims(replicas: list[ReplicaLoad], count: int) -> list[str]:

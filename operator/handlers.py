@@ -6,16 +6,21 @@ How it fits together
   manages (Deployments, StatefulSets, Services, ConfigMaps, NetworkPolicies, PodDisruptionBudgets, Pods),
   keyed by (namespace, InferenceService name). kopf fills them completely before any handler runs, so a
   restarted operator sees what exists and never duplicates it.
-* Every trigger — the resource created, updated or resumed, or any event of one of its children — marks the
-  InferenceService dirty and wakes one worker task per resource. The worker reconciles until it is clean:
+* Every trigger — the resource created, updated or resumed, or any event of one of its children — adds the
+  InferenceService to a work queue (workqueue.py): one worker task per resource reconciles until it is clean:
   render the desired children (render.py), server-side apply the missing and the drifted (a spec-hash
   annotation plus a subset comparison of the spec; apply removes what is no longer rendered, see kube.py),
   delete the unwanted (uid preconditions), restart
   multi-pod groups that lost a rank, then compute status from the indexes (status.py) and patch it when it
   changed.
-  A failed pass (API errors, conflicts) is retried with exponential backoff (0.2 s .. 10 s).
+  A failed pass (API errors, conflicts) is retried with exponential backoff (0.2 s .. 10 s). (kopf's own
+  retries belong to its change handlers, which child events do not reach, and a kopf daemon per resource would
+  put a finalizer on every InferenceService: hence this one small queue.)
+* A pass is a short sequence of named steps (``Reconciler.reconcile``): desired children with the rollout's next
+  step, apply, delete the unwanted, restart broken groups, write the status.
 * The kopf wiring is one table (``CHILDREN``, ``OWNER``): per watched kind an index, a watch label selector
-  and an event handler; the reconciler looks its indexes up by kind.
+  and an event handler; kopf injects the indexes into the handlers, which hand them to the reconciler.
+  The autoscaler's handlers live in autoscaler.py; ``shoal.operator.HANDLER_MODULES`` lists both modules.
 * An invalid spec (see api.validate) sets Ready=False / reason InvalidSpec naming the field, phase Failed,
   and leaves the children alone.
 """
@@ -35,6 +40,7 @@ from shoal.operator import api, render, rollout, status
 from shoal.operator.kube import CHILD_KINDS, KINDS, WATCHED_KINDS, ApiError, Kube, load_configuration
 from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
+from shoal.operator.workqueue import WorkQueue
 
 logger = logging.getLogger("shoal.operator")
 
@@ -125,49 +131,47 @@ def _event(isvc: dict[str, Any], type_: str, reason: str, message: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------- reconciler
 @dataclass
+class Desired:
+    """What one reconcile pass wants of the children."""
+
+    children: dict[tuple[str, str], dict[str, Any]]  # (kind, name) -> manifest to apply
+    keep: set[tuple[str, str]] = field(default_factory=set)  # outdated groups that still serve: left alone
+    in_place: set[tuple[str, str]] = field(default_factory=set)  # groups replaced in place (maxSurge 0)
+
+
+@dataclass
 class Reconciler:
     kube: Kube
     settings: Settings
     indexes: dict[str, Any] = field(default_factory=dict)
-    dirty: set[tuple[str, str]] = field(default_factory=set)
-    tasks: dict[tuple[str, str], asyncio.Task] = field(default_factory=dict)
     max_backoff: float = 10.0
+    recheck_interval: float = 30.0
     plans: dict[tuple[str, str], tuple[tuple, Plan]] = field(default_factory=dict)
+    queue: WorkQueue = field(init=False)
+    recheck_task: asyncio.Task | None = field(default=None, init=False)
 
-    def trigger(self, namespace: str, name: str) -> None:
-        key = (namespace, name)
-        self.dirty.add(key)
-        task = self.tasks.get(key)
-        if task is None or task.done():
-            self.tasks[key] = asyncio.get_running_loop().create_task(self._worker(key), name=f"reconcile {key}")
+    def __post_init__(self) -> None:
+        self.queue = WorkQueue(lambda key: self.reconcile(*key), name="reconcile", max_backoff=self.max_backoff)
 
-    async def _worker(self, key: tuple[str, str]) -> None:
-        failures = 0
-        try:
-            while key in self.dirty:
-                self.dirty.discard(key)
-                try:
-                    await self.reconcile(*key)
-                    failures = 0
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # API errors, conflicts, timeouts: retry the whole pass
-                    failures += 1
-                    delay = min(0.2 * 2 ** (failures - 1), self.max_backoff)
-                    level = logging.WARNING if failures > 2 else logging.INFO
-                    logger.log(level, "reconcile %s/%s failed (%s); retrying in %.1fs", *key, e, delay)
-                    self.dirty.add(key)
-                    await asyncio.sleep(delay)
-        finally:
-            if self.tasks.get(key) is asyncio.current_task():
-                del self.tasks[key]
+    def trigger(self, namespace: str, name: str, indexes: dict[str, Any] | None = None) -> None:
+        """Queue a reconcile of the InferenceService. `indexes`: kopf's, as the calling handler got them (the same
+        objects every time; the first call also starts the recheck loop)."""
+        if indexes is not None and not self.indexes:
+            self.indexes = indexes
+            self.recheck_task = asyncio.get_running_loop().create_task(self.recheck_forever(), name="recheck")
+        self.queue.add((namespace, name))
 
-    async def recheck_forever(self, interval: float) -> None:
+    def stop(self) -> None:
+        self.queue.cancel()
+        if self.recheck_task is not None:
+            self.recheck_task.cancel()
+
+    async def recheck_forever(self) -> None:
         """What no watch reports — pods a StatefulSet keeps failing to create (Events only), a model download
         outliving its budget — is found by reconciling every InferenceService that is not Ready now and then.
         (A kopf timer would do it too, but timers put a finalizer on every object.)"""
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.recheck_interval)
             for key in list(self.indexes.get(api.KIND) or {}):
                 isvcs = self._get(api.KIND, key)
                 conditions = ((isvcs[0] if isvcs else {}).get("status") or {}).get("conditions") or []
@@ -186,101 +190,130 @@ class Reconciler:
         return found
 
     async def reconcile(self, namespace: str, name: str) -> None:
+        """One pass, in the order of LeaderWorkerSet's Reconcile: desired state (rollout included), apply,
+        delete, restart broken groups, status."""
         key = (namespace, name)
-        isvcs = self._get(api.KIND, key)
-        if not isvcs:
-            self.plans.pop(key, None)
-            return  # deleted: the garbage collector removes the children through their ownerReferences
-        isvc = isvcs[0]
-        if status.terminating(isvc):
+        isvc = self._current(key)
+        if isvc is None:
             return
-        uid = isvc["metadata"].get("uid")
-        old_status = isvc.get("status") or {}
         try:
             plan = self._plan(isvc)
         except api.SpecError as e:
-            new_status = status.invalid_status(isvc, e)
-            if status.status_changed(old_status, new_status):
-                await self.kube.merge_patch(api.KIND, namespace, name, {"status": new_status}, subresource="status")
-                self._event_on_transition(isvc, old_status, new_status)
+            await self._write_status(isvc, status.invalid_status(isvc, e))
             return
-
-        observed = self.observed(key)
-        desired = {(o["kind"], o["metadata"]["name"]): o for o in plan.children}
-        pods = self._get("Pod", key)
-        keep: set[tuple[str, str]] = set()  # outdated groups that still serve: left alone until retired
-        in_place: set[tuple[str, str]] = set()  # groups replaced in place (maxSurge 0)
-        if plan.multi_pod:
-            groups = status.observe_groups([o for (kind, _), o in observed.items() if kind == "StatefulSet"
-                                            and _owned_by(o, uid)], pods, plan.pods_per_replica, plan.revision)
-            move = rollout.step(groups, plan.spec.replicas, plan.spec.rollout.max_surge,
-                                plan.spec.rollout.max_unavailable)
-            for g in groups:
-                if g.index in move.retire:
-                    continue
-                service, sts = plan.group(g.index)
-                desired[("Service", service["metadata"]["name"])] = service
-                if g.current or g.index in move.update:
-                    desired[("StatefulSet", sts["metadata"]["name"])] = sts
-                    if g.index in move.update:
-                        in_place.add(("StatefulSet", sts["metadata"]["name"]))
-                else:
-                    keep.add(("StatefulSet", sts["metadata"]["name"]))
-            for index in move.create:
-                desired.update({(o["kind"], o["metadata"]["name"]): o for o in plan.group(index)})
-            self._rollout_events(isvc, move, bool(groups))
-        if any(ck not in observed for ck in desired) and not await self._still_exists(isvc):
+        observed, pods = self.observed(key), self._get("Pod", key)
+        want = self._desired(isvc, plan, observed, pods)
+        if any(ck not in observed for ck in want.children) and not await self._still_exists(isvc):
             return  # deleted meanwhile (its DELETED event is still on its way): never resurrect its children
+        rejected = await self._apply(isvc, want, observed)
+        await self._delete_unwanted(isvc, want, observed)
+        if plan.multi_pod:
+            await self.restart_broken_groups(isvc, plan, observed, pods)
+        failed = await self._failed_creates(namespace, observed, pods, plan.pods_per_replica) if plan.multi_pod else []
+        await self._write_status(isvc, status.compute_status(isvc, plan, observed, pods, rejected,
+                                                             failed_creates=failed))
+        if rejected:  # an admission webhook or a policy may change its mind: retry, with the worker's backoff
+            raise ChildrenRejected("; ".join(rejected))
+
+    def _current(self, key: tuple[str, str]) -> dict[str, Any] | None:
+        """The InferenceService to reconcile, or None when it is gone (the garbage collector removes its
+        children through their ownerReferences) or terminating."""
+        isvcs = self._get(api.KIND, key)
+        if not isvcs:
+            self.plans.pop(key, None)
+            return None
+        return None if status.terminating(isvcs[0]) else isvcs[0]
+
+    def _desired(self, isvc: dict[str, Any], plan: Plan, observed: dict[tuple[str, str], dict],
+                 pods: list[dict[str, Any]]) -> Desired:
+        """The children this pass wants: the plan's, plus for multi-pod replicas the groups of the rollout's next
+        step (rollout.step) — outdated groups that still serve are kept, not wanted, until they are retired."""
+        want = Desired({(o["kind"], o["metadata"]["name"]): o for o in plan.children})
+        if not plan.multi_pod:
+            return want
+        uid = isvc["metadata"].get("uid")
+        groups = status.observe_groups([o for (kind, _), o in observed.items() if kind == "StatefulSet"
+                                        and _owned_by(o, uid)], pods, plan.pods_per_replica, plan.revision)
+        move = rollout.step(groups, plan.spec.replicas, plan.spec.rollout.max_surge, plan.spec.rollout.max_unavailable)
+        for g in groups:
+            if g.index in move.retire:
+                continue
+            service, sts = plan.group(g.index)
+            sts_key = ("StatefulSet", sts["metadata"]["name"])
+            want.children[("Service", service["metadata"]["name"])] = service
+            if g.current or g.index in move.update:
+                want.children[sts_key] = sts
+                if g.index in move.update:
+                    want.in_place.add(sts_key)
+            else:
+                want.keep.add(sts_key)
+        for index in move.create:
+            want.children.update({(o["kind"], o["metadata"]["name"]): o for o in plan.group(index)})
+        self._rollout_events(isvc, move, bool(groups))
+        return want
+
+    async def _apply(self, isvc: dict[str, Any], want: Desired, observed: dict[tuple[str, str], dict]) -> list[str]:
+        """Server-side apply the missing and the drifted children; -> what the API refused, for the status."""
+        namespace, uid = isvc["metadata"]["namespace"], isvc["metadata"].get("uid")
         created: list[str] = []
         rejected: list[str] = []
-        for ck, obj in desired.items():
+        for ck, obj in want.children.items():
             actual = observed.get(ck)
             if actual is not None and not _owned_by(actual, uid):
                 _event(isvc, "Warning", "ChildConflict",
                        message=f"{ck[0]} {ck[1]} exists but is not owned by this InferenceService; not touching it")
-            elif actual is None or _drifted(actual, obj):
-                try:
-                    await self.kube.apply(obj)  # creates, updates and removes fields we no longer render
-                except ApiError as e:
-                    if e.status == 422 and ck in in_place and actual is not None:
-                        # a StatefulSet field that cannot change (volumeClaimTemplates, ...): the group goes down
-                        # anyway, so replace the StatefulSet; the next pass creates it on the new spec
-                        await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
-                        _event(isvc, "Normal", "GroupRecreate", message=f"recreating {ck[1]}: {e.message}")
-                        continue
-                    if e.status not in REJECTED:
-                        raise
-                    rejected.append(f"{ck[0]} {ck[1]} rejected by the API ({e.status} {e.reason}): {e.message}")
+                continue
+            if actual is not None and not _drifted(actual, obj):
+                continue
+            try:
+                await self.kube.apply(obj)  # creates, updates and removes fields we no longer render
+            except ApiError as e:
+                if e.status == 422 and ck in want.in_place and actual is not None:
+                    # a StatefulSet field that cannot change (volumeClaimTemplates, ...): the group goes down
+                    # anyway, so replace the StatefulSet; the next pass creates it on the new spec
+                    await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
+                    _event(isvc, "Normal", "GroupRecreate", message=f"recreating {ck[1]}: {e.message}")
                     continue
-                if actual is None:
-                    created.append(f"{ck[0]} {ck[1]}")
-                else:
-                    logger.info("updated %s %s/%s", ck[0], namespace, ck[1])
+                if e.status not in REJECTED:
+                    raise
+                rejected.append(f"{ck[0]} {ck[1]} rejected by the API ({e.status} {e.reason}): {e.message}")
+                continue
+            if actual is None:
+                created.append(f"{ck[0]} {ck[1]}")
+            else:
+                logger.info("updated %s %s/%s", ck[0], namespace, ck[1])
         if created:
             _event(isvc, "Normal", "Created", message="created " + ", ".join(created))
-        for ck, actual in observed.items():
-            if ck not in desired and ck not in keep and _owned_by(actual, uid) and not status.terminating(actual):
-                try:
-                    await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
-                    _event(isvc, "Normal", "Deleted", message=f"deleted {ck[0]} {ck[1]} (no longer wanted)")
-                except ApiError as e:
-                    if e.status not in (404, 409):
-                        raise
-        if plan.multi_pod:
-            await self.restart_broken_groups(isvc, plan, observed, pods)
+        return rejected
 
-        failed = await self._failed_creates(namespace, observed, pods, plan.pods_per_replica) if plan.multi_pod else []
-        new_status = status.compute_status(isvc, plan, observed, pods, rejected, failed_creates=failed)
-        if status.status_changed(old_status, new_status):
+    async def _delete_unwanted(self, isvc: dict[str, Any], want: Desired,
+                               observed: dict[tuple[str, str], dict]) -> None:
+        """Delete owned children that are neither wanted nor kept (uid preconditions: never a successor)."""
+        namespace, uid = isvc["metadata"]["namespace"], isvc["metadata"].get("uid")
+        for ck, actual in observed.items():
+            if ck in want.children or ck in want.keep or not _owned_by(actual, uid) or status.terminating(actual):
+                continue
             try:
-                await self.kube.merge_patch(api.KIND, namespace, name, {"status": new_status}, subresource="status")
+                await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
+                _event(isvc, "Normal", "Deleted", message=f"deleted {ck[0]} {ck[1]} (no longer wanted)")
             except ApiError as e:
-                if e.status == 404:
-                    return  # deleted while we worked
-                raise
-            self._event_on_transition(isvc, old_status, new_status)
-        if rejected:  # an admission webhook or a policy may change its mind: retry, with the worker's backoff
-            raise ChildrenRejected("; ".join(rejected))
+                if e.status not in (404, 409):
+                    raise
+
+    async def _write_status(self, isvc: dict[str, Any], new_status: dict[str, Any]) -> None:
+        """Patch the status when it changed, and post an Event when readiness did."""
+        old_status = isvc.get("status") or {}
+        if not status.status_changed(old_status, new_status):
+            return
+        meta = isvc["metadata"]
+        try:
+            await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"], {"status": new_status},
+                                        subresource="status")
+        except ApiError as e:
+            if e.status == 404:
+                return  # deleted while we worked
+            raise
+        self._event_on_transition(isvc, old_status, new_status)
 
     def _plan(self, isvc: dict[str, Any]) -> Plan:
         """render.plan, memoised per (uid, generation): every child event re-reconciles, the spec rarely changes."""
@@ -406,7 +439,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     for w in CHILDREN:  # server-side filtering of the child watches
         settings.watching.label_selectors[(w.group, w.version, w.plural)] = MANAGED_SELECTOR
     if "reconciler" not in memo:
-        memo.reconciler = Reconciler(kube=Kube.from_environment(), settings=settings_from_env())
+        memo.reconciler = Reconciler(kube=Kube.from_environment(), settings=settings_from_env(),
+                                     recheck_interval=float(os.environ.get("SHOAL_RECHECK_SECONDS") or 30))
     logger.info("shoal-operator: engine image %s, %d GPUs per node", memo.reconciler.settings.engine_image,
                 memo.reconciler.settings.max_gpus_per_node)
 
@@ -433,8 +467,7 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     reconciler: Reconciler | None = memo.get("reconciler")
     if reconciler is not None:
-        for task in list(reconciler.tasks.values()):
-            task.cancel()
+        reconciler.stop()
         reconciler.kube.close()
 
 
@@ -472,34 +505,26 @@ for _w in CHILDREN:
     kopf.index(_w.group, _w.version, _w.plural, labels=_MANAGED, id=_w.index_id)(_child_index)
 
 
-def _trigger(memo: kopf.Memo, kwargs: dict[str, Any], namespace: str | None, name: str | None) -> None:
-    reconciler: Reconciler = memo.reconciler
-    if not reconciler.indexes:  # the same index objects on every call: bind them once
-        reconciler.indexes = {w.kind: kwargs[w.index_id] for w in (OWNER, *CHILDREN)}
-        # started from a handler, so that its reconciles run in kopf's handler context (kopf.event needs it)
-        interval = float(os.environ.get("SHOAL_RECHECK_SECONDS") or 30)  # tests shorten it
-        reconciler.tasks[("", "recheck")] = asyncio.get_running_loop().create_task(
-            reconciler.recheck_forever(interval), name="recheck")
-    if namespace and name:
-        reconciler.trigger(namespace, name)
+def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """kopf injects every index into every handler, as the keyword argument named by the index's id."""
+    return {w.kind: kwargs[w.index_id] for w in (OWNER, *CHILDREN)}
 
 
 @kopf.on.resume(OWNER.group, OWNER.version, OWNER.plural)
 @kopf.on.create(OWNER.group, OWNER.version, OWNER.plural)
 @kopf.on.update(OWNER.group, OWNER.version, OWNER.plural)
 async def isvc_changed(namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
-    _trigger(memo, kwargs, namespace, name)
+    memo.reconciler.trigger(namespace, name, _indexes(kwargs))
 
 
 async def child_changed(namespace: str, labels: dict, memo: kopf.Memo, **kwargs: Any) -> None:
     """Drift repair and status: any change of a child (incl. its deletion) re-reconciles its owner."""
-    _trigger(memo, kwargs, namespace, labels.get(L_ISVC))
+    if labels.get(L_ISVC):
+        memo.reconciler.trigger(namespace, labels[L_ISVC], _indexes(kwargs))
 
 
 for _w in CHILDREN:
     kopf.on.event(_w.group, _w.version, _w.plural, labels=_MANAGED, id=f"{_w.kind.lower()}_changed")(child_changed)
 
-
-from shoal.operator import autoscaler  # noqa: E402,F401  (registers the autoscaling handlers with kopf)
 
 __all__ = ["Reconciler", "settings_from_env"]

@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.engine import flags
+from shoal.engine.config import EngineConfig
 from shoal.operator import api, overlay
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
 
@@ -195,22 +197,9 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
         "--served-model-name", api.served_model_name(name, spec),
         "--host", "0.0.0.0",
         "--port", str(ENGINE_PORT),
-        "--tensor-parallel-size", str(e.tensor_parallel_size),
-        "--pipeline-parallel-size", str(e.pipeline_parallel_size),
-        "--dtype", e.dtype,
     ]
-    if e.max_model_len is not None:
-        args += ["--max-model-len", str(e.max_model_len)]
-    if e.max_num_seqs is not None:
-        args += ["--max-num-seqs", str(e.max_num_seqs)]
-    if e.max_num_batched_tokens is not None:
-        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
-    if e.gpu_memory_utilization is not None:
-        args += ["--gpu-memory-utilization", repr(e.gpu_memory_utilization)]
-    args.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
-    args += ["--attention-backend", e.attention_backend]
-    if e.enforce_eager:
-        args.append("--enforce-eager")
+    for option in api.ENGINE_FLAG_FIELDS:  # spec.engine -> the engine's own flags (unset: the engine's default)
+        args += flags.to_args(EngineConfig, option, getattr(e, option))
     if spec.model.chat_template:
         args += ["--chat-template", f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_KEY}"]
     args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
@@ -243,15 +232,8 @@ def _restricted_container(add_capabilities=()) -> dict[str, Any]:
     }
 
 
-def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, *,
-                 replica: int | None = None) -> dict[str, Any]:
-    name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
-    gpus = spec.gpus_per_pod(settings.max_gpus_per_node)
-    multi = spec.pods_per_replica(settings.max_gpus_per_node) > 1
-    pod_labels = labels(name, "engine")
-    if multi:
-        pod_labels[L_GROUP] = str(replica)
-
+def _engine_env(spec: InferenceServiceSpec, multi: bool) -> list[dict[str, Any]]:
+    """The env every container of the pod shares: cache locations, the rank (multi-pod), then the user's env."""
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
@@ -264,15 +246,20 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         env.append({"name": "SHOAL_NODE_RANK",
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}})
     user_names = {e.get("name") for e in spec.env}
-    env = [e for e in env if e["name"] not in user_names] + [copy.deepcopy(e) for e in spec.env]
-    # The API key reaches the engine only as an env var from the Secret, which the engine reads itself: never
-    # in args (the kubelet would expand it into /proc/*/cmdline and the runtime's config) nor in init containers.
-    engine_env = list(env)
-    ref = spec.security.api_key_secret_ref
-    if ref:
-        engine_env = [e for e in env if e["name"] != API_KEY_ENV] + [
-            {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+    return [e for e in env if e["name"] not in user_names] + [copy.deepcopy(e) for e in spec.env]
 
+
+def _with_api_key(env: list[dict[str, Any]], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The API key reaches the engine only as an env var from the Secret, which the engine reads itself: never
+    in args (the kubelet would expand it into /proc/*/cmdline and the runtime's config) nor in init containers."""
+    ref = spec.security.api_key_secret_ref
+    if not ref:
+        return list(env)
+    return [e for e in env if e["name"] != API_KEY_ENV] + [
+        {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def _engine_resources(spec: InferenceServiceSpec, gpus: int) -> dict[str, Any]:
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     if spec.resources.cpu is not None:
@@ -283,8 +270,14 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         requests[spec.resources.gpu_resource] = limits[spec.resources.gpu_resource] = str(gpus)
     for resource, quantity in spec.resources.extra.items():
         requests[resource] = limits[resource] = str(quantity)
-    resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+    size = spec.cache_size()
+    if size is not None and not _cache_claimed(spec):  # the emptyDir lives on the node's ephemeral storage
+        requests["ephemeral-storage"] = str(size)
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
+
+def _volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, the engine's volumeMounts): /dev/shm, the model cache, /tmp, a pvc:// model, the chat template."""
     mounts = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": CACHE_DIR},
@@ -295,10 +288,6 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         *cache_volume(name, spec),
         {"name": "tmp", "emptyDir": {}},
     ]
-    size = spec.cache_size()
-    if size is not None and not _cache_claimed(spec):  # the emptyDir lives on the node's ephemeral storage
-        requests["ephemeral-storage"] = str(size)
-        resources["requests"] = requests
     if spec.model.uri.startswith("pvc://"):
         claim = spec.model.uri[len("pvc://"):].split("/", 1)[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
@@ -306,51 +295,100 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     if spec.model.chat_template:
         volumes.append({"name": "chat-template", "configMap": {"name": f"{name}-chat-template"}})
         mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True})
+    return volumes, mounts
 
-    startup_path = "/readyz" if multi else "/startupz"  # workers (--headless) serve only /livez and /readyz
-    args = engine_args(name, namespace, spec, settings, replica=replica)
+
+def _engine_probes(spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
+    """Startup on /startupz with the model-load budget (workers, --headless, serve only /livez and /readyz),
+    readiness on /readyz, liveness on /livez (a hung rank fails it)."""
+    startup_path = "/readyz" if multi else "/startupz"
+    return {
+        "startupProbe": _probe(startup_path, 10, max(1, math.ceil(spec.probes.startup_timeout_seconds / 10)), 5),
+        "readinessProbe": _probe("/readyz", 5, 3, 5),
+        "livenessProbe": _probe("/livez", 10, 6, 10),
+    }
+
+
+def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, *,
+                      replica: int | None, multi: bool, env: list[dict[str, Any]],
+                      mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image or settings.engine_image,
         "command": ["/bin/sh", "-c", HEADLESS_WRAPPER, "shoal-engine"] if multi else ["shoal-engine", "serve"],
-        "args": args,
+        "args": engine_args(name, namespace, spec, settings, replica=replica),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
                  + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else []),
-        "env": engine_env,
-        "resources": resources,
+        "env": _with_api_key(env, spec),
+        "resources": _engine_resources(spec, spec.gpus_per_pod(settings.max_gpus_per_node)),
         "volumeMounts": mounts,
-        "startupProbe": _probe(startup_path, 10, max(1, math.ceil(spec.probes.startup_timeout_seconds / 10)), 5),
-        "readinessProbe": _probe("/readyz", 5, 3, 5),
-        "livenessProbe": _probe("/livez", 10, 6, 10),
+        **_engine_probes(spec, multi),
         "lifecycle": {"preStop": {"sleep": {"seconds": settings.prestop_seconds}}},
         "securityContext": _restricted_container(spec.security.capabilities),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    init_containers = []
-    if spec.model.uri.startswith("hf://"):
-        # The engine never downloads; this fills the cache volume it reads (HF_TOKEN may come from spec.env).
-        download_args = ["--model", spec.model.uri[len("hf://"):]]
-        if spec.model.revision:
-            download_args += ["--revision", spec.model.revision]
-        init_containers.append({
-            "name": DOWNLOAD_CONTAINER,
-            "image": container["image"],
-            "command": ["shoal-engine", "download"],
-            "args": download_args,
-            "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
-            "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
-            # a download is network and disk bound; requests keep the pod out of BestEffort while it runs,
-            # the limit bounds the hub client's parallel buffers
-            "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "8Gi"}},
-            "securityContext": {**copy.deepcopy(container["securityContext"]),
-                                "capabilities": {"drop": ["ALL"]}},
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-        })
-        if spec.image_pull_policy:
-            init_containers[0]["imagePullPolicy"] = spec.image_pull_policy
+    return container
 
+
+def _download_container(spec: InferenceServiceSpec, image: str, env: list[dict[str, Any]],
+                        mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The init container that fills the cache volume with an hf:// model: the engine never downloads (HF_TOKEN
+    may come from spec.env)."""
+    download_args = ["--model", spec.model.uri[len("hf://"):]]
+    if spec.model.revision:
+        download_args += ["--revision", spec.model.revision]
+    container = {
+        "name": DOWNLOAD_CONTAINER,
+        "image": image,
+        "command": ["shoal-engine", "download"],
+        "args": download_args,
+        "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
+        "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
+        # a download is network and disk bound; requests keep the pod out of BestEffort while it runs,
+        # the limit bounds the hub client's parallel buffers
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "8Gi"}},
+        "securityContext": _restricted_container(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
+
+
+def _placement(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """Where the pod may run and as whom: spec.scheduling, the service account, image pull secrets."""
+    sched = spec.scheduling
+    fields: dict[str, Any] = {
+        "nodeSelector": dict(sched.node_selector),
+        "tolerations": copy.deepcopy(sched.tolerations),
+        "affinity": copy.deepcopy(sched.affinity),
+        "priorityClassName": sched.priority_class_name,
+        "topologySpreadConstraints": copy.deepcopy(sched.topology_spread_constraints),
+        "schedulerName": sched.scheduler_name,
+        "runtimeClassName": sched.runtime_class_name,
+        "serviceAccountName": spec.pod.service_account_name,
+        "imagePullSecrets": [{"name": n} for n in spec.image_pull_secrets],
+    }
+    return {k: v for k, v in fields.items() if v}  # unset (None, empty) fields stay out of the manifest
+
+
+def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, *,
+                 replica: int | None = None) -> dict[str, Any]:
+    """The engine pod: its container, volumes and probes, placement, then the user's overlay (spec.pod.template)."""
+    name = isvc["metadata"]["name"]
+    multi = spec.pods_per_replica(settings.max_gpus_per_node) > 1
+    pod_labels = labels(name, "engine")
+    if multi:
+        pod_labels[L_GROUP] = str(replica)
+
+    env = _engine_env(spec, multi)
+    volumes, mounts = _volumes(name, spec)
+    container = _engine_container(isvc, spec, settings, replica=replica, multi=multi, env=env, mounts=mounts)
+    init_containers = ([_download_container(spec, container["image"], env, mounts)]
+                       if spec.model.uri.startswith("hf://") else [])
     pod_spec: dict[str, Any] = {
         **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
@@ -365,36 +403,24 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
             "fsGroup": settings.run_as_user,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
+        **_placement(spec),
     }
-    sched = spec.scheduling
-    if sched.node_selector:
-        pod_spec["nodeSelector"] = dict(sched.node_selector)
-    if sched.tolerations:
-        pod_spec["tolerations"] = copy.deepcopy(sched.tolerations)
-    if sched.affinity:
-        pod_spec["affinity"] = copy.deepcopy(sched.affinity)
-    if sched.priority_class_name:
-        pod_spec["priorityClassName"] = sched.priority_class_name
-    if sched.topology_spread_constraints:
-        pod_spec["topologySpreadConstraints"] = copy.deepcopy(sched.topology_spread_constraints)
-    if sched.scheduler_name:
-        pod_spec["schedulerName"] = sched.scheduler_name
-    if sched.runtime_class_name:
-        pod_spec["runtimeClassName"] = sched.runtime_class_name
-    if spec.pod.service_account_name:
-        pod_spec["serviceAccountName"] = spec.pod.service_account_name
-    if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
     metadata: dict[str, Any] = {"labels": {**spec.pod.labels, **pod_labels}}
     if spec.pod.annotations:
         metadata["annotations"] = dict(spec.pod.annotations)
-    template = {"metadata": metadata, "spec": pod_spec}
-    if spec.pod.template:
-        try:
-            template = overlay.strategic_merge(template, spec.pod.template)
-        except overlay.OverlayError as e:
-            raise api.SpecError(f"spec.pod.template.{e.path}", e.message) from None
-        template.setdefault("metadata", {}).setdefault("labels", {}).update(pod_labels)  # selectors stay intact
+    return _apply_overlay({"metadata": metadata, "spec": pod_spec}, spec, pod_labels)
+
+
+def _apply_overlay(template: dict[str, Any], spec: InferenceServiceSpec,
+                   pod_labels: dict[str, str]) -> dict[str, Any]:
+    """spec.pod.template merged last (strategic merge); the operator's labels win so selectors stay intact."""
+    if not spec.pod.template:
+        return template
+    try:
+        template = overlay.strategic_merge(template, spec.pod.template)
+    except overlay.OverlayError as e:
+        raise api.SpecError(f"spec.pod.template.{e.path}", e.message) from None
+    template.setdefault("metadata", {}).setdefault("labels", {}).update(pod_labels)
     return template
 
 

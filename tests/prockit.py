@@ -11,9 +11,29 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from signal import SIGCONT, SIGTERM  # by name: the class below has a method called signal
 
+from typing import Any
+
 from promkit import parse_metrics
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """The first truthy value of `predicate()`, polled every 20 ms; an AssertionError naming `what` (and the last
+    value) after `timeout` seconds. A predicate that raises KeyError, TypeError, IndexError or AttributeError (an
+    object or field not there yet) counts as not yet. The one wait helper of the tests."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except (KeyError, TypeError, IndexError, AttributeError):
+            last = None
+        if last:
+            return last
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def free_port() -> int:

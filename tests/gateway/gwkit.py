@@ -3,20 +3,9 @@
 from __future__ import annotations
 
 import sys
-import time
 
 from promkit import metric  # noqa: F401  (re-exported for the fleet tests)
-from prockit import LoggedProcess, free_port, http  # noqa: F401  (http re-exported for the fleet tests)
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+from prockit import LoggedProcess, free_port, http, wait_for  # noqa: F401  (re-exported for the fleet tests)
 
 
 class Proc(LoggedProcess):

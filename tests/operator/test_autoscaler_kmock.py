@@ -5,14 +5,13 @@ annotation), the EndpointSlice controller (slices pointing at a metrics endpoint
 from __future__ import annotations
 
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from opkit import condition, isvc_body, wait_for
+from kubekit import condition, isvc_body, wait_for
 
 from shoal.engine.gateway.wake import wake_patch
-from shoal.operator.autoscaler import A_DELETION_COST, A_WAKE
+from shoal.operator.autoscaler import A_DELETION_COST, A_WAKE, REGISTRY
 
 ISVC = "inferenceservices"
 
@@ -76,6 +75,11 @@ def publish_slices(env, ns: str, service: str, pods: list[str], engines: FakeEng
         env.client.create("endpointslices", ns, body)
 
 
+def decisions(ns: str, name: str) -> float:
+    """How many times the autoscaler (in this process, on kopf's thread) has decided for ns/name."""
+    return REGISTRY.get_sample_value("shoal:autoscaler_decision_seconds_count", {"namespace": ns, "name": name}) or 0
+
+
 def test_wake_annotation_scales_from_zero_at_once_and_reports_it(env, ns):
     body = isvc_body("chat", {"replicas": 0, "autoscaling": {
         "minReplicas": 0, "maxReplicas": 3, "scaleUpStabilizationSeconds": 30}})
@@ -87,8 +91,9 @@ def test_wake_annotation_scales_from_zero_at_once_and_reports_it(env, ns):
     st = wait_for(lambda: (env.client.get(ISVC, ns, "chat").get("status") or {}).get("autoscaling"), 10,
                   "status.autoscaling")
     assert st["desiredReplicas"] == 0
-    time.sleep(2.5)  # a few ticks: still at zero
-    assert env.client.get(ISVC, ns, "chat")["spec"]["replicas"] == 0
+    ticks = decisions(ns, "chat")
+    wait_for(lambda: decisions(ns, "chat") >= ticks + 2, 10, "two more autoscaler decisions")
+    assert env.client.get(ISVC, ns, "chat")["spec"]["replicas"] == 0  # still at zero
     # the gateway holds a request and asks for capacity
     env.client.patch(ISVC, ns, "chat", wake_patch())
     wait_for(lambda: env.client.get(ISVC, ns, "chat")["spec"]["replicas"] == 1, 5, "replicas 1")

@@ -9,42 +9,17 @@ request completes; a load ramp scales up; idle scales back down to zero, and no 
 from __future__ import annotations
 
 import importlib
-import sys
 import threading
 import time
 
 import pytest
-from fleetkit import Kubelet
-from opkit import isvc_body, wait_for
-from prockit import LoggedProcess, free_port
+from fleetkit import GatewayProcess, Kubelet, publish_gateway
+from kubekit import isvc_body, wait_for
 
 openai = importlib.import_module("openai")
 importlib.import_module("shoal.engine.gateway")
 
 ISVC = "inferenceservices"
-
-
-class GatewayProcess(LoggedProcess):
-    def __init__(self, namespace: str, name: str, service: str, hold_timeout: float = 90):
-        port = free_port()
-        super().__init__(
-            [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(port),
-             "--service", service, "--namespace", namespace, "--inferenceservice", name,
-             "--hold-timeout", str(hold_timeout)], port, log_prefix="gateway-")
-        self.base = self.url
-        self.wait_ready(30)
-
-    def close(self) -> None:
-        self.stop(timeout=15)
-
-
-def publish_gateway(client, ns: str, service: str, port: int) -> None:
-    """The local gateway process as the endpoint of the gateway Service (what the gateway pods would be)."""
-    client.create("endpointslices", ns, {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-        "metadata": {"name": f"{service}-local", "labels": {"kubernetes.io/service-name": service}},
-        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}]})
 
 
 def stream(client, model: str, max_tokens: int) -> tuple[str, float, float]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import Client, EmulatorServer, OperatorThread, _kubeconfig
-from opkit import isvc_body, wait_for
+from kubekit import Client, EmulatorServer, OperatorThread, isvc_body, wait_for, write_kubeconfig
 
 PEERING = "/apis/kopf.dev/v1/clusterkopfpeerings"
 
@@ -15,7 +14,7 @@ PEERING = "/apis/kopf.dev/v1/clusterkopfpeerings"
 def cluster(tmp_path_factory):
     server = EmulatorServer()
     mp = pytest.MonkeyPatch()
-    mp.setenv("KUBECONFIG", _kubeconfig(tmp_path_factory, server.url))
+    mp.setenv("KUBECONFIG", write_kubeconfig(tmp_path_factory.mktemp("kube") / "config", server.url))
     mp.setenv("SHOAL_ENGINE_IMAGE", "registry.test/shoal-engine:test")
     logging.getLogger("kopf").setLevel(logging.WARNING)
     client = Client(server.url)

@@ -12,7 +12,7 @@ import time
 
 import requests
 
-from opkit import condition, isvc_body, wait_for
+from kubekit import condition, isvc_body, wait_for
 
 from shoal.operator.render import L_GROUP, L_ISVC, L_MANAGED_BY, L_POD_INDEX
 
@@ -52,6 +52,13 @@ def ready_is(env, ns, name, status: str, reason: str | None = None, timeout: flo
         c = condition(get_isvc(env, ns, name), "Ready")
         return c if c and c["status"] == status and (reason is None or c["reason"] == reason) else None
     return wait_for(check, timeout, f"Ready={status} {reason or ''} on {ns}/{name}")
+
+
+def settled(env, ns: str, name: str) -> None:
+    """Wait until the reconciler has no pass running or pending for ns/name: everything it was told so far has
+    been acted on, so an assertion that nothing happened is meaningful (instead of sleeping and hoping)."""
+    reconciler = env.operator.memo.reconciler
+    wait_for(lambda: not reconciler.queue.busy((ns, name)), 10, f"the reconciler to settle on {ns}/{name}")
 
 
 def test_create_makes_children_with_owner_references(env, ns):
@@ -161,7 +168,8 @@ def test_invalid_spec_sets_invalidspec_and_touches_no_children(env, ns):
     env.client.create(ISVC, ns, isvc_body("bad2", {"engine": {"extraArgs": ["--port", "9000"]}}))
     cond = ready_is(env, ns, "bad2", "False", "InvalidSpec")
     assert "spec.engine.extraArgs[0]" in cond["message"]
-    time.sleep(0.3)
+    settled(env, ns, "bad")
+    settled(env, ns, "bad2")
     assert children(env, ns) == {}
     warnings = [e for e in env.cluster.find("events", ns) if e["reason"] == "InvalidSpec"]
     assert warnings and warnings[0]["type"] == "Warning"
@@ -176,7 +184,7 @@ def test_invalid_update_leaves_existing_children_alone(env, ns):
     dep = wait_for(lambda: env.client.get("deployments", ns, "keep"), 10, "deployment")
     env.client.patch(ISVC, ns, "keep", {"spec": {"replicas": 1, "engine": {"extraArgs": ["--model=x"]}}})
     ready_is(env, ns, "keep", "False", "InvalidSpec")
-    time.sleep(0.3)
+    settled(env, ns, "keep")
     assert env.client.get("deployments", ns, "keep")["metadata"]["resourceVersion"] == \
         dep["metadata"]["resourceVersion"]
     assert env.client.get("poddisruptionbudgets", ns, "keep") is not None
@@ -216,7 +224,8 @@ def test_multi_pod_group_restarts_together(env, ns):
             env.client.create("pods", ns, _group_pod(ns, "big", g, o))
             env.client.patch("pods", ns, f"big-g{g}-{o}", _pod_status(ready=o == 0), sub="status")
     # rank 1 not ready anywhere -> no group ready (a group is ready only when all its pods are)
-    time.sleep(0.3)
+    ready_is(env, ns, "big", "False", "ProbeFailing")  # the status has seen the running, unready rank 1 pods
+    settled(env, ns, "big")
     assert get_isvc(env, ns, "big")["status"]["readyReplicas"] == 0
     for g in (0, 1):
         env.client.patch("pods", ns, f"big-g{g}-1", _pod_status(ready=True), sub="status")
@@ -295,7 +304,7 @@ def test_operator_restart_resumes_without_duplicates(env, ns):
     env.restart_operator()
     wait_for(lambda: env.client.get("networkpolicies", ns, "res"), 10, "netpol recreated on resume")
     wait_for(lambda: env.client.get("deployments", ns, "res")["spec"]["replicas"] == 3, 10, "scaled on resume")
-    time.sleep(0.3)
+    settled(env, ns, "res")
     after = [w for w in env.cluster.writes if w[0] == "create" and w[2] == ns and w[1] != "events"]
     assert len(after) == before + 1  # only the missing NetworkPolicy
 
@@ -305,7 +314,7 @@ def test_deleting_the_isvc_collects_children(env, ns):
     wait_for(lambda: len(children(env, ns)) == 4 + len(gateway_children("gone")), 10, "children")
     env.client.delete(ISVC, ns, "gone")
     wait_for(lambda: children(env, ns) == {}, 10, "children collected through ownerReferences")
-    time.sleep(0.3)
+    settled(env, ns, "gone")  # the deletions of the children were seen too
     assert children(env, ns) == {}  # and nothing resurrects them
 
 
@@ -591,3 +600,41 @@ def test_multi_pod_to_single_pod_converges(env, ns):
     wait_for(lambda: converged(env, ns, "shrink"), 10, "single-pod children")
     assert L_POD_INDEX not in env.client.get("services", ns, "shrink-engines")["spec"]["selector"]
     assert env.client.get("statefulsets", ns, "shrink-g0") is None
+
+
+# ---- the gateway the operator deploys ---------------------------------------------------------------------------
+def _get(env, path: str) -> dict | None:
+    r = env.client.http.get(env.server.url + path)
+    if r.status_code == 404:
+        return None
+    r.raise_for_status()
+    return r.json()
+
+
+def test_operator_reconciles_the_gateway(env, ns):
+    env.client.create("inferenceservices", ns, isvc_body("llm", {"replicas": 2, "gateway": {"routing": "least-load"}}))
+    paths = {
+        "Deployment": f"/apis/apps/v1/namespaces/{ns}/deployments/llm-gateway",
+        "ServiceAccount": f"/api/v1/namespaces/{ns}/serviceaccounts/llm-gateway",
+        "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles/llm-gateway",
+        "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings/llm-gateway",
+        "engines Service": f"/api/v1/namespaces/{ns}/services/llm-engines",
+        "PodDisruptionBudget": f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/llm-gateway",
+        "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies/llm-gateway",
+    }
+    for what, path in paths.items():
+        wait_for(lambda p=path: _get(env, p), 15, f"the gateway's {what}")
+    dep = _get(env, paths["Deployment"])
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--routing") + 1] == "least-load" and dep["spec"]["replicas"] == 2
+    assert dep["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    service = f"/api/v1/namespaces/{ns}/services/llm"
+    wait_for(lambda: _get(env, service)["spec"]["selector"]["app.kubernetes.io/component"] == "gateway", 15,
+             "the Service to point at the gateway")
+
+    # Turned off: the gateway's objects go, and the Service points at the engines again.
+    env.client.patch("inferenceservices", ns, "llm", {"spec": {"gateway": {"enabled": False}}})
+    for what, path in paths.items():
+        wait_for(lambda p=path: _get(env, p) is None, 15, f"the gateway's {what} to be deleted")
+    wait_for(lambda: _get(env, service)["spec"]["selector"]["app.kubernetes.io/component"] == "engine", 15,
+             "the Service to point at the engines")

@@ -16,6 +16,8 @@ import openai
 import pytest
 from openai import OpenAI
 
+from prockit import wait_for
+
 from .conftest import metric
 
 KEY = "s3cret-key"
@@ -113,7 +115,7 @@ def test_second_sigterm_exits_promptly(keyed):
     it = iter(stream)
     next(it)
     keyed.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_for(lambda: keyed.get("/readyz")[0] == 503, 10, "readiness to fail once draining")  # SIGTERM handled
     assert keyed.proc.poll() is None  # still draining (shutdown timeout is 60s)
     t0 = time.monotonic()
     keyed.proc.send_signal(signal.SIGTERM)

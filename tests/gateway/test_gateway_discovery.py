@@ -1,9 +1,9 @@
-"""shoal-gateway on the API emulator: discovering engines from a Service's EndpointSlices, and the operator
-deploying (and removing) each InferenceService's gateway objects.
+"""shoal-gateway on the API emulator (tests/kubekit.py): discovering engines from a Service's EndpointSlices.
 
 The gateway is the real `shoal-gateway --service NAME --namespace NS` process, reading the emulator through the
-kubeconfig the `env` fixture writes. The engines behind it are stand-ins serving the engine's HTTP contract as far
-as the gateway uses it (/readyz, /metrics, /v1/completions), each recording what reached it.
+kubeconfig the `api` fixture writes; the test plays the EndpointSlice controller (no operator runs). The engines
+behind it are stand-ins serving the engine's HTTP contract as far as the gateway uses it (/readyz, /metrics,
+/v1/completions), each recording what reached it.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import asyncio
 import json
 import sys
 import threading
+import uuid
 
 import pytest
 from aiohttp import web
-from opkit import isvc_body, wait_for
-from prockit import LoggedProcess, free_port, http
+from kubekit import Client, EmulatorServer, write_kubeconfig
+from prockit import LoggedProcess, free_port, http, wait_for
 
 
 class StandInEngines:
@@ -83,6 +84,26 @@ def _gateway_backends(url: str) -> set[str]:
             if line.startswith("shoal:gateway_backend_healthy{") and line.endswith(" 1.0")} if status == 200 else set()
 
 
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    """The emulated API server and a client for it; KUBECONFIG points the gateway at it."""
+    server = EmulatorServer()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KUBECONFIG", write_kubeconfig(tmp_path_factory.mktemp("kube") / "config", server.url))
+    client = Client(server.url)
+    try:
+        yield client
+    finally:
+        client.http.close()
+        server.close()
+        mp.undo()
+
+
+@pytest.fixture
+def ns() -> str:
+    return "gw-" + uuid.uuid4().hex[:8]
+
+
 @pytest.fixture
 def engines():
     e = StandInEngines(3)
@@ -91,7 +112,7 @@ def engines():
 
 
 @pytest.fixture
-def gateway(env, ns):
+def gateway(api, ns):
     port = free_port()
     gw = LoggedProcess(
         [sys.executable, "-m", "shoal.engine.gateway", "--service", "llm", "--namespace", ns, "--routing",
@@ -104,9 +125,9 @@ def gateway(env, ns):
         gw.stop(timeout=20)
 
 
-def test_gateway_follows_ready_endpoints_of_the_service(env, ns, engines, gateway):
-    http = env.client.http
-    base = f"{env.server.url}/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+def test_gateway_follows_ready_endpoints_of_the_service(api, ns, engines, gateway):
+    http = api.http
+    base = f"{api.url}/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
     a, b, c = engines.ports
     url = {p: f"http://127.0.0.1:{p}" for p in engines.ports}
 
@@ -138,41 +159,3 @@ def test_gateway_follows_ready_endpoints_of_the_service(env, ns, engines, gatewa
     wait_for(lambda: _gateway_backends(gateway) == {url[c]}, 30, "the new engine alone")
     assert _post(gateway + "/v1/completions", {"model": "tiny", "prompt": "z"})[0] == 200
     assert engines.seen[c] == 1
-
-
-# ---- the operator deploys the gateway ------------------------------------------------------------------------
-def _get(env, path: str) -> dict | None:
-    r = env.client.http.get(env.server.url + path)
-    if r.status_code == 404:
-        return None
-    r.raise_for_status()
-    return r.json()
-
-
-def test_operator_reconciles_the_gateway(env, ns):
-    env.client.create("inferenceservices", ns, isvc_body("llm", {"replicas": 2, "gateway": {"routing": "least-load"}}))
-    paths = {
-        "Deployment": f"/apis/apps/v1/namespaces/{ns}/deployments/llm-gateway",
-        "ServiceAccount": f"/api/v1/namespaces/{ns}/serviceaccounts/llm-gateway",
-        "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles/llm-gateway",
-        "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings/llm-gateway",
-        "engines Service": f"/api/v1/namespaces/{ns}/services/llm-engines",
-        "PodDisruptionBudget": f"/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/llm-gateway",
-        "NetworkPolicy": f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies/llm-gateway",
-    }
-    for what, path in paths.items():
-        wait_for(lambda p=path: _get(env, p), 15, f"the gateway's {what}")
-    dep = _get(env, paths["Deployment"])
-    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--routing") + 1] == "least-load" and dep["spec"]["replicas"] == 2
-    assert dep["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
-    service = f"/api/v1/namespaces/{ns}/services/llm"
-    wait_for(lambda: _get(env, service)["spec"]["selector"]["app.kubernetes.io/component"] == "gateway", 15,
-             "the Service to point at the gateway")
-
-    # Turned off: the gateway's objects go, and the Service points at the engines again.
-    env.client.patch("inferenceservices", ns, "llm", {"spec": {"gateway": {"enabled": False}}})
-    for what, path in paths.items():
-        wait_for(lambda p=path: _get(env, p) is None, 15, f"the gateway's {what} to be deleted")
-    wait_for(lambda: _get(env, service)["spec"]["selector"]["app.kubernetes.io/component"] == "engine", 15,
-             "the Service to point at the engines")

@@ -10,6 +10,9 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
   status and one EndpointSlice per pod (a slice holds one port list, and each local pod has its own port).
 * A deleted pod turns not-ready/terminating in its EndpointSlice at once, gets SIGTERM (the engine drains its
   in-flight requests) and disappears when the process exits (SIGKILL after the grace period).
+
+`GatewayProcess` runs a real `shoal-gateway` discovering the engines through the emulator's EndpointSlices, and
+`publish_gateway` makes it the endpoint of the gateway Service (what the gateway pods would be).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from prockit import free_port
+from prockit import LoggedProcess, free_port
 
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 FINALIZER = "test.shoal.dev/kubelet"
@@ -216,3 +219,26 @@ class Kubelet:
             self.client.delete("endpointslices", self.ns, f"{self.service}-{pod_name}")
         except Exception:
             pass
+
+
+class GatewayProcess(LoggedProcess):
+    def __init__(self, namespace: str, name: str, service: str, hold_timeout: float = 90):
+        port = free_port()
+        super().__init__(
+            [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(port),
+             "--service", service, "--namespace", namespace, "--inferenceservice", name,
+             "--hold-timeout", str(hold_timeout)], port, log_prefix="gateway-")
+        self.base = self.url
+        self.wait_ready(30)
+
+    def close(self) -> None:
+        self.stop(timeout=15)
+
+
+def publish_gateway(client, ns: str, service: str, port: int) -> None:
+    """The local gateway process as the endpoint of the gateway Service (what the gateway pods would be)."""
+    client.create("endpointslices", ns, {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+        "metadata": {"name": f"{service}-local", "labels": {"kubernetes.io/service-name": service}},
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}]})

@@ -1,6 +1,8 @@
 """Autoscaling benchmark (not a test): a scripted load trace through a local fleet, and the figures issue 10 asks for.
 
-    python tests/operator/bench_autoscale.py [--clients 6] [--target 2] [--max-replicas 4]
+    cd tests && python -m benches.bench_autoscale [--clients 6] [--target 2] [--max-replicas 4]
+
+(run from tests/, so that the test kits there import as they do under pytest: kubekit, fleetkit, prockit)
 
 The fleet is the end-to-end test's: kmock's emulated API, the real operator (kopf in a thread), a real
 `shoal-gateway` process, and fleetkit's local kubelet running every engine pod as `shoal-engine serve` with a tiny
@@ -20,22 +22,17 @@ Figures:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # + prockit
-
-import openai  # noqa: E402
-from conftest import Client, EmulatorServer, OperatorThread, isvc_body  # noqa: E402
-from fleetkit import Kubelet  # noqa: E402
-from test_autoscaling_e2e import GatewayProcess, publish_gateway  # noqa: E402
+import openai
+from fleetkit import GatewayProcess, Kubelet, publish_gateway
+from kubekit import Client, EmulatorServer, OperatorThread, isvc_body, write_kubeconfig
 
 NS, NAME = "bench", "chat"
 
@@ -125,13 +122,7 @@ def main() -> None:
 
     model = make_model(tempfile.mkdtemp(prefix="bench-autoscale-"), arch="llama")
     server = EmulatorServer()
-    kubeconfig = Path(tempfile.mkdtemp()) / "config"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "e",
-        "clusters": [{"name": "e", "cluster": {"server": server.url}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "e", "context": {"cluster": "e", "user": "u"}}]}))
-    os.environ["KUBECONFIG"] = str(kubeconfig)
+    os.environ["KUBECONFIG"] = write_kubeconfig(Path(tempfile.mkdtemp()) / "config", server.url)
     operator = OperatorThread()
     client = Client(server.url)
     client.create("inferenceservices", NS, isvc_body(NAME, {

@@ -1,7 +1,9 @@
 """Scale benchmark (not a test): N InferenceServices against the emulated API, time until all are reconciled.
 
-    python tests/operator/bench_scale.py            # N = 50 and 200
-    python tests/operator/bench_scale.py 500
+    cd tests && python -m benches.bench_scale            # N = 50 and 200
+    cd tests && python -m benches.bench_scale 500
+
+(run from tests/, so that the test kits there import as they do under pytest: kubekit, prockit)
 
 For each N, a fresh emulator (conftest.Cluster) and a fresh operator (kopf in its own thread). Three figures:
   children+status  all N have their Deployment, gateway Service, NetworkPolicy and PDB, and a status with
@@ -13,43 +15,37 @@ For each N, a fresh emulator (conftest.Cluster) and a fresh operator (kopf in it
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kubekit import Client, EmulatorServer, OperatorThread, condition, isvc_body, wait_for, write_kubeconfig
 
-from conftest import Client, EmulatorServer, OperatorThread, condition, isvc_body  # noqa: E402
+from shoal.operator import render
 
-CHILDREN = ("deployments", "services", "networkpolicies", "poddisruptionbudgets")
+CHILDREN = {"deployments": "Deployment", "services": "Service", "networkpolicies": "NetworkPolicy",
+            "poddisruptionbudgets": "PodDisruptionBudget"}
 
 
-def wait_until(predicate, timeout: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise TimeoutError("benchmark did not converge")
+def children_per_isvc(spec: dict) -> dict[str, int]:
+    """How many objects of each kind in CHILDREN one InferenceService renders to (the gateway's included)."""
+    body = isvc_body("x", spec) | {"metadata": {"name": "x", "namespace": "bench"}}
+    kinds = Counter(c["kind"] for c in render.render(body))
+    return {plural: kinds[kind] for plural, kind in CHILDREN.items()}
 
 
 def run(n: int) -> dict[str, float]:
     server = EmulatorServer()
-    cfg = Path(tempfile.mkdtemp()) / "config"
-    cfg.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "e",
-        "clusters": [{"name": "e", "cluster": {"server": server.url}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "e", "context": {"cluster": "e", "user": "u"}}]}))
-    os.environ["KUBECONFIG"] = str(cfg)
+    os.environ["KUBECONFIG"] = write_kubeconfig(Path(tempfile.mkdtemp()) / "config", server.url)
     operator = OperatorThread()
     cluster = server.cluster
     client = Client(server.url)
     ns = "bench"
+    per_isvc = children_per_isvc({"replicas": 2})
     try:
         before = len(cluster._requests)
         t0 = time.monotonic()
@@ -58,11 +54,11 @@ def run(n: int) -> dict[str, float]:
         t_submit = time.monotonic() - t0
 
         def all_reconciled() -> bool:
-            if any(len(cluster.find(p, ns)) < n for p in CHILDREN):
+            if any(len(cluster.find(p, ns)) < n * per_isvc[p] for p in CHILDREN):
                 return False
             return sum(1 for o in cluster.find("inferenceservices", ns)
                        if (o.get("status") or {}).get("observedGeneration")) == n
-        wait_until(all_reconciled, 300)
+        wait_for(all_reconciled, 300, "every InferenceService reconciled")
         t_children = time.monotonic() - t0
 
         t1 = time.monotonic()
@@ -73,11 +69,11 @@ def run(n: int) -> dict[str, float]:
         def all_ready() -> bool:
             return sum(1 for o in cluster.find("inferenceservices", ns)
                        if (condition(o, "Ready") or {}).get("status") == "True") == n
-        wait_until(all_ready, 300)
+        wait_for(all_ready, 300, "every InferenceService Ready")
         t_ready = time.monotonic() - t1
         operator_requests = sum(1 for r in cluster._requests[before:]
                                 if not r.headers.get("X-Test-Client"))
-        dup = [p for p in CHILDREN if len(cluster.find(p, ns)) != n]
+        dup = [p for p in CHILDREN if len(cluster.find(p, ns)) != n * per_isvc[p]]
         return {"n": n, "submit_s": t_submit, "children_and_status_s": t_children, "ready_s": t_ready,
                 "requests_per_isvc": operator_requests / n, "duplicates": len(dup)}
     finally:

@@ -1,0 +1,110 @@
+"""One definition per engine option: spec.engine -> rendered args -> `shoal-engine serve` flags -> EngineConfig.
+
+EngineConfig's fields are the source (shoal.engine.config); the CLI flags and the CRD's engine block derive from
+them. These tests walk every option of spec.engine through the operator's rendering and the engine's own parser,
+so an option that is renamed, retyped or dropped on one side fails here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args, get_origin
+
+import pytest
+
+from shoal.engine import cli, flags
+from shoal.engine.config import DistributedConfig, EngineConfig
+from shoal.operator import api, render
+from shoal.operator.render import Settings
+
+# A valid non-default value of every numeric option (one spec: their cross-field rules must hold together).
+# Enums and booleans need none: every value of theirs is tried.
+NUMERIC_SAMPLES = {
+    "tensor_parallel_size": 2,
+    "pipeline_parallel_size": 4,
+    "max_model_len": 8192,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 4096,
+    "gpu_memory_utilization": 0.55,
+}
+
+
+def _values(name: str) -> list:
+    base = flags.base_type(api.EngineOptions.model_fields[name].annotation)
+    if base is bool:
+        return [True, False]
+    if get_origin(base) is Literal:
+        return list(get_args(base))
+    return [NUMERIC_SAMPLES[name]]
+
+
+CASES = [(name, value) for name in api.ENGINE_FLAG_FIELDS for value in _values(name)]
+
+
+def _parsed_config(spec: dict) -> tuple[EngineConfig, list[str]]:
+    isvc = {"apiVersion": api.API_VERSION, "kind": api.KIND,
+            "metadata": {"name": "llm", "namespace": "ns", "uid": "u"}, "spec": spec}
+    parsed = api.validate("llm", spec)
+    args = render.engine_args("llm", "ns", parsed, Settings())
+    assert render.pod_template(isvc, parsed, Settings())["spec"]["containers"][0]["args"] == args
+    ns = cli.build_parser().parse_args(["serve", *args])
+    return cli.engine_config_from_args(ns), args
+
+
+def test_every_engine_option_of_the_spec_is_an_engine_flag():
+    spec_only = set(api.EngineOptions.model_fields) - set(api.ENGINE_FLAG_FIELDS)
+    assert spec_only == {"shutdown_timeout_seconds", "extra_args"}  # a server flag and the pass-through
+    for name in api.ENGINE_FLAG_FIELDS:
+        assert flags.flag_of(EngineConfig.model_fields[name]) is not None, name
+        assert name in NUMERIC_SAMPLES or len(_values(name)) > 1, f"no sample value for spec.engine.{name}"
+
+
+@pytest.mark.parametrize("name,value", CASES, ids=[f"{n}={v}" for n, v in CASES])
+def test_option_round_trips_spec_to_engine_config(name, value):
+    camel = api.EngineOptions.model_fields[name].alias
+    config, args = _parsed_config({"model": {"uri": "hf://org/m"}, "engine": {camel: value}})
+    assert getattr(config, name) == value, args
+
+
+def test_all_options_together_round_trip():
+    engine = {api.EngineOptions.model_fields[n].alias: v for n, v in NUMERIC_SAMPLES.items()}
+    config, args = _parsed_config({"model": {"uri": "hf://org/m"}, "engine": engine})
+    assert {n: getattr(config, n) for n in NUMERIC_SAMPLES} == NUMERIC_SAMPLES, args
+    assert config.model == "org/m"
+
+
+def test_unset_options_keep_the_engine_defaults():
+    config, args = _parsed_config({"model": {"uri": "hf://org/m"}})
+    defaults = EngineConfig(model="org/m")
+    for name in api.ENGINE_FLAG_FIELDS:
+        assert getattr(config, name) == getattr(defaults, name), (name, args)
+    assert flags.flag_name(EngineConfig, "max_num_seqs") not in args  # left to the engine, not repeated
+
+
+def test_crd_descriptions_come_from_the_engine_flags():
+    for name in api.ENGINE_FLAG_FIELDS:
+        description = api.EngineOptions.model_fields[name].description
+        assert flags.flag_of(EngineConfig.model_fields[name]).help in description
+        assert flags.flag_name(EngineConfig, name) in description
+
+
+def test_help_lists_every_flag_with_its_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for model in (EngineConfig, DistributedConfig):
+        for name, flag in flags.flag_fields(model).items():
+            assert flags.flag_name(model, name) in out, name
+            assert " ".join(flag.help.split()[:4]) in out, name
+    assert "(default: 256)" in out and "(default: on)" in out  # defaults come from the fields
+
+
+@pytest.mark.parametrize("model,name,value", [
+    (EngineConfig, "enable_prefix_caching", False), (EngineConfig, "enforce_eager", True),
+    (EngineConfig, "kv_cache_dtype", "fp8"), (EngineConfig, "gpu_memory_utilization", 0.25),
+    (EngineConfig, "max_model_len", 4096), (DistributedConfig, "layer_partition", [5, 3]),
+    (DistributedConfig, "backend", "gloo"),
+])
+def test_to_args_is_the_inverse_of_parsing(model, name, value):
+    ns = cli.build_parser().parse_args(["serve", *flags.to_args(model, name, value)])
+    assert flags.values_from_args(ns, model)[name] == value
