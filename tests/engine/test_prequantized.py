@@ -71,7 +71,8 @@ def test_compressed_tensors_int8_matches_transformers_on_dequantized_weights(mod
 
 def test_compressed_tensors_int8_then_int8_kernel_keeps_the_checkpoint_integers(model_factory, tmp_path):
     """--quantization int8 over a per-channel int8 checkpoint re-quantizes every row to the checkpoint's own
-    integers and scales (up to one float32 rounding of the scale)."""
+    integers and scales (up to one float32 rounding of the scale) where the CPU has VNNI; without it, to the
+    nearest 7-bit integers of the checkpoint's weights."""
     from safetensors.torch import load_file
 
     from shoal.engine.execution.layers.linear import PackedMatmul
@@ -86,7 +87,12 @@ def test_compressed_tensors_int8_then_int8_kernel_keeps_the_checkpoint_integers(
         deq = o_proj.quantized.dequantize()
         text = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     ref = dense["model.layers.0.self_attn.o_proj.weight"]
-    assert torch.allclose(deq, ref, rtol=1e-6, atol=0)
+    if o_proj.quantized.weight_limit(torch.device("cpu")) == 127:
+        assert torch.allclose(deq, ref, rtol=1e-6, atol=0)
+    else:  # no VNNI: 7-bit weights (quantization/int8.py), so the checkpoint's integers are rounded once more
+        step = ref.abs().amax(dim=1, keepdim=True) / 63
+        assert "7-bit" in o_proj.quantized.kernel
+        assert ((deq - ref).abs() <= step / 2 * (1 + 1e-5)).all()
     assert len(text[0].outputs[0].token_ids) == 4
 
 
