@@ -10,6 +10,11 @@ _REGISTRY = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": ("moe", "OlmoeForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES = sorted(_REGISTRY)
