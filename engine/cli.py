@@ -59,12 +59,15 @@ def parse_dtype(text: str) -> str:
 
 # --------------------------------------------------------------------------------------------- argument groups
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    from shoal.engine.execution.models import SUPPORTED_ARCHITECTURES
+
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
                    help="local Hugging Face model directory, a hub id present in the local HF cache, or a .gguf "
                         "file (config, tokenizer and chat template from its metadata). Without it, the demo model: "
                         "SmolLM2-135M-Instruct if on this machine ($SHOAL_DEMO_GGUF or fetched by `shoal-engine "
-                        "demo`), else a tiny random-weight model.")
+                        "demo`), else a tiny random-weight model."
+                        + " Architectures (config.json's `architectures`): " + ", ".join(SUPPORTED_ARCHITECTURES) + ".")
     g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer directory, id or .gguf file (default: the model's; for a GGUF model, its metadata)")
@@ -86,6 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="mixture-of-experts models: place whole experts on the ranks of each tensor-parallel group "
+                        "(experts / tp per rank) instead of splitting every expert's width across them")
     g.add_argument("--max-model-len", type=parse_len, default=None,
                    help="context length (prompt + output); default: the model's (accepts 4k)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="maximum sequences per step (default 256)")
@@ -198,6 +204,7 @@ _ENGINE_FIELDS = (
     "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "scheduling_policy",
     "max_queue_len", "block_size", "gpu_memory_utilization", "kv_cache_memory", "kv_cache_dtype", "num_kv_blocks",
     "enable_prefix_caching", "attention_backend", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
+    "enable_expert_parallel",
 )
 
 

@@ -85,6 +85,9 @@ class EngineConfig(BaseModel):
 
     tensor_parallel_size: int = Field(default=1, gt=0)
     pipeline_parallel_size: int = Field(default=1, gt=0)
+    enable_expert_parallel: bool = Field(
+        default=False, description="MoE layers: the ranks of a tensor-parallel group hold whole experts (experts / "
+                                   "tp each) instead of a 1/tp slice of every expert (layers/moe.py)")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")

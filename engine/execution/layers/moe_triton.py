@@ -41,7 +41,7 @@ if triton is not None:
         expert = tl.load(block_expert_ptr + pid_m)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         slots = tl.load(sorted_slots_ptr + offs_m)
-        valid = (slots < num_slots) & (expert >= 0)
+        valid = slots < tl.where(expert >= 0, num_slots, 0)  # padding slots hold num_slots
         rows = tl.where(valid, slots // row_div, 0)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         b_base = b_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_be

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from shoal.engine.execution.models.base import CausalLM
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the registry itself is importable without torch (the CLI's --help lists it)
+    from shoal.engine.execution.models.base import CausalLM
 
 _REGISTRY = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
