@@ -119,3 +119,26 @@ def test_align_by_expert_groups_and_pads_each_expert():
             assert all(int(expert_of_slot[s]) == e for s in block)
     placed = sorted(s for s in slots.tolist() if s < S)
     assert placed == [i for i, e in enumerate(expert_of_slot.tolist()) if e < 3]  # every local slot exactly once
+
+
+@pytest.mark.parametrize("method,tol", [("int4", 1e-4), ("int8", 0.05)])
+def test_quantized_experts_equal_the_dense_math_on_their_weights(method, tol):
+    """--quantization on a FusedMoE: each expert quantized once; int4 (weight-only) equals the dense path on the
+    dequantized weights, int8 (W8A8: activations quantized per token too) within its activation rounding."""
+    from shoal.engine.execution.layers.moe import FusedMoE
+    from shoal.engine.execution.quantization import METHODS
+
+    torch.manual_seed(4)
+    layer = FusedMoE(num_experts=4, hidden=64, intermediate=64, dtype=torch.float32)
+    layer.w13.data.normal_(0, 0.2)
+    layer.w2.data.normal_(0, 0.2)
+    x = torch.randn(9, 64)
+    weights, ids = select_experts(torch.randn(9, 4), 2, renormalize=True)
+    ids[0] = torch.tensor([3, 1])  # expert 0 and 2 still get tokens elsewhere or none: both are fine
+    layer.quantize(METHODS[method])
+    assert not layer.w13.numel() and len(layer.quantized) == 4
+    w13 = torch.stack([q.dequantize() for q, _ in layer.quantized])
+    w2 = torch.stack([q.dequantize() for _, q in layer.quantized])
+    got = layer(x, weights, ids)
+    want = loop_reference(x, w13, w2, weights, ids)
+    assert (got - want).abs().max() <= tol * want.abs().max(), (got - want).abs().max()

@@ -67,8 +67,21 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
     """The grouped computation in torch ops: one sort of the pairs, then one batch per expert with tokens."""
+    inter = w2.shape[2]
+
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate_up = xs @ w13[e].t()
+        return (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[e].t()
+
+    return grouped_experts(x, topk_weights, topk_ids, expert_start, w13.shape[0], expert)
+
+
+def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int,
+                    num_experts: int, expert) -> torch.Tensor:
+    """sum over slots of weight * expert(e, tokens routed to e), with expert(e, xs) -> ys run once per local expert
+    that received tokens (a Python loop over experts, never over tokens)."""
     T, top_k = topk_ids.shape
-    E, inter = w13.shape[0], w2.shape[2]
+    E = num_experts
     local = topk_ids.reshape(-1) - expert_start
     local = torch.where((local >= 0) & (local < E), local, E)  # E: routed to another rank's expert
     order = torch.argsort(local, stable=True)
@@ -80,9 +93,7 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         if n:
             slots = order[start:start + n]
             tokens = slots // top_k
-            gate_up = x[tokens] @ w13[e].t()
-            y = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[e].t()
-            acc.index_add_(0, tokens, y.float() * weights[slots, None])
+            acc.index_add_(0, tokens, expert(e, x[tokens]).float() * weights[slots, None])
         start += n
     return acc.to(x.dtype)
 
@@ -141,7 +152,11 @@ class FusedMoE(nn.Module):
     """The experts of one layer, stacked: w13 [E_local, 2 * I_local, H] and w2 [E_local, H, I_local].
 
     Tensor parallel: all E experts, each with I / tp of its intermediate features. Expert parallel: E / tp whole
-    experts. forward returns this rank's partial sum; the caller all-reduces once (SparseMoeBlock)."""
+    experts. forward returns this rank's partial sum; the caller all-reduces once (SparseMoeBlock).
+    --quantization replaces the stacks by one quantized (gate_up, down) pair per expert (quantization/), run by
+    the grouped torch path with the method's own matmul kernel."""
+
+    quantized: list | None = None  # [(gate_up, down) QuantizedWeight] per local expert once quantized
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype):
         super().__init__()
@@ -174,8 +189,24 @@ class FusedMoE(nn.Module):
         self.w13.data[i, n:].copy_(read_up(0, s, n))
         self.w2.data[i].copy_(read_down(1, s, n))
 
+    def quantize(self, method) -> None:
+        """Quantize every local expert with `method` (a quantization.QuantizedWeight class) and free the stacks."""
+        self.quantized = [(method.from_dense(self.w13.data[e]), method.from_dense(self.w2.data[e]))
+                          for e in range(self.num_local)]
+        for p in (self.w13, self.w2):
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
+        if self.quantized is None:
+            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
+        n = self.inter_local
+
+        def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+            gate_up, down = self.quantized[e]
+            h = gate_up.matmul(xs)
+            return down.matmul(F.silu(h[:, :n]) * h[:, n:])
+
+        return grouped_experts(x, topk_weights, topk_ids, self.expert_start, self.num_local, expert)
 
 
 class SparseMoeBlock(nn.Module):
