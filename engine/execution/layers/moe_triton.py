@@ -69,7 +69,9 @@ def align_by_expert(expert_of_slot: torch.Tensor, num_experts: int, block_m: int
     """
     S = expert_of_slot.numel()
     device = expert_of_slot.device
-    counts = torch.bincount(expert_of_slot, minlength=num_experts + 1)[:num_experts]
+    # Not torch.bincount: its output size depends on the largest value, which costs a device sync (no capture).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts = counts.scatter_add_(0, expert_of_slot, torch.ones_like(expert_of_slot))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts
