@@ -137,8 +137,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     """sum over each token's k slots of weight * down(silu(gate(x)) * up(x)) for the slots whose expert is one of
     this rank's [expert_start, expert_start + E): x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I],
     topk_weights [T, k] float32, topk_ids [T, k] int64 (global ids). Returns [T, H] in x's dtype."""
-    if x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and os.environ.get("SHOAL_DISABLE_FUSED_OPS") != "1":
-        ops = load_cpu_kernel()[0]
+    if x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1:
+        ops = load_cpu_kernel()[0]  # None when disabled or not buildable
         if ops is not None:
             return ops.fused_experts(x, w13, w2, topk_weights.float(), topk_ids, expert_start)
     elif _triton_usable(x) and os.environ.get("SHOAL_DISABLE_FUSED_OPS") != "1":
