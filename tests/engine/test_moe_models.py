@@ -20,6 +20,8 @@ MODES = {
     "default": dict(block_size=4, max_model_len=128),
     # A pool too small for the batch and an 8-token budget: chunked prompts, decodes mixed in, preemptions.
     "chunked-preemption": dict(block_size=4, max_model_len=64, num_kv_blocks=16, max_num_batched_tokens=8),
+    # Decode steps padded to batch-size buckets from static buffers: padding rows are routed like real ones.
+    "decode-capture": dict(block_size=4, max_model_len=128, decode_capture="eager"),
 }
 
 
@@ -41,6 +43,8 @@ def test_greedy_matches_transformers(family, mode):
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
         outputs = llm.generate(PROMPTS, params)
         check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS)
+        if mode == "decode-capture":
+            assert llm.llm_engine.executor.runner.decode_graphs.num_padded_steps > 0
         if mode == "chunked-preemption":
             assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
         llm.llm_engine.pool.check_all_free()

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 CASES = [
     ("mixtral", 2, 1, False),    # every expert's intermediate width split 2 ways, one all-reduce per block
     ("olmoe", 2, 1, False),      # q/k norm over the whole projection, its mean of squares summed over the ranks
+    ("olmoe-kv1", 2, 1, False),  # ... with the one key head replicated on both ranks (counted once)
     ("qwen2_moe", 2, 1, True),   # expert parallel: 2 of 4 experts per rank, plus the TP-split shared expert
     ("qwen3_moe", 1, 2, False),  # pipeline stages with sparse and dense layers
 ]
@@ -23,7 +24,7 @@ CASES = [
 
 @pytest.mark.parametrize("arch,tp,pp,ep", CASES, ids=lambda v: str(v))
 def test_moe_parallel_matches_single_process_and_transformers(model_factory, arch, tp, pp, ep):
-    model_dir = model_factory(arch)
+    model_dir = model_factory("olmoe", num_key_value_heads=1) if arch == "olmoe-kv1" else model_factory(arch)
     with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=ep,
              **OPTIONS) as llm:
         executor = llm.llm_engine.executor
