@@ -163,7 +163,7 @@ class FusedMoE(nn.Module):
         super().__init__()
         ps = get_parallel_state()
         self.num_experts = num_experts
-        self.expert_parallel = bool(getattr(ps, "expert_parallel", False)) and ps.tp_size > 1
+        self.expert_parallel = ps.expert_parallel and ps.tp_size > 1
         if self.expert_parallel:
             self.num_local = divide(num_experts, ps.tp_size, "number of experts")
             self.expert_start = ps.tp_rank * self.num_local
