@@ -28,7 +28,11 @@ parse_bytes, parse_len, parse_dtype = flags.parse_bytes, flags.parse_len, flags.
 
 # --------------------------------------------------------------------------------------------- argument groups
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    from shoal.engine.execution.models import SUPPORTED_ARCHITECTURES  # the registry imports without torch
+
     flags.add_flags(p.add_argument_group(config.MODEL), config.EngineConfig, config.MODEL)
+    model = next(a for a in p._actions if a.dest == "model")
+    model.help += " Architectures (config.json's `architectures`): " + ", ".join(SUPPORTED_ARCHITECTURES) + "."
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -125,6 +125,9 @@ class EngineConfig(BaseModel):
     attention_backend: Annotated[AttentionBackend, Flag(
         ENGINE, "auto: flash > triton > sdpa on CUDA, cpu (C++ paged kernel) > sdpa on CPU")] = "auto"
     enforce_eager: Annotated[bool, Flag(ENGINE, "no CUDA graphs (never capture decode steps)")] = False
+    enable_expert_parallel: Annotated[bool, Flag(
+        ENGINE, "mixture-of-experts models: place whole experts on the ranks of each tensor-parallel group (experts / "
+                "tp per rank) instead of splitting every expert's width across them (layers/moe.py)")] = False
     decode_capture: Literal["auto", "cuda-graph", "eager", "none"] = Field(
         default="auto", description="decode capture backend; auto: cuda-graph on CUDA, none on CPU")
     max_queue_len: Annotated[int, Flag(ENGINE, "waiting requests beyond this are refused with 429")] = Field(

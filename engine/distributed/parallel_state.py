@@ -19,6 +19,7 @@ class ParallelState:
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: Any = None  # torch.distributed ProcessGroup of this rank's tensor-parallel peers
+    expert_parallel: bool = False  # MoE layers hold whole experts per tp rank (--enable-expert-parallel)
 
     @property
     def is_first_stage(self) -> bool:

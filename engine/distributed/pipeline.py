@@ -16,6 +16,7 @@ larger M pays off.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ class PipelineStats:
 def build_runner(group: Group, config, model_dir, hf_config, dtype, device, max_model_len: int) -> ModelRunner:
     """This rank's ModelRunner: the layers read the group's parallel state while they are built."""
     previous = get_parallel_state()
-    set_parallel_state(group.state)
+    set_parallel_state(dataclasses.replace(group.state, expert_parallel=config.enable_expert_parallel))
     try:
         return ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
                            config.distributed.layer_partition, block_size=config.block_size,

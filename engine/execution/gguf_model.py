@@ -1,7 +1,8 @@
 """Serve a single GGUF file (llama.cpp's format): config, tokenizer and weights all come from the file.
 
 - `is_gguf(path)`: a file that starts with the GGUF magic.
-- `gguf_config(path)`: a transformers config built from the GGUF metadata (llama, mistral, qwen2 families).
+- `gguf_config(path)`: a transformers config built from the GGUF metadata (llama, mistral, qwen2, qwen3 families,
+  and Mixtral, which llama.cpp files as llama with `llama.expert_count`).
 - `load_gguf_tokenizer(path)`: transformers' GGUF tokenizer conversion (vocabulary, merges, special tokens and the
   chat template stored in the metadata).
 - `GGUFWeightSource`: the `WeightSource` interface over the file's tensors, under Hugging Face names. Every tensor
@@ -12,6 +13,10 @@
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (interleaved rotary halves); they are put
 back in Hugging Face order per head, which is why a rank's q/k slice must start on a head boundary.
+
+Mixture-of-experts files stack each layer's experts in one tensor per projection (`ffn_gate_exps`, `ffn_up_exps`,
+`ffn_down_exps`: [experts, rows, cols]); each expert is exposed under its Hugging Face name and reads only its own
+rows of the stack (quantization blocks never span experts), so a rank loads its experts' bytes and nothing more.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "mistral": ("mistral", "MistralForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
 
 # GGUF tensor names -> Hugging Face names (the llama family; other families need their own table).
@@ -45,7 +51,11 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Mixtral's router and stacked experts (the Hugging Face names of expert e: experts.{e}.w1/w3/w2).
+_MOE_NAMES = {"ffn_gate_inp": "block_sparse_moe.gate"}
+_EXPERT_STACKS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -94,7 +104,9 @@ def _architecture(reader, path) -> tuple[str, str, str, bool]:
         raise WeightError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {supported})")
     model_type, hf_arch, permuted = ARCHITECTURES[arch]
     name = str(_field(reader, "general.name", "") or "").lower()
-    if arch == "llama" and "mistral" in name:  # llama.cpp files Mistral under llama
+    if arch == "llama" and int(_field(reader, "llama.expert_count", 0) or 0) > 0:  # Mixtral is filed under llama
+        model_type, hf_arch = "mixtral", "MixtralForCausalLM"
+    elif arch == "llama" and "mistral" in name:  # llama.cpp files Mistral under llama
         model_type, hf_arch = "mistral", "MistralForCausalLM"
     return arch, model_type, hf_arch, permuted
 
@@ -138,8 +150,13 @@ def gguf_config(path: str | os.PathLike):
         kw["head_dim"] = int(head_dim)
     if model_type == "llama":
         kw["attention_bias"] = "blk.0.attn_q.bias" in names
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         kw["sliding_window"] = None
+    if model_type == "mixtral":
+        kw["num_local_experts"] = int(need("expert_count"))
+        kw["num_experts_per_tok"] = int(need("expert_used_count"))
+    if model_type == "qwen3":
+        kw["attention_bias"] = "blk.0.attn_q.bias" in names
     for key, attr in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("padding_token_id", "pad_token_id")):
         value = _field(reader, f"tokenizer.ggml.{key}")
@@ -169,13 +186,20 @@ class GGUFWeightSource:
         _, _, _, self._permuted = _architecture(reader, path)
         self._heads = {"self_attn.q_proj": hf_config.num_attention_heads,
                        "self_attn.k_proj": hf_config.num_key_value_heads}
-        self._tensors = {}
+        self._tensors = {}  # Hugging Face name -> GGUF tensor
+        self._expert = {}  # Hugging Face name of one expert -> its index in the stacked GGUF tensor
         for t in reader.tensors:
+            stem = t.name.rpartition(".")[0].split(".")
+            if len(stem) == 3 and stem[0] == "blk" and stem[2] in _EXPERT_STACKS and t.name.endswith(".weight"):
+                for e in range(int(t.shape[-1])):  # GGUF lists dimensions innermost first: experts last
+                    name = f"model.layers.{stem[1]}.block_sparse_moe.experts.{e}.{_EXPERT_STACKS[stem[2]]}.weight"
+                    self._tensors[name], self._expert[name] = t, e
+                continue
             hf = self._hf_name(t.name)
             if hf is not None:
                 self._tensors[hf] = t
         self.used: set[str] = set()
-        types = Counter(t.tensor_type.name for t in self._tensors.values())
+        types = Counter(t.tensor_type.name for t in {id(t): t for t in self._tensors.values()}.values())
         quantized = sorted(k for k in types if k not in ("F32", "F16", "BF16"))
         logger.info("GGUF %s: tensor types %s; %s", self.model_dir.name,
                     ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
@@ -192,6 +216,8 @@ class GGUFWeightSource:
         parts = stem.split(".")
         if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
             return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _MOE_NAMES:
+            return f"model.layers.{parts[1]}.{_MOE_NAMES[parts[2]]}.{kind}"
         return None
 
     def names(self) -> set[str]:
@@ -207,7 +233,8 @@ class GGUFWeightSource:
         return self._tensors[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._tensor(name).shape))  # GGUF lists dimensions innermost first
+        dims = tuple(int(d) for d in reversed(self._tensor(name).shape))  # GGUF lists dimensions innermost first
+        return dims[1:] if name in self._expert else dims
 
     def load(self, name: str, expected_shape: tuple[int, ...] | None = None,
              dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
@@ -220,7 +247,8 @@ class GGUFWeightSource:
                               f"{list(expected_shape)}")
         if dim is not None and length is None:
             length = full[dim] - start
-        data, rows, cols = t.data, dim == 0 and len(full) == 2, dim == 1 and len(full) == 2
+        data = t.data[self._expert[name]] if name in self._expert else t.data  # one expert of a stack: its rows
+        rows, cols = dim == 0 and len(full) == 2, dim == 1 and len(full) == 2
         if rows:  # a row range is a byte range: dequantize only this rank's rows
             data = data[start:start + length]
         elif cols:  # whole quantization blocks of every row, when the column range falls on block boundaries

@@ -5,7 +5,9 @@ Shoal's engine and through transformers: one request at a time, and in left-padd
 figure counts only the tokens each request asked for, so padding work is not rewarded.
 
 The model is `--model DIR` (any local Hugging Face directory) or a built-in random-weight preset: `bench` (wide and
-shallow: hidden 512, 8 layers) or `smollm2-135m` (deep and narrow: SmolLM2-135M's shape, 30 layers, hidden 576).
+shallow: hidden 512, 8 layers), `smollm2-135m` (deep and narrow: SmolLM2-135M's shape, 30 layers, hidden 576) or
+`olmoe-moe` (OLMoE's mixture-of-experts layout: 8 layers, hidden 512, 32 experts of width 512, top-4; --profile
+prints the MoE blocks' share of a decode step).
 `--profile` runs the workload once more with timers attached and prints where a step's time goes, with the
 memory-traffic floor of a decode step (see shoal.engine.tools.step_profile).
 
@@ -36,6 +38,11 @@ PRESETS = {
     "smollm2-135m": ("smollm2-135m-shape", dict(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)),
+    # Mixture of experts, OLMoE's layout at bench scale: 32 experts of width 512, top-4, q/k norm.
+    "olmoe-moe": ("bench-olmoe-512", dict(
+        arch="olmoe", vocab_size=32000, hidden_size=512, intermediate_size=512, num_experts=32,
+        num_experts_per_tok=4, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        max_position_embeddings=2048, tie_word_embeddings=False, clip_qkv=None)),
 }
 
 
@@ -48,10 +55,12 @@ def bench_model_dir(preset: str = "bench") -> Path:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     name, config = PRESETS[preset]
+    config = dict(config)
+    arch = config.pop("arch", "llama")
     root = Path(os.environ.get("SHOAL_CACHE", Path.home() / ".cache" / "shoal"))
     path = root / name
     if not (path / "config.json").exists():
-        make_model(path, arch="llama", seed=0, dtype="bfloat16", **config)
+        make_model(path, arch=arch, seed=0, dtype="bfloat16", **config)
     return path
 
 
@@ -161,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shoal-engine bench throughput", description=__doc__)
     ap.add_argument("--model", help="a local Hugging Face model directory (default: the --preset model)")
     ap.add_argument("--preset", default="bench", choices=sorted(PRESETS),
-                    help="built-in random-weight model when no --model is given: bench (hidden 512, 8 layers) or "
-                         "smollm2-135m (SmolLM2-135M's shape: 30 layers, hidden 576, vocab 49152)")
+                    help="built-in random-weight model when no --model is given: bench (hidden 512, 8 layers), "
+                         "smollm2-135m (SmolLM2-135M's shape: 30 layers, hidden 576, vocab 49152) or olmoe-moe "
+                         "(8 layers, hidden 512, 32 experts of width 512, top-4)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))

@@ -2,8 +2,9 @@
 
 StepProfiler attaches timers to an engine from the outside (wrapped methods and forward hooks, all removed by
 detach), so the engine carries no profiling code: scheduler, host-side batch building, the model forward split
-into embedding / each decoder layer (its linear layers, its attention — KV write plus kernel — and the rest:
-norms, RoPE, activations, residual adds) / final norm; then the LM head (logits), the sampler, detokenization, and
+into embedding / each decoder layer (its linear layers, its attention — KV write plus kernel —, its MoE blocks —
+router, experts, shared expert and their all-reduce — and the rest: norms, RoPE, activations, residual adds) /
+final norm; then the LM head (logits), the sampler, detokenization, and
 the engine's own bookkeeping (what is left of the step). Steps whose every sequence decodes one token are
 reported apart from steps that carry prompt tokens.
 
@@ -23,6 +24,7 @@ import torch
 
 from shoal.engine.execution.attention.layer import PagedAttention
 from shoal.engine.execution.layers.linear import PackedMatmul
+from shoal.engine.execution.layers.moe import SparseMoeBlock
 from shoal.engine.execution.sampling import Sampler
 
 
@@ -117,8 +119,14 @@ class StepProfiler:
             self._hook(m.embed_tokens, "model/embedding")
         for layer in m.layers:
             self._hook(layer, "model/layers")
+        in_moe = {id(sub) for block in m.layers.modules() if isinstance(block, SparseMoeBlock)
+                  for sub in block.modules()}
         for module in m.layers.modules():
-            if isinstance(module, PagedAttention):
+            if isinstance(module, SparseMoeBlock):
+                self._hook(module, "model/layers/moe")
+            elif id(module) in in_moe:
+                continue  # counted in its MoE block's time
+            elif isinstance(module, PagedAttention):
                 self._hook(module, "model/layers/attention")
             elif isinstance(module, PackedMatmul):
                 self._hook(module, "model/layers/linear")
@@ -171,7 +179,9 @@ class StepProfiler:
             "model/layers": layers,
             "model/layers/linear": t.get("model/layers/linear", 0.0),
             "model/layers/attention": t.get("model/layers/attention", 0.0),
-            "model/layers/other": layers - t.get("model/layers/linear", 0.0) - t.get("model/layers/attention", 0.0),
+            "model/layers/moe": t.get("model/layers/moe", 0.0),
+            "model/layers/other": layers - t.get("model/layers/linear", 0.0) - t.get("model/layers/attention", 0.0)
+            - t.get("model/layers/moe", 0.0),
             "model/final norm": model - layers - t.get("model/embedding", 0.0),
             "lm head (logits)": t.get("lm head", 0.0),
             "sampler": t.get("sampler", 0.0),
@@ -213,10 +223,18 @@ class StepProfiler:
             if isinstance(module, PackedMatmul):
                 out_f, in_f = module.weight_shape
                 total += 2 * out_f * in_f
+            elif isinstance(module, SparseMoeBlock):  # a token runs top_k of the experts: gate, up and down
+                e = module.experts
+                total += 2 * module.top_k * 3 * e.hidden * e.inter_local * e.num_local // e.num_experts
         return total
 
     def report(self, bandwidth: float | None = None, matmul_flops: float | None = None) -> str:
         lines = []
+        decode = self.breakdown("decode")
+        if decode.get("model/layers/moe"):
+            lines.append(f"MoE blocks (router, experts, shared expert): {decode['model/layers/moe']:.2f} ms of a "
+                         f"{decode['step']:.2f} ms decode step = {100 * decode['model/layers/moe'] / decode['step']:.1f}%"
+                         f" ({100 * decode['model/layers/moe'] / decode['model forward']:.1f}% of the model forward)")
         for kind in ("decode", "prefill"):
             rows = self.breakdown(kind)
             if not rows:
@@ -230,6 +248,8 @@ class StepProfiler:
                 extra = f", mean batch {b:.1f}, mean context {c:.0f} tokens"
             lines.append(f"{label}: {self.steps[kind]}{extra}; mean ms per step:")
             nlayers = len(self.model.layers)
+            if not self.totals[kind].get("model/layers/moe"):
+                rows.pop("model/layers/moe")  # a dense model: no MoE row
             for name, ms in rows.items():
                 depth = name.count("/")
                 short = name.rsplit("/", 1)[-1]

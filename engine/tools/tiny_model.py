@@ -59,6 +59,19 @@ def make_tokenizer(path: str | os.PathLike, vocab_size: int = 384, chat_template
     return fast
 
 
+_MOE_CONFIGS = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=96, num_local_experts=4)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=112, moe_intermediate_size=48, num_experts=4,
+                                         shared_expert_intermediate_size=80, mlp_only_layers=[1],
+                                         norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=112, moe_intermediate_size=48, num_experts=4,
+                                         decoder_sparse_step=1, mlp_only_layers=[2], norm_topk_prob=True,
+                                         head_dim=24)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=48, num_experts=4, norm_topk_prob=False, clip_qkv=4.0)),
+}
+MOE_ARCHS = list(_MOE_CONFIGS)
+
+
 def _config(arch: str, vocab_size: int, **overrides):
     import transformers as tf
 
@@ -72,6 +85,16 @@ def _config(arch: str, vocab_size: int, **overrides):
         )
         if arch == "mistral":
             kw["sliding_window"] = None
+    elif arch in _MOE_CONFIGS or arch == "qwen3":
+        # Several layers, grouped-query attention, 4 experts with top-2 routing; each family's own switches set
+        # so that every code path runs (dense layers between sparse ones, shared expert, q/k norms, clipping).
+        base = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
+        if arch == "qwen3":
+            cls, kw = tf.Qwen3Config, dict(base, intermediate_size=112, head_dim=24)
+        else:
+            name, extra = _MOE_CONFIGS[arch]
+            cls, kw = getattr(tf, name), dict(base, num_experts_per_tok=2, **extra)
     elif arch == "bloom":
         cls = tf.BloomConfig
         kw = dict(hidden_size=80, n_layer=3, n_head=5)

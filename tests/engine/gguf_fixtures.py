@@ -41,8 +41,9 @@ def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32", embed_type: str | None = None,
                seed: int = 0, name: str = "tiny") -> Path:
-    """Convert the tiny HF model in `model_dir` (llama or qwen2) into a GGUF file; 2-D weights get `weight_type`
-    (the token embedding `embed_type`, default the same), norms stay F32."""
+    """Convert the tiny HF model in `model_dir` (llama, qwen2, qwen3 or mixtral) into a GGUF file; 2-D weights and
+    expert stacks get `weight_type` (the token embedding `embed_type`, default the same), norms stay F32. Mixtral is
+    written as llama.cpp does: architecture llama with an expert count, q/k permuted, experts stacked per layer."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -51,6 +52,9 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
     model_dir, out = Path(model_dir), Path(out)
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = cfg["model_type"]
+    experts = cfg.get("num_local_experts", 0) if arch == "mixtral" else 0
+    if experts:
+        arch = "llama"
     tensors = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         tensors.update({k: v.to(torch.float32).numpy() for k, v in load_file(str(f)).items()})
@@ -70,16 +74,27 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        for proj, stack in (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")):
+            for layer_idx in range(cfg["num_hidden_layers"]):
+                names = [f"model.layers.{layer_idx}.block_sparse_moe.experts.{e}.{proj}.weight" for e in range(experts)]
+                tensors[f"blk.{layer_idx}.{stack}.weight"] = np.stack([tensors.pop(n) for n in names])
     _add_tokenizer(w, model_dir, cfg)
 
     rng = np.random.default_rng(seed)
     gg = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "block_sparse_moe.gate": "ffn_gate_inp"}
     for hf_name, arr in tensors.items():
         stem, kind = hf_name.rsplit(".", 1)
-        if stem in gg:
+        if stem.startswith("blk."):  # already a GGUF name (stacked experts)
+            g = stem
+        elif stem in gg:
             g = gg[stem]
         else:
             parts = stem.split(".")
@@ -87,7 +102,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
         if arch == "llama" and kind == "weight" and g.endswith(("attn_q", "attn_k")):
             arr = _permute_qk(arr, heads if g.endswith("attn_q") else kv_heads)
         qname = embed_type if (embed_type and g == "token_embd") else weight_type
-        qtype = QT[qname] if arr.ndim == 2 else QT.F32
+        qtype = QT[qname] if arr.ndim >= 2 else QT.F32
         _add_tensor(w, f"{g}.{kind}", arr, qtype, rng)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -104,6 +119,9 @@ def _add_tensor(w, name: str, arr: np.ndarray, qtype, rng) -> None:
         w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     elif qtype == QT.F16:
         w.add_tensor(name, arr.astype(np.float16))
+    elif qtype.name in _K_SCALES and arr.ndim == 3:  # a stack of experts: random blocks per expert
+        w.add_tensor(name, np.stack([_random_k_blocks(a.shape[0], a.shape[1], qtype, rng) for a in arr]),
+                     raw_dtype=qtype)
     elif qtype.name in _K_SCALES:
         w.add_tensor(name, _random_k_blocks(arr.shape[0], arr.shape[1], qtype, rng), raw_dtype=qtype)
     else:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from shoal.engine.execution.models.base import CausalLM
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the registry itself is importable without torch (the CLI's --help lists it)
+    from shoal.engine.execution.models.base import CausalLM
 
 _REGISTRY = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
@@ -10,6 +13,11 @@ _REGISTRY = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": ("moe", "OlmoeForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES = sorted(_REGISTRY)

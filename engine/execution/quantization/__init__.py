@@ -51,6 +51,7 @@ def quantize_model(model: torch.nn.Module, method: str) -> None:
     """Replace the dense weight of every quantizable linear layer of `model` by its quantized form, in place."""
     from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from shoal.engine.execution.layers.linear import PackedMatmul
+    from shoal.engine.execution.layers.moe import FusedMoE
 
     cls = METHODS[method]
     vocab = cls.quantizes_vocab_tables
@@ -63,6 +64,11 @@ def quantize_model(model: torch.nn.Module, method: str) -> None:
     for table in tables:
         table.quantize_int8()
     kernels = set()
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE) and m.w13.numel()]
+    before += sum(p.numel() * p.element_size() for m in experts for p in (m.w13, m.w2))
+    for module in experts:
+        module.quantize(cls)
+        kernels.update(q.kernel for pair in module.quantized for q in pair)
     for module in layers:
         module.quantized = cls.from_dense(module.weight.data)
         module.packed_shape = tuple(module.weight.shape)
@@ -71,8 +77,10 @@ def quantize_model(model: torch.nn.Module, method: str) -> None:
         module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
     after = sum(m.quantized.nbytes() for m in layers) + sum(t.numel() * t.element_size() for m in tables
                                                              for t in m.int8_rows)
-    logger.info("quantized %d linear layers%s to %s (%s): %.1f MiB -> %.1f MiB", len(layers),
-                f" and {len(tables)} embedding table(s)" if tables else "", method, ", ".join(sorted(kernels)),
+    after += sum(q.nbytes() for m in experts for pair in m.quantized for q in pair)
+    logger.info("quantized %d linear layers%s%s to %s (%s): %.1f MiB -> %.1f MiB", len(layers),
+                f" and {len(tables)} embedding table(s)" if tables else "",
+                f" and the experts of {len(experts)} MoE layer(s)" if experts else "", method, ", ".join(sorted(kernels)),
                 before / 2**20, after / 2**20)
 
 
@@ -80,9 +88,12 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's weights hold: dense parameters, oneDNN-packed copies and quantized forms."""
     from shoal.engine.execution.layers.embedding import VocabParallelEmbedding
     from shoal.engine.execution.layers.linear import PackedMatmul
+    from shoal.engine.execution.layers.moe import FusedMoE
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
+        if isinstance(module, FusedMoE) and module.quantized is not None:
+            total += sum(q.nbytes() for pair in module.quantized for q in pair)
         if isinstance(module, VocabParallelEmbedding) and module.int8_rows is not None:
             total += sum(t.numel() * t.element_size() for t in module.int8_rows)
         if isinstance(module, PackedMatmul):

@@ -1,0 +1,100 @@
+"""Mixture-of-experts families: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM.
+
+The decoder of models/decoder.py with a SparseMoeBlock (layers/moe.py) as the MLP of its sparse layers:
+- Mixtral: softmax router, top-k renormalised; experts w1 (gate), w3 (up), w2 (down) under block_sparse_moe.
+- Qwen2-MoE: QKV bias; a shared expert added to every token's routed output, scaled by sigmoid(shared_expert_gate
+  . x); layers are sparse where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers, dense
+  (intermediate_size) elsewhere.
+- Qwen3-MoE: per-head q/k RMSNorm, norm_topk_prob, the same sparse/dense layer rule, no shared expert.
+- OLMoE: q/k RMSNorm over the whole projection, optional clip_qkv, norm_topk_prob.
+Each expert's three tensors are read from the checkpoint once, only this rank's part, into the stacked weights.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shoal.engine.execution.layers.mlp import GatedMLP
+from shoal.engine.execution.layers.moe import SparseMoeBlock
+from shoal.engine.execution.models.base import reader
+from shoal.engine.execution.models.decoder import RotaryDecoderLM, load_dense_mlp
+
+_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def load_moe_block(block: SparseMoeBlock, src, m: str, expert_names=_EXPERT_NAMES) -> None:
+    """A sparse block's tensors under the prefix m ('...mlp.'): gate.weight [E, H], experts.{e}.<names>, and the
+    shared expert (with its gate) when the block has one."""
+    experts = block.experts
+    h, inter = experts.hidden, experts.intermediate
+    block.gate.data.copy_(src.load(m + "gate.weight", (experts.num_experts, h)))
+    gate, up, down = expert_names
+    for e in experts.local_experts():
+        p = f"{m}experts.{e}."
+        experts.load_expert(e, reader(src, f"{p}{gate}.weight", (inter, h)), reader(src, f"{p}{up}.weight", (inter, h)),
+                            reader(src, f"{p}{down}.weight", (h, inter)))
+    if block.shared_expert is not None:
+        load_dense_mlp(block.shared_expert, src, m + "shared_expert.")
+    if block.shared_expert_gate is not None:
+        block.shared_expert_gate.data.copy_(src.load(m + "shared_expert_gate.weight", (1, h)))
+
+
+class _SparseDecoderLM(RotaryDecoderLM):
+    """Sparse layers by the Qwen-MoE rule (every layer when the config has neither field); renormalisation from
+    norm_topk_prob."""
+
+    expert_size_field = "moe_intermediate_size"  # the config field holding each expert's intermediate size
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        c = self.config
+        step = getattr(c, "decoder_sparse_step", 1) or 1
+        return (layer_idx not in (getattr(c, "mlp_only_layers", None) or []) and c.num_experts > 0
+                and (layer_idx + 1) % step == 0)
+
+    def moe_block(self, dtype, **shared) -> SparseMoeBlock:
+        c = self.config
+        return SparseMoeBlock(c.hidden_size, c.num_experts, c.num_experts_per_tok,
+                              getattr(c, self.expert_size_field), renormalize=bool(getattr(c, "norm_topk_prob", False)), dtype=dtype,
+                              scoring_func=getattr(c, "scoring_func", "softmax"), **shared)
+
+    def make_mlp(self, layer_idx: int, dtype) -> nn.Module:
+        if self.is_sparse(layer_idx):
+            return self.moe_block(dtype)
+        return GatedMLP(self.config.hidden_size, self.config.intermediate_size, dtype)
+
+    def load_mlp(self, mlp, src, p: str, layer_idx: int) -> None:
+        if isinstance(mlp, SparseMoeBlock):
+            load_moe_block(mlp, src, p + "mlp.")
+        else:
+            load_dense_mlp(mlp, src, p + "mlp.")
+
+
+class MixtralForCausalLM(RotaryDecoderLM):
+    def make_mlp(self, layer_idx: int, dtype) -> nn.Module:
+        c = self.config
+        return SparseMoeBlock(c.hidden_size, c.num_local_experts, c.num_experts_per_tok, c.intermediate_size,
+                              renormalize=True, dtype=dtype)
+
+    def load_mlp(self, mlp, src, p: str, layer_idx: int) -> None:
+        load_moe_block(mlp, src, p + "block_sparse_moe.", expert_names=("w1", "w3", "w2"))
+
+
+class Qwen2MoeForCausalLM(_SparseDecoderLM):
+    def make_attention(self, dtype, backend):
+        from shoal.engine.execution.layers.attention_block import RotaryAttention
+
+        return RotaryAttention(self.config, dtype, backend, self.rotary, self.head_dim,
+                               qkv_bias=bool(getattr(self.config, "qkv_bias", True)))
+
+    def moe_block(self, dtype, **shared) -> SparseMoeBlock:
+        c = self.config
+        return super().moe_block(dtype, shared_intermediate=c.shared_expert_intermediate_size, shared_gate=True)
+
+
+class Qwen3MoeForCausalLM(_SparseDecoderLM):
+    qk_norm = "head"
+
+
+class OlmoeForCausalLM(_SparseDecoderLM):
+    qk_norm = "full"
+    expert_size_field = "intermediate_size"

@@ -1,0 +1,144 @@
+"""The fused MoE layer (C++ on CPU, torch, Triton under the interpreter) against a loop over experts and tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shoal.engine.execution.layers import moe
+from shoal.engine.execution.layers.moe import fused_experts_torch, select_experts
+
+
+def loop_reference(x, w13, w2, topk_weights, topk_ids, expert_start=0):
+    """One expert at a time, one token at a time: the definition the fused paths must meet."""
+    E, inter = w13.shape[0], w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for e in range(E):
+        for t in range(x.shape[0]):
+            for j in range(topk_ids.shape[1]):
+                if int(topk_ids[t, j]) == expert_start + e:
+                    gate_up = w13[e].double() @ x[t].double()
+                    h = F.silu(gate_up[:inter]) * gate_up[inter:]
+                    out[t] += float(topk_weights[t, j]) * (w2[e].double() @ h)
+    return out.to(x.dtype)
+
+
+def cpp_path(*args):
+    ops, why, _ = moe.load_cpu_kernel()
+    if ops is None:
+        pytest.skip(f"no C++ toolchain: {why}")
+    return ops.fused_experts(*args)
+
+
+def triton_path(*args):
+    from shoal.engine.execution.layers import moe_triton
+
+    if moe_triton.triton is None:
+        pytest.skip("triton is not installed")
+    return moe_triton.fused_experts_triton(*args)
+
+
+PATHS = {"cpp": cpp_path, "torch": fused_experts_torch, "triton": triton_path}
+
+
+def make_case(tokens, experts, hidden, inter, top_k, seed=0, ids=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.2
+    logits = torch.randn(tokens, experts, generator=g)
+    weights, routed = select_experts(logits, top_k, renormalize=True)
+    return x, w13, w2, weights, routed if ids is None else ids
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 2), (7, 4, 2), (37, 8, 2), (20, 6, 3)])
+def test_fused_experts_match_loop(path, tokens, experts, top_k):
+    x, w13, w2, weights, ids = make_case(tokens, experts, hidden=32, inter=24, top_k=top_k)
+    got = PATHS[path](x, w13, w2, weights, ids, 0)
+    torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_experts_without_tokens_and_other_ranks_experts(path):
+    """8 experts, 3 tokens routed to experts 1, 5 and 6 only: the idle experts contribute nothing, and a rank holding
+    experts [4, 8) (expert parallel) computes exactly the pairs routed to them."""
+    x, w13, w2, weights, _ = make_case(3, 8, hidden=16, inter=16, top_k=2, seed=1)
+    ids = torch.tensor([[5, 1], [1, 6], [6, 5]])
+    full = PATHS[path](x, w13, w2, weights, ids, 0)
+    torch.testing.assert_close(full, loop_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    upper = PATHS[path](x, w13[4:].contiguous(), w2[4:].contiguous(), weights, ids, 4)
+    torch.testing.assert_close(upper, loop_reference(x, w13[4:], w2[4:], weights, ids, 4), rtol=1e-5, atol=1e-5)
+    lower = PATHS[path](x, w13[:4].contiguous(), w2[:4].contiguous(), weights, ids, 0)
+    torch.testing.assert_close(lower + upper, full, rtol=1e-5, atol=1e-5)
+    # No pair routed to this rank at all: zeros of the right shape.
+    none = PATHS[path](x, w13[2:4].contiguous(), w2[2:4].contiguous(), weights, ids, 2)
+    assert none.shape == x.shape and not none.any()
+
+
+def test_routing_ties_pick_like_topk_and_split_weight_evenly():
+    # Equal logits: softmax is uniform, torch.topk decides which experts (the same rule transformers uses).
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 3.0, 3.0, -2.0]])
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    ref_w, ref_ids = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, torch.full((2, 2), 0.5))
+    x, w13, w2, _, _ = make_case(2, 4, hidden=16, inter=8, top_k=2, seed=2)
+    for path in ("cpp", "torch", "triton"):
+        got = PATHS[path](x, w13, w2, weights, ids, 0)
+        torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_select_experts_scoring_and_normalisation():
+    logits = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
+    w, ids = select_experts(logits, 2, renormalize=False)
+    ref_w, ref_ids = torch.topk(torch.softmax(logits, -1), 2)
+    assert torch.equal(ids, ref_ids) and torch.allclose(w, ref_w)
+    w, ids = select_experts(logits, 3, renormalize=False, scoring_func="sigmoid")
+    ref_w, ref_ids = torch.topk(torch.sigmoid(logits), 3)
+    assert torch.equal(ids, ref_ids) and torch.allclose(w, ref_w)
+    w, _ = select_experts(logits, 3, renormalize=True, scoring_func="sigmoid")
+    torch.testing.assert_close(w.sum(-1), torch.ones(5))
+    with pytest.raises(ValueError, match="scoring_func 'relu' is not supported"):
+        select_experts(logits, 2, True, scoring_func="relu")
+
+
+def test_align_by_expert_groups_and_pads_each_expert():
+    from shoal.engine.execution.layers.moe_triton import align_by_expert
+
+    expert_of_slot = torch.tensor([2, 0, 2, 3, 2, 0, 3, 2, 1, 2])  # 3 marks "another rank's expert"
+    slots, block_expert = align_by_expert(expert_of_slot, num_experts=3, block_m=4)
+    S = expert_of_slot.numel()
+    assert slots.numel() == block_expert.numel() * 4 == 4 * -(-(S + 3 * 3) // 4)
+    for b, e in enumerate(block_expert.tolist()):
+        block = [s for s in slots[4 * b:4 * b + 4].tolist() if s < S]
+        if e < 0:
+            assert not block
+        else:
+            assert all(int(expert_of_slot[s]) == e for s in block)
+    placed = sorted(s for s in slots.tolist() if s < S)
+    assert placed == [i for i, e in enumerate(expert_of_slot.tolist()) if e < 3]  # every local slot exactly once
+
+
+@pytest.mark.parametrize("method,tol", [("int4", 1e-4), ("int8", 0.05)])
+def test_quantized_experts_equal_the_dense_math_on_their_weights(method, tol):
+    """--quantization on a FusedMoE: each expert quantized once; int4 (weight-only) equals the dense path on the
+    dequantized weights, int8 (W8A8: activations quantized per token too) within its activation rounding."""
+    from shoal.engine.execution.layers.moe import FusedMoE
+    from shoal.engine.execution.quantization import METHODS
+
+    torch.manual_seed(4)
+    layer = FusedMoE(num_experts=4, hidden=64, intermediate=64, dtype=torch.float32)
+    layer.w13.data.normal_(0, 0.2)
+    layer.w2.data.normal_(0, 0.2)
+    x = torch.randn(9, 64)
+    weights, ids = select_experts(torch.randn(9, 4), 2, renormalize=True)
+    ids[0] = torch.tensor([3, 1])  # expert 0 and 2 still get tokens elsewhere or none: both are fine
+    layer.quantize(METHODS[method])
+    assert not layer.w13.numel() and len(layer.quantized) == 4
+    w13 = torch.stack([q.dequantize() for q, _ in layer.quantized])
+    w2 = torch.stack([q.dequantize() for _, q in layer.quantized])
+    got = layer(x, weights, ids)
+    want = loop_reference(x, w13, w2, weights, ids)
+    assert (got - want).abs().max() <= tol * want.abs().max(), (got - want).abs().max()
