@@ -23,12 +23,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from shoal.engine.contracts import StepInputs
 from shoal.engine.distributed.comm import (DistributedError, HeartbeatMonitor, init_group, pick_backend, rank_label,
                                            rendezvous_port, tag_logs)
 from shoal.engine.distributed.pipeline import PipelineStats, Shard, build_runner
 from shoal.engine.distributed.spawn import spawn_workers
 from shoal.engine.distributed.wire import SHUTDOWN_BARRIER_TIMEOUT, Command, Header, pack_plan
-from shoal.engine.execution.runner import StepInputs
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger("shoal.engine.distributed.driver")

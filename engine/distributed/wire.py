@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 
-from shoal.engine.execution.runner import StepInputs
+from shoal.engine.contracts import StepInputs
 
 
 class Command(enum.IntEnum):

@@ -10,7 +10,7 @@ from hf_reference import hf_greedy
 from shoal.engine import LLM, SamplingParams
 from shoal.engine.distributed.pipeline import split_micro_batches
 from shoal.engine.distributed.wire import Command, Header, pack_plan, unpack_plan
-from shoal.engine.execution.runner import build_step_inputs
+from shoal.engine.core.scheduler import build_step_inputs
 
 pytestmark = pytest.mark.slow
 

@@ -148,7 +148,7 @@ def test_sampling_kwargs_use_vllm_names():
     kw = r.sampling_kwargs()
     assert kw["stop"] == ["END"] and kw["stop_token_ids"] == [7] and kw["top_k"] == 4 and kw["n"] == 2
     assert kw["ignore_eos"] is True and kw["min_tokens"] == 2 and kw["seed"] == 3 and kw["min_p"] == 0.1
-    from shoal.engine.execution.sampling import SamplingParams
+    from shoal.engine.contracts import SamplingParams
 
     SamplingParams(max_tokens=4, **kw)  # every name is one SamplingParams knows
 
@@ -233,7 +233,7 @@ async def async_engine(llama_model):
 
 
 def _params(**kw):
-    from shoal.engine.execution.sampling import SamplingParams
+    from shoal.engine.contracts import SamplingParams
 
     return SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **kw})
 
