@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from shoal.engine.execution.sampling import SamplingParams
+        from shoal.engine.contracts import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":

@@ -7,9 +7,9 @@ import time
 from typing import Any, Sequence
 
 from shoal.engine.config import EngineConfig
+from shoal.engine.contracts import RequestOutputKind, SamplingParams
 from shoal.engine.core.engine import LLMEngine
-from shoal.engine.core.outputs import RequestOutput, RequestOutputKind
-from shoal.engine.execution.sampling import SamplingParams
+from shoal.engine.core.outputs import RequestOutput
 
 Prompt = str | dict[str, Any] | list[int]
 

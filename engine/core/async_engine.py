@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.core.outputs import RequestMetrics, RequestOutput, RequestOutputKind
+from shoal.engine.contracts import RequestOutputKind
+from shoal.engine.core.outputs import RequestMetrics, RequestOutput
 
 logger = logging.getLogger("shoal.engine.core.async_engine")
 

@@ -15,16 +15,16 @@ from typing import Iterable
 import torch
 
 from shoal.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from shoal.engine.contracts import RequestOutputKind, SamplingParams
 from shoal.engine.core.kv_cache import BlockPool
-from shoal.engine.execution.model_loader import load_hf_config, resolve_dtype, resolve_model_dir
-from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
-from shoal.engine.execution.executor import Executor, make_executor
-from shoal.engine.execution.runner import build_step_inputs
-from shoal.engine.execution.sampling import Sampler, SamplingParams, SamplingRow, make_generator
-from shoal.engine.core.scheduler import ScheduledSeq, Scheduler
-from shoal.engine.core.structured_outputs import CompiledGrammar, GrammarCompiler, StructuredOutputsParams
+from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from shoal.engine.core.scheduler import ScheduledSeq, Scheduler, build_step_inputs
 from shoal.engine.core.sequence import Request, Sequence, SeqStatus
+from shoal.engine.core.structured_outputs import CompiledGrammar, GrammarCompiler, StructuredOutputsParams
 from shoal.engine.core.tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
+from shoal.engine.execution.executor import Executor, make_executor
+from shoal.engine.execution.model_loader import load_hf_config, resolve_dtype, resolve_model_dir
+from shoal.engine.execution.sampling import Sampler, SamplingRow, make_generator
 
 logger = logging.getLogger(__name__)
 

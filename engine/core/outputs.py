@@ -1,6 +1,6 @@
 """What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes, so users' scripts port.
 
-How much each output carries is the request's `SamplingParams.output_kind` (vLLM's RequestOutputKind):
+How much each output carries is the request's `SamplingParams.output_kind` (RequestOutputKind, in contracts.py):
 CUMULATIVE (everything so far, every step), DELTA (only what is new since the previous output: the server's
 streaming mode) or FINAL_ONLY (one cumulative output when the request finishes: the offline `LLM`). Deltas of
 one request add up with `RequestOutput.add`, so a slow reader can merge several into one.
@@ -8,14 +8,7 @@ one request add up with `RequestOutput.add`, so a slow reader can merge several 
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-
-
-class RequestOutputKind(enum.Enum):
-    CUMULATIVE = 0
-    DELTA = 1
-    FINAL_ONLY = 2
 
 
 @dataclass

@@ -5,6 +5,8 @@ each for decodes, the next chunk for prompts still being prefilled), then to wai
 A long prompt is spread over several steps (chunked prefill) so decodes keep flowing. When the KV pool runs
 dry, the newest (or, under the priority policy, the lowest-priority) running sequence is preempted: its blocks
 are freed and it is recomputed later from its prompt and the tokens it has generated so far.
+
+build_step_inputs turns a step's schedule into the StepInputs (shoal.engine.contracts) every executor runs.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
+from shoal.engine.contracts import StepInputs
 from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.core.sequence import Sequence, SeqStatus
 
@@ -147,3 +152,49 @@ class Scheduler:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
             self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens)
+
+
+def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInputs:
+    """The flat batch of a step. Plain Python lists first and one tensor per field at the end: in a decode step
+    each sequence adds one token, and a handful of list appends per sequence beats any per-sequence tensor op."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    query_start = [0]
+    width = max(len(s.seq.block_ids) for s in scheduled)
+    tables: list[list[int]] = []
+    for s in scheduled:
+        seq, n = s.seq, s.num_new_tokens
+        c = seq.num_computed_tokens
+        blocks = seq.block_ids
+        if n == 1:
+            tokens.append(seq.token_ids[c])
+            positions.append(c)
+            slots.append(blocks[c // block_size] * block_size + c % block_size)
+        else:
+            tokens.extend(seq.token_ids[c:c + n])
+            span = range(c, c + n)
+            positions.extend(span)
+            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
+        query_lens.append(n)
+        seq_lens.append(c + n)
+        query_start.append(len(tokens))
+        tables.append(blocks + [0] * (width - len(blocks)))
+        for p in s.scored:  # prompt positions whose logits score the next prompt token
+            logits_indices.append(len(tokens) - n + (p - c))
+        if s.samples:
+            logits_indices.append(len(tokens) - 1)
+    return StepInputs(
+        input_ids=torch.tensor(tokens, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        query_lens=query_lens,
+        seq_lens_list=seq_lens,
+    )

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.engine.contracts import SamplingParams
 from shoal.engine.core.outputs import Logprob, RequestMetrics
-from shoal.engine.execution.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

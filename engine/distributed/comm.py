@@ -8,8 +8,8 @@ Groups
   - the default (world) group, backend NCCL on CUDA and gloo on CPU (``--distributed-backend`` overrides): the
     tensor-parallel all-reduces / all-gathers (one subgroup per pipeline stage) and the pipeline's point-to-point
     sends of hidden states and logits. Its timeout is the *collective timeout* (``--distributed-timeout``, 20 s).
-  - a gloo "control" group on CPU for the step-plan broadcast. Workers block in it while the server is idle, so it
-    has no practical timeout; liveness there comes from the heartbeat below.
+  - a gloo "control" group on CPU for rank 0's calls (wire.py; every step's plan among them). Workers block in it
+    while the server is idle, so it has no practical timeout; liveness there comes from the heartbeat below.
 
 Start-up: rank 0 hosts a TCPStore at ``master_addr:master_port``. Every rank connects (retrying until the master is
 up), announces itself, and waits until all ``world_size`` ranks have joined, logging which ranks are still missing
@@ -172,7 +172,7 @@ class Group:
     backend: str
     store: object
     master: tuple[str, int]
-    control: object  # gloo group for step plans
+    control: object  # gloo group for rank 0's calls (wire.py)
     state: ParallelState
     config: DistributedConfig
     monitor: "HeartbeatMonitor | None" = None

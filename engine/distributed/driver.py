@@ -1,11 +1,11 @@
 """DistributedExecutor: rank 0's Executor when world_size > 1 (see shoal.engine.execution.executor).
 
-Rank 0 runs the scheduler; for every command it broadcasts a Header (and for a step its plan, see wire.py) on the
-control group and then plays its own part: it runs its shard (pipeline.py) like every other rank. When rank 0 is
-not the last pipeline stage, the last stage's tensor-parallel rank 0 samples: rank 0 sends it the step's
-sampling rows (parameters; token histories only where penalties read them; seeded rows' draws made ahead from
-the generators rank 0 keeps) and receives the SamplerOutput. The sampler's constants went to every rank once, in
-the start-up spec.
+Rank 0 runs the scheduler and drives the other ranks by method name: `collective_rpc("name", *args)` sends the call
+on the control group (wire.py) and every rank runs Worker.name(*args) (worker.py), rank 0 included, for its own
+part (it runs its shard, pipeline.py, like every other rank). When rank 0 is not the last pipeline stage, the
+last stage's tensor-parallel rank 0 samples: the step's call carries the sampling rows (parameters; token
+histories only where penalties read them; seeded rows' draws made ahead from the generators rank 0 keeps) and
+rank 0 receives the SamplerOutput. The sampler's constants went to every rank once, in the start-up spec.
 
 Failures (comm.py explains the detection) mark the executor failed: check_health() and every later command raise
 DistributedError, and when serving (exit_on_failure) the process exits 1 after exit_grace seconds.
@@ -23,12 +23,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from shoal.engine.contracts import StepInputs
 from shoal.engine.distributed.comm import (DistributedError, HeartbeatMonitor, init_group, pick_backend, rank_label,
                                            rendezvous_port, tag_logs)
-from shoal.engine.distributed.pipeline import PipelineStats, Shard, build_runner
+from shoal.engine.distributed.pipeline import Shard, build_runner
 from shoal.engine.distributed.spawn import spawn_workers
-from shoal.engine.distributed.wire import SHUTDOWN_BARRIER_TIMEOUT, Command, Header, pack_plan
-from shoal.engine.execution.runner import StepInputs
+from shoal.engine.distributed.wire import broadcast_call
+from shoal.engine.distributed.worker import Worker
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger("shoal.engine.distributed.driver")
@@ -74,6 +75,7 @@ class DistributedExecutor:
             raise
         atexit.register(self.shutdown)  # an engine that is never shut down leaves no workers behind
         self.shard = Shard(self.group, runner, hf_config.hidden_size, dcfg.micro_batches or pp, sampler)
+        self.worker = Worker(self.group, self.shard)
         self.sampler = sampler
         self.backend_name = runner.backend_name
         logger.info("distributed engine: tp %d x pp %d = %d ranks over %d node(s), backend %s, %d micro-batches "
@@ -105,13 +107,19 @@ class DistributedExecutor:
         if self.failure is not None:
             raise DistributedError(f"a rank failed: {self.failure}")
 
-    def _command(self, header: Header, body: torch.Tensor | None = None) -> None:
+    def _call(self, method: str, *args):
+        """Send the call to every other rank, then run rank 0's own part; rank 0's result."""
         self.check_health()
         if self._closed:
             raise DistributedError("the distributed executor was shut down")
-        dist.broadcast(header.encode(), src=0, group=self.group.control)
-        if body is not None and body.numel():
-            dist.broadcast(body, src=0, group=self.group.control)
+        self.worker.received_at = time.perf_counter()
+        broadcast_call(self.group.control, method, args)
+        return getattr(self.worker, method)(*args)
+
+    def collective_rpc(self, method: str, *args):
+        """Run Worker.<method>(*args) on every rank, this one included; returns rank 0's result. A failure of
+        the group marks this executor failed and raises DistributedError."""
+        return self._guarded(lambda: self._call(method, *args))
 
     def _guarded(self, fn):
         with self._lock:
@@ -128,31 +136,17 @@ class DistributedExecutor:
         return self.runner.bytes_per_block(block_size)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        def run():
-            self._command(Header(Command.ALLOC_KV_CACHE, num_blocks=num_blocks, block_size=block_size))
-            self.runner.allocate_kv_cache(num_blocks, block_size)
-        self._guarded(run)
+        self.collective_rpc("allocate_kv_cache", num_blocks, block_size)
 
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
-        def run():
-            self._command(Header(Command.PROFILE, num_tokens=num_tokens, block_size=block_size))
-            peak = torch.tensor([self.shard.profile(num_tokens, block_size)], dtype=torch.int64)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group.control)
-            return int(peak)
-        return self._guarded(run)
+        return self.collective_rpc("profile_peak_memory", num_tokens, block_size)
 
     def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
         """Run the step on every rank and sample its rows: here when rank 0 is also the last stage, else on the
         last stage's sampler rank. None when nothing samples this step."""
         def run():
-            started = time.perf_counter()
-            header, body = pack_plan(inputs)
-            self._command(header, body)
             remote = self.shard.sampler is None and len(rows) > 0
-            if remote:
-                dist.send_object_list([[r.for_remote() for r in rows]], dst=self.shard.sampler_rank,
-                                      group=self.group.control)
-            logits = self.shard.run_step(inputs, started)
+            logits = self._call("execute_model", inputs, [r.for_remote() for r in rows] if remote else None)
             if remote:
                 result = [None]
                 dist.recv_object_list(result, src=self.shard.sampler_rank, group=self.group.control)
@@ -162,14 +156,7 @@ class DistributedExecutor:
 
     def pipeline_stats(self, reset: bool = False) -> list[dict]:
         """Per rank: steps, busy seconds (its layers), wall seconds (plan received to step end), bubble fraction."""
-        def run():
-            self._command(Header(Command.STATS, reset=int(reset)))
-            out = [None] * self.group.world_size
-            dist.gather_object(self.shard.stats.as_list(), out, dst=0, group=self.group.control)
-            if reset:
-                self.shard.stats = PipelineStats()
-            return out
-        rows = self._guarded(run)
+        rows = self.collective_rpc("pipeline_stats", reset)
         return [{"rank": r, "pp_rank": r // self.group.tp_size, "tp_rank": r % self.group.tp_size,
                  "steps": int(s), "busy_s": b, "wall_s": w, "bubble": (1 - b / w) if w else 0.0}
                 for r, (s, b, w) in enumerate(rows)]
@@ -184,8 +171,7 @@ class DistributedExecutor:
         if self.failure is None:
             try:
                 with self._lock:
-                    dist.broadcast(Header(Command.SHUTDOWN).encode(), src=0, group=self.group.control)
-                    dist.monitored_barrier(self.group.control, timeout=SHUTDOWN_BARRIER_TIMEOUT)
+                    self._call("shutdown")
                 logger.info("all %d ranks confirmed the shutdown", self.group.world_size)
             except Exception as e:  # noqa: BLE001
                 logger.warning("could not stop every rank cleanly: %s", e)

@@ -2,7 +2,7 @@
 
 It runs no OpenAI API: it starts one worker process per local rank and serves /livez, /readyz (and /health) and
 /metrics (`shoal:worker_rank_info`, one series per local rank) on --port. It exits 0 when its workers stop cleanly
-(rank 0 sent SHUTDOWN), and 1 as soon as any of them fails (after stopping the rest).
+(rank 0 called `shutdown`), and 1 as soon as any of them fails (after stopping the rest).
 
 Drain: SIGTERM / SIGINT do not reach the workers. Rank 0 gets the same signal (the whole group is being stopped),
 finishes its in-flight requests with every rank still serving, then shuts the group down, and this node exits 0

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shoal.engine.contracts import StepInputs
 from shoal.engine.distributed.comm import Group
 from shoal.engine.distributed.parallel_state import get_parallel_state, set_parallel_state
 from shoal.engine.execution.executor import profile_peak_memory
-from shoal.engine.execution.runner import ModelRunner, StepInputs
+from shoal.engine.execution.runner import ModelRunner
 from shoal.engine.execution.sampling import Sampler
 
 

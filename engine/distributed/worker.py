@@ -1,11 +1,12 @@
 """One worker rank: `python -m shoal.engine.distributed.worker` (started by rank 0 or by a --headless node).
 
-A worker's whole life: join the group, receive the engine's spec from rank 0, load its shard, then run rank 0's
-commands (see wire.py) until SHUTDOWN. It exits 0 after SHUTDOWN and 1 on any failure of the group.
+A worker's whole life: join the group, receive the engine's spec from rank 0, load its shard, then run the methods
+rank 0 calls (Worker below; wire.py carries the calls) until `shutdown`. It exits 0 after `shutdown` and 1 on any
+failure of the group.
 
 Drain: SIGTERM and SIGINT do not stop a worker. A pod's (or a terminal's) signal reaches every process of the
-group at once, and rank 0 needs all of its ranks while it finishes the in-flight requests; it sends SHUTDOWN once
-it has drained. If rank 0 never does, the heartbeat (rank 0 gone) or the kubelet's SIGKILL ends the worker.
+group at once, and rank 0 needs all of its ranks while it finishes the in-flight requests; it calls `shutdown`
+once it has drained. If rank 0 never does, the heartbeat (rank 0 gone) or the kubelet's SIGKILL ends the worker.
 """
 
 from __future__ import annotations
@@ -22,11 +23,67 @@ import torch
 import torch.distributed as dist
 
 from shoal.engine.config import DistributedConfig
+from shoal.engine.contracts import StepInputs
 from shoal.engine.distributed.comm import DistributedError, HeartbeatMonitor, init_group, rank_label, tag_logs
 from shoal.engine.distributed.pipeline import PipelineStats, Shard, build_runner
-from shoal.engine.distributed.wire import SHUTDOWN_BARRIER_TIMEOUT, Command, Header, unpack_plan
+from shoal.engine.distributed.wire import SHUTDOWN_BARRIER_TIMEOUT, receive_call
 
 logger = logging.getLogger("shoal.engine.distributed.worker")
+
+
+class Worker:
+    """One rank's part of every collective call, rank 0's included: the driver's `collective_rpc("name", ...)`
+    runs Worker.name(...) on every rank (here after receiving the call; on rank 0 in the driver itself)."""
+
+    def __init__(self, group, shard: Shard):
+        self.group = group
+        self.shard = shard
+        self.received_at = 0.0  # when the current call arrived: a step's wall time counts from there
+
+    def serve(self) -> None:
+        """A worker's loop: run rank 0's calls until `shutdown`."""
+        while True:
+            method, args = receive_call(self.group.control)
+            self.received_at = time.perf_counter()
+            fn = getattr(self, method, None)
+            if method.startswith("_") or not callable(fn):
+                raise DistributedError(f"rank 0 called {method!r}, which a Worker does not have")
+            fn(*args)
+            if method == "shutdown":
+                return
+
+    def execute_model(self, inputs: StepInputs, rows: list | None) -> torch.Tensor | None:
+        """Run this shard over the step. `rows`, the step's sampling rows, come along only when rank 0 does not
+        sample itself: then the sampler rank (the last stage's tensor rank 0) samples them and sends rank 0 the
+        SamplerOutput. Returns the logits on the rank that samples, else None."""
+        logits = self.shard.run_step(inputs, self.received_at)
+        if rows and self.shard.sampler is not None:
+            self.shard.sample_for_rank0(logits, rows)
+        return logits
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.shard.runner.allocate_kv_cache(num_blocks, block_size)
+
+    def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
+        """Every rank runs a dummy step of num_tokens; the peak over all ranks."""
+        peak = torch.tensor([self.shard.profile(num_tokens, block_size)], dtype=torch.int64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group.control)
+        return int(peak)
+
+    def pipeline_stats(self, reset: bool) -> list[list[float]] | None:
+        """Every rank's PipelineStats, gathered on rank 0 (None elsewhere); reset zeroes them afterwards."""
+        out = [None] * self.group.world_size if self.group.rank == 0 else None
+        dist.gather_object(self.shard.stats.as_list(), out, dst=0, group=self.group.control)
+        if reset:
+            self.shard.stats = PipelineStats()
+        return out
+
+    def shutdown(self) -> None:
+        """Meet every rank at a barrier (SHUTDOWN_BARRIER_TIMEOUT); a worker then leaves its loop and exits 0."""
+        logger.info("shutting down")
+        self.group.monitor.stop()  # rank 0 closes the store after the barrier: that is no failure
+        dist.monitored_barrier(self.group.control, timeout=SHUTDOWN_BARRIER_TIMEOUT)
+
 
 def keep_serving_on_signals() -> None:
     """SIGTERM / SIGINT: log and keep serving; rank 0 ends the group once it has drained."""
@@ -40,7 +97,7 @@ def keep_serving_on_signals() -> None:
 
 def run_worker(rank: int, local_rank: int, tp: int, pp: int, master_port: int, config: DistributedConfig,
                ready_dir: str | None = None) -> int:
-    """Returns 0 after SHUTDOWN; any failure ends the process with exit code 1 (os._exit: a broken group cannot
+    """Returns 0 after `shutdown`; any failure ends the process with exit code 1 (os._exit: a broken group cannot
     be torn down)."""
     tag_logs(rank_label(rank, tp, pp))
     device = torch.device("cpu")
@@ -62,9 +119,9 @@ def run_worker(rank: int, local_rank: int, tp: int, pp: int, master_port: int, c
         shard = _load_shard(group, device)
         if ready_dir:
             Path(ready_dir, f"rank-{rank}").write_text(str(os.getpid()))
-        logger.info("shard loaded (layers %d-%d); waiting for step plans", shard.runner.model.start_layer,
+        logger.info("shard loaded (layers %d-%d); waiting for rank 0's calls", shard.runner.model.start_layer,
                     shard.runner.model.end_layer - 1)
-        _serve(group, shard)
+        Worker(group, shard).serve()
     except BaseException as e:  # noqa: BLE001 - any failure (a peer died, a timeout) ends this process
         die(f"{type(e).__name__}: {e}")
     group.destroy()
@@ -87,41 +144,6 @@ def _load_shard(group, device: torch.device) -> Shard:
                           spec["max_model_len"])
     sampler = Sampler(spec["vocab_size"], spec["eos_token_ids"])
     return Shard(group, runner, hf_config.hidden_size, config.distributed.micro_batches or group.pp_size, sampler)
-
-
-def _serve(group, shard: Shard) -> None:
-    """Run rank 0's commands until SHUTDOWN."""
-    buffer = Header.buffer()
-    while True:
-        dist.broadcast(buffer, src=0, group=group.control)
-        started = time.perf_counter()
-        header = Header.decode(buffer)
-        if header.command is Command.STEP:
-            body = torch.empty(header.plan_size, dtype=torch.int64)
-            dist.broadcast(body, src=0, group=group.control)
-            samples = shard.sampler is not None and header.num_logits > 0
-            rows = [None]
-            if samples:  # posted before the step, so rank 0's send never waits on this stage's compute
-                dist.recv_object_list(rows, src=0, group=group.control)
-            logits = shard.run_step(unpack_plan(header, body), started)
-            if samples:
-                shard.sample_for_rank0(logits, rows[0])
-        elif header.command is Command.ALLOC_KV_CACHE:
-            shard.runner.allocate_kv_cache(header.num_blocks, header.block_size)
-        elif header.command is Command.PROFILE:
-            peak = torch.tensor([shard.profile(header.num_tokens, header.block_size)], dtype=torch.int64)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group.control)
-        elif header.command is Command.STATS:
-            dist.gather_object(shard.stats.as_list(), None, dst=0, group=group.control)
-            if header.reset:
-                shard.stats = PipelineStats()
-        elif header.command is Command.SHUTDOWN:
-            logger.info("shutting down")
-            group.monitor.stop()  # rank 0 closes the store after the barrier: that is no failure
-            dist.monitored_barrier(group.control, timeout=SHUTDOWN_BARRIER_TIMEOUT)
-            return
-        else:
-            raise DistributedError(f"unknown command {header.command}")
 
 
 def main(argv: list[str] | None = None) -> int:

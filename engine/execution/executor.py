@@ -17,8 +17,9 @@ from typing import Callable, Protocol
 
 import torch
 
+from shoal.engine.contracts import StepInputs
 from shoal.engine.execution.graph_capture import decode_capture_backend
-from shoal.engine.execution.runner import ModelRunner, StepInputs, dummy_step_inputs
+from shoal.engine.execution.runner import ModelRunner, dummy_step_inputs
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
 

@@ -1,99 +1,33 @@
-"""Turns a scheduled step into tensors, runs the model over the paged KV cache and returns logits.
-
-StepInputs is the whole plan of a step in plain tensors (tokens, positions, cache slots, block tables, which
-rows need logits): it is what rank 0 sends to the other ranks in a multi-process engine.
-"""
+"""Runs a step's plan (shoal.engine.contracts.StepInputs) through the model over the paged KV cache and returns
+logits (or, on a pipeline stage before the last, hidden states)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
+from shoal.engine.contracts import StepInputs
 from shoal.engine.execution.attention import select_backend
 from shoal.engine.execution.attention.base import AttentionMetadata, KVCache
 from shoal.engine.execution.graph_capture import DecodeGraphs
 from shoal.engine.execution.model_loader import load_model
-from shoal.engine.core.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    query_start_loc: torch.Tensor  # [B+1] int32
-    seq_lens: torch.Tensor  # [B] int32
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    logits_indices: torch.Tensor  # [S] int64: rows whose next-token logits are needed
-    query_lens: list[int]
-    seq_lens_list: list[int]
-
-    def to(self, device: torch.device) -> "StepInputs":
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                 for k, v in self.__dict__.items()}
-        return StepInputs(**moved)
-
-    def attention_metadata(self) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping,
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_tables,
-            max_query_len=max(self.query_lens),
-            max_seq_len=max(self.seq_lens_list),
-            query_lens_list=self.query_lens,
-            seq_lens_list=self.seq_lens_list,
-            is_decode_only=all(q == 1 for q in self.query_lens),
-        )
-
-
-def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInputs:
-    """The flat batch of a step. Plain Python lists first and one tensor per field at the end: in a decode step
-    each sequence adds one token, and a handful of list appends per sequence beats any per-sequence tensor op."""
-    tokens: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
-    query_start = [0]
-    width = max(len(s.seq.block_ids) for s in scheduled)
-    tables: list[list[int]] = []
-    for s in scheduled:
-        seq, n = s.seq, s.num_new_tokens
-        c = seq.num_computed_tokens
-        blocks = seq.block_ids
-        if n == 1:
-            tokens.append(seq.token_ids[c])
-            positions.append(c)
-            slots.append(blocks[c // block_size] * block_size + c % block_size)
-        else:
-            tokens.extend(seq.token_ids[c:c + n])
-            span = range(c, c + n)
-            positions.extend(span)
-            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
-        query_lens.append(n)
-        seq_lens.append(c + n)
-        query_start.append(len(tokens))
-        tables.append(blocks + [0] * (width - len(blocks)))
-        for p in s.scored:  # prompt positions whose logits score the next prompt token
-            logits_indices.append(len(tokens) - n + (p - c))
-        if s.samples:
-            logits_indices.append(len(tokens) - 1)
-    return StepInputs(
-        input_ids=torch.tensor(tokens, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-        query_lens=query_lens,
-        seq_lens_list=seq_lens,
+def attention_metadata(inputs: StepInputs) -> AttentionMetadata:
+    """What the attention backends read of a step's plan."""
+    return AttentionMetadata(
+        slot_mapping=inputs.slot_mapping,
+        query_start_loc=inputs.query_start_loc,
+        seq_lens=inputs.seq_lens,
+        block_tables=inputs.block_tables,
+        max_query_len=max(inputs.query_lens),
+        max_seq_len=max(inputs.seq_lens_list),
+        query_lens_list=inputs.query_lens,
+        seq_lens_list=inputs.seq_lens_list,
+        is_decode_only=all(q == 1 for q in inputs.query_lens),
     )
 
 
@@ -186,7 +120,7 @@ class ModelRunner:
                 return logits
         if inputs.input_ids.device != self.device:
             inputs = inputs.to(self.device)
-        meta = inputs.attention_metadata()
+        meta = attention_metadata(inputs)
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden)
         if not self.model.ps.is_last_stage:
             return out

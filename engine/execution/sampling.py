@@ -1,4 +1,4 @@
-"""Sampling parameters (vLLM's names and defaults) and the batched sampler the engine runs every step.
+"""The batched sampler the engine runs every step (its parameters, SamplingParams, are in shoal.engine.contracts).
 
 The sampler is stateless: each call gets the step's logits and one `SamplingRow` per running sequence (its
 parameters, prompt and output token ids, and its private `torch.Generator` when the request is seeded). Work is
@@ -23,11 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.engine.core.outputs import RequestOutputKind
-
-_SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's threshold)
-MAX_N = 128  # cap on n (completions per request)
-MAX_LOGPROBS = 20  # cap on logprobs (top alternatives per token), as OpenAI's top_logprobs
+from shoal.engine.contracts import SamplingParams
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -64,130 +60,9 @@ def _plain_greedy(row: "SamplingRow") -> bool:
     """Greedy with nothing that changes the logits first (penalties, min_tokens, a grammar's bitmask), no known
     target token (a scoring row) and no log-probs to report."""
     p = row.params
-    return (p.temperature < _SAMPLING_EPS and p.logprobs is None and not p.uses_penalties
+    return (p.is_greedy and p.logprobs is None and not p.uses_penalties
             and row.token_bitmask is None and row.target is None
             and not (p.min_tokens and len(row.output_token_ids) < p.min_tokens))
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling parameters; vLLM's names, defaults and meanings.
-
-    `SamplingParams(temperature=0, max_tokens=8)` is greedy decoding of at most 8 tokens. Invalid values raise
-    ValueError naming the parameter and its allowed range.
-    """
-
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    spaces_between_special_tokens: bool = True
-    prompt_logprobs: int | None = None  # top-N alternatives per prompt token (vLLM's); 0: only the token's own
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Grammar-constrained decoding: a StructuredOutputsParams (what to enforce) or an already compiled grammar
-    # (shoal.engine.core.structured_outputs.CompiledGrammar); None: unconstrained.
-    structured_outputs: object | None = None
-
-    def __post_init__(self) -> None:
-        # Normalise.
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
-        if self.top_k == -1:
-            self.top_k = 0
-        self._verify()
-        if self.temperature < _SAMPLING_EPS:
-            # Greedy: the truncation knobs mean nothing; reset them so no sort/mask work is done for this row.
-            self.temperature = 0.0
-            self.top_p = 1.0
-            self.top_k = 0
-            self.min_p = 0.0
-
-    def _verify(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}.")
-
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise bad("n", f"an integer in [1, {MAX_N}]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not is_num(v) or not -2.0 <= v <= 2.0:
-                raise bad(name, "in [-2, 2]")
-        if not is_num(self.repetition_penalty) or not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", "greater than 0")
-        if not is_num(self.temperature) or not self.temperature >= 0.0 or self.temperature == float("inf"):
-            raise bad("temperature", "a finite number >= 0")
-        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "-1 or 0 (disabled) or a positive integer")
-        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "an integer or None")
-        # max_tokens=0 scores the prompt without generating (with prompt_logprobs; the completions API's echo)
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
-            raise bad("max_tokens", "an integer >= 0 or None")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
-            )
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
-        for t in self.stop_token_ids:
-            if not is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids!r}.")
-
-    # ---- derived -------------------------------------------------------------------------------------------
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
-
-    @property
-    def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    def clone(self, **changes) -> "SamplingParams":
-        """A copy (lists copied too), optionally with some fields changed (validated again)."""
-        if changes:
-            d = {k: v if k == "structured_outputs" else copy.copy(v) for k, v in self.__dict__.items()}
-            d.update(changes)
-            return SamplingParams(**d)
-        new = copy.copy(self)
-        new.stop = list(self.stop)
-        new.stop_token_ids = list(self.stop_token_ids)
-        return new
 
 
 def make_generator(seed: int, index: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
@@ -300,7 +175,7 @@ class Sampler:
         x = self._process(raw, rows, V)
 
         # ---- choose tokens --------------------------------------------------------------------------------
-        greedy = [p.temperature < _SAMPLING_EPS or r.target is not None for p, r in zip(params, rows)]
+        greedy = [p.is_greedy or r.target is not None for p, r in zip(params, rows)]
         if all(greedy):
             tokens = _argmax(x)
         else:

@@ -6,7 +6,7 @@ Data plane only: it must import no torch and no transformers (its image is the s
   poller.py     polls every backend's /readyz and /metrics (bounded, concurrent; stale data scores as unknown)
   discovery.py  static --endpoint URLs or Kubernetes EndpointSlices (Ready endpoints only)
   prefix.py     the request's prompt as chained hashes of fixed-size character blocks (no tokenizer)
-  routing.py    prefix-load | least-load | round-robin pickers
+  routing.py    filters -> weighted scorers -> picker profiles: prefix-load | least-load | round-robin
   proxy.py      the aiohttp app: forwarding, SSE pass-through, retries, 503/429/413, hold queue
   metrics.py    shoal:gateway_* Prometheus metrics
   cli.py        the `shoal-gateway` command line

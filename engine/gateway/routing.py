@@ -1,27 +1,34 @@
-"""Pickers: which engine gets a request.
+"""Which engine gets a request: filters -> weighted scorers -> a picker, in profiles tried in order.
+
+A Router runs its profiles in turn over the eligible engines. A profile narrows them with its filters (hard
+constraints), sums its scorers' scores (each in [0, 1], higher is better) times their weights, and lets its picker
+choose among the highest totals; a profile whose filters leave no engine hands over to the next one. Every
+routing is such a composition, so new criteria (adapter affinity, priority) are one more Filter or Scorer:
 
 prefix-load (default)
-    1. Affinity. The gateway remembers, for every prompt block hash it routed, which engines served it last
-       (an LRU index of `index_size` hashes). The request's chain is matched block by block; the engines
-       holding the longest matching chain are preferred (ties: the less loaded one) — unless their load is
-       over the bound below, in which case the next-longest holder is tried.
-    2. Cold prefixes (no holder within the bound): bounded-load consistent hashing. The engines are ordered by
-       rendezvous hash of (first block hash, engine URL), and the first one under the bound wins. Every gateway
-       replica computes the same order from the same prompt, so replicas agree on where a new prefix lives
-       without sharing any state; the bound spills a hot prefix over to the next engines in its order.
+    1. affinity: engines within the affinity bound (below) that hold the longest matching chain of the prompt's
+       block hashes, least loaded first. The gateway remembers, for every block hash it routed, which engines
+       served it last (PrefixIndex, an LRU of `index_size` hashes); the request's chain is matched block by block.
+       An engine over the bound is passed over for the next-longest holder within it.
+    2. cold (or spill, when some engine held part of the prefix but was over the bound): bounded-load consistent
+       hashing. Among engines within the cold bound, the one ranked first by rendezvous hash of (first block
+       hash, engine URL). Every gateway replica computes the same ranking from the same prompt, so replicas agree
+       on where a new prefix lives without sharing any state; the bound spills a hot prefix over to the next
+       engines in its order.
+    3. otherwise the least loaded engine.
     Bounds. Cold placement: an engine may take the request while load + 1 <= ceil(c * (total load + 1) /
     engines) (Mirrokni et al.'s consistent hashing with bounded loads; c = load_factor, default 1.25) and its
     load is at most the least loaded engine's + `cold_slack` (default 1): a new prefix has no cache to win yet,
     so when the engines' loads differ (one runs slower, or is busy with long prompts) it goes where the queue is
     short, like least-load; while loads are even, every gateway replica still picks the same engine.
-    Affinity is allowed a little more: also while load <= least load + `affinity_slack` (default 2), because a
-    cached prefix saves a whole prefill while one more sequence in a running batch costs little — without it,
-    at low concurrency any second request of a group would leave the engine that holds its prefix. Load is the
-    gateway's in-flight count blended with the engine's polled queue (see Backend.load).
+    Affinity is allowed a little more: either bound is enough, with load <= least load + `affinity_slack`
+    (default 2), because a cached prefix saves a whole prefill while one more sequence in a running batch costs
+    little — without it, at low concurrency any second request of a group would leave the engine that holds its
+    prefix. Load is the gateway's in-flight count blended with the engine's polled queue (see Backend.load).
 least-load
     The least loaded engine; ties rotate.
 round-robin
-    Every eligible engine in turn.
+    Every eligible engine in turn (no scorer: all tie, and ties rotate).
 """
 
 from __future__ import annotations
@@ -30,11 +37,11 @@ import hashlib
 import itertools
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
 
 from shoal.engine.gateway.backends import Backend
-
-ROUTINGS = ("prefix-load", "least-load", "round-robin")
 
 
 @dataclass
@@ -44,54 +51,13 @@ class Pick:
     matched_blocks: int = 0
 
 
-def _rendezvous(key: bytes, url: str) -> bytes:
-    return hashlib.blake2b(key + url.encode(), digest_size=8).digest()
+class PrefixIndex:
+    """Block hash -> the engines that served it last (at most `holders_per_block`, by URL, with the time), least
+    recently used hash first; at most `index_size` hashes."""
 
-
-class RoundRobin:
-    name = "round-robin"
-
-    def __init__(self):
-        self._next = itertools.count()
-
-    def pick(self, candidates: list[Backend], hashes: list[bytes], now: float) -> Pick:
-        return Pick(candidates[next(self._next) % len(candidates)], "round-robin")
-
-    def record(self, backend: Backend, hashes: list[bytes], now: float) -> None:
-        pass
-
-
-class LeastLoad:
-    name = "least-load"
-
-    def __init__(self):
-        self._next = itertools.count()
-
-    def pick(self, candidates: list[Backend], hashes: list[bytes], now: float) -> Pick:
-        loads = [b.load(now) for b in candidates]
-        low = min(loads)
-        ties = [b for b, load in zip(candidates, loads) if load == low]
-        return Pick(ties[next(self._next) % len(ties)], "least-load")
-
-    def record(self, backend: Backend, hashes: list[bytes], now: float) -> None:
-        pass
-
-
-class PrefixLoad:
-    name = "prefix-load"
-
-    def __init__(self, load_factor: float = 1.25, affinity_slack: float = 2.0, cold_slack: float = 1.0,
-                 index_size: int = 200_000, holders_per_block: int = 4):
-        if load_factor < 1.0:
-            raise ValueError("load_factor must be >= 1")
-        if affinity_slack < 0 or cold_slack < 0:
-            raise ValueError("affinity_slack and cold_slack must be >= 0")
-        self.cold_slack = cold_slack
-        self.load_factor = load_factor
-        self.affinity_slack = affinity_slack
+    def __init__(self, index_size: int = 200_000, holders_per_block: int = 4):
         self.index_size = index_size
         self.holders_per_block = holders_per_block
-        # block hash -> {engine URL: last time it was routed there}, least recently used first.
         self.index: OrderedDict[bytes, dict[str, float]] = OrderedDict()
 
     def matches(self, candidates: list[Backend], hashes: list[bytes]) -> dict[str, int]:
@@ -108,29 +74,6 @@ class PrefixLoad:
             for url in alive:
                 matched[url] = i + 1
         return matched
-
-    def pick(self, candidates: list[Backend], hashes: list[bytes], now: float) -> Pick:
-        loads = {b: b.load(now) for b in candidates}
-        capacity = math.ceil(self.load_factor * (sum(loads.values()) + 1) / len(candidates))
-        least = min(loads.values())
-        affinity_limit = least + self.affinity_slack
-
-        def within(b: Backend) -> bool:
-            return loads[b] + 1 <= capacity
-
-        matched = self.matches(candidates, hashes)
-        if matched:
-            holders = sorted((b for b in candidates if b.url in matched), key=lambda b: (-matched[b.url], loads[b]))
-            for b in holders:
-                if within(b) or loads[b] <= affinity_limit:
-                    return Pick(b, "affinity", matched[b.url])
-        key = hashes[0] if hashes else b""
-        order = sorted(candidates, key=lambda b: _rendezvous(key, b.url), reverse=True)
-        decision = "spill" if matched else "cold"
-        for b in order:
-            if within(b) and loads[b] <= least + self.cold_slack:
-                return Pick(b, decision)
-        return Pick(min(candidates, key=lambda b: loads[b]), decision)
 
     def record(self, backend: Backend, hashes: list[bytes], now: float) -> None:
         """Remember that `backend` now holds this chain (optimistically, at dispatch: the next request of the
@@ -150,13 +93,187 @@ class PrefixLoad:
             index.popitem(last=False)
 
 
+class RoutingContext:
+    """One routing decision: the eligible engines, the prompt's block hashes, and what the filters and scorers
+    share, each computed once (loads read the backends' state at `now`)."""
+
+    def __init__(self, candidates: list[Backend], hashes: list[bytes], now: float, index: PrefixIndex | None):
+        self.candidates = candidates
+        self.hashes = hashes
+        self.now = now
+        self._index = index
+
+    @cached_property
+    def loads(self) -> dict[Backend, float]:
+        return {b: b.load(self.now) for b in self.candidates}
+
+    @cached_property
+    def least_load(self) -> float:
+        return min(self.loads.values())
+
+    @cached_property
+    def matched(self) -> dict[str, int]:
+        """Engine URL -> leading blocks of the prompt it holds (empty without a prefix index)."""
+        return self._index.matches(self.candidates, self.hashes) if self._index is not None else {}
+
+
+# ---- the protocol -----------------------------------------------------------------------------------------------
+class Filter(Protocol):
+    def filter(self, ctx: RoutingContext, backends: list[Backend]) -> list[Backend]:
+        """The engines of `backends` (in their order) that may take the request."""
+
+
+class Scorer(Protocol):
+    def score(self, ctx: RoutingContext, backends: list[Backend]) -> dict[Backend, float]:
+        """A score in [0, 1] per engine; higher is better."""
+
+
+class Picker(Protocol):
+    def pick(self, backends: list[Backend], totals: list[float]) -> Backend:
+        """One of `backends` given their weighted score totals (same order)."""
+
+
+@dataclass
+class Profile:
+    decision: str  # what a pick counts as in the gateway's metrics ("cold" becomes "spill", see Router.pick)
+    picker: Picker
+    filters: list[Filter] = field(default_factory=list)
+    scorers: list[tuple[Scorer, float]] = field(default_factory=list)  # (scorer, weight)
+
+    def choose(self, ctx: RoutingContext) -> Backend | None:
+        backends = ctx.candidates
+        for f in self.filters:
+            backends = f.filter(ctx, backends)
+            if not backends:
+                return None
+        totals = dict.fromkeys(backends, 0.0)
+        for scorer, weight in self.scorers:
+            for b, s in scorer.score(ctx, backends).items():
+                totals[b] += weight * s
+        return self.picker.pick(backends, list(totals.values()))
+
+
+class Router:
+    def __init__(self, name: str, profiles: list[Profile], index: PrefixIndex | None = None):
+        if not profiles or profiles[-1].filters:
+            raise ValueError("a router's last profile must have no filters, so every request finds an engine")
+        self.name = name
+        self.profiles = profiles
+        self.index = index
+
+    def pick(self, candidates: list[Backend], hashes: list[bytes], now: float) -> Pick:
+        ctx = RoutingContext(candidates, hashes, now, self.index)
+        for profile in self.profiles:
+            backend = profile.choose(ctx)
+            if backend is not None:
+                decision = profile.decision
+                if decision == "cold" and ctx.matched:
+                    decision = "spill"  # engines hold part of this prefix, but all of them are over the bound
+                return Pick(backend, decision, ctx.matched.get(backend.url, 0))
+        raise AssertionError("unreachable: the last profile has no filters")
+
+    def record(self, backend: Backend, hashes: list[bytes], now: float) -> None:
+        if self.index is not None:
+            self.index.record(backend, hashes, now)
+
+
+# ---- filters ----------------------------------------------------------------------------------------------------
+class BoundedLoad:
+    """Two load bounds over all eligible engines: capacity, load + 1 <= ceil(load_factor * (total load + 1) /
+    engines), and slack, load <= least load + slack. `both`: an engine must meet both, else either one."""
+
+    def __init__(self, load_factor: float, slack: float, both: bool):
+        self.load_factor = load_factor
+        self.slack = slack
+        self.both = both
+
+    def filter(self, ctx: RoutingContext, backends: list[Backend]) -> list[Backend]:
+        loads = ctx.loads
+        capacity = math.ceil(self.load_factor * (sum(loads.values()) + 1) / len(ctx.candidates))
+        limit = ctx.least_load + self.slack
+        if self.both:
+            return [b for b in backends if loads[b] + 1 <= capacity and loads[b] <= limit]
+        return [b for b in backends if loads[b] + 1 <= capacity or loads[b] <= limit]
+
+
+class LongestPrefix:
+    """The engines holding the longest matching chain of the prompt's blocks (none when nobody holds any)."""
+
+    def filter(self, ctx: RoutingContext, backends: list[Backend]) -> list[Backend]:
+        matched = ctx.matched
+        longest = max((matched.get(b.url, 0) for b in backends), default=0)
+        return [b for b in backends if longest and matched.get(b.url, 0) == longest]
+
+
+# ---- scorers ----------------------------------------------------------------------------------------------------
+class LoadScorer:
+    """1 / (1 + load): 1 for an idle engine, falling as its load grows."""
+
+    def score(self, ctx: RoutingContext, backends: list[Backend]) -> dict[Backend, float]:
+        return {b: 1.0 / (1.0 + ctx.loads[b]) for b in backends}
+
+
+class RendezvousScorer:
+    """Rendezvous (highest random weight) hash of the prompt's first block and the engine URL: the same ranking of
+    engines for the same prefix on every gateway replica, and a different one per prefix."""
+
+    def score(self, ctx: RoutingContext, backends: list[Backend]) -> dict[Backend, float]:
+        key = ctx.hashes[0] if ctx.hashes else b""
+        return {b: int.from_bytes(hashlib.blake2b(key + b.url.encode(), digest_size=8).digest(), "big") / 2**64
+                for b in backends}
+
+
+# ---- pickers ----------------------------------------------------------------------------------------------------
+class MaxScore:
+    """The highest total; ties go to the first engine in order (every replica sees the same order)."""
+
+    def pick(self, backends: list[Backend], totals: list[float]) -> Backend:
+        return backends[totals.index(max(totals))]
+
+
+class RotatingMaxScore:
+    """The highest total; ties take turns."""
+
+    def __init__(self):
+        self._turn = itertools.count()
+
+    def pick(self, backends: list[Backend], totals: list[float]) -> Backend:
+        best = max(totals)
+        ties = [b for b, t in zip(backends, totals) if t == best]
+        return ties[next(self._turn) % len(ties)]
+
+
+# ---- the routings -----------------------------------------------------------------------------------------------
+def prefix_load(load_factor: float = 1.25, affinity_slack: float = 2.0, cold_slack: float = 1.0,
+                index_size: int = 200_000) -> Router:
+    if load_factor < 1.0:
+        raise ValueError("load_factor must be >= 1")
+    if affinity_slack < 0 or cold_slack < 0:
+        raise ValueError("affinity_slack and cold_slack must be >= 0")
+    return Router("prefix-load", [
+        Profile("affinity", MaxScore(), [BoundedLoad(load_factor, affinity_slack, both=False), LongestPrefix()],
+                [(LoadScorer(), 1.0)]),
+        Profile("cold", MaxScore(), [BoundedLoad(load_factor, cold_slack, both=True)], [(RendezvousScorer(), 1.0)]),
+        Profile("cold", MaxScore(), [], [(LoadScorer(), 1.0)]),
+    ], PrefixIndex(index_size))
+
+
+def least_load(**_options) -> Router:
+    return Router("least-load", [Profile("least-load", RotatingMaxScore(), [], [(LoadScorer(), 1.0)])])
+
+
+def round_robin(**_options) -> Router:
+    return Router("round-robin", [Profile("round-robin", RotatingMaxScore())])
+
+
+ROUTERS = {"prefix-load": prefix_load, "least-load": least_load, "round-robin": round_robin}
+ROUTINGS = tuple(ROUTERS)
+
+
 def make_router(name: str, load_factor: float = 1.25, affinity_slack: float = 2.0, cold_slack: float = 1.0,
-                index_size: int = 200_000):
-    if name == "prefix-load":
-        return PrefixLoad(load_factor=load_factor, affinity_slack=affinity_slack, cold_slack=cold_slack,
-                          index_size=index_size)
-    if name == "least-load":
-        return LeastLoad()
-    if name == "round-robin":
-        return RoundRobin()
-    raise ValueError(f"unknown routing {name!r}; choose one of {', '.join(ROUTINGS)}")
+                index_size: int = 200_000) -> Router:
+    build = ROUTERS.get(name)
+    if build is None:
+        raise ValueError(f"unknown routing {name!r}; choose one of {', '.join(ROUTINGS)}")
+    return build(load_factor=load_factor, affinity_slack=affinity_slack, cold_slack=cold_slack,
+                 index_size=index_size)

@@ -39,7 +39,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 
 def _make_params(kwargs: dict[str, Any]):
-    from shoal.engine.execution.sampling import SamplingParams
+    from shoal.engine.contracts import SamplingParams
 
     try:
         return SamplingParams(**kwargs)

@@ -20,7 +20,7 @@ import time
 
 def run_layout(model_dir, reqs, tp: int, pp: int, args) -> dict:
     from shoal.engine.llm import LLM
-    from shoal.engine.execution.sampling import SamplingParams
+    from shoal.engine.contracts import SamplingParams
 
     options = dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                    tensor_parallel_size=tp, pipeline_parallel_size=pp)

@@ -77,7 +77,7 @@ def run_shoal(model_dir, reqs, args, memory: dict | None = None, **extra) -> tup
     """Seconds the workload takes through Shoal, and with --profile the per-step breakdown of a second run;
     `memory` (one process only) receives the resident weight and KV-cache bytes."""
     from shoal.engine.llm import LLM
-    from shoal.engine.execution.sampling import SamplingParams
+    from shoal.engine.contracts import SamplingParams
 
     options = dict(dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                    kv_cache_memory=getattr(args, "kv_cache_memory", None),

@@ -88,7 +88,7 @@ class StepProfiler:
     def attach(self) -> "StepProfiler":
         import shoal.engine.core.engine as engine_module
         from shoal.engine.core.tokenizer import IncrementalDetokenizer
-        from shoal.engine.execution.runner import StepInputs
+        import shoal.engine.execution.runner as runner_module
 
         e, m = self.engine, self.model
         sched = e.scheduler
@@ -110,7 +110,7 @@ class StepProfiler:
         self._patch(sched, "after_step", "scheduler")
         if hasattr(engine_module, "build_step_inputs"):
             self._patch(engine_module, "build_step_inputs", "build inputs")
-        self._patch(StepInputs, "attention_metadata", "build inputs")
+        self._patch(runner_module, "attention_metadata", "build inputs")
         self._patch(IncrementalDetokenizer, "append", "detokenize")
         self._patch(IncrementalDetokenizer, "flush", "detokenize")
         self._patch(Sampler, "__call__", "sampler")

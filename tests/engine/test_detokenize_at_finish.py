@@ -8,7 +8,7 @@ import pytest
 
 from shoal.engine import LLM, SamplingParams
 from shoal.engine.core import tokenizer as tokenizer_module
-from shoal.engine.core.outputs import RequestOutputKind
+from shoal.engine.contracts import RequestOutputKind
 
 PROMPTS = ["Hello world! The quick brown", "東京は日本の首都です 🐟", "def add(a, b):", "numbers 0 1 2 3"]
 

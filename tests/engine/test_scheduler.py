@@ -6,7 +6,7 @@ from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.core.outputs import RequestMetrics
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.sequence import Request, Sequence, SeqStatus
-from shoal.engine.execution.sampling import SamplingParams
+from shoal.engine.contracts import SamplingParams
 
 
 def _seq(seq_id: int, tokens: list[int]) -> Sequence:

@@ -19,7 +19,7 @@ from shoal.engine.gateway.discovery import ready_urls
 from shoal.engine.gateway.poller import Poller, parse_load
 from shoal.engine.gateway.prefix import block_hashes, render_prompt
 from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app
-from shoal.engine.gateway.routing import PrefixLoad, make_router
+from shoal.engine.gateway.routing import make_router, prefix_load
 
 
 def test_gateway_imports_no_torch():
@@ -68,7 +68,7 @@ def backends(n: int) -> list[Backend]:
 
 
 def test_prefix_load_prefers_the_engine_holding_the_longest_prefix():
-    r, bs, now = PrefixLoad(), backends(3), time.monotonic()
+    r, bs, now = prefix_load(), backends(3), time.monotonic()
     shared = block_hashes("s" * 640, 64, 100)
     r.record(bs[2], shared[:4], now)
     r.record(bs[1], shared, now)  # holds the whole chain
@@ -81,7 +81,7 @@ def test_prefix_load_prefers_the_engine_holding_the_longest_prefix():
 
 
 def test_prefix_load_spills_a_hot_prefix_under_bounded_load():
-    r, bs, now = PrefixLoad(load_factor=1.25, affinity_slack=0), backends(3), time.monotonic()
+    r, bs, now = prefix_load(load_factor=1.25, affinity_slack=0), backends(3), time.monotonic()
     hashes = block_hashes("hot prefix " * 30, 64, 100)
     picks = []
     for _ in range(9):
@@ -96,7 +96,7 @@ def test_prefix_load_spills_a_hot_prefix_under_bounded_load():
 def test_cold_prefixes_agree_across_gateway_replicas():
     """Two gateways with no shared state place each new prefix on the same engine."""
     now = time.monotonic()
-    r1, r2 = PrefixLoad(), PrefixLoad()
+    r1, r2 = prefix_load(), prefix_load()
     bs1, bs2 = backends(4), list(reversed(backends(4)))
     chosen = set()
     for i in range(40):
@@ -108,7 +108,7 @@ def test_cold_prefixes_agree_across_gateway_replicas():
 
 
 def test_cold_prefix_goes_where_the_queue_is_short_when_loads_differ():
-    r, bs, now = PrefixLoad(cold_slack=1), backends(3), time.monotonic()
+    r, bs, now = prefix_load(cold_slack=1), backends(3), time.monotonic()
     hashes = block_hashes("a brand new prompt " * 10, 64, 100)
     first = r.pick(bs, hashes, now).backend  # even loads: the consistent-hash choice
     first.inflight = 2  # that engine is slower; the others are idle

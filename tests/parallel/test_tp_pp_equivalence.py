@@ -8,9 +8,10 @@ import torch
 
 from hf_reference import hf_greedy
 from shoal.engine import LLM, SamplingParams
+from shoal.engine.core.scheduler import build_step_inputs
 from shoal.engine.distributed.pipeline import split_micro_batches
-from shoal.engine.distributed.wire import Command, Header, pack_plan, unpack_plan
-from shoal.engine.execution.runner import build_step_inputs
+from shoal.engine.distributed.wire import decode_call, encode_call
+from shoal.engine.execution.sampling import SamplingRow
 
 pytestmark = pytest.mark.slow
 
@@ -103,16 +104,17 @@ def _plan():
     return build_step_inputs(scheduled, block_size=4)
 
 
-def test_plan_roundtrip():
+def test_a_step_call_roundtrips():
+    """What a worker receives for a step: the same plan (dtypes included; a micro-batch's views too) and rows."""
     inputs = _plan()
-    header, body = pack_plan(inputs)
-    assert header.command is Command.STEP and body.numel() == header.plan_size
-    header = Header.decode(header.encode())  # what a worker receives
-    back = unpack_plan(header, body)
+    rows = [SamplingRow(PARAMS, [1, 2], [3], uniform=0.25)]
+    method, (back, back_rows, view) = decode_call(encode_call("execute_model", (inputs, rows, inputs.input_ids[2:5])))
+    assert method == "execute_model" and torch.equal(view, inputs.input_ids[2:5])
+    assert back_rows[0].params == PARAMS and back_rows[0].uniform == 0.25 and back_rows[0].output_token_ids == [3]
     for name, value in inputs.__dict__.items():
         other = getattr(back, name)
         if isinstance(value, torch.Tensor):
-            assert torch.equal(value.long(), other.long()), name
+            assert other.dtype == value.dtype and torch.equal(value, other), name
         else:
             assert value == other, name
 

@@ -9,14 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shoal.engine.execution.sampling import (
-    MAX_LOGPROBS,
-    MAX_N,
-    Sampler,
-    SamplingParams,
-    SamplingRow,
-    make_generator,
-)
+from shoal.engine.contracts import MAX_LOGPROBS, MAX_N, SamplingParams
+from shoal.engine.execution.sampling import Sampler, SamplingRow, make_generator
 
 pytestmark = pytest.mark.numerics
 

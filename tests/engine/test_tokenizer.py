@@ -8,8 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shoal.engine.tools.tiny_model import _CORPUS, CHAT_TEMPLATE, make_tokenizer
-from shoal.engine.execution.sampling import SamplingParams
+from shoal.engine.contracts import SamplingParams
 from shoal.engine.core.tokenizer import (
     ChatTemplateError,
     IncrementalDetokenizer,
@@ -19,6 +18,7 @@ from shoal.engine.core.tokenizer import (
     load_tokenizer,
     render_chat,
 )
+from shoal.engine.tools.tiny_model import _CORPUS, CHAT_TEMPLATE, make_tokenizer
 
 TEXTS = _CORPUS + [
     "Привет, мир! Ελληνικά κείμενα. 한국어 텍스트. العربية",
