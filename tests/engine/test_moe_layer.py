@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from shoal.engine.execution.layers import moe
 from shoal.engine.execution.layers.moe import fused_experts_torch, select_experts
 
+pytestmark = pytest.mark.numerics
+
 
 def loop_reference(x, w13, w2, topk_weights, topk_ids, expert_start=0):
     """One expert at a time, one token at a time: the definition the fused paths must meet."""
