@@ -103,6 +103,8 @@ class FlashAttentionBackend(AttentionBackend):
         alibi_slopes: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if alibi_slopes is not None:
             raise ValueError(ALIBI_REFUSAL)
@@ -127,6 +129,9 @@ class FlashAttentionBackend(AttentionBackend):
             max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale,
             causal=True,
+            # flash-attn's window (left, right) counts keys before the query: W visible keys = (W - 1, 0).
+            window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
+            softcap=float(softcap or 0.0),
         )
         if k_scale is None and self.reads_cache_in_place(block_size):
             return self._varlen(q, k_cache, v_cache, block_table=meta.block_tables.to(torch.int32), **common)
