@@ -10,6 +10,9 @@ _REGISTRY = {
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES = sorted(_REGISTRY)
