@@ -158,7 +158,7 @@ def test_int8_and_fp8_kv_on_the_2026_dense_families(model_factory, arch, overrid
         got = _first_step_logprobs(model, **kw)
         mean, worst = _logprob_error(ref, got)
         assert mean < mean_bound and worst < max_bound, (kw, mean, worst)
-        assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(ref, got)) >= 5, kw
+        assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(ref, got)) >= 4, kw  # of 8; broken: ~0
 
 
 def test_int4_engine_equals_a_dense_model_holding_the_dequantized_weights(model_factory):
