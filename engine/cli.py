@@ -64,7 +64,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="local Hugging Face model directory, a hub id present in the local HF cache, or a .gguf "
                         "file (config, tokenizer and chat template from its metadata). Without it, the demo model: "
                         "SmolLM2-135M-Instruct if on this machine ($SHOAL_DEMO_GGUF or fetched by `shoal-engine "
-                        "demo`), else a tiny random-weight model.")
+                        "demo`), else a tiny random-weight model. Architectures (config.json `architectures`): "
+                        "Llama, Mistral, Qwen2, BLOOM, GPT-2, Gemma 2, Gemma 3 (text, Gemma3ForCausalLM), Phi-3; "
+                        "an unsupported one fails at load with the supported list.")
     g.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer directory, id or .gguf file (default: the model's; for a GGUF model, its metadata)")
