@@ -95,3 +95,29 @@ def test_triton_window(case, softcap):
     if not ok:
         pytest.skip(why)
     run(cls(), *CASES[case], 6, softcap)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("backend_name", ["flash", "triton"])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_gpu_backends_window(backend_name, softcap):
+    """flash (window_size / softcap arguments) and compiled Triton, half precision, windows past many blocks."""
+    cls = backend_class(backend_name)
+    ok, why = (False, "not importable") if cls is None else cls.is_available(torch.device("cuda"))
+    if not ok:
+        pytest.skip(why)
+    ql, sl = [100, 1, 37, 1], [100, 300, 80, 600]
+    q, k_cache, v_cache, meta, ks, vs = make_case(ql, sl, 8, 2, 64, 16, torch.float16)
+    k_cache.nan_to_num_(0.0)
+    v_cache.nan_to_num_(0.0)
+    meta.scratch.clear()
+    to = lambda t: t.cuda() if isinstance(t, torch.Tensor) else t  # noqa: E731
+    for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        setattr(meta, f, to(getattr(meta, f)))
+    out = cls().forward(q.cuda(), k_cache.cuda(), v_cache.cuda(), meta, 0.125, sliding_window=50, softcap=softcap)
+    ref = reference(q, ks, vs, ql, 0.125, window=50, softcap=softcap)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=3e-3, rtol=3e-3)
