@@ -129,10 +129,11 @@ class FlashAttentionBackend(AttentionBackend):
             max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale,
             causal=True,
-            # flash-attn's window (left, right) counts keys before the query: W visible keys = (W - 1, 0).
-            window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
-            softcap=float(softcap or 0.0),
         )
+        if sliding_window:  # flash-attn's window (left, right) counts keys beside the query: W keys = (W - 1, 0)
+            common["window_size"] = (sliding_window - 1, 0)
+        if softcap:  # flash-attn >= 2.6
+            common["softcap"] = float(softcap)
         if k_scale is None and self.reads_cache_in_place(block_size):
             return self._varlen(q, k_cache, v_cache, block_table=meta.block_tables.to(torch.int32), **common)
         slots = self._context_slots(meta, block_size, q.device)
