@@ -193,7 +193,7 @@ def test_gemma_and_phi3_gguf_match_the_checkpoint(model_factory, gguf_dir, arch,
         from shoal.engine.execution.weights import WeightSource
 
         ref, gg = WeightSource(src), GGUFWeightSource(path, config)
-        name = "model.layers.1.self_attn.qkv_proj.weight" if arch == "phi3" else "model.layers.1.self_attn.k_proj.weight"
+        name = f"model.layers.1.self_attn.{'qkv_proj' if arch == 'phi3' else 'k_proj'}.weight"
         full = ref.load(name)
         torch.testing.assert_close(gg.load(name, tuple(full.shape), dim=0, start=16, length=16), full[16:32])
         norm = "model.layers.1.post_attention_layernorm.weight"

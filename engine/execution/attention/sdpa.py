@@ -3,8 +3,8 @@
 Once per step it builds, for the whole batch, the cache slot of every (sequence, key position) and a padded
 [B, max_query_len] view of the queries with a causal mask (plus the ALiBi bias when the model uses it, and a
 sliding-window mask per distinct window). Every layer then runs one batched SDPA call: no Python loop over
-sequences. Soft-capped scores (Gemma 2) are computed with explicit matmuls, since SDPA has no soft-capping. An fp8 cache's gathered blocks are
-dequantized (values times their row scales) to the queries' dtype first.
+sequences. Soft-capped scores (Gemma 2) are computed with explicit matmuls, since SDPA has no soft-capping. An fp8
+cache's gathered blocks are dequantized (values times their row scales) to the queries' dtype first.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Keys and values are read straight from the paged cache through the block table (no gather into a contiguous
 copy); softmax is computed online (FlashAttention style) in float32, whatever the cache dtype. Handles causal
 prefill, chunked prefill against cached context, decode, grouped-query attention, BLOOM-style ALiBi, sliding
-windows (key tiles before a query tile's window are skipped), attention-logit soft-capping and any head_dim (padded to a power of two with masks). An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is loaded as
-bytes and decoded with integer ops (_e4m3_to_float: exact, and the same on every GPU generation — Triton's own
+windows (keys before a query tile's window are never loaded), attention-logit soft-capping and any head_dim
+(padded to a power of two with masks). An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is loaded as bytes
+and decoded with integer ops (_e4m3_to_float: exact, and the same on every GPU generation — Triton's own
 fp8e4nv conversions need compute capability 8.9 on some versions — and in the interpreter); its per-(slot, kv
 head) scales fold into the scores (s_j * ks_j) and into the probabilities that weight the values (p_j * vs_j), so
 no dequantized copy of a tile is formed.

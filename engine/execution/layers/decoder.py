@@ -13,7 +13,8 @@ from torch import nn
 
 from shoal.engine.execution.attention.layer import PagedAttention
 from shoal.engine.execution.layers.activation import act_and_mul
-from shoal.engine.execution.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, Reader, RowParallelLinear
+from shoal.engine.execution.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, Reader,
+                                                  RowParallelLinear)
 from shoal.engine.execution.layers.rotary import RotaryEmbedding
 
 
