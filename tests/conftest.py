@@ -38,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-ARCHS = ["llama", "mistral", "qwen2", "bloom", "gpt2"]
+ARCHS = ["llama", "mistral", "qwen2", "bloom", "gpt2", "gemma2", "gemma3", "phi3"]
 
 
 @pytest.fixture(scope="session")

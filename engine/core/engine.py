@@ -24,6 +24,7 @@ from shoal.engine.core.structured_outputs import CompiledGrammar, GrammarCompile
 from shoal.engine.core.tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
 from shoal.engine.execution.executor import Executor, make_executor
 from shoal.engine.execution.model_loader import load_hf_config, resolve_dtype, resolve_model_dir
+from shoal.engine.execution.models import model_class
 from shoal.engine.execution.sampling import Sampler, SamplingRow, make_generator
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,11 @@ class LLMEngine:
             from shoal.engine.execution.quantization import check_supported
 
             check_supported(config.quantization, self.device)
+        # Each layer's attention window (None: full context). When every layer has one, KV blocks that slid out of
+        # the smallest window are freed as sequences advance (see Scheduler).
+        self.layer_windows = model_class(self.hf_config).sliding_windows(self.hf_config)
+        all_local = bool(self.layer_windows) and all(self.layer_windows)
+        self.kv_window = min(self.layer_windows) if all_local else None
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir, config.revision, config.trust_remote_code)
         self.model_name = config.served_model_name or config.model
@@ -119,7 +125,8 @@ class LLMEngine:
             raise
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy,
+                                   sliding_window=self.kv_window)
         # Thread-safe: AsyncEngine compiles on worker threads, off the engine loop.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._bitmask_words = -(-max(self.vocab_size, len(self.tokenizer)) // 32)  # one bit per token id
@@ -135,13 +142,35 @@ class LLMEngine:
             capacity / self.max_model_len, self.max_model_len, self.executor.backend_name,
             "on" if config.enable_prefix_caching else "off", self.max_num_batched_tokens,
         )
+        self._log_sliding_window(num_blocks)
 
     # -- set-up ---------------------------------------------------------------------------------------------
+    def _log_sliding_window(self, num_blocks: int) -> None:
+        windowed = [w for w in self.layer_windows if w]
+        if not windowed:
+            return
+        bs = self.config.block_size
+        full = -(-self.max_model_len // bs)
+        if self.kv_window is None:
+            logger.info("sliding-window attention (%s tokens) on %d of %d layers: the %d global layers need every "
+                        "block, so no KV blocks are freed as sequences advance (concurrency as above)",
+                        "/".join(str(w) for w in sorted(set(windowed))), len(windowed), len(self.layer_windows),
+                        len(self.layer_windows) - len(windowed))
+            return
+        # The last `window` keys of a decoding sequence span at most (window - 1) // bs + 2 blocks.
+        held = min(full, (self.kv_window - 1) // bs + 2)
+        logger.info("sliding-window attention (%d tokens) on every layer: KV blocks that slide out of the window are "
+                    "freed, so a decoding sequence holds at most %d blocks instead of %d at max_model_len=%d; "
+                    "max concurrency %.1f requests (%.1f without the window)", self.kv_window, held, full,
+                    self.max_model_len, num_blocks / held, num_blocks / full)
+
     def _resolve_max_model_len(self) -> int:
         limit = _model_max_len(self.hf_config)
         window = getattr(self.hf_config, "sliding_window", None)
         requested = self.config.max_model_len
-        if isinstance(window, int) and window > 0 and (limit is None or window < limit):
+        # A family that does not honour the config's window (it reports no windowed layer) is served only within it.
+        honours_window = any(self.layer_windows)
+        if isinstance(window, int) and window > 0 and not honours_window and (limit is None or window < limit):
             # Full attention over at most `window` tokens equals sliding-window attention.
             if requested is not None and requested > window:
                 raise ValueError(f"max_model_len {requested} exceeds the model's sliding window ({window}); "

@@ -67,6 +67,8 @@ class BlockPool:
         sequence's leading blocks are the ones other requests are likely to share."""
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
+            if block.ref_count <= 0:  # a double free would hand one block to two sequences
+                raise AssertionError(f"KV block {block_id} freed while unreferenced")
             block.ref_count -= 1
             if block.ref_count == 0:
                 if block.block_hash is None:

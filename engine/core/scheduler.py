@@ -6,6 +6,15 @@ A long prompt is spread over several steps (chunked prefill) so decodes keep flo
 dry, the newest (or, under the priority policy, the lowest-priority) running sequence is preempted: its blocks
 are freed and it is recomputed later from its prompt and the tokens it has generated so far.
 
+Sliding window: when every layer of the model attends only to its last W keys, a sequence whose next query is at
+position c never reads keys before c - W + 1 again, so after each step the blocks wholly before that point go back
+to the pool. Their block-table entries become 0 (a valid block: kernels never read before a query's window, and
+SDPA masks it) and they are counted in seq.num_freed_blocks, so a later free never drops a second reference.
+Prefix caching stays exact: a block is published (hashed) the step it fills, before it can slide out; a freed
+block keeps its hash and content in the pool's free queue, where another request may still find it as part of a
+cached prefix until it is evicted (evicting drops its hash), and a 0 entry is never published, since only blocks
+at or after len(seq.block_hashes) are published and those are never freed before being considered.
+
 build_step_inputs turns a step's schedule into the StepInputs (shoal.engine.contracts) every executor runs.
 """
 
@@ -45,8 +54,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs", sliding_window: int | None = None):
         self.pool = pool
+        self.sliding_window = sliding_window  # every layer's window (the smallest), or None
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -75,11 +85,23 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def _free_blocks(self, seq: Sequence) -> None:
-        if seq.block_ids:
-            self.pool.free(seq.block_ids)
+        if seq.held_block_ids:
+            self.pool.free(seq.held_block_ids)
         seq.block_ids = []
         seq.block_hashes = []
+        seq.num_freed_blocks = 0
         seq.num_computed_tokens = 0
+
+    def _free_slid_out_blocks(self, seq: Sequence) -> None:
+        """Give back the leading blocks no future query of `seq` can see (every key before c - W + 1, where c is
+        the next query's position)."""
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        keep_from = min(max(0, first_visible) // self.block_size, len(seq.block_ids))
+        if keep_from <= seq.num_freed_blocks:
+            return
+        self.pool.free(seq.block_ids[seq.num_freed_blocks:keep_from])
+        seq.block_ids[seq.num_freed_blocks:keep_from] = [0] * (keep_from - seq.num_freed_blocks)
+        seq.num_freed_blocks = keep_from
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -152,6 +174,8 @@ class Scheduler:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
             self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens)
+            if self.sliding_window is not None:  # after publishing: a block is hashed before it can slide out
+                self._free_slid_out_blocks(seq)
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInputs:

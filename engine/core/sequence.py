@@ -30,6 +30,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the leading full, computed blocks
+    # Leading blocks given back because they slid out of every layer's attention window (models whose layers are
+    # all windowed): their entries in block_ids are 0 (never read, never published to the prefix cache).
+    num_freed_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
@@ -51,6 +54,11 @@ class Sequence:
         if self.index != 0 or plp is None or len(plp) >= self.num_prompt_tokens:
             return None
         return max(0, len(plp) - 1)
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks this sequence references (block_ids less the leading ones freed by a sliding window)."""
+        return self.block_ids[self.num_freed_blocks:]
 
     @property
     def num_tokens(self) -> int:

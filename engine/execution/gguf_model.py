@@ -1,8 +1,8 @@
 """Serve a single GGUF file (llama.cpp's format): config, tokenizer and weights all come from the file.
 
 - `is_gguf(path)`: a file that starts with the GGUF magic.
-- `gguf_config(path)`: a transformers config built from the GGUF metadata (llama, mistral, qwen2, qwen3 families,
-  and Mixtral, which llama.cpp files as llama with `llama.expert_count`).
+- `gguf_config(path)`: a transformers config built from the GGUF metadata (llama, mistral, qwen2, qwen3, gemma2,
+  gemma3 and phi3 families, and Mixtral, which llama.cpp files as llama with `llama.expert_count`).
 - `load_gguf_tokenizer(path)`: transformers' GGUF tokenizer conversion (vocabulary, merges, special tokens and the
   chat template stored in the metadata).
 - `GGUFWeightSource`: the `WeightSource` interface over the file's tensors, under Hugging Face names. Every tensor
@@ -12,7 +12,12 @@
   row on its own, so a row range is a byte range).
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (interleaved rotary halves); they are put
-back in Hugging Face order per head, which is why a rank's q/k slice must start on a head boundary.
+back in Hugging Face order per head, which is why a rank's q/k slice must start on a head boundary. It stores
+Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight alone), so 1 is taken off again here, and keeps
+Phi-3's fused attn_qkv and gate/up (as ffn_up) tensors fused, as the Hugging Face checkpoint does. What GGUF
+metadata does not carry follows llama.cpp: Gemma scales queries by head_dim^-0.5 (query_pre_attn_scalar =
+head_dim), Gemma 3's local layers use RoPE base 10000 and every sliding_window_pattern-th layer (default 6) is
+global.
 
 Mixture-of-experts files stack each layer's experts in one tensor per projection (`ffn_gate_exps`, `ffn_up_exps`,
 `ffn_down_exps`: [experts, rows, cols]); each expert is exposed under its Hugging Face name and reads only its own
@@ -42,7 +47,11 @@ ARCHITECTURES = {
     "mistral": ("mistral", "MistralForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
+    "phi3": ("phi3", "Phi3ForCausalLM", False),
 }
+_GEMMA = ("gemma2", "gemma3")
 
 # GGUF tensor names -> Hugging Face names (the llama family; other families need their own table).
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -56,6 +65,16 @@ _LAYER_NAMES = {
 # Mixtral's router and stacked experts (the Hugging Face names of expert e: experts.{e}.w1/w3/w2).
 _MOE_NAMES = {"ffn_gate_inp": "block_sparse_moe.gate"}
 _EXPERT_STACKS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+
+# Families whose layers name tensors differently (the rest of _LAYER_NAMES applies to them too).
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+               "attn_k_norm": "self_attn.k_norm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -157,6 +176,8 @@ def gguf_config(path: str | os.PathLike):
         kw["num_experts_per_tok"] = int(need("expert_used_count"))
     if model_type == "qwen3":
         kw["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch in _GEMMA or arch == "phi3":
+        kw.update(_family_config(reader, arch, kw, path))
     for key, attr in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("padding_token_id", "pad_token_id")):
         value = _field(reader, f"tokenizer.ggml.{key}")
@@ -165,6 +186,55 @@ def gguf_config(path: str | os.PathLike):
     config = AutoConfig.for_model(model_type, **kw)
     config.dtype = torch.bfloat16  # GGUF weights are mostly quantized: compute in bf16 unless --dtype says
     return config
+
+
+def _family_config(reader, arch: str, kw: dict, path) -> dict:
+    """The config entries of Gemma 2/3 and Phi-3 beyond the Llama-shaped ones gguf_config fills in."""
+    def get(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    # Not rope.dimension_count: Phi-3 may rotate only part of each head.
+    head_dim = int(get("attention.key_length") or kw["hidden_size"] // kw["num_attention_heads"])
+    window = get("attention.sliding_window")
+    out: dict = {"head_dim": head_dim, "sliding_window": int(window) if window else None}
+    if arch in _GEMMA:
+        out.update(query_pre_attn_scalar=head_dim, hidden_activation="gelu_pytorch_tanh",
+                   hidden_act="gelu_pytorch_tanh")
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = get(key)
+            out[key] = float(value) if value else None
+        if arch == "gemma3":
+            pattern = get("attention.sliding_window_pattern", 6)
+            n = kw["num_hidden_layers"]
+            if isinstance(pattern, (list, tuple)):  # one flag per layer: True = sliding
+                types = ["sliding_attention" if bool(p) else "full_attention" for p in pattern]
+            else:
+                types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(n)]
+            out.update(layer_types=types, rope_local_base_freq=float(get("rope.freq_base_swa", 10000.0)))
+            scaling, factor = get("rope.scaling.type"), get("rope.scaling.factor")
+            if scaling and scaling != "none" and factor:
+                out["rope_scaling"] = {"rope_type": str(scaling), "factor": float(factor)}
+        return out
+    # phi3: partial rotary from the rotary dimension count; LongRoPE factors are tensors of the file.
+    rot = get("rope.dimension_count")
+    if rot and int(rot) != head_dim:
+        out["partial_rotary_factor"] = int(rot) / head_dim
+    names = {t.name: t for t in reader.tensors}
+    long_t, short_t = names.get("rope_factors_long.weight"), names.get("rope_factors_short.weight")
+    if long_t is not None and short_t is not None:
+        original = get("rope.scaling.original_context_length")
+        if not original:
+            raise WeightError(f"{path}: LongRoPE factors without {arch}.rope.scaling.original_context_length")
+        out["original_max_position_embeddings"] = int(original)
+        out["rope_scaling"] = {"rope_type": "longrope", "long_factor": [float(x) for x in long_t.data],
+                               "short_factor": [float(x) for x in short_t.data]}
+        attn_factor = get("rope.scaling.attn_factor")
+        if attn_factor:
+            out["rope_scaling"]["attention_factor"] = float(attn_factor)
+        if "partial_rotary_factor" in out:  # transformers sizes the factors by the rotary dimension
+            out["rope_scaling"]["partial_rotary_factor"] = out["partial_rotary_factor"]
+    out["tie_word_embeddings"] = "output.weight" not in names
+    return out
 
 
 def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):
@@ -183,7 +253,9 @@ class GGUFWeightSource:
     def __init__(self, path: str | os.PathLike, hf_config):
         self.model_dir = Path(path)  # named like WeightSource's for error messages
         reader = open_gguf(path)
-        _, _, _, self._permuted = _architecture(reader, path)
+        arch, _, _, self._permuted = _architecture(reader, path)
+        self._layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+        self._norm_offset = arch in _GEMMA  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
         self._heads = {"self_attn.q_proj": hf_config.num_attention_heads,
                        "self_attn.k_proj": hf_config.num_key_value_heads}
         self._tensors = {}  # Hugging Face name -> GGUF tensor
@@ -206,16 +278,15 @@ class GGUFWeightSource:
                     f"{'/'.join(quantized)} dequantized on load (no packed GGUF kernel on this device)"
                     if quantized else "no quantized tensors")
 
-    @staticmethod
-    def _hf_name(name: str) -> str | None:
+    def _hf_name(self, name: str) -> str | None:
         stem, _, kind = name.rpartition(".")
         if kind not in ("weight", "bias"):
             return None
         if stem in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[stem]}.{kind}"
         parts = stem.split(".")
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-            return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in self._layer_names:
+            return f"model.layers.{parts[1]}.{self._layer_names[parts[2]]}.{kind}"
         if len(parts) == 3 and parts[0] == "blk" and parts[2] in _MOE_NAMES:
             return f"model.layers.{parts[1]}.{_MOE_NAMES[parts[2]]}.{kind}"
         return None
@@ -267,6 +338,8 @@ class GGUFWeightSource:
             w = self._unpermute(w, full[0] // self._heads[proj], name, start if rows else 0)
         if dim is not None and not rows and not cols:
             w = w.narrow(dim, start, length)
+        if self._norm_offset and name.endswith("norm.weight"):
+            w = w - 1.0
         return w
 
     @staticmethod

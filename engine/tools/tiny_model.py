@@ -95,6 +95,34 @@ def _config(arch: str, vocab_size: int, **overrides):
         else:
             name, extra = _MOE_CONFIGS[arch]
             cls, kw = getattr(tf, name), dict(base, num_experts_per_tok=2, **extra)
+    elif arch == "gemma2":
+        # Alternating sliding (8 tokens) and global layers, both soft-caps low enough to bite on random weights.
+        cls = tf.Gemma2Config
+        kw = dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=5.0,
+            final_logit_softcapping=10.0, max_position_embeddings=512, rms_norm_eps=1e-6,
+        )
+    elif arch == "gemma3":
+        # Local layers (window 8, rope_local_base_freq) around one global layer with linear RoPE scaling.
+        cls = tf.Gemma3TextConfig
+        kw = dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=8, max_position_embeddings=512, rms_norm_eps=1e-6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_theta=100000.0, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+        )
+    elif arch == "phi3":
+        # Every layer windowed (10 tokens), half of each head rotated, LongRoPE within its original length (short
+        # factors, attention factor sqrt(1 + ln 2 / ln 512) from max/original = 2).
+        cls = tf.Phi3Config
+        kw = dict(
+            hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+            sliding_window=10, partial_rotary_factor=0.5, max_position_embeddings=1024,
+            original_max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-5,
+            rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.5],
+                          "long_factor": [1.5, 2.5, 4.0, 7.0]},
+        )
     elif arch == "bloom":
         cls = tf.BloomConfig
         kw = dict(hidden_size=80, n_layer=3, n_head=5)

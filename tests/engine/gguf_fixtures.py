@@ -41,9 +41,10 @@ def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32", embed_type: str | None = None,
                seed: int = 0, name: str = "tiny") -> Path:
-    """Convert the tiny HF model in `model_dir` (llama, qwen2, qwen3 or mixtral) into a GGUF file; 2-D weights and
-    expert stacks get `weight_type` (the token embedding `embed_type`, default the same), norms stay F32. Mixtral is
-    written as llama.cpp does: architecture llama with an expert count, q/k permuted, experts stacked per layer."""
+    """Convert the tiny HF model in `model_dir` (llama, qwen2, qwen3, mixtral, gemma2, gemma3 or phi3) into a GGUF
+    file laid out as llama.cpp's converter does; 2-D weights and expert stacks get `weight_type` (the token embedding
+    `embed_type`, default the same), norms stay F32. Mixtral is written as llama.cpp does: architecture llama with an
+    expert count, q/k permuted, experts stacked per layer."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -51,7 +52,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
 
     model_dir, out = Path(model_dir), Path(out)
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = cfg["model_type"]
+    arch = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
     experts = cfg.get("num_local_experts", 0) if arch == "mixtral" else 0
     if experts:
         arch = "llama"
@@ -70,9 +71,13 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)))
-    w.add_rope_dimension_count(head_dim)
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base (local layers use 10000)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or rope.get("rope_theta", 1e4)))
+    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0  # Phi-3
+    w.add_rope_dimension_count(int(head_dim * partial))
     w.add_vocab_size(cfg["vocab_size"])
+    _add_family_metadata(w, arch, cfg, head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if experts:
         w.add_expert_count(experts)
@@ -90,6 +95,11 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "block_sparse_moe.gate": "ffn_gate_inp"}
+    layer.update(_FAMILY_LAYER_NAMES.get(arch, {}))
+    if arch == "phi3" and "long_factor" in (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}):
+        rope = cfg.get("rope_parameters") or cfg["rope_scaling"]
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     for hf_name, arr in tensors.items():
         stem, kind = hf_name.rsplit(".", 1)
         if stem.startswith("blk."):  # already a GGUF name (stacked experts)
@@ -101,6 +111,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
             g = f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
         if arch == "llama" and kind == "weight" and g.endswith(("attn_q", "attn_k")):
             arr = _permute_qk(arr, heads if g.endswith("attn_q") else kv_heads)
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            arr = arr + 1.0  # llama.cpp's Gemma norm multiplies by the stored weight: it stores 1 + w
         qname = embed_type if (embed_type and g == "token_embd") else weight_type
         qtype = QT[qname] if arr.ndim >= 2 else QT.F32
         _add_tensor(w, f"{g}.{kind}", arr, qtype, rng)
@@ -109,6 +121,41 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+_FAMILY_LAYER_NAMES = {
+    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+
+
+def _add_family_metadata(w, arch: str, cfg: dict, head_dim: int) -> None:
+    """What llama.cpp's converter writes for Gemma 2/3 and Phi-3 beyond the Llama-shaped keys."""
+    import gguf
+
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch in ("gemma2", "gemma3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key):
+                getattr(w, f"add_{key}")(cfg[key])
+    if arch == "gemma3":
+        rope = cfg.get("rope_parameters") or {}
+        full = rope.get("full_attention") or {}
+        if full.get("rope_type", "default") != "default":
+            w.add_rope_scaling_type(gguf.RopeScalingType(full["rope_type"]))
+            w.add_rope_scaling_factor(float(full["factor"]))
+    if arch == "phi3":
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if "original_max_position_embeddings" in rope or "original_max_position_embeddings" in cfg:
+            w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings")
+                                            or cfg["original_max_position_embeddings"])
 
 
 def _add_tensor(w, name: str, arr: np.ndarray, qtype, rng) -> None:

@@ -60,9 +60,10 @@ def make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_siz
     return q, k_cache, v_cache, meta, ks, vs
 
 
-def reference(q, ks, vs, query_lens, scale, slopes=None):
+def reference(q, ks, vs, query_lens, scale, slopes=None, window=None, softcap=None):
     """Per-sequence dense causal attention in float64; query head h reads kv head h // group; ALiBi adds
-    slope[h] * (key_pos - query_pos)."""
+    slope[h] * (key_pos - query_pos); a sliding window hides keys more than window - 1 positions back;
+    soft-capping maps each scaled score s to softcap * tanh(s / softcap)."""
     num_heads = q.shape[1]
     out, start = [], 0
     for k, v, ql in zip(ks, vs, query_lens):
@@ -74,7 +75,12 @@ def reference(q, ks, vs, query_lens, scale, slopes=None):
         q_pos, k_pos = torch.arange(sl - ql, sl), torch.arange(sl)
         if slopes is not None:
             scores = scores + slopes.double().view(-1, 1, 1) * (k_pos[None, :] - q_pos[:, None])
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if window is not None:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vd))
         start += ql
     return torch.cat(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -66,8 +67,11 @@ def test_greedy_matches_transformers(any_model, regime):
         engine.pool.check_all_free()
 
 
-def test_prefix_caching_reuses_blocks_and_matches(model_factory):
-    model_dir = model_factory("llama")
+# phi3: every layer windowed, so the first request's leading blocks were freed as it advanced (keeping their
+# hashes); the later requests must still find them as a cached prefix and get the same tokens.
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_prefix_caching_reuses_blocks_and_matches(model_factory, arch):
+    model_dir = model_factory(arch)
     shared = "Kubernetes runs pods on nodes; an operator reconciles custom resources into deployments and services."
     prompts = [shared + tail for tail in (" Hello", " Once upon a time", " def add(a, b):", " numbers 0 1 2")]
     with LLM(model=model_dir, block_size=4, max_model_len=128) as llm:
@@ -172,7 +176,7 @@ def test_priority_policy_preempts_lowest_priority(llama_model):
         assert engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "bloom"])
+@pytest.mark.parametrize("arch", ["llama", "bloom", "gemma2", "phi3"])
 def test_triton_backend_matches_transformers(model_factory, arch):
     """The Triton paged kernel (run by Triton's interpreter on CPU) drives the whole engine to the same tokens."""
     from shoal.engine.execution.attention import backend_class
@@ -211,3 +215,49 @@ def test_bfloat16_engine_tracks_transformers(model_factory):
             for step, (tid, entry) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
                 assert entry[tid].logprob == pytest.approx(float(ref_lp[step, tid]), abs=0.1)
                 assert float(ref_lp[step, tid]) >= float(ref_lp[step].max()) - 0.1  # greedy pick is (near) the top
+
+
+def test_all_windowed_layers_free_slid_out_blocks_and_match_transformers(model_factory, caplog):
+    """Phi-3 tiny: every layer sees the last 10 tokens. Six sequences of up to 71 tokens (about 300 in all) run in
+    a 20-block (80-token) cache because each holds only the blocks its window still covers."""
+    model_dir = model_factory("phi3")
+    with caplog.at_level(logging.INFO, logger="shoal.engine.core.engine"), \
+            LLM(model=model_dir, block_size=4, max_model_len=80, num_kv_blocks=20, max_num_batched_tokens=16) as llm:
+        engine = llm.llm_engine
+        assert engine.kv_window == 10
+        assert "freed, so a decoding sequence holds at most 4 blocks instead of 20" in caplog.text
+        tok = llm.get_tokenizer()
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, params)
+        finished, freed = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[int(out.request_id)] = out
+            for seq in engine.scheduler.running:  # after a step: the window's blocks, and nothing older
+                assert len(seq.held_block_ids) <= (10 - 1) // 4 + 2
+                freed = max(freed, seq.num_freed_blocks)
+        assert freed >= 8
+        check_against_hf(model_dir, tok, [finished[i] for i in range(len(PROMPTS))], PROMPTS, max_new=30)
+        engine.pool.check_all_free()
+
+
+def test_interleaved_windows_keep_every_block(model_factory, caplog):
+    with caplog.at_level(logging.INFO, logger="shoal.engine.core.engine"), \
+            LLM(model=model_factory("gemma2"), block_size=4, max_model_len=64) as llm:
+        assert llm.llm_engine.kv_window is None
+        assert "on 2 of 4 layers: the 2 global layers need every block, so no KV blocks are freed" in caplog.text
+
+
+def test_longrope_long_factors_past_the_original_context(model_factory):
+    """A server whose max_model_len exceeds original_max_position_embeddings rotates with LongRoPE's long factors
+    (and its attention factor); transformers does the same for sequences already past that length."""
+    model_dir = model_factory("phi3", original_max_position_embeddings=16, max_position_embeddings=256)
+    with LLM(model=model_dir, block_size=4, max_model_len=96) as llm:
+        tok = llm.get_tokenizer()
+        prompts = [p for p in PROMPTS if len(tok.encode(p)) > 16]
+        assert prompts
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3))
+        check_against_hf(model_dir, tok, outputs, prompts, max_new=8)
+

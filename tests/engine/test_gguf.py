@@ -205,3 +205,47 @@ def test_mixtral_gguf_with_stacked_experts(model_factory, gguf_dir):
     for a, b in zip(exact, quant):
         first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         assert max(abs(first_a[t].logprob - first_b[t].logprob) for t in set(first_a) & set(first_b)) < 0.5
+
+
+# Gemma 2/3 and Phi-3 as llama.cpp lays them out (Gemma norms stored as 1 + w, Phi-3's fused attn_qkv and gate/up
+# in ffn_up, LongRoPE factors as tensors). F32 files hold the checkpoint's exact weights, so transformers on the
+# source directory is the oracle. query_pre_attn_scalar = head_dim and Gemma 3's default layer pattern (every
+# sixth layer global, local RoPE base 10000) are what GGUF metadata implies (llama.cpp's reading).
+FAMILIES = {
+    "gemma2": dict(query_pre_attn_scalar=16),
+    "gemma3": dict(query_pre_attn_scalar=16, num_hidden_layers=6, layer_types=None),
+    "phi3": {},
+}
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-slices"])
+def test_gemma_and_phi3_gguf_match_the_checkpoint(model_factory, gguf_dir, arch, tp, monkeypatch):
+    from hf_reference import hf_greedy
+    from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config
+
+    src = model_factory(arch, **FAMILIES[arch])
+    path = write_gguf(src, gguf_dir / f"{arch}.gguf", "F32")
+    config = gguf_config(path)
+    assert config.architectures == [f"{arch.capitalize()}ForCausalLM"]
+    assert config.sliding_window == {"gemma2": 8, "gemma3": 8, "phi3": 10}[arch]
+    if tp == 2:  # the rows a tensor-parallel rank owns of a fused tensor are the rows the checkpoint has there
+        from shoal.engine.execution.weights import WeightSource
+
+        ref, gg = WeightSource(src), GGUFWeightSource(path, config)
+        name = f"model.layers.1.self_attn.{'qkv_proj' if arch == 'phi3' else 'k_proj'}.weight"
+        full = ref.load(name)
+        torch.testing.assert_close(gg.load(name, tuple(full.shape), dim=0, start=16, length=16), full[16:32])
+        norm = "model.layers.1.post_attention_layernorm.weight"
+        torch.testing.assert_close(gg.load(norm), ref.load(norm))  # Gemma: the stored 1 + w, back to w
+        return
+    with LLM(model=path, **OPTIONS) as llm:
+        tok = llm.get_tokenizer()
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                       logprobs=3))
+        for prompt, out in zip(PROMPTS, outputs):
+            ref_ids, ref_lp = hf_greedy(src, tok.encode(prompt), MAX_NEW)
+            assert out.outputs[0].token_ids == ref_ids, (arch, prompt)
+            for step, entry in enumerate(out.outputs[0].logprobs):
+                for tid, lp in entry.items():
+                    assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=2e-4), (arch, prompt, step)

@@ -50,8 +50,10 @@ def test_unsupported_architecture(model_copy):
     cfg = json.loads((model_copy / "config.json").read_text())
     cfg["architectures"] = ["FancyNewForCausalLM"]
     (model_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"unsupported architecture \['FancyNewForCausalLM'\].*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"unsupported architecture \['FancyNewForCausalLM'\].*LlamaForCausalLM") as err:
         load(model_copy)
+    for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
+        assert arch in str(err.value)
 
 
 def test_no_safetensors(model_copy):

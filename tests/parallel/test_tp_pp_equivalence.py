@@ -79,6 +79,18 @@ def test_parallel_matches_single_process_and_transformers(request, model, tp, pp
     assert not torch.distributed.is_initialized()
 
 
+# Gemma 2 (sliding window + soft-caps, tied head) splits heads and the vocabulary at tp=2; Gemma 3 (q/k norms,
+# per-layer-type RoPE) splits layers 2 + 2 at pp=2; Phi-3 (fused qkv / gate_up tensors split at load, LongRoPE,
+# all-windowed layers whose slid-out blocks are freed) both ways.
+@pytest.mark.parametrize("arch,tp,pp", [("gemma2", 2, 1), ("gemma3", 1, 2), ("phi3", 2, 1), ("phi3", 1, 2)],
+                         ids=lambda v: str(v))
+def test_dense_2026_families_match_single_process(model_factory, arch, tp, pp):
+    model_dir = model_factory(arch)
+    with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **OPTIONS) as llm:
+        compare(model_dir, llm.generate(PROMPTS, PARAMS), llm.get_tokenizer())
+        llm.llm_engine.pool.check_all_free()
+
+
 def test_tp2_kv_heads_split_qwen2(qwen2_gqa):
     """tp <= num_kv_heads: each rank owns its own KV head (QKV bias sliced too, tied LM head)."""
     with LLM(model=qwen2_gqa, tensor_parallel_size=2, **OPTIONS) as llm:

@@ -10,6 +10,11 @@ Cache layout per layer (a KVCache): k, v of shape [num_blocks, block_size, num_k
 A token at position p of sequence i sits in block block_tables[i][p // block_size], offset p % block_size;
 its slot is block * block_size + offset.
 
+Sliding-window layers (`sliding_window` W) let the query at position p see keys p - W + 1 .. p only. For a model
+whose every layer is windowed, the scheduler frees the blocks that slid out of the window and leaves block 0 in
+their table entries: a backend must never read keys before a query's window (it skips them or masks them out).
+Attention-logit soft-capping (`softcap` c, Gemma 2) turns each scaled score s into c * tanh(s / c).
+
 FP8 KV cache (--kv-cache-dtype fp8): k and v are stored as float8_e4m3fn, each (slot, kv head) row with its own
 float32 scale in k_scale / v_scale [num_blocks, block_size, num_kv_heads]: the stored row is x / s with
 s = amax(|x|) / 448 (448 is e4m3's largest finite value), so every row uses e4m3's whole range, whatever the
@@ -175,5 +180,7 @@ class AttentionBackend:
         alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32, this rank's heads only
         k_scale: torch.Tensor | None = None,  # fp8 caches: [num_blocks, block_size, kv_heads] float32
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,  # a query at position p sees keys p - window + 1 .. p only
+        softcap: float | None = None,  # scores become softcap * tanh(score / softcap) (Gemma 2)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         raise NotImplementedError

@@ -3,7 +3,8 @@
 The SDPA backend gathers every sequence's blocks into a dense copy per layer (k_cache[block_tables]) and then runs
 SDPA over it; in decode, which is memory-bound, that copy dominates. This backend streams each sequence's blocks in
 place with an online softmax in float32, handling the whole flat batch (decode, prefill, chunked prefill against
-cached context), GQA (all query heads of a kv head share each block load) and ALiBi, for float32/bfloat16/float16
+cached context), GQA (all query heads of a kv head share each block load), ALiBi, sliding windows (blocks before
+a query tile's window are never read) and attention-logit soft-capping, for float32/bfloat16/float16
 caches and any head_dim up to 256; on CPUs with AVX512-BF16, bfloat16 dot products use vdpbf16ps. FP8 caches
 (float8_e4m3fn with per-row scales, --kv-cache-dtype fp8) are decoded to float in the kernel, block by block. Long prefill
 chunks (compute-bound, where a gather is cheap) go to torch's SDPA instead. See csrc/cpu_paged_attention.cpp.
@@ -89,7 +90,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self.dense_prefill = dense_prefill  # False: the kernel does every sequence, long prefill chunks included
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, alibi_slopes=None, k_scale=None,
-                v_scale=None):
+                v_scale=None, sliding_window=None, softcap=None):
         op, why, _ = load_kernel()
         if op is None:
             raise RuntimeError(why)
@@ -116,36 +117,50 @@ class CpuPagedAttentionBackend(AttentionBackend):
             skip = torch.zeros(meta.num_seqs, dtype=torch.bool)
             skip[dense] = True
         # the kernel leaves `dense` sequences
-        op(out, q, k_cache, v_cache, *ints, slopes, float(scale), skip, k_scale, v_scale)
+        window, cap = int(sliding_window or 0), float(softcap or 0.0)
+        op(out, q, k_cache, v_cache, *ints, slopes, float(scale), skip, k_scale, v_scale, window, cap)
         for i in dense:
-            self._dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes, k_scale, v_scale)
+            self._dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes, k_scale, v_scale, window, cap)
         return out if out.dtype == in_dtype else out.to(in_dtype)
 
     @staticmethod
-    def _dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes, k_scale=None, v_scale=None):
+    def _dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes, k_scale=None, v_scale=None, window=0,
+                        softcap=0.0):
         """A long prefill chunk is compute-bound: there gathering its context is cheap next to the attention
-        itself, and torch's SDPA (bf16 GEMM micro-kernels) beats the streaming kernel's float32 dot products."""
+        itself, and torch's SDPA (bf16 GEMM micro-kernels) beats the streaming kernel's float32 dot products.
+        With a sliding window only the blocks from the first query's window on are gathered."""
         nb, bs, kvh, D = k_cache.shape
         H = q.shape[1]
         q_len, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
         start = int(meta.query_start_loc[i])
-        blocks = meta.block_tables[i, : -(-seq_len // bs)].long()
-        k, v = k_cache[blocks].flatten(0, 1)[:seq_len], v_cache[blocks].flatten(0, 1)[:seq_len]
-        if k_scale is not None:
-            k = dequantize_fp8(k, k_scale[blocks].flatten(0, 1)[:seq_len], q.dtype)
-            v = dequantize_fp8(v, v_scale[blocks].flatten(0, 1)[:seq_len], q.dtype)
-        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kvh, seq_len, D]
-        qi = q[start: start + q_len].transpose(0, 1)[None]  # [1, H, q_len, D]: 4-D takes the flash kernel
         ctx = seq_len - q_len
-        if ctx == 0 and slopes is None:
+        first = max(0, ctx - window + 1) // bs if window else 0  # blocks before it are outside every window
+        k_lo = first * bs
+        blocks = meta.block_tables[i, first: -(-seq_len // bs)].long()
+        n = seq_len - k_lo
+        k, v = k_cache[blocks].flatten(0, 1)[:n], v_cache[blocks].flatten(0, 1)[:n]
+        if k_scale is not None:
+            k = dequantize_fp8(k, k_scale[blocks].flatten(0, 1)[:n], q.dtype)
+            v = dequantize_fp8(v, v_scale[blocks].flatten(0, 1)[:n], q.dtype)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kvh, n, D]
+        qi = q[start: start + q_len].transpose(0, 1)[None]  # [1, H, q_len, D]: 4-D takes the flash kernel
+        if ctx == 0 and slopes is None and not softcap and not (window and window < seq_len):
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=H != kvh)
         else:
-            rel = torch.arange(seq_len).view(1, -1) - torch.arange(ctx, seq_len).view(-1, 1)  # key - query pos
-            if slopes is None:
-                mask = rel <= 0
+            rel = torch.arange(k_lo, seq_len).view(1, -1) - torch.arange(ctx, seq_len).view(-1, 1)  # key - query
+            visible = (rel <= 0) & (rel > -window) if window else rel <= 0
+            if softcap:
+                if H != kvh:
+                    k, v = k.repeat_interleave(H // kvh, dim=1), v.repeat_interleave(H // kvh, dim=1)
+                scores = torch.tanh(torch.matmul(qi.float(), k.float().transpose(-1, -2)) * (scale / softcap))
+                probs = torch.softmax((scores * softcap).masked_fill(~visible, float("-inf")), dim=-1)
+                o = torch.matmul(probs, v.float()).to(q.dtype)
             else:
-                mask = (slopes.view(H, 1, 1) * rel).masked_fill(rel > 0, float("-inf")).to(q.dtype)
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=H != kvh)
+                if slopes is None:
+                    mask = visible
+                else:
+                    mask = (slopes.view(H, 1, 1) * rel).masked_fill(~visible, float("-inf")).to(q.dtype)
+                o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=H != kvh)
         out[start: start + q_len] = o[0].transpose(0, 1)
 
 

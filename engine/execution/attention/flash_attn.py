@@ -103,6 +103,8 @@ class FlashAttentionBackend(AttentionBackend):
         alibi_slopes: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if alibi_slopes is not None:
             raise ValueError(ALIBI_REFUSAL)
@@ -128,6 +130,10 @@ class FlashAttentionBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
         )
+        if sliding_window:  # flash-attn's window (left, right) counts keys beside the query: W keys = (W - 1, 0)
+            common["window_size"] = (sliding_window - 1, 0)
+        if softcap:  # flash-attn >= 2.6
+            common["softcap"] = float(softcap)
         if k_scale is None and self.reads_cache_in_place(block_size):
             return self._varlen(q, k_cache, v_cache, block_table=meta.block_tables.to(torch.int32), **common)
         slots = self._context_slots(meta, block_size, q.device)

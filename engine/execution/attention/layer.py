@@ -10,11 +10,18 @@ from shoal.engine.execution.attention.base import AttentionBackend, AttentionMet
 
 class PagedAttention(nn.Module):
     def __init__(self, backend: AttentionBackend, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float, alibi_slopes: torch.Tensor | None = None):
+                 scale: float, alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
+                 softcap: float | None = None):
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens (got {sliding_window})")
+        if softcap is not None and softcap <= 0:
+            raise ValueError(f"attention logit soft-capping must be positive (got {softcap})")
         self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.alibi_slopes = alibi_slopes
+        self.sliding_window = sliding_window or None
+        self.softcap = softcap or None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -24,5 +31,6 @@ class PagedAttention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         kv_cache.write(k, v, meta.slot_mapping)
         out = self.backend.forward(q, kv_cache.k, kv_cache.v, meta, self.scale, self.alibi_slopes,
-                                   k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
+                                   k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale,
+                                   sliding_window=self.sliding_window, softcap=self.softcap)
         return out.reshape(T, self.num_heads * self.head_dim)

@@ -1,9 +1,10 @@
 """The always-available backend: torch scaled_dot_product_attention over keys/values gathered by block table.
 
 Once per step it builds, for the whole batch, the cache slot of every (sequence, key position) and a padded
-[B, max_query_len] view of the queries with a causal mask (plus the ALiBi bias when the model uses it). Every
-layer then runs one batched SDPA call: no Python loop over sequences. An fp8 cache's gathered blocks are
-dequantized (values times their row scales) to the queries' dtype first.
+[B, max_query_len] view of the queries with a causal mask (plus the ALiBi bias when the model uses it, and a
+sliding-window mask per distinct window). Every layer then runs one batched SDPA call: no Python loop over
+sequences. Soft-capped scores (Gemma 2) are computed with explicit matmuls, since SDPA has no soft-capping. An fp8
+cache's gathered blocks are dequantized (values times their row scales) to the queries' dtype first.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class SdpaBackend(AttentionBackend):
         if decode:
             allowed = key_valid.view(B, 1, 1, L)
             q_rows = valid_flat = None
+            q_pos = (seq_lens - 1).unsqueeze(1)  # [B, 1]
         else:
             j = torch.arange(max_q, device=device)
             q_valid = j.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
@@ -51,12 +53,27 @@ class SdpaBackend(AttentionBackend):
             "valid_flat": valid_flat,
             "mask": allowed,  # [B, 1, max_q, L]
             "key_pos": key_pos,
+            "q_pos": q_pos,  # [B, max_q] absolute position of each (padded) query row
             "causal_only": B == 1 and int(ctx_lens[0]) == 0 and L == max_q,
         }
         meta.scratch["sdpa"] = plan
         return plan
 
-    def forward(self, q, k_cache, v_cache, meta, scale, alibi_slopes=None, k_scale=None, v_scale=None):
+    @staticmethod
+    def _window_mask(plan: dict, meta: AttentionMetadata, window: int) -> torch.Tensor:
+        """The step's mask narrowed to each query's last `window` keys (cached per window for the step)."""
+        key = ("sdpa-window", window)
+        mask = meta.scratch.get(key)
+        if mask is None:
+            inside = plan["key_pos"].view(1, 1, -1) > plan["q_pos"].unsqueeze(2) - window  # [B, max_q, L]
+            key_ok = plan["mask"] & inside.unsqueeze(1)
+            # A padding query row keeps key 0 (its output is dropped) so its softmax stays finite.
+            mask = key_ok | (~key_ok.any(-1, keepdim=True) & (plan["key_pos"] == 0).view(1, 1, 1, -1))
+            meta.scratch[key] = mask
+        return mask
+
+    def forward(self, q, k_cache, v_cache, meta, scale, alibi_slopes=None, k_scale=None, v_scale=None,
+                sliding_window=None, softcap=None):
         T, H, D = q.shape
         nb, bs, kvh, _ = k_cache.shape
         plan = self._plan(meta, bs, q.device)
@@ -73,11 +90,20 @@ class SdpaBackend(AttentionBackend):
         else:
             qp = q[plan["q_rows"]].transpose(1, 2)  # [B, H, max_q, D]
         gqa = kvh != H
-        if alibi_slopes is None and plan["causal_only"]:
+        if alibi_slopes is None and softcap is None and plan["causal_only"] and not (
+                sliding_window and sliding_window < k.shape[2]):
             out = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        elif softcap is not None:
+            mask = plan["mask"] if not sliding_window else self._window_mask(plan, meta, sliding_window)
+            if gqa:
+                k, v = k.repeat_interleave(H // kvh, dim=1), v.repeat_interleave(H // kvh, dim=1)
+            scores = torch.matmul(qp.float(), k.float().transpose(-1, -2)) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            out = torch.matmul(probs, v.float()).to(q.dtype)
         else:
             if alibi_slopes is None:
-                mask = plan["mask"]
+                mask = plan["mask"] if not sliding_window else self._window_mask(plan, meta, sliding_window)
             else:
                 key = ("alibi", id(alibi_slopes), q.dtype)
                 mask = meta.scratch.get(key)

@@ -2,9 +2,10 @@
 
 Keys and values are read straight from the paged cache through the block table (no gather into a contiguous
 copy); softmax is computed online (FlashAttention style) in float32, whatever the cache dtype. Handles causal
-prefill, chunked prefill against cached context, decode, grouped-query attention, BLOOM-style ALiBi and any
-head_dim (padded to a power of two with masks). An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is loaded as
-bytes and decoded with integer ops (_e4m3_to_float: exact, and the same on every GPU generation — Triton's own
+prefill, chunked prefill against cached context, decode, grouped-query attention, BLOOM-style ALiBi, sliding
+windows (keys before a query tile's window are never loaded), attention-logit soft-capping and any head_dim
+(padded to a power of two with masks). An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is loaded as bytes
+and decoded with integer ops (_e4m3_to_float: exact, and the same on every GPU generation — Triton's own
 fp8e4nv conversions need compute capability 8.9 on some versions — and in the interpreter); its per-(slot, kv
 head) scales fold into the scores (s_j * ks_j) and into the probabilities that weight the values (p_j * vs_j), so
 no dequantized copy of a tile is formed.
@@ -47,6 +48,8 @@ if triton is not None:
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr,
         part_acc_ptr, part_m_ptr, part_l_ptr,
         scale_log2,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper than exp)
+        window,  # sliding window: a query at position p sees keys p - window + 1 .. p (0: every key)
+        softcap,  # attention-logit soft-cap (SOFTCAP only): scaled score s -> softcap * tanh(s / softcap)
         num_seqs,
         stride_qt, stride_qh, stride_qd,
         stride_ot, stride_oh, stride_od,
@@ -65,6 +68,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,  # dots in float32 (for the interpreter, whose bfloat16 dot is broken)
         FP8_KV: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         """Causal attention of a tile of query tokens against the paged context of their sequence.
 
@@ -124,8 +128,11 @@ if triton is not None:
         # Keys this tile can see (causal: up to its last token), and this split's share of them.
         kv_end = tl.minimum(seq_len, context_len + (q_tile_local + 1) * BLOCK_Q)
         num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
-        tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
-        tile_lo = split * tiles_per_split
+        # With a window, keys before the tile's first query's window are never read (their blocks may be freed).
+        k_lo = tl.where(window > 0, tl.maximum(context_len + q_tile_local * BLOCK_Q - window + 1, 0), 0)
+        first_tile = k_lo // BLOCK_N
+        tiles_per_split = tl.cdiv(num_kv_tiles - first_tile, NUM_SPLITS)
+        tile_lo = first_tile + split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_kv_tiles)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -134,7 +141,7 @@ if triton is not None:
         block_row = block_tables_ptr + seq * stride_bt
         for kv_tile in range(tile_lo, tile_hi):
             k_pos = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            k_ok = k_pos < kv_end
+            k_ok = (k_pos < kv_end) & (k_pos >= k_lo)
             block = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
             slot = k_pos % PAGE_SIZE
 
@@ -146,13 +153,18 @@ if triton is not None:
             else:
                 k = tl.load(k_cache_ptr + k_offs, mask=k_ok[None, :] & dim_ok[:, None], other=0.0).to(q.dtype)  # [D, N]
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N] float32
+            if SOFTCAP:  # in natural units: softcap * tanh(x / softcap), tanh(y) = 2 / (1 + e^(-2y)) - 1
+                y = s * (1.0 / (1.4426950408889634 * softcap))
+                s = (2.0 / (1.0 + tl.exp(-2.0 * y)) - 1.0) * (softcap * 1.4426950408889634)
             if FP8_KV:
                 k_sc = tl.load(k_scale_ptr + block * stride_ksb + slot * stride_kss + kv_head * stride_ksh,
                                mask=k_ok, other=0.0)
                 s = s * k_sc[None, :]
             if USE_ALIBI:
                 s += slope_log2[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
-            s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] \
+                & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
+            s = tl.where(visible, s, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
@@ -287,6 +299,8 @@ class TritonAttentionBackend(AttentionBackend):
         alibi_slopes: torch.Tensor | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_cache.shape
@@ -347,6 +361,7 @@ class TritonAttentionBackend(AttentionBackend):
             block_tables, seq_lens, query_start_loc, alibi,
             part_acc, part_m, part_l,
             scale * _LOG2E,
+            int(sliding_window or 0), float(softcap or 1.0),
             num_seqs,
             *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
             block_tables.stride(0),
@@ -361,6 +376,7 @@ class TritonAttentionBackend(AttentionBackend):
             DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
             UPCAST=upcast,
             FP8_KV=fp8,
+            SOFTCAP=bool(softcap),
             **extra,
         )
         if splits > 1:

@@ -20,3 +20,19 @@ def get_activation(name: str):
         return _ACTIVATIONS[name]
     except KeyError:
         raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}") from None
+
+
+def act_and_mul(name: str):
+    """act(gate) * up for gate_up = [gate | up] along the last dim (a merged gate/up projection's output): SwiGLU
+    for silu (the fused kernel), GeGLU for the gelu variants."""
+    if name in ("silu", "swish"):
+        from shoal.engine.execution.layers.fused import silu_and_mul
+
+        return silu_and_mul
+    act = get_activation(name)
+
+    def gated(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return gated

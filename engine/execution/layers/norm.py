@@ -23,6 +23,21 @@ class RMSNorm(nn.Module):
         return add_rms_norm(residual, delta, self.weight, self.eps)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint stores w and the scale is (1 + w), applied in float32 before rounding back
+    to the input's dtype (Llama rounds first, then scales)."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class LayerNorm(nn.Module):
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype):
         super().__init__()

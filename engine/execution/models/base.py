@@ -23,6 +23,12 @@ class CausalLM(nn.Module):
         ps = get_parallel_state()
         self.ps = ps
 
+    @classmethod
+    def sliding_windows(cls, config) -> list[int | None]:
+        """Each layer's attention window in tokens (None: the layer attends to the whole context). The engine
+        frees KV blocks that slid out of the window only when every layer has one."""
+        return [None] * config.num_hidden_layers
+
     def stage_layers(self, num_layers: int, partition: list[int] | None = None) -> tuple[int, int]:
         self.num_layers = num_layers
         self.start_layer, self.end_layer = layer_range(num_layers, self.ps.pp_rank, self.ps.pp_size, partition)

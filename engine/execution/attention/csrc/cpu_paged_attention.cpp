@@ -126,6 +126,8 @@ struct Params {
   const int32_t* query_start_loc;
   const float* slopes;  // [H] or null
   float qk_scale;       // softmax scale * log2(e)
+  int window;           // sliding window: a query at position p sees keys p - window + 1 .. p (0: all keys)
+  float softcap;        // attention-logit soft-cap * log2(e) (0: none): s -> softcap * tanh(s / softcap)
   int64_t sq_t, sq_h, so_t, so_h;  // q/out strides (head_dim is contiguous)
   int64_t sk_b, sk_s, sk_h, sv_b, sv_s, sv_h;  // cache strides
   int64_t bt_stride;
@@ -232,7 +234,9 @@ void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
 
   const int32_t* table = p.block_tables + int64_t(it.seq) * p.bt_stride;
   const int kv_end = ctx + it.t1;  // keys visible to the tile's last token (causal)
-  for (int k0 = 0, blk = 0; k0 < kv_end; k0 += bs, ++blk) {
+  // With a sliding window, blocks before the tile's first token's window are never read (they may be freed).
+  const int first_blk = p.window > 0 ? std::max(0, ctx + it.t0 - p.window + 1) / bs : 0;
+  for (int k0 = first_blk * bs, blk = first_blk; k0 < kv_end; k0 += bs, ++blk) {
     const int n = std::min(bs, kv_end - k0);
     const int64_t b = table[blk];
     prefetch_block(p, it, table, blk, k0, kv_end);
@@ -253,12 +257,14 @@ void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
       const int pos = ctx + it.t0 + r / G;
       // Causal mask without -inf: the row only looks at the block's first nr keys (none when it starts later).
       const int nr = std::min(n, pos - k0 + 1);
-      if (nr <= 0) continue;
+      // Sliding window: the row skips the block's keys before position pos - window + 1.
+      const int j0 = p.window > 0 ? std::max(0, pos - p.window + 1 - k0) : 0;
+      if (nr <= j0) continue;
       const float* qr = qf + size_t(r) * D;
       float* s = sc.s.data() + size_t(r) * bs;
 
       // Scores, four keys at a time: four independent accumulator chains that share each load of q.
-      int j = 0;
+      int j = j0;
       for (; j + 4 <= nr; j += 4) {
         const float *k_0 = K[j], *k_1 = K[j + 1], *k_2 = K[j + 2], *k_3 = K[j + 3];
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
@@ -279,19 +285,22 @@ void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
         for (int d = 0; d < D; ++d) a += qr[d] * kj[d];
         s[j] = a;
       }
+      if (p.softcap > 0.f) {
+        for (int jj = j0; jj < nr; ++jj) s[jj] = p.softcap * std::tanh(s[jj] / p.softcap);
+      }
       if (p.slopes != nullptr) {  // ALiBi: slope * (key_pos - query_pos), in the log2 domain like the scores
         const float slope = p.slopes[h0 + r % G] * kLog2e;
-        for (int jj = 0; jj < nr; ++jj) s[jj] += slope * float(k0 + jj - pos);
+        for (int jj = j0; jj < nr; ++jj) s[jj] += slope * float(k0 + jj - pos);
       }
 
       // Online softmax: rescale what was accumulated so far by 2^(old max - new max).
       float mx = m[r];
-      for (int jj = 0; jj < nr; ++jj) mx = std::max(mx, s[jj]);
+      for (int jj = j0; jj < nr; ++jj) mx = std::max(mx, s[jj]);
       const float corr = exp2_neg(m[r] - mx);  // 0 on the first block (m = -inf)
       m[r] = mx;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int jj = 0; jj < nr; ++jj) {
+      for (int jj = j0; jj < nr; ++jj) {
         s[jj] = exp2_neg(s[jj] - mx);
         sum += s[jj];
       }
@@ -304,7 +313,7 @@ void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
 #pragma omp simd
         for (int d = 0; d < D; ++d) a[d] *= corr;
       }
-      int jj = 0;
+      int jj = j0;
       for (; jj + 4 <= nr; jj += 4) {
         const float p0 = s[jj], p1 = s[jj + 1], p2 = s[jj + 2], p3 = s[jj + 3];
         const float *v0 = V[jj], *v1 = V[jj + 1], *v2 = V[jj + 2], *v3 = V[jj + 3];
@@ -585,7 +594,7 @@ void run(const Params<T, C>& p, int num_seqs, int kv_heads, const bool* skip) {
 #ifdef SHOAL_AVX512_BF16
       if constexpr (std::is_same_v<T, c10::BFloat16> &&
                     (std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, Fp8E4M3>)) {
-        if (p.D % 32 == 0 && use_fast_path) {
+        if (p.D % 32 == 0 && use_fast_path && p.window == 0 && p.softcap == 0.f) {
           attend_tile_avx512bf16(p, items[i], scratch);
           continue;
         }
@@ -600,7 +609,9 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
                      double scale, const std::optional<at::Tensor>& skip_seqs,
-                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                     int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "sliding window and soft-cap must be >= 0 (0: off)");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "expected q/out [T, H, D] and caches [num_blocks, block_size, kv_heads, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -672,6 +683,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     p.query_start_loc = qsl;
     p.slopes = slopes;
     p.qk_scale = float(scale) * kLog2e;
+    p.window = int(window);
+    p.softcap = float(softcap) * kLog2e;
     p.sq_t = q.stride(0), p.sq_h = q.stride(1), p.so_t = out.stride(0), p.so_h = out.stride(1);
     p.sk_b = k_cache.stride(0), p.sk_s = k_cache.stride(1), p.sk_h = k_cache.stride(2);
     p.sv_b = v_cache.stride(0), p.sv_s = v_cache.stride(1), p.sv_h = v_cache.stride(2);
@@ -786,7 +799,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 TORCH_LIBRARY(shoal_cpu_paged, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale, Tensor? skip_seqs=None, "
-        "Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+        "Tensor? k_scale=None, Tensor? v_scale=None, int window=0, float softcap=0.0) -> ()");
 }
 
 // Switches the AVX512-BF16 path on or off; returns whether this build has it.
