@@ -296,11 +296,8 @@ class GatewayOptions(_Model):
     resources: GatewayResources = section(GatewayResources)
 
 
-RUNTIMES = ("shoal", "vllm", "sglang")  # operator/runtimes.py describes each
-
-
 class InferenceServiceSpec(_Model):
-    runtime: Literal["shoal", "vllm", "sglang"] = Field(
+    runtime: Literal["shoal", "vllm", "sglang"] = Field(  # operator/runtimes.py describes each
         default="shoal",
         description="the inference engine in the pods: shoal (the bundled engine), vllm (vLLM's OpenAI server) or "
                     "sglang (rendered, untested end to end). The image defaults per runtime (spec.image overrides); "

@@ -66,8 +66,8 @@ def choice(name: str, table: dict[Any, str | None], why: str) -> Mapping:
 class Probe:
     path: str
     period: int
-    failures: int
     timeout: int
+    failures: int = 0  # a startup probe's come from spec.probes.startupTimeoutSeconds
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ SHOAL = Runtime(
     name="shoal", image=None, command=("shoal-engine", "serve"), model_flag="--model", options=_SHOAL_OPTIONS,
     api_key_env="SHOAL_API_KEY",
     # workers (--headless) serve /livez and /readyz only, so a multi-pod group starts on /readyz
-    startup=Probe("/startupz", 10, 0, 5), readiness=Probe("/readyz", 5, 3, 5), liveness=Probe("/livez", 10, 6, 10),
+    startup=Probe("/startupz", 10, 5), readiness=Probe("/readyz", 5, 5, 3), liveness=Probe("/livez", 10, 10, 6),
     metrics=metric_names.SHOAL, shutdown_flag="--shutdown-timeout", builtin_demo=True, multi_node=True,
     workers_serve_health=True,
 )
@@ -139,7 +139,7 @@ VLLM = Runtime(
     # /metrics, /tokenize... are open): the NetworkPolicy still admits only the gateway and scrapers.
     api_key_env="VLLM_API_KEY",
     # vLLM listens only once the model is loaded and its engine core runs; /health fails when the core dies.
-    startup=Probe("/health", 10, 0, 5), readiness=Probe("/health", 5, 3, 5), liveness=Probe("/health", 10, 6, 10),
+    startup=Probe("/health", 10, 5), readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
     metrics=metric_names.VLLM, shutdown_flag="--shutdown-timeout", multi_node=True,
     group_args=("--distributed-executor-backend", "mp"),
     env=(("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1")),  # engines reach no network  # Ray-free: one process per local GPU in every pod
@@ -164,7 +164,7 @@ SGLANG = Runtime(
         "kv_cache_dtype": choice("--kv-cache-dtype", {"auto": None, "fp8": "fp8_e4m3"}, ""),
     },
     api_key_env=None,  # SGLang takes its key only as --api-key: it would show in the pod spec and /proc/*/cmdline
-    startup=Probe("/health", 10, 0, 5), readiness=Probe("/health", 5, 3, 5), liveness=Probe("/health", 10, 6, 10),
+    startup=Probe("/health", 10, 5), readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
     metrics=metric_names.SGLANG, shutdown_flag=None, fixed_args=("--enable-metrics",),
     notes="rendered only (untested end to end); single-pod replicas; no API key from a Secret",
 )
@@ -299,7 +299,7 @@ def probes(rt: Runtime, spec: Any, multi: bool, port: int) -> dict[str, Any]:
     """Startup with the model-load budget, readiness, liveness."""
     startup = rt.startup
     if multi and rt.workers_serve_health:
-        startup = Probe(rt.readiness.path, startup.period, 0, startup.timeout)  # workers serve /readyz, not /startupz
+        startup = Probe(rt.readiness.path, startup.period, startup.timeout)  # workers serve /readyz, not /startupz
     budget = max(1, -(-spec.probes.startup_timeout_seconds // startup.period))
     return {
         "startupProbe": _probe(rt, startup, budget, multi, port),

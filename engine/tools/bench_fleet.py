@@ -7,7 +7,7 @@ run, so no run profits from another's cache):
   unique      prompts that share nothing.
 Routings: prefix-load, round-robin, least-load through the gateway, plus `oracle` for shared/multiturn (the
 client pins each group/chat to one engine directly: the best possible prefix hit rate). Requests arrive as a
-Poisson process and stream; printed: TTFT p50/p99, output tokens/s, and the engines' own prefix-cache hit rate
+Poisson process and stream; printed: TTFT p50/p95/p99, output tokens/s, and the engines' own prefix-cache hit rate
 (hits/queries from their /metrics). Finally the gateway's own added latency on a no-op route: at a fixed rate, each
 request goes at the same moment to a no-op backend directly and through the gateway; p50/p99 of the paired
 differences.
@@ -334,18 +334,21 @@ async def main_async(args) -> int:
             raise SystemExit(f"unknown routing {r!r}; choose from {', '.join(ROUTINGS + ('oracle',))}")
     names = for_runtime(args.runtime)
 
-    def engine() -> Child:
+    def engine(index: int) -> Child:
         if args.runtime == "vllm":  # vLLM-CPU sizes its KV cache in whole GiB, from the environment
             kv_gib = str(max(1, round(parse_bytes(args.kv_cache_memory) / 2**30)))
+            # each replica's compute on its own core, as one replica per node would have (auto binds all to core 0)
+            core = str(index % (os.cpu_count() or 1))
             return Child([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                           "--served-model-name", "bench", "--max-model-len", "4096", "--dtype", "float32",
                           "--enable-prefix-caching"], ready_path=names.ready_path,
-                         env={"VLLM_CPU_KVCACHE_SPACE": kv_gib, "VLLM_NO_USAGE_STATS": "1"})
+                         env={"VLLM_CPU_KVCACHE_SPACE": kv_gib, "VLLM_NO_USAGE_STATS": "1",
+                              "VLLM_CPU_OMP_THREADS_BIND": core})
         return Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model_dir,
                       "--served-model-name", "bench", "--kv-cache-memory", args.kv_cache_memory,
                       "--max-model-len", "4096"])
 
-    engines = [engine() for _ in range(args.replicas if workloads else 0)]
+    engines = [engine(i) for i in range(args.replicas if workloads else 0)]
     gateways = {r: Child([sys.executable, "-m", "shoal.engine.gateway", "--routing", r, "--log-level", "warning",
                           "--runtime", args.runtime, *sum((["--endpoint", e.url] for e in engines), [])])
                 for r in routings if r != "oracle" and engines}
@@ -370,13 +373,15 @@ async def main_async(args) -> int:
                         res = await run_workload(session, urls, None if r == "oracle" else gateways[r].url,
                                                  "bench", jobs, args.output_len, names)
                         row = {"workload": w, "rate": rate, "routing": r,
-                               "ttft_p50_ms": _pct(res.ttfts, 50) * 1e3, "ttft_p99_ms": _pct(res.ttfts, 99) * 1e3,
+                               "ttft_p50_ms": _pct(res.ttfts, 50) * 1e3, "ttft_p95_ms": _pct(res.ttfts, 95) * 1e3,
+                               "ttft_p99_ms": _pct(res.ttfts, 99) * 1e3,
                                "output_tok_s": res.output_tokens / res.seconds, "prefix_hit_rate": res.hit_rate,
                                "errors": res.errors}
                         results.append(row)
                         if not args.json:
                             print(f"{w:10s} {rate:6.1f} req/s  {r:12s}  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  "
-                                  f"p99 {row['ttft_p99_ms']:8.1f} ms  {row['output_tok_s']:7.1f} tok/s  "
+                                  f"p95 {row['ttft_p95_ms']:8.1f} ms  p99 {row['ttft_p99_ms']:8.1f} ms  "
+                                  f"{row['output_tok_s']:7.1f} tok/s  "
                                   f"prefix hits {row['prefix_hit_rate']:6.1%}  errors {res.errors}", flush=True)
             overhead = await gateway_overhead(session, args) if args.overhead_seconds > 0 else None
     finally:

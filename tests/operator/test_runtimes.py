@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import get_args
 
 import kubernetes_validate
 import pytest
 
+from shoal.engine.gateway import metric_names
 from shoal.operator import api, render, runtimes
 from shoal.operator.render import Settings
 
@@ -149,6 +151,14 @@ def test_shoal_is_the_default_and_renders_as_before():
     assert [c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")] == \
         ["/startupz", "/readyz", "/livez"]
     assert "--runtime" not in gateway_args(default)  # existing fleets' gateways are not rolled
+
+
+def test_the_runtime_tables_match_the_spec_and_the_gateway():
+    assert tuple(runtimes.RUNTIMES) == get_args(api.InferenceServiceSpec.model_fields["runtime"].annotation)
+    assert tuple(runtimes.RUNTIMES) == metric_names.RUNTIMES
+    for rt in runtimes.RUNTIMES.values():
+        assert rt.metrics is metric_names.for_runtime(rt.name)
+        assert rt.readiness.path == rt.metrics.ready_path  # the gateway polls what the kubelet probes
 
 
 def test_every_engine_option_has_a_mapping_in_the_shoal_runtime():
