@@ -90,7 +90,6 @@ class Runtime:
     env: tuple[tuple[str, str], ...] = ()  # the engine container's env (spec.env overrides)
     group_args: tuple[str, ...] = ()  # added to every rank of a multi-pod group
     extra_managed: tuple[str, ...] = ()  # more flags the operator owns (besides those of the mappings)
-    notes: str = ""
 
     def managed_flags(self, probe_values: dict[str, Any]) -> frozenset[str]:
         """Flags the operator sets; extraArgs may not repeat them (they would fight the rendered ones)."""
@@ -141,11 +140,11 @@ VLLM = Runtime(
     # vLLM listens only once the model is loaded and its engine core runs; /health fails when the core dies.
     startup=Probe("/health", 10, 5), readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
     metrics=metric_names.VLLM, shutdown_flag="--shutdown-timeout", multi_node=True,
+    # multi-node: Ray-free multiprocessing, one process per local GPU in every pod (vLLM 0.32's --nnodes,
+    # --node-rank, --master-addr); ranks > 0 run --headless and serve no HTTP
     group_args=("--distributed-executor-backend", "mp"),
-    env=(("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1")),  # engines reach no network  # Ray-free: one process per local GPU in every pod
+    env=(("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1")),  # engines reach no network
     extra_managed=("--distributed-executor-backend", "--data-parallel-size"),
-    notes="multi-node: Ray-free multiprocessing (vLLM >= 0.11: --nnodes/--node-rank/--master-addr); ranks > 0 "
-          "run --headless and serve no HTTP",
 )
 
 SGLANG = Runtime(
@@ -165,8 +164,8 @@ SGLANG = Runtime(
     },
     api_key_env=None,  # SGLang takes its key only as --api-key: it would show in the pod spec and /proc/*/cmdline
     startup=Probe("/health", 10, 5), readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
+    # rendered only (untested end to end); single-pod replicas; no API key from a Secret
     metrics=metric_names.SGLANG, shutdown_flag=None, fixed_args=("--enable-metrics",),
-    notes="rendered only (untested end to end); single-pod replicas; no API key from a Secret",
 )
 
 RUNTIMES: dict[str, Runtime] = {r.name: r for r in (SHOAL, VLLM, SGLANG)}

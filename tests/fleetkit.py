@@ -8,7 +8,8 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
   `vllm serve` from the virtualenv SHOAL_VLLM_PYTHON names: see `local_argv`), with the container's literal env
   values (not its in-pod paths), except that `--host/--port` are mapped to 127.0.0.1 and a free port (as a
   container port mapping would).
-* Readiness comes from the container's readiness probe path (/readyz, vLLM's /health) and is written to the pod's Ready condition, the Deployment's
+* Readiness comes from the container's readiness probe path (/readyz, vLLM's /health) and is written to the
+  pod's Ready condition, the Deployment's
   status and one EndpointSlice per pod (a slice holds one port list, and each local pod has its own port).
 * A deleted pod turns not-ready/terminating in its EndpointSlice at once, gets SIGTERM (the engine drains its
   in-flight requests) and disappears when the process exits (SIGKILL after the grace period).

@@ -1,4 +1,5 @@
-"""Polls every engine's readiness endpoint (/readyz for Shoal's engine, /health for vLLM's) and /metrics about every 250 ms, concurrently and with one timeout per poll.
+"""Polls every engine's readiness endpoint (/readyz for Shoal's engine, /health for vLLM's) and /metrics about
+every 250 ms, concurrently and with one timeout per poll.
 
 One task per round polls all engines at once; an engine whose previous poll is still running is skipped (a
 hung engine costs one pending poll, never a pile of them), so a slow engine cannot delay the others' data.
@@ -52,12 +53,13 @@ class Poller:
         await asyncio.gather(*self._polling.values(), return_exceptions=True)
 
     async def poll(self, b: Backend) -> None:
-        """The readiness path, then /metrics in what is left of the poll's timeout. A readiness answer counts even when the
-        metrics do not come in time (a busy engine renders them slower): only the load data goes stale."""
+        """The readiness path, then /metrics in what is left of the poll's timeout. A readiness answer counts even
+        when the metrics do not come in time (a busy engine renders them slower): only the load data goes stale."""
         was_usable = b.usable(time.monotonic())
         deadline = time.monotonic() + self.timeout
         try:
-            async with self.session.get(b.url + self.metrics.ready_path, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+            async with self.session.get(b.url + self.metrics.ready_path,
+                                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
                 await r.read()
                 ready = r.status == 200
         except (aiohttp.ClientConnectorError, ConnectionRefusedError):

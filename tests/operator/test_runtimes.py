@@ -111,11 +111,13 @@ def test_vllm_multi_pod_group_is_ray_free_with_headless_ranks():
     assert {p["name"] for p in c["ports"]} == {"http", "dist"}
     # headless vLLM ranks serve no HTTP: the probes ask rank 0's /health and pass on other ranks
     probe = c["readinessProbe"]["exec"]["command"]
-    assert probe[:2] == ["python3", "-c"] and "http://127.0.0.1:8000/health" in probe[2] and "SHOAL_NODE_RANK" in probe[2]
+    assert probe[:2] == ["python3", "-c"]
+    assert "http://127.0.0.1:8000/health" in probe[2] and "SHOAL_NODE_RANK" in probe[2]
 
 
 def test_the_rank0_exec_probe_passes_on_workers_and_asks_rank0(tmp_path):
-    spec = {"runtime": "vllm", "model": {"uri": "pvc://m/x"}, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}}
+    spec = {"runtime": "vllm", "model": {"uri": "pvc://m/x"},
+            "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}}
     c = container(engine_of(render.render(isvc(spec), SETTINGS)))
     script = c["livenessProbe"]["exec"]["command"][2].replace("127.0.0.1:8000", "127.0.0.1:9")  # nobody listens
     run = lambda rank: subprocess.run(["python3", "-c", script], env={**os.environ, "SHOAL_NODE_RANK": rank},
@@ -180,7 +182,8 @@ def test_every_engine_option_has_a_mapping_in_the_shoal_runtime():
      "spec.engine.extraArgs[0]", "--max-model-len is set by the operator"),
     ({"runtime": "sglang", "security": {"apiKeySecretRef": {"name": "k"}}}, "spec.security.apiKeySecretRef",
      "runtime sglang takes an API key only as a command-line argument"),
-    ({"runtime": "sglang", "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}}, "spec.engine.tensorParallelSize",
+    ({"runtime": "sglang", "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}},
+     "spec.engine.tensorParallelSize",
      "runtime sglang runs single-pod replicas only here, and this layout needs 2 pods per replica"),
     ({"runtime": "sglang", "engine": {"extraArgs": ["--model-path", "/x"]}}, "spec.engine.extraArgs[0]",
      "--model-path is set by the operator"),

@@ -424,7 +424,8 @@ def test_vllm_metric_names_mirror_the_shoal_ones(server, client):
             ("kv_cache_usage_perc", ["kv_cache_usage_perc", "gpu_cache_usage_perc"]),
             ("prefix_cache_queries_total", ["prefix_cache_queries_total"]),
             ("prefix_cache_hits_total", ["prefix_cache_hits_total"]),
-            ("generation_tokens_total", ["generation_tokens_total"]), ("num_preemptions_total", ["num_preemptions_total"]),
+            ("generation_tokens_total", ["generation_tokens_total"]),
+            ("num_preemptions_total", ["num_preemptions_total"]),
             ("time_to_first_token_seconds_count", ["time_to_first_token_seconds_count"]),
             ("e2e_request_latency_seconds_sum", ["e2e_request_latency_seconds_sum"])):
         for vllm_name in vllm_names:
