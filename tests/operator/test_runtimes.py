@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 
 from shoal.engine.gateway import metric_names
-from shoal.operator import api, render, runtimes
+from shoal.operator import api, render, runtimes, status
 from shoal.operator.render import Settings
 
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -78,6 +78,21 @@ def test_vllm_single_pod_replica():
     assert pod["terminationGracePeriodSeconds"] > 90
     # the gateway polls /health and reads vllm: gauges
     assert gateway_args(children)[-2:] == ["--runtime", "vllm"]
+
+
+@pytest.mark.parametrize("runtime, startup, readiness", [("shoal", "/startupz", "/readyz"),
+                                                         ("vllm", "/health", "/health")])
+def test_status_names_the_probe_of_the_runtime(runtime, startup, readiness):
+    template = engine_of(render.render(isvc({"runtime": runtime, "model": {"uri": "pvc://m/x"}}), SETTINGS))
+    pod = {"metadata": {"name": "llm-x"}, "spec": template["spec"]["template"]["spec"],
+           "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}],
+                      "containerStatuses": [{"name": "engine", "ready": False, "started": False,
+                                             "state": {"running": {}}}]}}
+    assert status.pod_problem(pod) == ("ModelLoading", f"pod llm-x is loading the model (startup probe ({startup}) "
+                                                       "not passed yet)")
+    pod["status"]["containerStatuses"][0]["started"] = True
+    assert status.pod_problem(pod) == ("ProbeFailing", f"pod llm-x is running but fails its readiness probe "
+                                                       f"({readiness})")
 
 
 def test_the_image_defaults_per_runtime_and_spec_image_wins():
