@@ -41,12 +41,6 @@ DEMO_URI = "demo://"
 # hf://org/name  |  pvc://claim[/path]  |  file:///absolute/path (inside the image)  |  demo://
 URI_PATTERN = r"^(demo://|hf://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.*)$"
 QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
-# Flags the operator owns; extraArgs may not set them (they would silently fight the rendered ones).
-MANAGED_FLAGS = frozenset({
-    "--model", "--served-model-name", "--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size",
-    "--revision", "--api-key", "--chat-template", "--shutdown-timeout", "--nnodes", "--node-rank",
-    "--master-addr", "--master-port", "--headless",
-})
 
 RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "serving.shoal.dev/", "apps.kubernetes.io/",
                            "controller-revision-hash", "statefulset.kubernetes.io/", "pod-template-hash")
@@ -139,6 +133,8 @@ class EngineOptions(_Model):
     enable_prefix_caching: bool = engine_option("enable_prefix_caching", default=True)
     attention_backend: AttentionBackend = engine_option("attention_backend", default="auto")
     enforce_eager: bool = engine_option("enforce_eager", default=False)
+    quantization: Literal["int8", "int4", "fp8"] | None = engine_option("quantization")
+    kv_cache_dtype: Literal["auto", "fp8"] | None = engine_option("kv_cache_dtype")
     shutdown_timeout_seconds: int = Field(
         default=30, ge=0, le=3600,
         description="drain budget on SIGTERM (--shutdown-timeout); the pod's grace period is set above it",
@@ -301,6 +297,12 @@ class GatewayOptions(_Model):
 
 
 class InferenceServiceSpec(_Model):
+    runtime: Literal["shoal", "vllm", "sglang"] = Field(  # operator/runtimes.py describes each
+        default="shoal",
+        description="the inference engine in the pods: shoal (the bundled engine), vllm (vLLM's OpenAI server) or "
+                    "sglang (rendered, untested end to end). The image defaults per runtime (spec.image overrides); "
+                    "gateway, autoscaler, status and NetworkPolicies work the same for each. A spec field the "
+                    "runtime cannot honour is InvalidSpec naming the runtime.")
     model: ModelSource = section(ModelSource)
     replicas: int = Field(default=1, ge=0, le=1000)
     engine: EngineOptions = section(EngineOptions)
@@ -543,11 +545,9 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
     if len(name) > limit:
         errors.append(SpecError("metadata.name", f"must be at most {limit} characters for this topology "
                                                  "(child and pod names are derived from it)"))
-    for i, arg in enumerate(spec.engine.extra_args):
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            errors.append(SpecError(f"spec.engine.extraArgs[{i}]",
-                                    f"{flag} is set by the operator from the spec; set the spec field instead"))
+    from shoal.operator import runtimes  # it renders from this module's models
+
+    errors += runtimes.spec_errors(spec, pods)
     cache = spec.model.cache
     if cache.claim_name and cache.persistent:
         errors.append(SpecError("spec.model.cache.claimName", "use either an existing claim or persistent: true"))

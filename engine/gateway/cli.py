@@ -14,6 +14,7 @@ from aiohttp import web
 
 from shoal.engine.gateway.backends import HealthPolicy
 from shoal.engine.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
+from shoal.engine.gateway.metric_names import RUNTIMES
 from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app
 from shoal.engine.gateway.routing import ROUTINGS
 
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
     src.add_argument("--service", help="discover engines from this Kubernetes Service's EndpointSlices")
     src.add_argument("--namespace", help="the Service's namespace (default: the pod's own namespace)")
+    src.add_argument("--runtime", choices=RUNTIMES, default=d.runtime,
+                     help="the engines' runtime: their readiness path and load metric names (default: %(default)s)")
     src.add_argument("--port-name", help="the EndpointSlice port to use (default: the first TCP port)")
     r = p.add_argument_group("routing")
     r.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="default: %(default)s")
@@ -119,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if args.load_factor < 1.0:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
     return GatewayConfig(
+        runtime=args.runtime,
         routing=args.routing, block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
         index_size=args.prefix_index_size,

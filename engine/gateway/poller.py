@@ -1,8 +1,10 @@
-"""Polls every engine's /readyz and /metrics about every 250 ms, concurrently and with one timeout per poll.
+"""Polls every engine's readiness endpoint (/readyz for Shoal's engine, /health for vLLM's) and /metrics about
+every 250 ms, concurrently and with one timeout per poll.
 
 One task per round polls all engines at once; an engine whose previous poll is still running is skipped (a
 hung engine costs one pending poll, never a pile of them), so a slow engine cannot delay the others' data.
-Only three gauges are read from /metrics, with a line scan rather than a full Prometheus parse.
+Only the load gauges are read from /metrics, by the names of the engines' runtime (metric_names.py), with a line
+scan rather than a full Prometheus parse.
 """
 
 from __future__ import annotations
@@ -14,41 +16,24 @@ import time
 import aiohttp
 
 from shoal.engine.gateway.backends import Backend, BackendSet
+from shoal.engine.gateway.metric_names import SHOAL, EngineMetrics, scan
 
 log = logging.getLogger("shoal.gateway.poller")
 
-_GAUGES = {
-    "shoal:num_requests_running": "running",
-    "shoal:num_requests_waiting": "waiting",
-    "shoal:kv_cache_usage_perc": "kv_usage",
-}
-
-
-def parse_load(text: str) -> dict[str, float]:
+def parse_load(text: str, metrics: EngineMetrics = SHOAL) -> dict[str, float]:
     """running / waiting / kv_usage from an engine's Prometheus text (summed over label sets; KV as max)."""
-    out = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
-    for line in text.splitlines():
-        if not line.startswith("shoal:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = _GAUGES.get(name)
-        if key is None:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        out[key] = max(out[key], value) if key == "kv_usage" else out[key] + value
-    return out
+    load = scan(text, metrics)
+    return {"running": load["running"], "waiting": load["waiting"], "kv_usage": load["kv_usage"]}
 
 
 class Poller:
     def __init__(self, backends: BackendSet, session: aiohttp.ClientSession, interval: float = 0.25,
-                 timeout: float = 1.0):
+                 timeout: float = 1.0, metrics: EngineMetrics = SHOAL):
         self.backends = backends
         self.session = session
         self.interval = interval
         self.timeout = timeout  # seconds for one poll: /readyz and /metrics together
+        self.metrics = metrics
         self._polling: dict[Backend, asyncio.Task] = {}
 
     async def run(self) -> None:
@@ -68,12 +53,13 @@ class Poller:
         await asyncio.gather(*self._polling.values(), return_exceptions=True)
 
     async def poll(self, b: Backend) -> None:
-        """/readyz, then /metrics in what is left of the poll's timeout. A readiness answer counts even when the
-        metrics do not come in time (a busy engine renders them slower): only the load data goes stale."""
+        """The readiness path, then /metrics in what is left of the poll's timeout. A readiness answer counts even
+        when the metrics do not come in time (a busy engine renders them slower): only the load data goes stale."""
         was_usable = b.usable(time.monotonic())
         deadline = time.monotonic() + self.timeout
         try:
-            async with self.session.get(b.url + "/readyz", timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+            async with self.session.get(b.url + self.metrics.ready_path,
+                                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
                 await r.read()
                 ready = r.status == 200
         except (aiohttp.ClientConnectorError, ConnectionRefusedError):
@@ -94,7 +80,7 @@ class Poller:
         now = time.monotonic()
         b.ready, b.last_answer = ready, now
         if text is not None:
-            load = parse_load(text)
+            load = parse_load(text, self.metrics)
             b.running, b.waiting, b.kv_usage = load["running"], load["waiting"], load["kv_usage"]
             b.last_ok = now
         if ready and not b.circuit_open(now):

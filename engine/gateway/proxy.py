@@ -26,6 +26,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shoal.engine.gateway.backends import Backend, BackendSet, HealthPolicy
+from shoal.engine.gateway.metric_names import for_runtime
 from shoal.engine.gateway.metrics import GatewayMetrics
 from shoal.engine.gateway.poller import Poller
 from shoal.engine.gateway.prefix import block_hashes, render_prompt
@@ -59,6 +60,7 @@ class GatewayConfig:
     read_timeout: float = 600.0  # silence from an engine, before or between response bytes
     poll_interval: float = 0.25
     poll_timeout: float = 1.0
+    runtime: str = "shoal"  # the engines' runtime: which readiness path and metric names to read (metric_names.py)
     health: HealthPolicy = field(default_factory=HealthPolicy)
 
 
@@ -96,7 +98,8 @@ class Gateway:
         )
         if discovery is not None:
             self.tasks.append(asyncio.create_task(discovery.run(self.backends), name="gateway-discovery"))
-        poller = Poller(self.backends, self.session, self.config.poll_interval, self.config.poll_timeout)
+        poller = Poller(self.backends, self.session, self.config.poll_interval, self.config.poll_timeout,
+                        metrics=for_runtime(self.config.runtime))
         self._poller = poller
         self.tasks.append(asyncio.create_task(poller.run(), name="gateway-poller"))
 

@@ -5,11 +5,19 @@ scrape time from the latest EngineStats snapshot the engine thread took, so the 
 Prometheus. Per-request values (TTFT, inter-token latency, end-to-end latency, queue time, finished requests) are
 observed by the AsyncEngine as outputs arrive. Every app gets its own CollectorRegistry (never the global one), so
 several servers can live in one process (tests).
+
+The same values are exported a second time under vLLM's names (`vllm:num_requests_running`, ...; see
+VLLM_ALIASES) for tools that expect them: KEDA scalers, the Gateway API inference extension, production-stack
+and AIBrix routers, existing Grafana dashboards. Shoal's own names stay the reference (its gateway and autoscaler
+read `shoal:`); `vllm:gpu_cache_usage_perc` (vLLM V0's name for KV usage) and `vllm:lora_requests_info` (no
+adapters: Shoal serves no LoRA) are there because such tools read them too.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -28,6 +36,26 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
 
 FINISHED_REASONS = ("stop", "length", "abort")
+
+VLLM_PREFIX = "vllm:"
+# shoal: family -> the vllm: families with the same meaning (and type, labels and buckets)
+VLLM_ALIASES = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "num_preemptions": ("num_preemptions",),
+    "prefix_cache_queries": ("prefix_cache_queries",),
+    "prefix_cache_hits": ("prefix_cache_hits",),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "request_success": ("request_success",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds",),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "request_prompt_tokens": ("request_prompt_tokens",),
+    "request_generation_tokens": ("request_generation_tokens",),
+}
 
 
 class _EngineStatsCollector:
@@ -74,6 +102,33 @@ class _EngineStatsCollector:
         yield counter("generation_tokens", "Number of generation tokens processed.", get("generation_tokens_total"))
 
 
+class _VllmNamesCollector:
+    """The `sources`' shoal: families again under vLLM's names, read at scrape time (nothing observed twice)."""
+
+    def __init__(self, sources, model_name: str):
+        self.sources = sources
+        self.model_name = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for source in self.sources:
+            for family in source.collect():
+                short = family.name.removeprefix(PREFIX)
+                for alias in VLLM_ALIASES.get(short, ()):
+                    copy = Metric(VLLM_PREFIX + alias, family.documentation, family.type, family.unit)
+                    copy.samples = [s._replace(name=VLLM_PREFIX + alias + s.name[len(family.name):])
+                                    for s in family.samples]
+                    yield copy
+        # vLLM's LoRA info gauge: its value is the time of the reading, its labels the adapters (none here)
+        lora = GaugeMetricFamily(VLLM_PREFIX + "lora_requests_info", "Running stats on LoRA requests (Shoal "
+                                 "serves no adapters).", labels=["max_lora", "running_lora_adapters",
+                                                                 "waiting_lora_adapters"])
+        lora.add_metric(["0", "", ""], time.time())
+        yield lora
+
+
 class ServerMetrics(MetricsSink):
     """The per-app registry; also the AsyncEngine's MetricsSink."""
 
@@ -114,7 +169,11 @@ class ServerMetrics(MetricsSink):
         self._gen_len = self.gen_len.labels(model_name)
 
     def attach(self, engine: AsyncEngine) -> None:
-        self.registry.register(_EngineStatsCollector(engine, self.model_name))
+        stats = _EngineStatsCollector(engine, self.model_name)
+        self.registry.register(stats)
+        self.registry.register(_VllmNamesCollector(
+            [stats, self.request_success, self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_len,
+             self.gen_len], self.model_name))
 
     # MetricsSink
     def on_first_token(self, ttft: float) -> None:

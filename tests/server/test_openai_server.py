@@ -410,6 +410,34 @@ def test_metrics_names_and_labels(server, client):
     assert metric(server.metrics(), "shoal:prefix_cache_hits_total") >= h0 + 16
 
 
+def test_vllm_metric_names_mirror_the_shoal_ones(server, client):
+    """Tools that expect vLLM's names (KEDA, inference-extension routers, dashboards) read the same values."""
+    prompt = "Mirrored metrics share every value with the originals. " * 3
+    for _ in range(2):  # the second one hits the prefix cache
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=3, **GREEDY)
+    m = wait_idle(server)
+    text = server.request("GET", "/metrics")[1].decode()
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert "# TYPE vllm:prefix_cache_hits_total counter" in text
+    for shoal_name, vllm_names in (
+            ("num_requests_running", ["num_requests_running"]), ("num_requests_waiting", ["num_requests_waiting"]),
+            ("kv_cache_usage_perc", ["kv_cache_usage_perc", "gpu_cache_usage_perc"]),
+            ("prefix_cache_queries_total", ["prefix_cache_queries_total"]),
+            ("prefix_cache_hits_total", ["prefix_cache_hits_total"]),
+            ("generation_tokens_total", ["generation_tokens_total"]),
+            ("num_preemptions_total", ["num_preemptions_total"]),
+            ("time_to_first_token_seconds_count", ["time_to_first_token_seconds_count"]),
+            ("e2e_request_latency_seconds_sum", ["e2e_request_latency_seconds_sum"])):
+        for vllm_name in vllm_names:
+            assert metric(m, "vllm:" + vllm_name, model_name="tiny") == metric(m, "shoal:" + shoal_name), vllm_name
+    assert metric(m, "vllm:prefix_cache_hits_total") > 0
+    assert metric(m, "vllm:request_success_total", finished_reason="length") == \
+        metric(m, "shoal:request_success_total", finished_reason="length") > 0
+    assert metric(m, 'vllm:time_to_first_token_seconds_bucket', le="+Inf") == \
+        metric(m, "shoal:time_to_first_token_seconds_count")
+    assert metric(m, "vllm:lora_requests_info", max_lora="0", running_lora_adapters="") > 0  # no adapters
+
+
 # ------------------------------------------------------------------------------------------ disconnect
 def test_client_disconnect_aborts_and_frees_kv(server):
     wait_idle(server)

