@@ -663,6 +663,9 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
                  "--port", str(ENGINE_PORT), "--routing", gw.routing, "--shutdown-timeout", str(drain)]
                 + hold_args,
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        # The engines' key, so the gateway answers 401 itself: an unauthenticated request is never held, never
+        # counted as load and never wakes the autoscaler.
+        **({"env": _with_api_key([], spec)} if spec.security.api_key_secret_ref else {}),
         "resources": resources,
         "readinessProbe": _probe("/readyz", 2, 2, 2),
         "livenessProbe": _probe("/livez", 10, 3, 5),

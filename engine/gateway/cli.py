@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Sequence
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine's load is at most the least loaded one's + this many requests (default %(default)s)")
     r.add_argument("--prefix-index-size", type=positive(int), default=d.index_size,
                    help="block hashes remembered for affinity (LRU; default %(default)s)")
+    auth = p.add_argument_group("authentication")
+    auth.add_argument("--api-key", help="the engines' API key: requests without it get 401 from the gateway, before "
+                                        "they are held or counted as load (also: $SHOAL_API_KEY, --api-key-file)")
+    auth.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file")
     rel = p.add_argument_group("reliability")
     rel.add_argument("--max-pending", type=positive(int), default=d.max_pending,
                      help="requests inside the gateway at once; more get 429 (default %(default)s)")
@@ -115,6 +120,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file, else $SHOAL_API_KEY (what the operator sets from the Secret), as the engine."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    return os.environ.get("SHOAL_API_KEY") or None
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if args.load_factor < 1.0:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
@@ -125,7 +146,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_pending=args.max_pending,
         max_body_bytes=args.max_body_bytes, hold_timeout=args.hold_timeout, retry_after=args.retry_after,
         connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, poll_interval=args.poll_interval,
-        poll_timeout=args.poll_timeout,
+        poll_timeout=args.poll_timeout, api_key=resolve_api_key(args),
         health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,
                             circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown))
 

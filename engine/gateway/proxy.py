@@ -1,6 +1,8 @@
 """The gateway's aiohttp app: pick an engine per request and stream its answer back untouched.
 
 Per proxied request:
+  0. authentication: with an API key configured (the engines' key, from the same Secret), a request without it is
+     answered 401 before anything else — it is never held, never counted as load and never wakes the autoscaler;
   1. admission: more than `max_pending` requests inside the gateway → 429; a body over `max_body_bytes` → 413;
   2. the prompt is rendered and hashed (prefix-load only), the router picks among eligible engines;
   3. no engine eligible → hold up to `hold_timeout` seconds for one (0: answer at once) → 503 + Retry-After;
@@ -14,6 +16,7 @@ Per proxied request:
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -59,6 +62,7 @@ class GatewayConfig:
     read_timeout: float = 600.0  # silence from an engine, before or between response bytes
     poll_interval: float = 0.25
     poll_timeout: float = 1.0
+    api_key: str | None = None  # the engines' key: checked here first, so unauthenticated requests cost nothing
     health: HealthPolicy = field(default_factory=HealthPolicy)
 
 
@@ -66,6 +70,13 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
                    headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
     return web.json_response(body, status=status, headers=headers)
+
+
+def authorized(request: web.Request, key: str) -> bool:
+    """The engine's rule (engine/server/app.py): `Authorization: Bearer <key>` or `X-API-Key: <key>`."""
+    given = request.headers.get("Authorization", "")
+    token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
+    return bool(token) and hmac.compare_digest(token.encode(), key.encode())
 
 
 class _Unavailable(Exception):
@@ -154,6 +165,10 @@ class Gateway:
 
     # ---- handlers --------------------------------------------------------------------------------------------
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
+        if self.config.api_key and not authorized(request, self.config.api_key):
+            self.metrics.rejected.labels("unauthenticated").inc()
+            return error_response(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                                  "invalid_request_error", "invalid_api_key")
         if self.pending >= self.config.max_pending:
             self.metrics.rejected.labels("too_many_pending").inc()
             return error_response(429, f"the gateway has {self.pending} requests pending; retry later",

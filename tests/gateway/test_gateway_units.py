@@ -164,6 +164,7 @@ def test_parse_load_and_ready_urls():
     (["--endpoint", "http://a:1", "--service", "s"], "either as --endpoint"),
     (["--endpoint", "http://a:1", "--load-factor", "0.5"], "--load-factor must be >= 1"),
     (["--service", "s"], "--namespace"),
+    (["--endpoint", "http://a:1", "--api-key-file", "/nonexistent/key"], "--api-key-file: cannot read"),
 ])
 def test_cli_rejects_bad_arguments(argv, message):
     out = subprocess.run([sys.executable, "-m", "shoal.engine.gateway", *argv], capture_output=True, text=True,
@@ -244,6 +245,36 @@ async def test_requests_are_held_until_an_engine_appears():
         gw.backends.replace([str(engine.make_url("")).rstrip("/")])  # what discovery does when a pod is Ready
         r = await pending
         assert r.status == 200
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.close()
+
+
+async def test_without_the_api_key_a_request_is_refused_before_it_is_held_or_counted():
+    gw, client = await gateway_client(GatewayConfig(hold_timeout=30, api_key="s3cret"), [])
+    engine = TestServer(stand_in_engine())
+    held_calls = []
+    gw.on_hold.append(lambda: held_calls.append(1))
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": "s3cret-not"}, {"Authorization": "s3cret"}):
+            r = await asyncio.wait_for(client.post("/v1/completions", json={"model": "m", "prompt": "x"},
+                                                   headers=headers), 2)  # answered at once, not held for 30 s
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+        assert held_calls == [] and gw.metrics.held._value.get() == 0 and gw.pending == 0
+        assert gw.metrics.rejected.labels("unauthenticated")._value.get() == 4
+        # the key as the engines take it: held (the autoscaler is woken), then served
+        await engine.start_server()
+        pending = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "x"},
+                                                  headers={"Authorization": "Bearer s3cret"}))
+        while gw.metrics.held._value.get() == 0:
+            await asyncio.sleep(0.01)
+        assert held_calls == [1]
+        gw.backends.replace([str(engine.make_url("")).rstrip("/")])
+        assert (await pending).status == 200
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers={"X-API-Key": "s3cret"})
+        assert r.status == 200
+        assert (await client.get("/readyz")).status == 200 and (await client.get("/metrics")).status == 200
     finally:
         await client.close()
         await gw.stop()

@@ -8,6 +8,7 @@ request completes; a load ramp scales up; idle scales back down to zero, and no 
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import threading
 import time
@@ -15,6 +16,7 @@ import time
 import pytest
 from fleetkit import GatewayProcess, Kubelet, publish_gateway
 from kubekit import isvc_body, wait_for
+from prockit import http
 
 openai = importlib.import_module("openai")
 importlib.import_module("shoal.engine.gateway")
@@ -110,4 +112,45 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
     finally:
         if gateway is not None:
             gateway.close()
+        env.client.delete(ISVC, ns, name)
+
+
+def test_unauthenticated_requests_at_zero_never_scale_the_fleet(env, ns):
+    """A gateway holding requests for a fleet at zero checks the engines' key first: a flood without it gets 401 at
+    once and wakes nothing, while one request with it does wake the autoscaler."""
+    name = "keyed"
+    env.client.create(ISVC, ns, isvc_body(name, {
+        "replicas": 0, "model": {"uri": "demo://"}, "security": {"apiKeySecretRef": {"name": "k", "key": "key"}},
+        "autoscaling": {"minReplicas": 0, "maxReplicas": 4, "targetInFlightPerReplica": 1,
+                        "scaleUpStabilizationSeconds": 0}}))
+    wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
+    gateway = GatewayProcess(ns, name, service=f"{name}-engines", hold_timeout=3, env={"SHOAL_API_KEY": "s3cret"})
+    try:
+        publish_gateway(env.client, ns, name, gateway.port)  # the operator reads held requests from it
+
+        def anonymous(i: int) -> int:
+            headers = {"Authorization": "Bearer guess"} if i % 2 else {}
+            return http("POST", gateway.url + "/v1/completions", body={"model": name, "prompt": "hi"},
+                        headers=headers, timeout=10)[0]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            started = time.monotonic()
+            codes = list(pool.map(anonymous, range(64)))
+        assert codes == [401] * 64 and time.monotonic() - started < 3  # none was held
+        time.sleep(2.5)  # several autoscaler ticks
+        isvc = env.client.get(ISVC, ns, name)
+        assert isvc["spec"]["replicas"] == 0
+        assert "serving.shoal.dev/wake-requested-at" not in (isvc["metadata"].get("annotations") or {})
+        assert not [e for e in env.cluster.find("events", ns) if e["reason"] == "ScaledUp"]
+
+        # the same gateway with the key: held (503 after its 3 s hold, no engine runs here) and the fleet wakes
+        status = http("POST", gateway.url + "/v1/completions", body={"model": name, "prompt": "hi"},
+                      headers={"Authorization": "Bearer s3cret"}, timeout=10)[0]
+        assert status == 503
+        wait_for(lambda: env.client.get(ISVC, ns, name)["spec"]["replicas"] == 1, 10, "scale from zero")
+    except BaseException:
+        print("gateway log:", gateway.logs()[-5000:])
+        raise
+    finally:
+        gateway.close()
         env.client.delete(ISVC, ns, name)

@@ -116,3 +116,13 @@ def test_scale_from_zero_makes_the_gateway_hold_requests_and_wake_the_autoscaler
                                                       "verbs": ["patch"]}
     assert "--hold-timeout" not in kids({"autoscaling": {"minReplicas": 1, "maxReplicas": 2}})[
         ("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_gateway_checks_the_engines_api_key_itself():
+    k = kids({"security": {"apiKeySecretRef": {"name": "llm-key", "key": "token"}},
+              "autoscaling": {"minReplicas": 0, "maxReplicas": 2}})
+    (c,) = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"]
+    # from the Secret as an env var (never an argument), so unauthenticated requests never hold or wake anything
+    assert c["env"] == [{"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "token"}}}]
+    assert not any("llm-key" in a or "api-key" in a for a in c["args"])
+    assert "env" not in kids()[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
