@@ -545,7 +545,10 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
                                                  "(child and pod names are derived from it)"))
     for i, arg in enumerate(spec.engine.extra_args):
         flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
+        if flag == "--device" and gpus == 0:
+            errors.append(SpecError(f"spec.engine.extraArgs[{i}]", "--device is set by the operator: pods without "
+                                    "GPUs (resources.gpusPerPod: 0) run on CPU"))
+        elif flag in MANAGED_FLAGS:
             errors.append(SpecError(f"spec.engine.extraArgs[{i}]",
                                     f"{flag} is set by the operator from the spec; set the spec field instead"))
     cache = spec.model.cache

@@ -203,6 +203,8 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
     if spec.model.chat_template:
         args += ["--chat-template", f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_KEY}"]
     args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
+    if spec.gpus_per_pod(settings.max_gpus_per_node) == 0:
+        args += ["--device", "cpu"]  # never `auto`: a GPU the node's runtime leaks in must not be picked
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     if pods > 1:
         assert replica is not None
@@ -232,8 +234,15 @@ def _restricted_container(add_capabilities=()) -> dict[str, Any]:
     }
 
 
-def _engine_env(spec: InferenceServiceSpec, multi: bool) -> list[dict[str, Any]]:
-    """The env every container of the pod shares: cache locations, the rank (multi-pod), then the user's env."""
+# A CPU pod sees no GPU even on a GPU node whose default container runtime is nvidia: the CUDA base image sets
+# NVIDIA_VISIBLE_DEVICES=all, which that runtime honours for any container; `void` makes it expose neither devices
+# nor driver libraries, and an empty CUDA_VISIBLE_DEVICES hides any device that is mounted all the same.
+CPU_ONLY_ENV = ({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}, {"name": "CUDA_VISIBLE_DEVICES", "value": ""})
+
+
+def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict[str, Any]]:
+    """The env every container of the pod shares: cache locations, the rank (multi-pod), GPU visibility (CPU
+    pods), then the user's env."""
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
@@ -245,6 +254,8 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool) -> list[dict[str, Any]]
     if multi:
         env.append({"name": "SHOAL_NODE_RANK",
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}})
+    if gpus == 0:
+        env += [dict(e) for e in CPU_ONLY_ENV]
     user_names = {e.get("name") for e in spec.env}
     return [e for e in env if e["name"] not in user_names] + [copy.deepcopy(e) for e in spec.env]
 
@@ -384,7 +395,7 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     if multi:
         pod_labels[L_GROUP] = str(replica)
 
-    env = _engine_env(spec, multi)
+    env = _engine_env(spec, multi, spec.gpus_per_pod(settings.max_gpus_per_node))
     volumes, mounts = _volumes(name, spec)
     container = _engine_container(isvc, spec, settings, replica=replica, multi=multi, env=env, mounts=mounts)
     init_containers = ([_download_container(spec, container["image"], env, mounts)]

@@ -139,6 +139,24 @@ def test_cpu_demo_single_pod():
     assert dep["spec"]["selector"]["matchLabels"] == {L_ISVC: "llm", "app.kubernetes.io/component": "engine"}
 
 
+def test_cpu_pods_see_no_gpu_and_run_on_cpu():
+    """On a GPU node whose default runtime is nvidia, the CUDA image's NVIDIA_VISIBLE_DEVICES=all would hand a pod
+    without a GPU limit every GPU and `--device auto` would pick CUDA: CPU pods say cpu and hide the GPUs."""
+    cpu = {**TOPOLOGIES["cpu-demo"], "model": {"uri": "hf://org/m"}}
+    pod = by_kind(render.render(isvc(cpu), SETTINGS))[("Deployment", "llm")]["spec"]["template"]["spec"]
+    (c,), (init,) = pod["containers"], pod["initContainers"]
+    assert flag(c["args"], "--device") == "cpu"
+    for each in (c, init):  # every container of the pod runs on the CUDA image
+        env = {e["name"]: e.get("value") for e in each["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "void" and env["CUDA_VISIBLE_DEVICES"] == ""
+    gpu = container(by_kind(render.render(isvc(TOPOLOGIES["single-gpu"]), SETTINGS))[("Deployment", "llm")])
+    assert "--device" not in gpu["args"]  # the device plugin sets GPU visibility
+    assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & {e["name"] for e in gpu["env"]}
+    with pytest.raises(api.SpecError, match="run on CPU") as e:
+        render.render(isvc({**cpu, "engine": {"extraArgs": ["--device=cuda"]}}), SETTINGS)
+    assert e.value.field == "spec.engine.extraArgs[0]"
+
+
 def test_single_gpu_hf_model():
     kids = by_kind(render.render(isvc(TOPOLOGIES["single-gpu"]), SETTINGS))
     c = container(kids[("Deployment", "llm")])
