@@ -252,7 +252,9 @@ class Rollout(_Model):
 
 
 class Autoscaling(_Model):
-    """When set, the operator owns spec.replicas (through the scale subresource) and sizes the fleet to the load."""
+    """When set, the operator sizes the fleet to the load: the replica count is the autoscaler's
+    (status.autoscaling.desiredReplicas) and spec.replicas is only where a new fleet starts, so re-applying a
+    manifest (kubectl apply, a GitOps sync) never fights the autoscaler."""
 
     min_replicas: int = Field(default=1, ge=0, le=1000,
                               description="fewest replicas; 0 lets the fleet scale to zero when idle")
@@ -302,7 +304,9 @@ class GatewayOptions(_Model):
 
 class InferenceServiceSpec(_Model):
     model: ModelSource = section(ModelSource)
-    replicas: int = Field(default=1, ge=0, le=1000)
+    replicas: int = Field(default=1, ge=0, le=1000,
+                          description="replicas to run; with spec.autoscaling only the starting point (the autoscaler "
+                                      "owns the count, in status.autoscaling.desiredReplicas)")
     engine: EngineOptions = section(EngineOptions)
     resources: Resources = section(Resources)
     image: str | None = Field(default=None, max_length=1024, description="engine image; the operator's default")
@@ -315,7 +319,8 @@ class InferenceServiceSpec(_Model):
     rollout: Rollout = section(Rollout)
     pod: PodOptions = section(PodOptions)
     autoscaling: Autoscaling | None = Field(
-        default=None, description="size the fleet to the load (min 0 allowed); the operator then owns replicas")
+        default=None, description="size the fleet to the load (min 0 allowed); the operator then owns the replica "
+                                  "count (status.autoscaling.desiredReplicas) and spec.replicas is only the start")
     gateway: GatewayOptions = section(GatewayOptions)
 
     @model_validator(mode="after")
@@ -375,8 +380,9 @@ class AutoscalingInputs(_Model):
 class AutoscalingStatus(_Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
 
-    current_replicas: int | None = Field(default=None, ge=0, description="spec.replicas when the decision ran")
-    desired_replicas: int | None = Field(default=None, ge=0)
+    current_replicas: int | None = Field(default=None, ge=0, description="replicas running when the decision ran")
+    desired_replicas: int | None = Field(default=None, ge=0, description="the replica count the operator runs: the "
+                                                                         "autoscaler's, not spec.replicas")
     needed_replicas: int | None = Field(default=None, ge=0, description="what the load needed, before "
                                                                         "stabilization and limits")
     reason: str | None = Field(default=None, max_length=256)
@@ -537,9 +543,10 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
     pods = spec.pods_per_replica(max_gpus_per_node)
     # Longest child name: <name>-g<index>-<ordinal> for pods of a multi-pod group (a rollout may surge groups up
     # to index replicas+maxSurge-1), <name>-<hash>-<hash> else.
+    most = max(spec.replicas, spec.autoscaling.max_replicas if spec.autoscaling else 0)
     surge = spec.rollout.max_surge
-    surge = surge if isinstance(surge, int) else math.ceil(int(surge.rstrip("%")) * spec.replicas / 100)
-    limit = 63 - len(f"-g{max(spec.replicas + surge - 1, 0)}-{pods - 1}") if pods > 1 else 47
+    surge = surge if isinstance(surge, int) else math.ceil(int(surge.rstrip("%")) * most / 100)
+    limit = 63 - len(f"-g{max(most + surge - 1, 0)}-{pods - 1}") if pods > 1 else 47
     if len(name) > limit:
         errors.append(SpecError("metadata.name", f"must be at most {limit} characters for this topology "
                                                  "(child and pod names are derived from it)"))
@@ -584,6 +591,19 @@ def validate(name: str, spec: Any, *, max_gpus_per_node: int = 8) -> InferenceSe
     if errors:
         raise errors[0]
     return parsed
+
+
+def running_replicas(spec: InferenceServiceSpec, status: dict[str, Any] | None) -> int:
+    """The replica count the operator runs. Without autoscaling: spec.replicas (the user's, or an HPA's through the
+    scale subresource). With it: the autoscaler's last decision (status.autoscaling.desiredReplicas; spec.replicas
+    before the first one), within minReplicas..maxReplicas — never spec.replicas again, which a re-applied manifest
+    resets."""
+    a = spec.autoscaling
+    if a is None:
+        return spec.replicas
+    decided = ((status or {}).get("autoscaling") or {}).get("desiredReplicas")
+    count = decided if isinstance(decided, int) and not isinstance(decided, bool) else spec.replicas
+    return min(max(count, a.min_replicas), a.max_replicas)
 
 
 def served_model_name(name: str, spec: InferenceServiceSpec) -> str:

@@ -1,5 +1,6 @@
 """The autoscaling loop: for every InferenceService with `spec.autoscaling`, observe the load every second (or at
-once when the gateway asks), decide (autoscaling.decide) and set `spec.replicas` through the scale subresource.
+once when the gateway asks), decide (autoscaling.decide) and set the replica count, `status.autoscaling.desiredReplicas` (spec.replicas stays
+the user's manifest: a re-applied manifest or a GitOps sync does not fight the autoscaler).
 
 Observe
     The engine Service's EndpointSlices say where every serving pod is (address, port, pod name, ready or not);
@@ -14,7 +15,8 @@ Wake-up
     first time (an operator restart, a new leader) wakes only if it is recent: one left from a past wake-up must
     not start a replica; requests that are really waiting show in the gateway's held count anyway.
 Act
-    Scale-up and scale-down patch `/scale` (`{"spec": {"replicas": N}}`, what `kubectl scale` sends). Before a
+    Scale-up and scale-down patch `status.autoscaling.desiredReplicas`, which the reconciler renders the
+    Deployment (or the groups) from; spec.replicas is only where a new fleet starts. Before a
     scale-down of a Deployment the pods are annotated with `controller.kubernetes.io/pod-deletion-cost` from
     their in-flight counts, so the ReplicaSet removes the least busy ones. Removal then drains without cutting
     streams: the terminating pod's endpoint turns not-ready (the gateway sends it nothing new), the engine's
@@ -59,7 +61,7 @@ CONDITION = "Autoscaling"
 REGISTRY = CollectorRegistry(auto_describe=False)
 _L = ["namespace", "name"]
 M_DESIRED = Gauge("shoal:autoscaler_desired_replicas", "Replicas the autoscaler wants.", _L, registry=REGISTRY)
-M_CURRENT = Gauge("shoal:autoscaler_current_replicas", "spec.replicas when the autoscaler last looked.", _L,
+M_CURRENT = Gauge("shoal:autoscaler_current_replicas", "Replicas running when the autoscaler last looked.", _L,
                   registry=REGISTRY)
 M_READY = Gauge("shoal:autoscaler_ready_replicas", "Replicas whose engine endpoint is ready.", _L, registry=REGISTRY)
 M_NEEDED = Gauge("shoal:autoscaler_needed_replicas", "Replicas the load needs before stabilization and limits.", _L,
@@ -69,7 +71,7 @@ M_IN_FLIGHT = Gauge("shoal:autoscaler_in_flight_requests", "Requests running or 
 M_HELD = Gauge("shoal:autoscaler_held_requests", "Requests the gateways hold while no engine is ready.", _L,
                registry=REGISTRY)
 M_KV = Gauge("shoal:autoscaler_kv_cache_usage", "KV-cache usage summed over serving engines.", _L, registry=REGISTRY)
-M_SCALINGS = Counter("shoal:autoscaler_scalings", "Changes of spec.replicas made by the autoscaler, by reason.",
+M_SCALINGS = Counter("shoal:autoscaler_scalings", "Changes of the replica count made by the autoscaler, by reason.",
                      _L + ["reason"], registry=REGISTRY)
 M_DECISION_SECONDS = Histogram("shoal:autoscaler_decision_seconds", "Time to observe and decide once.", _L,
                                buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5], registry=REGISTRY)
@@ -276,7 +278,7 @@ class Autoscaler:
                 kv_cache_usage=float(m.get("shoal:kv_cache_usage_perc", 0.0)),
                 waiting_prefill_tokens=int(m.get("shoal:num_waiting_prefill_tokens", 0))))
         held = sum(int((m or {}).get("shoal:gateway_held_requests", 0)) for m in scraped[len(engines):])
-        current = spec.replicas
+        current = api.running_replicas(spec, isvc.get("status"))
         ready = min(sum(1 for e in engines if e.ready), current)
         return Observation(now=time.monotonic(), current=current, ready=ready, replicas=tuple(replicas), held=held,
                            wake=woken and ready == 0,
@@ -308,8 +310,10 @@ class Autoscaler:
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
         if decision.desired < obs.current and spec.pods_per_replica() == 1:
             await self._mark_victims(ns, list(obs.replicas), obs.current - decision.desired)
-        await self.kube.merge_patch(api.KIND, ns, name, {"spec": {"replicas": decision.desired}}, subresource="scale")
         state.last_scale_time = _now()
+        # The count lives in the status (the reconciler follows it), never in spec.replicas, the manifest's field.
+        await self.kube.merge_patch(api.KIND, ns, name, {"status": {"autoscaling": {
+            "desiredReplicas": decision.desired, "lastScaleTime": state.last_scale_time}}}, subresource="status")
         M_SCALINGS.labels(ns, name, decision.reason).inc()
         verb = "ScaledUp" if decision.desired > obs.current else "ScaledDown"
         kopf.event({"apiVersion": api.API_VERSION, "kind": api.KIND,
@@ -351,7 +355,8 @@ class Autoscaler:
         cond_status = "False" if limited else "True"
         conditions.append({
             "type": CONDITION, "status": cond_status, "reason": decision.reason,
-            "message": f"the operator owns spec.replicas (spec.autoscaling): {decision.message}"[:32000],
+            "message": f"the autoscaler owns the replica count (status.autoscaling.desiredReplicas; spec.replicas "
+                       f"is ignored): {decision.message}"[:32000],
             "lastTransitionTime": prev["lastTransitionTime"] if prev and prev.get("status") == cond_status
             and prev.get("lastTransitionTime") else now,
             "observedGeneration": isvc["metadata"].get("generation"),

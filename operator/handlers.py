@@ -115,6 +115,12 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences") or [])
 
 
+def _autoscaled_replicas(isvc: dict[str, Any]) -> Any:
+    """The autoscaler's replica count (status.autoscaling.desiredReplicas), which the plan follows: a status
+    change, so it moves no generation."""
+    return ((isvc.get("status") or {}).get("autoscaling") or {}).get("desiredReplicas")
+
+
 def _ref(isvc: dict[str, Any]) -> dict[str, Any]:
     m = isvc["metadata"]
     return {"apiVersion": api.API_VERSION, "kind": api.KIND,
@@ -316,10 +322,11 @@ class Reconciler:
         self._event_on_transition(isvc, old_status, new_status)
 
     def _plan(self, isvc: dict[str, Any]) -> Plan:
-        """render.plan, memoised per (uid, generation): every child event re-reconciles, the spec rarely changes."""
+        """render.plan, memoised per (uid, generation, autoscaler's replica count): every child event
+        re-reconciles, the spec rarely changes."""
         meta = isvc["metadata"]
         key = (meta["namespace"], meta["name"])
-        cache_key = (meta.get("uid"), meta.get("generation"))
+        cache_key = (meta.get("uid"), meta.get("generation"), _autoscaled_replicas(isvc))
         cached = self.plans.get(key)
         if cached is not None and cached[0] == cache_key and cache_key[1] is not None:
             return cached[1]
@@ -515,6 +522,18 @@ def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
 @kopf.on.update(OWNER.group, OWNER.version, OWNER.plural)
 async def isvc_changed(namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
     memo.reconciler.trigger(namespace, name, _indexes(kwargs))
+
+
+@kopf.on.event(OWNER.group, OWNER.version, OWNER.plural, id="autoscaled_replicas")
+async def autoscaled_replicas_changed(namespace: str, name: str, type: str | None, body: kopf.Body,
+                                      memo: kopf.Memo, **kwargs: Any) -> None:
+    """The autoscaler scales by writing status.autoscaling.desiredReplicas (spec.replicas stays the user's), which
+    kopf's change handlers never see: reconcile when it differs from what the last plan used."""
+    if type == "DELETED" or not (body.get("spec") or {}).get("autoscaling"):
+        return
+    cached = memo.reconciler.plans.get((namespace, name))
+    if cached is None or cached[0][2] != _autoscaled_replicas(dict(body)):
+        memo.reconciler.trigger(namespace, name, _indexes(kwargs))
 
 
 async def child_changed(namespace: str, labels: dict, memo: kopf.Memo, **kwargs: Any) -> None:

@@ -772,6 +772,9 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     spec = api.validate(name, isvc.get("spec") or {}, max_gpus_per_node=settings.max_gpus_per_node)
+    running = api.running_replicas(spec, isvc.get("status"))
+    if running != spec.replicas:  # autoscaled: the children follow the autoscaler, never spec.replicas
+        spec = spec.model_copy(update={"replicas": running})
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     multi = pods > 1
     children: list[dict[str, Any]] = []
