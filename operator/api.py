@@ -300,6 +300,20 @@ class GatewayOptions(_Model):
     image: str | None = Field(default=None, max_length=1024,
                               description="gateway image; the operator's default (the small image without torch)")
     resources: GatewayResources = section(GatewayResources)
+    response_timeout_seconds: int = Field(
+        default=3600, ge=1, le=86400,
+        description="how long an engine may take to start answering — a whole non-streaming generation; past it "
+                    "the request is cancelled and the client gets 504, never a second run on another engine "
+                    "(shoal-gateway --response-timeout)")
+    read_timeout_seconds: int = Field(
+        default=600, ge=1, le=86400,
+        description="silence allowed between the bytes of an answer, e.g. stream chunks (--read-timeout)")
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024,
+        description="largest request body; larger get 413 (--max-body-bytes)")
+    max_pending: int = Field(
+        default=4096, ge=1, le=1_000_000,
+        description="requests inside one gateway pod at once, held ones included; more get 429 (--max-pending)")
 
 
 class InferenceServiceSpec(_Model):

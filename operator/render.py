@@ -651,6 +651,12 @@ def gateway_rbac(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[
     ]
 
 
+def gateway_limit_args(gw: api.GatewayOptions) -> list[str]:
+    """spec.gateway's timeouts and admission limits as shoal-gateway flags."""
+    return ["--response-timeout", str(gw.response_timeout_seconds), "--read-timeout", str(gw.read_timeout_seconds),
+            "--max-body-bytes", str(gw.max_body_bytes), "--max-pending", str(gw.max_pending)]
+
+
 def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
     name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
     gw, res = spec.gateway, spec.gateway.resources
@@ -672,7 +678,7 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         "command": ["shoal-gateway"],
         "args": ["--service", engines_service_name(name), "--namespace", namespace, "--port-name", "http",
                  "--port", str(ENGINE_PORT), "--routing", gw.routing, "--shutdown-timeout", str(drain)]
-                + hold_args,
+                + gateway_limit_args(gw) + hold_args,
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         # The engines' key, so the gateway answers 401 itself: an unauthenticated request is never held, never
         # counted as load and never wakes the autoscaler.

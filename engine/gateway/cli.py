@@ -103,8 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--retry-after", type=positive(int), default=d.retry_after,
                      help="Retry-After seconds on 503/429 (default %(default)s)")
     rel.add_argument("--connect-timeout", type=positive(float), default=d.connect_timeout)
+    rel.add_argument("--response-timeout", type=positive(float), default=d.response_timeout,
+                     help="seconds an engine may take to start its answer — a whole non-streaming generation; "
+                          "past it the request is cancelled and the client gets 504, never a retry elsewhere "
+                          "(default %(default)s)")
     rel.add_argument("--read-timeout", type=positive(float), default=d.read_timeout,
-                     help="seconds of silence from an engine before giving up (default %(default)s)")
+                     help="seconds of silence allowed between the bytes of an answer, e.g. stream chunks "
+                          "(default %(default)s)")
     rel.add_argument("--poll-interval", type=positive(float), default=d.poll_interval)
     rel.add_argument("--poll-timeout", type=positive(float), default=d.poll_timeout)
     h = HealthPolicy()
@@ -145,7 +150,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         index_size=args.prefix_index_size,
         max_pending=args.max_pending,
         max_body_bytes=args.max_body_bytes, hold_timeout=args.hold_timeout, retry_after=args.retry_after,
-        connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, poll_interval=args.poll_interval,
+        connect_timeout=args.connect_timeout, response_timeout=args.response_timeout, read_timeout=args.read_timeout, poll_interval=args.poll_interval,
         poll_timeout=args.poll_timeout, api_key=resolve_api_key(args),
         health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,
                             circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown))

@@ -7,10 +7,14 @@ Per proxied request:
   2. the prompt is rendered and hashed (prefix-load only), the router picks among eligible engines;
   3. no engine eligible → hold up to `hold_timeout` seconds for one (0: answer at once) → 503 + Retry-After;
   4. the request goes to the engine with the client's headers (Authorization included: the engines check keys);
-     a refused/reset connection, a timeout before the response headers, or a 429/502/503/504 answer is retried
-     once on another engine — never after a byte reached the client;
-  5. status, headers and body chunks are relayed as they arrive (SSE is never buffered); a client that goes away
-     closes the engine connection, which aborts the request there.
+     it is retried once on another engine only while the engine cannot be running it: a refused connection or
+     connect timeout, a connection the engine dropped before answering, or a 429/503 answer (queue full,
+     draining). A non-streaming generation sends nothing until it ends, so the engine's answer may take up to
+     `response_timeout`; past it the request is cut at the engine (which aborts it) and the client gets 504 —
+     never a second run elsewhere;
+  5. status, headers and body chunks are relayed as they arrive (SSE is never buffered), each within
+     `read_timeout` of the previous one; a client that goes away closes the engine connection, which aborts the
+     request there.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ log = logging.getLogger("shoal.gateway")
 HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Trailers",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# The engine refused the request without running it: 429 (queue full) and 503 (draining, or a proxy in front of
+# it could not connect). A 502/504 from a proxy in between may come while the engine still runs the request.
+RETRY_STATUSES = frozenset({429, 503})
+RETRY_REASONS = frozenset({"refused", "connect_timeout", "reset"})  # failures before the engine accepted it
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -59,7 +66,8 @@ class GatewayConfig:
     hold_timeout: float = 0.0  # wait this long for an engine when none is ready (0: 503 at once)
     retry_after: int = 1
     connect_timeout: float = 3.0
-    read_timeout: float = 600.0  # silence from an engine, before or between response bytes
+    response_timeout: float = 3600.0  # request sent -> response headers: a whole non-streaming generation
+    read_timeout: float = 600.0  # silence from an engine between response bytes, once it answered
     poll_interval: float = 0.25
     poll_timeout: float = 1.0
     api_key: str | None = None  # the engines' key: checked here first, so unauthenticated requests cost nothing
@@ -204,6 +212,10 @@ class Gateway:
             backend.inflight += 1
             try:
                 upstream = await self._send(backend, request, headers, body)
+                if upstream == "timeout":  # the engine may still be running it: never a second run elsewhere
+                    self.metrics.requests.labels(backend.url, "504").inc()
+                    return error_response(504, f"the engine did not answer within {self.config.response_timeout:g}"
+                                               " s; the request was cancelled", "timeout", "engine_timeout")
                 if isinstance(upstream, str):
                     if not last:
                         self.metrics.retries.labels(upstream).inc()
@@ -221,20 +233,29 @@ class Gateway:
                               "service_unavailable", "no_backend", {"Retry-After": str(self.config.retry_after)})
 
     async def _send(self, backend: Backend, request: web.Request, headers: dict, body: bytes):
-        """The engine's response (headers received), or why it failed (a failure worth one retry elsewhere)."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
-                                        sock_read=self.config.read_timeout)
+        """The engine's response (headers received), or why it failed: one of RETRY_REASONS (the engine never
+        accepted the request; worth one retry elsewhere) or "timeout" (no answer within response_timeout; the
+        request is cancelled there, and not retried)."""
+        # Body silence is bounded in _relay, once the response started; until then only response_timeout holds.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout, sock_read=None)
+        deadline = asyncio.timeout(self.config.response_timeout)
         try:
-            return await self.session.request(request.method, backend.url + request.rel_url.raw_path_qs,
-                                              headers=headers, data=body or None, timeout=timeout,
-                                              allow_redirects=False)
+            async with deadline:
+                return await self.session.request(request.method, backend.url + request.rel_url.raw_path_qs,
+                                                  headers=headers, data=body or None, timeout=timeout,
+                                                  allow_redirects=False)
         except aiohttp.ClientConnectorError:
             backend.on_refused(time.monotonic())
             self.backends.notify()
             reason = "refused"
         except asyncio.TimeoutError:
-            backend.on_failure(time.monotonic())
-            reason = "timeout"
+            if deadline.expired():
+                # a long generation, or an engine that hangs: its liveness probe and the poller judge it, not
+                # the circuit breaker
+                reason = "timeout"
+            else:
+                backend.on_failure(time.monotonic())
+                reason = "connect_timeout"
         except (aiohttp.ClientError, OSError):
             backend.on_failure(time.monotonic())
             reason = "reset"
@@ -252,8 +273,11 @@ class Gateway:
                 out.headers.add(k, v)
         try:
             await out.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await out.write(chunk)
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(self.config.read_timeout) as silence:
+                while chunk := await upstream.content.readany():
+                    await out.write(chunk)
+                    silence.reschedule(loop.time() + self.config.read_timeout)
             await out.write_eof()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             # The engine failed mid-answer: bytes already reached the client, so no retry; cut the connection

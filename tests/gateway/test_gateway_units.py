@@ -307,6 +307,34 @@ async def test_hold_deadline_then_503():
         await gw.stop()
 
 
+async def test_a_long_generation_runs_once_and_a_timeout_is_never_retried():
+    """A non-streaming answer starts only when the generation ends: silence before it is not a failure. Past the
+    response timeout the request is cancelled and answered 504 — never sent to a second engine."""
+    seen: list[dict] = []
+    engines = [TestServer(stand_in_engine(delay=1.0, seen=seen)) for _ in range(2)]
+    for e in engines:
+        await e.start_server()
+    urls = [str(e.make_url("")).rstrip("/") for e in engines]
+    gw, client = await gateway_client(GatewayConfig(read_timeout=0.2, response_timeout=5, routing="round-robin"),
+                                      urls)
+    try:
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "long"})
+        assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
+        assert len(seen) == 1  # one run on one engine
+        gw.config.response_timeout = 0.3
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "too long"})
+        assert r.status == 504 and (await r.json())["error"]["code"] == "engine_timeout"
+        assert len(seen) == 2  # not retried elsewhere
+        retried = sum(s.value for s in gw.metrics.retries.collect()[0].samples if s.name.endswith("_total"))
+        assert retried == 0
+        assert all(not b.circuit_open(time.monotonic()) and b.failures == 0 for b in gw.backends.all())
+    finally:
+        await client.close()
+        await gw.stop()
+        for e in engines:
+            await e.close()
+
+
 def failing_engine(mode: str, hits: list) -> web.Application:
     """An engine that is up (ready, metrics) but fails every completion: "busy" answers 503 + Retry-After (a full
     queue), "reset" drops the connection before answering (a crashing or overloaded process)."""

@@ -126,3 +126,23 @@ def test_the_gateway_checks_the_engines_api_key_itself():
     assert c["env"] == [{"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "token"}}}]
     assert not any("llm-key" in a or "api-key" in a for a in c["args"])
     assert "env" not in kids()[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_gateway_timeouts_and_limits_are_spec_fields():
+    def args(spec=None):
+        return k_args(kids(spec))
+
+    def k_args(k):
+        return k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    default = args()
+    # a non-streaming generation may take an hour by default; silence between stream chunks ten minutes
+    assert default[default.index("--response-timeout") + 1] == "3600"
+    assert default[default.index("--read-timeout") + 1] == "600"
+    a = args({"gateway": {"responseTimeoutSeconds": 7200, "readTimeoutSeconds": 120, "maxBodyBytes": 1048576,
+                          "maxPending": 100}})
+    assert [a[a.index(f) + 1] for f in ("--response-timeout", "--read-timeout", "--max-body-bytes", "--max-pending")
+            ] == ["7200", "120", "1048576", "100"]
+    with pytest.raises(api.SpecError) as e:
+        kids({"gateway": {"responseTimeoutSeconds": 0}})
+    assert e.value.field == "spec.gateway.responseTimeoutSeconds"
