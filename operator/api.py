@@ -140,8 +140,11 @@ class EngineOptions(_Model):
     attention_backend: AttentionBackend = engine_option("attention_backend", default="auto")
     enforce_eager: bool = engine_option("enforce_eager", default=False)
     shutdown_timeout_seconds: int = Field(
-        default=30, ge=0, le=3600,
-        description="drain budget on SIGTERM (--shutdown-timeout); the pod's grace period is set above it",
+        default=900, ge=0, le=21600,
+        description="drain budget on SIGTERM (--shutdown-timeout): a replica removed by a scale-down, a rollout or "
+                    "an eviction finishes its in-flight requests (long generations, streams) within it and exits "
+                    "as soon as they are done; the pod's grace period is set above it. An engine that fails its "
+                    "liveness or startup probe is stopped after probes.failureGracePeriodSeconds instead",
     )
     extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, max_length=128, description="appended to `shoal-engine serve`; may not repeat "
@@ -237,6 +240,10 @@ class Probes(_Model):
         description="budget of the hf:// model download (init container), counted apart from the rollout's "
                     "progress deadline: a slow, healthy download is progress (reason ModelDownloading); beyond "
                     "the budget the reason is ModelDownloadTimeout")
+    failure_grace_period_seconds: int = Field(
+        default=30, ge=1, le=3600,
+        description="grace period of an engine killed for failing its liveness or startup probe (a hung or "
+                    "crash-looping engine), apart from the long drain of engine.shutdownTimeoutSeconds")
 
 
 class Rollout(_Model):

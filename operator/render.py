@@ -320,6 +320,14 @@ def _engine_probes(spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
     }
 
 
+def _failure_grace(probes: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    """A container killed for failing its liveness or startup probe gets a short grace period of its own: the
+    pod's is sized for draining long requests on a scale-down (engine.shutdownTimeoutSeconds)."""
+    grace = spec.probes.failure_grace_period_seconds
+    return {kind: {**probe, "terminationGracePeriodSeconds": grace} if kind in ("livenessProbe", "startupProbe")
+            else probe for kind, probe in probes.items()}
+
+
 def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, *,
                       replica: int | None, multi: bool, env: list[dict[str, Any]],
                       mounts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -334,7 +342,7 @@ def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings
         "env": _with_api_key(env, spec),
         "resources": _engine_resources(spec, spec.gpus_per_pod(settings.max_gpus_per_node)),
         "volumeMounts": mounts,
-        **_engine_probes(spec, multi),
+        **_failure_grace(_engine_probes(spec, multi), spec),
         "lifecycle": {"preStop": {"sleep": {"seconds": settings.prestop_seconds}}},
         "securityContext": _restricted_container(spec.security.capabilities),
         "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -347,9 +347,26 @@ def test_pod_security_and_probes():
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert c["startupProbe"]["failureThreshold"] == 180  # 1800 s default budget / 10 s period
-    assert pod["terminationGracePeriodSeconds"] == 30 + 5 + 15
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+
+
+def test_scale_down_drains_long_requests_and_a_failing_engine_stops_quickly():
+    """A removed replica (scale-down, rollout) finishes its long streams — the default drain is 15 minutes, not
+    30 s — while an engine that fails its liveness or startup probe is killed after its own short grace."""
+    dep = render.render(isvc(), SETTINGS)[0]
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    assert flag(c["args"], "--shutdown-timeout") == "900"
+    assert pod["terminationGracePeriodSeconds"] == 900 + 5 + 15  # above the drain and the preStop sleep
+    assert c["livenessProbe"]["terminationGracePeriodSeconds"] == 30
+    assert c["startupProbe"]["terminationGracePeriodSeconds"] == 30
+    assert "terminationGracePeriodSeconds" not in c["readinessProbe"]  # the API refuses it there
+    gw = by_kind(render.render(isvc(), SETTINGS))[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]
+    assert flag(gw["containers"][0]["args"], "--shutdown-timeout") == "900"  # the gateway relays those streams
+    custom = render.render(isvc({"engine": {"shutdownTimeoutSeconds": 7200},
+                                 "probes": {"failureGracePeriodSeconds": 10}}), SETTINGS)[0]
+    assert container(custom)["livenessProbe"]["terminationGracePeriodSeconds"] == 10
+    assert custom["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 7200 + 5 + 15
 
 
 def test_network_policy_disabled_and_zero_replicas():
