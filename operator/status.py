@@ -42,9 +42,10 @@ def terminating(obj: dict[str, Any]) -> bool:
 
 
 def restarts(pod: dict[str, Any]) -> int:
+    """Restarts of the pod's containers — not of its init containers: a model download that retried (a hub
+    hiccup) never joined the torch.distributed group, so it must not restart the group."""
     status = pod.get("status") or {}
-    return sum(int(c.get("restartCount") or 0)
-               for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []))
+    return sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
 
 
 @dataclass(frozen=True)
