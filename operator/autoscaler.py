@@ -8,10 +8,11 @@ Observe
     the gateway's /metrics (its own Service's EndpointSlices) gives the requests it holds while no engine is
     ready. Scrapes time out after 0.5 s; a Ready pod that does not answer is unknown load (never idleness).
 Wake-up
-    A gateway that starts holding a request while no engine is ready annotates the InferenceService with
-    `serving.shoal.dev/wake-requested-at` (a merge patch, at most once a second). The annotation goes through the
-    API server, so it reaches whichever operator replica leads and survives an operator restart; the operator's
-    watch sees it within milliseconds and decides at once instead of on the next tick. An annotation seen for the
+    A gateway that starts holding a request while no engine is ready annotates its wake-up ConfigMap
+    (`<name>-wake`, the one object it may patch) with `serving.shoal.dev/wake-requested-at` (a merge patch, at
+    most once a second). The annotation goes through the API server, so it reaches whichever operator replica
+    leads and survives an operator restart; the operator's watch sees it within milliseconds and decides at once
+    instead of on the next tick. An annotation seen for the
     first time (an operator restart, a new leader) wakes only if it is recent: one left from a past wake-up must
     not start a replica; requests that are really waiting show in the gateway's held count anyway.
 Act
@@ -171,13 +172,10 @@ class Autoscaler:
     interval: float = INTERVAL
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    def notice(self, isvc: dict[str, Any]) -> None:
-        """Called on every event of an InferenceService: wake its loop when the gateway asked for capacity."""
-        meta = isvc["metadata"]
-        if not (isvc.get("spec") or {}).get("autoscaling"):
-            return
-        state = self.states.setdefault((meta["namespace"], meta["name"]), State())
-        wake = (meta.get("annotations") or {}).get(A_WAKE)
+    def notice(self, key: tuple[str, str], wake: str | None) -> None:
+        """Called on every event of an InferenceService's wake-up ConfigMap with its wake annotation: wake the
+        loop when the gateway asked for capacity."""
+        state = self.states.setdefault(key, State())
         if wake and wake != state.woken_at:
             first_sight = state.woken_at is None
             state.woken_at = wake
@@ -418,10 +416,13 @@ async def autoscale(namespace: str, name: str, memo: kopf.Memo, stopped: kopf.Da
     await autoscaler.run((namespace, name), stopped)
 
 
-@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-async def isvc_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A wake-up annotation from a gateway makes the loop decide at once instead of on its next tick."""
+@kopf.on.event("v1", "configmaps", labels={render.L_MANAGED_BY: render.MANAGED_BY, render.L_COMPONENT: "wake"})
+async def wake_event(type: str | None, namespace: str, labels: dict, annotations: dict, memo: kopf.Memo,
+                     **_: Any) -> None:
+    """A wake-up annotation from a gateway (on the InferenceService's wake-up ConfigMap) makes the loop decide at
+    once instead of on its next tick."""
     autoscaler: Autoscaler | None = memo.get("autoscaler")
-    if autoscaler is None or type == "DELETED" or not body.get("metadata"):
+    owner = labels.get(render.L_ISVC)
+    if autoscaler is None or type == "DELETED" or not owner:
         return
-    autoscaler.notice(dict(body))
+    autoscaler.notice((namespace, owner), annotations.get(A_WAKE))

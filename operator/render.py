@@ -638,14 +638,30 @@ def scales_from_zero(spec: InferenceServiceSpec) -> bool:
     return spec.autoscaling is not None and spec.autoscaling.min_replicas == 0
 
 
+def wake_configmap_name(name: str) -> str:
+    return f"{name}-wake"
+
+
+def wake_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The object a holding gateway annotates to wake the autoscaler (engine/gateway/wake.py): its own, so the
+    gateway needs no write access to the InferenceService. The operator renders no annotations of its own here,
+    so server-side apply leaves the gateway's alone."""
+    return _finish({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(isvc, wake_configmap_name(isvc["metadata"]["name"]), "wake"),
+        "data": {"purpose": "shoal-gateway annotates this ConfigMap to wake the autoscaler (scale from zero)"},
+    })
+
+
 def gateway_rbac(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     """The gateway's identity: it may list and watch EndpointSlices in its namespace, and, when the fleet can scale
-    to zero, annotate its own InferenceService to wake the autoscaler (engine/gateway/wake.py); nothing else."""
+    to zero, patch its wake-up ConfigMap to wake the autoscaler (engine/gateway/wake.py); nothing else."""
     name = isvc["metadata"]["name"]
     gw = gateway_name(name)
     rules = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
     if scales_from_zero(spec):
-        rules.append({"apiGroups": [api.GROUP], "resources": [api.PLURAL], "resourceNames": [name],
+        rules.append({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [wake_configmap_name(name)],
                       "verbs": ["patch"]})
     return [
         _finish({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(isvc, gw, "gateway"),
@@ -677,9 +693,9 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
     hold_args: list[str] = []
     if scales_from_zero(spec):
         # At zero replicas requests wait for the first engine (up to its model-load budget, at most 10 min) and
-        # the gateway wakes the autoscaler at once by annotating the InferenceService.
+        # the gateway wakes the autoscaler at once by annotating its wake-up ConfigMap.
         hold = min(spec.probes.startup_timeout_seconds, 600)
-        hold_args = ["--hold-timeout", str(hold), "--inferenceservice", name]
+        hold_args = ["--hold-timeout", str(hold), "--wake-configmap", wake_configmap_name(name)]
     container = {
         "name": "gateway",
         "image": gw.image or settings.gateway_image,
@@ -766,6 +782,8 @@ def gateway_children(isvc: dict[str, Any], spec: InferenceServiceSpec, settings:
                      multi: bool) -> list[dict[str, Any]]:
     children = [engines_service(isvc, spec, multi), *gateway_rbac(isvc, spec),
                 gateway_deployment(isvc, spec, settings), gateway_disruption_budget(isvc, spec)]
+    if scales_from_zero(spec):
+        children.append(wake_configmap(isvc, spec))
     if spec.security.network_policy.enabled:
         children.append(gateway_network_policy(isvc, spec, settings))
     return children

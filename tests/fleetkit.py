@@ -227,7 +227,7 @@ class GatewayProcess(LoggedProcess):
         port = free_port()
         super().__init__(
             [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(port),
-             "--service", service, "--namespace", namespace, "--inferenceservice", name,
+             "--service", service, "--namespace", namespace, "--wake-configmap", f"{name}-wake",
              "--hold-timeout", str(hold_timeout), *extra], port, env, log_prefix="gateway-")
         self.base = self.url
         self.wait_ready(30)

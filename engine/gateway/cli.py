@@ -97,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--hold-timeout", type=non_negative, default=d.hold_timeout,
                      help="seconds a request waits for an engine when none is ready (scale from zero); "
                           "0 answers 503 at once (default)")
-    rel.add_argument("--inferenceservice", metavar="NAME",
-                     help="with --hold-timeout: annotate this InferenceService (in --namespace) when requests start "
-                          "waiting, so the operator's autoscaler wakes at once (scale from zero)")
+    rel.add_argument("--wake-configmap", metavar="NAME",
+                     help="with --hold-timeout: annotate this ConfigMap (in --namespace; the operator renders "
+                          "<inferenceservice>-wake) when requests start waiting, so the operator's autoscaler "
+                          "wakes at once (scale from zero)")
     rel.add_argument("--retry-after", type=positive(int), default=d.retry_after,
                      help="Retry-After seconds on 503/429 (default %(default)s)")
     rel.add_argument("--connect-timeout", type=positive(float), default=d.connect_timeout)
@@ -220,12 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--service needs --namespace outside a pod")
         discovery = EndpointSliceDiscovery(args.service, namespace, port_name=args.port_name)
     waker = None
-    if args.inferenceservice:
+    if args.wake_configmap:
         if not namespace:
-            parser.error("--inferenceservice needs --namespace outside a pod")
+            parser.error("--wake-configmap needs --namespace outside a pod")
         from shoal.engine.gateway.wake import Waker
 
-        waker = Waker(namespace, args.inferenceservice)
+        waker = Waker(namespace, args.wake_configmap)
     return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout, waker))
 
 

@@ -88,10 +88,12 @@ def running(env, ns: str, name: str) -> int | None:
 def test_wake_annotation_scales_from_zero_at_once_and_reports_it(env, ns):
     body = isvc_body("chat", {"replicas": 0, "autoscaling": {
         "minReplicas": 0, "maxReplicas": 3, "scaleUpStabilizationSeconds": 30}})
-    # left from a wake-up long ago, as a restarted operator (or a new leader) finds it: it must not wake anything
-    body["metadata"].setdefault("annotations", {})[A_WAKE] = "2026-01-01T00:00:00.000Z"
     env.client.create(ISVC, ns, body)
     wait_for(lambda: env.client.get("deployments", ns, "chat"), 10, "deployment")
+    # the gateway's wake-up object; a stamp left from a wake-up long ago, as a restarted operator (or a new
+    # leader) finds it, must not wake anything
+    wait_for(lambda: env.client.get("configmaps", ns, "chat-wake"), 10, "wake-up configmap")
+    env.client.patch("configmaps", ns, "chat-wake", {"metadata": {"annotations": {A_WAKE: "2026-01-01T00:00:00.000Z"}}})
     # idle at zero: the loop runs and says why it stays there
     st = wait_for(lambda: (env.client.get(ISVC, ns, "chat").get("status") or {}).get("autoscaling"), 10,
                   "status.autoscaling")
@@ -100,7 +102,7 @@ def test_wake_annotation_scales_from_zero_at_once_and_reports_it(env, ns):
     wait_for(lambda: decisions(ns, "chat") >= ticks + 2, 10, "two more autoscaler decisions")
     assert running(env, ns, "chat") == 0  # still at zero
     # the gateway holds a request and asks for capacity
-    env.client.patch(ISVC, ns, "chat", wake_patch())
+    env.client.patch("configmaps", ns, "chat-wake", wake_patch())
     wait_for(lambda: running(env, ns, "chat") == 1, 5, "replicas 1")
     wait_for(lambda: env.client.get("deployments", ns, "chat")["spec"]["replicas"] == 1, 5, "deployment scaled")
     isvc = wait_for(lambda: (i := env.client.get(ISVC, ns, "chat")) and

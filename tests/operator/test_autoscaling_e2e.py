@@ -145,7 +145,8 @@ def test_unauthenticated_requests_at_zero_never_scale_the_fleet(env, ns):
         time.sleep(2.5)  # several autoscaler ticks
         isvc = env.client.get(ISVC, ns, name)
         assert running(env, ns, name) in (None, 0)
-        assert "serving.shoal.dev/wake-requested-at" not in (isvc["metadata"].get("annotations") or {})
+        wake = env.client.get("configmaps", ns, f"{name}-wake")
+        assert "serving.shoal.dev/wake-requested-at" not in (wake["metadata"].get("annotations") or {})
         assert not [e for e in env.cluster.find("events", ns) if e["reason"] == "ScaledUp"]
 
         # the same gateway with the key: held (503 after its 3 s hold, no engine runs here) and the fleet wakes

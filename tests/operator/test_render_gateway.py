@@ -109,11 +109,15 @@ def test_gateway_objects_are_valid_kubernetes():
 def test_scale_from_zero_makes_the_gateway_hold_requests_and_wake_the_autoscaler():
     k = kids({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "probes": {"startupTimeoutSeconds": 300}})
     args = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--hold-timeout") + 1] == "300" and args[args.index("--inferenceservice") + 1] == "llm"
-    # the Waker annotates its own InferenceService, and no other
-    assert k[("Role", "llm-gateway")]["rules"][1] == {"apiGroups": ["serving.shoal.dev"],
-                                                      "resources": ["inferenceservices"], "resourceNames": ["llm"],
-                                                      "verbs": ["patch"]}
+    assert args[args.index("--hold-timeout") + 1] == "300" and args[args.index("--wake-configmap") + 1] == "llm-wake"
+    # the Waker annotates a ConfigMap of its own, and may write nothing else (never its InferenceService)
+    assert k[("Role", "llm-gateway")]["rules"][1:] == [{"apiGroups": [""], "resources": ["configmaps"],
+                                                        "resourceNames": ["llm-wake"], "verbs": ["patch"]}]
+    wake = k[("ConfigMap", "llm-wake")]
+    assert wake["metadata"]["ownerReferences"][0]["name"] == "llm"
+    assert wake["metadata"]["labels"]["app.kubernetes.io/component"] == "wake"
+    assert not any(r["apiGroups"] == ["serving.shoal.dev"] for r in k[("Role", "llm-gateway")]["rules"])
+    assert ("ConfigMap", "llm-wake") not in kids({"autoscaling": {"minReplicas": 1, "maxReplicas": 2}})
     assert "--hold-timeout" not in kids({"autoscaling": {"minReplicas": 1, "maxReplicas": 2}})[
         ("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
 
