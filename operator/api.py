@@ -215,12 +215,14 @@ class NetworkPolicyOptions(_Model):
     enabled: bool = True
     allow_from: list[FreeObject] = Field(
         default_factory=list,
-        description="NetworkPolicyPeers allowed to reach the HTTP port; empty means pods of the same namespace",
+        description="NetworkPolicyPeers allowed to reach the API (the gateway, or the engines without it); empty "
+                    "means only pods of the same namespace, so an ingress controller or a mesh gateway elsewhere "
+                    "(Envoy Gateway, Istio ingress, ingress-nginx) must be listed here, e.g. a namespaceSelector",
     )
     metrics_from: list[FreeObject] = Field(
         default_factory=list,
-        description="NetworkPolicyPeers of the Prometheus that scrapes /metrics (served on the HTTP port), besides "
-                    "the operator's namespace and its --metrics-namespace settings",
+        description="NetworkPolicyPeers of the Prometheus that scrapes /metrics of engines and gateways (served on "
+                    "the HTTP port), besides the operator's namespace and its --metrics-namespace settings",
     )
 
 

@@ -581,6 +581,16 @@ def gateway_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: boo
     })
 
 
+def _scraper_rules(spec: InferenceServiceSpec, settings: Settings) -> list[dict[str, Any]]:
+    """Prometheus (and the operator's autoscaler) reach /metrics, served on the HTTP port of engines and gateways
+    alike (routes other than health and metrics still need the API key): the operator's namespace, every
+    --metrics-namespace and security.networkPolicy.metricsFrom."""
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+                for ns in dict.fromkeys(filter(None, (settings.operator_namespace, *settings.metrics_namespaces)))]
+    scrapers += copy.deepcopy(spec.security.network_policy.metrics_from)
+    return [{"from": scrapers, "ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]}] if scrapers else []
+
+
 def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, multi: bool) -> dict:
     name = isvc["metadata"]["name"]
     http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
@@ -588,13 +598,7 @@ def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: S
         peers = [{"podSelector": {"matchLabels": gateway_selector(name)}}]
     else:
         peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
-    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}]
-    # Scrapers: /metrics is served on the HTTP port (routes other than health and metrics still need the API key)
-    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
-                for ns in dict.fromkeys(filter(None, (settings.operator_namespace, *settings.metrics_namespaces)))]
-    scrapers += copy.deepcopy(spec.security.network_policy.metrics_from)
-    if scrapers:
-        rules.append({"from": scrapers, "ports": http})
+    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}, *_scraper_rules(spec, settings)]
     if multi:
         # torch.distributed: rendezvous on 29500, NCCL/gloo on ephemeral ports -> every port, same service only
         rules.append({"from": [{"podSelector": {"matchLabels": pod_selector(name)}}]})
@@ -750,14 +754,12 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
 
 
 def gateway_network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict:
-    """Clients (`allowFrom`, else the namespace's pods) reach the gateway; the operator's namespace its metrics."""
+    """Clients (`allowFrom`, else only the namespace's pods: an ingress controller in another namespace needs an
+    allowFrom peer) reach the gateway; the metrics scrapers, as for the engines, its /metrics."""
     name = isvc["metadata"]["name"]
     http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
     peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
-    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}]
-    if settings.operator_namespace:
-        rules.append({"from": [{"namespaceSelector": {"matchLabels": {
-            "kubernetes.io/metadata.name": settings.operator_namespace}}}], "ports": http})
+    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}, *_scraper_rules(spec, settings)]
     return _finish({
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -72,6 +72,22 @@ def test_network_policies_clients_to_gateway_to_engines():
     assert k[("PodDisruptionBudget", "llm-gateway")]["spec"]["maxUnavailable"] == 1
 
 
+def test_the_gateway_admits_the_same_metrics_scrapers_as_the_engines():
+    """A ServiceMonitor of the gateways (its Prometheus in a monitoring namespace or given as metricsFrom) must not
+    find its targets down while the engines' are up."""
+    settings = Settings(engine_image="e", gateway_image="g", operator_namespace="shoal-system",
+                        metrics_namespaces=("monitoring",))
+    scraper = {"podSelector": {"matchLabels": {"app": "vmagent"}}, "namespaceSelector": {}}
+    k = {(c["kind"], c["metadata"]["name"]): c for c in render.render(
+        isvc({"security": {"networkPolicy": {"metricsFrom": [scraper]}}}), settings)}
+    engines, gateway = k[("NetworkPolicy", "llm")]["spec"]["ingress"], k[("NetworkPolicy", "llm-gateway")]["spec"]
+    assert engines[1] in gateway["ingress"]
+    froms = [peer for rule in gateway["ingress"] for peer in rule["from"]]
+    for ns in ("shoal-system", "monitoring"):
+        assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}} in froms
+    assert scraper in froms
+
+
 def test_gateway_options_reach_the_deployment():
     k = kids({"gateway": {"routing": "least-load", "replicas": 3, "image": "my/gw:2",
                           "resources": {"cpu": "1", "memory": "1Gi"}}})
