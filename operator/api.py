@@ -293,7 +293,10 @@ class Autoscaling(_Model):
 
 class GatewayResources(_Model):
     cpu: Quantity | None = Field(default="250m", description="CPU request per gateway pod")
-    memory: Quantity | None = Field(default="256Mi", description="memory request and limit per gateway pod")
+    memory: Quantity | None = Field(default=None, description="memory request and limit per gateway pod; unset: "
+                                                              "sized from the gateway's bounds (maxBufferedBytes, "
+                                                              "maxPending, its prefix index), so it cannot be "
+                                                              "OOM-killed")
 
 
 class GatewayOptions(_Model):
@@ -323,6 +326,10 @@ class GatewayOptions(_Model):
     max_pending: int = Field(
         default=4096, ge=1, le=1_000_000,
         description="requests inside one gateway pod at once, held ones included; more get 429 (--max-pending)")
+    max_buffered_bytes: int = Field(
+        default=128 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024 * 1024,
+        description="request bodies one gateway pod holds at once, all requests together; a request beyond gets "
+                    "429 (--max-buffered-bytes; at least maxBodyBytes)")
 
 
 class InferenceServiceSpec(_Model):
@@ -573,6 +580,10 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
     if len(name) > limit:
         errors.append(SpecError("metadata.name", f"must be at most {limit} characters for this topology "
                                                  "(child and pod names are derived from it)"))
+    if spec.gateway.max_buffered_bytes < spec.gateway.max_body_bytes:
+        errors.append(SpecError("spec.gateway.maxBufferedBytes",
+                                f"{spec.gateway.max_buffered_bytes} is below maxBodyBytes "
+                                f"({spec.gateway.max_body_bytes}): the largest body could never be admitted"))
     for i, arg in enumerate(spec.engine.extra_args):
         flag = arg.split("=", 1)[0]
         if flag == "--device" and gpus == 0:

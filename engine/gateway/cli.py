@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests inside the gateway at once; more get 429 (default %(default)s)")
     rel.add_argument("--max-body-bytes", type=positive(int), default=d.max_body_bytes,
                      help="largest request body; larger get 413 (default %(default)s)")
+    rel.add_argument("--max-buffered-bytes", type=positive(int), default=d.max_buffered_bytes,
+                     help="request bodies held at once, all requests together; a request beyond gets 429 "
+                          "(default %(default)s)")
     rel.add_argument("--hold-timeout", type=non_negative, default=d.hold_timeout,
                      help="seconds a request waits for an engine when none is ready (scale from zero); "
                           "0 answers 503 at once (default)")
@@ -145,12 +148,15 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if args.load_factor < 1.0:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
+    if args.max_buffered_bytes < args.max_body_bytes:
+        raise ValueError(f"--max-buffered-bytes ({args.max_buffered_bytes}) must be at least --max-body-bytes "
+                         f"({args.max_body_bytes}), or the largest body could never be admitted")
     return GatewayConfig(
         routing=args.routing, block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
         index_size=args.prefix_index_size,
         max_pending=args.max_pending,
-        max_body_bytes=args.max_body_bytes, hold_timeout=args.hold_timeout, retry_after=args.retry_after,
+        max_body_bytes=args.max_body_bytes, max_buffered_bytes=args.max_buffered_bytes, hold_timeout=args.hold_timeout, retry_after=args.retry_after,
         connect_timeout=args.connect_timeout, response_timeout=args.response_timeout, read_timeout=args.read_timeout, poll_interval=args.poll_interval,
         poll_timeout=args.poll_timeout, api_key=resolve_api_key(args),
         health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,

@@ -4,6 +4,8 @@ Per proxied request:
   0. authentication: with an API key configured (the engines' key, from the same Secret), a request without it is
      answered 401 before anything else — it is never held, never counted as load and never wakes the autoscaler;
   1. admission: more than `max_pending` requests inside the gateway → 429; a body over `max_body_bytes` → 413;
+     request bodies are kept until the answer starts (for a retry), so their sum is bounded too: a request whose
+     body would take the bodies held above `max_buffered_bytes` → 429. Memory is bounded by construction;
   2. the prompt is rendered and hashed (prefix-load only), the router picks among eligible engines;
   3. no engine eligible → hold up to `hold_timeout` seconds for one (0: answer at once) → 503 + Retry-After;
   4. the request goes to the engine with the client's headers (Authorization included: the engines check keys);
@@ -63,6 +65,7 @@ class GatewayConfig:
     index_size: int = 200_000
     max_pending: int = 4096
     max_body_bytes: int = 32 * 1024 * 1024
+    max_buffered_bytes: int = 128 * 1024 * 1024  # request bodies held at once, all requests together
     hold_timeout: float = 0.0  # wait this long for an engine when none is ready (0: 503 at once)
     retry_after: int = 1
     connect_timeout: float = 3.0
@@ -99,6 +102,7 @@ class Gateway:
                                   config.index_size)
         self.metrics = GatewayMetrics(self.backends)
         self.pending = 0
+        self.buffered = 0  # bytes of request bodies reserved by the requests inside
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []
@@ -182,12 +186,22 @@ class Gateway:
             return error_response(429, f"the gateway has {self.pending} requests pending; retry later",
                                   "rate_limit_error", "too_many_pending",
                                   {"Retry-After": str(self.config.retry_after)})
+        # a body of unknown length (chunked) may be as large as max_body_bytes: reserve that much
+        reserve = 0 if not request.can_read_body else min(request.content_length or self.config.max_body_bytes,
+                                                          self.config.max_body_bytes)
+        if self.buffered + reserve > self.config.max_buffered_bytes:
+            self.metrics.rejected.labels("too_much_buffered").inc()
+            return error_response(429, f"the gateway holds {self.buffered} bytes of request bodies; retry later",
+                                  "rate_limit_error", "too_much_buffered",
+                                  {"Retry-After": str(self.config.retry_after)})
         self.pending += 1
+        self.buffered += reserve
         self.metrics.pending.inc()
         try:
             return await self._forward(request)
         finally:
             self.pending -= 1
+            self.buffered -= reserve
             self.metrics.pending.dec()
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:

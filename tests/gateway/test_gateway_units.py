@@ -307,6 +307,28 @@ async def test_hold_deadline_then_503():
         await gw.stop()
 
 
+async def test_request_bodies_held_at_once_are_bounded():
+    seen: list[dict] = []
+    engine = TestServer(stand_in_engine(delay=0.5, seen=seen))
+    await engine.start_server()
+    gw, client = await gateway_client(GatewayConfig(max_body_bytes=4000, max_buffered_bytes=6000),
+                                      [str(engine.make_url("")).rstrip("/")])
+    try:
+        body = json.dumps({"model": "m", "prompt": "x" * 3000})
+        first = asyncio.create_task(client.post("/v1/completions", data=body))
+        while gw.buffered == 0:
+            await asyncio.sleep(0.01)
+        r = await client.post("/v1/completions", data=body)  # 2 x 3000 bytes would exceed 6000
+        assert r.status == 429 and (await r.json())["error"]["code"] == "too_much_buffered"
+        assert (await client.get("/v1/models")).status != 429  # a request without a body reserves nothing
+        assert (await first).status == 200 and gw.buffered == 0
+        assert (await client.post("/v1/completions", data=body)).status == 200
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.close()
+
+
 async def test_a_long_generation_runs_once_and_a_timeout_is_never_retried():
     """A non-streaming answer starts only when the generation ends: silence before it is not a failure. Past the
     response timeout the request is cancelled and answered 504 — never sent to a second engine."""

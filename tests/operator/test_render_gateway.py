@@ -34,7 +34,7 @@ def test_default_gateway_deployment():
     assert args[args.index("--service") + 1] == "llm-engines" and args[args.index("--namespace") + 1] == "team-a"
     assert args[args.index("--routing") + 1] == "prefix-load" and args[args.index("--port-name") + 1] == "http"
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/livez"
-    assert c["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}}
+    assert c["resources"] == {"requests": {"cpu": "250m", "memory": "514Mi"}, "limits": {"memory": "514Mi"}}
     assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"]
     assert pod["serviceAccountName"] == "llm-gateway" and pod["automountServiceAccountToken"] is True
     # streams may last as long as the engines' drain
@@ -166,3 +166,25 @@ def test_gateway_timeouts_and_limits_are_spec_fields():
     with pytest.raises(api.SpecError) as e:
         kids({"gateway": {"responseTimeoutSeconds": 0}})
     assert e.value.field == "spec.gateway.responseTimeoutSeconds"
+
+
+def test_gateway_memory_is_sized_from_its_bounds():
+    """The old 256Mi limit could not hold the prefix index at its cap plus 4,096 pending requests' bodies: the
+    gateway bounds the bodies it holds (maxBufferedBytes) and its memory is the sum of its bounds."""
+    def memory(spec=None):
+        c = kids(spec)[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
+        assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"]
+        return c["resources"]["limits"]["memory"], c["args"]
+
+    limit, args = memory()
+    mib = int(limit.removesuffix("Mi"))
+    bodies = int(args[args.index("--max-buffered-bytes") + 1])
+    pending = int(args[args.index("--max-pending") + 1])
+    assert bodies == 128 * 2**20 and pending == 4096
+    assert mib * 2**20 >= bodies + render.GATEWAY_INDEX_BYTES + render.GATEWAY_BASE_BYTES + pending * 16 * 1024
+    bigger, _ = memory({"gateway": {"maxBufferedBytes": 1024 * 2**20}})
+    assert int(bigger.removesuffix("Mi")) == mib + 1024 - 128
+    assert memory({"gateway": {"resources": {"memory": "2Gi"}}})[0] == "2Gi"  # the user's word wins
+    with pytest.raises(api.SpecError) as e:
+        kids({"gateway": {"maxBodyBytes": 2**20, "maxBufferedBytes": 2**19}})
+    assert e.value.field == "spec.gateway.maxBufferedBytes"
