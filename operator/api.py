@@ -433,6 +433,12 @@ class InferenceServiceStatus(_Model):
     selector: str | None = Field(default=None, description="label selector of the serving pods (scale subresource)")
     url: str | None = Field(default=None, description="in-cluster URL of the gateway Service")
     served_model_name: str | None = None
+    engine_image: str | None = Field(
+        default=None, max_length=1024,
+        description="the operator's default engine image this service runs (without spec.image): pinned, so a new "
+                    "operator version does not roll every fleet at once; moved to the new default under the "
+                    "operator's --max-concurrent-upgrades budget, or at once with the annotation "
+                    "serving.shoal.dev/upgrade-engine-image")
     observed_generation: int | None = Field(default=None, ge=0)
     autoscaling: AutoscalingStatus | None = Field(default=None, description="the autoscaler's last decision")
     conditions: list[Condition] = Field(

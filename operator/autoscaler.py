@@ -1,6 +1,7 @@
 """The autoscaling loop: for every InferenceService with `spec.autoscaling`, observe the load every second (or at
-once when the gateway asks), decide (autoscaling.decide) and set the replica count, `status.autoscaling.desiredReplicas` (spec.replicas stays
-the user's manifest: a re-applied manifest or a GitOps sync does not fight the autoscaler).
+once when the gateway asks), decide (autoscaling.decide) and set the replica count,
+`status.autoscaling.desiredReplicas` (spec.replicas stays the user's manifest: a re-applied manifest or a GitOps
+sync does not fight the autoscaler).
 
 Observe
     The engine Service's EndpointSlices say where every serving pod is (address, port, pod name, ready or not);

@@ -29,6 +29,7 @@ annotation ``serving.shoal.dev/spec-hash`` (hash of the rendered object) that th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -82,6 +83,7 @@ class Settings:
     metrics_namespaces: tuple[str, ...] = ()  # Prometheus' namespaces: admitted like the operator's
     prestop_seconds: int = 5
     run_as_user: int = 1000
+    max_concurrent_upgrades: int = 1  # services moved to a new default engine image at once (upgrade.py)
 
 
 @dataclass(frozen=True)
@@ -825,6 +827,9 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     spec = api.validate(name, isvc.get("spec") or {}, max_gpus_per_node=settings.max_gpus_per_node)
+    pinned = (isvc.get("status") or {}).get("engineImage")
+    if pinned and pinned != settings.engine_image:  # the default image this service runs (upgrade.py)
+        settings = dataclasses.replace(settings, engine_image=pinned)
     running = api.running_replicas(spec, isvc.get("status"))
     if running != spec.replicas:  # autoscaled: the children follow the autoscaler, never spec.replicas
         spec = spec.model_copy(update={"replicas": running})

@@ -156,8 +156,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
         index_size=args.prefix_index_size,
         max_pending=args.max_pending,
-        max_body_bytes=args.max_body_bytes, max_buffered_bytes=args.max_buffered_bytes, hold_timeout=args.hold_timeout, retry_after=args.retry_after,
-        connect_timeout=args.connect_timeout, response_timeout=args.response_timeout, read_timeout=args.read_timeout, poll_interval=args.poll_interval,
+        max_body_bytes=args.max_body_bytes, max_buffered_bytes=args.max_buffered_bytes,
+        hold_timeout=args.hold_timeout, retry_after=args.retry_after,
+        connect_timeout=args.connect_timeout, response_timeout=args.response_timeout, read_timeout=args.read_timeout,
+        poll_interval=args.poll_interval,
         poll_timeout=args.poll_timeout, api_key=resolve_api_key(args),
         health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,
                             circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown))

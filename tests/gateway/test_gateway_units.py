@@ -257,7 +257,8 @@ async def test_without_the_api_key_a_request_is_refused_before_it_is_held_or_cou
     held_calls = []
     gw.on_hold.append(lambda: held_calls.append(1))
     try:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": "s3cret-not"}, {"Authorization": "s3cret"}):
+        wrong = ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": "s3cret-not"}, {"Authorization": "s3cret"})
+        for headers in wrong:
             r = await asyncio.wait_for(client.post("/v1/completions", json={"model": "m", "prompt": "x"},
                                                    headers=headers), 2)  # answered at once, not held for 30 s
             assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"

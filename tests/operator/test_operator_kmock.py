@@ -650,3 +650,4 @@ def test_operator_reconciles_the_gateway(env, ns):
         wait_for(lambda p=path: _get(env, p) is None, 15, f"the gateway's {what} to be deleted")
     wait_for(lambda: _get(env, service)["spec"]["selector"]["app.kubernetes.io/component"] == "engine", 15,
              "the Service to point at the engines")
+

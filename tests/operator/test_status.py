@@ -114,7 +114,8 @@ def test_an_idle_autoscaled_fleet_at_zero_is_ready_the_gateway_holds_and_wakes()
     assert cond(s, "Ready")["status"] == "True" and cond(s, "Ready")["reason"] == "ScalingFromZero"
     # but not when the replica cannot start: that is an error, whatever the gateway holds
     s = status_for(AUTOSCALED, deployment(0, replicas=1), [pod("p", waiting={
-        "reason": "CrashLoopBackOff", "message": "back-off"}, running=False)], old={"autoscaling": {"desiredReplicas": 1}})
+        "reason": "CrashLoopBackOff", "message": "back-off"}, running=False)],
+        old={"autoscaling": {"desiredReplicas": 1}})
     assert cond(s, "Ready")["status"] == "False" and cond(s, "Ready")["reason"] == "CrashLoopBackOff"
     # without the gateway nothing holds requests: spec.replicas 0 is still not ready
     s = status_for({"replicas": 0}, deployment(0, replicas=0), [])
