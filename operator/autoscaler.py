@@ -171,6 +171,11 @@ class Autoscaler:
     states: dict[tuple[str, str], State] = field(default_factory=dict)
     session: aiohttp.ClientSession | None = None
     interval: float = INTERVAL
+    max_gpus_per_node: int = 8  # the operator's --max-gpus-per-node: specs validate as the reconciler's do
+    invalid_seen: set[tuple[str, str, Any]] = field(default_factory=set)  # (ns, name, generation) logged invalid
+
+    def spec_of(self, isvc: dict[str, Any]) -> api.InferenceServiceSpec:
+        return api.validate(isvc["metadata"]["name"], isvc.get("spec"), max_gpus_per_node=self.max_gpus_per_node)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def notice(self, key: tuple[str, str], wake: str | None) -> None:
@@ -210,8 +215,11 @@ class Autoscaler:
                     await self.tick(isvc, state, woken)
                 except asyncio.CancelledError:
                     raise
-                except api.SpecError as e:
-                    logger.debug("autoscaling %s/%s: invalid spec (%s)", *key, e)  # the reconciler reports it
+                except api.SpecError as e:  # the reconciler reports it on the status; said once per generation
+                    seen = (*key, isvc["metadata"].get("generation"))
+                    if seen not in self.invalid_seen:
+                        self.invalid_seen.add(seen)
+                        logger.warning("autoscaling %s/%s paused: invalid spec (%s)", *key, e)
                 except Exception as e:  # API or scrape trouble: try again on the next tick
                     logger.warning("autoscaling %s/%s: %s", *key, e)
                 try:
@@ -289,7 +297,7 @@ class Autoscaler:
         started = time.perf_counter()
         meta = isvc["metadata"]
         ns, name = meta["namespace"], meta["name"]
-        spec = api.validate(name, isvc.get("spec"))
+        spec = self.spec_of(isvc)
         policy = policy_of(spec)
         obs = await self.observe(isvc, spec, woken)
         decision = decide(obs, policy, state.history)
@@ -307,7 +315,7 @@ class Autoscaler:
     async def scale(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, obs: Observation,
                     decision: Decision, state: State) -> None:
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
-        if decision.desired < obs.current and spec.pods_per_replica() == 1:
+        if decision.desired < obs.current and spec.pods_per_replica(self.max_gpus_per_node) == 1:
             await self._mark_victims(ns, list(obs.replicas), obs.current - decision.desired)
         state.last_scale_time = _now()
         # The count lives in the status (the reconciler follows it), never in spec.replicas, the manifest's field.
@@ -380,7 +388,8 @@ class Autoscaler:
 @kopf.on.startup()
 async def start_autoscaler(memo: kopf.Memo, **_: Any) -> None:
     if "autoscaler" not in memo:
-        memo.autoscaler = Autoscaler(kube=Kube.from_environment(workers=4))
+        memo.autoscaler = Autoscaler(kube=Kube.from_environment(workers=4),
+                                     max_gpus_per_node=int(os.environ.get("SHOAL_MAX_GPUS_PER_NODE") or 8))
     port = os.environ.get("SHOAL_METRICS_PORT")
     if port and "metrics_server" not in memo:
         from prometheus_client import start_http_server

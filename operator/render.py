@@ -491,12 +491,21 @@ def cache_claim(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, A
     })
 
 
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def _workload_labels(spec: InferenceServiceSpec) -> dict[str, str]:
+    """Labels of the pods' own that belong on the workload object too: Kueue reads the queue name from the
+    Deployment or StatefulSet it admits, not from the pod template."""
+    return {k: v for k, v in spec.pod.labels.items() if k == KUEUE_QUEUE_LABEL}
+
+
 def deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
     name = isvc["metadata"]["name"]
     return _finish({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(isvc, name, "engine"),
+        "metadata": _meta(isvc, name, "engine", _workload_labels(spec)),
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": pod_selector(name)},
@@ -520,7 +529,7 @@ def statefulset(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Sett
     name = isvc["metadata"]["name"]
     group = group_name(name, replica)
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
-    meta = _meta(isvc, group, "engine", {L_GROUP: str(replica)})
+    meta = _meta(isvc, group, "engine", {**_workload_labels(spec), L_GROUP: str(replica)})
     meta["annotations"] = {A_GROUP_SIZE: str(pods), A_REVISION: revision}
     return _finish({
         "apiVersion": "apps/v1",
@@ -717,9 +726,10 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
     drain = spec.engine.shutdown_timeout_seconds
     hold_args: list[str] = []
     if scales_from_zero(spec):
-        # At zero replicas requests wait for the first engine (up to its model-load budget, at most 10 min) and
-        # the gateway wakes the autoscaler at once by annotating its wake-up ConfigMap.
-        hold = min(spec.probes.startup_timeout_seconds, 600)
+        # At zero replicas requests wait for the first engine — a GPU node to be provisioned, the image pulled,
+        # the model loaded: its whole model-load budget — and the gateway wakes the autoscaler at once by
+        # annotating its wake-up ConfigMap.
+        hold = spec.probes.startup_timeout_seconds
         hold_args = ["--hold-timeout", str(hold), "--wake-configmap", wake_configmap_name(name)]
     container = {
         "name": "gateway",

@@ -404,6 +404,9 @@ def test_platform_knobs_reach_every_pod_template():
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
         assert pod["initContainers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert tmpl["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        # Kueue reads the queue of the workload it admits (the StatefulSet), not of its pod template
+        assert obj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        assert "k8s.v1.cni.cncf.io/networks" not in obj["metadata"].get("annotations", {})
         assert tmpl["metadata"]["labels"][L_ISVC] == "llm"  # the overlay cannot break the selectors
         assert tmpl["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
         # the strategic-merge overlay: merged by name / mountPath, $patch: delete, new sidecar appended

@@ -134,6 +134,10 @@ def test_scale_from_zero_makes_the_gateway_hold_requests_and_wake_the_autoscaler
     assert wake["metadata"]["labels"]["app.kubernetes.io/component"] == "wake"
     assert not any(r["apiGroups"] == ["serving.shoal.dev"] for r in k[("Role", "llm-gateway")]["rules"])
     assert ("ConfigMap", "llm-wake") not in kids({"autoscaling": {"minReplicas": 1, "maxReplicas": 2}})
+    # by default the hold outlasts GPU node provisioning + image pull + model load (the startup budget), not 600 s
+    args = kids({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}})[("Deployment", "llm-gateway")]["spec"][
+        "template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--hold-timeout") + 1] == "1800"
     assert "--hold-timeout" not in kids({"autoscaling": {"minReplicas": 1, "maxReplicas": 2}})[
         ("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
 
