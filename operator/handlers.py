@@ -338,9 +338,12 @@ class Reconciler:
         if not status.status_changed(old_status, new_status):
             return
         meta = isvc["metadata"]
+        # The conditions list is replaced whole (a merge patch): with the resourceVersion it was computed from, so
+        # a newer condition of the autoscaler's is never overwritten by an older copy (409: the pass is retried
+        # on the fresh object)
+        patch = {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": new_status}
         try:
-            await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"], {"status": new_status},
-                                        subresource="status")
+            await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"], patch, subresource="status")
         except ApiError as e:
             if e.status == 404:
                 return  # deleted while we worked

@@ -279,3 +279,24 @@ def test_a_failing_download_reports_the_init_container():
     pod = downloading_pod("", waiting={"reason": "CrashLoopBackOff", "message": "back-off 40s"})
     s = status.compute_status(obj, render.plan(obj, Settings()), deployment(0, replicas=1), [pod], now=NOW)
     assert cond(s, "Ready")["reason"] == "CrashLoopBackOff" and "model-download" in cond(s, "Ready")["message"]
+
+
+async def test_the_status_patch_carries_the_resource_version_it_was_computed_from():
+    """The conditions list is replaced whole: without the resourceVersion an older copy of the autoscaler's
+    condition could be written back over a newer one."""
+    class RecordingKube:
+        def __init__(self):
+            self.patches = []
+
+        async def merge_patch(self, kind, namespace, name, patch, subresource=None):
+            self.patches.append((subresource, patch))
+            return {}
+
+    kube = RecordingKube()
+    reconciler = handlers.Reconciler(kube=kube, settings=Settings())
+    obj = isvc()
+    obj["metadata"]["resourceVersion"] = "41"
+    await reconciler._write_status(obj, {"phase": "Pending", "conditions": []})
+    ((subresource, patch),) = kube.patches
+    assert subresource == "status" and patch["metadata"]["resourceVersion"] == "41"
+    assert patch["status"]["phase"] == "Pending"
