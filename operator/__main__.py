@@ -16,6 +16,9 @@ Shoal's own flags (each also settable by its environment variable):
                               several replicas exactly one (the highest) reconciles and the others stand by
                               (kopf pauses every operator when two share a priority)
   --metrics-port PORT         serve the autoscaler's shoal:autoscaler_* metrics    (SHOAL_METRICS_PORT)
+  --max-concurrent-upgrades N services moved to a new --engine-image at once; each (SHOAL_MAX_CONCURRENT_UPGRADES,
+                              runs the image pinned in its status until then; 0:   default 1)
+                              only on the annotation serving.shoal.dev/upgrade-engine-image
 Credentials: in-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config.
 Typical in-cluster command: shoal-operator --standalone -A --liveness=http://0.0.0.0:8080/healthz
 """
@@ -34,6 +37,7 @@ OWN_FLAGS = {
     "--cluster-domain": "SHOAL_CLUSTER_DOMAIN",
     "--operator-namespace": "SHOAL_OPERATOR_NAMESPACE",
     "--metrics-port": "SHOAL_METRICS_PORT",
+    "--max-concurrent-upgrades": "SHOAL_MAX_CONCURRENT_UPGRADES",
 }
 REPEATABLE = {"--metrics-namespace": "SHOAL_METRICS_NAMESPACES"}
 
@@ -51,6 +55,9 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     if "SHOAL_METRICS_PORT" in env and not (env["SHOAL_METRICS_PORT"].isdigit()
                                              and 0 < int(env["SHOAL_METRICS_PORT"]) < 65536):
         raise SystemExit(f"--metrics-port must be a port number, got {env['SHOAL_METRICS_PORT']!r}")
+    if "SHOAL_MAX_CONCURRENT_UPGRADES" in env and not env["SHOAL_MAX_CONCURRENT_UPGRADES"].isdigit():
+        raise SystemExit(f"--max-concurrent-upgrades must be a whole number >= 0, got "
+                         f"{env['SHOAL_MAX_CONCURRENT_UPGRADES']!r}")
     if "--max-gpus-per-node" in [a.split("=")[0] for a in argv]:
         value = int(env["SHOAL_MAX_GPUS_PER_NODE"])
         if value < 1:

@@ -136,8 +136,11 @@ class EngineOptions(_Model):
     quantization: Literal["int8", "int4", "fp8"] | None = engine_option("quantization")
     kv_cache_dtype: Literal["auto", "fp8"] | None = engine_option("kv_cache_dtype")
     shutdown_timeout_seconds: int = Field(
-        default=30, ge=0, le=3600,
-        description="drain budget on SIGTERM (--shutdown-timeout); the pod's grace period is set above it",
+        default=900, ge=0, le=21600,
+        description="drain budget on SIGTERM (--shutdown-timeout): a replica removed by a scale-down, a rollout or "
+                    "an eviction finishes its in-flight requests (long generations, streams) within it and exits "
+                    "as soon as they are done; the pod's grace period is set above it. An engine that fails its "
+                    "liveness or startup probe is stopped after probes.failureGracePeriodSeconds instead",
     )
     extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=list, max_length=128, description="appended to `shoal-engine serve`; may not repeat "
@@ -208,12 +211,14 @@ class NetworkPolicyOptions(_Model):
     enabled: bool = True
     allow_from: list[FreeObject] = Field(
         default_factory=list,
-        description="NetworkPolicyPeers allowed to reach the HTTP port; empty means pods of the same namespace",
+        description="NetworkPolicyPeers allowed to reach the API (the gateway, or the engines without it); empty "
+                    "means only pods of the same namespace, so an ingress controller or a mesh gateway elsewhere "
+                    "(Envoy Gateway, Istio ingress, ingress-nginx) must be listed here, e.g. a namespaceSelector",
     )
     metrics_from: list[FreeObject] = Field(
         default_factory=list,
-        description="NetworkPolicyPeers of the Prometheus that scrapes /metrics (served on the HTTP port), besides "
-                    "the operator's namespace and its --metrics-namespace settings",
+        description="NetworkPolicyPeers of the Prometheus that scrapes /metrics of engines and gateways (served on "
+                    "the HTTP port), besides the operator's namespace and its --metrics-namespace settings",
     )
 
 
@@ -233,6 +238,10 @@ class Probes(_Model):
         description="budget of the hf:// model download (init container), counted apart from the rollout's "
                     "progress deadline: a slow, healthy download is progress (reason ModelDownloading); beyond "
                     "the budget the reason is ModelDownloadTimeout")
+    failure_grace_period_seconds: int = Field(
+        default=30, ge=1, le=3600,
+        description="grace period of an engine killed for failing its liveness or startup probe (a hung or "
+                    "crash-looping engine), apart from the long drain of engine.shutdownTimeoutSeconds")
 
 
 class Rollout(_Model):
@@ -248,7 +257,9 @@ class Rollout(_Model):
 
 
 class Autoscaling(_Model):
-    """When set, the operator owns spec.replicas (through the scale subresource) and sizes the fleet to the load."""
+    """When set, the operator sizes the fleet to the load: the replica count is the autoscaler's
+    (status.autoscaling.desiredReplicas) and spec.replicas is only where a new fleet starts, so re-applying a
+    manifest (kubectl apply, a GitOps sync) never fights the autoscaler."""
 
     min_replicas: int = Field(default=1, ge=0, le=1000,
                               description="fewest replicas; 0 lets the fleet scale to zero when idle")
@@ -278,7 +289,10 @@ class Autoscaling(_Model):
 
 class GatewayResources(_Model):
     cpu: Quantity | None = Field(default="250m", description="CPU request per gateway pod")
-    memory: Quantity | None = Field(default="256Mi", description="memory request and limit per gateway pod")
+    memory: Quantity | None = Field(default=None, description="memory request and limit per gateway pod; unset: "
+                                                              "sized from the gateway's bounds (maxBufferedBytes, "
+                                                              "maxPending, its prefix index), so it cannot be "
+                                                              "OOM-killed")
 
 
 class GatewayOptions(_Model):
@@ -294,6 +308,24 @@ class GatewayOptions(_Model):
     image: str | None = Field(default=None, max_length=1024,
                               description="gateway image; the operator's default (the small image without torch)")
     resources: GatewayResources = section(GatewayResources)
+    response_timeout_seconds: int = Field(
+        default=3600, ge=1, le=86400,
+        description="how long an engine may take to start answering — a whole non-streaming generation; past it "
+                    "the request is cancelled and the client gets 504, never a second run on another engine "
+                    "(shoal-gateway --response-timeout)")
+    read_timeout_seconds: int = Field(
+        default=600, ge=1, le=86400,
+        description="silence allowed between the bytes of an answer, e.g. stream chunks (--read-timeout)")
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024,
+        description="largest request body; larger get 413 (--max-body-bytes)")
+    max_pending: int = Field(
+        default=4096, ge=1, le=1_000_000,
+        description="requests inside one gateway pod at once, held ones included; more get 429 (--max-pending)")
+    max_buffered_bytes: int = Field(
+        default=128 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024 * 1024,
+        description="request bodies one gateway pod holds at once, all requests together; a request beyond gets "
+                    "429 (--max-buffered-bytes; at least maxBodyBytes)")
 
 
 class InferenceServiceSpec(_Model):
@@ -304,7 +336,9 @@ class InferenceServiceSpec(_Model):
                     "gateway, autoscaler, status and NetworkPolicies work the same for each. A spec field the "
                     "runtime cannot honour is InvalidSpec naming the runtime.")
     model: ModelSource = section(ModelSource)
-    replicas: int = Field(default=1, ge=0, le=1000)
+    replicas: int = Field(default=1, ge=0, le=1000,
+                          description="replicas to run; with spec.autoscaling only the starting point (the autoscaler "
+                                      "owns the count, in status.autoscaling.desiredReplicas)")
     engine: EngineOptions = section(EngineOptions)
     resources: Resources = section(Resources)
     image: str | None = Field(default=None, max_length=1024, description="engine image; the operator's default")
@@ -317,7 +351,8 @@ class InferenceServiceSpec(_Model):
     rollout: Rollout = section(Rollout)
     pod: PodOptions = section(PodOptions)
     autoscaling: Autoscaling | None = Field(
-        default=None, description="size the fleet to the load (min 0 allowed); the operator then owns replicas")
+        default=None, description="size the fleet to the load (min 0 allowed); the operator then owns the replica "
+                                  "count (status.autoscaling.desiredReplicas) and spec.replicas is only the start")
     gateway: GatewayOptions = section(GatewayOptions)
 
     @model_validator(mode="after")
@@ -377,8 +412,9 @@ class AutoscalingInputs(_Model):
 class AutoscalingStatus(_Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
 
-    current_replicas: int | None = Field(default=None, ge=0, description="spec.replicas when the decision ran")
-    desired_replicas: int | None = Field(default=None, ge=0)
+    current_replicas: int | None = Field(default=None, ge=0, description="replicas running when the decision ran")
+    desired_replicas: int | None = Field(default=None, ge=0, description="the replica count the operator runs: the "
+                                                                         "autoscaler's, not spec.replicas")
     needed_replicas: int | None = Field(default=None, ge=0, description="what the load needed, before "
                                                                         "stabilization and limits")
     reason: str | None = Field(default=None, max_length=256)
@@ -399,6 +435,12 @@ class InferenceServiceStatus(_Model):
     selector: str | None = Field(default=None, description="label selector of the serving pods (scale subresource)")
     url: str | None = Field(default=None, description="in-cluster URL of the gateway Service")
     served_model_name: str | None = None
+    engine_image: str | None = Field(
+        default=None, max_length=1024,
+        description="the operator's default engine image this service runs (without spec.image): pinned, so a new "
+                    "operator version does not roll every fleet at once; moved to the new default under the "
+                    "operator's --max-concurrent-upgrades budget, or at once with the annotation "
+                    "serving.shoal.dev/upgrade-engine-image")
     observed_generation: int | None = Field(default=None, ge=0)
     autoscaling: AutoscalingStatus | None = Field(default=None, description="the autoscaler's last decision")
     conditions: list[Condition] = Field(
@@ -539,15 +581,24 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
     pods = spec.pods_per_replica(max_gpus_per_node)
     # Longest child name: <name>-g<index>-<ordinal> for pods of a multi-pod group (a rollout may surge groups up
     # to index replicas+maxSurge-1), <name>-<hash>-<hash> else.
+    most = max(spec.replicas, spec.autoscaling.max_replicas if spec.autoscaling else 0)
     surge = spec.rollout.max_surge
-    surge = surge if isinstance(surge, int) else math.ceil(int(surge.rstrip("%")) * spec.replicas / 100)
-    limit = 63 - len(f"-g{max(spec.replicas + surge - 1, 0)}-{pods - 1}") if pods > 1 else 47
+    surge = surge if isinstance(surge, int) else math.ceil(int(surge.rstrip("%")) * most / 100)
+    limit = 63 - len(f"-g{max(most + surge - 1, 0)}-{pods - 1}") if pods > 1 else 47
     if len(name) > limit:
         errors.append(SpecError("metadata.name", f"must be at most {limit} characters for this topology "
                                                  "(child and pod names are derived from it)"))
     from shoal.operator import runtimes  # it renders from this module's models
 
     errors += runtimes.spec_errors(spec, pods)
+    if spec.gateway.max_buffered_bytes < spec.gateway.max_body_bytes:
+        errors.append(SpecError("spec.gateway.maxBufferedBytes",
+                                f"{spec.gateway.max_buffered_bytes} is below maxBodyBytes "
+                                f"({spec.gateway.max_body_bytes}): the largest body could never be admitted"))
+    for i, arg in enumerate(spec.engine.extra_args):
+        if arg.split("=", 1)[0] == "--device" and gpus == 0:
+            errors.append(SpecError(f"spec.engine.extraArgs[{i}]", "--device is set by the operator: pods without "
+                                    "GPUs (resources.gpusPerPod: 0) run on CPU"))
     cache = spec.model.cache
     if cache.claim_name and cache.persistent:
         errors.append(SpecError("spec.model.cache.claimName", "use either an existing claim or persistent: true"))
@@ -581,6 +632,19 @@ def validate(name: str, spec: Any, *, max_gpus_per_node: int = 8) -> InferenceSe
     if errors:
         raise errors[0]
     return parsed
+
+
+def running_replicas(spec: InferenceServiceSpec, status: dict[str, Any] | None) -> int:
+    """The replica count the operator runs. Without autoscaling: spec.replicas (the user's, or an HPA's through the
+    scale subresource). With it: the autoscaler's last decision (status.autoscaling.desiredReplicas; spec.replicas
+    before the first one), within minReplicas..maxReplicas — never spec.replicas again, which a re-applied manifest
+    resets."""
+    a = spec.autoscaling
+    if a is None:
+        return spec.replicas
+    decided = ((status or {}).get("autoscaling") or {}).get("desiredReplicas")
+    count = decided if isinstance(decided, int) and not isinstance(decided, bool) else spec.replicas
+    return min(max(count, a.min_replicas), a.max_replicas)
 
 
 def served_model_name(name: str, spec: InferenceServiceSpec) -> str:

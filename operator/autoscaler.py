@@ -1,5 +1,7 @@
 """The autoscaling loop: for every InferenceService with `spec.autoscaling`, observe the load every second (or at
-once when the gateway asks), decide (autoscaling.decide) and set `spec.replicas` through the scale subresource.
+once when the gateway asks), decide (autoscaling.decide) and set the replica count,
+`status.autoscaling.desiredReplicas` (spec.replicas stays the user's manifest: a re-applied manifest or a GitOps
+sync does not fight the autoscaler).
 
 Observe
     The engine Service's EndpointSlices say where every serving pod is (address, port, pod name, ready or not);
@@ -7,14 +9,16 @@ Observe
     the gateway's /metrics (its own Service's EndpointSlices) gives the requests it holds while no engine is
     ready. Scrapes time out after 0.5 s; a Ready pod that does not answer is unknown load (never idleness).
 Wake-up
-    A gateway that starts holding a request while no engine is ready annotates the InferenceService with
-    `serving.shoal.dev/wake-requested-at` (a merge patch, at most once a second). The annotation goes through the
-    API server, so it reaches whichever operator replica leads and survives an operator restart; the operator's
-    watch sees it within milliseconds and decides at once instead of on the next tick. An annotation seen for the
+    A gateway that starts holding a request while no engine is ready annotates its wake-up ConfigMap
+    (`<name>-wake`, the one object it may patch) with `serving.shoal.dev/wake-requested-at` (a merge patch, at
+    most once a second). The annotation goes through the API server, so it reaches whichever operator replica
+    leads and survives an operator restart; the operator's watch sees it within milliseconds and decides at once
+    instead of on the next tick. An annotation seen for the
     first time (an operator restart, a new leader) wakes only if it is recent: one left from a past wake-up must
     not start a replica; requests that are really waiting show in the gateway's held count anyway.
 Act
-    Scale-up and scale-down patch `/scale` (`{"spec": {"replicas": N}}`, what `kubectl scale` sends). Before a
+    Scale-up and scale-down patch `status.autoscaling.desiredReplicas`, which the reconciler renders the
+    Deployment (or the groups) from; spec.replicas is only where a new fleet starts. Before a
     scale-down of a Deployment the pods are annotated with `controller.kubernetes.io/pod-deletion-cost` from
     their in-flight counts, so the ReplicaSet removes the least busy ones. Removal then drains without cutting
     streams: the terminating pod's endpoint turns not-ready (the gateway sends it nothing new), the engine's
@@ -60,7 +64,7 @@ CONDITION = "Autoscaling"
 REGISTRY = CollectorRegistry(auto_describe=False)
 _L = ["namespace", "name"]
 M_DESIRED = Gauge("shoal:autoscaler_desired_replicas", "Replicas the autoscaler wants.", _L, registry=REGISTRY)
-M_CURRENT = Gauge("shoal:autoscaler_current_replicas", "spec.replicas when the autoscaler last looked.", _L,
+M_CURRENT = Gauge("shoal:autoscaler_current_replicas", "Replicas running when the autoscaler last looked.", _L,
                   registry=REGISTRY)
 M_READY = Gauge("shoal:autoscaler_ready_replicas", "Replicas whose engine endpoint is ready.", _L, registry=REGISTRY)
 M_NEEDED = Gauge("shoal:autoscaler_needed_replicas", "Replicas the load needs before stabilization and limits.", _L,
@@ -70,7 +74,7 @@ M_IN_FLIGHT = Gauge("shoal:autoscaler_in_flight_requests", "Requests running or 
 M_HELD = Gauge("shoal:autoscaler_held_requests", "Requests the gateways hold while no engine is ready.", _L,
                registry=REGISTRY)
 M_KV = Gauge("shoal:autoscaler_kv_cache_usage", "KV-cache usage summed over serving engines.", _L, registry=REGISTRY)
-M_SCALINGS = Counter("shoal:autoscaler_scalings", "Changes of spec.replicas made by the autoscaler, by reason.",
+M_SCALINGS = Counter("shoal:autoscaler_scalings", "Changes of the replica count made by the autoscaler, by reason.",
                      _L + ["reason"], registry=REGISTRY)
 M_DECISION_SECONDS = Histogram("shoal:autoscaler_decision_seconds", "Time to observe and decide once.", _L,
                                buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5], registry=REGISTRY)
@@ -168,15 +172,17 @@ class Autoscaler:
     states: dict[tuple[str, str], State] = field(default_factory=dict)
     session: aiohttp.ClientSession | None = None
     interval: float = INTERVAL
+    max_gpus_per_node: int = 8  # the operator's --max-gpus-per-node: specs validate as the reconciler's do
+    invalid_seen: set[tuple[str, str, Any]] = field(default_factory=set)  # (ns, name, generation) logged invalid
+
+    def spec_of(self, isvc: dict[str, Any]) -> api.InferenceServiceSpec:
+        return api.validate(isvc["metadata"]["name"], isvc.get("spec"), max_gpus_per_node=self.max_gpus_per_node)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    def notice(self, isvc: dict[str, Any]) -> None:
-        """Called on every event of an InferenceService: wake its loop when the gateway asked for capacity."""
-        meta = isvc["metadata"]
-        if not (isvc.get("spec") or {}).get("autoscaling"):
-            return
-        state = self.states.setdefault((meta["namespace"], meta["name"]), State())
-        wake = (meta.get("annotations") or {}).get(A_WAKE)
+    def notice(self, key: tuple[str, str], wake: str | None) -> None:
+        """Called on every event of an InferenceService's wake-up ConfigMap with its wake annotation: wake the
+        loop when the gateway asked for capacity."""
+        state = self.states.setdefault(key, State())
         if wake and wake != state.woken_at:
             first_sight = state.woken_at is None
             state.woken_at = wake
@@ -210,8 +216,11 @@ class Autoscaler:
                     await self.tick(isvc, state, woken)
                 except asyncio.CancelledError:
                     raise
-                except api.SpecError as e:
-                    logger.debug("autoscaling %s/%s: invalid spec (%s)", *key, e)  # the reconciler reports it
+                except api.SpecError as e:  # the reconciler reports it on the status; said once per generation
+                    seen = (*key, isvc["metadata"].get("generation"))
+                    if seen not in self.invalid_seen:
+                        self.invalid_seen.add(seen)
+                        logger.warning("autoscaling %s/%s paused: invalid spec (%s)", *key, e)
                 except Exception as e:  # API or scrape trouble: try again on the next tick
                     logger.warning("autoscaling %s/%s: %s", *key, e)
                 try:
@@ -276,7 +285,7 @@ class Autoscaler:
                 pod=ep.pod or ep.url, ready=ep.ready, running=int(load["running"]), waiting=int(load["waiting"]),
                 kv_cache_usage=load["kv_usage"], waiting_prefill_tokens=int(load["waiting_prefill_tokens"])))
         held = sum(int((m or {}).get("shoal:gateway_held_requests", 0)) for m in scraped[len(engines):])
-        current = spec.replicas
+        current = api.running_replicas(spec, isvc.get("status"))
         ready = min(sum(1 for e in engines if e.ready), current)
         return Observation(now=time.monotonic(), current=current, ready=ready, replicas=tuple(replicas), held=held,
                            wake=woken and ready == 0,
@@ -288,7 +297,7 @@ class Autoscaler:
         started = time.perf_counter()
         meta = isvc["metadata"]
         ns, name = meta["namespace"], meta["name"]
-        spec = api.validate(name, isvc.get("spec"))
+        spec = self.spec_of(isvc)
         policy = policy_of(spec)
         obs = await self.observe(isvc, spec, woken)
         decision = decide(obs, policy, state.history)
@@ -306,10 +315,12 @@ class Autoscaler:
     async def scale(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, obs: Observation,
                     decision: Decision, state: State) -> None:
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
-        if decision.desired < obs.current and spec.pods_per_replica() == 1:
+        if decision.desired < obs.current and spec.pods_per_replica(self.max_gpus_per_node) == 1:
             await self._mark_victims(ns, list(obs.replicas), obs.current - decision.desired)
-        await self.kube.merge_patch(api.KIND, ns, name, {"spec": {"replicas": decision.desired}}, subresource="scale")
         state.last_scale_time = _now()
+        # The count lives in the status (the reconciler follows it), never in spec.replicas, the manifest's field.
+        await self.kube.merge_patch(api.KIND, ns, name, {"status": {"autoscaling": {
+            "desiredReplicas": decision.desired, "lastScaleTime": state.last_scale_time}}}, subresource="status")
         M_SCALINGS.labels(ns, name, decision.reason).inc()
         verb = "ScaledUp" if decision.desired > obs.current else "ScaledDown"
         kopf.event({"apiVersion": api.API_VERSION, "kind": api.KIND,
@@ -351,7 +362,8 @@ class Autoscaler:
         cond_status = "False" if limited else "True"
         conditions.append({
             "type": CONDITION, "status": cond_status, "reason": decision.reason,
-            "message": f"the operator owns spec.replicas (spec.autoscaling): {decision.message}"[:32000],
+            "message": f"the autoscaler owns the replica count (status.autoscaling.desiredReplicas; spec.replicas "
+                       f"is ignored): {decision.message}"[:32000],
             "lastTransitionTime": prev["lastTransitionTime"] if prev and prev.get("status") == cond_status
             and prev.get("lastTransitionTime") else now,
             "observedGeneration": isvc["metadata"].get("generation"),
@@ -376,7 +388,8 @@ class Autoscaler:
 @kopf.on.startup()
 async def start_autoscaler(memo: kopf.Memo, **_: Any) -> None:
     if "autoscaler" not in memo:
-        memo.autoscaler = Autoscaler(kube=Kube.from_environment(workers=4))
+        memo.autoscaler = Autoscaler(kube=Kube.from_environment(workers=4),
+                                     max_gpus_per_node=int(os.environ.get("SHOAL_MAX_GPUS_PER_NODE") or 8))
     port = os.environ.get("SHOAL_METRICS_PORT")
     if port and "metrics_server" not in memo:
         from prometheus_client import start_http_server
@@ -413,10 +426,13 @@ async def autoscale(namespace: str, name: str, memo: kopf.Memo, stopped: kopf.Da
     await autoscaler.run((namespace, name), stopped)
 
 
-@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-async def isvc_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A wake-up annotation from a gateway makes the loop decide at once instead of on its next tick."""
+@kopf.on.event("v1", "configmaps", labels={render.L_MANAGED_BY: render.MANAGED_BY, render.L_COMPONENT: "wake"})
+async def wake_event(type: str | None, namespace: str, labels: dict, annotations: dict, memo: kopf.Memo,
+                     **_: Any) -> None:
+    """A wake-up annotation from a gateway (on the InferenceService's wake-up ConfigMap) makes the loop decide at
+    once instead of on its next tick."""
     autoscaler: Autoscaler | None = memo.get("autoscaler")
-    if autoscaler is None or type == "DELETED" or not body.get("metadata"):
+    owner = labels.get(render.L_ISVC)
+    if autoscaler is None or type == "DELETED" or not owner:
         return
-    autoscaler.notice(dict(body))
+    autoscaler.notice((namespace, owner), annotations.get(A_WAKE))

@@ -132,7 +132,7 @@ def build_crd() -> dict[str, Any]:
                 "additionalPrinterColumns": [
                     # ready/desired, like a Deployment's READY column
                     {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
-                    {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+                    {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
                     {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
                     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

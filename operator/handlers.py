@@ -36,7 +36,7 @@ from typing import Any
 
 import kopf
 
-from shoal.operator import api, render, rollout, status
+from shoal.operator import api, render, rollout, status, upgrade
 from shoal.operator.kube import CHILD_KINDS, KINDS, WATCHED_KINDS, ApiError, Kube, load_configuration
 from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
@@ -58,6 +58,7 @@ def settings_from_env() -> Settings:
         engine_image=os.environ.get("SHOAL_ENGINE_IMAGE") or render.DEFAULT_ENGINE_IMAGE,
         gateway_image=os.environ.get("SHOAL_GATEWAY_IMAGE") or render.DEFAULT_GATEWAY_IMAGE,
         max_gpus_per_node=int(os.environ.get("SHOAL_MAX_GPUS_PER_NODE") or 8),
+        max_concurrent_upgrades=int(os.environ.get("SHOAL_MAX_CONCURRENT_UPGRADES") or 1),
         cluster_domain=os.environ.get("SHOAL_CLUSTER_DOMAIN") or "cluster.local",
         operator_namespace=os.environ.get("SHOAL_OPERATOR_NAMESPACE") or os.environ.get("POD_NAMESPACE") or None,
         metrics_namespaces=tuple(ns.strip() for ns in (os.environ.get("SHOAL_METRICS_NAMESPACES") or "").split(",")
@@ -115,6 +116,12 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences") or [])
 
 
+def _autoscaled_replicas(isvc: dict[str, Any]) -> Any:
+    """The autoscaler's replica count (status.autoscaling.desiredReplicas), which the plan follows: a status
+    change, so it moves no generation."""
+    return ((isvc.get("status") or {}).get("autoscaling") or {}).get("desiredReplicas")
+
+
 def _ref(isvc: dict[str, Any]) -> dict[str, Any]:
     m = isvc["metadata"]
     return {"apiVersion": api.API_VERSION, "kind": api.KIND,
@@ -147,6 +154,7 @@ class Reconciler:
     max_backoff: float = 10.0
     recheck_interval: float = 30.0
     plans: dict[tuple[str, str], tuple[tuple, Plan]] = field(default_factory=dict)
+    upgrades: upgrade.Upgrades = field(default_factory=upgrade.Upgrades)
     queue: WorkQueue = field(init=False)
     recheck_task: asyncio.Task | None = field(default=None, init=False)
 
@@ -196,6 +204,7 @@ class Reconciler:
         isvc = self._current(key)
         if isvc is None:
             return
+        isvc, pinned = self._pin_engine_image(key, isvc)
         try:
             plan = self._plan(isvc)
         except api.SpecError as e:
@@ -210,10 +219,33 @@ class Reconciler:
         if plan.multi_pod:
             await self.restart_broken_groups(isvc, plan, observed, pods)
         failed = await self._failed_creates(namespace, observed, pods, plan.pods_per_replica) if plan.multi_pod else []
-        await self._write_status(isvc, status.compute_status(isvc, plan, observed, pods, rejected,
-                                                             failed_creates=failed))
+        new_status = status.compute_status(isvc, plan, observed, pods, rejected, failed_creates=failed)
+        if pinned:
+            new_status["engineImage"] = pinned
+        await self._write_status(isvc, new_status)
+        if self.upgrades.observe(key, new_status):  # an upgrade slot is free: the services waiting for one
+            for other in list(self.indexes.get(api.KIND) or {}):
+                found = self._get(api.KIND, other)
+                if found and other != key and (found[0].get("status") or {}).get("engineImage") not in (
+                        None, self.settings.engine_image):
+                    self.trigger(*other)
         if rejected:  # an admission webhook or a policy may change its mind: retry, with the worker's backoff
             raise ChildrenRejected("; ".join(rejected))
+
+    def _pin_engine_image(self, key: tuple[str, str], isvc: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """The default engine image this service runs, pinned in its status (upgrade.py): -> the InferenceService
+        as the plan must see it, and the image to write to its status (None with spec.image)."""
+        default = self.settings.engine_image
+        everyone = [(k, found[0]) for k in list(self.indexes.get(api.KIND) or {}) if (found := self._get(api.KIND, k))]
+        pinned, started = self.upgrades.pin(key, isvc, default, upgrade.workload_image(self.observed(key)),
+                                            self.settings.max_concurrent_upgrades, everyone)
+        if started:
+            _event(isvc, "Normal", "EngineImageUpgrade",
+                   message=f"moving to the operator's engine image {default} (was "
+                           f"{(isvc.get('status') or {}).get('engineImage') or 'unpinned'})")
+        if pinned and (isvc.get("status") or {}).get("engineImage") != pinned:
+            isvc = {**isvc, "status": {**(isvc.get("status") or {}), "engineImage": pinned}}
+        return isvc, pinned
 
     def _current(self, key: tuple[str, str]) -> dict[str, Any] | None:
         """The InferenceService to reconcile, or None when it is gone (the garbage collector removes its
@@ -306,9 +338,12 @@ class Reconciler:
         if not status.status_changed(old_status, new_status):
             return
         meta = isvc["metadata"]
+        # The conditions list is replaced whole (a merge patch): with the resourceVersion it was computed from, so
+        # a newer condition of the autoscaler's is never overwritten by an older copy (409: the pass is retried
+        # on the fresh object)
+        patch = {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": new_status}
         try:
-            await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"], {"status": new_status},
-                                        subresource="status")
+            await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"], patch, subresource="status")
         except ApiError as e:
             if e.status == 404:
                 return  # deleted while we worked
@@ -316,10 +351,12 @@ class Reconciler:
         self._event_on_transition(isvc, old_status, new_status)
 
     def _plan(self, isvc: dict[str, Any]) -> Plan:
-        """render.plan, memoised per (uid, generation): every child event re-reconciles, the spec rarely changes."""
+        """render.plan, memoised per (uid, generation, autoscaler's replica count): every child event
+        re-reconciles, the spec rarely changes."""
         meta = isvc["metadata"]
         key = (meta["namespace"], meta["name"])
-        cache_key = (meta.get("uid"), meta.get("generation"))
+        cache_key = (meta.get("uid"), meta.get("generation"), _autoscaled_replicas(isvc),
+                     (isvc.get("status") or {}).get("engineImage"))
         cached = self.plans.get(key)
         if cached is not None and cached[0] == cache_key and cache_key[1] is not None:
             return cached[1]
@@ -515,6 +552,18 @@ def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
 @kopf.on.update(OWNER.group, OWNER.version, OWNER.plural)
 async def isvc_changed(namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
     memo.reconciler.trigger(namespace, name, _indexes(kwargs))
+
+
+@kopf.on.event(OWNER.group, OWNER.version, OWNER.plural, id="autoscaled_replicas")
+async def autoscaled_replicas_changed(namespace: str, name: str, type: str | None, body: kopf.Body,
+                                      memo: kopf.Memo, **kwargs: Any) -> None:
+    """The autoscaler scales by writing status.autoscaling.desiredReplicas (spec.replicas stays the user's), which
+    kopf's change handlers never see: reconcile when it differs from what the last plan used."""
+    if type == "DELETED" or not (body.get("spec") or {}).get("autoscaling"):
+        return
+    cached = memo.reconciler.plans.get((namespace, name))
+    if cached is None or cached[0][2] != _autoscaled_replicas(dict(body)):
+        memo.reconciler.trigger(namespace, name, _indexes(kwargs))
 
 
 async def child_changed(namespace: str, labels: dict, memo: kopf.Memo, **kwargs: Any) -> None:

@@ -34,9 +34,7 @@ PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # the custom resource: watched by kopf, read once before creating children (never resurrect a deleted one);
     # kopf patches annotations (progress/diff-base) on the object
     (api.GROUP, "inferenceservices", ("get", "list", "watch", "patch")),
-    (api.GROUP, "inferenceservices/status", ("patch",)),
-    # the autoscaler sets spec.replicas the way `kubectl scale` does
-    (api.GROUP, "inferenceservices/scale", ("patch",)),
+    (api.GROUP, "inferenceservices/status", ("patch",)),  # also the autoscaler's replica count
     # children get ownerReferences with blockOwnerDeletion=true (OwnerReferencesPermissionEnforcement)
     (api.GROUP, "inferenceservices/finalizers", ("update",)),
     # children: reconciled (server-side apply; prune) and watched (indexes, drift, status)

@@ -29,6 +29,7 @@ annotation ``serving.shoal.dev/spec-hash`` (hash of the rendered object) that th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ class Settings:
     metrics_namespaces: tuple[str, ...] = ()  # Prometheus' namespaces: admitted like the operator's
     prestop_seconds: int = 5
     run_as_user: int = 1000
+    max_concurrent_upgrades: int = 1  # services moved to a new default engine image at once (upgrade.py)
 
 
 @dataclass(frozen=True)
@@ -194,8 +196,12 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
         group = runtimes.Group(nnodes=pods, master_addr=f"{g}-0.{g}.{namespace}.svc.{settings.cluster_domain}",
                                master_port=MASTER_PORT)
     template = f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_KEY}" if spec.model.chat_template else None
-    return runtimes.args(runtimes.of(spec), spec, model=model_path(spec), served_name=api.served_model_name(name, spec),
+    rt = runtimes.of(spec)
+    args = runtimes.args(rt, spec, model=model_path(spec), served_name=api.served_model_name(name, spec),
                          port=ENGINE_PORT, chat_template=template, group=group)
+    if rt.name == "shoal" and spec.gpus_per_pod(settings.max_gpus_per_node) == 0:
+        args += ["--device", "cpu"]  # never `auto`: a GPU the node's runtime leaks in must not be picked
+    return args
 
 
 def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
@@ -216,8 +222,15 @@ def _restricted_container(add_capabilities=()) -> dict[str, Any]:
     }
 
 
-def _engine_env(spec: InferenceServiceSpec, multi: bool) -> list[dict[str, Any]]:
-    """The env every container of the pod shares: cache locations, the rank (multi-pod), then the user's env."""
+# A CPU pod sees no GPU even on a GPU node whose default container runtime is nvidia: the CUDA base image sets
+# NVIDIA_VISIBLE_DEVICES=all, which that runtime honours for any container; `void` makes it expose neither devices
+# nor driver libraries, and an empty CUDA_VISIBLE_DEVICES hides any device that is mounted all the same.
+CPU_ONLY_ENV = ({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}, {"name": "CUDA_VISIBLE_DEVICES", "value": ""})
+
+
+def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict[str, Any]]:
+    """The env every container of the pod shares: cache locations, the rank (multi-pod), GPU visibility (CPU
+    pods), then the user's env."""
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
@@ -230,6 +243,8 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool) -> list[dict[str, Any]]
     if multi:
         env.append({"name": "SHOAL_NODE_RANK",
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}})
+    if gpus == 0:
+        env += [dict(e) for e in CPU_ONLY_ENV]
     user_names = {e.get("name") for e in spec.env}
     return [e for e in env if e["name"] not in user_names] + [copy.deepcopy(e) for e in spec.env]
 
@@ -286,6 +301,14 @@ def _volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]
     return volumes, mounts
 
 
+def _failure_grace(probes: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    """A container killed for failing its liveness or startup probe gets a short grace period of its own: the
+    pod's is sized for draining long requests on a scale-down (engine.shutdownTimeoutSeconds)."""
+    grace = spec.probes.failure_grace_period_seconds
+    return {kind: {**probe, "terminationGracePeriodSeconds": grace} if kind in ("livenessProbe", "startupProbe")
+            else probe for kind, probe in probes.items()}
+
+
 def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, *,
                       replica: int | None, multi: bool, env: list[dict[str, Any]],
                       mounts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -301,7 +324,7 @@ def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings
         "env": _with_api_key(env, spec),
         "resources": _engine_resources(spec, spec.gpus_per_pod(settings.max_gpus_per_node)),
         "volumeMounts": mounts,
-        **runtimes.probes(rt, spec, multi, ENGINE_PORT),
+        **_failure_grace(runtimes.probes(rt, spec, multi, ENGINE_PORT), spec),
         "lifecycle": {"preStop": {"sleep": {"seconds": settings.prestop_seconds}}},
         "securityContext": _restricted_container(spec.security.capabilities),
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -362,7 +385,7 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     if multi:
         pod_labels[L_GROUP] = str(replica)
 
-    env = _engine_env(spec, multi)
+    env = _engine_env(spec, multi, spec.gpus_per_pod(settings.max_gpus_per_node))
     volumes, mounts = _volumes(name, spec)
     container = _engine_container(isvc, spec, settings, replica=replica, multi=multi, env=env, mounts=mounts)
     # the download runs `shoal-engine download`: from Shoal's engine image when the engine is another runtime
@@ -450,12 +473,21 @@ def cache_claim(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, A
     })
 
 
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def _workload_labels(spec: InferenceServiceSpec) -> dict[str, str]:
+    """Labels of the pods' own that belong on the workload object too: Kueue reads the queue name from the
+    Deployment or StatefulSet it admits, not from the pod template."""
+    return {k: v for k, v in spec.pod.labels.items() if k == KUEUE_QUEUE_LABEL}
+
+
 def deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
     name = isvc["metadata"]["name"]
     return _finish({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(isvc, name, "engine"),
+        "metadata": _meta(isvc, name, "engine", _workload_labels(spec)),
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": pod_selector(name)},
@@ -479,7 +511,7 @@ def statefulset(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Sett
     name = isvc["metadata"]["name"]
     group = group_name(name, replica)
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
-    meta = _meta(isvc, group, "engine", {L_GROUP: str(replica)})
+    meta = _meta(isvc, group, "engine", {**_workload_labels(spec), L_GROUP: str(replica)})
     meta["annotations"] = {A_GROUP_SIZE: str(pods), A_REVISION: revision}
     return _finish({
         "apiVersion": "apps/v1",
@@ -542,6 +574,16 @@ def gateway_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: boo
     })
 
 
+def _scraper_rules(spec: InferenceServiceSpec, settings: Settings) -> list[dict[str, Any]]:
+    """Prometheus (and the operator's autoscaler) reach /metrics, served on the HTTP port of engines and gateways
+    alike (routes other than health and metrics still need the API key): the operator's namespace, every
+    --metrics-namespace and security.networkPolicy.metricsFrom."""
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+                for ns in dict.fromkeys(filter(None, (settings.operator_namespace, *settings.metrics_namespaces)))]
+    scrapers += copy.deepcopy(spec.security.network_policy.metrics_from)
+    return [{"from": scrapers, "ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]}] if scrapers else []
+
+
 def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, multi: bool) -> dict:
     name = isvc["metadata"]["name"]
     http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
@@ -549,13 +591,7 @@ def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: S
         peers = [{"podSelector": {"matchLabels": gateway_selector(name)}}]
     else:
         peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
-    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}]
-    # Scrapers: /metrics is served on the HTTP port (routes other than health and metrics still need the API key)
-    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
-                for ns in dict.fromkeys(filter(None, (settings.operator_namespace, *settings.metrics_namespaces)))]
-    scrapers += copy.deepcopy(spec.security.network_policy.metrics_from)
-    if scrapers:
-        rules.append({"from": scrapers, "ports": http})
+    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}, *_scraper_rules(spec, settings)]
     if multi:
         # torch.distributed: rendezvous on 29500, NCCL/gloo on ephemeral ports -> every port, same service only
         rules.append({"from": [{"podSelector": {"matchLabels": pod_selector(name)}}]})
@@ -599,14 +635,30 @@ def scales_from_zero(spec: InferenceServiceSpec) -> bool:
     return spec.autoscaling is not None and spec.autoscaling.min_replicas == 0
 
 
+def wake_configmap_name(name: str) -> str:
+    return f"{name}-wake"
+
+
+def wake_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The object a holding gateway annotates to wake the autoscaler (engine/gateway/wake.py): its own, so the
+    gateway needs no write access to the InferenceService. The operator renders no annotations of its own here,
+    so server-side apply leaves the gateway's alone."""
+    return _finish({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(isvc, wake_configmap_name(isvc["metadata"]["name"]), "wake"),
+        "data": {"purpose": "shoal-gateway annotates this ConfigMap to wake the autoscaler (scale from zero)"},
+    })
+
+
 def gateway_rbac(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     """The gateway's identity: it may list and watch EndpointSlices in its namespace, and, when the fleet can scale
-    to zero, annotate its own InferenceService to wake the autoscaler (engine/gateway/wake.py); nothing else."""
+    to zero, patch its wake-up ConfigMap to wake the autoscaler (engine/gateway/wake.py); nothing else."""
     name = isvc["metadata"]["name"]
     gw = gateway_name(name)
     rules = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
     if scales_from_zero(spec):
-        rules.append({"apiGroups": [api.GROUP], "resources": [api.PLURAL], "resourceNames": [name],
+        rules.append({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [wake_configmap_name(name)],
                       "verbs": ["patch"]})
     return [
         _finish({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(isvc, gw, "gateway"),
@@ -620,31 +672,60 @@ def gateway_rbac(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[
     ]
 
 
+def gateway_limit_args(gw: api.GatewayOptions) -> list[str]:
+    """spec.gateway's timeouts and admission limits as shoal-gateway flags."""
+    return ["--response-timeout", str(gw.response_timeout_seconds), "--read-timeout", str(gw.read_timeout_seconds),
+            "--max-body-bytes", str(gw.max_body_bytes), "--max-buffered-bytes", str(gw.max_buffered_bytes),
+            "--max-pending", str(gw.max_pending)]
+
+
+# What one gateway process holds at most (engine/gateway): the interpreter with aiohttp and prometheus_client, the
+# prefix index at its cap (200,000 hashes: 63 MiB measured with tracemalloc, one engine a hash; 512 B a hash
+# leaves room for hashes several engines hold), the
+# request bodies (max_buffered_bytes, kept until the answer starts) and per pending request its connection, task,
+# parsed headers and relay buffers.
+GATEWAY_BASE_BYTES = 160 * 2**20
+GATEWAY_INDEX_BYTES = 200_000 * 512
+GATEWAY_PER_REQUEST_BYTES = 32 * 2**10
+
+
+def gateway_memory(gw: api.GatewayOptions) -> str:
+    """The gateway's memory request and limit: spec.gateway.resources.memory, else the sum of its bounds."""
+    if gw.resources.memory is not None:
+        return str(gw.resources.memory)
+    total = (GATEWAY_BASE_BYTES + GATEWAY_INDEX_BYTES + gw.max_buffered_bytes
+             + gw.max_pending * GATEWAY_PER_REQUEST_BYTES)
+    return f"{math.ceil(total / 2**20)}Mi"
+
+
 def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
     name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
     gw, res = spec.gateway, spec.gateway.resources
-    requests = {k: str(v) for k, v in (("cpu", res.cpu), ("memory", res.memory)) if v is not None}
-    resources: dict[str, Any] = {"requests": requests} if requests else {}
-    if res.memory is not None:
-        resources["limits"] = {"memory": str(res.memory)}
+    memory = gateway_memory(gw)
+    requests = {"memory": memory, **({"cpu": str(res.cpu)} if res.cpu is not None else {})}
+    resources: dict[str, Any] = {"requests": requests, "limits": {"memory": memory}}
     # In-flight streams may run as long as the engines' drain allows.
     drain = spec.engine.shutdown_timeout_seconds
     hold_args: list[str] = []
     if scales_from_zero(spec):
-        # At zero replicas requests wait for the first engine (up to its model-load budget, at most 10 min) and
-        # the gateway wakes the autoscaler at once by annotating the InferenceService.
-        hold = min(spec.probes.startup_timeout_seconds, 600)
-        hold_args = ["--hold-timeout", str(hold), "--inferenceservice", name]
+        # At zero replicas requests wait for the first engine — a GPU node to be provisioned, the image pulled,
+        # the model loaded: its whole model-load budget — and the gateway wakes the autoscaler at once by
+        # annotating its wake-up ConfigMap.
+        hold = spec.probes.startup_timeout_seconds
+        hold_args = ["--hold-timeout", str(hold), "--wake-configmap", wake_configmap_name(name)]
     container = {
         "name": "gateway",
         "image": gw.image or settings.gateway_image,
         "command": ["shoal-gateway"],
         "args": ["--service", engines_service_name(name), "--namespace", namespace, "--port-name", "http",
                  "--port", str(ENGINE_PORT), "--routing", gw.routing, "--shutdown-timeout", str(drain)]
-                + hold_args
+                + gateway_limit_args(gw) + hold_args
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
                 + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        # The engines' key, so the gateway answers 401 itself: an unauthenticated request is never held, never
+        # counted as load and never wakes the autoscaler.
+        **({"env": _with_api_key([], spec)} if spec.security.api_key_secret_ref else {}),
         "resources": resources,
         "readinessProbe": _probe("/readyz", 2, 2, 2),
         "livenessProbe": _probe("/livez", 10, 3, 5),
@@ -688,14 +769,12 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
 
 
 def gateway_network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict:
-    """Clients (`allowFrom`, else the namespace's pods) reach the gateway; the operator's namespace its metrics."""
+    """Clients (`allowFrom`, else only the namespace's pods: an ingress controller in another namespace needs an
+    allowFrom peer) reach the gateway; the metrics scrapers, as for the engines, its /metrics."""
     name = isvc["metadata"]["name"]
     http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
     peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
-    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}]
-    if settings.operator_namespace:
-        rules.append({"from": [{"namespaceSelector": {"matchLabels": {
-            "kubernetes.io/metadata.name": settings.operator_namespace}}}], "ports": http})
+    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}, *_scraper_rules(spec, settings)]
     return _finish({
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -720,6 +799,8 @@ def gateway_children(isvc: dict[str, Any], spec: InferenceServiceSpec, settings:
                      multi: bool) -> list[dict[str, Any]]:
     children = [engines_service(isvc, spec, multi), *gateway_rbac(isvc, spec),
                 gateway_deployment(isvc, spec, settings), gateway_disruption_budget(isvc, spec)]
+    if scales_from_zero(spec):
+        children.append(wake_configmap(isvc, spec))
     if spec.security.network_policy.enabled:
         children.append(gateway_network_policy(isvc, spec, settings))
     return children
@@ -740,6 +821,12 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     spec = api.validate(name, isvc.get("spec") or {}, max_gpus_per_node=settings.max_gpus_per_node)
+    pinned = (isvc.get("status") or {}).get("engineImage")
+    if pinned and pinned != settings.engine_image:  # the default image this service runs (upgrade.py)
+        settings = dataclasses.replace(settings, engine_image=pinned)
+    running = api.running_replicas(spec, isvc.get("status"))
+    if running != spec.replicas:  # autoscaled: the children follow the autoscaler, never spec.replicas
+        spec = spec.model_copy(update={"replicas": running})
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     multi = pods > 1
     children: list[dict[str, Any]] = []

@@ -11,7 +11,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.operator import api
+from shoal.operator import api, render
 from shoal.operator.render import A_REVISION, DOWNLOAD_CONTAINER, L_GROUP, Plan
 
 # Pod problems worth a reason of their own (container waiting reasons seen on pods -> condition reason)
@@ -42,9 +42,10 @@ def terminating(obj: dict[str, Any]) -> bool:
 
 
 def restarts(pod: dict[str, Any]) -> int:
+    """Restarts of the pod's containers — not of its init containers: a model download that retried (a hub
+    hiccup) never joined the torch.distributed group, so it must not restart the group."""
     status = pod.get("status") or {}
-    return sum(int(c.get("restartCount") or 0)
-               for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or []))
+    return sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,28 @@ def invalid_status(isvc: dict[str, Any], error: api.SpecError) -> dict[str, Any]
     }
 
 
+def autoscaled_serving(plan: Plan, ready: int, desired: int, errors: list[tuple[str, str]],
+                       worst: tuple[str, str] | None) -> tuple[bool, tuple[str, str] | None]:
+    """Ready means "requests will be served". An autoscaled fleet that adds replicas keeps serving on those it
+    has (a scale-up is not degradation), and one at zero — or coming back from it — whose gateway holds requests
+    and wakes the autoscaler serves them once a replica is up. -> (serving, the Ready reason and message; None:
+    the plain rules apply)."""
+    spec = plan.spec
+    if spec.autoscaling is None or ready >= desired > 0:
+        return False, None
+    where = f"serving {plan.served_model_name} at {plan.url}"
+    if ready > 0:
+        tail = f"; {worst[1]}" if worst else ""
+        return True, ("ScalingUp", f"{ready}/{desired} replicas ready, the others starting; {where}{tail}")
+    if not render.scales_from_zero(spec) or errors:
+        return False, None
+    if desired == 0:
+        return True, ("ScaledToZero", f"idle at 0 replicas: the gateway holds requests and wakes the autoscaler, "
+                                      f"the first answers wait for a replica to start; {where}")
+    tail = f": {worst[1]}" if worst else ""
+    return True, ("ScalingFromZero", f"0/{desired} replicas ready; the gateway holds requests until one is{tail}")
+
+
 def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, str], dict],
                    pods: list[dict[str, Any]], rejected: list[str] = (),
                    failed_creates: list[tuple[str, str]] = (),
@@ -242,7 +265,10 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
 
     all_ready = desired > 0 and ready >= desired
     rolling = updated < desired or replicas > desired or not all_ready
-    if desired == 0:
+    serving, serving_cond = autoscaled_serving(plan, ready, desired, errors, worst)
+    if serving_cond is not None:
+        ready_cond = serving_cond
+    elif desired == 0:
         ready_cond = ("ScaledToZero", "spec.replicas is 0: nothing serves requests")
     elif all_ready:
         ready_cond = ("AllReplicasReady", f"{ready}/{desired} replicas ready; serving {plan.served_model_name} "
@@ -268,7 +294,7 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     else:
         degraded = (False, "AsExpected", "no problem seen on the pods")
 
-    if all_ready:
+    if all_ready or serving:
         phase = "Ready"
     elif ready > 0:
         phase = "Degraded"
@@ -290,7 +316,7 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
         "servedModelName": plan.served_model_name,
         "observedGeneration": gen,
         "conditions": [
-            _condition("Ready", all_ready, ready_cond[0], ready_cond[1], previous, gen),
+            _condition("Ready", all_ready or serving, ready_cond[0], ready_cond[1], previous, gen),
             _condition("Progressing", progressing[0], progressing[1], progressing[2], previous, gen),
             _condition("Degraded", degraded[0], degraded[1], degraded[2], previous, gen),
             # conditions owned by others (the autoscaler's) stay as they are

@@ -247,12 +247,13 @@ class Kubelet:
 
 
 class GatewayProcess(LoggedProcess):
-    def __init__(self, namespace: str, name: str, service: str, hold_timeout: float = 90, runtime: str = "shoal"):
+    def __init__(self, namespace: str, name: str, service: str, hold_timeout: float = 90, runtime: str = "shoal",
+                 extra: tuple[str, ...] = (), env: dict | None = None):
         port = free_port()
         super().__init__(
             [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(port),
-             "--service", service, "--namespace", namespace, "--inferenceservice", name,
-             "--hold-timeout", str(hold_timeout), "--runtime", runtime], port, log_prefix="gateway-")
+             "--service", service, "--namespace", namespace, "--wake-configmap", f"{name}-wake",
+             "--hold-timeout", str(hold_timeout), "--runtime", runtime, *extra], port, env, log_prefix="gateway-")
         self.base = self.url
         self.wait_ready(30)
 

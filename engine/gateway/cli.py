@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Sequence
@@ -87,22 +88,35 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine's load is at most the least loaded one's + this many requests (default %(default)s)")
     r.add_argument("--prefix-index-size", type=positive(int), default=d.index_size,
                    help="block hashes remembered for affinity (LRU; default %(default)s)")
+    auth = p.add_argument_group("authentication")
+    auth.add_argument("--api-key", help="the engines' API key: requests without it get 401 from the gateway, before "
+                                        "they are held or counted as load (also: $SHOAL_API_KEY, --api-key-file)")
+    auth.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file")
     rel = p.add_argument_group("reliability")
     rel.add_argument("--max-pending", type=positive(int), default=d.max_pending,
                      help="requests inside the gateway at once; more get 429 (default %(default)s)")
     rel.add_argument("--max-body-bytes", type=positive(int), default=d.max_body_bytes,
                      help="largest request body; larger get 413 (default %(default)s)")
+    rel.add_argument("--max-buffered-bytes", type=positive(int), default=d.max_buffered_bytes,
+                     help="request bodies held at once, all requests together; a request beyond gets 429 "
+                          "(default %(default)s)")
     rel.add_argument("--hold-timeout", type=non_negative, default=d.hold_timeout,
                      help="seconds a request waits for an engine when none is ready (scale from zero); "
                           "0 answers 503 at once (default)")
-    rel.add_argument("--inferenceservice", metavar="NAME",
-                     help="with --hold-timeout: annotate this InferenceService (in --namespace) when requests start "
-                          "waiting, so the operator's autoscaler wakes at once (scale from zero)")
+    rel.add_argument("--wake-configmap", metavar="NAME",
+                     help="with --hold-timeout: annotate this ConfigMap (in --namespace; the operator renders "
+                          "<inferenceservice>-wake) when requests start waiting, so the operator's autoscaler "
+                          "wakes at once (scale from zero)")
     rel.add_argument("--retry-after", type=positive(int), default=d.retry_after,
                      help="Retry-After seconds on 503/429 (default %(default)s)")
     rel.add_argument("--connect-timeout", type=positive(float), default=d.connect_timeout)
+    rel.add_argument("--response-timeout", type=positive(float), default=d.response_timeout,
+                     help="seconds an engine may take to start its answer — a whole non-streaming generation; "
+                          "past it the request is cancelled and the client gets 504, never a retry elsewhere "
+                          "(default %(default)s)")
     rel.add_argument("--read-timeout", type=positive(float), default=d.read_timeout,
-                     help="seconds of silence from an engine before giving up (default %(default)s)")
+                     help="seconds of silence allowed between the bytes of an answer, e.g. stream chunks "
+                          "(default %(default)s)")
     rel.add_argument("--poll-interval", type=positive(float), default=d.poll_interval)
     rel.add_argument("--poll-timeout", type=positive(float), default=d.poll_timeout)
     h = HealthPolicy()
@@ -118,18 +132,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file, else $SHOAL_API_KEY (what the operator sets from the Secret), as the engine."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    return os.environ.get("SHOAL_API_KEY") or None
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if args.load_factor < 1.0:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
+    if args.max_buffered_bytes < args.max_body_bytes:
+        raise ValueError(f"--max-buffered-bytes ({args.max_buffered_bytes}) must be at least --max-body-bytes "
+                         f"({args.max_body_bytes}), or the largest body could never be admitted")
     return GatewayConfig(
         runtime=args.runtime,
         routing=args.routing, block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
         index_size=args.prefix_index_size,
         max_pending=args.max_pending,
-        max_body_bytes=args.max_body_bytes, hold_timeout=args.hold_timeout, retry_after=args.retry_after,
-        connect_timeout=args.connect_timeout, read_timeout=args.read_timeout, poll_interval=args.poll_interval,
-        poll_timeout=args.poll_timeout,
+        max_body_bytes=args.max_body_bytes, max_buffered_bytes=args.max_buffered_bytes,
+        hold_timeout=args.hold_timeout, retry_after=args.retry_after,
+        connect_timeout=args.connect_timeout, response_timeout=args.response_timeout, read_timeout=args.read_timeout,
+        poll_interval=args.poll_interval,
+        poll_timeout=args.poll_timeout, api_key=resolve_api_key(args),
         health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,
                             circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown))
 
@@ -198,12 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--service needs --namespace outside a pod")
         discovery = EndpointSliceDiscovery(args.service, namespace, port_name=args.port_name)
     waker = None
-    if args.inferenceservice:
+    if args.wake_configmap:
         if not namespace:
-            parser.error("--inferenceservice needs --namespace outside a pod")
+            parser.error("--wake-configmap needs --namespace outside a pod")
         from shoal.engine.gateway.wake import Waker
 
-        waker = Waker(namespace, args.inferenceservice)
+        waker = Waker(namespace, args.wake_configmap)
     return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout, waker))
 
 

@@ -1,19 +1,28 @@
 """The gateway's aiohttp app: pick an engine per request and stream its answer back untouched.
 
 Per proxied request:
+  0. authentication: with an API key configured (the engines' key, from the same Secret), a request without it is
+     answered 401 before anything else — it is never held, never counted as load and never wakes the autoscaler;
   1. admission: more than `max_pending` requests inside the gateway → 429; a body over `max_body_bytes` → 413;
+     request bodies are kept until the answer starts (for a retry), so their sum is bounded too: a request whose
+     body would take the bodies held above `max_buffered_bytes` → 429. Memory is bounded by construction;
   2. the prompt is rendered and hashed (prefix-load only), the router picks among eligible engines;
   3. no engine eligible → hold up to `hold_timeout` seconds for one (0: answer at once) → 503 + Retry-After;
   4. the request goes to the engine with the client's headers (Authorization included: the engines check keys);
-     a refused/reset connection, a timeout before the response headers, or a 429/502/503/504 answer is retried
-     once on another engine — never after a byte reached the client;
-  5. status, headers and body chunks are relayed as they arrive (SSE is never buffered); a client that goes away
-     closes the engine connection, which aborts the request there.
+     it is retried once on another engine only while the engine cannot be running it: a refused connection or
+     connect timeout, a connection the engine dropped before answering, or a 429/503 answer (queue full,
+     draining). A non-streaming generation sends nothing until it ends, so the engine's answer may take up to
+     `response_timeout`; past it the request is cut at the engine (which aborts it) and the client gets 504 —
+     never a second run elsewhere;
+  5. status, headers and body chunks are relayed as they arrive (SSE is never buffered), each within
+     `read_timeout` of the previous one; a client that goes away closes the engine connection, which aborts the
+     request there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -39,7 +48,10 @@ log = logging.getLogger("shoal.gateway")
 HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Trailers",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# The engine refused the request without running it: 429 (queue full) and 503 (draining, or a proxy in front of
+# it could not connect). A 502/504 from a proxy in between may come while the engine still runs the request.
+RETRY_STATUSES = frozenset({429, 503})
+RETRY_REASONS = frozenset({"refused", "connect_timeout", "reset"})  # failures before the engine accepted it
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -54,13 +66,16 @@ class GatewayConfig:
     index_size: int = 200_000
     max_pending: int = 4096
     max_body_bytes: int = 32 * 1024 * 1024
+    max_buffered_bytes: int = 128 * 1024 * 1024  # request bodies held at once, all requests together
     hold_timeout: float = 0.0  # wait this long for an engine when none is ready (0: 503 at once)
     retry_after: int = 1
     connect_timeout: float = 3.0
-    read_timeout: float = 600.0  # silence from an engine, before or between response bytes
+    response_timeout: float = 3600.0  # request sent -> response headers: a whole non-streaming generation
+    read_timeout: float = 600.0  # silence from an engine between response bytes, once it answered
     poll_interval: float = 0.25
     poll_timeout: float = 1.0
     runtime: str = "shoal"  # the engines' runtime: which readiness path and metric names to read (metric_names.py)
+    api_key: str | None = None  # the engines' key: checked here first, so unauthenticated requests cost nothing
     health: HealthPolicy = field(default_factory=HealthPolicy)
 
 
@@ -68,6 +83,13 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
                    headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
     return web.json_response(body, status=status, headers=headers)
+
+
+def authorized(request: web.Request, key: str) -> bool:
+    """The engine's rule (engine/server/app.py): `Authorization: Bearer <key>` or `X-API-Key: <key>`."""
+    given = request.headers.get("Authorization", "")
+    token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
+    return bool(token) and hmac.compare_digest(token.encode(), key.encode())
 
 
 class _Unavailable(Exception):
@@ -82,6 +104,7 @@ class Gateway:
                                   config.index_size)
         self.metrics = GatewayMetrics(self.backends)
         self.pending = 0
+        self.buffered = 0  # bytes of request bodies reserved by the requests inside
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []
@@ -157,17 +180,31 @@ class Gateway:
 
     # ---- handlers --------------------------------------------------------------------------------------------
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
+        if self.config.api_key and not authorized(request, self.config.api_key):
+            self.metrics.rejected.labels("unauthenticated").inc()
+            return error_response(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                                  "invalid_request_error", "invalid_api_key")
         if self.pending >= self.config.max_pending:
             self.metrics.rejected.labels("too_many_pending").inc()
             return error_response(429, f"the gateway has {self.pending} requests pending; retry later",
                                   "rate_limit_error", "too_many_pending",
                                   {"Retry-After": str(self.config.retry_after)})
+        # a body of unknown length (chunked) may be as large as max_body_bytes: reserve that much
+        reserve = 0 if not request.can_read_body else min(request.content_length or self.config.max_body_bytes,
+                                                          self.config.max_body_bytes)
+        if self.buffered + reserve > self.config.max_buffered_bytes:
+            self.metrics.rejected.labels("too_much_buffered").inc()
+            return error_response(429, f"the gateway holds {self.buffered} bytes of request bodies; retry later",
+                                  "rate_limit_error", "too_much_buffered",
+                                  {"Retry-After": str(self.config.retry_after)})
         self.pending += 1
+        self.buffered += reserve
         self.metrics.pending.inc()
         try:
             return await self._forward(request)
         finally:
             self.pending -= 1
+            self.buffered -= reserve
             self.metrics.pending.dec()
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
@@ -192,6 +229,10 @@ class Gateway:
             backend.inflight += 1
             try:
                 upstream = await self._send(backend, request, headers, body)
+                if upstream == "timeout":  # the engine may still be running it: never a second run elsewhere
+                    self.metrics.requests.labels(backend.url, "504").inc()
+                    return error_response(504, f"the engine did not answer within {self.config.response_timeout:g}"
+                                               " s; the request was cancelled", "timeout", "engine_timeout")
                 if isinstance(upstream, str):
                     if not last:
                         self.metrics.retries.labels(upstream).inc()
@@ -209,20 +250,29 @@ class Gateway:
                               "service_unavailable", "no_backend", {"Retry-After": str(self.config.retry_after)})
 
     async def _send(self, backend: Backend, request: web.Request, headers: dict, body: bytes):
-        """The engine's response (headers received), or why it failed (a failure worth one retry elsewhere)."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
-                                        sock_read=self.config.read_timeout)
+        """The engine's response (headers received), or why it failed: one of RETRY_REASONS (the engine never
+        accepted the request; worth one retry elsewhere) or "timeout" (no answer within response_timeout; the
+        request is cancelled there, and not retried)."""
+        # Body silence is bounded in _relay, once the response started; until then only response_timeout holds.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout, sock_read=None)
+        deadline = asyncio.timeout(self.config.response_timeout)
         try:
-            return await self.session.request(request.method, backend.url + request.rel_url.raw_path_qs,
-                                              headers=headers, data=body or None, timeout=timeout,
-                                              allow_redirects=False)
+            async with deadline:
+                return await self.session.request(request.method, backend.url + request.rel_url.raw_path_qs,
+                                                  headers=headers, data=body or None, timeout=timeout,
+                                                  allow_redirects=False)
         except aiohttp.ClientConnectorError:
             backend.on_refused(time.monotonic())
             self.backends.notify()
             reason = "refused"
         except asyncio.TimeoutError:
-            backend.on_failure(time.monotonic())
-            reason = "timeout"
+            if deadline.expired():
+                # a long generation, or an engine that hangs: its liveness probe and the poller judge it, not
+                # the circuit breaker
+                reason = "timeout"
+            else:
+                backend.on_failure(time.monotonic())
+                reason = "connect_timeout"
         except (aiohttp.ClientError, OSError):
             backend.on_failure(time.monotonic())
             reason = "reset"
@@ -240,8 +290,11 @@ class Gateway:
                 out.headers.add(k, v)
         try:
             await out.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await out.write(chunk)
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(self.config.read_timeout) as silence:
+                while chunk := await upstream.content.readany():
+                    await out.write(chunk)
+                    silence.reschedule(loop.time() + self.config.read_timeout)
             await out.write_eof()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             # The engine failed mid-answer: bytes already reached the client, so no retry; cut the connection

@@ -1,10 +1,13 @@
 """Scale from zero: when the gateway starts holding a request because no engine is ready, it tells the operator at
-once by annotating the InferenceService with `serving.shoal.dev/wake-requested-at` (a JSON merge patch).
+once by annotating its wake-up ConfigMap (`<inferenceservice>-wake`, rendered by the operator for fleets that
+scale to zero) with `serving.shoal.dev/wake-requested-at` (a JSON merge patch).
 
 Why an annotation and not a call to the operator: it goes through the API server the operator already watches, so
-it reaches whichever operator replica is active, needs no Service or port on the operator, survives an operator
-restart (the annotation is still there when it lists), and costs one RBAC rule (patch on inferenceservices). The
-operator reacts within its watch latency (milliseconds) instead of its next 1 s tick.
+it reaches whichever operator replica is active, needs no Service or port on the operator, and survives an
+operator restart (the annotation is still there when it lists). Why a ConfigMap of its own and not the
+InferenceService: the gateway's only write permission is `patch` on that one ConfigMap (resourceNames), so a
+compromised gateway cannot rewrite the service it fronts. The operator reacts within its watch latency
+(milliseconds) instead of its next 1 s tick.
 
 At most one patch per `min_interval` seconds per gateway process, sent in the background: holding a request never
 waits for the API server, and a failed patch only logs (the operator's 1 s scrape of held requests still sees
@@ -27,7 +30,7 @@ from shoal.engine.gateway.discovery import KubeAPI
 log = logging.getLogger("shoal.gateway.wake")
 
 ANNOTATION = "serving.shoal.dev/wake-requested-at"
-ISVC_PATH = "/apis/serving.shoal.dev/v1alpha1/namespaces/{namespace}/inferenceservices/{name}"
+CONFIGMAP_PATH = "/api/v1/namespaces/{namespace}/configmaps/{name}"
 
 
 def wake_patch(now: datetime.datetime | None = None) -> dict:
@@ -41,7 +44,7 @@ class Waker:
 
     def __init__(self, namespace: str, name: str, api: KubeAPI | None = None, min_interval: float = 1.0):
         self.namespace = namespace
-        self.name = name
+        self.name = name  # the wake-up ConfigMap
         self.api = api
         self.min_interval = min_interval
         self.last: float | None = None
@@ -69,19 +72,19 @@ class Waker:
     async def _send(self) -> None:
         try:
             await self.start()
-            url = self.api.server + ISVC_PATH.format(namespace=quote(self.namespace), name=quote(self.name))
+            url = self.api.server + CONFIGMAP_PATH.format(namespace=quote(self.namespace), name=quote(self.name))
             headers = {**self.api.headers(), "Content-Type": "application/merge-patch+json"}
             async with self._session.patch(url, data=json.dumps(wake_patch()), headers=headers,
                                            ssl=self.api.ssl_context) as r:
                 if r.status >= 300:
                     raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
             self.sent += 1
-            log.info("requests held: woke the autoscaler of %s/%s", self.namespace, self.name)
+            log.info("requests held: woke the autoscaler through configmap %s/%s", self.namespace, self.name)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the operator's scrape of held requests is the fallback
             self.failed += 1
-            log.warning("could not wake the autoscaler of %s/%s: %s", self.namespace, self.name, e)
+            log.warning("could not wake the autoscaler through configmap %s/%s: %s", self.namespace, self.name, e)
 
     async def close(self) -> None:
         if self._task is not None:

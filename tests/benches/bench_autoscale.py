@@ -13,9 +13,9 @@ random model. The trace, with closed-loop streaming clients (each sends its next
   C. down: a single client with long streams while the fleet shrinks; then nothing until the fleet is at zero
 
 Figures:
-  decision latency   first request -> spec.replicas 0->1 (target < 1 s); ramp step -> first scale-up decision
+  decision latency   first request -> replicas 0->1 (target < 1 s); ramp step -> first scale-up decision
   scale-from-zero    TTFT of the first request minus the time its replica took to get ready (target < 2 s)
-  peak replicas      max spec.replicas over the run vs ceil(clients / target) (target <= 1.25x)
+  peak replicas      max replicas (status.autoscaling.desiredReplicas) over the run vs ceil(clients / target) (target <= 1.25x)
   streams cut        streams that ended early or with an error (target 0), over all phases
 """
 
@@ -37,8 +37,13 @@ from kubekit import Client, EmulatorServer, OperatorThread, isvc_body, write_kub
 NS, NAME = "bench", "chat"
 
 
+def autoscaled(isvc: dict) -> int:
+    """The replica count the autoscaler set (status.autoscaling.desiredReplicas; spec.replicas is the manifest's)."""
+    return ((isvc.get("status") or {}).get("autoscaling") or {}).get("desiredReplicas") or 0
+
+
 class Recorder(threading.Thread):
-    """Samples spec.replicas and the ready pods every 10 ms: (time, replicas, ready)."""
+    """Samples the autoscaler's replica count and the ready pods every 10 ms: (time, replicas, ready)."""
 
     def __init__(self, server: EmulatorServer, kubelet: Kubelet):
         super().__init__(daemon=True)
@@ -50,7 +55,7 @@ class Recorder(threading.Thread):
         while not self.stop_flag.is_set():
             obj = self.server.cluster.obj("inferenceservices", NS, NAME)
             if obj is not None:
-                sample = (obj["spec"].get("replicas", 0), len(self.kubelet.ready_pods()))
+                sample = (autoscaled(obj), len(self.kubelet.ready_pods()))
                 if not self.samples or self.samples[-1][1:] != sample:
                     self.samples.append((time.monotonic(), *sample))
             self.stop_flag.wait(0.01)
@@ -171,7 +176,7 @@ def main() -> None:
             try:
                 while time.monotonic() - down_start < 120:
                     obj = server.cluster.obj("inferenceservices", NS, NAME)
-                    if obj["spec"]["replicas"] <= 1 and len(kubelet.pods) <= 1:
+                    if autoscaled(obj) <= 1 and len(kubelet.pods) <= 1:
                         break
                     time.sleep(0.2)
                 time.sleep(3.0)
@@ -179,7 +184,7 @@ def main() -> None:
                 clients.stop_all()
             zero = None
             while time.monotonic() - down_start < 180:
-                if server.cluster.obj("inferenceservices", NS, NAME)["spec"]["replicas"] == 0 and not kubelet.pods:
+                if autoscaled(server.cluster.obj("inferenceservices", NS, NAME)) == 0 and not kubelet.pods:
                     zero = time.monotonic()
                     break
                 time.sleep(0.2)
@@ -198,7 +203,7 @@ def main() -> None:
             print(f"streams: {len(clients.results)} in total, {len(cut)} cut or failed")
             for r in cut[:5]:
                 print("   cut:", r)
-            print("replica timeline (s since the first request: spec.replicas / ready):")
+            print("replica timeline (s since the first request: replicas / ready):")
             print("   " + ", ".join(f"{t - t0:.1f}:{r}/{ready}" for t, r, ready in rec.samples))
             with open("/proc/loadavg") as f:
                 print("load average:", f.read().strip())

@@ -184,7 +184,6 @@ EXPECTED_RULES = {
     ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch", "patch", "delete"},  # patch: the autoscaler's deletion costs
-    ("serving.shoal.dev", "inferenceservices/scale"): {"patch"},  # the autoscaler
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},  # the autoscaler's scrape targets
     ("", "events"): {"list", "create", "patch"},
     # each InferenceService's gateway: its ServiceAccount + Role + RoleBinding, granting EndpointSlice reads

@@ -164,6 +164,7 @@ def test_parse_load_and_ready_urls():
     (["--endpoint", "http://a:1", "--service", "s"], "either as --endpoint"),
     (["--endpoint", "http://a:1", "--load-factor", "0.5"], "--load-factor must be >= 1"),
     (["--service", "s"], "--namespace"),
+    (["--endpoint", "http://a:1", "--api-key-file", "/nonexistent/key"], "--api-key-file: cannot read"),
 ])
 def test_cli_rejects_bad_arguments(argv, message):
     out = subprocess.run([sys.executable, "-m", "shoal.engine.gateway", *argv], capture_output=True, text=True,
@@ -250,6 +251,37 @@ async def test_requests_are_held_until_an_engine_appears():
         await engine.close()
 
 
+async def test_without_the_api_key_a_request_is_refused_before_it_is_held_or_counted():
+    gw, client = await gateway_client(GatewayConfig(hold_timeout=30, api_key="s3cret"), [])
+    engine = TestServer(stand_in_engine())
+    held_calls = []
+    gw.on_hold.append(lambda: held_calls.append(1))
+    try:
+        wrong = ({}, {"Authorization": "Bearer wrong"}, {"X-API-Key": "s3cret-not"}, {"Authorization": "s3cret"})
+        for headers in wrong:
+            r = await asyncio.wait_for(client.post("/v1/completions", json={"model": "m", "prompt": "x"},
+                                                   headers=headers), 2)  # answered at once, not held for 30 s
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+        assert held_calls == [] and gw.metrics.held._value.get() == 0 and gw.pending == 0
+        assert gw.metrics.rejected.labels("unauthenticated")._value.get() == 4
+        # the key as the engines take it: held (the autoscaler is woken), then served
+        await engine.start_server()
+        pending = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "x"},
+                                                  headers={"Authorization": "Bearer s3cret"}))
+        while gw.metrics.held._value.get() == 0:
+            await asyncio.sleep(0.01)
+        assert held_calls == [1]
+        gw.backends.replace([str(engine.make_url("")).rstrip("/")])
+        assert (await pending).status == 200
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"}, headers={"X-API-Key": "s3cret"})
+        assert r.status == 200
+        assert (await client.get("/readyz")).status == 200 and (await client.get("/metrics")).status == 200
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.close()
+
+
 async def test_a_draining_gateway_answers_its_held_requests_at_once():
     gw, client = await gateway_client(GatewayConfig(hold_timeout=60, retry_after=2), [])
     try:
@@ -274,6 +306,56 @@ async def test_hold_deadline_then_503():
     finally:
         await client.close()
         await gw.stop()
+
+
+async def test_request_bodies_held_at_once_are_bounded():
+    seen: list[dict] = []
+    engine = TestServer(stand_in_engine(delay=0.5, seen=seen))
+    await engine.start_server()
+    gw, client = await gateway_client(GatewayConfig(max_body_bytes=4000, max_buffered_bytes=6000),
+                                      [str(engine.make_url("")).rstrip("/")])
+    try:
+        body = json.dumps({"model": "m", "prompt": "x" * 3000})
+        first = asyncio.create_task(client.post("/v1/completions", data=body))
+        while gw.buffered == 0:
+            await asyncio.sleep(0.01)
+        r = await client.post("/v1/completions", data=body)  # 2 x 3000 bytes would exceed 6000
+        assert r.status == 429 and (await r.json())["error"]["code"] == "too_much_buffered"
+        assert (await client.get("/v1/models")).status != 429  # a request without a body reserves nothing
+        assert (await first).status == 200 and gw.buffered == 0
+        assert (await client.post("/v1/completions", data=body)).status == 200
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.close()
+
+
+async def test_a_long_generation_runs_once_and_a_timeout_is_never_retried():
+    """A non-streaming answer starts only when the generation ends: silence before it is not a failure. Past the
+    response timeout the request is cancelled and answered 504 — never sent to a second engine."""
+    seen: list[dict] = []
+    engines = [TestServer(stand_in_engine(delay=1.0, seen=seen)) for _ in range(2)]
+    for e in engines:
+        await e.start_server()
+    urls = [str(e.make_url("")).rstrip("/") for e in engines]
+    gw, client = await gateway_client(GatewayConfig(read_timeout=0.2, response_timeout=5, routing="round-robin"),
+                                      urls)
+    try:
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "long"})
+        assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
+        assert len(seen) == 1  # one run on one engine
+        gw.config.response_timeout = 0.3
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "too long"})
+        assert r.status == 504 and (await r.json())["error"]["code"] == "engine_timeout"
+        assert len(seen) == 2  # not retried elsewhere
+        retried = sum(s.value for s in gw.metrics.retries.collect()[0].samples if s.name.endswith("_total"))
+        assert retried == 0
+        assert all(not b.circuit_open(time.monotonic()) and b.failures == 0 for b in gw.backends.all())
+    finally:
+        await client.close()
+        await gw.stop()
+        for e in engines:
+            await e.close()
 
 
 def failing_engine(mode: str, hits: list) -> web.Application:

@@ -1,5 +1,5 @@
-"""The gateway's wake-up for scale from zero: a merge patch of the InferenceService's wake annotation, at most once
-per interval, never blocking the held request, and a failure only logged."""
+"""The gateway's wake-up for scale from zero: a merge patch of the wake annotation on its wake-up ConfigMap, at most
+once per interval, never blocking the held request, and a failure only logged."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ async def _api_server(status: int = 200):
         return web.json_response({}, status=status)
 
     app = web.Application()
-    app.router.add_patch("/apis/serving.shoal.dev/v1alpha1/namespaces/{ns}/inferenceservices/{name}", patch)
+    app.router.add_patch("/api/v1/namespaces/{ns}/configmaps/{name}", patch)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -36,14 +36,14 @@ async def _api_server(status: int = 200):
 
 async def test_held_requests_wake_the_operator_once_per_interval():
     runner, url, seen = await _api_server()
-    waker = Waker("team-a", "chat", api=KubeAPI(url, token="tok"), min_interval=0.3)
+    waker = Waker("team-a", "chat-wake", api=KubeAPI(url, token="tok"), min_interval=0.3)
     try:
         await waker.start()
         for _ in range(5):  # five requests start holding at once: one patch
             waker()
         await asyncio.sleep(0.2)
         assert len(seen) == 1
-        assert seen[0]["path"] == "/apis/serving.shoal.dev/v1alpha1/namespaces/team-a/inferenceservices/chat"
+        assert seen[0]["path"] == "/api/v1/namespaces/team-a/configmaps/chat-wake"
         assert seen[0]["type"] == "application/merge-patch+json" and seen[0]["auth"] == "Bearer tok"
         stamp = seen[0]["body"]["metadata"]["annotations"][ANNOTATION]
         assert stamp.endswith("Z") and "T" in stamp
@@ -58,12 +58,12 @@ async def test_held_requests_wake_the_operator_once_per_interval():
 
 async def test_a_refused_patch_is_logged_not_raised(caplog):
     runner, url, seen = await _api_server(status=403)
-    waker = Waker("team-a", "chat", api=KubeAPI(url), min_interval=0.0)
+    waker = Waker("team-a", "chat-wake", api=KubeAPI(url), min_interval=0.0)
     try:
         waker()
         await asyncio.sleep(0.3)
         assert len(seen) == 1 and waker.failed == 1 and waker.sent == 0
-        assert "could not wake the autoscaler of team-a/chat" in caplog.text and "403" in caplog.text
+        assert "could not wake the autoscaler through configmap team-a/chat-wake" in caplog.text and "403" in caplog.text
     finally:
         await waker.close()
         await runner.cleanup()

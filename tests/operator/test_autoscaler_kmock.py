@@ -80,30 +80,38 @@ def decisions(ns: str, name: str) -> float:
     return REGISTRY.get_sample_value("shoal:autoscaler_decision_seconds_count", {"namespace": ns, "name": name}) or 0
 
 
+def running(env, ns: str, name: str) -> int | None:
+    """The autoscaler's replica count (status.autoscaling.desiredReplicas): spec.replicas stays the manifest's."""
+    return ((env.client.get(ISVC, ns, name).get("status") or {}).get("autoscaling") or {}).get("desiredReplicas")
+
+
 def test_wake_annotation_scales_from_zero_at_once_and_reports_it(env, ns):
     body = isvc_body("chat", {"replicas": 0, "autoscaling": {
         "minReplicas": 0, "maxReplicas": 3, "scaleUpStabilizationSeconds": 30}})
-    # left from a wake-up long ago, as a restarted operator (or a new leader) finds it: it must not wake anything
-    body["metadata"].setdefault("annotations", {})[A_WAKE] = "2026-01-01T00:00:00.000Z"
     env.client.create(ISVC, ns, body)
     wait_for(lambda: env.client.get("deployments", ns, "chat"), 10, "deployment")
+    # the gateway's wake-up object; a stamp left from a wake-up long ago, as a restarted operator (or a new
+    # leader) finds it, must not wake anything
+    wait_for(lambda: env.client.get("configmaps", ns, "chat-wake"), 10, "wake-up configmap")
+    env.client.patch("configmaps", ns, "chat-wake", {"metadata": {"annotations": {A_WAKE: "2026-01-01T00:00:00.000Z"}}})
     # idle at zero: the loop runs and says why it stays there
     st = wait_for(lambda: (env.client.get(ISVC, ns, "chat").get("status") or {}).get("autoscaling"), 10,
                   "status.autoscaling")
     assert st["desiredReplicas"] == 0
     ticks = decisions(ns, "chat")
     wait_for(lambda: decisions(ns, "chat") >= ticks + 2, 10, "two more autoscaler decisions")
-    assert env.client.get(ISVC, ns, "chat")["spec"]["replicas"] == 0  # still at zero
+    assert running(env, ns, "chat") == 0  # still at zero
     # the gateway holds a request and asks for capacity
-    env.client.patch(ISVC, ns, "chat", wake_patch())
-    wait_for(lambda: env.client.get(ISVC, ns, "chat")["spec"]["replicas"] == 1, 5, "replicas 1")
+    env.client.patch("configmaps", ns, "chat-wake", wake_patch())
+    wait_for(lambda: running(env, ns, "chat") == 1, 5, "replicas 1")
     wait_for(lambda: env.client.get("deployments", ns, "chat")["spec"]["replicas"] == 1, 5, "deployment scaled")
     isvc = wait_for(lambda: (i := env.client.get(ISVC, ns, "chat")) and
                     (i["status"].get("autoscaling") or {}).get("desiredReplicas") == 1 and i, 5, "status")
     st = isvc["status"]["autoscaling"]
     assert st["lastScaleTime"] and st["currentReplicas"] in (0, 1)
     cond = condition(isvc, "Autoscaling")
-    assert cond["status"] == "True" and "the operator owns spec.replicas" in cond["message"]
+    assert cond["status"] == "True" and "the autoscaler owns the replica count" in cond["message"]
+    assert env.client.get(ISVC, ns, "chat")["spec"]["replicas"] == 0  # the manifest's field is never written
     assert condition(isvc, "Ready") is not None  # the reconciler's conditions survive next to it
     events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "ScaledUp"], 5, "event")
     assert "0 -> 1 (ScaleFromZero)" in events[0]["message"]
@@ -120,8 +128,9 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
     wait_for(lambda: env.client.get("deployments", ns, "qa"), 10, "deployment")
     engines.load["qa-a"] = (8, 27, 0.3)
     publish_slices(env, ns, "qa-engines", ["qa-a"], engines)
-    wait_for(lambda: env.client.get(ISVC, ns, "qa")["spec"]["replicas"] == 4, 10, "scaled up to 4 (35/10)")
-    st = wait_for(lambda: (s := env.client.get(ISVC, ns, "qa")["status"]["autoscaling"])["desiredReplicas"] == 4
+    wait_for(lambda: running(env, ns, "qa") == 4, 10, "scaled up to 4 (35/10)")
+    wait_for(lambda: env.client.get("deployments", ns, "qa")["spec"]["replicas"] == 4, 5, "deployment scaled")
+    st = wait_for(lambda: (s := env.client.get(ISVC, ns, "qa")["status"]["autoscaling"]).get("neededReplicas") == 4
                   and s, 5, "status of the scale-up")
     assert st["neededReplicas"] == 4 and st["inputs"]["inFlight"] == 35 and st["inputs"]["kvCacheUsage"] == 0.3
     # the new replicas came up, the load went away; qa-c stays busy the longest
@@ -129,7 +138,7 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
         env.client.create("pods", ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod}})
     publish_slices(env, ns, "qa-engines", ["qa-b", "qa-c", "qa-d"], engines)
     engines.load.update({"qa-a": (0, 0, 0.0), "qa-b": (1, 0, 0.1), "qa-c": (5, 0, 0.1), "qa-d": (0, 0, 0.0)})
-    wait_for(lambda: env.client.get(ISVC, ns, "qa")["spec"]["replicas"] == 1, 15, "scaled down to 1 (6/10)")
+    wait_for(lambda: running(env, ns, "qa") == 1, 15, "scaled down to 1 (6/10)")
     costs = {p: int(env.client.get("pods", ns, p)["metadata"]["annotations"][A_DELETION_COST])
              for p in ("qa-a", "qa-b", "qa-c", "qa-d")}
     assert max(costs, key=costs.get) == "qa-c", costs  # the busiest pod is the one kept
@@ -153,10 +162,34 @@ def test_requests_held_by_the_gateways_scale_from_zero_to_what_they_need(env, ns
     # two gateway pods behind the Service "hold" hold 40 requests between them (no wake-up annotation)
     engines.held.update({"hold-gw-1": 25, "hold-gw-2": 15})
     publish_slices(env, ns, "hold", ["hold-gw-1", "hold-gw-2"], engines)
-    wait_for(lambda: env.client.get(ISVC, ns, "hold")["spec"]["replicas"] == 3, 10, "scaled to ceil(40/16)")
+    wait_for(lambda: running(env, ns, "hold") == 3, 10, "scaled to ceil(40/16)")
     st = wait_for(lambda: (s := env.client.get(ISVC, ns, "hold")["status"].get("autoscaling")) and
-                  s["desiredReplicas"] == 3 and s, 5, "status")
+                  s.get("neededReplicas") == 3 and s, 5, "status")
     assert st["inputs"]["held"] == 40 and st["inputs"]["inFlight"] == 40
+
+
+def test_reapplying_the_manifest_does_not_fight_the_autoscaler(env, ns, engines):
+    """`kubectl apply` of the same manifest (or an Argo CD self-heal) while the autoscaler holds 3 replicas: the
+    fleet stays at 3 — spec.replicas is where a new fleet starts, the count is the autoscaler's."""
+    manifest = isvc_body("git", {"replicas": 1, "autoscaling": {
+        "minReplicas": 1, "maxReplicas": 4, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 30}})
+    env.client.create(ISVC, ns, manifest)
+    wait_for(lambda: env.client.get("deployments", ns, "git"), 10, "deployment")
+    engines.load["git-a"] = (10, 15, 0.2)
+    publish_slices(env, ns, "git-engines", ["git-a"], engines)
+    wait_for(lambda: env.client.get("deployments", ns, "git")["spec"]["replicas"] == 3, 10, "scaled up to 3 (25/10)")
+    assert env.client.get(ISVC, ns, "git")["spec"]["replicas"] == 1  # the manifest's field is left alone
+    # the GitOps tool re-applies the manifest: replicas 1, and the spec changes (a new generation) at the same time
+    env.client.patch(ISVC, ns, "git", {"spec": {**manifest["spec"], "replicas": 1,
+                                                "engine": {"maxNumSeqs": 32}}})
+    wait_for(lambda: "--max-num-seqs" in env.client.get("deployments", ns, "git")["spec"]["template"]["spec"][
+        "containers"][0]["args"], 10, "the new spec rendered")
+    ticks = decisions(ns, "git")
+    wait_for(lambda: decisions(ns, "git") >= ticks + 3, 10, "three more autoscaler decisions")
+    assert env.client.get("deployments", ns, "git")["spec"]["replicas"] == 3
+    assert running(env, ns, "git") == 3
+    assert not [e for e in env.cluster.find("events", ns) if e["reason"] == "ScaledDown"]
 
 
 def test_metrics_port_flag():

@@ -320,3 +320,17 @@ def test_an_unanswered_metrics_scrape_is_unknown_load_not_idleness():
                                       policy, history).desired
     assert desired[33] == 2 and desired[34] == 1  # the 3 s scale-down window after t=30
     assert desired[35] == 0  # and zero 5 s after t=30
+
+
+def test_the_autoscaler_validates_with_the_operators_gpus_per_node():
+    """With --max-gpus-per-node 16 a 16-GPU pod is valid: the autoscaler must not refuse the spec (as it did,
+    validating with 8 whatever the flag said, and logging that at debug)."""
+    from shoal.operator import api
+    from shoal.operator.autoscaler import Autoscaler
+
+    isvc = {"metadata": {"name": "big", "namespace": "ns"},
+            "spec": {"engine": {"tensorParallelSize": 16}, "autoscaling": {"minReplicas": 1, "maxReplicas": 2}}}
+    spec = Autoscaler(kube=None, max_gpus_per_node=16).spec_of(isvc)
+    assert spec.gpus_per_pod(16) == 16 and spec.pods_per_replica(16) == 1
+    with pytest.raises(api.SpecError):
+        Autoscaler(kube=None, max_gpus_per_node=8).spec_of(isvc)

@@ -8,6 +8,7 @@ request completes; a load ramp scales up; idle scales back down to zero, and no 
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import threading
 import time
@@ -15,11 +16,17 @@ import time
 import pytest
 from fleetkit import GatewayProcess, Kubelet, publish_gateway
 from kubekit import isvc_body, wait_for
+from prockit import http
 
 openai = importlib.import_module("openai")
 importlib.import_module("shoal.engine.gateway")
 
 ISVC = "inferenceservices"
+
+
+def running(env, ns: str, name: str) -> int | None:
+    """The autoscaler's replica count (status.autoscaling.desiredReplicas); spec.replicas stays the manifest's."""
+    return ((env.client.get(ISVC, ns, name).get("status") or {}).get("autoscaling") or {}).get("desiredReplicas")
 
 
 def stream(client, model: str, max_tokens: int) -> tuple[str, float, float]:
@@ -53,7 +60,7 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
             gateway = GatewayProcess(ns, name, service=f"{name}-engines")
             publish_gateway(env.client, ns, name, gateway.port)  # the operator scrapes its held requests too
             client = openai.OpenAI(base_url=gateway.base + "/v1", api_key="none", max_retries=0, timeout=120)
-            assert env.client.get(ISVC, ns, name)["spec"]["replicas"] == 0
+            assert running(env, ns, name) in (None, 0)
 
             # 1. from zero: the request is held, a replica starts, the request completes
             sent = time.monotonic()
@@ -80,7 +87,7 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
             for t in threads:
                 t.start()
             try:
-                wait_for(lambda: env.client.get(ISVC, ns, name)["spec"]["replicas"] == 2, 60, "scale up to 2")
+                wait_for(lambda: running(env, ns, name) == 2, 60, "scale up to 2")
                 # bounds, not expectations: a loaded 2-core machine takes up to a minute or two to start an engine
                 wait_for(lambda: len(kubelet.ready_pods()) == 2, 180, "second replica ready")
                 time.sleep(1.0)  # both replicas serve the load for a moment
@@ -93,7 +100,7 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
             assert any("1 -> 2 (ScaleUp)" in m for m in ups), ups
 
             # 3. idle: back to zero, pods drained and gone, and nobody saw an error
-            wait_for(lambda: env.client.get(ISVC, ns, name)["spec"]["replicas"] == 0, 60, "scale to zero")
+            wait_for(lambda: running(env, ns, name) == 0, 60, "scale to zero")
             wait_for(lambda: not kubelet.pods, 60, "engine pods gone")
             assert all(what.startswith("exited 0") for _t, _p, what in kubelet.events if what.startswith("exited"))
             reasons = [e["message"] for e in env.cluster.find("events", ns) if e["reason"] == "ScaledDown"]
@@ -110,4 +117,46 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
     finally:
         if gateway is not None:
             gateway.close()
+        env.client.delete(ISVC, ns, name)
+
+
+def test_unauthenticated_requests_at_zero_never_scale_the_fleet(env, ns):
+    """A gateway holding requests for a fleet at zero checks the engines' key first: a flood without it gets 401 at
+    once and wakes nothing, while one request with it does wake the autoscaler."""
+    name = "keyed"
+    env.client.create(ISVC, ns, isvc_body(name, {
+        "replicas": 0, "model": {"uri": "demo://"}, "security": {"apiKeySecretRef": {"name": "k", "key": "key"}},
+        "autoscaling": {"minReplicas": 0, "maxReplicas": 4, "targetInFlightPerReplica": 1,
+                        "scaleUpStabilizationSeconds": 0}}))
+    wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
+    gateway = GatewayProcess(ns, name, service=f"{name}-engines", hold_timeout=3, env={"SHOAL_API_KEY": "s3cret"})
+    try:
+        publish_gateway(env.client, ns, name, gateway.port)  # the operator reads held requests from it
+
+        def anonymous(i: int) -> int:
+            headers = {"Authorization": "Bearer guess"} if i % 2 else {}
+            return http("POST", gateway.url + "/v1/completions", body={"model": name, "prompt": "hi"},
+                        headers=headers, timeout=10)[0]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            started = time.monotonic()
+            codes = list(pool.map(anonymous, range(64)))
+        assert codes == [401] * 64 and time.monotonic() - started < 3  # none was held
+        time.sleep(2.5)  # several autoscaler ticks
+        isvc = env.client.get(ISVC, ns, name)
+        assert running(env, ns, name) in (None, 0)
+        wake = env.client.get("configmaps", ns, f"{name}-wake")
+        assert "serving.shoal.dev/wake-requested-at" not in (wake["metadata"].get("annotations") or {})
+        assert not [e for e in env.cluster.find("events", ns) if e["reason"] == "ScaledUp"]
+
+        # the same gateway with the key: held (503 after its 3 s hold, no engine runs here) and the fleet wakes
+        status = http("POST", gateway.url + "/v1/completions", body={"model": name, "prompt": "hi"},
+                      headers={"Authorization": "Bearer s3cret"}, timeout=10)[0]
+        assert status == 503
+        wait_for(lambda: running(env, ns, name) == 1, 10, "scale from zero")
+    except BaseException:
+        print("gateway log:", gateway.logs()[-5000:])
+        raise
+    finally:
+        gateway.close()
         env.client.delete(ISVC, ns, name)

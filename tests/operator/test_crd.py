@@ -77,7 +77,9 @@ def test_defaults_enums_ranges_present():
     assert engine["default"] == {} and engine["properties"]["tensorParallelSize"]["default"] == 1
     assert engine["properties"]["tensorParallelSize"]["minimum"] == 1
     assert engine["properties"]["dtype"]["enum"] == ["auto", "float32", "float16", "bfloat16"]
-    assert spec["properties"]["replicas"] == {"default": 1, "maximum": 1000, "minimum": 0, "type": "integer"}
+    replicas = spec["properties"]["replicas"]
+    assert {k: replicas[k] for k in ("default", "maximum", "minimum", "type")} == {
+        "default": 1, "maximum": 1000, "minimum": 0, "type": "integer"}
     assert spec["properties"]["security"]["properties"]["apiKeySecretRef"]["required"] == ["name"]
     assert spec["properties"]["model"]["properties"]["uri"]["default"] == api.DEMO_URI
 

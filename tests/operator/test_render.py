@@ -139,6 +139,24 @@ def test_cpu_demo_single_pod():
     assert dep["spec"]["selector"]["matchLabels"] == {L_ISVC: "llm", "app.kubernetes.io/component": "engine"}
 
 
+def test_cpu_pods_see_no_gpu_and_run_on_cpu():
+    """On a GPU node whose default runtime is nvidia, the CUDA image's NVIDIA_VISIBLE_DEVICES=all would hand a pod
+    without a GPU limit every GPU and `--device auto` would pick CUDA: CPU pods say cpu and hide the GPUs."""
+    cpu = {**TOPOLOGIES["cpu-demo"], "model": {"uri": "hf://org/m"}}
+    pod = by_kind(render.render(isvc(cpu), SETTINGS))[("Deployment", "llm")]["spec"]["template"]["spec"]
+    (c,), (init,) = pod["containers"], pod["initContainers"]
+    assert flag(c["args"], "--device") == "cpu"
+    for each in (c, init):  # every container of the pod runs on the CUDA image
+        env = {e["name"]: e.get("value") for e in each["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "void" and env["CUDA_VISIBLE_DEVICES"] == ""
+    gpu = container(by_kind(render.render(isvc(TOPOLOGIES["single-gpu"]), SETTINGS))[("Deployment", "llm")])
+    assert "--device" not in gpu["args"]  # the device plugin sets GPU visibility
+    assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & {e["name"] for e in gpu["env"]}
+    with pytest.raises(api.SpecError, match="run on CPU") as e:
+        render.render(isvc({**cpu, "engine": {"extraArgs": ["--device=cuda"]}}), SETTINGS)
+    assert e.value.field == "spec.engine.extraArgs[0]"
+
+
 def test_single_gpu_hf_model():
     kids = by_kind(render.render(isvc(TOPOLOGIES["single-gpu"]), SETTINGS))
     c = container(kids[("Deployment", "llm")])
@@ -329,9 +347,26 @@ def test_pod_security_and_probes():
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert c["startupProbe"]["failureThreshold"] == 180  # 1800 s default budget / 10 s period
-    assert pod["terminationGracePeriodSeconds"] == 30 + 5 + 15
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+
+
+def test_scale_down_drains_long_requests_and_a_failing_engine_stops_quickly():
+    """A removed replica (scale-down, rollout) finishes its long streams — the default drain is 15 minutes, not
+    30 s — while an engine that fails its liveness or startup probe is killed after its own short grace."""
+    dep = render.render(isvc(), SETTINGS)[0]
+    pod, c = dep["spec"]["template"]["spec"], container(dep)
+    assert flag(c["args"], "--shutdown-timeout") == "900"
+    assert pod["terminationGracePeriodSeconds"] == 900 + 5 + 15  # above the drain and the preStop sleep
+    assert c["livenessProbe"]["terminationGracePeriodSeconds"] == 30
+    assert c["startupProbe"]["terminationGracePeriodSeconds"] == 30
+    assert "terminationGracePeriodSeconds" not in c["readinessProbe"]  # the API refuses it there
+    gw = by_kind(render.render(isvc(), SETTINGS))[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]
+    assert flag(gw["containers"][0]["args"], "--shutdown-timeout") == "900"  # the gateway relays those streams
+    custom = render.render(isvc({"engine": {"shutdownTimeoutSeconds": 7200},
+                                 "probes": {"failureGracePeriodSeconds": 10}}), SETTINGS)[0]
+    assert container(custom)["livenessProbe"]["terminationGracePeriodSeconds"] == 10
+    assert custom["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 7200 + 5 + 15
 
 
 def test_network_policy_disabled_and_zero_replicas():
@@ -369,6 +404,9 @@ def test_platform_knobs_reach_every_pod_template():
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
         assert pod["initContainers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert tmpl["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        # Kueue reads the queue of the workload it admits (the StatefulSet), not of its pod template
+        assert obj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        assert "k8s.v1.cni.cncf.io/networks" not in obj["metadata"].get("annotations", {})
         assert tmpl["metadata"]["labels"][L_ISVC] == "llm"  # the overlay cannot break the selectors
         assert tmpl["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
         # the strategic-merge overlay: merged by name / mountPath, $patch: delete, new sidecar appended

@@ -34,7 +34,7 @@ def test_default_gateway_deployment():
     assert args[args.index("--service") + 1] == "llm-engines" and args[args.index("--namespace") + 1] == "team-a"
     assert args[args.index("--routing") + 1] == "prefix-load" and args[args.index("--port-name") + 1] == "http"
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/livez"
-    assert c["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}}
+    assert c["resources"] == {"requests": {"cpu": "250m", "memory": "514Mi"}, "limits": {"memory": "514Mi"}}
     assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"]
     assert pod["serviceAccountName"] == "llm-gateway" and pod["automountServiceAccountToken"] is True
     # streams may last as long as the engines' drain
@@ -70,6 +70,22 @@ def test_network_policies_clients_to_gateway_to_engines():
     assert gateway["spec"]["podSelector"] == {"matchLabels": GATEWAY_PODS}
     assert gateway["spec"]["ingress"][0]["from"] == [{"namespaceSelector": {"matchLabels": {"t": "x"}}}]
     assert k[("PodDisruptionBudget", "llm-gateway")]["spec"]["maxUnavailable"] == 1
+
+
+def test_the_gateway_admits_the_same_metrics_scrapers_as_the_engines():
+    """A ServiceMonitor of the gateways (its Prometheus in a monitoring namespace or given as metricsFrom) must not
+    find its targets down while the engines' are up."""
+    settings = Settings(engine_image="e", gateway_image="g", operator_namespace="shoal-system",
+                        metrics_namespaces=("monitoring",))
+    scraper = {"podSelector": {"matchLabels": {"app": "vmagent"}}, "namespaceSelector": {}}
+    k = {(c["kind"], c["metadata"]["name"]): c for c in render.render(
+        isvc({"security": {"networkPolicy": {"metricsFrom": [scraper]}}}), settings)}
+    engines, gateway = k[("NetworkPolicy", "llm")]["spec"]["ingress"], k[("NetworkPolicy", "llm-gateway")]["spec"]
+    assert engines[1] in gateway["ingress"]
+    froms = [peer for rule in gateway["ingress"] for peer in rule["from"]]
+    for ns in ("shoal-system", "monitoring"):
+        assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}} in froms
+    assert scraper in froms
 
 
 def test_gateway_options_reach_the_deployment():
@@ -109,10 +125,70 @@ def test_gateway_objects_are_valid_kubernetes():
 def test_scale_from_zero_makes_the_gateway_hold_requests_and_wake_the_autoscaler():
     k = kids({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "probes": {"startupTimeoutSeconds": 300}})
     args = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--hold-timeout") + 1] == "300" and args[args.index("--inferenceservice") + 1] == "llm"
-    # the Waker annotates its own InferenceService, and no other
-    assert k[("Role", "llm-gateway")]["rules"][1] == {"apiGroups": ["serving.shoal.dev"],
-                                                      "resources": ["inferenceservices"], "resourceNames": ["llm"],
-                                                      "verbs": ["patch"]}
+    assert args[args.index("--hold-timeout") + 1] == "300" and args[args.index("--wake-configmap") + 1] == "llm-wake"
+    # the Waker annotates a ConfigMap of its own, and may write nothing else (never its InferenceService)
+    assert k[("Role", "llm-gateway")]["rules"][1:] == [{"apiGroups": [""], "resources": ["configmaps"],
+                                                        "resourceNames": ["llm-wake"], "verbs": ["patch"]}]
+    wake = k[("ConfigMap", "llm-wake")]
+    assert wake["metadata"]["ownerReferences"][0]["name"] == "llm"
+    assert wake["metadata"]["labels"]["app.kubernetes.io/component"] == "wake"
+    assert not any(r["apiGroups"] == ["serving.shoal.dev"] for r in k[("Role", "llm-gateway")]["rules"])
+    assert ("ConfigMap", "llm-wake") not in kids({"autoscaling": {"minReplicas": 1, "maxReplicas": 2}})
+    # by default the hold outlasts GPU node provisioning + image pull + model load (the startup budget), not 600 s
+    args = kids({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}})[("Deployment", "llm-gateway")]["spec"][
+        "template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--hold-timeout") + 1] == "1800"
     assert "--hold-timeout" not in kids({"autoscaling": {"minReplicas": 1, "maxReplicas": 2}})[
         ("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_gateway_checks_the_engines_api_key_itself():
+    k = kids({"security": {"apiKeySecretRef": {"name": "llm-key", "key": "token"}},
+              "autoscaling": {"minReplicas": 0, "maxReplicas": 2}})
+    (c,) = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"]
+    # from the Secret as an env var (never an argument), so unauthenticated requests never hold or wake anything
+    assert c["env"] == [{"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "token"}}}]
+    assert not any("llm-key" in a or "api-key" in a for a in c["args"])
+    assert "env" not in kids()[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_gateway_timeouts_and_limits_are_spec_fields():
+    def args(spec=None):
+        return k_args(kids(spec))
+
+    def k_args(k):
+        return k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    default = args()
+    # a non-streaming generation may take an hour by default; silence between stream chunks ten minutes
+    assert default[default.index("--response-timeout") + 1] == "3600"
+    assert default[default.index("--read-timeout") + 1] == "600"
+    a = args({"gateway": {"responseTimeoutSeconds": 7200, "readTimeoutSeconds": 120, "maxBodyBytes": 1048576,
+                          "maxPending": 100}})
+    assert [a[a.index(f) + 1] for f in ("--response-timeout", "--read-timeout", "--max-body-bytes", "--max-pending")
+            ] == ["7200", "120", "1048576", "100"]
+    with pytest.raises(api.SpecError) as e:
+        kids({"gateway": {"responseTimeoutSeconds": 0}})
+    assert e.value.field == "spec.gateway.responseTimeoutSeconds"
+
+
+def test_gateway_memory_is_sized_from_its_bounds():
+    """The old 256Mi limit could not hold the prefix index at its cap plus 4,096 pending requests' bodies: the
+    gateway bounds the bodies it holds (maxBufferedBytes) and its memory is the sum of its bounds."""
+    def memory(spec=None):
+        c = kids(spec)[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
+        assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"]
+        return c["resources"]["limits"]["memory"], c["args"]
+
+    limit, args = memory()
+    mib = int(limit.removesuffix("Mi"))
+    bodies = int(args[args.index("--max-buffered-bytes") + 1])
+    pending = int(args[args.index("--max-pending") + 1])
+    assert bodies == 128 * 2**20 and pending == 4096
+    assert mib * 2**20 >= bodies + render.GATEWAY_INDEX_BYTES + render.GATEWAY_BASE_BYTES + pending * 16 * 1024
+    bigger, _ = memory({"gateway": {"maxBufferedBytes": 1024 * 2**20}})
+    assert int(bigger.removesuffix("Mi")) == mib + 1024 - 128
+    assert memory({"gateway": {"resources": {"memory": "2Gi"}}})[0] == "2Gi"  # the user's word wins
+    with pytest.raises(api.SpecError) as e:
+        kids({"gateway": {"maxBodyBytes": 2**20, "maxBufferedBytes": 2**19}})
+    assert e.value.field == "spec.gateway.maxBufferedBytes"

@@ -99,6 +99,42 @@ def test_scaled_to_zero():
     assert cond(s, "Ready")["reason"] == "ScaledToZero" and s["phase"] == "Pending"
 
 
+AUTOSCALED = {"autoscaling": {"minReplicas": 0, "maxReplicas": 4}}
+
+
+def test_an_idle_autoscaled_fleet_at_zero_is_ready_the_gateway_holds_and_wakes():
+    """`kubectl wait --for=condition=Ready` must not hang on a fleet idle at zero: requests will be served."""
+    s = status_for({**AUTOSCALED, "replicas": 0}, deployment(0, replicas=0), [])
+    assert cond(s, "Ready")["status"] == "True" and cond(s, "Ready")["reason"] == "ScaledToZero"
+    assert "the gateway holds requests" in cond(s, "Ready")["message"] and s["phase"] == "Ready"
+    assert cond(s, "Degraded")["status"] == "False"
+    # woken: the first replica loads while the gateway holds the requests
+    s = status_for(AUTOSCALED, deployment(0, replicas=1), [pod("p", started=False)],
+                   old={"autoscaling": {"desiredReplicas": 1}})
+    assert cond(s, "Ready")["status"] == "True" and cond(s, "Ready")["reason"] == "ScalingFromZero"
+    # but not when the replica cannot start: that is an error, whatever the gateway holds
+    s = status_for(AUTOSCALED, deployment(0, replicas=1), [pod("p", waiting={
+        "reason": "CrashLoopBackOff", "message": "back-off"}, running=False)],
+        old={"autoscaling": {"desiredReplicas": 1}})
+    assert cond(s, "Ready")["status"] == "False" and cond(s, "Ready")["reason"] == "CrashLoopBackOff"
+    # without the gateway nothing holds requests: spec.replicas 0 is still not ready
+    s = status_for({"replicas": 0}, deployment(0, replicas=0), [])
+    assert cond(s, "Ready")["status"] == "False"
+
+
+def test_a_scale_up_is_not_degradation():
+    s = status_for({**AUTOSCALED, "replicas": 1}, deployment(1, replicas=3),
+                   [pod("a", ready=True), pod("b", started=False), pod("c", started=False)],
+                   old={"autoscaling": {"desiredReplicas": 3}})
+    assert s["ready"] == "1/3" and s["phase"] == "Ready"
+    assert cond(s, "Ready")["status"] == "True" and cond(s, "Ready")["reason"] == "ScalingUp"
+    assert cond(s, "Degraded")["status"] == "False"
+    assert cond(s, "Progressing")["status"] == "True"
+    # the same numbers without autoscaling (replicas the user asked for are missing) stay not Ready
+    s = status_for({"replicas": 3}, deployment(1, replicas=3), [pod("a", ready=True)])
+    assert cond(s, "Ready")["status"] == "False" and s["phase"] == "Degraded"
+
+
 def test_last_transition_time_kept_while_status_unchanged():
     first = status_for({"replicas": 1}, deployment(1, replicas=1), [])
     old = dict(first)
@@ -243,3 +279,24 @@ def test_a_failing_download_reports_the_init_container():
     pod = downloading_pod("", waiting={"reason": "CrashLoopBackOff", "message": "back-off 40s"})
     s = status.compute_status(obj, render.plan(obj, Settings()), deployment(0, replicas=1), [pod], now=NOW)
     assert cond(s, "Ready")["reason"] == "CrashLoopBackOff" and "model-download" in cond(s, "Ready")["message"]
+
+
+async def test_the_status_patch_carries_the_resource_version_it_was_computed_from():
+    """The conditions list is replaced whole: without the resourceVersion an older copy of the autoscaler's
+    condition could be written back over a newer one."""
+    class RecordingKube:
+        def __init__(self):
+            self.patches = []
+
+        async def merge_patch(self, kind, namespace, name, patch, subresource=None):
+            self.patches.append((subresource, patch))
+            return {}
+
+    kube = RecordingKube()
+    reconciler = handlers.Reconciler(kube=kube, settings=Settings())
+    obj = isvc()
+    obj["metadata"]["resourceVersion"] = "41"
+    await reconciler._write_status(obj, {"phase": "Pending", "conditions": []})
+    ((subresource, patch),) = kube.patches
+    assert subresource == "status" and patch["metadata"]["resourceVersion"] == "41"
+    assert patch["status"]["phase"] == "Pending"

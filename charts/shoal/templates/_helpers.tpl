@@ -79,10 +79,6 @@ handlers and kopf itself use.
 - apiGroups: [serving.shoal.dev]
   resources: [inferenceservices/status]
   verbs: [patch]
-# The autoscaler (spec.autoscaling) sets replicas through the scale subresource, like `kubectl scale`.
-- apiGroups: [serving.shoal.dev]
-  resources: [inferenceservices/scale]
-  verbs: [patch]
 # Children carry ownerReferences with blockOwnerDeletion, which clusters with the
 # OwnerReferencesPermissionEnforcement admission plugin only allow with update on the owner's finalizers.
 - apiGroups: [serving.shoal.dev]
