@@ -82,10 +82,14 @@ class SpeculativeConfig(BaseModel):
     num_speculative_tokens: int = Field(gt=0, le=64, description="tokens proposed per step")
     prompt_lookup_max: int = Field(default=4, gt=0, description="longest n-gram matched")
     prompt_lookup_min: int = Field(default=1, gt=0, description="shortest n-gram matched")
-    # Off for a step when more sequences than this are decoding: verifying K+1 positions per sequence then costs
-    # more than the accepted tokens save. Measured with `shoal-engine bench latency --speculative-config ...` on
-    # the 2-core AVX2 development machine (float32, `smollm2-135m` preset, repetitive prompts): speculation
-    # (K=4) gains at batch 1-4, breaks even around 8 and loses at 16 and 32.
+    # Off for a step when more sequences than this are running: verifying K+1 positions per sequence then costs
+    # more than the accepted tokens save. Measured on the 2-core AVX2 development machine (float32, the `bench`
+    # preset, 128-token contexts, K=4 forced proposals; median step times, machine under load): a verification
+    # step costs 3.3x a decode step at batch 1 (a one-row matmul is a GEMV, K+1 rows a GEMM), 1.6x at 4, 1.1-1.5x
+    # at 8-32; where proposals come from a copy (acceptance ~0.99 on SmolLM2 quoting a passage) each step yields
+    # ~5 tokens, but proposals on ordinary text are mostly rejected, and at 32 sequences such rejected work
+    # (K tokens per sequence) is what makes a step compute-bound. 8 keeps batch-32 serving as it was
+    # (`bench throughput --num-prompts 32 --speculative-config ...`) and speculation for the low-batch case.
     disable_by_batch_size: int = Field(default=8, gt=0)
 
     @model_validator(mode="before")
