@@ -134,7 +134,9 @@ def test_proposals_never_cause_a_preemption():
         seq.token_ids.append(4)
         seq.spec_token_ids = [5, 6, 7]  # would need a second block each; only one is free
     out = sched.schedule()
-    assert not out.preempted and [s.num_draft for s in out.scheduled] == [0, 0]
+    # The first may not take the free block (the second might need it for its own token); the last may.
+    assert not out.preempted and [s.num_draft for s in out.scheduled] == [0, 3]
+    assert pool.num_free == 0
 
 
 # ------------------------------------------------------------------------------------------ greedy equality
