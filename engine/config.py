@@ -7,9 +7,11 @@ to every worker process (as JSON on its command line).
 
 from __future__ import annotations
 
+import argparse
+import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shoal.engine.flags import Flag, parse_bytes, parse_dtype, parse_int_list, parse_len
 
@@ -67,6 +69,54 @@ class DistributedConfig(BaseModel):
         if self.layer_partition is not None and min(self.layer_partition, default=0) < 1:
             raise ValueError(f"layer_partition {self.layer_partition} must list positive layer counts")
         return self
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (vLLM's --speculative-config JSON): cheap proposals of the next few tokens, verified
+    by the target model in one forward pass (engine/core/speculative.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram"] = Field(description="ngram: prompt lookup, the tokens that followed the latest earlier "
+                                                 "occurrence of the sequence's last n tokens")
+    num_speculative_tokens: int = Field(gt=0, le=64, description="tokens proposed per step")
+    prompt_lookup_max: int = Field(default=4, gt=0, description="longest n-gram matched")
+    prompt_lookup_min: int = Field(default=1, gt=0, description="shortest n-gram matched")
+    # Off for a step when more sequences than this are running: verifying K+1 positions per sequence then costs
+    # more than the accepted tokens save. Measured on the 2-core AVX2 development machine (float32, the `bench`
+    # preset, 128-token contexts, K=4 forced proposals; median step times, machine under load): a verification
+    # step costs 3.3x a decode step at batch 1 (a one-row matmul is a GEMV, K+1 rows a GEMM), 1.6x at 4, 1.1-1.5x
+    # at 8-32; where proposals come from a copy (acceptance ~0.99 on SmolLM2 quoting a passage) each step yields
+    # ~5 tokens, but proposals on ordinary text are mostly rejected, and at 32 sequences such rejected work
+    # (K tokens per sequence) is what makes a step compute-bound. 8 keeps batch-32 serving as it was
+    # (`bench throughput --num-prompts 32 --speculative-config ...`) and speculation for the low-batch case.
+    disable_by_batch_size: int = Field(default=8, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_method(cls, data):
+        if isinstance(data, dict) and data.get("method") not in (None, "ngram"):
+            raise ValueError(f"speculative method {data.get('method')!r} is not supported; this engine implements "
+                             "'ngram' (prompt lookup)")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+
+def parse_speculative_config(text: str) -> dict:
+    """The --speculative-config JSON object (its fields are checked by SpeculativeConfig)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--speculative-config is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--speculative-config must be a JSON object, got {text!r}")
+    return value
 
 
 class EngineConfig(BaseModel):
@@ -135,7 +185,17 @@ class EngineConfig(BaseModel):
     scheduling_policy: Annotated[Literal["fcfs", "priority"], Flag(
         ENGINE, "fcfs: first come, first served; priority: lowest request priority value first, then arrival")] = "fcfs"
 
+    speculative_config: Annotated[SpeculativeConfig | None, Flag(
+        ENGINE, 'speculative decoding as a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+                '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; "disable_by_batch_size" (default 8) switches it off '
+                'for steps with more decoding sequences', type=parse_speculative_config, metavar="JSON")] = None
+
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative_config(cls, value):
+        return json.loads(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -172,4 +172,10 @@ def to_args(model: type[BaseModel], field: str, value: Any) -> list[str]:
         return [name, repr(value)]
     if isinstance(value, (list, tuple)):
         return [name, ",".join(str(v) for v in value)]
+    if isinstance(value, BaseModel):  # a JSON-valued flag (--speculative-config)
+        return [name, value.model_dump_json(exclude_defaults=True)]
+    if isinstance(value, dict):
+        import json
+
+        return [name, json.dumps(value)]
     return [name, str(value)]

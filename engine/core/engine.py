@@ -43,6 +43,11 @@ class EngineStats:
     prefix_cache_hits_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Speculative decoding (vLLM's spec_decode_* counters): sequence-steps that verified proposals, proposed
+    # tokens verified, and those the model accepted.
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
 
 
 class ContextLengthError(ValueError):
@@ -134,6 +139,15 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.spec = config.speculative_config
+        self.proposer = None
+        if self.spec is not None:
+            from shoal.engine.core.speculative import NgramProposer
+
+            self.proposer = NgramProposer(self.spec)
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %s); max concurrency %.1f requests at max_model_len=%d; "
             "attention backend %s; prefix caching %s; max_num_batched_tokens=%d",
@@ -275,6 +289,8 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -291,11 +307,11 @@ class LLMEngine:
             self._record_prompt_logprob(request, row, sampled)
         now = time.time()
         touched: dict[str, Request] = {}
-        for i, seq in sampling:
-            self._append_token(seq, i, sampled)
-            seq.request.metrics.num_generation_tokens += 1
+        for i, seq, num_draft in sampling:
+            appended = self._append_tokens(seq, i, num_draft, sampled)
+            seq.request.metrics.num_generation_tokens += appended
+            self.generation_tokens_total += appended
             touched[seq.request.request_id] = seq.request
-        self.generation_tokens_total += len(sampling)
         outputs = []
         for request in touched.values():
             m = request.metrics
@@ -331,9 +347,16 @@ class LLMEngine:
             if s.samples:
                 if seq.grammar is not None:
                     constrained.append((len(rows), seq))
-                sampling.append((len(rows), seq))
-                rows.append(SamplingRow(seq.params, seq.request.prompt_token_ids, seq.output_token_ids,
-                                        seq.generator))
+                sampling.append((len(rows), seq, s.num_draft))
+                output = seq.output_token_ids
+                rows.append(SamplingRow(seq.params, seq.request.prompt_token_ids, output, seq.generator,
+                                        draft=seq.spec_token_ids[0] if s.num_draft else None))
+                # One row per proposal: the model's next token after it, as if the proposals before it had been
+                # generated (penalties and min_tokens see them).
+                for j in range(1, s.num_draft + 1):
+                    rows.append(SamplingRow(seq.params, seq.request.prompt_token_ids,
+                                            output + seq.spec_token_ids[:j], seq.generator,
+                                            draft=seq.spec_token_ids[j] if j < s.num_draft else None))
         if constrained:
             bitmask = torch.zeros(len(constrained), self._bitmask_words, dtype=torch.int32)
             for j, (i, seq) in enumerate(constrained):
@@ -348,6 +371,44 @@ class LLMEngine:
         for rank, (tid, lp) in enumerate(sampled.top_logprobs[row] or [], start=1):
             entry.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
         request.prompt_logprobs.append(entry)
+
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for this step's decoding sequences, or none at all when the batch is
+        large enough that verifying them costs more than they save (disable_by_batch_size)."""
+        running = self.scheduler.running
+        speculate = len(running) <= self.spec.disable_by_batch_size
+        for seq in running:
+            seq.spec_token_ids = []
+            if not speculate or seq.grammar is not None or seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            # Room for the proposals and the model's own token after them, within max_tokens and the context.
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+
+    def _append_tokens(self, seq: Sequence, row: int, num_draft: int, sampled) -> int:
+        """Append a sequence's sampled token, or, after a speculative step, its accepted proposals and the
+        model's token after them, one at a time, so every stop condition applies exactly as without speculation.
+        Returns the number of tokens appended."""
+        if not num_draft:
+            self._append_token(seq, row, sampled)
+            return 1
+        draft = seq.spec_token_ids
+        accepted = 0
+        for j in range(num_draft + 1):
+            token = sampled.token_ids[row + j]
+            self._append_token(seq, row + j, sampled)
+            if j == num_draft or token != draft[j]:
+                break
+            accepted += 1
+            if seq.is_finished:
+                break
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_draft
+        self.spec_num_accepted_tokens += accepted
+        seq.spec_token_ids = []
+        if not seq.is_finished:
+            self.scheduler.accept_draft(seq, accepted)
+        return j + 1
 
     def _append_token(self, seq: Sequence, row: int, sampled) -> None:
         token = sampled.token_ids[row]
@@ -445,6 +506,9 @@ class LLMEngine:
             prefix_cache_hits_total=self.pool.prefix_hits,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            spec_decode_num_drafts_total=self.spec_num_drafts,
+            spec_decode_num_draft_tokens_total=self.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens_total=self.spec_num_accepted_tokens,
         )
 
     def shutdown(self) -> None:

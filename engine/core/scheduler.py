@@ -38,6 +38,9 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     samples: bool  # this step computes the sequence's last known token, so a new one is sampled
+    # Speculative decoding: the first num_draft of seq.spec_token_ids follow its last token in this step (they are
+    # part of num_new_tokens); every one of them gets a logits row too.
+    num_draft: int = 0
     # Positions of this step whose logits score the next prompt token (prompt logprobs), set by the engine.
     scored: range = range(0)
 
@@ -129,6 +132,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            draft = 0
+            if seq.spec_token_ids and seq.num_tokens - seq.num_computed_tokens == 1:
+                # Proposals ride along only on blocks that are free anyway: never at the price of a preemption
+                # (each sequence still to be scheduled may need one new block for its own token).
+                draft = min(len(seq.spec_token_ids), budget - 1)
+                spare = self.pool.num_free - (len(self.running) - i - 1)
+                if self._blocks_needed(seq, seq.num_computed_tokens + 1 + draft) > spare:
+                    draft = 0
+                n += draft
             need = self._blocks_needed(seq, seq.num_computed_tokens + n)
             while need > self.pool.num_free and self.running[-1] is not seq:
                 self._preempt(self.running[-1], out)
@@ -136,7 +148,7 @@ class Scheduler:
                 self._preempt(seq, out)  # the last unscheduled sequence itself: nothing is left to schedule
                 break
             seq.block_ids += self.pool.allocate(need)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n - draft == seq.num_tokens, draft))
             budget -= n
             i += 1
 
@@ -172,10 +184,23 @@ class Scheduler:
         """Account for the tokens computed this step and publish newly filled blocks to the prefix cache."""
         for s in out.scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
+            # Proposed tokens count once accepted (accept_draft): until then their keys/values are not the
+            # sequence's, and no block holding them may enter the prefix cache.
+            seq.num_computed_tokens += s.num_new_tokens - s.num_draft
             self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens)
             if self.sliding_window is not None:  # after publishing: a block is hashed before it can slide out
                 self._free_slid_out_blocks(seq)
+
+    def accept_draft(self, seq: Sequence, num_accepted: int) -> None:
+        """After a speculative step appended num_accepted proposed tokens (and one of the model's own): their
+        keys/values are the sequence's now; those of the rejected ones are dropped by releasing every block past
+        the computed tokens (the next step rewrites those positions anyway)."""
+        seq.num_computed_tokens += num_accepted
+        self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens)
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if len(seq.block_ids) > keep:
+            self.pool.free(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInputs:
@@ -199,7 +224,9 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
             positions.append(c)
             slots.append(blocks[c // block_size] * block_size + c % block_size)
         else:
-            tokens.extend(seq.token_ids[c:c + n])
+            tokens.extend(seq.token_ids[c:c + n - s.num_draft])
+            if s.num_draft:
+                tokens.extend(seq.spec_token_ids[:s.num_draft])
             span = range(c, c + n)
             positions.extend(span)
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
@@ -210,7 +237,10 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
         for p in s.scored:  # prompt positions whose logits score the next prompt token
             logits_indices.append(len(tokens) - n + (p - c))
         if s.samples:
-            logits_indices.append(len(tokens) - 1)
+            if s.num_draft:  # the last token and each proposal: the model's next token after every one
+                logits_indices.extend(range(len(tokens) - 1 - s.num_draft, len(tokens)))
+            else:
+                logits_indices.append(len(tokens) - 1)
     return StepInputs(
         input_ids=torch.tensor(tokens, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),

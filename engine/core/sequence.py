@@ -44,6 +44,9 @@ class Sequence:
     unsent_text: str = ""
     finish_sent: bool = False
     grammar: object = None  # a structured_outputs.GrammarMatcher when the request is grammar-constrained
+    # Speculative decoding: tokens proposed to follow token_ids this step (engine/core/speculative.py); the
+    # scheduler decides how many of them are verified (ScheduledSeq.num_draft).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def prompt_scored_upto(self) -> int | None:

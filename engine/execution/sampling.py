@@ -92,6 +92,12 @@ class SamplingRow:
     # Scoring rows (prompt logprobs): the row's "sample" is this known next prompt token; only its logprob and
     # the top-`params.prompt_logprobs` alternatives are computed.
     target: int | None = None
+    # Speculative decoding: the token proposed for this position. The row's token is then the model's verdict on
+    # it: greedy rows take the argmax as always (equal to the draft when the model agrees); sampled rows keep the
+    # draft with probability p(draft) and otherwise draw from p with the draft removed (rejection sampling against
+    # a proposal that is a point mass), so the token is distributed exactly as p. The draft survives iff the
+    # row's token equals it.
+    draft: int | None = None
 
     def for_remote(self) -> "SamplingRow":
         """A picklable copy for a sampler in another process (the last pipeline stage): the seeded draw is made
@@ -108,7 +114,7 @@ class SamplingRow:
             params=p,
             prompt_token_ids=list(self.prompt_token_ids) if p.repetition_penalty != 1.0 else [],
             output_token_ids=list(self.output_token_ids) if (p.uses_penalties or p.min_tokens) else [],
-            uniform=uniform, token_bitmask=self.token_bitmask, target=self.target,
+            uniform=uniform, token_bitmask=self.token_bitmask, target=self.target, draft=self.draft,
         )
 
 
@@ -306,6 +312,24 @@ class Sampler:
             r, t, v = idx(fr_r + pr_r, fr_t + pr_t, fr_v + pr_v)
             x.index_put_((r, t), v, accumulate=True)
 
+    @classmethod
+    def _draw(cls, probs: torch.Tensor, u: torch.Tensor, draft_col: torch.Tensor | None) -> torch.Tensor:
+        """Column drawn per row from unnormalised weights; where draft_col >= 0, the proposed column is verified
+        first: kept when u < p(draft), else a draw from the weights without it, using the same uniform rescaled
+        to [0, 1) (given u >= p, (u - p) / (1 - p) is uniform again). Altogether: inverse CDF with the draft
+        first, so the result is distributed exactly as the weights and equals the draft with probability p."""
+        if draft_col is None:
+            return cls._inverse_cdf(probs, u)
+        has = draft_col >= 0
+        col = draft_col.clamp_min(0).unsqueeze(1)
+        total = probs.sum(dim=-1)
+        p = torch.where(has, probs.gather(1, col).squeeze(1) / total, torch.zeros_like(total))
+        rest = probs.scatter(1, col, 0.0)
+        rest = torch.where(has.unsqueeze(1), rest, probs)
+        keep = has & ((u < p) | (rest.sum(dim=-1) <= 0))
+        u2 = torch.where(has, ((u - p) / (1 - p).clamp_min(1e-30)).clamp(0.0, 1.0), u)
+        return torch.where(keep, col.squeeze(1), cls._inverse_cdf(rest, u2))
+
     @staticmethod
     def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """One draw per row from unnormalised non-negative weights; a zero-weight column is never chosen."""
@@ -347,6 +371,9 @@ class Sampler:
         top_p = [p.top_p for p in rp]
         min_p = [p.min_p for p in rp]
         u = self._uniforms(rows, rand_rows, device)
+        drafts = None
+        if any(rows[i].draft is not None for i in rand_rows):
+            drafts = torch.tensor([-1 if rows[i].draft is None else rows[i].draft for i in rand_rows], device=device)
 
         out = torch.empty(n, dtype=torch.long, device=device)
         trunc = [j for j in range(n) if top_k[j] or top_p[j] < 1.0]
@@ -359,7 +386,8 @@ class Sampler:
             if any(mp):
                 thr = probs.amax(dim=-1, keepdim=True) * torch.tensor(mp, device=device, dtype=probs.dtype).unsqueeze(1)
                 probs = probs.masked_fill(probs < thr, 0.0)
-            tok = self._inverse_cdf(probs, u if pi is None else u.index_select(0, pi))
+            tok = self._draw(probs, u if pi is None else u.index_select(0, pi),
+                             None if drafts is None else drafts if pi is None else drafts.index_select(0, pi))
             if pi is None:
                 out = tok
             else:
@@ -376,12 +404,14 @@ class Sampler:
             tk = [top_k[j] for j in trunc]
             tp = [top_p[j] for j in trunc]
             tm = [min_p[j] for j in trunc]
-            tok, resolved = self._truncated(zt, K, tk, tp, tm, ut)
+            dt = None if drafts is None else drafts if every else drafts.index_select(0, ti)
+            tok, resolved = self._truncated(zt, K, tk, tp, tm, ut, dt)
             if resolved is not None and not bool(resolved.all()):
                 bad = torch.nonzero(~resolved).squeeze(1)
                 bl = bad.tolist()
                 tok2, _ = self._truncated(zt.index_select(0, bad), V, [tk[b] for b in bl], [tp[b] for b in bl],
-                                          [tm[b] for b in bl], ut.index_select(0, bad))
+                                          [tm[b] for b in bl], ut.index_select(0, bad),
+                                          None if dt is None else dt.index_select(0, bad))
                 tok = tok.index_copy(0, bad, tok2)
             if every:
                 out = tok
@@ -394,7 +424,7 @@ class Sampler:
         return tokens
 
     def _truncated(self, z: torch.Tensor, K: int, top_k: list[int], top_p: list[float], min_p: list[float],
-                   u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   u: torch.Tensor, drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """top-k -> top-p -> min-p -> sample in the space of the K best tokens of each row (sorted, descending).
 
         Returns the sampled token ids and, when K < V, which rows the candidates decided (None when K == V).
@@ -434,5 +464,10 @@ class Sampler:
         if any(m > 0.0 for m in min_p):
             mp = torch.tensor(min_p, device=device, dtype=probs.dtype).unsqueeze(1)
             probs = probs.masked_fill(probs < probs[:, :1] * mp, 0.0)
-        idx = self._inverse_cdf(probs, u)
+        draft_col = None
+        if drafts is not None:  # the proposal's place among the candidates; -1: not one of them (probability 0)
+            match = ids == drafts.unsqueeze(1)
+            draft_col = torch.where(match.any(dim=-1), match.to(torch.uint8).argmax(dim=-1),
+                                    torch.full_like(drafts, -1))
+        idx = self._draw(probs, u, draft_col)
         return ids.gather(1, idx.unsqueeze(1)).squeeze(1), resolved

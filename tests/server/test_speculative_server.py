@@ -1,0 +1,40 @@
+"""`shoal-engine serve --speculative-config ...`: the OpenAI server with n-gram speculative decoding returns the
+non-speculative engine's greedy completions (streamed and not) and reports vLLM's spec_decode_* counters."""
+
+from __future__ import annotations
+
+import json
+
+from openai import OpenAI
+
+from shoal.engine import LLM, SamplingParams
+
+from .conftest import metric
+
+PROMPTS = ["one two three four five six one two three four five six one two three",
+           "the cat sat on the mat, the cat sat on the mat, the cat",
+           "A B C A B C A B C A B",
+           "def f(x): return x + 1\ndef g(x): return x + 1\ndef h(x): return"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_server_greedy_equals_non_speculative_and_counts(start_server, llama_model):
+    with LLM(model=llama_model, dtype="float32", max_model_len=256) as llm:
+        ref = [o.outputs[0].text for o in llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+    server = start_server(llama_model, "--max-model-len", "256", "--num-kv-blocks", "64",
+                          "--speculative-config", json.dumps(NGRAM))
+    client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    extra = {"ignore_eos": True}
+    for prompt, want in zip(PROMPTS, ref):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+        assert r.choices[0].text == want
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                           extra_body=extra)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    m = server.metrics()
+    drafted = metric(m, "shoal:spec_decode_num_draft_tokens_total", model_name="tiny")
+    accepted = metric(m, "shoal:spec_decode_num_accepted_tokens_total", model_name="tiny")
+    assert metric(m, "shoal:spec_decode_num_drafts_total", model_name="tiny") > 0
+    assert 0 < accepted <= drafted
+    assert metric(m, "shoal:num_free_kv_blocks") == metric(m, "shoal:num_kv_blocks")
