@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -43,6 +43,12 @@ class EngineStats:
     prefix_cache_hits_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # LoRA (--enable-lora): adapter names with running / waiting sequences (vLLM's lora_requests_info), resident
+    # (loaded) adapters, and every registered adapter as (name, path, created)
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
+    lora_resident: list[str] = field(default_factory=list)
+    lora_registered: list[tuple[str, str, int]] = field(default_factory=list)
 
 
 class ContextLengthError(ValueError):
@@ -465,7 +471,13 @@ class LLMEngine:
         return waiting + prefilling
 
     def get_stats(self) -> EngineStats:
-        return EngineStats(
+        lora = {}
+        if self.lora is not None:
+            running, waiting = self.lora.running_waiting(self.scheduler)
+            lora = dict(lora_running=running, lora_waiting=waiting,
+                        lora_resident=[v.name for v in self.lora.resident.values()],
+                        lora_registered=[(v.name, v.path, v.created) for v in self.lora.registered.values()])
+        return EngineStats(**lora,
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             num_waiting_prefill_tokens=self._waiting_prefill_tokens(),

@@ -72,6 +72,25 @@ class _EngineStatsCollector:
                       get("prefix_cache_hits_total"))
         yield counter("prompt_tokens", "Number of prefill tokens processed.", get("prompt_tokens_total"))
         yield counter("generation_tokens", "Number of generation tokens processed.", get("generation_tokens_total"))
+        yield from self._lora(s)
+
+    def _lora(self, s):
+        """vLLM's lora_requests_info (adapters of running / waiting requests; the value is the snapshot's time) and
+        the adapters resident (loaded) on this engine, which routers use for adapter affinity."""
+        cfg = self.engine.config
+        if not cfg.enable_lora:
+            return
+        when = self.engine.snapshot.time
+        info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(cfg.max_loras), ",".join(getattr(s, "lora_running", [])),
+                         ",".join(getattr(s, "lora_waiting", []))], when)
+        yield info
+        resident = GaugeMetricFamily(PREFIX + "lora_resident_info", "LoRA adapters loaded on this engine.",
+                                     labels=["max_cpu_lora", "resident_lora_adapters"])
+        resident.add_metric([str(cfg.max_cpu_loras or cfg.max_loras), ",".join(getattr(s, "lora_resident", []))],
+                            when)
+        yield resident
 
 
 class ServerMetrics(MetricsSink):
