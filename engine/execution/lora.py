@@ -14,8 +14,9 @@ base layer: column-parallel layers keep A whole and slice B by output; row-paral
 keep B whole, and the layer's existing all-reduce sums the partial updates (sum_k x_k A_k^T B^T = x A^T B^T).
 
 The batch's token -> slot map (-1: base model) is set once per step (LoRAState); `lora_apply_` adds every
-token's update grouped by slot: a C++ kernel on CPU (csrc/cpu_lora.cpp, two GEMMs per active slot), a masked
-dense form elsewhere (one GEMM pair over all slots, no loop).
+token's update grouped by slot: a C++ kernel on CPU (csrc/cpu_lora.cpp, two GEMMs per active slot), a Triton
+kernel on CUDA (layers/lora_triton.py, each token gathers its own adapter's A and B), and a masked dense torch form
+otherwise (one GEMM pair over all slots, no loop).
 """
 
 from __future__ import annotations
@@ -188,11 +189,20 @@ def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: t
 
 
 def lora_apply_(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor) -> None:
-    kernel = _cpu_kernel() if x.device.type == "cpu" else None
-    if kernel is not None:
-        kernel(y, x.contiguous(), A, B, slots)
-    else:
-        lora_apply_reference(y, x, A, B, slots)
+    """y += per token (x @ A[slots[t]]^T) @ B[slots[t]]: the C++ kernel on CPU, Triton on CUDA, else the masked
+    torch form."""
+    if x.device.type == "cpu":
+        kernel = _cpu_kernel()
+        if kernel is not None:
+            kernel(y, x.contiguous(), A, B, slots)
+            return
+    elif x.device.type == "cuda":
+        from shoal.engine.execution.layers.lora_triton import lora_apply_triton, triton
+
+        if triton is not None:
+            lora_apply_triton(y, x, A, B, slots)
+            return
+    lora_apply_reference(y, x, A, B, slots)
 
 
 # ------------------------------------------------------------------------------------------ slots per layer

@@ -77,8 +77,8 @@ class _EngineStatsCollector:
     def _lora(self, s):
         """vLLM's lora_requests_info (adapters of running / waiting requests; the value is the snapshot's time) and
         the adapters resident (loaded) on this engine, which routers use for adapter affinity."""
-        cfg = self.engine.config
-        if not cfg.enable_lora:
+        cfg = getattr(self.engine, "config", None)
+        if not getattr(cfg, "enable_lora", False):
             return
         when = self.engine.snapshot.time
         info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
