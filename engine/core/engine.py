@@ -49,6 +49,7 @@ class EngineStats:
     lora_waiting: list[str] = field(default_factory=list)
     lora_resident: list[str] = field(default_factory=list)
     lora_registered: list[tuple[str, str, int]] = field(default_factory=list)
+    lora_loads_total: int = 0  # adapter loads onto the ranks (registrations and reloads after eviction)
 
 
 class ContextLengthError(ValueError):
@@ -476,7 +477,8 @@ class LLMEngine:
             running, waiting = self.lora.running_waiting(self.scheduler)
             lora = dict(lora_running=running, lora_waiting=waiting,
                         lora_resident=[v.name for v in self.lora.resident.values()],
-                        lora_registered=[(v.name, v.path, v.created) for v in self.lora.registered.values()])
+                        lora_registered=[(v.name, v.path, v.created) for v in self.lora.registered.values()],
+                        lora_loads_total=len(self.lora.load_seconds))
         return EngineStats(**lora,
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),

@@ -91,6 +91,10 @@ class _EngineStatsCollector:
         resident.add_metric([str(cfg.max_cpu_loras or cfg.max_loras), ",".join(getattr(s, "lora_resident", []))],
                             when)
         yield resident
+        loads = CounterMetricFamily(PREFIX + "lora_loads", "LoRA adapter loads (at registration and again after "
+                                    "an eviction).", labels=["model_name"])
+        loads.add_metric([self.model_name], float(getattr(s, "lora_loads_total", 0) or 0))
+        yield loads
 
 
 class ServerMetrics(MetricsSink):
