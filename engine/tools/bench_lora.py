@@ -55,8 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         return best
 
     results = {}
+    print(f"model {model_dir.name}; {len(reqs)} requests, {tokens} output tokens; {args.adapters} adapters of rank "
+          f"{args.rank} over q/k/v/o/gate/up/down", flush=True)
+
+    def report(name: str, seconds: float) -> None:
+        results[name] = seconds
+        rate, base = tokens / seconds, tokens / results["base model, LoRA off"]
+        print(f"  {name:<24} {rate:8.1f} output tok/s  ({(rate / base - 1) * 100:+.1f}% vs base)", flush=True)
+
     with LLM(model=str(model_dir), **common) as llm:
-        results["base model, LoRA off"] = timed(llm, [None] * len(reqs))
+        report("base model, LoRA off", timed(llm, [None] * len(reqs)))
     with tempfile.TemporaryDirectory(prefix="shoal-bench-lora-") as tmp:
         t0 = time.perf_counter()
         dirs = [make_lora_adapter(Path(tmp, f"a{i}"), model_dir, rank=args.rank, alpha=2 * args.rank, seed=i)
@@ -70,16 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 engine.add_lora(f"a{i}", str(d))
                 load.append(time.perf_counter() - t0)
-            results["base model, LoRA on"] = timed(llm, [None] * len(reqs))
-            results[f"{args.adapters} adapters mixed"] = timed(llm, [f"a{i % args.adapters}" for i in range(len(reqs))])
-    print(f"model {model_dir.name}; {len(reqs)} requests, {tokens} output tokens; {args.adapters} adapters of rank "
-          f"{args.rank} over q/k/v/o/gate/up/down (made in {made:.1f}s)")
-    base = tokens / results["base model, LoRA off"]
-    for name, seconds in results.items():
-        rate = tokens / seconds
-        print(f"  {name:<24} {rate:8.1f} output tok/s  ({(rate / base - 1) * 100:+.1f}% vs base)")
-    print(f"  adapter load time: mean {sum(load) / len(load) * 1000:.1f} ms, max {max(load) * 1000:.1f} ms "
-          f"(validate + read + shard on every rank)")
+            print(f"  adapter load time: mean {sum(load) / len(load) * 1000:.1f} ms, max {max(load) * 1000:.1f} ms "
+                  f"(validate + read + shard; {args.adapters} adapters made in {made:.1f}s)", flush=True)
+            report("base model, LoRA on", timed(llm, [None] * len(reqs)))
+            mixed = [f"a{i % args.adapters}" for i in range(len(reqs))]
+            report(f"{args.adapters} adapters mixed", timed(llm, mixed))
     return 0
 
 

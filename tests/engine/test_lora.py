@@ -210,3 +210,16 @@ def test_load_and_unload_while_requests_run(llama_model, adapters, tmp_path_fact
         check(llm, llama_model, adapters, tmp_path_factory, [names[k] for k in outputs], list(outputs.values()))
         assert [v.name for v in engine.lora.resident.values()] == ["attn4"]  # all8 left once its requests did
         engine.pool.check_all_free()
+
+
+def test_lora_options_are_checked():
+    from shoal.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="must be name=path"):
+        EngineConfig(model="m", enable_lora=True, lora_modules=["nopath"])
+    with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
+        EngineConfig(model="m", lora_modules=["a=/x"])
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineConfig(model="m", enable_lora=True, max_loras=4, max_cpu_loras=2)
+    assert EngineConfig(model="m", enable_lora=True, lora_modules=["a=/x=y", "b=/z"]).lora_paths == {
+        "a": "/x=y", "b": "/z"}
