@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ def merged_model(model_dir, adapter_dir, out_root) -> Path:
     key = (str(model_dir), str(adapter_dir))
     if key in _merged:
         return _merged[key]
-    out = Path(out_root) / f"merged-{Path(adapter_dir).name}"
+    out = Path(tempfile.mkdtemp(prefix=f"merged-{Path(adapter_dir).name}-", dir=out_root)) / "model"
     shutil.copytree(model_dir, out)
     cfg = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
     lora = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
