@@ -22,6 +22,7 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 AttentionBackend = Literal["auto", "sdpa", "triton", "flash", "cpu"]
 
 MODEL, ENGINE, MULTI_NODE = "model", "engine", "multi-node (torch.distributed)"  # --help sections
+LORA = "LoRA adapters"
 
 
 class DistributedConfig(BaseModel):
@@ -189,6 +190,17 @@ class EngineConfig(BaseModel):
         ENGINE, 'speculative decoding as a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                 '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; "disable_by_batch_size" (default 8) switches it off '
                 'for steps with more decoding sequences', type=parse_speculative_config, metavar="JSON")] = None
+    enable_lora: Annotated[bool, Flag(
+        LORA, "serve LoRA adapters (PEFT directories) of the base model; one batch mixes adapters and the base "
+              "model; clients name an adapter as `model`")] = False
+    lora_modules: Annotated[list[str] | None, Flag(
+        LORA, "adapters to register at start-up, as name=path (PEFT adapter directories)", nargs="+",
+        metavar="NAME=PATH")] = None
+    max_loras: Annotated[int, Flag(LORA, "adapters in one batch (device slots)")] = Field(default=1, gt=0)
+    max_lora_rank: Annotated[int, Flag(LORA, "the highest adapter rank accepted")] = Field(default=16, gt=0)
+    max_cpu_loras: Annotated[int | None, Flag(
+        LORA, "adapters kept loaded (least recently used evicted; default: --max-loras)")] = Field(default=None,
+                                                                                                 gt=0)
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
@@ -203,6 +215,14 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size ({self.block_size})"
             )
+        for entry in self.lora_modules or []:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules entry {entry!r} must be name=path")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         d = self.distributed
         if self.world_size % d.nnodes:
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
@@ -215,6 +235,11 @@ class EngineConfig(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """{adapter name: path} of --lora-modules."""
+        return dict(e.partition("=")[::2] for e in self.lora_modules or [])
 
     @property
     def world_size(self) -> int:

@@ -162,6 +162,10 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] int64: rows whose next-token logits are needed
     query_lens: list[int]
     seq_lens_list: list[int]
+    # Multi-LoRA (--enable-lora): each token's adapter slot ([T] int64, -1 = the base model), None when no token
+    # of the step uses an adapter; and the adapter id every slot must hold for this step (None = any).
+    lora_token_slots: torch.Tensor | None = None
+    lora_slot_ids: list[int | None] | None = None
 
     def to(self, device: torch.device) -> "StepInputs":
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)

@@ -32,6 +32,7 @@ class Flag:
     aliases: tuple[str, ...] = ()  # short forms: "-tp"
     type: Callable[[str], Any] | None = None  # parser of the text; default: from the annotation
     metavar: str | None = None
+    nargs: str | None = None  # "+": several values after one flag (vLLM's --lora-modules a=p b=q)
 
 
 # ------------------------------------------------------------------------------------------- value parsers
@@ -145,6 +146,8 @@ def add_flags(group: Any, model: type[BaseModel], section: str) -> None:
             help_text += " (default: %(default)s)"
         if flag.metavar:
             kw["metavar"] = flag.metavar
+        if flag.nargs:
+            kw["nargs"] = flag.nargs
         group.add_argument(flag_name(model, field), *flag.aliases, help=help_text, **kw)
 
 
@@ -170,6 +173,8 @@ def to_args(model: type[BaseModel], field: str, value: Any) -> list[str]:
         return [name] if value else []
     if isinstance(value, float):
         return [name, repr(value)]
+    if isinstance(value, (list, tuple)) and flag_of(info) is not None and flag_of(info).nargs:
+        return [name, *(str(v) for v in value)]
     if isinstance(value, (list, tuple)):
         return [name, ",".join(str(v) for v in value)]
     if isinstance(value, BaseModel):  # a JSON-valued flag (--speculative-config)

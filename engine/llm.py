@@ -41,9 +41,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: str | Sequence[str | None] | None = None
+                 ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in input order. use_tqdm: a progress bar on stderr (requests
-        finished, prompt and output tokens/s so far), like vLLM's."""
+        finished, prompt and output tokens/s so far), like vLLM's. lora_request: a registered adapter's name for
+        every prompt, or one name (None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = [self._prompt(p) for p in prompts]
@@ -55,15 +57,21 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, str):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = []
         progress = _Progress(len(prompts)) if use_tqdm else None
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, lora in zip(prompts, params, loras):
                 rid = str(next(self._ids))
                 if sp.output_kind is not RequestOutputKind.FINAL_ONLY:
                     sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # no per-step copies of the outputs
-                engine.add_request(rid, prompt, sp)
+                engine.add_request(rid, prompt, sp, lora_request=lora)
                 ids.append(rid)
             finished: dict[str, RequestOutput] = {}
             while len(finished) < len(ids):

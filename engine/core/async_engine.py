@@ -85,6 +85,7 @@ class _Request:
 
 _ADD = "add"
 _ABORT = "abort"
+_CALL = "call"
 _ACCEPTED = object()  # first item on a request's queue once LLMEngine.add_request succeeded
 _FINISHED = object()  # end of a request's stream
 
@@ -285,6 +286,7 @@ class AsyncEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: str | None = None,
     ) -> RequestStream:
         """Hand a request to the engine thread; returns once LLMEngine accepted it.
 
@@ -302,7 +304,7 @@ class AsyncEngine:
         self._requests[request_id] = req
         with self._lock:
             self._pending_adds += 1
-        self._inbox.put((_ADD, req, prompt, params, priority, arrival))
+        self._inbox.put((_ADD, req, prompt, params, priority, arrival, lora_request))
         stream = RequestStream(self, req)
         try:
             while True:
@@ -337,6 +339,16 @@ class AsyncEngine:
                 yield out
         finally:
             stream.abort()
+
+    async def run_in_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(LLMEngine) on the engine thread between two steps (e.g. loading a LoRA adapter) and return its
+        result, or raise its exception."""
+        if self._thread is None or not self._thread.is_alive() or self.engine is None:
+            raise EngineNotReadyError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put((_CALL, fn, loop, future))
+        return await future
 
     async def compile_grammar(self, spec: Any) -> Any:
         """Compile a StructuredOutputsParams (cached) on a worker thread, so neither the event loop nor the engine
@@ -433,16 +445,25 @@ class AsyncEngine:
         num_adds = 0
         for item in items:
             if item[0] == _ADD:
-                _, req, prompt, params, priority, arrival = item
+                _, req, prompt, params, priority, arrival, lora = item
                 num_adds += 1
                 try:
-                    engine.add_request(req.request_id, prompt, params, arrival_time=arrival, priority=priority)
+                    engine.add_request(req.request_id, prompt, params, arrival_time=arrival, priority=priority,
+                                       lora_request=lora)
                     accepted.append((req, _ACCEPTED))
                 except (ValueError, TypeError, OverflowError) as e:  # bad input: the caller's 400
                     accepted.append((req, e if isinstance(e, ValueError) else ValueError(str(e))))
                 except Exception as e:  # noqa: BLE001 - fails this request only, never the loop
                     logger.exception("add_request failed for %s", req.request_id)
                     accepted.append((req, RequestFailedError(f"the engine could not accept the request: {e}")))
+            elif item[0] == _CALL:  # run_in_engine: fn(engine) between steps, its result to the caller
+                _, fn, loop, future = item
+                try:
+                    result, error = fn(engine), None
+                except Exception as e:  # noqa: BLE001 - the caller's error, never the loop's
+                    result, error = None, e
+                self._refresh_stats()  # what the caller changed shows in the snapshot before it hears back
+                loop.call_soon_threadsafe(_settle, future, result, error)
             elif item[0] == _ABORT:
                 ids = [i for i in item[1] if i in self._requests]
                 if ids:
@@ -519,6 +540,15 @@ class AsyncEngine:
             self.snapshot = StatsSnapshot(self.engine.get_stats(), time.time())
         except Exception:  # noqa: BLE001
             logger.debug("get_stats failed", exc_info=True)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _deliver(items: list) -> None:

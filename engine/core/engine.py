@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -17,6 +17,7 @@ import torch
 from shoal.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from shoal.engine.contracts import RequestOutputKind, SamplingParams
 from shoal.engine.core.kv_cache import BlockPool
+from shoal.engine.core.lora import LoRARegistry, LoRARequest
 from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from shoal.engine.core.scheduler import ScheduledSeq, Scheduler, build_step_inputs
 from shoal.engine.core.sequence import Request, Sequence, SeqStatus
@@ -48,6 +49,13 @@ class EngineStats:
     spec_decode_num_drafts_total: int = 0
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
+    # LoRA (--enable-lora): adapter names with running / waiting sequences (vLLM's lora_requests_info), resident
+    # (loaded) adapters, and every registered adapter as (name, path, created)
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
+    lora_resident: list[str] = field(default_factory=list)
+    lora_registered: list[tuple[str, str, int]] = field(default_factory=list)
+    lora_loads_total: int = 0  # adapter loads onto the ranks (registrations and reloads after eviction)
 
 
 class ContextLengthError(ValueError):
@@ -131,7 +139,18 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy,
-                                   sliding_window=self.kv_window)
+                                   sliding_window=self.kv_window,
+                                   max_loras=config.max_loras if config.enable_lora else None)
+        self.lora: LoRARegistry | None = None
+        if config.enable_lora:
+            self.lora = LoRARegistry(self.executor, self.hf_config, config.max_loras, config.max_lora_rank,
+                                     config.max_cpu_loras or config.max_loras, self.model_name)
+            try:
+                for name, path in config.lora_paths.items():
+                    self.lora.register(name, path)
+            except BaseException:
+                self.executor.shutdown()
+                raise
         # Thread-safe: AsyncEngine compiles on worker threads, off the engine loop.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._bitmask_words = -(-max(self.vocab_size, len(self.tokenizer)) // 32)  # one bit per token id
@@ -220,8 +239,11 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: str | LoRARequest | None = None) -> None:
+        """lora_request: the name of a registered LoRA adapter (or its LoRARequest) to run the request under."""
         params = params or SamplingParams()
+        lora = self._lora(lora_request)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -247,6 +269,9 @@ class LLMEngine:
         if grammar is not None and not isinstance(grammar, CompiledGrammar):
             raise TypeError(f"structured_outputs must be StructuredOutputsParams, got {type(grammar).__name__}")
         request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
+        if lora is not None:
+            self.lora.acquire(lora)  # loads it again if it was evicted; last, so a refused request holds nothing
+            request.lora = lora
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         # A final-only request (the offline LLM) without stop strings needs no text before it finishes: its
@@ -278,6 +303,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.remove(seq)
                     seq.finish_reason = "abort"
+            self._release(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -300,6 +326,8 @@ class LLMEngine:
                 s.seq.request.metrics.first_scheduled_time = now
         rows, sampling, scoring = self._sampling_rows(sched.scheduled)
         inputs = build_step_inputs(sched.scheduled, self.config.block_size)
+        if self.lora is not None:
+            self._lora_inputs(inputs, sched.scheduled)
         sampled = self.executor.execute(inputs, rows)
         self.scheduler.after_step(sched)
 
@@ -323,6 +351,7 @@ class LLMEngine:
             if request.is_finished:
                 m.finished_time = now
                 self.requests.pop(request.request_id, None)
+                self._release(request)
             out = self._request_output(request)
             if out is not None:
                 outputs.append(out)
@@ -486,6 +515,45 @@ class LLMEngine:
                              request.is_finished, request.metrics, request.seqs[0].num_cached_tokens,
                              prompt_logprobs)
 
+    # -- LoRA adapters ----------------------------------------------------------------------------------------
+    def _lora(self, lora_request: str | LoRARequest | None) -> LoRARequest | None:
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled (start the engine with --enable-lora)")
+        return self.lora.get(lora_request if isinstance(lora_request, str) else lora_request.name)
+
+    def _release(self, request: Request) -> None:
+        if request.lora is not None:
+            self.lora.release(request.lora)
+            request.lora = None
+
+    def _lora_inputs(self, inputs, scheduled: list[ScheduledSeq]) -> None:
+        """Each token's adapter slot (-1: the base model) and the adapter each slot must hold."""
+        ids = {s.seq.lora_id for s in scheduled} - {None}
+        if not ids:
+            return
+        slot_of = self.lora.assign_slots(ids)
+        per_seq = torch.tensor([slot_of.get(s.seq.lora_id, -1) for s in scheduled], dtype=torch.int64)
+        counts = torch.tensor([s.num_new_tokens for s in scheduled], dtype=torch.int64)
+        inputs.lora_token_slots = torch.repeat_interleave(per_seq, counts)
+        inputs.lora_slot_ids = list(self.lora.slot_ids)
+
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Register and load an adapter (vLLM's /v1/load_lora_adapter); LoRAError says why it cannot be."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled (start the engine with --enable-lora)")
+        return self.lora.register(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter; its running requests finish under it first."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled (start the engine with --enable-lora)")
+        self.lora.unregister(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else list(self.lora.registered.values())
+
     # -- introspection --------------------------------------------------------------------------------------
     def _waiting_prefill_tokens(self) -> int:
         waiting = sum(seq.num_tokens - seq.num_computed_tokens for seq in self.scheduler.waiting)
@@ -494,7 +562,14 @@ class LLMEngine:
         return waiting + prefilling
 
     def get_stats(self) -> EngineStats:
-        return EngineStats(
+        lora = {}
+        if self.lora is not None:
+            running, waiting = self.lora.running_waiting(self.scheduler)
+            lora = dict(lora_running=running, lora_waiting=waiting,
+                        lora_resident=[v.name for v in self.lora.resident.values()],
+                        lora_registered=[(v.name, v.path, v.created) for v in self.lora.registered.values()],
+                        lora_loads_total=len(self.lora.load_seconds))
+        return EngineStats(**lora,
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             num_waiting_prefill_tokens=self._waiting_prefill_tokens(),

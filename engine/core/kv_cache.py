@@ -11,6 +11,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
+def chain_root(salt: int | None) -> int | None:
+    """The parent hash of a sequence's first block: None for the base model, a distinct root per LoRA adapter (so
+    the same tokens under different adapters never share KV blocks)."""
+    return None if salt is None else hash(("lora", salt))
+
+
 def _hash_chain(token_ids: list[int], block_size: int, start_block: int, parent: int | None):
     """Hashes of the full blocks of token_ids from block `start_block` on, each chained to the previous one
     (`parent`: the hash of block start_block - 1, None at the start). The one place hashes are computed."""
@@ -77,14 +83,15 @@ class BlockPool:
                 else:
                     self._free[block_id] = None
 
-    def lookup_prefix(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+    def lookup_prefix(self, token_ids: list[int], max_tokens: int, salt: int | None = None
+                      ) -> tuple[list[int], list[int]]:
         """Longest run of cached full blocks that prefixes token_ids, covering at most max_tokens tokens.
         Returns (block ids, their hashes); the blocks are referenced (the caller owns them now)."""
         if not self.enable_prefix_caching:
             return [], []
         self.prefix_queries += max_tokens
         ids, hashes = [], []
-        for h in _hash_chain(token_ids[:max_tokens], self.block_size, 0, None):
+        for h in _hash_chain(token_ids[:max_tokens], self.block_size, 0, chain_root(salt)):
             block_id = self._cached.get(h)
             if block_id is None:
                 break
@@ -99,14 +106,14 @@ class BlockPool:
         return ids, hashes
 
     def cache_full_blocks(self, token_ids: list[int], block_ids: list[int], block_hashes: list[int],
-                          num_computed_tokens: int) -> None:
+                          num_computed_tokens: int, salt: int | None = None) -> None:
         """Publish a sequence's blocks that are now full and computed, extending its chain of block hashes in
         place (block_hashes[i] is block_ids[i]'s). First writer wins: a duplicate block stays private."""
         if not self.enable_prefix_caching:
             return
         done = len(block_hashes)
         computed = token_ids[:num_computed_tokens - num_computed_tokens % self.block_size]
-        parent = block_hashes[-1] if block_hashes else None
+        parent = block_hashes[-1] if block_hashes else chain_root(salt)
         for i, h in enumerate(_hash_chain(computed, self.block_size, done, parent), start=done):
             block_hashes.append(h)
             if h not in self._cached:

@@ -57,7 +57,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, policy: str = "fcfs", sliding_window: int | None = None):
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs", sliding_window: int | None = None,
+                 max_loras: int | None = None):
         self.pool = pool
         self.sliding_window = sliding_window  # every layer's window (the smallest), or None
         self.block_size = pool.block_size
@@ -65,6 +66,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.max_loras = max_loras  # distinct LoRA adapters one step may run (None: no adapters)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -153,13 +155,16 @@ class Scheduler:
             i += 1
 
         # Admit waiting sequences only when nothing had to be preempted: the pool is under pressure otherwise.
+        adapters = {s.lora_id for s in self.running if s.lora_id is not None}
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora_id is not None and seq.lora_id not in adapters and len(adapters) >= self.max_loras:
+                break  # every adapter slot is taken by running sequences: wait until one frees up
             if not seq.block_ids:
                 # Reuse cached full blocks, but always compute at least the last token (its logits are needed),
                 # and every prompt position whose logprobs are still wanted.
                 usable = seq.num_tokens - 1 if seq.prompt_scored_upto is None else seq.prompt_scored_upto
-                seq.block_ids, seq.block_hashes = self.pool.lookup_prefix(seq.token_ids, usable)
+                seq.block_ids, seq.block_hashes = self.pool.lookup_prefix(seq.token_ids, usable, seq.lora_id)
                 seq.num_computed_tokens = len(seq.block_ids) * self.block_size
                 seq.num_cached_tokens = seq.num_computed_tokens
             n = seq.num_tokens - seq.num_computed_tokens
@@ -176,6 +181,8 @@ class Scheduler:
             seq.block_ids += self.pool.allocate(need)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if seq.lora_id is not None:
+                adapters.add(seq.lora_id)
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
         return out
@@ -187,7 +194,8 @@ class Scheduler:
             # Proposed tokens count once accepted (accept_draft): until then their keys/values are not the
             # sequence's, and no block holding them may enter the prefix cache.
             seq.num_computed_tokens += s.num_new_tokens - s.num_draft
-            self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens)
+            self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens,
+                                        seq.lora_id)
             if self.sliding_window is not None:  # after publishing: a block is hashed before it can slide out
                 self._free_slid_out_blocks(seq)
 
@@ -196,7 +204,8 @@ class Scheduler:
         keys/values are the sequence's now; those of the rejected ones are dropped by releasing every block past
         the computed tokens (the next step rewrites those positions anyway)."""
         seq.num_computed_tokens += num_accepted
-        self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens)
+        self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens,
+                                        seq.lora_id)
         keep = -(-seq.num_computed_tokens // self.block_size)
         if len(seq.block_ids) > keep:
             self.pool.free(seq.block_ids[keep:])

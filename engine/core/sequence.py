@@ -64,6 +64,12 @@ class Sequence:
         return self.block_ids[self.num_freed_blocks:]
 
     @property
+    def lora_id(self) -> int | None:
+        """The id of the LoRA adapter this sequence runs under (None: the base model)."""
+        lora = self.request.lora
+        return None if lora is None else lora.id
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -95,6 +101,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list | None = None  # one entry per prompt token scored so far (the first is None)
     prompt_logprobs_sent: bool = False
+    lora: object = None  # a core.lora.LoRARequest when the request runs under an adapter
 
     @property
     def arrival_time(self) -> float:

@@ -135,6 +135,12 @@ class DistributedExecutor:
     def bytes_per_block(self, block_size: int) -> int:
         return self.runner.bytes_per_block(block_size)
 
+    def add_lora(self, adapter_id: int, path: str) -> None:
+        self.collective_rpc("add_lora", adapter_id, path)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        self.collective_rpc("remove_lora", adapter_id)
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.collective_rpc("allocate_kv_cache", num_blocks, block_size)
 

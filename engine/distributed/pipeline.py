@@ -57,7 +57,9 @@ def split_micro_batches(inputs: StepInputs, m: int) -> list[StepInputs]:
             input_ids=inputs.input_ids[t0:t1], positions=inputs.positions[t0:t1],
             slot_mapping=inputs.slot_mapping[t0:t1], query_start_loc=inputs.query_start_loc[a:b + 1] - t0,
             seq_lens=inputs.seq_lens[a:b], block_tables=inputs.block_tables[a:b], logits_indices=sel,
-            query_lens=inputs.query_lens[a:b], seq_lens_list=inputs.seq_lens_list[a:b]))
+            query_lens=inputs.query_lens[a:b], seq_lens_list=inputs.seq_lens_list[a:b],
+            lora_token_slots=None if inputs.lora_token_slots is None else inputs.lora_token_slots[t0:t1],
+            lora_slot_ids=inputs.lora_slot_ids))
     return out
 
 
@@ -76,9 +78,12 @@ def build_runner(group: Group, config, model_dir, hf_config, dtype, device, max_
     previous = get_parallel_state()
     set_parallel_state(dataclasses.replace(group.state, expert_parallel=config.enable_expert_parallel))
     try:
-        return ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
-                           config.distributed.layer_partition, block_size=config.block_size,
-                           quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
+        runner = ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
+                             config.distributed.layer_partition, block_size=config.block_size,
+                             quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
+        if config.enable_lora:
+            runner.enable_lora(config.max_loras, config.max_lora_rank)
+        return runner
     finally:
         set_parallel_state(previous)
 

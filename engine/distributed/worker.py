@@ -61,6 +61,13 @@ class Worker:
             self.shard.sample_for_rank0(logits, rows)
         return logits
 
+    def add_lora(self, adapter_id: int, path: str) -> None:
+        """Read a LoRA adapter (validated on rank 0 first) and keep this rank's shard of it."""
+        self.shard.runner.add_lora(adapter_id, path)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        self.shard.runner.remove_lora(adapter_id)
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.shard.runner.allocate_kv_cache(num_blocks, block_size)
 

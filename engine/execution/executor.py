@@ -53,6 +53,8 @@ class UniProcExecutor:
         self.runner = ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
                                   block_size=config.block_size, quantization=config.quantization,
                                   kv_cache_dtype=config.kv_cache_dtype)
+        if config.enable_lora:
+            self.runner.enable_lora(config.max_loras, config.max_lora_rank)
         # Decode graph capture is a one-process feature: the ranks of a parallel group run every step eagerly.
         self.runner.enable_decode_capture(decode_capture_backend(config, device), config.max_num_seqs)
         self.sampler = sampler
@@ -70,6 +72,12 @@ class UniProcExecutor:
     def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
         logits = self.runner.execute(inputs)
         return self.sampler(logits, rows) if rows else None
+
+    def add_lora(self, adapter_id: int, path: str) -> None:
+        self.runner.add_lora(adapter_id, path)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        self.runner.remove_lora(adapter_id)
 
     def check_health(self) -> None:
         """One process has no peer that could fail: a failed step raises from execute() itself."""

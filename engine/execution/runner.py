@@ -59,17 +59,34 @@ class ModelRunner:
         self.backend = backend
         self.backend_name = backend.name
         self.max_model_len = max_model_len
+        self.hf_config = hf_config
         self.model = load_model(model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition,
                                 quantization)
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.capture: tuple[str, int] | None = None  # (backend, max_num_seqs) once decode capture is enabled
         self.decode_graphs: DecodeGraphs | None = None
+        self.lora = None  # an execution.lora.LoRAManager once enable_lora ran
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        """Give every adaptable linear layer max_loras adapter slots of rank up to max_rank (execution/lora.py)."""
+        from shoal.engine.execution.lora import LoRAManager
+
+        self.lora = LoRAManager(self.model, self.hf_config, max_loras, max_rank, self.dtype, self.device)
+
+    def add_lora(self, adapter_id: int, path: str) -> None:
+        self.lora.add(adapter_id, path)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        self.lora.remove(adapter_id)
 
     def enable_decode_capture(self, backend: str | None, max_num_seqs: int) -> None:
         """Capture pure decode steps with `backend` (see graph_capture.py); None leaves every step eager. Call
         before allocate_kv_cache, which then adds the padding rows' own KV block."""
         if backend is None:
+            return
+        if self.lora is not None:
+            logger.info("decode graph capture is off with LoRA adapters enabled")
             return
         if not self.backend.graph_capture_safe and backend != "eager":
             logger.info("decode graph capture is off: the %s attention backend cannot be captured",
@@ -120,6 +137,8 @@ class ModelRunner:
                 return logits
         if inputs.input_ids.device != self.device:
             inputs = inputs.to(self.device)
+        if self.lora is not None:
+            self.lora.prepare(inputs.lora_slot_ids, inputs.lora_token_slots)
         meta = attention_metadata(inputs)
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden)
         if not self.model.ps.is_last_stage:

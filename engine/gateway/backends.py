@@ -43,6 +43,13 @@ class Backend:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    # LoRA adapters (the engine's lora_resident_info / lora_requests_info): loaded ones, how many it keeps loaded
+    # (0: LoRA off or unknown), and how many run in its batches now of at most max_loras.
+    lora_resident: frozenset[str] = frozenset()
+    max_cpu_loras: int = 0
+    lora_running: int = 0
+    max_loras: int = 0
+    served_model: str | None = None  # the engine's base model name (its metrics' model_name label)
     # Circuit breaker.
     failures: int = 0
     open_until: float = 0.0

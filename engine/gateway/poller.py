@@ -26,6 +26,32 @@ def parse_load(text: str, metrics: EngineMetrics = SHOAL) -> dict[str, float]:
     return {"running": load["running"], "waiting": load["waiting"], "kv_usage": load["kv_usage"]}
 
 
+def _label(line: str, name: str) -> str | None:
+    start = line.find(f'{name}="')
+    if start < 0:
+        return None
+    start += len(name) + 2
+    return line[start:line.find('"', start)]
+
+
+def parse_lora(text: str) -> dict:
+    """Resident adapters and slot use from an engine's lora_resident_info and lora_requests_info (label values:
+    comma-separated adapter names; empty when the engine serves no adapters), and its base model's name."""
+    out = {"lora_resident": frozenset(), "max_cpu_loras": 0, "lora_running": 0, "max_loras": 0}
+    for line in text.splitlines():
+        if line.startswith("shoal:num_requests_running{"):
+            out["served_model"] = _label(line, "model_name")
+        elif line.startswith("shoal:lora_resident_info{"):
+            names = _label(line, "resident_lora_adapters") or ""
+            out["lora_resident"] = frozenset(n for n in names.split(",") if n)
+            out["max_cpu_loras"] = int(_label(line, "max_cpu_lora") or 0)
+        elif line.startswith("shoal:lora_requests_info{"):
+            running = _label(line, "running_lora_adapters") or ""
+            out["lora_running"] = len([n for n in running.split(",") if n])
+            out["max_loras"] = int(_label(line, "max_lora") or 0)
+    return out
+
+
 class Poller:
     def __init__(self, backends: BackendSet, session: aiohttp.ClientSession, interval: float = 0.25,
                  timeout: float = 1.0, metrics: EngineMetrics = SHOAL):
@@ -82,6 +108,8 @@ class Poller:
         if text is not None:
             load = parse_load(text, self.metrics)
             b.running, b.waiting, b.kv_usage = load["running"], load["waiting"], load["kv_usage"]
+            for key, value in parse_lora(text).items():
+                setattr(b, key, value)
             b.last_ok = now
         if ready and not b.circuit_open(now):
             b.failures = 0  # a healthy answer forgives earlier failures of a closed circuit

@@ -79,6 +79,17 @@ class GatewayConfig:
     health: HealthPolicy = field(default_factory=HealthPolicy)
 
 
+def request_model(path: str, body: bytes) -> str | None:
+    """The `model` a completion request names (a LoRA adapter routes by residency); None when it names none."""
+    if path not in ROUTED_PATHS or not body or b'"model"' not in body:
+        return None
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) and model else None
+
+
 def error_response(status: int, message: str, type_: str, code: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
@@ -140,7 +151,7 @@ class Gateway:
         self.backends.notify()
 
     # ---- routing ---------------------------------------------------------------------------------------------
-    def prompt_hashes(self, path: str, body: bytes) -> list[bytes]:
+    def prompt_hashes(self, path: str, body: bytes, model: str | None = None) -> list[bytes]:
         if self.config.routing != "prefix-load" or path not in ROUTED_PATHS or not body:
             return []
         try:
@@ -148,9 +159,12 @@ class Gateway:
         except ValueError:
             return []  # the engine answers the 400
         text = render_prompt(path, parsed)
+        if text and model and any(model in b.lora_resident for b in self.backends.all()):
+            text = f"{model}\n{text}"  # engines cache each adapter's blocks apart: so does the prefix index
         return block_hashes(text, self.config.block_chars, self.config.max_blocks) if text else []
 
-    async def choose(self, hashes: list[bytes], tried: tuple[Backend, ...], hold: bool) -> Backend:
+    async def choose(self, hashes: list[bytes], tried: tuple[Backend, ...], hold: bool,
+                     model: str | None = None) -> Backend:
         candidates = self.backends.eligible(exclude=tried)
         if not candidates and hold and self.config.hold_timeout > 0:
             for hook in self.on_hold:
@@ -169,7 +183,7 @@ class Gateway:
             raise _Unavailable()
         start = time.perf_counter()
         now = time.monotonic()
-        pick = self.router.pick(candidates, hashes, now)
+        pick = self.router.pick(candidates, hashes, now, model)
         self.router.record(pick.backend, hashes, now)
         self.metrics.pick_latency.observe(time.perf_counter() - start)
         self.metrics.decisions.labels(pick.decision).inc()
@@ -214,7 +228,8 @@ class Gateway:
             self.metrics.rejected.labels("body_too_large").inc()
             return error_response(413, f"request body exceeds {self.config.max_body_bytes} bytes",
                                   "invalid_request_error", "body_too_large")
-        hashes = self.prompt_hashes(request.path, body)
+        model = request_model(request.path, body)
+        hashes = self.prompt_hashes(request.path, body, model)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         forwarded = request.headers.get("X-Forwarded-For")
         headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else (request.remote or "")
@@ -222,7 +237,7 @@ class Gateway:
         for attempt in range(2):
             last = attempt == 1
             try:
-                backend = await self.choose(hashes, tried, hold=not tried)
+                backend = await self.choose(hashes, tried, hold=not tried, model=model)
             except _Unavailable:
                 break
             tried += (backend,)

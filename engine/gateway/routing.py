@@ -3,9 +3,13 @@
 A Router runs its profiles in turn over the eligible engines. A profile narrows them with its filters (hard
 constraints), sums its scorers' scores (each in [0, 1], higher is better) times their weights, and lets its picker
 choose among the highest totals; a profile whose filters leave no engine hands over to the next one. Every
-routing is such a composition, so new criteria (adapter affinity, priority) are one more Filter or Scorer:
+routing is such a composition, so new criteria (adapter affinity, priority) are one more Filter or Scorer.
+A request naming a LoRA adapter goes where it is resident (prefix-load: first profile, within the affinity
+bound; least-load: LoRAAffinityScorer ranks resident > a free adapter place > neither above load):
 
 prefix-load (default)
+    0. lora-affinity: for an adapter, engines within the affinity bound where it is resident, least loaded first.
+       Past it, every profile below still scores a free adapter place above a full one (LoRAAffinityScorer).
     1. affinity: engines within the affinity bound (below) that hold the longest matching chain of the prompt's
        block hashes, least loaded first. The gateway remembers, for every block hash it routed, which engines
        served it last (PrefixIndex, an LRU of `index_size` hashes); the request's chain is matched block by block.
@@ -97,11 +101,13 @@ class RoutingContext:
     """One routing decision: the eligible engines, the prompt's block hashes, and what the filters and scorers
     share, each computed once (loads read the backends' state at `now`)."""
 
-    def __init__(self, candidates: list[Backend], hashes: list[bytes], now: float, index: PrefixIndex | None):
+    def __init__(self, candidates: list[Backend], hashes: list[bytes], now: float, index: PrefixIndex | None,
+                 model: str | None = None):
         self.candidates = candidates
         self.hashes = hashes
         self.now = now
         self._index = index
+        self.model = model  # the request's `model` (a LoRA adapter's name routes by residency)
 
     @cached_property
     def loads(self) -> dict[Backend, float]:
@@ -161,8 +167,8 @@ class Router:
         self.profiles = profiles
         self.index = index
 
-    def pick(self, candidates: list[Backend], hashes: list[bytes], now: float) -> Pick:
-        ctx = RoutingContext(candidates, hashes, now, self.index)
+    def pick(self, candidates: list[Backend], hashes: list[bytes], now: float, model: str | None = None) -> Pick:
+        ctx = RoutingContext(candidates, hashes, now, self.index, model)
         for profile in self.profiles:
             backend = profile.choose(ctx)
             if backend is not None:
@@ -205,6 +211,13 @@ class LongestPrefix:
         return [b for b in backends if longest and matched.get(b.url, 0) == longest]
 
 
+class LoRAResident:
+    """The engines where the request's LoRA adapter is resident (none for base-model requests)."""
+
+    def filter(self, ctx: RoutingContext, backends: list[Backend]) -> list[Backend]:
+        return [b for b in backends if ctx.model and ctx.model in b.lora_resident]
+
+
 # ---- scorers ----------------------------------------------------------------------------------------------------
 class LoadScorer:
     """1 / (1 + load): 1 for an idle engine, falling as its load grows."""
@@ -221,6 +234,32 @@ class RendezvousScorer:
         key = ctx.hashes[0] if ctx.hashes else b""
         return {b: int.from_bytes(hashlib.blake2b(key + b.url.encode(), digest_size=8).digest(), "big") / 2**64
                 for b in backends}
+
+
+class LoRAAffinityScorer:
+    """For a request naming a LoRA adapter: 1 where the adapter is resident (loaded: no load latency, no eviction),
+    0.5 where the engine has a free adapter place (it loads the adapter without evicting another), else 0 (and
+    0.25 where an engine is known to serve adapters but its metrics are stale). With a weight above the load
+    scorer's range (LORA_WEIGHT), residency comes first, free places second, load third. Requests for the base
+    model (an engine's served name, from its metrics) score every engine alike. Residency comes from the engines'
+    metrics, not from requests in flight, so an idle adapter that is loaded still counts (llm-d-router#2605)."""
+
+    def score(self, ctx: RoutingContext, backends: list[Backend]) -> dict[Backend, float]:
+        model = ctx.model
+        if not model or any(model == b.served_model for b in ctx.candidates):
+            return dict.fromkeys(backends, 0.0)  # the base model (or no name): every engine alike
+        out = {}
+        for b in backends:
+            if model in b.lora_resident:
+                out[b] = 1.0
+            elif b.max_cpu_loras and len(b.lora_resident) < b.max_cpu_loras:
+                out[b] = 0.5
+            else:
+                out[b] = 0.0
+        return out
+
+
+LORA_WEIGHT = 2.0  # residency levels (0.5 apart) x 2 >= 1, the whole range of the load and rendezvous scorers
 
 
 # ---- pickers ----------------------------------------------------------------------------------------------------
@@ -251,15 +290,19 @@ def prefix_load(load_factor: float = 1.25, affinity_slack: float = 2.0, cold_sla
     if affinity_slack < 0 or cold_slack < 0:
         raise ValueError("affinity_slack and cold_slack must be >= 0")
     return Router("prefix-load", [
-        Profile("affinity", MaxScore(), [BoundedLoad(load_factor, affinity_slack, both=False), LongestPrefix()],
+        Profile("lora-affinity", MaxScore(), [LoRAResident(), BoundedLoad(load_factor, affinity_slack, both=False)],
                 [(LoadScorer(), 1.0)]),
-        Profile("cold", MaxScore(), [BoundedLoad(load_factor, cold_slack, both=True)], [(RendezvousScorer(), 1.0)]),
-        Profile("cold", MaxScore(), [], [(LoadScorer(), 1.0)]),
+        Profile("affinity", MaxScore(), [BoundedLoad(load_factor, affinity_slack, both=False), LongestPrefix()],
+                [(LoRAAffinityScorer(), LORA_WEIGHT), (LoadScorer(), 1.0)]),
+        Profile("cold", MaxScore(), [BoundedLoad(load_factor, cold_slack, both=True)],
+                [(LoRAAffinityScorer(), LORA_WEIGHT), (RendezvousScorer(), 1.0)]),
+        Profile("cold", MaxScore(), [], [(LoRAAffinityScorer(), LORA_WEIGHT), (LoadScorer(), 1.0)]),
     ], PrefixIndex(index_size))
 
 
 def least_load(**_options) -> Router:
-    return Router("least-load", [Profile("least-load", RotatingMaxScore(), [], [(LoadScorer(), 1.0)])])
+    return Router("least-load", [Profile("least-load", RotatingMaxScore(), [],
+                                         [(LoRAAffinityScorer(), LORA_WEIGHT), (LoadScorer(), 1.0)])])
 
 
 def round_robin(**_options) -> Router:

@@ -2,7 +2,8 @@
 
 Routes
   POST /v1/completions, /v1/chat/completions     OpenAI shapes, `stream: true` as SSE ending in `data: [DONE]`
-  GET  /v1/models, /version
+  GET  /v1/models, /version                      adapters listed with `parent` (--enable-lora)
+  POST /v1/load_lora_adapter, /unload_lora_adapter  vLLM's bodies: {"lora_name", "lora_path"} / {"lora_name"}
   POST /tokenize, /detokenize                    vLLM's shapes
   GET  /tokenizer_info                           vLLM's: the tokenizer's class and configuration
   GET  /metrics                                  Prometheus text (per-app registry)
@@ -21,20 +22,27 @@ import logging
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from shoal.engine.core.async_engine import AsyncEngine
+from shoal.engine.core.async_engine import AsyncEngine, EngineError
 from shoal.engine.server import openai_api as oai
 from shoal.engine.server.common import (
     STATE_KEY,
     ServerState,
     api_error_response,
     check_model,
+    engine_error_to_api_error,
     get_state,
     json_response,
     read_json,
     require_loaded,
 )
 from shoal.engine.server.metrics import ServerMetrics
-from shoal.engine.server.protocol import APIError, DetokenizeRequest, TokenizeRequest
+from shoal.engine.server.protocol import (
+    APIError,
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    TokenizeRequest,
+    UnloadLoRAAdapterRequest,
+)
 
 logger = logging.getLogger("shoal.engine.server")
 
@@ -158,7 +166,43 @@ async def models_route(request: web.Request) -> web.Response:
         "max_model_len": eng.max_model_len,
         "permission": [],
     }
-    return json_response({"object": "list", "data": [card]})
+    cards = [card]
+    stats = eng.snapshot.stats
+    for name, path, created in getattr(stats, "lora_registered", None) or []:
+        cards.append({"id": name, "object": "model", "created": created, "owned_by": "shoal", "root": path,
+                      "parent": state.served_model_name, "max_model_len": eng.max_model_len, "permission": []})
+    return json_response({"object": "list", "data": cards})
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: validate, load on every rank, register."""
+    state = get_state(request)
+    req = await read_json(request, LoadLoRAAdapterRequest)
+    require_loaded(state)
+    _require_lora(state)
+    try:
+        await state.engine.run_in_engine(lambda engine: engine.add_lora(req.lora_name, req.lora_path))
+    except (EngineError, ValueError) as e:
+        raise engine_error_to_api_error(e, "lora_path") from None
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: unregister; its running requests finish first."""
+    state = get_state(request)
+    req = await read_json(request, UnloadLoRAAdapterRequest)
+    require_loaded(state)
+    _require_lora(state)
+    try:
+        await state.engine.run_in_engine(lambda engine: engine.remove_lora(req.lora_name))
+    except (EngineError, ValueError) as e:
+        raise engine_error_to_api_error(e, "lora_name") from None
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+def _require_lora(state: ServerState) -> None:
+    if not state.engine.config.enable_lora:
+        raise APIError("LoRA adapters are not enabled on this server (start it with --enable-lora)", 400)
 
 
 async def tokenize_route(request: web.Request) -> web.Response:
@@ -221,6 +265,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | Non
     r.add_post("/v1/completions", oai.create_completion)
     r.add_post("/v1/chat/completions", oai.create_chat_completion)
     r.add_get("/v1/models", models_route)
+    r.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    r.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     r.add_post("/tokenize", tokenize_route)
     r.add_post("/detokenize", detokenize_route)
     r.add_get("/tokenizer_info", tokenizer_info_route)

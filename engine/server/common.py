@@ -19,6 +19,7 @@ from shoal.engine.core.async_engine import (
     RequestFailedError,
 )
 from shoal.engine.core.engine import ContextLengthError
+from shoal.engine.core.lora import LoRACapacityError, LoRANotFoundError
 from shoal.engine.server.metrics import ServerMetrics
 from shoal.engine.server.protocol import APIError, validation_error_to_api_error
 
@@ -84,6 +85,10 @@ def engine_error_to_api_error(e: Exception, prompt_param: str = "prompt") -> API
     if isinstance(e, ContextLengthError):
         param = "max_tokens" if e.prompt_len < e.max_model_len else prompt_param
         return APIError(str(e), 400, param=param, code="context_length_exceeded")
+    if isinstance(e, LoRANotFoundError):
+        return APIError(str(e), 404, param="model", code="model_not_found")
+    if isinstance(e, LoRACapacityError):
+        return APIError(str(e), 429, code="lora_capacity", headers=retry)
     if isinstance(e, ValueError):
         return APIError(str(e), 400, param=param_from_message(str(e)))
     if isinstance(e, RequestFailedError):
@@ -114,11 +119,21 @@ async def read_json(request: web.Request, model: type) -> Any:
         raise APIError(str(e), 400) from None
 
 
-def check_model(state: ServerState, name: str | None) -> None:
+def lora_names(state: ServerState) -> set[str]:
+    """The LoRA adapters registered on the engine (its latest stats snapshot)."""
+    stats = state.engine.snapshot.stats
+    return {name for name, _, _ in getattr(stats, "lora_registered", None) or []}
+
+
+def check_model(state: ServerState, name: str | None) -> str | None:
+    """404 unless `name` is the base model or a registered LoRA adapter; the adapter's name, None for the base."""
     if name is None or name == "":
-        return
-    if name not in (state.served_model_name, state.engine.config.model):
-        raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
+        return None
+    if name in (state.served_model_name, state.engine.config.model):
+        return None
+    if name in lora_names(state):
+        return name
+    raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
 
 
 def require_loaded(state: ServerState) -> None:

@@ -9,8 +9,8 @@ several servers can live in one process (tests).
 The same values are exported a second time under vLLM's names (`vllm:num_requests_running`, ...; see
 VLLM_ALIASES) for tools that expect them: KEDA scalers, the Gateway API inference extension, production-stack
 and AIBrix routers, existing Grafana dashboards. Shoal's own names stay the reference (its gateway and autoscaler
-read `shoal:`); `vllm:gpu_cache_usage_perc` (vLLM V0's name for KV usage) and `vllm:lora_requests_info` (no
-adapters: Shoal serves no LoRA) are there because such tools read them too.
+read `shoal:`); `vllm:gpu_cache_usage_perc` (vLLM V0's name for KV usage) and `vllm:lora_requests_info` (the
+adapters running and waiting with --enable-lora, none without) are there because such tools read them too.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ VLLM_ALIASES = {
     "request_queue_time_seconds": ("request_queue_time_seconds",),
     "request_prompt_tokens": ("request_prompt_tokens",),
     "request_generation_tokens": ("request_generation_tokens",),
+    "lora_requests_info": ("lora_requests_info",),
 }
 
 
@@ -107,6 +108,30 @@ class _EngineStatsCollector:
         yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
                       get("spec_decode_num_accepted_tokens_total"))
 
+        yield from self._lora(s)
+
+    def _lora(self, s):
+        """vLLM's lora_requests_info (adapters of running / waiting requests; the value is the snapshot's time) and
+        the adapters resident (loaded) on this engine, which routers use for adapter affinity."""
+        cfg = getattr(self.engine, "config", None)
+        if not getattr(cfg, "enable_lora", False):
+            return
+        when = self.engine.snapshot.time
+        info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(cfg.max_loras), ",".join(getattr(s, "lora_running", [])),
+                         ",".join(getattr(s, "lora_waiting", []))], when)
+        yield info
+        resident = GaugeMetricFamily(PREFIX + "lora_resident_info", "LoRA adapters loaded on this engine.",
+                                     labels=["max_cpu_lora", "resident_lora_adapters"])
+        resident.add_metric([str(cfg.max_cpu_loras or cfg.max_loras), ",".join(getattr(s, "lora_resident", []))],
+                            when)
+        yield resident
+        loads = CounterMetricFamily(PREFIX + "lora_loads", "LoRA adapter loads (at registration and again after "
+                                    "an eviction).", labels=["model_name"])
+        loads.add_metric([self.model_name], float(getattr(s, "lora_loads_total", 0) or 0))
+        yield loads
+
 
 class _VllmNamesCollector:
     """The `sources`' shoal: families again under vLLM's names, read at scrape time (nothing observed twice)."""
@@ -119,20 +144,22 @@ class _VllmNamesCollector:
         return []
 
     def collect(self):
+        lora_seen = False
         for source in self.sources:
             for family in source.collect():
                 short = family.name.removeprefix(PREFIX)
+                lora_seen |= short == "lora_requests_info"
                 for alias in VLLM_ALIASES.get(short, ()):
                     copy = Metric(VLLM_PREFIX + alias, family.documentation, family.type, family.unit)
                     copy.samples = [s._replace(name=VLLM_PREFIX + alias + s.name[len(family.name):])
                                     for s in family.samples]
                     yield copy
-        # vLLM's LoRA info gauge: its value is the time of the reading, its labels the adapters (none here)
-        lora = GaugeMetricFamily(VLLM_PREFIX + "lora_requests_info", "Running stats on LoRA requests (Shoal "
-                                 "serves no adapters).", labels=["max_lora", "running_lora_adapters",
-                                                                 "waiting_lora_adapters"])
-        lora.add_metric(["0", "", ""], time.time())
-        yield lora
+        if not lora_seen:  # without --enable-lora: vLLM's LoRA info gauge with no adapters (value: reading time)
+            lora = GaugeMetricFamily(VLLM_PREFIX + "lora_requests_info", "Running stats on LoRA requests (LoRA is "
+                                     "not enabled).", labels=["max_lora", "running_lora_adapters",
+                                                              "waiting_lora_adapters"])
+            lora.add_metric(["0", "", ""], time.time())
+            yield lora
 
 
 class ServerMetrics(MetricsSink):

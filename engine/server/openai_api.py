@@ -150,12 +150,13 @@ async def _merge_streams(jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOu
 
 
 async def _start_jobs(state: ServerState, base_id: str, jobs: list[_Job], params, priority: int,
-                      prompt_param: str) -> None:
+                      prompt_param: str, lora: str | None = None) -> None:
     """Hand every prompt to the engine; on any failure abort those already added and raise an APIError."""
     try:
         for i, job in enumerate(jobs):
             rid = base_id if len(jobs) == 1 else f"{base_id}-{i}"
-            job.stream = await state.engine.add_request(rid, job.prompt_ids, params, priority=priority)
+            job.stream = await state.engine.add_request(rid, job.prompt_ids, params, priority=priority,
+                                                        lora_request=lora)
     except (EngineError, ValueError) as e:
         _abort_jobs(jobs)
         raise engine_error_to_api_error(e, prompt_param) from None
@@ -505,13 +506,15 @@ async def _run(request: web.Request, state: ServerState, api: _Endpoint, params,
                prompt_param: str) -> web.StreamResponse:
     base_id = f"{id_prefix}-{uuid.uuid4().hex}"
     created = int(time.time())
+    lora = check_model(state, req.model)  # a LoRA adapter's name, or None for the base model
+    model = lora or state.served_model_name
     state.active_handlers += 1
     try:
-        await _start_jobs(state, base_id, api.jobs, params, req.priority, prompt_param)
+        await _start_jobs(state, base_id, api.jobs, params, req.priority, prompt_param, lora)
         try:
             if req.stream:
-                return await _stream(request, api, base_id, created, state.served_model_name, req.include_usage)
-            return await _respond(api, base_id, created, state.served_model_name)
+                return await _stream(request, api, base_id, created, model, req.include_usage)
+            return await _respond(api, base_id, created, model)
         finally:
             _abort_jobs(api.jobs)
     finally:

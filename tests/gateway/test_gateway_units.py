@@ -438,3 +438,46 @@ async def test_a_poll_keeps_the_readiness_answer_when_metrics_come_late_and_stay
         assert took < 0.5 + 0.4  # one timeout for the whole poll, not one per request
     finally:
         await engine.close()
+
+
+# ------------------------------------------------------------------------------------------ LoRA affinity
+def test_parse_lora_reads_residency_and_slots():
+    from shoal.engine.gateway.poller import parse_lora
+
+    text = ('shoal:lora_requests_info{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters="c"} 1.7e9\n'
+            'shoal:lora_resident_info{max_cpu_lora="8",resident_lora_adapters="a,b,c"} 1.7e9\n'
+            'shoal:num_requests_running{model_name="m"} 2.0\n')
+    assert parse_lora(text) == {"lora_resident": frozenset("abc"), "max_cpu_loras": 8, "lora_running": 2,
+                                "max_loras": 4, "served_model": "m"}
+    assert parse_lora("shoal:num_requests_running 1\n")["lora_resident"] == frozenset()
+    empty = 'shoal:lora_resident_info{max_cpu_lora="2",resident_lora_adapters=""} 1.0\n'
+    assert parse_lora(empty)["lora_resident"] == frozenset()
+
+
+@pytest.mark.parametrize("routing", ["prefix-load", "least-load"])
+def test_lora_affinity_prefers_resident_then_free_place_then_load(routing):
+    r, bs, now = make_router(routing), backends(3), time.monotonic()
+    for b in bs:
+        b.max_cpu_loras, b.served_model = 2, "tiny"
+    bs[0].lora_resident, bs[1].lora_resident, bs[2].lora_resident = frozenset({"x", "y"}), frozenset({"a"}), frozenset()
+    bs[1].inflight = 1  # resident beats a lighter load
+    assert r.pick(bs, [], now, model="a").backend is bs[1]
+    # Not resident anywhere -> scored alike; resident only on bs[0], which is busy: still there.
+    bs[0].inflight = 1
+    assert r.pick(bs, [], now, model="x").backend is bs[0]
+    # A free adapter place (bs[2]: 0 of 2 loaded) beats a full engine (bs[0]) for an adapter resident elsewhere.
+    bs[1].removed = True
+    assert r.pick([bs[0], bs[2]], [], now, model="a").backend is bs[2]
+    # Base-model requests: load only.
+    bs[2].inflight = 3
+    assert r.pick([bs[0], bs[2]], [], now, model="tiny").backend is bs[0]
+
+
+def test_request_model_is_read_from_the_body():
+    from shoal.engine.gateway.proxy import request_model
+
+    assert request_model("/v1/completions", b'{"model": "a", "prompt": "x"}') == "a"
+    assert request_model("/v1/completions", b'{"prompt": "x"}') is None
+    assert request_model("/v1/completions", b'{"model": 3}') is None
+    assert request_model("/v1/models", b'{"model": "a"}') is None
+    assert request_model("/v1/completions", b'not json "model"') is None

@@ -104,6 +104,7 @@ def test_help_lists_every_flag_with_its_help(capsys):
     (EngineConfig, "kv_cache_dtype", "fp8"), (EngineConfig, "gpu_memory_utilization", 0.25),
     (EngineConfig, "max_model_len", 4096), (DistributedConfig, "layer_partition", [5, 3]),
     (DistributedConfig, "backend", "gloo"),
+    (EngineConfig, "lora_modules", ["a=/adapters/a", "b=/adapters/b"]), (EngineConfig, "max_cpu_loras", 4),
 ])
 def test_to_args_is_the_inverse_of_parsing(model, name, value):
     ns = cli.build_parser().parse_args(["serve", *flags.to_args(model, name, value)])

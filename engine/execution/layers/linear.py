@@ -43,6 +43,7 @@ class PackedMatmul(nn.Module):
     packed: torch.Tensor | None = None
     packed_shape: tuple[int, int] | None = None  # [out, in] of the weight a packed/quantized copy replaced
     quantized = None  # a quantization.QuantizedWeight once --quantization applied
+    lora = None  # an execution.lora.LoRASlots once --enable-lora wraps this layer: adds the adapters' updates
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -58,10 +59,14 @@ class PackedMatmul(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quantized is not None:
-            return self.quantized.matmul(x, bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+            y = self.quantized.matmul(x, bias)
+        elif self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, bias)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
 
 
 class ColumnParallelLinear(PackedMatmul):
