@@ -91,7 +91,11 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
     from shoal.engine.execution.layers.moe import FusedMoE
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    seen: set[int] = set()  # a tied LM head runs on the embedding's packed GGUF table: count it once
     for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and module.gguf_rows is not None:
+            seen.add(module.gguf_rows.data.data_ptr())
+            total += module.gguf_rows.data.numel()
         if isinstance(module, FusedMoE) and module.quantized is not None:
             total += sum(q.nbytes() for pair in module.quantized for q in pair)
         if isinstance(module, VocabParallelEmbedding) and module.int8_rows is not None:
@@ -100,5 +104,8 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
             if module.packed is not None:  # a separate allocation, also for a tied LM head (its table stays too)
                 total += module.packed.numel() * module.packed.element_size()
             if module.quantized is not None:
-                total += module.quantized.nbytes()
+                for t in module.quantized.tensors():
+                    if t.data_ptr() not in seen:
+                        seen.add(t.data_ptr())
+                        total += t.numel() * t.element_size()
     return total

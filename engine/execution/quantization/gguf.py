@@ -121,3 +121,26 @@ class GGUFWeight(QuantizedWeight):
 
     def tensors(self) -> list[torch.Tensor]:
         return [s.data for s in self.segments]
+
+
+def finish_gguf_model(model: torch.nn.Module) -> None:
+    """After a packed GGUF load: every layer runs on its packed blocks (dense weights freed); logs the kernel and
+    the weight memory."""
+    from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from shoal.engine.execution.layers.linear import PackedMatmul
+
+    modules = list(model.modules())
+    for m in modules:  # heads last: a tied head takes over the embedding's packed table
+        if isinstance(m, (PackedMatmul, VocabParallelEmbedding)) and not isinstance(m, ParallelLMHead):
+            m.finish_gguf()
+    for m in modules:
+        if isinstance(m, ParallelLMHead):
+            m.finish_gguf()
+    weights = [m.quantized for m in modules if isinstance(m, PackedMatmul) and isinstance(m.quantized, GGUFWeight)]
+    tables = [m.gguf_rows for m in modules if isinstance(m, VocabParallelEmbedding) and m.gguf_rows is not None]
+    packed = {t.data_ptr(): t.numel() for w in weights for t in w.tensors()}
+    packed.update({t.data.data_ptr(): t.data.numel() for t in tables})
+    kernels = sorted({w.kernel for w in weights})
+    logger.info("GGUF: %d linear layers%s run packed (%s): %.1f MiB of packed weights", len(weights),
+                f" and {len(tables)} embedding table(s)" if tables else "", "; ".join(kernels) or "-",
+                sum(packed.values()) / 2**20)
