@@ -7,9 +7,10 @@
   chat template stored in the metadata).
 - `GGUFWeightSource`: the `WeightSource` interface over the file's tensors, under Hugging Face names. Every tensor
   type the `gguf` package can dequantize loads (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...); quantized
-  tensors are dequantized on load into the compute dtype, because no packed GGUF kernel exists here (the log
-  says so, with the types found). A tensor-parallel rank dequantizes only the rows it owns (GGUF quantizes each
-  row on its own, so a row range is a byte range).
+  tensors of the types the packed CPU kernel runs (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quantization/gguf.py) stay in
+  their blocks when the model runs on CPU (`load_packed`); other types, other devices, and every type under
+  SHOAL_GGUF_DEQUANTIZE=1 are dequantized on load into the compute dtype (the log says which). A tensor-parallel
+  rank reads only the rows it owns (GGUF quantizes each row on its own, so a row range is a byte range).
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (interleaved rotary halves); they are put
 back in Hugging Face order per head, which is why a rank's q/k slice must start on a head boundary. It stores
@@ -248,10 +249,12 @@ def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):
 
 
 class GGUFWeightSource:
-    """WeightSource over one GGUF file: Hugging Face tensor names, dequantized float32 slices."""
+    """WeightSource over one GGUF file: Hugging Face tensor names, dequantized float32 slices, or (with
+    `packed=True`, see load_packed) the Q8_0/Q4_0/Q4_1/Q4_K/Q6_K rows as stored, for the packed CPU kernel."""
 
-    def __init__(self, path: str | os.PathLike, hf_config):
+    def __init__(self, path: str | os.PathLike, hf_config, packed: bool = False):
         self.model_dir = Path(path)  # named like WeightSource's for error messages
+        self.packed = packed
         reader = open_gguf(path)
         arch, _, _, self._permuted = _architecture(reader, path)
         self._layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
@@ -273,10 +276,17 @@ class GGUFWeightSource:
         self.used: set[str] = set()
         types = Counter(t.tensor_type.name for t in {id(t): t for t in self._tensors.values()}.values())
         quantized = sorted(k for k in types if k not in ("F32", "F16", "BF16"))
+        from shoal.engine.execution.quantization.gguf import PACKED_TYPES
+
+        kept = [k for k in quantized if packed and k in PACKED_TYPES]
+        rest = [k for k in quantized if k not in kept]
+        how = [f"{'/'.join(kept)} kept packed (CPU GGUF kernel)"] if kept else []
+        if rest:
+            how.append(f"{'/'.join(rest)} dequantized on load"
+                       + ("" if packed else " (packed GGUF kernels: CPU only)"))
         logger.info("GGUF %s: tensor types %s; %s", self.model_dir.name,
                     ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
-                    f"{'/'.join(quantized)} dequantized on load (no packed GGUF kernel on this device)"
-                    if quantized else "no quantized tensors")
+                    "; ".join(how) if how else "no quantized tensors")
 
     def _hf_name(self, name: str) -> str | None:
         stem, _, kind = name.rpartition(".")
@@ -341,6 +351,45 @@ class GGUFWeightSource:
         if self._norm_offset and name.endswith("norm.weight"):
             w = w - 1.0
         return w
+
+    def load_packed(self, name: str, expected_shape: tuple[int, ...] | None = None,
+                    dim: int | None = None, start: int = 0, length: int | None = None):
+        """The slice `load` would return, as a GGUFPacked (the stored blocks, no dequantization) when this source
+        is packed and the tensor is a 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weight; None otherwise (use `load`). A row
+        range is a byte range; a column range must start and end on block boundaries."""
+        from shoal.engine.execution.quantization.gguf import PACKED_TYPES, GGUFPacked
+
+        if not self.packed or name in self._expert or name not in self._tensors:
+            return None
+        t = self._tensors[name]
+        full = self.shape(name)
+        if len(full) != 2 or t.tensor_type.name not in PACKED_TYPES:
+            return None
+        self.used.add(name)
+        if expected_shape is not None and full != tuple(expected_shape):
+            raise WeightError(f"{self.model_dir}: tensor {name!r} has shape {list(full)} but the config implies "
+                              f"{list(expected_shape)}")
+        if dim is not None and length is None:
+            length = full[dim] - start
+        data = np.asarray(t.data).reshape(full[0], -1)
+        rows, cols = full
+        if dim == 0:
+            data, rows = data[start:start + length], length
+        elif dim == 1:
+            span = self._column_bytes(data, t.tensor_type, start, length)
+            if span is None:
+                block = PACKED_TYPES[t.tensor_type.name][1]
+                raise WeightError(
+                    f"{self.model_dir}: {name!r} ({t.tensor_type.name}) would be split at columns [{start}, "
+                    f"{start + length}), inside its blocks of {block}: a packed GGUF weight splits between "
+                    f"ranks only at multiples of {block} input features (choose another tensor-parallel size, "
+                    f"or set SHOAL_GGUF_DEQUANTIZE=1)")
+            data, cols = data[:, span[0]:span[1]], length
+        w = torch.from_numpy(np.array(data, order="C"))  # a copy: the file's mapping is read-only
+        proj = ".".join(name.split(".")[-3:-1])
+        if self._permuted and proj in self._heads:  # whole byte rows move, exactly like float rows
+            w = self._unpermute(w, full[0] // self._heads[proj], name, start if dim == 0 else 0)
+        return GGUFPacked(w, t.tensor_type.name, cols)
 
     @staticmethod
     def _column_bytes(data: np.ndarray, qtype, start: int, length: int) -> tuple[int, int] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -79,13 +80,32 @@ def resolve_dtype(choice: str, hf_config, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def _gguf_packed(choice: bool | None, device: torch.device) -> bool:
+    if choice is None:
+        choice = os.environ.get("SHOAL_GGUF_DEQUANTIZE") != "1"
+    if not choice:
+        return False
+    from shoal.engine.execution.quantization.gguf import packed_unsupported_reason
+
+    reason = packed_unsupported_reason(device)
+    if reason:
+        logger.info("GGUF weights are dequantized on load: %s", reason)
+    return reason is None
+
+
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, backend,
-               max_model_len: int, layer_partition: list[int] | None = None, quantization: str | None = None):
+               max_model_len: int, layer_partition: list[int] | None = None, quantization: str | None = None,
+               gguf_packed: bool | None = None):
+    """`gguf_packed`: keep a GGUF file's quantized weights in their blocks (the packed CPU kernel); default on for
+    CPU unless SHOAL_GGUF_DEQUANTIZE=1 (dequantize on load, for comparisons)."""
     cls = model_class(hf_config)
     t0 = time.perf_counter()
     with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor
         model = cls(hf_config, dtype, backend, max_model_len, layer_partition)
-    src = GGUFWeightSource(model_dir, hf_config) if is_gguf(model_dir) else WeightSource(model_dir)
+    if is_gguf(model_dir):
+        src = GGUFWeightSource(model_dir, hf_config, packed=_gguf_packed(gguf_packed, device))
+    else:
+        src = WeightSource(model_dir)
     quant_config = getattr(hf_config, "quantization_config", None)
     if quant_config:  # GPTQ / AWQ: packed weights dequantized as they are read
         from shoal.engine.execution.quantization.prequantized import PrequantizedSource
@@ -96,6 +116,10 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     finally:
         src.close()
     model.eval()
+    if getattr(src, "packed", False):
+        from shoal.engine.execution.quantization.gguf import finish_gguf_model
+
+        finish_gguf_model(model)
     if quantization is not None:
         from shoal.engine.execution.quantization import quantize_model
 

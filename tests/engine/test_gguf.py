@@ -75,8 +75,10 @@ def test_each_tensor_type_matches_transformers_gguf_loader(hf_llama, gguf_dir, q
         check_against_transformers_gguf(path, llm)
     log = caplog.text
     assert f"{qtype} x" in log
-    if qtype not in ("F32", "F16", "BF16"):
-        assert "dequantized on load" in log  # the log says no packed kernel is used
+    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"):
+        assert f"{qtype} kept packed" in log  # served by the packed CPU kernel (test_gguf_packed compares both)
+    elif qtype not in ("F32", "F16", "BF16"):
+        assert f"{qtype} dequantized on load" in log  # no packed kernel for this type
 
 
 def test_config_tokenizer_and_chat_template_come_from_the_file(hf_llama, gguf_dir):
@@ -138,9 +140,11 @@ def test_bad_files_get_clear_errors(tmp_path, hf_llama, gguf_dir):
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_a_tensor_parallel_rank_dequantizes_only_its_slices(hf_llama, gguf_dir, monkeypatch, qtype):
     """At tp=2 every weight matrix is read as a half: rows are byte ranges, columns whole blocks of each row;
-    the slices equal the same slices of the fully dequantized tensor."""
+    the slices equal the same slices of the fully dequantized tensor. (The dequantizing path: test_gguf_packed
+    covers packed slices.)"""
     import gguf.quants
 
+    monkeypatch.setenv("SHOAL_GGUF_DEQUANTIZE", "1")
     from shoal.engine.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
     from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config
     from shoal.engine.execution.model_loader import load_model

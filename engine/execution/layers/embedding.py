@@ -22,6 +22,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.vocab_local if materialize else 0  # a pipeline stage that never embeds holds no table
         self.weight = nn.Parameter(torch.zeros(rows, hidden, dtype=dtype), requires_grad=False)
         self.int8_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (int8 table, float32 scale per row)
+        self.gguf_rows = None  # a GGUFPacked table read from a GGUF file: a lookup dequantizes the rows it reads
 
     def quantize_int8(self) -> None:
         """Keep the table as int8 rows with one scale each (--quantization int8): a lookup then dequantizes only
@@ -32,6 +33,8 @@ class VocabParallelEmbedding(nn.Module):
         self.int8_rows = (q, scale.reshape(-1))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_rows is not None:
+            return self.gguf_rows.dequantize_rows(ids).to(self.weight.dtype)
         if self.int8_rows is None:
             return F.embedding(ids, self.weight)
         q, scale = self.int8_rows
@@ -40,7 +43,15 @@ class VocabParallelEmbedding(nn.Module):
     def load(self, read: Reader) -> None:
         n = max(0, min(self.vocab_local, self.vocab_size - self.vocab_start))
         if n and self.weight.shape[0]:
-            self.weight.data[:n].copy_(read(0, self.vocab_start, n))
+            rows = read(0, self.vocab_start, n)
+            if isinstance(rows, torch.Tensor):
+                self.weight.data[:n].copy_(rows)
+            else:  # GGUF blocks kept packed (finish_gguf frees the dense table)
+                self.gguf_rows = rows
+
+    def finish_gguf(self) -> None:
+        if self.gguf_rows is not None:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ps.tp_size == 1:
@@ -71,7 +82,25 @@ class ParallelLMHead(PackedMatmul):
         e = self.embedding
         n = max(0, min(e.vocab_local, e.vocab_size - e.vocab_start))
         if n and self.weight.shape[0]:
-            self.weight.data[:n].copy_(read(0, e.vocab_start, n))
+            self._put(0, read(0, e.vocab_start, n))
+
+    def finish_gguf(self) -> None:
+        """Packed rows (fewer than vocab_local on a tensor-parallel rank past the vocabulary's end) run padded;
+        a tied head runs on the embedding's packed table itself."""
+        from shoal.engine.execution.quantization.gguf import GGUFWeight
+
+        e = self.embedding
+        if self.tied and e.gguf_rows is not None:
+            self.quantized = GGUFWeight([e.gguf_rows], out=e.vocab_local)
+            self.packed_shape = (e.vocab_local, e.hidden)
+        elif self.gguf_segments and sum(s.shape[0] for _, s in self.gguf_segments) < self.weight.shape[0]:
+            (_, seg), = self.gguf_segments
+            self.gguf_segments = None
+            self.quantized = GGUFWeight([seg], out=self.weight.shape[0])
+            self.packed_shape = tuple(self.weight.shape)
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        else:
+            super().finish_gguf()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden, self.bias)

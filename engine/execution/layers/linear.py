@@ -42,13 +42,43 @@ class PackedMatmul(nn.Module):
 
     packed: torch.Tensor | None = None
     packed_shape: tuple[int, int] | None = None  # [out, in] of the weight a packed/quantized copy replaced
-    quantized = None  # a quantization.QuantizedWeight once --quantization applied
+    quantized = None  # a quantization.QuantizedWeight once --quantization applied (or GGUF blocks kept packed)
+    gguf_segments: list | None = None  # [(first row, GGUFPacked)] read from a GGUF file, until finish_gguf()
     lora = None  # an execution.lora.LoRASlots once --enable-lora wraps this layer: adds the adapters' updates
 
     @property
     def weight_shape(self) -> tuple[int, int]:
         """[out, in] of this layer's weight, whether it is held as is or only prepacked."""
         return self.packed_shape or tuple(self.weight.shape)
+
+    def _put(self, offset: int, value) -> None:
+        """Rows [offset, offset + len(value)) of the weight: dense values are copied in, GGUF blocks (a GGUFPacked
+        from a packed GGUF source) are kept as they are until finish_gguf()."""
+        from shoal.engine.execution.quantization.gguf import GGUFPacked
+
+        if isinstance(value, GGUFPacked):
+            self.gguf_segments = (self.gguf_segments or []) + [(offset, value)]
+        else:
+            self.weight.data[offset:offset + value.shape[0]].copy_(value)
+
+    def finish_gguf(self) -> None:
+        """After loading: run on the packed blocks when they make up the whole weight (then the dense weight,
+        never written, is freed); a weight only partly packed has its blocks dequantized into place."""
+        from shoal.engine.execution.quantization.gguf import GGUFWeight
+
+        segments, self.gguf_segments = sorted(self.gguf_segments or [], key=lambda s: s[0]), None
+        if not segments:
+            return
+        rows = [0]
+        for offset, seg in segments:
+            rows.append(offset + seg.shape[0] if offset == rows[-1] else -1)
+        if rows[-1] == self.weight.shape[0]:
+            self.quantized = GGUFWeight([seg for _, seg in segments])
+            self.packed_shape = tuple(self.weight.shape)
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        else:
+            for offset, seg in segments:
+                self.weight.data[offset:offset + seg.shape[0]].copy_(seg.dequantize())
 
     def prepack(self, free_original: bool = True) -> None:
         if self.quantized is None and self.packed is None and self.weight.numel() and can_prepack(self.weight):
@@ -80,7 +110,7 @@ class ColumnParallelLinear(PackedMatmul):
 
     def load(self, read_weight: Reader, read_bias: Reader | None = None) -> None:
         start = self.tp_rank * self.out_local
-        self.weight.data.copy_(read_weight(0, start, self.out_local))
+        self._put(0, read_weight(0, start, self.out_local))
         if self.bias is not None:
             self.bias.data.copy_(read_bias(0, start, self.out_local))
 
@@ -102,7 +132,7 @@ class MergedColumnParallelLinear(PackedMatmul):
     def load(self, readers: list[Reader], bias_readers: list[Reader] | None = None) -> None:
         offset = 0
         for i, (n, read) in enumerate(zip(self.locals, readers)):
-            self.weight.data[offset:offset + n].copy_(read(0, self.tp_rank * n, n))
+            self._put(offset, read(0, self.tp_rank * n, n))
             if self.bias is not None:
                 self.bias.data[offset:offset + n].copy_(bias_readers[i](0, self.tp_rank * n, n))
             offset += n
@@ -144,7 +174,7 @@ class QKVParallelLinear(PackedMatmul):
 
     def load(self, readers: list[Reader], bias_readers: list[Reader] | None = None) -> None:
         for i, (dst, src, n) in enumerate(self._ranges()):
-            self.weight.data[dst:dst + n].copy_(readers[i](0, src, n))
+            self._put(dst, readers[i](0, src, n))
             if self.bias is not None:
                 self.bias.data[dst:dst + n].copy_(bias_readers[i](0, src, n))
 
@@ -163,7 +193,7 @@ class RowParallelLinear(PackedMatmul):
         self.bias = _param(out_features, dtype=dtype) if bias else None
 
     def load(self, read_weight: Reader, read_bias: Reader | None = None) -> None:
-        self.weight.data.copy_(read_weight(1, self.ps.tp_rank * self.in_local, self.in_local))
+        self._put(0, read_weight(1, self.ps.tp_rank * self.in_local, self.in_local))
         if self.bias is not None:
             self.bias.data.copy_(read_bias(0, 0, self.bias.shape[0]))
 

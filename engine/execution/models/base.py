@@ -65,10 +65,16 @@ class CausalLM(nn.Module):
 
 
 def reader(src: WeightSource, name: str, full_shape: tuple[int, ...], transpose: bool = False):
-    """A Reader (see layers.linear) over one checkpoint tensor, checking its full shape first."""
+    """A Reader (see layers.linear) over one checkpoint tensor, checking its full shape first. A GGUF source
+    serving packed weights answers with the stored blocks (a GGUFPacked) where it can; layers keep those packed."""
     stored = tuple(reversed(full_shape)) if transpose else tuple(full_shape)
+    load_packed = None if transpose else getattr(src, "load_packed", None)
 
     def read(dim: int, start: int, length: int) -> torch.Tensor:
+        if load_packed is not None:
+            packed = load_packed(name, stored, dim=dim, start=start, length=length)
+            if packed is not None:
+                return packed
         if transpose:
             return src.load(name, stored, dim=1 - dim, start=start, length=length).t()
         return src.load(name, stored, dim=dim, start=start, length=length)

@@ -90,8 +90,14 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
     from shoal.engine.execution.layers.linear import PackedMatmul
     from shoal.engine.execution.layers.moe import FusedMoE
 
+    from shoal.engine.execution.quantization.gguf import GGUFWeight
+
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    seen: set[int] = set()  # a tied LM head runs on the embedding's packed GGUF table: count it once
     for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and module.gguf_rows is not None:
+            seen.add(module.gguf_rows.data.data_ptr())
+            total += module.gguf_rows.data.numel()
         if isinstance(module, FusedMoE) and module.quantized is not None:
             total += sum(q.nbytes() for pair in module.quantized for q in pair)
         if isinstance(module, VocabParallelEmbedding) and module.int8_rows is not None:
@@ -99,6 +105,11 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
         if isinstance(module, PackedMatmul):
             if module.packed is not None:  # a separate allocation, also for a tied LM head (its table stays too)
                 total += module.packed.numel() * module.packed.element_size()
-            if module.quantized is not None:
+            if isinstance(module.quantized, GGUFWeight):
+                for t in module.quantized.tensors():
+                    if t.data_ptr() not in seen:
+                        seen.add(t.data_ptr())
+                        total += t.numel()
+            elif module.quantized is not None:  # (oneDNN's opaque int8 tensors have no data pointer)
                 total += module.quantized.nbytes()
     return total

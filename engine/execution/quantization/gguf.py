@@ -1,0 +1,146 @@
+"""GGUF weights run packed on CPU: Q8_0, Q4_0, Q4_1, Q4_K and Q6_K rows kept in llama.cpp's block format.
+
+A `GGUFWeight` is a layer's [out, in] weight as one or more row segments (a fused QKV or gate/up projection is
+several GGUF tensors, possibly of different types), each a uint8 tensor [rows, row_bytes] straight from the file.
+`matmul` runs the C++ kernel (layers/csrc/cpu_gguf.cpp, built for this process's CPU tier), which dequantizes
+blocks in registers as it multiplies; the embedding table dequantizes only the rows a lookup reads.
+
+Tensor parallelism slices these rows before they get here (gguf_model.GGUFWeightSource.load_packed): a row range
+is a byte range, and a column range must fall on block boundaries (32 or 256 weights) or the load is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shoal.engine.execution.quantization.base import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent.parent / "layers" / "csrc" / "cpu_gguf.cpp"
+# GGML type name -> (type id, weights per block, bytes per block)
+PACKED_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
+                "Q6_K": (14, 256, 210)}
+
+
+@functools.cache
+def load_kernels():
+    """(torch.ops.shoal_cpu_gguf, its ISA description). Raises NativeBuildError when it cannot be built."""
+    from shoal.engine.execution.native_build import load_cpu_extension
+
+    start = time.perf_counter()
+    load_cpu_extension("shoal_cpu_gguf", [SOURCE], "cpu GGUF kernels")
+    ops = torch.ops.shoal_cpu_gguf
+    isa = ops.kernel_isa()
+    logger.info("cpu GGUF kernels ready in %.1fs: %s", time.perf_counter() - start, isa)
+    return ops, isa
+
+
+def packed_unsupported_reason(device: torch.device) -> str | None:
+    """None when packed GGUF weights can run on `device`, otherwise why not (the loader then dequantizes)."""
+    from shoal.engine.execution.native_build import NativeBuildError
+
+    if device.type != "cpu":
+        return f"no packed GGUF kernel for {device.type} devices"
+    try:
+        load_kernels()
+    except NativeBuildError as e:
+        return str(e)
+    return None
+
+
+class GGUFPacked:
+    """Rows of one GGUF tensor as stored: `data` uint8 [rows, row_bytes] of type `qtype` (a PACKED_TYPES name),
+    standing for a float [rows, cols] weight. What GGUFWeightSource.load_packed returns to a layer."""
+
+    def __init__(self, data: torch.Tensor, qtype: str, cols: int):
+        type_id, block, size = PACKED_TYPES[qtype]
+        if data.dtype != torch.uint8 or data.dim() != 2 or cols % block or data.shape[1] != cols // block * size:
+            raise ValueError(f"{qtype} rows must be uint8 [rows, {cols // block * size}] for {cols} columns; "
+                             f"got {data.dtype} {list(data.shape)}")
+        self.data, self.qtype, self.type_id, self.cols = data.contiguous(), qtype, type_id, cols
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.cols
+
+    def dequantize(self) -> torch.Tensor:
+        return load_kernels()[0].dequantize(self.data, self.type_id, self.cols)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [*ids.shape, cols]: the rows `ids` picks, dequantized (an embedding lookup)."""
+        rows = self.data.index_select(0, ids.reshape(-1))
+        return load_kernels()[0].dequantize(rows, self.type_id, self.cols).reshape(*ids.shape, self.cols)
+
+
+class GGUFWeight(QuantizedWeight):
+    """A layer's weight as GGUF row segments (concatenated along the output features), padded with zero rows
+    to `out` (a vocabulary-parallel LM head whose last rank holds fewer rows)."""
+
+    quantizes_vocab_tables = True
+
+    def __init__(self, segments: list[GGUFPacked], out: int | None = None):
+        if not segments or len({s.cols for s in segments}) != 1:
+            raise ValueError("a GGUFWeight needs one or more segments of equal width")
+        self.segments = segments
+        self.in_features = segments[0].cols
+        self.rows = sum(s.shape[0] for s in segments)
+        self.out = out or self.rows
+        self.kernel = f"gguf packed {'+'.join(sorted({s.qtype for s in segments}))} ({load_kernels()[1].split(' (')[0]})"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        return packed_unsupported_reason(device)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> "GGUFWeight":
+        raise NotImplementedError("GGUF weights come packed from a .gguf file; they are not built from dense ones")
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        ops = load_kernels()[0]
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        ys = [ops.matmul(x2, s.data, s.type_id, s.cols) for s in self.segments]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if self.out > self.rows:
+            y = F.pad(y, (0, self.out - self.rows))
+        y = y.to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*shape[:-1], self.out)
+
+    def dequantize(self) -> torch.Tensor:
+        w = torch.cat([s.dequantize() for s in self.segments])
+        return F.pad(w, (0, 0, 0, self.out - self.rows)) if self.out > self.rows else w
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [s.data for s in self.segments]
+
+
+def finish_gguf_model(model: torch.nn.Module) -> None:
+    """After a packed GGUF load: every layer runs on its packed blocks (dense weights freed); logs the kernel and
+    the weight memory."""
+    from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from shoal.engine.execution.layers.linear import PackedMatmul
+
+    modules = list(model.modules())
+    for m in modules:  # heads last: a tied head takes over the embedding's packed table
+        if isinstance(m, (PackedMatmul, VocabParallelEmbedding)) and not isinstance(m, ParallelLMHead):
+            m.finish_gguf()
+    for m in modules:
+        if isinstance(m, ParallelLMHead):
+            m.finish_gguf()
+    weights = [m.quantized for m in modules if isinstance(m, PackedMatmul) and isinstance(m.quantized, GGUFWeight)]
+    tables = [m.gguf_rows for m in modules if isinstance(m, VocabParallelEmbedding) and m.gguf_rows is not None]
+    packed = {t.data_ptr(): t.numel() for w in weights for t in w.tensors()}
+    packed.update({t.data.data_ptr(): t.data.numel() for t in tables})
+    kernels = sorted({w.kernel for w in weights})
+    logger.info("GGUF: %d linear layers%s run packed (%s): %.1f MiB of packed weights", len(weights),
+                f" and {len(tables)} embedding table(s)" if tables else "", "; ".join(kernels) or "-",
+                sum(packed.values()) / 2**20)
