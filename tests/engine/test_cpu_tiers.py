@@ -114,7 +114,8 @@ def test_lowest_tier_gives_the_native_tiers_tokens_and_logprobs(model_factory):
 
 
 _BF16_PROBE = r"""
-import json, sys
+import json, logging, sys
+logging.basicConfig(level=logging.INFO)  # the dtype decision is logged: the test reads why
 from shoal.engine import LLM, SamplingParams
 from shoal.engine.execution.cpu_features import cpu_features
 prompts = [{"prompt_token_ids": ids} for ids in json.loads(sys.argv[2])]
