@@ -8,7 +8,7 @@ import torch
 
 from hf_reference import hf_greedy
 from shoal.engine import LLM, SamplingParams
-from shoal.engine.core.scheduler import build_step_inputs
+from shoal.engine.core.scheduler import ScheduledSeq, build_step_inputs
 from shoal.engine.distributed.pipeline import split_micro_batches
 from shoal.engine.distributed.wire import decode_call, encode_call
 from shoal.engine.execution.sampling import SamplingRow
@@ -104,10 +104,8 @@ class _Seq:
         self.token_ids, self.num_computed_tokens, self.block_ids = tokens, computed, blocks
 
 
-class _Sched:
-    def __init__(self, seq, n, samples=True):
-        self.seq, self.num_new_tokens, self.samples = seq, n, samples
-        self.scored = range(0)  # no prompt logprobs in these plans
+def _Sched(seq, n, samples=True):
+    return ScheduledSeq(seq, n, samples)  # no prompt logprobs, no speculative tokens in these plans
 
 
 def _plan():
