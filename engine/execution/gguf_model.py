@@ -372,9 +372,9 @@ class GGUFWeightSource:
         if dim is not None and length is None:
             length = full[dim] - start
         data = np.asarray(t.data).reshape(full[0], -1)
-        rows, cols = full
+        cols = full[1]
         if dim == 0:
-            data, rows = data[start:start + length], length
+            data = data[start:start + length]
         elif dim == 1:
             span = self._column_bytes(data, t.tensor_type, start, length)
             if span is None:

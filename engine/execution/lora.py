@@ -170,9 +170,9 @@ def _cpu_kernel():
     from shoal.engine.execution.native_build import NativeBuildError, load_cpu_extension
 
     try:
-        load_cpu_extension("shoal_cpu_lora", [SOURCE], "cpu LoRA kernel")
-        return torch.ops.shoal_cpu_lora.lora_apply_
-    except (NativeBuildError, AttributeError, RuntimeError) as e:
+        return load_cpu_extension("shoal_cpu_lora", [SOURCE], "cpu LoRA kernel", "shoal_cpu_lora",
+                                  "lora_apply_").lora_apply_
+    except NativeBuildError as e:
         logger.warning("%s; LoRA uses the masked torch form", e)
         return None
 

@@ -74,9 +74,10 @@ def _clear_stale_lock(build_dir: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def load_cpu_extension(name: str, sources: list[Path], what: str) -> None:
-    """Compile (or reuse) and load the extension `name` from `sources` for this process's CPU tier; its ops are
-    then registered under torch.ops. Raises NativeBuildError with a one-line reason."""
+def load_cpu_extension(name: str, sources: list[Path], what: str, library: str, probe: str):
+    """Compile (or reuse) and load the extension `name` from `sources` for this process's CPU tier and return its
+    op namespace torch.ops.<library>, with the op `probe` resolved now (a failed registration shows here, not
+    mid-step). Raises NativeBuildError with a one-line reason; callers fall back to their torch path."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
     for src in sources:
@@ -95,4 +96,10 @@ def load_cpu_extension(name: str, sources: list[Path], what: str) -> None:
     except Exception as e:  # a missing compiler/ninja/header is reported, never fatal: callers fall back
         logger.debug("%s build failure", what, exc_info=True)
         raise NativeBuildError(summarise(e, what)) from None
+    try:
+        ops = getattr(torch.ops, library)
+        getattr(ops, probe)
+    except (AttributeError, RuntimeError) as e:
+        raise NativeBuildError(f"the {what} loaded but torch.ops.{library}.{probe} is missing: {e}") from None
     logger.info("%s: %s build for tier %s", what, full_name, features.tier)
+    return ops

@@ -124,4 +124,4 @@ def test_a_missing_kernel_source_is_reported_not_raised_by_the_loaders(tmp_path,
     from shoal.engine.execution.native_build import NativeBuildError, load_cpu_extension
 
     with pytest.raises(NativeBuildError, match="is missing from this installation"):
-        load_cpu_extension("shoal_missing", [tmp_path / "gone.cpp"], "test kernel")
+        load_cpu_extension("shoal_missing", [tmp_path / "gone.cpp"], "test kernel", "shoal_missing", "op")

@@ -48,8 +48,8 @@ def load_kernel() -> tuple[object | None, str, float]:
 
     start = time.perf_counter()
     try:
-        load_cpu_extension("shoal_cpu_paged_attention", [SOURCE], "cpu attention kernel")
-        op = torch.ops.shoal_cpu_paged.paged_attention
+        op = load_cpu_extension("shoal_cpu_paged_attention", [SOURCE], "cpu attention kernel", "shoal_cpu_paged",
+                                "paged_attention").paged_attention
     except NativeBuildError as e:  # a missing compiler/ninja/header must never break the engine: fall back
         logger.warning("%s", e)
         return None, str(e), time.perf_counter() - start

@@ -108,10 +108,8 @@ def load_cpu_kernel() -> tuple[object | None, str, float]:
     if os.environ.get("SHOAL_DISABLE_FUSED_OPS") == "1":
         return None, "disabled by SHOAL_DISABLE_FUSED_OPS=1", 0.0
     try:
-        load_cpu_extension("shoal_cpu_moe", [SOURCE], "cpu MoE kernel")
-        ops = torch.ops.shoal_cpu_moe
-        ops.fused_experts  # resolve now: a failed registration shows here, not mid-step
-    except (NativeBuildError, AttributeError, RuntimeError) as e:  # never fatal: the torch path runs
+        ops = load_cpu_extension("shoal_cpu_moe", [SOURCE], "cpu MoE kernel", "shoal_cpu_moe", "fused_experts")
+    except NativeBuildError as e:  # never fatal: the torch path runs
         logger.warning("%s; using the torch MoE path", e)
         return None, str(e), time.perf_counter() - start
     return ops, "", time.perf_counter() - start

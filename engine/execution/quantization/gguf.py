@@ -35,8 +35,7 @@ def load_kernels():
     from shoal.engine.execution.native_build import load_cpu_extension
 
     start = time.perf_counter()
-    load_cpu_extension("shoal_cpu_gguf", [SOURCE], "cpu GGUF kernels")
-    ops = torch.ops.shoal_cpu_gguf
+    ops = load_cpu_extension("shoal_cpu_gguf", [SOURCE], "cpu GGUF kernels", "shoal_cpu_gguf", "kernel_isa")
     isa = ops.kernel_isa()
     logger.info("cpu GGUF kernels ready in %.1fs: %s", time.perf_counter() - start, isa)
     return ops, isa
