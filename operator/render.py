@@ -318,8 +318,7 @@ def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image or rt.image or settings.engine_image,
-        "command": runtimes.command(rt, multi),
-        "args": engine_args(name, namespace, spec, settings, replica=replica),
+        **runtimes.argv(rt, multi, engine_args(name, namespace, spec, settings, replica=replica)),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
                  + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else []),
         "env": _with_api_key(env, spec),
@@ -345,8 +344,8 @@ def _download_container(spec: InferenceServiceSpec, image: str, env: list[dict[s
     container = {
         "name": DOWNLOAD_CONTAINER,
         "image": image,
-        "command": ["shoal-engine", "download"],
-        "args": download_args,
+        # behind the image's init, as the engine (runtimes.SHOAL.init_entrypoint)
+        "args": ["shoal-engine", "download", *download_args],
         "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
         "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
         # a download is network and disk bound; requests keep the pod out of BestEffort while it runs,

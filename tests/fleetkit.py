@@ -47,14 +47,14 @@ VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON",
 POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "TRITON_CACHE_DIR"})
 
 
-def local_argv(command: list[str]) -> list[str]:
-    """The local program for a container's command (its arguments follow)."""
-    if command == ["shoal-engine", "serve"]:
-        return [sys.executable, "-m", "shoal.engine.cli", "serve"]
-    if command == ["vllm", "serve"]:
-        return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"]
-    raise ValueError(f"the local kubelet cannot run a container command {command!r} (single-pod shoal-engine or "
-                     "vllm only)")
+def local_argv(argv: list[str]) -> list[str]:
+    """The local program for a container's argv (its `command` and `args` together: Shoal's engine runs behind the
+    image's init, with the whole argv as args; vLLM's command overrides its image's entrypoint)."""
+    if argv[:2] == ["shoal-engine", "serve"]:
+        return [sys.executable, "-m", "shoal.engine.cli", "serve", *argv[2:]]
+    if argv[:2] == ["vllm", "serve"]:
+        return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", *argv[2:]]
+    raise ValueError(f"the local kubelet cannot run a container {argv[:2]!r} (single-pod shoal-engine or vllm only)")
 
 
 def _ready(port: int, path: str) -> bool:
@@ -156,20 +156,19 @@ class Kubelet:
         template = dep["spec"]["template"]
         name = f"{dep['metadata']['name']}-" + "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
         container = template["spec"]["containers"][0]
-        args = list(container.get("args") or [])
+        args = list(container.get("command") or []) + list(container.get("args") or [])
         port = free_port()
         for flag, value in (("--host", "127.0.0.1"), ("--port", str(port))):
             if flag in args:
                 args[args.index(flag) + 1] = value
             else:
                 args += [flag, value]
-        program = local_argv(list(container.get("command") or ["shoal-engine", "serve"]))
         log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{name}-", suffix=".log", delete=False)
         pod_env = {e["name"]: e["value"] for e in container.get("env") or []
                    if "value" in e and e["name"] not in POD_PATH_ENV}
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **pod_env, **self.env}
         # cwd: not the repository, whose operator/ folder would shadow the standard library's `operator` there
-        proc = subprocess.Popen([*program, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(local_argv(args), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=tempfile.gettempdir())
         grace = float(template["spec"].get("terminationGracePeriodSeconds") or 30)
         ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")

@@ -128,7 +128,7 @@ def test_cpu_demo_single_pod():
     assert set(kids) == {("Deployment", "llm"), ("Service", "llm"), ("NetworkPolicy", "llm")} | GATEWAY_KIDS
     dep = kids[("Deployment", "llm")]
     c = container(dep)
-    assert c["command"] == ["shoal-engine", "serve"]
+    assert "command" not in c and c["args"][:2] == ["shoal-engine", "serve"]  # behind the image's init (tini)
     assert "--model" not in c["args"]  # demo:// -> the engine's built-in demo model
     assert flag(c["args"], "--served-model-name") == "llm"
     assert flag(c["args"], "--port") == "8000" and flag(c["args"], "--host") == "0.0.0.0"
@@ -169,7 +169,7 @@ def test_single_gpu_hf_model():
     # An init container fills the cache the engine reads, with the same HF_HOME and the network allowed.
     pod = kids[("Deployment", "llm")]["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    assert init["command"] == ["shoal-engine", "download"] and flag(init["args"], "--model") == "Qwen/Qwen2.5-7B-Instruct"
+    assert init["args"][:2] == ["shoal-engine", "download"] and flag(init["args"], "--model") == "Qwen/Qwen2.5-7B-Instruct"
     init_env = {e["name"]: e.get("value") for e in init["env"]}
     assert init_env["HF_HOME"] == "/cache/huggingface" and "HF_HUB_OFFLINE" not in init_env
     assert {"name": "cache", "mountPath": "/cache"} in init["volumeMounts"]
@@ -215,7 +215,7 @@ def test_tp8xpp2_two_pod_groups():
         assert flag(args, "--node-rank") == "$(SHOAL_NODE_RANK)"
         assert flag(args, "--master-addr") == f"llm-g{r}-0.llm-g{r}.team-a.svc.cluster.local"
         assert flag(args, "--master-port") == "29500"
-        assert c["command"][:2] == ["/bin/sh", "-c"] and "--headless" in c["command"][2]
+        assert c["args"][:2] == ["/bin/sh", "-c"] and "--headless" in c["args"][2] and "command" not in c
         rank = next(e for e in c["env"] if e["name"] == "SHOAL_NODE_RANK")
         assert rank["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{L_POD_INDEX}']"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
@@ -276,7 +276,7 @@ def test_api_key_is_only_an_env_var_of_the_engine_container():
             continue
         pod = obj["spec"]["template"]["spec"]
         for c in pod["containers"] + pod["initContainers"]:
-            assert not any("SHOAL_API_KEY" in a or a == "--api-key" for a in c["command"] + c.get("args", []))
+            assert not any("SHOAL_API_KEY" in a or a == "--api-key" for a in c.get("command", []) + c["args"])
         assert [e for e in pod["containers"][0]["env"] if e["name"] == "SHOAL_API_KEY"] == [
             {"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
         assert not any(e["name"] == "SHOAL_API_KEY" for e in pod["initContainers"][0]["env"])
@@ -289,7 +289,7 @@ def test_every_option_reaches_the_pod():
     pod = dep["spec"]["template"]["spec"]
     c = container(dep)
     args = c["args"]
-    assert args[:2] == ["--model", "/opt/models/m"]
+    assert args[:4] == ["shoal-engine", "serve", "--model", "/opt/models/m"]
     assert flag(args, "--served-model-name") == "m"
     assert flag(args, "--dtype") == "bfloat16" and flag(args, "--max-model-len") == "8192"
     assert flag(args, "--max-num-seqs") == "64" and flag(args, "--max-num-batched-tokens") == "4096"
