@@ -409,9 +409,25 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         **_placement(spec),
     }
     metadata: dict[str, Any] = {"labels": {**spec.pod.labels, **pod_labels}}
-    if spec.pod.annotations:
-        metadata["annotations"] = dict(spec.pod.annotations)
+    annotations = {**(mesh_annotations() if multi else {}), **spec.pod.annotations}  # the user's win
+    if annotations:
+        metadata["annotations"] = annotations
     return _apply_overlay({"metadata": metadata, "spec": pod_spec}, spec, pod_labels)
+
+
+# Istio's sidecar sits in front of every port of a pod. Under STRICT mTLS a rank's torch.distributed traffic — the
+# rendezvous on MASTER_PORT, NCCL/gloo sockets on ephemeral ports — reaches its peers by pod IP, which the
+# sidecars pass through as plaintext and the peer's sidecar then refuses. So only the OpenAI port is captured
+# inbound (mTLS for the gateway's requests), the rendezvous port bypasses the sidecar outbound, and the ephemeral
+# ports, captured by no one inbound, arrive as they were sent. (With outboundTrafficPolicy REGISTRY_ONLY add the
+# pod CIDR to traffic.sidecar.istio.io/excludeOutboundIPRanges through spec.pod.annotations.) Harmless without Istio.
+A_ISTIO_INCLUDE_INBOUND = "traffic.sidecar.istio.io/includeInboundPorts"
+A_ISTIO_EXCLUDE_OUTBOUND = "traffic.sidecar.istio.io/excludeOutboundPorts"
+
+
+def mesh_annotations() -> dict[str, str]:
+    """Pod annotations of multi-pod groups that keep inter-rank traffic out of a service mesh's sidecar."""
+    return {A_ISTIO_INCLUDE_INBOUND: str(ENGINE_PORT), A_ISTIO_EXCLUDE_OUTBOUND: str(MASTER_PORT)}
 
 
 def _apply_overlay(template: dict[str, Any], spec: InferenceServiceSpec,
@@ -450,7 +466,34 @@ def cache_volume(name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     if cache.persistent:
         return [{"name": "cache", "persistentVolumeClaim": {"claimName": cache_claim_name(name)}}]
     size = spec.cache_size()
+    if size is None and spec.model.uri.startswith("hf://"):
+        size = default_download_bound(spec)
     return [{"name": "cache", "emptyDir": {"sizeLimit": str(size)} if size is not None else {}}]
+
+
+# An hf:// download without model.cache.size still gets a sizeLimit, so a wrong model id (a 400 B checkpoint for a
+# one-GPU service) cannot fill the node's disk and evict its neighbours: the kubelet evicts this pod instead. The
+# bound is what the replica could possibly serve — its weights must fit its accelerators' memory, or on CPU the
+# pod's memory — times what quantizing on load may shrink (bf16 -> int4 is 4x). GPU memory is not in the spec, so
+# each GPU counts for 160Gi (an H200 has 141 GB, a B200 180 GiB... the largest in common use, rounded up). Without a
+# `memory` a CPU replica gets 100Gi. No ephemeral-storage request comes with it: a request this large would keep
+# the pod off nodes whose disks hold the real model easily (set model.cache.size for a request and a tight bound).
+DOWNLOAD_BOUND_PER_GPU = 160 * 2**30
+DOWNLOAD_BOUND_CPU_DEFAULT = 100 * 2**30
+QUANTIZE_ON_LOAD_RATIO = 4
+
+
+def default_download_bound(spec: InferenceServiceSpec) -> str:
+    """The emptyDir sizeLimit of an hf:// model cache when the spec sets no size (see above)."""
+    from kubernetes.utils import parse_quantity
+
+    if spec.resources.gpus_per_pod != 0:  # None: the default, which is GPUs
+        bound = spec.world_size * DOWNLOAD_BOUND_PER_GPU
+    elif spec.resources.memory is not None:
+        bound = QUANTIZE_ON_LOAD_RATIO * int(parse_quantity(str(spec.resources.memory)))
+    else:
+        bound = DOWNLOAD_BOUND_CPU_DEFAULT
+    return f"{math.ceil(bound / 2**30)}Gi"
 
 
 def _claim_spec(spec: InferenceServiceSpec) -> dict[str, Any]:
