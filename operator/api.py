@@ -33,6 +33,12 @@ SHORT_NAMES = ["isvc", "sisvc"]
 # not "all": `kubectl delete all --all` must never delete models
 CATEGORIES = ["shoal"]
 API_VERSION = f"{GROUP}/{VERSION}"
+# Versioning (docs/api.md "Versions"): every version the CRD serves, oldest first, and the one the API server
+# stores. All share this one schema (conversion strategy None: the API server only rewrites apiVersion), so a new
+# version is added here, made the storage version once it has been served for a release, and the old one is kept
+# served (deprecated) until stored objects are migrated.
+SERVED_VERSIONS: tuple[str, ...] = (VERSION,)
+STORAGE_VERSION = VERSION
 
 ENGINE_PORT = 8000  # HTTP, metrics and health on every rank
 MASTER_PORT = 29500  # torch.distributed rendezvous on rank 0 of a multi-pod group
