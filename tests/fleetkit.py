@@ -32,6 +32,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from kubekit import slice_labels
 from prockit import LoggedProcess, free_port
 
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
@@ -94,6 +95,7 @@ class Kubelet:
         self.env = env or {}
         self.interval = interval
         self.pods: dict[str, LocalPod] = {}
+        self.slice_labels: dict[str, str] | None = None  # the engine Service's, as the EndpointSlice controller copies
         self.events: list[tuple[float, str, str]] = []  # (time, pod, what): started/ready/terminating/exited
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
@@ -224,9 +226,10 @@ class Kubelet:
             self._publish(local, pod, ready=ready, terminating=False)
 
     def _publish(self, local: LocalPod, pod: dict, ready: bool, terminating: bool) -> None:
+        if self.slice_labels is None:
+            self.slice_labels = slice_labels(self.client, self.ns, self.service)
         body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-                "metadata": {"name": f"{self.service}-{local.name}",
-                             "labels": {"kubernetes.io/service-name": self.service}},
+                "metadata": {"name": f"{self.service}-{local.name}", "labels": self.slice_labels},
                 "ports": [{"name": "http", "port": local.port, "protocol": "TCP"}],
                 "endpoints": [{"addresses": ["127.0.0.1"],
                                "conditions": {"ready": ready, "serving": ready or terminating,
@@ -264,6 +267,6 @@ def publish_gateway(client, ns: str, service: str, port: int) -> None:
     """The local gateway process as the endpoint of the gateway Service (what the gateway pods would be)."""
     client.create("endpointslices", ns, {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-        "metadata": {"name": f"{service}-local", "labels": {"kubernetes.io/service-name": service}},
+        "metadata": {"name": f"{service}-local", "labels": slice_labels(client, ns, service)},
         "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
         "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}]})

@@ -8,7 +8,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from kubekit import condition, isvc_body, wait_for
+from kubekit import condition, isvc_body, slice_labels, wait_for
+from prockit import free_port
 
 from shoal.engine.gateway.wake import wake_patch
 from shoal.operator.autoscaler import A_DELETION_COST, A_WAKE, REGISTRY
@@ -22,6 +23,7 @@ class FakeEngines:
     def __init__(self):
         self.load: dict[str, tuple[int, int, float]] = {}
         self.held: dict[str, int] = {}  # gateway pods: requests held
+        self.texts: dict[str, str] = {}  # pods that answer with this text instead
         self.servers: dict[str, ThreadingHTTPServer] = {}
 
     def port(self, pod: str) -> int:
@@ -31,7 +33,9 @@ class FakeEngines:
             class Handler(BaseHTTPRequestHandler):
                 def do_GET(self):
                     running, waiting, kv = engines.load.get(pod, (0, 0, 0.0))
-                    if pod in engines.held:
+                    if pod in engines.texts:
+                        body = engines.texts[pod].encode()
+                    elif pod in engines.held:
                         body = f"shoal:gateway_held_requests {engines.held[pod]}\n".encode()
                     else:
                         body = (f'shoal:num_requests_running{{model_name="m"}} {running}\n'
@@ -66,9 +70,10 @@ def engines():
 
 def publish_slices(env, ns: str, service: str, pods: list[str], engines: FakeEngines, ready: bool = True) -> None:
     """One EndpointSlice per pod (each listens on its own port, and a slice has one port list)."""
+    labels = slice_labels(env.client, ns, service)
     for pod in pods:
         body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-                "metadata": {"name": f"{service}-{pod}", "labels": {"kubernetes.io/service-name": service}},
+                "metadata": {"name": f"{service}-{pod}", "labels": labels},
                 "ports": [{"name": "http", "port": engines.port(pod), "protocol": "TCP"}],
                 "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready},
                                "targetRef": {"kind": "Pod", "name": pod, "namespace": ns}}]}
@@ -200,3 +205,81 @@ def test_metrics_port_flag():
     with pytest.raises(SystemExit, match="port number"):
         parse(["--metrics-port", "http"])
 
+
+
+def test_no_finalizer_and_endpoints_come_from_a_watch_not_a_list_per_decision(env, ns, engines):
+    """The autoscaler is no kopf daemon (those put a finalizer on every autoscaled service, which then cannot be
+    deleted once the operator is uninstalled) and reads EndpointSlices from its watch-fed cache: decisions go on,
+    no LIST of EndpointSlices comes with them."""
+    env.client.create(ISVC, ns, isvc_body("watched", {"replicas": 1, "autoscaling": {
+        "minReplicas": 1, "maxReplicas": 3, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0}}))
+    wait_for(lambda: env.client.get("deployments", ns, "watched"), 10, "deployment")
+    engines.load["watched-a"] = (12, 0, 0.1)
+    publish_slices(env, ns, "watched-engines", ["watched-a"], engines)
+    wait_for(lambda: running(env, ns, "watched") == 2, 10, "scaled to 2 from the watched slice (12/10)")
+    lists = sum(1 for plural, _ in env.cluster.lists if plural == "endpointslices")
+    ticks = decisions(ns, "watched")
+    wait_for(lambda: decisions(ns, "watched") >= ticks + 3, 10, "three more decisions")
+    assert sum(1 for plural, _ in env.cluster.lists if plural == "endpointslices") == lists
+    assert not env.client.get(ISVC, ns, "watched")["metadata"].get("finalizers")
+    env.client.delete(ISVC, ns, "watched")  # nothing to wait for: gone at once, operator or not
+    assert env.client.get(ISVC, ns, "watched") is None
+
+
+def test_engines_the_operator_cannot_reach_scale_from_the_gateways_view(env, ns, engines):
+    """Engines behind Istio STRICT mTLS refuse the operator's plaintext scrape; the gateways, inside the mesh,
+    report the engines' load (loadSource auto, the default): the fleet still scales, with the engines' gauges
+    where a gateway polled them and the gateways' own in-flight counts where not."""
+    from shoal.operator.autoscaler import REGISTRY as R
+
+    env.client.create(ISVC, ns, isvc_body("mesh", {"replicas": 1, "autoscaling": {
+        "minReplicas": 1, "maxReplicas": 6, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0}}))
+    wait_for(lambda: env.client.get("deployments", ns, "mesh"), 10, "deployment")
+    refused = free_port()  # nobody listens there: every scrape of the engines fails, as a STRICT sidecar's would
+    labels = slice_labels(env.client, ns, "mesh-engines")
+    for pod, port in (("mesh-a", refused), ("mesh-b", refused)):
+        env.client.create("endpointslices", ns, {
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+            "metadata": {"name": f"mesh-engines-{pod}", "labels": labels},
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [f"127.0.0.{1 + (pod == 'mesh-b')}"], "conditions": {"ready": True},
+                           "targetRef": {"kind": "Pod", "name": pod, "namespace": ns}}]})
+    a, b = f"http://127.0.0.1:{refused}", f"http://127.0.0.2:{refused}"
+    # both gateways polled engine a (same gauges); none has fresh data of b, to which they have 9 + 8 in flight
+    polled = (f'shoal:gateway_backend_running_requests{{backend="{a}"}} 20\n'
+              f'shoal:gateway_backend_waiting_requests{{backend="{a}"}} 4\n'
+              f'shoal:gateway_backend_kv_cache_usage{{backend="{a}"}} 0.5\n')
+    engines.texts["mesh-gw-1"] = polled + f'shoal:gateway_inflight_requests{{backend="{a}"}} 12\n' \
+                        f'shoal:gateway_inflight_requests{{backend="{b}"}} 9\nshoal:gateway_held_requests 0\n'
+    engines.texts["mesh-gw-2"] = polled + f'shoal:gateway_inflight_requests{{backend="{a}"}} 12\n' \
+                        f'shoal:gateway_inflight_requests{{backend="{b}"}} 8\nshoal:gateway_held_requests 0\n'
+    publish_slices(env, ns, "mesh", ["mesh-gw-1", "mesh-gw-2"], engines)
+    # 24 on a (its own gauges, via the gateways) + 17 on b (the gateways' counts) = 41 -> ceil(41/10) = 5
+    wait_for(lambda: running(env, ns, "mesh") == 5, 10, "scaled to 5 from the gateways' view")
+    st = wait_for(lambda: (s := env.client.get(ISVC, ns, "mesh")["status"].get("autoscaling")) and
+                  s.get("neededReplicas") == 5 and s, 5, "status")
+    assert st["inputs"]["inFlight"] == 41 and st["inputs"]["kvCacheUsage"] == 0.5
+    assert st["reason"] != "LoadUnknown"
+    # the failing engines are scraped ever more rarely while the gateways cover them
+    wait_for(lambda: (R.get_sample_value("shoal:autoscaler_scrapes_total",
+                                         {"target": "engine", "result": "skipped"}) or 0) > 0, 10, "backoff")
+
+
+def test_an_external_autoscaler_gets_the_inputs_and_owns_the_replica_count(env, ns, engines):
+    """autoscalerClass external (an HPA or a KEDA ScaledObject on the scale subresource): the operator observes and
+    exports shoal:autoscaler_* but writes no replica count; spec.replicas, as the HPA sets it, is what runs."""
+    env.client.create(ISVC, ns, isvc_body("keda", {"replicas": 1, "autoscaling": {
+        "minReplicas": 1, "maxReplicas": 5, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0,
+        "autoscalerClass": "external"}}))
+    wait_for(lambda: env.client.get("deployments", ns, "keda"), 10, "deployment")
+    engines.load["keda-a"] = (25, 5, 0.4)
+    publish_slices(env, ns, "keda-engines", ["keda-a"], engines)
+    sample = {"namespace": ns, "name": "keda"}
+    wait_for(lambda: REGISTRY.get_sample_value("shoal:autoscaler_needed_replicas", sample) == 3, 10, "needed 3")
+    assert REGISTRY.get_sample_value("shoal:autoscaler_in_flight_requests", sample) == 30
+    ticks = decisions(ns, "keda")
+    wait_for(lambda: decisions(ns, "keda") >= ticks + 2, 10, "two more decisions")
+    assert "autoscaling" not in (env.client.get(ISVC, ns, "keda").get("status") or {})
+    assert env.client.get("deployments", ns, "keda")["spec"]["replicas"] == 1
+    env.client.patch(ISVC, ns, "keda", {"spec": {"replicas": 3}}, sub="scale")  # the HPA acts
+    wait_for(lambda: env.client.get("deployments", ns, "keda")["spec"]["replicas"] == 3, 10, "deployment follows")
