@@ -51,7 +51,7 @@ REPEATABLE = {"--metrics-namespace": "SHOAL_METRICS_NAMESPACES"}
 
 def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     """Split shoal's own flags (returned as env vars) from the rest (kopf run's)."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --peering is kopf's, not ours
     for flag in OWN_FLAGS:
         parser.add_argument(flag)
     for flag in REPEATABLE:

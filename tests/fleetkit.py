@@ -31,6 +31,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kubekit import slice_labels
 from prockit import LoggedProcess, free_port
@@ -270,3 +271,60 @@ def publish_gateway(client, ns: str, service: str, port: int) -> None:
         "metadata": {"name": f"{service}-local", "labels": slice_labels(client, ns, service)},
         "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
         "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}]})
+
+
+class FakeEngines:
+    """For the autoscaler's tests: one tiny HTTP server per pod serving Prometheus text with the load the test
+    sets (engines), the requests it holds (gateways), or any text."""
+
+    def __init__(self):
+        self.load: dict[str, tuple[int, int, float]] = {}
+        self.held: dict[str, int] = {}  # gateway pods: requests held
+        self.texts: dict[str, str] = {}  # pods that answer with this text instead
+        self.servers: dict[str, ThreadingHTTPServer] = {}
+
+    def port(self, pod: str) -> int:
+        if pod not in self.servers:
+            engines = self
+
+            class Handler(BaseHTTPRequestHandler):
+                def do_GET(self):
+                    running, waiting, kv = engines.load.get(pod, (0, 0, 0.0))
+                    if pod in engines.texts:
+                        body = engines.texts[pod].encode()
+                    elif pod in engines.held:
+                        body = f"shoal:gateway_held_requests {engines.held[pod]}\n".encode()
+                    else:
+                        body = (f'shoal:num_requests_running{{model_name="m"}} {running}\n'
+                                f'shoal:num_requests_waiting{{model_name="m"}} {waiting}\n'
+                                f'shoal:kv_cache_usage_perc{{model_name="m"}} {kv}\n').encode()
+                    self.send_response(200 if self.path == "/metrics" else 404)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+
+                def log_message(self, *args):
+                    pass
+
+            server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.servers[pod] = server
+        return self.servers[pod].server_address[1]
+
+    def close(self):
+        for server in self.servers.values():
+            server.shutdown()
+            server.server_close()
+
+
+def publish_slices(client, ns: str, service: str, pods: list[str], engines: FakeEngines, ready: bool = True) -> None:
+    """One EndpointSlice per pod (each listens on its own port, and a slice has one port list)."""
+    labels = slice_labels(client, ns, service)
+    for pod in pods:
+        body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+                "metadata": {"name": f"{service}-{pod}", "labels": labels},
+                "ports": [{"name": "http", "port": engines.port(pod), "protocol": "TCP"}],
+                "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready},
+                               "targetRef": {"kind": "Pod", "name": pod, "namespace": ns}}]}
+        client.create("endpointslices", ns, body)

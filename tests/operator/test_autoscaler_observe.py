@@ -118,8 +118,9 @@ def test_the_autoscaler_watches_the_operators_namespaces(argv, expected):
 
 
 def test_new_flags():
-    env, rest = parse(["--max-concurrent-scrapes", "8", "--peering-lifetime", "5", "-A"])
-    assert env["SHOAL_MAX_CONCURRENT_SCRAPES"] == "8" and env["SHOAL_PEERING_LIFETIME"] == "5" and rest == ["-A"]
+    env, rest = parse(["--max-concurrent-scrapes", "8", "--peering-lifetime", "5", "-A", "--peering=shoal"])
+    assert env["SHOAL_MAX_CONCURRENT_SCRAPES"] == "8" and env["SHOAL_PEERING_LIFETIME"] == "5"
+    assert rest == ["-A", "--peering=shoal"]  # kopf's --peering is no abbreviation of --peering-lifetime
     with pytest.raises(SystemExit, match="max-concurrent-scrapes"):
         parse(["--max-concurrent-scrapes", "0"])
     assert autoscaler.MAX_CONCURRENT_SCRAPES >= 1
