@@ -166,6 +166,11 @@ def test_no_finalizer_and_endpoints_come_from_a_watch_not_a_list_per_decision(en
     assert not env.client.get(ISVC, ns, "watched")["metadata"].get("finalizers")
     env.client.delete(ISVC, ns, "watched")  # nothing to wait for: gone at once, operator or not
     assert env.client.get(ISVC, ns, "watched") is None
+    # the finalizer an older operator's kopf daemon left is removed, so the service can go without an operator
+    old = isvc_body("upgraded", {"replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 2}})
+    old["metadata"]["finalizers"] = ["kopf.zalando.org/KopfFinalizerMarker"]
+    env.client.create(ISVC, ns, old)
+    wait_for(lambda: not env.client.get(ISVC, ns, "upgraded")["metadata"].get("finalizers"), 10, "finalizer gone")
 
 
 def test_engines_the_operator_cannot_reach_scale_from_the_gateways_view(env, ns, engines):
