@@ -252,6 +252,8 @@ class State:
     history: History = field(default_factory=History)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     woken_at: str | None = None  # the last wake annotation value acted upon
+    respec: asyncio.Event = field(default_factory=asyncio.Event)  # the spec changed: decide now, on the new one
+    generation: Any = None
     last_status: tuple | None = None
     last_status_time: float = 0.0
     last_scale_time: str | None = None
@@ -329,34 +331,43 @@ class Autoscaler:
         await self.isvcs.wait_synced()
         was_leading = None
         while True:
-            self._changed.clear()
-            leading = self.leading()
-            if leading != was_leading:
-                logger.info("autoscaler %s", "leading: scaling autoscaled services" if leading else
-                            "standing by (another operator replica leads)")
-                M_LEADING.set(1 if leading else 0)
-                was_leading = leading
-            wanted = set()
-            if leading:
-                for isvc in self.isvcs.values():
-                    meta = isvc["metadata"]
-                    if (isvc.get("spec") or {}).get("autoscaling") and not meta.get("deletionTimestamp"):
-                        wanted.add((meta["namespace"], meta["name"]))
-            for key in wanted - set(self.loops):
-                stop = asyncio.Event()
-                self.loops[key] = Loop(asyncio.create_task(self.run(key, stop), name=f"autoscale {key}"), stop)
-            gone = [key for key in self.loops if key not in wanted]
-            if gone:
-                await self._stop_loops(gone)
-                if leading:  # spec.autoscaling removed: replicas are the user's again
-                    for key in gone:
-                        isvc = self.isvcs.get(*key)
-                        if isvc is not None and not isvc["metadata"].get("deletionTimestamp"):
-                            await self._forget(isvc)
+            try:
+                was_leading = await self._supervise_once(was_leading)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - never let one bad pass end autoscaling for good
+                logger.exception("autoscaler supervisor")
             try:  # changes of the services or the peering wake us; time alone can end a peer's lease
                 await asyncio.wait_for(self._changed.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
+
+    async def _supervise_once(self, was_leading: bool | None) -> bool:
+        """Start and stop the loops to match (leading, the autoscaled services); -> whether this replica leads."""
+        self._changed.clear()
+        leading = self.leading()
+        if leading != was_leading:
+            logger.info("autoscaler %s", "leading: scaling autoscaled services" if leading else
+                        "standing by (another operator replica leads)")
+            M_LEADING.set(1 if leading else 0)
+        wanted = set()
+        if leading:
+            for isvc in self.isvcs.values():
+                meta = isvc["metadata"]
+                if (isvc.get("spec") or {}).get("autoscaling") and not meta.get("deletionTimestamp"):
+                    wanted.add((meta["namespace"], meta["name"]))
+        for key in wanted - set(self.loops):
+            stop = asyncio.Event()
+            self.loops[key] = Loop(asyncio.create_task(self.run(key, stop), name=f"autoscale {key}"), stop)
+        gone = [key for key in self.loops if key not in wanted]
+        if gone:
+            await self._stop_loops(gone)
+            if leading:  # spec.autoscaling removed: replicas are the user's again
+                for key in gone:
+                    isvc = self.isvcs.get(*key)
+                    if isvc is not None and not isvc["metadata"].get("deletionTimestamp"):
+                        await self._forget(isvc)
+        return leading
 
     async def _stop_loops(self, keys: list[tuple[str, str]]) -> None:
         loops = [self.loops.pop(key) for key in keys if key in self.loops]
@@ -372,6 +383,13 @@ class Autoscaler:
         self._changed.set()
 
     def _isvc_event(self, kind: str, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        key = (meta.get("namespace"), meta.get("name"))
+        if kind == "DELETED":
+            self.states.pop(key, None)
+        elif (state := self.states.get(key)) is not None and state.generation != meta.get("generation"):
+            state.generation = meta.get("generation")
+            state.respec.set()
         self._changed.set()
 
     def _wake_event(self, kind: str, obj: dict[str, Any]) -> None:
@@ -395,6 +413,7 @@ class Autoscaler:
         deleted, or this replica no longer leads)."""
         state = self.states.setdefault(key, State())
         state.history, state.last_status = History(), None  # a new leader starts with no history
+        state.generation = ((self.isvcs.get(*key) if self.isvcs else None) or {}).get("metadata", {}).get("generation")
         if state.woken_at is not None and not _recent(state.woken_at):
             state.wake.clear()  # noticed while standing by, long ago: not a request waiting now
         logger.info("autoscaling %s/%s", *key)
@@ -405,6 +424,7 @@ class Autoscaler:
                     break
                 woken = state.wake.is_set()
                 state.wake.clear()
+                state.respec.clear()
                 try:
                     await self.tick(isvc, state, woken)
                 except asyncio.CancelledError:
@@ -416,7 +436,7 @@ class Autoscaler:
                         logger.warning("autoscaling %s/%s paused: invalid spec (%s)", *key, e)
                 except Exception as e:  # API or scrape trouble: try again on the next tick
                     logger.warning("autoscaling %s/%s: %s", *key, e)
-                waits = [asyncio.ensure_future(state.wake.wait()), asyncio.ensure_future(stop.wait())]
+                waits = [asyncio.ensure_future(e.wait()) for e in (state.wake, state.respec, stop)]
                 try:
                     await asyncio.wait(waits, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -432,19 +452,30 @@ class Autoscaler:
 
     async def _forget(self, isvc: dict[str, Any]) -> None:
         """spec.autoscaling was removed (or went external): replicas are spec.replicas again; say so by dropping
-        what we reported."""
-        status = isvc.get("status") or {}
-        if "autoscaling" not in status and not any(c.get("type") == CONDITION for c in status.get("conditions") or []):
-            return
-        conditions = [c for c in status.get("conditions") or [] if c.get("type") != CONDITION]
+        what we reported. The conditions list is written whole, so on the version it was read from (a 409: read
+        again and retry)."""
         meta = isvc["metadata"]
-        try:
-            await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"],
-                                        {"metadata": {"resourceVersion": meta.get("resourceVersion")},
-                                         "status": {"autoscaling": None, "conditions": conditions}},
-                                        subresource="status")
-        except ApiError as e:
-            logger.info("autoscaling of %s/%s stopped; status not cleaned (%s)", meta["namespace"], meta["name"], e)
+        for attempt in range(3):
+            status = isvc.get("status") or {}
+            if "autoscaling" not in status and not any(c.get("type") == CONDITION
+                                                       for c in status.get("conditions") or []):
+                return
+            conditions = [c for c in status.get("conditions") or [] if c.get("type") != CONDITION]
+            try:
+                await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"],
+                                            {"metadata": {"resourceVersion": isvc["metadata"].get("resourceVersion")},
+                                             "status": {"autoscaling": None, "conditions": conditions}},
+                                            subresource="status")
+                return
+            except ApiError as e:
+                if e.status != 409 or attempt == 2:
+                    logger.info("autoscaling of %s/%s stopped; status not cleaned (%s)", meta["namespace"],
+                                meta["name"], e)
+                    return
+            try:
+                isvc = await self.kube.get(api.KIND, meta["namespace"], meta["name"])
+            except ApiError:
+                return
 
     # ---- observe ---------------------------------------------------------------------------------------------
     async def _scrape(self, url: str, target: str) -> str | None:

@@ -189,7 +189,7 @@ def test_streams_on_a_replica_removed_by_a_scale_down_complete(env, ns, model_fa
             def long_stream(i: int) -> None:
                 finish, tokens = None, 0
                 try:
-                    for chunk in client.completions.create(model="tiny", prompt=f"story {i}", max_tokens=2000,
+                    for chunk in client.completions.create(model="tiny", prompt=f"story {i}", max_tokens=1200,
                                                            stream=True, extra_body={"ignore_eos": True}):
                         tokens += 1
                         if tokens == 1:
