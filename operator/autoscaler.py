@@ -217,11 +217,13 @@ class Endpoint:
     ready: bool
 
 
-def endpoints(slices: list[dict[str, Any]]) -> list[Endpoint]:
-    """Every endpoint of these EndpointSlices (ready or not: a draining pod still carries requests)."""
+def endpoints(slices: list[dict[str, Any]], port_name: str | None = None) -> list[Endpoint]:
+    """Every endpoint of these EndpointSlices (ready or not: a draining pod still carries requests), at the port
+    named `port_name` when the slice has one, else its first TCP port."""
     found = []
     for s in slices:
         ports = [p for p in s.get("ports") or [] if p.get("port") and p.get("protocol", "TCP") == "TCP"]
+        ports = [p for p in ports if p.get("name") == port_name] or ports
         if not ports:
             continue
         for ep in s.get("endpoints") or []:
@@ -507,15 +509,16 @@ class Autoscaler:
             self.failing[url] = (failures, time.monotonic() + delay)
         return text
 
-    def _endpoints(self, namespace: str, service: str) -> list[Endpoint]:
-        return endpoints(self.slices.by_index((namespace, service), namespace)) if self.slices else []
+    def _endpoints(self, namespace: str, service: str, port_name: str | None = None) -> list[Endpoint]:
+        return endpoints(self.slices.by_index((namespace, service), namespace), port_name) if self.slices else []
 
     async def observe(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, woken: bool) -> Observation:
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
         source = spec.autoscaling.load_source
         engines = self._endpoints(ns, engine_service(name, spec))
         gw_service = gateway_service(name, spec)
-        gateways = self._endpoints(ns, gw_service) if gw_service else []
+        # the gateways' metrics listener, which a mesh leaves out of its mTLS (render.GATEWAY_METRICS_PORT)
+        gateways = self._endpoints(ns, gw_service, "metrics") if gw_service else []
         may_skip = source == "auto" and bool(gateways)
         scrape_engines = [self._scrape_engine(e.url, may_skip) for e in engines] if source != "gateways" else []
         scraped = await asyncio.gather(*scrape_engines, *(self._scrape(g.url, "gateway") for g in gateways))

@@ -423,6 +423,7 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
 # pod CIDR to traffic.sidecar.istio.io/excludeOutboundIPRanges through spec.pod.annotations.) Harmless without Istio.
 A_ISTIO_INCLUDE_INBOUND = "traffic.sidecar.istio.io/includeInboundPorts"
 A_ISTIO_EXCLUDE_OUTBOUND = "traffic.sidecar.istio.io/excludeOutboundPorts"
+A_ISTIO_EXCLUDE_INBOUND = "traffic.sidecar.istio.io/excludeInboundPorts"
 
 
 def mesh_annotations() -> dict[str, str]:
@@ -605,26 +606,26 @@ def serving_selector(name: str, multi: bool) -> dict[str, str]:
 def gateway_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
     name = isvc["metadata"]["name"]
     selector = gateway_selector(name) if spec.gateway.enabled else serving_selector(name, multi)
+    ports = [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if spec.gateway.enabled:  # in its EndpointSlices, where the autoscaler finds the gateways' metrics listener
+        ports.append(gateway_metrics_service_port())
     return _finish({
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(isvc, name, "gateway"),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector,
-            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
-        },
+        "spec": {"type": "ClusterIP", "selector": selector, "ports": ports},
     })
 
 
-def _scraper_rules(spec: InferenceServiceSpec, settings: Settings) -> list[dict[str, Any]]:
+def _scraper_rules(spec: InferenceServiceSpec, settings: Settings,
+                   ports: tuple[int, ...] = (ENGINE_PORT,)) -> list[dict[str, Any]]:
     """Prometheus (and the operator's autoscaler) reach /metrics, served on the HTTP port of engines and gateways
     alike (routes other than health and metrics still need the API key): the operator's namespace, every
     --metrics-namespace and security.networkPolicy.metricsFrom."""
     scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
                 for ns in dict.fromkeys(filter(None, (settings.operator_namespace, *settings.metrics_namespaces)))]
     scrapers += copy.deepcopy(spec.security.network_policy.metrics_from)
-    return [{"from": scrapers, "ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]}] if scrapers else []
+    return [{"from": scrapers, "ports": [{"port": p, "protocol": "TCP"} for p in ports]}] if scrapers else []
 
 
 def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, multi: bool) -> dict:
@@ -715,6 +716,23 @@ def gateway_rbac(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[
     ]
 
 
+# The gateways' /metrics on a listener of its own, which Istio's sidecar leaves out of its mTLS: the operator's
+# autoscaler, outside the mesh, reads the engines' load there when it cannot scrape mesh-only engines
+# (spec.autoscaling.loadSource). The port serves /metrics and nothing else; the NetworkPolicy admits only scrapers.
+GATEWAY_METRICS_PORT = 9090
+
+
+def gateway_metrics_service_port() -> dict[str, Any]:
+    return {"name": "metrics", "port": GATEWAY_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}
+
+
+def gateway_metrics_listener() -> tuple[list[str], dict[str, Any], dict[str, str]]:
+    """(the gateway's args, its container port, its pod annotations) for the metrics listener."""
+    return (["--metrics-port", str(GATEWAY_METRICS_PORT)],
+            {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"},
+            {A_ISTIO_EXCLUDE_INBOUND: str(GATEWAY_METRICS_PORT)})
+
+
 def gateway_limit_args(gw: api.GatewayOptions) -> list[str]:
     """spec.gateway's timeouts and admission limits as shoal-gateway flags."""
     return ["--response-timeout", str(gw.response_timeout_seconds), "--read-timeout", str(gw.read_timeout_seconds),
@@ -756,6 +774,7 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         # annotating its wake-up ConfigMap.
         hold = spec.probes.startup_timeout_seconds
         hold_args = ["--hold-timeout", str(hold), "--wake-configmap", wake_configmap_name(name)]
+    metrics_args, metrics_port, metrics_annotations = gateway_metrics_listener()
     container = {
         "name": "gateway",
         "image": gw.image or settings.gateway_image,
@@ -764,8 +783,8 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
                  "--port", str(ENGINE_PORT), "--routing", gw.routing, "--shutdown-timeout", str(drain)]
                 + gateway_limit_args(gw) + hold_args
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
-                + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+                + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []) + metrics_args,
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}, metrics_port],
         # The engines' key, so the gateway answers 401 itself: an unauthenticated request is never held, never
         # counted as load and never wakes the autoscaler.
         **({"env": _with_api_key([], spec)} if spec.security.api_key_secret_ref else {}),
@@ -806,7 +825,8 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
             "selector": {"matchLabels": gateway_selector(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "revisionHistoryLimit": 5,
-            "template": {"metadata": {"labels": labels(name, "gateway")}, "spec": pod_spec},
+            "template": {"metadata": {"labels": labels(name, "gateway"), "annotations": metrics_annotations},
+                         "spec": pod_spec},
         },
     })
 
@@ -817,7 +837,8 @@ def gateway_network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, set
     name = isvc["metadata"]["name"]
     http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
     peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
-    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}, *_scraper_rules(spec, settings)]
+    rules: list[dict[str, Any]] = [{"from": peers, "ports": http},
+                                   *_scraper_rules(spec, settings, ports=(ENGINE_PORT, GATEWAY_METRICS_PORT))]
     return _finish({
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

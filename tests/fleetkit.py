@@ -253,8 +253,10 @@ class GatewayProcess(LoggedProcess):
     def __init__(self, namespace: str, name: str, service: str, hold_timeout: float = 90, runtime: str = "shoal",
                  extra: tuple[str, ...] = (), env: dict | None = None):
         port = free_port()
+        self.metrics_port = free_port()  # its /metrics-only listener, as the operator renders it
         super().__init__(
             [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(port),
+             "--metrics-port", str(self.metrics_port),
              "--service", service, "--namespace", namespace, "--wake-configmap", f"{name}-wake",
              "--hold-timeout", str(hold_timeout), "--runtime", runtime, *extra], port, env, log_prefix="gateway-")
         self.base = self.url
@@ -264,12 +266,14 @@ class GatewayProcess(LoggedProcess):
         self.stop(timeout=15)
 
 
-def publish_gateway(client, ns: str, service: str, port: int) -> None:
-    """The local gateway process as the endpoint of the gateway Service (what the gateway pods would be)."""
+def publish_gateway(client, ns: str, service: str, port: int, metrics_port: int | None = None) -> None:
+    """The local gateway process as the endpoint of the gateway Service (what the gateway pods would be), with its
+    metrics listener as the Service's "metrics" port when given."""
+    metrics = [{"name": "metrics", "port": metrics_port, "protocol": "TCP"}] if metrics_port else []
     client.create("endpointslices", ns, {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
         "metadata": {"name": f"{service}-local", "labels": slice_labels(client, ns, service)},
-        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}, *metrics],
         "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}]})
 
 
