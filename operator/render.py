@@ -781,9 +781,9 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         "command": ["shoal-gateway"],
         "args": ["--service", engines_service_name(name), "--namespace", namespace, "--port-name", "http",
                  "--port", str(ENGINE_PORT), "--routing", gw.routing, "--shutdown-timeout", str(drain)]
-                + gateway_limit_args(gw) + hold_args
+                + gateway_limit_args(gw) + hold_args + metrics_args
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
-                + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []) + metrics_args,
+                + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}, metrics_port],
         # The engines' key, so the gateway answers 401 itself: an unauthenticated request is never held, never
         # counted as load and never wakes the autoscaler.
