@@ -19,6 +19,11 @@ Shoal's own flags (each also settable by its environment variable):
   --max-concurrent-upgrades N services moved to a new --engine-image at once; each (SHOAL_MAX_CONCURRENT_UPGRADES,
                               runs the image pinned in its status until then; 0:   default 1)
                               only on the annotation serving.shoal.dev/upgrade-engine-image
+  --max-concurrent-scrapes N  the autoscaler's /metrics scrapes in flight at once,  (SHOAL_MAX_CONCURRENT_SCRAPES,
+                              all InferenceServices together                        default 32)
+  --peering-lifetime SECONDS  with --peering: how long a replica that died keeps   (SHOAL_PEERING_LIFETIME,
+                              leading before a standby takes over (kopf's peer      default 60)
+                              lifetime; a clean exit hands over at once)
 Credentials: in-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config.
 Typical in-cluster command: shoal-operator --standalone -A --liveness=http://0.0.0.0:8080/healthz
 """
@@ -38,13 +43,15 @@ OWN_FLAGS = {
     "--operator-namespace": "SHOAL_OPERATOR_NAMESPACE",
     "--metrics-port": "SHOAL_METRICS_PORT",
     "--max-concurrent-upgrades": "SHOAL_MAX_CONCURRENT_UPGRADES",
+    "--max-concurrent-scrapes": "SHOAL_MAX_CONCURRENT_SCRAPES",
+    "--peering-lifetime": "SHOAL_PEERING_LIFETIME",
 }
 REPEATABLE = {"--metrics-namespace": "SHOAL_METRICS_NAMESPACES"}
 
 
 def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     """Split shoal's own flags (returned as env vars) from the rest (kopf run's)."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --peering is kopf's, not ours
     for flag in OWN_FLAGS:
         parser.add_argument(flag)
     for flag in REPEATABLE:
@@ -58,11 +65,36 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     if "SHOAL_MAX_CONCURRENT_UPGRADES" in env and not env["SHOAL_MAX_CONCURRENT_UPGRADES"].isdigit():
         raise SystemExit(f"--max-concurrent-upgrades must be a whole number >= 0, got "
                          f"{env['SHOAL_MAX_CONCURRENT_UPGRADES']!r}")
+    for flag, low in (("--max-concurrent-scrapes", 1), ("--peering-lifetime", 2)):
+        value = env.get(OWN_FLAGS[flag])
+        if value is not None and not (value.isdigit() and int(value) >= low):
+            raise SystemExit(f"{flag} must be a whole number >= {low}, got {value!r}")
     if "--max-gpus-per-node" in [a.split("=")[0] for a in argv]:
         value = int(env["SHOAL_MAX_GPUS_PER_NODE"])
         if value < 1:
             raise SystemExit("--max-gpus-per-node must be at least 1")
     return env, rest
+
+
+def watched_namespaces(kopf_argv: list[str]) -> str:
+    """kopf's -n/--namespace values (they stay kopf's), for the autoscaler's own watches: comma-separated names,
+    or "" for every namespace (-A, no -n, or a pattern such as `team-*`, which only a cluster-wide watch can
+    follow)."""
+    found, i = [], 0
+    while i < len(kopf_argv):
+        arg = kopf_argv[i]
+        if arg in ("-n", "--namespace") and i + 1 < len(kopf_argv):
+            found.append(kopf_argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--namespace="):
+            found.append(arg.split("=", 1)[1])
+        elif arg.startswith("-n") and len(arg) > 2 and not arg.startswith("--"):
+            found.append(arg[2:].lstrip("="))
+        i += 1
+    if not found or any(set(ns) & set("*?[]!,") for ns in found):
+        return ""
+    return ",".join(dict.fromkeys(found))
 
 
 def peering_priority(argv: list[str]) -> list[str]:
@@ -88,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         argv = ["--help"]
     env, rest = parse(peering_priority(argv))
+    env["SHOAL_WATCH_NAMESPACES"] = watched_namespaces(rest)
     os.environ.update(env)
     from kopf import cli
 

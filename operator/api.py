@@ -33,6 +33,12 @@ SHORT_NAMES = ["isvc", "sisvc"]
 # not "all": `kubectl delete all --all` must never delete models
 CATEGORIES = ["shoal"]
 API_VERSION = f"{GROUP}/{VERSION}"
+# Versioning (docs/api.md "Versions"): every version the CRD serves, oldest first, and the one the API server
+# stores. All share this one schema (conversion strategy None: the API server only rewrites apiVersion), so a new
+# version is added here, made the storage version once it has been served for a release, and the old one is kept
+# served (deprecated) until stored objects are migrated.
+SERVED_VERSIONS: tuple[str, ...] = (VERSION,)
+STORAGE_VERSION = VERSION
 
 ENGINE_PORT = 8000  # HTTP, metrics and health on every rank
 MASTER_PORT = 29500  # torch.distributed rendezvous on rank 0 of a multi-pod group
@@ -285,6 +291,18 @@ class Autoscaling(_Model):
     scale_to_zero_after_seconds: int = Field(
         default=300, ge=0, le=86400,
         description="with minReplicas 0: the last replica goes after this long without any request")
+    # Where the load is read, and who acts on the decision (operator/autoscaler.py; docs/autoscaling.md).
+    load_source: Literal["auto", "engines", "gateways"] = Field(
+        default="auto",
+        description="where the load is read: engines (each engine's /metrics), gateways (the gateways' view: "
+                    "their in-flight counts and the engine load they poll — for engines the operator cannot "
+                    "reach, e.g. behind Istio STRICT mTLS) or auto (engines, and the gateways' view of any "
+                    "engine that does not answer)")
+    autoscaler_class: Literal["shoal", "external"] = Field(
+        default="shoal",
+        description="shoal: the operator sets the replica count; external: it only observes and exports its "
+                    "inputs and recommendation as shoal:autoscaler_* metrics, and spec.replicas (the scale "
+                    "subresource) is left to an HPA or KEDA ScaledObject")
 
 
 class GatewayResources(_Model):
@@ -516,6 +534,14 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
         field_path=".gateway.enabled",
         check=lambda s: s.autoscaling is None or s.autoscaling.min_replicas > 0 or s.gateway.enabled,
     ),
+    CrossFieldRule(
+        cel="!has(self.autoscaling) || !has(self.autoscaling.loadSource) || "
+            "self.autoscaling.loadSource != 'gateways' || !has(self.gateway) || !has(self.gateway.enabled) || "
+            "self.gateway.enabled",
+        message="autoscaling.loadSource gateways needs the gateway (gateway.enabled)",
+        field_path=".autoscaling.loadSource",
+        check=lambda s: s.autoscaling is None or s.autoscaling.load_source != "gateways" or s.gateway.enabled,
+    ),
 )
 
 
@@ -635,12 +661,12 @@ def validate(name: str, spec: Any, *, max_gpus_per_node: int = 8) -> InferenceSe
 
 
 def running_replicas(spec: InferenceServiceSpec, status: dict[str, Any] | None) -> int:
-    """The replica count the operator runs. Without autoscaling: spec.replicas (the user's, or an HPA's through the
-    scale subresource). With it: the autoscaler's last decision (status.autoscaling.desiredReplicas; spec.replicas
+    """The replica count the operator runs. Without autoscaling, or with autoscalerClass external: spec.replicas
+    (the user's, or an HPA's or KEDA's through the scale subresource). With it: the autoscaler's last decision (status.autoscaling.desiredReplicas; spec.replicas
     before the first one), within minReplicas..maxReplicas — never spec.replicas again, which a re-applied manifest
     resets."""
     a = spec.autoscaling
-    if a is None:
+    if a is None or a.autoscaler_class == "external":  # an HPA or KEDA writes spec.replicas
         return spec.replicas
     decided = ((status or {}).get("autoscaling") or {}).get("desiredReplicas")
     count = decided if isinstance(decided, int) and not isinstance(decided, bool) else spec.replicas

@@ -3,27 +3,45 @@ once when the gateway asks), decide (autoscaling.decide) and set the replica cou
 `status.autoscaling.desiredReplicas` (spec.replicas stays the user's manifest: a re-applied manifest or a GitOps
 sync does not fight the autoscaler).
 
+Watch, never list
+    What a decision reads — InferenceServices, the EndpointSlices of their engine and gateway Services (which carry
+    the Services' labels, so one label selector finds every slice of ours), the gateways' wake-up ConfigMaps and
+    kopf's peering objects — comes from watch-fed caches (informer.py), listed once. The caches keep running on a
+    standby replica, which takes over with current data.
+Lead
+    Exactly one operator replica scales: the one kopf's peering lets reconcile (leadership.py applies kopf's rule
+    to the peering object). The autoscaler is a task of its own, not a kopf daemon: daemons put a finalizer on
+    every autoscaled InferenceService, which then cannot be deleted once the operator is gone (`helm uninstall`
+    first). Each autoscaled service gets a loop while this replica leads; losing the lead stops them all.
 Observe
-    The engine Service's EndpointSlices say where every serving pod is (address, port, pod name, ready or not);
-    each engine's /metrics gives running/waiting requests, KV-cache usage and prompt tokens waiting for prefill;
-    the gateway's /metrics (its own Service's EndpointSlices) gives the requests it holds while no engine is
-    ready. Scrapes time out after 0.5 s; a Ready pod that does not answer is unknown load (never idleness).
+    Where the load is read is `spec.autoscaling.loadSource`:
+    * engines: each engine's /metrics (running/waiting requests, KV-cache usage, prompt tokens waiting for prefill);
+    * gateways: the gateways' /metrics alone — the requests each has in flight to each engine, and the engines'
+      load as the gateway polls it (for engines the operator cannot reach, e.g. behind Istio STRICT mTLS, which
+      the gateways, inside the mesh, reach);
+    * auto (the default): the engines, and for an engine that does not answer, the gateways' view of it; an engine
+      that keeps failing is scraped less often (backoff up to a minute) while the gateways cover it.
+    The gateways' /metrics also give the requests they hold while no engine is ready. Scrapes run at most
+    `max_concurrent_scrapes` at a time across the whole fleet, each within SCRAPE_TIMEOUT; a Ready endpoint whose
+    load nobody could report is unknown load (never idleness).
 Wake-up
     A gateway that starts holding a request while no engine is ready annotates its wake-up ConfigMap
     (`<name>-wake`, the one object it may patch) with `serving.shoal.dev/wake-requested-at` (a merge patch, at
     most once a second). The annotation goes through the API server, so it reaches whichever operator replica
-    leads and survives an operator restart; the operator's watch sees it within milliseconds and decides at once
-    instead of on the next tick. An annotation seen for the
-    first time (an operator restart, a new leader) wakes only if it is recent: one left from a past wake-up must
-    not start a replica; requests that are really waiting show in the gateway's held count anyway.
+    leads and survives an operator restart; the watch sees it within milliseconds and the loop decides at once
+    instead of on the next tick. An annotation seen for the first time (an operator restart, a new leader) wakes
+    only if it is recent: one left from a past wake-up must not start a replica; requests that are really waiting
+    show in the gateway's held count anyway.
 Act
     Scale-up and scale-down patch `status.autoscaling.desiredReplicas`, which the reconciler renders the
-    Deployment (or the groups) from; spec.replicas is only where a new fleet starts. Before a
-    scale-down of a Deployment the pods are annotated with `controller.kubernetes.io/pod-deletion-cost` from
-    their in-flight counts, so the ReplicaSet removes the least busy ones. Removal then drains without cutting
-    streams: the terminating pod's endpoint turns not-ready (the gateway sends it nothing new), the engine's
-    SIGTERM handler finishes its in-flight requests within `engine.shutdownTimeoutSeconds`, and the pod's grace
-    period is longer than that drain.
+    Deployment (or the groups) from, with the resourceVersion the decision was made on: a write based on a stale
+    view (another replica scaled meanwhile) is refused and decided again. Before a scale-down of a Deployment the
+    pods are annotated with `controller.kubernetes.io/pod-deletion-cost` from their in-flight counts, so the
+    ReplicaSet removes the least busy ones. Removal then drains without cutting streams: the terminating pod's
+    endpoint turns not-ready (the gateway sends it nothing new), the engine's SIGTERM handler finishes its in-flight
+    requests within `engine.shutdownTimeoutSeconds`, and the pod's grace period is longer than that drain.
+    With `autoscalerClass: external` nothing is written: the inputs and the recommendation are only exported, for
+    an HPA or a KEDA ScaledObject that scales spec.replicas through the scale subresource.
 Report
     `status.autoscaling` (current/desired/needed replicas, reason, message, the inputs, times), an `Autoscaling`
     condition, an Event per scaling, and `shoal:autoscaler_*` metrics on the operator's --metrics-port.
@@ -46,9 +64,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.engine.gateway import metric_names
+from shoal.engine.gateway.discovery import KubeAPI
 from shoal.operator import api, render
 from shoal.operator.autoscaling import Decision, History, Observation, Policy, ReplicaLoad, decide, pick_victims
+from shoal.operator.informer import Informers
+from shoal.operator.informer import kube_api as informer_api
 from shoal.operator.kube import ApiError, Kube
+from shoal.operator.leadership import Leadership
 
 logger = logging.getLogger("shoal.operator.autoscaler")
 
@@ -56,17 +78,23 @@ A_WAKE = "serving.shoal.dev/wake-requested-at"
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 L_SERVICE_NAME = "kubernetes.io/service-name"
 INTERVAL = 1.0  # seconds between decisions without a wake-up
-SCRAPE_TIMEOUT = 0.5
+SCRAPE_TIMEOUT = 1.0  # one /metrics, from when it may start (the fleet-wide bound below)
+MAX_CONCURRENT_SCRAPES = 32  # across every InferenceService (--max-concurrent-scrapes)
+ENGINE_BACKOFF_MAX = 60.0  # loadSource auto: an engine that keeps failing is scraped at most this rarely
 STATUS_REFRESH = 15.0  # rewrite status.autoscaling at most this often when only the inputs moved
 WAKE_FRESH = 30.0  # seconds: a wake-up annotation seen for the first time counts only if this recent
+STOP_GRACE = 5.0  # seconds a loop may take to finish its tick once told to stop
 CONDITION = "Autoscaling"
 
 REGISTRY = CollectorRegistry(auto_describe=False)
 _L = ["namespace", "name"]
-M_DESIRED = Gauge("shoal:autoscaler_desired_replicas", "Replicas the autoscaler wants.", _L, registry=REGISTRY)
+M_DESIRED = Gauge("shoal:autoscaler_desired_replicas", "Replicas the autoscaler wants (with autoscalerClass "
+                  "external: recommends).", _L, registry=REGISTRY)
 M_CURRENT = Gauge("shoal:autoscaler_current_replicas", "Replicas running when the autoscaler last looked.", _L,
                   registry=REGISTRY)
 M_READY = Gauge("shoal:autoscaler_ready_replicas", "Replicas whose engine endpoint is ready.", _L, registry=REGISTRY)
+M_STARTING = Gauge("shoal:autoscaler_starting_replicas", "Replicas asked for and not ready yet.", _L,
+                   registry=REGISTRY)
 M_NEEDED = Gauge("shoal:autoscaler_needed_replicas", "Replicas the load needs before stabilization and limits.", _L,
                  registry=REGISTRY)
 M_IN_FLIGHT = Gauge("shoal:autoscaler_in_flight_requests", "Requests running or waiting on engines plus held.", _L,
@@ -74,10 +102,20 @@ M_IN_FLIGHT = Gauge("shoal:autoscaler_in_flight_requests", "Requests running or 
 M_HELD = Gauge("shoal:autoscaler_held_requests", "Requests the gateways hold while no engine is ready.", _L,
                registry=REGISTRY)
 M_KV = Gauge("shoal:autoscaler_kv_cache_usage", "KV-cache usage summed over serving engines.", _L, registry=REGISTRY)
+M_PREFILL = Gauge("shoal:autoscaler_waiting_prefill_tokens", "Prompt tokens waiting for prefill on the engines.", _L,
+                  registry=REGISTRY)
+M_UNKNOWN = Gauge("shoal:autoscaler_unknown_load_endpoints", "Ready engines and gateways whose load nobody could "
+                  "report at the last decision.", _L, registry=REGISTRY)
 M_SCALINGS = Counter("shoal:autoscaler_scalings", "Changes of the replica count made by the autoscaler, by reason.",
                      _L + ["reason"], registry=REGISTRY)
 M_DECISION_SECONDS = Histogram("shoal:autoscaler_decision_seconds", "Time to observe and decide once.", _L,
                                buckets=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5], registry=REGISTRY)
+M_SCRAPES = Counter("shoal:autoscaler_scrapes", "/metrics scrapes of engines and gateways, by outcome (ok, failed, "
+                    "skipped: an engine in backoff whose load the gateways report).", ["target", "result"],
+                    registry=REGISTRY)
+M_LEADING = Gauge("shoal:autoscaler_leading", "1 on the operator replica whose autoscaler acts, else 0.",
+                  registry=REGISTRY)
+PER_SERVICE = (M_DESIRED, M_CURRENT, M_READY, M_STARTING, M_NEEDED, M_IN_FLIGHT, M_HELD, M_KV, M_PREFILL, M_UNKNOWN)
 
 
 def _now() -> str:
@@ -128,6 +166,50 @@ def metric_sums(text: str) -> dict[str, float]:
     return sums
 
 
+@dataclass
+class GatewayView:
+    """What one gateway's /metrics says (engine/gateway/metrics.py): requests it holds, its own in-flight count per
+    engine, and the load of each engine whose data it has fresh, keyed by the engine's base URL."""
+
+    held: float = 0.0
+    in_flight: dict[str, float] = field(default_factory=dict)
+    engines: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+_GATEWAY_ENGINE_GAUGES = {"shoal:gateway_backend_running_requests": "running",
+                          "shoal:gateway_backend_waiting_requests": "waiting",
+                          "shoal:gateway_backend_kv_cache_usage": "kv_usage",
+                          "shoal:gateway_backend_waiting_prefill_tokens": "waiting_prefill_tokens"}
+
+
+def gateway_view(text: str) -> GatewayView:
+    view = GatewayView()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if math.isnan(sample.value):
+                continue
+            backend = sample.labels.get("backend")
+            if sample.name == "shoal:gateway_held_requests":
+                view.held += sample.value
+            elif sample.name == "shoal:gateway_inflight_requests" and backend:
+                view.in_flight[backend] = view.in_flight.get(backend, 0.0) + sample.value
+            elif sample.name in _GATEWAY_ENGINE_GAUGES and backend:
+                view.engines.setdefault(backend, {})[_GATEWAY_ENGINE_GAUGES[sample.name]] = sample.value
+    return view
+
+
+def load_from_gateways(url: str, views: list[GatewayView]) -> dict[str, float] | None:
+    """An engine's load as the gateways report it: the engine's own gauges as any gateway polled them (the
+    highest, should they differ), else the requests the gateways have in flight to it; None without a view."""
+    polled = [v.engines[url] for v in views if url in v.engines]
+    if polled:
+        return {k: max(p.get(k, 0.0) for p in polled) for k in _GATEWAY_ENGINE_GAUGES.values()}
+    if not views:
+        return None
+    return {"running": sum(v.in_flight.get(url, 0.0) for v in views), "waiting": 0.0, "kv_usage": 0.0,
+            "waiting_prefill_tokens": 0.0}
+
+
 @dataclass(frozen=True)
 class Endpoint:
     url: str
@@ -135,11 +217,13 @@ class Endpoint:
     ready: bool
 
 
-def endpoints(slices: list[dict[str, Any]]) -> list[Endpoint]:
-    """Every endpoint of these EndpointSlices (ready or not: a draining pod still carries requests)."""
+def endpoints(slices: list[dict[str, Any]], port_name: str | None = None) -> list[Endpoint]:
+    """Every endpoint of these EndpointSlices (ready or not: a draining pod still carries requests), at the port
+    named `port_name` when the slice has one, else its first TCP port."""
     found = []
     for s in slices:
         ports = [p for p in s.get("ports") or [] if p.get("port") and p.get("protocol", "TCP") == "TCP"]
+        ports = [p for p in ports if p.get("name") == port_name] or ports
         if not ports:
             continue
         for ep in s.get("endpoints") or []:
@@ -153,6 +237,16 @@ def endpoints(slices: list[dict[str, Any]]) -> list[Endpoint]:
     return found
 
 
+def _slice_service(obj: dict[str, Any]) -> tuple[str, str] | None:
+    service = (obj["metadata"].get("labels") or {}).get(L_SERVICE_NAME)
+    return (obj["metadata"].get("namespace"), service) if service else None
+
+
+def watched_namespaces() -> tuple[str, ...]:
+    """The namespaces the operator serves (`shoal-operator -n NS ...`, see __main__); () for every namespace."""
+    return tuple(ns for ns in (os.environ.get("SHOAL_WATCH_NAMESPACES") or "").split(",") if ns)
+
+
 @dataclass
 class State:
     """Per InferenceService, in the operator's memory."""
@@ -160,25 +254,152 @@ class State:
     history: History = field(default_factory=History)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     woken_at: str | None = None  # the last wake annotation value acted upon
+    respec: asyncio.Event = field(default_factory=asyncio.Event)  # the spec changed: decide now, on the new one
+    generation: Any = None
     last_status: tuple | None = None
     last_status_time: float = 0.0
     last_scale_time: str | None = None
 
 
 @dataclass
+class Loop:
+    task: asyncio.Task
+    stop: asyncio.Event
+
+
+@dataclass
 class Autoscaler:
     kube: Kube
-    indexes: dict[str, Any] = field(default_factory=dict)  # kopf's isvc index, shared with the reconciler
-    states: dict[tuple[str, str], State] = field(default_factory=dict)
-    session: aiohttp.ClientSession | None = None
+    leadership: Leadership = field(default_factory=Leadership)
+    peering_clusterwide: bool = True  # kopf's ClusterKopfPeering, else a KopfPeering per watched namespace
+    namespaces: tuple[str, ...] = ()  # () watches every namespace
     interval: float = INTERVAL
     max_gpus_per_node: int = 8  # the operator's --max-gpus-per-node: specs validate as the reconciler's do
+    max_concurrent_scrapes: int = MAX_CONCURRENT_SCRAPES
+    states: dict[tuple[str, str], State] = field(default_factory=dict)
+    loops: dict[tuple[str, str], Loop] = field(default_factory=dict)
     invalid_seen: set[tuple[str, str, Any]] = field(default_factory=set)  # (ns, name, generation) logged invalid
+    failing: dict[str, tuple[int, float]] = field(default_factory=dict)  # engine URL -> (failures, next try)
+    session: aiohttp.ClientSession | None = None
+    isvcs: Informers | None = None
+    slices: Informers | None = None
+    wakes: Informers | None = None
+    peerings: Informers | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _scrape_slots: asyncio.Semaphore | None = None
+    _tasks: list[asyncio.Task] = field(default_factory=list)
 
     def spec_of(self, isvc: dict[str, Any]) -> api.InferenceServiceSpec:
         return api.validate(isvc["metadata"]["name"], isvc.get("spec"), max_gpus_per_node=self.max_gpus_per_node)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self, kube_api: KubeAPI | None = None) -> None:
+        """Start the caches and the supervisor (from kopf's startup handler, on every replica)."""
+        kube_api = kube_api or await asyncio.to_thread(informer_api)
+        ns = self.namespaces
+        managed = f"{render.L_MANAGED_BY}={render.MANAGED_BY}"
+        self.isvcs = Informers(kube_api, api.API_VERSION, api.PLURAL, ns, on_event=self._isvc_event)
+        self.slices = Informers(kube_api, "discovery.k8s.io/v1", "endpointslices", ns, label_selector=managed,
+                                index=_slice_service)
+        self.wakes = Informers(kube_api, "v1", "configmaps", ns, on_event=self._wake_event,
+                               label_selector=f"{managed},{render.L_COMPONENT}=wake")
+        if not self.leadership.standalone:
+            self.peerings = (Informers(kube_api, "kopf.dev/v1", "clusterkopfpeerings", on_event=self._changed_event)
+                             if self.peering_clusterwide else
+                             Informers(kube_api, "kopf.dev/v1", "kopfpeerings", ns, on_event=self._changed_event))
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        caches = [self.isvcs, self.slices, self.wakes, *([self.peerings] if self.peerings else [])]
+        for informer in (i for group in caches for i in group.all):
+            self._tasks.append(asyncio.create_task(informer.run(self.session), name=f"informer {informer.path}"))
+        self._tasks.append(asyncio.create_task(self.supervise(), name="autoscaler"))
+
+    async def close(self) -> None:
+        await self._stop_loops(list(self.loops))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+        M_LEADING.set(0)
+
+    def leading(self) -> bool:
+        return self.leadership.leading(self.peerings.values() if self.peerings else ())
+
+    async def supervise(self) -> None:
+        """One loop per autoscaled InferenceService while this replica leads; none while it stands by."""
+        assert self.isvcs is not None
+        await self.isvcs.wait_synced()
+        was_leading = None
+        while True:
+            try:
+                was_leading = await self._supervise_once(was_leading)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - never let one bad pass end autoscaling for good
+                logger.exception("autoscaler supervisor")
+            try:  # changes of the services or the peering wake us; time alone can end a peer's lease
+                await asyncio.wait_for(self._changed.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _supervise_once(self, was_leading: bool | None) -> bool:
+        """Start and stop the loops to match (leading, the autoscaled services); -> whether this replica leads."""
+        self._changed.clear()
+        leading = self.leading()
+        if leading != was_leading:
+            logger.info("autoscaler %s", "leading: scaling autoscaled services" if leading else
+                        "standing by (another operator replica leads)")
+            M_LEADING.set(1 if leading else 0)
+        wanted = set()
+        if leading:
+            for isvc in self.isvcs.values():
+                meta = isvc["metadata"]
+                if (isvc.get("spec") or {}).get("autoscaling") and not meta.get("deletionTimestamp"):
+                    wanted.add((meta["namespace"], meta["name"]))
+        for key in wanted - set(self.loops):
+            stop = asyncio.Event()
+            self.loops[key] = Loop(asyncio.create_task(self.run(key, stop), name=f"autoscale {key}"), stop)
+        gone = [key for key in self.loops if key not in wanted]
+        if gone:
+            await self._stop_loops(gone)
+            if leading:  # spec.autoscaling removed: replicas are the user's again
+                for key in gone:
+                    isvc = self.isvcs.get(*key)
+                    if isvc is not None and not isvc["metadata"].get("deletionTimestamp"):
+                        await self._forget(isvc)
+        return leading
+
+    async def _stop_loops(self, keys: list[tuple[str, str]]) -> None:
+        loops = [self.loops.pop(key) for key in keys if key in self.loops]
+        for loop in loops:
+            loop.stop.set()
+        if loops:
+            _, pending = await asyncio.wait([lp.task for lp in loops], timeout=STOP_GRACE)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def _changed_event(self, _kind: str, _obj: dict[str, Any]) -> None:
+        self._changed.set()
+
+    def _isvc_event(self, kind: str, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        key = (meta.get("namespace"), meta.get("name"))
+        if kind == "DELETED":
+            self.states.pop(key, None)
+        elif (state := self.states.get(key)) is not None and state.generation != meta.get("generation"):
+            state.generation = meta.get("generation")
+            state.respec.set()
+        self._changed.set()
+
+    def _wake_event(self, kind: str, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        owner = (meta.get("labels") or {}).get(render.L_ISVC)
+        if kind != "DELETED" and owner:
+            self.notice((meta.get("namespace"), owner), (meta.get("annotations") or {}).get(A_WAKE))
+
     def notice(self, key: tuple[str, str], wake: str | None) -> None:
         """Called on every event of an InferenceService's wake-up ConfigMap with its wake annotation: wake the
         loop when the gateway asked for capacity."""
@@ -189,29 +410,23 @@ class Autoscaler:
             if not first_sight or _recent(wake):
                 state.wake.set()
 
-    async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
-
-    def _isvc(self, key: tuple[str, str]) -> dict[str, Any] | None:
-        found = list((self.indexes.get(api.KIND) or {}).get(key, []))
-        return found[0] if found else None
-
-    async def run(self, key: tuple[str, str], stopped: Any) -> None:
-        """The loop of one InferenceService, as a kopf daemon: kopf starts it for every resource with
-        spec.autoscaling, and stops it when the field goes, the resource is deleted, or this operator replica
-        stops leading (peering: only the active replica scales)."""
+    async def run(self, key: tuple[str, str], stop: asyncio.Event) -> None:
+        """The loop of one InferenceService, until the supervisor stops it (autoscaling removed, the service
+        deleted, or this replica no longer leads)."""
         state = self.states.setdefault(key, State())
+        state.history, state.last_status = History(), None  # a new leader starts with no history
+        state.generation = ((self.isvcs.get(*key) if self.isvcs else None) or {}).get("metadata", {}).get("generation")
+        if state.woken_at is not None and not _recent(state.woken_at):
+            state.wake.clear()  # noticed while standing by, long ago: not a request waiting now
         logger.info("autoscaling %s/%s", *key)
         try:
-            while not stopped:
-                isvc = self._isvc(key)
+            while not stop.is_set():
+                isvc = self.isvcs.get(*key) if self.isvcs else None
                 if isvc is None:
-                    await asyncio.sleep(0.05)  # the index is filled before handlers run; deleted meanwhile
-                    continue
+                    break
                 woken = state.wake.is_set()
                 state.wake.clear()
+                state.respec.clear()
                 try:
                     await self.tick(isvc, state, woken)
                 except asyncio.CancelledError:
@@ -223,74 +438,111 @@ class Autoscaler:
                         logger.warning("autoscaling %s/%s paused: invalid spec (%s)", *key, e)
                 except Exception as e:  # API or scrape trouble: try again on the next tick
                     logger.warning("autoscaling %s/%s: %s", *key, e)
+                waits = [asyncio.ensure_future(e.wait()) for e in (state.wake, state.respec, stop)]
                 try:
-                    await asyncio.wait_for(state.wake.wait(), self.interval)
-                except asyncio.TimeoutError:
-                    pass
-            isvc = self._isvc(key)
-            if isvc is not None and not (isvc.get("spec") or {}).get("autoscaling") and \
-                    not isvc["metadata"].get("deletionTimestamp"):
-                await self._forget(isvc)
+                    await asyncio.wait(waits, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
         finally:
             logger.info("autoscaling of %s/%s stopped", *key)
-            for g in (M_DESIRED, M_CURRENT, M_READY, M_NEEDED, M_IN_FLIGHT, M_HELD, M_KV):
+            for gauge in PER_SERVICE:
                 try:
-                    g.remove(*key)
+                    gauge.remove(*key)
                 except KeyError:
                     pass
-            if self.states.get(key) is state:
-                del self.states[key]
 
     async def _forget(self, isvc: dict[str, Any]) -> None:
-        """spec.autoscaling was removed: replicas are the user's again; say so by dropping what we reported."""
-        status = isvc.get("status") or {}
-        if "autoscaling" not in status and not any(c.get("type") == CONDITION for c in status.get("conditions") or []):
-            return
-        conditions = [c for c in status.get("conditions") or [] if c.get("type") != CONDITION]
+        """spec.autoscaling was removed (or went external): replicas are spec.replicas again; say so by dropping
+        what we reported. The conditions list is written whole, so on the version it was read from (a 409: read
+        again and retry)."""
         meta = isvc["metadata"]
-        try:
-            await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"],
-                                        {"status": {"autoscaling": None, "conditions": conditions}},
-                                        subresource="status")
-        except ApiError as e:
-            logger.info("autoscaling of %s/%s stopped; status not cleaned (%s)", meta["namespace"], meta["name"], e)
+        for attempt in range(3):
+            status = isvc.get("status") or {}
+            if "autoscaling" not in status and not any(c.get("type") == CONDITION
+                                                       for c in status.get("conditions") or []):
+                return
+            conditions = [c for c in status.get("conditions") or [] if c.get("type") != CONDITION]
+            try:
+                await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"],
+                                            {"metadata": {"resourceVersion": isvc["metadata"].get("resourceVersion")},
+                                             "status": {"autoscaling": None, "conditions": conditions}},
+                                            subresource="status")
+                return
+            except ApiError as e:
+                if e.status != 409 or attempt == 2:
+                    logger.info("autoscaling of %s/%s stopped; status not cleaned (%s)", meta["namespace"],
+                                meta["name"], e)
+                    return
+            try:
+                isvc = await self.kube.get(api.KIND, meta["namespace"], meta["name"])
+            except ApiError:
+                return
 
     # ---- observe ---------------------------------------------------------------------------------------------
-    async def _scrape(self, url: str) -> dict[str, float] | None:
-        if self.session is None:
-            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT))
-        try:
-            async with self.session.get(url + "/metrics") as r:
-                if r.status != 200:
-                    return None
-                return metric_sums(await r.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            return None
+    async def _scrape(self, url: str, target: str) -> str | None:
+        if self._scrape_slots is None:
+            self._scrape_slots = asyncio.Semaphore(self.max_concurrent_scrapes)
+        async with self._scrape_slots:  # the timeout starts once a slot is ours
+            try:
+                async with self.session.get(url + "/metrics",
+                                            timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)) as r:
+                    text = await r.text() if r.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
+                text = None
+        M_SCRAPES.labels(target, "ok" if text is not None else "failed").inc()
+        return text
 
-    async def _endpoints(self, namespace: str, service: str) -> list[Endpoint]:
-        slices = await self.kube.list("EndpointSlice", namespace, label_selector=f"{L_SERVICE_NAME}={service}")
-        return endpoints(slices)
+    async def _scrape_engine(self, url: str, may_skip: bool) -> str | None:
+        """An engine's /metrics; with `may_skip` (the gateways cover it) an engine that failed repeatedly is
+        tried again only after a backoff, doubling up to ENGINE_BACKOFF_MAX."""
+        failures, next_try = self.failing.get(url, (0, 0.0))
+        if may_skip and time.monotonic() < next_try:
+            M_SCRAPES.labels("engine", "skipped").inc()
+            return None
+        text = await self._scrape(url, "engine")
+        if text is not None:
+            self.failing.pop(url, None)
+        else:
+            failures += 1
+            delay = 0.0 if failures < 2 else min(2.0 ** (failures - 1), ENGINE_BACKOFF_MAX)
+            self.failing[url] = (failures, time.monotonic() + delay)
+        return text
+
+    def _endpoints(self, namespace: str, service: str, port_name: str | None = None) -> list[Endpoint]:
+        return endpoints(self.slices.by_index((namespace, service), namespace), port_name) if self.slices else []
 
     async def observe(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, woken: bool) -> Observation:
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
-        engines = await self._endpoints(ns, engine_service(name, spec))
+        source = spec.autoscaling.load_source
+        engines = self._endpoints(ns, engine_service(name, spec))
         gw_service = gateway_service(name, spec)
-        gateways = await self._endpoints(ns, gw_service) if gw_service else []
-        scraped = await asyncio.gather(*(self._scrape(e.url) for e in engines + gateways))
+        # the gateways' metrics listener, which a mesh leaves out of its mTLS (render.GATEWAY_METRICS_PORT)
+        gateways = self._endpoints(ns, gw_service, "metrics") if gw_service else []
+        may_skip = source == "auto" and bool(gateways)
+        scrape_engines = [self._scrape_engine(e.url, may_skip) for e in engines] if source != "gateways" else []
+        scraped = await asyncio.gather(*scrape_engines, *(self._scrape(g.url, "gateway") for g in gateways))
+        engine_texts = scraped[:len(scrape_engines)] or [None] * len(engines)
+        gateway_texts = scraped[len(scrape_engines):]
+        views = [gateway_view(t) for t in gateway_texts if t is not None]
         names = metric_names.for_runtime(spec.runtime)  # vllm:num_requests_running for a vLLM fleet, ...
-        replicas = []
-        for ep, m in zip(engines, scraped[:len(engines)]):
-            load = metric_names.load_from_sums(m or {}, names)
+        replicas, unknown = [], 0
+        for ep, text in zip(engines, engine_texts):
+            if text is not None:
+                load = metric_names.load_from_sums(metric_sums(text), names)
+            else:
+                load = load_from_gateways(ep.url, views) if source != "engines" else None
+            if load is None:
+                unknown += ep.ready  # only Ready engines: one still starting or crash-looping serves nothing yet
+                load = {"running": 0, "waiting": 0, "kv_usage": 0.0, "waiting_prefill_tokens": 0}
             replicas.append(ReplicaLoad(
                 pod=ep.pod or ep.url, ready=ep.ready, running=int(load["running"]), waiting=int(load["waiting"]),
                 kv_cache_usage=load["kv_usage"], waiting_prefill_tokens=int(load["waiting_prefill_tokens"])))
-        held = sum(int((m or {}).get("shoal:gateway_held_requests", 0)) for m in scraped[len(engines):])
+        unknown += sum(1 for g, t in zip(gateways, gateway_texts) if t is None and g.ready)  # held: unknown
         current = api.running_replicas(spec, isvc.get("status"))
         ready = min(sum(1 for e in engines if e.ready), current)
-        return Observation(now=time.monotonic(), current=current, ready=ready, replicas=tuple(replicas), held=held,
-                           wake=woken and ready == 0,
-                           # only Ready endpoints: one still starting or crash-looping serves nothing yet
-                           unanswered=sum(1 for e, m in zip(engines + gateways, scraped) if m is None and e.ready))
+        return Observation(now=time.monotonic(), current=current, ready=ready, replicas=tuple(replicas),
+                           held=int(sum(v.held for v in views)), wake=woken and ready == 0, unanswered=unknown)
 
     # ---- decide and act --------------------------------------------------------------------------------------
     async def tick(self, isvc: dict[str, Any], state: State, woken: bool = False) -> Decision:
@@ -304,31 +556,69 @@ class Autoscaler:
         logger.debug("%s/%s: %s -> %s", ns, name, obs, decision)
         M_DECISION_SECONDS.labels(ns, name).observe(time.perf_counter() - started)
         for gauge, value in ((M_DESIRED, decision.desired), (M_CURRENT, obs.current), (M_READY, obs.ready),
-                             (M_NEEDED, decision.needed), (M_IN_FLIGHT, obs.in_flight), (M_HELD, obs.held),
-                             (M_KV, obs.kv_sum)):
+                             (M_STARTING, obs.starting), (M_NEEDED, decision.needed), (M_IN_FLIGHT, obs.in_flight),
+                             (M_HELD, obs.held), (M_KV, obs.kv_sum), (M_PREFILL, obs.waiting_prefill_tokens),
+                             (M_UNKNOWN, obs.unanswered)):
             gauge.labels(ns, name).set(value)
+        if spec.autoscaling.autoscaler_class == "external":  # an HPA or KEDA acts on the metrics above
+            await self._forget(isvc)
+            return decision
         if decision.desired != obs.current:
-            await self.scale(isvc, spec, obs, decision, state)
+            isvc = await self.scale(isvc, spec, obs, decision, state) or isvc
         await self.report(isvc, obs, decision, state)
         return decision
 
     async def scale(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, obs: Observation,
-                    decision: Decision, state: State) -> None:
+                    decision: Decision, state: State) -> dict[str, Any] | None:
+        """Write the new count; -> the updated InferenceService, or None when the count it was decided on is no
+        longer current (another operator replica scaled meanwhile: decide again on the next tick)."""
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
         if decision.desired < obs.current and spec.pods_per_replica(self.max_gpus_per_node) == 1:
             await self._mark_victims(ns, list(obs.replicas), obs.current - decision.desired)
-        state.last_scale_time = _now()
+        scale_time = _now()
         # The count lives in the status (the reconciler follows it), never in spec.replicas, the manifest's field.
-        await self.kube.merge_patch(api.KIND, ns, name, {"status": {"autoscaling": {
-            "desiredReplicas": decision.desired, "lastScaleTime": state.last_scale_time}}}, subresource="status")
+        patch = {"status": {"autoscaling": {"desiredReplicas": decision.desired, "lastScaleTime": scale_time}}}
+        updated = None
+        for attempt in range(2):
+            # resourceVersion: only on the view the decision was made on
+            patch["metadata"] = {"resourceVersion": isvc["metadata"].get("resourceVersion")}
+            try:
+                updated = await self.kube.merge_patch(api.KIND, ns, name, patch, subresource="status")
+                break
+            except ApiError as e:
+                if e.status != 409 or attempt:
+                    raise
+            isvc = await self.kube.get(api.KIND, ns, name)  # newer than the cache: did the count move?
+            if api.running_replicas(spec, isvc.get("status")) != obs.current:
+                logger.info("%s/%s: replicas changed under this decision (%d -> %d); deciding again", ns, name,
+                            obs.current, decision.desired)
+                return None
+        if updated is None:
+            return None
+        state.last_scale_time = scale_time
         M_SCALINGS.labels(ns, name, decision.reason).inc()
         verb = "ScaledUp" if decision.desired > obs.current else "ScaledDown"
-        kopf.event({"apiVersion": api.API_VERSION, "kind": api.KIND,
-                    "metadata": {"name": name, "namespace": ns, "uid": isvc["metadata"].get("uid")}},
-                   type="Normal", reason=verb,
-                   message=f"replicas {obs.current} -> {decision.desired} ({decision.reason}): {decision.message}")
+        await self._event(updated, verb, f"replicas {obs.current} -> {decision.desired} ({decision.reason}): "
+                                         f"{decision.message}")
         logger.info("%s/%s: replicas %d -> %d (%s): %s", ns, name, obs.current, decision.desired, decision.reason,
                     decision.message)
+        return updated
+
+    async def _event(self, isvc: dict[str, Any], reason: str, message: str) -> None:
+        """A Normal Event on the InferenceService (kopf's event poster serves handlers only); best effort."""
+        meta = isvc["metadata"]
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+        event = {"apiVersion": "v1", "kind": "Event",
+                 "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                 "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta["name"],
+                                    "namespace": meta["namespace"], "uid": meta.get("uid")},
+                 "type": "Normal", "reason": reason, "message": message[:1024],
+                 "source": {"component": "shoal-operator"}, "reportingComponent": "shoal-operator",
+                 "firstTimestamp": now[:19] + "Z", "lastTimestamp": now[:19] + "Z", "count": 1}
+        try:
+            await self.kube.create("Event", meta["namespace"], event)
+        except ApiError as e:
+            logger.info("event %s on %s/%s not posted: %s", reason, meta["namespace"], meta["name"], e)
 
     async def _mark_victims(self, namespace: str, replicas: list[ReplicaLoad], count: int) -> None:
         """Pod deletion costs from the in-flight counts: the ReplicaSet removes the cheapest pods first."""
@@ -385,11 +675,19 @@ class Autoscaler:
 
 
 # ------------------------------------------------------------------------------------------------ kopf handlers
+# Only the operator's startup and cleanup: the autoscaler watches and decides on its own (see "Lead" above).
 @kopf.on.startup()
-async def start_autoscaler(memo: kopf.Memo, **_: Any) -> None:
+async def start_autoscaler(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     if "autoscaler" not in memo:
-        memo.autoscaler = Autoscaler(kube=Kube.from_environment(workers=4),
-                                     max_gpus_per_node=int(os.environ.get("SHOAL_MAX_GPUS_PER_NODE") or 8))
+        peering = settings.peering
+        memo.autoscaler = Autoscaler(
+            kube=Kube.from_environment(workers=4),
+            leadership=Leadership(standalone=peering.standalone, peering_name=peering.name,
+                                  priority=peering.priority, mandatory=peering.mandatory),
+            peering_clusterwide=peering.clusterwide, namespaces=watched_namespaces(),
+            max_gpus_per_node=int(os.environ.get("SHOAL_MAX_GPUS_PER_NODE") or 8),
+            max_concurrent_scrapes=int(os.environ.get("SHOAL_MAX_CONCURRENT_SCRAPES") or MAX_CONCURRENT_SCRAPES))
+        await memo.autoscaler.start()
     port = os.environ.get("SHOAL_METRICS_PORT")
     if port and "metrics_server" not in memo:
         from prometheus_client import start_http_server
@@ -407,32 +705,3 @@ async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
     server = memo.get("metrics_server")
     if server is not None:
         server[0].shutdown()
-
-
-def _autoscaled(spec: kopf.Spec, **_: Any) -> bool:
-    return bool(spec.get("autoscaling"))
-
-
-@kopf.daemon(api.GROUP, api.VERSION, api.PLURAL, id="autoscaler", when=_autoscaled,
-             cancellation_backoff=INTERVAL + 0.5, cancellation_timeout=5.0)  # a tick ends, then the loop exits
-async def autoscale(namespace: str, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
-                    inferenceservice_index: kopf.Index, **_: Any) -> None:
-    """A kopf daemon (not a task of our own) so that kopf stops it when this operator replica pauses for a
-    peer with a higher priority: only the leading replica scales. kopf puts a finalizer on autoscaled
-    InferenceServices for it (removed when spec.autoscaling goes). kopf injects handlers.py's index of
-    InferenceServices by its id."""
-    autoscaler: Autoscaler = memo.autoscaler
-    autoscaler.indexes[api.KIND] = inferenceservice_index
-    await autoscaler.run((namespace, name), stopped)
-
-
-@kopf.on.event("v1", "configmaps", labels={render.L_MANAGED_BY: render.MANAGED_BY, render.L_COMPONENT: "wake"})
-async def wake_event(type: str | None, namespace: str, labels: dict, annotations: dict, memo: kopf.Memo,
-                     **_: Any) -> None:
-    """A wake-up annotation from a gateway (on the InferenceService's wake-up ConfigMap) makes the loop decide at
-    once instead of on its next tick."""
-    autoscaler: Autoscaler | None = memo.get("autoscaler")
-    owner = labels.get(render.L_ISVC)
-    if autoscaler is None or type == "DELETED" or not owner:
-        return
-    autoscaler.notice((namespace, owner), annotations.get(A_WAKE))

@@ -97,8 +97,16 @@ def spec_schema() -> dict[str, Any]:
     return schema
 
 
-def build_crd() -> dict[str, Any]:
+def build_crd(versions: tuple[str, ...] = api.SERVED_VERSIONS, storage: str = api.STORAGE_VERSION) -> dict[str, Any]:
+    """The CRD serving `versions` (oldest first), `storage` the stored one; versions before the storage version are
+    deprecated. Every version has the same schema: with conversion strategy None the API server converts between
+    them by rewriting apiVersion alone, which is lossless only while their schemas are equal."""
+    if storage not in versions or len(set(versions)) != len(versions):
+        raise ValueError(f"storage version {storage!r} must be one of the distinct served versions {versions}")
     status = model_schema(api.InferenceServiceStatus)
+    served = [version_entry(v, status, storage=v == storage,
+                            deprecated_for=storage if versions.index(v) < versions.index(storage) else None)
+              for v in versions]
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -117,46 +125,53 @@ def build_crd() -> dict[str, Any]:
                 "shortNames": list(api.SHORT_NAMES),
                 "categories": list(api.CATEGORIES),
             },
-            "versions": [{
-                "name": api.VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {
-                    "status": {},
-                    "scale": {
-                        "specReplicasPath": ".spec.replicas",
-                        "statusReplicasPath": ".status.replicas",
-                        "labelSelectorPath": ".status.selector",
-                    },
-                },
-                "additionalPrinterColumns": [
-                    # ready/desired, like a Deployment's READY column
-                    {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
-                    {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
-                    {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
-                    {"name": "URL", "type": "string", "jsonPath": ".status.url"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                    {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas", "priority": 1},
-                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
-                    {"name": "Serving", "type": "string", "priority": 1,
-                     "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
-                    {"name": "Reason", "type": "string", "priority": 1,
-                     "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
-                ],
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": "InferenceService runs replicas of the shoal engine serving one model.",
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "metadata": {"type": "object"},
-                        "spec": {**spec_schema(), "default": {}},
-                        "status": status,
-                    },
-                }},
-            }],
+            "versions": served,
+            "conversion": {"strategy": "None"},
         },
     }
+
+
+def version_entry(name: str, status: dict[str, Any], *, storage: bool, deprecated_for: str | None) -> dict[str, Any]:
+    """One served version: the scale and status subresources, the printer columns and the one schema."""
+    entry: dict[str, Any] = {"name": name, "served": True, "storage": storage}
+    if deprecated_for:
+        entry["deprecated"] = True
+        entry["deprecationWarning"] = (f"{api.GROUP}/{name} InferenceService is deprecated; "
+                                       f"use {api.GROUP}/{deprecated_for}")
+    entry["subresources"] = {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+    entry["additionalPrinterColumns"] = [
+        # ready/desired, like a Deployment's READY column
+        {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
+        {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas", "priority": 1},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
+        {"name": "Serving", "type": "string", "priority": 1,
+         "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Reason", "type": "string", "priority": 1,
+         "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
+    ]
+    entry["schema"] = {"openAPIV3Schema": {
+        "type": "object",
+        "description": "InferenceService runs replicas of the shoal engine serving one model.",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": {**spec_schema(), "default": {}},
+            "status": status,
+        },
+    }}
+    return entry
 
 
 def render_yaml() -> str:

@@ -20,7 +20,8 @@ How it fits together
   step, apply, delete the unwanted, restart broken groups, write the status.
 * The kopf wiring is one table (``CHILDREN``, ``OWNER``): per watched kind an index, a watch label selector
   and an event handler; kopf injects the indexes into the handlers, which hand them to the reconciler.
-  The autoscaler's handlers live in autoscaler.py; ``shoal.operator.HANDLER_MODULES`` lists both modules.
+  The autoscaler (autoscaler.py) only starts and stops with the operator here and watches on its own;
+  ``shoal.operator.HANDLER_MODULES`` lists both modules.
 * An invalid spec (see api.validate) sets Ready=False / reason InvalidSpec naming the field, phase Failed,
   and leaves the children alone.
 """
@@ -32,7 +33,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import kopf
 
@@ -153,6 +154,9 @@ class Reconciler:
     indexes: dict[str, Any] = field(default_factory=dict)
     max_backoff: float = 10.0
     recheck_interval: float = 30.0
+    # whether this replica leads (kopf's peering, as leadership.py reads it): a standby's indexes are stale, since
+    # kopf closes its watches, so its recheck loop must not reconcile from them
+    leading: Callable[[], bool] = lambda: True
     plans: dict[tuple[str, str], tuple[tuple, Plan]] = field(default_factory=dict)
     upgrades: upgrade.Upgrades = field(default_factory=upgrade.Upgrades)
     queue: WorkQueue = field(init=False)
@@ -180,6 +184,8 @@ class Reconciler:
         (A kopf timer would do it too, but timers put a finalizer on every object.)"""
         while True:
             await asyncio.sleep(self.recheck_interval)
+            if not self.leading():
+                continue
             for key in list(self.indexes.get(api.KIND) or {}):
                 isvcs = self._get(api.KIND, key)
                 conditions = ((isvcs[0] if isvcs else {}).get("status") or {}).get("conditions") or []
@@ -473,11 +479,14 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
     settings.networking.error_backoffs = [0.5, 1, 2, 5, 10]
+    # how long a replica that died (no clean exit) keeps leading before a standby takes over (--peering-lifetime)
+    settings.peering.lifetime = int(os.environ.get("SHOAL_PEERING_LIFETIME") or settings.peering.lifetime)
     for w in CHILDREN:  # server-side filtering of the child watches
         settings.watching.label_selectors[(w.group, w.version, w.plural)] = MANAGED_SELECTOR
     if "reconciler" not in memo:
         memo.reconciler = Reconciler(kube=Kube.from_environment(), settings=settings_from_env(),
-                                     recheck_interval=float(os.environ.get("SHOAL_RECHECK_SECONDS") or 30))
+                                     recheck_interval=float(os.environ.get("SHOAL_RECHECK_SECONDS") or 30),
+                                     leading=lambda: memo.autoscaler.leading() if "autoscaler" in memo else True)
     logger.info("shoal-operator: engine image %s, %d GPUs per node", memo.reconciler.settings.engine_image,
                 memo.reconciler.settings.max_gpus_per_node)
 

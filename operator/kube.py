@@ -1,6 +1,7 @@
 """The few Kubernetes API calls the handlers make, in one place.
 
-Verbs used: get, list, watch (kopf's watch streams and indexes), patch and delete.
+Verbs used: get, list, watch (kopf's watch streams and indexes, the autoscaler's informers), create (Events),
+patch and delete.
 
 Children are written with server-side apply (``application/apply-patch+yaml``, field manager ``shoal-operator``,
 ``force=true``): the API server records which fields the operator set, so a field the operator stops rendering
@@ -52,8 +53,9 @@ PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("", "serviceaccounts", _CHILD_VERBS),
     ("rbac.authorization.k8s.io", "roles", _CHILD_VERBS),
     ("rbac.authorization.k8s.io", "rolebindings", _CHILD_VERBS),
-    # the autoscaler lists the engine and gateway endpoints it scrapes from their Services' EndpointSlices; RBAC
-    # lets the operator grant only what it holds itself, so this also covers the gateway's Role (list, watch)
+    # the autoscaler watches the engine and gateway endpoints it scrapes (their Services' EndpointSlices, which
+    # carry the Services' labels); RBAC lets the operator grant only what it holds itself, so this also covers the
+    # gateway's Role (list, watch)
     ("discovery.k8s.io", "endpointslices", ("list", "watch")),
     # Events: posted by kopf.event() for transitions; listed (FailedCreate of a StatefulSet, which has no
     # condition for it) only while a group misses pods
@@ -185,6 +187,10 @@ class Kube:
         query = [("labelSelector", label_selector)] if label_selector else []
         query += [("fieldSelector", field_selector)] if field_selector else []
         return (await self._run("GET", path(kind, namespace), query=query)).get("items", [])
+
+    async def create(self, kind: str, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """POST: 409 when the name is taken (the autoscaler's Events use generateName)."""
+        return await self._run("POST", path(kind, namespace), body=obj)
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply of a complete desired object (creates it when missing): afterwards the object holds

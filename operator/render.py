@@ -318,8 +318,7 @@ def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image or rt.image or settings.engine_image,
-        "command": runtimes.command(rt, multi),
-        "args": engine_args(name, namespace, spec, settings, replica=replica),
+        **runtimes.argv(rt, multi, engine_args(name, namespace, spec, settings, replica=replica)),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
                  + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else []),
         "env": _with_api_key(env, spec),
@@ -345,8 +344,8 @@ def _download_container(spec: InferenceServiceSpec, image: str, env: list[dict[s
     container = {
         "name": DOWNLOAD_CONTAINER,
         "image": image,
-        "command": ["shoal-engine", "download"],
-        "args": download_args,
+        # behind the image's init, as the engine (runtimes.SHOAL.init_entrypoint)
+        "args": ["shoal-engine", "download", *download_args],
         "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
         "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
         # a download is network and disk bound; requests keep the pod out of BestEffort while it runs,
@@ -410,9 +409,26 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
         **_placement(spec),
     }
     metadata: dict[str, Any] = {"labels": {**spec.pod.labels, **pod_labels}}
-    if spec.pod.annotations:
-        metadata["annotations"] = dict(spec.pod.annotations)
+    annotations = {**(mesh_annotations() if multi else {}), **spec.pod.annotations}  # the user's win
+    if annotations:
+        metadata["annotations"] = annotations
     return _apply_overlay({"metadata": metadata, "spec": pod_spec}, spec, pod_labels)
+
+
+# Istio's sidecar sits in front of every port of a pod. Under STRICT mTLS a rank's torch.distributed traffic — the
+# rendezvous on MASTER_PORT, NCCL/gloo sockets on ephemeral ports — reaches its peers by pod IP, which the
+# sidecars pass through as plaintext and the peer's sidecar then refuses. So only the OpenAI port is captured
+# inbound (mTLS for the gateway's requests), the rendezvous port bypasses the sidecar outbound, and the ephemeral
+# ports, captured by no one inbound, arrive as they were sent. (With outboundTrafficPolicy REGISTRY_ONLY add the
+# pod CIDR to traffic.sidecar.istio.io/excludeOutboundIPRanges through spec.pod.annotations.) Harmless without Istio.
+A_ISTIO_INCLUDE_INBOUND = "traffic.sidecar.istio.io/includeInboundPorts"
+A_ISTIO_EXCLUDE_OUTBOUND = "traffic.sidecar.istio.io/excludeOutboundPorts"
+A_ISTIO_EXCLUDE_INBOUND = "traffic.sidecar.istio.io/excludeInboundPorts"
+
+
+def mesh_annotations() -> dict[str, str]:
+    """Pod annotations of multi-pod groups that keep inter-rank traffic out of a service mesh's sidecar."""
+    return {A_ISTIO_INCLUDE_INBOUND: str(ENGINE_PORT), A_ISTIO_EXCLUDE_OUTBOUND: str(MASTER_PORT)}
 
 
 def _apply_overlay(template: dict[str, Any], spec: InferenceServiceSpec,
@@ -451,7 +467,34 @@ def cache_volume(name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     if cache.persistent:
         return [{"name": "cache", "persistentVolumeClaim": {"claimName": cache_claim_name(name)}}]
     size = spec.cache_size()
+    if size is None and spec.model.uri.startswith("hf://"):
+        size = default_download_bound(spec)
     return [{"name": "cache", "emptyDir": {"sizeLimit": str(size)} if size is not None else {}}]
+
+
+# An hf:// download without model.cache.size still gets a sizeLimit, so a wrong model id (a 400 B checkpoint for a
+# one-GPU service) cannot fill the node's disk and evict its neighbours: the kubelet evicts this pod instead. The
+# bound is what the replica could possibly serve — its weights must fit its accelerators' memory, or on CPU the
+# pod's memory — times what quantizing on load may shrink (bf16 -> int4 is 4x). GPU memory is not in the spec, so
+# each GPU counts for 160Gi (an H200 has 141 GB, a B200 180 GiB... the largest in common use, rounded up). Without a
+# `memory` a CPU replica gets 100Gi. No ephemeral-storage request comes with it: a request this large would keep
+# the pod off nodes whose disks hold the real model easily (set model.cache.size for a request and a tight bound).
+DOWNLOAD_BOUND_PER_GPU = 160 * 2**30
+DOWNLOAD_BOUND_CPU_DEFAULT = 100 * 2**30
+QUANTIZE_ON_LOAD_RATIO = 4
+
+
+def default_download_bound(spec: InferenceServiceSpec) -> str:
+    """The emptyDir sizeLimit of an hf:// model cache when the spec sets no size (see above)."""
+    from kubernetes.utils import parse_quantity
+
+    if spec.resources.gpus_per_pod != 0:  # None: the default, which is GPUs
+        bound = spec.world_size * DOWNLOAD_BOUND_PER_GPU
+    elif spec.resources.memory is not None:
+        bound = QUANTIZE_ON_LOAD_RATIO * int(parse_quantity(str(spec.resources.memory)))
+    else:
+        bound = DOWNLOAD_BOUND_CPU_DEFAULT
+    return f"{math.ceil(bound / 2**30)}Gi"
 
 
 def _claim_spec(spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -563,26 +606,26 @@ def serving_selector(name: str, multi: bool) -> dict[str, str]:
 def gateway_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
     name = isvc["metadata"]["name"]
     selector = gateway_selector(name) if spec.gateway.enabled else serving_selector(name, multi)
+    ports = [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if spec.gateway.enabled:  # in its EndpointSlices, where the autoscaler finds the gateways' metrics listener
+        ports.append(gateway_metrics_service_port())
     return _finish({
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(isvc, name, "gateway"),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector,
-            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
-        },
+        "spec": {"type": "ClusterIP", "selector": selector, "ports": ports},
     })
 
 
-def _scraper_rules(spec: InferenceServiceSpec, settings: Settings) -> list[dict[str, Any]]:
+def _scraper_rules(spec: InferenceServiceSpec, settings: Settings,
+                   ports: tuple[int, ...] = (ENGINE_PORT,)) -> list[dict[str, Any]]:
     """Prometheus (and the operator's autoscaler) reach /metrics, served on the HTTP port of engines and gateways
     alike (routes other than health and metrics still need the API key): the operator's namespace, every
     --metrics-namespace and security.networkPolicy.metricsFrom."""
     scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
                 for ns in dict.fromkeys(filter(None, (settings.operator_namespace, *settings.metrics_namespaces)))]
     scrapers += copy.deepcopy(spec.security.network_policy.metrics_from)
-    return [{"from": scrapers, "ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]}] if scrapers else []
+    return [{"from": scrapers, "ports": [{"port": p, "protocol": "TCP"} for p in ports]}] if scrapers else []
 
 
 def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, multi: bool) -> dict:
@@ -673,6 +716,23 @@ def gateway_rbac(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[
     ]
 
 
+# The gateways' /metrics on a listener of its own, which Istio's sidecar leaves out of its mTLS: the operator's
+# autoscaler, outside the mesh, reads the engines' load there when it cannot scrape mesh-only engines
+# (spec.autoscaling.loadSource). The port serves /metrics and nothing else; the NetworkPolicy admits only scrapers.
+GATEWAY_METRICS_PORT = 9090
+
+
+def gateway_metrics_service_port() -> dict[str, Any]:
+    return {"name": "metrics", "port": GATEWAY_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}
+
+
+def gateway_metrics_listener() -> tuple[list[str], dict[str, Any], dict[str, str]]:
+    """(the gateway's args, its container port, its pod annotations) for the metrics listener."""
+    return (["--metrics-port", str(GATEWAY_METRICS_PORT)],
+            {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"},
+            {A_ISTIO_EXCLUDE_INBOUND: str(GATEWAY_METRICS_PORT)})
+
+
 def gateway_limit_args(gw: api.GatewayOptions) -> list[str]:
     """spec.gateway's timeouts and admission limits as shoal-gateway flags."""
     return ["--response-timeout", str(gw.response_timeout_seconds), "--read-timeout", str(gw.read_timeout_seconds),
@@ -714,16 +774,17 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         # annotating its wake-up ConfigMap.
         hold = spec.probes.startup_timeout_seconds
         hold_args = ["--hold-timeout", str(hold), "--wake-configmap", wake_configmap_name(name)]
+    metrics_args, metrics_port, metrics_annotations = gateway_metrics_listener()
     container = {
         "name": "gateway",
         "image": gw.image or settings.gateway_image,
         "command": ["shoal-gateway"],
         "args": ["--service", engines_service_name(name), "--namespace", namespace, "--port-name", "http",
                  "--port", str(ENGINE_PORT), "--routing", gw.routing, "--shutdown-timeout", str(drain)]
-                + gateway_limit_args(gw) + hold_args
+                + gateway_limit_args(gw) + hold_args + metrics_args
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
                 + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}, metrics_port],
         # The engines' key, so the gateway answers 401 itself: an unauthenticated request is never held, never
         # counted as load and never wakes the autoscaler.
         **({"env": _with_api_key([], spec)} if spec.security.api_key_secret_ref else {}),
@@ -764,7 +825,8 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
             "selector": {"matchLabels": gateway_selector(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "revisionHistoryLimit": 5,
-            "template": {"metadata": {"labels": labels(name, "gateway")}, "spec": pod_spec},
+            "template": {"metadata": {"labels": labels(name, "gateway"), "annotations": metrics_annotations},
+                         "spec": pod_spec},
         },
     })
 
@@ -775,7 +837,8 @@ def gateway_network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, set
     name = isvc["metadata"]["name"]
     http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
     peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
-    rules: list[dict[str, Any]] = [{"from": peers, "ports": http}, *_scraper_rules(spec, settings)]
+    rules: list[dict[str, Any]] = [{"from": peers, "ports": http},
+                                   *_scraper_rules(spec, settings, ports=(ENGINE_PORT, GATEWAY_METRICS_PORT))]
     return _finish({
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

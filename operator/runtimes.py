@@ -90,6 +90,10 @@ class Runtime:
     env: tuple[tuple[str, str], ...] = ()  # the engine container's env (spec.env overrides)
     group_args: tuple[str, ...] = ()  # added to every rank of a multi-pod group
     extra_managed: tuple[str, ...] = ()  # more flags the operator owns (besides those of the mappings)
+    # The image's ENTRYPOINT is an init that execs its arguments (Dockerfile.engine: tini --): the pod then gives
+    # the whole argv as `args` and no `command`, so that init stays PID 1 (it forwards SIGTERM for the drain and
+    # reaps the worker ranks and compiler processes the server starts).
+    init_entrypoint: bool = False
 
     def managed_flags(self, probe_values: dict[str, Any]) -> frozenset[str]:
         """Flags the operator sets; extraArgs may not repeat them (they would fight the rendered ones)."""
@@ -117,7 +121,7 @@ SHOAL = Runtime(
     # workers (--headless) serve /livez and /readyz only, so a multi-pod group starts on /readyz
     startup=Probe("/startupz", 10, 5), readiness=Probe("/readyz", 5, 5, 3), liveness=Probe("/livez", 10, 10, 6),
     metrics=metric_names.SHOAL, shutdown_flag="--shutdown-timeout", builtin_demo=True, multi_node=True,
-    workers_serve_health=True,
+    workers_serve_health=True, init_entrypoint=True,
 )
 
 VLLM = Runtime(
@@ -276,6 +280,14 @@ def command(rt: Runtime, multi: bool) -> list[str]:
     if multi:
         return ["/bin/sh", "-c", headless_wrapper(rt), rt.command[0]]
     return list(rt.command)
+
+
+def argv(rt: Runtime, multi: bool, arguments: list[str]) -> dict[str, list[str]]:
+    """The container's `command` and `args` for the server started with `arguments`: the whole argv as args
+    behind an image's init (Runtime.init_entrypoint), else the runtime's command overriding the ENTRYPOINT."""
+    if rt.init_entrypoint:
+        return {"args": command(rt, multi) + list(arguments)}
+    return {"command": command(rt, multi), "args": list(arguments)}
 
 
 # Rank 0 answers on HTTP; ranks > 0 of runtimes whose workers serve nothing pass while their process lives (a dead

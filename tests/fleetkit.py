@@ -31,7 +31,9 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from kubekit import slice_labels
 from prockit import LoggedProcess, free_port
 
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
@@ -47,14 +49,14 @@ VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON",
 POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "TRITON_CACHE_DIR"})
 
 
-def local_argv(command: list[str]) -> list[str]:
-    """The local program for a container's command (its arguments follow)."""
-    if command == ["shoal-engine", "serve"]:
-        return [sys.executable, "-m", "shoal.engine.cli", "serve"]
-    if command == ["vllm", "serve"]:
-        return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"]
-    raise ValueError(f"the local kubelet cannot run a container command {command!r} (single-pod shoal-engine or "
-                     "vllm only)")
+def local_argv(argv: list[str]) -> list[str]:
+    """The local program for a container's argv (its `command` and `args` together: Shoal's engine runs behind the
+    image's init, with the whole argv as args; vLLM's command overrides its image's entrypoint)."""
+    if argv[:2] == ["shoal-engine", "serve"]:
+        return [sys.executable, "-m", "shoal.engine.cli", "serve", *argv[2:]]
+    if argv[:2] == ["vllm", "serve"]:
+        return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", *argv[2:]]
+    raise ValueError(f"the local kubelet cannot run a container {argv[:2]!r} (single-pod shoal-engine or vllm only)")
 
 
 def _ready(port: int, path: str) -> bool:
@@ -94,6 +96,7 @@ class Kubelet:
         self.env = env or {}
         self.interval = interval
         self.pods: dict[str, LocalPod] = {}
+        self.slice_labels: dict[str, str] | None = None  # the engine Service's, as the EndpointSlice controller copies
         self.events: list[tuple[float, str, str]] = []  # (time, pod, what): started/ready/terminating/exited
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
@@ -156,20 +159,19 @@ class Kubelet:
         template = dep["spec"]["template"]
         name = f"{dep['metadata']['name']}-" + "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
         container = template["spec"]["containers"][0]
-        args = list(container.get("args") or [])
+        args = list(container.get("command") or []) + list(container.get("args") or [])
         port = free_port()
         for flag, value in (("--host", "127.0.0.1"), ("--port", str(port))):
             if flag in args:
                 args[args.index(flag) + 1] = value
             else:
                 args += [flag, value]
-        program = local_argv(list(container.get("command") or ["shoal-engine", "serve"]))
         log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{name}-", suffix=".log", delete=False)
         pod_env = {e["name"]: e["value"] for e in container.get("env") or []
                    if "value" in e and e["name"] not in POD_PATH_ENV}
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **pod_env, **self.env}
         # cwd: not the repository, whose operator/ folder would shadow the standard library's `operator` there
-        proc = subprocess.Popen([*program, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(local_argv(args), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=tempfile.gettempdir())
         grace = float(template["spec"].get("terminationGracePeriodSeconds") or 30)
         ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")
@@ -225,9 +227,10 @@ class Kubelet:
             self._publish(local, pod, ready=ready, terminating=False)
 
     def _publish(self, local: LocalPod, pod: dict, ready: bool, terminating: bool) -> None:
+        if self.slice_labels is None:
+            self.slice_labels = slice_labels(self.client, self.ns, self.service)
         body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-                "metadata": {"name": f"{self.service}-{local.name}",
-                             "labels": {"kubernetes.io/service-name": self.service}},
+                "metadata": {"name": f"{self.service}-{local.name}", "labels": self.slice_labels},
                 "ports": [{"name": "http", "port": local.port, "protocol": "TCP"}],
                 "endpoints": [{"addresses": ["127.0.0.1"],
                                "conditions": {"ready": ready, "serving": ready or terminating,
@@ -250,8 +253,10 @@ class GatewayProcess(LoggedProcess):
     def __init__(self, namespace: str, name: str, service: str, hold_timeout: float = 90, runtime: str = "shoal",
                  extra: tuple[str, ...] = (), env: dict | None = None):
         port = free_port()
+        self.metrics_port = free_port()  # its /metrics-only listener, as the operator renders it
         super().__init__(
             [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(port),
+             "--metrics-port", str(self.metrics_port),
              "--service", service, "--namespace", namespace, "--wake-configmap", f"{name}-wake",
              "--hold-timeout", str(hold_timeout), "--runtime", runtime, *extra], port, env, log_prefix="gateway-")
         self.base = self.url
@@ -261,10 +266,69 @@ class GatewayProcess(LoggedProcess):
         self.stop(timeout=15)
 
 
-def publish_gateway(client, ns: str, service: str, port: int) -> None:
-    """The local gateway process as the endpoint of the gateway Service (what the gateway pods would be)."""
+def publish_gateway(client, ns: str, service: str, port: int, metrics_port: int | None = None) -> None:
+    """The local gateway process as the endpoint of the gateway Service (what the gateway pods would be), with its
+    metrics listener as the Service's "metrics" port when given."""
+    metrics = [{"name": "metrics", "port": metrics_port, "protocol": "TCP"}] if metrics_port else []
     client.create("endpointslices", ns, {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-        "metadata": {"name": f"{service}-local", "labels": {"kubernetes.io/service-name": service}},
-        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "metadata": {"name": f"{service}-local", "labels": slice_labels(client, ns, service)},
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}, *metrics],
         "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}]})
+
+
+class FakeEngines:
+    """For the autoscaler's tests: one tiny HTTP server per pod serving Prometheus text with the load the test
+    sets (engines), the requests it holds (gateways), or any text."""
+
+    def __init__(self):
+        self.load: dict[str, tuple[int, int, float]] = {}
+        self.held: dict[str, int] = {}  # gateway pods: requests held
+        self.texts: dict[str, str] = {}  # pods that answer with this text instead
+        self.servers: dict[str, ThreadingHTTPServer] = {}
+
+    def port(self, pod: str) -> int:
+        if pod not in self.servers:
+            engines = self
+
+            class Handler(BaseHTTPRequestHandler):
+                def do_GET(self):
+                    running, waiting, kv = engines.load.get(pod, (0, 0, 0.0))
+                    if pod in engines.texts:
+                        body = engines.texts[pod].encode()
+                    elif pod in engines.held:
+                        body = f"shoal:gateway_held_requests {engines.held[pod]}\n".encode()
+                    else:
+                        body = (f'shoal:num_requests_running{{model_name="m"}} {running}\n'
+                                f'shoal:num_requests_waiting{{model_name="m"}} {waiting}\n'
+                                f'shoal:kv_cache_usage_perc{{model_name="m"}} {kv}\n').encode()
+                    self.send_response(200 if self.path == "/metrics" else 404)
+                    self.send_header("Content-Type", "text/plain; version=0.0.4")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+
+                def log_message(self, *args):
+                    pass
+
+            server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.servers[pod] = server
+        return self.servers[pod].server_address[1]
+
+    def close(self):
+        for server in self.servers.values():
+            server.shutdown()
+            server.server_close()
+
+
+def publish_slices(client, ns: str, service: str, pods: list[str], engines: FakeEngines, ready: bool = True) -> None:
+    """One EndpointSlice per pod (each listens on its own port, and a slice has one port list)."""
+    labels = slice_labels(client, ns, service)
+    for pod in pods:
+        body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+                "metadata": {"name": f"{service}-{pod}", "labels": labels},
+                "ports": [{"name": "http", "port": engines.port(pod), "protocol": "TCP"}],
+                "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready},
+                               "targetRef": {"kind": "Pod", "name": pod, "namespace": ns}}]}
+        client.create("endpointslices", ns, body)

@@ -10,8 +10,8 @@ fields a manager applied before and no longer applies are removed; lists are ato
 nothing (no event), uid
 preconditions on delete, label selectors on lists and watches, resourceVersion on lists, watches that
 replay only events newer than the requested resourceVersion (subscribing before the replay, so nothing is
-lost in between), `timeoutSeconds`, ownerReference garbage collection, and fault injection
-(`cluster.inject(...)`) for the retry tests.
+lost in between), `timeoutSeconds`, ownerReference garbage collection, fault injection (`cluster.inject(...)`)
+for the retry tests, and a record of every write and LIST (`cluster.writes`, `cluster.lists`).
 
 The emulator and the operator each run in their own thread with their own event loop; tests are plain
 synchronous functions acting as the cluster's controllers through HTTP (`Client`).
@@ -88,6 +88,7 @@ class Cluster(kmock.KubernetesEmulator):
     rv: int = attrs.field(default=1000, init=False)
     faults: list[Fault] = attrs.field(factory=list, init=False)
     writes: list[tuple[str, str, str | None, str | None]] = attrs.field(factory=list, init=False)
+    lists: list[tuple[str, str | None]] = attrs.field(factory=list, init=False)  # (plural, namespace) of each LIST
     applied: dict[tuple, dict[str, dict[str, Any]]] = attrs.field(factory=dict, init=False)  # key -> manager -> cfg
     gc: bool = attrs.field(default=True)
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
@@ -370,6 +371,7 @@ class Cluster(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: kmock.Request) -> Any:
         r = request.resource
+        self.lists.append((r.plural, request.namespace))
         return {"apiVersion": f"{r.group}/{r.version}".lstrip("/"), "kind": "List",
                 "metadata": {"resourceVersion": str(self.rv)}, "items": self._matching(request)}
 
@@ -608,6 +610,16 @@ class Client:
                           params={"labelSelector": selector} if selector else None)
         r.raise_for_status()
         return r.json()["items"]
+
+
+def slice_labels(client: "Client", namespace: str, service: str) -> dict[str, str]:
+    """The labels the EndpointSlice controller gives a Service's slices: the Service's own (the operator's watch
+    selects them by app.kubernetes.io/managed-by) and kubernetes.io/service-name. Waits for the Service."""
+    svc = wait_for(lambda: client.get("services", namespace, service), 15, f"service {namespace}/{service}")
+    reserved = {"kubernetes.io/service-name", "endpointslice.kubernetes.io/managed-by",
+                "service.kubernetes.io/headless"}
+    labels = {k: v for k, v in (svc["metadata"].get("labels") or {}).items() if k not in reserved}
+    return {**labels, "kubernetes.io/service-name": service}
 
 
 def write_kubeconfig(path, url: str) -> str:

@@ -62,14 +62,15 @@ class LoggedProcess:
     """`cmd` (which listens on `port` of 127.0.0.1) as a child process, its output in a temporary log file. The
     environment keeps tokenizers and OpenMP to one thread each and drops any SHOAL_API_KEY of the caller's."""
 
-    def __init__(self, cmd: list[str], port: int, env: dict | None = None, log_prefix: str = "shoal-test-"):
+    def __init__(self, cmd: list[str], port: int, env: dict | None = None, log_prefix: str = "shoal-test-",
+                 cwd: str | None = None):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=log_prefix, suffix=".log", delete=False)
         e = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         e.pop("SHOAL_API_KEY", None)
         e.update(env or {})
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e, cwd=cwd)
 
     def logs(self) -> str:
         self.log.flush()

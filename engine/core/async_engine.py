@@ -240,8 +240,10 @@ class AsyncEngine:
         return self.num_waiting() >= self.max_queue_len
 
     def is_ready(self) -> bool:
-        """Readiness: loaded, loop alive, not draining, able to admit."""
-        return self.is_healthy() and not self.draining and not self.queue_full()
+        """Readiness: loaded, loop alive, not draining. A full queue does not count: an overloaded replica must stay
+        behind its Service and answer 429 (which a gateway retries elsewhere), not leave the EndpointSlice with
+        its running requests, and have the load move to the others in a burst."""
+        return self.is_healthy() and not self.draining
 
     def num_waiting(self) -> int:
         stats = self.snapshot.stats

@@ -43,6 +43,7 @@ class Backend:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    waiting_prefill_tokens: float = 0.0
     # LoRA adapters (the engine's lora_resident_info / lora_requests_info): loaded ones, how many it keeps loaded
     # (0: LoRA off or unknown), and how many run in its batches now of at most max_loras.
     lora_resident: frozenset[str] = frozenset()

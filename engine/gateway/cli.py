@@ -16,7 +16,7 @@ from aiohttp import web
 from shoal.engine.gateway.backends import HealthPolicy
 from shoal.engine.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
 from shoal.engine.gateway.metric_names import RUNTIMES
-from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app
+from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
 from shoal.engine.gateway.routing import ROUTINGS
 
 log = logging.getLogger("shoal.gateway")
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the OpenAI routes (/v1/*, /tokenize, /detokenize), SSE passed through unbuffered.")
     p.add_argument("--host", default=None, help="address to bind (default: every interface)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve /metrics (and nothing else) on this port: one a service mesh can leave out of "
+                        "its mTLS for scrapers outside the mesh, such as the operator's autoscaler")
     src = p.add_argument_group("backends (one source)")
     src.add_argument("--endpoint", action="append", type=endpoint_url, default=[], metavar="URL",
                      help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
@@ -178,7 +181,7 @@ def own_namespace() -> str | None:
 
 
 async def serve(config: GatewayConfig, discovery, host: str | None, port: int, shutdown_timeout: float,
-                waker=None) -> int:
+                waker=None, metrics_port: int | None = None) -> int:
     gateway = Gateway(config)
     if waker is not None:
         try:
@@ -191,12 +194,19 @@ async def serve(config: GatewayConfig, discovery, host: str | None, port: int, s
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=max(shutdown_timeout, 0.001),
                            access_log=None)
     await runner.setup()
+    metrics_runner = web.AppRunner(build_metrics_app(gateway), access_log=None) if metrics_port else None
     try:
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
+        if metrics_runner is not None:
+            await metrics_runner.setup()
+            await web.TCPSite(metrics_runner, host, metrics_port, reuse_address=True).start()
     except OSError as e:
-        log.error("cannot listen on %s:%s: %s", host or "0.0.0.0", port, e)
+        log.error("cannot listen on %s:%s%s: %s", host or "0.0.0.0", port,
+                  f" and {metrics_port}" if metrics_port else "", e)
         await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         return 1
     await gateway.start(discovery)
     log.info("shoal-gateway listening on http://%s:%d, routing %s", host or "0.0.0.0", port, config.routing)
@@ -209,6 +219,8 @@ async def serve(config: GatewayConfig, discovery, host: str | None, port: int, s
     gateway.start_draining()
     log.info("shutting down: finishing in-flight requests (up to %.0fs)", shutdown_timeout)
     await runner.cleanup()
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
     await gateway.stop()
     if waker is not None:
         await waker.close()
@@ -239,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shoal.engine.gateway.wake import Waker
 
         waker = Waker(namespace, args.wake_configmap)
-    return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout, waker))
+    return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout, waker,
+                             metrics_port=args.metrics_port))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,36 @@ class _BackendCollector:
         yield GaugeMetricFamily(P + "ready_backends", "Engines that may take new requests.", value=len(eligible))
 
 
+class _EngineLoadCollector:
+    """The engines' load as this gateway last polled it, for the operator's autoscaler (its loadSource gateways or
+    auto: engines it cannot scrape itself, e.g. behind Istio STRICT mTLS, which the gateway reaches through the
+    mesh). Only engines whose data is fresh are exported: a missing series means "not known", never zero.
+    Together with shoal:gateway_inflight_requests (this gateway's own count per engine) and held_requests it is
+    everything the autoscaler needs; the series are labelled by the engine's base URL, as discovery sees it."""
+
+    GAUGES = (("backend_running_requests", "running", "Requests running on the engine (its own gauge)."),
+              ("backend_waiting_requests", "waiting", "Requests waiting in the engine's queue (its own gauge)."),
+              ("backend_kv_cache_usage", "kv_usage", "The engine's KV-cache usage (1.0 = full)."),
+              ("backend_waiting_prefill_tokens", "waiting_prefill_tokens",
+               "Prompt tokens waiting for prefill on the engine."))
+
+    def __init__(self, backends: BackendSet):
+        self.backends = backends
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        now = time.monotonic()
+        families = [(GaugeMetricFamily(P + name, doc, labels=["backend"]), field) for name, field, doc in self.GAUGES]
+        for b in self.backends.all():
+            if b.fresh(now):
+                for family, field in families:
+                    family.add_metric([b.url], float(getattr(b, field)))
+        for family, _ in families:
+            yield family
+
+
 class GatewayMetrics:
     def __init__(self, backends: BackendSet):
         self.registry = r = CollectorRegistry(auto_describe=False)
@@ -64,3 +94,4 @@ class GatewayMetrics:
         self.pending = Gauge(P + "pending_requests", "Requests inside the gateway (proxied or held).", registry=r)
         self.held = Gauge(P + "held_requests", "Requests waiting for an engine to become ready.", registry=r)
         r.register(_BackendCollector(backends))
+        r.register(_EngineLoadCollector(backends))

@@ -106,8 +106,9 @@ class Poller:
         now = time.monotonic()
         b.ready, b.last_answer = ready, now
         if text is not None:
-            load = parse_load(text, self.metrics)
+            load = scan(text, self.metrics)
             b.running, b.waiting, b.kv_usage = load["running"], load["waiting"], load["kv_usage"]
+            b.waiting_prefill_tokens = load["waiting_prefill_tokens"]
             for key, value in parse_lora(text).items():
                 setattr(b, key, value)
             b.last_ok = now

@@ -347,6 +347,14 @@ class Gateway:
                               "invalid_request_error", "not_found")
 
 
+def build_metrics_app(gateway: Gateway) -> web.Application:
+    """`--metrics-port`: /metrics alone, for a listener a service mesh leaves out of its mTLS (the operator's
+    autoscaler, outside the mesh, reads the load there); nothing else is served on it."""
+    app = web.Application()
+    app.router.add_get("/metrics", gateway.metrics_route)
+    return app
+
+
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(client_max_size=gateway.config.max_body_bytes)
     r = app.router

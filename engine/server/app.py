@@ -7,7 +7,7 @@ Routes
   POST /tokenize, /detokenize                    vLLM's shapes
   GET  /tokenizer_info                           vLLM's: the tokenizer's class and configuration
   GET  /metrics                                  Prometheus text (per-app registry)
-  GET  /startupz /readyz /livez                  model loaded / able to admit / engine loop alive
+  GET  /startupz /readyz /livez                  model loaded / serving (a full queue too) / loop alive
   GET  /health                                   vLLM's: model loaded and engine loop alive (503 while loading)
 
 `--api-key` protects every route except the health endpoints and /metrics. Access logs carry method, path,
@@ -121,8 +121,7 @@ async def readyz(request: web.Request) -> web.Response:
     if eng.is_ready():
         return json_response({"status": "ready"})
     reason = ("failed" if eng.fatal_error is not None else "loading" if not eng.is_loaded
-              else "not_alive" if not eng.is_alive() else "draining" if eng.draining
-              else "queue_full" if eng.queue_full() else "not_ready")
+              else "not_alive" if not eng.is_alive() else "draining" if eng.draining else "not_ready")
     return json_response({"status": reason}, 503)
 
 

@@ -119,7 +119,7 @@ def test_operator_runs_kopf_with_a_liveness_endpoint(case):
         assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
         assert "--standalone" in c["args"]
     assert f"--liveness=http://0.0.0.0:{port}/healthz" in c["args"]
-    assert c["ports"] == [{"name": "health", "containerPort": port, "protocol": "TCP"}]
+    assert c["ports"][0] == {"name": "health", "containerPort": port, "protocol": "TCP"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert "command" not in c  # the image's entrypoint is shoal-operator
 
@@ -343,6 +343,25 @@ def test_service_monitor():
     sm = one(render({**values, "rbac": {"scope": "namespace"}, "operator": {"watchNamespaces": ["a", "b"]}}),
              "ServiceMonitor")
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
+
+
+def test_the_operators_autoscaler_metrics_are_served_and_scraped():
+    """shoal-operator serves shoal:autoscaler_* on operator.metricsPort (what an HPA or KEDA reads with
+    autoscalerClass external), and with the ServiceMonitor a PodMonitor scrapes exactly the operator's pods there."""
+    dep, container = _container(render())
+    assert "--metrics-port=9090" in container["args"]
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
+    assert not [o for o in render() if o["kind"] == "PodMonitor"]
+    objects = render({**CASES["service-monitor"], "operator": {"metricsPort": 9191}})
+    pm = one(objects, "PodMonitor")
+    dep, container = _container(objects)
+    assert pm["metadata"]["namespace"] == "monitoring" and pm["spec"]["namespaceSelector"] == {
+        "matchNames": [NAMESPACE]}
+    assert _selects(pm["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    assert ep["port"] == "metrics" and ep["path"] == "/metrics"
+    assert {"name": "metrics", "containerPort": 9191, "protocol": "TCP"} in container["ports"]
+    assert "--metrics-port=9191" in container["args"]
 
 
 def _selects(selector: dict, labels: dict) -> bool:

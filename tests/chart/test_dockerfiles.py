@@ -42,7 +42,7 @@ def pip_pins(instrs):
 
 @pytest.mark.parametrize("dockerfile,entrypoint,port", [
     ("Dockerfile.operator", "shoal-operator", 8080),
-    ("Dockerfile.engine", "shoal-engine", 8000),
+    ("Dockerfile.engine", "/usr/bin/tini", 8000),
 ])
 def test_dockerfile_is_pinned_non_root_and_has_the_entrypoint(dockerfile, entrypoint, port):
     instrs = instructions(ROOT / dockerfile)
@@ -111,3 +111,30 @@ def test_engine_image_states_its_compatibility_floors():
 
     chart = yaml.safe_load((ROOT / "charts" / "shoal" / "Chart.yaml").read_text())
     assert chart["kubeVersion"] == ">=1.30.0-0"
+
+
+def test_engine_pods_keep_the_images_init_as_pid_1():
+    """Dockerfile.engine's ENTRYPOINT is tini, which execs its arguments; every container the operator renders from
+    that image gives its argv as args and no command (a command would replace tini and leave Python as PID 1)."""
+    import json
+
+    from shoal.operator import render
+
+    instrs = instructions(ROOT / "Dockerfile.engine")
+    (ep,) = [json.loads(rest) for word, rest in instrs if word == "ENTRYPOINT"]
+    (cmd,) = [json.loads(rest) for word, rest in instrs if word == "CMD"]
+    assert ep == ["/usr/bin/tini", "--"] and cmd[:2] == ["shoal-engine", "serve"]
+    assert any(w == "RUN" and "apt-get install" in r and " tini " in r for w, r in instrs)
+    settings = render.Settings(engine_image="registry.test/shoal-engine:1")
+    for spec in ({"model": {"uri": "hf://org/m"}},  # Deployment, with the download init container
+                 {"model": {"uri": "hf://org/m"}, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}}):
+        isvc = {"apiVersion": "serving.shoal.dev/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "m", "namespace": "ns", "uid": "u"}, "spec": spec}
+        workloads = [o for o in render.render(isvc, settings) if o["kind"] in ("Deployment", "StatefulSet")
+                     and o["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"]
+        assert workloads
+        for obj in workloads:
+            pod = obj["spec"]["template"]["spec"]
+            for c in pod["containers"] + pod["initContainers"]:
+                assert "command" not in c, c["name"]
+                assert c["args"][:1] in (["shoal-engine"], ["/bin/sh"]), c["args"][:3]

@@ -133,6 +133,25 @@ def test_load_uses_engine_queue_only_while_fresh():
     assert b.load(now + 5) == 1  # stale data is unknown: the gateway's own count only
 
 
+def test_the_engines_load_is_exported_for_the_autoscaler_while_fresh():
+    """shoal:gateway_backend_* carry what the poller read from each engine, for the operator's autoscaler (engines
+    it cannot scrape itself, e.g. behind a mesh): only fresh data, a missing series means unknown."""
+    from prometheus_client import generate_latest
+
+    from shoal.engine.gateway.metrics import GatewayMetrics
+    from shoal.operator.autoscaler import gateway_view
+
+    s = BackendSet()
+    s.replace(["http://a:1", "http://b:1"])
+    a, b = sorted(s.all(), key=lambda x: x.url)
+    a.running, a.waiting, a.kv_usage, a.waiting_prefill_tokens, a.last_ok = 3, 1, 0.5, 120, time.monotonic()
+    b.running, b.last_ok, b.inflight = 9, time.monotonic() - 60, 2  # stale: only the gateway's own count
+    view = gateway_view(generate_latest(GatewayMetrics(s).registry).decode())
+    assert view.engines == {"http://a:1": {"running": 3, "waiting": 1, "kv_usage": 0.5,
+                                           "waiting_prefill_tokens": 120}}
+    assert view.in_flight == {"http://a:1": 0, "http://b:1": 2} and view.held == 0
+
+
 def test_stalled_engines_are_skipped_only_while_another_answers():
     s = BackendSet(HealthPolicy(stall_after=1.0))
     s.replace(["http://a:1", "http://b:1"])

@@ -4,11 +4,10 @@ annotation), the EndpointSlice controller (slices pointing at a metrics endpoint
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
-from kubekit import condition, isvc_body, wait_for
+from fleetkit import FakeEngines, publish_slices
+from kubekit import condition, isvc_body, slice_labels, wait_for
+from prockit import free_port
 
 from shoal.engine.gateway.wake import wake_patch
 from shoal.operator.autoscaler import A_DELETION_COST, A_WAKE, REGISTRY
@@ -16,63 +15,11 @@ from shoal.operator.autoscaler import A_DELETION_COST, A_WAKE, REGISTRY
 ISVC = "inferenceservices"
 
 
-class FakeEngines:
-    """One tiny HTTP server per pod serving Prometheus text with the load the test sets."""
-
-    def __init__(self):
-        self.load: dict[str, tuple[int, int, float]] = {}
-        self.held: dict[str, int] = {}  # gateway pods: requests held
-        self.servers: dict[str, ThreadingHTTPServer] = {}
-
-    def port(self, pod: str) -> int:
-        if pod not in self.servers:
-            engines = self
-
-            class Handler(BaseHTTPRequestHandler):
-                def do_GET(self):
-                    running, waiting, kv = engines.load.get(pod, (0, 0, 0.0))
-                    if pod in engines.held:
-                        body = f"shoal:gateway_held_requests {engines.held[pod]}\n".encode()
-                    else:
-                        body = (f'shoal:num_requests_running{{model_name="m"}} {running}\n'
-                                f'shoal:num_requests_waiting{{model_name="m"}} {waiting}\n'
-                                f'shoal:kv_cache_usage_perc{{model_name="m"}} {kv}\n').encode()
-                    self.send_response(200 if self.path == "/metrics" else 404)
-                    self.send_header("Content-Type", "text/plain; version=0.0.4")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-
-                def log_message(self, *args):
-                    pass
-
-            server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-            self.servers[pod] = server
-        return self.servers[pod].server_address[1]
-
-    def close(self):
-        for server in self.servers.values():
-            server.shutdown()
-            server.server_close()
-
-
 @pytest.fixture
 def engines():
     e = FakeEngines()
     yield e
     e.close()
-
-
-def publish_slices(env, ns: str, service: str, pods: list[str], engines: FakeEngines, ready: bool = True) -> None:
-    """One EndpointSlice per pod (each listens on its own port, and a slice has one port list)."""
-    for pod in pods:
-        body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-                "metadata": {"name": f"{service}-{pod}", "labels": {"kubernetes.io/service-name": service}},
-                "ports": [{"name": "http", "port": engines.port(pod), "protocol": "TCP"}],
-                "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready},
-                               "targetRef": {"kind": "Pod", "name": pod, "namespace": ns}}]}
-        env.client.create("endpointslices", ns, body)
 
 
 def decisions(ns: str, name: str) -> float:
@@ -127,7 +74,7 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
         "scaleDownStabilizationSeconds": 2}}))
     wait_for(lambda: env.client.get("deployments", ns, "qa"), 10, "deployment")
     engines.load["qa-a"] = (8, 27, 0.3)
-    publish_slices(env, ns, "qa-engines", ["qa-a"], engines)
+    publish_slices(env.client, ns, "qa-engines", ["qa-a"], engines)
     wait_for(lambda: running(env, ns, "qa") == 4, 10, "scaled up to 4 (35/10)")
     wait_for(lambda: env.client.get("deployments", ns, "qa")["spec"]["replicas"] == 4, 5, "deployment scaled")
     st = wait_for(lambda: (s := env.client.get(ISVC, ns, "qa")["status"]["autoscaling"]).get("neededReplicas") == 4
@@ -136,7 +83,7 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
     # the new replicas came up, the load went away; qa-c stays busy the longest
     for pod in ("qa-a", "qa-b", "qa-c", "qa-d"):
         env.client.create("pods", ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod}})
-    publish_slices(env, ns, "qa-engines", ["qa-b", "qa-c", "qa-d"], engines)
+    publish_slices(env.client, ns, "qa-engines", ["qa-b", "qa-c", "qa-d"], engines)
     engines.load.update({"qa-a": (0, 0, 0.0), "qa-b": (1, 0, 0.1), "qa-c": (5, 0, 0.1), "qa-d": (0, 0, 0.0)})
     wait_for(lambda: running(env, ns, "qa") == 1, 15, "scaled down to 1 (6/10)")
     costs = {p: int(env.client.get("pods", ns, p)["metadata"]["annotations"][A_DELETION_COST])
@@ -161,7 +108,7 @@ def test_requests_held_by_the_gateways_scale_from_zero_to_what_they_need(env, ns
     wait_for(lambda: env.client.get("deployments", ns, "hold"), 10, "deployment")
     # two gateway pods behind the Service "hold" hold 40 requests between them (no wake-up annotation)
     engines.held.update({"hold-gw-1": 25, "hold-gw-2": 15})
-    publish_slices(env, ns, "hold", ["hold-gw-1", "hold-gw-2"], engines)
+    publish_slices(env.client, ns, "hold", ["hold-gw-1", "hold-gw-2"], engines)
     wait_for(lambda: running(env, ns, "hold") == 3, 10, "scaled to ceil(40/16)")
     st = wait_for(lambda: (s := env.client.get(ISVC, ns, "hold")["status"].get("autoscaling")) and
                   s.get("neededReplicas") == 3 and s, 5, "status")
@@ -177,7 +124,7 @@ def test_reapplying_the_manifest_does_not_fight_the_autoscaler(env, ns, engines)
     env.client.create(ISVC, ns, manifest)
     wait_for(lambda: env.client.get("deployments", ns, "git"), 10, "deployment")
     engines.load["git-a"] = (10, 15, 0.2)
-    publish_slices(env, ns, "git-engines", ["git-a"], engines)
+    publish_slices(env.client, ns, "git-engines", ["git-a"], engines)
     wait_for(lambda: env.client.get("deployments", ns, "git")["spec"]["replicas"] == 3, 10, "scaled up to 3 (25/10)")
     assert env.client.get(ISVC, ns, "git")["spec"]["replicas"] == 1  # the manifest's field is left alone
     # the GitOps tool re-applies the manifest: replicas 1, and the spec changes (a new generation) at the same time
@@ -200,3 +147,86 @@ def test_metrics_port_flag():
     with pytest.raises(SystemExit, match="port number"):
         parse(["--metrics-port", "http"])
 
+
+
+def test_no_finalizer_and_endpoints_come_from_a_watch_not_a_list_per_decision(env, ns, engines):
+    """The autoscaler is no kopf daemon (those put a finalizer on every autoscaled service, which then cannot be
+    deleted once the operator is uninstalled) and reads EndpointSlices from its watch-fed cache: decisions go on,
+    no LIST of EndpointSlices comes with them."""
+    env.client.create(ISVC, ns, isvc_body("watched", {"replicas": 1, "autoscaling": {
+        "minReplicas": 1, "maxReplicas": 3, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0}}))
+    wait_for(lambda: env.client.get("deployments", ns, "watched"), 10, "deployment")
+    engines.load["watched-a"] = (12, 0, 0.1)
+    publish_slices(env.client, ns, "watched-engines", ["watched-a"], engines)
+    wait_for(lambda: running(env, ns, "watched") == 2, 10, "scaled to 2 from the watched slice (12/10)")
+    lists = sum(1 for plural, _ in env.cluster.lists if plural == "endpointslices")
+    ticks = decisions(ns, "watched")
+    wait_for(lambda: decisions(ns, "watched") >= ticks + 3, 10, "three more decisions")
+    assert sum(1 for plural, _ in env.cluster.lists if plural == "endpointslices") == lists
+    assert not env.client.get(ISVC, ns, "watched")["metadata"].get("finalizers")
+    env.client.delete(ISVC, ns, "watched")  # nothing to wait for: gone at once, operator or not
+    assert env.client.get(ISVC, ns, "watched") is None
+    # the finalizer an older operator's kopf daemon left is removed, so the service can go without an operator
+    old = isvc_body("upgraded", {"replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 2}})
+    old["metadata"]["finalizers"] = ["kopf.zalando.org/KopfFinalizerMarker"]
+    env.client.create(ISVC, ns, old)
+    wait_for(lambda: not env.client.get(ISVC, ns, "upgraded")["metadata"].get("finalizers"), 10, "finalizer gone")
+
+
+def test_engines_the_operator_cannot_reach_scale_from_the_gateways_view(env, ns, engines):
+    """Engines behind Istio STRICT mTLS refuse the operator's plaintext scrape; the gateways, inside the mesh,
+    report the engines' load (loadSource auto, the default): the fleet still scales, with the engines' gauges
+    where a gateway polled them and the gateways' own in-flight counts where not."""
+    from shoal.operator.autoscaler import REGISTRY as R
+
+    env.client.create(ISVC, ns, isvc_body("mesh", {"replicas": 1, "autoscaling": {
+        "minReplicas": 1, "maxReplicas": 6, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0}}))
+    wait_for(lambda: env.client.get("deployments", ns, "mesh"), 10, "deployment")
+    refused = free_port()  # nobody listens there: every scrape of the engines fails, as a STRICT sidecar's would
+    labels = slice_labels(env.client, ns, "mesh-engines")
+    for pod, port in (("mesh-a", refused), ("mesh-b", refused)):
+        env.client.create("endpointslices", ns, {
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+            "metadata": {"name": f"mesh-engines-{pod}", "labels": labels},
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [f"127.0.0.{1 + (pod == 'mesh-b')}"], "conditions": {"ready": True},
+                           "targetRef": {"kind": "Pod", "name": pod, "namespace": ns}}]})
+    a, b = f"http://127.0.0.1:{refused}", f"http://127.0.0.2:{refused}"
+    # both gateways polled engine a (same gauges); none has fresh data of b, to which they have 9 + 8 in flight
+    polled = (f'shoal:gateway_backend_running_requests{{backend="{a}"}} 20\n'
+              f'shoal:gateway_backend_waiting_requests{{backend="{a}"}} 4\n'
+              f'shoal:gateway_backend_kv_cache_usage{{backend="{a}"}} 0.5\n')
+    engines.texts["mesh-gw-1"] = polled + f'shoal:gateway_inflight_requests{{backend="{a}"}} 12\n' \
+                        f'shoal:gateway_inflight_requests{{backend="{b}"}} 9\nshoal:gateway_held_requests 0\n'
+    engines.texts["mesh-gw-2"] = polled + f'shoal:gateway_inflight_requests{{backend="{a}"}} 12\n' \
+                        f'shoal:gateway_inflight_requests{{backend="{b}"}} 8\nshoal:gateway_held_requests 0\n'
+    publish_slices(env.client, ns, "mesh", ["mesh-gw-1", "mesh-gw-2"], engines)
+    # 24 on a (its own gauges, via the gateways) + 17 on b (the gateways' counts) = 41 -> ceil(41/10) = 5
+    wait_for(lambda: running(env, ns, "mesh") == 5, 10, "scaled to 5 from the gateways' view")
+    st = wait_for(lambda: (s := env.client.get(ISVC, ns, "mesh")["status"].get("autoscaling")) and
+                  s.get("neededReplicas") == 5 and s, 5, "status")
+    assert st["inputs"]["inFlight"] == 41 and st["inputs"]["kvCacheUsage"] == 0.5
+    assert st["reason"] != "LoadUnknown"
+    # the failing engines are scraped ever more rarely while the gateways cover them
+    wait_for(lambda: (R.get_sample_value("shoal:autoscaler_scrapes_total",
+                                         {"target": "engine", "result": "skipped"}) or 0) > 0, 10, "backoff")
+
+
+def test_an_external_autoscaler_gets_the_inputs_and_owns_the_replica_count(env, ns, engines):
+    """autoscalerClass external (an HPA or a KEDA ScaledObject on the scale subresource): the operator observes and
+    exports shoal:autoscaler_* but writes no replica count; spec.replicas, as the HPA sets it, is what runs."""
+    env.client.create(ISVC, ns, isvc_body("keda", {"replicas": 1, "autoscaling": {
+        "minReplicas": 1, "maxReplicas": 5, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0,
+        "autoscalerClass": "external"}}))
+    wait_for(lambda: env.client.get("deployments", ns, "keda"), 10, "deployment")
+    engines.load["keda-a"] = (25, 5, 0.4)
+    publish_slices(env.client, ns, "keda-engines", ["keda-a"], engines)
+    sample = {"namespace": ns, "name": "keda"}
+    wait_for(lambda: REGISTRY.get_sample_value("shoal:autoscaler_needed_replicas", sample) == 3, 10, "needed 3")
+    assert REGISTRY.get_sample_value("shoal:autoscaler_in_flight_requests", sample) == 30
+    ticks = decisions(ns, "keda")
+    wait_for(lambda: decisions(ns, "keda") >= ticks + 2, 10, "two more decisions")
+    assert "autoscaling" not in (env.client.get(ISVC, ns, "keda").get("status") or {})
+    assert env.client.get("deployments", ns, "keda")["spec"]["replicas"] == 1
+    env.client.patch(ISVC, ns, "keda", {"spec": {"replicas": 3}}, sub="scale")  # the HPA acts
+    wait_for(lambda: env.client.get("deployments", ns, "keda")["spec"]["replicas"] == 3, 10, "deployment follows")

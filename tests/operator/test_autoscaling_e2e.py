@@ -160,3 +160,82 @@ def test_unauthenticated_requests_at_zero_never_scale_the_fleet(env, ns):
     finally:
         gateway.close()
         env.client.delete(ISVC, ns, name)
+
+
+@pytest.mark.slow
+def test_streams_on_a_replica_removed_by_a_scale_down_complete(env, ns, model_factory):
+    """Two replicas each stream a long generation; the fleet is scaled down to one meanwhile. The removed replica
+    turns not-ready, drains (engine.shutdownTimeoutSeconds, 900 s by default — not the 2 s failure grace period
+    set here, which a confusion of the two would apply) and exits 0 once its stream is done: both clients get
+    finish_reason "length", none "abort". The load is read from the gateway's metrics listener (loadSource
+    gateways), end to end."""
+    model = model_factory("llama", max_position_embeddings=2048)
+    name = "drain"
+    env.client.create(ISVC, ns, isvc_body(name, {
+        "replicas": 2, "model": {"uri": f"file://{model}", "servedName": "tiny"},
+        "engine": {"attentionBackend": "sdpa", "maxModelLen": 2048}, "probes": {"failureGracePeriodSeconds": 2},
+        "autoscaling": {"minReplicas": 2, "maxReplicas": 2, "loadSource": "gateways"}}))
+    wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
+    kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=f"{name}-engines")
+    gateway = None
+    results: dict[int, tuple] = {}
+    try:
+        with kubelet:
+            gateway = GatewayProcess(ns, name, service=f"{name}-engines", extra=("--routing", "least-load"))
+            # the operator reads the load from the gateway's metrics listener (its port "metrics")
+            publish_gateway(env.client, ns, name, gateway.port, metrics_port=gateway.metrics_port)
+            assert http("GET", f"http://127.0.0.1:{gateway.metrics_port}/v1/models")[0] == 404  # /metrics only
+            client = openai.OpenAI(base_url=gateway.base + "/v1", api_key="none", max_retries=0, timeout=300)
+            wait_for(lambda: len(kubelet.ready_pods()) == 2, 180, "two replicas ready")
+            for pod in list(kubelet.pods.values()):  # the first forward pass may build kernels: not mid-test
+                assert http("POST", f"http://127.0.0.1:{pod.port}/v1/completions", timeout=600,
+                            body={"model": "tiny", "prompt": "warm up", "max_tokens": 2})[0] == 200
+            wait_for(lambda: len(kubelet.ready_pods()) == 2, 60, "two replicas ready after warming up")
+            first_tokens = threading.Semaphore(0)
+
+            def long_stream(i: int) -> None:
+                finish, tokens, started = None, 0, None
+                try:
+                    for chunk in client.completions.create(model="tiny", prompt=f"story {i}", max_tokens=2000,
+                                                           stream=True, extra_body={"ignore_eos": True}):
+                        tokens += 1
+                        if tokens == 1:
+                            started = time.monotonic()
+                            first_tokens.release()
+                        finish = chunk.choices[0].finish_reason or finish
+                    results[i] = (finish, started, time.monotonic())
+                except BaseException as e:  # noqa: BLE001 - asserted below
+                    results[i] = (e, started, time.monotonic())
+                    first_tokens.release()
+
+            threads = [threading.Thread(target=long_stream, args=(i,), daemon=True) for i in range(2)]
+            for t in threads:
+                t.start()
+            for _ in threads:  # both streams running, one on each replica (least-load routing)
+                assert first_tokens.acquire(timeout=120)
+            env.client.patch(ISVC, ns, name, {"spec": {"autoscaling": {"minReplicas": 1, "maxReplicas": 1}}})
+            terminating = wait_for(lambda: [(t, p) for t, p, what in kubelet.events if what == "terminating"], 30,
+                                   "a replica removed")
+            for t in threads:
+                t.join(240)
+            assert [r[0] for r in results.values()] == ["length", "length"], results
+            (removed_at, victim), = terminating
+            exited = wait_for(lambda: [(t, w) for t, p, w in kubelet.events if p == victim
+                                       and w.startswith("exited")], 60, "the removed replica exits")
+            assert exited[0][1] == "exited 0"
+            # both streams (one on each replica) ran across the removal: the victim's was drained, not cut
+            assert all(started < removed_at < end for _f, started, end in results.values()), (removed_at, results)
+            assert kubelet.error is None, kubelet.error
+            # the decisions were made on the gateway's view of both engines, which it exported
+            st = env.client.get(ISVC, ns, name)["status"]["autoscaling"]
+            assert st["reason"] != "LoadUnknown" and st["desiredReplicas"] == 1, st
+    except BaseException:
+        print("kubelet events:", kubelet.events)
+        print("gateway log:", gateway.logs()[-5000:] if gateway else None)
+        for pod in kubelet.pods.values():
+            print(f"pod {pod.name} log:", pod.logs()[-3000:])
+        raise
+    finally:
+        if gateway is not None:
+            gateway.close()
+        env.client.delete(ISVC, ns, name)

@@ -230,3 +230,23 @@ def test_cel_rules_mirror_python_rules():
         for spec, field in INVALID_CROSS:
             expected = field != "spec" + rule.field_path
             assert cel_eval(rule.cel, _defaulted(spec)) is expected, (rule.cel, spec)
+
+
+def test_one_storage_version_and_a_stated_conversion_strategy():
+    """The committed CRD marks its storage version and says how versions convert (None: the API server rewrites
+    apiVersion only, lossless while every version has the one schema), and a second version is one more entry of
+    api.SERVED_VERSIONS: both served with equal schemas, the old one deprecated naming the new, one stored."""
+    crd = yaml.safe_load((ROOT / crdgen.TARGETS[0]).read_text())
+    assert crd["spec"]["conversion"] == {"strategy": "None"}
+    assert [(v["name"], v["served"], v["storage"]) for v in crd["spec"]["versions"]] == [
+        (api.VERSION, True, True)] and api.STORAGE_VERSION == api.VERSION
+
+    two = crdgen.build_crd(versions=("v1alpha1", "v1beta1"), storage="v1beta1")
+    kubernetes_validate.validate(two, kubernetes_validate.latest_version(), strict=True)
+    old, new = two["spec"]["versions"]
+    assert (old["storage"], new["storage"]) == (False, True) and old["served"] and new["served"]
+    assert old["deprecated"] and "serving.shoal.dev/v1beta1" in old["deprecationWarning"]
+    assert "deprecated" not in new
+    assert old["schema"] == new["schema"] and old["subresources"] == new["subresources"]
+    with pytest.raises(ValueError):
+        crdgen.build_crd(versions=("v1alpha1",), storage="v1beta1")

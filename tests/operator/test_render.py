@@ -128,7 +128,7 @@ def test_cpu_demo_single_pod():
     assert set(kids) == {("Deployment", "llm"), ("Service", "llm"), ("NetworkPolicy", "llm")} | GATEWAY_KIDS
     dep = kids[("Deployment", "llm")]
     c = container(dep)
-    assert c["command"] == ["shoal-engine", "serve"]
+    assert "command" not in c and c["args"][:2] == ["shoal-engine", "serve"]  # behind the image's init (tini)
     assert "--model" not in c["args"]  # demo:// -> the engine's built-in demo model
     assert flag(c["args"], "--served-model-name") == "llm"
     assert flag(c["args"], "--port") == "8000" and flag(c["args"], "--host") == "0.0.0.0"
@@ -169,7 +169,7 @@ def test_single_gpu_hf_model():
     # An init container fills the cache the engine reads, with the same HF_HOME and the network allowed.
     pod = kids[("Deployment", "llm")]["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    assert init["command"] == ["shoal-engine", "download"] and flag(init["args"], "--model") == "Qwen/Qwen2.5-7B-Instruct"
+    assert init["args"][:2] == ["shoal-engine", "download"] and flag(init["args"], "--model") == "Qwen/Qwen2.5-7B-Instruct"
     init_env = {e["name"]: e.get("value") for e in init["env"]}
     assert init_env["HF_HOME"] == "/cache/huggingface" and "HF_HUB_OFFLINE" not in init_env
     assert {"name": "cache", "mountPath": "/cache"} in init["volumeMounts"]
@@ -215,7 +215,7 @@ def test_tp8xpp2_two_pod_groups():
         assert flag(args, "--node-rank") == "$(SHOAL_NODE_RANK)"
         assert flag(args, "--master-addr") == f"llm-g{r}-0.llm-g{r}.team-a.svc.cluster.local"
         assert flag(args, "--master-port") == "29500"
-        assert c["command"][:2] == ["/bin/sh", "-c"] and "--headless" in c["command"][2]
+        assert c["args"][:2] == ["/bin/sh", "-c"] and "--headless" in c["args"][2] and "command" not in c
         rank = next(e for e in c["env"] if e["name"] == "SHOAL_NODE_RANK")
         assert rank["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.labels['{L_POD_INDEX}']"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
@@ -276,7 +276,7 @@ def test_api_key_is_only_an_env_var_of_the_engine_container():
             continue
         pod = obj["spec"]["template"]["spec"]
         for c in pod["containers"] + pod["initContainers"]:
-            assert not any("SHOAL_API_KEY" in a or a == "--api-key" for a in c["command"] + c.get("args", []))
+            assert not any("SHOAL_API_KEY" in a or a == "--api-key" for a in c.get("command", []) + c["args"])
         assert [e for e in pod["containers"][0]["env"] if e["name"] == "SHOAL_API_KEY"] == [
             {"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
         assert not any(e["name"] == "SHOAL_API_KEY" for e in pod["initContainers"][0]["env"])
@@ -289,7 +289,7 @@ def test_every_option_reaches_the_pod():
     pod = dep["spec"]["template"]["spec"]
     c = container(dep)
     args = c["args"]
-    assert args[:2] == ["--model", "/opt/models/m"]
+    assert args[:4] == ["shoal-engine", "serve", "--model", "/opt/models/m"]
     assert flag(args, "--served-model-name") == "m"
     assert flag(args, "--dtype") == "bfloat16" and flag(args, "--max-model-len") == "8192"
     assert flag(args, "--max-num-seqs") == "64" and flag(args, "--max-num-batched-tokens") == "4096"
@@ -507,3 +507,61 @@ def test_long_names_are_refused():
     with pytest.raises(api.SpecError) as e:
         render.render(isvc(name="x" * 60), SETTINGS)
     assert e.value.field == "metadata.name"
+
+
+@pytest.mark.parametrize("spec,limit", [
+    ({}, "160Gi"),  # one GPU
+    ({"engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}}, "2560Gi"),  # 16 GPUs in a group of 2 pods
+    ({"resources": {"gpusPerPod": 0, "memory": "6Gi"}}, "24Gi"),  # CPU: 4x the pod's memory
+    ({"resources": {"gpusPerPod": 0}}, "100Gi"),
+])
+def test_a_hub_download_is_bounded_without_a_cache_size(spec, limit):
+    """An hf:// cache emptyDir without model.cache.size gets a sizeLimit of what the replica could serve, so a wrong
+    model id cannot fill the node's disk; no ephemeral-storage request comes with this default bound."""
+    for obj in render.render(isvc({"model": {"uri": "hf://org/m"}, **spec}), SETTINGS):
+        if obj["kind"] not in ("Deployment", "StatefulSet") or obj["metadata"]["name"].endswith("-gateway"):
+            continue
+        vols = {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
+        assert vols["cache"]["emptyDir"] == {"sizeLimit": limit}
+        assert "ephemeral-storage" not in container(obj)["resources"].get("requests", {})
+    dep = by_kind(render.render(isvc({"model": {"uri": "pvc://claim/m"}}), SETTINGS))[("Deployment", "llm")]
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["cache"]["emptyDir"] == {}  # nothing downloaded there: only the engine's small caches
+
+
+def test_inter_rank_traffic_bypasses_a_mesh_sidecar():
+    """Multi-pod groups: Istio's sidecar captures only the OpenAI port inbound and lets the rendezvous out, so
+    torch.distributed works under STRICT mTLS; single-pod replicas are left alone; the user's annotations win."""
+    group = by_kind(render.render(isvc(TOPOLOGIES["tp8xpp2"]), SETTINGS))[("StatefulSet", "llm-g0")]
+    annotations = group["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["traffic.sidecar.istio.io/includeInboundPorts"] == "8000"
+    assert annotations["traffic.sidecar.istio.io/excludeOutboundPorts"] == "29500"
+    single = by_kind(render.render(isvc(TOPOLOGIES["single-gpu"]), SETTINGS))[("Deployment", "llm")]
+    assert "annotations" not in single["spec"]["template"]["metadata"]
+    mine = {"traffic.sidecar.istio.io/includeInboundPorts": "8000,9000"}
+    group = by_kind(render.render(isvc({**TOPOLOGIES["tp8xpp2"], "pod": {"annotations": mine}}), SETTINGS))[
+        ("StatefulSet", "llm-g0")]
+    assert group["spec"]["template"]["metadata"]["annotations"]["traffic.sidecar.istio.io/includeInboundPorts"] \
+        == "8000,9000"
+
+
+def test_kueue_admits_each_multi_pod_group_as_one_gang():
+    """With a queue, each group's StatefulSet carries kueue.x-k8s.io/queue-name: Kueue's StatefulSet integration then
+    admits it as one pod group (all ranks or none). Its webhook writes the pod-group keys into the template itself
+    (the group name derives from the StatefulSet's identity), so the operator renders none of them — and what the
+    webhook adds is not drift the reconciler would re-apply forever."""
+    from shoal.operator.handlers import _drifted
+
+    spec = {**TOPOLOGIES["tp8xpp2"], "pod": {"labels": {render.KUEUE_QUEUE_LABEL: "gpu"}}}
+    for r in (0, 1):
+        sts = by_kind(render.render(isvc(spec), SETTINGS))[("StatefulSet", f"llm-g{r}")]
+        assert sts["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == "gpu"
+        tmpl = sts["spec"]["template"]["metadata"]
+        assert not [k for k in {**tmpl["labels"], **tmpl.get("annotations", {})}
+                    if k.startswith("kueue.x-k8s.io/pod-group")]
+        admitted = copy.deepcopy(sts)  # as Kueue's StatefulSet webhook stores it
+        admitted["spec"]["template"]["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] = f"statefulset-llm-g{r}-x"
+        admitted["spec"]["template"]["metadata"]["annotations"].update({
+            "kueue.x-k8s.io/pod-group-total-count": "2", "kueue.x-k8s.io/pod-group-serving": "true",
+            "kueue.x-k8s.io/pod-group-fast-admission": "true"})
+        assert not _drifted(admitted, sts)

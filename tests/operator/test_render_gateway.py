@@ -81,7 +81,8 @@ def test_the_gateway_admits_the_same_metrics_scrapers_as_the_engines():
     k = {(c["kind"], c["metadata"]["name"]): c for c in render.render(
         isvc({"security": {"networkPolicy": {"metricsFrom": [scraper]}}}), settings)}
     engines, gateway = k[("NetworkPolicy", "llm")]["spec"]["ingress"], k[("NetworkPolicy", "llm-gateway")]["spec"]
-    assert engines[1] in gateway["ingress"]
+    assert engines[1]["from"] == gateway["ingress"][1]["from"]
+    assert gateway["ingress"][1]["ports"] == [{"port": 8000, "protocol": "TCP"}, {"port": 9090, "protocol": "TCP"}]
     froms = [peer for rule in gateway["ingress"] for peer in rule["from"]]
     for ns in ("shoal-system", "monitoring"):
         assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}} in froms
@@ -192,3 +193,19 @@ def test_gateway_memory_is_sized_from_its_bounds():
     with pytest.raises(api.SpecError) as e:
         kids({"gateway": {"maxBodyBytes": 2**20, "maxBufferedBytes": 2**19}})
     assert e.value.field == "spec.gateway.maxBufferedBytes"
+
+
+def test_the_gateways_metrics_listener_is_left_out_of_a_mesh():
+    """The gateways serve /metrics on a listener of their own (and nothing else there), which Istio's sidecar
+    leaves out of its mTLS, so the operator's autoscaler — outside the mesh — reads the load of mesh-only engines
+    from them; the Service lists the port so that its EndpointSlices carry it."""
+    k = kids()
+    pod = k[("Deployment", "llm-gateway")]["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    assert c["args"][c["args"].index("--metrics-port") + 1] == "9090"
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in c["ports"]
+    assert pod["metadata"]["annotations"] == {"traffic.sidecar.istio.io/excludeInboundPorts": "9090"}
+    assert {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"} in \
+        k[("Service", "llm")]["spec"]["ports"]
+    plain = kids({"gateway": {"enabled": False}})
+    assert [p["name"] for p in plain[("Service", "llm")]["spec"]["ports"]] == ["http"]
