@@ -188,13 +188,19 @@ def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: t
     y.addmm_(h, B.reshape(S * R, B.shape[2]))
 
 
-def lora_apply_(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor) -> None:
+def lora_apply_(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                ranks: torch.Tensor | None = None, part_cols: torch.Tensor | None = None) -> None:
     """y += per token (x @ A[slots[t]]^T) @ B[slots[t]]: the C++ kernel on CPU, Triton on CUDA, else the masked
-    torch form."""
+    torch form. ranks [S, P] and part_cols [P + 1] (see csrc/cpu_lora.cpp) let the CPU kernel skip the zero
+    padding of A and B; every form is exact without them."""
     if x.device.type == "cpu":
         kernel = _cpu_kernel()
         if kernel is not None:
-            kernel(y, x.contiguous(), A, B, slots)
+            if ranks is None:
+                ranks = torch.full((A.shape[0], 1), A.shape[1], dtype=torch.int64)
+            if part_cols is None:
+                part_cols = torch.tensor([0, y.shape[1]], dtype=torch.int64)
+            kernel(y, x.contiguous(), A, B, slots, ranks, part_cols)
             return
     elif x.device.type == "cuda":
         from shoal.engine.execution.layers.lora_triton import lora_apply_triton, triton
@@ -223,11 +229,23 @@ class LoRASlots:
         parts = LAYER_PARTS[kind]
         self.A = torch.zeros(max_loras, parts * max_rank, in_local, dtype=dtype, device=device)
         self.B = torch.zeros(max_loras, parts * max_rank, out_local, dtype=dtype, device=device)
+        # What the CPU kernel reads: each slot's rank per part (0: part not adapted) and each part's output columns.
+        self.ranks = torch.zeros(max_loras, parts, dtype=torch.int64)
+        self.part_cols = torch.tensor([0] + self._part_ends(out_local), dtype=torch.int64)
+
+    def _part_ends(self, out_local: int) -> list[int]:
+        layer = self.layer
+        if self.kind == "qkv_proj":
+            return [dst + n for dst, _, n in layer._ranges()]
+        if self.kind == "gate_up_proj":
+            return [sum(layer.locals[:i + 1]) for i in range(len(layer.locals))]
+        return [out_local]
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         slots = self.state.slots
         if slots is not None:
-            lora_apply_(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), self.A, self.B, slots)
+            lora_apply_(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), self.A, self.B, slots, self.ranks,
+                        self.part_cols)
 
     def shard(self, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """This rank's (A rows, B^T rows, output offset) of one part's full A [r, in] and scaled B [out, r]."""
@@ -245,8 +263,10 @@ class LoRASlots:
         """Fill `slot` from this layer's sharded parts [(part, A, B^T, out offset)] (empty: clear it)."""
         self.A[slot].zero_()
         self.B[slot].zero_()
+        self.ranks[slot].zero_()
         for part, a, bt, off in parts:
             r = a.shape[0]
+            self.ranks[slot, part] = r
             rows = slice(part * self.R, part * self.R + r)
             self.A[slot, rows].copy_(a)
             self.B[slot, rows, off:off + bt.shape[1]].copy_(bt)
