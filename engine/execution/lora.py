@@ -218,6 +218,9 @@ class LoRAState:
 
     def __init__(self):
         self.slots: torch.Tensor | None = None  # [T] int64; None when no token of the step uses an adapter
+        # Decode capture (graph_capture.py): one static map for every batch-size bucket (bucket b reads its first b
+        # rows), so a captured graph's LoRA kernels read each replay's map from the same memory.
+        self.static_slots: torch.Tensor | None = None
 
 
 class LoRASlots:
@@ -312,6 +315,27 @@ class LoRAManager:
 
     def prepare(self, slot_ids: list[int | None] | None, token_slots: torch.Tensor | None) -> None:
         """Before a step: fill the slots whose adapter changed, and publish the step's token -> slot map."""
+        self._fill_slots(slot_ids)
+        self.state.slots = token_slots
+
+    def enable_capture(self, max_tokens: int, device) -> None:
+        """Give decode capture its static token -> slot map (graph_capture.DecodeGraphs allocates it once)."""
+        self.state.static_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+
+    def prepare_padded(self, slot_ids: list[int | None] | None, token_slots: torch.Tensor | None, bucket: int,
+                       captured: bool) -> None:
+        """Before a padded decode step of `bucket` rows: the step's map (padding rows: -1, the base model) goes into
+        the static map. A captured graph always runs the LoRA update from it (a step without adapters adds
+        nothing); an eager bucket skips the update when no token uses an adapter, like an uncaptured step."""
+        self._fill_slots(slot_ids)
+        static = self.state.static_slots
+        n = 0 if token_slots is None else token_slots.shape[0]
+        if n:
+            static[:n].copy_(token_slots, non_blocking=True)
+        static[n:bucket].fill_(-1)
+        self.state.slots = static[:bucket] if captured or n else None
+
+    def _fill_slots(self, slot_ids: list[int | None] | None) -> None:
         if slot_ids is not None:
             for s, adapter_id in enumerate(slot_ids):
                 if adapter_id is None or adapter_id == self.slot_ids[s]:
@@ -320,4 +344,3 @@ class LoRAManager:
                 for key, slots in self.layers.items():
                     slots.set_slot(s, shards.get(key, []))
                 self.slot_ids[s] = adapter_id
-        self.state.slots = token_slots

@@ -91,6 +91,28 @@ def test_mixed_batch_matches_merged_transformers(llama_model, adapters, tmp_path
         llm.llm_engine.pool.check_all_free()
 
 
+def test_decode_capture_with_adapters_matches_the_uncaptured_run(llama_model, adapters):
+    """Decode steps through graph_capture's padded buckets (eager backend: the same static buffers a CUDA graph
+    replays, run on CPU) with a mixed batch: the static token -> slot map gives every request its own adapter."""
+    modules = [f"{n}={p}" for n, p in adapters.items()]
+    batch = mixed_batch()[:11]  # 11 sequences: padded to the 16 bucket, then fewer as requests finish
+    params = [PARAMS.clone(max_tokens=MAX_NEW - i % 3) for i in range(len(batch))]
+    runs = {}
+    for capture in ("none", "eager"):
+        with LLM(model=llama_model, lora_modules=modules, decode_capture=capture, **LORA, **REGIMES["default"]) as llm:
+            runs[capture] = llm.generate([p for p, _ in batch], params, lora_request=[n for _, n in batch],
+                                         use_tqdm=False)
+            graphs = llm.llm_engine.executor.runner.decode_graphs
+            assert (graphs is not None and graphs.num_padded_steps > 0) == (capture == "eager")
+            llm.llm_engine.pool.check_all_free()
+    for plain, captured in zip(runs["none"], runs["eager"]):
+        assert captured.outputs[0].token_ids == plain.outputs[0].token_ids
+        for a, b in zip(plain.outputs[0].logprobs, captured.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for tid in a:
+                assert b[tid].logprob == pytest.approx(a[tid].logprob, abs=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [19, 300])  # decode-sized groups (blocks of 1/2/4 tokens) and prefill-sized (of 8)
 def test_gathered_kernel_matches_reference(dtype, T):
