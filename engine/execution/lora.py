@@ -13,10 +13,11 @@ output columns, so q/k/v adapters of any subset and rank run as one update. Tens
 base layer: column-parallel layers keep A whole and slice B by output; row-parallel layers slice A by input and
 keep B whole, and the layer's existing all-reduce sums the partial updates (sum_k x_k A_k^T B^T = x A^T B^T).
 
-The batch's token -> slot map (-1: base model) is set once per step (LoRAState); `lora_apply_` adds every
-token's update grouped by slot: a C++ kernel on CPU (csrc/cpu_lora.cpp, two GEMMs per active slot), a Triton
-kernel on CUDA (layers/lora_triton.py, each token gathers its own adapter's A and B), and a masked dense torch form
-otherwise (one GEMM pair over all slots, no loop).
+The batch's token -> slot map (-1: base model) is set once per step (LoRAState; under decode capture a static
+buffer the buckets share); `lora_apply_` adds every token's update grouped by slot: a C++ kernel on CPU
+(csrc/cpu_lora.cpp: tokens grouped per slot, a shrink and an expand per group that read only each slot's rank
+rows and each part's output columns), a Triton kernel on CUDA (layers/lora_triton.py, each token gathers its own
+adapter's A and B), and a masked dense torch form otherwise (one GEMM pair over all slots, no loop).
 """
 
 from __future__ import annotations
