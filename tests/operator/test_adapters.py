@@ -14,6 +14,7 @@ from shoal.operator.render import Settings
 K8S_VERSION = kubernetes_validate.latest_version()
 SETTINGS = Settings(engine_image="registry.test/shoal-engine:1", operator_namespace="shoal-system")
 LORA = {"engine": {"enableLora": True, "maxLoras": 4, "maxLoraRank": 64}}
+TWO_PODS = {"enableLora": True, "tensorParallelSize": 8, "pipelineParallelSize": 2}  # 8 GPUs a pod, 2 pods
 ADAPTERS = [{"name": "sql", "uri": "hf://org/sql-lora", "revision": "0a1b2c3"},
             {"name": "chat", "uri": "pvc://adapters/chat/v2"},
             {"name": "local", "uri": "pvc://models/loras/local"},
@@ -104,8 +105,8 @@ def test_vllm_runtime_loads_adapters_through_its_runtime_endpoints():
      "spec.adapters[0].name", "base model's served name"),
     ({**LORA, "adapters": [{"name": "a", "uri": "file:///a"}, {"name": "a", "uri": "file:///b"}]},
      "spec.adapters[1].name", "declared twice"),
-    ({"engine": {"enableLora": True, "tensorParallelSize": 8, "pipelineParallelSize": 2}, "model": {"uri": "hf://o/m"},
-      "adapters": ADAPTERS[:1]}, "spec.adapters[0].uri", "shared model cache"),
+    ({"engine": TWO_PODS, "model": {"uri": "hf://o/m"}, "adapters": ADAPTERS[:1]}, "spec.adapters[0].uri",
+     "shared model cache"),
 ])
 def test_bad_adapter_specs_are_invalid_and_say_why(spec, field, words):
     with pytest.raises(api.SpecError) as e:
@@ -114,8 +115,8 @@ def test_bad_adapter_specs_are_invalid_and_say_why(spec, field, words):
 
 
 def test_multi_pod_replicas_with_a_shared_cache_take_hub_adapters():
-    spec = {"engine": {"enableLora": True, "tensorParallelSize": 8, "pipelineParallelSize": 2}, "model": {"uri": "hf://o/m",
-            "cache": {"claimName": "shared"}}, "adapters": ADAPTERS[:1]}
+    spec = {"engine": TWO_PODS, "model": {"uri": "hf://o/m", "cache": {"claimName": "shared"}},
+            "adapters": ADAPTERS[:1]}
     groups = [o for o in render.render(isvc(spec), SETTINGS) if o["kind"] == "StatefulSet"]
     assert groups and all(len(g["spec"]["template"]["spec"]["containers"]) == 2 for g in groups)
 
