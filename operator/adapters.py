@@ -45,6 +45,7 @@ CONDITION = "AdaptersReady"
 STATUS_TIMEOUT = 2.0
 REPOLL_UNSETTLED = 2.0  # seconds between reads while an adapter is pending, downloading or loading
 REPOLL_FAILED = 30.0  # while one has failed (the sidecar retries what may succeed later)
+MAX_LISTED = 64  # pods listed per adapter in status.adapters (the ones not loaded first); readyReplicas counts all
 
 
 def configmap_name(name: str) -> str:
@@ -146,6 +147,8 @@ def summarize(spec: api.InferenceServiceSpec, per_pod: dict[str, dict[str, tuple
             elif state != "Loaded":
                 waiting.append(f"{a.name} on {pod}: {state}{f' ({message})' if message else ''}")
         loaded = sum(r["state"] == "Loaded" for r in replicas)
+        if len(replicas) > MAX_LISTED:  # a big fleet: the status object must stay small
+            replicas = sorted(replicas, key=lambda r: r["state"] == "Loaded")[:MAX_LISTED]
         entries.append({"name": a.name, "uri": a.uri, **({"revision": a.revision} if a.revision else {}),
                         "readyReplicas": loaded, "replicas": replicas})
     total = len(spec.adapters) * len(per_pod)
@@ -205,7 +208,8 @@ class AdapterReports:
         failures = [(name, pod, msg or "") for pod, states in per_pod.items()
                     for name, (state, msg) in states.items() if state == "Failed"]
         states = [s for states in per_pod.values() for s, _ in states.values()]
-        repoll = REPOLL_UNSETTLED if any(s not in ("Loaded", "Failed") for s in states) or not serving else \
+        # no serving pod: their events (created, running) trigger the next look
+        repoll = REPOLL_UNSETTLED if any(s not in ("Loaded", "Failed") for s in states) else \
             REPOLL_FAILED if failures else None
         self._schedule(key, repoll)
         return Observation(entries, cond, failures, repoll)

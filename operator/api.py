@@ -478,8 +478,9 @@ class AdapterStatus(_Model):
     uri: str
     revision: str | None = None
     ready_replicas: int = Field(default=0, ge=0, description="serving replicas where the adapter is loaded")
-    replicas: list[AdapterReplicaStatus] = Field(default_factory=list,
-                                                 description="the adapter's state in each serving pod")
+    replicas: list[AdapterReplicaStatus] = Field(
+        default_factory=list, description="the adapter's state in each serving pod (at most 64: those not loaded "
+                                          "first)")
 
 
 class InferenceServiceStatus(_Model):

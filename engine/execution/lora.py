@@ -236,6 +236,7 @@ class LoRASlots:
         # What the CPU kernel reads: each slot's rank per part (0: part not adapted) and each part's output columns.
         self.ranks = torch.zeros(max_loras, parts, dtype=torch.int64)
         self.part_cols = torch.tensor([0] + self._part_ends(out_local), dtype=torch.int64)
+        self.kernel = _cpu_kernel() if torch.device(device).type == "cpu" else None  # built once, at start
 
     def _part_ends(self, out_local: int) -> list[int]:
         layer = self.layer
@@ -247,9 +248,13 @@ class LoRASlots:
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         slots = self.state.slots
-        if slots is not None:
-            lora_apply_(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), self.A, self.B, slots, self.ranks,
-                        self.part_cols)
+        if slots is None:
+            return
+        x, y = x.view(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if self.kernel is not None and x.stride(1) == 1:  # the hot path: straight to the C++ op
+            self.kernel(y, x, self.A, self.B, slots, self.ranks, self.part_cols)
+        else:
+            lora_apply_(y, x, self.A, self.B, slots, self.ranks, self.part_cols)
 
     def shard(self, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """This rank's (A rows, B^T rows, output offset) of one part's full A [r, in] and scaled B [out, r]."""

@@ -23,6 +23,9 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <type_traits>
@@ -125,6 +128,31 @@ inline void dot_block(const float* const* xr, const T* a, int64_t n_in, float* o
   }
 }
 
+#if defined(__AVX512BF16__)
+// The same dots for bfloat16 on CPUs with AVX512-BF16 (this file's build for that tier): vdpbf16ps multiplies
+// pairs of bfloat16 straight from A and x into float32 sums, 32 products an instruction and no conversion: half the
+// shrink's instructions. The products are exact as in the float32 form; the sums are float32 (denormals flushed).
+constexpr bool kDpBf16 = true;
+template <int NB>
+inline void dot_block_bf16(const c10::BFloat16* const* xr, const c10::BFloat16* a, int64_t n_in, float* out,
+                           int64_t out_stride) {
+  __m512 acc[NB];
+  for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= n_in; k += 32) {
+    const __m512bh av = (__m512bh)_mm512_loadu_si512(a + k);
+    for (int j = 0; j < NB; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)_mm512_loadu_si512(xr[j] + k));
+  }
+  for (int j = 0; j < NB; ++j) {
+    float sum = _mm512_reduce_add_ps(acc[j]);
+    for (int64_t kk = k; kk < n_in; ++kk) sum += to_float(a[kk]) * to_float(xr[j][kk]);
+    out[j * out_stride] = sum;
+  }
+}
+#else
+constexpr bool kDpBf16 = false;
+#endif
+
 // y_j[c] += sum_i h_j[i] * b[i][c] (j < NB, i < rank, c < nc): b's rows are n_out apart, h_j's rows h_stride.
 template <int NB, typename T>
 inline void axpy_block(const float* h, int64_t h_stride, const T* b, int64_t n_out, int64_t rank, int64_t nc,
@@ -164,8 +192,10 @@ void lora_impl(T* y, const T* x, const T* A, const T* B, const int64_t* ranks, c
   const int64_t PR = P * R;
   const int64_t* order = t_order.data();
   const int64_t n_rows = groups.back().end;
+  // bfloat16 dots read x as it is (kDpBf16); the other forms read it converted to float32
+  constexpr bool dp = kDpBf16 && std::is_same_v<T, c10::BFloat16>;
   // The groups' x rows in float32, in sorted order (contiguous per adapter), and their low-rank activations.
-  t_xs.resize(static_cast<size_t>(n_rows * n_in));
+  t_xs.resize(dp ? 0 : static_cast<size_t>(n_rows * n_in));
   t_h.resize(static_cast<size_t>(n_rows * PR));
   float* xs = t_xs.data();
   float* h = t_h.data();
@@ -190,7 +220,7 @@ void lora_impl(T* y, const T* x, const T* A, const T* B, const int64_t* ranks, c
 #pragma omp parallel if (parallel)
   {
 #pragma omp for schedule(static)
-    for (int64_t j = 0; j < n_rows; ++j) {
+    for (int64_t j = 0; j < (dp ? 0 : n_rows); ++j) {
       const T* src = x + order[j] * sx;
       float* dst = xs + j * n_in;
 #pragma omp simd
@@ -204,9 +234,18 @@ void lora_impl(T* y, const T* x, const T* A, const T* B, const int64_t* ranks, c
       const T* a = A + (grp.slot * PR + it.i) * n_in;
       token_blocks(grp.end - grp.begin, [&](auto nb, int64_t j) {
         constexpr int NB = decltype(nb)::value;
+        float* out = h + (grp.begin + j) * PR + it.i;
+#if defined(__AVX512BF16__)
+        if constexpr (dp) {
+          const c10::BFloat16* xr[NB];
+          for (int q = 0; q < NB; ++q) xr[q] = x + order[grp.begin + j + q] * sx;
+          dot_block_bf16<NB>(xr, a, n_in, out, PR);
+          return;
+        }
+#endif
         const float* xr[NB];
         for (int q = 0; q < NB; ++q) xr[q] = xs + (grp.begin + j + q) * n_in;
-        dot_block<NB, T>(xr, a, n_in, h + (grp.begin + j) * PR + it.i, PR);
+        dot_block<NB, T>(xr, a, n_in, out, PR);
       });
     }
     // Expand: one block of a part's output columns per item, for every token of its group.
