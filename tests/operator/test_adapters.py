@@ -160,3 +160,11 @@ def test_a_pod_that_has_not_seen_the_new_list_is_pending():
     unreachable = adapters.replica_states(spec, None, "its adapter-sync sidecar does not answer")
     assert unreachable["sql"] == ("Unknown", "its adapter-sync sidecar does not answer")
     assert adapters.summarize(spec, {"p": states})[1][1] == "AdaptersLoading"
+
+
+def test_a_big_fleet_lists_the_pods_that_need_attention():
+    spec = parsed(ADAPTERS[:1])
+    per_pod = {f"llm-{i:03}": {"sql": ("Failed", "boom") if i == 99 else ("Loaded", None)} for i in range(100)}
+    (entry,), _ = adapters.summarize(spec, per_pod)
+    assert entry["readyReplicas"] == 99 and len(entry["replicas"]) == adapters.MAX_LISTED
+    assert entry["replicas"][0] == {"pod": "llm-099", "state": "Failed", "message": "boom"}
