@@ -12,7 +12,10 @@
 // of up to 8 tokens and keep those tokens' partial sums in registers: a decode step has a few tokens per adapter,
 // so its cost is one pass over the active adapters' weights; a prefill chunk reuses each weight 8 times. (ATen's
 // GEMMs on gathered rows were 2-4x slower here even for prefill-sized groups: their ranks are too thin.) OpenMP
-// splits the shrink by (adapter, A row) and the expand by (adapter, part, block of output columns).
+// splits the shrink by (adapter, A row) and the expand by (adapter, part, block of output columns). A decode step
+// then streams the active adapters' weights at the memory's pace (measured: each half, shrink and expand, reads its
+// bytes at the single-thread streaming rate), which is the floor for it. The bfloat16 build of the AVX512-BF16 tier
+// dots A and x with vdpbf16ps (below); every other build and dtype runs the portable vector code.
 //
 // Numerics: products and sums in float32, y rounded to its dtype once (y + update); the masked torch form
 // (execution/lora.py) is the test oracle.
