@@ -12,7 +12,8 @@ engine pod mounts; this loop runs next to the engine (a sidecar container) and, 
 The kubelet refreshes a mounted ConfigMap in place, so a changed list reaches the running engine without a
 restart (within the kubelet's refresh, about a minute by default). A new pod is Ready only once its adapters are:
 /readyz (the sidecar's readiness probe) answers 200 after the first pass that settled every adapter, loaded or
-failed, and from then on (a bad adapter never takes a serving pod out). A failed load is kept with the engine's
+failed, and from then on (a bad adapter never takes a serving pod out) unless the engine restarts in place and
+loses its adapters: then again only once they are back. A failed load is kept with the engine's
 reason; a refusal (4xx: rank too high, wrong base model, missing file) is not retried until the adapter's source
 changes, anything else (engine busy, hub unreachable) is retried with backoff.
 
@@ -213,6 +214,11 @@ class Syncer:
                     a.message = f"waiting for the engine: {self.engine}"
             self._track(desired)
             return
+        lost = [a.name for a in self.adapters.values() if a.state == "Loaded" and a.name not in loaded]
+        if lost and self.settled_once:  # the engine restarted (its container, not the pod): not ready until reloaded
+            logger.warning("the engine lost adapters %s (restarted?): loading them again before reporting ready",
+                           ", ".join(sorted(lost)))
+            self.settled_once = False
         for name in sorted(self.managed - set(desired)):  # removed from the list: unload what this loop loaded
             if name in loaded:
                 status, text = await self._post("/v1/unload_lora_adapter", {"lora_name": name}, LOAD_TIMEOUT)

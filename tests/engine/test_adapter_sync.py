@@ -60,7 +60,7 @@ def write(path, adapters: dict[str, str]) -> None:
     path.write_text(json.dumps({"adapters": [{"name": n, "source": s} for n, s in adapters.items()]}))
 
 
-async def test_the_loop_converges_and_touches_only_its_own(engine, tmp_path, monkeypatch):
+async def test_the_loop_converges_and_touches_only_its_own(engine, tmp_path, monkeypatch, caplog):
     import aiohttp
 
     monkeypatch.setenv("SHOAL_API_KEY", "k")
@@ -92,6 +92,13 @@ async def test_the_loop_converges_and_touches_only_its_own(engine, tmp_path, mon
         assert ("load", "bad") not in engine.calls and ("unload", "static") not in engine.calls
         assert engine.calls == [("unload", "a"), ("unload", "hub"), ("load", "hub")]
         assert json.loads((tmp_path / "state.json").read_text()) == ["hub"]  # remembered across sidecar restarts
+
+        # an engine that restarted in place lost its adapters: not ready again until they are back
+        assert syncer.settled_once
+        del engine.loaded["hub"]
+        await syncer.sync_once()
+        assert "the engine lost adapters hub (restarted?)" in caplog.text
+        assert engine.loaded["hub"] == "/hub/org/x@v2" and syncer.settled_once
 
         # a name the engine got elsewhere is never replaced
         write(cfg, {"static": "/mine"})
