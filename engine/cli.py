@@ -1,4 +1,4 @@
-"""`shoal-engine`: serve | demo | bench serve | bench fleet | bench throughput.
+"""`shoal-engine`: serve | demo | download | sync-adapters | bench serve | bench fleet | bench throughput.
 
 Flags follow vLLM's names so habits and manifests carry over. Engine options are defined once, as fields of
 EngineConfig / DistributedConfig (shoal.engine.config) marked with a Flag: their flags, defaults, choices and help
@@ -265,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
                         description=download.__doc__.splitlines()[0])
     download.add_args(dl)
     dl.set_defaults(func=lambda args, parser: download.run(args), parser=dl)
+
+    from shoal.engine.tools import adapter_sync
+
+    sync = sub.add_parser("sync-adapters", help="keep a running engine's LoRA adapters equal to a list (the "
+                          "operator's in-pod sidecar)", description=adapter_sync.__doc__.splitlines()[0])
+    adapter_sync.add_args(sync)
+    sync.set_defaults(func=lambda args, parser: adapter_sync.run(args), parser=sync)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), fleet (gateway routing), "
                            "throughput (offline)")

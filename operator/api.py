@@ -46,6 +46,9 @@ DEMO_URI = "demo://"
 
 # hf://org/name  |  pvc://claim[/path]  |  file:///absolute/path (inside the image)  |  demo://
 URI_PATTERN = r"^(demo://|hf://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.*)$"
+# LoRA adapters come from the same places as models, except the demo: hf://org/name, pvc://claim/path, file:///path
+ADAPTER_URI_PATTERN = (r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.+"
+                       r"|file:///.+)$")
 QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 
 RESERVED_LABEL_PREFIXES = ("app.kubernetes.io/", "serving.shoal.dev/", "apps.kubernetes.io/",
@@ -141,6 +144,10 @@ class EngineOptions(_Model):
     enforce_eager: bool = engine_option("enforce_eager", default=False)
     quantization: Literal["int8", "int4", "fp8"] | None = engine_option("quantization")
     kv_cache_dtype: Literal["auto", "fp8"] | None = engine_option("kv_cache_dtype")
+    enable_lora: bool = engine_option("enable_lora", default=False)
+    max_loras: int | None = engine_option("max_loras", ge=1, le=1024)
+    max_lora_rank: int | None = engine_option("max_lora_rank", ge=1, le=4096)
+    max_cpu_loras: int | None = engine_option("max_cpu_loras", ge=1, le=65536)
     shutdown_timeout_seconds: int = Field(
         default=900, ge=0, le=21600,
         description="drain budget on SIGTERM (--shutdown-timeout): a replica removed by a scale-down, a rollout or "
@@ -305,6 +312,32 @@ class Autoscaling(_Model):
                     "subresource) is left to an HPA or KEDA ScaledObject")
 
 
+class Adapter(_Model):
+    """A LoRA adapter of the base model: a PEFT directory (adapter_config.json, adapter_model.safetensors)."""
+
+    # the API server checks each item with the same rule as the validator below
+    model_config = ConfigDict(**_Model.model_config, json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "!has(self.revision) || self.uri.startsWith('hf://')", "fieldPath": ".revision",
+         "message": "revision applies to hf:// adapters only", "reason": "FieldValueInvalid"}]})
+
+    name: str = Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+                      description="the name clients put in `model` to use the adapter")
+    uri: str = Field(
+        pattern=ADAPTER_URI_PATTERN, max_length=4096,
+        description="hf://org/name (fetched by each pod into its cache volume), pvc://claim/path (the claim is "
+                    "mounted read-only at /adapters/<claim>: adapters on a claim already mounted are added without "
+                    "any restart) or file:///path (a path inside the engine image)")
+    revision: str | None = Field(default=None, min_length=1, max_length=255,
+                                 description="hub revision (hf:// only): a branch, tag or commit; a commit pins the "
+                                             "weights every replica serves")
+
+    @model_validator(mode="after")
+    def _revision_for_hub_only(self) -> "Adapter":
+        if self.revision is not None and not self.uri.startswith("hf://"):
+            raise ValueError("revision applies to hf:// adapters only")
+        return self
+
+
 class GatewayResources(_Model):
     cpu: Quantity | None = Field(default="250m", description="CPU request per gateway pod")
     memory: Quantity | None = Field(default=None, description="memory request and limit per gateway pod; unset: "
@@ -372,6 +405,12 @@ class InferenceServiceSpec(_Model):
         default=None, description="size the fleet to the load (min 0 allowed); the operator then owns the replica "
                                   "count (status.autoscaling.desiredReplicas) and spec.replicas is only the start")
     gateway: GatewayOptions = section(GatewayOptions)
+    adapters: list[Adapter] = Field(
+        default_factory=list, max_length=256,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="LoRA adapters served next to the base model (needs engine.enableLora): each pod fetches and "
+                    "loads them into its running engine, and unloads the ones removed, without a restart; "
+                    "status.adapters reports each adapter's state per replica")
 
     @model_validator(mode="after")
     def _cross_field(self) -> "InferenceServiceSpec":
@@ -442,6 +481,26 @@ class AutoscalingStatus(_Model):
     inputs: AutoscalingInputs | None = None
 
 
+class AdapterReplicaStatus(_Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
+
+    pod: str
+    state: Literal["Pending", "Downloading", "Loading", "Loaded", "Failed", "Unknown"]
+    message: str | None = Field(default=None, max_length=4096)
+
+
+class AdapterStatus(_Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
+
+    name: str
+    uri: str
+    revision: str | None = None
+    ready_replicas: int = Field(default=0, ge=0, description="serving replicas where the adapter is loaded")
+    replicas: list[AdapterReplicaStatus] = Field(
+        default_factory=list, description="the adapter's state in each serving pod (at most 64: those not loaded "
+                                          "first)")
+
+
 class InferenceServiceStatus(_Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
 
@@ -461,6 +520,7 @@ class InferenceServiceStatus(_Model):
                     "serving.shoal.dev/upgrade-engine-image")
     observed_generation: int | None = Field(default=None, ge=0)
     autoscaling: AutoscalingStatus | None = Field(default=None, description="the autoscaler's last decision")
+    adapters: list[AdapterStatus] | None = Field(default=None, description="spec.adapters as the pods report them")
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
@@ -518,6 +578,14 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
         message="revision applies to hf:// models only",
         field_path=".model.revision",
         check=lambda s: s.model.revision is None or s.model.uri.startswith("hf://"),
+    ),
+    CrossFieldRule(
+        cel="!has(self.adapters) || size(self.adapters) == 0 || (has(self.engine) && has(self.engine.enableLora) && "
+            "self.engine.enableLora)",
+        message="adapters need engine.enableLora: true (the engine reserves its adapter slots when it starts, so "
+                "turning LoRA on restarts the engines once; adapters added later load without a restart)",
+        field_path=".engine.enableLora",
+        check=lambda s: not s.adapters or s.engine.enable_lora,
     ),
     CrossFieldRule(
         cel="!has(self.autoscaling) || !has(self.autoscaling.minReplicas) || "
@@ -648,6 +716,28 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
             errors.append(SpecError(f"spec.env[{i}].name", "every env entry needs a name"))
     if spec.model.uri.startswith("pvc://") and not spec.model.uri[len("pvc://"):].split("/", 1)[0]:
         errors.append(SpecError("spec.model.uri", "pvc:// needs a claim name: pvc://claim/path"))
+    errors += _adapter_errors(name, spec, pods)
+    return errors
+
+
+def _adapter_errors(name: str, spec: InferenceServiceSpec, pods: int) -> list[SpecError]:
+    errors = []
+    served = served_model_name(name, spec)
+    seen: set[str] = set()
+    shared_cache = spec.model.cache.claim_name or (spec.model.cache.persistent
+                                                   and spec.model.cache.access_mode == "ReadWriteMany")
+    for i, adapter in enumerate(spec.adapters):
+        path = f"spec.adapters[{i}]"
+        if adapter.name in seen:
+            errors.append(SpecError(f"{path}.name", f"{adapter.name!r} is declared twice"))
+        seen.add(adapter.name)
+        if adapter.name == served:
+            errors.append(SpecError(f"{path}.name", f"{adapter.name!r} is the base model's served name"))
+        if adapter.uri.startswith("hf://") and pods > 1 and not shared_cache:
+            errors.append(SpecError(f"{path}.uri", f"hf:// adapters of a replica of {pods} pods need a shared "
+                                                   "model cache (model.cache.claimName, or persistent with "
+                                                   "ReadWriteMany): rank 0 fetches the adapter and every rank "
+                                                   "reads it"))
     return errors
 
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import kopf
 
-from shoal.operator import api, render, rollout, status, upgrade
+from shoal.operator import adapters, api, render, rollout, status, upgrade
 from shoal.operator.kube import CHILD_KINDS, KINDS, WATCHED_KINDS, ApiError, Kube, load_configuration
 from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
@@ -161,9 +161,11 @@ class Reconciler:
     upgrades: upgrade.Upgrades = field(default_factory=upgrade.Upgrades)
     queue: WorkQueue = field(init=False)
     recheck_task: asyncio.Task | None = field(default=None, init=False)
+    adapter_reports: adapters.AdapterReports = field(init=False)
 
     def __post_init__(self) -> None:
         self.queue = WorkQueue(lambda key: self.reconcile(*key), name="reconcile", max_backoff=self.max_backoff)
+        self.adapter_reports = adapters.AdapterReports(trigger=self.trigger)
 
     def trigger(self, namespace: str, name: str, indexes: dict[str, Any] | None = None) -> None:
         """Queue a reconcile of the InferenceService. `indexes`: kopf's, as the calling handler got them (the same
@@ -177,6 +179,8 @@ class Reconciler:
         self.queue.cancel()
         if self.recheck_task is not None:
             self.recheck_task.cancel()
+        for timer in self.adapter_reports.timers.values():
+            timer.cancel()
 
     async def recheck_forever(self) -> None:
         """What no watch reports — pods a StatefulSet keeps failing to create (Events only), a model download
@@ -228,6 +232,7 @@ class Reconciler:
         new_status = status.compute_status(isvc, plan, observed, pods, rejected, failed_creates=failed)
         if pinned:
             new_status["engineImage"] = pinned
+        await self._adapter_status(isvc, plan, pods, new_status)
         await self._write_status(isvc, new_status)
         if self.upgrades.observe(key, new_status):  # an upgrade slot is free: the services waiting for one
             for other in list(self.indexes.get(api.KIND) or {}):
@@ -237,6 +242,24 @@ class Reconciler:
                     self.trigger(*other)
         if rejected:  # an admission webhook or a policy may change its mind: retry, with the worker's backoff
             raise ChildrenRejected("; ".join(rejected))
+
+    async def _adapter_status(self, isvc: dict[str, Any], plan: Plan, pods: list[dict[str, Any]],
+                              new_status: dict[str, Any]) -> None:
+        """status.adapters and the AdaptersReady condition from the pods' adapter-sync sidecars (adapters.py),
+        and an Event for each failed load."""
+        meta = isvc["metadata"]
+        seen = await self.adapter_reports.observe((meta["namespace"], meta["name"]), plan.spec, pods, plan.multi_pod)
+        previous = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or []}
+        conditions = [c for c in new_status["conditions"] if c["type"] != adapters.CONDITION]
+        if seen.condition is not None:
+            ok, reason, message = seen.condition
+            conditions.append(status.condition(adapters.CONDITION, ok, reason, message, previous,
+                                               meta.get("generation")))
+        new_status["conditions"] = conditions
+        new_status["adapters"] = seen.adapters
+        for adapter, pod, message in self.adapter_reports.new_failures((meta["namespace"], meta["name"]),
+                                                                       seen.failures):
+            _event(isvc, "Warning", "AdapterLoadFailed", message=f"adapter {adapter} on pod {pod}: {message}")
 
     def _pin_engine_image(self, key: tuple[str, str], isvc: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         """The default engine image this service runs, pinned in its status (upgrade.py): -> the InferenceService
@@ -450,12 +473,15 @@ class Reconciler:
                     raise
 
     def _event_on_transition(self, isvc: dict[str, Any], old: dict[str, Any], new: dict[str, Any]) -> None:
-        def ready(status: dict[str, Any]) -> tuple[str | None, str | None]:
+        def ready(status: dict[str, Any], type_: str = "Ready") -> tuple[str | None, str | None]:
             for c in status.get("conditions") or []:
-                if c.get("type") == "Ready":
+                if c.get("type") == type_:
                     return c.get("status"), c.get("reason")
             return None, None
 
+        if ready(new, adapters.CONDITION)[0] == "True" and ready(old, adapters.CONDITION)[0] != "True":
+            cond = next(c for c in new["conditions"] if c["type"] == adapters.CONDITION)
+            _event(isvc, "Normal", "AdaptersReady", message=cond["message"])
         before, after = ready(old), ready(new)
         if before == after:
             return
@@ -514,6 +540,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     reconciler: Reconciler | None = memo.get("reconciler")
     if reconciler is not None:
         reconciler.stop()
+        await reconciler.adapter_reports.close()
         reconciler.kube.close()
 
 

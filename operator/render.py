@@ -12,6 +12,8 @@ One replica is a *group* of ``pods_per_replica = ceil(tp*pp / gpusPerPod)`` pods
   controller, Kubernetes >= 1.28) into ``SHOAL_NODE_RANK``; rank 0 is ``<name>-g<r>-0.<name>-g<r>.<ns>.svc.<domain>``. Ranks other than 0 add
   ``--headless`` (a two-line ``sh`` wrapper, since a StatefulSet has one pod template for all ordinals);
 * a PersistentVolumeClaim ``<name>-model-cache`` for a persistent shared model cache (model.cache);
+* with ``engine.enableLora``: the ConfigMap ``<name>-adapters`` (spec.adapters, read by the pods' adapter-sync
+  sidecar: adapters.py);
 * always: the Service ``<name>`` (port 8000), a NetworkPolicy ``<name>`` for the engines (unless disabled), a
   PodDisruptionBudget ``<name>`` when replicas > 1, a ConfigMap ``<name>-chat-template`` when the spec carries a
   chat template;
@@ -36,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.operator import api, overlay, runtimes
+from shoal.operator import adapters, api, overlay, runtimes
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/shoal-dev/shoal-engine:0.1.0"
@@ -240,6 +242,7 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},  # hf:// models are fetched by the init container first
         *({"name": k, "value": v} for k, v in runtimes.of(spec).env),
+        *({"name": k, "value": v} for k, v in (runtimes.of(spec).lora_env if spec.engine.enable_lora else ())),
     ]
     if multi:
         env.append({"name": "SHOAL_NODE_RANK",
@@ -299,6 +302,11 @@ def _volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]
     if spec.model.chat_template:
         volumes.append({"name": "chat-template", "configMap": {"name": f"{name}-chat-template"}})
         mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True})
+    for i, claim in enumerate(adapters.claims(spec)):  # pvc:// adapters: their claims, read-only
+        volumes.append({"name": f"adapter-claim-{i}", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": f"adapter-claim-{i}", "mountPath": f"{adapters.CLAIMS_DIR}/{claim}", "readOnly": True})
+    if spec.engine.enable_lora:  # the adapter list, by name only: its content is not part of the template
+        volumes.append({"name": "adapters", "configMap": {"name": adapters.configmap_name(name)}})
     return volumes, mounts
 
 
@@ -359,6 +367,37 @@ def _download_container(spec: InferenceServiceSpec, image: str, env: list[dict[s
     return container
 
 
+def _adapter_sync_container(spec: InferenceServiceSpec, image: str, env: list[dict[str, Any]],
+                            mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sidecar that keeps the engine's adapters equal to spec.adapters (adapters.py): it fetches hf://
+    adapters (so it may reach the hub, like the download init container) and calls the engine on localhost with
+    the engine's API key."""
+    ref = spec.security.api_key_secret_ref
+    key = [{"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}] if ref else []
+    container = {
+        "name": adapters.SIDECAR,
+        "image": image,
+        # behind the image's init, as the engine (runtimes.SHOAL.init_entrypoint)
+        "args": ["shoal-engine", "sync-adapters", "--config", f"{adapters.CONFIG_DIR}/{adapters.CONFIG_KEY}",
+                 "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", "--port", str(adapters.SIDECAR_PORT)],
+        "ports": [{"name": adapters.SIDECAR, "containerPort": adapters.SIDECAR_PORT, "protocol": "TCP"}],
+        "env": [e for e in env if e["name"] not in ("HF_HUB_OFFLINE", "SHOAL_API_KEY")] + key,
+        "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")]
+                        + [{"name": "adapters", "mountPath": adapters.CONFIG_DIR, "readOnly": True}],
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+        # Ready once the pod's first adapter list is loaded (or failed): new pods turn Ready with the adapters
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": adapters.SIDECAR}, "periodSeconds": 2,
+                           "failureThreshold": 1, "timeoutSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/livez", "port": adapters.SIDECAR}, "periodSeconds": 30,
+                          "failureThreshold": 3, "timeoutSeconds": 5},
+        "securityContext": _restricted_container(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
+
+
 def _placement(spec: InferenceServiceSpec) -> dict[str, Any]:
     """Where the pod may run and as whom: spec.scheduling, the service account, image pull secrets."""
     sched = spec.scheduling
@@ -392,9 +431,10 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     download_image = container["image"] if spec.runtime == "shoal" else settings.engine_image
     init_containers = ([_download_container(spec, download_image, env, mounts)]
                        if spec.model.uri.startswith("hf://") else [])
+    sidecars = [_adapter_sync_container(spec, download_image, env, mounts)] if spec.engine.enable_lora else []
     pod_spec: dict[str, Any] = {
         **({"initContainers": init_containers} if init_containers else {}),
-        "containers": [container],
+        "containers": [container, *sidecars],
         "volumes": volumes,
         "automountServiceAccountToken": spec.pod.automount_service_account_token,
         "enableServiceLinks": False,
@@ -636,6 +676,10 @@ def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: S
     else:
         peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
     rules: list[dict[str, Any]] = [{"from": peers, "ports": http}, *_scraper_rules(spec, settings)]
+    if spec.engine.enable_lora and settings.operator_namespace:  # the operator reads the adapter-sync sidecars
+        rules.append({"from": [{"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": settings.operator_namespace}}}],
+            "ports": [{"port": adapters.SIDECAR_PORT, "protocol": "TCP"}]})
     if multi:
         # torch.distributed: rendezvous on 29500, NCCL/gloo on ephemeral ports -> every port, same service only
         rules.append({"from": [{"podSelector": {"matchLabels": pod_selector(name)}}]})
@@ -870,6 +914,16 @@ def gateway_children(isvc: dict[str, Any], spec: InferenceServiceSpec, settings:
     return children
 
 
+def adapters_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    """spec.adapters as the pods' adapter-sync sidecars read it (mounted; the kubelet refreshes it in place)."""
+    return _finish({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(isvc, adapters.configmap_name(isvc["metadata"]["name"]), "adapters"),
+        "data": {adapters.CONFIG_KEY: adapters.config(spec)},
+    })
+
+
 def chat_template_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
     name = isvc["metadata"]["name"]
     return _finish({
@@ -896,6 +950,8 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
     children: list[dict[str, Any]] = []
     if spec.model.chat_template:
         children.append(chat_template_configmap(isvc, spec))
+    if spec.engine.enable_lora:
+        children.append(adapters_configmap(isvc, spec))
     if spec.model.cache.persistent and not _per_pod_cache(spec):
         children.append(cache_claim(isvc, spec))
     if not multi:  # the groups of multi-pod replicas are chosen by the rollout (Plan.group, rollout.py)

@@ -94,6 +94,9 @@ class Runtime:
     # the whole argv as `args` and no `command`, so that init stays PID 1 (it forwards SIGTERM for the drain and
     # reaps the worker ranks and compiler processes the server starts).
     init_entrypoint: bool = False
+    lora_env: tuple[tuple[str, str], ...] = ()  # env of an engine with engine.enableLora (adapters loaded at run time)
+    # spec.adapters: loaded at run time through vLLM's /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter
+    runtime_adapters: bool = False
 
     def managed_flags(self, probe_values: dict[str, Any]) -> frozenset[str]:
         """Flags the operator sets; extraArgs may not repeat them (they would fight the rendered ones)."""
@@ -113,7 +116,7 @@ class Runtime:
 _SHOAL_OPTIONS: dict[str, Mapping] = {option: shoal_flag(option) for option in (
     "tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching", "attention_backend",
-    "enforce_eager", "quantization", "kv_cache_dtype")}
+    "enforce_eager", "quantization", "kv_cache_dtype", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")}
 
 SHOAL = Runtime(
     name="shoal", image=None, command=("shoal-engine", "serve"), model_flag="--model", options=_SHOAL_OPTIONS,
@@ -121,7 +124,7 @@ SHOAL = Runtime(
     # workers (--headless) serve /livez and /readyz only, so a multi-pod group starts on /readyz
     startup=Probe("/startupz", 10, 5), readiness=Probe("/readyz", 5, 5, 3), liveness=Probe("/livez", 10, 10, 6),
     metrics=metric_names.SHOAL, shutdown_flag="--shutdown-timeout", builtin_demo=True, multi_node=True,
-    workers_serve_health=True, init_entrypoint=True,
+    workers_serve_health=True, init_entrypoint=True, runtime_adapters=True,
 )
 
 VLLM = Runtime(
@@ -129,7 +132,9 @@ VLLM = Runtime(
     options={
         **{o: shoal_flag(o) for o in ("tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len",
                                       "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                                      "enable_prefix_caching", "enforce_eager")},
+                                      "enable_prefix_caching", "enforce_eager", "max_loras", "max_lora_rank",
+                                      "max_cpu_loras")},
+        "enable_lora": switch("--enable-lora", None),
         "attention_backend": choice("--attention-backend", {"auto": None, "flash": "FLASH_ATTN",
                                                             "triton": "TRITON_ATTN", "cpu": "CPU_ATTN"},
                                     "vLLM has no SDPA decoder backend; use auto"),
@@ -149,6 +154,9 @@ VLLM = Runtime(
     group_args=("--distributed-executor-backend", "mp"),
     env=(("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1")),  # engines reach no network
     extra_managed=("--distributed-executor-backend", "--data-parallel-size"),
+    # its /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this set (the adapter-sync sidecar
+    # calls them)
+    lora_env=(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),), runtime_adapters=True,
 )
 
 SGLANG = Runtime(
@@ -199,6 +207,9 @@ def spec_errors(spec: Any, pods_per_replica: int) -> list:
     errors = []
     defaults = _spec_defaults()
     values = {o: getattr(spec.engine, o) for o in ENGINE_FLAG_FIELDS}
+    if spec.adapters and not rt.runtime_adapters:
+        errors.append(SpecError("spec.adapters", f"runtime {rt.name} cannot load adapters at run time here (no "
+                                                 "load/unload endpoints wired for it); use runtime shoal or vllm"))
     for option, value in values.items():
         path = f"spec.engine.{_camel(option)}"
         mapping = rt.options.get(option)

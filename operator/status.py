@@ -172,7 +172,7 @@ def pod_problem(pod: dict[str, Any], now: datetime.datetime | None = None,
 
 
 # ------------------------------------------------------------------------------------------------------- status
-def _condition(type_: str, ok: bool, reason: str, message: str, previous: dict[str, dict], generation: int | None):
+def condition(type_: str, ok: bool, reason: str, message: str, previous: dict[str, dict], generation: int | None):
     status = "True" if ok else "False"
     prev = previous.get(type_)
     ltt = prev.get("lastTransitionTime") if prev and prev.get("status") == status else None
@@ -187,10 +187,10 @@ def invalid_status(isvc: dict[str, Any], error: api.SpecError) -> dict[str, Any]
     return {
         "phase": "Failed", "observedGeneration": gen,
         "conditions": [
-            _condition("Ready", False, "InvalidSpec", message, previous, gen),
-            _condition("Progressing", False, "InvalidSpec", "children are left as they are until the spec is fixed",
+            condition("Ready", False, "InvalidSpec", message, previous, gen),
+            condition("Progressing", False, "InvalidSpec", "children are left as they are until the spec is fixed",
                        previous, gen),
-            _condition("Degraded", True, "InvalidSpec", message, previous, gen),
+            condition("Degraded", True, "InvalidSpec", message, previous, gen),
         ],
     }
 
@@ -316,10 +316,10 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
         "servedModelName": plan.served_model_name,
         "observedGeneration": gen,
         "conditions": [
-            _condition("Ready", all_ready or serving, ready_cond[0], ready_cond[1], previous, gen),
-            _condition("Progressing", progressing[0], progressing[1], progressing[2], previous, gen),
-            _condition("Degraded", degraded[0], degraded[1], degraded[2], previous, gen),
-            # conditions owned by others (the autoscaler's) stay as they are
+            condition("Ready", all_ready or serving, ready_cond[0], ready_cond[1], previous, gen),
+            condition("Progressing", progressing[0], progressing[1], progressing[2], previous, gen),
+            condition("Degraded", degraded[0], degraded[1], degraded[2], previous, gen),
+            # conditions owned by others (the autoscaler's; AdaptersReady, set by the reconciler) stay as they are
             *(c for t, c in previous.items() if t not in ("Ready", "Progressing", "Degraded")),
         ],
     }

@@ -13,6 +13,11 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
   status and one EndpointSlice per pod (a slice holds one port list, and each local pod has its own port).
 * A deleted pod turns not-ready/terminating in its EndpointSlice at once, gets SIGTERM (the engine drains its
   in-flight requests) and disappears when the process exits (SIGKILL after the grace period).
+* The adapter-sync sidecar (`shoal-engine sync-adapters`, with engine.enableLora) runs as a second local process
+  next to its engine: its ConfigMap volume is a local folder the loop here refreshes from the emulator (as the
+  kubelet refreshes mounted ConfigMaps), its `--engine-url` is the engine's local port, and the pod object
+  carries its local port as the container port (the operator reads its /status at podIP:port). The pod is Ready
+  when both the engine and the sidecar are.
 
 `GatewayProcess` runs a real `shoal-gateway` discovering the engines through the emulator's EndpointSlices, and
 `publish_gateway` makes it the endpoint of the gateway Service (what the gateway pods would be).
@@ -20,6 +25,7 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import signal
@@ -50,13 +56,15 @@ POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "T
 
 
 def local_argv(argv: list[str]) -> list[str]:
-    """The local program for a container's argv (its `command` and `args` together: Shoal's engine runs behind the
-    image's init, with the whole argv as args; vLLM's command overrides its image's entrypoint)."""
-    if argv[:2] == ["shoal-engine", "serve"]:
-        return [sys.executable, "-m", "shoal.engine.cli", "serve", *argv[2:]]
+    """The local program for a container's argv (its `command` and `args` together: Shoal's engine and its
+    sidecar run behind the image's init, with the whole argv as args; vLLM's command overrides its image's
+    entrypoint)."""
+    if argv[:2] == ["shoal-engine", "serve"] or argv[:2] == ["shoal-engine", "sync-adapters"]:
+        return [sys.executable, "-m", "shoal.engine.cli", *argv[1:]]
     if argv[:2] == ["vllm", "serve"]:
         return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", *argv[2:]]
-    raise ValueError(f"the local kubelet cannot run a container {argv[:2]!r} (single-pod shoal-engine or vllm only)")
+    raise ValueError(f"the local kubelet cannot run a container {argv[:2]!r} (single-pod shoal-engine, its "
+                     "adapter-sync sidecar, or vllm only)")
 
 
 def _ready(port: int, path: str) -> bool:
@@ -68,11 +76,21 @@ def _ready(port: int, path: str) -> bool:
 
 
 @dataclass
+class Sidecar:
+    proc: subprocess.Popen
+    port: int
+    ready_path: str
+    log_path: str
+    projections: list[tuple[str, str]]  # (local folder, ConfigMap name) of its configMap volumes
+
+
+@dataclass
 class LocalPod:
     name: str
     port: int
     proc: subprocess.Popen
     log_path: str
+    sidecars: list[Sidecar] = field(default_factory=list)
     ready_path: str = "/readyz"
     created: float = field(default_factory=time.monotonic)
     ready: bool = False
@@ -84,6 +102,9 @@ class LocalPod:
     def logs(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()
+
+    def processes(self) -> list[subprocess.Popen]:
+        return [self.proc, *(s.proc for s in self.sidecars)]
 
 
 class Kubelet:
@@ -110,9 +131,10 @@ class Kubelet:
         self.stop_flag.set()
         self.thread.join(30)
         for pod in self.pods.values():
-            if pod.proc.poll() is None:
-                pod.proc.kill()
-                pod.proc.wait(10)
+            for proc in pod.processes():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(10)
 
     def ready_pods(self) -> list[str]:
         return [p.name for p in self.pods.values() if p.ready and p.terminating_since is None]
@@ -175,7 +197,10 @@ class Kubelet:
                                 cwd=tempfile.gettempdir())
         grace = float(template["spec"].get("terminationGracePeriodSeconds") or 30)
         ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")
-        self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace, ready_path=ready_path)
+        pod_spec = copy.deepcopy(template["spec"])
+        sidecars = [self._start_sidecar(name, c, pod_spec, port) for c in pod_spec["containers"][1:]]
+        self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace, ready_path=ready_path,
+                                   sidecars=sidecars)
         self.events.append((time.monotonic(), name, "started"))
         self.client.create("pods", self.ns, {
             "apiVersion": "v1", "kind": "Pod",
@@ -184,9 +209,63 @@ class Kubelet:
                          "finalizers": [FINALIZER],
                          "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "controller": True,
                                               "name": dep["metadata"]["name"], "uid": dep["metadata"]["uid"]}]},
-            "spec": template["spec"],
+            "spec": pod_spec,
             "status": {"phase": "Pending"},
         })
+
+    def _start_sidecar(self, pod: str, container: dict, pod_spec: dict, engine_port: int) -> Sidecar:
+        """A second container of the pod as a local process (the adapter-sync sidecar only): its configMap volumes
+        become local folders, its flags point at the engine's local port and a free port of its own, which the
+        pod object then declares as the container's port."""
+        argv = list(container.get("command") or []) + list(container.get("args") or [])
+        program, args = local_argv(argv[:2]), argv[2:]
+        volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+        projections, paths = [], {}
+        for mount in container.get("volumeMounts") or []:
+            cm = (volumes.get(mount["name"]) or {}).get("configMap")
+            if cm:
+                folder = tempfile.mkdtemp(prefix=f"kubelet-{pod}-{mount['name']}-")
+                projections.append((folder, cm["name"]))
+                paths[mount["mountPath"]] = folder
+        for folder, cm_name in projections:
+            self._project(folder, cm_name)
+        port = free_port()
+        for i, arg in enumerate(args):
+            for mount_path, folder in paths.items():
+                if arg.startswith(mount_path + "/"):
+                    args[i] = folder + arg[len(mount_path):]
+        for flag, value in (("--engine-url", f"http://127.0.0.1:{engine_port}"), ("--port", str(port)),
+                            ("--host", "127.0.0.1"), ("--state-file", tempfile.mktemp(prefix=f"kubelet-{pod}-"))):
+            if flag in args:
+                args[args.index(flag) + 1] = value
+            else:
+                args += [flag, value]
+        for p in container.get("ports") or []:
+            p["containerPort"] = port
+        log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{pod}-{container['name']}-", suffix=".log",
+                                          delete=False)
+        pod_env = {e["name"]: e["value"] for e in container.get("env") or []
+                   if "value" in e and e["name"] not in POD_PATH_ENV}
+        env = {**os.environ, **pod_env, **self.env}
+        proc = subprocess.Popen([*program, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=tempfile.gettempdir())
+        ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")
+        return Sidecar(proc, port, ready_path, log.name, projections)
+
+    def _project(self, folder: str, configmap: str) -> None:
+        """Write a ConfigMap's data into a folder when it changed (atomically per file, as the kubelet does)."""
+        cm = self.client.get("configmaps", self.ns, configmap)
+        for key, value in ((cm or {}).get("data") or {}).items():
+            path = os.path.join(folder, key)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    if f.read() == value:
+                        continue
+            except FileNotFoundError:
+                pass
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(value)
+            os.replace(path + ".tmp", path)
 
     def _sync_pod(self, pod: dict) -> None:
         name = pod["metadata"]["name"]
@@ -198,19 +277,28 @@ class Kubelet:
             local.terminating_since = time.monotonic()
             self.events.append((time.monotonic(), name, "terminating"))
             self._publish(local, pod, ready=False, terminating=True)
-            if local.proc.poll() is None:
-                local.proc.send_signal(signal.SIGTERM)
+            for proc in local.processes():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
         if local.terminating_since is not None:
             if local.proc.poll() is None and time.monotonic() - local.terminating_since > local.grace:
                 local.proc.kill()
             if local.proc.poll() is not None:
+                for sidecar in local.sidecars:
+                    if sidecar.proc.poll() is None:
+                        sidecar.proc.kill()
+                    sidecar.proc.wait(10)
                 self.events.append((time.monotonic(), name, f"exited {local.proc.returncode}"))
                 self._unpublish(name)
                 self.client.patch("pods", self.ns, name, {"metadata": {"finalizers": None}})
                 del self.pods[name]
             return
+        for sidecar in local.sidecars:
+            for folder, configmap in sidecar.projections:
+                self._project(folder, configmap)
         exited = local.proc.poll() is not None
-        probe = not exited and _ready(local.port, local.ready_path)
+        probe = not exited and _ready(local.port, local.ready_path) and all(
+            s.proc.poll() is None and _ready(s.port, s.ready_path) for s in local.sidecars)
         local.failures = 0 if probe else local.failures + 1
         ready = probe or (local.ready and not exited and local.failures < FAILURE_THRESHOLD)
         if ready != local.ready or not (pod.get("status") or {}).get("conditions"):

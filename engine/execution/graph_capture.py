@@ -68,6 +68,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(P + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(P, width, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # bucket -> (graph, its static logits)
+        if runner.lora is not None:  # LoRA adapters: a static token -> slot map too (execution/lora.py)
+            runner.lora.enable_capture(P, dev)
         self.pool = None
         self.failed = False
         self.num_padded_steps = 0  # decode steps that ran through a bucket (captured or eager)
@@ -120,6 +122,9 @@ class DecodeGraphs:
             return None
         B = len(inputs.query_lens)
         self._fill(inputs, bucket)
+        if self.runner.lora is not None:
+            self.runner.lora.prepare_padded(inputs.lora_slot_ids, inputs.lora_token_slots, bucket,
+                                            captured=self.backend != "eager")
         self.num_padded_steps += 1
         if self.backend == "eager":
             # Host-side values are exact here (nothing is baked into a graph): backends may plan from them.

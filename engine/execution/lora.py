@@ -13,10 +13,11 @@ output columns, so q/k/v adapters of any subset and rank run as one update. Tens
 base layer: column-parallel layers keep A whole and slice B by output; row-parallel layers slice A by input and
 keep B whole, and the layer's existing all-reduce sums the partial updates (sum_k x_k A_k^T B^T = x A^T B^T).
 
-The batch's token -> slot map (-1: base model) is set once per step (LoRAState); `lora_apply_` adds every
-token's update grouped by slot: a C++ kernel on CPU (csrc/cpu_lora.cpp, two GEMMs per active slot), a Triton
-kernel on CUDA (layers/lora_triton.py, each token gathers its own adapter's A and B), and a masked dense torch form
-otherwise (one GEMM pair over all slots, no loop).
+The batch's token -> slot map (-1: base model) is set once per step (LoRAState; under decode capture a static
+buffer the buckets share); `lora_apply_` adds every token's update grouped by slot: a C++ kernel on CPU
+(csrc/cpu_lora.cpp: tokens grouped per slot, a shrink and an expand per group that read only each slot's rank
+rows and each part's output columns), a Triton kernel on CUDA (layers/lora_triton.py, each token gathers its own
+adapter's A and B), and a masked dense torch form otherwise (one GEMM pair over all slots, no loop).
 """
 
 from __future__ import annotations
@@ -188,13 +189,19 @@ def lora_apply_reference(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: t
     y.addmm_(h, B.reshape(S * R, B.shape[2]))
 
 
-def lora_apply_(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor) -> None:
+def lora_apply_(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor,
+                ranks: torch.Tensor | None = None, part_cols: torch.Tensor | None = None) -> None:
     """y += per token (x @ A[slots[t]]^T) @ B[slots[t]]: the C++ kernel on CPU, Triton on CUDA, else the masked
-    torch form."""
+    torch form. ranks [S, P] and part_cols [P + 1] (see csrc/cpu_lora.cpp) let the CPU kernel skip the zero
+    padding of A and B; every form is exact without them."""
     if x.device.type == "cpu":
         kernel = _cpu_kernel()
         if kernel is not None:
-            kernel(y, x.contiguous(), A, B, slots)
+            if ranks is None:
+                ranks = torch.full((A.shape[0], 1), A.shape[1], dtype=torch.int64)
+            if part_cols is None:
+                part_cols = torch.tensor([0, y.shape[1]], dtype=torch.int64)
+            kernel(y, x.contiguous(), A, B, slots, ranks, part_cols)
             return
     elif x.device.type == "cuda":
         from shoal.engine.execution.layers.lora_triton import lora_apply_triton, triton
@@ -212,6 +219,9 @@ class LoRAState:
 
     def __init__(self):
         self.slots: torch.Tensor | None = None  # [T] int64; None when no token of the step uses an adapter
+        # Decode capture (graph_capture.py): one static map for every batch-size bucket (bucket b reads its first b
+        # rows), so a captured graph's LoRA kernels read each replay's map from the same memory.
+        self.static_slots: torch.Tensor | None = None
 
 
 class LoRASlots:
@@ -223,11 +233,28 @@ class LoRASlots:
         parts = LAYER_PARTS[kind]
         self.A = torch.zeros(max_loras, parts * max_rank, in_local, dtype=dtype, device=device)
         self.B = torch.zeros(max_loras, parts * max_rank, out_local, dtype=dtype, device=device)
+        # What the CPU kernel reads: each slot's rank per part (0: part not adapted) and each part's output columns.
+        self.ranks = torch.zeros(max_loras, parts, dtype=torch.int64)
+        self.part_cols = torch.tensor([0] + self._part_ends(out_local), dtype=torch.int64)
+        self.kernel = _cpu_kernel() if torch.device(device).type == "cpu" else None  # built once, at start
+
+    def _part_ends(self, out_local: int) -> list[int]:
+        layer = self.layer
+        if self.kind == "qkv_proj":
+            return [dst + n for dst, _, n in layer._ranges()]
+        if self.kind == "gate_up_proj":
+            return [sum(layer.locals[:i + 1]) for i in range(len(layer.locals))]
+        return [out_local]
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
         slots = self.state.slots
-        if slots is not None:
-            lora_apply_(y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), self.A, self.B, slots)
+        if slots is None:
+            return
+        x, y = x.view(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if self.kernel is not None and x.stride(1) == 1:  # the hot path: straight to the C++ op
+            self.kernel(y, x, self.A, self.B, slots, self.ranks, self.part_cols)
+        else:
+            lora_apply_(y, x, self.A, self.B, slots, self.ranks, self.part_cols)
 
     def shard(self, part: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """This rank's (A rows, B^T rows, output offset) of one part's full A [r, in] and scaled B [out, r]."""
@@ -245,8 +272,10 @@ class LoRASlots:
         """Fill `slot` from this layer's sharded parts [(part, A, B^T, out offset)] (empty: clear it)."""
         self.A[slot].zero_()
         self.B[slot].zero_()
+        self.ranks[slot].zero_()
         for part, a, bt, off in parts:
             r = a.shape[0]
+            self.ranks[slot, part] = r
             rows = slice(part * self.R, part * self.R + r)
             self.A[slot, rows].copy_(a)
             self.B[slot, rows, off:off + bt.shape[1]].copy_(bt)
@@ -292,6 +321,27 @@ class LoRAManager:
 
     def prepare(self, slot_ids: list[int | None] | None, token_slots: torch.Tensor | None) -> None:
         """Before a step: fill the slots whose adapter changed, and publish the step's token -> slot map."""
+        self._fill_slots(slot_ids)
+        self.state.slots = token_slots
+
+    def enable_capture(self, max_tokens: int, device) -> None:
+        """Give decode capture its static token -> slot map (graph_capture.DecodeGraphs allocates it once)."""
+        self.state.static_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+
+    def prepare_padded(self, slot_ids: list[int | None] | None, token_slots: torch.Tensor | None, bucket: int,
+                       captured: bool) -> None:
+        """Before a padded decode step of `bucket` rows: the step's map (padding rows: -1, the base model) goes into
+        the static map. A captured graph always runs the LoRA update from it (a step without adapters adds
+        nothing); an eager bucket skips the update when no token uses an adapter, like an uncaptured step."""
+        self._fill_slots(slot_ids)
+        static = self.state.static_slots
+        n = 0 if token_slots is None else token_slots.shape[0]
+        if n:
+            static[:n].copy_(token_slots, non_blocking=True)
+        static[n:bucket].fill_(-1)
+        self.state.slots = static[:bucket] if captured or n else None
+
+    def _fill_slots(self, slot_ids: list[int | None] | None) -> None:
         if slot_ids is not None:
             for s, adapter_id in enumerate(slot_ids):
                 if adapter_id is None or adapter_id == self.slot_ids[s]:
@@ -300,4 +350,3 @@ class LoRAManager:
                 for key, slots in self.layers.items():
                     slots.set_slot(s, shards.get(key, []))
                 self.slot_ids[s] = adapter_id
-        self.state.slots = token_slots

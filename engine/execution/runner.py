@@ -85,9 +85,6 @@ class ModelRunner:
         before allocate_kv_cache, which then adds the padding rows' own KV block."""
         if backend is None:
             return
-        if self.lora is not None:
-            logger.info("decode graph capture is off with LoRA adapters enabled")
-            return
         if not self.backend.graph_capture_safe and backend != "eager":
             logger.info("decode graph capture is off: the %s attention backend cannot be captured",
                         self.backend_name)

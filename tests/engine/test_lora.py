@@ -91,22 +91,60 @@ def test_mixed_batch_matches_merged_transformers(llama_model, adapters, tmp_path
         llm.llm_engine.pool.check_all_free()
 
 
-def test_gathered_kernel_matches_reference():
-    """The CPU kernel (grouped GEMMs per slot) equals the masked dense form, base tokens untouched."""
+def test_decode_capture_with_adapters_matches_the_uncaptured_run(llama_model, adapters):
+    """Decode steps through graph_capture's padded buckets (eager backend: the same static buffers a CUDA graph
+    replays, run on CPU) with a mixed batch: the static token -> slot map gives every request its own adapter."""
+    modules = [f"{n}={p}" for n, p in adapters.items()]
+    batch = mixed_batch()[:11]  # 11 sequences: padded to the 16 bucket, then fewer as requests finish
+    params = [PARAMS.clone(max_tokens=MAX_NEW - i % 3) for i in range(len(batch))]
+    runs = {}
+    for capture in ("none", "eager"):
+        with LLM(model=llama_model, lora_modules=modules, decode_capture=capture, **LORA, **REGIMES["default"]) as llm:
+            runs[capture] = llm.generate([p for p, _ in batch], params, lora_request=[n for _, n in batch],
+                                         use_tqdm=False)
+            graphs = llm.llm_engine.executor.runner.decode_graphs
+            assert (graphs is not None and graphs.num_padded_steps > 0) == (capture == "eager")
+            llm.llm_engine.pool.check_all_free()
+    for plain, captured in zip(runs["none"], runs["eager"]):
+        assert captured.outputs[0].token_ids == plain.outputs[0].token_ids
+        for a, b in zip(plain.outputs[0].logprobs, captured.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for tid in a:
+                assert b[tid].logprob == pytest.approx(a[tid].logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [19, 300])  # decode-sized groups (blocks of 1/2/4 tokens) and prefill-sized (of 8)
+def test_gathered_kernel_matches_reference(dtype, T):
+    """The CPU kernel (grouped shrink/expand per slot) equals the masked dense form, base tokens untouched; it reads
+    only each slot's rank rows of each part and each part's own output columns (garbage elsewhere is ignored)."""
     gen = torch.Generator().manual_seed(0)
-    S, R, n_in, n_out, T = 4, 8, 24, 40, 19
+    S, P, R, n_in, part_out = 4, 3, 8, 37, [24, 9, 17]  # widths off the kernel's 16-lane vectors
+    n_out = sum(part_out)
+    cols = torch.tensor([0, 24, 33, 50])
+    ranks = torch.tensor([[8, 3, 0], [5, 5, 5], [0, 0, 1], [2, 8, 7]])
     x = torch.randn(T, n_in, generator=gen)
-    A, B = torch.randn(S, R, n_in, generator=gen), torch.randn(S, R, n_out, generator=gen)
+    A, B = torch.randn(S, P * R, n_in, generator=gen), torch.randn(S, P * R, n_out, generator=gen)
+    clean_A, clean_B = torch.zeros_like(A), torch.zeros_like(B)  # what the slots hold: zero outside each part
+    for s in range(S):
+        for p in range(P):
+            rows = slice(p * R, p * R + int(ranks[s, p]))
+            clean_A[s, rows] = A[s, rows]
+            clean_B[s, rows, cols[p]:cols[p + 1]] = B[s, rows, cols[p]:cols[p + 1]]
     slots = torch.randint(-1, S, (T,), generator=gen)
-    slots[0], slots[1] = -1, 2
-    y0 = torch.randn(T, n_out, generator=gen)
-    y1, y2 = y0.clone(), y0.clone()
-    lora_apply_(y1, x, A, B, slots)
-    lora_apply_reference(y2, x, A, B, slots)
-    torch.testing.assert_close(y1, y2, rtol=1e-5, atol=1e-5)
-    assert torch.equal(y1[0], y0[0])
-    want = y0[1] + (x[1] @ A[2].t()) @ B[2]
-    torch.testing.assert_close(y1[1], want, rtol=1e-5, atol=1e-5)
+    slots[0], slots[1] = -1, 3
+    x, A, B = x.to(dtype), A.to(dtype), B.to(dtype)
+    y0 = torch.randn(T, n_out, generator=gen).to(dtype)
+    got, want = y0.clone(), y0.float().clone()
+    lora_apply_(got, x, A, B, slots, ranks, cols)
+    lora_apply_reference(want, x.float(), clean_A.to(dtype).float(), clean_B.to(dtype).float(), slots)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * 4)
+    assert torch.equal(got[0], y0[0])
+    if dtype == torch.float32:  # the 5-argument form (no padding metadata) equals the reference too
+        got = y0.clone()
+        lora_apply_(got, x, clean_A, clean_B, slots)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_kernel_matches_reference():

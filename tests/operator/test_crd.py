@@ -123,6 +123,9 @@ VALID = [
     {"model": {"uri": "pvc://models/llama-3-8b"}, "rollout": {"maxUnavailable": "25%", "maxSurge": 0}},
     {"security": {"apiKeySecretRef": {"name": "k"}, "networkPolicy": {"allowFrom": [{"podSelector": {}}]}},
      "scheduling": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}], "nodeSelector": {"a": "b"}}},
+    {"engine": {"enableLora": True, "maxLoras": 4, "maxLoraRank": 64},
+     "adapters": [{"name": "sql", "uri": "hf://org/sql-lora", "revision": "0a1b2c"},
+                  {"name": "team/chat", "uri": "pvc://adapters/chat"}, {"name": "x", "uri": "file:///opt/x"}]},
 ]
 
 # (spec, field the error must name): checked by the schema *and* by the operator's own validation
@@ -140,6 +143,10 @@ INVALID = [
     ({"engine": {"attentionBackend": "xformers"}}, "spec.engine.attentionBackend"),
     ({"imagePullPolicy": "Sometimes"}, "spec.imagePullPolicy"),
     ({"modle": {"uri": "demo://"}}, "spec.modle"),
+    ({"engine": {"enableLora": True}, "adapters": [{"name": "a", "uri": "s3://b/a"}]}, "spec.adapters[0].uri"),
+    ({"engine": {"enableLora": True}, "adapters": [{"name": "a", "uri": "pvc://claim"}]}, "spec.adapters[0].uri"),
+    ({"engine": {"enableLora": True}, "adapters": [{"name": "-a", "uri": "file:///a"}]}, "spec.adapters[0].name"),
+    ({"engine": {"maxLoraRank": 0}}, "spec.engine.maxLoraRank"),
 ]
 
 # cross-field rules: CEL in the CRD, the same check in python
@@ -149,6 +156,7 @@ INVALID_CROSS = [
     ({"rollout": {"maxUnavailable": 0, "maxSurge": "0%"}}, "spec.rollout.maxSurge"),
     ({"model": {"uri": "demo://", "revision": "main"}}, "spec.model.revision"),
     ({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "gateway": {"enabled": False}}, "spec.gateway.enabled"),
+    ({"adapters": [{"name": "a", "uri": "hf://org/a"}]}, "spec.engine.enableLora"),
 ]
 
 
@@ -178,7 +186,7 @@ def test_cross_field_rules(spec, field):
 
 
 def cel_eval(rule: str, obj: dict) -> bool:
-    """A tiny evaluator for the CEL subset the rules use (has, ?:, !, &&, ||, ==, >=, *, %, startsWith):
+    """A tiny evaluator for the CEL subset the rules use (has, size, ?:, !, &&, ||, ==, >=, *, %, startsWith):
     translated to Python and evaluated on the defaulted spec, as the API server would see it."""
     tokens: dict[str, object] = {}
 
@@ -206,7 +214,7 @@ def cel_eval(rule: str, obj: dict) -> bool:
     expr = re.sub(r"!(?!=)", " not ", expr)
     while "?" in expr:
         expr = re.sub(r"\(([^()?]+)\?([^():]+):([^()]+)\)", r"((\2) if (\1) else (\3))", expr, count=1)
-    return bool(eval(expr, {"__builtins__": {}}, dict(tokens)))
+    return bool(eval(expr, {"__builtins__": {}, "size": len}, dict(tokens)))
 
 
 _MISSING = object()

@@ -25,6 +25,9 @@ NUMERIC_SAMPLES = {
     "max_num_seqs": 8,
     "max_num_batched_tokens": 4096,
     "gpu_memory_utilization": 0.55,
+    "max_loras": 4,
+    "max_lora_rank": 32,
+    "max_cpu_loras": 8,
 }
 
 

@@ -6,6 +6,7 @@ would, create a StatefulSet's pods, mark a pod failed, delete children, and make
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -654,3 +655,94 @@ def test_operator_reconciles_the_gateway(env, ns):
     wait_for(lambda: _get(env, service)["spec"]["selector"]["app.kubernetes.io/component"] == "engine", 15,
              "the Service to point at the engines")
 
+
+
+# ---- spec.adapters ----------------------------------------------------------------------------------------------
+class FakeSidecar:
+    """What a pod's adapter-sync sidecar answers on /status (the real one runs in test_adapters_e2e.py)."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.report: dict = {"config": None, "engine": "ready", "adapters": []}
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                body = json.dumps(fake.report).encode()
+                self.send_response(200 if self.path == "/status" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def serve(self, configmap: dict, states: dict[str, tuple[str, str | None]]) -> None:
+        listed = json.loads(configmap["data"]["adapters.json"])["adapters"]
+        self.report = {"config": hashlib.sha256(configmap["data"]["adapters.json"].encode()).hexdigest()[:16],
+                       "engine": "ready", "adapters": [{"name": a["name"], "source": a["source"],
+                                                        "state": states[a["name"]][0], "message": states[a["name"]][1]}
+                                                       for a in listed if a["name"] in states]}
+
+
+def test_adapters_reach_the_pods_list_without_touching_the_template_and_show_on_status(env, ns):
+    from shoal.operator.render import labels
+
+    lora = {"engine": {"enableLora": True}, "gateway": {"enabled": False},
+            "adapters": [{"name": "good", "uri": "file:///loras/good"}, {"name": "bad", "uri": "file:///loras/bad"}]}
+    env.client.create(ISVC, ns, isvc_body("lo", lora))
+    cm = wait_for(lambda: env.client.get("configmaps", ns, "lo-adapters"), 10, "the adapters ConfigMap")
+    dep = wait_for(lambda: env.client.get("deployments", ns, "lo"), 10, "deployment")
+    template_hash = dep["metadata"]["annotations"]["serving.shoal.dev/spec-hash"]
+    sidecar = FakeSidecar()
+    try:
+        sidecar.serve(cm, {"good": ("Loaded", None), "bad": ("Failed", "400: rank 32, above --max-lora-rank 16")})
+        spec = copy.deepcopy(dep["spec"]["template"]["spec"])
+        spec["containers"][1]["ports"][0]["containerPort"] = sidecar.port  # where this "pod" listens
+        env.client.create("pods", ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": "lo-abc12", "labels": labels("lo", "engine")}, "spec": spec})
+        env.client.patch("pods", ns, "lo-abc12", {"status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [
+            {"type": "Ready", "status": "True"}]}}, sub="status")
+        ready_deployment(env, ns, "lo", 1)
+
+        cond = wait_for(lambda: (c := condition(get_isvc(env, ns, "lo"), "AdaptersReady")) and
+                        c["reason"] == "AdapterLoadFailed" and c, 15, "AdaptersReady=False")
+        assert cond["status"] == "False" and "bad on lo-abc12: 400: rank 32" in cond["message"]
+        status = get_isvc(env, ns, "lo")["status"]
+        assert [(a["name"], a["readyReplicas"], a["replicas"][0]["state"]) for a in status["adapters"]] == [
+            ("good", 1, "Loaded"), ("bad", 0, "Failed")]
+        assert condition(get_isvc(env, ns, "lo"), "Ready")["status"] == "True"  # the engine keeps serving
+        failed = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "AdapterLoadFailed"],
+                          10, "an AdapterLoadFailed Event")
+        assert "adapter bad on pod lo-abc12" in failed[0]["message"] and failed[0]["type"] == "Warning"
+
+        # Replace the bad adapter: the list reaches the pods (ConfigMap), the template does not move (no restart)
+        env.client.patch(ISVC, ns, "lo", {"spec": {"adapters": [lora["adapters"][0],
+                                                                {"name": "new", "uri": "hf://org/new-lora"}]}})
+        cm = wait_for(lambda: (c := env.client.get("configmaps", ns, "lo-adapters")) and "new-lora" in
+                      c["data"]["adapters.json"] and c, 10, "the new list in the ConfigMap")
+        wait_for(lambda: [a["replicas"][0]["state"] for a in get_isvc(env, ns, "lo")["status"]["adapters"]] == [
+            "Loaded", "Pending"], 10, "new: Pending while the pod still has the old list")
+        sidecar.serve(cm, {"good": ("Loaded", None), "new": ("Loaded", None)})
+        wait_for(lambda: condition(get_isvc(env, ns, "lo"), "AdaptersReady")["status"] == "True", 15,
+                 "AdaptersReady=True once the pod reports the new list loaded")
+        assert [a["name"] for a in get_isvc(env, ns, "lo")["status"]["adapters"]] == ["good", "new"]
+        wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "AdaptersReady"], 10,
+                 "an AdaptersReady Event")
+        settled(env, ns, "lo")
+        assert env.client.get("deployments", ns, "lo")["metadata"]["annotations"][
+            "serving.shoal.dev/spec-hash"] == template_hash
+
+        # No adapters left: status.adapters and the condition go
+        env.client.patch(ISVC, ns, "lo", {"spec": {"adapters": None}})
+        wait_for(lambda: "adapters" not in get_isvc(env, ns, "lo")["status"], 10, "status.adapters removed")
+        assert condition(get_isvc(env, ns, "lo"), "AdaptersReady") is None
+    finally:
+        sidecar.server.shutdown()

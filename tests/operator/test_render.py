@@ -60,6 +60,11 @@ TOPOLOGIES = {
         "rollout": {"maxUnavailable": 1, "maxSurge": 0},
     },
     "no-netpol": {"security": {"networkPolicy": {"enabled": False}}, "replicas": 0},
+    "lora-adapters": {"model": {"uri": "hf://org/m", "cache": {"claimName": "shared"}}, "replicas": 2,
+                      "engine": {"enableLora": True, "maxLoras": 4, "tensorParallelSize": 8, "pipelineParallelSize": 2},
+                      "security": {"apiKeySecretRef": {"name": "k"}},
+                      "adapters": [{"name": "sql", "uri": "hf://org/sql", "revision": "abc"},
+                                   {"name": "chat", "uri": "pvc://loras/chat"}]},
     "platform-knobs": {
         "model": {"uri": "hf://org/m"}, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
         "scheduling": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
