@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Backend:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    inflight_at_poll: int = 0  # this gateway's in-flight count when the load data was read (occupancy())
     # LoRA adapters (the engine's lora_resident_info / lora_requests_info): loaded ones, how many it keeps loaded
     # (0: LoRA off or unknown), and how many run in its batches now of at most max_loras.
     lora_resident: frozenset[str] = frozenset()
@@ -78,6 +80,15 @@ class Backend:
         return (max(float(self.inflight), self.running + self.waiting) + self.waiting
                 + (1.0 if self.kv_usage >= 0.95 else 0.0))
 
+    def occupancy(self, now: float) -> int:
+        """Requests the engine runs or queues now, for admission (a slot per running sequence): this gateway's own
+        in-flight count, exact and current, plus what others (other gateway replicas, direct clients) had there at
+        the last fresh poll — the engine's running + waiting minus what was ours then. Counting our own requests
+        live means a slot freed here is reused at once, not after the next poll."""
+        if not self.fresh(now):
+            return self.inflight
+        return self.inflight + max(0, int(self.running + self.waiting) - self.inflight_at_poll)
+
     # Outcomes reported by the proxy and the poller.
     def on_success(self) -> None:
         self.failures = 0
@@ -101,6 +112,7 @@ class BackendSet:
         self.policy = policy or HealthPolicy()
         self._backends: dict[str, Backend] = {}
         self._changed = asyncio.Event()
+        self.listeners: list[Callable[[], None]] = []  # told of every change (admission re-checks its queue)
 
     def __len__(self) -> int:
         return len(self._backends)
@@ -132,6 +144,8 @@ class BackendSet:
         """Wake requests waiting for an engine (the set or some engine's state changed)."""
         self._changed.set()
         self._changed = asyncio.Event()
+        for listener in self.listeners:
+            listener()
 
     async def wait_for_eligible(self, deadline: float, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
         """Wait until some engine is eligible or `deadline` (monotonic) passes; [] on timeout."""

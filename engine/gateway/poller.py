@@ -108,6 +108,7 @@ class Poller:
         if text is not None:
             load = parse_load(text, self.metrics)
             b.running, b.waiting, b.kv_usage = load["running"], load["waiting"], load["kv_usage"]
+            b.inflight_at_poll = b.inflight
             for key, value in parse_lora(text).items():
                 setattr(b, key, value)
             b.last_ok = now

@@ -159,7 +159,11 @@ def test_parse_load_and_ready_urls():
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "either as --endpoint"),
+    ([], "or serve every InferenceService of --namespace (or --all-namespaces)"),
+    (["--namespace", "ns", "--api-key", "k"], "the shared gateway takes no --api-key"),
+    (["--endpoint", "http://a:1", "--tenant-keys", "/tmp"], "--tenant-keys and --engine-keys are for the shared"),
+    (["-A", "--namespace", "ns"], "--all-namespaces is the shared gateway of the whole cluster"),
+    (["--namespace", "ns", "--tenant-keys", "/nonexistent/dir"], "cannot read /nonexistent/dir"),
     (["--endpoint", "localhost:8000"], "not an engine base URL"),
     (["--endpoint", "http://a:1", "--service", "s"], "either as --endpoint"),
     (["--endpoint", "http://a:1", "--load-factor", "0.5"], "--load-factor must be >= 1"),
