@@ -19,6 +19,9 @@ Shoal's own flags (each also settable by its environment variable):
   --max-concurrent-upgrades N services moved to a new --engine-image at once; each (SHOAL_MAX_CONCURRENT_UPGRADES,
                               runs the image pinned in its status until then; 0:   default 1)
                               only on the annotation serving.shoal.dev/upgrade-engine-image
+  --shared-gateway NS/SA      the shared gateway's namespace and ServiceAccount:   (SHOAL_SHARED_GATEWAY)
+                              every engine NetworkPolicy admits its pods (label
+                              app.kubernetes.io/component=shared-gateway), and it may wake services at zero
 Credentials: in-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config.
 Typical in-cluster command: shoal-operator --standalone -A --liveness=http://0.0.0.0:8080/healthz
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import sys
 
@@ -38,6 +42,7 @@ OWN_FLAGS = {
     "--operator-namespace": "SHOAL_OPERATOR_NAMESPACE",
     "--metrics-port": "SHOAL_METRICS_PORT",
     "--max-concurrent-upgrades": "SHOAL_MAX_CONCURRENT_UPGRADES",
+    "--shared-gateway": "SHOAL_SHARED_GATEWAY",
 }
 REPEATABLE = {"--metrics-namespace": "SHOAL_METRICS_NAMESPACES"}
 
@@ -58,6 +63,9 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     if "SHOAL_MAX_CONCURRENT_UPGRADES" in env and not env["SHOAL_MAX_CONCURRENT_UPGRADES"].isdigit():
         raise SystemExit(f"--max-concurrent-upgrades must be a whole number >= 0, got "
                          f"{env['SHOAL_MAX_CONCURRENT_UPGRADES']!r}")
+    if "SHOAL_SHARED_GATEWAY" in env and not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                                                        env["SHOAL_SHARED_GATEWAY"]):
+        raise SystemExit(f"--shared-gateway takes NAMESPACE/SERVICEACCOUNT, got {env['SHOAL_SHARED_GATEWAY']!r}")
     if "--max-gpus-per-node" in [a.split("=")[0] for a in argv]:
         value = int(env["SHOAL_MAX_GPUS_PER_NODE"])
         if value < 1:

@@ -109,7 +109,7 @@ class Runtime:
 _SHOAL_OPTIONS: dict[str, Mapping] = {option: shoal_flag(option) for option in (
     "tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching", "attention_backend",
-    "enforce_eager", "quantization", "kv_cache_dtype")}
+    "enforce_eager", "quantization", "kv_cache_dtype", "scheduling_policy")}
 
 SHOAL = Runtime(
     name="shoal", image=None, command=("shoal-engine", "serve"), model_flag="--model", options=_SHOAL_OPTIONS,
@@ -125,7 +125,7 @@ VLLM = Runtime(
     options={
         **{o: shoal_flag(o) for o in ("tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len",
                                       "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                                      "enable_prefix_caching", "enforce_eager")},
+                                      "enable_prefix_caching", "enforce_eager", "scheduling_policy")},
         "attention_backend": choice("--attention-backend", {"auto": None, "flash": "FLASH_ATTN",
                                                             "triton": "TRITON_ATTN", "cpu": "CPU_ATTN"},
                                     "vLLM has no SDPA decoder backend; use auto"),
@@ -161,6 +161,8 @@ SGLANG = Runtime(
         "enforce_eager": switch("--disable-cuda-graph", None),
         "quantization": choice("--quantization", {"fp8": "fp8"}, "SGLang quantizes online to fp8 only"),
         "kv_cache_dtype": choice("--kv-cache-dtype", {"auto": None, "fp8": "fp8_e4m3"}, ""),
+        "scheduling_policy": choice("--schedule-policy", {"fcfs": "fcfs"},
+                                    "SGLang orders requests by arrival or prompt prefix, not by a request priority"),
     },
     api_key_env=None,  # SGLang takes its key only as --api-key: it would show in the pod spec and /proc/*/cmdline
     startup=Probe("/health", 10, 5), readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
