@@ -68,6 +68,7 @@ class Ticket:
     seq: int = 0
     queued: bool = False
     future: asyncio.Future | None = None  # resolved with the engine picked for it, or an exception
+    ahead: int = 0  # requests of the same tenant in flight at its engine when it was sent there
 
     def grant(self, result: Any) -> None:
         if self.future is not None and not self.future.done():

@@ -37,6 +37,7 @@ class Backend:
     removed: bool = False
     # Counted by this gateway.
     inflight: int = 0
+    tenants: dict[str, int] = field(default_factory=dict)  # in-flight requests per tenant (engine priority)
     # From the poller; `ready` is None until a poll answered.
     ready: bool | None = None
     last_answer: float | None = None  # any poll answer (even "not ready")

@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "lowest priority below the newcomer's is shed with 429 (default %(default)s)")
     adm.add_argument("--queue-timeout", type=positive(float), default=d.queue_timeout,
                      help="seconds a request waits for a slot before 429 (default %(default)s)")
+    adm.add_argument("--engine-priority", action="store_true",
+                     help="the engines run --scheduling-policy priority: send each request an engine priority (the "
+                          "model's priority, then the tenant's requests already at that engine, fewest first). The "
+                          "shared gateway does so for services with engine.schedulingPolicy: priority")
     adm.add_argument("--tenant-header", metavar="NAME",
                      help="trust this request header as the tenant's name (set by an authenticating proxy in front; "
                           "e.g. x-gateway-inference-fairness-id)")
@@ -223,7 +227,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tenant_header=args.tenant_header,
         tenant_keys=TenantKeys(args.tenant_keys) if args.tenant_keys else None,
         engine_keys=EngineKeys(args.engine_keys) if args.engine_keys else None,
-        models_interval=args.models_interval)
+        models_interval=args.models_interval, engine_priority=args.engine_priority)
 
 
 def own_namespace() -> str | None:

@@ -84,7 +84,10 @@ class Pool:
             return None
         pick = self.router.pick(candidates, ticket.hashes, now, ticket.model)
         self.router.record(pick.backend, ticket.hashes, now)
-        pick.backend.inflight += 1
+        b = pick.backend
+        b.inflight += 1
+        ticket.ahead = b.tenants.get(ticket.tenant, 0)
+        b.tenants[ticket.tenant] = ticket.ahead + 1
         if self.on_pick is not None:
             self.on_pick(pick, time.perf_counter() - started)
         return pick.backend
@@ -124,7 +127,7 @@ class Pool:
             pass
         except asyncio.CancelledError:  # the client left while waiting
             if future.done() and not future.cancelled() and future.exception() is None:
-                self.release(future.result())  # granted in the same instant: give the slot back
+                self.release(future.result(), ticket)  # granted in the same instant: give the slot back
             future.cancel()
             raise
         finally:
@@ -164,9 +167,14 @@ class Pool:
         if self.on_dispatch is not None:
             self.on_dispatch(ticket, time.monotonic() - ticket.arrived)
 
-    def release(self, backend: Backend) -> None:
+    def release(self, backend: Backend, ticket: Ticket) -> None:
         """A request left the engine (answered, failed, or the client went away): its slot is free."""
         backend.inflight -= 1
+        left = backend.tenants.get(ticket.tenant, 1) - 1
+        if left > 0:
+            backend.tenants[ticket.tenant] = left
+        else:
+            backend.tenants.pop(ticket.tenant, None)
         self.pump()
 
     def _ensure_pump(self) -> None:

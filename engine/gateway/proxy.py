@@ -67,6 +67,7 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # is never reachable through the platform's entry point.
 SHARED_PATHS = (*ROUTED_PATHS, "/tokenize", "/detokenize")
 KEY_HEADERS = ("authorization", "x-api-key")
+ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span + the tenant's requests ahead at the engine
 
 
 @dataclass
@@ -99,6 +100,7 @@ class GatewayConfig:
     tenant_keys: TenantKeys | None = None  # API key -> tenant (the shared gateway's clients)
     engine_keys: EngineKeys | None = None  # the engines' keys per InferenceService (the shared gateway)
     models_interval: float = 10.0  # the shared gateway polls each service's /v1/models this often
+    engine_priority: bool = False  # the engines run --scheduling-policy priority (the shared gateway: per spec)
 
 
 def parse_body(path: str, body: bytes) -> Any:
@@ -176,6 +178,7 @@ class Gateway:
         else:
             self.prefix_index = None
             pool = self._new_pool(backends or BackendSet(config.health), config.hold_timeout, config.max_inflight)
+            pool.engine_priority = config.engine_priority
             self.pools = StaticPools(pool)
 
     # The per-service gateway's one pool (tests and the single-service CLI use these).
@@ -216,7 +219,7 @@ class Gateway:
         pool.namespace, pool.name, pool.served_name = view.namespace, view.name, view.served_name
         pool.runtime = view.runtime
         pool.priority = view.priority
-        pool.engine_priority = view.engine_priority
+        pool.engine_priority = view.engine_priority or c.engine_priority
         pool.max_inflight = view.max_inflight or c.max_inflight  # engine.maxNumSeqs, else the gateway's flag
         pool.hold_timeout = (c.hold_timeout or view.hold_timeout) if view.hold_timeout else 0.0
         pool.engine_key = c.engine_keys.key_for(view.namespace, view.name) if c.engine_keys else None
@@ -318,11 +321,15 @@ class Gateway:
         return block_hashes(text, self.config.block_chars, self.config.max_blocks) if text else []
 
     def engine_body(self, pool: Pool, ticket: Ticket, body: bytes, parsed: Any) -> bytes:
-        """The body the engine gets: the client's, with the request's priority for engines that schedule by it
-        (vLLM's `priority` field: lower runs first, hence the sign), overriding whatever a client put there."""
+        """The body the engine gets: the client's, with an engine priority for engines that schedule by it (vLLM's
+        `priority` field: lower runs first), overriding whatever a client put there. The model's priority ranks
+        first (higher spec.priority, lower value); within it, the tenant's requests already at that engine, so a
+        tenant with fewer requests there goes first — the engine then starts a trickle tenant's request within a
+        step while another tenant's long prompts are being prefilled (scheduler.py)."""
         if not pool.engine_priority or not isinstance(parsed, dict):
             return body
-        return json.dumps({**parsed, "priority": -ticket.priority}).encode()
+        rank = -ticket.priority * ENGINE_PRIORITY_SPAN + min(ticket.ahead, ENGINE_PRIORITY_SPAN - 1)
+        return json.dumps({**parsed, "priority": rank}).encode()
 
     def engine_headers(self, request: web.Request, pool: Pool) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -437,7 +444,7 @@ class Gateway:
                     continue
                 return await self._relay(request, backend, upstream)
             finally:
-                pool.release(backend)
+                pool.release(backend, ticket)
                 backend = retry  # type: ignore[assignment]
 
     async def _send(self, backend: Backend, request: web.Request, headers: dict, body: bytes):

@@ -299,7 +299,7 @@ async def test_tenant_keys_authenticate_and_the_engines_get_their_own_key(tmp_pa
             assert r.status == 200
             assert chat.seen[-1]["auth"] == "Bearer engine-secret"  # never the tenant's key
             # the engines schedule by priority: the service's, in vLLM's sense (lower first), not the client's
-            assert chat.seen[-1]["body"]["priority"] == -3
+            assert chat.seen[-1]["body"]["priority"] == -3 * 2**20
             assert config.tenant_keys.tenant_of("sk-b") == "team-b"
         finally:
             await client.close()
@@ -392,10 +392,23 @@ def test_tenant_keys_need_at_least_one_key(tmp_path, line):
             TenantKeys(str(tmp_path))
 
 
-def test_body_priority_is_only_rewritten_for_engines_that_schedule_by_it():
+def test_engine_priority_ranks_the_model_then_the_tenants_requests_already_at_the_engine():
     gw = Gateway(GatewayConfig())
     pool, ticket = gw.pools.pool, Ticket(priority=2)
     body = json.dumps({"model": "m", "priority": 9}).encode()
-    assert gw.engine_body(pool, ticket, body, json.loads(body)) == body
+    assert gw.engine_body(pool, ticket, body, json.loads(body)) == body  # fcfs engines get the client's body
     pool.engine_priority = True
-    assert json.loads(gw.engine_body(pool, ticket, body, json.loads(body)))["priority"] == -2
+
+    def rank(t: Ticket) -> int:
+        return json.loads(gw.engine_body(pool, t, body, json.loads(body)))["priority"]
+
+    gw.backends.replace(["http://e:1"])
+    flood = [Ticket(tenant="a") for _ in range(3)]
+    engines = [pool.pick(t) for t in flood]
+    trickle = Ticket(tenant="b")
+    pool.pick(trickle)
+    assert [rank(t) for t in flood] == [0, 1, 2] and rank(trickle) == 0  # b's first goes before a's third
+    assert rank(Ticket(priority=2)) == -2 * 2**20 < rank(Ticket(priority=0, ahead=5))  # the model's priority first
+    for t, e in zip(flood, engines):
+        pool.release(e, t)
+    assert engines[0].tenants == {"b": 1} and engines[0].inflight == 1
