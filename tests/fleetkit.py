@@ -10,7 +10,9 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
   container port mapping would).
 * Readiness comes from the container's readiness probe path (/readyz, vLLM's /health) and is written to the
   pod's Ready condition, the Deployment's
-  status and one EndpointSlice per pod (a slice holds one port list, and each local pod has its own port).
+  status and one EndpointSlice per pod (a slice holds one port list, and each local pod has its own port) of the
+  engine Service (`engine_service`, or `<deployment>-engines` for every Deployment when it is None), labelled with
+  the Service's labels as the EndpointSlice controller does.
 * A deleted pod turns not-ready/terminating in its EndpointSlice at once, gets SIGTERM (the engine drains its
   in-flight requests) and disappears when the process exits (SIGKILL after the grace period).
 
@@ -71,6 +73,7 @@ class LocalPod:
     port: int
     proc: subprocess.Popen
     log_path: str
+    service: str = ""  # the engine Service whose EndpointSlice lists it
     ready_path: str = "/readyz"
     created: float = field(default_factory=time.monotonic)
     ready: bool = False
@@ -85,7 +88,7 @@ class LocalPod:
 
 
 class Kubelet:
-    def __init__(self, client, cluster, namespace: str, engine_service: str, env: dict | None = None,
+    def __init__(self, client, cluster, namespace: str, engine_service: str | None, env: dict | None = None,
                  interval: float = 0.1):
         self.client = client
         self.cluster = cluster
@@ -173,7 +176,8 @@ class Kubelet:
                                 cwd=tempfile.gettempdir())
         grace = float(template["spec"].get("terminationGracePeriodSeconds") or 30)
         ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")
-        self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace, ready_path=ready_path)
+        self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace, ready_path=ready_path,
+                                   service=self.service or f"{dep['metadata']['name']}-engines")
         self.events.append((time.monotonic(), name, "started"))
         self.client.create("pods", self.ns, {
             "apiVersion": "v1", "kind": "Pod",
@@ -203,7 +207,7 @@ class Kubelet:
                 local.proc.kill()
             if local.proc.poll() is not None:
                 self.events.append((time.monotonic(), name, f"exited {local.proc.returncode}"))
-                self._unpublish(name)
+                self._unpublish(local)
                 self.client.patch("pods", self.ns, name, {"metadata": {"finalizers": None}})
                 del self.pods[name]
             return
@@ -225,9 +229,10 @@ class Kubelet:
             self._publish(local, pod, ready=ready, terminating=False)
 
     def _publish(self, local: LocalPod, pod: dict, ready: bool, terminating: bool) -> None:
+        service = self.client.get("services", self.ns, local.service) or {"metadata": {}}
+        labels = {**(service["metadata"].get("labels") or {}), "kubernetes.io/service-name": local.service}
         body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-                "metadata": {"name": f"{self.service}-{local.name}",
-                             "labels": {"kubernetes.io/service-name": self.service}},
+                "metadata": {"name": f"{local.service}-{local.name}", "labels": labels},
                 "ports": [{"name": "http", "port": local.port, "protocol": "TCP"}],
                 "endpoints": [{"addresses": ["127.0.0.1"],
                                "conditions": {"ready": ready, "serving": ready or terminating,
@@ -239,9 +244,9 @@ class Kubelet:
         else:
             self.client.patch("endpointslices", self.ns, body["metadata"]["name"], {"endpoints": body["endpoints"]})
 
-    def _unpublish(self, pod_name: str) -> None:
+    def _unpublish(self, local: LocalPod) -> None:
         try:
-            self.client.delete("endpointslices", self.ns, f"{self.service}-{pod_name}")
+            self.client.delete("endpointslices", self.ns, f"{local.service}-{local.name}")
         except Exception:
             pass
 

@@ -68,7 +68,9 @@ class Ticket:
     seq: int = 0
     queued: bool = False
     future: asyncio.Future | None = None  # resolved with the engine picked for it, or an exception
-    ahead: int = 0  # requests of the same tenant in flight at its engine when it was sent there
+    # How far its tenant was above its fair share of the engine when it was sent there: (the tenant's requests
+    # there) x (tenants there, itself included) - (all requests there). 0 at the share, negative below it.
+    share: int = 0
 
     def grant(self, result: Any) -> None:
         if self.future is not None and not self.future.done():

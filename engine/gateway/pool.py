@@ -86,8 +86,10 @@ class Pool:
         self.router.record(pick.backend, ticket.hashes, now)
         b = pick.backend
         b.inflight += 1
-        ticket.ahead = b.tenants.get(ticket.tenant, 0)
-        b.tenants[ticket.tenant] = ticket.ahead + 1
+        ahead = b.tenants.get(ticket.tenant, 0)
+        tenants = len(b.tenants) + (0 if ahead else 1)
+        ticket.share = ahead * tenants - sum(b.tenants.values())
+        b.tenants[ticket.tenant] = ahead + 1
         if self.on_pick is not None:
             self.on_pick(pick, time.perf_counter() - started)
         return pick.backend

@@ -67,7 +67,7 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # is never reachable through the platform's entry point.
 SHARED_PATHS = (*ROUTED_PATHS, "/tokenize", "/detokenize")
 KEY_HEADERS = ("authorization", "x-api-key")
-ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span + the tenant's requests ahead at the engine
+ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span + the tenant's excess over its fair share
 
 
 @dataclass
@@ -323,12 +323,14 @@ class Gateway:
     def engine_body(self, pool: Pool, ticket: Ticket, body: bytes, parsed: Any) -> bytes:
         """The body the engine gets: the client's, with an engine priority for engines that schedule by it (vLLM's
         `priority` field: lower runs first), overriding whatever a client put there. The model's priority ranks
-        first (higher spec.priority, lower value); within it, the tenant's requests already at that engine, so a
-        tenant with fewer requests there goes first — the engine then starts a trickle tenant's request within a
-        step while another tenant's long prompts are being prefilled (scheduler.py)."""
+        first (higher spec.priority, lower value); within it, how far the tenant was above its fair share of the
+        engine when the request was sent (Ticket.share): a tenant below its share — a trickle next to a flood —
+        goes before the flood's requests, and the engine then starts it ahead of their remaining prefill
+        (scheduler.py); one tenant alone is always at its share, so its requests keep their arrival order."""
         if not pool.engine_priority or not isinstance(parsed, dict):
             return body
-        rank = -ticket.priority * ENGINE_PRIORITY_SPAN + min(ticket.ahead, ENGINE_PRIORITY_SPAN - 1)
+        half = ENGINE_PRIORITY_SPAN // 2
+        rank = -ticket.priority * ENGINE_PRIORITY_SPAN + max(-half, min(ticket.share, half - 1))
         return json.dumps({**parsed, "priority": rank}).encode()
 
     def engine_headers(self, request: web.Request, pool: Pool) -> dict[str, str]:

@@ -392,7 +392,7 @@ def test_tenant_keys_need_at_least_one_key(tmp_path, line):
             TenantKeys(str(tmp_path))
 
 
-def test_engine_priority_ranks_the_model_then_the_tenants_requests_already_at_the_engine():
+def test_engine_priority_ranks_the_model_then_the_tenants_excess_over_its_fair_share_of_the_engine():
     gw = Gateway(GatewayConfig())
     pool, ticket = gw.pools.pool, Ticket(priority=2)
     body = json.dumps({"model": "m", "priority": 9}).encode()
@@ -407,8 +407,12 @@ def test_engine_priority_ranks_the_model_then_the_tenants_requests_already_at_th
     engines = [pool.pick(t) for t in flood]
     trickle = Ticket(tenant="b")
     pool.pick(trickle)
-    assert [rank(t) for t in flood] == [0, 1, 2] and rank(trickle) == 0  # b's first goes before a's third
-    assert rank(Ticket(priority=2)) == -2 * 2**20 < rank(Ticket(priority=0, ahead=5))  # the model's priority first
+    # a alone is always at its share (first come, first served); b arrives below its share: before all of a's
+    assert [rank(t) for t in flood] == [0, 0, 0] and rank(trickle) == -3
+    second = Ticket(tenant="b")
+    pool.pick(second)
+    assert rank(second) == 1 * 2 - 4  # still below its share while a holds three of five
+    assert rank(Ticket(priority=2)) == -2 * 2**20 < rank(Ticket(priority=0, share=-5))  # the model's priority first
     for t, e in zip(flood, engines):
         pool.release(e, t)
-    assert engines[0].tenants == {"b": 1} and engines[0].inflight == 1
+    assert engines[0].tenants == {"b": 2} and engines[0].inflight == 2
