@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from shoal.engine.gateway.backends import BackendSet
 from shoal.engine.gateway.discovery import KubeAPI, ListWatch, collection_path, ready_urls
 from shoal.engine.gateway.metric_names import BY_RUNTIME
 from shoal.engine.gateway.pool import Pool

@@ -76,7 +76,8 @@ class GatewayMetrics:
         self.registry = r = CollectorRegistry(auto_describe=False)
         self.requests = Counter(P + "requests", "Requests answered, by engine (\"none\" when no engine answered) "
                                 "and HTTP status.", ["backend", "code"], registry=r)
-        self.pick_latency = Histogram(P + "pick_latency_seconds", "Time the router takes to choose an engine.", buckets=PICK_BUCKETS, registry=r)
+        self.pick_latency = Histogram(P + "pick_latency_seconds", "Time the router takes to choose an engine.",
+                                      buckets=PICK_BUCKETS, registry=r)
         self.retries = Counter(P + "retries", "Requests retried on another engine before any byte reached the "
                                "client, by reason.", ["reason"], registry=r)
         self.decisions = Counter(P + "routing_decisions", "Routing decisions: affinity | cold | spill | "

@@ -279,11 +279,7 @@ class Gateway:
             skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        if self.pools.shared:
-            for waker in self._wakers.values():
-                waker._session = self.session
-            for pool in self.pools.all():
-                self._start_polling(pool, getattr(pool, "runtime", "shoal"))
+        if self.pools.shared:  # its pools open (and start polling) as the InferenceServices are listed
             await self.pools.start(self.session)
             return
         if discovery is not None:

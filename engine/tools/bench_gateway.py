@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import random
@@ -101,8 +102,8 @@ def _picks(gw, names: list[str], args, times: list[float] | None = None, hash_ti
 async def bench_pick(args) -> dict:
     # memory first (tracemalloc slows every allocation down), then the timing on a fresh fleet without it; the
     # modules are imported before, so only data is counted
-    from shoal.engine.gateway import fleet, proxy, wake  # noqa: F401
-
+    for module in ("fleet", "proxy", "wake"):
+        importlib.import_module(f"shoal.engine.gateway.{module}")
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     gw, names = _fleet(args)
