@@ -296,12 +296,14 @@ class Fleet:
 
     # ---- the engines' model lists ----------------------------------------------------------------------------
     async def poll_models(self, session: aiohttp.ClientSession) -> None:
-        """Each pool's /v1/models from one ready engine, every models_interval seconds (at once for a pool whose
-        list is missing), all pools concurrently."""
+        """Each pool's /v1/models from one ready engine, every models_interval seconds (soon for a pool whose list
+        is missing), all pools concurrently."""
         while True:
             now = time.monotonic()
+            # a missing list is asked for again every 2 s (an engine that just became ready), others per interval
             due = [(key, pool) for key, pool in self.pools.items() if pool.backends.eligible(now)
-                   and (key not in self.engine_models or now - self._models_polled.get(key, 0) >= self.models_interval)]
+                   and now - self._models_polled.get(key, -1e9) >= (
+                       min(2.0, self.models_interval) if key not in self.engine_models else self.models_interval)]
             for key, _ in due:
                 self._models_polled[key] = now
             if due:

@@ -190,10 +190,6 @@ class Gateway:
     def on_hold(self) -> list:
         return self.pools.pool.on_hold
 
-    @property
-    def router(self):
-        return self.pools.pool.router
-
     # ---- pools -----------------------------------------------------------------------------------------------
     def _new_pool(self, backends: BackendSet, hold_timeout: float, max_inflight: int) -> Pool:
         c = self.config

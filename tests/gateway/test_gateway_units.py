@@ -23,7 +23,8 @@ from shoal.engine.gateway.routing import make_router, prefix_load
 
 
 def test_gateway_imports_no_torch():
-    code = ("import sys, shoal.engine.gateway.cli, shoal.engine.gateway.proxy, shoal.engine.gateway.discovery; "
+    code = ("import sys, shoal.engine.gateway.cli, shoal.engine.gateway.proxy, shoal.engine.gateway.discovery, "
+            "shoal.engine.gateway.fleet, shoal.engine.gateway.wake; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
