@@ -9,13 +9,13 @@ Three sources of truth meet here, each with its own failure mode:
   halting dispatch when every engine looks stalled);
 - the proxy's own outcomes: consecutive failures open the engine's circuit for `circuit_cooldown` seconds.
 
-`BackendSet.wait_for_eligible` lets requests wait (bounded, with a deadline) for an engine to appear, which is
-what holding requests while a fleet scales from zero needs.
+`BackendSet.listeners` are told of every change (an engine appeared or left, a circuit opened, readiness flipped):
+the pool's admission re-checks its waiting requests then (pool.py), which is how a request held while a fleet
+scales from zero goes the moment its first engine is Ready.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -112,7 +112,6 @@ class BackendSet:
     def __init__(self, policy: HealthPolicy | None = None):
         self.policy = policy or HealthPolicy()
         self._backends: dict[str, Backend] = {}
-        self._changed = asyncio.Event()
         self.listeners: list[Callable[[], None]] = []  # told of every change (admission re-checks its queue)
 
     def __len__(self) -> int:
@@ -142,22 +141,6 @@ class BackendSet:
         return sorted(healthy or usable, key=lambda b: b.url)
 
     def notify(self) -> None:
-        """Wake requests waiting for an engine (the set or some engine's state changed)."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        """Tell the listeners that the set or some engine's state changed (waiting requests may go now)."""
         for listener in self.listeners:
             listener()
-
-    async def wait_for_eligible(self, deadline: float, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
-        """Wait until some engine is eligible or `deadline` (monotonic) passes; [] on timeout."""
-        while True:
-            now = time.monotonic()
-            found = self.eligible(now, exclude)
-            if found or now >= deadline:
-                return found
-            event = self._changed
-            try:
-                # Woken by changes; a short cap re-checks circuits whose cooldown has passed.
-                await asyncio.wait_for(event.wait(), min(deadline - now, 0.5))
-            except asyncio.TimeoutError:
-                pass

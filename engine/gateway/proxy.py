@@ -421,7 +421,7 @@ class Gateway:
             tried += (backend,)
             retry: Backend | None = None
             try:
-                upstream = await self._send(backend, request, headers, body)
+                upstream = await self._send(pool, backend, request, headers, body)
                 if upstream == "timeout":  # the engine may still be running it: never a second run elsewhere
                     self.metrics.requests.labels(backend.url, "504").inc()
                     return error_response(504, f"the engine did not answer within {self.config.response_timeout:g}"
@@ -441,7 +441,7 @@ class Gateway:
                 pool.release(backend, ticket)
                 backend = retry  # type: ignore[assignment]
 
-    async def _send(self, backend: Backend, request: web.Request, headers: dict, body: bytes):
+    async def _send(self, pool: Pool, backend: Backend, request: web.Request, headers: dict, body: bytes):
         """The engine's response (headers received), or why it failed: one of RETRY_REASONS (the engine never
         accepted the request; worth one retry elsewhere) or "timeout" (no answer within response_timeout; the
         request is cancelled there, and not retried)."""
@@ -455,7 +455,7 @@ class Gateway:
                                                   allow_redirects=False)
         except aiohttp.ClientConnectorError:
             backend.on_refused(time.monotonic())
-            self.backends.notify()
+            pool.backends.notify()
             reason = "refused"
         except asyncio.TimeoutError:
             if deadline.expired():

@@ -269,6 +269,22 @@ async def test_the_shared_gateway_routes_by_model_lists_every_model_and_hides_wh
             r = await client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"})
             assert r.status == 404
             assert (await client.get("/version")).status == 200
+            # an engine that refuses connections: retried on the service's other engine, and marked not ready
+            from prockit import free_port
+
+            gw.pools.slice_event("ADDED", endpoint_slice("code-engines", f"http://127.0.0.1:{free_port()}"))
+            slices = gw.pools.slices[("team", "code-engines")]
+            slices["code-engines-y"] = {**endpoint_slice("code-engines", code.url),
+                                        "metadata": {"namespace": "team", "name": "code-engines-y",
+                                                     "labels": {"kubernetes.io/service-name": "code-engines"}}}
+            gw.pools.slice_event("ADDED", slices["code-engines-y"])
+            await until(lambda: len(gw.pools.resolve("coder").backends.all()) == 2)
+            (live,) = [b for b in gw.pools.resolve("coder").backends.all() if b.url == code.url]
+            live.inflight += 5  # busy: the router tries the other one first
+            r = await client.post("/v1/completions", json={"model": "coder", "prompt": "x"})
+            live.inflight -= 5
+            assert r.status == 200 and (await r.json())["engine"] == "code"
+            assert gw.metrics.retries.labels("refused")._value.get() == 1
             # a deleted service's models are gone
             gw.pools.isvc_event("DELETED", isvc("code", "coder"))
             r = await client.post("/v1/completions", json={"model": "coder", "prompt": "x"})
