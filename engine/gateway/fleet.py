@@ -314,7 +314,8 @@ class Fleet:
         engines = pool.backends.eligible()
         if not engines:
             return
-        headers = {"Authorization": f"Bearer {pool.engine_key}"} if pool.engine_key else {}
+        secret = self.gateway.engine_key(pool)
+        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         try:
             async with session.get(engines[0].url + "/v1/models", headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=5)) as r:

@@ -46,7 +46,6 @@ class Pool:
     name: str = ""
     served_name: str | None = None
     engine_priority: bool = False  # the engines schedule by priority: tell them the request's (proxy.py)
-    engine_key: str | None = None  # the engines' API key, when the shared gateway knows it
     runtime: str = "shoal"
     # Called (synchronously) when a request starts waiting for an engine to exist: a scale-from-zero hook.
     on_hold: list[Callable[[], None]] = field(default_factory=list)

@@ -218,7 +218,6 @@ class Gateway:
         pool.engine_priority = view.engine_priority or c.engine_priority
         pool.max_inflight = view.max_inflight or c.max_inflight  # engine.maxNumSeqs, else the gateway's flag
         pool.hold_timeout = (c.hold_timeout or view.hold_timeout) if view.hold_timeout else 0.0
-        pool.engine_key = c.engine_keys.key_for(view.namespace, view.name) if c.engine_keys else None
         if view.hold_timeout and pool not in self._wakers:
             from shoal.engine.gateway.wake import Waker
 
@@ -325,13 +324,19 @@ class Gateway:
         rank = -ticket.priority * ENGINE_PRIORITY_SPAN + max(-half, min(ticket.share, half - 1))
         return json.dumps({**parsed, "priority": rank}).encode()
 
+    def engine_key(self, pool: Pool) -> str | None:
+        """The engines' own key of a shared gateway's pool (--engine-keys, read anew when the Secret changes)."""
+        keys = self.config.engine_keys
+        return keys.key_for(pool.namespace, pool.name) if keys is not None and pool.name else None
+
     def engine_headers(self, request: web.Request, pool: Pool) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        if self.pools.shared and (self.tenancy.authenticates or pool.engine_key):
+        key = self.engine_key(pool) if self.pools.shared else None
+        if self.pools.shared and (self.tenancy.authenticates or key):
             # a tenant's key is the gateway's to check, never the engines' to see; the engines get their own
             headers = {k: v for k, v in headers.items() if k.lower() not in KEY_HEADERS}
-            if pool.engine_key:
-                headers["Authorization"] = f"Bearer {pool.engine_key}"
+            if key:
+                headers["Authorization"] = f"Bearer {key}"
         forwarded = request.headers.get("X-Forwarded-For")
         headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else (request.remote or "")
         return headers
