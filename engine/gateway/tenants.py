@@ -51,15 +51,27 @@ def read_key_dir(path: str) -> dict[str, list[str]]:
     return out
 
 
+def _signature(path: str) -> tuple:
+    """What changes when the directory's keys do: its own mtime (Kubernetes swaps the `..data` symlink of a mounted
+    Secret on update) and each file's (an edited file in a plain directory)."""
+    entries = []
+    for name in sorted(os.listdir(path)):
+        try:
+            st = os.stat(os.path.join(path, name))
+        except OSError:
+            continue
+        entries.append((name, st.st_mtime_ns, st.st_size))
+    return os.stat(path).st_mtime_ns, tuple(entries)
+
+
 class KeyDirectory:
-    """A mounted Secret read as {file name: lines}, re-read when the directory changes (Kubernetes swaps the
-    `..data` symlink on update, which changes the directory's mtime)."""
+    """A mounted Secret read as {file name: lines}, re-read when it changes."""
 
     def __init__(self, path: str, reload_interval: float = 5.0):
         self.path = path
         self.reload_interval = reload_interval
         self._checked = 0.0
-        self._mtime: float | None = None
+        self._signature: tuple | None = None
         self.entries: dict[str, list[str]] = {}
         self.reload(strict=True)
 
@@ -67,11 +79,11 @@ class KeyDirectory:
         """Read the directory when it changed; True when it did. A read error keeps the last entries (strict: at
         start-up, where a missing or unreadable directory is the operator's mistake to report)."""
         try:
-            mtime = os.stat(self.path).st_mtime
-            if mtime == self._mtime:
+            signature = _signature(self.path)
+            if signature == self._signature:
                 return False
             self.entries = read_key_dir(self.path)
-            self._mtime = mtime
+            self._signature = signature
             return True
         except OSError as e:
             if strict:

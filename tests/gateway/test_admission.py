@@ -398,6 +398,17 @@ def test_the_gateway_reads_the_served_name_as_the_operator_derives_it():
     assert ServiceView.of({"metadata": {"name": "s"}, "spec": {"gateway": {"enabled": False}}}).engine_service == "s"
 
 
+def test_tenant_keys_follow_their_secret_without_a_restart(tmp_path):
+    (tmp_path / "team-a").write_text("sk-1\n")
+    keys = TenantKeys(str(tmp_path), reload_interval=0)
+    assert keys.tenant_of("sk-1") == "team-a" and keys.tenant_of("sk-2") is None
+    (tmp_path / "team-a").write_text("sk-2\n")  # rotated
+    (tmp_path / "team-b").write_text("sk-b\n")  # a new tenant
+    assert keys.tenant_of("sk-1") is None and keys.tenant_of("sk-2") == "team-a" and keys.tenant_of("sk-b") == "team-b"
+    (tmp_path / "team-b").unlink()
+    assert keys.tenant_of("sk-b") is None
+
+
 @pytest.mark.parametrize("line", ["", "x"])
 def test_tenant_keys_need_at_least_one_key(tmp_path, line):
     (tmp_path / "team").write_text(line)
