@@ -67,7 +67,7 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # is never reachable through the platform's entry point.
 SHARED_PATHS = (*ROUTED_PATHS, "/tokenize", "/detokenize")
 KEY_HEADERS = ("authorization", "x-api-key")
-ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span + the tenant's excess over its fair share
+ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span - how far the tenant is below its fair share
 
 
 @dataclass
@@ -314,14 +314,13 @@ class Gateway:
     def engine_body(self, pool: Pool, ticket: Ticket, body: bytes, parsed: Any) -> bytes:
         """The body the engine gets: the client's, with an engine priority for engines that schedule by it (vLLM's
         `priority` field: lower runs first), overriding whatever a client put there. The model's priority ranks
-        first (higher spec.priority, lower value); within it, how far the tenant was above its fair share of the
-        engine when the request was sent (Ticket.share): a tenant below its share — a trickle next to a flood —
-        goes before the flood's requests, and the engine then starts it ahead of their remaining prefill
-        (scheduler.py); one tenant alone is always at its share, so its requests keep their arrival order."""
+        first (higher spec.priority, lower value); within it, a request whose tenant was below its fair share of
+        the engine when it was sent (Ticket.share < 0: a trickle next to a flood) ranks ahead by as much, so the
+        engine starts it before the flood's remaining prefill (scheduler.py). Every other request ranks 0: they
+        keep their arrival order among themselves (one tenant alone is always at its share)."""
         if not pool.engine_priority or not isinstance(parsed, dict):
             return body
-        half = ENGINE_PRIORITY_SPAN // 2
-        rank = -ticket.priority * ENGINE_PRIORITY_SPAN + max(-half, min(ticket.share, half - 1))
+        rank = -ticket.priority * ENGINE_PRIORITY_SPAN + max(-(ENGINE_PRIORITY_SPAN // 2), min(ticket.share, 0))
         return json.dumps({**parsed, "priority": rank}).encode()
 
     def engine_key(self, pool: Pool) -> str | None:

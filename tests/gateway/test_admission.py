@@ -439,7 +439,10 @@ def test_engine_priority_ranks_the_model_then_the_tenants_excess_over_its_fair_s
     second = Ticket(tenant="b")
     pool.pick(second)
     assert rank(second) == 1 * 2 - 4  # still below its share while a holds three of five
+    third_a = Ticket(tenant="a")
+    pool.pick(third_a)
+    assert third_a.share == 3 * 2 - 5 and rank(third_a) == 0  # above its share: arrival order, never pushed back
     assert rank(Ticket(priority=2)) == -2 * 2**20 < rank(Ticket(priority=0, share=-5))  # the model's priority first
     for t, e in zip(flood, engines):
         pool.release(e, t)
-    assert engines[0].tenants == {"b": 2} and engines[0].inflight == 2
+    assert engines[0].tenants == {"a": 1, "b": 2} and engines[0].inflight == 3
