@@ -1,4 +1,5 @@
-"""`shoal-engine`: serve | demo | download | sync-adapters | bench serve | bench fleet | bench throughput.
+"""`shoal-engine`: serve | demo | download | sync-adapters | bench serve | bench fleet | bench gateway |
+bench throughput.
 
 Flags follow vLLM's names so habits and manifests carry over. Engine options are defined once, as fields of
 EngineConfig / DistributedConfig (shoal.engine.config) marked with a Flag: their flags, defaults, choices and help
@@ -220,6 +221,12 @@ def cmd_bench_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return run_bench(args)
 
 
+def cmd_bench_gateway(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.engine.tools.bench_gateway import run_bench
+
+    return run_bench(args)
+
+
 def cmd_bench_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from shoal.engine.tools import bench_throughput
 
@@ -274,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     sync.set_defaults(func=lambda args, parser: adapter_sync.run(args), parser=sync)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), fleet (gateway routing), "
-                           "throughput (offline)")
+                           "gateway (shared gateway at scale, fairness), throughput (offline)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     bs = bsub.add_parser("serve", help="load-test a running server (like `vllm bench serve`)")
     from shoal.engine.tools.bench_serve import add_bench_serve_args
@@ -287,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_fleet_args(bf)
     bf.set_defaults(func=cmd_bench_fleet, parser=bf)
+    bg = bsub.add_parser("gateway", help="the shared gateway's pick time and memory with many models and adapters, "
+                         "and a trickle tenant's TTFT under another's flood, fairness off and on "
+                         "(shoal.engine.tools.bench_gateway)")
+    from shoal.engine.tools.bench_gateway import add_bench_gateway_args
+
+    add_bench_gateway_args(bg)
+    bg.set_defaults(func=cmd_bench_gateway, parser=bg)
     bt = bsub.add_parser("throughput", help="offline throughput vs transformers (shoal.engine.tools.bench_throughput)",
                          add_help=False)
     bt.add_argument("rest", nargs=argparse.REMAINDER)

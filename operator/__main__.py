@@ -24,6 +24,9 @@ Shoal's own flags (each also settable by its environment variable):
   --peering-lifetime SECONDS  with --peering: how long a replica that died keeps   (SHOAL_PEERING_LIFETIME,
                               leading before a standby takes over (kopf's peer      default 60)
                               lifetime; a clean exit hands over at once)
+  --shared-gateway NS/SA      the shared gateway's namespace and ServiceAccount:   (SHOAL_SHARED_GATEWAY)
+                              every engine NetworkPolicy admits its pods (label
+                              app.kubernetes.io/component=shared-gateway), and it may wake services at zero
 Credentials: in-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config.
 Typical in-cluster command: shoal-operator --standalone -A --liveness=http://0.0.0.0:8080/healthz
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import sys
 
@@ -45,6 +49,7 @@ OWN_FLAGS = {
     "--max-concurrent-upgrades": "SHOAL_MAX_CONCURRENT_UPGRADES",
     "--max-concurrent-scrapes": "SHOAL_MAX_CONCURRENT_SCRAPES",
     "--peering-lifetime": "SHOAL_PEERING_LIFETIME",
+    "--shared-gateway": "SHOAL_SHARED_GATEWAY",
 }
 REPEATABLE = {"--metrics-namespace": "SHOAL_METRICS_NAMESPACES"}
 
@@ -69,6 +74,9 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
         value = env.get(OWN_FLAGS[flag])
         if value is not None and not (value.isdigit() and int(value) >= low):
             raise SystemExit(f"{flag} must be a whole number >= {low}, got {value!r}")
+    if "SHOAL_SHARED_GATEWAY" in env and not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                                                        env["SHOAL_SHARED_GATEWAY"]):
+        raise SystemExit(f"--shared-gateway takes NAMESPACE/SERVICEACCOUNT, got {env['SHOAL_SHARED_GATEWAY']!r}")
     if "--max-gpus-per-node" in [a.split("=")[0] for a in argv]:
         value = int(env["SHOAL_MAX_GPUS_PER_NODE"])
         if value < 1:

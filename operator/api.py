@@ -148,6 +148,7 @@ class EngineOptions(_Model):
     max_loras: int | None = engine_option("max_loras", ge=1, le=1024)
     max_lora_rank: int | None = engine_option("max_lora_rank", ge=1, le=4096)
     max_cpu_loras: int | None = engine_option("max_cpu_loras", ge=1, le=65536)
+    scheduling_policy: Literal["fcfs", "priority"] | None = engine_option("scheduling_policy")
     shutdown_timeout_seconds: int = Field(
         default=900, ge=0, le=21600,
         description="drain budget on SIGTERM (--shutdown-timeout): a replica removed by a scale-down, a rollout or "
@@ -379,6 +380,56 @@ class GatewayOptions(_Model):
                     "429 (--max-buffered-bytes; at least maxBodyBytes)")
 
 
+# ------------------------------------------------------------------- Gateway API Inference Extension (InferencePool)
+# Users whose Gateway (Envoy Gateway, Istio, GKE...) already runs the inference extension's endpoint picker get an
+# InferencePool (inference.networking.k8s.io/v1) selecting the serving engine pods, and optionally an HTTPRoute
+# (gateway.networking.k8s.io/v1) sending this model's requests to it. Field limits follow the published CRDs
+# (gateway-api-inference-extension v1.6.0, gateway-api v1.6.1); render.py says which objects they become.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class EndpointPicker(_Model):
+    name: str = Field(min_length=1, max_length=253, description="the endpoint picker's Service (in this namespace)")
+    port: int = Field(default=9002, ge=1, le=65535, description="its ext-proc (gRPC) port; 9002 is the EPP's")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose", description="what the Gateway does when the picker does not answer: FailClose "
+                                         "refuses the request, FailOpen sends it to any engine of the pool")
+
+
+class GatewayParentRef(_Model):
+    name: str = Field(min_length=1, max_length=253, description="the Gateway")
+    namespace: str | None = Field(default=None, min_length=1, max_length=63, pattern=DNS_LABEL,
+                                  description="the Gateway's namespace (default: this one; another needs the "
+                                              "Gateway's listeners to allow routes from here)")
+    section_name: str | None = Field(default=None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                                     description="a listener of the Gateway")
+
+
+class HTTPRouteOptions(_Model):
+    parent_refs: list[GatewayParentRef] = Field(min_length=1, max_length=32,
+                                                description="the Gateways that serve the route")
+    hostnames: list[Annotated[str, Field(min_length=1, max_length=253,
+                                         pattern=r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*"
+                                                 r"[a-z0-9])?)*$")]] = Field(default_factory=list, max_length=16)
+    match_model_header: bool = Field(
+        default=True,
+        description="route only requests whose X-Gateway-Model-Name header is this service's model (the header "
+                    "the extension's body-based router sets from the request's `model`), so several "
+                    "InferenceServices share one Gateway; false: every request of the route's hostnames")
+
+
+class InferencePoolOptions(_Model):
+    """Render an InferencePool of the serving engine pods (and optionally an HTTPRoute to it) for a Gateway that runs
+    the Gateway API Inference Extension: its endpoint picker then chooses the engine for each request, reading the
+    engines' vllm:* metrics (queue, KV usage, LoRA, cache shape), which Shoal's engine exports. Shoal's own gateway
+    keeps running for clients of the Service <name>."""
+
+    endpoint_picker: EndpointPicker
+    http_route: HTTPRouteOptions | None = Field(default=None, description="also route the Gateway's requests for "
+                                                                         "this model to the pool")
+
+
 class InferenceServiceSpec(_Model):
     runtime: Literal["shoal", "vllm", "sglang"] = Field(  # operator/runtimes.py describes each
         default="shoal",
@@ -411,6 +462,16 @@ class InferenceServiceSpec(_Model):
         description="LoRA adapters served next to the base model (needs engine.enableLora): each pod fetches and "
                     "loads them into its running engine, and unloads the ones removed, without a restart; "
                     "status.adapters reports each adapter's state per replica")
+    # Priority and the inference extension (shared gateway, docs/gateway.md; InferencePool, render.py)
+    priority: int = Field(
+        default=0, ge=-2147483648, le=2147483647,
+        description="how important this model's requests are where they compete for a gateway's capacity (the "
+                    "inference extension's InferenceObjective priority): higher first; under saturation the "
+                    "lowest is shed first (429). Sent to engines that schedule by priority "
+                    "(engine.schedulingPolicy: priority). Applies to the model and its adapters")
+    inference_pool: InferencePoolOptions | None = Field(
+        default=None, description="render an InferencePool (Gateway API Inference Extension) for a Gateway that "
+                                  "already runs the extension's endpoint picker; off by default")
 
     @model_validator(mode="after")
     def _cross_field(self) -> "InferenceServiceSpec":

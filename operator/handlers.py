@@ -38,7 +38,7 @@ from typing import Any, Callable
 import kopf
 
 from shoal.operator import adapters, api, render, rollout, status, upgrade
-from shoal.operator.kube import CHILD_KINDS, KINDS, WATCHED_KINDS, ApiError, Kube, load_configuration
+from shoal.operator.kube import CHILD_KINDS, KINDS, OPTIONAL_KINDS, WATCHED_KINDS, ApiError, Kube, load_configuration
 from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
 from shoal.operator.workqueue import WorkQueue
@@ -64,6 +64,7 @@ def settings_from_env() -> Settings:
         operator_namespace=os.environ.get("SHOAL_OPERATOR_NAMESPACE") or os.environ.get("POD_NAMESPACE") or None,
         metrics_namespaces=tuple(ns.strip() for ns in (os.environ.get("SHOAL_METRICS_NAMESPACES") or "").split(",")
                                  if ns.strip()),
+        shared_gateway=os.environ.get("SHOAL_SHARED_GATEWAY") or None,
     )
 
 
@@ -334,6 +335,12 @@ class Reconciler:
                     # anyway, so replace the StatefulSet; the next pass creates it on the new spec
                     await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
                     _event(isvc, "Normal", "GroupRecreate", message=f"recreating {ck[1]}: {e.message}")
+                    continue
+                if e.status == 404 and ck[0] in OPTIONAL_KINDS:  # its CRD is not installed
+                    group = KINDS[ck[0]][0].split("/")[0]
+                    rejected.append(f"{ck[0]} {ck[1]}: the cluster does not serve {KINDS[ck[0]][1]}.{group}; install "
+                                    "the Gateway API and Gateway API Inference Extension CRDs, or remove "
+                                    "spec.inferencePool")
                     continue
                 if e.status not in REJECTED:
                     raise

@@ -60,6 +60,9 @@ PERMISSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # Events: posted by kopf.event() for transitions; listed (FailedCreate of a StatefulSet, which has no
     # condition for it) only while a group misses pods
     ("", "events", ("list", "create", "patch")),
+    # spec.inferencePool: an InferencePool and an HTTPRoute for a Gateway running the inference extension
+    ("inference.networking.k8s.io", "inferencepools", _CHILD_VERBS),
+    ("gateway.networking.k8s.io", "httproutes", _CHILD_VERBS),
     # kopf: resource discovery follows CRDs as they appear (cluster-wide operators)
     ("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),
 )
@@ -88,10 +91,15 @@ KINDS: dict[str, tuple[str, str]] = {
     "Pod": ("v1", "pods"),
     "EndpointSlice": ("discovery.k8s.io/v1", "endpointslices"),
     "Event": ("v1", "events"),
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes"),
     api.KIND: (api.API_VERSION, api.PLURAL),
 }
+# Kinds of CRDs a cluster may not have (the Gateway API and its inference extension): kopf watches them once they
+# exist; applying one before is refused with a message saying which CRDs to install.
+OPTIONAL_KINDS = ("InferencePool", "HTTPRoute")
 CHILD_KINDS = ("ConfigMap", "PersistentVolumeClaim", "Service", "StatefulSet", "Deployment", "NetworkPolicy",
-               "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding")
+               "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding", *OPTIONAL_KINDS)
 # what the operator watches besides InferenceServices: its children, and the pods of its workloads
 WATCHED_KINDS = (*CHILD_KINDS, "Pod")
 

@@ -79,6 +79,9 @@ class Settings:
     prestop_seconds: int = 5
     run_as_user: int = 1000
     max_concurrent_upgrades: int = 1  # services moved to a new default engine image at once (upgrade.py)
+    # The shared gateway (`shoal-gateway --namespace/-A`, deployed by the chart) as "namespace/serviceaccount": its
+    # pods (component shared-gateway there) reach every engine, and it may wake services that scale from zero.
+    shared_gateway: str | None = None
 
 
 @dataclass(frozen=True)
@@ -673,8 +676,11 @@ def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: S
     http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
     if spec.gateway.enabled:  # clients -> gateway -> engines: only the gateway reaches the engines' API
         peers = [{"podSelector": {"matchLabels": gateway_selector(name)}}]
+        if spec.inference_pool is not None:  # and the extension's Gateway, which sends straight to the engines
+            peers += copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
     else:
         peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
+    peers += shared_gateway_peers(settings)
     rules: list[dict[str, Any]] = [{"from": peers, "ports": http}, *_scraper_rules(spec, settings)]
     if spec.engine.enable_lora and settings.operator_namespace:  # the operator reads the adapter-sync sidecars
         rules.append({"from": [{"namespaceSelector": {"matchLabels": {
@@ -924,6 +930,107 @@ def adapters_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict
     })
 
 
+# ------------------------------------------------------------------------------------------- the shared gateway
+# One `shoal-gateway --namespace/-A` for many InferenceServices (engine/gateway/fleet.py), deployed by the chart and
+# named to the operator by --shared-gateway NAMESPACE/SERVICEACCOUNT: it discovers each service's engines through
+# <name>-engines like the service's own gateway, so it needs the engines' NetworkPolicy to admit its pods, and, for
+# a service that scales from zero, the right to annotate <name>-wake (a RoleBinding to the service's gateway Role,
+# which allows nothing else).
+SHARED_GATEWAY_COMPONENT = "shared-gateway"
+
+
+def _shared_gateway_ref(settings: Settings) -> tuple[str, str] | None:
+    if not settings.shared_gateway:
+        return None
+    namespace, _, account = settings.shared_gateway.partition("/")
+    return namespace, account
+
+
+def shared_gateway_peers(settings: Settings) -> list[dict[str, Any]]:
+    ref = _shared_gateway_ref(settings)
+    if ref is None:
+        return []
+    return [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ref[0]}},
+             "podSelector": {"matchLabels": {L_COMPONENT: SHARED_GATEWAY_COMPONENT}}}]
+
+
+def shared_gateway_access(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> list[dict]:
+    ref = _shared_gateway_ref(settings)
+    if ref is None or not scales_from_zero(spec):
+        return []
+    name = isvc["metadata"]["name"]
+    return [_finish({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                     "metadata": _meta(isvc, f"{name}-shared-gateway", "gateway"),
+                     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": gateway_name(name)},
+                     "subjects": [{"kind": "ServiceAccount", "name": ref[1], "namespace": ref[0]}]})]
+
+
+# ------------------------------------------------------------------------ Gateway API Inference Extension children
+# For a Gateway that runs the inference extension (spec.inferencePool): an InferencePool of the serving engine pods
+# (inference.networking.k8s.io/v1, as published by gateway-api-inference-extension v1.6.0) whose endpoint picker is
+# the user's, and optionally an HTTPRoute (gateway.networking.k8s.io/v1, gateway-api v1.6.1) from the user's
+# Gateway to it. The picker reads the engines' vllm:* metrics, which Shoal's engine exports.
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+HTTP_ROUTE_API = "gateway.networking.k8s.io/v1"
+MODEL_NAME_HEADER = "X-Gateway-Model-Name"  # set from the body's `model` by the extension's body-based router
+
+
+def served_names(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[str]:
+    """The model names this service answers to: its served name and its adapters'."""
+    return [api.served_model_name(isvc["metadata"]["name"], spec), *(a.name for a in spec.adapters)]
+
+
+def inference_pool(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
+    pool = spec.inference_pool
+    assert pool is not None
+    picker = pool.endpoint_picker
+    return _finish({
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _meta(isvc, isvc["metadata"]["name"], "inference-pool"),
+        "spec": {
+            "selector": {"matchLabels": serving_selector(isvc["metadata"]["name"], multi)},
+            "targetPorts": [{"number": ENGINE_PORT}],
+            "endpointPickerRef": {"kind": "Service", "name": picker.name, "port": {"number": picker.port},
+                                  "failureMode": picker.failure_mode},
+        },
+    })
+
+
+def http_route(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    route = spec.inference_pool.http_route if spec.inference_pool else None
+    assert route is not None
+    name = isvc["metadata"]["name"]
+    parents = []
+    for ref in route.parent_refs:
+        parent = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": ref.name}
+        if ref.namespace:
+            parent["namespace"] = ref.namespace
+        if ref.section_name:
+            parent["sectionName"] = ref.section_name
+        parents.append(parent)
+    backend = {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": name}
+    matches = [{"path": {"type": "PathPrefix", "value": "/"},
+                **({"headers": [{"type": "Exact", "name": MODEL_NAME_HEADER, "value": model}]}
+                   if route.match_model_header else {})}
+               for model in served_names(isvc, spec)]
+    rule = {"matches": matches, "backendRefs": [backend],
+            # a whole non-streaming generation, as Shoal's gateway allows (spec.gateway.responseTimeoutSeconds)
+            "timeouts": {"request": f"{spec.gateway.response_timeout_seconds}s"}}
+    body: dict[str, Any] = {"parentRefs": parents, "rules": [rule]}
+    if route.hostnames:
+        body["hostnames"] = list(route.hostnames)
+    return _finish({"apiVersion": HTTP_ROUTE_API, "kind": "HTTPRoute",
+                    "metadata": _meta(isvc, name, "http-route"), "spec": body})
+
+
+def inference_extension_children(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> list[dict]:
+    children = [inference_pool(isvc, spec, multi)]
+    if spec.inference_pool is not None and spec.inference_pool.http_route is not None:
+        children.append(http_route(isvc, spec))
+    return children
+
+
 def chat_template_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
     name = isvc["metadata"]["name"]
     return _finish({
@@ -963,6 +1070,9 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
         children.append(disruption_budget(isvc, spec))
     if spec.gateway.enabled:
         children += gateway_children(isvc, spec, settings, multi)
+        children += shared_gateway_access(isvc, spec, settings)
+    if spec.inference_pool is not None:
+        children += inference_extension_children(isvc, spec, multi)
     selector = pod_selector(name) if not multi else {**pod_selector(name), L_POD_INDEX: "0"}
     return Plan(
         name=name, namespace=namespace, spec=spec, pods_per_replica=pods,

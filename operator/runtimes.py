@@ -116,7 +116,8 @@ class Runtime:
 _SHOAL_OPTIONS: dict[str, Mapping] = {option: shoal_flag(option) for option in (
     "tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching", "attention_backend",
-    "enforce_eager", "quantization", "kv_cache_dtype", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")}
+    "enforce_eager", "quantization", "kv_cache_dtype", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "scheduling_policy")}
 
 SHOAL = Runtime(
     name="shoal", image=None, command=("shoal-engine", "serve"), model_flag="--model", options=_SHOAL_OPTIONS,
@@ -133,7 +134,7 @@ VLLM = Runtime(
         **{o: shoal_flag(o) for o in ("tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len",
                                       "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
                                       "enable_prefix_caching", "enforce_eager", "max_loras", "max_lora_rank",
-                                      "max_cpu_loras")},
+                                      "max_cpu_loras", "scheduling_policy")},
         "enable_lora": switch("--enable-lora", None),
         "attention_backend": choice("--attention-backend", {"auto": None, "flash": "FLASH_ATTN",
                                                             "triton": "TRITON_ATTN", "cpu": "CPU_ATTN"},
@@ -173,6 +174,8 @@ SGLANG = Runtime(
         "enforce_eager": switch("--disable-cuda-graph", None),
         "quantization": choice("--quantization", {"fp8": "fp8"}, "SGLang quantizes online to fp8 only"),
         "kv_cache_dtype": choice("--kv-cache-dtype", {"auto": None, "fp8": "fp8_e4m3"}, ""),
+        "scheduling_policy": choice("--schedule-policy", {"fcfs": "fcfs"},
+                                    "SGLang orders requests by arrival or prompt prefix, not by a request priority"),
     },
     api_key_env=None,  # SGLang takes its key only as --api-key: it would show in the pod spec and /proc/*/cmdline
     startup=Probe("/health", 10, 5), readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),

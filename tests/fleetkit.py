@@ -10,7 +10,9 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
   container port mapping would).
 * Readiness comes from the container's readiness probe path (/readyz, vLLM's /health) and is written to the
   pod's Ready condition, the Deployment's
-  status and one EndpointSlice per pod (a slice holds one port list, and each local pod has its own port).
+  status and one EndpointSlice per pod (a slice holds one port list, and each local pod has its own port) of the
+  engine Service (`engine_service`, or `<deployment>-engines` for every Deployment when it is None), labelled with
+  the Service's labels as the EndpointSlice controller does.
 * A deleted pod turns not-ready/terminating in its EndpointSlice at once, gets SIGTERM (the engine drains its
   in-flight requests) and disappears when the process exits (SIGKILL after the grace period).
 * The adapter-sync sidecar (`shoal-engine sync-adapters`, with engine.enableLora) runs as a second local process
@@ -91,6 +93,7 @@ class LocalPod:
     proc: subprocess.Popen
     log_path: str
     sidecars: list[Sidecar] = field(default_factory=list)
+    service: str = ""  # the engine Service whose EndpointSlice lists it
     ready_path: str = "/readyz"
     created: float = field(default_factory=time.monotonic)
     ready: bool = False
@@ -108,7 +111,7 @@ class LocalPod:
 
 
 class Kubelet:
-    def __init__(self, client, cluster, namespace: str, engine_service: str, env: dict | None = None,
+    def __init__(self, client, cluster, namespace: str, engine_service: str | None, env: dict | None = None,
                  interval: float = 0.1):
         self.client = client
         self.cluster = cluster
@@ -117,7 +120,7 @@ class Kubelet:
         self.env = env or {}
         self.interval = interval
         self.pods: dict[str, LocalPod] = {}
-        self.slice_labels: dict[str, str] | None = None  # the engine Service's, as the EndpointSlice controller copies
+        self.slice_labels: dict[str, dict[str, str]] = {}  # per engine Service, as the EndpointSlice controller copies
         self.events: list[tuple[float, str, str]] = []  # (time, pod, what): started/ready/terminating/exited
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
@@ -200,7 +203,7 @@ class Kubelet:
         pod_spec = copy.deepcopy(template["spec"])
         sidecars = [self._start_sidecar(name, c, pod_spec, port) for c in pod_spec["containers"][1:]]
         self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace, ready_path=ready_path,
-                                   sidecars=sidecars)
+                                   sidecars=sidecars, service=self.service or f"{dep['metadata']['name']}-engines")
         self.events.append((time.monotonic(), name, "started"))
         self.client.create("pods", self.ns, {
             "apiVersion": "v1", "kind": "Pod",
@@ -289,7 +292,7 @@ class Kubelet:
                         sidecar.proc.kill()
                     sidecar.proc.wait(10)
                 self.events.append((time.monotonic(), name, f"exited {local.proc.returncode}"))
-                self._unpublish(name)
+                self._unpublish(local)
                 self.client.patch("pods", self.ns, name, {"metadata": {"finalizers": None}})
                 del self.pods[name]
             return
@@ -315,10 +318,10 @@ class Kubelet:
             self._publish(local, pod, ready=ready, terminating=False)
 
     def _publish(self, local: LocalPod, pod: dict, ready: bool, terminating: bool) -> None:
-        if self.slice_labels is None:
-            self.slice_labels = slice_labels(self.client, self.ns, self.service)
+        if local.service not in self.slice_labels:
+            self.slice_labels[local.service] = slice_labels(self.client, self.ns, local.service)
         body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-                "metadata": {"name": f"{self.service}-{local.name}", "labels": self.slice_labels},
+                "metadata": {"name": f"{local.service}-{local.name}", "labels": self.slice_labels[local.service]},
                 "ports": [{"name": "http", "port": local.port, "protocol": "TCP"}],
                 "endpoints": [{"addresses": ["127.0.0.1"],
                                "conditions": {"ready": ready, "serving": ready or terminating,
@@ -330,9 +333,9 @@ class Kubelet:
         else:
             self.client.patch("endpointslices", self.ns, body["metadata"]["name"], {"endpoints": body["endpoints"]})
 
-    def _unpublish(self, pod_name: str) -> None:
+    def _unpublish(self, local: LocalPod) -> None:
         try:
-            self.client.delete("endpointslices", self.ns, f"{self.service}-{pod_name}")
+            self.client.delete("endpointslices", self.ns, f"{local.service}-{local.name}")
         except Exception:
             pass
 

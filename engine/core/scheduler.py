@@ -6,6 +6,11 @@ A long prompt is spread over several steps (chunked prefill) so decodes keep flo
 dry, the newest (or, under the priority policy, the lowest-priority) running sequence is preempted: its blocks
 are freed and it is recomputed later from its prompt and the tokens it has generated so far.
 
+Under the priority policy a waiting request also goes before the remaining prefill of running requests of a lower
+priority (their decodes still run every step): their next chunks wait until it is admitted. So a request the
+gateway sends with a better priority — a more important model, or a tenant with fewer requests at this engine
+(engine/gateway/proxy.py) — starts within one step even while long prompts of lower priority are being prefilled.
+
 Sliding window: when every layer of the model attends only to its last W keys, a sequence whose next query is at
 position c never reads keys before c - W + 1 again, so after each step the blocks wholly before that point go back
 to the pool. Their block-table entries become 0 (a valid block: kernels never read before a query's window, and
@@ -128,11 +133,21 @@ class Scheduler:
             self.running.sort(key=self._order_key)
             self.waiting = deque(sorted(self.waiting, key=self._order_key))
 
-        # Running sequences in order: running[:i] are scheduled, so the preemption victim (the newest, or the
-        # lowest priority) is always running[-1], never one already scheduled.
+        # Priority: the remaining prefill of running sequences ranked below the best waiting one is deferred until
+        # after it (at most until the end of this step), so a more important arrival is not stuck behind long
+        # prompts already running. Decodes are never deferred.
+        head = self._order_key(self.waiting[0]) if self.policy == "priority" and self.waiting else None
+        deferred: list[Sequence] = []
+
+        # Running sequences in order: running[:i] are scheduled or deferred, so the preemption victim (the newest,
+        # or the lowest priority) is always running[-1], never one already scheduled.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if head is not None and seq.num_tokens - seq.num_computed_tokens > 1 and self._order_key(seq) > head:
+                deferred.append(seq)
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             draft = 0
             if seq.spec_token_ids and seq.num_tokens - seq.num_computed_tokens == 1:
@@ -158,6 +173,8 @@ class Scheduler:
         adapters = {s.lora_id for s in self.running if s.lora_id is not None}
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if deferred and self._order_key(seq) > self._order_key(deferred[0]):
+                break  # the deferred prefills rank before the rest of the queue
             if seq.lora_id is not None and seq.lora_id not in adapters and len(adapters) >= self.max_loras:
                 break  # every adapter slot is taken by running sequences: wait until one frees up
             if not seq.block_ids:
@@ -183,6 +200,19 @@ class Scheduler:
             self.running.append(seq)
             if seq.lora_id is not None:
                 adapters.add(seq.lora_id)
+            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            budget -= n
+
+        # The deferred prefills get what the arrivals left of the budget (no preemption for them: a chunk that
+        # finds no free block waits for the next step).
+        for seq in deferred:
+            if budget <= 0 or out.preempted:
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self._blocks_needed(seq, seq.num_computed_tokens + n)
+            if need > self.pool.num_free:
+                break
+            seq.block_ids += self.pool.allocate(need)
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
         return out

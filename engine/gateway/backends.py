@@ -9,15 +9,16 @@ Three sources of truth meet here, each with its own failure mode:
   halting dispatch when every engine looks stalled);
 - the proxy's own outcomes: consecutive failures open the engine's circuit for `circuit_cooldown` seconds.
 
-`BackendSet.wait_for_eligible` lets requests wait (bounded, with a deadline) for an engine to appear, which is
-what holding requests while a fleet scales from zero needs.
+`BackendSet.listeners` are told of every change (an engine appeared or left, a circuit opened, readiness flipped):
+the pool's admission re-checks its waiting requests then (pool.py), which is how a request held while a fleet
+scales from zero goes the moment its first engine is Ready.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Backend:
     removed: bool = False
     # Counted by this gateway.
     inflight: int = 0
+    tenants: dict[str, int] = field(default_factory=dict)  # in-flight requests per tenant (engine priority)
     # From the poller; `ready` is None until a poll answered.
     ready: bool | None = None
     last_answer: float | None = None  # any poll answer (even "not ready")
@@ -44,6 +46,7 @@ class Backend:
     waiting: float = 0.0
     kv_usage: float = 0.0
     waiting_prefill_tokens: float = 0.0
+    inflight_at_poll: int = 0  # this gateway's in-flight count when the load data was read (occupancy())
     # LoRA adapters (the engine's lora_resident_info / lora_requests_info): loaded ones, how many it keeps loaded
     # (0: LoRA off or unknown), and how many run in its batches now of at most max_loras.
     lora_resident: frozenset[str] = frozenset()
@@ -79,6 +82,15 @@ class Backend:
         return (max(float(self.inflight), self.running + self.waiting) + self.waiting
                 + (1.0 if self.kv_usage >= 0.95 else 0.0))
 
+    def occupancy(self, now: float) -> int:
+        """Requests the engine runs or queues now, for admission (a slot per running sequence): this gateway's own
+        in-flight count, exact and current, plus what others (other gateway replicas, direct clients) had there at
+        the last fresh poll — the engine's running + waiting minus what was ours then. Counting our own requests
+        live means a slot freed here is reused at once, not after the next poll."""
+        if not self.fresh(now):
+            return self.inflight
+        return self.inflight + max(0, int(self.running + self.waiting) - self.inflight_at_poll)
+
     # Outcomes reported by the proxy and the poller.
     def on_success(self) -> None:
         self.failures = 0
@@ -101,7 +113,7 @@ class BackendSet:
     def __init__(self, policy: HealthPolicy | None = None):
         self.policy = policy or HealthPolicy()
         self._backends: dict[str, Backend] = {}
-        self._changed = asyncio.Event()
+        self.listeners: list[Callable[[], None]] = []  # told of every change (admission re-checks its queue)
 
     def __len__(self) -> int:
         return len(self._backends)
@@ -130,20 +142,6 @@ class BackendSet:
         return sorted(healthy or usable, key=lambda b: b.url)
 
     def notify(self) -> None:
-        """Wake requests waiting for an engine (the set or some engine's state changed)."""
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def wait_for_eligible(self, deadline: float, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
-        """Wait until some engine is eligible or `deadline` (monotonic) passes; [] on timeout."""
-        while True:
-            now = time.monotonic()
-            found = self.eligible(now, exclude)
-            if found or now >= deadline:
-                return found
-            event = self._changed
-            try:
-                # Woken by changes; a short cap re-checks circuits whose cooldown has passed.
-                await asyncio.wait_for(event.wait(), min(deadline - now, 0.5))
-            except asyncio.TimeoutError:
-                pass
+        """Tell the listeners that the set or some engine's state changed (waiting requests may go now)."""
+        for listener in self.listeners:
+            listener()

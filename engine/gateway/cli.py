@@ -18,6 +18,7 @@ from shoal.engine.gateway.discovery import EndpointSliceDiscovery, StaticDiscove
 from shoal.engine.gateway.metric_names import RUNTIMES
 from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
 from shoal.engine.gateway.routing import ROUTINGS
+from shoal.engine.gateway.tenants import EngineKeys, TenantKeys
 
 log = logging.getLogger("shoal.gateway")
 
@@ -45,6 +46,16 @@ def positive(kind):
     return parse
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def non_negative(text: str) -> float:
     try:
         value = float(text)
@@ -60,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shoal-gateway",
         description="Inference-aware gateway for shoal-engine replicas: prefix-cache and load-aware routing of "
-                    "the OpenAI routes (/v1/*, /tokenize, /detokenize), SSE passed through unbuffered.")
+                    "the OpenAI routes (/v1/*, /tokenize, /detokenize), SSE passed through unbuffered. With neither "
+                    "--endpoint nor --service it is the shared gateway: one endpoint for every InferenceService of "
+                    "--namespace (or of the cluster, --all-namespaces), routing each request by its `model`.")
     p.add_argument("--host", default=None, help="address to bind (default: every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=None,
@@ -70,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--endpoint", action="append", type=endpoint_url, default=[], metavar="URL",
                      help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
     src.add_argument("--service", help="discover engines from this Kubernetes Service's EndpointSlices")
-    src.add_argument("--namespace", help="the Service's namespace (default: the pod's own namespace)")
+    src.add_argument("--namespace", help="the Service's namespace; alone, the namespace whose InferenceServices the "
+                                          "shared gateway serves (default: the pod's own namespace)")
+    src.add_argument("--all-namespaces", "-A", action="store_true",
+                     help="the shared gateway serves the InferenceServices of every namespace")
     src.add_argument("--runtime", choices=RUNTIMES, default=d.runtime,
                      help="the engines' runtime: their readiness path and load metric names (default: %(default)s)")
     src.add_argument("--port-name", help="the EndpointSlice port to use (default: the first TCP port)")
@@ -91,6 +107,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine's load is at most the least loaded one's + this many requests (default %(default)s)")
     r.add_argument("--prefix-index-size", type=positive(int), default=d.index_size,
                    help="block hashes remembered for affinity (LRU; default %(default)s)")
+    adm = p.add_argument_group("admission: priority and fairness")
+    adm.add_argument("--max-inflight-per-engine", type=non_negative_int, default=d.max_inflight, metavar="N",
+                     help="requests an engine runs or queues at once; more wait in the gateway, dispatched by "
+                          "priority and fairly across tenants as slots free (the shared gateway uses each "
+                          "service's engine.maxNumSeqs when set). 0: no limit, the engines queue (default)")
+    adm.add_argument("--max-queued", type=positive(int), default=d.max_queued,
+                     help="requests waiting for a slot, all models together; beyond, the newest request of the "
+                          "lowest priority below the newcomer's is shed with 429 (default %(default)s)")
+    adm.add_argument("--queue-timeout", type=positive(float), default=d.queue_timeout,
+                     help="seconds a request waits for a slot before 429 (default %(default)s)")
+    adm.add_argument("--engine-priority", action="store_true",
+                     help="the engines run --scheduling-policy priority: send each request an engine priority (the "
+                          "model's priority, then the tenant's requests already at that engine, fewest first). The "
+                          "shared gateway does so for services with engine.schedulingPolicy: priority")
+    adm.add_argument("--tenant-header", metavar="NAME",
+                     help="trust this request header as the tenant's name (set by an authenticating proxy in front; "
+                          "e.g. x-gateway-inference-fairness-id)")
+    adm.add_argument("--tenant-keys", metavar="DIR",
+                     help="shared gateway: a directory with one file per tenant holding its API keys, one per line "
+                          "(a mounted Secret; re-read when it changes); a request's key names its tenant, any "
+                          "other request gets 401")
+    adm.add_argument("--engine-keys", metavar="DIR",
+                     help="shared gateway: the engines' API keys, one file per InferenceService named "
+                          "<namespace>.<name>, sent to its engines instead of the client's key")
+    adm.add_argument("--models-interval", type=positive(float), default=d.models_interval,
+                     help="shared gateway: seconds between polls of each service's /v1/models (adapters loaded at "
+                          "run time) (default %(default)s)")
     auth = p.add_argument_group("authentication")
     auth.add_argument("--api-key", help="the engines' API key: requests without it get 401 from the gateway, before "
                                         "they are held or counted as load (also: $SHOAL_API_KEY, --api-key-file)")
@@ -105,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default %(default)s)")
     rel.add_argument("--hold-timeout", type=non_negative, default=d.hold_timeout,
                      help="seconds a request waits for an engine when none is ready (scale from zero); "
-                          "0 answers 503 at once (default)")
+                          "0 answers 503 at once (default). Shared gateway: services that scale to zero hold for "
+                          "their probes.startupTimeoutSeconds unless this is set")
     rel.add_argument("--wake-configmap", metavar="NAME",
                      help="with --hold-timeout: annotate this ConfigMap (in --namespace; the operator renders "
                           "<inferenceservice>-wake) when requests start waiting, so the operator's autoscaler "
@@ -151,7 +195,19 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
     return os.environ.get("SHOAL_API_KEY") or None
 
 
+def shared_mode(args: argparse.Namespace) -> bool:
+    return not args.endpoint and not args.service
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    shared = shared_mode(args)
+    if not shared and (args.tenant_keys or args.engine_keys):
+        raise ValueError("--tenant-keys and --engine-keys are for the shared gateway (no --endpoint/--service); "
+                         "a per-service gateway checks the engines' own key (--api-key)")
+    if shared and (args.api_key or args.api_key_file or args.wake_configmap or args.runtime != "shoal"):
+        raise ValueError("the shared gateway takes no --api-key, --wake-configmap or --runtime: it reads each "
+                         "InferenceService's runtime and wake-up ConfigMap, and its clients' keys are tenant keys "
+                         "(--tenant-keys)")
     if args.load_factor < 1.0:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
     if args.max_buffered_bytes < args.max_body_bytes:
@@ -167,9 +223,14 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         hold_timeout=args.hold_timeout, retry_after=args.retry_after,
         connect_timeout=args.connect_timeout, response_timeout=args.response_timeout, read_timeout=args.read_timeout,
         poll_interval=args.poll_interval,
-        poll_timeout=args.poll_timeout, api_key=resolve_api_key(args),
+        poll_timeout=args.poll_timeout, api_key=None if shared else resolve_api_key(args),
         health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,
-                            circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown))
+                            circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown),
+        max_inflight=args.max_inflight_per_engine, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
+        tenant_header=args.tenant_header,
+        tenant_keys=TenantKeys(args.tenant_keys) if args.tenant_keys else None,
+        engine_keys=EngineKeys(args.engine_keys) if args.engine_keys else None,
+        models_interval=args.models_interval, engine_priority=args.engine_priority)
 
 
 def own_namespace() -> str | None:
@@ -181,8 +242,9 @@ def own_namespace() -> str | None:
 
 
 async def serve(config: GatewayConfig, discovery, host: str | None, port: int, shutdown_timeout: float,
-                waker=None, metrics_port: int | None = None) -> int:
-    gateway = Gateway(config)
+                waker=None, metrics_port: int | None = None, shared_namespace: str | None = None,
+                shared: bool = False) -> int:
+    gateway = Gateway(config, namespace=shared_namespace, shared=shared)
     if waker is not None:
         try:
             await waker.start()  # credentials now, not on the scale-from-zero path
@@ -209,7 +271,12 @@ async def serve(config: GatewayConfig, discovery, host: str | None, port: int, s
             await metrics_runner.cleanup()
         return 1
     await gateway.start(discovery)
-    log.info("shoal-gateway listening on http://%s:%d, routing %s", host or "0.0.0.0", port, config.routing)
+    if shared:
+        log.info("shoal-gateway listening on http://%s:%d: the InferenceServices of %s, routing %s",
+                 host or "0.0.0.0", port, shared_namespace and f"namespace {shared_namespace}" or "every namespace",
+                 config.routing)
+    else:
+        log.info("shoal-gateway listening on http://%s:%d, routing %s", host or "0.0.0.0", port, config.routing)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -231,13 +298,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if bool(args.endpoint) == bool(args.service):
+    if args.endpoint and args.service:
         parser.error("give the engines either as --endpoint URL (repeatable) or as --service NAME")
+    if args.all_namespaces and (args.endpoint or args.service or args.namespace):
+        parser.error("--all-namespaces is the shared gateway of the whole cluster: no --endpoint, --service or "
+                     "--namespace with it")
     try:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
     namespace = args.namespace or own_namespace()
+    if shared_mode(args):
+        if not namespace and not args.all_namespaces:
+            parser.error("give the engines as --endpoint URL or --service NAME, or serve every InferenceService of "
+                         "--namespace (or --all-namespaces) as the shared gateway")
+        return asyncio.run(serve(config, None, args.host, args.port, args.shutdown_timeout,
+                                 metrics_port=args.metrics_port,
+                                 shared_namespace=None if args.all_namespaces else namespace, shared=True))
     if args.endpoint:
         discovery = StaticDiscovery(args.endpoint)
     else:

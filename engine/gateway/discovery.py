@@ -1,4 +1,5 @@
-"""Where the engines are: fixed `--endpoint` URLs, or a Kubernetes Service's EndpointSlices.
+"""Where the engines are: fixed `--endpoint` URLs, or a Kubernetes Service's EndpointSlices (`ListWatch` is the
+list-then-watch loop, also used by the shared gateway's view of InferenceServices, fleet.py).
 
 EndpointSlices are listed, then watched from the list's resourceVersion (re-listed after a 410 Gone or any
 error, with backoff). Only endpoints whose `conditions.ready` is true (or unset, which Kubernetes defines as
@@ -18,6 +19,7 @@ import logging
 import os
 import ssl
 from dataclasses import dataclass
+from typing import Callable
 from urllib.parse import quote
 
 import aiohttp
@@ -97,6 +99,76 @@ def ready_urls(slices: dict[str, dict], scheme: str = "http", port_name: str | N
     return urls
 
 
+class ListWatch:
+    """List a collection, then watch it from the list's resourceVersion; re-list after a 410 Gone or any error,
+    with backoff, keeping the last known state meanwhile. `reset(items)` gets every list, `event(type, obj)`
+    every ADDED / MODIFIED / DELETED (bookmarks only move the resourceVersion)."""
+
+    def __init__(self, api: KubeAPI, path: str, what: str, label_selector: str | None = None,
+                 watch_timeout: int = 300):
+        self.api = api
+        self.path = path  # e.g. /apis/discovery.k8s.io/v1/namespaces/ns/endpointslices
+        self.what = what  # for logs
+        self.label_selector = label_selector
+        self.watch_timeout = watch_timeout
+
+    def _url(self, **query: str) -> str:
+        params = {"labelSelector": self.label_selector} if self.label_selector else {}
+        params.update(query)
+        return self.api.server + self.path + ("?" + "&".join(f"{k}={quote(v)}" for k, v in params.items())
+                                              if params else "")
+
+    async def run(self, reset: Callable[[list[dict]], None], event: Callable[[str, dict], None]) -> None:
+        backoff = 0.5
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as session:
+            while True:
+                try:
+                    rv = await self._list(session, reset)
+                    backoff = 0.5
+                    await self._watch(session, event, rv)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - keep the last known state and try again
+                    log.warning("%s: %r; retrying in %.1fs", self.what, e, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 10.0)
+
+    async def _list(self, session: aiohttp.ClientSession, reset: Callable[[list[dict]], None]) -> str:
+        async with session.get(self._url(), headers=self.api.headers(), ssl=self.api.ssl_context,
+                               timeout=aiohttp.ClientTimeout(total=30)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"list: HTTP {r.status}: {(await r.text())[:300]}")
+            data = await r.json(content_type=None)
+        reset(data.get("items") or [])
+        return (data.get("metadata") or {}).get("resourceVersion") or ""
+
+    async def _watch(self, session: aiohttp.ClientSession, event: Callable[[str, dict], None], rv: str) -> None:
+        query = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(self.watch_timeout)}
+        if rv:
+            query["resourceVersion"] = rv
+        timeout = aiohttp.ClientTimeout(total=self.watch_timeout + 30, sock_read=self.watch_timeout + 30)
+        async with session.get(self._url(**query), headers=self.api.headers(), ssl=self.api.ssl_context,
+                               timeout=timeout) as r:
+            if r.status != 200:
+                raise RuntimeError(f"watch: HTTP {r.status}: {(await r.text())[:300]}")
+            async for line in r.content:
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                kind, obj = item.get("type"), item.get("object") or {}
+                if kind == "ERROR":
+                    raise RuntimeError(f"watch error: {obj.get('message') or obj}")  # 410 Gone included: relist
+                if kind == "BOOKMARK" or not (obj.get("metadata") or {}).get("name"):
+                    continue
+                event(kind, obj)
+
+
+def collection_path(group_version: str, plural: str, namespace: str | None) -> str:
+    """The API path of a collection, in one namespace or (None) in all of them."""
+    prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+    return f"{prefix}/namespaces/{quote(namespace)}/{plural}" if namespace else f"{prefix}/{plural}"
+
+
 class EndpointSliceDiscovery:
     def __init__(self, service: str, namespace: str, api: KubeAPI | None = None, port_name: str | None = None,
                  watch_timeout: int = 300):
@@ -106,10 +178,6 @@ class EndpointSliceDiscovery:
         self.port_name = port_name
         self.watch_timeout = watch_timeout
         self.slices: dict[str, dict] = {}
-
-    def _url(self) -> str:
-        return (f"{self.api.server}/apis/discovery.k8s.io/v1/namespaces/{quote(self.namespace)}/endpointslices"
-                f"?labelSelector={quote('kubernetes.io/service-name=' + self.service)}")
 
     def _publish(self, backends: BackendSet) -> None:
         urls = ready_urls(self.slices, port_name=self.port_name)
@@ -121,51 +189,19 @@ class EndpointSliceDiscovery:
     async def run(self, backends: BackendSet) -> None:
         if self.api is None:
             self.api = await asyncio.to_thread(KubeAPI.from_environment)
-        backoff = 0.5
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as session:
-            while True:
-                try:
-                    rv = await self._list(session, backends)
-                    backoff = 0.5
-                    await self._watch(session, backends, rv)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - keep the last known set and try again
-                    log.warning("EndpointSlice discovery for %s/%s: %r; retrying in %.1fs", self.namespace,
-                                self.service, e, backoff)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 10.0)
 
-    async def _list(self, session: aiohttp.ClientSession, backends: BackendSet) -> str:
-        async with session.get(self._url(), headers=self.api.headers(), ssl=self.api.ssl_context,
-                               timeout=aiohttp.ClientTimeout(total=30)) as r:
-            if r.status != 200:
-                raise RuntimeError(f"list EndpointSlices: HTTP {r.status}: {(await r.text())[:300]}")
-            data = await r.json(content_type=None)
-        self.slices = {s["metadata"]["name"]: s for s in data.get("items") or []}
-        self._publish(backends)
-        return (data.get("metadata") or {}).get("resourceVersion") or ""
+        def reset(items: list[dict]) -> None:
+            self.slices = {s["metadata"]["name"]: s for s in items}
+            self._publish(backends)
 
-    async def _watch(self, session: aiohttp.ClientSession, backends: BackendSet, rv: str) -> None:
-        url = f"{self._url()}&watch=true&allowWatchBookmarks=true&timeoutSeconds={self.watch_timeout}"
-        if rv:
-            url += f"&resourceVersion={quote(rv)}"
-        timeout = aiohttp.ClientTimeout(total=self.watch_timeout + 30, sock_read=self.watch_timeout + 30)
-        async with session.get(url, headers=self.api.headers(), ssl=self.api.ssl_context, timeout=timeout) as r:
-            if r.status != 200:
-                raise RuntimeError(f"watch EndpointSlices: HTTP {r.status}: {(await r.text())[:300]}")
-            async for line in r.content:
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    raise RuntimeError(f"watch error: {obj.get('message') or obj}")  # 410 Gone included: relist
-                name = (obj.get("metadata") or {}).get("name")
-                if kind == "BOOKMARK" or not name:
-                    continue
-                if kind == "DELETED":
-                    self.slices.pop(name, None)
-                else:
-                    self.slices[name] = obj
-                self._publish(backends)
+        def event(kind: str, obj: dict) -> None:
+            name = obj["metadata"]["name"]
+            if kind == "DELETED":
+                self.slices.pop(name, None)
+            else:
+                self.slices[name] = obj
+            self._publish(backends)
+
+        await ListWatch(self.api, collection_path("discovery.k8s.io/v1", "endpointslices", self.namespace),
+                        f"EndpointSlice discovery for {self.namespace}/{self.service}",
+                        f"kubernetes.io/service-name={self.service}", self.watch_timeout).run(reset, event)

@@ -1,29 +1,32 @@
-"""shoal:gateway_* metrics. Per-engine gauges are read from the backend set at scrape time, so an engine that
-left the set leaves no stale series behind. Every gateway gets its own registry (several can share a process)."""
+"""shoal:gateway_* metrics. Per-engine and per-service gauges are read from the pools at scrape time, so an engine
+(or an InferenceService) that left leaves no stale series behind. Every gateway gets its own registry (several
+can share a process)."""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from shoal.engine.gateway.backends import BackendSet
+if TYPE_CHECKING:
+    from shoal.engine.gateway.proxy import Gateway
 
 P = "shoal:gateway_"
 PICK_BUCKETS = [0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1]
+WAIT_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0]
 
 
-class _BackendCollector:
-    def __init__(self, backends: BackendSet):
-        self.backends = backends
+class _PoolCollector:
+    def __init__(self, gateway: "Gateway"):
+        self.gateway = gateway
 
     def describe(self):
         return []
 
     def collect(self):
         now = time.monotonic()
-        eligible = set(self.backends.eligible(now))
         healthy = GaugeMetricFamily(P + "backend_healthy", "1 when the engine may take new requests.",
                                     labels=["backend"])
         circuit = GaugeMetricFamily(P + "backend_circuit_open", "1 while the engine's circuit breaker is open.",
@@ -32,16 +35,40 @@ class _BackendCollector:
                                      labels=["backend"])
         load = GaugeMetricFamily(P + "backend_load", "The engine's load as the router scores it (requests).",
                                  labels=["backend"])
-        for b in self.backends.all():
-            healthy.add_metric([b.url], 1.0 if b in eligible else 0.0)
-            circuit.add_metric([b.url], 1.0 if b.circuit_open(now) else 0.0)
-            inflight.add_metric([b.url], float(b.inflight))
-            load.add_metric([b.url], b.load(now))
+        queued = GaugeMetricFamily(P + "queued_requests", "Requests waiting for an engine slot (or for an engine "
+                                   "to exist), by priority.", labels=["priority"])
+        service = GaugeMetricFamily(P + "service_requests", "Requests of this gateway per InferenceService (shared "
+                                    "gateway): held (no engine yet), queued (waiting for a slot, held included) "
+                                    "and inflight (at an engine).", labels=["namespace", "inferenceservice", "state"])
+        ready = 0
+        by_priority: dict[int, int] = {}
+        for pool in self.gateway.pools.all():
+            eligible = set(pool.backends.eligible(now))
+            ready += len(eligible)
+            for b in pool.backends.all():
+                healthy.add_metric([b.url], 1.0 if b in eligible else 0.0)
+                circuit.add_metric([b.url], 1.0 if b.circuit_open(now) else 0.0)
+                inflight.add_metric([b.url], float(b.inflight))
+                load.add_metric([b.url], b.load(now))
+            for priority, n in pool.queue.by_priority().items():
+                by_priority[priority] = by_priority.get(priority, 0) + n
+            if pool.name:
+                labels = [pool.namespace, pool.name]
+                service.add_metric(labels + ["held"], float(pool.held))
+                service.add_metric(labels + ["queued"], float(len(pool.queue)))
+                service.add_metric(labels + ["inflight"], float(sum(b.inflight for b in pool.backends.all())))
+        for priority, n in sorted(by_priority.items()):
+            queued.add_metric([str(priority)], float(n))
         yield healthy
         yield circuit
         yield inflight
         yield load
-        yield GaugeMetricFamily(P + "ready_backends", "Engines that may take new requests.", value=len(eligible))
+        yield queued
+        yield GaugeMetricFamily(P + "ready_backends", "Engines that may take new requests.", value=ready)
+        if self.gateway.pools.shared:
+            yield service
+            yield GaugeMetricFamily(P + "models", "Model names the shared gateway routes (base models and "
+                                    "adapters).", value=len(self.gateway.pools.index()))
 
 
 class _EngineLoadCollector:
@@ -57,8 +84,8 @@ class _EngineLoadCollector:
               ("backend_waiting_prefill_tokens", "waiting_prefill_tokens",
                "Prompt tokens waiting for prefill on the engine."))
 
-    def __init__(self, backends: BackendSet):
-        self.backends = backends
+    def __init__(self, gateway: "Gateway"):
+        self.gateway = gateway
 
     def describe(self):
         return []
@@ -66,7 +93,7 @@ class _EngineLoadCollector:
     def collect(self):
         now = time.monotonic()
         families = [(GaugeMetricFamily(P + name, doc, labels=["backend"]), field) for name, field, doc in self.GAUGES]
-        for b in self.backends.all():
+        for b in (b for pool in self.gateway.pools.all() for b in pool.backends.all()):
             if b.fresh(now):
                 for family, field in families:
                     family.add_metric([b.url], float(getattr(b, field)))
@@ -75,12 +102,12 @@ class _EngineLoadCollector:
 
 
 class GatewayMetrics:
-    def __init__(self, backends: BackendSet):
+    def __init__(self, gateway: "Gateway"):
         self.registry = r = CollectorRegistry(auto_describe=False)
         self.requests = Counter(P + "requests", "Requests answered, by engine (\"none\" when no engine answered) "
                                 "and HTTP status.", ["backend", "code"], registry=r)
-        self.pick_latency = Histogram(P + "pick_latency_seconds", "Time to choose an engine (prompt hashing "
-                                      "included).", buckets=PICK_BUCKETS, registry=r)
+        self.pick_latency = Histogram(P + "pick_latency_seconds", "Time the router takes to choose an engine.",
+                                      buckets=PICK_BUCKETS, registry=r)
         self.retries = Counter(P + "retries", "Requests retried on another engine before any byte reached the "
                                "client, by reason.", ["reason"], registry=r)
         self.decisions = Counter(P + "routing_decisions", "Routing decisions: affinity | cold | spill | "
@@ -93,5 +120,8 @@ class GatewayMetrics:
                                 registry=r)
         self.pending = Gauge(P + "pending_requests", "Requests inside the gateway (proxied or held).", registry=r)
         self.held = Gauge(P + "held_requests", "Requests waiting for an engine to become ready.", registry=r)
-        r.register(_BackendCollector(backends))
-        r.register(_EngineLoadCollector(backends))
+        self.queue_wait = Histogram(P + "queue_wait_seconds", "Time from a request's arrival to its dispatch to "
+                                    "an engine, by priority (0 for requests that found a free slot).", ["priority"],
+                                    buckets=WAIT_BUCKETS, registry=r)
+        r.register(_PoolCollector(gateway))
+        r.register(_EngineLoadCollector(gateway))

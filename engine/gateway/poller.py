@@ -109,6 +109,7 @@ class Poller:
             load = scan(text, self.metrics)
             b.running, b.waiting, b.kv_usage = load["running"], load["waiting"], load["kv_usage"]
             b.waiting_prefill_tokens = load["waiting_prefill_tokens"]
+            b.inflight_at_poll = b.inflight
             for key, value in parse_lora(text).items():
                 setattr(b, key, value)
             b.last_ok = now

@@ -1,22 +1,28 @@
 """The gateway's aiohttp app: pick an engine per request and stream its answer back untouched.
 
-Per proxied request:
-  0. authentication: with an API key configured (the engines' key, from the same Secret), a request without it is
-     answered 401 before anything else — it is never held, never counted as load and never wakes the autoscaler;
+One gateway serves one pool (a per-service gateway: `--endpoint` URLs or `--service`) or many (the shared gateway,
+fleet.py: one pool per InferenceService, found by the request's `model`). Per proxied request:
+  0. authentication: with an API key configured (the engines' key, from the same Secret), or with tenant keys (the
+     shared gateway), a request without a valid key is answered 401 before anything else — it is never held,
+     never counted as load and never wakes the autoscaler. The key (or a trusted header) names the tenant;
   1. admission: more than `max_pending` requests inside the gateway → 429; a body over `max_body_bytes` → 413;
      request bodies are kept until the answer starts (for a retry), so their sum is bounded too: a request whose
      body would take the bodies held above `max_buffered_bytes` → 429. Memory is bounded by construction;
-  2. the prompt is rendered and hashed (prefix-load only), the router picks among eligible engines;
-  3. no engine eligible → hold up to `hold_timeout` seconds for one (0: answer at once) → 503 + Retry-After;
-  4. the request goes to the engine with the client's headers (Authorization included: the engines check keys);
-     it is retried once on another engine only while the engine cannot be running it: a refused connection or
-     connect timeout, a connection the engine dropped before answering, or a 429/503 answer (queue full,
-     draining). A non-streaming generation sends nothing until it ends, so the engine's answer may take up to
-     `response_timeout`; past it the request is cut at the engine (which aborts it) and the client gets 504 —
-     never a second run elsewhere;
+  2. the pool: the shared gateway answers an unknown model 404 (listing nothing), a missing one 400;
+  3. the prompt is rendered and hashed (prefix-load only); the pool admits the request (pool.py): at once while
+     an engine has a free slot, else it waits in the pool's queue, by priority and fairly across tenants
+     (admission.py), up to `queue_timeout` (then 429); the lowest priority is shed first (429) when more than
+     `max_queued` requests wait. With no engine at all it is held up to `hold_timeout` (0: at once) → 503 +
+     Retry-After. The router picks the engine among those with a free slot;
+  4. the request goes to the engine with the client's headers (Authorization included: the engines check keys;
+     the shared gateway sends the engines' own key instead of a tenant's); it is retried once on another engine
+     only while the engine cannot be running it: a refused connection or connect timeout, a connection the engine
+     dropped before answering, or a 429/503 answer (queue full, draining). A non-streaming generation sends
+     nothing until it ends, so the engine's answer may take up to `response_timeout`; past it the request is cut
+     at the engine (which aborts it) and the client gets 504 — never a second run elsewhere;
   5. status, headers and body chunks are relayed as they arrive (SSE is never buffered), each within
      `read_timeout` of the previous one; a client that goes away closes the engine connection, which aborts the
-     request there.
+     request there. Its engine slot is then free for the next waiting request.
 """
 
 from __future__ import annotations
@@ -27,19 +33,23 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from shoal.engine import __version__
+from shoal.engine.gateway.admission import Shed, Ticket, request_cost
 from shoal.engine.gateway.backends import Backend, BackendSet, HealthPolicy
 from shoal.engine.gateway.metric_names import for_runtime
 from shoal.engine.gateway.metrics import GatewayMetrics
 from shoal.engine.gateway.poller import Poller
+from shoal.engine.gateway.pool import Pool, Unavailable
 from shoal.engine.gateway.prefix import block_hashes, render_prompt
-from shoal.engine.gateway.routing import make_router
+from shoal.engine.gateway.routing import Pick, PrefixIndex, make_router
+from shoal.engine.gateway.tenants import EngineKeys, Tenancy, TenantKeys
 
 log = logging.getLogger("shoal.gateway")
 
@@ -53,6 +63,11 @@ HOP_BY_HOP = frozenset(h.lower() for h in (
 RETRY_STATUSES = frozenset({429, 503})
 RETRY_REASONS = frozenset({"refused", "connect_timeout", "reset"})  # failures before the engine accepted it
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+# The shared gateway proxies only these (each names its model); engine administration (loading adapters, ...)
+# is never reachable through the platform's entry point.
+SHARED_PATHS = (*ROUTED_PATHS, "/tokenize", "/detokenize")
+KEY_HEADERS = ("authorization", "x-api-key")
+ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span - how far the tenant is below its fair share
 
 
 @dataclass
@@ -77,22 +92,42 @@ class GatewayConfig:
     runtime: str = "shoal"  # the engines' runtime: which readiness path and metric names to read (metric_names.py)
     api_key: str | None = None  # the engines' key: checked here first, so unauthenticated requests cost nothing
     health: HealthPolicy = field(default_factory=HealthPolicy)
+    # Admission (pool.py, admission.py): slots per engine (0: no limit, the engines queue), and the waiting room.
+    max_inflight: int = 0
+    max_queued: int = 1024  # requests waiting for a slot, all pools together; beyond, the lowest priority is shed
+    queue_timeout: float = 60.0  # a request waits this long for a slot, then 429
+    tenant_header: str | None = None  # a header naming the tenant, set by a trusted proxy in front
+    tenant_keys: TenantKeys | None = None  # API key -> tenant (the shared gateway's clients)
+    engine_keys: EngineKeys | None = None  # the engines' keys per InferenceService (the shared gateway)
+    models_interval: float = 10.0  # the shared gateway polls each service's /v1/models this often
+    engine_priority: bool = False  # the engines run --scheduling-policy priority (the shared gateway: per spec)
+
+
+def parse_body(path: str, body: bytes) -> Any:
+    """The JSON body of a request that names a model, or None (malformed JSON is the engine's 400 to answer)."""
+    if path not in SHARED_PATHS or not body:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def model_of(parsed: Any) -> str | None:
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    return model if isinstance(model, str) and model else None
 
 
 def request_model(path: str, body: bytes) -> str | None:
     """The `model` a completion request names (a LoRA adapter routes by residency); None when it names none."""
     if path not in ROUTED_PATHS or not body or b'"model"' not in body:
         return None
-    try:
-        model = json.loads(body).get("model")
-    except (ValueError, AttributeError):
-        return None
-    return model if isinstance(model, str) and model else None
+    return model_of(parse_body(path, body))
 
 
 def error_response(status: int, message: str, type_: str, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+                   headers: dict[str, str] | None = None, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -103,24 +138,133 @@ def authorized(request: web.Request, key: str) -> bool:
     return bool(token) and hmac.compare_digest(token.encode(), key.encode())
 
 
-class _Unavailable(Exception):
-    """No engine could take the request."""
+class StaticPools:
+    """A per-service gateway: one pool, whatever the request's model."""
+
+    shared = False
+
+    def __init__(self, pool: Pool):
+        self.pool = pool
+
+    def resolve(self, model: str | None) -> Pool:
+        return self.pool
+
+    def all(self) -> list[Pool]:
+        return [self.pool]
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, backends: BackendSet | None = None):
+    def __init__(self, config: GatewayConfig, backends: BackendSet | None = None, namespace: str | None = None,
+                 shared: bool = False, kube_api=None):
+        """A per-service gateway (one pool of `backends`), or with `shared` the shared gateway of `namespace`
+        (None: every namespace) whose pools follow the InferenceServices there (fleet.py)."""
         self.config = config
-        self.backends = backends or BackendSet(config.health)
-        self.router = make_router(config.routing, config.load_factor, config.affinity_slack, config.cold_slack,
-                                  config.index_size)
-        self.metrics = GatewayMetrics(self.backends)
+        self.tenancy = Tenancy(config.tenant_keys, config.tenant_header)
+        self.metrics = GatewayMetrics(self)
         self.pending = 0
         self.buffered = 0  # bytes of request bodies reserved by the requests inside
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []
-        # Called (synchronously) when a request starts waiting for an engine: a scale-from-zero hook.
-        self.on_hold: list[Callable[[], None]] = []
+        self._pollers: dict[Pool, tuple[Poller, asyncio.Task]] = {}
+        self._wakers: dict[Pool, Any] = {}
+        self.kube_api = kube_api
+        if shared:
+            from shoal.engine.gateway.fleet import Fleet
+
+            # one prefix index for every model: the memory bound stays index_size hashes, whatever the fleet
+            self.prefix_index = PrefixIndex(config.index_size)
+            self.pools = Fleet(self, namespace, kube_api, config.models_interval)
+        else:
+            self.prefix_index = None
+            pool = self._new_pool(backends or BackendSet(config.health), config.hold_timeout, config.max_inflight)
+            pool.engine_priority = config.engine_priority
+            self.pools = StaticPools(pool)
+
+    # The per-service gateway's one pool (tests and the single-service CLI use these).
+    @property
+    def backends(self) -> BackendSet:
+        return self.pools.pool.backends
+
+    @property
+    def on_hold(self) -> list:
+        return self.pools.pool.on_hold
+
+    # ---- pools -----------------------------------------------------------------------------------------------
+    def _new_pool(self, backends: BackendSet, hold_timeout: float, max_inflight: int) -> Pool:
+        c = self.config
+        router = make_router(c.routing, c.load_factor, c.affinity_slack, c.cold_slack, c.index_size,
+                             index=self.prefix_index)
+        pool = Pool(backends, router, hold_timeout=hold_timeout, max_inflight=max_inflight,
+                    queue_timeout=c.queue_timeout)
+        pool.on_pick = self._observe_pick
+        pool.on_dispatch = self._observe_dispatch
+        pool.on_held = self.metrics.held.inc, self.metrics.held.dec
+        return pool
+
+    def open_pool(self, view) -> Pool:
+        """A pool for an InferenceService of the shared gateway (fleet.ServiceView), polled from now on."""
+        pool = self._new_pool(BackendSet(self.config.health), 0.0, 0)
+        self.configure_pool(pool, view)
+        if self.session is not None:
+            self._start_polling(pool, view.runtime)
+        return pool
+
+    def configure_pool(self, pool: Pool, view) -> None:
+        c = self.config
+        pool.namespace, pool.name, pool.served_name = view.namespace, view.name, view.served_name
+        pool.runtime = view.runtime
+        pool.priority = view.priority
+        pool.engine_priority = view.engine_priority or c.engine_priority
+        pool.max_inflight = view.max_inflight or c.max_inflight  # engine.maxNumSeqs, else the gateway's flag
+        pool.hold_timeout = (c.hold_timeout or view.hold_timeout) if view.hold_timeout else 0.0
+        if view.hold_timeout and pool not in self._wakers:
+            from shoal.engine.gateway.wake import Waker
+
+            waker = Waker(view.namespace, f"{view.name}-wake", api=self.kube_api, session=self.session)
+            self._wakers[pool] = waker
+            pool.on_hold.append(waker)
+        elif not view.hold_timeout and pool in self._wakers:
+            pool.on_hold.remove(self._wakers.pop(pool))
+        pool.pump()  # more slots, or another priority: waiting requests may go now
+
+    def close_pool(self, pool: Pool, error: BaseException) -> None:
+        pool.close(error)
+        poller = self._pollers.pop(pool, None)
+        if poller is not None:
+            poller[1].cancel()
+            asyncio.get_running_loop().create_task(poller[0].close())
+        waker = self._wakers.pop(pool, None)
+        if waker is not None:
+            asyncio.get_running_loop().create_task(waker.close())
+
+    def _start_polling(self, pool: Pool, runtime: str) -> None:
+        poller = Poller(pool.backends, self.session, self.config.poll_interval, self.config.poll_timeout,
+                        metrics=for_runtime(runtime))
+        self._pollers[pool] = (poller, asyncio.create_task(poller.run(), name=f"gateway-poller-{pool.key}"))
+
+    def _observe_pick(self, pick: Pick, seconds: float) -> None:
+        self.metrics.pick_latency.observe(seconds)
+        self.metrics.decisions.labels(pick.decision).inc()
+        if pick.matched_blocks:
+            self.metrics.affinity_hits.inc()
+            self.metrics.matched_chars.inc(pick.matched_blocks * self.config.block_chars)
+
+    def _observe_dispatch(self, ticket: Ticket, waited: float) -> None:
+        self.metrics.queue_wait.labels(str(ticket.priority)).observe(waited)
+
+    def enqueue(self, ticket: Ticket) -> None:
+        """The waiting room is bounded (all pools together): past `max_queued`, the newest request of the lowest
+        priority below this one's is shed to make room, or — none lower — this one is refused."""
+        pools = self.pools.all()
+        if sum(len(p.queue) for p in pools) < self.config.max_queued:
+            return
+        victims = [(v.priority, -v.seq, v, p) for p in pools if (v := p.queue.victim(ticket.priority)) is not None]
+        if not victims:
+            raise Shed("queue_full", f"{self.config.max_queued} requests are waiting for an engine slot")
+        _, _, victim, pool = min(victims, key=lambda x: x[:2])
+        pool.queue.remove(victim)
+        victim.refuse(Shed("shed", "shed for requests of a higher priority while every engine is busy"))
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self, discovery=None) -> None:
@@ -130,74 +274,90 @@ class Gateway:
             skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
+        if self.pools.shared:  # its pools open (and start polling) as the InferenceServices are listed
+            await self.pools.start(self.session)
+            return
         if discovery is not None:
             self.tasks.append(asyncio.create_task(discovery.run(self.backends), name="gateway-discovery"))
-        poller = Poller(self.backends, self.session, self.config.poll_interval, self.config.poll_timeout,
-                        metrics=for_runtime(self.config.runtime))
-        self._poller = poller
-        self.tasks.append(asyncio.create_task(poller.run(), name="gateway-poller"))
+        self._start_polling(self.pools.pool, self.config.runtime)
 
     async def stop(self) -> None:
+        if self.pools.shared:
+            await self.pools.stop()
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self._poller.close()
+        for poller, task in self._pollers.values():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await poller.close()
+        for waker in self._wakers.values():
+            await waker.close()
         if self.session is not None:
             await self.session.close()
 
     def start_draining(self) -> None:
-        """Readiness fails from now on, and requests held for an engine are answered 503 at once."""
+        """Readiness fails from now on, and requests waiting for an engine are answered 503 at once."""
         self.draining = True
-        self.backends.notify()
+        for pool in self.pools.all():
+            pool.start_draining()
 
     # ---- routing ---------------------------------------------------------------------------------------------
-    def prompt_hashes(self, path: str, body: bytes, model: str | None = None) -> list[bytes]:
-        if self.config.routing != "prefix-load" or path not in ROUTED_PATHS or not body:
+    def prompt_hashes(self, path: str, parsed: Any, model: str | None, pool: Pool) -> list[bytes]:
+        if self.config.routing != "prefix-load" or path not in ROUTED_PATHS or parsed is None:
             return []
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            return []  # the engine answers the 400
         text = render_prompt(path, parsed)
-        if text and model and any(model in b.lora_resident for b in self.backends.all()):
+        if text and model and any(model in b.lora_resident for b in pool.backends.all()):
             text = f"{model}\n{text}"  # engines cache each adapter's blocks apart: so does the prefix index
         return block_hashes(text, self.config.block_chars, self.config.max_blocks) if text else []
 
-    async def choose(self, hashes: list[bytes], tried: tuple[Backend, ...], hold: bool,
-                     model: str | None = None) -> Backend:
-        candidates = self.backends.eligible(exclude=tried)
-        if not candidates and hold and self.config.hold_timeout > 0:
-            for hook in self.on_hold:
-                hook()
-            self.metrics.held.inc()
-            deadline = time.monotonic() + self.config.hold_timeout
-            try:
-                # A draining gateway lets its held requests go at once (503 + Retry-After, which clients retry
-                # on another gateway replica, where the hold goes on) instead of cutting them at exit.
-                while not candidates and not self.draining and time.monotonic() < deadline:
-                    candidates = await self.backends.wait_for_eligible(min(deadline, time.monotonic() + 0.5),
-                                                                       exclude=tried)
-            finally:
-                self.metrics.held.dec()
-        if not candidates:
-            raise _Unavailable()
-        start = time.perf_counter()
-        now = time.monotonic()
-        pick = self.router.pick(candidates, hashes, now, model)
-        self.router.record(pick.backend, hashes, now)
-        self.metrics.pick_latency.observe(time.perf_counter() - start)
-        self.metrics.decisions.labels(pick.decision).inc()
-        if pick.matched_blocks:
-            self.metrics.affinity_hits.inc()
-            self.metrics.matched_chars.inc(pick.matched_blocks * self.config.block_chars)
-        return pick.backend
+    def engine_body(self, pool: Pool, ticket: Ticket, body: bytes, parsed: Any) -> bytes:
+        """The body the engine gets: the client's, with an engine priority for engines that schedule by it (vLLM's
+        `priority` field: lower runs first), overriding whatever a client put there. The model's priority ranks
+        first (higher spec.priority, lower value); within it, a request whose tenant was below its fair share of
+        the engine when it was sent (Ticket.share < 0: a trickle next to a flood) ranks ahead by as much, so the
+        engine starts it before the flood's remaining prefill (scheduler.py). Every other request ranks 0: they
+        keep their arrival order among themselves (one tenant alone is always at its share)."""
+        if not pool.engine_priority or not isinstance(parsed, dict):
+            return body
+        rank = -ticket.priority * ENGINE_PRIORITY_SPAN + max(-(ENGINE_PRIORITY_SPAN // 2), min(ticket.share, 0))
+        return json.dumps({**parsed, "priority": rank}).encode()
+
+    def engine_key(self, pool: Pool) -> str | None:
+        """The engines' own key of a shared gateway's pool (--engine-keys, read anew when the Secret changes)."""
+        keys = self.config.engine_keys
+        return keys.key_for(pool.namespace, pool.name) if keys is not None and pool.name else None
+
+    def engine_headers(self, request: web.Request, pool: Pool) -> dict[str, str]:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        key = self.engine_key(pool) if self.pools.shared else None
+        if self.pools.shared and (self.tenancy.authenticates or key):
+            # a tenant's key is the gateway's to check, never the engines' to see; the engines get their own
+            headers = {k: v for k, v in headers.items() if k.lower() not in KEY_HEADERS}
+            if key:
+                headers["Authorization"] = f"Bearer {key}"
+        forwarded = request.headers.get("X-Forwarded-For")
+        headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else (request.remote or "")
+        return headers
 
     # ---- handlers --------------------------------------------------------------------------------------------
-    async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
+    def _authenticate(self, request: web.Request) -> str | None:
+        """The request's tenant, or None: refuse it (401)."""
         if self.config.api_key and not authorized(request, self.config.api_key):
-            self.metrics.rejected.labels("unauthenticated").inc()
-            return error_response(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                                  "invalid_request_error", "invalid_api_key")
+            return None
+        return self.tenancy.identify(request)
+
+    def _unauthenticated(self) -> web.Response:
+        self.metrics.rejected.labels("unauthenticated").inc()
+        return error_response(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                              "invalid_request_error", "invalid_api_key")
+
+    async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._authenticate(request)
+        if tenant is None:
+            return self._unauthenticated()
+        if self.pools.shared and request.path not in SHARED_PATHS:
+            return await self.not_found(request)
         if self.pending >= self.config.max_pending:
             self.metrics.rejected.labels("too_many_pending").inc()
             return error_response(429, f"the gateway has {self.pending} requests pending; retry later",
@@ -215,56 +375,77 @@ class Gateway:
         self.buffered += reserve
         self.metrics.pending.inc()
         try:
-            return await self._forward(request)
+            return await self._forward(request, tenant)
         finally:
             self.pending -= 1
             self.buffered -= reserve
             self.metrics.pending.dec()
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
+    def _unavailable(self) -> web.Response:
+        self.metrics.rejected.labels("no_backend").inc()
+        self.metrics.requests.labels("none", "503").inc()
+        return error_response(503, "no ready backend can serve this request; retry shortly",
+                              "service_unavailable", "no_backend", {"Retry-After": str(self.config.retry_after)})
+
+    async def _forward(self, request: web.Request, tenant: str) -> web.StreamResponse:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             self.metrics.rejected.labels("body_too_large").inc()
             return error_response(413, f"request body exceeds {self.config.max_body_bytes} bytes",
                                   "invalid_request_error", "body_too_large")
-        model = request_model(request.path, body)
-        hashes = self.prompt_hashes(request.path, body, model)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        forwarded = request.headers.get("X-Forwarded-For")
-        headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else (request.remote or "")
+        parsed = parse_body(request.path, body)
+        model = model_of(parsed) if request.path in (SHARED_PATHS if self.pools.shared else ROUTED_PATHS) else None
+        pool = self.pools.resolve(model)
+        if pool is None:  # the shared gateway: the model names which service
+            if parsed is None:
+                return error_response(400, "the request body must be a JSON object naming a `model`",
+                                      "invalid_request_error", "invalid_body")
+            self.metrics.rejected.labels("unknown_model" if model else "no_model").inc()
+            if not model:
+                return error_response(400, "`model` is required: this endpoint serves several models",
+                                      "invalid_request_error", "model_required", param="model")
+            return model_not_found(model)
+        ticket = Ticket(priority=pool.priority, tenant=tenant, cost=request_cost(len(body), parsed), model=model,
+                        hashes=self.prompt_hashes(request.path, parsed, model, pool))
+        try:
+            backend = await pool.admit(ticket, self.enqueue)
+        except Unavailable:
+            return self._unavailable()
+        except Shed as e:
+            self.metrics.rejected.labels(e.reason).inc()
+            return error_response(429, str(e), "rate_limit_error", e.reason,
+                                  {"Retry-After": str(self.config.retry_after)})
+        except LookupError:  # the service was deleted while the request waited (fleet.ModelNotFound)
+            return model_not_found(model or "")
+        body = self.engine_body(pool, ticket, body, parsed)
+        headers = self.engine_headers(request, pool)
         tried: tuple[Backend, ...] = ()
-        for attempt in range(2):
-            last = attempt == 1
-            try:
-                backend = await self.choose(hashes, tried, hold=not tried, model=model)
-            except _Unavailable:
-                break
+        while True:
             tried += (backend,)
-            backend.inflight += 1
+            retry: Backend | None = None
             try:
-                upstream = await self._send(backend, request, headers, body)
+                upstream = await self._send(pool, backend, request, headers, body)
                 if upstream == "timeout":  # the engine may still be running it: never a second run elsewhere
                     self.metrics.requests.labels(backend.url, "504").inc()
                     return error_response(504, f"the engine did not answer within {self.config.response_timeout:g}"
                                                " s; the request was cancelled", "timeout", "engine_timeout")
                 if isinstance(upstream, str):
-                    if not last:
+                    if len(tried) == 1 and (retry := pool.pick(ticket, tried, room=False)) is not None:
                         self.metrics.retries.labels(upstream).inc()
-                    continue
-                if upstream.status in RETRY_STATUSES and not last and self.backends.eligible(exclude=tried):
+                        continue
+                    return self._unavailable()
+                if upstream.status in RETRY_STATUSES and len(tried) == 1 and \
+                        (retry := pool.pick(ticket, tried, room=False)) is not None:
                     self.metrics.retries.labels(f"status_{upstream.status}").inc()
                     upstream.release()
                     continue
                 return await self._relay(request, backend, upstream)
             finally:
-                backend.inflight -= 1
-        self.metrics.rejected.labels("no_backend").inc()
-        self.metrics.requests.labels("none", "503").inc()
-        return error_response(503, "no ready backend can serve this request; retry shortly",
-                              "service_unavailable", "no_backend", {"Retry-After": str(self.config.retry_after)})
+                pool.release(backend, ticket)
+                backend = retry  # type: ignore[assignment]
 
-    async def _send(self, backend: Backend, request: web.Request, headers: dict, body: bytes):
+    async def _send(self, pool: Pool, backend: Backend, request: web.Request, headers: dict, body: bytes):
         """The engine's response (headers received), or why it failed: one of RETRY_REASONS (the engine never
         accepted the request; worth one retry elsewhere) or "timeout" (no answer within response_timeout; the
         request is cancelled there, and not retried)."""
@@ -278,7 +459,7 @@ class Gateway:
                                                   allow_redirects=False)
         except aiohttp.ClientConnectorError:
             backend.on_refused(time.monotonic())
-            self.backends.notify()
+            pool.backends.notify()
             reason = "refused"
         except asyncio.TimeoutError:
             if deadline.expired():
@@ -328,13 +509,32 @@ class Gateway:
         return out
 
     async def readyz(self, request: web.Request) -> web.Response:
-        ready = bool(self.backends.eligible())
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
-        # While it may hold requests (scale from zero), the gateway is ready with no engine at all.
-        if ready or self.config.hold_timeout > 0:
-            return web.json_response({"status": "ready", "backends": len(self.backends.eligible())})
+        engines = sum(len(p.backends.eligible()) for p in self.pools.all())
+        # While it may hold requests (scale from zero), the gateway is ready with no engine at all; so is the
+        # shared gateway, whose models come and go (an unknown one is a 404, not the gateway's failure).
+        if engines or self.config.hold_timeout > 0 or self.pools.shared:
+            return web.json_response({"status": "ready", "backends": engines})
         return web.json_response({"status": "no_ready_backend"}, status=503)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        """The shared gateway's /v1/models: every model of every service it routes to (fleet.Fleet.models)."""
+        if self._authenticate(request) is None:
+            return self._unauthenticated()
+        return web.json_response({"object": "list", "data": self.pools.models()})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        if self._authenticate(request) is None:
+            return self._unauthenticated()
+        model = request.match_info["model"]
+        for card in self.pools.models():
+            if card["id"] == model:
+                return web.json_response(card)
+        return model_not_found(model)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
 
     async def livez(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "alive"})
@@ -355,9 +555,19 @@ def build_metrics_app(gateway: Gateway) -> web.Application:
     return app
 
 
+def model_not_found(model: str) -> web.Response:
+    """OpenAI's answer for an unknown model; it names no other model (those may not be the caller's to see)."""
+    return error_response(404, f"The model `{model}` does not exist.", "invalid_request_error", "model_not_found",
+                          param="model")
+
+
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(client_max_size=gateway.config.max_body_bytes)
     r = app.router
+    if gateway.pools.shared:
+        r.add_get("/v1/models", gateway.list_models)
+        r.add_get("/v1/models/{model}", gateway.get_model)
+        r.add_get("/version", gateway.version)
     for path in ("/v1/{tail:.*}", "/tokenize", "/detokenize", "/version"):
         r.add_route("*", path, gateway.handle_proxy)
     r.add_get("/readyz", gateway.readyz)

@@ -284,7 +284,7 @@ class RotatingMaxScore:
 
 # ---- the routings -----------------------------------------------------------------------------------------------
 def prefix_load(load_factor: float = 1.25, affinity_slack: float = 2.0, cold_slack: float = 1.0,
-                index_size: int = 200_000) -> Router:
+                index_size: int = 200_000, index: PrefixIndex | None = None) -> Router:
     if load_factor < 1.0:
         raise ValueError("load_factor must be >= 1")
     if affinity_slack < 0 or cold_slack < 0:
@@ -297,7 +297,7 @@ def prefix_load(load_factor: float = 1.25, affinity_slack: float = 2.0, cold_sla
         Profile("cold", MaxScore(), [BoundedLoad(load_factor, cold_slack, both=True)],
                 [(LoRAAffinityScorer(), LORA_WEIGHT), (RendezvousScorer(), 1.0)]),
         Profile("cold", MaxScore(), [], [(LoRAAffinityScorer(), LORA_WEIGHT), (LoadScorer(), 1.0)]),
-    ], PrefixIndex(index_size))
+    ], index if index is not None else PrefixIndex(index_size))
 
 
 def least_load(**_options) -> Router:
@@ -314,9 +314,12 @@ ROUTINGS = tuple(ROUTERS)
 
 
 def make_router(name: str, load_factor: float = 1.25, affinity_slack: float = 2.0, cold_slack: float = 1.0,
-                index_size: int = 200_000) -> Router:
+                index_size: int = 200_000, index: PrefixIndex | None = None) -> Router:
+    """`index`: a prefix index shared by several routers (the shared gateway's pools: one bounded index for every
+    model, whose hashes start with the model's name, instead of one per pool)."""
     build = ROUTERS.get(name)
     if build is None:
         raise ValueError(f"unknown routing {name!r}; choose one of {', '.join(ROUTINGS)}")
+    extra = {"index": index} if name == "prefix-load" else {}
     return build(load_factor=load_factor, affinity_slack=affinity_slack, cold_slack=cold_slack,
-                 index_size=index_size)
+                 index_size=index_size, **extra)

@@ -42,7 +42,8 @@ def wake_patch(now: datetime.datetime | None = None) -> dict:
 class Waker:
     """A `Gateway.on_hold` hook: call it (synchronously) whenever a request starts waiting for an engine."""
 
-    def __init__(self, namespace: str, name: str, api: KubeAPI | None = None, min_interval: float = 1.0):
+    def __init__(self, namespace: str, name: str, api: KubeAPI | None = None, min_interval: float = 1.0,
+                 session: aiohttp.ClientSession | None = None):
         self.namespace = namespace
         self.name = name  # the wake-up ConfigMap
         self.api = api
@@ -51,7 +52,8 @@ class Waker:
         self.sent = 0
         self.failed = 0
         self._task: asyncio.Task | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._session = session  # the shared gateway's wakers share one pool of connections (it closes it)
+        self._own_session = session is None
 
     def __call__(self) -> None:
         now = time.monotonic()
@@ -90,5 +92,5 @@ class Waker:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._session is not None:
+        if self._session is not None and self._own_session:
             await self._session.close()

@@ -9,8 +9,11 @@ several servers can live in one process (tests).
 The same values are exported a second time under vLLM's names (`vllm:num_requests_running`, ...; see
 VLLM_ALIASES) for tools that expect them: KEDA scalers, the Gateway API inference extension, production-stack
 and AIBrix routers, existing Grafana dashboards. Shoal's own names stay the reference (its gateway and autoscaler
-read `shoal:`); `vllm:gpu_cache_usage_perc` (vLLM V0's name for KV usage) and `vllm:lora_requests_info` (the
-adapters running and waiting with --enable-lora, none without) are there because such tools read them too.
+read `shoal:`); `vllm:gpu_cache_usage_perc` (vLLM V0's name for KV usage), `vllm:lora_requests_info` (the
+adapters running and waiting with --enable-lora, none without) and `vllm:cache_config_info` (block size and block
+count as labels) are there because such tools read them too: the inference extension's endpoint picker reads
+vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:lora_requests_info and
+vllm:cache_config_info by default.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ VLLM_ALIASES = {
     "request_prompt_tokens": ("request_prompt_tokens",),
     "request_generation_tokens": ("request_generation_tokens",),
     "lora_requests_info": ("lora_requests_info",),
+    "cache_config_info": ("cache_config_info",),
 }
 
 
@@ -92,6 +96,7 @@ class _EngineStatsCollector:
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", get("kv_cache_usage"))
         yield gauge("num_kv_blocks", "Number of blocks in the KV-cache pool.", get("num_kv_blocks"))
         yield gauge("num_free_kv_blocks", "Number of free blocks in the KV-cache pool.", get("num_free_kv_blocks"))
+        yield from self._cache_config(get("num_kv_blocks"))
         yield gauge("engine_healthy", "1 when the engine loop is alive.", 1.0 if self.engine.is_alive() else 0.0)
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
                       get("num_preemptions_total"))
@@ -109,6 +114,19 @@ class _EngineStatsCollector:
                       get("spec_decode_num_accepted_tokens_total"))
 
         yield from self._lora(s)
+
+    def _cache_config(self, num_blocks: float):
+        """vLLM's cache_config_info: the KV cache's shape as label values (value 1). Endpoint pickers' prefix-cache
+        scorers (the Gateway API inference extension's EPP reads vllm:cache_config_info{block_size,num_gpu_blocks})
+        size their model of each engine's cache from it; num_gpu_blocks is the pool's block count on any device."""
+        cfg = getattr(self.engine, "config", None)
+        if cfg is None:
+            return
+        info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"])
+        info.add_metric([str(cfg.block_size), str(int(num_blocks)), str(cfg.kv_cache_dtype),
+                         str(bool(cfg.enable_prefix_caching))], 1.0)
+        yield info
 
     def _lora(self, s):
         """vLLM's lora_requests_info (adapters of running / waiting requests; the value is the snapshot's time) and

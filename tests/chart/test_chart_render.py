@@ -190,6 +190,9 @@ EXPECTED_RULES = {
     ("", "serviceaccounts"): {"list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "roles"): {"list", "watch", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"list", "watch", "create", "patch", "delete"},
+    # spec.inferencePool: the InferencePool and HTTPRoute for a Gateway running the inference extension
+    ("inference.networking.k8s.io", "inferencepools"): {"list", "watch", "create", "patch", "delete"},
+    ("gateway.networking.k8s.io", "httproutes"): {"list", "watch", "create", "patch", "delete"},
 }
 CLUSTER_ONLY_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},

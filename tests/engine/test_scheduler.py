@@ -9,8 +9,9 @@ from shoal.engine.core.sequence import Request, Sequence, SeqStatus
 from shoal.engine.contracts import SamplingParams
 
 
-def _seq(seq_id: int, tokens: list[int]) -> Sequence:
-    request = Request(f"r{seq_id}", None, list(tokens), SamplingParams(), RequestMetrics(arrival_time=float(seq_id)))
+def _seq(seq_id: int, tokens: list[int], priority: int = 0) -> Sequence:
+    request = Request(f"r{seq_id}", None, list(tokens), SamplingParams(), RequestMetrics(arrival_time=float(seq_id)),
+                      priority)
     seq = Sequence(seq_id, request, 0, list(tokens), len(tokens))
     request.seqs.append(seq)
     return seq
@@ -52,6 +53,33 @@ def test_a_sequence_preempts_itself_when_it_is_the_last_one_left_and_nothing_is_
     out = _step(scheduler)
     assert out.scheduled == [] and out.preempted == [seqs[1], seqs[0]]
     assert scheduler.running == [] and pool.num_free == 4
+
+
+def test_priority_lets_an_arrival_go_before_the_remaining_prefill_of_lower_priority_prompts():
+    pool = BlockPool(num_blocks=64, block_size=2, enable_prefix_caching=False)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=8, policy="priority")
+    longs = [_seq(i, list(range(1, 25)), priority=5) for i in range(2)]  # 24-token prompts: 3 steps each
+    background = _seq(2, [1, 2], priority=9)
+    for seq in (background, *longs):
+        scheduler.add(seq)
+    _step(scheduler)  # the lowest priority value first: the long prompts' first chunk
+    _step(scheduler)
+    assert [s.num_computed_tokens for s in longs] == [16, 0] and background.status is SeqStatus.WAITING
+    short = _seq(3, [5, 6, 7], priority=1)
+    scheduler.add(short)
+    out = _step(scheduler)
+    # the arrival's whole prompt first, then what is left of the budget to the deferred prefill
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(short, 3), (longs[0], 5)]
+    out = _step(scheduler)
+    assert out.scheduled[0].seq is short and out.scheduled[0].num_new_tokens == 1  # its decode, every step
+    # fcfs: the running prompt keeps the budget
+    fcfs = Scheduler(BlockPool(num_blocks=64, block_size=2, enable_prefix_caching=False), max_num_seqs=8,
+                     max_num_batched_tokens=8)
+    first = _seq(0, list(range(1, 25)), priority=5)
+    fcfs.add(first)
+    _step(fcfs)
+    fcfs.add(_seq(1, [5, 6, 7], priority=0))
+    assert [s.seq for s in _step(fcfs).scheduled] == [first]
 
 
 def test_published_blocks_are_found_by_a_later_prompt_with_the_same_prefix():

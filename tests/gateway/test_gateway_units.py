@@ -23,7 +23,8 @@ from shoal.engine.gateway.routing import make_router, prefix_load
 
 
 def test_gateway_imports_no_torch():
-    code = ("import sys, shoal.engine.gateway.cli, shoal.engine.gateway.proxy, shoal.engine.gateway.discovery; "
+    code = ("import sys, shoal.engine.gateway.cli, shoal.engine.gateway.proxy, shoal.engine.gateway.discovery, "
+            "shoal.engine.gateway.fleet, shoal.engine.gateway.wake; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
@@ -138,15 +139,14 @@ def test_the_engines_load_is_exported_for_the_autoscaler_while_fresh():
     it cannot scrape itself, e.g. behind a mesh): only fresh data, a missing series means unknown."""
     from prometheus_client import generate_latest
 
-    from shoal.engine.gateway.metrics import GatewayMetrics
     from shoal.operator.autoscaler import gateway_view
 
-    s = BackendSet()
-    s.replace(["http://a:1", "http://b:1"])
-    a, b = sorted(s.all(), key=lambda x: x.url)
+    gw = Gateway(GatewayConfig())
+    gw.backends.replace(["http://a:1", "http://b:1"])
+    a, b = sorted(gw.backends.all(), key=lambda x: x.url)
     a.running, a.waiting, a.kv_usage, a.waiting_prefill_tokens, a.last_ok = 3, 1, 0.5, 120, time.monotonic()
     b.running, b.last_ok, b.inflight = 9, time.monotonic() - 60, 2  # stale: only the gateway's own count
-    view = gateway_view(generate_latest(GatewayMetrics(s).registry).decode())
+    view = gateway_view(generate_latest(gw.metrics.registry).decode())
     assert view.engines == {"http://a:1": {"running": 3, "waiting": 1, "kv_usage": 0.5,
                                            "waiting_prefill_tokens": 120}}
     assert view.in_flight == {"http://a:1": 0, "http://b:1": 2} and view.held == 0
@@ -178,7 +178,11 @@ def test_parse_load_and_ready_urls():
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "either as --endpoint"),
+    ([], "or serve every InferenceService of --namespace (or --all-namespaces)"),
+    (["--namespace", "ns", "--api-key", "k"], "the shared gateway takes no --api-key"),
+    (["--endpoint", "http://a:1", "--tenant-keys", "/tmp"], "--tenant-keys and --engine-keys are for the shared"),
+    (["-A", "--namespace", "ns"], "--all-namespaces is the shared gateway of the whole cluster"),
+    (["--namespace", "ns", "--tenant-keys", "/nonexistent/dir"], "cannot read /nonexistent/dir"),
     (["--endpoint", "localhost:8000"], "not an engine base URL"),
     (["--endpoint", "http://a:1", "--service", "s"], "either as --endpoint"),
     (["--endpoint", "http://a:1", "--load-factor", "0.5"], "--load-factor must be >= 1"),

@@ -436,6 +436,9 @@ def test_vllm_metric_names_mirror_the_shoal_ones(server, client):
     assert metric(m, 'vllm:time_to_first_token_seconds_bucket', le="+Inf") == \
         metric(m, "shoal:time_to_first_token_seconds_count")
     assert metric(m, "vllm:lora_requests_info", max_lora="0", running_lora_adapters="") > 0  # no adapters
+    # the KV cache's shape, as the inference extension's endpoint picker reads it (prefix-cache scorer)
+    blocks = str(int(metric(m, "shoal:num_kv_blocks")))
+    assert metric(m, "vllm:cache_config_info", block_size="16", num_gpu_blocks=blocks) == 1.0
 
 
 # ------------------------------------------------------------------------------------------ disconnect

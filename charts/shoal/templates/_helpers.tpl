@@ -120,6 +120,14 @@ handlers and kopf itself use.
 - apiGroups: [""]
   resources: [events]
   verbs: [list, create, patch]
+# spec.inferencePool: an InferencePool and an HTTPRoute for a Gateway that runs the inference extension (watched
+# once their CRDs exist).
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [list, watch, create, patch, delete]
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [list, watch, create, patch, delete]
 {{- if and .Values.highAvailability.enabled (eq .Values.rbac.scope "namespace") }}
 # kopf peering of the operator replicas (highAvailability): keep-alives in the KopfPeering's status.
 - apiGroups: [kopf.dev]
@@ -161,4 +169,25 @@ matchExpressions:
   - key: app.kubernetes.io/component
     operator: In
     values: [gateway, engines]
+{{- end }}
+
+{{/* The shared gateway (sharedGateway.enabled): its name, labels and ServiceAccount. Its pods carry
+app.kubernetes.io/component: shared-gateway, which every engine NetworkPolicy admits (the operator's
+--shared-gateway). */}}
+{{- define "shoal.sharedGateway.name" -}}
+{{- printf "%s-gateway" (include "shoal.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "shoal.sharedGateway.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "shoal.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: shared-gateway
+{{- end }}
+
+{{- define "shoal.sharedGateway.labels" -}}
+helm.sh/chart: {{ include "shoal.chart" . }}
+{{ include "shoal.sharedGateway.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: shoal
 {{- end }}

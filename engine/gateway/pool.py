@@ -1,0 +1,204 @@
+"""A pool: the engines of one InferenceService (or the `--endpoint` URLs) and the gateway's decisions about them.
+
+A per-service gateway has one pool; the shared gateway (fleet.py) one per InferenceService, each found by the
+request's `model`. A pool owns its backend set, its router (filters -> scorers -> picker, routing.py), the poll
+of its engines, and admission (admission.py):
+
+* with `max_inflight` > 0 (`--max-inflight-per-engine`, or the service's engine.maxNumSeqs in the shared gateway)
+  an engine takes a request while its occupancy (running + queued there, see Backend.occupancy) is below it; a
+  request that finds every engine full waits in the pool's FairQueue and is dispatched, in priority and fair
+  order, the moment a slot frees. 0: no limit (the engines queue), and requests wait only for an engine to exist;
+* with no engine at all, a request waits up to `hold_timeout` (scale from zero: the `on_hold` hooks wake the
+  autoscaler); 0 answers 503 at once.
+
+The engine is picked when the request is admitted (the router runs among the engines with a free slot), so a
+slot is never promised twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shoal.engine.gateway.admission import FairQueue, Shed, Ticket
+from shoal.engine.gateway.backends import Backend, BackendSet
+from shoal.engine.gateway.routing import Pick, Router
+
+log = logging.getLogger("shoal.gateway.pool")
+
+
+class Unavailable(Exception):
+    """No engine could take the request (503 + Retry-After)."""
+
+
+@dataclass(eq=False)
+class Pool:
+    backends: BackendSet
+    router: Router
+    hold_timeout: float = 0.0  # wait this long for an engine when none is ready (0: 503 at once)
+    max_inflight: int = 0  # per engine; 0: no limit
+    queue_timeout: float = 60.0  # how long a request may wait for a free slot
+    priority: int = 0  # of its requests (spec.priority)
+    namespace: str = ""  # the InferenceService's, in the shared gateway
+    name: str = ""
+    served_name: str | None = None
+    engine_priority: bool = False  # the engines schedule by priority: tell them the request's (proxy.py)
+    runtime: str = "shoal"
+    # Called (synchronously) when a request starts waiting for an engine to exist: a scale-from-zero hook.
+    on_hold: list[Callable[[], None]] = field(default_factory=list)
+    queue: FairQueue = field(default_factory=FairQueue)
+    held: int = 0  # requests waiting because no engine exists
+    draining: bool = False
+    # metrics hooks: a routing decision (pick, seconds it took), a dispatch (ticket, seconds it waited), and
+    # (start, end) of a request held for an engine to exist
+    on_pick: Callable[[Pick, float], None] | None = None
+    on_dispatch: Callable[[Ticket, float], None] | None = None
+    on_held: tuple[Callable[[], None], Callable[[], None]] | None = None
+    _pump_task: asyncio.Task | None = None
+
+    def __post_init__(self):
+        self.backends.listeners.append(self.pump)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}" if self.name else ""
+
+    # ---- admission -------------------------------------------------------------------------------------------
+    def _with_room(self, now: float, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
+        eligible = self.backends.eligible(now, exclude)
+        if self.max_inflight <= 0:
+            return eligible
+        return [b for b in eligible if b.occupancy(now) < self.max_inflight]
+
+    def pick(self, ticket: Ticket, exclude: tuple[Backend, ...] = (), *, room: bool = True) -> Backend | None:
+        """Route the request among the engines with a free slot (any eligible one when `room` is False: a retry
+        after a failed first attempt, which already held a slot); the engine's in-flight count is taken here."""
+        started = time.perf_counter()
+        now = time.monotonic()
+        candidates = self._with_room(now, exclude) if room else self.backends.eligible(now, exclude)
+        if not candidates:
+            return None
+        pick = self.router.pick(candidates, ticket.hashes, now, ticket.model)
+        self.router.record(pick.backend, ticket.hashes, now)
+        b = pick.backend
+        b.inflight += 1
+        ahead = b.tenants.get(ticket.tenant, 0)
+        tenants = len(b.tenants) + (0 if ahead else 1)
+        ticket.share = ahead * tenants - sum(b.tenants.values())
+        b.tenants[ticket.tenant] = ahead + 1
+        if self.on_pick is not None:
+            self.on_pick(pick, time.perf_counter() - started)
+        return pick.backend
+
+    async def admit(self, ticket: Ticket, enqueue: Callable[[Ticket], None] | None = None) -> Backend:
+        """The engine that runs this request, its in-flight count already taken: at once while an engine has
+        room and nobody waits before it, else after waiting in the queue. Raises Unavailable (no engine within
+        the hold) or Shed (no slot within queue_timeout, or shed for a more important request).
+        `enqueue(ticket)` is the gateway's bound on waiting requests (it may shed another one, or refuse)."""
+        if self.draining:
+            raise Unavailable()
+        if not self.queue:
+            backend = self.pick(ticket)
+            if backend is not None:
+                self.queue.charge(ticket)
+                self._dispatched(ticket)
+                return backend
+        now = time.monotonic()
+        none = not self.backends.eligible(now)
+        if none and self.hold_timeout <= 0:
+            raise Unavailable()
+        if enqueue is not None:
+            enqueue(ticket)  # may raise Shed
+        future = ticket.future = asyncio.get_running_loop().create_future()
+        self.queue.push(ticket)
+        holding = none
+        if holding:
+            self.held += 1
+            if self.on_held is not None:
+                self.on_held[0]()
+            for hook in self.on_hold:
+                hook()
+        self._ensure_pump()
+        try:
+            await asyncio.wait_for(asyncio.shield(future), self.hold_timeout if none else self.queue_timeout)
+        except asyncio.TimeoutError:
+            pass
+        except asyncio.CancelledError:  # the client left while waiting
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.release(future.result(), ticket)  # granted in the same instant: give the slot back
+            future.cancel()
+            raise
+        finally:
+            self.queue.remove(ticket)
+            if holding:
+                self.held -= 1
+                if self.on_held is not None:
+                    self.on_held[1]()
+        if future.done():
+            return future.result()  # the engine, or the reason it was refused (shed, draining, deleted)
+        future.cancel()  # out of the queue: nothing grants it now
+        if not self.backends.eligible():
+            raise Unavailable()
+        raise Shed("queue_timeout", f"no engine slot freed within {self.queue_timeout:g} s")
+
+    def pump(self) -> None:
+        """Dispatch waiting requests while engines have room, in the queue's order (a slot freed, an engine
+        appeared, load data changed). Draining: everything waiting is answered 503 at once."""
+        if not self.queue:
+            return
+        if self.draining:
+            while (t := self.queue.pop()) is not None:
+                t.refuse(Unavailable())
+            return
+        while (t := self.queue.peek()) is not None:
+            if t.future is not None and t.future.done():  # gone (timeout, client): removed by its own task
+                self.queue.remove(t)
+                continue
+            backend = self.pick(t)
+            if backend is None:
+                return
+            self.queue.pop()
+            self._dispatched(t)
+            t.grant(backend)
+
+    def _dispatched(self, ticket: Ticket) -> None:
+        if self.on_dispatch is not None:
+            self.on_dispatch(ticket, time.monotonic() - ticket.arrived)
+
+    def release(self, backend: Backend, ticket: Ticket) -> None:
+        """A request left the engine (answered, failed, or the client went away): its slot is free."""
+        backend.inflight -= 1
+        left = backend.tenants.get(ticket.tenant, 1) - 1
+        if left > 0:
+            backend.tenants[ticket.tenant] = left
+        else:
+            backend.tenants.pop(ticket.tenant, None)
+        self.pump()
+
+    def _ensure_pump(self) -> None:
+        """While requests wait, re-check now and then too: other gateways' load (from polls) and circuit
+        cooldowns change without an event."""
+        if self._pump_task is None or self._pump_task.done():
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump_while_waiting(),
+                                                                     name=f"admission-{self.key}")
+
+    async def _pump_while_waiting(self) -> None:
+        while self.queue:
+            self.pump()
+            await asyncio.sleep(0.05)
+
+    def start_draining(self) -> None:
+        self.draining = True
+        self.pump()
+
+    def close(self, error: BaseException) -> None:
+        """The pool is gone (its InferenceService was deleted): everything waiting gets `error`."""
+        while (t := self.queue.pop()) is not None:
+            t.refuse(error)
+        if self.pump in self.backends.listeners:
+            self.backends.listeners.remove(self.pump)
+        if self._pump_task is not None:
+            self._pump_task.cancel()

@@ -1,0 +1,87 @@
+"""The chart's shared gateway (sharedGateway.enabled): one OpenAI endpoint for every InferenceService, rendered by
+the real Helm engine, validated against the Kubernetes schemas, least privilege, and wired to the operator."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import helm_python as helm
+import pytest
+
+from chartkit import CHART_DIR, NAMESPACE, by_kind, kube_validate, pretty, render
+
+SHARED = {"sharedGateway": {"enabled": True, "tenantKeysSecret": "tenants", "engineKeysSecret": "engine-keys",
+                            "tenantHeader": "x-gateway-inference-fairness-id", "maxInflightPerEngine": 8}}
+ONE_NAMESPACE = {"sharedGateway": {"enabled": True, "namespace": "models", "service": {"type": "LoadBalancer"}}}
+
+
+def gateway_objects(values):
+    return [o for o in render(values) if o["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+            == "shared-gateway"]
+
+
+def test_off_by_default():
+    assert not gateway_objects(None)
+
+
+@pytest.mark.parametrize("values", [SHARED, ONE_NAMESPACE], ids=["cluster", "namespace"])
+def test_the_shared_gateway_renders_valid_least_privilege_objects(values):
+    objects = gateway_objects(values)
+    assert sorted(o["kind"] for o in objects) == sorted(
+        ["ServiceAccount", "Deployment", "Service", "PodDisruptionBudget",
+         *(["Role", "RoleBinding"] if values is ONE_NAMESPACE else ["ClusterRole", "ClusterRoleBinding"])])
+    for obj in objects:
+        kube_validate(obj)
+    report = helm.lint(str(CHART_DIR), values, strict=True, namespace=NAMESPACE)
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], pretty(report)
+    (role,) = [o for o in objects if o["kind"].endswith("Role")]
+    # it reads InferenceServices and EndpointSlices; waking a service is granted per service by the operator
+    assert role["rules"] == [
+        {"apiGroups": ["serving.shoal.dev"], "resources": ["inferenceservices"], "verbs": ["list", "watch"]},
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
+    if values is ONE_NAMESPACE:
+        assert role["metadata"]["namespace"] == "models"
+    (dep,) = by_kind(objects, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["shoal-gateway"] and c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert ("--namespace=models" if values is ONE_NAMESPACE else "--all-namespaces") in c["args"]
+    (svc,) = by_kind(objects, "Service")
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    # the operator's --shared-gateway names this ServiceAccount, whose pods every engine NetworkPolicy admits
+    operator = [o for o in render(values) if o["kind"] == "Deployment" and o is not dep
+                and o["metadata"]["name"] != dep["metadata"]["name"]][0]
+    (op,) = operator["spec"]["template"]["spec"]["containers"]
+    assert f"--shared-gateway={NAMESPACE}/{pod['serviceAccountName']}" in op["args"]
+    render_mod = importlib.import_module("shoal.operator.render")
+    assert dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == \
+        render_mod.SHARED_GATEWAY_COMPONENT
+
+
+def test_tenant_and_engine_keys_are_mounted_secrets_and_the_arguments_parse():
+    (dep,) = by_kind(gateway_objects(SHARED), "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert {v["name"]: v["secret"]["secretName"] for v in pod["volumes"]} == {"tenant-keys": "tenants",
+                                                                             "engine-keys": "engine-keys"}
+    assert "--tenant-keys=/etc/shoal/tenant-keys" in c["args"] and "--engine-keys=/etc/shoal/engine-keys" in c["args"]
+    cli = importlib.import_module("shoal.engine.gateway.cli")
+    args = cli.build_parser().parse_args(c["args"])
+    assert cli.shared_mode(args) and args.all_namespaces and args.max_inflight_per_engine == 8
+    assert args.tenant_header == "x-gateway-inference-fairness-id"
+
+
+def test_the_operator_accepts_the_shared_gateway_flag(tmp_path):
+    importlib.import_module("shoal.operator.handlers")
+    operator = [o for o in render(SHARED) if o["kind"] == "Deployment"
+                and o["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"][0]
+    (c,) = operator["spec"]["template"]["spec"]["containers"]
+    out = subprocess.run([sys.executable, "-m", "shoal.operator", *c["args"], "--help"], capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    bad = subprocess.run([sys.executable, "-m", "shoal.operator", "--shared-gateway", "nope", "--help"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert bad.returncode != 0 and "NAMESPACE/SERVICEACCOUNT" in bad.stderr
