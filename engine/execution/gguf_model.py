@@ -282,8 +282,7 @@ class GGUFWeightSource:
         rest = [k for k in quantized if k not in kept]
         how = [f"{'/'.join(kept)} kept packed (CPU GGUF kernel)"] if kept else []
         if rest:
-            how.append(f"{'/'.join(rest)} dequantized on load"
-                       + ("" if packed else " (packed GGUF kernels: CPU only)"))
+            how.append(f"{'/'.join(rest)} dequantized on load")
         logger.info("GGUF %s: tensor types %s; %s", self.model_dir.name,
                     ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
                     "; ".join(how) if how else "no quantized tensors")

@@ -83,6 +83,8 @@ def resolve_dtype(choice: str, hf_config, device: torch.device) -> torch.dtype:
 def _gguf_packed(choice: bool | None, device: torch.device) -> bool:
     if choice is None:
         choice = os.environ.get("SHOAL_GGUF_DEQUANTIZE") != "1"
+        if not choice:
+            logger.info("GGUF weights are dequantized on load: SHOAL_GGUF_DEQUANTIZE=1")
     if not choice:
         return False
     from shoal.engine.execution.quantization.gguf import packed_unsupported_reason

@@ -1,5 +1,8 @@
 """`--model FILE.gguf`: config, tokenizer and weights from one GGUF file; transformers' own GGUF loader is the
-oracle (the same file, dequantized by transformers; greedy tokens equal and logprobs close in float32)."""
+oracle (the same file, dequantized by transformers; greedy tokens equal and logprobs close in float32).
+
+These tests read the file dequantized (SHOAL_GGUF_DEQUANTIZE=1), the form transformers computes in exactly; the
+packed kernels' decode steps quantize activations to 8 bits, and test_gguf_packed.py holds them to this path."""
 
 from __future__ import annotations
 
@@ -25,6 +28,11 @@ OPTIONS = dict(dtype="float32", max_model_len=128, block_size=4)
 # K-quants need rows that are multiples of 256 weights: hidden 256, intermediate 512.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
+
+
+@pytest.fixture(autouse=True)
+def dequantized(monkeypatch):
+    monkeypatch.setenv("SHOAL_GGUF_DEQUANTIZE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +83,8 @@ def test_each_tensor_type_matches_transformers_gguf_loader(hf_llama, gguf_dir, q
         check_against_transformers_gguf(path, llm)
     log = caplog.text
     assert f"{qtype} x" in log
-    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"):
-        assert f"{qtype} kept packed" in log  # served by the packed CPU kernel (test_gguf_packed compares both)
-    elif qtype not in ("F32", "F16", "BF16"):
-        assert f"{qtype} dequantized on load" in log  # no packed kernel for this type
+    if qtype not in ("F32", "F16", "BF16"):
+        assert f"{qtype} dequantized on load" in log  # served packed by default: test_gguf_packed compares both
 
 
 def test_config_tokenizer_and_chat_template_come_from_the_file(hf_llama, gguf_dir):

@@ -74,8 +74,8 @@ class GGUFPacked:
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [*ids.shape, cols]: the rows `ids` picks, dequantized (an embedding lookup)."""
-        rows = self.data.index_select(0, ids.reshape(-1))
-        return load_kernels()[0].dequantize(rows, self.type_id, self.cols).reshape(*ids.shape, self.cols)
+        rows = load_kernels()[0].dequantize_rows(self.data, ids.reshape(-1), self.type_id, self.cols)
+        return rows.reshape(*ids.shape, self.cols)
 
 
 class GGUFWeight(QuantizedWeight):
@@ -92,6 +92,9 @@ class GGUFWeight(QuantizedWeight):
         self.rows = sum(s.shape[0] for s in segments)
         self.out = out or self.rows
         self.kernel = f"gguf packed {'+'.join(sorted({s.qtype for s in segments}))} ({load_kernels()[1].split(' (')[0]})"
+        self._op = load_kernels()[0].matmul.default  # resolved once: a decode step calls it per layer
+        self._data = [s.data for s in segments]
+        self._types = [s.type_id for s in segments]
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
@@ -102,16 +105,9 @@ class GGUFWeight(QuantizedWeight):
         raise NotImplementedError("GGUF weights come packed from a .gguf file; they are not built from dense ones")
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        ops = load_kernels()[0]
+        """One kernel call for every segment, the padding rows and the bias; y in x's dtype."""
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        ys = [ops.matmul(x2, s.data, s.type_id, s.cols) for s in self.segments]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-        if self.out > self.rows:
-            y = F.pad(y, (0, self.out - self.rows))
-        y = y.to(x.dtype)
-        if bias is not None:
-            y = y + bias
+        y = self._op(x.reshape(-1, shape[-1]), self._data, self._types, self.in_features, self.out, bias)
         return y.reshape(*shape[:-1], self.out)
 
     def dequantize(self) -> torch.Tensor:

@@ -1,0 +1,456 @@
+// Dot products against GGUF-quantized weight rows kept in ggml's block format, for one CPU tier per build.
+// No torch here: layers/csrc/cpu_gguf.cpp (the matmul op) and layers/csrc/cpu_moe.cpp (packed expert stacks) wrap
+// it, and tests/engine/gguf_kernel_driver.cpp builds it alone for ARM64 to run under emulation.
+//
+// Block layouts (little-endian; d, dmin and m are IEEE fp16):
+//   Q8_0 (34 B / 32): d, int8 q[32]                                      w = d q
+//   Q4_0 (18 B / 32): d, q[16] (low nibbles: weights 0-15, high: 16-31)  w = d (q - 8)
+//   Q4_1 (20 B / 32): d, m, q[16] (the same nibble order)                w = d q + m
+//   Q4_K (144 B / 256): d, dmin, 12 bytes of 6-bit (scale, min) for 8 groups of 32, q[128]; each 32 bytes of q hold
+//                       two groups (low nibbles, then high)              w = d sc q - dmin mn
+//   Q6_K (210 B / 256): ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16] (one per 16 weights), d
+//                                                                        w = d sc (q - 32)
+//
+// Every type is read 32 weights at a time: its quants are unpacked in registers into 32 small integers (two 16-byte
+// vectors; all fit int8: Q4 0..15, Q6_K -32..31, Q8_0 itself) and multiplied with the activations quantized to int8
+// per group of 32 (see quantize_row), an exact integer dot product scaled once per group (per 16 for Q6_K).
+//
+// The vector layer has one implementation per ISA, chosen by the build's flags (engine/execution/cpu_features.py):
+// AVX2 (vpmaddubsw), AVX-512 with VNNI (vpdpbusd), NEON (widening multiply-accumulate; vdot where the build has
+// dotprod; also the SVE tier's build) and portable loops for everything else. The integer sums are exact on every
+// tier; only the float accumulation order differs.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define SHOAL_GGUF_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SHOAL_GGUF_AVX2 1
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+#define SHOAL_GGUF_NEON 1
+#endif
+
+namespace shoal_gguf {
+
+enum QType : int { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // ggml's type ids
+
+struct Format {
+  int block;  // weights per block
+  int bytes;  // bytes per block
+};
+
+// {0, 0} for a type this file does not run.
+inline Format format_of(int qtype) {
+  switch (qtype) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q6_K: return {256, 210};
+  }
+  return {0, 0};
+}
+
+inline float fp16_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+  __fp16 v;
+  std::memcpy(&v, &h, 2);
+  return static_cast<float>(v);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return fp16_to_float(v);
+}
+
+// The 6-bit scale and min of Q4_K group j (0..7) from its 12 packed bytes.
+inline void q4k_scale_min(int j, const uint8_t* s, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// One block into out[block], rounded exactly as the gguf package's dequantization (the tests' reference).
+inline void dequantize_block(int qtype, const uint8_t* b, float* out) {
+  switch (qtype) {
+    case Q8_0: {
+      const float d = half_at(b);
+      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+      for (int j = 0; j < 32; ++j) out[j] = d * q[j];
+      return;
+    }
+    case Q4_0:
+    case Q4_1: {
+      const float d = half_at(b);
+      const float c = qtype == Q4_1 ? half_at(b + 2) : -8.0f * d;
+      const uint8_t* q = b + (qtype == Q4_1 ? 4 : 2);
+      for (int j = 0; j < 16; ++j) {
+        out[j] = d * (q[j] & 0x0F) + c;
+        out[j + 16] = d * (q[j] >> 4) + c;
+      }
+      return;
+    }
+    case Q4_K: {
+      const float d = half_at(b), dmin = half_at(b + 2);
+      const uint8_t* q = b + 16;
+      for (int j = 0; j < 8; j += 2, q += 32) {
+        int sc0, mn0, sc1, mn1;
+        q4k_scale_min(j, b + 4, &sc0, &mn0);
+        q4k_scale_min(j + 1, b + 4, &sc1, &mn1);
+        const float d0 = d * sc0, m0 = dmin * mn0, d1 = d * sc1, m1 = dmin * mn1;
+        for (int l = 0; l < 32; ++l) {
+          out[j * 32 + l] = d0 * (q[l] & 0x0F) - m0;
+          out[j * 32 + 32 + l] = d1 * (q[l] >> 4) - m1;
+        }
+      }
+      return;
+    }
+    case Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half_at(b + 208);
+      for (int half = 0; half < 2; ++half, out += 128, ql += 64, qh += 32, sc += 8) {
+        for (int l = 0; l < 32; ++l) {
+          const int is = l / 16;
+          out[l] = d * sc[is] * (((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+          out[l + 32] = d * sc[is + 2] * (((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+          out[l + 64] = d * sc[is + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+          out[l + 96] = d * sc[is + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+      }
+      return;
+    }
+  }
+}
+
+// -------------------------------------------------------------------------------------- 8-bit activations
+// Decode-sized batches quantize each activation row to int8 per group of 32, as llama.cpp's q8 blocks (and vLLM's
+// GGUF decode kernels) do: q = round(x / d) with d = max|x| / 127, so every weight group's dot product is an exact
+// integer sum, scaled once by (weight scale) * d. The rounding error is at most d / 2 per activation, which bounds
+// a row's error by sum over groups of d_g / 2 * sum |w| (the tests check exactly that). Offsets that do not depend
+// on the weight (Q4_1's m, Q4_K's dmin mn) multiply the group's exact float sum instead.
+
+struct QRows {     // MR activation rows, quantized
+  const int8_t* q;  // [MR, ld * 32] int8
+  const float* d;   // [MR, ld] scale per group of 32
+  const float* sum; // [MR, ld] exact float sum per group of 32
+  int64_t ld;       // groups per row (K / 32)
+};
+
+// One row of K activations (K a multiple of 32) into q[K], d[K / 32], sum[K / 32]. Plain loops: every tier rounds
+// identically (nearest, ties to even), so the integer sums are the same on every CPU.
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* sum) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const float* xg = x + g * 32;
+    float amax = 0.0f, s = 0.0f;
+    for (int j = 0; j < 32; ++j) {
+      const float a = xg[j] < 0 ? -xg[j] : xg[j];
+      amax = a > amax ? a : amax;
+      s += xg[j];
+    }
+    const float dg = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < 32; ++j) q[g * 32 + j] = static_cast<int8_t>(__builtin_nearbyintf(xg[j] * inv));
+    d[g] = dg;
+    sum[g] = s;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ vector layer
+// B16: 16 bytes; a weight group is two of them (weights 0-15, 16-31) holding small integers.
+//   ld16(p) | lo4(v) = v & 15 | hi4(v) = v >> 4 | bits2<S>(v) = (v >> S) & 3 | or_shl4(a, b) = a | b << 4 (b <= 3)
+//   sub(v, k) (bytes)
+// VI: the integer products of one group with 32 int8 activations, summed into lanes (the first half of the lanes
+// from weights 0-15): dot_us(lo, hi, x) for weights 0..127, dot_ss for signed weights.
+// VF: float accumulator. fmadd(s, v, acc) = acc + s * v; fmadd2(s0, s1, v, acc) scales the two halves apart (Q6_K's
+// scale per 16 weights); hsum(acc).
+
+#if defined(SHOAL_GGUF_AVX512) || defined(SHOAL_GGUF_AVX2)
+// 256-bit integer code on both x86 tiers: with AVX512-VNNI (the avx512_bf16 and amx tiers) vpdpbusd does a group's
+// multiply-adds in one instruction, at 256 bits (AVX512-VL) where three ports run it rather than two.
+using B16 = __m128i;
+using VI = __m256i;
+using VF = __m256;
+inline B16 ld16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline B16 lo4(B16 v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
+inline B16 hi4(B16 v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
+template <int S>
+inline B16 bits2(B16 v) { return _mm_and_si128(_mm_srli_epi16(v, S), _mm_set1_epi8(3)); }
+inline B16 or_shl4(B16 a, B16 b) { return _mm_or_si128(a, _mm_slli_epi16(b, 4)); }  // b <= 3: no carry across bytes
+inline B16 sub(B16 v, int8_t k) { return _mm_sub_epi8(v, _mm_set1_epi8(k)); }
+inline __m256i u8s8(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));  // pairs <= 2 * 128 * 127: no saturation
+#endif
+}
+inline VI dot_us(B16 lo, B16 hi, const int8_t* x) {
+  return u8s8(_mm256_set_m128i(hi, lo), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+inline VI dot_ss(B16 lo, B16 hi, const int8_t* x) {  // |w| x sign(w): the unsigned operand must be the weight
+  const __m256i w = _mm256_set_m128i(hi, lo);
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+}
+inline VF vzero() { return _mm256_setzero_ps(); }
+inline VF fmadd(float s, VI v, VF acc) { return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(v), acc); }
+inline VF fmadd2(float s0, float s1, VI v, VF acc) {
+  return _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), _mm256_cvtepi32_ps(v), acc);
+}
+inline float hsum(VF v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr const char* kIsa = "avx512-vnni";
+#elif defined(SHOAL_GGUF_AVX512)
+constexpr const char* kIsa = "avx512";
+#else
+constexpr const char* kIsa = "avx2";
+#endif
+
+#elif defined(SHOAL_GGUF_NEON)
+using B16 = uint8x16_t;
+struct VI { int32x4_t lo, hi; };
+using VF = float32x4_t;
+inline B16 ld16(const uint8_t* p) { return vld1q_u8(p); }
+inline B16 lo4(B16 v) { return vandq_u8(v, vdupq_n_u8(0x0F)); }
+inline B16 hi4(B16 v) { return vshrq_n_u8(v, 4); }
+template <int S>
+inline B16 bits2(B16 v) { return vandq_u8(vshrq_n_u8(v, S), vdupq_n_u8(3)); }
+template <>
+inline B16 bits2<0>(B16 v) { return vandq_u8(v, vdupq_n_u8(3)); }  // vshrq_n_u8 takes shifts of 1..8
+inline B16 or_shl4(B16 a, B16 b) { return vorrq_u8(a, vshlq_n_u8(b, 4)); }
+inline B16 sub(B16 v, int8_t k) { return vsubq_u8(v, vdupq_n_u8(static_cast<uint8_t>(k))); }
+inline int32x4_t dot16(B16 w8, const int8_t* x) {
+  const int8x16_t w = vreinterpretq_s8_u8(w8), xv = vld1q_s8(x);
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(vdupq_n_s32(0), w, xv);
+#else
+  const int16x8_t p = vmlal_high_s8(vmull_s8(vget_low_s8(w), vget_low_s8(xv)), w, xv);  // two products fit int16
+  return vpaddlq_s16(p);
+#endif
+}
+inline VI dot_ss(B16 lo, B16 hi, const int8_t* x) { return {dot16(lo, x), dot16(hi, x + 16)}; }
+inline VI dot_us(B16 lo, B16 hi, const int8_t* x) { return dot_ss(lo, hi, x); }  // weights <= 127 are int8 too
+inline VF vzero() { return vdupq_n_f32(0.0f); }
+inline VF fmadd(float s, VI v, VF acc) { return vfmaq_n_f32(acc, vcvtq_f32_s32(vaddq_s32(v.lo, v.hi)), s); }
+inline VF fmadd2(float s0, float s1, VI v, VF acc) {
+  return vfmaq_n_f32(vfmaq_n_f32(acc, vcvtq_f32_s32(v.lo), s0), vcvtq_f32_s32(v.hi), s1);
+}
+inline float hsum(VF v) { return vaddvq_f32(v); }
+#if defined(__ARM_FEATURE_DOTPROD)
+constexpr const char* kIsa = "neon-dotprod";
+#else
+constexpr const char* kIsa = "neon";
+#endif
+
+#else  // portable: plain loops the compiler vectorises for its target (SSE2 on generic x86-64)
+constexpr const char* kIsa = "portable";
+struct B16 { uint8_t b[16]; };
+struct VI { int32_t lo, hi; };
+using VF = float;
+inline B16 ld16(const uint8_t* p) { B16 r; std::memcpy(r.b, p, 16); return r; }
+inline B16 lo4(B16 v) { for (auto& c : v.b) c &= 0x0F; return v; }
+inline B16 hi4(B16 v) { for (auto& c : v.b) c >>= 4; return v; }
+template <int S>
+inline B16 bits2(B16 v) { for (auto& c : v.b) c = (c >> S) & 3; return v; }
+inline B16 or_shl4(B16 a, B16 b) { for (int i = 0; i < 16; ++i) a.b[i] |= b.b[i] << 4; return a; }
+inline B16 sub(B16 v, int8_t k) { for (auto& c : v.b) c = static_cast<uint8_t>(c - k); return v; }
+inline VI dot_ss(B16 lo, B16 hi, const int8_t* x) {
+  int32_t a = 0, b = 0;
+  for (int i = 0; i < 16; ++i) {
+    a += static_cast<int8_t>(lo.b[i]) * x[i];
+    b += static_cast<int8_t>(hi.b[i]) * x[i + 16];
+  }
+  return {a, b};
+}
+inline VI dot_us(B16 lo, B16 hi, const int8_t* x) { return dot_ss(lo, hi, x); }
+inline VF vzero() { return 0.0f; }
+inline VF fmadd(float s, VI v, VF acc) { return acc + s * static_cast<float>(v.lo + v.hi); }
+inline VF fmadd2(float s0, float s1, VI v, VF acc) {
+  return acc + s0 * static_cast<float>(v.lo) + s1 * static_cast<float>(v.hi);
+}
+inline float hsum(VF v) { return v; }
+#endif
+
+// ------------------------------------------------------------------------------------------- row dot products
+
+// out[i * MR + r] = dot(weight row i, activation row r) for NR weight rows (rows[i]) and the MR quantized
+// activation rows of `a` (K each). Each weight group is unpacked once for the MR rows; the NR x MR accumulators
+// are independent chains, so their latencies overlap.
+template <int QT, int NR, int MR>
+void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out) {
+  VF acc[NR][MR];
+  float offset[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) {
+      acc[i][r] = vzero();
+      offset[i][r] = 0.0f;
+    }
+  const int64_t ldq = a.ld * 32;
+  if constexpr (QT == Q8_0 || QT == Q4_0 || QT == Q4_1) {
+    constexpr int bytes = QT == Q8_0 ? 34 : QT == Q4_1 ? 20 : 18;
+    for (int64_t g = 0; g < K / 32; ++g) {
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* blk = rows[i] + g * bytes;
+        const float dw = half_at(blk);
+        if constexpr (QT == Q4_1) {
+          const B16 raw = ld16(blk + 4);
+          const B16 lo = lo4(raw), hi = hi4(raw);
+          const float m = half_at(blk + 2);
+          for (int r = 0; r < MR; ++r) {
+            acc[i][r] = fmadd(dw * a.d[r * a.ld + g], dot_us(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
+            offset[i][r] += m * a.sum[r * a.ld + g];
+          }
+        } else {
+          B16 lo, hi;
+          if constexpr (QT == Q8_0) {
+            lo = ld16(blk + 2);
+            hi = ld16(blk + 18);
+          } else {
+            const B16 raw = ld16(blk + 2);
+            lo = sub(lo4(raw), 8);
+            hi = sub(hi4(raw), 8);
+          }
+          for (int r = 0; r < MR; ++r)
+            acc[i][r] = fmadd(dw * a.d[r * a.ld + g], dot_ss(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
+        }
+      }
+    }
+  } else if constexpr (QT == Q4_K) {
+    for (int64_t b = 0; b < K / 256; ++b) {
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* blk = rows[i] + b * 144;
+        const float d = half_at(blk), dmin = half_at(blk + 2);
+        const uint8_t* q = blk + 16;
+        for (int j = 0; j < 8; j += 2, q += 32) {
+          int sc0, mn0, sc1, mn1;
+          q4k_scale_min(j, blk + 4, &sc0, &mn0);
+          q4k_scale_min(j + 1, blk + 4, &sc1, &mn1);
+          const B16 u = ld16(q), v = ld16(q + 16);
+          const B16 lo0 = lo4(u), hi0 = lo4(v), lo1 = hi4(u), hi1 = hi4(v);  // groups j and j + 1
+          const int64_t g = b * 8 + j;
+          for (int r = 0; r < MR; ++r) {
+            const int8_t* xq = a.q + r * ldq + g * 32;
+            const float* xd = a.d + r * a.ld + g;
+            const float* xs = a.sum + r * a.ld + g;
+            acc[i][r] = fmadd(d * sc0 * xd[0], dot_us(lo0, hi0, xq), acc[i][r]);
+            acc[i][r] = fmadd(d * sc1 * xd[1], dot_us(lo1, hi1, xq + 32), acc[i][r]);
+            offset[i][r] -= dmin * (mn0 * xs[0] + mn1 * xs[1]);
+          }
+        }
+      }
+    }
+  } else {
+    static_assert(QT == Q6_K, "dot_tile: not a packed GGUF type");
+    for (int64_t b = 0; b < K / 256; ++b) {
+      for (int i = 0; i < NR; ++i) {
+        const uint8_t* blk = rows[i] + b * 210;
+        const float d = half_at(blk + 208);
+        for (int half = 0; half < 2; ++half) {
+          const uint8_t* ql = blk + half * 64;
+          const uint8_t* qh = blk + 128 + half * 32;
+          const int8_t* s = reinterpret_cast<const int8_t*>(blk + 192) + half * 8;
+          const B16 l0 = ld16(ql), l1 = ld16(ql + 16), l2 = ld16(ql + 32), l3 = ld16(ql + 48);
+          const B16 h0 = ld16(qh), h1 = ld16(qh + 16);
+          // weights l, l + 32, l + 64, l + 96 of this half (l = 0..31), as q - 32; one scale per 16 weights
+          const B16 w[4][2] = {
+              {sub(or_shl4(lo4(l0), bits2<0>(h0)), 32), sub(or_shl4(lo4(l1), bits2<0>(h1)), 32)},
+              {sub(or_shl4(lo4(l2), bits2<2>(h0)), 32), sub(or_shl4(lo4(l3), bits2<2>(h1)), 32)},
+              {sub(or_shl4(hi4(l0), bits2<4>(h0)), 32), sub(or_shl4(hi4(l1), bits2<4>(h1)), 32)},
+              {sub(or_shl4(hi4(l2), bits2<6>(h0)), 32), sub(or_shl4(hi4(l3), bits2<6>(h1)), 32)},
+          };
+          const int64_t g0 = b * 8 + half * 4;
+          for (int r = 0; r < MR; ++r)
+            for (int k = 0; k < 4; ++k) {
+              const float dd = d * a.d[r * a.ld + g0 + k];
+              const VI v = dot_ss(w[k][0], w[k][1], a.q + r * ldq + (g0 + k) * 32);
+              acc[i][r] = fmadd2(dd * s[2 * k], dd * s[2 * k + 1], v, acc[i][r]);
+            }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) out[i * MR + r] = hsum(acc[i][r]) + offset[i][r];
+}
+
+// out[r * ldo + n - n0] = dot(weight row n, activation row r) for rows [n0, n1) of a [rows, row_bytes] weight and
+// the M quantized activation rows of `a`. One activation row: four weight rows at a time (independent chains over
+// one read of the activations); more: up to four activation rows share each weight row's unpacking.
+template <int QT>
+void dot_rows_t(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QRows& a, int64_t M, int64_t K,
+                float* out, int64_t ldo) {
+  float o[4];
+  int64_t n = n0;
+  if (M == 1) {
+    for (; n + 4 <= n1; n += 4) {
+      const uint8_t* rows[4] = {w + n * row_bytes, w + (n + 1) * row_bytes, w + (n + 2) * row_bytes,
+                                w + (n + 3) * row_bytes};
+      dot_tile<QT, 4, 1>(rows, K, a, out + n - n0);
+    }
+  }
+  for (; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t m = 0; m < M; m += 4) {
+      const QRows am{a.q + m * a.ld * 32, a.d + m * a.ld, a.sum + m * a.ld, a.ld};
+      switch (M - m < 4 ? M - m : 4) {
+        case 4: dot_tile<QT, 1, 4>(&row, K, am, o); break;
+        case 3: dot_tile<QT, 1, 3>(&row, K, am, o); break;
+        case 2: dot_tile<QT, 1, 2>(&row, K, am, o); break;
+        default: dot_tile<QT, 1, 1>(&row, K, am, o); break;
+      }
+      for (int64_t r = 0; r < 4 && m + r < M; ++r) out[(m + r) * ldo + n - n0] = o[r];
+    }
+  }
+}
+
+inline void dot_rows(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QRows& a,
+                     int64_t M, int64_t K, float* out, int64_t ldo) {
+  switch (qtype) {
+    case Q8_0: return dot_rows_t<Q8_0>(w, row_bytes, n0, n1, a, M, K, out, ldo);
+    case Q4_0: return dot_rows_t<Q4_0>(w, row_bytes, n0, n1, a, M, K, out, ldo);
+    case Q4_1: return dot_rows_t<Q4_1>(w, row_bytes, n0, n1, a, M, K, out, ldo);
+    case Q4_K: return dot_rows_t<Q4_K>(w, row_bytes, n0, n1, a, M, K, out, ldo);
+    case Q6_K: return dot_rows_t<Q6_K>(w, row_bytes, n0, n1, a, M, K, out, ldo);
+  }
+}
+
+}  // namespace shoal_gguf
