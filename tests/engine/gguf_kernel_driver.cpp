@@ -33,9 +33,9 @@ int main(int argc, char** argv) {
     if (std::fread(w.data(), 1, w.size(), in) != w.size() || std::fread(x.data(), 4, x.size(), in) != x.size())
       return 2;
     std::vector<int8_t> q(M * K);
-    std::vector<float> d(M * ng), sum(M * ng), y(M * rows), deq(rows * K);
-    for (int64_t m = 0; m < M; ++m) quantize_row(&x[m * K], K, &q[m * K], &d[m * ng], &sum[m * ng]);
-    dot_rows(qtype, w.data(), row_bytes, 0, rows, QRows{q.data(), d.data(), sum.data(), ng}, M, K, y.data(), rows);
+    std::vector<float> ds(M * ng * 2), y(M * rows), deq(rows * K);
+    for (int64_t m = 0; m < M; ++m) quantize_row(&x[m * K], K, &q[m * K], &ds[m * ng * 2]);
+    dot_rows(qtype, w.data(), row_bytes, 0, rows, QRows{q.data(), ds.data(), ng}, M, K, y.data(), rows);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t b = 0; b < K / f.block; ++b)
         dequantize_block(qtype, &w[r * row_bytes + b * f.bytes], &deq[r * K + b * f.block]);

@@ -166,14 +166,13 @@ inline void dequantize_block(int qtype, const uint8_t* b, float* out) {
 
 struct QRows {     // MR activation rows, quantized
   const int8_t* q;  // [MR, ld * 32] int8
-  const float* d;   // [MR, ld] scale per group of 32
-  const float* sum; // [MR, ld] exact float sum per group of 32
+  const float* ds;  // [MR, ld, 2]: per group of 32, its scale d and the exact float sum of its activations
   int64_t ld;       // groups per row (K / 32)
 };
 
-// One row of K activations (K a multiple of 32) into q[K], d[K / 32], sum[K / 32]. Plain loops: every tier rounds
+// One row of K activations (K a multiple of 32) into q[K] and ds[K / 16]. Plain loops: every tier rounds
 // identically (nearest, ties to even), so the integer sums are the same on every CPU.
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* sum) {
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* ds) {
   for (int64_t g = 0; g < K / 32; ++g) {
     const float* xg = x + g * 32;
     float amax = 0.0f, s = 0.0f;
@@ -184,8 +183,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
     }
     const float dg = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     for (int j = 0; j < 32; ++j) q[g * 32 + j] = static_cast<int8_t>(__builtin_nearbyintf(xg[j] * inv));
-    d[g] = dg;
-    sum[g] = s;
+    ds[2 * g] = dg;
+    ds[2 * g + 1] = s;
   }
 }
 
@@ -197,6 +196,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
 // from weights 0-15): dot_us(lo, hi, x) for weights 0..127, dot_ss for signed weights.
 // VF: float accumulator. fmadd(s, v, acc) = acc + s * v; fmadd2(s0, s1, v, acc) scales the two halves apart (Q6_K's
 // scale per 16 weights); hsum(acc).
+// S2: a pair of floats. mul_halves(p, f) = (fp16 p[0] * f[0], fp16 p[1] * f[1]): Q4_1's (d, m) times the group's
+// (d, sum) in one conversion and one multiply; fmadd_first(s, v, acc) = acc + s.first * v; add2; second(s).
 
 #if defined(SHOAL_GGUF_AVX512) || defined(SHOAL_GGUF_AVX2)
 // 256-bit integer code on both x86 tiers: with AVX512-VNNI (the avx512_bf16 and amx tiers) vpdpbusd does a group's
@@ -231,6 +232,19 @@ inline VF fmadd(float s, VI v, VF acc) { return _mm256_fmadd_ps(_mm256_set1_ps(s
 inline VF fmadd2(float s0, float s1, VI v, VF acc) {
   return _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), _mm256_cvtepi32_ps(v), acc);
 }
+using S2 = __m128;
+inline S2 mul_halves(const uint8_t* p, const float* f) {
+  int32_t h;
+  std::memcpy(&h, p, 4);
+  const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
+  return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), pair);
+}
+inline VF fmadd_first(S2 s, VI v, VF acc) {
+  return _mm256_fmadd_ps(_mm256_broadcastss_ps(s), _mm256_cvtepi32_ps(v), acc);
+}
+inline S2 zero2() { return _mm_setzero_ps(); }
+inline S2 add2(S2 a, S2 b) { return _mm_add_ps(a, b); }
+inline float second(S2 s) { return _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1)); }
 inline float hsum(VF v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -274,6 +288,19 @@ inline VF fmadd(float s, VI v, VF acc) { return vfmaq_n_f32(acc, vcvtq_f32_s32(v
 inline VF fmadd2(float s0, float s1, VI v, VF acc) {
   return vfmaq_n_f32(vfmaq_n_f32(acc, vcvtq_f32_s32(v.lo), s0), vcvtq_f32_s32(v.hi), s1);
 }
+using S2 = float32x2_t;
+inline S2 mul_halves(const uint8_t* p, const float* f) {
+  uint32_t h;
+  std::memcpy(&h, p, 4);
+  const float32x4_t both = vcvt_f32_f16(vreinterpret_f16_u32(vdup_n_u32(h)));
+  return vmul_f32(vget_low_f32(both), vld1_f32(f));
+}
+inline VF fmadd_first(S2 s, VI v, VF acc) {
+  return vfmaq_n_f32(acc, vcvtq_f32_s32(vaddq_s32(v.lo, v.hi)), vget_lane_f32(s, 0));
+}
+inline S2 zero2() { return vdup_n_f32(0.0f); }
+inline S2 add2(S2 a, S2 b) { return vadd_f32(a, b); }
+inline float second(S2 s) { return vget_lane_f32(s, 1); }
 inline float hsum(VF v) { return vaddvq_f32(v); }
 #if defined(__ARM_FEATURE_DOTPROD)
 constexpr const char* kIsa = "neon-dotprod";
@@ -307,6 +334,12 @@ inline VF fmadd(float s, VI v, VF acc) { return acc + s * static_cast<float>(v.l
 inline VF fmadd2(float s0, float s1, VI v, VF acc) {
   return acc + s0 * static_cast<float>(v.lo) + s1 * static_cast<float>(v.hi);
 }
+struct S2 { float first, second; };
+inline S2 mul_halves(const uint8_t* p, const float* f) { return {half_at(p) * f[0], half_at(p + 2) * f[1]}; }
+inline VF fmadd_first(S2 s, VI v, VF acc) { return fmadd(s.first, v, acc); }
+inline S2 zero2() { return {0.0f, 0.0f}; }
+inline S2 add2(S2 a, S2 b) { return {a.first + b.first, a.second + b.second}; }
+inline float second(S2 s) { return s.second; }
 inline float hsum(VF v) { return v; }
 #endif
 
@@ -319,10 +352,12 @@ template <int QT, int NR, int MR>
 void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out) {
   VF acc[NR][MR];
   float offset[NR][MR];
+  S2 offset2[NR][MR];  // Q4_1: m * sum in the second lane
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) {
       acc[i][r] = vzero();
       offset[i][r] = 0.0f;
+      offset2[i][r] = zero2();
     }
   const int64_t ldq = a.ld * 32;
   if constexpr (QT == Q8_0 || QT == Q4_0 || QT == Q4_1) {
@@ -330,16 +365,16 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
     for (int64_t g = 0; g < K / 32; ++g) {
       for (int i = 0; i < NR; ++i) {
         const uint8_t* blk = rows[i] + g * bytes;
-        const float dw = half_at(blk);
         if constexpr (QT == Q4_1) {
           const B16 raw = ld16(blk + 4);
           const B16 lo = lo4(raw), hi = hi4(raw);
-          const float m = half_at(blk + 2);
           for (int r = 0; r < MR; ++r) {
-            acc[i][r] = fmadd(dw * a.d[r * a.ld + g], dot_us(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
-            offset[i][r] += m * a.sum[r * a.ld + g];
+            const S2 s = mul_halves(blk, a.ds + 2 * (r * a.ld + g));  // (d dx, m sum)
+            acc[i][r] = fmadd_first(s, dot_us(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
+            offset2[i][r] = add2(offset2[i][r], s);
           }
         } else {
+          const float dw = half_at(blk);
           B16 lo, hi;
           if constexpr (QT == Q8_0) {
             lo = ld16(blk + 2);
@@ -350,7 +385,7 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
             hi = sub(hi4(raw), 8);
           }
           for (int r = 0; r < MR; ++r)
-            acc[i][r] = fmadd(dw * a.d[r * a.ld + g], dot_ss(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
+            acc[i][r] = fmadd(dw * a.ds[2 * (r * a.ld + g)], dot_ss(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
         }
       }
     }
@@ -369,11 +404,10 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
           const int64_t g = b * 8 + j;
           for (int r = 0; r < MR; ++r) {
             const int8_t* xq = a.q + r * ldq + g * 32;
-            const float* xd = a.d + r * a.ld + g;
-            const float* xs = a.sum + r * a.ld + g;
-            acc[i][r] = fmadd(d * sc0 * xd[0], dot_us(lo0, hi0, xq), acc[i][r]);
-            acc[i][r] = fmadd(d * sc1 * xd[1], dot_us(lo1, hi1, xq + 32), acc[i][r]);
-            offset[i][r] -= dmin * (mn0 * xs[0] + mn1 * xs[1]);
+            const float* ds = a.ds + 2 * (r * a.ld + g);  // groups g and g + 1
+            acc[i][r] = fmadd(d * sc0 * ds[0], dot_us(lo0, hi0, xq), acc[i][r]);
+            acc[i][r] = fmadd(d * sc1 * ds[2], dot_us(lo1, hi1, xq + 32), acc[i][r]);
+            offset[i][r] -= dmin * (mn0 * ds[1] + mn1 * ds[3]);
           }
         }
       }
@@ -400,7 +434,7 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
           const int64_t g0 = b * 8 + half * 4;
           for (int r = 0; r < MR; ++r)
             for (int k = 0; k < 4; ++k) {
-              const float dd = d * a.d[r * a.ld + g0 + k];
+              const float dd = d * a.ds[2 * (r * a.ld + g0 + k)];
               const VI v = dot_ss(w[k][0], w[k][1], a.q + r * ldq + (g0 + k) * 32);
               acc[i][r] = fmadd2(dd * s[2 * k], dd * s[2 * k + 1], v, acc[i][r]);
             }
@@ -409,12 +443,14 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
     }
   }
   for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < MR; ++r) out[i * MR + r] = hsum(acc[i][r]) + offset[i][r];
+    for (int r = 0; r < MR; ++r) out[i * MR + r] = hsum(acc[i][r]) + offset[i][r] + second(offset2[i][r]);
 }
 
 // out[r * ldo + n - n0] = dot(weight row n, activation row r) for rows [n0, n1) of a [rows, row_bytes] weight and
 // the M quantized activation rows of `a`. One activation row: four weight rows at a time (independent chains over
 // one read of the activations); more: up to four activation rows share each weight row's unpacking.
+constexpr int64_t kPrefetchRows = 8;  // M == 1: how far ahead (in weight rows) to prefetch
+
 template <int QT>
 void dot_rows_t(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QRows& a, int64_t M, int64_t K,
                 float* out, int64_t ldo) {
@@ -422,6 +458,10 @@ void dot_rows_t(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, con
   int64_t n = n0;
   if (M == 1) {
     for (; n + 4 <= n1; n += 4) {
+      // The next tiles' bytes, requested ahead: without it the cores wait on memory and compute in turn.
+      const uint8_t* ahead = w + (n + kPrefetchRows) * row_bytes;
+      const uint8_t* end = w + (n1 + 0) * row_bytes;
+      for (int64_t off = 0; off < 4 * row_bytes && ahead + off < end; off += 64) __builtin_prefetch(ahead + off);
       const uint8_t* rows[4] = {w + n * row_bytes, w + (n + 1) * row_bytes, w + (n + 2) * row_bytes,
                                 w + (n + 3) * row_bytes};
       dot_tile<QT, 4, 1>(rows, K, a, out + n - n0);
@@ -430,7 +470,7 @@ void dot_rows_t(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, con
   for (; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     for (int64_t m = 0; m < M; m += 4) {
-      const QRows am{a.q + m * a.ld * 32, a.d + m * a.ld, a.sum + m * a.ld, a.ld};
+      const QRows am{a.q + m * a.ld * 32, a.ds + m * a.ld * 2, a.ld};
       switch (M - m < 4 ? M - m : 4) {
         case 4: dot_tile<QT, 1, 4>(&row, K, am, o); break;
         case 3: dot_tile<QT, 1, 3>(&row, K, am, o); break;

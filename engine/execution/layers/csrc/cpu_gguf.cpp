@@ -115,7 +115,7 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const std::vector<torch::Te
   if (M == 0 || N == 0) return y;
 
   // Activations and bias as float32 (scratch reused across calls).
-  thread_local std::vector<float> xbuf, dbuf, sbuf, bbuf;
+  thread_local std::vector<float> xbuf, dsbuf, bbuf;
   thread_local std::vector<int8_t> qbuf;
   const float* x;
   if (dtype == torch::kFloat32 && x_in.is_contiguous()) {
@@ -139,10 +139,9 @@ torch::Tensor gguf_matmul(const torch::Tensor& x_in, const std::vector<torch::Te
     if (M <= kSmallBatch) {
       const int64_t ng = K / 32;
       qbuf.resize(M * K);
-      dbuf.resize(M * ng);
-      sbuf.resize(M * ng);
-      for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, &qbuf[m * K], &dbuf[m * ng], &sbuf[m * ng]);
-      const QRows a{qbuf.data(), dbuf.data(), sbuf.data(), ng};
+      dsbuf.resize(M * ng * 2);
+      for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, &qbuf[m * K], &dsbuf[m * ng * 2]);
+      const QRows a{qbuf.data(), dsbuf.data(), ng};
       const int64_t grain = std::max<int64_t>(4, kMinBytesPerThread / segs[0].row_bytes);
       at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) { decode_rows(segs, r0, r1, a, M, K, bias, yp, N); });
     } else {  // prefill: dequantize kTileRows rows at a time, one GEMM each
