@@ -217,6 +217,28 @@ def test_mixtral_gguf_with_stacked_experts(model_factory, gguf_dir):
         assert max(abs(first_a[t].logprob - first_b[t].logprob) for t in set(first_a) & set(first_b)) < 0.5
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_gguf_matches_the_checkpoint(model_factory, gguf_dir, arch):
+    """llama.cpp's qwen2moe / qwen3moe layout (stacked experts, Qwen2-MoE's shared expert and its [H] gate, every
+    layer sparse, top-k renormalised for Qwen3-MoE only): an F32 file holds the checkpoint's exact weights, so
+    transformers on the source directory is the oracle."""
+    from hf_reference import hf_greedy
+
+    hf = model_factory(arch, mlp_only_layers=None)
+    path = write_gguf(hf, gguf_dir / f"tiny-{arch}-f32.gguf", weight_type="F32")
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    with LLM(model=str(path), **OPTIONS) as llm:
+        assert type(llm.llm_engine.executor.runner.model).__name__ == f"{arch.title().replace('_', '')}ForCausalLM"
+        tok = llm.get_tokenizer()
+        outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        ref_ids, ref_lp = hf_greedy(hf, tok.encode(prompt), MAX_NEW)
+        assert out.outputs[0].token_ids == ref_ids, prompt
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            for tid, lp in entry.items():
+                assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=2e-4), (prompt, step)
+
+
 # Gemma 2/3 and Phi-3 as llama.cpp lays them out (Gemma norms stored as 1 + w, Phi-3's fused attn_qkv and gate/up
 # in ffn_up, LongRoPE factors as tensors). F32 files hold the checkpoint's exact weights, so transformers on the
 # source directory is the oracle. query_pre_attn_scalar = head_dim and Gemma 3's default layer pattern (every

@@ -368,3 +368,92 @@ def test_tensor_parallel_rank_serves_its_packed_slices(model_factory, gguf_dir):
     for p, d in pairs:
         x = torch.randn(17, p.weight_shape[1])  # 17 rows: the float32 tiled path, exact up to summation order
         torch.testing.assert_close(p.matmul(x), d.matmul(x), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------- packed expert stacks
+
+MOE_SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+MOE_FAMILIES = {  # K-quant rows need multiples of 256 input features: hidden and expert width 256
+    "mixtral": dict(intermediate_size=256),
+    "qwen2_moe": dict(moe_intermediate_size=256, shared_expert_intermediate_size=256, mlp_only_layers=None),
+    "qwen3_moe": dict(moe_intermediate_size=256, mlp_only_layers=None, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("arch,weight_type", [("mixtral", "Q4_K"), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q6_K")])
+def test_moe_served_packed_equals_dequantized(model_factory, gguf_dir, monkeypatch, caplog, arch, weight_type):
+    """Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE GGUF files: every expert stack stays packed and runs through
+    the fused MoE kernel's packed loop; outputs equal the dequantized model's."""
+    from shoal.engine.execution.layers.moe import FusedMoE
+
+    hf = model_factory(arch, **MOE_SHAPE, **MOE_FAMILIES[arch])
+    path = write_gguf(hf, gguf_dir / f"tiny-{arch}-{weight_type}.gguf", weight_type=weight_type)
+    caplog.set_level("INFO", logger="shoal.engine.execution.quantization.gguf")
+    monkeypatch.setenv("SHOAL_GGUF_DEQUANTIZE", "0")
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    with LLM(model=str(path), **OPTIONS) as llm:
+        experts = [m for m in llm.llm_engine.executor.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert len(experts) == 2 and all(m.gguf is not None and not m.w13.numel() for m in experts)
+        packed_out = llm.generate(PROMPTS, params)
+    assert "the experts of 2 MoE layer(s) run packed" in caplog.text
+    dense_out, _, _ = _generate(path, monkeypatch, dequantize=True)
+    _assert_same(packed_out, dense_out, tol=0.4)
+
+
+@pytest.mark.parametrize("qtypes", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_1", "Q4_0")])
+def test_packed_expert_loop_equals_expert_by_expert(qtypes):
+    """fused_experts_gguf against the grouped torch loop over the same packed weights (layers/moe.py), one expert at
+    a time: routing, SiLU(gate) * up, the weighted sum and the expert range of this rank; 1 to 40 tokens (decode and
+    tiled paths)."""
+    from shoal.engine.execution.layers.moe import grouped_experts, load_cpu_kernel
+    from shoal.engine.execution.quantization.gguf import PACKED_TYPES, GGUFPacked, GGUFWeight
+
+    E, H, I, start = 5, 256, 256, 2  # this rank holds experts 2..6 of 8
+    stacks = [np.stack([packed_rows(q, rows, cols, seed=10 * e + k) for e in range(E)])
+              for k, (q, rows, cols) in enumerate(zip(qtypes, (I, I, H), (H, H, I)))]
+    per_expert = [(GGUFWeight([GGUFPacked(torch.from_numpy(stacks[0][e]), qtypes[0], H),
+                               GGUFPacked(torch.from_numpy(stacks[1][e]), qtypes[1], H)]),
+                   GGUFWeight([GGUFPacked(torch.from_numpy(stacks[2][e]), qtypes[2], I)])) for e in range(E)]
+
+    def expert(e, xs):
+        h = per_expert[e][0].matmul(xs)
+        return per_expert[e][1].matmul(torch.nn.functional.silu(h[:, :I]) * h[:, I:])
+
+    ops = load_cpu_kernel()[0]
+    for tokens in (1, 3, 40):
+        x = torch.randn(tokens, H)
+        weights, ids = torch.rand(tokens, 2).softmax(-1), torch.stack([torch.randperm(8)[:2] for _ in range(tokens)])
+        got = ops.fused_experts_gguf(x, *(torch.from_numpy(s) for s in stacks), *(PACKED_TYPES[q][0] for q in qtypes),
+                                     weights, ids, start)
+        want = grouped_experts(x, weights, ids, start, E, expert)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-slices", "expert-parallel"])
+def test_tensor_parallel_rank_serves_its_packed_experts(model_factory, gguf_dir, expert_parallel):
+    """A tp=2 rank 1 of a Qwen2-MoE GGUF: its experts' packed slices (intermediate rows and down's columns on block
+    boundaries, or whole experts) compute what the same slices of the dequantized stacks do."""
+    from shoal.engine.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+    from shoal.engine.execution.gguf_model import gguf_config
+    from shoal.engine.execution.layers.moe import FusedMoE
+    from shoal.engine.execution.model_loader import load_model
+
+    hf = model_factory("qwen2_moe", **MOE_SHAPE, **MOE_FAMILIES["qwen2_moe"])
+    path = write_gguf(hf, gguf_dir / "tiny-qwen2_moe-tp-Q4_0.gguf", weight_type="Q4_0")
+    config = gguf_config(path)
+    before = get_parallel_state()
+    try:
+        set_parallel_state(ParallelState(tp_rank=1, tp_size=2, expert_parallel=expert_parallel))
+        packed = load_model(path, config, torch.float32, torch.device("cpu"), None, 64, gguf_packed=True)
+        dense = load_model(path, config, torch.float32, torch.device("cpu"), None, 64, gguf_packed=False)
+    finally:
+        set_parallel_state(before)
+    pairs = [(p, d) for p, d in zip(packed.modules(), dense.modules()) if isinstance(p, FusedMoE)]
+    assert pairs and all(p.gguf is not None for p, _ in pairs)
+    torch.manual_seed(0)
+    for p, d in pairs:
+        # 96 tokens over 4 experts: each expert's batch (> 16) takes the float32 tiled path, exact up to sum order
+        x = torch.randn(96, p.hidden)
+        weights, ids = torch.rand(96, 2).softmax(-1), torch.stack([torch.randperm(4)[:2] for _ in range(96)])
+        assert torch.bincount(ids.flatten(), minlength=4).min() > 16
+        torch.testing.assert_close(p(x, weights, ids), d(x, weights, ids), rtol=1e-4, atol=1e-5)

@@ -123,19 +123,23 @@ def finish_gguf_model(model: torch.nn.Module) -> None:
     the weight memory."""
     from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from shoal.engine.execution.layers.linear import PackedMatmul
+    from shoal.engine.execution.layers.moe import FusedMoE
 
     modules = list(model.modules())
     for m in modules:  # heads last: a tied head takes over the embedding's packed table
-        if isinstance(m, (PackedMatmul, VocabParallelEmbedding)) and not isinstance(m, ParallelLMHead):
+        if isinstance(m, (PackedMatmul, VocabParallelEmbedding, FusedMoE)) and not isinstance(m, ParallelLMHead):
             m.finish_gguf()
     for m in modules:
         if isinstance(m, ParallelLMHead):
             m.finish_gguf()
     weights = [m.quantized for m in modules if isinstance(m, PackedMatmul) and isinstance(m.quantized, GGUFWeight)]
     tables = [m.gguf_rows for m in modules if isinstance(m, VocabParallelEmbedding) and m.gguf_rows is not None]
+    experts = [m for m in modules if isinstance(m, FusedMoE) and m.gguf is not None]
     packed = {t.data_ptr(): t.numel() for w in weights for t in w.tensors()}
     packed.update({t.data.data_ptr(): t.data.numel() for t in tables})
+    packed.update({t.data_ptr(): t.numel() for m in experts for t in m.gguf[0]})
     kernels = sorted({w.kernel for w in weights})
-    logger.info("GGUF: %d linear layers%s run packed (%s): %.1f MiB of packed weights", len(weights),
-                f" and {len(tables)} embedding table(s)" if tables else "", "; ".join(kernels) or "-",
+    logger.info("GGUF: %d linear layers%s%s run packed (%s): %.1f MiB of packed weights", len(weights),
+                f" and {len(tables)} embedding table(s)" if tables else "",
+                f" and the experts of {len(experts)} MoE layer(s)" if experts else "", "; ".join(kernels) or "-",
                 sum(packed.values()) / 2**20)
