@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
     std::vector<float> x(M * K);
     if (std::fread(w.data(), 1, w.size(), in) != w.size() || std::fread(x.data(), 4, x.size(), in) != x.size())
       return 2;
-    std::vector<int8_t> q(M * K);
+    std::vector<QAct> q(M * K);
     std::vector<float> ds(M * ng * 2), y(M * rows), deq(rows * K);
     for (int64_t m = 0; m < M; ++m) quantize_row(&x[m * K], K, &q[m * K], &ds[m * ng * 2]);
     dot_rows(qtype, w.data(), row_bytes, 0, rows, QRows{q.data(), ds.data(), ng}, M, K, y.data(), rows);

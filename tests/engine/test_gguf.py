@@ -2,7 +2,7 @@
 oracle (the same file, dequantized by transformers; greedy tokens equal and logprobs close in float32).
 
 These tests read the file dequantized (SHOAL_GGUF_DEQUANTIZE=1), the form transformers computes in exactly; the
-packed kernels' decode steps quantize activations to 8 bits, and test_gguf_packed.py holds them to this path."""
+packed kernels' decode steps round activations to 16 bits, and test_gguf_packed.py holds them to this path."""
 
 from __future__ import annotations
 

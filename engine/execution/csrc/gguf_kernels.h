@@ -12,13 +12,14 @@
 //                                                                        w = d sc (q - 32)
 //
 // Every type is read 32 weights at a time: its quants are unpacked in registers into 32 small integers (two 16-byte
-// vectors; all fit int8: Q4 0..15, Q6_K -32..31, Q8_0 itself) and multiplied with the activations quantized to int8
-// per group of 32 (see quantize_row), an exact integer dot product scaled once per group (per 16 for Q6_K).
+// vectors; all fit int8: Q4 0..15, Q6_K -32..31, Q8_0 itself), widened to int16 and multiplied with the activations
+// quantized to int16 per group of 32 (see quantize_row): an exact integer dot product, scaled once per group (per
+// 16 for Q6_K).
 //
 // The vector layer has one implementation per ISA, chosen by the build's flags (engine/execution/cpu_features.py):
-// AVX2 (vpmaddubsw), AVX-512 with VNNI (vpdpbusd), NEON (widening multiply-accumulate; vdot where the build has
-// dotprod; also the SVE tier's build) and portable loops for everything else. The integer sums are exact on every
-// tier; only the float accumulation order differs.
+// AVX2 (vpmaddwd; vpdpwssd where the tier has AVX512-VNNI), NEON (widening multiply-accumulate; also the SVE tier's
+// build) and portable loops for everything else. The integer sums are exact and equal on every tier; only the order
+// of the float accumulation differs.
 #pragma once
 
 #include <cstdint>
@@ -157,22 +158,28 @@ inline void dequantize_block(int qtype, const uint8_t* b, float* out) {
   }
 }
 
-// -------------------------------------------------------------------------------------- 8-bit activations
-// Decode-sized batches quantize each activation row to int8 per group of 32, as llama.cpp's q8 blocks (and vLLM's
-// GGUF decode kernels) do: q = round(x / d) with d = max|x| / 127, so every weight group's dot product is an exact
-// integer sum, scaled once by (weight scale) * d. The rounding error is at most d / 2 per activation, which bounds
-// a row's error by sum over groups of d_g / 2 * sum |w| (the tests check exactly that). Offsets that do not depend
-// on the weight (Q4_1's m, Q4_K's dmin mn) multiply the group's exact float sum instead.
+// ------------------------------------------------------------------------------------- 16-bit activations
+// Decode-sized batches quantize each activation row per group of 32 to int16: q = round(x / d), d = max|x| / 32767.
+// Each weight group's dot product is then an exact integer sum, scaled once by (weight scale) * d; a float weight
+// would cost a conversion per weight instead. The rounding error is at most d / 2 per activation (2^-16 of the
+// group's largest), which bounds a row's error by sum over groups of d_g / 2 * sum |w| (the tests check exactly
+// that). Offsets that do not depend on the weight (Q4_1's m, Q4_K's dmin mn) multiply the group's exact float sum.
+// 8-bit groups, as llama.cpp's q8_1 blocks, would be ~20% faster here but were measured 0.23 nats (median) off the
+// dequantized model on SmolLM2-135M Q4_1 (twice bfloat16's own error), changing every greedy continuation; 16-bit
+// groups are 0.001 off and change none.
+
+using QAct = int16_t;               // an activation quantized to kQMax steps
+constexpr float kQMax = 32767.0f;
 
 struct QRows {     // MR activation rows, quantized
-  const int8_t* q;  // [MR, ld * 32] int8
+  const QAct* q;    // [MR, ld * 32]
   const float* ds;  // [MR, ld, 2]: per group of 32, its scale d and the exact float sum of its activations
   int64_t ld;       // groups per row (K / 32)
 };
 
 // One row of K activations (K a multiple of 32) into q[K] and ds[K / 16]. Plain loops: every tier rounds
 // identically (nearest, ties to even), so the integer sums are the same on every CPU.
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* ds) {
+inline void quantize_row(const float* x, int64_t K, QAct* q, float* ds) {
   for (int64_t g = 0; g < K / 32; ++g) {
     const float* xg = x + g * 32;
     float amax = 0.0f, s = 0.0f;
@@ -181,8 +188,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* ds) {
       amax = a > amax ? a : amax;
       s += xg[j];
     }
-    const float dg = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int j = 0; j < 32; ++j) q[g * 32 + j] = static_cast<int8_t>(__builtin_nearbyintf(xg[j] * inv));
+    const float dg = amax / kQMax, inv = amax > 0.0f ? kQMax / amax : 0.0f;
+    for (int j = 0; j < 32; ++j) q[g * 32 + j] = static_cast<QAct>(__builtin_nearbyintf(xg[j] * inv));
     ds[2 * g] = dg;
     ds[2 * g + 1] = s;
   }
@@ -192,18 +199,18 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* ds) {
 // B16: 16 bytes; a weight group is two of them (weights 0-15, 16-31) holding small integers.
 //   ld16(p) | lo4(v) = v & 15 | hi4(v) = v >> 4 | bits2<S>(v) = (v >> S) & 3 | or_shl4(a, b) = a | b << 4 (b <= 3)
 //   sub(v, k) (bytes)
-// VI: the integer products of one group with 32 int8 activations, summed into lanes (the first half of the lanes
-// from weights 0-15): dot_us(lo, hi, x) for weights 0..127, dot_ss for signed weights.
+// VI: dot(lo, hi, x): the integer products of one group's weights (bytes as int8) with its 32 int16 activations,
+// summed into lanes, those of weights 0-15 apart from those of 16-31.
 // VF: float accumulator. fmadd(s, v, acc) = acc + s * v; fmadd2(s0, s1, v, acc) scales the two halves apart (Q6_K's
 // scale per 16 weights); hsum(acc).
 // S2: a pair of floats. mul_halves(p, f) = (fp16 p[0] * f[0], fp16 p[1] * f[1]): Q4_1's (d, m) times the group's
 // (d, sum) in one conversion and one multiply; fmadd_first(s, v, acc) = acc + s.first * v; add2; second(s).
 
 #if defined(SHOAL_GGUF_AVX512) || defined(SHOAL_GGUF_AVX2)
-// 256-bit integer code on both x86 tiers: with AVX512-VNNI (the avx512_bf16 and amx tiers) vpdpbusd does a group's
-// multiply-adds in one instruction, at 256 bits (AVX512-VL) where three ports run it rather than two.
+// 256-bit integer code on both x86 tiers: with AVX512-VNNI (the avx512_bf16 and amx tiers) vpdpwssd does the
+// multiply-add, at 256 bits (AVX512-VL); 512-bit registers measured slower here (two ports rather than three).
 using B16 = __m128i;
-using VI = __m256i;
+struct VI { __m256i lo, hi; };  // lanes from weights 0-15, 16-31
 using VF = __m256;
 inline B16 ld16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline B16 lo4(B16 v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
@@ -212,25 +219,24 @@ template <int S>
 inline B16 bits2(B16 v) { return _mm_and_si128(_mm_srli_epi16(v, S), _mm_set1_epi8(3)); }
 inline B16 or_shl4(B16 a, B16 b) { return _mm_or_si128(a, _mm_slli_epi16(b, 4)); }  // b <= 3: no carry across bytes
 inline B16 sub(B16 v, int8_t k) { return _mm_sub_epi8(v, _mm_set1_epi8(k)); }
-inline __m256i u8s8(__m256i w, __m256i x) {
+// 16 weights (bytes as int8) times 16 int16 activations: 8 int32 lanes of pair sums (|w x| < 2^22: exact).
+inline __m256i dot16(B16 w, const QAct* x) {
+  const __m256i wv = _mm256_cvtepi8_epi16(w);
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+  return _mm256_dpwssd_epi32(_mm256_setzero_si256(), wv, xv);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));  // pairs <= 2 * 128 * 127: no saturation
+  return _mm256_madd_epi16(wv, xv);
 #endif
 }
-inline VI dot_us(B16 lo, B16 hi, const int8_t* x) {
-  return u8s8(_mm256_set_m128i(hi, lo), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-inline VI dot_ss(B16 lo, B16 hi, const int8_t* x) {  // |w| x sign(w): the unsigned operand must be the weight
-  const __m256i w = _mm256_set_m128i(hi, lo);
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
-}
+inline VI dot(B16 lo, B16 hi, const QAct* x) { return {dot16(lo, x), dot16(hi, x + 16)}; }
 inline VF vzero() { return _mm256_setzero_ps(); }
-inline VF fmadd(float s, VI v, VF acc) { return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(v), acc); }
+inline VF fmadd(float s, VI v, VF acc) {
+  return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(_mm256_add_epi32(v.lo, v.hi)), acc);
+}
 inline VF fmadd2(float s0, float s1, VI v, VF acc) {
-  return _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), _mm256_cvtepi32_ps(v), acc);
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(v.lo), acc);
+  return _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(v.hi), acc);
 }
 using S2 = __m128;
 inline S2 mul_halves(const uint8_t* p, const float* f) {
@@ -240,7 +246,7 @@ inline S2 mul_halves(const uint8_t* p, const float* f) {
   return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), pair);
 }
 inline VF fmadd_first(S2 s, VI v, VF acc) {
-  return _mm256_fmadd_ps(_mm256_broadcastss_ps(s), _mm256_cvtepi32_ps(v), acc);
+  return _mm256_fmadd_ps(_mm256_broadcastss_ps(s), _mm256_cvtepi32_ps(_mm256_add_epi32(v.lo, v.hi)), acc);
 }
 inline S2 zero2() { return _mm_setzero_ps(); }
 inline S2 add2(S2 a, S2 b) { return _mm_add_ps(a, b); }
@@ -272,17 +278,17 @@ template <>
 inline B16 bits2<0>(B16 v) { return vandq_u8(v, vdupq_n_u8(3)); }  // vshrq_n_u8 takes shifts of 1..8
 inline B16 or_shl4(B16 a, B16 b) { return vorrq_u8(a, vshlq_n_u8(b, 4)); }
 inline B16 sub(B16 v, int8_t k) { return vsubq_u8(v, vdupq_n_u8(static_cast<uint8_t>(k))); }
-inline int32x4_t dot16(B16 w8, const int8_t* x) {
-  const int8x16_t w = vreinterpretq_s8_u8(w8), xv = vld1q_s8(x);
-#if defined(__ARM_FEATURE_DOTPROD)
-  return vdotq_s32(vdupq_n_s32(0), w, xv);
-#else
-  const int16x8_t p = vmlal_high_s8(vmull_s8(vget_low_s8(w), vget_low_s8(xv)), w, xv);  // two products fit int16
-  return vpaddlq_s16(p);
-#endif
+// 16 weights (bytes as int8) times 16 int16 activations, summed into 4 int32 lanes (|w x| < 2^22: exact).
+inline int32x4_t dot16(B16 w8, const QAct* x) {
+  const int8x16_t w = vreinterpretq_s8_u8(w8);
+  const int16x8_t w0 = vmovl_s8(vget_low_s8(w)), w1 = vmovl_high_s8(w);
+  const int16x8_t x0 = vld1q_s16(x), x1 = vld1q_s16(x + 8);
+  int32x4_t acc = vmull_s16(vget_low_s16(w0), vget_low_s16(x0));
+  acc = vmlal_high_s16(acc, w0, x0);
+  acc = vmlal_s16(acc, vget_low_s16(w1), vget_low_s16(x1));
+  return vmlal_high_s16(acc, w1, x1);
 }
-inline VI dot_ss(B16 lo, B16 hi, const int8_t* x) { return {dot16(lo, x), dot16(hi, x + 16)}; }
-inline VI dot_us(B16 lo, B16 hi, const int8_t* x) { return dot_ss(lo, hi, x); }  // weights <= 127 are int8 too
+inline VI dot(B16 lo, B16 hi, const QAct* x) { return {dot16(lo, x), dot16(hi, x + 16)}; }
 inline VF vzero() { return vdupq_n_f32(0.0f); }
 inline VF fmadd(float s, VI v, VF acc) { return vfmaq_n_f32(acc, vcvtq_f32_s32(vaddq_s32(v.lo, v.hi)), s); }
 inline VF fmadd2(float s0, float s1, VI v, VF acc) {
@@ -302,11 +308,7 @@ inline S2 zero2() { return vdup_n_f32(0.0f); }
 inline S2 add2(S2 a, S2 b) { return vadd_f32(a, b); }
 inline float second(S2 s) { return vget_lane_f32(s, 1); }
 inline float hsum(VF v) { return vaddvq_f32(v); }
-#if defined(__ARM_FEATURE_DOTPROD)
-constexpr const char* kIsa = "neon-dotprod";
-#else
 constexpr const char* kIsa = "neon";
-#endif
 
 #else  // portable: plain loops the compiler vectorises for its target (SSE2 on generic x86-64)
 constexpr const char* kIsa = "portable";
@@ -320,7 +322,7 @@ template <int S>
 inline B16 bits2(B16 v) { for (auto& c : v.b) c = (c >> S) & 3; return v; }
 inline B16 or_shl4(B16 a, B16 b) { for (int i = 0; i < 16; ++i) a.b[i] |= b.b[i] << 4; return a; }
 inline B16 sub(B16 v, int8_t k) { for (auto& c : v.b) c = static_cast<uint8_t>(c - k); return v; }
-inline VI dot_ss(B16 lo, B16 hi, const int8_t* x) {
+inline VI dot(B16 lo, B16 hi, const QAct* x) {
   int32_t a = 0, b = 0;
   for (int i = 0; i < 16; ++i) {
     a += static_cast<int8_t>(lo.b[i]) * x[i];
@@ -328,7 +330,6 @@ inline VI dot_ss(B16 lo, B16 hi, const int8_t* x) {
   }
   return {a, b};
 }
-inline VI dot_us(B16 lo, B16 hi, const int8_t* x) { return dot_ss(lo, hi, x); }
 inline VF vzero() { return 0.0f; }
 inline VF fmadd(float s, VI v, VF acc) { return acc + s * static_cast<float>(v.lo + v.hi); }
 inline VF fmadd2(float s0, float s1, VI v, VF acc) {
@@ -370,7 +371,7 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
           const B16 lo = lo4(raw), hi = hi4(raw);
           for (int r = 0; r < MR; ++r) {
             const S2 s = mul_halves(blk, a.ds + 2 * (r * a.ld + g));  // (d dx, m sum)
-            acc[i][r] = fmadd_first(s, dot_us(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
+            acc[i][r] = fmadd_first(s, dot(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
             offset2[i][r] = add2(offset2[i][r], s);
           }
         } else {
@@ -385,7 +386,7 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
             hi = sub(hi4(raw), 8);
           }
           for (int r = 0; r < MR; ++r)
-            acc[i][r] = fmadd(dw * a.ds[2 * (r * a.ld + g)], dot_ss(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
+            acc[i][r] = fmadd(dw * a.ds[2 * (r * a.ld + g)], dot(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
         }
       }
     }
@@ -403,10 +404,10 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
           const B16 lo0 = lo4(u), hi0 = lo4(v), lo1 = hi4(u), hi1 = hi4(v);  // groups j and j + 1
           const int64_t g = b * 8 + j;
           for (int r = 0; r < MR; ++r) {
-            const int8_t* xq = a.q + r * ldq + g * 32;
+            const QAct* xq = a.q + r * ldq + g * 32;
             const float* ds = a.ds + 2 * (r * a.ld + g);  // groups g and g + 1
-            acc[i][r] = fmadd(d * sc0 * ds[0], dot_us(lo0, hi0, xq), acc[i][r]);
-            acc[i][r] = fmadd(d * sc1 * ds[2], dot_us(lo1, hi1, xq + 32), acc[i][r]);
+            acc[i][r] = fmadd(d * sc0 * ds[0], dot(lo0, hi0, xq), acc[i][r]);
+            acc[i][r] = fmadd(d * sc1 * ds[2], dot(lo1, hi1, xq + 32), acc[i][r]);
             offset[i][r] -= dmin * (mn0 * ds[1] + mn1 * ds[3]);
           }
         }
@@ -435,7 +436,7 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
           for (int r = 0; r < MR; ++r)
             for (int k = 0; k < 4; ++k) {
               const float dd = d * a.ds[2 * (r * a.ld + g0 + k)];
-              const VI v = dot_ss(w[k][0], w[k][1], a.q + r * ldq + (g0 + k) * 32);
+              const VI v = dot(w[k][0], w[k][1], a.q + r * ldq + (g0 + k) * 32);
               acc[i][r] = fmadd2(dd * s[2 * k], dd * s[2 * k + 1], v, acc[i][r]);
             }
         }

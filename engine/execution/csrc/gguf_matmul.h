@@ -81,7 +81,7 @@ void packed_matmul(const float* x, int64_t M, int64_t K, const std::vector<Segme
   int64_t rows = 0;
   for (const Segment& s : segs) rows = std::max(rows, s.first + s.rows);
   if (M <= kSmallBatch) {
-    thread_local std::vector<int8_t> q;
+    thread_local std::vector<QAct> q;
     thread_local std::vector<float> ds;
     const int64_t ng = K / 32;
     q.resize(M * K);
