@@ -52,15 +52,16 @@ def packed_rows(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def reference(qtype: str, raw: np.ndarray, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the weight as gguf-py dequantizes it, each weight's offset): zeroing a block's quants leaves Q4_1's m and
-    Q4_K's -dmin mn, the part of a weight the kernels multiply by exact activation sums (0 for the other types)."""
+    """(the weight as gguf-py dequantizes it, each weight's offset): zeroing a block's quants leaves Q4_0's -8 d,
+    Q4_1's m and Q4_K's -dmin mn, the part of a weight the kernels multiply by exact activation sums (0 for the
+    other types)."""
     from gguf import GGMLQuantizationType as QT
     from gguf import quants
 
     def dequantize(data: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(quants.dequantize(data, QT[qtype]).astype(np.float32)).reshape(rows, cols)
 
-    quants_at = {"Q4_1": (20, 4, 20), "Q4_K": (144, 16, 144)}  # block size, first and end byte of the quants
+    quants_at = {"Q4_0": (18, 2, 18), "Q4_1": (20, 4, 20), "Q4_K": (144, 16, 144)}  # block size, quants' bytes
     if qtype not in quants_at:
         return dequantize(raw), torch.zeros(rows, cols)
     size, first, end = quants_at[qtype]

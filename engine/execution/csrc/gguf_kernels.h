@@ -196,21 +196,21 @@ inline void quantize_row(const float* x, int64_t K, QAct* q, float* ds) {
 }
 
 // ------------------------------------------------------------------------------------------------ vector layer
-// B16: 16 bytes; a weight group is two of them (weights 0-15, 16-31) holding small integers.
-//   ld16(p) | lo4(v) = v & 15 | hi4(v) = v >> 4 | bits2<S>(v) = (v >> S) & 3 | or_shl4(a, b) = a | b << 4 (b <= 3)
-//   sub(v, k) (bytes)
-// VI: dot(lo, hi, x): the integer products of one group's weights (bytes as int8) with its 32 int16 activations,
-// summed into lanes, those of weights 0-15 apart from those of 16-31.
-// VF: float accumulator. fmadd(s, v, acc) = acc + s * v; fmadd2(s0, s1, v, acc) scales the two halves apart (Q6_K's
-// scale per 16 weights); hsum(acc).
+// B16: 16 bytes of a block. ld16(p) | lo4(v) = v & 15 | hi4(v) = v >> 4 | bits2<S>(v) = (v >> S) & 3 |
+//   or_shl4(a, b) = a | b << 4 (b <= 3) | sub(v, k)
+// W16: 16 weights as int16. widen(b) (bytes as int8) | nibbles(raw, lo, hi): the low and the high nibbles of 16 bytes
+// VI: integer lanes. dot16(w, x) = the products of 16 weights with 16 int16 activations, summed into lanes;
+//   dot32(w0, w1, x) the same over a group's 32 (exact: |w x| < 2^22)
+// VF: float accumulator. fmadd(s, v, acc) = acc + s * v | hsum(acc)
 // S2: a pair of floats. mul_halves(p, f) = (fp16 p[0] * f[0], fp16 p[1] * f[1]): Q4_1's (d, m) times the group's
-// (d, sum) in one conversion and one multiply; fmadd_first(s, v, acc) = acc + s.first * v; add2; second(s).
+//   (d, sum) in one conversion and one multiply | fmadd_first(s, v, acc) = acc + s.first * v | add2 | second(s)
 
 #if defined(SHOAL_GGUF_AVX512) || defined(SHOAL_GGUF_AVX2)
 // 256-bit integer code on both x86 tiers: with AVX512-VNNI (the avx512_bf16 and amx tiers) vpdpwssd does the
-// multiply-add, at 256 bits (AVX512-VL); 512-bit registers measured slower here (two ports rather than three).
+// multiply-adds, at 256 bits (AVX512-VL); 512-bit registers measured slower here (two ports rather than three).
 using B16 = __m128i;
-struct VI { __m256i lo, hi; };  // lanes from weights 0-15, 16-31
+using W16 = __m256i;
+using VI = __m256i;
 using VF = __m256;
 inline B16 ld16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline B16 lo4(B16 v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
@@ -219,25 +219,24 @@ template <int S>
 inline B16 bits2(B16 v) { return _mm_and_si128(_mm_srli_epi16(v, S), _mm_set1_epi8(3)); }
 inline B16 or_shl4(B16 a, B16 b) { return _mm_or_si128(a, _mm_slli_epi16(b, 4)); }  // b <= 3: no carry across bytes
 inline B16 sub(B16 v, int8_t k) { return _mm_sub_epi8(v, _mm_set1_epi8(k)); }
-// 16 weights (bytes as int8) times 16 int16 activations: 8 int32 lanes of pair sums (|w x| < 2^22: exact).
-inline __m256i dot16(B16 w, const QAct* x) {
-  const __m256i wv = _mm256_cvtepi8_epi16(w);
+inline W16 widen(B16 v) { return _mm256_cvtepi8_epi16(v); }
+inline void nibbles(B16 raw, W16* lo, W16* hi) {  // widened first: the high nibble is then a shift alone
+  const __m256i w = _mm256_cvtepu8_epi16(raw);
+  *lo = _mm256_and_si256(w, _mm256_set1_epi16(0x0F));
+  *hi = _mm256_srli_epi16(w, 4);
+}
+inline VI dot_acc(VI acc, W16 w, const QAct* x) {
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(_mm256_setzero_si256(), wv, xv);
+  return _mm256_dpwssd_epi32(acc, w, xv);
 #else
-  return _mm256_madd_epi16(wv, xv);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, xv));
 #endif
 }
-inline VI dot(B16 lo, B16 hi, const QAct* x) { return {dot16(lo, x), dot16(hi, x + 16)}; }
+inline VI dot16(W16 w, const QAct* x) { return dot_acc(_mm256_setzero_si256(), w, x); }
+inline VI dot32(W16 w0, W16 w1, const QAct* x) { return dot_acc(dot16(w0, x), w1, x + 16); }
 inline VF vzero() { return _mm256_setzero_ps(); }
-inline VF fmadd(float s, VI v, VF acc) {
-  return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(_mm256_add_epi32(v.lo, v.hi)), acc);
-}
-inline VF fmadd2(float s0, float s1, VI v, VF acc) {
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(s0), _mm256_cvtepi32_ps(v.lo), acc);
-  return _mm256_fmadd_ps(_mm256_set1_ps(s1), _mm256_cvtepi32_ps(v.hi), acc);
-}
+inline VF fmadd(float s, VI v, VF acc) { return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(v), acc); }
 using S2 = __m128;
 inline S2 mul_halves(const uint8_t* p, const float* f) {
   int32_t h;
@@ -246,7 +245,7 @@ inline S2 mul_halves(const uint8_t* p, const float* f) {
   return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)), pair);
 }
 inline VF fmadd_first(S2 s, VI v, VF acc) {
-  return _mm256_fmadd_ps(_mm256_broadcastss_ps(s), _mm256_cvtepi32_ps(_mm256_add_epi32(v.lo, v.hi)), acc);
+  return _mm256_fmadd_ps(_mm256_broadcastss_ps(s), _mm256_cvtepi32_ps(v), acc);
 }
 inline S2 zero2() { return _mm_setzero_ps(); }
 inline S2 add2(S2 a, S2 b) { return _mm_add_ps(a, b); }
@@ -266,8 +265,10 @@ constexpr const char* kIsa = "avx2";
 #endif
 
 #elif defined(SHOAL_GGUF_NEON)
+constexpr const char* kIsa = "neon";
 using B16 = uint8x16_t;
-struct VI { int32x4_t lo, hi; };
+struct W16 { int16x8_t a, b; };
+using VI = int32x4_t;
 using VF = float32x4_t;
 inline B16 ld16(const uint8_t* p) { return vld1q_u8(p); }
 inline B16 lo4(B16 v) { return vandq_u8(v, vdupq_n_u8(0x0F)); }
@@ -278,22 +279,26 @@ template <>
 inline B16 bits2<0>(B16 v) { return vandq_u8(v, vdupq_n_u8(3)); }  // vshrq_n_u8 takes shifts of 1..8
 inline B16 or_shl4(B16 a, B16 b) { return vorrq_u8(a, vshlq_n_u8(b, 4)); }
 inline B16 sub(B16 v, int8_t k) { return vsubq_u8(v, vdupq_n_u8(static_cast<uint8_t>(k))); }
-// 16 weights (bytes as int8) times 16 int16 activations, summed into 4 int32 lanes (|w x| < 2^22: exact).
-inline int32x4_t dot16(B16 w8, const QAct* x) {
-  const int8x16_t w = vreinterpretq_s8_u8(w8);
-  const int16x8_t w0 = vmovl_s8(vget_low_s8(w)), w1 = vmovl_high_s8(w);
+inline W16 widen(B16 v) {
+  const int8x16_t s = vreinterpretq_s8_u8(v);
+  return {vmovl_s8(vget_low_s8(s)), vmovl_high_s8(s)};
+}
+inline void nibbles(B16 raw, W16* lo, W16* hi) {
+  const uint16x8_t a = vmovl_u8(vget_low_u8(raw)), b = vmovl_high_u8(raw), m = vdupq_n_u16(0x0F);
+  *lo = {vreinterpretq_s16_u16(vandq_u16(a, m)), vreinterpretq_s16_u16(vandq_u16(b, m))};
+  *hi = {vreinterpretq_s16_u16(vshrq_n_u16(a, 4)), vreinterpretq_s16_u16(vshrq_n_u16(b, 4))};
+}
+inline VI dot_acc(VI acc, W16 w, const QAct* x) {
   const int16x8_t x0 = vld1q_s16(x), x1 = vld1q_s16(x + 8);
-  int32x4_t acc = vmull_s16(vget_low_s16(w0), vget_low_s16(x0));
-  acc = vmlal_high_s16(acc, w0, x0);
-  acc = vmlal_s16(acc, vget_low_s16(w1), vget_low_s16(x1));
-  return vmlal_high_s16(acc, w1, x1);
+  acc = vmlal_s16(acc, vget_low_s16(w.a), vget_low_s16(x0));
+  acc = vmlal_high_s16(acc, w.a, x0);
+  acc = vmlal_s16(acc, vget_low_s16(w.b), vget_low_s16(x1));
+  return vmlal_high_s16(acc, w.b, x1);
 }
-inline VI dot(B16 lo, B16 hi, const QAct* x) { return {dot16(lo, x), dot16(hi, x + 16)}; }
+inline VI dot16(W16 w, const QAct* x) { return dot_acc(vdupq_n_s32(0), w, x); }
+inline VI dot32(W16 w0, W16 w1, const QAct* x) { return dot_acc(dot16(w0, x), w1, x + 16); }
 inline VF vzero() { return vdupq_n_f32(0.0f); }
-inline VF fmadd(float s, VI v, VF acc) { return vfmaq_n_f32(acc, vcvtq_f32_s32(vaddq_s32(v.lo, v.hi)), s); }
-inline VF fmadd2(float s0, float s1, VI v, VF acc) {
-  return vfmaq_n_f32(vfmaq_n_f32(acc, vcvtq_f32_s32(v.lo), s0), vcvtq_f32_s32(v.hi), s1);
-}
+inline VF fmadd(float s, VI v, VF acc) { return vfmaq_n_f32(acc, vcvtq_f32_s32(v), s); }
 using S2 = float32x2_t;
 inline S2 mul_halves(const uint8_t* p, const float* f) {
   uint32_t h;
@@ -301,19 +306,17 @@ inline S2 mul_halves(const uint8_t* p, const float* f) {
   const float32x4_t both = vcvt_f32_f16(vreinterpret_f16_u32(vdup_n_u32(h)));
   return vmul_f32(vget_low_f32(both), vld1_f32(f));
 }
-inline VF fmadd_first(S2 s, VI v, VF acc) {
-  return vfmaq_n_f32(acc, vcvtq_f32_s32(vaddq_s32(v.lo, v.hi)), vget_lane_f32(s, 0));
-}
+inline VF fmadd_first(S2 s, VI v, VF acc) { return vfmaq_n_f32(acc, vcvtq_f32_s32(v), vget_lane_f32(s, 0)); }
 inline S2 zero2() { return vdup_n_f32(0.0f); }
 inline S2 add2(S2 a, S2 b) { return vadd_f32(a, b); }
 inline float second(S2 s) { return vget_lane_f32(s, 1); }
 inline float hsum(VF v) { return vaddvq_f32(v); }
-constexpr const char* kIsa = "neon";
 
 #else  // portable: plain loops the compiler vectorises for its target (SSE2 on generic x86-64)
 constexpr const char* kIsa = "portable";
 struct B16 { uint8_t b[16]; };
-struct VI { int32_t lo, hi; };
+struct W16 { int16_t w[16]; };
+using VI = int32_t;
 using VF = float;
 inline B16 ld16(const uint8_t* p) { B16 r; std::memcpy(r.b, p, 16); return r; }
 inline B16 lo4(B16 v) { for (auto& c : v.b) c &= 0x0F; return v; }
@@ -322,19 +325,21 @@ template <int S>
 inline B16 bits2(B16 v) { for (auto& c : v.b) c = (c >> S) & 3; return v; }
 inline B16 or_shl4(B16 a, B16 b) { for (int i = 0; i < 16; ++i) a.b[i] |= b.b[i] << 4; return a; }
 inline B16 sub(B16 v, int8_t k) { for (auto& c : v.b) c = static_cast<uint8_t>(c - k); return v; }
-inline VI dot(B16 lo, B16 hi, const QAct* x) {
-  int32_t a = 0, b = 0;
+inline W16 widen(B16 v) { W16 w; for (int i = 0; i < 16; ++i) w.w[i] = static_cast<int8_t>(v.b[i]); return w; }
+inline void nibbles(B16 raw, W16* lo, W16* hi) {
   for (int i = 0; i < 16; ++i) {
-    a += static_cast<int8_t>(lo.b[i]) * x[i];
-    b += static_cast<int8_t>(hi.b[i]) * x[i + 16];
+    lo->w[i] = raw.b[i] & 0x0F;
+    hi->w[i] = raw.b[i] >> 4;
   }
-  return {a, b};
 }
+inline VI dot16(W16 w, const QAct* x) {
+  int32_t s = 0;
+  for (int i = 0; i < 16; ++i) s += w.w[i] * x[i];
+  return s;
+}
+inline VI dot32(W16 w0, W16 w1, const QAct* x) { return dot16(w0, x) + dot16(w1, x + 16); }
 inline VF vzero() { return 0.0f; }
-inline VF fmadd(float s, VI v, VF acc) { return acc + s * static_cast<float>(v.lo + v.hi); }
-inline VF fmadd2(float s0, float s1, VI v, VF acc) {
-  return acc + s0 * static_cast<float>(v.lo) + s1 * static_cast<float>(v.hi);
-}
+inline VF fmadd(float s, VI v, VF acc) { return acc + s * static_cast<float>(v); }
 struct S2 { float first, second; };
 inline S2 mul_halves(const uint8_t* p, const float* f) { return {half_at(p) * f[0], half_at(p + 2) * f[1]}; }
 inline VF fmadd_first(S2 s, VI v, VF acc) { return fmadd(s.first, v, acc); }
@@ -366,27 +371,29 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
     for (int64_t g = 0; g < K / 32; ++g) {
       for (int i = 0; i < NR; ++i) {
         const uint8_t* blk = rows[i] + g * bytes;
-        if constexpr (QT == Q4_1) {
-          const B16 raw = ld16(blk + 4);
-          const B16 lo = lo4(raw), hi = hi4(raw);
-          for (int r = 0; r < MR; ++r) {
-            const S2 s = mul_halves(blk, a.ds + 2 * (r * a.ld + g));  // (d dx, m sum)
-            acc[i][r] = fmadd_first(s, dot(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
-            offset2[i][r] = add2(offset2[i][r], s);
-          }
+        W16 lo, hi;
+        if constexpr (QT == Q8_0) {
+          lo = widen(ld16(blk + 2));
+          hi = widen(ld16(blk + 18));
+        } else if constexpr (QT == Q4_0) {
+          nibbles(ld16(blk + 2), &lo, &hi);
         } else {
-          const float dw = half_at(blk);
-          B16 lo, hi;
-          if constexpr (QT == Q8_0) {
-            lo = ld16(blk + 2);
-            hi = ld16(blk + 18);
+          nibbles(ld16(blk + 4), &lo, &hi);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const VI v = dot32(lo, hi, a.q + r * ldq + g * 32);
+          const float* ds = a.ds + 2 * (r * a.ld + g);
+          if constexpr (QT == Q4_1) {
+            const S2 s = mul_halves(blk, ds);  // (d dx, m sum)
+            acc[i][r] = fmadd_first(s, v, acc[i][r]);
+            offset2[i][r] = add2(offset2[i][r], s);
+          } else if constexpr (QT == Q4_0) {  // w = d q - 8 d: the 8 d multiplies the group's exact sum
+            const float d = half_at(blk);
+            acc[i][r] = fmadd(d * ds[0], v, acc[i][r]);
+            offset[i][r] -= 8.0f * d * ds[1];
           } else {
-            const B16 raw = ld16(blk + 2);
-            lo = sub(lo4(raw), 8);
-            hi = sub(hi4(raw), 8);
+            acc[i][r] = fmadd(half_at(blk) * ds[0], v, acc[i][r]);
           }
-          for (int r = 0; r < MR; ++r)
-            acc[i][r] = fmadd(dw * a.ds[2 * (r * a.ld + g)], dot(lo, hi, a.q + r * ldq + g * 32), acc[i][r]);
         }
       }
     }
@@ -400,14 +407,15 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
           int sc0, mn0, sc1, mn1;
           q4k_scale_min(j, blk + 4, &sc0, &mn0);
           q4k_scale_min(j + 1, blk + 4, &sc1, &mn1);
-          const B16 u = ld16(q), v = ld16(q + 16);
-          const B16 lo0 = lo4(u), hi0 = lo4(v), lo1 = hi4(u), hi1 = hi4(v);  // groups j and j + 1
+          W16 lo0, lo1, hi0, hi1;  // groups j (low nibbles) and j + 1 (high), weights 0-15 and 16-31
+          nibbles(ld16(q), &lo0, &lo1);
+          nibbles(ld16(q + 16), &hi0, &hi1);
           const int64_t g = b * 8 + j;
           for (int r = 0; r < MR; ++r) {
             const QAct* xq = a.q + r * ldq + g * 32;
             const float* ds = a.ds + 2 * (r * a.ld + g);  // groups g and g + 1
-            acc[i][r] = fmadd(d * sc0 * ds[0], dot(lo0, hi0, xq), acc[i][r]);
-            acc[i][r] = fmadd(d * sc1 * ds[2], dot(lo1, hi1, xq + 32), acc[i][r]);
+            acc[i][r] = fmadd(d * sc0 * ds[0], dot32(lo0, hi0, xq), acc[i][r]);
+            acc[i][r] = fmadd(d * sc1 * ds[2], dot32(lo1, hi1, xq + 32), acc[i][r]);
             offset[i][r] -= dmin * (mn0 * ds[1] + mn1 * ds[3]);
           }
         }
@@ -425,20 +433,22 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
           const int8_t* s = reinterpret_cast<const int8_t*>(blk + 192) + half * 8;
           const B16 l0 = ld16(ql), l1 = ld16(ql + 16), l2 = ld16(ql + 32), l3 = ld16(ql + 48);
           const B16 h0 = ld16(qh), h1 = ld16(qh + 16);
-          // weights l, l + 32, l + 64, l + 96 of this half (l = 0..31), as q - 32; one scale per 16 weights
-          const B16 w[4][2] = {
-              {sub(or_shl4(lo4(l0), bits2<0>(h0)), 32), sub(or_shl4(lo4(l1), bits2<0>(h1)), 32)},
-              {sub(or_shl4(lo4(l2), bits2<2>(h0)), 32), sub(or_shl4(lo4(l3), bits2<2>(h1)), 32)},
-              {sub(or_shl4(hi4(l0), bits2<4>(h0)), 32), sub(or_shl4(hi4(l1), bits2<4>(h1)), 32)},
-              {sub(or_shl4(hi4(l2), bits2<6>(h0)), 32), sub(or_shl4(hi4(l3), bits2<6>(h1)), 32)},
+          // weights l, l + 32, l + 64, l + 96 of this half (l = 0..31) as q - 32, 16 at a time (a scale each)
+          const B16 q[8] = {
+              or_shl4(lo4(l0), bits2<0>(h0)), or_shl4(lo4(l1), bits2<0>(h1)),
+              or_shl4(lo4(l2), bits2<2>(h0)), or_shl4(lo4(l3), bits2<2>(h1)),
+              or_shl4(hi4(l0), bits2<4>(h0)), or_shl4(hi4(l1), bits2<4>(h1)),
+              or_shl4(hi4(l2), bits2<6>(h0)), or_shl4(hi4(l3), bits2<6>(h1)),
           };
           const int64_t g0 = b * 8 + half * 4;
-          for (int r = 0; r < MR; ++r)
-            for (int k = 0; k < 4; ++k) {
-              const float dd = d * a.ds[2 * (r * a.ld + g0 + k)];
-              const VI v = dot(w[k][0], w[k][1], a.q + r * ldq + (g0 + k) * 32);
-              acc[i][r] = fmadd2(dd * s[2 * k], dd * s[2 * k + 1], v, acc[i][r]);
+          for (int k = 0; k < 8; ++k) {
+            const W16 w = widen(sub(q[k], 32));
+            for (int r = 0; r < MR; ++r) {
+              const float* ds = a.ds + 2 * (r * a.ld + g0 + k / 2);
+              acc[i][r] = fmadd(d * s[k] * ds[0], dot16(w, a.q + r * ldq + (g0 + k / 2) * 32 + (k % 2) * 16),
+                                acc[i][r]);
             }
+          }
         }
       }
     }
@@ -447,9 +457,6 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
     for (int r = 0; r < MR; ++r) out[i * MR + r] = hsum(acc[i][r]) + offset[i][r] + second(offset2[i][r]);
 }
 
-// out[r * ldo + n - n0] = dot(weight row n, activation row r) for rows [n0, n1) of a [rows, row_bytes] weight and
-// the M quantized activation rows of `a`. One activation row: four weight rows at a time (independent chains over
-// one read of the activations); more: up to four activation rows share each weight row's unpacking.
 constexpr int64_t kPrefetchRows = 8;  // M == 1: how far ahead (in weight rows) to prefetch
 
 template <int QT>

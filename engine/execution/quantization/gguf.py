@@ -106,6 +106,8 @@ class GGUFWeight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """One kernel call for every segment, the padding rows and the bias; y in x's dtype."""
+        if x.dim() == 2:  # the engine's [tokens, features]: no reshapes (a decode step calls this per layer)
+            return self._op(x, self._data, self._types, self.in_features, self.out, bias)
         shape = x.shape
         y = self._op(x.reshape(-1, shape[-1]), self._data, self._types, self.in_features, self.out, bias)
         return y.reshape(*shape[:-1], self.out)
