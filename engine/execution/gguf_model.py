@@ -8,9 +8,9 @@
   chat template stored in the metadata).
 - `GGUFWeightSource`: the `WeightSource` interface over the file's tensors, under Hugging Face names. Every tensor
   type the `gguf` package can dequantize loads (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...); quantized
-  tensors of the types the packed CPU kernel runs (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quantization/gguf.py) stay in
-  their blocks when the model runs on CPU (`load_packed`); other types, other devices, and every type under
-  SHOAL_GGUF_DEQUANTIZE=1 are dequantized on load into the compute dtype (the log says which). A tensor-parallel
+  tensors of the types the packed kernels run (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quantization/gguf.py: C++ on CPU,
+  Triton on CUDA) stay in their blocks (`load_packed`); other types, and every type under SHOAL_GGUF_DEQUANTIZE=1,
+  are dequantized on load into the compute dtype (the log says which). A tensor-parallel
   rank reads only the rows it owns (GGUF quantizes each row on its own, so a row range is a byte range).
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (interleaved rotary halves); they are put
@@ -272,7 +272,7 @@ def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):
 
 class GGUFWeightSource:
     """WeightSource over one GGUF file: Hugging Face tensor names, dequantized float32 slices, or (with
-    `packed=True`, see load_packed) the Q8_0/Q4_0/Q4_1/Q4_K/Q6_K rows as stored, for the packed CPU kernel."""
+    `packed=True`, see load_packed) the Q8_0/Q4_0/Q4_1/Q4_K/Q6_K rows as stored, for the packed kernels."""
 
     def __init__(self, path: str | os.PathLike, hf_config, packed: bool = False):
         self.model_dir = Path(path)  # named like WeightSource's for error messages
@@ -303,7 +303,7 @@ class GGUFWeightSource:
 
         kept = [k for k in quantized if packed and k in PACKED_TYPES]
         rest = [k for k in quantized if k not in kept]
-        how = [f"{'/'.join(kept)} kept packed (CPU GGUF kernel)"] if kept else []
+        how = [f"{'/'.join(kept)} kept packed"] if kept else []
         if rest:
             how.append(f"{'/'.join(rest)} dequantized on load")
         logger.info("GGUF %s: tensor types %s; %s", self.model_dir.name,

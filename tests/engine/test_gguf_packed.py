@@ -156,6 +156,88 @@ def weight_of(segment):
     return GGUFWeight([segment])
 
 
+# ------------------------------------------------------------------------------------ Triton kernels (GPU)
+
+
+def triton_device() -> str:
+    """Where the Triton kernels run in this process: CUDA, or the CPU under Triton's interpreter (TRITON_INTERPRET=1
+    before triton's first import: tests/conftest.py sets it on machines without a GPU)."""
+    from shoal.engine.execution.quantization import gguf_triton
+
+    if gguf_triton.triton is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        return "cuda"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(gguf_triton._gguf_matmul_kernel, InterpretedFunction):
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 and there is no GPU")
+    return "cpu"
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_triton_kernels_match_gguf_dequantize(qtype):
+    """The Triton matmul and row dequantization against gguf-py's dequantization + a float64 matmul: odd row counts,
+    1 to 33 activation rows (one and two row tiles), float32 exact up to summation order."""
+    from gguf import GGMLQuantizationType as QT
+
+    from shoal.engine.execution.quantization import gguf_triton
+
+    device = triton_device()
+    block = 256 if qtype.endswith("_K") else 32
+    for rows, cols in ((37, block), (5, 2 * block)):
+        raw = packed_rows(qtype, rows, cols, seed=rows)
+        ref, _ = reference(qtype, raw, rows, cols)
+        data = torch.from_numpy(raw).to(device)
+        assert torch.equal(gguf_triton.dequantize_rows(data, QT[qtype].value, cols).cpu(), ref)
+        ids = torch.tensor([rows - 1, 0, rows // 2], device=device)
+        assert torch.equal(gguf_triton.dequantize_rows(data, QT[qtype].value, cols, ids).cpu(), ref[ids.cpu()])
+        for batch in (1, 3, 33):
+            x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
+            got = gguf_triton.matmul(x.to(device), [(data, QT[qtype].value)], cols, rows).cpu()
+            reorder = 1e-5 * (x.abs().double() @ ref.abs().double().T) + 1e-6
+            assert ((got.double() - x.double() @ ref.double().T).abs() <= reorder).all(), (qtype, rows, cols, batch)
+
+
+def test_triton_matmul_fuses_segments_padding_bias_and_dtype():
+    """Segments of different types one after another, zero weights past them, the bias, bfloat16 activations."""
+    from shoal.engine.execution.quantization import gguf_triton
+    from shoal.engine.execution.quantization.gguf import GGUFPacked, GGUFWeight
+
+    device = triton_device()
+    parts = [("Q4_K", 7), ("Q6_K", 5), ("Q8_0", 3)]
+    segments = [GGUFPacked(torch.from_numpy(packed_rows(q, n, 256, seed=n)), q, 256) for q, n in parts]
+    dense = GGUFWeight(segments, out=17).dequantize()
+    on_device = [(s.data.to(device), s.type_id) for s in segments]
+    bias, x = torch.randn(17), torch.randn(3, 256)
+    got = gguf_triton.matmul(x.to(device), on_device, 256, 17, bias.to(device)).cpu()
+    torch.testing.assert_close(got, x @ dense.T + bias, rtol=1e-5, atol=1e-4)
+    got = gguf_triton.matmul(x.bfloat16().to(device), on_device, 256, 17, bias.bfloat16().to(device)).cpu()
+    assert got.dtype == torch.bfloat16  # TF32 products of the bfloat16 activations, rounded to bfloat16
+    want = x.bfloat16().float() @ dense.T + bias.bfloat16().float()
+    torch.testing.assert_close(got.float(), want, rtol=0.01, atol=0.01 * float(want.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_served_packed_on_gpu_equals_dequantized(model_factory, gguf_dir, monkeypatch):
+    """On CUDA the packed weights run through the Triton kernels: the same greedy tokens as the file dequantized."""
+    from shoal.engine.execution.quantization.gguf import GGUFWeight
+
+    hf = model_factory("llama", tie_word_embeddings=True, **SHAPE)
+    path = write_gguf(hf, gguf_dir / "tiny-gpu-Q4_K-Q6_K.gguf", weight_type="Q4_K", embed_type="Q6_K")
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    outs = {}
+    for dequantize in ("0", "1"):
+        monkeypatch.setenv("SHOAL_GGUF_DEQUANTIZE", dequantize)
+        with LLM(model=str(path), device="cuda", **OPTIONS) as llm:
+            layers = [m.quantized for m in llm.llm_engine.executor.runner.model.modules()
+                      if isinstance(getattr(m, "quantized", None), GGUFWeight)]
+            assert all("(triton)" in w.kernel for w in layers) and (dequantize == "1") != bool(layers)
+            outs[dequantize] = llm.generate(PROMPTS, params)
+    _assert_same(outs["0"], outs["1"], tol=2e-3)
+
+
 # ------------------------------------------------------------------------------- every CPU tier's kernel code
 
 DRIVER = Path(__file__).parent / "gguf_kernel_driver.cpp"

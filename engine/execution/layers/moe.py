@@ -192,7 +192,7 @@ class FusedMoE(nn.Module):
     def finish_gguf(self) -> None:
         """After loading: every expert's packed blocks in one stack per projection, when each projection has one
         type across the experts and the packed CPU kernel can run them (the dense stacks, never written, are freed);
-        otherwise the blocks are dequantized into the dense stacks."""
+        otherwise (on GPU too: no packed Triton expert kernel) the blocks are dequantized into the dense stacks."""
         from shoal.engine.execution.quantization.gguf import GGUFPacked, PACKED_TYPES
 
         parts, self.gguf_parts = self.gguf_parts or {}, None
@@ -206,7 +206,7 @@ class FusedMoE(nn.Module):
         if not stackable:
             for i, (gate, up, down) in parts.items():
                 for dst, src in ((self.w13.data[i, :n], gate), (self.w13.data[i, n:], up), (self.w2.data[i], down)):
-                    dst.copy_(src.dequantize() if isinstance(src, GGUFPacked) else src)
+                    dst.copy_(src.to(dst.device).dequantize() if isinstance(src, GGUFPacked) else src)
             return
         stacks = tuple(torch.stack([parts[e][k].data for e in range(self.num_local)]) for k in range(3))
         self.gguf = stacks, tuple(PACKED_TYPES[parts[0][k].qtype][0] for k in range(3))
