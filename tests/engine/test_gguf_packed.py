@@ -389,6 +389,21 @@ def test_served_packed_equals_dequantized(model_factory, gguf_dir, monkeypatch, 
     _assert_same(packed_out, dense_out, tol=2e-3)
 
 
+def test_quantization_flag_applies_to_what_is_not_packed(model_factory, gguf_dir):
+    """--quantization int8 on a GGUF file: the packed Q8_0 embedding and tied head stay as they are, the Q5_K layers
+    (no packed kernel: dequantized on load) are quantized to int8, and the model still runs."""
+    from shoal.engine.execution.quantization.gguf import GGUFWeight
+    from shoal.engine.execution.quantization.int8 import Int8Weight
+
+    hf = model_factory("llama", tie_word_embeddings=True, **SHAPE)
+    path = write_gguf(hf, gguf_dir / "tiny-Q5_K-Q8_0.gguf", weight_type="Q5_K", embed_type="Q8_0")
+    with LLM(model=str(path), quantization="int8", **OPTIONS) as llm:
+        kinds = {type(m.quantized) for m in llm.llm_engine.executor.runner.model.modules()
+                 if getattr(m, "quantized", None) is not None}
+        out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert kinds == {GGUFWeight, Int8Weight} and len(out[0].outputs[0].token_ids) == 4
+
+
 def test_smollm2_served_packed_equals_dequantized(monkeypatch):
     """The real SmolLM2-135M-Instruct Q4_1 file, when this machine has it cached."""
     from shoal.engine.tools.demo_model import find_demo_model
