@@ -355,6 +355,9 @@ def _generate(path: Path, monkeypatch, dequantize: bool, prompts=PROMPTS, max_ne
     with LLM(model=str(path), **OPTIONS) as llm:
         model = llm.llm_engine.executor.runner.model
         packed = [m for m in model.modules() if isinstance(getattr(m, "quantized", None), GGUFWeight)]
+        maps = Path("/proc/self/maps")
+        # the file is unmapped once loaded: its pages would stay resident next to the weights' copies
+        assert not maps.exists() or str(Path(path).resolve()) not in maps.read_text()
         return llm.generate(prompts, params), packed, resident_weight_bytes(model)
 
 
