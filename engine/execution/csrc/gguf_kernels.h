@@ -459,6 +459,9 @@ void dot_tile(const uint8_t* const* rows, int64_t K, const QRows& a, float* out)
 
 constexpr int64_t kPrefetchRows = 8;  // M == 1: how far ahead (in weight rows) to prefetch
 
+// out[r * ldo + n - n0] = dot(weight row n, activation row r) for rows [n0, n1) of a [rows, row_bytes] weight and
+// the M quantized activation rows of `a`. One activation row: four weight rows at a time (independent chains over
+// one read of the activations); more: up to four activation rows share each weight row's unpacking.
 template <int QT>
 void dot_rows_t(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const QRows& a, int64_t M, int64_t K,
                 float* out, int64_t ldo) {
@@ -468,7 +471,7 @@ void dot_rows_t(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, con
     for (; n + 4 <= n1; n += 4) {
       // The next tiles' bytes, requested ahead: without it the cores wait on memory and compute in turn.
       const uint8_t* ahead = w + (n + kPrefetchRows) * row_bytes;
-      const uint8_t* end = w + (n1 + 0) * row_bytes;
+      const uint8_t* end = w + n1 * row_bytes;
       for (int64_t off = 0; off < 4 * row_bytes && ahead + off < end; off += 64) __builtin_prefetch(ahead + off);
       const uint8_t* rows[4] = {w + n * row_bytes, w + (n + 1) * row_bytes, w + (n + 2) * row_bytes,
                                 w + (n + 3) * row_bytes};

@@ -183,7 +183,9 @@ class FusedMoE(nn.Module):
         n, s = self.inter_local, self.inter_start
         parts = read_gate(0, s, n), read_up(0, s, n), read_down(1, s, n)
         if any(isinstance(p, GGUFPacked) for p in parts):  # blocks kept as read (finish_gguf stacks them)
-            self.gguf_parts = {**(self.gguf_parts or {}), i: parts}
+            if self.gguf_parts is None:
+                self.gguf_parts = {}
+            self.gguf_parts[i] = parts
             return
         self.w13.data[i, :n].copy_(parts[0])
         self.w13.data[i, n:].copy_(parts[1])
