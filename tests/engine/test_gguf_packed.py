@@ -529,6 +529,11 @@ def test_packed_expert_loop_equals_expert_by_expert(qtypes):
                                      weights, ids, start)
         want = grouped_experts(x, weights, ids, start, E, expert)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    half = ops.fused_experts_gguf(x.bfloat16(), *(torch.from_numpy(s) for s in stacks),
+                                  *(PACKED_TYPES[q][0] for q in qtypes), weights, ids, start)
+    assert half.dtype == torch.bfloat16  # computed in float32 from the rounded activations, rounded once at the end
+    torch.testing.assert_close(half.float(), grouped_experts(x.bfloat16().float(), weights, ids, start, E, expert),
+                               rtol=0.01, atol=0.01)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-slices", "expert-parallel"])
