@@ -11,6 +11,7 @@ feature flags and has a portable fallback that is always correct:
 | cpu attention (bf16) | vdpbf16ps dot products (AVX512-BF16)                | the portable float32 loop           |
 | fp8 KV decode        | e4m3 -> bf16 in registers (AVX512-BF16)             | the portable decode                 |
 | int8 W8A8 GEMM       | oneDNN u8s8 with 8-bit weights (VNNI: int32 sums)   | 7-bit weights (no VNNI: u8 x s8 pair sums saturate in int16 at 8 bits); torch._int_mm off x86 |
+| packed GGUF matmul   | blocks unpacked in registers: AVX2 vpmaddwd, AVX512-VNNI vpdpwssd, NEON smlal | portable loops |
 
 Tiers, lowest first: x86-64 `generic` < `avx2` < `avx512` < `avx512_bf16` < `amx`; ARM64 `neon` < `sve`.
 `SHOAL_CPU_ISA=<tier>` caps the tier (so every tier's code runs on one machine). When capped it also caps torch's
@@ -141,12 +142,16 @@ class CpuFeatures:
         else:
             int8 = "torch._int_mm (exact int32 sums)"
         simd = self.tier in ("avx512_bf16", "amx")
+        gguf = {"generic": "portable loops", "avx2": "AVX2 (vpmaddwd)", "avx512": "AVX-512 (vpmaddwd)",
+                "avx512_bf16": "AVX512-VNNI (vpdpwssd)", "amx": "AVX512-VNNI (vpdpwssd)", "neon": "NEON (smlal)",
+                "sve": "NEON (smlal)"}.get(self.tier, "portable loops")
         return {
             "bf16 linear": bf16,
             "C++ kernels": f"built for {self.tier} ({' '.join(self.cflags) or 'compiler defaults'})",
             "cpu attention bf16": "vdpbf16ps dot products" if simd else "portable float32 accumulation",
             "fp8 KV decode": "e4m3 -> bf16 in registers" if simd else "portable decode",
             "int8 linear": int8,
+            "packed GGUF matmul": f"{gguf}, blocks unpacked in registers",
         }
 
     def describe(self) -> str:

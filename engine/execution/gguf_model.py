@@ -2,14 +2,15 @@
 
 - `is_gguf(path)`: a file that starts with the GGUF magic.
 - `gguf_config(path)`: a transformers config built from the GGUF metadata (llama, mistral, qwen2, qwen3, gemma2,
-  gemma3 and phi3 families, and Mixtral, which llama.cpp files as llama with `llama.expert_count`).
+  gemma3, phi3, qwen2moe and qwen3moe families, and Mixtral, which llama.cpp files as llama with
+  `llama.expert_count`).
 - `load_gguf_tokenizer(path)`: transformers' GGUF tokenizer conversion (vocabulary, merges, special tokens and the
   chat template stored in the metadata).
 - `GGUFWeightSource`: the `WeightSource` interface over the file's tensors, under Hugging Face names. Every tensor
   type the `gguf` package can dequantize loads (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...); quantized
-  tensors of the types the packed CPU kernel runs (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quantization/gguf.py) stay in
-  their blocks when the model runs on CPU (`load_packed`); other types, other devices, and every type under
-  SHOAL_GGUF_DEQUANTIZE=1 are dequantized on load into the compute dtype (the log says which). A tensor-parallel
+  tensors of the types the packed kernels run (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; quantization/gguf.py: C++ on CPU,
+  Triton on CUDA) stay in their blocks (`load_packed`); other types, and every type under SHOAL_GGUF_DEQUANTIZE=1,
+  are dequantized on load into the compute dtype (the log says which). A tensor-parallel
   rank reads only the rows it owns (GGUF quantizes each row on its own, so a row range is a byte range).
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (interleaved rotary halves); they are put
@@ -20,9 +21,11 @@ metadata does not carry follows llama.cpp: Gemma scales queries by head_dim^-0.5
 head_dim), Gemma 3's local layers use RoPE base 10000 and every sliding_window_pattern-th layer (default 6) is
 global.
 
-Mixture-of-experts files stack each layer's experts in one tensor per projection (`ffn_gate_exps`, `ffn_up_exps`,
-`ffn_down_exps`: [experts, rows, cols]); each expert is exposed under its Hugging Face name and reads only its own
-rows of the stack (quantization blocks never span experts), so a rank loads its experts' bytes and nothing more.
+Mixture-of-experts files (Mixtral, filed as llama; qwen2moe; qwen3moe) stack each layer's experts in one tensor per
+projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`: [experts, rows, cols]); each expert is exposed under its
+Hugging Face name and reads only its own rows of the stack (quantization blocks never span experts), so a rank loads
+its experts' bytes and nothing more, packed or dequantized like any other weight. llama.cpp's Qwen MoE files make
+every layer sparse and renormalise the top-k weights for Qwen3-MoE only, and so does the config built here.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ ARCHITECTURES = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM", False),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
     "phi3": ("phi3", "Phi3ForCausalLM", False),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
 }
 _GEMMA = ("gemma2", "gemma3")
 
@@ -65,7 +70,14 @@ _LAYER_NAMES = {
 }
 # Mixtral's router and stacked experts (the Hugging Face names of expert e: experts.{e}.w1/w3/w2).
 _MOE_NAMES = {"ffn_gate_inp": "block_sparse_moe.gate"}
-_EXPERT_STACKS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+_EXPERT_STACKS = {"ffn_gate_exps": "block_sparse_moe.experts.{e}.w1", "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+                  "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"}
+# Qwen2-MoE / Qwen3-MoE: router, experts and (Qwen2-MoE) the shared expert and its gate, under `mlp.`.
+_QWEN_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                   "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                   "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+_QWEN_EXPERT_STACKS = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                       "ffn_down_exps": "mlp.experts.{e}.down_proj"}
 
 # Families whose layers name tensors differently (the rest of _LAYER_NAMES applies to them too).
 _ARCH_LAYER_NAMES = {
@@ -75,6 +87,8 @@ _ARCH_LAYER_NAMES = {
                "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
                "attn_k_norm": "self_attn.k_norm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen2moe": _QWEN_MOE_NAMES,
+    "qwen3moe": _QWEN_MOE_NAMES,
 }
 
 
@@ -166,7 +180,7 @@ def gguf_config(path: str | os.PathLike):
         hidden_act="silu",
     )
     head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
-    if head_dim and model_type != "qwen2":
+    if head_dim and model_type not in ("qwen2", "qwen2_moe"):
         kw["head_dim"] = int(head_dim)
     if model_type == "llama":
         kw["attention_bias"] = "blk.0.attn_q.bias" in names
@@ -175,7 +189,15 @@ def gguf_config(path: str | os.PathLike):
     if model_type == "mixtral":
         kw["num_local_experts"] = int(need("expert_count"))
         kw["num_experts_per_tok"] = int(need("expert_used_count"))
-    if model_type == "qwen3":
+    if model_type in ("qwen2_moe", "qwen3_moe"):  # llama.cpp: every layer sparse; top-k renormalised in Qwen3 only
+        kw.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                  moe_intermediate_size=int(need("expert_feed_forward_length")), decoder_sparse_step=1,
+                  mlp_only_layers=[], norm_topk_prob=model_type == "qwen3_moe")
+        if model_type == "qwen2_moe":
+            kw["shared_expert_intermediate_size"] = int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
+                                                        or 0)
+            kw["qkv_bias"] = "blk.0.attn_q.bias" in names
+    if model_type in ("qwen3", "qwen3_moe"):
         kw["attention_bias"] = "blk.0.attn_q.bias" in names
     if arch in _GEMMA or arch == "phi3":
         kw.update(_family_config(reader, arch, kw, path))
@@ -250,7 +272,7 @@ def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):
 
 class GGUFWeightSource:
     """WeightSource over one GGUF file: Hugging Face tensor names, dequantized float32 slices, or (with
-    `packed=True`, see load_packed) the Q8_0/Q4_0/Q4_1/Q4_K/Q6_K rows as stored, for the packed CPU kernel."""
+    `packed=True`, see load_packed) the Q8_0/Q4_0/Q4_1/Q4_K/Q6_K rows as stored, for the packed kernels."""
 
     def __init__(self, path: str | os.PathLike, hf_config, packed: bool = False):
         self.model_dir = Path(path)  # named like WeightSource's for error messages
@@ -258,6 +280,7 @@ class GGUFWeightSource:
         reader = open_gguf(path)
         arch, _, _, self._permuted = _architecture(reader, path)
         self._layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+        stacks = _QWEN_EXPERT_STACKS if arch in ("qwen2moe", "qwen3moe") else _EXPERT_STACKS
         self._norm_offset = arch in _GEMMA  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
         self._heads = {"self_attn.q_proj": hf_config.num_attention_heads,
                        "self_attn.k_proj": hf_config.num_key_value_heads}
@@ -265,9 +288,9 @@ class GGUFWeightSource:
         self._expert = {}  # Hugging Face name of one expert -> its index in the stacked GGUF tensor
         for t in reader.tensors:
             stem = t.name.rpartition(".")[0].split(".")
-            if len(stem) == 3 and stem[0] == "blk" and stem[2] in _EXPERT_STACKS and t.name.endswith(".weight"):
+            if len(stem) == 3 and stem[0] == "blk" and stem[2] in stacks and t.name.endswith(".weight"):
                 for e in range(int(t.shape[-1])):  # GGUF lists dimensions innermost first: experts last
-                    name = f"model.layers.{stem[1]}.block_sparse_moe.experts.{e}.{_EXPERT_STACKS[stem[2]]}.weight"
+                    name = f"model.layers.{stem[1]}.{stacks[stem[2]].format(e=e)}.weight"
                     self._tensors[name], self._expert[name] = t, e
                 continue
             hf = self._hf_name(t.name)
@@ -280,10 +303,9 @@ class GGUFWeightSource:
 
         kept = [k for k in quantized if packed and k in PACKED_TYPES]
         rest = [k for k in quantized if k not in kept]
-        how = [f"{'/'.join(kept)} kept packed (CPU GGUF kernel)"] if kept else []
+        how = [f"{'/'.join(kept)} kept packed"] if kept else []
         if rest:
-            how.append(f"{'/'.join(rest)} dequantized on load"
-                       + ("" if packed else " (packed GGUF kernels: CPU only)"))
+            how.append(f"{'/'.join(rest)} dequantized on load")
         logger.info("GGUF %s: tensor types %s; %s", self.model_dir.name,
                     ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
                     "; ".join(how) if how else "no quantized tensors")
@@ -315,6 +337,8 @@ class GGUFWeightSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         dims = tuple(int(d) for d in reversed(self._tensor(name).shape))  # GGUF lists dimensions innermost first
+        if len(dims) == 1 and name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps the [1, H] gate as [H]
+            return 1, dims[0]
         return dims[1:] if name in self._expert else dims
 
     def load(self, name: str, expected_shape: tuple[int, ...] | None = None,
@@ -355,11 +379,12 @@ class GGUFWeightSource:
     def load_packed(self, name: str, expected_shape: tuple[int, ...] | None = None,
                     dim: int | None = None, start: int = 0, length: int | None = None):
         """The slice `load` would return, as a GGUFPacked (the stored blocks, no dequantization) when this source
-        is packed and the tensor is a 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weight; None otherwise (use `load`). A row
-        range is a byte range; a column range must start and end on block boundaries."""
+        is packed and the tensor is a 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weight (one expert of a stack included); None
+        otherwise (use `load`). A row range is a byte range; a column range must start and end on block
+        boundaries."""
         from shoal.engine.execution.quantization.gguf import PACKED_TYPES, GGUFPacked
 
-        if not self.packed or name in self._expert or name not in self._tensors:
+        if not self.packed or name not in self._tensors:
             return None
         t = self._tensors[name]
         full = self.shape(name)
@@ -371,7 +396,7 @@ class GGUFWeightSource:
                               f"{list(expected_shape)}")
         if dim is not None and length is None:
             length = full[dim] - start
-        data = np.asarray(t.data).reshape(full[0], -1)
+        data = np.asarray(t.data[self._expert[name]] if name in self._expert else t.data).reshape(full[0], -1)
         cols = full[1]
         if dim == 0:
             data = data[start:start + length]
@@ -413,4 +438,8 @@ class GGUFWeightSource:
         return w.reshape(heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
 
     def close(self) -> None:
-        pass
+        """Loading is over: unmap the file. Every weight is a copy by now (packed blocks too), and the mapping's
+        pages, all touched while reading, would otherwise stay resident next to them: twice the file's size."""
+        self._tensors.clear()
+        self._expert.clear()
+        _open.cache_clear()

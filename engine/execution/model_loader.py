@@ -83,6 +83,8 @@ def resolve_dtype(choice: str, hf_config, device: torch.device) -> torch.dtype:
 def _gguf_packed(choice: bool | None, device: torch.device) -> bool:
     if choice is None:
         choice = os.environ.get("SHOAL_GGUF_DEQUANTIZE") != "1"
+        if not choice:
+            logger.info("GGUF weights are dequantized on load: SHOAL_GGUF_DEQUANTIZE=1")
     if not choice:
         return False
     from shoal.engine.execution.quantization.gguf import packed_unsupported_reason
@@ -96,8 +98,8 @@ def _gguf_packed(choice: bool | None, device: torch.device) -> bool:
 def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, backend,
                max_model_len: int, layer_partition: list[int] | None = None, quantization: str | None = None,
                gguf_packed: bool | None = None):
-    """`gguf_packed`: keep a GGUF file's quantized weights in their blocks (the packed CPU kernel); default on for
-    CPU unless SHOAL_GGUF_DEQUANTIZE=1 (dequantize on load, for comparisons)."""
+    """`gguf_packed`: keep a GGUF file's quantized weights in their blocks (the packed kernels: C++ on CPU, Triton
+    on CUDA); default on unless SHOAL_GGUF_DEQUANTIZE=1 (dequantize on load, for comparisons)."""
     cls = model_class(hf_config)
     t0 = time.perf_counter()
     with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor

@@ -41,10 +41,11 @@ def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32", embed_type: str | None = None,
                seed: int = 0, name: str = "tiny") -> Path:
-    """Convert the tiny HF model in `model_dir` (llama, qwen2, qwen3, mixtral, gemma2, gemma3 or phi3) into a GGUF
-    file laid out as llama.cpp's converter does; 2-D weights and expert stacks get `weight_type` (the token embedding
-    `embed_type`, default the same), norms stay F32. Mixtral is written as llama.cpp does: architecture llama with an
-    expert count, q/k permuted, experts stacked per layer."""
+    """Convert the tiny HF model in `model_dir` (llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, gemma2, gemma3
+    or phi3) into a GGUF file laid out as llama.cpp's converter does; 2-D weights and expert stacks get `weight_type`
+    (the token embedding `embed_type`, default the same), norms stay F32. Mixtral is written as llama.cpp does:
+    architecture llama with an expert count, q/k permuted, experts stacked per layer; Qwen MoE as qwen2moe/qwen3moe
+    with stacked experts and the shared expert's [1, H] gate as [H] (every layer must be sparse: mlp_only_layers=None)."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -52,10 +53,15 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
 
     model_dir, out = Path(model_dir), Path(out)
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
+    arch = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}.get(cfg["model_type"],
+                                                                                         cfg["model_type"])
     experts = cfg.get("num_local_experts", 0) if arch == "mixtral" else 0
     if experts:
         arch = "llama"
+    qwen_moe = arch in ("qwen2moe", "qwen3moe")
+    if qwen_moe:
+        assert not cfg.get("mlp_only_layers") and cfg.get("decoder_sparse_step", 1) == 1, "llama.cpp: all sparse"
+        experts = cfg.get("num_experts") or cfg["num_local_experts"]
     tensors = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         tensors.update({k: v.to(torch.float32).numpy() for k, v in load_file(str(f)).items()})
@@ -82,10 +88,20 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        for proj, stack in (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")):
+        if qwen_moe:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            if cfg.get("shared_expert_intermediate_size"):
+                w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        projs = (("mlp.experts.{e}.gate_proj", "ffn_gate_exps"), ("mlp.experts.{e}.up_proj", "ffn_up_exps"),
+                 ("mlp.experts.{e}.down_proj", "ffn_down_exps")) if qwen_moe else (
+                 ("block_sparse_moe.experts.{e}.w1", "ffn_gate_exps"), ("block_sparse_moe.experts.{e}.w3", "ffn_up_exps"),
+                 ("block_sparse_moe.experts.{e}.w2", "ffn_down_exps"))
+        for proj, stack in projs:
             for layer_idx in range(cfg["num_hidden_layers"]):
-                names = [f"model.layers.{layer_idx}.block_sparse_moe.experts.{e}.{proj}.weight" for e in range(experts)]
+                names = [f"model.layers.{layer_idx}.{proj.format(e=e)}.weight" for e in range(experts)]
                 tensors[f"blk.{layer_idx}.{stack}.weight"] = np.stack([tensors.pop(n) for n in names])
+    for name in [n for n in tensors if n.endswith("mlp.shared_expert_gate.weight")]:
+        tensors[name] = tensors[name].reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is [H]
     _add_tokenizer(w, model_dir, cfg)
 
     rng = np.random.default_rng(seed)
@@ -94,7 +110,9 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "block_sparse_moe.gate": "ffn_gate_inp"}
+             "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
     layer.update(_FAMILY_LAYER_NAMES.get(arch, {}))
     if arch == "phi3" and "long_factor" in (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}):
         rope = cfg.get("rope_parameters") or cfg["rope_scaling"]
@@ -114,7 +132,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32",
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             arr = arr + 1.0  # llama.cpp's Gemma norm multiplies by the stored weight: it stores 1 + w
         qname = embed_type if (embed_type and g == "token_embd") else weight_type
-        qtype = QT[qname] if arr.ndim >= 2 else QT.F32
+        qtype = QT[qname] if arr.ndim >= 2 and not g.endswith("ffn_gate_inp") else QT.F32  # llama.cpp: routers F32
         _add_tensor(w, f"{g}.{kind}", arr, qtype, rng)
     w.write_header_to_file()
     w.write_kv_data_to_file()

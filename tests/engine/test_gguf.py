@@ -1,5 +1,8 @@
 """`--model FILE.gguf`: config, tokenizer and weights from one GGUF file; transformers' own GGUF loader is the
-oracle (the same file, dequantized by transformers; greedy tokens equal and logprobs close in float32)."""
+oracle (the same file, dequantized by transformers; greedy tokens equal and logprobs close in float32).
+
+These tests read the file dequantized (SHOAL_GGUF_DEQUANTIZE=1), the form transformers computes in exactly; the
+packed kernels' decode steps round activations to 16 bits, and test_gguf_packed.py holds them to this path."""
 
 from __future__ import annotations
 
@@ -25,6 +28,11 @@ OPTIONS = dict(dtype="float32", max_model_len=128, block_size=4)
 # K-quants need rows that are multiples of 256 weights: hidden 256, intermediate 512.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
+
+
+@pytest.fixture(autouse=True)
+def dequantized(monkeypatch):
+    monkeypatch.setenv("SHOAL_GGUF_DEQUANTIZE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +83,8 @@ def test_each_tensor_type_matches_transformers_gguf_loader(hf_llama, gguf_dir, q
         check_against_transformers_gguf(path, llm)
     log = caplog.text
     assert f"{qtype} x" in log
-    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"):
-        assert f"{qtype} kept packed" in log  # served by the packed CPU kernel (test_gguf_packed compares both)
-    elif qtype not in ("F32", "F16", "BF16"):
-        assert f"{qtype} dequantized on load" in log  # no packed kernel for this type
+    if qtype not in ("F32", "F16", "BF16"):
+        assert f"{qtype} dequantized on load" in log  # served packed by default: test_gguf_packed compares both
 
 
 def test_config_tokenizer_and_chat_template_come_from_the_file(hf_llama, gguf_dir):
@@ -209,6 +215,28 @@ def test_mixtral_gguf_with_stacked_experts(model_factory, gguf_dir):
     for a, b in zip(exact, quant):
         first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         assert max(abs(first_a[t].logprob - first_b[t].logprob) for t in set(first_a) & set(first_b)) < 0.5
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_gguf_matches_the_checkpoint(model_factory, gguf_dir, arch):
+    """llama.cpp's qwen2moe / qwen3moe layout (stacked experts, Qwen2-MoE's shared expert and its [H] gate, every
+    layer sparse, top-k renormalised for Qwen3-MoE only): an F32 file holds the checkpoint's exact weights, so
+    transformers on the source directory is the oracle."""
+    from hf_reference import hf_greedy
+
+    hf = model_factory(arch, mlp_only_layers=None)
+    path = write_gguf(hf, gguf_dir / f"tiny-{arch}-f32.gguf", weight_type="F32")
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    with LLM(model=str(path), **OPTIONS) as llm:
+        assert type(llm.llm_engine.executor.runner.model).__name__ == f"{arch.title().replace('_', '')}ForCausalLM"
+        tok = llm.get_tokenizer()
+        outputs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        ref_ids, ref_lp = hf_greedy(hf, tok.encode(prompt), MAX_NEW)
+        assert out.outputs[0].token_ids == ref_ids, prompt
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            for tid, lp in entry.items():
+                assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=2e-4), (prompt, step)
 
 
 # Gemma 2/3 and Phi-3 as llama.cpp lays them out (Gemma norms stored as 1 + w, Phi-3's fused attn_qkv and gate/up

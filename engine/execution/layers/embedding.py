@@ -51,7 +51,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def finish_gguf(self) -> None:
         if self.gguf_rows is not None:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+            self.gguf_rows = self.gguf_rows.to(self.weight.device)
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ps.tp_size == 1:
@@ -96,9 +97,9 @@ class ParallelLMHead(PackedMatmul):
         elif self.gguf_segments and sum(s.shape[0] for _, s in self.gguf_segments) < self.weight.shape[0]:
             (_, seg), = self.gguf_segments
             self.gguf_segments = None
-            self.quantized = GGUFWeight([seg], out=self.weight.shape[0])
+            self.quantized = GGUFWeight([seg.to(self.weight.device)], out=self.weight.shape[0])
             self.packed_shape = tuple(self.weight.shape)
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         else:
             super().finish_gguf()
 

@@ -73,9 +73,9 @@ class PackedMatmul(nn.Module):
         for offset, seg in segments:
             rows.append(offset + seg.shape[0] if offset == rows[-1] else -1)
         if rows[-1] == self.weight.shape[0]:
-            self.quantized = GGUFWeight([seg for _, seg in segments])
+            self.quantized = GGUFWeight([seg.to(self.weight.device) for _, seg in segments])
             self.packed_shape = tuple(self.weight.shape)
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         else:
             for offset, seg in segments:
                 self.weight.data[offset:offset + seg.shape[0]].copy_(seg.dequantize())

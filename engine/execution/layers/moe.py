@@ -145,9 +145,12 @@ class FusedMoE(nn.Module):
     Tensor parallel: all E experts, each with I / tp of its intermediate features. Expert parallel: E / tp whole
     experts. forward returns this rank's partial sum; the caller all-reduces once (SparseMoeBlock).
     --quantization replaces the stacks by one quantized (gate_up, down) pair per expert (quantization/), run by
-    the grouped torch path with the method's own matmul kernel."""
+    the grouped torch path with the method's own matmul kernel. A GGUF file's experts, read packed, stay packed:
+    one stack of blocks per projection (`gguf`), run by the C++ kernel's packed loop (fused_experts_gguf)."""
 
     quantized: list | None = None  # [(gate_up, down) QuantizedWeight] per local expert once quantized
+    gguf_parts: dict | None = None  # local expert -> (gate, up, down) GGUFPacked, until finish_gguf()
+    gguf: tuple | None = None  # ((gate, up, down) uint8 stacks, (their GGML type ids)) when served packed
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype):
         super().__init__()
@@ -174,11 +177,43 @@ class FusedMoE(nn.Module):
     def load_expert(self, expert: int, read_gate, read_up, read_down) -> None:
         """Copy one expert's slices straight from the checkpoint (Readers as in layers.linear): each tensor is
         read once, only this rank's part of it, into its place in the stack."""
+        from shoal.engine.execution.quantization.gguf import GGUFPacked
+
         i = expert - self.expert_start
         n, s = self.inter_local, self.inter_start
-        self.w13.data[i, :n].copy_(read_gate(0, s, n))
-        self.w13.data[i, n:].copy_(read_up(0, s, n))
-        self.w2.data[i].copy_(read_down(1, s, n))
+        parts = read_gate(0, s, n), read_up(0, s, n), read_down(1, s, n)
+        if any(isinstance(p, GGUFPacked) for p in parts):  # blocks kept as read (finish_gguf stacks them)
+            if self.gguf_parts is None:
+                self.gguf_parts = {}
+            self.gguf_parts[i] = parts
+            return
+        self.w13.data[i, :n].copy_(parts[0])
+        self.w13.data[i, n:].copy_(parts[1])
+        self.w2.data[i].copy_(parts[2])
+
+    def finish_gguf(self) -> None:
+        """After loading: every expert's packed blocks in one stack per projection, when each projection has one
+        type across the experts and the packed CPU kernel can run them (the dense stacks, never written, are freed);
+        otherwise (on GPU too: no packed Triton expert kernel) the blocks are dequantized into the dense stacks."""
+        from shoal.engine.execution.quantization.gguf import GGUFPacked, PACKED_TYPES
+
+        parts, self.gguf_parts = self.gguf_parts or {}, None
+        if not parts:
+            return
+        n = self.inter_local
+        stackable = (len(parts) == self.num_local and self.w13.device.type == "cpu"
+                     and load_cpu_kernel()[0] is not None
+                     and all(isinstance(p, GGUFPacked) for trio in parts.values() for p in trio)
+                     and all(len({parts[e][k].qtype for e in parts}) == 1 for k in range(3)))
+        if not stackable:
+            for i, (gate, up, down) in parts.items():
+                for dst, src in ((self.w13.data[i, :n], gate), (self.w13.data[i, n:], up), (self.w2.data[i], down)):
+                    dst.copy_(src.to(dst.device).dequantize() if isinstance(src, GGUFPacked) else src)
+            return
+        stacks = tuple(torch.stack([parts[e][k].data for e in range(self.num_local)]) for k in range(3))
+        self.gguf = stacks, tuple(PACKED_TYPES[parts[0][k].qtype][0] for k in range(3))
+        for p in (self.w13, self.w2):
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def quantize(self, method) -> None:
         """Quantize every local expert with `method` (a quantization.QuantizedWeight class) and free the stacks."""
@@ -188,6 +223,10 @@ class FusedMoE(nn.Module):
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf is not None:
+            (gate, up, down), types = self.gguf
+            return load_cpu_kernel()[0].fused_experts_gguf(x, gate, up, down, *types, topk_weights.float(), topk_ids,
+                                                          self.expert_start)
         if self.quantized is None:
             return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
         n = self.inter_local

@@ -100,6 +100,8 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
             total += module.gguf_rows.data.numel()
         if isinstance(module, FusedMoE) and module.quantized is not None:
             total += sum(q.nbytes() for pair in module.quantized for q in pair)
+        if isinstance(module, FusedMoE) and module.gguf is not None:
+            total += sum(t.numel() for t in module.gguf[0])
         if isinstance(module, VocabParallelEmbedding) and module.int8_rows is not None:
             total += sum(t.numel() * t.element_size() for t in module.int8_rows)
         if isinstance(module, PackedMatmul):

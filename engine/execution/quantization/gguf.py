@@ -1,9 +1,10 @@
-"""GGUF weights run packed on CPU: Q8_0, Q4_0, Q4_1, Q4_K and Q6_K rows kept in llama.cpp's block format.
+"""GGUF weights run packed: Q8_0, Q4_0, Q4_1, Q4_K and Q6_K rows kept in llama.cpp's block format.
 
 A `GGUFWeight` is a layer's [out, in] weight as one or more row segments (a fused QKV or gate/up projection is
-several GGUF tensors, possibly of different types), each a uint8 tensor [rows, row_bytes] straight from the file.
-`matmul` runs the C++ kernel (layers/csrc/cpu_gguf.cpp, built for this process's CPU tier), which dequantizes
-blocks in registers as it multiplies; the embedding table dequantizes only the rows a lookup reads.
+several GGUF tensors, possibly of different types), each a uint8 tensor [rows, row_bytes] straight from the file,
+on the layer's device. `matmul` unpacks blocks in registers as it multiplies: on CPU the C++ kernel
+(layers/csrc/cpu_gguf.cpp, built for this process's CPU tier), on CUDA the Triton kernel (gguf_triton.py); the
+embedding table dequantizes only the rows a lookup reads.
 
 Tensor parallelism slices these rows before they get here (gguf_model.GGUFWeightSource.load_packed): a row range
 is a byte range, and a column range must fall on block boundaries (32 or 256 weights) or the load is refused.
@@ -45,6 +46,10 @@ def packed_unsupported_reason(device: torch.device) -> str | None:
     """None when packed GGUF weights can run on `device`, otherwise why not (the loader then dequantizes)."""
     from shoal.engine.execution.native_build import NativeBuildError
 
+    if device.type == "cuda":
+        from shoal.engine.execution.quantization import gguf_triton
+
+        return gguf_triton.available()
     if device.type != "cpu":
         return f"no packed GGUF kernel for {device.type} devices"
     try:
@@ -69,13 +74,26 @@ class GGUFPacked:
     def shape(self) -> tuple[int, int]:
         return self.data.shape[0], self.cols
 
+    def to(self, device: torch.device) -> "GGUFPacked":
+        return self if self.data.device == device else GGUFPacked(self.data.to(device), self.qtype, self.cols)
+
     def dequantize(self) -> torch.Tensor:
-        return load_kernels()[0].dequantize(self.data, self.type_id, self.cols)
+        """float32 [rows, cols] on the data's device."""
+        if self.data.device.type == "cpu":
+            return load_kernels()[0].dequantize(self.data, self.type_id, self.cols)
+        from shoal.engine.execution.quantization import gguf_triton
+
+        return gguf_triton.dequantize_rows(self.data, self.type_id, self.cols)
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [*ids.shape, cols]: the rows `ids` picks, dequantized (an embedding lookup)."""
-        rows = self.data.index_select(0, ids.reshape(-1))
-        return load_kernels()[0].dequantize(rows, self.type_id, self.cols).reshape(*ids.shape, self.cols)
+        if self.data.device.type == "cpu":
+            rows = load_kernels()[0].dequantize_rows(self.data, ids.reshape(-1), self.type_id, self.cols)
+        else:
+            from shoal.engine.execution.quantization import gguf_triton
+
+            rows = gguf_triton.dequantize_rows(self.data, self.type_id, self.cols, ids)
+        return rows.reshape(*ids.shape, self.cols)
 
 
 class GGUFWeight(QuantizedWeight):
@@ -91,7 +109,14 @@ class GGUFWeight(QuantizedWeight):
         self.in_features = segments[0].cols
         self.rows = sum(s.shape[0] for s in segments)
         self.out = out or self.rows
-        self.kernel = f"gguf packed {'+'.join(sorted({s.qtype for s in segments}))} ({load_kernels()[1].split(' (')[0]})"
+        self._data = [s.data for s in segments]
+        self._types = [s.type_id for s in segments]
+        if self._data[0].device.type == "cpu":
+            isa = load_kernels()[1].split(" (")[0]
+            self._op = load_kernels()[0].matmul.default  # resolved once: a decode step calls it per layer
+        else:
+            isa, self._op = "triton", self._triton_matmul
+        self.kernel = f"gguf packed {'+'.join(sorted({s.qtype for s in segments}))} ({isa})"
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
@@ -102,17 +127,17 @@ class GGUFWeight(QuantizedWeight):
         raise NotImplementedError("GGUF weights come packed from a .gguf file; they are not built from dense ones")
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        ops = load_kernels()[0]
+        """One kernel call for every segment, the padding rows and the bias; y in x's dtype."""
+        if x.dim() == 2:  # the engine's [tokens, features]: no reshapes (a decode step calls this per layer)
+            return self._op(x, self._data, self._types, self.in_features, self.out, bias)
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        ys = [ops.matmul(x2, s.data, s.type_id, s.cols) for s in self.segments]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-        if self.out > self.rows:
-            y = F.pad(y, (0, self.out - self.rows))
-        y = y.to(x.dtype)
-        if bias is not None:
-            y = y + bias
+        y = self._op(x.reshape(-1, shape[-1]), self._data, self._types, self.in_features, self.out, bias)
         return y.reshape(*shape[:-1], self.out)
+
+    def _triton_matmul(self, x, data, types, K, N, bias):
+        from shoal.engine.execution.quantization import gguf_triton
+
+        return gguf_triton.matmul(x, list(zip(data, types)), K, N, bias)
 
     def dequantize(self) -> torch.Tensor:
         w = torch.cat([s.dequantize() for s in self.segments])
@@ -127,19 +152,23 @@ def finish_gguf_model(model: torch.nn.Module) -> None:
     the weight memory."""
     from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from shoal.engine.execution.layers.linear import PackedMatmul
+    from shoal.engine.execution.layers.moe import FusedMoE
 
     modules = list(model.modules())
     for m in modules:  # heads last: a tied head takes over the embedding's packed table
-        if isinstance(m, (PackedMatmul, VocabParallelEmbedding)) and not isinstance(m, ParallelLMHead):
+        if isinstance(m, (PackedMatmul, VocabParallelEmbedding, FusedMoE)) and not isinstance(m, ParallelLMHead):
             m.finish_gguf()
     for m in modules:
         if isinstance(m, ParallelLMHead):
             m.finish_gguf()
     weights = [m.quantized for m in modules if isinstance(m, PackedMatmul) and isinstance(m.quantized, GGUFWeight)]
     tables = [m.gguf_rows for m in modules if isinstance(m, VocabParallelEmbedding) and m.gguf_rows is not None]
+    experts = [m for m in modules if isinstance(m, FusedMoE) and m.gguf is not None]
     packed = {t.data_ptr(): t.numel() for w in weights for t in w.tensors()}
     packed.update({t.data.data_ptr(): t.data.numel() for t in tables})
+    packed.update({t.data_ptr(): t.numel() for m in experts for t in m.gguf[0]})
     kernels = sorted({w.kernel for w in weights})
-    logger.info("GGUF: %d linear layers%s run packed (%s): %.1f MiB of packed weights", len(weights),
-                f" and {len(tables)} embedding table(s)" if tables else "", "; ".join(kernels) or "-",
+    logger.info("GGUF: %d linear layers%s%s run packed (%s): %.1f MiB of packed weights", len(weights),
+                f" and {len(tables)} embedding table(s)" if tables else "",
+                f" and the experts of {len(experts)} MoE layer(s)" if experts else "", "; ".join(kernels) or "-",
                 sum(packed.values()) / 2**20)
