@@ -12,17 +12,25 @@ from shoal.engine.execution.layers.moe import fused_experts_torch, select_expert
 pytestmark = pytest.mark.numerics
 
 
-def loop_reference(x, w13, w2, topk_weights, topk_ids, expert_start=0):
-    """One expert at a time, one token at a time: the definition the fused paths must meet."""
+def loop_reference(x, w13, w2, topk_weights, topk_ids, expert_start=0, b13=None, b2=None, clamped=None):
+    """One expert at a time, one token at a time: the definition the fused paths must meet. clamped: (alpha, limit)
+    of gpt-oss's activation instead of SwiGLU."""
     E, inter = w13.shape[0], w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64)
     for e in range(E):
         for t in range(x.shape[0]):
             for j in range(topk_ids.shape[1]):
                 if int(topk_ids[t, j]) == expert_start + e:
-                    gate_up = w13[e].double() @ x[t].double()
-                    h = F.silu(gate_up[:inter]) * gate_up[inter:]
-                    out[t] += float(topk_weights[t, j]) * (w2[e].double() @ h)
+                    gate_up = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
+                    gate, up = gate_up[:inter], gate_up[inter:]
+                    if clamped is None:
+                        h = F.silu(gate) * up
+                    else:
+                        alpha, limit = clamped
+                        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                        h = (up + 1) * gate * torch.sigmoid(alpha * gate)
+                    y = w2[e].double() @ h + (0 if b2 is None else b2[e].double())
+                    out[t] += float(topk_weights[t, j]) * y
     return out.to(x.dtype)
 
 
@@ -60,6 +68,28 @@ def test_fused_experts_match_loop(path, tokens, experts, top_k):
     x, w13, w2, weights, ids = make_case(tokens, experts, hidden=32, inter=24, top_k=top_k)
     got = PATHS[path](x, w13, w2, weights, ids, 0)
     torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_biased_clamped_experts_match_loop(path):
+    """gpt-oss's experts: biases on both projections and the clamped SwiGLU (a limit low enough that the clamps bite
+    on both sides), on all experts and on a rank holding experts [2, 4) only."""
+    from shoal.engine.execution.layers.moe import ExpertActivation
+
+    x, w13, w2, weights, ids = make_case(11, 4, hidden=32, inter=24, top_k=2, seed=5)
+    g = torch.Generator().manual_seed(6)
+    b13, b2 = torch.randn(4, 48, generator=g), torch.randn(4, 32, generator=g)
+    act = ExpertActivation("swiglu_clamped", alpha=1.702, limit=1.5)
+    args = (1.702, 1.5)
+    cpp_args = (act.kernel_id, act.alpha, act.limit) if path == "cpp" else (act,)
+    got = PATHS[path](x, w13, w2, weights, ids, 0, b13, b2, *cpp_args)
+    gate_up = x @ w13[0].t()
+    assert (gate_up > 1.5).any() and (gate_up[:, 24:] < -1.5).any()
+    torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids, 0, b13, b2, args), rtol=1e-5, atol=1e-5)
+    upper = PATHS[path](x, w13[2:].contiguous(), w2[2:].contiguous(), weights, ids, 2, b13[2:].contiguous(),
+                        b2[2:].contiguous(), *cpp_args)
+    torch.testing.assert_close(upper, loop_reference(x, w13[2:], w2[2:], weights, ids, 2, b13[2:], b2[2:], args),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -1,6 +1,7 @@
 // Fused mixture-of-experts for CPU: every routed (token, slot) pair is grouped by expert with a counting sort, and
 // each expert that received tokens runs as one batch: gather its tokens, one GEMM for gate and up together (oneDNN
-// / BLAS through at::mm), SiLU(gate) * up, one GEMM for down, and a weighted scatter-add into the output.
+// / BLAS through at::mm, plus the expert's bias where it has one), the activation — SiLU(gate) * up, or gpt-oss's
+// clamped SwiGLU — one GEMM for down (plus bias), and a weighted scatter-add into the output.
 //
 // The torch version of the same loop (layers/moe.py, fused_experts_torch) pays ~10 dispatched ops per expert per
 // layer plus an argsort; at decode batch sizes with dozens of experts that overhead is most of the MoE layer's time.
@@ -17,16 +18,22 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kParallelMin = 1 << 14;  // elements below which OpenMP's fork/join costs more than it saves
 
+// The activation ids of layers/moe.py's ExpertActivation.KINDS.
+enum Activation : int64_t { kSilu = 0, kSwigluClamped = 1 };
+
 template <typename T>
-void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
+void act_mul_rows(const at::Tensor& gate_up, at::Tensor& out, int64_t activation, float alpha, float limit) {
   const int64_t n = gate_up.size(0), inter = out.size(1);
   const T* src = gate_up.data_ptr<T>();
   T* dst = out.data_ptr<T>();
@@ -36,11 +43,19 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
     const T* g = src + r * ld;
     const T* u = g + inter;
     T* o = dst + r * inter;
-    for (int64_t i = 0; i < inter; ++i) {
-      const float gv = static_cast<float>(g[i]);
-      // Round SiLU(gate) to T before the product, as the torch reference (silu, then mul) does.
-      const T s = static_cast<T>(gv / (1.0f + std::exp(-gv)));
-      o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
+    if (activation == kSilu) {
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = static_cast<float>(g[i]);
+        // Round SiLU(gate) to T before the product, as the torch reference (silu, then mul) does.
+        const T s = static_cast<T>(gv / (1.0f + std::exp(-gv)));
+        o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
+      }
+    } else {  // gpt-oss: gate clamped above, up both sides, then (up + 1) * gate * sigmoid(alpha * gate)
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = std::min(static_cast<float>(g[i]), limit);
+        const float uv = std::min(std::max(static_cast<float>(u[i]), -limit), limit);
+        o[i] = static_cast<T>((uv + 1.0f) * (gv / (1.0f + std::exp(-alpha * gv))));
+      }
     }
   }
 }
@@ -60,11 +75,14 @@ void scatter_add_rows(const at::Tensor& y, const int64_t* slots, const float* we
   }
 }
 
-// x [T, H]; w13 [E_local, 2I, H] (gate rows then up rows); w2 [E_local, H, I]; topk_weights [T, k] float32;
-// topk_ids [T, k] int64 global expert ids. Experts [expert_start, expert_start + E_local) are this rank's; pairs
-// routed elsewhere contribute nothing here. Returns [T, H] in x's dtype.
+// x [T, H]; w13 [E_local, 2I, H] (gate rows then up rows); w2 [E_local, H, I]; optional biases b13 [E_local, 2I] and
+// b2 [E_local, H]; topk_weights [T, k] float32; topk_ids [T, k] int64 global expert ids. Experts [expert_start,
+// expert_start + E_local) are this rank's; pairs routed elsewhere contribute nothing here. Returns [T, H] in x's
+// dtype.
 at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t expert_start) {
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t expert_start,
+                         const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
+                         int64_t activation, double alpha, double limit) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "fused_experts: x must be a row-major [tokens, hidden] matrix");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0), "fused_experts: bad expert weights");
   TORCH_CHECK(w13.size(2) == x.size(1) && w2.size(1) == x.size(1) && w13.size(1) == 2 * w2.size(2),
@@ -74,7 +92,12 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::T
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_weights.scalar_type() == at::kFloat &&
                   topk_ids.sizes() == topk_weights.sizes() && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0),
               "fused_experts: topk_ids (int64) and topk_weights (float32) must both be [tokens, top_k]");
+  TORCH_CHECK(activation == kSilu || activation == kSwigluClamped, "fused_experts: unknown activation ", activation);
   const int64_t tokens = x.size(0), hidden = x.size(1), num_experts = w13.size(0), inter = w2.size(2);
+  for (const auto& [b, cols, name] : {std::tuple{&b13, 2 * inter, "b13"}, std::tuple{&b2, hidden, "b2"}})
+    TORCH_CHECK(!b->has_value() || ((*b)->dim() == 2 && (*b)->size(0) == num_experts && (*b)->size(1) == cols &&
+                                    (*b)->scalar_type() == x.scalar_type()),
+                "fused_experts: ", name, " must be [experts, ", cols, "] in x's dtype");
   const int64_t top_k = topk_ids.size(1), pairs = tokens * top_k;
   const at::Tensor ids = topk_ids.contiguous(), weights = topk_weights.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -107,11 +130,11 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::T
     const int64_t n = offsets[e + 1] - offsets[e];
     if (n == 0) continue;  // an expert no token chose costs nothing
     const at::Tensor xe = x.index_select(0, rows.narrow(0, offsets[e], n));
-    const at::Tensor gate_up = at::mm(xe, w13[e].t());
+    const at::Tensor gate_up = b13.has_value() ? at::addmm((*b13)[e], xe, w13[e].t()) : at::mm(xe, w13[e].t());
     at::Tensor act = at::empty({n, inter}, x.options());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_experts", [&] {
-      silu_mul_rows<scalar_t>(gate_up, act);
-      const at::Tensor y = at::mm(act, w2[e].t());
+      act_mul_rows<scalar_t>(gate_up, act, activation, float(alpha), float(limit));
+      const at::Tensor y = b2.has_value() ? at::addmm((*b2)[e], act, w2[e].t()) : at::mm(act, w2[e].t());
       scatter_add_rows<scalar_t>(y, slot_ptr + offsets[e], weights.data_ptr<float>(), top_k, acc.data_ptr<float>(),
                                  hidden);
     });
@@ -122,8 +145,8 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::T
 }  // namespace
 
 TORCH_LIBRARY(shoal_cpu_moe, m) {
-  m.def("fused_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int expert_start)"
-        " -> Tensor");
+  m.def("fused_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, int expert_start, "
+        "Tensor? b13=None, Tensor? b2=None, int activation=0, float alpha=1.702, float limit=7.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(shoal_cpu_moe, CPU, m) { m.impl("fused_experts", &fused_experts); }
