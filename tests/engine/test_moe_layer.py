@@ -41,6 +41,18 @@ def cpp_path(*args):
     return ops.fused_experts(*args)
 
 
+def cpp_gemm_path(*args):
+    """The C++ kernel's GEMM-per-expert path, whatever the rows per expert (it streams weight rows for few)."""
+    ops, why, _ = moe.load_cpu_kernel()
+    if ops is None:
+        pytest.skip(f"no C++ toolchain: {why}")
+    previous = ops.set_stream_max_rows(0)
+    try:
+        return ops.fused_experts(*args)
+    finally:
+        ops.set_stream_max_rows(previous)
+
+
 def triton_path(*args):
     from shoal.engine.execution.layers import moe_triton
 
@@ -49,7 +61,7 @@ def triton_path(*args):
     return moe_triton.fused_experts_triton(*args)
 
 
-PATHS = {"cpp": cpp_path, "torch": fused_experts_torch, "triton": triton_path}
+PATHS = {"cpp": cpp_path, "cpp-gemm": cpp_gemm_path, "torch": fused_experts_torch, "triton": triton_path}
 
 
 def make_case(tokens, experts, hidden, inter, top_k, seed=0, ids=None):
@@ -63,11 +75,31 @@ def make_case(tokens, experts, hidden, inter, top_k, seed=0, ids=None):
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 2), (7, 4, 2), (37, 8, 2), (20, 6, 3)])
+# cpp: up to 32 rows per expert stream weight rows (every case but the last), more run GEMMs; cpp-gemm: GEMMs always.
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 2), (7, 4, 2), (37, 8, 2), (20, 6, 3), (160, 4, 2)])
 def test_fused_experts_match_loop(path, tokens, experts, top_k):
     x, w13, w2, weights, ids = make_case(tokens, experts, hidden=32, inter=24, top_k=top_k)
     got = PATHS[path](x, w13, w2, weights, ids, 0)
     torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+def test_bfloat16_streaming_and_gemm_paths_agree(activation):
+    """bf16 (AVX512-BF16 dot products where the CPU tier has them, converted floats elsewhere): the streaming path and
+    the GEMM path round the same intermediates, so they agree to float32 summation order, and both track the loop."""
+    from shoal.engine.execution.layers.moe import ExpertActivation
+
+    x, w13, w2, weights, ids = make_case(24, 8, hidden=64, inter=96, top_k=2, seed=7)
+    g = torch.Generator().manual_seed(8)
+    b13, b2 = torch.randn(8, 192, generator=g).bfloat16(), torch.randn(8, 64, generator=g).bfloat16()
+    act = ExpertActivation(activation, limit=1.5)
+    args = (x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids, 0, b13, b2, act.kernel_id, act.alpha, act.limit)
+    stream, gemm = cpp_path(*args), cpp_gemm_path(*args)
+    assert stream.dtype == torch.bfloat16
+    torch.testing.assert_close(stream.float(), gemm.float(), rtol=2e-2, atol=2e-2)
+    ref = loop_reference(*(t.bfloat16().float() for t in (x, w13, w2)), weights, ids, 0, b13.float(), b2.float(),
+                         None if activation == "silu" else (act.alpha, act.limit))
+    assert (stream.float() - ref).abs().max() <= 0.03 * ref.abs().max()
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -81,7 +113,7 @@ def test_biased_clamped_experts_match_loop(path):
     b13, b2 = torch.randn(4, 48, generator=g), torch.randn(4, 32, generator=g)
     act = ExpertActivation("swiglu_clamped", alpha=1.702, limit=1.5)
     args = (1.702, 1.5)
-    cpp_args = (act.kernel_id, act.alpha, act.limit) if path == "cpp" else (act,)
+    cpp_args = (act.kernel_id, act.alpha, act.limit) if path.startswith("cpp") else (act,)
     got = PATHS[path](x, w13, w2, weights, ids, 0, b13, b2, *cpp_args)
     gate_up = x @ w13[0].t()
     assert (gate_up > 1.5).any() and (gate_up[:, 24:] < -1.5).any()
@@ -117,7 +149,7 @@ def test_routing_ties_pick_like_topk_and_split_weight_evenly():
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, torch.full((2, 2), 0.5))
     x, w13, w2, _, _ = make_case(2, 4, hidden=16, inter=8, top_k=2, seed=2)
-    for path in ("cpp", "torch", "triton"):
+    for path in ("cpp", "cpp-gemm", "torch", "triton"):
         got = PATHS[path](x, w13, w2, weights, ids, 0)
         torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
