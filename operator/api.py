@@ -21,6 +21,7 @@ from pydantic.alias_generators import to_camel
 
 from shoal.engine import flags
 from shoal.engine.config import AttentionBackend, Dtype, EngineConfig
+from shoal.engine.execution.models import SUPPORTED_ARCHITECTURES  # the registry imports without torch
 
 GROUP = "serving.shoal.dev"
 VERSION = "v1alpha1"
@@ -104,7 +105,9 @@ class ModelSource(_Model):
         default=DEMO_URI, pattern=URI_PATTERN,
         description="hf://org/name (hub id, resolved through HF_HOME), pvc://claim/path (a PersistentVolumeClaim "
                     "mounted read-only at /models), file:///path (a path inside the engine image) or demo:// (the "
-                    "demo model baked into the engine image, SmolLM2-135M-Instruct; the default).",
+                    "demo model baked into the engine image, SmolLM2-135M-Instruct; the default). With runtime shoal "
+                    "its config.json's `architectures` must be one the engine serves: "
+                    + ", ".join(SUPPORTED_ARCHITECTURES) + ".",
     )
     revision: str | None = Field(default=None, max_length=255, description="hub revision (hf:// only)")
     served_name: str | None = Field(

@@ -20,6 +20,7 @@ class ParallelState:
     pp_size: int = 1
     tp_group: Any = None  # torch.distributed ProcessGroup of this rank's tensor-parallel peers
     expert_parallel: bool = False  # MoE layers hold whole experts per tp rank (--enable-expert-parallel)
+    expert_exchange: Any = None  # with expert_parallel: distributed.expert_exchange.ExpertExchange, chosen at start
 
     @property
     def is_first_stage(self) -> bool:

@@ -76,7 +76,17 @@ class PipelineStats:
 def build_runner(group: Group, config, model_dir, hf_config, dtype, device, max_model_len: int) -> ModelRunner:
     """This rank's ModelRunner: the layers read the group's parallel state while they are built."""
     previous = get_parallel_state()
-    set_parallel_state(dataclasses.replace(group.state, expert_parallel=config.enable_expert_parallel))
+    state = dataclasses.replace(group.state, expert_parallel=config.enable_expert_parallel)
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
+    if state.expert_parallel and state.tp_size > 1 and experts and experts % state.tp_size == 0:
+        from shoal.engine.distributed import expert_exchange
+
+        # Ranks arrive here at different times (a worker has just started); the measurement's collectives run
+        # under the short collective timeout, so everyone meets on the control group first.
+        dist.barrier(group=group.control)
+        state.expert_exchange = expert_exchange.choose(state, hf_config.hidden_size, hf_config.num_experts_per_tok,
+                                                       experts, dtype, device)
+    set_parallel_state(state)
     try:
         runner = ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
                              config.distributed.layer_partition, block_size=config.block_size,

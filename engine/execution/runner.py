@@ -53,7 +53,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype
-        backend = select_backend(attention_backend, device, uses_alibi=_uses_alibi(hf_config),
+        backend = select_backend(attention_backend, device, uses_alibi=_model_flag(hf_config, "uses_alibi"),
+                                 uses_sinks=_model_flag(hf_config, "uses_sinks"),
                                  kv_cache_dtype=kv_cache_dtype, dtype=dtype, block_size=block_size,
                                  **_attention_shape(hf_config))
         self.backend = backend
@@ -151,7 +152,8 @@ def _attention_shape(hf_config) -> dict:
             "num_kv_heads": kv_heads}
 
 
-def _uses_alibi(hf_config) -> bool:
+def _model_flag(hf_config, name: str) -> bool:
+    """A model class's attention requirement (uses_alibi, uses_sinks), for choosing the attention backend."""
     from shoal.engine.execution.models import model_class
 
-    return bool(getattr(model_class(hf_config), "uses_alibi", False))
+    return bool(getattr(model_class(hf_config), name, False))

@@ -5,9 +5,10 @@ Shoal's engine and through transformers: one request at a time, and in left-padd
 figure counts only the tokens each request asked for, so padding work is not rewarded.
 
 The model is `--model DIR` (any local Hugging Face directory) or a built-in random-weight preset: `bench` (wide and
-shallow: hidden 512, 8 layers), `smollm2-135m` (deep and narrow: SmolLM2-135M's shape, 30 layers, hidden 576) or
+shallow: hidden 512, 8 layers), `smollm2-135m` (deep and narrow: SmolLM2-135M's shape, 30 layers, hidden 576),
 `olmoe-moe` (OLMoE's mixture-of-experts layout: 8 layers, hidden 512, 32 experts of width 512, top-4; --profile
-prints the MoE blocks' share of a decode step).
+prints the MoE blocks' share of a decode step and their floor) or `gemma3-sliding` (Gemma 3 270M's shape with a
+128-token sliding window on five of every six layers).
 `--profile` runs the workload once more with timers attached and prints where a step's time goes, with the
 memory-traffic floor of a decode step (see shoal.engine.tools.step_profile).
 
@@ -48,6 +49,13 @@ PRESETS = {
         arch="olmoe", vocab_size=32000, hidden_size=512, intermediate_size=512, num_experts=32,
         num_experts_per_tok=4, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
         max_position_embeddings=2048, tie_word_embeddings=False, clip_qkv=None)),
+    # Gemma 3 270M's shape (18 layers, hidden 640, 4 query heads on 1 KV head of 256, GeGLU 2048, five local layers
+    # to one global) with a 32k vocabulary, and a 128-token window so that the workload's contexts exceed it.
+    "gemma3-sliding": ("bench-gemma3-640", dict(
+        arch="gemma3", vocab_size=32000, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=128,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+        rope_scaling=None, max_position_embeddings=2048, tie_word_embeddings=True)),
 }
 
 
@@ -188,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a local Hugging Face model directory (default: the --preset model)")
     ap.add_argument("--preset", default="bench", choices=sorted(PRESETS),
                     help="built-in random-weight model when no --model is given: bench (hidden 512, 8 layers), "
-                         "smollm2-135m (SmolLM2-135M's shape: 30 layers, hidden 576, vocab 49152) or olmoe-moe "
-                         "(8 layers, hidden 512, 32 experts of width 512, top-4)")
+                         "smollm2-135m (SmolLM2-135M's shape: 30 layers, hidden 576, vocab 49152), olmoe-moe "
+                         "(8 layers, hidden 512, 32 experts of width 512, top-4) or gemma3-sliding (Gemma 3 270M's "
+                         "shape, 18 layers, hidden 640, a 128-token window on 5 of 6 layers)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))

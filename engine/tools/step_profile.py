@@ -11,6 +11,8 @@ reported apart from steps that carry prompt tokens.
 The memory-traffic floor of a decode step is the bytes it must read at least once (every weight matrix, the
 embedding rows of its tokens, and the whole KV context of every sequence) divided by the machine's measured read
 bandwidth; the compute floor is its matmul FLOPs divided by the measured matmul throughput at that batch size.
+The MoE blocks get a floor of their own: the weights of the experts a decode step's tokens were actually routed to
+(counted per block and step), the routers and shared experts, over the same bandwidth.
 Hooks cost a few microseconds each, so profiled steps run slightly slower than unprofiled ones.
 """
 
@@ -51,6 +53,7 @@ class StepProfiler:
         self.steps = {"decode": 0, "prefill": 0}
         self.decode_batch = 0  # summed over decode steps
         self.decode_context = 0  # tokens of KV context read, summed over decode steps
+        self.moe_bytes = 0  # weight bytes the MoE blocks had to read, summed over decode steps
         self._undo: list = []
         self._starts: dict[int, float] = {}
         self._step_kind = "prefill"
@@ -124,6 +127,8 @@ class StepProfiler:
         for module in m.layers.modules():
             if isinstance(module, SparseMoeBlock):
                 self._hook(module, "model/layers/moe")
+                count = lambda experts, args, block=module: self._count_moe_reads(block, args[2])  # noqa: E731
+                self._undo.append(module.experts.register_forward_pre_hook(count).remove)
             elif id(module) in in_moe:
                 continue  # counted in its MoE block's time
             elif isinstance(module, PagedAttention):
@@ -148,6 +153,20 @@ class StepProfiler:
         e.step = step
         self._undo.append(lambda: delattr(e, "step"))
         return self
+
+    def _count_moe_reads(self, block: SparseMoeBlock, ids: torch.Tensor) -> None:
+        """Bytes a MoE block reads in a decode step: its router and shared expert, and each routed expert once."""
+        if self._step_kind != "decode":
+            return
+        experts = block.experts
+        local = ids[(ids >= experts.expert_start) & (ids < experts.expert_start + experts.num_local)]
+        per_expert = sum(p[0].numel() * p.element_size() for p in (experts.w13, experts.w2, experts.b13, experts.b2)
+                         if p is not None and p.numel())
+        if experts.quantized is not None:
+            per_expert = experts.quantized[0][0].nbytes() + experts.quantized[0][1].nbytes()
+        rest = sum(p.numel() * p.element_size() for name, p in block.named_parameters()
+                   if not name.startswith("experts."))
+        self.moe_bytes += rest + int(local.unique().numel()) * per_expert
 
     def detach(self) -> None:
         while self._undo:
@@ -235,6 +254,12 @@ class StepProfiler:
             lines.append(f"MoE blocks (router, experts, shared expert): {decode['model/layers/moe']:.2f} ms of a "
                          f"{decode['step']:.2f} ms decode step = {100 * decode['model/layers/moe'] / decode['step']:.1f}%"
                          f" ({100 * decode['model/layers/moe'] / decode['model forward']:.1f}% of the model forward)")
+            if bandwidth and self.moe_bytes:
+                read = self.moe_bytes / self.steps["decode"]
+                floor = 1e3 * read / bandwidth
+                lines.append(f"MoE floor of a decode step: the routed experts' weights, routers and shared experts "
+                             f"{read / 1e6:.1f} MB / {bandwidth / 1e9:.1f} GB/s = {floor:.2f} ms; measured "
+                             f"{decode['model/layers/moe']:.2f} ms = {decode['model/layers/moe'] / floor:.2f}x its floor")
         for kind in ("decode", "prefill"):
             rows = self.breakdown(kind)
             if not rows:

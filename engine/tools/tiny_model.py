@@ -68,6 +68,13 @@ _MOE_CONFIGS = {
                                          decoder_sparse_step=1, mlp_only_layers=[2], norm_topk_prob=True,
                                          head_dim=24)),
     "olmoe": ("OlmoeConfig", dict(intermediate_size=48, num_experts=4, norm_topk_prob=False, clip_qkv=4.0)),
+    # Sliding (8 tokens) and full layers alternating, attention sinks, 4 biased experts of width 32 (MXFP4 blocks
+    # need multiples of 32), a SwiGLU limit low enough to clamp, YaRN scaling 8x over an original 64 positions.
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=32, num_local_experts=4, head_dim=16, sliding_window=8,
+                                     swiglu_limit=2.0, max_position_embeddings=512,
+                                     rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                      "original_max_position_embeddings": 64})),
 }
 MOE_ARCHS = list(_MOE_CONFIGS)
 

@@ -118,3 +118,27 @@ def write_compressed_tensors_int8(model_dir: Path, out: Path, oracle: Path, stra
             "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
                                   "dynamic": True}}}}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def write_mxfp4(model_dir: Path, out: Path) -> None:
+    """gpt-oss's published layout: every expert projection as MXFP4 `<name>_blocks`/`<name>_scales` in [experts, out,
+    in] orientation (transformers' dense tensors are [experts, in, out]), biases and everything else as they were,
+    and quantization_config {"quant_method": "mxfp4"}. transformers reads it back dequantized (the oracle)."""
+    from safetensors.torch import load_file, save_file
+
+    from shoal.engine.execution.quantization.mxfp4 import quantize_mxfp4
+
+    shutil.copytree(model_dir, out)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    packed = {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name + "_blocks"], packed[name + "_scales"] = quantize_mxfp4(t.transpose(1, 2).contiguous())
+        else:
+            packed[name] = t
+    (out / "model.safetensors").unlink()
+    save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -176,7 +176,7 @@ def test_priority_policy_preempts_lowest_priority(llama_model):
         assert engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "bloom", "gemma2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "bloom", "gemma2", "phi3", "gpt_oss"])
 def test_triton_backend_matches_transformers(model_factory, arch):
     """The Triton paged kernel (run by Triton's interpreter on CPU) drives the whole engine to the same tokens."""
     from shoal.engine.execution.attention import backend_class

@@ -12,17 +12,25 @@ from shoal.engine.execution.layers.moe import fused_experts_torch, select_expert
 pytestmark = pytest.mark.numerics
 
 
-def loop_reference(x, w13, w2, topk_weights, topk_ids, expert_start=0):
-    """One expert at a time, one token at a time: the definition the fused paths must meet."""
+def loop_reference(x, w13, w2, topk_weights, topk_ids, expert_start=0, b13=None, b2=None, clamped=None):
+    """One expert at a time, one token at a time: the definition the fused paths must meet. clamped: (alpha, limit)
+    of gpt-oss's activation instead of SwiGLU."""
     E, inter = w13.shape[0], w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64)
     for e in range(E):
         for t in range(x.shape[0]):
             for j in range(topk_ids.shape[1]):
                 if int(topk_ids[t, j]) == expert_start + e:
-                    gate_up = w13[e].double() @ x[t].double()
-                    h = F.silu(gate_up[:inter]) * gate_up[inter:]
-                    out[t] += float(topk_weights[t, j]) * (w2[e].double() @ h)
+                    gate_up = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
+                    gate, up = gate_up[:inter], gate_up[inter:]
+                    if clamped is None:
+                        h = F.silu(gate) * up
+                    else:
+                        alpha, limit = clamped
+                        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                        h = (up + 1) * gate * torch.sigmoid(alpha * gate)
+                    y = w2[e].double() @ h + (0 if b2 is None else b2[e].double())
+                    out[t] += float(topk_weights[t, j]) * y
     return out.to(x.dtype)
 
 
@@ -33,6 +41,18 @@ def cpp_path(*args):
     return ops.fused_experts(*args)
 
 
+def cpp_gemm_path(*args):
+    """The C++ kernel's GEMM-per-expert path, whatever the rows per expert (it streams weight rows for few)."""
+    ops, why, _ = moe.load_cpu_kernel()
+    if ops is None:
+        pytest.skip(f"no C++ toolchain: {why}")
+    previous = ops.set_stream_max_rows(0)
+    try:
+        return ops.fused_experts(*args)
+    finally:
+        ops.set_stream_max_rows(previous)
+
+
 def triton_path(*args):
     from shoal.engine.execution.layers import moe_triton
 
@@ -41,7 +61,7 @@ def triton_path(*args):
     return moe_triton.fused_experts_triton(*args)
 
 
-PATHS = {"cpp": cpp_path, "torch": fused_experts_torch, "triton": triton_path}
+PATHS = {"cpp": cpp_path, "cpp-gemm": cpp_gemm_path, "torch": fused_experts_torch, "triton": triton_path}
 
 
 def make_case(tokens, experts, hidden, inter, top_k, seed=0, ids=None):
@@ -55,11 +75,53 @@ def make_case(tokens, experts, hidden, inter, top_k, seed=0, ids=None):
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 2), (7, 4, 2), (37, 8, 2), (20, 6, 3)])
+# cpp: up to 32 rows per expert stream weight rows (every case but the last), more run GEMMs; cpp-gemm: GEMMs always.
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 2), (7, 4, 2), (37, 8, 2), (20, 6, 3), (160, 4, 2)])
 def test_fused_experts_match_loop(path, tokens, experts, top_k):
     x, w13, w2, weights, ids = make_case(tokens, experts, hidden=32, inter=24, top_k=top_k)
     got = PATHS[path](x, w13, w2, weights, ids, 0)
     torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+def test_bfloat16_streaming_and_gemm_paths_agree(activation):
+    """bf16 (AVX512-BF16 dot products where the CPU tier has them, converted floats elsewhere): the streaming path and
+    the GEMM path round the same intermediates, so they agree to float32 summation order, and both track the loop."""
+    from shoal.engine.execution.layers.moe import ExpertActivation
+
+    x, w13, w2, weights, ids = make_case(24, 8, hidden=64, inter=96, top_k=2, seed=7)
+    g = torch.Generator().manual_seed(8)
+    b13, b2 = torch.randn(8, 192, generator=g).bfloat16(), torch.randn(8, 64, generator=g).bfloat16()
+    act = ExpertActivation(activation, limit=1.5)
+    args = (x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids, 0, b13, b2, act.kernel_id, act.alpha, act.limit)
+    stream, gemm = cpp_path(*args), cpp_gemm_path(*args)
+    assert stream.dtype == torch.bfloat16
+    torch.testing.assert_close(stream.float(), gemm.float(), rtol=2e-2, atol=2e-2)
+    ref = loop_reference(*(t.bfloat16().float() for t in (x, w13, w2)), weights, ids, 0, b13.float(), b2.float(),
+                         None if activation == "silu" else (act.alpha, act.limit))
+    assert (stream.float() - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_biased_clamped_experts_match_loop(path):
+    """gpt-oss's experts: biases on both projections and the clamped SwiGLU (a limit low enough that the clamps bite
+    on both sides), on all experts and on a rank holding experts [2, 4) only."""
+    from shoal.engine.execution.layers.moe import ExpertActivation
+
+    x, w13, w2, weights, ids = make_case(11, 4, hidden=32, inter=24, top_k=2, seed=5)
+    g = torch.Generator().manual_seed(6)
+    b13, b2 = torch.randn(4, 48, generator=g), torch.randn(4, 32, generator=g)
+    act = ExpertActivation("swiglu_clamped", alpha=1.702, limit=1.5)
+    args = (1.702, 1.5)
+    cpp_args = (act.kernel_id, act.alpha, act.limit) if path.startswith("cpp") else (act,)
+    got = PATHS[path](x, w13, w2, weights, ids, 0, b13, b2, *cpp_args)
+    gate_up = x @ w13[0].t()
+    assert (gate_up > 1.5).any() and (gate_up[:, 24:] < -1.5).any()
+    torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids, 0, b13, b2, args), rtol=1e-5, atol=1e-5)
+    upper = PATHS[path](x, w13[2:].contiguous(), w2[2:].contiguous(), weights, ids, 2, b13[2:].contiguous(),
+                        b2[2:].contiguous(), *cpp_args)
+    torch.testing.assert_close(upper, loop_reference(x, w13[2:], w2[2:], weights, ids, 2, b13[2:], b2[2:], args),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -87,7 +149,7 @@ def test_routing_ties_pick_like_topk_and_split_weight_evenly():
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, torch.full((2, 2), 0.5))
     x, w13, w2, _, _ = make_case(2, 4, hidden=16, inter=8, top_k=2, seed=2)
-    for path in ("cpp", "torch", "triton"):
+    for path in ("cpp", "cpp-gemm", "torch", "triton"):
         got = PATHS[path](x, w13, w2, weights, ids, 0)
         torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 

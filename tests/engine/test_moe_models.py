@@ -14,7 +14,7 @@ from test_engine_correctness import MAX_NEW, PROMPTS, check_against_hf
 
 FAMILIES = ["qwen3", *MOE_ARCHS]
 ARCHITECTURE = {"qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 MODES = {
     "default": dict(block_size=4, max_model_len=128),

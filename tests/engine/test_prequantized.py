@@ -82,7 +82,7 @@ def test_compressed_tensors_int8_then_int8_kernel_keeps_the_checkpoint_integers(
     dense = load_file(str(oracle / "model.safetensors"))
     with LLM(model=str(out), quantization="int8", **OPTIONS) as llm:
         net = llm.llm_engine.executor.runner.model
-        o_proj = next(m for n, m in net.named_modules() if n.endswith("layers.0.o_proj"))
+        o_proj = next(m for n, m in net.named_modules() if n.endswith("layers.0.self_attn.o_proj"))
         assert isinstance(o_proj, PackedMatmul) and o_proj.quantized is not None
         deq = o_proj.quantized.dequantize()
         text = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

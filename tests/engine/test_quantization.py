@@ -186,9 +186,11 @@ def test_logprob_error_against_the_unquantized_model_is_bounded(model_factory, m
 # Gemma 2/3 and Phi-3 (fused qkv / gate_up, GeGLU, soft-caps, sliding windows) under int8 weights and an fp8 KV
 # cache, float32. Measured here: int8 mean 0.16-0.19 nats (Gemma), higher for Phi-3 at hidden 192, fp8 KV mean
 # 0.02-0.26; a wrong scale, packing or a quantized copy that misses a fused tensor costs several nats.
+# gpt-oss: int8 experts with their biases and clamped activation, sinks read over an fp8 cache.
 @pytest.mark.parametrize("arch,overrides", [("gemma2", {}), ("gemma3", {}),
-                                            ("phi3", dict(hidden_size=192, num_attention_heads=12))])
-def test_int8_and_fp8_kv_on_the_2026_dense_families(model_factory, arch, overrides):
+                                            ("phi3", dict(hidden_size=192, num_attention_heads=12)),
+                                            ("gpt_oss", {})])
+def test_int8_and_fp8_kv_on_the_2026_families(model_factory, arch, overrides):
     model = model_factory(arch, **overrides)
     ref = _first_step_logprobs(model)
     for kw, mean_bound, max_bound in ((dict(quantization="int8"), 0.5, 1.5), (dict(kv_cache_dtype="fp8"), 0.35, 1.0)):

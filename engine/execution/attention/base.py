@@ -14,6 +14,8 @@ Sliding-window layers (`sliding_window` W) let the query at position p see keys 
 whose every layer is windowed, the scheduler frees the blocks that slid out of the window and leaves block 0 in
 their table entries: a backend must never read keys before a query's window (it skips them or masks them out).
 Attention-logit soft-capping (`softcap` c, Gemma 2) turns each scaled score s into c * tanh(s / c).
+Attention sinks (`sinks` [num_heads] float32, gpt-oss) add a learned logit per head to every softmax denominator:
+p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i)), so a head may attend to nothing; the sink weighs no value.
 
 FP8 KV cache (--kv-cache-dtype fp8): k and v are stored as float8_e4m3fn, each (slot, kv head) row with its own
 float32 scale in k_scale / v_scale [num_blocks, block_size, num_kv_heads]: the stored row is x / s with
@@ -164,6 +166,7 @@ class AttentionBackend:
     # Reads a float8_e4m3fn cache with per-(slot, kv head) scales (--kv-cache-dtype fp8).
     supports_fp8_kv: bool = False
     fp8_kv_refusal: str = ""  # why not, for the error message
+    supports_sinks: bool = False  # adds per-head sink logits to the softmax denominator (gpt-oss)
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
@@ -182,5 +185,25 @@ class AttentionBackend:
         v_scale: torch.Tensor | None = None,
         sliding_window: int | None = None,  # a query at position p sees keys p - window + 1 .. p only
         softcap: float | None = None,  # scores become softcap * tanh(score / softcap) (Gemma 2)
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 sink logits, this rank's heads (gpt-oss)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         raise NotImplementedError
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                       softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with explicit matmuls in float32, for what SDPA cannot express (soft-capping, sinks): q [B, H, Q, D],
+    k/v [B, kvh, L, D] (kvh dividing H), visible: a bool mask broadcastable to [B, H, Q, L]. Returns q's dtype."""
+    H, kvh = q.shape[1], k.shape[1]
+    if H != kvh:
+        k, v = k.repeat_interleave(H // kvh, dim=1), v.repeat_interleave(H // kvh, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink as one more column of the softmax, dropped after it
+        sink = sinks.float().view(1, H, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)

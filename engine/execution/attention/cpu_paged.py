@@ -4,7 +4,7 @@ The SDPA backend gathers every sequence's blocks into a dense copy per layer (k_
 SDPA over it; in decode, which is memory-bound, that copy dominates. This backend streams each sequence's blocks in
 place with an online softmax in float32, handling the whole flat batch (decode, prefill, chunked prefill against
 cached context), GQA (all query heads of a kv head share each block load), ALiBi, sliding windows (blocks before
-a query tile's window are never read) and attention-logit soft-capping, for float32/bfloat16/float16
+a query tile's window are never read), attention-logit soft-capping and attention sinks, for float32/bfloat16/float16
 caches and any head_dim up to 256; on CPUs with AVX512-BF16, bfloat16 dot products use vdpbf16ps. FP8 caches
 (float8_e4m3fn with per-row scales, --kv-cache-dtype fp8) are decoded to float in the kernel, block by block. Long prefill
 chunks (compute-bound, where a gather is cheap) go to torch's SDPA instead. See csrc/cpu_paged_attention.cpp.
@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, FP8_DTYPE, dequantize_fp8
+from shoal.engine.execution.attention.base import (AttentionBackend, AttentionMetadata, FP8_DTYPE, dequantize_fp8,
+                                                  explicit_attention)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     graph_capture_safe = True
     supports_alibi = True
     supports_fp8_kv = True
+    supports_sinks = True
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
@@ -90,7 +92,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self.dense_prefill = dense_prefill  # False: the kernel does every sequence, long prefill chunks included
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, alibi_slopes=None, k_scale=None,
-                v_scale=None, sliding_window=None, softcap=None):
+                v_scale=None, sliding_window=None, softcap=None, sinks=None):
         op, why, _ = load_kernel()
         if op is None:
             raise RuntimeError(why)
@@ -118,14 +120,15 @@ class CpuPagedAttentionBackend(AttentionBackend):
             skip[dense] = True
         # the kernel leaves `dense` sequences
         window, cap = int(sliding_window or 0), float(softcap or 0.0)
-        op(out, q, k_cache, v_cache, *ints, slopes, float(scale), skip, k_scale, v_scale, window, cap)
+        op(out, q, k_cache, v_cache, *ints, slopes, float(scale), skip, k_scale, v_scale, window, cap, sinks)
         for i in dense:
-            self._dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes, k_scale, v_scale, window, cap)
+            self._dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes, k_scale, v_scale, window, cap,
+                                 sinks)
         return out if out.dtype == in_dtype else out.to(in_dtype)
 
     @staticmethod
     def _dense_sequence(i, out, q, k_cache, v_cache, meta, scale, slopes, k_scale=None, v_scale=None, window=0,
-                        softcap=0.0):
+                        softcap=0.0, sinks=None):
         """A long prefill chunk is compute-bound: there gathering its context is cheap next to the attention
         itself, and torch's SDPA (bf16 GEMM micro-kernels) beats the streaming kernel's float32 dot products.
         With a sliding window only the blocks from the first query's window on are gathered."""
@@ -144,17 +147,13 @@ class CpuPagedAttentionBackend(AttentionBackend):
             v = dequantize_fp8(v, v_scale[blocks].flatten(0, 1)[:n], q.dtype)
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kvh, n, D]
         qi = q[start: start + q_len].transpose(0, 1)[None]  # [1, H, q_len, D]: 4-D takes the flash kernel
-        if ctx == 0 and slopes is None and not softcap and not (window and window < seq_len):
+        if ctx == 0 and slopes is None and not softcap and sinks is None and not (window and window < seq_len):
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=H != kvh)
         else:
             rel = torch.arange(k_lo, seq_len).view(1, -1) - torch.arange(ctx, seq_len).view(-1, 1)  # key - query
             visible = (rel <= 0) & (rel > -window) if window else rel <= 0
-            if softcap:
-                if H != kvh:
-                    k, v = k.repeat_interleave(H // kvh, dim=1), v.repeat_interleave(H // kvh, dim=1)
-                scores = torch.tanh(torch.matmul(qi.float(), k.float().transpose(-1, -2)) * (scale / softcap))
-                probs = torch.softmax((scores * softcap).masked_fill(~visible, float("-inf")), dim=-1)
-                o = torch.matmul(probs, v.float()).to(q.dtype)
+            if softcap or sinks is not None:
+                o = explicit_attention(qi, k, v, visible, scale, softcap, sinks)
             else:
                 if slopes is None:
                     mask = visible

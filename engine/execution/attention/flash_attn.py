@@ -15,7 +15,9 @@ gathered (whatever the block size) and dequantized to the compute dtype with the
 costs a gathered copy per layer like the default block size does, in exchange for the cache's halved footprint.
 
 Constraints (see `check_config`): float16/bfloat16 only, head_dim <= 256 and a multiple of 8, Ampere or newer.
-ALiBi models are refused: BLOOM-style ALiBi is not supported by the flash backend here.
+ALiBi models are refused: BLOOM-style ALiBi is not supported by the flash backend here. Models with attention sinks
+(gpt-oss) are refused too: flash-attn 2's public API has no sink term (vLLM runs them on its own FlashAttention 3
+fork's `s_aux`), so `auto` takes the Triton kernel for them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from shoal.engine.execution.attention.base import AttentionBackend, AttentionMet
 ALIBI_REFUSAL = (
     "the flash attention backend does not support models with ALiBi positional bias (BLOOM-style ALiBi is "
     "not supported by the flash backend here); use --attention-backend triton or --attention-backend sdpa"
+)
+SINKS_REFUSAL = (
+    "the flash attention backend cannot add attention sinks (gpt-oss): flash-attn 2's flash_attn_varlen_func has no "
+    "sink term; use --attention-backend triton or --attention-backend sdpa"
 )
 
 # flash-attn 2.x reads a paged cache in place only for page sizes that are multiples of this.
@@ -105,9 +111,12 @@ class FlashAttentionBackend(AttentionBackend):
         v_scale: torch.Tensor | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if alibi_slopes is not None:
             raise ValueError(ALIBI_REFUSAL)
+        if sinks is not None:
+            raise ValueError(SINKS_REFUSAL)
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the flash backend supports float16 and bfloat16 only, not {q.dtype}; "
                              "use --dtype float16/bfloat16, or --attention-backend triton or sdpa")
@@ -157,4 +166,4 @@ class FlashAttentionBackend(AttentionBackend):
         return blocks * block_size + pos % block_size
 
 
-__all__ = ["FlashAttentionBackend", "ALIBI_REFUSAL"]
+__all__ = ["FlashAttentionBackend", "ALIBI_REFUSAL", "SINKS_REFUSAL"]

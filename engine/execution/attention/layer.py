@@ -11,7 +11,7 @@ from shoal.engine.execution.attention.base import AttentionBackend, AttentionMet
 class PagedAttention(nn.Module):
     def __init__(self, backend: AttentionBackend, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float, alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
-                 softcap: float | None = None):
+                 softcap: float | None = None, sinks: bool = False):
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be a positive number of tokens (got {sliding_window})")
@@ -22,6 +22,8 @@ class PagedAttention(nn.Module):
         self.alibi_slopes = alibi_slopes
         self.sliding_window = sliding_window or None
         self.softcap = softcap or None
+        # gpt-oss: one learned softmax-denominator logit per (local) query head, loaded with the layer's weights.
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False) if sinks else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -32,5 +34,5 @@ class PagedAttention(nn.Module):
         kv_cache.write(k, v, meta.slot_mapping)
         out = self.backend.forward(q, kv_cache.k, kv_cache.v, meta, self.scale, self.alibi_slopes,
                                    k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale,
-                                   sliding_window=self.sliding_window, softcap=self.softcap)
+                                   sliding_window=self.sliding_window, softcap=self.softcap, sinks=self.sinks)
         return out.reshape(T, self.num_heads * self.head_dim)

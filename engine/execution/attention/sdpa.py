@@ -3,7 +3,8 @@
 Once per step it builds, for the whole batch, the cache slot of every (sequence, key position) and a padded
 [B, max_query_len] view of the queries with a causal mask (plus the ALiBi bias when the model uses it, and a
 sliding-window mask per distinct window). Every layer then runs one batched SDPA call: no Python loop over
-sequences. Soft-capped scores (Gemma 2) are computed with explicit matmuls, since SDPA has no soft-capping. An fp8
+sequences. Soft-capped scores (Gemma 2) and attention sinks (gpt-oss) are computed with explicit matmuls
+(base.explicit_attention), since SDPA has neither. An fp8
 cache's gathered blocks are dequantized (values times their row scales) to the queries' dtype first.
 """
 
@@ -12,13 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, dequantize_fp8
+from shoal.engine.execution.attention.base import (AttentionBackend, AttentionMetadata, dequantize_fp8,
+                                                  explicit_attention)
 
 
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     supports_alibi = True
     supports_fp8_kv = True
+    supports_sinks = True
 
     def _plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> dict:
         plan = meta.scratch.get("sdpa")
@@ -73,7 +76,7 @@ class SdpaBackend(AttentionBackend):
         return mask
 
     def forward(self, q, k_cache, v_cache, meta, scale, alibi_slopes=None, k_scale=None, v_scale=None,
-                sliding_window=None, softcap=None):
+                sliding_window=None, softcap=None, sinks=None):
         T, H, D = q.shape
         nb, bs, kvh, _ = k_cache.shape
         plan = self._plan(meta, bs, q.device)
@@ -90,17 +93,12 @@ class SdpaBackend(AttentionBackend):
         else:
             qp = q[plan["q_rows"]].transpose(1, 2)  # [B, H, max_q, D]
         gqa = kvh != H
-        if alibi_slopes is None and softcap is None and plan["causal_only"] and not (
+        if alibi_slopes is None and softcap is None and sinks is None and plan["causal_only"] and not (
                 sliding_window and sliding_window < k.shape[2]):
             out = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        elif softcap is not None:
+        elif softcap is not None or sinks is not None:
             mask = plan["mask"] if not sliding_window else self._window_mask(plan, meta, sliding_window)
-            if gqa:
-                k, v = k.repeat_interleave(H // kvh, dim=1), v.repeat_interleave(H // kvh, dim=1)
-            scores = torch.matmul(qp.float(), k.float().transpose(-1, -2)) * scale
-            scores = torch.tanh(scores / softcap) * softcap
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-            out = torch.matmul(probs, v.float()).to(q.dtype)
+            out = explicit_attention(qp, k, v, mask, scale, softcap, sinks)
         else:
             if alibi_slopes is None:
                 mask = plan["mask"] if not sliding_window else self._window_mask(plan, meta, sliding_window)

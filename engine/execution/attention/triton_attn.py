@@ -3,8 +3,9 @@
 Keys and values are read straight from the paged cache through the block table (no gather into a contiguous
 copy); softmax is computed online (FlashAttention style) in float32, whatever the cache dtype. Handles causal
 prefill, chunked prefill against cached context, decode, grouped-query attention, BLOOM-style ALiBi, sliding
-windows (keys before a query tile's window are never loaded), attention-logit soft-capping and any head_dim
-(padded to a power of two with masks). An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is loaded as bytes
+windows (keys before a query tile's window are never loaded), attention-logit soft-capping, attention sinks
+(each row's online softmax starts from its head's sink logit, in the first key split only) and any head_dim (padded
+to a power of two with masks). An fp8 cache (float8_e4m3fn, --kv-cache-dtype fp8) is loaded as bytes
 and decoded with integer ops (_e4m3_to_float: exact, and the same on every GPU generation — Triton's own
 fp8e4nv conversions need compute capability 8.9 on some versions — and in the interpreter); its per-(slot, kv
 head) scales fold into the scores (s_j * ks_j) and into the probabilities that weight the values (p_j * vs_j), so
@@ -46,6 +47,7 @@ if triton is not None:
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         k_scale_ptr, v_scale_ptr,  # fp8 caches: [num_blocks, block_size, kv_heads] float32 (FP8_KV only)
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr,
+        sinks_ptr,  # [num_heads] float32 sink logits (SINKS only)
         part_acc_ptr, part_m_ptr, part_l_ptr,
         scale_log2,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper than exp)
         window,  # sliding window: a query at position p sees keys p - window + 1 .. p (0: every key)
@@ -69,6 +71,7 @@ if triton is not None:
         UPCAST: tl.constexpr,  # dots in float32 (for the interpreter, whose bfloat16 dot is broken)
         FP8_KV: tl.constexpr,
         SOFTCAP: tl.constexpr,
+        SINKS: tl.constexpr,
     ):
         """Causal attention of a tile of query tokens against the paged context of their sequence.
 
@@ -137,6 +140,10 @@ if triton is not None:
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if SINKS:  # the sink as a key of value zero seen first: max = sink, sum = 1 (split 0 only: counted once)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+            m_i = tl.where(split == 0, sink, m_i)
+            l_i = tl.where(split == 0, 1.0, l_i)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
         block_row = block_tables_ptr + seq * stride_bt
         for kv_tile in range(tile_lo, tile_hi):
@@ -238,6 +245,7 @@ class TritonAttentionBackend(AttentionBackend):
     graph_capture_safe = True
     supports_alibi = True
     supports_fp8_kv = True
+    supports_sinks = True
 
     def __init__(self, num_splits: int | None = None, tiles: tuple[int, int] | None = None):
         self.num_splits = num_splits
@@ -301,6 +309,7 @@ class TritonAttentionBackend(AttentionBackend):
         v_scale: torch.Tensor | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_cache.shape
@@ -359,6 +368,7 @@ class TritonAttentionBackend(AttentionBackend):
             out, q, k_cache, v_cache,
             *scales,
             block_tables, seq_lens, query_start_loc, alibi,
+            out if sinks is None else sinks.to(device=q.device, dtype=torch.float32).contiguous(),
             part_acc, part_m, part_l,
             scale * _LOG2E,
             int(sliding_window or 0), float(softcap or 1.0),
@@ -377,6 +387,7 @@ class TritonAttentionBackend(AttentionBackend):
             UPCAST=upcast,
             FP8_KV=fp8,
             SOFTCAP=bool(softcap),
+            SINKS=sinks is not None,
             **extra,
         )
         if splits > 1:

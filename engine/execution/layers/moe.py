@@ -1,10 +1,13 @@
 """Mixture-of-experts: the router, one fused experts layer, and the sparse MLP block the MoE families share.
 
 Routing (`select_experts`): softmax (or sigmoid, where a config says `scoring_func: sigmoid`) over the router
-logits in float32, top-k, optionally renormalised over the chosen k (`norm_topk_prob`; Mixtral always does).
+logits (plus the router's bias where it has one: gpt-oss) in float32, top-k, optionally renormalised over the chosen
+k (`norm_topk_prob`; Mixtral and gpt-oss always do).
 
 Experts (`fused_experts`): the (token, slot) pairs are grouped by expert and each expert with tokens runs as one
-batch — gather, one GEMM for gate and up together, SiLU(gate) * up, one GEMM for down, weighted scatter-add.
+batch — gather, one GEMM for gate and up together (plus their bias), the activation, one GEMM for down (plus its
+bias), weighted scatter-add. The activation is SwiGLU, silu(gate) * up, or gpt-oss's clamped variant
+(`ExpertActivation`): gate clamped above and up on both sides at `limit`, then (up + 1) * gate * sigmoid(alpha * gate).
 Three implementations of the same contract:
   - CPU: a C++ kernel (csrc/cpu_moe.cpp: counting sort and the per-expert loop in C++, GEMMs through at::mm);
   - GPU: a Triton grouped GEMM (moe_triton.py);
@@ -14,13 +17,10 @@ SHOAL_DISABLE_FUSED_OPS=1 forces the torch path, like the other fused ops.
 Parallelism (`FusedMoE`): under tensor parallelism every expert's intermediate dimension is split across the ranks
 like a dense MLP's (gate/up by rows, down by columns) and the block ends in one all-reduce. With
 --enable-expert-parallel the ranks of the tensor-parallel group hold whole experts instead (a contiguous range
-each). Attention leaves every rank of the group with every token's hidden state, so dispatch needs no
-communication: each rank runs the pairs routed to its own experts, and combining the partial outputs is a sum
-over ranks — the same single all-reduce of [tokens, hidden] as the tensor-parallel layer (as vLLM does when
-expert parallelism spans a tensor-parallel group without data parallelism). An all_to_all exchange (gloo has
-all_to_all_single in torch 2.13) would need three collectives per layer — the routing-dependent counts, the
-dispatch, the combine — to move tokens every rank already holds. Measured with two gloo ranks on this project's
-2-core CPU, hidden 512, top-4: all-reduce 3.1 ms vs all_to_all 4.3 ms at 16 tokens, 0.9 ms vs 6.3 ms at 256.
+each), and the pairs reach them by one of two exchanges (distributed/expert_exchange.py, chosen by measurement at
+start-up): each rank runs the pairs of all tokens routed to its experts and one all-reduce of [tokens, hidden] sums
+the partial outputs (as in the tensor-parallel layer), or each rank sends its share of the tokens' pairs to the
+experts' owners by all-to-all and gets the outputs back.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +42,37 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_moe.cpp"
 SCORING = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """act(gate) * up of the experts: "silu" (SwiGLU), or "swiglu_clamped" (gpt-oss, with its alpha and limit)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    KINDS = ("silu", "swiglu_clamped")  # the C++ kernel's activation ids, in order
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"expert activation {self.kind!r} is not supported (supported: {', '.join(self.KINDS)})")
+
+    @property
+    def kernel_id(self) -> int:
+        return self.KINDS.index(self.kind)
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2I] (gate columns, then up columns) -> [n, I]."""
+        inter = gate_up.shape[-1] // 2
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        if self.kind == "silu":
+            return F.silu(gate).mul_(up)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SILU = ExpertActivation()
 
 
 # ------------------------------------------------------------------------------------------------------- routing
@@ -66,13 +98,13 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+                        topk_ids: torch.Tensor, expert_start: int = 0, b13: torch.Tensor | None = None,
+                        b2: torch.Tensor | None = None, activation: ExpertActivation = SILU) -> torch.Tensor:
     """The grouped computation in torch ops: one sort of the pairs, then one batch per expert with tokens."""
-    inter = w2.shape[2]
 
     def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-        gate_up = xs @ w13[e].t()
-        return (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[e].t()
+        gate_up = F.linear(xs, w13[e], None if b13 is None else b13[e])
+        return F.linear(activation(gate_up), w2[e], None if b2 is None else b2[e])
 
     return grouped_experts(x, topk_weights, topk_ids, expert_start, w13.shape[0], expert)
 
@@ -124,26 +156,32 @@ def _triton_usable(x: torch.Tensor) -> bool:
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
-    """sum over each token's k slots of weight * down(silu(gate(x)) * up(x)) for the slots whose expert is one of
-    this rank's [expert_start, expert_start + E): x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I],
-    topk_weights [T, k] float32, topk_ids [T, k] int64 (global ids). Returns [T, H] in x's dtype."""
+                  topk_ids: torch.Tensor, expert_start: int = 0, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None, activation: ExpertActivation = SILU) -> torch.Tensor:
+    """sum over each token's k slots of weight * (down(act(gate(x), up(x))) + b2) for the slots whose expert is one
+    of this rank's [expert_start, expert_start + E): x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I],
+    optional biases b13 [E, 2I] and b2 [E, H], topk_weights [T, k] float32, topk_ids [T, k] int64 (global ids).
+    Returns [T, H] in x's dtype."""
+    args = (x, w13, w2, topk_weights, topk_ids, expert_start, b13, b2, activation)
     if x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1:
         ops = load_cpu_kernel()[0]  # None when disabled or not buildable
         if ops is not None:
-            return ops.fused_experts(x, w13, w2, topk_weights.float(), topk_ids, expert_start)
+            return ops.fused_experts(x, w13, w2, topk_weights.float(), topk_ids, expert_start, b13, b2,
+                                     activation.kernel_id, activation.alpha, activation.limit)
     elif _triton_usable(x) and os.environ.get("SHOAL_DISABLE_FUSED_OPS") != "1":
         from shoal.engine.execution.layers.moe_triton import fused_experts_triton
 
-        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, expert_start)
-    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, expert_start)
+        return fused_experts_triton(*args)
+    return fused_experts_torch(*args)
 
 
 class FusedMoE(nn.Module):
-    """The experts of one layer, stacked: w13 [E_local, 2 * I_local, H] and w2 [E_local, H, I_local].
+    """The experts of one layer, stacked: w13 [E_local, 2 * I_local, H] and w2 [E_local, H, I_local], and with
+    bias=True (gpt-oss) b13 [E_local, 2 * I_local] and b2 [E_local, H].
 
     Tensor parallel: all E experts, each with I / tp of its intermediate features. Expert parallel: E / tp whole
-    experts. forward returns this rank's partial sum; the caller all-reduces once (SparseMoeBlock).
+    experts. forward returns this rank's partial sum; the caller all-reduces once (SparseMoeBlock). Under tensor
+    parallelism every rank computes part of each expert's down projection, so its bias is added on rank 0 only.
     --quantization replaces the stacks by one quantized (gate_up, down) pair per expert (quantization/), run by
     the grouped torch path with the method's own matmul kernel. A GGUF file's experts, read packed, stay packed:
     one stack of blocks per projection (`gguf`), run by the C++ kernel's packed loop (fused_experts_gguf)."""
@@ -152,7 +190,8 @@ class FusedMoE(nn.Module):
     gguf_parts: dict | None = None  # local expert -> (gate, up, down) GGUFPacked, until finish_gguf()
     gguf: tuple | None = None  # ((gate, up, down) uint8 stacks, (their GGML type ids)) when served packed
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, bias: bool = False,
+                 activation: ExpertActivation = SILU):
         super().__init__()
         ps = get_parallel_state()
         self.num_experts = num_experts
@@ -170,17 +209,29 @@ class FusedMoE(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.inter_local, dtype=dtype),
                                requires_grad=False)
+        self.activation = activation
+        self.b13 = self.b2 = None
+        if bias:
+            self.b13 = nn.Parameter(torch.empty(self.num_local, 2 * self.inter_local, dtype=dtype), requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(self.num_local, hidden, dtype=dtype), requires_grad=False)
+        self.adds_b2 = self.expert_parallel or ps.tp_rank == 0  # b2 once per token, not once per rank
 
     def local_experts(self) -> range:
         return range(self.expert_start, self.expert_start + self.num_local)
 
-    def load_expert(self, expert: int, read_gate, read_up, read_down) -> None:
+    def load_expert(self, expert: int, read_gate, read_up, read_down, biases=None) -> None:
         """Copy one expert's slices straight from the checkpoint (Readers as in layers.linear): each tensor is
-        read once, only this rank's part of it, into its place in the stack."""
+        read once, only this rank's part of it, into its place in the stack. biases: (gate, up, down) Readers
+        when the layer has them."""
         from shoal.engine.execution.quantization.gguf import GGUFPacked
 
         i = expert - self.expert_start
         n, s = self.inter_local, self.inter_start
+        if self.b13 is not None:
+            gate, up, down = biases
+            self.b13.data[i, :n].copy_(gate(0, s, n))
+            self.b13.data[i, n:].copy_(up(0, s, n))
+            self.b2.data[i].copy_(down(0, 0, self.hidden))
         parts = read_gate(0, s, n), read_up(0, s, n), read_down(1, s, n)
         if any(isinstance(p, GGUFPacked) for p in parts):  # blocks kept as read (finish_gguf stacks them)
             if self.gguf_parts is None:
@@ -194,7 +245,8 @@ class FusedMoE(nn.Module):
     def finish_gguf(self) -> None:
         """After loading: every expert's packed blocks in one stack per projection, when each projection has one
         type across the experts and the packed CPU kernel can run them (the dense stacks, never written, are freed);
-        otherwise (on GPU too: no packed Triton expert kernel) the blocks are dequantized into the dense stacks."""
+        otherwise (on GPU too: no packed Triton expert kernel; biased or non-SiLU experts) the blocks are dequantized
+        into the dense stacks."""
         from shoal.engine.execution.quantization.gguf import GGUFPacked, PACKED_TYPES
 
         parts, self.gguf_parts = self.gguf_parts or {}, None
@@ -202,6 +254,7 @@ class FusedMoE(nn.Module):
             return
         n = self.inter_local
         stackable = (len(parts) == self.num_local and self.w13.device.type == "cpu"
+                     and self.b13 is None and self.activation is SILU
                      and load_cpu_kernel()[0] is not None
                      and all(isinstance(p, GGUFPacked) for trio in parts.values() for p in trio)
                      and all(len({parts[e][k].qtype for e in parts}) == 1 for k in range(3)))
@@ -227,14 +280,15 @@ class FusedMoE(nn.Module):
             (gate, up, down), types = self.gguf
             return load_cpu_kernel()[0].fused_experts_gguf(x, gate, up, down, *types, topk_weights.float(), topk_ids,
                                                           self.expert_start)
+        b13, b2 = self.b13, self.b2 if self.adds_b2 else None
         if self.quantized is None:
-            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start)
-        n = self.inter_local
+            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start, b13, b2,
+                                 self.activation)
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
             gate_up, down = self.quantized[e]
-            h = gate_up.matmul(xs)
-            return down.matmul(F.silu(h[:, :n]) * h[:, n:])
+            h = gate_up.matmul(xs, None if b13 is None else b13[e])
+            return down.matmul(self.activation(h), None if b2 is None else b2[e])
 
         return grouped_experts(x, topk_weights, topk_ids, self.expert_start, self.num_local, expert)
 
@@ -245,7 +299,8 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, renormalize: bool,
                  dtype: torch.dtype, scoring_func: str = "softmax", shared_intermediate: int = 0,
-                 shared_gate: bool = False):
+                 shared_gate: bool = False, router_bias: bool = False, expert_bias: bool = False,
+                 activation: ExpertActivation = SILU):
         super().__init__()
         from shoal.engine.execution.layers.mlp import GatedMLP
 
@@ -256,13 +311,19 @@ class SparseMoeBlock(nn.Module):
         self.ps = get_parallel_state()
         self.top_k, self.renormalize, self.scoring_func = top_k, renormalize, scoring_func
         self.gate = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)  # replicated
-        self.experts = FusedMoE(num_experts, hidden, intermediate, dtype)
+        self.gate_bias = (nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False) if router_bias
+                          else None)
+        self.experts = FusedMoE(num_experts, hidden, intermediate, dtype, expert_bias, activation)
         self.shared_expert = GatedMLP(hidden, shared_intermediate, dtype) if shared_intermediate else None
         self.shared_expert_gate = (nn.Parameter(torch.empty(1, hidden, dtype=dtype), requires_grad=False)
                                    if shared_gate else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(F.linear(x, self.gate), self.top_k, self.renormalize, self.scoring_func)
+        weights, ids = select_experts(F.linear(x, self.gate, self.gate_bias), self.top_k, self.renormalize,
+                                      self.scoring_func)
+        exchange = self.ps.expert_exchange
+        if self.experts.expert_parallel and exchange is not None and exchange.use_all_to_all(x.shape[0]):
+            return self._all_to_all(x, weights, ids)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert.partial(x)  # this rank's share; summed by the all-reduce below
@@ -270,3 +331,19 @@ class SparseMoeBlock(nn.Module):
                 shared = shared * torch.sigmoid(F.linear(x, self.shared_expert_gate))
             out = out + shared
         return self.ps.all_reduce(out)
+
+    def _all_to_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallel with the token exchange of distributed/expert_exchange.py instead of the all-reduce."""
+        from shoal.engine.distributed.expert_exchange import all_to_all_experts
+
+        def run(rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+            one = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+            return self.experts(rows, one, expert_ids[:, None])
+
+        out = all_to_all_experts(self.ps, x, weights, ids, self.experts.num_local, run)
+        if self.shared_expert is not None:  # its weights are split like a dense MLP's: summed over the group
+            shared = self.shared_expert.partial(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+            out = out + self.ps.all_reduce(shared)
+        return out

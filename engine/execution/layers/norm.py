@@ -37,6 +37,12 @@ class GemmaRMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
+    def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """norm(residual + delta), adding delta into the residual stream in place (as RMSNorm.add_and_norm)."""
+        if delta is not None:
+            residual.add_(delta)
+        return self(residual)
+
 
 class LayerNorm(nn.Module):
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype):

@@ -17,6 +17,7 @@ class CausalLM(nn.Module):
     num_kv_heads_local: int
     head_dim: int
     uses_alibi: bool = False
+    uses_sinks: bool = False  # attention sinks: only backends with supports_sinks can run the model
 
     def __init__(self):
         super().__init__()
@@ -80,6 +81,23 @@ def reader(src: WeightSource, name: str, full_shape: tuple[int, ...], transpose:
         return src.load(name, stored, dim=dim, start=start, length=length)
 
     return read
+
+
+def fused_readers(src: WeightSource, name: str, part_rows: list[int], cols: int | None = None) -> list:
+    """Readers over the row blocks of one checkpoint tensor [sum(part_rows), cols] (or a bias [sum(part_rows)]) that
+    fuses several projections along its output dimension (Phi-3's qkv_proj, gate_up_proj): reader i sees rows
+    [offset_i, offset_i + part_rows[i]) as a whole tensor, so a tensor-parallel rank still reads only its rows."""
+    full = (sum(part_rows),) if cols is None else (sum(part_rows), cols)
+    readers, offset = [], 0
+    for rows in part_rows:
+        def read(dim: int, start: int, length: int, base: int = offset, rows: int = rows) -> torch.Tensor:
+            if dim == 0:
+                return src.load(name, full, dim=0, start=base + start, length=length)
+            return src.load(name, full, dim=0, start=base, length=rows)[:, start:start + length]
+
+        readers.append(read)
+        offset += rows
+    return readers
 
 
 def find_prefix(src: WeightSource, candidates: list[str], probe: str) -> str:

@@ -1,9 +1,18 @@
-"""The decoder-only transformer most 2024-2026 families share, as a base to subclass: token embedding, layers of
-(RMSNorm, rotary self-attention, RMSNorm, MLP) with pre-norm residuals, final RMSNorm, tied or untied LM head.
+"""The decoder-only transformer every rotary family plugs into: token embedding, layers of (norm, rotary
+self-attention, norm, MLP) with residuals, final norm, tied or untied LM head.
 
-A family says what differs through class attributes (q/k norm, QKV bias) and two hooks: `make_mlp` (a dense
-GatedMLP, a SparseMoeBlock, ...) and `load_mlp` (where its checkpoint keeps that MLP's tensors). Each layer's
-residual add is deferred into the next layer's first norm (one fused add + RMSNorm kernel on CPU), as in llama.py.
+A family (llama.py, qwen3.py, phi3.py, gemma2.py, gemma3.py, moe.py, gpt_oss.py) says only what differs:
+- per layer, its attention options (`attention_options`: biases, q/k norm, scale, soft-cap, clipping; the window
+  and the RoPE table come from `layer_types`/`sliding_windows` and `make_rotaries`) and its MLP (`make_mlp`: a dense
+  GatedMLP or a SparseMoeBlock; `load_mlp`: where its checkpoint keeps that MLP's tensors);
+- the layer's norm placement (`layer_cls`: pre-norm DecoderLayer, or Gemma's SandwichDecoderLayer) and norm kind
+  (`norm_cls`);
+- embedding scaling (`embed`) and logit soft-capping (`compute_logits`) where it has them.
+
+Each layer's residual add is deferred into the next layer's first norm (one fused add + RMSNorm kernel on CPU): a
+layer takes the residual stream x and the previous layer's output delta, and returns x and its own output.
+Checkpoint names are Hugging Face's ("model.layers.{i}.self_attn.q_proj.weight", ...); GGUF files are read
+through the same names (gguf_model.py).
 """
 
 from __future__ import annotations
@@ -18,13 +27,20 @@ from shoal.engine.execution.layers.norm import RMSNorm
 from shoal.engine.execution.layers.rotary import RotaryEmbedding
 from shoal.engine.execution.models.base import CausalLM, find_prefix, reader
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, self_attn: RotaryAttention, mlp: nn.Module, hidden: int, eps: float, dtype: torch.dtype):
+    """Pre-norm: x + attn(input_norm(x)), then x + mlp(post_attention_norm(x))."""
+
+    norm_names = ("input_layernorm", "post_attention_layernorm")
+
+    def __init__(self, self_attn: RotaryAttention, mlp: nn.Module, hidden: int, eps: float, dtype: torch.dtype,
+                 norm_cls: type[nn.Module] = RMSNorm):
         super().__init__()
-        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.input_layernorm = norm_cls(hidden, eps, dtype)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = norm_cls(hidden, eps, dtype)
         self.mlp = mlp
 
     def forward(self, x, positions, kv_cache, meta, delta=None):
@@ -34,48 +50,102 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(self.post_attention_layernorm.add_and_norm(x, attn_out))
 
 
-class RotaryDecoderLM(CausalLM):
+class SandwichDecoderLayer(nn.Module):
+    """Gemma's norms on both sides of each block: x + post_attention_norm(attn(input_norm(x))), then
+    x + post_feedforward_norm(mlp(pre_feedforward_norm(x)))."""
+
+    norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")
+
+    def __init__(self, self_attn: RotaryAttention, mlp: nn.Module, hidden: int, eps: float, dtype: torch.dtype,
+                 norm_cls: type[nn.Module] = RMSNorm):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        for name in self.norm_names:
+            setattr(self, name, norm_cls(hidden, eps, dtype))
+
+    def forward(self, x, positions, kv_cache, meta, delta=None):
+        attn_out = self.self_attn(self.input_layernorm.add_and_norm(x, delta), positions, kv_cache, meta)
+        x.add_(self.post_attention_layernorm(attn_out))
+        return x, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class DecoderLM(CausalLM):
+    layer_cls: type[nn.Module] = DecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
     qk_norm: str | None = None  # None, "head" (per head over head_dim) or "full" (over the whole projection)
+    prefixes = ("model.", "")  # where the checkpoint keeps the decoder's tensors (the LM head sits at the root)
 
     def __init__(self, config, dtype: torch.dtype, backend, max_model_len: int, layer_partition=None):
         super().__init__()
         self.config = config
-        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-            raise ValueError(f"{type(self).__name__}: hidden_act {config.hidden_act!r} is not supported (only silu)")
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         start, end = self.stage_layers(config.num_hidden_layers, layer_partition)
         first, last = self.ps.is_first_stage, self.ps.is_last_stage
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype,
                                                    materialize=first or (last and tied))
-        self.rotary = RotaryEmbedding(config, self.head_dim, max_model_len, dtype)
+        rotaries = self.make_rotaries(config, max_model_len, dtype)
+        self.rotaries = nn.ModuleList(dict.fromkeys(rotaries.values()))  # registered once each (buffers follow .to)
+        types, windows = self.layer_types(config), self.sliding_windows(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.make_attention(dtype, backend), self.make_mlp(i, dtype), config.hidden_size,
-                         config.rms_norm_eps, dtype)
+            self.layer_cls(RotaryAttention(config, dtype, backend, rotaries[types[i]], self.head_dim,
+                                           sliding_window=windows[i], **self.attention_options(i)),
+                           self.make_mlp(i, dtype), config.hidden_size, config.rms_norm_eps, dtype, self.norm_cls)
             for i in range(start, end)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(self.embed_tokens, tied=tied, materialize=last)
-        self.num_kv_heads_local = self.layers[0].self_attn.qkv_proj.num_kv_heads if len(self.layers) else 0
+        self.num_kv_heads_local = self.layers[0].self_attn.attn.num_kv_heads if len(self.layers) else 0
 
     # ---- what a family overrides
-    def make_attention(self, dtype, backend) -> RotaryAttention:
+
+    @classmethod
+    def layer_types(cls, config) -> list[str]:
+        """Each layer's attention type: config.layer_types where the config has it (transformers writes it for
+        families that mix windowed and global layers), else the family's default."""
+        types = list(getattr(config, "layer_types", None) or cls.default_layer_types(config))
+        unknown = sorted(set(types) - {SLIDING, FULL})
+        if unknown or len(types) != config.num_hidden_layers:
+            raise ValueError(f"{cls.__name__}: layer_types {types} must give one of {SLIDING!r} or {FULL!r} for each "
+                             f"of the {config.num_hidden_layers} layers")
+        return types
+
+    @classmethod
+    def default_layer_types(cls, config) -> list[str]:
+        """Every layer windowed when the config has a sliding_window (Mistral, Phi-3), else every layer global."""
+        return [SLIDING if getattr(config, "sliding_window", None) else FULL] * config.num_hidden_layers
+
+    @classmethod
+    def sliding_windows(cls, config) -> list[int | None]:
+        window = getattr(config, "sliding_window", None) or None
+        return [window if t == SLIDING else None for t in cls.layer_types(config)]
+
+    def make_rotaries(self, config, max_model_len: int, dtype) -> dict[str, RotaryEmbedding]:
+        """The RoPE table of each layer type (one shared table unless a family rotates its types differently)."""
+        shared = RotaryEmbedding(config, self.head_dim, max_model_len, dtype)
+        return {SLIDING: shared, FULL: shared}
+
+    def attention_options(self, layer_idx: int) -> dict:
+        """Keyword arguments of layer `layer_idx`'s RotaryAttention besides its window and RoPE table."""
         c = self.config
-        return RotaryAttention(c, dtype, backend, self.rotary, self.head_dim,
-                               qkv_bias=bool(getattr(c, "attention_bias", False)),
-                               o_bias=bool(getattr(c, "attention_bias", False)), qk_norm=self.qk_norm,
-                               clip_qkv=getattr(c, "clip_qkv", None))
+        bias = bool(getattr(c, "attention_bias", False))
+        return dict(qkv_bias=bias, o_bias=bias, qk_norm=self.qk_norm, clip_qkv=getattr(c, "clip_qkv", None))
 
     def make_mlp(self, layer_idx: int, dtype) -> nn.Module:
-        return GatedMLP(self.config.hidden_size, self.config.intermediate_size, dtype)
+        c = self.config
+        return GatedMLP(c.hidden_size, c.intermediate_size, dtype, activation=hidden_activation(c),
+                        bias=bool(getattr(c, "mlp_bias", False)))
 
     def load_mlp(self, mlp: nn.Module, src, p: str, layer_idx: int) -> None:
         """Load layer `layer_idx`'s MLP from the tensors under the layer prefix `p`."""
-        load_dense_mlp(mlp, src, p + "mlp.")
+        mlp.load(src, p + "mlp.")
 
-    # ---- the shared skeleton
     def embed(self, input_ids, positions):
         return self.embed_tokens(input_ids)
+
+    # ---- the shared skeleton
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
         # The residual stream is updated in place: a stage's input from the previous stage is copied first.
@@ -92,16 +162,15 @@ class RotaryDecoderLM(CausalLM):
 
     def load_weights(self, src) -> None:
         c = self.config
-        p = find_prefix(src, ["model.", ""], "norm.weight")
+        p = find_prefix(src, list(self.prefixes), "norm.weight")
         shape = (c.vocab_size, c.hidden_size)
         if self.ps.is_first_stage or (self.ps.is_last_stage and self.lm_head.tied):
             self.embed_tokens.load(reader(src, p + "embed_tokens.weight", shape))
         for i, layer in enumerate(self.layers):
             idx = self.start_layer + i
             lp = f"{p}layers.{idx}."
-            layer.input_layernorm.weight.data.copy_(src.load(lp + "input_layernorm.weight", (c.hidden_size,)))
-            layer.post_attention_layernorm.weight.data.copy_(
-                src.load(lp + "post_attention_layernorm.weight", (c.hidden_size,)))
+            for name in layer.norm_names:
+                getattr(layer, name).weight.data.copy_(src.load(f"{lp}{name}.weight", (c.hidden_size,)))
             layer.self_attn.load(src, lp + "self_attn.")
             self.load_mlp(layer.mlp, src, lp, idx)
         if self.ps.is_last_stage:
@@ -110,7 +179,6 @@ class RotaryDecoderLM(CausalLM):
                 self.lm_head.load(reader(src, "lm_head.weight", shape))
 
 
-def load_dense_mlp(mlp: GatedMLP, src, m: str, names=("gate_proj", "up_proj", "down_proj")) -> None:
-    h, inter = mlp.hidden, mlp.intermediate
-    gate, up, down = (f"{m}{n}.weight" for n in names)
-    mlp.load(reader(src, gate, (inter, h)), reader(src, up, (inter, h)), reader(src, down, (h, inter)))
+def hidden_activation(config) -> str:
+    """The MLP activation's Hugging Face name (Gemma configs call it hidden_activation)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"

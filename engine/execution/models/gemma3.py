@@ -9,17 +9,15 @@ soft-capping is gone (query_pre_attn_scalar still scales); final-logit soft-capp
 from __future__ import annotations
 
 from shoal.engine.execution.layers.rotary import RotaryEmbedding
-from shoal.engine.execution.models.gemma2 import FULL, SLIDING, Gemma2ForCausalLM
+from shoal.engine.execution.models.decoder import FULL, SLIDING
+from shoal.engine.execution.models.gemma2 import Gemma2ForCausalLM
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    qk_norm = True
+    qk_norm = "head"
 
     @classmethod
-    def layer_types(cls, config) -> list[str]:
-        types = getattr(config, "layer_types", None)
-        if types:
-            return list(types)
+    def default_layer_types(cls, config) -> list[str]:
         pattern = getattr(config, "sliding_window_pattern", 6)
         return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(config.num_hidden_layers)]
 

@@ -14,12 +14,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from shoal.engine.execution.layers.mlp import GatedMLP
 from shoal.engine.execution.layers.moe import SparseMoeBlock
 from shoal.engine.execution.models.base import reader
-from shoal.engine.execution.models.decoder import RotaryDecoderLM, load_dense_mlp
+from shoal.engine.execution.models.decoder import DecoderLM, hidden_activation
 
 _EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def check_silu_experts(config) -> None:
+    """The fused experts run SwiGLU only."""
+    if hidden_activation(config) not in ("silu", "swish"):
+        raise ValueError(f"{config.architectures}: expert activation {hidden_activation(config)!r} is not supported "
+                         "(the fused MoE layer runs silu)")
 
 
 def load_moe_block(block: SparseMoeBlock, src, m: str, expert_names=_EXPERT_NAMES) -> None:
@@ -34,12 +40,12 @@ def load_moe_block(block: SparseMoeBlock, src, m: str, expert_names=_EXPERT_NAME
         experts.load_expert(e, reader(src, f"{p}{gate}.weight", (inter, h)), reader(src, f"{p}{up}.weight", (inter, h)),
                             reader(src, f"{p}{down}.weight", (h, inter)))
     if block.shared_expert is not None:
-        load_dense_mlp(block.shared_expert, src, m + "shared_expert.")
+        block.shared_expert.load(src, m + "shared_expert.")
     if block.shared_expert_gate is not None:
         block.shared_expert_gate.data.copy_(src.load(m + "shared_expert_gate.weight", (1, h)))
 
 
-class _SparseDecoderLM(RotaryDecoderLM):
+class _SparseDecoderLM(DecoderLM):
     """Sparse layers by the Qwen-MoE rule (every layer when the config has neither field); renormalisation from
     norm_topk_prob."""
 
@@ -53,25 +59,27 @@ class _SparseDecoderLM(RotaryDecoderLM):
 
     def moe_block(self, dtype, **shared) -> SparseMoeBlock:
         c = self.config
+        check_silu_experts(c)
         return SparseMoeBlock(c.hidden_size, c.num_experts, c.num_experts_per_tok,
-                              getattr(c, self.expert_size_field), renormalize=bool(getattr(c, "norm_topk_prob", False)), dtype=dtype,
-                              scoring_func=getattr(c, "scoring_func", "softmax"), **shared)
+                              getattr(c, self.expert_size_field), renormalize=bool(getattr(c, "norm_topk_prob", False)),
+                              dtype=dtype, scoring_func=getattr(c, "scoring_func", "softmax"), **shared)
 
     def make_mlp(self, layer_idx: int, dtype) -> nn.Module:
         if self.is_sparse(layer_idx):
             return self.moe_block(dtype)
-        return GatedMLP(self.config.hidden_size, self.config.intermediate_size, dtype)
+        return super().make_mlp(layer_idx, dtype)
 
     def load_mlp(self, mlp, src, p: str, layer_idx: int) -> None:
         if isinstance(mlp, SparseMoeBlock):
             load_moe_block(mlp, src, p + "mlp.")
         else:
-            load_dense_mlp(mlp, src, p + "mlp.")
+            mlp.load(src, p + "mlp.")
 
 
-class MixtralForCausalLM(RotaryDecoderLM):
+class MixtralForCausalLM(DecoderLM):
     def make_mlp(self, layer_idx: int, dtype) -> nn.Module:
         c = self.config
+        check_silu_experts(c)
         return SparseMoeBlock(c.hidden_size, c.num_local_experts, c.num_experts_per_tok, c.intermediate_size,
                               renormalize=True, dtype=dtype)
 
@@ -80,11 +88,8 @@ class MixtralForCausalLM(RotaryDecoderLM):
 
 
 class Qwen2MoeForCausalLM(_SparseDecoderLM):
-    def make_attention(self, dtype, backend):
-        from shoal.engine.execution.layers.attention_block import RotaryAttention
-
-        return RotaryAttention(self.config, dtype, backend, self.rotary, self.head_dim,
-                               qkv_bias=bool(getattr(self.config, "qkv_bias", True)))
+    def attention_options(self, layer_idx: int) -> dict:
+        return dict(super().attention_options(layer_idx), qkv_bias=bool(getattr(self.config, "qkv_bias", True)))
 
     def moe_block(self, dtype, **shared) -> SparseMoeBlock:
         c = self.config

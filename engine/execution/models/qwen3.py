@@ -3,8 +3,8 @@ no QKV bias, and head_dim taken from the config (not hidden_size / num_heads).""
 
 from __future__ import annotations
 
-from shoal.engine.execution.models.decoder import RotaryDecoderLM
+from shoal.engine.execution.models.decoder import DecoderLM
 
 
-class Qwen3ForCausalLM(RotaryDecoderLM):
+class Qwen3ForCausalLM(DecoderLM):
     qk_norm = "head"

@@ -1,4 +1,4 @@
-"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors int8) named by `quantization_config` in config.json.
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors int8, MXFP4) named by `quantization_config` in config.json.
 
 `PrequantizedSource` wraps a `WeightSource` and answers `load("...q_proj.weight")` with the dense [out, in]
 weight rebuilt from the checkpoint's packed tensors, so every model loads them unchanged; the log says they were
@@ -14,6 +14,10 @@ Layouts (both store W transposed, [in, out], with per-group scales and zero poin
   `weight_scale` [out, 1] (per channel) or [1] (per tensor); w = q * scale, read slice by slice like a dense weight.
   Symmetric per-channel int8 is exactly what `--quantization int8` builds, so adding it re-quantizes each row to
   the checkpoint's own integers (whenever the row's largest |q| is 127, as round-to-nearest calibration gives).
+- MXFP4 (gpt-oss's experts, quantization/mxfp4.py): `<name>_blocks` and `<name>_scales` stand for the tensor `<name>`
+  as transformers names and shapes it ([experts, in, out]). A read of some experts (a slice along dim 0, how the
+  MoE loader reads, expert by expert) dequantizes only their blocks, so memory holds one expert's dense copy at a
+  time besides the model's own parameters.
 """
 
 from __future__ import annotations
@@ -86,14 +90,18 @@ class PrequantizedSource:
         elif method == "compressed-tensors":
             strategy = self._check_compressed_tensors(quant_config)
             self.bits, self.group = 8, f"per {strategy}"
+        elif method == "mxfp4":
+            self.bits, self.group = 4, 32
         else:
             raise WeightError(f"{self.model_dir}: quantization_config quant_method {method!r} is not supported "
-                              f"(supported: gptq, awq, compressed-tensors)")
-        suffix = ".weight_scale" if method == "compressed-tensors" else ".qweight"
+                              f"(supported: gptq, awq, compressed-tensors, mxfp4)")
+        suffix = {"compressed-tensors": ".weight_scale", "mxfp4": "_blocks"}.get(method, ".qweight")
+        self._dense_suffix = "" if method == "mxfp4" else ".weight"  # what the dense tensor's name adds to a stem
         packed = sorted(n[: -len(suffix)] for n in src.names() if n.endswith(suffix))
         self._packed = set(packed)
-        logger.info("%s %d-bit checkpoint (group size %s): %d packed linear layers dequantized on load",
-                    method.upper(), self.bits, self.group, len(packed))
+        logger.info("%s %d-bit checkpoint (group size %s): %d packed %s dequantized on load",
+                    method.upper(), self.bits, self.group, len(packed),
+                    "expert tensors" if method == "mxfp4" else "linear layers")
 
     def _check_compressed_tensors(self, quant_config) -> str:
         """Refuses what the loader cannot read; returns the weights' strategy (channel or tensor)."""
@@ -112,11 +120,12 @@ class PrequantizedSource:
         return str(_get(_get(next(iter(groups.values())), "weights"), "strategy"))
 
     def _layer(self, name: str) -> str | None:
-        stem = name[: -len(".weight")] if name.endswith(".weight") else None
+        suffix = self._dense_suffix
+        stem = name[: len(name) - len(suffix)] if name.endswith(suffix) else None
         return stem if stem in self._packed else None
 
     def names(self) -> set[str]:
-        return self.src.names() | {p + ".weight" for p in self._packed}
+        return self.src.names() | {p + self._dense_suffix for p in self._packed}
 
     def has(self, name: str) -> bool:
         return self._layer(name) is not None or self.src.has(name)
@@ -125,6 +134,9 @@ class PrequantizedSource:
         layer = self._layer(name)
         if layer is None or self.method == "compressed-tensors":
             return self.src.shape(name)
+        if self.method == "mxfp4":  # blocks [*, rows, cols / 32, 16] stand for [*, cols, rows]
+            *lead, rows, groups, _ = self.src.shape(layer + "_blocks")
+            return (*lead, groups * 32, rows)
         out = self.src.shape(layer + ".scales")[1]
         rows = self.src.shape(layer + ".qweight")[0]
         return (out, rows * 32 // self.bits if self.method == "gptq" else rows)
@@ -147,6 +159,8 @@ class PrequantizedSource:
             return self.src.load(name, expected_shape, dim=dim, start=start, length=length)
         if self.method == "compressed-tensors":
             return self._int8_slice(layer, expected_shape, dim, start, length)
+        if self.method == "mxfp4":
+            return self._mxfp4(layer, expected_shape, dim, start, length)
         try:
             w = self._dense(layer)
         except (RuntimeError, IndexError) as e:  # shapes of qweight/qzeros/scales/g_idx that do not fit together
@@ -155,6 +169,26 @@ class PrequantizedSource:
             raise WeightError(f"{self.model_dir}: {layer!r} dequantizes to {list(w.shape)} but the config implies "
                               f"{list(expected_shape)}")
         if dim is not None:
+            w = w.narrow(dim, start, w.shape[dim] - start if length is None else length)
+        return w
+
+    def _mxfp4(self, layer: str, expected_shape, dim, start: int, length: int | None) -> torch.Tensor:
+        """The dense tensor (or its slice along `dim`) in transformers' orientation: blocks and scales of the
+        experts asked for (dim 0) only."""
+        from shoal.engine.execution.quantization.mxfp4 import dequantize_mxfp4
+
+        full = self.shape(layer)
+        if expected_shape is not None and tuple(full) != tuple(expected_shape):
+            raise WeightError(f"{self.model_dir}: {layer!r} dequantizes to {list(full)} but the config implies "
+                              f"{list(expected_shape)}")
+        lead = dim == 0 and len(full) == 3  # whole experts: read only theirs
+        part = dict(dim=0, start=start, length=length) if lead else {}
+        blocks, scales = self.src.load(layer + "_blocks", **part), self.src.load(layer + "_scales", **part)
+        try:
+            w = dequantize_mxfp4(blocks, scales).transpose(-1, -2)
+        except ValueError as e:
+            raise WeightError(f"{self.model_dir}: {layer!r}: {e}") from None
+        if dim is not None and not lead:
             w = w.narrow(dim, start, w.shape[dim] - start if length is None else length)
         return w
 

@@ -5,7 +5,8 @@
 // holds the tile's rows for all GROUP query heads sharing that kv head (row = token-major, head-minor), so every
 // K/V block is read once per tile, and streams the sequence's keys block by block with an online
 // (FlashAttention-style) softmax in float32. Items are scheduled dynamically over OpenMP threads (torch's own
-// libgomp, so torch.set_num_threads applies), biggest first.
+// libgomp, so torch.set_num_threads applies), biggest first. Attention sinks (gpt-oss: one learned logit per head
+// that joins every softmax denominator and weighs no value) start each row's online softmax (init_row_softmax).
 //
 // Only light headers are included (not torch/extension.h): the build takes seconds instead of ~40 s. The op is
 // registered with the dispatcher (TORCH_LIBRARY) and called as torch.ops.shoal_cpu_paged.paged_attention.
@@ -125,6 +126,7 @@ struct Params {
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
   const float* slopes;  // [H] or null
+  const float* sinks;   // [H] attention-sink logits (gpt-oss) times log2(e), or null
   float qk_scale;       // softmax scale * log2(e)
   int window;           // sliding window: a query at position p sees keys p - window + 1 .. p (0: all keys)
   float softcap;        // attention-logit soft-cap * log2(e) (0: none): s -> softcap * tanh(s / softcap)
@@ -207,6 +209,20 @@ inline void prefetch_block(const Params<T, C>& p, const Item& it, const int32_t*
   prefetch_rows(p.v + b * p.sv_b + int64_t(it.kv_head) * p.sv_h, p.sv_s, n, p.D);
 }
 
+// The online softmax's starting state for a row of query head h: nothing seen (max -inf, sum 0), or, with attention
+// sinks, the sink as if it were one more key whose value is zero: max = sink, sum = 2^(sink - max) = 1. Later keys
+// rescale it like any other, so the sink only ever adds exp(sink) to the softmax denominator.
+template <typename T, typename C>
+inline void init_row_softmax(const Params<T, C>& p, int h, float& m, float& l) {
+  if (p.sinks != nullptr) {
+    m = p.sinks[h];
+    l = 1.0f;
+  } else {
+    m = kNegInf;
+    l = 0.0f;
+  }
+}
+
 template <typename T, typename C>
 void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
   const int D = p.D, G = p.group, bs = p.block_size;
@@ -228,8 +244,7 @@ void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
 #pragma omp simd
     for (int d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
     std::fill_n(acc + size_t(r) * D, D, 0.0f);
-    m[r] = kNegInf;
-    l[r] = 0.0f;
+    init_row_softmax(p, h0 + r % G, m[r], l[r]);
   }
 
   const int32_t* table = p.block_tables + int64_t(it.seq) * p.bt_stride;
@@ -332,7 +347,7 @@ void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
   for (int r = 0; r < rows; ++r) {
     T* dst = p.out + int64_t(q_start + it.t0 + r / G) * p.so_t + int64_t(h0 + r % G) * p.so_h;
     const float* a = acc + size_t(r) * D;
-    const float inv = 1.0f / l[r];  // l >= 1: every row sees at least its own key
+    const float inv = 1.0f / l[r];  // l >= 1: every row sees at least its own key (or its sink)
     for (int d = 0; d < D; ++d) dst[d] = from_float<T>(a[d] * inv);
   }
 }
@@ -403,8 +418,7 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16, C>& p, const Item& it, S
     const c10::BFloat16* src = p.q + int64_t(q_start + it.t0 + r / G) * p.sq_t + int64_t(h0 + r % G) * p.sq_h;
     std::memcpy(qb + size_t(r) * D, src, sizeof(uint16_t) * D);
     std::fill_n(acc + size_t(r) * D, D, 0.0f);
-    m[r] = kNegInf;
-    l[r] = 0.0f;
+    init_row_softmax(p, h0 + r % G, m[r], l[r]);
   }
   // Word k of the interleave takes a[k / 2] for even k, b[k / 2] for odd k (indices >= 32 select b); the second
   // permute does the same for elements 16..31.
@@ -610,7 +624,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const at::Tensor& query_start_loc, const std::optional<at::Tensor>& alibi_slopes,
                      double scale, const std::optional<at::Tensor>& skip_seqs,
                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                     int64_t window, double softcap) {
+                     int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "sliding window and soft-cap must be >= 0 (0: off)");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "expected q/out [T, H, D] and caches [num_blocks, block_size, kv_heads, D]");
@@ -656,6 +670,14 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                 "alibi_slopes must be a contiguous float32 tensor of num_heads values");
     slopes = a.data_ptr<float>();
   }
+  std::vector<float> sink_log2;  // the sinks in the log2 domain of the scores
+  if (sinks.has_value()) {
+    const at::Tensor& t = *sinks;
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == H,
+                "sinks must be a contiguous float32 tensor of num_heads values");
+    const float* v = t.data_ptr<float>();
+    for (int64_t h = 0; h < H; ++h) sink_log2.push_back(v[h] * kLog2e);
+  }
   const bool* skip = nullptr;
   if (skip_seqs.has_value()) {
     TORCH_CHECK(skip_seqs->scalar_type() == at::kBool && skip_seqs->is_contiguous() && skip_seqs->numel() == B,
@@ -682,6 +704,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     p.seq_lens = sl;
     p.query_start_loc = qsl;
     p.slopes = slopes;
+    p.sinks = sink_log2.empty() ? nullptr : sink_log2.data();
     p.qk_scale = float(scale) * kLog2e;
     p.window = int(window);
     p.softcap = float(softcap) * kLog2e;
@@ -799,7 +822,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 TORCH_LIBRARY(shoal_cpu_paged, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, Tensor? alibi_slopes, float scale, Tensor? skip_seqs=None, "
-        "Tensor? k_scale=None, Tensor? v_scale=None, int window=0, float softcap=0.0) -> ()");
+        "Tensor? k_scale=None, Tensor? v_scale=None, int window=0, float softcap=0.0, Tensor? sinks=None) -> ()");
 }
 
 // Switches the AVX512-BF16 path on or off; returns whether this build has it.
