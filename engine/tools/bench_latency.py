@@ -1,0 +1,286 @@
+"""`shoal-engine bench latency`: one user at a time. Batch-1 decode tokens/s and time to first token for Shoal and
+llama.cpp side by side on the same model, and speculative decoding on a repetitive task against none.
+
+Shoal runs offline (its LLMEngine stepped directly, no HTTP): one request of --prompt-len random prompt tokens and
+--output-len greedy output tokens (EOS ignored). TTFT is the first step (prefill and the first token); decode
+tokens/s is the remaining output tokens over the time from the first token to the last, so the decode rate is
+measured at a context of prompt-len and beyond. The median of --repeat runs is reported (after one warm-up run).
+
+llama.cpp runs `llama-bench` from --llama-cpp-bin (a build directory's bin/) with the same thread count: `-p P`
+gives the prompt-processing rate (its TTFT is P divided by it) and `-n N` the generation rate, at a context depth
+of P (`-d`) where this llama-bench has that option (it reports the mean of -r runs). Without --llama-cpp-bin (or
+without a GGUF for it to run) that column is skipped, saying so.
+
+Rows:
+  --model DIR_OR_GGUF [--llama-cpp-model GGUF]   one row: Shoal on --model (an HF directory in --dtype, or a GGUF
+                                                  file, kept packed), llama.cpp on the GGUF (default: --model).
+  --suite DIR                                     the standard table, from a directory holding hf/ (float32 HF
+                                                  weights), and GGUF files named *F32*, *Q8_0*, *Q4_1*: float32 vs
+                                                  the F32 GGUF, then each GGUF in both engines.
+Speculative decoding rows follow (skip them with --skip-speculative): Shoal with and without --speculative-config
+(default n-gram, 4 tokens) on a repetitive task — an instruct model asked to repeat a code snippet with one name
+changed (with a chat template), or, for a model without one, prompts that quote a passage twice and begin it a
+third time — at each batch size of --spec-batch (default 1 and 32): decode tokens/s per request at batch 1,
+output tokens/s of the whole batch above, and the acceptance rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+# The repetitive task for an instruct model: copy a snippet with one change (code editing), the case n-gram
+# proposals are for. Several snippets, so the requests of a batch differ.
+_SNIPPETS = [
+    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal += item.price * "
+    "item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n",
+    "def count_words(text):\n    counts = {}\n    for word in text.lower().split():\n        word = word.strip('.,!?')"
+    "\n        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
+    "def merge_sorted(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n        else:\n"
+    "            result.append(right[j])\n            j += 1\n    return result + left[i:] + right[j:]\n",
+]
+_RENAMES = [("items", "products"), ("counts", "frequencies"), ("result", "merged")]
+
+
+def repetitive_prompts(tokenizer, vocab_size: int, n: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """n prompts of the repetitive task as token ids (see the module docstring)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        prompts = []
+        for i in range(n):
+            code, (old, new) = _SNIPPETS[i % len(_SNIPPETS)], _RENAMES[i % len(_RENAMES)]
+            ask = f"Rewrite this Python function, renaming `{old}` to `{new}`. Reply with the code only.\n\n{code}"
+            text = tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True,
+                                                 tokenize=False)
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return prompts
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        passage = [rng.randrange(10, vocab_size) for _ in range(max(1, prompt_len // 3))]
+        out.append((passage * 3)[:prompt_len])
+    return out
+
+
+def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab_size) for _ in range(length)]
+
+
+# ----------------------------------------------------------------------------------------------------- Shoal
+
+
+def shoal_engine(model: str, args, **extra):
+    from shoal.engine.llm import LLM
+
+    options = dict(max_model_len=args.max_model_len, max_num_seqs=max([32] + args.spec_batch))
+    if not model.endswith(".gguf"):
+        options["dtype"] = args.dtype
+    return LLM(model=model, **options, **extra)
+
+
+def _one_run(engine, prompts: list[list[int]], output_len: int, tag: str) -> tuple[float, float, int]:
+    """(seconds to the first token, seconds from the first token to the last, output tokens) of the prompts
+    run together, greedy."""
+    from shoal.engine.contracts import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+        if first is None:
+            first = time.perf_counter()
+    return first - t0, time.perf_counter() - first, tokens
+
+
+def measure_shoal(llm, prompts: list[list[int]], output_len: int, repeat: int) -> dict:
+    """Median TTFT and decode rate over `repeat` runs (after a warm-up), with the speculative counters."""
+    engine = llm.llm_engine
+    _one_run(engine, [p[:16] for p in prompts], 4, "warm-up")
+    ttfts, rates, totals = [], [], []
+    stats0 = engine.get_stats()
+    for r in range(repeat):
+        ttft, rest, tokens = _one_run(engine, prompts, output_len, f"run{r}")
+        ttfts.append(ttft)
+        rates.append((tokens - len(prompts)) / len(prompts) / rest)  # per request, after its first token
+        totals.append(tokens / (ttft + rest))
+    stats = engine.get_stats()
+    drafted = stats.spec_decode_num_draft_tokens_total - stats0.spec_decode_num_draft_tokens_total
+    accepted = stats.spec_decode_num_accepted_tokens_total - stats0.spec_decode_num_accepted_tokens_total
+    return {"ttft_ms": 1e3 * statistics.median(ttfts), "decode_tok_s": statistics.median(rates),
+            "output_tok_s": statistics.median(totals),
+            "acceptance": accepted / drafted if drafted else None}
+
+
+# ------------------------------------------------------------------------------------------------- llama.cpp
+
+
+def llama_bench_path(bin_dir: str | None) -> tuple[Path | None, str]:
+    """(llama-bench, "") or (None, why its column is skipped)."""
+    if not bin_dir:
+        return None, "no --llama-cpp-bin given"
+    path = Path(bin_dir) / "llama-bench"
+    if not path.is_file():
+        return None, f"{path} does not exist"
+    return path, ""
+
+
+def measure_llama_cpp(bench: Path, gguf: str, prompt_len: int, output_len: int, threads: int,
+                      repeat: int) -> dict:
+    """llama-bench's prompt-processing and generation rates (mean of `repeat` runs) for one GGUF file."""
+    help_text = subprocess.run([str(bench), "--help"], capture_output=True, text=True).stdout
+    depth = ["-d", str(prompt_len)] if "-d, --n-depth" in help_text else []
+    cmd = [str(bench), "-m", gguf, "-p", str(prompt_len), "-n", str(output_len), "-t", str(threads),
+           "-r", str(repeat), "-o", "json", *depth]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+    rows = json.loads(proc.stdout)
+    pp = next(r for r in rows if r["n_prompt"] == prompt_len and r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_gen"] == output_len and r["n_prompt"] == 0)
+    return {"ttft_ms": 1e3 * prompt_len / pp["avg_ts"], "decode_tok_s": tg["avg_ts"],
+            "decode_at_depth": bool(depth)}
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+
+def suite_rows(directory: Path) -> list[tuple[str, str, str | None]]:
+    """(label, Shoal's model, llama.cpp's GGUF) for the standard table of a --suite directory."""
+    ggufs = sorted(directory.glob("*.gguf"))
+
+    def find(tag: str) -> Path | None:
+        return next((g for g in ggufs if tag.lower() in g.name.lower()), None)
+
+    rows = []
+    hf, f32 = directory / "hf", find("f32")
+    if (hf / "config.json").is_file():
+        rows.append(("float32 (HF) vs F32 GGUF", str(hf), str(f32) if f32 else None))
+    for tag in ("Q8_0", "Q4_1"):
+        g = find(tag)
+        if g is not None:
+            rows.append((f"{tag} GGUF, both engines", str(g), str(g)))
+    if not rows:
+        raise SystemExit(f"--suite {directory}: no hf/ directory and no *F32*, *Q8_0* or *Q4_1* GGUF in it")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="shoal-engine bench latency", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a Hugging Face model directory or GGUF file (one row)")
+    ap.add_argument("--preset", default=None, help="a bench throughput random-weight preset instead of --model "
+                                                   "(Shoal only), e.g. smollm2-135m")
+    ap.add_argument("--llama-cpp-model", default=None, metavar="GGUF",
+                    help="the GGUF llama.cpp runs for the --model row (default: --model when it is a GGUF)")
+    ap.add_argument("--suite", default=None, metavar="DIR",
+                    help="the standard table from DIR (hf/, *F32*.gguf, *Q8_0*.gguf, *Q4_1*.gguf)")
+    ap.add_argument("--llama-cpp-bin", default=None, metavar="DIR", help="llama.cpp's bin/ (holding llama-bench)")
+    ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                    help="Shoal's dtype for an HF directory (default float32: the precision of an F32 GGUF)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median reported)")
+    ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: torch's, as Shoal's)")
+    ap.add_argument("--speculative-config", default=DEFAULT_SPEC, metavar="JSON")
+    ap.add_argument("--spec-batch", type=int, nargs="+", default=[1, 32], metavar="N")
+    ap.add_argument("--skip-speculative", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = ap.parse_args(argv)
+    if sum(x is not None for x in (args.model, args.preset, args.suite)) != 1:
+        ap.error("give exactly one of --model, --preset, --suite")
+
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    bench, why = llama_bench_path(args.llama_cpp_bin)
+    if args.suite:
+        rows = suite_rows(Path(args.suite))
+    else:
+        if args.preset:
+            from shoal.engine.tools.bench_throughput import bench_model_dir
+
+            model = str(bench_model_dir(args.preset))
+        else:
+            model = args.model
+        gguf = args.llama_cpp_model or (model if model.endswith(".gguf") else None)
+        rows = [(Path(model).name, model, gguf)]
+
+    load = open("/proc/loadavg").read().split()[0]
+    results = []
+    for label, model, gguf in rows:
+        with shoal_engine(model, args) as llm:
+            vocab = llm.llm_engine.vocab_size
+            shoal = measure_shoal(llm, [random_prompt(vocab, args.prompt_len, args.seed)], args.output_len,
+                                  args.repeat)
+        row = {"row": label, "shoal_model": model, "shoal": shoal, "llama_cpp_model": gguf}
+        if bench is None or gguf is None:
+            row["llama_cpp_skipped"] = why or "no GGUF for this row"
+        else:
+            row["llama_cpp"] = measure_llama_cpp(bench, gguf, args.prompt_len, args.output_len, threads,
+                                                 args.repeat)
+        results.append(row)
+
+    spec_rows = []
+    if not args.skip_speculative:
+        from shoal.engine.config import SpeculativeConfig, parse_speculative_config
+
+        spec = SpeculativeConfig(**parse_speculative_config(args.speculative_config))
+        model = rows[0][1]
+        for name, extra in (("off", {}), ("speculative", {"speculative_config": spec})):
+            with shoal_engine(model, args, **extra) as llm:
+                e = llm.llm_engine
+                for batch in args.spec_batch:
+                    prompts = repetitive_prompts(e.tokenizer, e.vocab_size, batch, args.prompt_len, args.seed)
+                    spec_rows.append({"run": name, "batch": batch,
+                                      **measure_shoal(llm, prompts, args.output_len, args.repeat)})
+
+    summary = {"threads": threads, "prompt_len": args.prompt_len, "output_len": args.output_len,
+               "repeat": args.repeat, "load_at_start": float(load),
+               "load_at_end": float(open("/proc/loadavg").read().split()[0]), "rows": results,
+               "speculative": spec_rows, "speculative_config": args.speculative_config}
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"batch-1 latency, {args.prompt_len}-token prompt, {args.output_len} output tokens, {threads} threads, "
+          f"median of {args.repeat} (llama.cpp: mean), load {load} -> {summary['load_at_end']}")
+    print(f"  {'row':<34}{'Shoal tok/s':>12}{'TTFT ms':>9}{'llama.cpp tok/s':>17}{'TTFT ms':>9}{'Shoal/llama':>13}")
+    for r in results:
+        s = r["shoal"]
+        line = f"  {r['row']:<34}{s['decode_tok_s']:>12.1f}{s['ttft_ms']:>9.1f}"
+        if "llama_cpp" in r:
+            c = r["llama_cpp"]
+            line += f"{c['decode_tok_s']:>17.1f}{c['ttft_ms']:>9.1f}{s['decode_tok_s'] / c['decode_tok_s']:>12.2f}x"
+        else:
+            line += f"   llama.cpp skipped: {r['llama_cpp_skipped']}"
+        print(line)
+    if spec_rows:
+        print(f"speculative decoding {args.speculative_config} on a repetitive task ({rows[0][0]}):")
+        for batch in args.spec_batch:
+            off, on = (next(r for r in spec_rows if r["run"] == n and r["batch"] == batch)
+                       for n in ("off", "speculative"))
+            key, unit = ("decode_tok_s", "decode tok/s") if batch == 1 else ("output_tok_s", "output tok/s")
+            rate = "" if on["acceptance"] is None else f", acceptance {on['acceptance']:.3f}"
+            print(f"  batch {batch:>3}: off {off[key]:8.1f} {unit}, speculative {on[key]:8.1f} "
+                  f"({on[key] / off[key]:.2f}x{rate})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
