@@ -194,8 +194,9 @@ class EngineConfig(BaseModel):
     enable_expert_parallel: Annotated[bool, Flag(
         ENGINE, "mixture-of-experts models: place whole experts on the ranks of each tensor-parallel group (experts / "
                 "tp per rank) instead of splitting every expert's width across them (layers/moe.py)")] = False
-    decode_capture: Literal["auto", "cuda-graph", "eager", "none"] = Field(
-        default="auto", description="decode capture backend; auto: cuda-graph on CUDA, none on CPU")
+    decode_capture: Literal["auto", "cuda-graph", "cpu-graph", "eager", "none"] = Field(
+        default="auto", description="decode capture backend; auto: cuda-graph on CUDA, cpu-graph on CPU "
+                                    "(execution/graph_capture.py)")
     max_queue_len: Annotated[int, Flag(ENGINE, "waiting requests beyond this are refused with 429")] = Field(
         default=1024, gt=0)
     scheduling_policy: Annotated[Literal["fcfs", "priority"], Flag(
