@@ -7,9 +7,9 @@ tokens/s is the remaining output tokens over the time from the first token to th
 measured at a context of prompt-len and beyond. The median of --repeat runs is reported (after one warm-up run).
 
 llama.cpp runs `llama-bench` from --llama-cpp-bin (a build directory's bin/) with the same thread count: `-p P`
-gives the prompt-processing rate (its TTFT is P divided by it) and `-n N` the generation rate, at a context depth
-of P (`-d`) where this llama-bench has that option (it reports the mean of -r runs). Without --llama-cpp-bin (or
-without a GGUF for it to run) that column is skipped, saying so.
+on an empty context gives the prompt-processing rate (its TTFT is P divided by it) and `-n N` the generation rate
+at a context depth of P (`-d`, where this llama-bench has that option); the median of its --repeat runs is
+reported. Without --llama-cpp-bin (or without a GGUF for it to run) that column is skipped, saying so.
 
 Rows:
   --model DIR_OR_GGUF [--llama-cpp-model GGUF]   one row: Shoal on --model (an HF directory in --dtype, or a GGUF
@@ -141,19 +141,21 @@ def llama_bench_path(bin_dir: str | None) -> tuple[Path | None, str]:
 
 def measure_llama_cpp(bench: Path, gguf: str, prompt_len: int, output_len: int, threads: int,
                       repeat: int) -> dict:
-    """llama-bench's prompt-processing and generation rates (mean of `repeat` runs) for one GGUF file."""
+    """llama-bench's prompt-processing rate on an empty context and generation rate at a context of prompt_len
+    (median of `repeat` runs each) for one GGUF file."""
     help_text = subprocess.run([str(bench), "--help"], capture_output=True, text=True).stdout
-    depth = ["-d", str(prompt_len)] if "-d, --n-depth" in help_text else []
+    at_depth = "--n-depth" in help_text
     cmd = [str(bench), "-m", gguf, "-p", str(prompt_len), "-n", str(output_len), "-t", str(threads),
-           "-r", str(repeat), "-o", "json", *depth]
+           "-r", str(repeat), "-o", "json", *(["-d", f"0,{prompt_len}"] if at_depth else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
     rows = json.loads(proc.stdout)
-    pp = next(r for r in rows if r["n_prompt"] == prompt_len and r["n_gen"] == 0)
-    tg = next(r for r in rows if r["n_gen"] == output_len and r["n_prompt"] == 0)
-    return {"ttft_ms": 1e3 * prompt_len / pp["avg_ts"], "decode_tok_s": tg["avg_ts"],
-            "decode_at_depth": bool(depth)}
+    pp = next(r for r in rows if r["n_prompt"] == prompt_len and r["n_gen"] == 0 and not r.get("n_depth"))
+    tg = next(r for r in rows if r["n_gen"] == output_len and r["n_prompt"] == 0
+              and r.get("n_depth", 0) == (prompt_len if at_depth else 0))
+    rate = lambda r: statistics.median(r.get("samples_ts") or [r["avg_ts"]])  # noqa: E731
+    return {"ttft_ms": 1e3 * prompt_len / rate(pp), "decode_tok_s": rate(tg), "decode_at_depth": at_depth}
 
 
 # --------------------------------------------------------------------------------------------------- driver
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary))
         return 0
     print(f"batch-1 latency, {args.prompt_len}-token prompt, {args.output_len} output tokens, {threads} threads, "
-          f"median of {args.repeat} (llama.cpp: mean), load {load} -> {summary['load_at_end']}")
+          f"median of {args.repeat}, load {load} -> {summary['load_at_end']}")
     print(f"  {'row':<34}{'Shoal tok/s':>12}{'TTFT ms':>9}{'llama.cpp tok/s':>17}{'TTFT ms':>9}{'Shoal/llama':>13}")
     for r in results:
         s = r["shoal"]

@@ -245,7 +245,9 @@ inline void rows_pass(const A* xa, int64_t K, const T* w, const T* bias, T* y, i
 template <typename T, typename A>
 void blocks(const A* xa, const T* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
   const int64_t nblocks = (N + kBlockRows - 1) / kBlockRows;
-#pragma omp parallel for schedule(static) if (N * K >= kParallelMin && omp_get_max_threads() > 1)
+  // Dynamic: a thread that starts late (woken from a passive wait, or descheduled on a shared machine) takes
+  // fewer blocks instead of holding up the others at the region's end.
+#pragma omp parallel for schedule(dynamic, 1) if (N * K >= kParallelMin && omp_get_max_threads() > 1)
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t n0 = b * kBlockRows, rows = std::min(kBlockRows, N - n0);
     int64_t m0 = 0;
