@@ -71,6 +71,7 @@ class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, engine_config, target_hf_config, target_tokenizer, dtype,
                  device, max_model_len: int, max_num_batched_tokens: int):
         from shoal.engine.core.tokenizer import load_tokenizer
+        from shoal.engine.execution.graph_capture import decode_capture_backend
         from shoal.engine.execution.model_loader import load_hf_config, resolve_model_dir
         from shoal.engine.execution.runner import ModelRunner
 
@@ -86,6 +87,8 @@ class DraftModelProposer:
         self.vocab_size = target_hf_config.vocab_size
         self.runner = ModelRunner(self.model_dir, hf_config, dtype, device, engine_config.attention_backend,
                                   max_model_len, block_size=engine_config.block_size)
+        # Its rounds after the first are pure decode steps: captured like the target's (graph_capture.py).
+        self.runner.enable_decode_capture(decode_capture_backend(engine_config, device), engine_config.max_num_seqs)
         self.block_size = engine_config.block_size
 
     def bytes_per_block(self, block_size: int) -> int:
