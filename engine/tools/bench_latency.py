@@ -4,7 +4,8 @@ llama.cpp side by side on the same model, and speculative decoding on a repetiti
 Shoal runs offline (its LLMEngine stepped directly, no HTTP): one request of --prompt-len random prompt tokens and
 --output-len greedy output tokens (EOS ignored). TTFT is the first step (prefill and the first token); decode
 tokens/s is the remaining output tokens over the time from the first token to the last, so the decode rate is
-measured at a context of prompt-len and beyond. The median of --repeat runs is reported (after one warm-up run).
+measured at a context of prompt-len and beyond. The median of --repeat runs is reported (after one warm-up run);
+runs of the engines compared in a row alternate, so a busy machine slows both alike.
 
 llama.cpp runs `llama-bench` from --llama-cpp-bin (a build directory's bin/) with the same thread count: `-p P`
 on an empty context gives the prompt-processing rate (its TTFT is P divided by it) and `-n N` the generation rate
@@ -81,7 +82,12 @@ def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
 def shoal_engine(model: str, args, **extra):
     from shoal.engine.llm import LLM
 
-    options = dict(max_model_len=args.max_model_len, max_num_seqs=max([32] + args.spec_batch))
+    from shoal.engine.core.engine import _model_max_len
+    from shoal.engine.execution.model_loader import load_hf_config
+
+    limit = _model_max_len(load_hf_config(Path(model)))
+    options = dict(max_model_len=args.max_model_len or min(1024, limit or 1024),
+                   max_num_seqs=max([32] + args.spec_batch))
     if not model.endswith(".gguf"):
         options["dtype"] = args.dtype
     return LLM(model=model, **options, **extra)
@@ -107,23 +113,30 @@ def _one_run(engine, prompts: list[list[int]], output_len: int, tag: str) -> tup
     return first - t0, time.perf_counter() - first, tokens
 
 
-def measure_shoal(llm, prompts: list[list[int]], output_len: int, repeat: int) -> dict:
-    """Median TTFT and decode rate over `repeat` runs (after a warm-up), with the speculative counters."""
-    engine = llm.llm_engine
-    _one_run(engine, [p[:16] for p in prompts], 4, "warm-up")
-    ttfts, rates, totals = [], [], []
-    stats0 = engine.get_stats()
-    for r in range(repeat):
-        ttft, rest, tokens = _one_run(engine, prompts, output_len, f"run{r}")
-        ttfts.append(ttft)
-        rates.append((tokens - len(prompts)) / len(prompts) / rest)  # per request, after its first token
-        totals.append(tokens / (ttft + rest))
-    stats = engine.get_stats()
-    drafted = stats.spec_decode_num_draft_tokens_total - stats0.spec_decode_num_draft_tokens_total
-    accepted = stats.spec_decode_num_accepted_tokens_total - stats0.spec_decode_num_accepted_tokens_total
-    return {"ttft_ms": 1e3 * statistics.median(ttfts), "decode_tok_s": statistics.median(rates),
-            "output_tok_s": statistics.median(totals),
-            "acceptance": accepted / drafted if drafted else None}
+class ShoalRuns:
+    """Timed runs of one engine on one set of prompts (after a warm-up that also captures the decode graph), kept
+    so that runs of several engines can be interleaved; summary() gives medians and the speculative counters."""
+
+    def __init__(self, llm, prompts: list[list[int]], output_len: int):
+        self.engine, self.prompts, self.output_len = llm.llm_engine, prompts, output_len
+        _one_run(self.engine, [p[:16] for p in prompts], 4, "warm-up")
+        self.ttfts, self.rates, self.totals = [], [], []
+        self.stats0 = self.engine.get_stats()
+
+    def run(self) -> None:
+        ttft, rest, tokens = _one_run(self.engine, self.prompts, self.output_len, f"run{len(self.ttfts)}")
+        self.ttfts.append(ttft)
+        self.rates.append((tokens - len(self.prompts)) / len(self.prompts) / rest)  # per request, after its first
+        self.totals.append(tokens / (ttft + rest))
+
+    def summary(self) -> dict:
+        stats, stats0 = self.engine.get_stats(), self.stats0
+        drafted = stats.spec_decode_num_draft_tokens_total - stats0.spec_decode_num_draft_tokens_total
+        accepted = stats.spec_decode_num_accepted_tokens_total - stats0.spec_decode_num_accepted_tokens_total
+        return {"ttft_ms": 1e3 * statistics.median(self.ttfts), "decode_tok_s": statistics.median(self.rates),
+                "output_tok_s": statistics.median(self.totals), "acceptance": accepted / drafted if drafted else None,
+                "decode_tok_s_runs": [round(r, 2) for r in self.rates],
+                "output_tok_s_runs": [round(r, 2) for r in self.totals]}
 
 
 # ------------------------------------------------------------------------------------------------- llama.cpp
@@ -139,23 +152,33 @@ def llama_bench_path(bin_dir: str | None) -> tuple[Path | None, str]:
     return path, ""
 
 
-def measure_llama_cpp(bench: Path, gguf: str, prompt_len: int, output_len: int, threads: int,
-                      repeat: int) -> dict:
-    """llama-bench's prompt-processing rate on an empty context and generation rate at a context of prompt_len
-    (median of `repeat` runs each) for one GGUF file."""
-    help_text = subprocess.run([str(bench), "--help"], capture_output=True, text=True).stdout
-    at_depth = "--n-depth" in help_text
-    cmd = [str(bench), "-m", gguf, "-p", str(prompt_len), "-n", str(output_len), "-t", str(threads),
-           "-r", str(repeat), "-o", "json", *(["-d", f"0,{prompt_len}"] if at_depth else [])]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
-    rows = json.loads(proc.stdout)
-    pp = next(r for r in rows if r["n_prompt"] == prompt_len and r["n_gen"] == 0 and not r.get("n_depth"))
-    tg = next(r for r in rows if r["n_gen"] == output_len and r["n_prompt"] == 0
-              and r.get("n_depth", 0) == (prompt_len if at_depth else 0))
-    rate = lambda r: statistics.median(r.get("samples_ts") or [r["avg_ts"]])  # noqa: E731
-    return {"ttft_ms": 1e3 * prompt_len / rate(pp), "decode_tok_s": rate(tg), "decode_at_depth": at_depth}
+class LlamaCppRuns:
+    """llama-bench, one repetition per run() (interleaved with Shoal's runs): the prompt-processing rate on an empty
+    context and the generation rate at a context of prompt_len; summary() gives medians."""
+
+    def __init__(self, bench: Path, gguf: str, prompt_len: int, output_len: int, threads: int):
+        help_text = subprocess.run([str(bench), "--help"], capture_output=True, text=True).stdout
+        self.at_depth = "--n-depth" in help_text
+        self.prompt_len, self.output_len = prompt_len, output_len
+        self.cmd = [str(bench), "-m", gguf, "-p", str(prompt_len), "-n", str(output_len), "-t", str(threads),
+                    "-r", "1", "-o", "json", *(["-d", f"0,{prompt_len}"] if self.at_depth else [])]
+        self.pp, self.tg = [], []
+
+    def run(self) -> None:
+        proc = subprocess.run(self.cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(self.cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+        rows = json.loads(proc.stdout)
+        depth = self.prompt_len if self.at_depth else 0
+        self.pp.append(next(r["avg_ts"] for r in rows
+                            if r["n_prompt"] == self.prompt_len and r["n_gen"] == 0 and not r.get("n_depth")))
+        self.tg.append(next(r["avg_ts"] for r in rows
+                            if r["n_gen"] == self.output_len and r["n_prompt"] == 0 and r.get("n_depth", 0) == depth))
+
+    def summary(self) -> dict:
+        return {"ttft_ms": 1e3 * self.prompt_len / statistics.median(self.pp),
+                "decode_tok_s": statistics.median(self.tg), "decode_tok_s_runs": [round(r, 2) for r in self.tg],
+                "decode_at_depth": self.at_depth}
 
 
 # --------------------------------------------------------------------------------------------------- driver
@@ -196,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="Shoal's dtype for an HF directory (default float32: the precision of an F32 GGUF)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: 1024, or the model's own limit when that is smaller")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (median reported)")
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: torch's, as Shoal's)")
     ap.add_argument("--speculative-config", default=DEFAULT_SPEC, metavar="JSON")
@@ -227,16 +251,22 @@ def main(argv: list[str] | None = None) -> int:
     load = open("/proc/loadavg").read().split()[0]
     results = []
     for label, model, gguf in rows:
+        row = {"row": label, "shoal_model": model, "llama_cpp_model": gguf}
         with shoal_engine(model, args) as llm:
-            vocab = llm.llm_engine.vocab_size
-            shoal = measure_shoal(llm, [random_prompt(vocab, args.prompt_len, args.seed)], args.output_len,
-                                  args.repeat)
-        row = {"row": label, "shoal_model": model, "shoal": shoal, "llama_cpp_model": gguf}
-        if bench is None or gguf is None:
-            row["llama_cpp_skipped"] = why or "no GGUF for this row"
-        else:
-            row["llama_cpp"] = measure_llama_cpp(bench, gguf, args.prompt_len, args.output_len, threads,
-                                                 args.repeat)
+            shoal = ShoalRuns(llm, [random_prompt(llm.llm_engine.vocab_size, args.prompt_len, args.seed)],
+                              args.output_len)
+            peer = None
+            if bench is None or gguf is None:
+                row["llama_cpp_skipped"] = why or "no GGUF for this row"
+            else:
+                peer = LlamaCppRuns(bench, gguf, args.prompt_len, args.output_len, threads)
+            for _ in range(args.repeat):  # interleaved: both see the same machine, round by round
+                shoal.run()
+                if peer is not None:
+                    peer.run()
+            row["shoal"] = shoal.summary()
+            if peer is not None:
+                row["llama_cpp"] = peer.summary()
         results.append(row)
 
     spec_rows = []
@@ -245,23 +275,29 @@ def main(argv: list[str] | None = None) -> int:
 
         spec = SpeculativeConfig(**parse_speculative_config(args.speculative_config))
         model = rows[0][1]
-        for name, extra in (("off", {}), ("speculative", {"speculative_config": spec})):
-            with shoal_engine(model, args, **extra) as llm:
-                e = llm.llm_engine
-                for batch in args.spec_batch:
-                    prompts = repetitive_prompts(e.tokenizer, e.vocab_size, batch, args.prompt_len, args.seed)
-                    spec_rows.append({"run": name, "batch": batch,
-                                      **measure_shoal(llm, prompts, args.output_len, args.repeat)})
+        with shoal_engine(model, args) as off, shoal_engine(model, args, speculative_config=spec) as on:
+            e = off.llm_engine
+            for batch in args.spec_batch:
+                prompts = repetitive_prompts(e.tokenizer, e.vocab_size, batch, args.prompt_len, args.seed)
+                runs = {"off": ShoalRuns(off, prompts, args.output_len),
+                        "speculative": ShoalRuns(on, prompts, args.output_len)}
+                for _ in range(args.repeat):  # interleaved
+                    for r in runs.values():
+                        r.run()
+                spec_rows += [{"run": name, "batch": batch, **r.summary()} for name, r in runs.items()]
 
-    summary = {"threads": threads, "prompt_len": args.prompt_len, "output_len": args.output_len,
-               "repeat": args.repeat, "load_at_start": float(load),
+    from shoal.engine.execution.cpu_features import thread_policy
+
+    summary = {"threads": threads, "openmp_wait": thread_policy(), "prompt_len": args.prompt_len,
+               "output_len": args.output_len, "repeat": args.repeat, "load_at_start": float(load),
                "load_at_end": float(open("/proc/loadavg").read().split()[0]), "rows": results,
                "speculative": spec_rows, "speculative_config": args.speculative_config}
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"batch-1 latency, {args.prompt_len}-token prompt, {args.output_len} output tokens, {threads} threads, "
-          f"median of {args.repeat}, load {load} -> {summary['load_at_end']}")
+    print(f"batch-1 latency, {args.prompt_len}-token prompt, {args.output_len} output tokens, {threads} threads "
+          f"(OpenMP wait: {summary['openmp_wait']}), median of {args.repeat} interleaved runs, load {load} -> "
+          f"{summary['load_at_end']}")
     print(f"  {'row':<34}{'Shoal tok/s':>12}{'TTFT ms':>9}{'llama.cpp tok/s':>17}{'TTFT ms':>9}{'Shoal/llama':>13}")
     for r in results:
         s = r["shoal"]
