@@ -19,9 +19,9 @@ Rows:
                                                   weights), and GGUF files named *F32*, *Q8_0*, *Q4_1*: float32 vs
                                                   the F32 GGUF, then each GGUF in both engines.
 Speculative decoding rows follow (skip them with --skip-speculative): Shoal with and without --speculative-config
-(default n-gram, 4 tokens) on a repetitive task — an instruct model asked to repeat a code snippet with one name
-changed (with a chat template), or, for a model without one, prompts that quote a passage twice and begin it a
-third time — at each batch size of --spec-batch (default 1 and 32): decode tokens/s per request at batch 1,
+(default n-gram, 4 tokens) on a repetitive task — an instruct model (one with a chat template) asked to add a
+docstring to a short function and reply with the whole function, up to its EOS; for a model without a chat
+template, prompts that quote a passage twice and begin it a third time — at each batch size of --spec-batch (default 1 and 32): decode tokens/s per request at batch 1,
 output tokens/s of the whole batch above, and the acceptance rate.
 """
 
@@ -37,18 +37,22 @@ from pathlib import Path
 
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
-# The repetitive task for an instruct model: copy a snippet with one change (code editing), the case n-gram
-# proposals are for. Several snippets, so the requests of a batch differ.
+# The repetitive task for an instruct model: return a function with a small addition (code editing), the case n-gram
+# proposals are for. Procedural code, which a small model copies faithfully; several snippets, so that the
+# requests of a batch differ.
 _SNIPPETS = [
-    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal += item.price * "
-    "item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n",
-    "def count_words(text):\n    counts = {}\n    for word in text.lower().split():\n        word = word.strip('.,!?')"
-    "\n        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
     "def merge_sorted(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
     "        if left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n        else:\n"
     "            result.append(right[j])\n            j += 1\n    return result + left[i:] + right[j:]\n",
+    "def binary_search(values, target):\n    low = 0\n    high = len(values) - 1\n    while low <= high:\n"
+    "        middle = (low + high) // 2\n        if values[middle] == target:\n            return middle\n"
+    "        if values[middle] < target:\n            low = middle + 1\n        else:\n"
+    "            high = middle - 1\n    return -1\n",
+    "def moving_average(values, window):\n    averages = []\n    total = 0\n    for i in range(len(values)):\n"
+    "        total += values[i]\n        if i >= window:\n            total -= values[i - window]\n"
+    "        if i >= window - 1:\n            averages.append(total / window)\n    return averages\n",
 ]
-_RENAMES = [("items", "products"), ("counts", "frequencies"), ("result", "merged")]
+_ASK = "Add a docstring to this Python function. Reply with the whole function.\n\n"
 
 
 def repetitive_prompts(tokenizer, vocab_size: int, n: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -57,8 +61,7 @@ def repetitive_prompts(tokenizer, vocab_size: int, n: int, prompt_len: int, seed
     if template:
         prompts = []
         for i in range(n):
-            code, (old, new) = _SNIPPETS[i % len(_SNIPPETS)], _RENAMES[i % len(_RENAMES)]
-            ask = f"Rewrite this Python function, renaming `{old}` to `{new}`. Reply with the code only.\n\n{code}"
+            ask = _ASK + _SNIPPETS[i % len(_SNIPPETS)]
             text = tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True,
                                                  tokenize=False)
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
@@ -93,12 +96,13 @@ def shoal_engine(model: str, args, **extra):
     return LLM(model=model, **options, **extra)
 
 
-def _one_run(engine, prompts: list[list[int]], output_len: int, tag: str) -> tuple[float, float, int]:
+def _one_run(engine, prompts: list[list[int]], output_len: int, tag: str, ignore_eos: bool = True
+             ) -> tuple[float, float, int]:
     """(seconds to the first token, seconds from the first token to the last, output tokens) of the prompts
     run together, greedy."""
     from shoal.engine.contracts import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=ignore_eos)
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
     t0 = time.perf_counter()
@@ -117,14 +121,16 @@ class ShoalRuns:
     """Timed runs of one engine on one set of prompts (after a warm-up that also captures the decode graph), kept
     so that runs of several engines can be interleaved; summary() gives medians and the speculative counters."""
 
-    def __init__(self, llm, prompts: list[list[int]], output_len: int):
+    def __init__(self, llm, prompts: list[list[int]], output_len: int, ignore_eos: bool = True):
         self.engine, self.prompts, self.output_len = llm.llm_engine, prompts, output_len
+        self.ignore_eos = ignore_eos
         _one_run(self.engine, [p[:16] for p in prompts], 4, "warm-up")
         self.ttfts, self.rates, self.totals = [], [], []
         self.stats0 = self.engine.get_stats()
 
     def run(self) -> None:
-        ttft, rest, tokens = _one_run(self.engine, self.prompts, self.output_len, f"run{len(self.ttfts)}")
+        ttft, rest, tokens = _one_run(self.engine, self.prompts, self.output_len, f"run{len(self.ttfts)}",
+                                      self.ignore_eos)
         self.ttfts.append(ttft)
         self.rates.append((tokens - len(self.prompts)) / len(self.prompts) / rest)  # per request, after its first
         self.totals.append(tokens / (ttft + rest))
@@ -279,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
             e = off.llm_engine
             for batch in args.spec_batch:
                 prompts = repetitive_prompts(e.tokenizer, e.vocab_size, batch, args.prompt_len, args.seed)
-                runs = {"off": ShoalRuns(off, prompts, args.output_len),
-                        "speculative": ShoalRuns(on, prompts, args.output_len)}
+                # An instruct model's answer ends at its EOS (what follows is not the task); greedy, so both runs
+                # produce the same tokens.
+                stop = not getattr(e.tokenizer, "chat_template", None)
+                runs = {"off": ShoalRuns(off, prompts, args.output_len, ignore_eos=stop),
+                        "speculative": ShoalRuns(on, prompts, args.output_len, ignore_eos=stop)}
                 for _ in range(args.repeat):  # interleaved
                     for r in runs.values():
                         r.run()
