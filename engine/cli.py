@@ -1,5 +1,5 @@
 """`shoal-engine`: serve | demo | download | sync-adapters | bench serve | bench fleet | bench gateway |
-bench throughput.
+bench throughput | bench latency.
 
 Flags follow vLLM's names so habits and manifests carry over. Engine options are defined once, as fields of
 EngineConfig / DistributedConfig (shoal.engine.config) marked with a Flag: their flags, defaults, choices and help
@@ -233,6 +233,12 @@ def cmd_bench_throughput(args: argparse.Namespace, parser: argparse.ArgumentPars
     return bench_throughput.main(list(args.rest)) or 0
 
 
+def _bench_latency(argv: list[str]) -> int:
+    from shoal.engine.tools import bench_latency
+
+    return int(bench_latency.main(argv) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shoal-engine",
@@ -281,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     sync.set_defaults(func=lambda args, parser: adapter_sync.run(args), parser=sync)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), fleet (gateway routing), "
-                           "gateway (shared gateway at scale, fairness), throughput (offline)")
+                           "gateway (shared gateway at scale, fairness), throughput (offline), "
+                           "latency (batch 1 vs llama.cpp)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     bs = bsub.add_parser("serve", help="load-test a running server (like `vllm bench serve`)")
     from shoal.engine.tools.bench_serve import add_bench_serve_args
@@ -305,12 +312,18 @@ def build_parser() -> argparse.ArgumentParser:
                          add_help=False)
     bt.add_argument("rest", nargs=argparse.REMAINDER)
     bt.set_defaults(func=cmd_bench_throughput, parser=bt)
+    bl = bsub.add_parser("latency", help="batch-1 decode and TTFT vs llama.cpp, speculative decoding "
+                         "(shoal.engine.tools.bench_latency)", add_help=False)
+    bl.add_argument("rest", nargs=argparse.REMAINDER)
+    bl.set_defaults(func=lambda args, parser: _bench_latency(list(args.rest)), parser=bl)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from shoal.engine.execution.cpu_features import CpuIsaError, cpu_features
+    from shoal.engine.execution.cpu_features import CpuIsaError, apply_thread_defaults, cpu_features
+
+    apply_thread_defaults()  # before torch loads OpenMP: passive waits unless the environment says otherwise
 
     try:
         cpu_features()  # first, before torch runs a kernel: a SHOAL_CPU_ISA cap must reach torch and oneDNN too
@@ -321,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shoal.engine.tools import bench_throughput
 
         return int(bench_throughput.main(argv[2:]) or 0)
+    if argv[:2] == ["bench", "latency"]:  # likewise
+        return _bench_latency(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -78,11 +78,15 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram"] = Field(description="ngram: prompt lookup, the tokens that followed the latest earlier "
-                                                 "occurrence of the sequence's last n tokens")
+    method: Literal["ngram", "draft_model"] = Field(
+        description="ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the sequence's "
+                    "last n tokens; draft_model: a smaller model with the same tokenizer proposes them (implied by "
+                    "`model`)")
+    model: str | None = Field(default=None, description="the draft model (draft_model): a local Hugging Face "
+                                                        "directory, a hub id in the local cache, or a .gguf file")
     num_speculative_tokens: int = Field(gt=0, le=64, description="tokens proposed per step")
-    prompt_lookup_max: int = Field(default=4, gt=0, description="longest n-gram matched")
-    prompt_lookup_min: int = Field(default=1, gt=0, description="shortest n-gram matched")
+    prompt_lookup_max: int = Field(default=4, gt=0, description="longest n-gram matched (ngram)")
+    prompt_lookup_min: int = Field(default=1, gt=0, description="shortest n-gram matched (ngram)")
     # Off for a step when more sequences than this are running: verifying K+1 positions per sequence then costs
     # more than the accepted tokens save. Measured on the 2-core AVX2 development machine (float32, the `bench`
     # preset, 128-token contexts, K=4 forced proposals; median step times, machine under load): a verification
@@ -96,9 +100,16 @@ class SpeculativeConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _check_method(cls, data):
-        if isinstance(data, dict) and data.get("method") not in (None, "ngram"):
-            raise ValueError(f"speculative method {data.get('method')!r} is not supported; this engine implements "
-                             "'ngram' (prompt lookup)")
+        if not isinstance(data, dict):
+            return data
+        method = data.get("method")
+        if method is None:  # vLLM: a draft model implies its method; anything else must be named
+            if data.get("model") is None:
+                raise ValueError('speculative decoding needs a "method" ("ngram") or a draft "model"')
+            data = dict(data, method="draft_model")
+        elif method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative method {method!r} is not supported; this engine implements 'ngram' "
+                             "(prompt lookup) and 'draft_model' (a smaller model with the same tokenizer)")
         return data
 
     @model_validator(mode="after")
@@ -106,6 +117,10 @@ class SpeculativeConfig(BaseModel):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method "draft_model" needs the draft "model"')
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative method "ngram" takes no "model" (a draft model implies "draft_model")')
         return self
 
 
@@ -179,8 +194,9 @@ class EngineConfig(BaseModel):
     enable_expert_parallel: Annotated[bool, Flag(
         ENGINE, "mixture-of-experts models: place whole experts on the ranks of each tensor-parallel group (experts / "
                 "tp per rank) instead of splitting every expert's width across them (layers/moe.py)")] = False
-    decode_capture: Literal["auto", "cuda-graph", "eager", "none"] = Field(
-        default="auto", description="decode capture backend; auto: cuda-graph on CUDA, none on CPU")
+    decode_capture: Literal["auto", "cuda-graph", "cpu-graph", "eager", "none"] = Field(
+        default="auto", description="decode capture backend; auto: cuda-graph on CUDA, cpu-graph on CPU "
+                                    "(execution/graph_capture.py)")
     max_queue_len: Annotated[int, Flag(ENGINE, "waiting requests beyond this are refused with 429")] = Field(
         default=1024, gt=0)
     scheduling_policy: Annotated[Literal["fcfs", "priority"], Flag(
@@ -189,7 +205,8 @@ class EngineConfig(BaseModel):
     speculative_config: Annotated[SpeculativeConfig | None, Flag(
         ENGINE, 'speculative decoding as a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                 '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; "disable_by_batch_size" (default 8) switches it off '
-                'for steps with more decoding sequences', type=parse_speculative_config, metavar="JSON")] = None
+                'for steps with more decoding sequences; or a draft model with the same tokenizer: '
+                '{"model": DIR, "num_speculative_tokens": 4}', type=parse_speculative_config, metavar="JSON")] = None
     enable_lora: Annotated[bool, Flag(
         LORA, "serve LoRA adapters (PEFT directories) of the base model; one batch mixes adapters and the base "
               "model; clients name an adapter as `model`")] = False

@@ -123,7 +123,13 @@ class LLMEngine:
         # that starts the local worker ranks and broadcasts every step's plan to them.
         self.executor: Executor = make_executor(config, self.model_dir, self.hf_config, self.dtype, self.device,
                                                 self.max_model_len, Sampler(self.vocab_size, self.eos_token_ids))
+        self.spec = config.speculative_config
+        self.proposer = None
         try:
+            if self.spec is not None:
+                from shoal.engine.core.speculative import make_proposer
+
+                self.proposer = make_proposer(self.spec, self)
             num_blocks = self._num_kv_blocks()
             capacity = num_blocks * config.block_size
             if capacity < self.max_model_len:
@@ -133,6 +139,8 @@ class LLMEngine:
                     f"--num-kv-blocks or lower --max-model-len"
                 )
             self.executor.allocate_kv_cache(num_blocks, config.block_size)
+            if getattr(self.proposer, "fills_after_schedule", False):  # a draft model: its cache, same blocks
+                self.proposer.allocate_kv_cache(num_blocks, config.block_size)
         except BaseException:
             self.executor.shutdown()  # a failed start must not leave worker ranks behind
             raise
@@ -158,12 +166,6 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.spec = config.speculative_config
-        self.proposer = None
-        if self.spec is not None:
-            from shoal.engine.core.speculative import NgramProposer
-
-            self.proposer = NgramProposer(self.spec)
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -224,6 +226,8 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         c = self.config
         per_block = self.executor.bytes_per_block(c.block_size)
+        if getattr(self.proposer, "fills_after_schedule", False):  # a draft model's cache has the same blocks
+            per_block += self.proposer.bytes_per_block(c.block_size)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if self.device.type == "cuda" and c.kv_cache_memory is None:
@@ -324,6 +328,8 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.seq.request.metrics.first_scheduled_time is None:
                 s.seq.request.metrics.first_scheduled_time = now
+        if self.proposer is not None and self.proposer.fills_after_schedule:
+            self.proposer.fill(sched.scheduled)
         rows, sampling, scoring = self._sampling_rows(sched.scheduled)
         inputs = build_step_inputs(sched.scheduled, self.config.block_size)
         if self.lora is not None:
@@ -378,14 +384,18 @@ class LLMEngine:
                     constrained.append((len(rows), seq))
                 sampling.append((len(rows), seq, s.num_draft))
                 output = seq.output_token_ids
+                q = seq.spec_probs  # a draft model's distributions (empty for n-gram proposals)
                 rows.append(SamplingRow(seq.params, seq.request.prompt_token_ids, output, seq.generator,
-                                        draft=seq.spec_token_ids[0] if s.num_draft else None))
+                                        draft=seq.spec_token_ids[0] if s.num_draft else None,
+                                        draft_probs=q[0] if s.num_draft and q else None))
                 # One row per proposal: the model's next token after it, as if the proposals before it had been
                 # generated (penalties and min_tokens see them).
                 for j in range(1, s.num_draft + 1):
+                    more = j < s.num_draft
                     rows.append(SamplingRow(seq.params, seq.request.prompt_token_ids,
                                             output + seq.spec_token_ids[:j], seq.generator,
-                                            draft=seq.spec_token_ids[j] if j < s.num_draft else None))
+                                            draft=seq.spec_token_ids[j] if more else None,
+                                            draft_probs=q[j] if more and q else None))
         if constrained:
             bitmask = torch.zeros(len(constrained), self._bitmask_words, dtype=torch.int32)
             for j, (i, seq) in enumerate(constrained):
@@ -407,7 +417,7 @@ class LLMEngine:
         running = self.scheduler.running
         speculate = len(running) <= self.spec.disable_by_batch_size
         for seq in running:
-            seq.spec_token_ids = []
+            seq.spec_token_ids, seq.spec_probs = [], []
             if not speculate or seq.grammar is not None or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             # Room for the proposals and the model's own token after them, within max_tokens and the context.
@@ -434,7 +444,7 @@ class LLMEngine:
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_draft
         self.spec_num_accepted_tokens += accepted
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.spec_probs = [], []
         if not seq.is_finished:
             self.scheduler.accept_draft(seq, accepted)
         return j + 1

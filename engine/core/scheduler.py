@@ -101,6 +101,7 @@ class Scheduler:
         seq.block_hashes = []
         seq.num_freed_blocks = 0
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0  # a draft model's keys/values went with the blocks
 
     def _free_slid_out_blocks(self, seq: Sequence) -> None:
         """Give back the leading blocks no future query of `seq` can see (every key before c - W + 1, where c is

@@ -47,6 +47,10 @@ class Sequence:
     # Speculative decoding: tokens proposed to follow token_ids this step (engine/core/speculative.py); the
     # scheduler decides how many of them are verified (ScheduledSeq.num_draft).
     spec_token_ids: list[int] = field(default_factory=list)
+    # A draft model's proposals: the distribution each was drawn from (None: greedy, a point mass), and how many
+    # leading positions hold valid draft keys/values (DraftModelProposer).
+    spec_probs: list = field(default_factory=list)
+    num_draft_computed: int = 0
 
     @property
     def prompt_scored_upto(self) -> int | None:

@@ -93,11 +93,14 @@ class SamplingRow:
     # the top-`params.prompt_logprobs` alternatives are computed.
     target: int | None = None
     # Speculative decoding: the token proposed for this position. The row's token is then the model's verdict on
-    # it: greedy rows take the argmax as always (equal to the draft when the model agrees); sampled rows keep the
-    # draft with probability p(draft) and otherwise draw from p with the draft removed (rejection sampling against
-    # a proposal that is a point mass), so the token is distributed exactly as p. The draft survives iff the
-    # row's token equals it.
+    # it: greedy rows take the argmax as always (equal to the draft when the model agrees); sampled rows run
+    # rejection sampling, so the token is distributed exactly as the target's p whatever proposed it: the draft is
+    # kept with probability min(1, p(draft) / q(draft)), else the token is drawn from max(0, p - q) renormalised,
+    # where q is the distribution the draft was drawn from: `draft_probs` ([vocab] float32, a draft model's), or,
+    # when None, a point mass on the draft (n-gram proposals: kept with probability p(draft), else drawn from p
+    # without it). The draft survives iff the row's token equals it.
     draft: int | None = None
+    draft_probs: torch.Tensor | None = None
 
     def for_remote(self) -> "SamplingRow":
         """A picklable copy for a sampler in another process (the last pipeline stage): the seeded draw is made
@@ -115,6 +118,7 @@ class SamplingRow:
             prompt_token_ids=list(self.prompt_token_ids) if p.repetition_penalty != 1.0 else [],
             output_token_ids=list(self.output_token_ids) if (p.uses_penalties or p.min_tokens) else [],
             uniform=uniform, token_bitmask=self.token_bitmask, target=self.target, draft=self.draft,
+            draft_probs=self.draft_probs,
         )
 
 
@@ -313,21 +317,32 @@ class Sampler:
             x.index_put_((r, t), v, accumulate=True)
 
     @classmethod
-    def _draw(cls, probs: torch.Tensor, u: torch.Tensor, draft_col: torch.Tensor | None) -> torch.Tensor:
+    def _draw(cls, probs: torch.Tensor, u: torch.Tensor, draft_col: torch.Tensor | None,
+              draft_q: torch.Tensor | None = None) -> torch.Tensor:
         """Column drawn per row from unnormalised weights; where draft_col >= 0, the proposed column is verified
-        first: kept when u < p(draft), else a draw from the weights without it, using the same uniform rescaled
-        to [0, 1) (given u >= p, (u - p) / (1 - p) is uniform again). Altogether: inverse CDF with the draft
-        first, so the result is distributed exactly as the weights and equals the draft with probability p."""
+        first (rejection sampling): kept when u < a = min(1, p(draft) / q(draft)), else a draw from the residual
+        max(0, p - q), using the same uniform rescaled to [0, 1) (given u >= a, (u - a) / (1 - a) is uniform
+        again). q is draft_q (per row, over the same columns; rows without a proposal ignore it) or, when None, a
+        point mass on the proposal (a = p(draft), the residual p without it). Altogether the result is
+        distributed exactly as the weights."""
         if draft_col is None:
             return cls._inverse_cdf(probs, u)
         has = draft_col >= 0
         col = draft_col.clamp_min(0).unsqueeze(1)
-        total = probs.sum(dim=-1)
-        p = torch.where(has, probs.gather(1, col).squeeze(1) / total, torch.zeros_like(total))
-        rest = probs.scatter(1, col, 0.0)
+        total = probs.sum(dim=-1, keepdim=True)
+        p = probs / total
+        p_draft = p.gather(1, col).squeeze(1)
+        if draft_q is None:
+            q_draft = torch.ones_like(p_draft)
+            rest = probs.scatter(1, col, 0.0)
+        else:
+            q_draft = draft_q.gather(1, col).squeeze(1)
+            rest = (p - draft_q).clamp_min_(0.0)
+        accept = torch.where(has, torch.minimum(p_draft / q_draft.clamp_min(1e-30), torch.ones_like(p_draft)),
+                             torch.zeros_like(p_draft))
         rest = torch.where(has.unsqueeze(1), rest, probs)
-        keep = has & ((u < p) | (rest.sum(dim=-1) <= 0))
-        u2 = torch.where(has, ((u - p) / (1 - p).clamp_min(1e-30)).clamp(0.0, 1.0), u)
+        keep = has & ((u < accept) | (rest.sum(dim=-1) <= 0))
+        u2 = torch.where(has, ((u - accept) / (1 - accept).clamp_min(1e-30)).clamp(0.0, 1.0), u)
         return torch.where(keep, col.squeeze(1), cls._inverse_cdf(rest, u2))
 
     @staticmethod
@@ -371,9 +386,18 @@ class Sampler:
         top_p = [p.top_p for p in rp]
         min_p = [p.min_p for p in rp]
         u = self._uniforms(rows, rand_rows, device)
-        drafts = None
+        drafts = draft_q = None
         if any(rows[i].draft is not None for i in rand_rows):
             drafts = torch.tensor([-1 if rows[i].draft is None else rows[i].draft for i in rand_rows], device=device)
+            if any(rows[i].draft_probs is not None for i in rand_rows):
+                # A draft model's distributions; a row without one (or without a proposal) is a point mass.
+                draft_q = torch.zeros(n, V, device=device)
+                for j, i in enumerate(rand_rows):
+                    q, d = rows[i].draft_probs, rows[i].draft
+                    if q is not None:
+                        draft_q[j] = q[:V].to(device)
+                    elif d is not None:
+                        draft_q[j, d] = 1.0
 
         out = torch.empty(n, dtype=torch.long, device=device)
         trunc = [j for j in range(n) if top_k[j] or top_p[j] < 1.0]
@@ -387,7 +411,8 @@ class Sampler:
                 thr = probs.amax(dim=-1, keepdim=True) * torch.tensor(mp, device=device, dtype=probs.dtype).unsqueeze(1)
                 probs = probs.masked_fill(probs < thr, 0.0)
             tok = self._draw(probs, u if pi is None else u.index_select(0, pi),
-                             None if drafts is None else drafts if pi is None else drafts.index_select(0, pi))
+                             None if drafts is None else drafts if pi is None else drafts.index_select(0, pi),
+                             None if draft_q is None else draft_q if pi is None else draft_q.index_select(0, pi))
             if pi is None:
                 out = tok
             else:
@@ -405,13 +430,15 @@ class Sampler:
             tp = [top_p[j] for j in trunc]
             tm = [min_p[j] for j in trunc]
             dt = None if drafts is None else drafts if every else drafts.index_select(0, ti)
-            tok, resolved = self._truncated(zt, K, tk, tp, tm, ut, dt)
+            qt = None if draft_q is None else draft_q if every else draft_q.index_select(0, ti)
+            tok, resolved = self._truncated(zt, K, tk, tp, tm, ut, dt, qt)
             if resolved is not None and not bool(resolved.all()):
                 bad = torch.nonzero(~resolved).squeeze(1)
                 bl = bad.tolist()
                 tok2, _ = self._truncated(zt.index_select(0, bad), V, [tk[b] for b in bl], [tp[b] for b in bl],
                                           [tm[b] for b in bl], ut.index_select(0, bad),
-                                          None if dt is None else dt.index_select(0, bad))
+                                          None if dt is None else dt.index_select(0, bad),
+                                          None if qt is None else qt.index_select(0, bad))
                 tok = tok.index_copy(0, bad, tok2)
             if every:
                 out = tok
@@ -424,7 +451,8 @@ class Sampler:
         return tokens
 
     def _truncated(self, z: torch.Tensor, K: int, top_k: list[int], top_p: list[float], min_p: list[float],
-                   u: torch.Tensor, drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   u: torch.Tensor, drafts: torch.Tensor | None = None, draft_q: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """top-k -> top-p -> min-p -> sample in the space of the K best tokens of each row (sorted, descending).
 
         Returns the sampled token ids and, when K < V, which rows the candidates decided (None when K == V).
@@ -464,10 +492,22 @@ class Sampler:
         if any(m > 0.0 for m in min_p):
             mp = torch.tensor(min_p, device=device, dtype=probs.dtype).unsqueeze(1)
             probs = probs.masked_fill(probs < probs[:, :1] * mp, 0.0)
-        draft_col = None
+        draft_col = q_cand = None
         if drafts is not None:  # the proposal's place among the candidates; -1: not one of them (probability 0)
             match = ids == drafts.unsqueeze(1)
-            draft_col = torch.where(match.any(dim=-1), match.to(torch.uint8).argmax(dim=-1),
-                                    torch.full_like(drafts, -1))
-        idx = self._draw(probs, u, draft_col)
+            outside = ~match.any(dim=-1)
+            draft_col = torch.where(~outside, match.to(torch.uint8).argmax(dim=-1), torch.full_like(drafts, -1))
+            if draft_q is not None:
+                # q over the candidates (the residual max(0, p - q) is 0 elsewhere, where p is). A proposal outside
+                # them has p = 0 and is rejected: verify it as a column of p = 0 with its own q, so the residual
+                # is the same max(0, p - q) over the candidates.
+                q_cand = draft_q.gather(1, ids)
+                draft_col = torch.where(outside & (drafts >= 0), torch.full_like(drafts, -2), draft_col)
+        if q_cand is not None and bool((draft_col == -2).any()):
+            probs = torch.cat([probs, torch.zeros_like(probs[:, :1])], dim=1)  # a column of p = 0 ...
+            q_out = draft_q.gather(1, drafts.clamp_min(0).unsqueeze(1))  # ... holding the proposal's q
+            q_cand = torch.cat([q_cand, q_out], dim=1)
+            draft_col = torch.where(draft_col == -2, torch.full_like(draft_col, probs.shape[1] - 1), draft_col)
+            ids = torch.cat([ids, drafts.clamp_min(0).unsqueeze(1)], dim=1)
+        idx = self._draw(probs, u, draft_col, q_cand)
         return ids.gather(1, idx.unsqueeze(1)).squeeze(1), resolved

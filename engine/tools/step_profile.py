@@ -13,7 +13,9 @@ embedding rows of its tokens, and the whole KV context of every sequence) divide
 bandwidth; the compute floor is its matmul FLOPs divided by the measured matmul throughput at that batch size.
 The MoE blocks get a floor of their own: the weights of the experts a decode step's tokens were actually routed to
 (counted per block and step), the routers and shared experts, over the same bandwidth.
-Hooks cost a few microseconds each, so profiled steps run slightly slower than unprofiled ones.
+Hooks cost a few microseconds each, so profiled steps run slightly slower than unprofiled ones; and they run
+eagerly: a captured decode graph (graph_capture.py) replays the same ops without the modules the timers hook, so
+the unprofiled run's tokens/s is the one to compare with the breakdown's step time.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class StepProfiler:
         import shoal.engine.execution.runner as runner_module
 
         e, m = self.engine, self.model
+        # Decode graphs replay their ops without running the modules the timers hook: profiled steps run eagerly.
+        runner, graphs = self.runner, self.runner.decode_graphs
+        runner.decode_graphs = None
+        self._undo.append(lambda: setattr(runner, "decode_graphs", graphs))
         sched = e.scheduler
         original_schedule = sched.schedule
 

@@ -80,6 +80,16 @@ def test_the_cli_refuses_a_bad_cap_before_doing_anything():
     assert proc.returncode == 2 and "SHOAL_CPU_ISA='pentium' is not a CPU tier" in proc.stderr
 
 
+def test_openmp_waits_passively_unless_the_environment_chose():
+    from shoal.engine.execution.cpu_features import apply_thread_defaults
+
+    env = {}
+    assert apply_thread_defaults(env) == "OMP_WAIT_POLICY=PASSIVE (default)" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    for chosen in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "10000"}):
+        env = dict(chosen)
+        assert "from the environment" in apply_thread_defaults(env) and env == chosen
+
+
 def test_a_capped_process_caps_torch_and_onednn_and_logs_the_paths():
     code = ("import logging, os, torch; logging.basicConfig(level=logging.INFO);"
             "from shoal.engine.execution.cpu_features import cpu_features, log_cpu_features;"
@@ -92,6 +102,7 @@ def test_a_capped_process_caps_torch_and_onednn_and_logs_the_paths():
     if env["SHOAL_CPU_ISA"] == "generic":
         assert proc.stdout.split() == ["generic", "DEFAULT", "SSE41"]
     assert "int8 linear:" in proc.stderr and "C++ kernels: built for" in proc.stderr
+    assert "OpenMP wait:" in proc.stderr
 
 
 def test_builds_are_keyed_by_source_and_tier_flags(tmp_path):

@@ -21,6 +21,7 @@ from shoal.engine.execution.native_build import BASE_CFLAGS, INCLUDE_DIR
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 ATTENTION = ENGINE / "execution" / "attention" / "csrc" / "cpu_paged_attention.cpp"
 FUSED = ENGINE / "execution" / "layers" / "csrc" / "cpu_fused_ops.cpp"
+SMALL_GEMM = ENGINE / "execution" / "layers" / "csrc" / "cpu_small_gemm.cpp"
 ARCH = cpu_features().arch
 LOWEST = detect(cap="").tiers[0]
 
@@ -37,18 +38,22 @@ def _compile_only(compiler: str, source: Path, tier_flags: list[str], out: Path)
 
 @pytest.mark.skipif(ARCH != "x86_64", reason="x86 tiers are cross-checked on x86 machines")
 @pytest.mark.parametrize("tier", ["avx512", "avx512_bf16"])
-def test_attention_kernel_compiles_for_x86_tiers_above_this_one(tier, tmp_path):
+@pytest.mark.parametrize("source", [ATTENTION, SMALL_GEMM], ids=["attention", "small_gemm"])
+def test_kernels_compile_for_x86_tiers_above_this_one(tier, source, tmp_path):
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
+    if cpu_features().at_least(tier) and source == SMALL_GEMM:
+        pytest.skip(f"this machine runs the {tier} build (test_small_gemm.py)")
     flags = detect(cap=tier, flags=frozenset().union(*_ALL_X86_FLAGS), arch="x86_64").cflags
-    _compile_only("c++", ATTENTION, flags, tmp_path / "attention.o")
+    _compile_only("c++", source, flags, tmp_path / "kernel.o")
 
 
 _ALL_X86_FLAGS = [{"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
                    "amx_tile", "amx_bf16", "amx_int8"}]
 
 
-@pytest.mark.parametrize("tier,source", [("neon", ATTENTION), ("neon", FUSED), ("sve", ATTENTION)])
+@pytest.mark.parametrize("tier,source", [("neon", ATTENTION), ("neon", FUSED), ("sve", ATTENTION),
+                                         ("neon", SMALL_GEMM)])
 def test_kernels_cross_compile_for_arm64(tier, source, tmp_path):
     """Debian's aarch64 cross compiler (apt-get install g++-aarch64-linux-gnu) builds both extensions with the
     flags the ARM tiers use; the object is ARM64 code."""

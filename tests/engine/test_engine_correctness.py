@@ -32,9 +32,12 @@ REGIMES = {
     "no-prefix-cache": dict(block_size=8, max_model_len=128, enable_prefix_caching=False),
     # auto picks the C++ paged kernel on CPU; the SDPA backend (gathered blocks) must agree too.
     "sdpa-chunked": dict(block_size=4, max_model_len=128, max_num_batched_tokens=8, attention_backend="sdpa"),
-    # Decode steps padded into batch-size buckets and run from static buffers (graph_capture.py, eager backend:
-    # the CUDA-graph path minus the graph). Capture off is every regime above (no capture on CPU by default).
+    # Decode steps padded into batch-size buckets and run from static buffers (graph_capture.py). Every regime
+    # above replays recorded CPU decode graphs (the CPU default) and sends small batches' matmuls to the small-M
+    # kernel (layers/small_gemm.py); "eager" pads without a graph; "latency-paths-off" runs each decode step
+    # through the Python model as it is, every matmul through torch.
     "decode-capture": dict(block_size=4, max_model_len=128, decode_capture="eager"),
+    "latency-paths-off": dict(block_size=4, max_model_len=128, decode_capture="none"),
 }
 
 
@@ -52,16 +55,24 @@ def check_against_hf(model_dir, tokenizer, outputs, prompts, max_new=MAX_NEW, lo
 
 
 @pytest.mark.parametrize("regime", list(REGIMES))
-def test_greedy_matches_transformers(any_model, regime):
+def test_greedy_matches_transformers(any_model, regime, monkeypatch):
     arch, model_dir = any_model
+    if regime == "latency-paths-off":
+        from shoal.engine.execution.layers import small_gemm
+
+        monkeypatch.setattr(small_gemm, "MAX_ROWS", 0)
     with LLM(model=model_dir, **REGIMES[regime]) as llm:
         assert llm.llm_engine.executor.backend_name == REGIMES[regime].get("attention_backend", "cpu")
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
         outputs = llm.generate(PROMPTS, params)
         check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS)
         engine = llm.llm_engine
-        if regime == "decode-capture":
-            assert engine.executor.runner.decode_graphs.num_padded_steps > 0
+        graphs = engine.executor.runner.decode_graphs
+        if regime in ("latency-paths-off", "sdpa-chunked"):  # SDPA plans on the host: never captured
+            assert graphs is None
+        else:
+            assert graphs.num_padded_steps > 0
+            assert regime == "decode-capture" or (graphs.graphs and not graphs.failed), "no CPU graph was captured"
         if regime == "preemption":
             assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
         engine.pool.check_all_free()

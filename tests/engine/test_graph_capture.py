@@ -83,3 +83,53 @@ def test_cuda_graphs_give_the_same_tokens_as_eager(model_factory):
         graphs = llm.llm_engine.executor.runner.decode_graphs
         assert graphs is not None and graphs.graphs and graphs.num_padded_steps > 0
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
+
+
+# ------------------------------------------------------------------------------------------ CPU decode graphs
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_cpu_graphs_give_the_eager_tokens_and_logprobs(model_factory, arch):
+    """Outputs of different lengths, so the batch shrinks through buckets 8, 4, 2 and 1, each captured once and
+    replayed; tokens equal the uncaptured run's and logprobs agree (padding rows change no real row's result
+    beyond float32 summation order)."""
+    from shoal.engine.execution import cpu_graph
+
+    model_dir = model_factory(arch)
+    params = [SamplingParams(temperature=0, max_tokens=3 + 3 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(PROMPTS))]
+    results = {}
+    for capture in ("none", "cpu-graph"):
+        with LLM(model=model_dir, block_size=4, max_model_len=128, decode_capture=capture) as llm:
+            results[capture] = llm.generate(PROMPTS, params)
+            graphs = llm.llm_engine.executor.runner.decode_graphs
+            llm.llm_engine.pool.check_all_free()
+    assert graphs.backend == "cpu-graph" and not graphs.failed
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    assert all(isinstance(g, cpu_graph.CpuGraph) for g, _ in graphs.graphs.values())
+    for a, b in zip(results["none"], results["cpu-graph"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tid in ea:
+                assert ea[tid].logprob == pytest.approx(eb[tid].logprob, abs=1e-5)
+
+
+def test_cpu_graph_replays_exactly_and_refuses_host_reads():
+    """A replay runs the recorded ops again on the same tensors (a weight updated in place is seen); a forward
+    whose values reach the host (.item(), a tensor from Python data) cannot be captured."""
+    from shoal.engine.execution import cpu_graph
+
+    w = torch.randn(8, 8)
+    x = torch.randn(2, 8)
+
+    def forward():
+        h = torch.nn.functional.linear(x, w).relu_()
+        return torch.cat([h, h[:, :3] * 2.0], dim=1).softmax(-1)
+
+    graph = cpu_graph.capture(forward)
+    assert torch.equal(graph.replay(), forward())
+    x.mul_(-1.5)  # new values in the same "static input buffer"
+    w.add_(0.25)
+    assert torch.equal(graph.replay(), forward())
+    with pytest.raises(cpu_graph.CaptureError, match="aten::item returns float"):
+        cpu_graph.capture(lambda: x * x.sum().item())
+    with pytest.raises(cpu_graph.CaptureError, match="lift_fresh"):
+        cpu_graph.capture(lambda: x + torch.tensor([1.0]))

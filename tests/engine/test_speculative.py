@@ -80,8 +80,8 @@ def test_speculative_config_flag_and_errors():
     words = to_args(EngineConfig, "speculative_config", cfg.speculative_config)
     assert words[0] == "--speculative-config"
     assert EngineConfig(model="m", speculative_config=parse_speculative_config(words[1])) == cfg
-    with pytest.raises(ValueError, match="'draft_model' is not supported"):
-        EngineConfig(model="m", speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'eagle' is not supported"):
+        EngineConfig(model="m", speculative_config={"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):

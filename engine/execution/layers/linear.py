@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
+from shoal.engine.execution.layers import small_gemm
 
 # read(dim, start, length) -> tensor in [out, in] layout, sliced along `dim` (0 = out, 1 = in) of that layout
 Reader = Callable[[int, int, int], torch.Tensor]
@@ -25,10 +26,12 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN can keep a bf16 CPU weight in its own blocked layout: ~1.7x faster for decode-sized batches,
-    bit-identical results (measured on this project's CPU benchmark; fp32 gains nothing and changes rounding).
-    Only where the CPU tier has native bf16 (cpu_features): elsewhere oneDNN refuses the bf16 prepack."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    """oneDNN can keep a bf16 CPU weight in its own blocked layout: ~1.7x faster than a plain bf16 F.linear for
+    decode-sized batches, bit-identical results (fp32 gains nothing and changes rounding). Only where the CPU tier
+    has native bf16 (cpu_features): elsewhere oneDNN refuses the bf16 prepack. Not where the small-M kernel serves
+    the weight (layers/small_gemm.py): it needs the plain layout, and beats the prepacked GEMM up to batch 16 and
+    matches it to 64 (one copy of the weight, not two)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or small_gemm.kernel_for(weight) is not None:
         return False
     from shoal.engine.execution.cpu_features import cpu_features
 
@@ -45,6 +48,7 @@ class PackedMatmul(nn.Module):
     quantized = None  # a quantization.QuantizedWeight once --quantization applied (or GGUF blocks kept packed)
     gguf_segments: list | None = None  # [(first row, GGUFPacked)] read from a GGUF file, until finish_gguf()
     lora = None  # an execution.lora.LoRASlots once --enable-lora wraps this layer: adds the adapters' updates
+    _small_gemm = None  # the small-M kernel for this weight (False: none applies), resolved on first use
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -93,7 +97,14 @@ class PackedMatmul(nn.Module):
         elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         else:
-            y = F.linear(x, self.weight, bias)
+            small = self._small_gemm
+            if small is None:  # resolved on the first matmul, once the weight is loaded
+                small = self._small_gemm = small_gemm.kernel_for(self.weight) or False
+            if (small and x.dim() == 2 and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == self.weight.dtype
+                    and x.stride(1) == 1):
+                y = small(x, self.weight, bias)
+            else:
+                y = F.linear(x, self.weight, bias)
         if self.lora is not None:
             self.lora.add_to(x, y)
         return y
