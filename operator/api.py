@@ -334,6 +334,10 @@ class Adapter(_Model):
     revision: str | None = Field(default=None, min_length=1, max_length=255,
                                  description="hub revision (hf:// only): a branch, tag or commit; a commit pins the "
                                              "weights every replica serves")
+    priority: int | None = Field(
+        default=None, ge=-2147483648, le=2147483647,
+        description="this adapter's requests' priority in the shared gateway (as spec.priority, which it "
+                    "overrides for the adapter; unset: spec.priority)")
 
     @model_validator(mode="after")
     def _revision_for_hub_only(self) -> "Adapter":
@@ -471,7 +475,8 @@ class InferenceServiceSpec(_Model):
         description="how important this model's requests are where they compete for a gateway's capacity (the "
                     "inference extension's InferenceObjective priority): higher first; under saturation the "
                     "lowest is shed first (429). Sent to engines that schedule by priority "
-                    "(engine.schedulingPolicy: priority). Applies to the model and its adapters")
+                    "(engine.schedulingPolicy: priority). Applies to the model and to its adapters without a priority of "
+                    "their own (spec.adapters[].priority)")
     inference_pool: InferencePoolOptions | None = Field(
         default=None, description="render an InferencePool (Gateway API Inference Extension) for a Gateway that "
                                   "already runs the extension's endpoint picker; off by default")

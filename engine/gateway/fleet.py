@@ -70,6 +70,7 @@ class ServiceView:
     max_inflight: int = 0
     engine_priority: bool = False
     adapters: tuple[str, ...] = ()
+    adapter_priorities: tuple[tuple[str, int], ...] = ()  # (name, priority) of adapters with their own
     created: str = ""
 
     @property
@@ -90,8 +91,11 @@ class ServiceView:
         autoscaling = spec.get("autoscaling") or None
         from_zero = autoscaling is not None and _int(autoscaling.get("minReplicas"), 1) == 0
         runtime = spec.get("runtime") if spec.get("runtime") in BY_RUNTIME else "shoal"
-        adapters = tuple(a["name"] for a in spec.get("adapters") or []
-                         if isinstance(a, dict) and isinstance(a.get("name"), str) and a["name"])
+        listed = [a for a in spec.get("adapters") or []
+                  if isinstance(a, dict) and isinstance(a.get("name"), str) and a["name"]]
+        adapters = tuple(a["name"] for a in listed)
+        adapter_priorities = tuple((a["name"], a["priority"]) for a in listed
+                                   if isinstance(a.get("priority"), int) and not isinstance(a["priority"], bool))
         return cls(
             namespace=meta.get("namespace") or "", name=name, served_name=served,
             engine_service=f"{name}-engines" if gateway.get("enabled", True) is not False else name,
@@ -100,7 +104,7 @@ class ServiceView:
                                     DEFAULT_STARTUP_TIMEOUT)) if from_zero else 0.0,
             max_inflight=_int(engine.get("maxNumSeqs"), 0),
             engine_priority=engine.get("schedulingPolicy") == "priority",
-            adapters=adapters, created=meta.get("creationTimestamp") or "")
+            adapters=adapters, adapter_priorities=adapter_priorities, created=meta.get("creationTimestamp") or "")
 
 
 def _epoch(stamp: str) -> int:

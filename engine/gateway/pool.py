@@ -42,6 +42,7 @@ class Pool:
     max_inflight: int = 0  # per engine; 0: no limit
     queue_timeout: float = 60.0  # how long a request may wait for a free slot
     priority: int = 0  # of its requests (spec.priority)
+    model_priorities: dict[str, int] = field(default_factory=dict)  # adapters with a priority of their own
     namespace: str = ""  # the InferenceService's, in the shared gateway
     name: str = ""
     served_name: str | None = None
@@ -65,6 +66,10 @@ class Pool:
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}" if self.name else ""
+
+    def priority_of(self, model: str | None) -> int:
+        """The priority of a request for `model`: its adapter's own (spec.adapters[].priority), else the pool's."""
+        return self.model_priorities.get(model, self.priority) if model else self.priority
 
     # ---- admission -------------------------------------------------------------------------------------------
     def _with_room(self, now: float, exclude: tuple[Backend, ...] = ()) -> list[Backend]:

@@ -215,6 +215,7 @@ class Gateway:
         pool.namespace, pool.name, pool.served_name = view.namespace, view.name, view.served_name
         pool.runtime = view.runtime
         pool.priority = view.priority
+        pool.model_priorities = dict(view.adapter_priorities)
         pool.engine_priority = view.engine_priority or c.engine_priority
         pool.max_inflight = view.max_inflight or c.max_inflight  # engine.maxNumSeqs, else the gateway's flag
         pool.hold_timeout = (c.hold_timeout or view.hold_timeout) if view.hold_timeout else 0.0
@@ -406,7 +407,7 @@ class Gateway:
                 return error_response(400, "`model` is required: this endpoint serves several models",
                                       "invalid_request_error", "model_required", param="model")
             return model_not_found(model)
-        ticket = Ticket(priority=pool.priority, tenant=tenant, cost=request_cost(len(body), parsed), model=model,
+        ticket = Ticket(priority=pool.priority_of(model), tenant=tenant, cost=request_cost(len(body), parsed), model=model,
                         hashes=self.prompt_hashes(request.path, parsed, model, pool))
         try:
             backend = await pool.admit(ticket, self.enqueue)

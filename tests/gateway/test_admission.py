@@ -207,8 +207,9 @@ def isvc(name: str, served: str, *, priority: int = 0, max_num_seqs: int | None 
     engine = {k: v for k, v in (("maxNumSeqs", max_num_seqs), ("schedulingPolicy", scheduling)) if v}
     spec = {"model": {"uri": f"hf://org/{name}", "servedName": served}, "priority": priority, "engine": engine,
             "probes": {"startupTimeoutSeconds": 30}}
-    if adapters:
-        spec["adapters"] = [{"name": a, "uri": f"hf://org/{a}"} for a in adapters]
+    if adapters:  # names, or (name, priority)
+        spec["adapters"] = [{"name": a, "uri": f"hf://org/{a}"} if isinstance(a, str)
+                            else {"name": a[0], "uri": f"hf://org/{a[0]}", "priority": a[1]} for a in adapters]
     if from_zero:
         spec["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2}
     return {"metadata": {"namespace": namespace, "name": name, "creationTimestamp": "2026-01-01T00:00:00Z"},
@@ -317,6 +318,25 @@ async def test_tenant_keys_authenticate_and_the_engines_get_their_own_key(tmp_pa
             # the engines schedule by priority: the service's, in vLLM's sense (lower first), not the client's
             assert chat.seen[-1]["body"]["priority"] == -3 * 2**20
             assert config.tenant_keys.tenant_of("sk-b") == "team-b"
+        finally:
+            await client.close()
+            await gw.stop()
+
+
+async def test_an_adapter_with_a_priority_of_its_own_is_ranked_by_it_and_the_others_by_the_service():
+    async with Engine("chat", served="chat-7b", hold=False) as chat:
+        gw, client = await shared(GatewayConfig(), [
+            isvc("chat", "chat-7b", scheduling="priority", priority=3, adapters=[("sql-lora", 9), "plain-lora"])],
+            {"chat": chat})
+        try:
+            ranks = {}
+            for model in ("chat-7b", "sql-lora", "plain-lora"):
+                r = await client.post("/v1/completions", json={"model": model, "prompt": "x"})
+                assert r.status == 200
+                ranks[model] = chat.seen[-1]["body"]["priority"]
+            assert ranks == {"chat-7b": -3 * 2**20, "sql-lora": -9 * 2**20, "plain-lora": -3 * 2**20}
+            pool = gw.pools.resolve("sql-lora")
+            assert pool.priority_of("sql-lora") == 9 and pool.priority_of("chat-7b") == 3
         finally:
             await client.close()
             await gw.stop()
