@@ -226,8 +226,10 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         c = self.config
         per_block = self.executor.bytes_per_block(c.block_size)
+        padding = self.executor.padding_blocks  # allocated past the pool, so inside the budget too
         if getattr(self.proposer, "fills_after_schedule", False):  # a draft model's cache has the same blocks
             per_block += self.proposer.bytes_per_block(c.block_size)
+            padding = max(padding, self.proposer.runner.padding_blocks)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if self.device.type == "cuda" and c.kv_cache_memory is None:
@@ -238,8 +240,8 @@ class LLMEngine:
             budget = total * c.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - peak - used_by_others
             if budget <= 0:
                 raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization={c.gpu_memory_utilization}")
-            return max(1, int(budget // per_block))
-        return max(1, (c.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES) // per_block)
+            return max(1, int(budget // per_block) - padding)
+        return max(1, (c.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES) // per_block - padding)
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,

@@ -135,6 +135,8 @@ class DistributedExecutor:
     def bytes_per_block(self, block_size: int) -> int:
         return self.runner.bytes_per_block(block_size)
 
+    padding_blocks = 0  # every rank of a group runs its steps eagerly: no decode capture, no padding block
+
     def add_lora(self, adapter_id: int, path: str) -> None:
         self.collective_rpc("add_lora", adapter_id, path)
 

@@ -29,6 +29,8 @@ class Executor(Protocol):
     def bytes_per_block(self, block_size: int) -> int:
         """KV-cache bytes one block takes on the rank that holds the most (what sizes the pool)."""
 
+    padding_blocks: int  # blocks allocated past the pool (decode capture's padding rows), counted in budgets
+
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         """Activation bytes a step of num_tokens needs (CUDA; the most over all ranks)."""
 
@@ -62,6 +64,10 @@ class UniProcExecutor:
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.runner.bytes_per_block(block_size)
+
+    @property
+    def padding_blocks(self) -> int:
+        return self.runner.padding_blocks
 
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         return profile_peak_memory(self.runner, num_tokens, block_size, self.runner.execute)

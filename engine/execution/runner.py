@@ -102,6 +102,11 @@ class ModelRunner:
         return max(1, m.num_local_layers * m.num_kv_heads_local * per_head * block_size)
 
     @property
+    def padding_blocks(self) -> int:
+        """Blocks allocate_kv_cache adds past the pool (decode capture's padding block), to leave out of budgets."""
+        return int(self.capture is not None)
+
+    @property
     def kv_cache_bytes(self) -> int:
         """Bytes the allocated KV cache holds (values and, for fp8, scales)."""
         return sum(c.nbytes for c in self.kv_caches)

@@ -25,14 +25,16 @@ MODULES = {module_name(p): p for p in ENGINE.rglob("*.py")}
 
 def imports(path: Path, import_time_only: bool) -> dict[str, int]:
     """Engine modules that `path` imports -> the first line that does. With import_time_only, imports inside
-    functions and classes (run later, if ever) are left out; those at module level, including under if/try, count."""
+    functions and classes (run later, if ever) are left out; those at module level, including under if/try (but not `if TYPE_CHECKING:`), count."""
     tree = ast.parse(path.read_text(), filename=str(path))
     if import_time_only:
         nodes, todo = [], list(tree.body)
         while todo:
             node = todo.pop()
             nodes.append(node)
-            if isinstance(node, (ast.If, ast.Try, ast.With)):
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                todo.extend(node.orelse)  # annotations only: never runs
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
                 todo.extend(ast.iter_child_nodes(node))
     else:
         nodes = list(ast.walk(tree))
