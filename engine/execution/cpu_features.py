@@ -204,33 +204,50 @@ def _cap_libraries(tier: str) -> None:
 
 # OpenMP's wait policy. A thread that finishes its share of a parallel region either spins, waiting for the next
 # region (libgomp's default: up to 300,000 spins, milliseconds on CPUs with a slow `pause`), or sleeps at once
-# (passive). Spinning saves a wake-up per region on an idle machine; on a shared one (a CPU limit, noisy
-# neighbours, more runnable threads than cores) the spinning thread holds the core the other one needs to finish
-# the region, and every region waits for the scheduler. Measured on the 2-core development VM under load 6-8,
-# batch-1 decode of SmolLM2-135M (bf16): median step 52-63 ms passive, 86-119 ms with 5,000 spins, 131-313 ms
-# active, 77-2,539 ms libgomp's default. The small-M kernel hands out its rows dynamically, so a worker that wakes
-# late only takes fewer of them. Passive is the default; OMP_WAIT_POLICY=active (or GOMP_SPINCOUNT) set in the
-# environment wins, e.g. on a dedicated node.
+# (passive). A decode step runs hundreds of short regions, so sleeping at once pays a futex wake-up in each; spinning
+# for ever holds a core that a sibling thread or another process needs, which on a shared machine (a CPU limit,
+# noisy neighbours, more runnable threads than cores) makes every region wait for the scheduler. A short spin takes
+# both: measured on the 2-core development VM, batch-1 decode of SmolLM2-135M Q4_1, tokens/s passive vs 10,000
+# spins: 55.8 vs 137.4 idle, 36.5 vs 54.3 beside 2 busy processes, 13.1 vs 19.8 beside 6 (1,000 spins: 137.5 idle,
+# 49.4 beside 2; libgomp's 300,000: 134.7 idle). So 10,000 spins is the default; OMP_WAIT_POLICY or GOMP_SPINCOUNT set
+# in the environment wins. The small-M kernel hands out its rows dynamically, so a worker that wakes late only takes
+# fewer of them.
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+DEFAULT_SPINCOUNT = "10000"
 
 
 def apply_thread_defaults(environ=None) -> str:
-    """Set OpenMP's wait policy to passive unless the environment chose one; returns the policy in effect. It takes
+    """Bound OpenMP's spin-wait unless the environment chose a policy; returns the policy in effect. It takes
     effect only before torch loads its OpenMP runtime (`shoal-engine` calls this first thing)."""
     environ = os.environ if environ is None else environ
     chosen = {v: environ[v] for v in WAIT_POLICY_VARS if v in environ}
     if chosen:
         return ", ".join(f"{k}={v}" for k, v in chosen.items()) + " (from the environment)"
-    environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return "OMP_WAIT_POLICY=PASSIVE (default)"
+    environ["GOMP_SPINCOUNT"] = DEFAULT_SPINCOUNT
+    environ[_SET_BY_SHOAL] = "GOMP_SPINCOUNT"
+    return f"GOMP_SPINCOUNT={DEFAULT_SPINCOUNT} (default)"
+
+
+_SET_BY_SHOAL = "SHOAL_SET_WAIT_POLICY"  # names the wait-policy variable Shoal set, not the user
+
+
+def peer_environ(environ=None) -> dict[str, str]:
+    """The environment for a peer engine a benchmark runs (llama.cpp, vLLM): this process's, less the wait policy
+    Shoal chose for itself, so that the peer runs as its users run it (llama.cpp built with OpenMP ran 3x slower with
+    passive waits on an idle machine). A policy the user set stays, for both."""
+    env = dict(os.environ if environ is None else environ)
+    ours = env.pop(_SET_BY_SHOAL, None)
+    if ours:
+        env.pop(ours, None)
+    return env
 
 
 def thread_policy() -> str:
     """The OpenMP wait policy this process runs with, for the start-up log."""
     chosen = {v: os.environ[v] for v in WAIT_POLICY_VARS if v in os.environ}
     if not chosen:
-        return "libgomp's default (spin, then sleep): set OMP_WAIT_POLICY=passive on a shared machine"
-    return ", ".join(f"{k}={v}" for k, v in chosen.items())
+        return "libgomp's default (up to 300,000 spins, then sleep)"
+    return ", ".join(f"{k}={v}" for k, v in chosen.items()) + (" (default)" if _SET_BY_SHOAL in os.environ else "")
 
 
 def log_cpu_features() -> None:

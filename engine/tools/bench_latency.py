@@ -35,6 +35,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from shoal.engine.execution.cpu_features import peer_environ
+
 DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 # The repetitive task for an instruct model: return a function with a small addition (code editing), the case n-gram
@@ -171,7 +173,7 @@ class LlamaCppRuns:
         self.pp, self.tg = [], []
 
     def run(self) -> None:
-        proc = subprocess.run(self.cmd, capture_output=True, text=True)
+        proc = subprocess.run(self.cmd, capture_output=True, text=True, env=peer_environ())
         if proc.returncode:
             raise RuntimeError(f"{' '.join(self.cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
         rows = json.loads(proc.stdout)

@@ -157,11 +157,13 @@ def run_vllm(python: str, model_dir, reqs, args) -> float:
     import subprocess
     import tempfile
 
+    from shoal.engine.execution.cpu_features import peer_environ
+
     spec = {"model": str(model_dir), "dtype": args.dtype, "max_model_len": args.max_model_len,
             "max_num_seqs": args.max_num_seqs, "repeat": args.repeat, "requests": reqs}
     # Not from the repository root: its top-level `operator/` would shadow the stdlib module in vLLM's processes.
     proc = subprocess.run([python, str(Path(__file__).with_name("vllm_workload.py"))], input=json.dumps(spec),
-                          capture_output=True, text=True, cwd=tempfile.gettempdir())
+                          capture_output=True, text=True, cwd=tempfile.gettempdir(), env=peer_environ())
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SHOAL-BENCH ")]
     if proc.returncode or not lines:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])

@@ -80,14 +80,18 @@ def test_the_cli_refuses_a_bad_cap_before_doing_anything():
     assert proc.returncode == 2 and "SHOAL_CPU_ISA='pentium' is not a CPU tier" in proc.stderr
 
 
-def test_openmp_waits_passively_unless_the_environment_chose():
-    from shoal.engine.execution.cpu_features import apply_thread_defaults
+def test_openmp_spins_briefly_unless_the_environment_chose():
+    from shoal.engine.execution.cpu_features import apply_thread_defaults, peer_environ
 
     env = {}
-    assert apply_thread_defaults(env) == "OMP_WAIT_POLICY=PASSIVE (default)" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert apply_thread_defaults(env) == "GOMP_SPINCOUNT=10000 (default)" and env["GOMP_SPINCOUNT"] == "10000"
+    assert "OMP_WAIT_POLICY" not in env
+    # a peer engine a benchmark runs gets the environment without the policy Shoal chose for itself
+    assert peer_environ({**env, "PATH": "/bin"}) == {"PATH": "/bin"}
     for chosen in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "10000"}):
         env = dict(chosen)
         assert "from the environment" in apply_thread_defaults(env) and env == chosen
+        assert peer_environ(env) == chosen  # the user's choice holds for both
 
 
 def test_a_capped_process_caps_torch_and_onednn_and_logs_the_paths():
