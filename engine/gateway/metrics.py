@@ -18,6 +18,17 @@ PICK_BUCKETS = [0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.00
 WAIT_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0]
 
 
+# The engines' load as this gateway last polled it, for the operator's autoscaler (loadSource gateways or auto:
+# engines it cannot scrape itself, e.g. behind Istio STRICT mTLS, which the gateway reaches through the mesh). Only
+# fresh data is exported: a missing series means "not known", never zero. With inflight_requests (this gateway's
+# own count per engine) and held_requests it is all the autoscaler needs; labelled by the engine's base URL.
+ENGINE_GAUGES = (("backend_running_requests", "running", "Requests running on the engine (its own gauge)."),
+                 ("backend_waiting_requests", "waiting", "Requests waiting in the engine's queue (its own gauge)."),
+                 ("backend_kv_cache_usage", "kv_usage", "The engine's KV-cache usage (1.0 = full)."),
+                 ("backend_waiting_prefill_tokens", "waiting_prefill_tokens",
+                  "Prompt tokens waiting for prefill on the engine."))
+
+
 class _PoolCollector:
     def __init__(self, gateway: "Gateway"):
         self.gateway = gateway
@@ -40,6 +51,8 @@ class _PoolCollector:
         service = GaugeMetricFamily(P + "service_requests", "Requests of this gateway per InferenceService (shared "
                                     "gateway): held (no engine yet), queued (waiting for a slot, held included) "
                                     "and inflight (at an engine).", labels=["namespace", "inferenceservice", "state"])
+        engine_load = [(GaugeMetricFamily(P + name, doc, labels=["backend"]), field)
+                       for name, field, doc in ENGINE_GAUGES]
         ready = 0
         by_priority: dict[int, int] = {}
         for pool in self.gateway.pools.all():
@@ -50,6 +63,9 @@ class _PoolCollector:
                 circuit.add_metric([b.url], 1.0 if b.circuit_open(now) else 0.0)
                 inflight.add_metric([b.url], float(b.inflight))
                 load.add_metric([b.url], b.load(now))
+                if b.fresh(now):
+                    for family, field in engine_load:
+                        family.add_metric([b.url], float(getattr(b, field)))
             for priority, n in pool.queue.by_priority().items():
                 by_priority[priority] = by_priority.get(priority, 0) + n
             if pool.name:
@@ -63,42 +79,14 @@ class _PoolCollector:
         yield circuit
         yield inflight
         yield load
+        for family, _ in engine_load:
+            yield family
         yield queued
         yield GaugeMetricFamily(P + "ready_backends", "Engines that may take new requests.", value=ready)
         if self.gateway.pools.shared:
             yield service
             yield GaugeMetricFamily(P + "models", "Model names the shared gateway routes (base models and "
                                     "adapters).", value=len(self.gateway.pools.index()))
-
-
-class _EngineLoadCollector:
-    """The engines' load as this gateway last polled it, for the operator's autoscaler (its loadSource gateways or
-    auto: engines it cannot scrape itself, e.g. behind Istio STRICT mTLS, which the gateway reaches through the
-    mesh). Only engines whose data is fresh are exported: a missing series means "not known", never zero.
-    Together with shoal:gateway_inflight_requests (this gateway's own count per engine) and held_requests it is
-    everything the autoscaler needs; the series are labelled by the engine's base URL, as discovery sees it."""
-
-    GAUGES = (("backend_running_requests", "running", "Requests running on the engine (its own gauge)."),
-              ("backend_waiting_requests", "waiting", "Requests waiting in the engine's queue (its own gauge)."),
-              ("backend_kv_cache_usage", "kv_usage", "The engine's KV-cache usage (1.0 = full)."),
-              ("backend_waiting_prefill_tokens", "waiting_prefill_tokens",
-               "Prompt tokens waiting for prefill on the engine."))
-
-    def __init__(self, gateway: "Gateway"):
-        self.gateway = gateway
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        now = time.monotonic()
-        families = [(GaugeMetricFamily(P + name, doc, labels=["backend"]), field) for name, field, doc in self.GAUGES]
-        for b in (b for pool in self.gateway.pools.all() for b in pool.backends.all()):
-            if b.fresh(now):
-                for family, field in families:
-                    family.add_metric([b.url], float(getattr(b, field)))
-        for family, _ in families:
-            yield family
 
 
 class GatewayMetrics:
@@ -124,4 +112,3 @@ class GatewayMetrics:
                                     "an engine, by priority (0 for requests that found a free slot).", ["priority"],
                                     buckets=WAIT_BUCKETS, registry=r)
         r.register(_PoolCollector(gateway))
-        r.register(_EngineLoadCollector(gateway))

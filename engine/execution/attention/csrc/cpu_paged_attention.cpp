@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include "fast_math.h"
+#include "scalar_types.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -52,18 +53,8 @@ bool use_fast_path = true;     // the AVX512-BF16 path, when compiled in (tests 
 
 // ---------------------------------------------------------------------------------------------- conversions
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  // bfloat16 is the top half of a float32: a shift, which the compiler vectorises (c10's operator float is
-  // opaque enough that it may not).
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }  // c10::BFloat16/Half round to nearest even
+using shoal::from_float;
+using shoal::to_float;
 
 // A float8_e4m3fn cache element (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities).
 struct Fp8E4M3 {

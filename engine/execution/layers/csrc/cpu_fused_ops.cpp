@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "fast_math.h"
+#include "scalar_types.h"
 
 #include <omp.h>
 
@@ -32,18 +33,8 @@ namespace {
 
 constexpr int64_t kParallelMin = 1 << 15;  // elements below which OpenMP's fork/join costs more than it saves
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // bfloat16 is the top half of a float32
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }  // round to nearest even
-template <>
-inline float from_float<float>(float x) { return x; }
+using shoal::from_float;
+using shoal::to_float;
 // What the reference does to an intermediate: nothing in float32, a rounding to T otherwise.
 template <typename T>
 inline float round_to(float x) { return to_float(from_float<T>(x)); }

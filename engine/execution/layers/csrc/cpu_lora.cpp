@@ -36,22 +36,16 @@
 #include <cstring>
 #include <vector>
 
+#include "scalar_types.h"
+
 namespace {
 
 constexpr int64_t kColBlock = 256;     // output columns per expand work item
 constexpr int64_t kGemmMin = 48;     // tokens of one adapter from which ATen's GEMMs take over
 constexpr int64_t kParallelMin = 1 << 17;  // multiply-adds below which OpenMP's fork/join costs more than it saves
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // bfloat16 is the top half of a float32
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }  // round to nearest even
+using shoal::from_float;
+using shoal::to_float;
 
 struct Group {  // one adapter's tokens: rows [begin, end) of the sorted order
   int64_t slot, begin, end;

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "gguf_matmul.h"
+#include "scalar_types.h"
 
 namespace {
 
@@ -79,14 +80,7 @@ void act_mul_rows(const at::Tensor& gate_up, at::Tensor& out, int64_t activation
   }
 }
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {  // the top half of a float32: a shift the compiler vectorises
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using shoal::to_float;
 template <typename T>
 inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }  // x as T would hold it
 
