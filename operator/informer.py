@@ -34,25 +34,13 @@ def kube_api() -> KubeAPI:
     """How the informers reach the API server: in a pod its service account (KubeAPI re-reads the token), else
     the kubeconfig that $KUBECONFIG names now (kube.load_configuration), with its token or client certificate."""
     import os
-    import ssl
 
     from shoal.engine.gateway.discovery import SA_DIR
     from shoal.operator.kube import load_configuration
 
     if os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.exists(os.path.join(SA_DIR, "token")):
         return KubeAPI.from_environment()
-    c = load_configuration()
-    header = c.get_api_key_with_prefix("BearerToken") or c.get_api_key_with_prefix("authorization") or ""
-    token = header.split(" ", 1)[1] if header.lower().startswith("bearer ") else header or None
-    context: ssl.SSLContext | bool | None = None
-    if c.host.startswith("https"):
-        if not c.verify_ssl:
-            context = False
-        else:
-            context = ssl.create_default_context(cafile=c.ssl_ca_cert)
-            if c.cert_file:
-                context.load_cert_chain(c.cert_file, c.key_file)
-    return KubeAPI(c.host.rstrip("/"), token=token, ssl_context=context)
+    return KubeAPI.from_configuration(load_configuration())
 
 
 def collection_path(api_version: str, plural: str, namespace: str | None = None) -> str:

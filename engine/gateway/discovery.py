@@ -67,8 +67,13 @@ class KubeAPI:
 
         c = client.Configuration()
         config.load_kube_config(client_configuration=c)
-        token = (c.api_key or {}).get("authorization", "")
-        token = token.split(" ", 1)[1] if token.lower().startswith("bearer ") else token or None
+        return cls.from_configuration(c)
+
+    @classmethod
+    def from_configuration(cls, c) -> "KubeAPI":
+        """From a loaded `kubernetes.client.Configuration`: its server, bearer token or client certificate, CA."""
+        header = c.get_api_key_with_prefix("BearerToken") or c.get_api_key_with_prefix("authorization") or ""
+        token = header.split(" ", 1)[1] if header.lower().startswith("bearer ") else header or None
         ctx: ssl.SSLContext | bool | None = None
         if c.host.startswith("https"):
             if not c.verify_ssl:

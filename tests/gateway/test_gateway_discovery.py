@@ -159,3 +159,28 @@ def test_gateway_follows_ready_endpoints_of_the_service(api, ns, engines, gatewa
     wait_for(lambda: _gateway_backends(gateway) == {url[c]}, 30, "the new engine alone")
     assert _post(gateway + "/v1/completions", {"model": "tiny", "prompt": "z"})[0] == 200
     assert engines.seen[c] == 1
+
+
+@pytest.mark.parametrize("user", [{"token": "sk-123"}, {}])
+def test_the_gateway_and_the_operator_read_a_kubeconfig_alike(tmp_path, monkeypatch, user):
+    import yaml
+
+    from shoal.engine.gateway.discovery import KubeAPI
+    from shoal.operator.informer import kube_api
+
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "https://10.0.0.1:6443/", "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "u", "user": user}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    api = kube_api()
+    assert (api.server, api.token, api.ssl_context) == ("https://10.0.0.1:6443", user.get("token"), False)
+    assert api.headers() == ({"Authorization": "Bearer sk-123"} if user else {})
+    from kubernetes import client, config
+
+    c = client.Configuration()
+    config.load_kube_config(config_file=str(path), client_configuration=c)
+    assert KubeAPI.from_configuration(c) == api
