@@ -63,8 +63,8 @@ import kopf
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from shoal.engine.gateway import metric_names
-from shoal.engine.gateway.discovery import KubeAPI
+from shoal.operator.gateway import metric_names
+from shoal.operator.gateway.discovery import KubeAPI
 from shoal.operator import api, render
 from shoal.operator.autoscaling import Decision, History, Observation, Policy, ReplicaLoad, decide, pick_victims
 from shoal.operator.informer import Informers
@@ -168,7 +168,7 @@ def metric_sums(text: str) -> dict[str, float]:
 
 @dataclass
 class GatewayView:
-    """What one gateway's /metrics says (engine/gateway/metrics.py): requests it holds, its own in-flight count per
+    """What one gateway's /metrics says (operator/gateway/metrics.py): requests it holds, its own in-flight count per
     engine, and the load of each engine whose data it has fresh, keyed by the engine's base URL."""
 
     held: float = 0.0

@@ -23,7 +23,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from shoal.engine.gateway.discovery import KubeAPI
+from shoal.operator.gateway.discovery import KubeAPI
 
 logger = logging.getLogger("shoal.operator.informer")
 
@@ -35,7 +35,7 @@ def kube_api() -> KubeAPI:
     the kubeconfig that $KUBECONFIG names now (kube.load_configuration), with its token or client certificate."""
     import os
 
-    from shoal.engine.gateway.discovery import SA_DIR
+    from shoal.operator.gateway.discovery import SA_DIR
     from shoal.operator.kube import load_configuration
 
     if os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.exists(os.path.join(SA_DIR, "token")):

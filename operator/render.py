@@ -734,7 +734,7 @@ def wake_configmap_name(name: str) -> str:
 
 
 def wake_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
-    """The object a holding gateway annotates to wake the autoscaler (engine/gateway/wake.py): its own, so the
+    """The object a holding gateway annotates to wake the autoscaler (operator/gateway/wake.py): its own, so the
     gateway needs no write access to the InferenceService. The operator renders no annotations of its own here,
     so server-side apply leaves the gateway's alone."""
     return _finish({
@@ -747,7 +747,7 @@ def wake_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
 
 def gateway_rbac(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     """The gateway's identity: it may list and watch EndpointSlices in its namespace, and, when the fleet can scale
-    to zero, patch its wake-up ConfigMap to wake the autoscaler (engine/gateway/wake.py); nothing else."""
+    to zero, patch its wake-up ConfigMap to wake the autoscaler (operator/gateway/wake.py); nothing else."""
     name = isvc["metadata"]["name"]
     gw = gateway_name(name)
     rules = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
@@ -790,7 +790,7 @@ def gateway_limit_args(gw: api.GatewayOptions) -> list[str]:
             "--max-pending", str(gw.max_pending)]
 
 
-# What one gateway process holds at most (engine/gateway): the interpreter with aiohttp and prometheus_client, the
+# What one gateway process holds at most (operator/gateway): the interpreter with aiohttp and prometheus_client, the
 # prefix index at its cap (200,000 hashes: 63 MiB measured with tracemalloc, one engine a hash; 512 B a hash
 # leaves room for hashes several engines hold), the
 # request bodies (max_buffered_bytes, kept until the answer starts) and per pending request its connection, task,
@@ -931,7 +931,7 @@ def adapters_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict
 
 
 # ------------------------------------------------------------------------------------------- the shared gateway
-# One `shoal-gateway --namespace/-A` for many InferenceServices (engine/gateway/fleet.py), deployed by the chart and
+# One `shoal-gateway --namespace/-A` for many InferenceServices (operator/gateway/fleet.py), deployed by the chart and
 # named to the operator by --shared-gateway NAMESPACE/SERVICEACCOUNT: it discovers each service's engines through
 # <name>-engines like the service's own gateway, so it needs the engines' NetworkPolicy to admit its pods, and, for
 # a service that scales from zero, the right to annotate <name>-wake (a RoleBinding to the service's gateway Role,

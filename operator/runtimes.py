@@ -2,7 +2,7 @@
 
 A runtime says how its server is started (image, command, the flag of each spec.engine field), where it reports
 health (probe paths and timings), how it gets the API key (an env var read by the engine itself: never in
-args) and what its metrics are called (engine/gateway/metric_names.py, shared with the gateway and autoscaler).
+args) and what its metrics are called (operator/gateway/metric_names.py, shared with the gateway and autoscaler).
 render.py asks the spec's runtime for the engine container's command, args, probes and env; everything else it
 renders (Services, NetworkPolicies, PDBs, the gateway, groups and rollouts, status) is the same for every runtime.
 
@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 from shoal.engine import flags
 from shoal.engine.config import EngineConfig
-from shoal.engine.gateway import metric_names
-from shoal.engine.gateway.metric_names import EngineMetrics
+from shoal.operator.gateway import metric_names
+from shoal.operator.gateway.metric_names import EngineMetrics
 
 
 class Unsupported(ValueError):

@@ -346,7 +346,7 @@ class GatewayProcess(LoggedProcess):
         port = free_port()
         self.metrics_port = free_port()  # its /metrics-only listener, as the operator renders it
         super().__init__(
-            [sys.executable, "-m", "shoal.engine.gateway", "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, "-m", "shoal.operator.gateway", "--host", "127.0.0.1", "--port", str(port),
              "--metrics-port", str(self.metrics_port),
              "--service", service, "--namespace", namespace, "--wake-configmap", f"{name}-wake",
              "--hold-timeout", str(hold_timeout), "--runtime", runtime, *extra], port, env, log_prefix="gateway-")

@@ -9,7 +9,7 @@ are freed and it is recomputed later from its prompt and the tokens it has gener
 Under the priority policy a waiting request also goes before the remaining prefill of running requests of a lower
 priority (their decodes still run every step): their next chunks wait until it is admitted. So a request the
 gateway sends with a better priority — a more important model, or a tenant with fewer requests at this engine
-(engine/gateway/proxy.py) — starts within one step even while long prompts of lower priority are being prefilled.
+(operator/gateway/proxy.py) — starts within one step even while long prompts of lower priority are being prefilled.
 
 Sliding window: when every layer of the model attends only to its last W keys, a sequence whose next query is at
 position c never reads keys before c - W + 1 again, so after each step the blocks wholly before that point go back

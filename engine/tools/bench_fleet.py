@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from shoal.engine.flags import parse_bytes
-from shoal.engine.gateway.metric_names import SHOAL as SHOAL_METRICS
-from shoal.engine.gateway.metric_names import EngineMetrics, for_runtime
+from shoal.operator.gateway.metric_names import SHOAL as SHOAL_METRICS
+from shoal.operator.gateway.metric_names import EngineMetrics, for_runtime
 
 WORKLOADS = ("shared", "multiturn", "unique")
 ROUTINGS = ("prefix-load", "round-robin", "least-load")
@@ -282,7 +282,7 @@ async def gateway_overhead(session, args) -> dict:
     noop = subprocess.Popen([sys.executable, "-c", f"from shoal.engine.tools.bench_fleet import noop_server; "
                              f"noop_server({port})"])
     backend = f"http://127.0.0.1:{port}"
-    gw = Child([sys.executable, "-m", "shoal.engine.gateway", "--endpoint", backend, "--log-level", "warning"])
+    gw = Child([sys.executable, "-m", "shoal.operator.gateway", "--endpoint", backend, "--log-level", "warning"])
     try:
         await gw.wait_ready(session, 60)
         await paired_latencies(session, backend, gw.url, args.overhead_rate, 1.0)  # warm connections
@@ -349,7 +349,7 @@ async def main_async(args) -> int:
                       "--max-model-len", "4096"])
 
     engines = [engine(i) for i in range(args.replicas if workloads else 0)]
-    gateways = {r: Child([sys.executable, "-m", "shoal.engine.gateway", "--routing", r, "--log-level", "warning",
+    gateways = {r: Child([sys.executable, "-m", "shoal.operator.gateway", "--routing", r, "--log-level", "warning",
                           "--runtime", args.runtime, *sum((["--endpoint", e.url] for e in engines), [])])
                 for r in routings if r != "oracle" and engines}
     results = []

@@ -63,7 +63,7 @@ def _isvc(i: int, adapters: int) -> dict:
 
 def _fleet(args):
     """A shared gateway fed the fleet, its engines fresh and ready; -> (gateway, every model name)."""
-    from shoal.engine.gateway.proxy import Gateway, GatewayConfig
+    from shoal.operator.gateway.proxy import Gateway, GatewayConfig
 
     gw = Gateway(GatewayConfig(), namespace="bench", shared=True)
     fleet = gw.pools
@@ -79,7 +79,7 @@ def _fleet(args):
 
 
 def _picks(gw, names: list[str], args, times: list[float] | None = None, hash_times: list[float] | None = None):
-    from shoal.engine.gateway.admission import Ticket
+    from shoal.operator.gateway.admission import Ticket
 
     rng = random.Random(0)
     prompts = ["".join(rng.choice("abcdefgh ") for _ in range(args.prompt_chars)) for _ in range(64)]
@@ -103,7 +103,7 @@ async def bench_pick(args) -> dict:
     # memory first (tracemalloc slows every allocation down), then the timing on a fresh fleet without it; the
     # modules are imported before, so only data is counted
     for module in ("fleet", "proxy", "wake"):
-        importlib.import_module(f"shoal.engine.gateway.{module}")
+        importlib.import_module(f"shoal.operator.gateway.{module}")
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     gw, names = _fleet(args)
@@ -193,7 +193,7 @@ async def bench_fairness(args) -> dict:
     engine = Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model, "--served-model-name",
                     "tiny", "--kv-cache-memory", args.kv_cache_memory, "--scheduling-policy", "priority",
                     "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-level", "warning"])
-    base = [sys.executable, "-m", "shoal.engine.gateway", "--endpoint", engine.url, "--log-level", "warning",
+    base = [sys.executable, "-m", "shoal.operator.gateway", "--endpoint", engine.url, "--log-level", "warning",
             "--tenant-header", "X-Tenant", "--poll-interval", "0.1"]
     gateways = {"off": Child(base),
                 "on": Child([*base, "--max-inflight-per-engine", str(args.slots), "--engine-priority"])}

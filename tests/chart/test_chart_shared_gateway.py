@@ -67,7 +67,7 @@ def test_tenant_and_engine_keys_are_mounted_secrets_and_the_arguments_parse():
     assert {v["name"]: v["secret"]["secretName"] for v in pod["volumes"]} == {"tenant-keys": "tenants",
                                                                              "engine-keys": "engine-keys"}
     assert "--tenant-keys=/etc/shoal/tenant-keys" in c["args"] and "--engine-keys=/etc/shoal/engine-keys" in c["args"]
-    cli = importlib.import_module("shoal.engine.gateway.cli")
+    cli = importlib.import_module("shoal.operator.gateway.cli")
     args = cli.build_parser().parse_args(c["args"])
     assert cli.shared_mode(args) and args.all_namespaces and args.max_inflight_per_engine == 8
     assert args.tenant_header == "x-gateway-inference-fairness-id"

@@ -25,7 +25,7 @@ def engine_cmd(model_dir) -> list[str]:
 
 
 def gateway_cmd(*endpoints: str, routing: str = "prefix-load", extra: tuple[str, ...] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", "shoal.engine.gateway", "--routing", routing, "--poll-interval", "0.1",
+    cmd = [sys.executable, "-m", "shoal.operator.gateway", "--routing", routing, "--poll-interval", "0.1",
            "--log-level", "warning", *extra]
     for url in endpoints:
         cmd += ["--endpoint", url]

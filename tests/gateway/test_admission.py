@@ -1,4 +1,4 @@
-"""Admission by priority and fairly across tenants (engine/gateway/admission.py, pool.py), and the shared gateway's
+"""Admission by priority and fairly across tenants (operator/gateway/admission.py, pool.py), and the shared gateway's
 routing by model (fleet.py), in-process against stand-in engines whose answers the tests release one by one: the
 order in which requests reach an engine is the assertion, so no timing bound is involved."""
 
@@ -11,11 +11,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from shoal.engine.gateway.admission import FairQueue, Ticket, request_cost
-from shoal.engine.gateway.discovery import KubeAPI
-from shoal.engine.gateway.fleet import ServiceView
-from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app
-from shoal.engine.gateway.tenants import EngineKeys, TenantKeys
+from shoal.operator.gateway.admission import FairQueue, Ticket, request_cost
+from shoal.operator.gateway.discovery import KubeAPI
+from shoal.operator.gateway.fleet import ServiceView
+from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app
+from shoal.operator.gateway.tenants import EngineKeys, TenantKeys
 
 
 # ---- the queue alone --------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def engines():
 def gateway(api, ns):
     port = free_port()
     gw = LoggedProcess(
-        [sys.executable, "-m", "shoal.engine.gateway", "--service", "llm", "--namespace", ns, "--routing",
+        [sys.executable, "-m", "shoal.operator.gateway", "--service", "llm", "--namespace", ns, "--routing",
          "round-robin", "--host", "127.0.0.1", "--port", str(port), "--poll-interval", "0.1",
          "--log-level", "warning"], port)
     try:
@@ -165,7 +165,7 @@ def test_gateway_follows_ready_endpoints_of_the_service(api, ns, engines, gatewa
 def test_the_gateway_and_the_operator_read_a_kubeconfig_alike(tmp_path, monkeypatch, user):
     import yaml
 
-    from shoal.engine.gateway.discovery import KubeAPI
+    from shoal.operator.gateway.discovery import KubeAPI
     from shoal.operator.informer import kube_api
 
     path = tmp_path / "kubeconfig"

@@ -14,17 +14,17 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from shoal.engine.gateway.backends import Backend, BackendSet, HealthPolicy
-from shoal.engine.gateway.discovery import ready_urls
-from shoal.engine.gateway.poller import Poller, parse_load
-from shoal.engine.gateway.prefix import block_hashes, render_prompt
-from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app
-from shoal.engine.gateway.routing import make_router, prefix_load
+from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
+from shoal.operator.gateway.discovery import ready_urls
+from shoal.operator.gateway.poller import Poller, parse_load
+from shoal.operator.gateway.prefix import block_hashes, render_prompt
+from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app
+from shoal.operator.gateway.routing import make_router, prefix_load
 
 
 def test_gateway_imports_no_torch():
-    code = ("import sys, shoal.engine.gateway.cli, shoal.engine.gateway.proxy, shoal.engine.gateway.discovery, "
-            "shoal.engine.gateway.fleet, shoal.engine.gateway.wake; "
+    code = ("import sys, shoal.operator.gateway.cli, shoal.operator.gateway.proxy, shoal.operator.gateway.discovery, "
+            "shoal.operator.gateway.fleet, shoal.operator.gateway.wake; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
@@ -43,7 +43,7 @@ def test_block_hashes_chain_like_the_prefix_cache():
 
 
 def test_block_hashes_agree_across_processes():
-    code = "from shoal.engine.gateway.prefix import block_hashes; print(block_hashes('ab' * 100, 64, 10)[-1].hex())"
+    code = "from shoal.operator.gateway.prefix import block_hashes; print(block_hashes('ab' * 100, 64, 10)[-1].hex())"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
                            env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout for seed in ("1", "2")}
     assert len(outs) == 1 and outs.pop().strip() == block_hashes("ab" * 100, 64, 10)[-1].hex()
@@ -190,7 +190,7 @@ def test_parse_load_and_ready_urls():
     (["--endpoint", "http://a:1", "--api-key-file", "/nonexistent/key"], "--api-key-file: cannot read"),
 ])
 def test_cli_rejects_bad_arguments(argv, message):
-    out = subprocess.run([sys.executable, "-m", "shoal.engine.gateway", *argv], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "shoal.operator.gateway", *argv], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and message in out.stderr, out.stderr
 
@@ -465,7 +465,7 @@ async def test_a_poll_keeps_the_readiness_answer_when_metrics_come_late_and_stay
 
 # ------------------------------------------------------------------------------------------ LoRA affinity
 def test_parse_lora_reads_residency_and_slots():
-    from shoal.engine.gateway.poller import parse_lora
+    from shoal.operator.gateway.poller import parse_lora
 
     text = ('shoal:lora_requests_info{max_lora="4",running_lora_adapters="a,b",waiting_lora_adapters="c"} 1.7e9\n'
             'shoal:lora_resident_info{max_cpu_lora="8",resident_lora_adapters="a,b,c"} 1.7e9\n'
@@ -497,7 +497,7 @@ def test_lora_affinity_prefers_resident_then_free_place_then_load(routing):
 
 
 def test_request_model_is_read_from_the_body():
-    from shoal.engine.gateway.proxy import request_model
+    from shoal.operator.gateway.proxy import request_model
 
     assert request_model("/v1/completions", b'{"model": "a", "prompt": "x"}') == "a"
     assert request_model("/v1/completions", b'{"prompt": "x"}') is None

@@ -1,4 +1,4 @@
-"""Each runtime's load gauges, as the gateway's poller and the autoscaler read them (engine/gateway/metric_names.py)."""
+"""Each runtime's load gauges, as the gateway's poller and the autoscaler read them (operator/gateway/metric_names.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from shoal.engine.gateway import metric_names
-from shoal.engine.gateway.backends import BackendSet
-from shoal.engine.gateway.cli import build_parser, config_from_args
-from shoal.engine.gateway.poller import Poller, parse_load
+from shoal.operator.gateway import metric_names
+from shoal.operator.gateway.backends import BackendSet
+from shoal.operator.gateway.cli import build_parser, config_from_args
+from shoal.operator.gateway.poller import Poller, parse_load
 from shoal.operator.autoscaler import metric_sums
 
 # The exposition of a vLLM 0.32 server (V1 engine: one label set per engine core), trimmed to what matters here.

@@ -10,10 +10,10 @@ import json
 import pytest
 from aiohttp import web
 
-importlib.import_module("shoal.engine.gateway.discovery")
+importlib.import_module("shoal.operator.gateway.discovery")
 
-from shoal.engine.gateway.discovery import KubeAPI  # noqa: E402
-from shoal.engine.gateway.wake import ANNOTATION, Waker  # noqa: E402
+from shoal.operator.gateway.discovery import KubeAPI  # noqa: E402
+from shoal.operator.gateway.wake import ANNOTATION, Waker  # noqa: E402
 
 
 async def _api_server(status: int = 200):

@@ -9,7 +9,7 @@ from fleetkit import FakeEngines, publish_slices
 from kubekit import condition, isvc_body, slice_labels, wait_for
 from prockit import free_port
 
-from shoal.engine.gateway.wake import wake_patch
+from shoal.operator.gateway.wake import wake_patch
 from shoal.operator.autoscaler import A_DELETION_COST, A_WAKE, REGISTRY
 
 ISVC = "inferenceservices"

@@ -19,7 +19,7 @@ from kubekit import isvc_body, wait_for
 from prockit import http
 
 openai = importlib.import_module("openai")
-importlib.import_module("shoal.engine.gateway")
+importlib.import_module("shoal.operator.gateway")
 
 ISVC = "inferenceservices"
 

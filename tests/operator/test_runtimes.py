@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 from fleetkit import VLLM_PYTHON
 
-from shoal.engine.gateway import metric_names
+from shoal.operator.gateway import metric_names
 from shoal.operator import api, render, runtimes, status
 from shoal.operator.render import Settings
 

@@ -53,7 +53,7 @@ def test_one_endpoint_routes_by_model_and_wakes_only_the_model_asked_for(env, ns
     wait_for(lambda: env.client.get("deployments", ns, "chat"), 10, "the chat deployment")
     kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=None)
     port = free_port()
-    gateway = LoggedProcess([sys.executable, "-m", "shoal.engine.gateway", "--namespace", ns, "--host", "127.0.0.1",
+    gateway = LoggedProcess([sys.executable, "-m", "shoal.operator.gateway", "--namespace", ns, "--host", "127.0.0.1",
                              "--port", str(port), "--poll-interval", "0.1", "--models-interval", "0.5",
                              "--log-level", "info"], port, log_prefix="shared-gateway-")
     try:

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shoal.engine.gateway.admission import FairQueue, Shed, Ticket
-from shoal.engine.gateway.backends import Backend, BackendSet
-from shoal.engine.gateway.routing import Pick, Router
+from shoal.operator.gateway.admission import FairQueue, Shed, Ticket
+from shoal.operator.gateway.backends import Backend, BackendSet
+from shoal.operator.gateway.routing import Pick, Router
 
 log = logging.getLogger("shoal.gateway.pool")
 

@@ -41,15 +41,15 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shoal.engine import __version__
-from shoal.engine.gateway.admission import Shed, Ticket, request_cost
-from shoal.engine.gateway.backends import Backend, BackendSet, HealthPolicy
-from shoal.engine.gateway.metric_names import for_runtime
-from shoal.engine.gateway.metrics import GatewayMetrics
-from shoal.engine.gateway.poller import Poller
-from shoal.engine.gateway.pool import Pool, Unavailable
-from shoal.engine.gateway.prefix import block_hashes, render_prompt
-from shoal.engine.gateway.routing import Pick, PrefixIndex, make_router
-from shoal.engine.gateway.tenants import EngineKeys, Tenancy, TenantKeys
+from shoal.operator.gateway.admission import Shed, Ticket, request_cost
+from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
+from shoal.operator.gateway.metric_names import for_runtime
+from shoal.operator.gateway.metrics import GatewayMetrics
+from shoal.operator.gateway.poller import Poller
+from shoal.operator.gateway.pool import Pool, Unavailable
+from shoal.operator.gateway.prefix import block_hashes, render_prompt
+from shoal.operator.gateway.routing import Pick, PrefixIndex, make_router
+from shoal.operator.gateway.tenants import EngineKeys, Tenancy, TenantKeys
 
 log = logging.getLogger("shoal.gateway")
 
@@ -170,7 +170,7 @@ class Gateway:
         self._wakers: dict[Pool, Any] = {}
         self.kube_api = kube_api
         if shared:
-            from shoal.engine.gateway.fleet import Fleet
+            from shoal.operator.gateway.fleet import Fleet
 
             # one prefix index for every model: the memory bound stays index_size hashes, whatever the fleet
             self.prefix_index = PrefixIndex(config.index_size)
@@ -220,7 +220,7 @@ class Gateway:
         pool.max_inflight = view.max_inflight or c.max_inflight  # engine.maxNumSeqs, else the gateway's flag
         pool.hold_timeout = (c.hold_timeout or view.hold_timeout) if view.hold_timeout else 0.0
         if view.hold_timeout and pool not in self._wakers:
-            from shoal.engine.gateway.wake import Waker
+            from shoal.operator.gateway.wake import Waker
 
             waker = Waker(view.namespace, f"{view.name}-wake", api=self.kube_api, session=self.session)
             self._wakers[pool] = waker

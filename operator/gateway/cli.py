@@ -13,12 +13,12 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from shoal.engine.gateway.backends import HealthPolicy
-from shoal.engine.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
-from shoal.engine.gateway.metric_names import RUNTIMES
-from shoal.engine.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
-from shoal.engine.gateway.routing import ROUTINGS
-from shoal.engine.gateway.tenants import EngineKeys, TenantKeys
+from shoal.operator.gateway.backends import HealthPolicy
+from shoal.operator.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
+from shoal.operator.gateway.metric_names import RUNTIMES
+from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
+from shoal.operator.gateway.routing import ROUTINGS
+from shoal.operator.gateway.tenants import EngineKeys, TenantKeys
 
 log = logging.getLogger("shoal.gateway")
 
@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.wake_configmap:
         if not namespace:
             parser.error("--wake-configmap needs --namespace outside a pod")
-        from shoal.engine.gateway.wake import Waker
+        from shoal.operator.gateway.wake import Waker
 
         waker = Waker(namespace, args.wake_configmap)
     return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout, waker,

@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from shoal.engine.gateway.discovery import KubeAPI
+from shoal.operator.gateway.discovery import KubeAPI
 
 log = logging.getLogger("shoal.gateway.wake")
 

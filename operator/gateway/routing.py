@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
-from shoal.engine.gateway.backends import Backend
+from shoal.operator.gateway.backends import Backend
 
 
 @dataclass

@@ -15,8 +15,8 @@ import time
 
 import aiohttp
 
-from shoal.engine.gateway.backends import Backend, BackendSet
-from shoal.engine.gateway.metric_names import SHOAL, EngineMetrics, scan
+from shoal.operator.gateway.backends import Backend, BackendSet
+from shoal.operator.gateway.metric_names import SHOAL, EngineMetrics, scan
 
 log = logging.getLogger("shoal.gateway.poller")
 

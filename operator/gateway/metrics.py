@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from shoal.engine.gateway.proxy import Gateway
+    from shoal.operator.gateway.proxy import Gateway
 
 P = "shoal:gateway_"
 PICK_BUCKETS = [0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1]

@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from shoal.engine.gateway.backends import BackendSet
+from shoal.operator.gateway.backends import BackendSet
 
 log = logging.getLogger("shoal.gateway.discovery")
 

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from shoal.engine.gateway.discovery import KubeAPI, ListWatch, collection_path, ready_urls
-from shoal.engine.gateway.metric_names import BY_RUNTIME
-from shoal.engine.gateway.pool import Pool
+from shoal.operator.gateway.discovery import KubeAPI, ListWatch, collection_path, ready_urls
+from shoal.operator.gateway.metric_names import BY_RUNTIME
+from shoal.operator.gateway.pool import Pool
 
 if TYPE_CHECKING:
-    from shoal.engine.gateway.proxy import Gateway
+    from shoal.operator.gateway.proxy import Gateway
 
 log = logging.getLogger("shoal.gateway.fleet")
 

@@ -1,5 +1,0 @@
-import sys
-
-from shoal.engine.gateway.cli import main
-
-sys.exit(main())
