@@ -230,8 +230,16 @@ def _restricted_container(add_capabilities=()) -> dict[str, Any]:
 
 # A CPU pod sees no GPU even on a GPU node whose default container runtime is nvidia: the CUDA base image sets
 # NVIDIA_VISIBLE_DEVICES=all, which that runtime honours for any container; `void` makes it expose neither devices
-# nor driver libraries, and an empty CUDA_VISIBLE_DEVICES hides any device that is mounted all the same.
-CPU_ONLY_ENV = ({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}, {"name": "CUDA_VISIBLE_DEVICES", "value": ""})
+# nor driver libraries, and CUDA_VISIBLE_DEVICES=-1 (an invalid index: CUDA lists no device from there on) hides any
+# device that is mounted all the same. Not an empty value: the API server drops empty env values (omitempty), so the
+# stored template would never equal the rendered one and every reconcile would re-apply it.
+CPU_ONLY_ENV = ({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}, {"name": "CUDA_VISIBLE_DEVICES", "value": "-1"})
+
+
+def _stored_env(var: dict[str, Any]) -> dict[str, Any]:
+    """An env var as the API server stores it: `value: ""` is dropped (omitempty; the variable is still set, empty).
+    Rendering it that way keeps the drift check from firing on every pass."""
+    return {k: v for k, v in var.items() if not (k == "value" and v == "")}
 
 
 def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict[str, Any]]:
@@ -253,7 +261,7 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict
     if gpus == 0:
         env += [dict(e) for e in CPU_ONLY_ENV]
     user_names = {e.get("name") for e in spec.env}
-    return [e for e in env if e["name"] not in user_names] + [copy.deepcopy(e) for e in spec.env]
+    return [e for e in env if e["name"] not in user_names] + [_stored_env(copy.deepcopy(e)) for e in spec.env]
 
 
 def _with_api_key(env: list[dict[str, Any]], spec: InferenceServiceSpec) -> list[dict[str, Any]]:

@@ -7,11 +7,12 @@ uid / creationTimestamp / resourceVersion / generation, namespaces from the URL,
 existing name or a stale resourceVersion, 422 when a JSON-patch `test` fails, status isolation (/status
 changes only status, the main endpoint never does), server-side apply (`Cluster._apply`: per field manager,
 fields a manager applied before and no longer applies are removed; lists are atomic), no-op patches that change
-nothing (no event), uid
+nothing (no event), empty env values dropped (omitempty, as the real server stores them), uid
 preconditions on delete, label selectors on lists and watches, resourceVersion on lists, watches that
 replay only events newer than the requested resourceVersion (subscribing before the replay, so nothing is
 lost in between), `timeoutSeconds`, ownerReference garbage collection, fault injection (`cluster.inject(...)`)
-for the retry tests, and a record of every write and LIST (`cluster.writes`, `cluster.lists`).
+for the retry tests, and a record of every write, apply request and LIST (`cluster.writes`, `cluster.applies`,
+`cluster.lists`).
 
 The emulator and the operator each run in their own thread with their own event loop; tests are plain
 synchronous functions acting as the cluster's controllers through HTTP (`Client`).
@@ -89,6 +90,8 @@ class Cluster(kmock.KubernetesEmulator):
     faults: list[Fault] = attrs.field(factory=list, init=False)
     writes: list[tuple[str, str, str | None, str | None]] = attrs.field(factory=list, init=False)
     lists: list[tuple[str, str | None]] = attrs.field(factory=list, init=False)  # (plural, namespace) of each LIST
+    # (plural, namespace, name) of every server-side apply request, no-ops included (each one costs the API server)
+    applies: list[tuple[str, str | None, str | None]] = attrs.field(factory=list, init=False)
     applied: dict[tuple, dict[str, dict[str, Any]]] = attrs.field(factory=dict, init=False)  # key -> manager -> cfg
     gc: bool = attrs.field(default=True)
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
@@ -191,6 +194,7 @@ class Cluster(kmock.KubernetesEmulator):
         return await self._insert(res, key, obj)
 
     async def _insert(self, res: tuple, key: tuple, obj: dict[str, Any]) -> aiohttp.web.StreamResponse:
+        _drop_empty_env(obj)
         meta = obj["metadata"]
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
         for field in ("resourceVersion", "deletionTimestamp"):
@@ -265,6 +269,7 @@ class Cluster(kmock.KubernetesEmulator):
                 new["metadata"][field] = old["metadata"][field]
         new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
         new["metadata"]["generation"] = old["metadata"].get("generation", 1)
+        _drop_empty_env(new)
         if new == old:  # a no-op patch changes nothing, bumps nothing, and emits no event
             return aiohttp.web.json_response(old)
         if new.get("spec") != old.get("spec"):
@@ -286,6 +291,7 @@ class Cluster(kmock.KubernetesEmulator):
         """Server-side apply, reduced to what decides convergence: each field manager owns the leaves (lists are
         atomic leaves) of the configuration it applied last; a leaf it applied before and no longer applies is
         removed unless another manager applies it too; without force, changing another manager's leaf is a 409."""
+        self.applies.append((res[2], request.namespace, request.name))
         manager = request.params.get("fieldManager")
         if not manager:
             return self._error(422, "Invalid", "PATCH /apply: fieldManager is required for apply requests")
@@ -423,6 +429,21 @@ class Cluster(kmock.KubernetesEmulator):
             if r[2] == plural and ns == namespace and n == name:
                 return json.loads(json.dumps(o))
         return None
+
+
+def _drop_empty_env(obj: dict[str, Any]) -> None:
+    """The API server serializes an env var's `value` with omitempty: `{"name": X, "value": ""}` is stored (and read
+    back) as `{"name": X}`, in pods and in the pod templates of workloads."""
+    spec = obj.get("spec") or {}
+    pod_specs = [spec, ((spec.get("template") or {}).get("spec") or {})]
+    for pod_spec in pod_specs:
+        if not isinstance(pod_spec, dict):
+            continue
+        for group in ("containers", "initContainers"):
+            for container in pod_spec.get(group) or []:
+                for var in container.get("env") or []:
+                    if var.get("value") == "":
+                        del var["value"]
 
 
 def _merge(target: Any, patch: Any) -> Any:

@@ -746,3 +746,23 @@ def test_adapters_reach_the_pods_list_without_touching_the_template_and_show_on_
         assert condition(get_isvc(env, ns, "lo"), "AdaptersReady") is None
     finally:
         sidecar.server.shutdown()
+
+
+def test_a_cpu_service_is_applied_once_however_often_it_is_reconciled(env, ns):
+    """The API server drops empty env values: a template rendered with one (CUDA_VISIBLE_DEVICES="") never equals
+    the stored one, and every reconcile re-applied the Deployment. N reconciles -> one apply."""
+    env.client.create(ISVC, ns, isvc_body("cpu", {"resources": {"gpusPerPod": 0, "cpu": "1", "memory": "2Gi"},
+                                                  "env": [{"name": "EMPTY_ON_PURPOSE", "value": ""}]}))
+    wait_for(lambda: env.client.get("deployments", ns, "cpu"), 10, "deployment")
+    settled(env, ns, "cpu")
+    applies = lambda: env.cluster.applies.count(("deployments", ns, "cpu"))  # noqa: E731
+    first = applies()
+    for n in range(5):  # each a child event: a reconcile of the service
+        env.client.patch("deployments", ns, "cpu", {"status": {"observedGeneration": 1, "replicas": 1,
+                                                               "readyReplicas": n % 2}}, sub="status")
+        wait_for(lambda: env.client.get(ISVC, ns, "cpu").get("status", {}).get("readyReplicas") == n % 2, 10,
+                 "the reconcile that saw the new Deployment status")
+        settled(env, ns, "cpu")
+    assert first == 1 and applies() == first
+    stored = env.client.get("deployments", ns, "cpu")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "EMPTY_ON_PURPOSE"} in stored

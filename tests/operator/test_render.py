@@ -153,7 +153,9 @@ def test_cpu_pods_see_no_gpu_and_run_on_cpu():
     assert flag(c["args"], "--device") == "cpu"
     for each in (c, init):  # every container of the pod runs on the CUDA image
         env = {e["name"]: e.get("value") for e in each["env"]}
-        assert env["NVIDIA_VISIBLE_DEVICES"] == "void" and env["CUDA_VISIBLE_DEVICES"] == ""
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "void" and env["CUDA_VISIBLE_DEVICES"] == "-1"
+        # never an empty value: the API server drops it, and the stored template would never match the render
+        assert all(e.get("value") != "" for e in each["env"])
     gpu = container(by_kind(render.render(isvc(TOPOLOGIES["single-gpu"]), SETTINGS))[("Deployment", "llm")])
     assert "--device" not in gpu["args"]  # the device plugin sets GPU visibility
     assert not {"NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"} & {e["name"] for e in gpu["env"]}
