@@ -267,7 +267,8 @@ class Reconciler:
         as the plan must see it, and the image to write to its status (None with spec.image)."""
         default = self.settings.engine_image
         everyone = [(k, found[0]) for k in list(self.indexes.get(api.KIND) or {}) if (found := self._get(api.KIND, k))]
-        pinned, started = self.upgrades.pin(key, isvc, default, upgrade.workload_image(self.observed(key)),
+        runtime = (isvc.get("spec") or {}).get("runtime") or "shoal"
+        pinned, started = self.upgrades.pin(key, isvc, default, upgrade.workload_image(self.observed(key), runtime),
                                             self.settings.max_concurrent_upgrades, everyone)
         if started:
             _event(isvc, "Normal", "EngineImageUpgrade",

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.operator import adapters, api, overlay, runtimes
+from shoal.operator import adapters, api, overlay, runtimes, upgrade
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/shoal-dev/shoal-engine:0.1.0"
@@ -582,7 +582,8 @@ def deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Setti
     return _finish({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(isvc, name, "engine", _workload_labels(spec)),
+        "metadata": {**_meta(isvc, name, "engine", _workload_labels(spec)),
+                     "annotations": {upgrade.A_RENDERED_IMAGE: settings.engine_image}},
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": pod_selector(name)},
@@ -607,7 +608,8 @@ def statefulset(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Sett
     group = group_name(name, replica)
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     meta = _meta(isvc, group, "engine", {**_workload_labels(spec), L_GROUP: str(replica)})
-    meta["annotations"] = {A_GROUP_SIZE: str(pods), A_REVISION: revision}
+    meta["annotations"] = {A_GROUP_SIZE: str(pods), A_REVISION: revision,
+                           upgrade.A_RENDERED_IMAGE: settings.engine_image}
     return _finish({
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

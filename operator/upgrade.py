@@ -2,8 +2,9 @@
 --engine-image) does not roll every GPU fleet at once.
 
 A service without `spec.image` runs `status.engineImage`. A new service is pinned to the operator's default; one
-created before pinning existed is pinned to the image its workload already runs. When the default changes, a service
-moves to it (a rollout) only while fewer than `--max-concurrent-upgrades` services are in such a rollout, or at once
+created before pinning existed is pinned to the image its workload already runs (read only from a workload no
+pinning operator rendered: never from one this operator just rendered, whose status write may not be visible yet,
+nor from a non-Shoal runtime's engine container). When the default changes, a service moves to it (a rollout) only while fewer than `--max-concurrent-upgrades` services are in such a rollout, or at once
 when it carries the annotation `serving.shoal.dev/upgrade-engine-image` (any value: an explicit upgrade, outside the
 budget); the others keep their pinned image until their turn. A rollout that never completes (a bad image) keeps
 holding its slot, so a broken image stops at the budget instead of reaching the whole fleet. Pure functions; the
@@ -29,13 +30,28 @@ def rolling_out(isvc: dict[str, Any]) -> bool:
                for c in (isvc.get("status") or {}).get("conditions") or [])
 
 
-def workload_image(observed: dict[tuple[str, str], dict[str, Any]]) -> str | None:
-    """The engine image the service's workload runs now (a Deployment's or a group StatefulSet's template)."""
+# On every workload a pinning operator renders: the default engine image it rendered with. Its only reader is
+# `workload_image`, which must never take a pin from such a workload: the pin lives in the status, and a reconcile
+# that reads the service before its own status write is visible would otherwise pin what it just rendered.
+A_RENDERED_IMAGE = "serving.shoal.dev/default-engine-image"
+# containers that run Shoal's engine image whatever the runtime (`shoal-engine download` / `sync-adapters`)
+SHOAL_HELPERS = ("model-download", "adapter-sync")
+
+
+def workload_image(observed: dict[tuple[str, str], dict[str, Any]], runtime: str = "shoal") -> str | None:
+    """The default engine image the service's workload runs now, for a service created before pinning existed
+    (a Deployment's or a group StatefulSet's template): a Shoal helper container's image, or the engine's when the
+    runtime is Shoal's. None when an operator that pins rendered the workload (its status holds the pin)."""
     for (kind, _), obj in sorted(observed.items()):
         if kind not in ("Deployment", "StatefulSet"):
             continue
-        for c in ((obj.get("spec") or {}).get("template") or {}).get("spec", {}).get("containers") or []:
-            if c.get("name") == "engine" and c.get("image"):
+        if A_RENDERED_IMAGE in ((obj.get("metadata") or {}).get("annotations") or {}):
+            return None
+        pod = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+        containers = [*(pod.get("initContainers") or []), *(pod.get("containers") or [])]
+        for c in containers:
+            if c.get("image") and (c.get("name") in SHOAL_HELPERS or (c.get("name") == "engine" and
+                                                                      runtime == "shoal")):
                 return c["image"]
     return None
 

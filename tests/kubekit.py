@@ -94,6 +94,8 @@ class Cluster(kmock.KubernetesEmulator):
     applies: list[tuple[str, str | None, str | None]] = attrs.field(factory=list, init=False)
     applied: dict[tuple, dict[str, dict[str, Any]]] = attrs.field(factory=dict, init=False)  # key -> manager -> cfg
     gc: bool = attrs.field(default=True)
+    lags: dict[str, float] = attrs.field(factory=dict, init=False)  # plural -> seconds its watch events lag
+    _lag_tail: dict[str, asyncio.Future] = attrs.field(factory=dict, init=False)
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
 
     # ------------------------------------------------------------------------------------------ plumbing
@@ -131,9 +133,36 @@ class Cluster(kmock.KubernetesEmulator):
         return aiohttp.web.json_response({"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
                                           "code": status, "reason": reason, "message": message}, status=status)
 
+    def lag(self, plural: str, seconds: float) -> None:
+        """Watch events of `plural` reach watchers `seconds` late, in order (GETs stay current): on a real server a
+        watch-fed cache often lags the writes, e.g. an operator reads an object before its own status write."""
+        if seconds:
+            self.lags[plural] = seconds
+        else:
+            self.lags.pop(plural, None)
+
     async def _emit(self, res: tuple, type_: str, obj: dict[str, Any]) -> None:
+        lag = self.lags.get(res[2])
+        if lag:
+            loop = asyncio.get_running_loop()
+            before, done = self._lag_tail.get(res[2]), loop.create_future()
+            self._lag_tail[res[2]] = done
+            due, obj = loop.time() + lag, json.loads(json.dumps(obj))
+
+            async def later() -> None:
+                if before is not None:
+                    await before
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                await self._log(res, type_, obj)
+                done.set_result(None)
+            loop.create_task(later())
+            return
+        await self._log(res, type_, obj)
+
+    async def _log(self, res: tuple, type_: str, obj: dict[str, Any]) -> None:
         async with self.changed:
-            self.log.append((self.rv, res, {"type": type_, "object": json.loads(json.dumps(obj))}))
+            rv = int(obj["metadata"].get("resourceVersion") or self.rv)  # the object's own (a lagging event's too)
+            self.log.append((rv, res, {"type": type_, "object": json.loads(json.dumps(obj))}))
             self.changed.notify_all()
 
     def _bump(self, obj: dict[str, Any]) -> None:
