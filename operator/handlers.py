@@ -215,7 +215,7 @@ class Reconciler:
         isvc = self._current(key)
         if isvc is None:
             return
-        isvc, pinned = self._pin_engine_image(key, isvc)
+        isvc, pinned, started = self._pin_engine_image(key, isvc)
         try:
             plan = self._plan(isvc)
         except api.SpecError as e:
@@ -233,6 +233,7 @@ class Reconciler:
         new_status = status.compute_status(isvc, plan, observed, pods, rejected, failed_creates=failed)
         if pinned:
             new_status["engineImage"] = pinned
+        self._upgrade_condition(key, isvc, started, new_status)
         await self._adapter_status(isvc, plan, pods, new_status)
         await self._write_status(isvc, new_status)
         if self.upgrades.observe(key, new_status):  # an upgrade slot is free: the services waiting for one
@@ -262,9 +263,21 @@ class Reconciler:
                                                                        seen.failures):
             _event(isvc, "Warning", "AdapterLoadFailed", message=f"adapter {adapter} on pod {pod}: {message}")
 
-    def _pin_engine_image(self, key: tuple[str, str], isvc: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    def _upgrade_condition(self, key: tuple[str, str], isvc: dict[str, Any], started: bool,
+                           new_status: dict[str, Any]) -> None:
+        """upgrade.CONDITION: set when this pass starts a move to the default image, cleared once it rolled out."""
+        old_status = isvc.get("status") or {}
+        found = self.upgrades.condition(key, started, old_status, new_status, self.settings.engine_image)
+        if found is not None:
+            previous = {c["type"]: c for c in old_status.get("conditions") or []}
+            new_status["conditions"] = [c for c in new_status["conditions"] if c["type"] != upgrade.CONDITION] + [
+                status.condition(upgrade.CONDITION, *found, previous, isvc["metadata"].get("generation"))]
+
+    def _pin_engine_image(self, key: tuple[str, str],
+                          isvc: dict[str, Any]) -> tuple[dict[str, Any], str | None, bool]:
         """The default engine image this service runs, pinned in its status (upgrade.py): -> the InferenceService
-        as the plan must see it, and the image to write to its status (None with spec.image)."""
+        as the plan must see it, the image to write to its status (None with spec.image), and whether this pass
+        starts moving it to the default image."""
         default = self.settings.engine_image
         everyone = [(k, found[0]) for k in list(self.indexes.get(api.KIND) or {}) if (found := self._get(api.KIND, k))]
         runtime = (isvc.get("spec") or {}).get("runtime") or "shoal"
@@ -276,7 +289,7 @@ class Reconciler:
                            f"{(isvc.get('status') or {}).get('engineImage') or 'unpinned'})")
         if pinned and (isvc.get("status") or {}).get("engineImage") != pinned:
             isvc = {**isvc, "status": {**(isvc.get("status") or {}), "engineImage": pinned}}
-        return isvc, pinned
+        return isvc, pinned, started
 
     def _current(self, key: tuple[str, str]) -> dict[str, Any] | None:
         """The InferenceService to reconcile, or None when it is gone (the garbage collector removes its

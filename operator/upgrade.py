@@ -17,11 +17,21 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 A_UPGRADE = "serving.shoal.dev/upgrade-engine-image"
+# The condition a service carries while it moves to a new default image (True from the pass that starts the move
+# until its rollout has ended): how an operator process tells an upgrade in flight, which another process may have
+# started, from a new service that is merely rolling out its first pods (waiting for GPUs, say), which is no upgrade.
+CONDITION = "EngineImageUpgrading"
 
 
 def asked(isvc: dict[str, Any]) -> bool:
     """Does the service ask to move to the default image now (explicit upgrade, outside the budget)?"""
     return A_UPGRADE in (isvc["metadata"].get("annotations") or {})
+
+
+def upgrading(isvc: dict[str, Any]) -> bool:
+    """Does the service's status say it is moving to a new default engine image (CONDITION)?"""
+    return any(c.get("type") == CONDITION and c.get("status") == "True"
+               for c in (isvc.get("status") or {}).get("conditions") or [])
 
 
 def rolling_out(isvc: dict[str, Any]) -> bool:
@@ -66,7 +76,8 @@ class Upgrades:
 
     def in_flight(self, isvcs: Iterable[tuple[tuple[str, str], dict[str, Any]]], default: str) -> int:
         """Services rolling out to the default image now: those this operator moved (until their rollout ended)
-        and any other pinned to it and rolling out (moved by a previous operator process)."""
+        and any other pinned to it, rolling out and marked as upgrading (moved by a previous operator process).
+        A service that never ran another image (a new one, still waiting for its first pods) is no upgrade."""
         current = dict(isvcs)
         count = 0
         for key, seen in list(self.started.items()):
@@ -80,7 +91,7 @@ class Upgrades:
                 self.moved.add(key)
         for key, isvc in current.items():
             if key not in self.started and key not in self.moved and not asked(isvc) and rolling_out(isvc) and \
-                    (isvc.get("status") or {}).get("engineImage") == default:
+                    upgrading(isvc) and (isvc.get("status") or {}).get("engineImage") == default:
                 count += 1
         return count + len(self.started)
 
@@ -96,6 +107,15 @@ class Upgrades:
             self.moved.add(key)
             return True
         return False
+
+    def condition(self, key: tuple[str, str], started: bool, previous: dict[str, Any], new_status: dict[str, Any],
+                  default: str) -> tuple[bool, str, str] | None:
+        """CONDITION for the status just computed: (ok, reason, message), or None to leave it as it is."""
+        if started:
+            return True, "MovingToDefault", f"moving to the operator's engine image {default}"
+        if upgrading({"status": previous}) and key not in self.started and not rolling_out({"status": new_status}):
+            return False, "Completed", f"runs the operator's engine image {new_status.get('engineImage') or default}"
+        return None
 
     def pin(self, key: tuple[str, str], isvc: dict[str, Any], default: str, observed_image: str | None,
             budget: int, isvcs: Iterable[tuple[tuple[str, str], dict[str, Any]]]) -> tuple[str | None, bool]:
