@@ -24,6 +24,11 @@ Shoal's own flags (each also settable by its environment variable):
   --peering-lifetime SECONDS  with --peering: how long a replica that died keeps   (SHOAL_PEERING_LIFETIME,
                               leading before a standby takes over (kopf's peer      default 60)
                               lifetime; a clean exit hands over at once)
+  --rbac-scope SCOPE          cluster (default): kopf follows CRDs and namespaces  (SHOAL_RBAC_SCOPE)
+                              as they appear (a ClusterRole); namespace: the
+                              operator holds Roles in its -n namespaces only and
+                              never asks for cluster-scoped objects (kopf's scans
+                              off; CRDs installed later need a restart)
   --shared-gateway NS/SA      the shared gateway's namespace and ServiceAccount:   (SHOAL_SHARED_GATEWAY)
                               every engine NetworkPolicy admits its pods (label
                               app.kubernetes.io/component=shared-gateway), and it may wake services at zero
@@ -50,6 +55,7 @@ OWN_FLAGS = {
     "--max-concurrent-scrapes": "SHOAL_MAX_CONCURRENT_SCRAPES",
     "--peering-lifetime": "SHOAL_PEERING_LIFETIME",
     "--shared-gateway": "SHOAL_SHARED_GATEWAY",
+    "--rbac-scope": "SHOAL_RBAC_SCOPE",
 }
 REPEATABLE = {"--metrics-namespace": "SHOAL_METRICS_NAMESPACES"}
 
@@ -77,6 +83,8 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     if "SHOAL_SHARED_GATEWAY" in env and not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
                                                         env["SHOAL_SHARED_GATEWAY"]):
         raise SystemExit(f"--shared-gateway takes NAMESPACE/SERVICEACCOUNT, got {env['SHOAL_SHARED_GATEWAY']!r}")
+    if env.get("SHOAL_RBAC_SCOPE", "cluster") not in ("cluster", "namespace"):
+        raise SystemExit(f"--rbac-scope takes cluster or namespace, got {env['SHOAL_RBAC_SCOPE']!r}")
     if "--max-gpus-per-node" in [a.split("=")[0] for a in argv]:
         value = int(env["SHOAL_MAX_GPUS_PER_NODE"])
         if value < 1:
@@ -129,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
         argv = ["--help"]
     env, rest = parse(peering_priority(argv))
     env["SHOAL_WATCH_NAMESPACES"] = watched_namespaces(rest)
+    if env.get("SHOAL_RBAC_SCOPE") == "namespace" and not env["SHOAL_WATCH_NAMESPACES"]:
+        raise SystemExit("--rbac-scope namespace needs the namespaces by name (-n NS, repeatable): without the "
+                         "right to list namespaces, -A and patterns such as team-* cannot be served")
     os.environ.update(env)
     from kopf import cli
 

@@ -53,6 +53,10 @@ REJECTED = (400, 403, 422)
 
 class ChildrenRejected(Exception):
     """The API refused some children; the status says which and why."""
+
+
+class OwnerGone(Exception):
+    """The InferenceService was deleted (or replaced) while a pass was about to write its children."""
 def settings_from_env() -> Settings:
     """shoal-operator's flags arrive as environment variables (kopf loads this module itself)."""
     return Settings(
@@ -223,9 +227,10 @@ class Reconciler:
             return
         observed, pods = self.observed(key), self._get("Pod", key)
         want = self._desired(isvc, plan, observed, pods)
-        if any(ck not in observed for ck in want.children) and not await self._still_exists(isvc):
+        try:
+            rejected = await self._apply(isvc, want, observed)
+        except OwnerGone:
             return  # deleted meanwhile (its DELETED event is still on its way): never resurrect its children
-        rejected = await self._apply(isvc, want, observed)
         await self._delete_unwanted(isvc, want, observed)
         if plan.multi_pod:
             await self.restart_broken_groups(isvc, plan, observed, pods)
@@ -333,6 +338,8 @@ class Reconciler:
         namespace, uid = isvc["metadata"]["namespace"], isvc["metadata"].get("uid")
         created: list[str] = []
         rejected: list[str] = []
+        made: list[tuple[str, str, str]] = []  # (kind, name, uid) of what this pass's applies created
+        checked = False
         for ck, obj in want.children.items():
             actual = observed.get(ck)
             if actual is not None and not _owned_by(actual, uid):
@@ -341,8 +348,15 @@ class Reconciler:
                 continue
             if actual is not None and not _drifted(actual, obj):
                 continue
+            # The indexes lag the API (watch streams of different kinds are not ordered): before the pass's first
+            # write ask the API whether the owner still exists. An apply creates what is missing, even a child the
+            # garbage collector just removed along with its deleted owner.
+            if not checked:
+                if not await self._still_exists(isvc):
+                    raise OwnerGone(f"{namespace}/{isvc['metadata']['name']}")
+                checked = True
             try:
-                await self.kube.apply(obj)  # creates, updates and removes fields we no longer render
+                written = await self.kube.apply(obj)  # creates, updates and removes fields we no longer render
             except ApiError as e:
                 if e.status == 422 and ck in want.in_place and actual is not None:
                     # a StatefulSet field that cannot change (volumeClaimTemplates, ...): the group goes down
@@ -360,10 +374,22 @@ class Reconciler:
                     raise
                 rejected.append(f"{ck[0]} {ck[1]} rejected by the API ({e.status} {e.reason}): {e.message}")
                 continue
+            if (written.get("metadata") or {}).get("uid") != ((actual or {}).get("metadata") or {}).get("uid"):
+                made.append((ck[0], ck[1], written["metadata"]["uid"]))
             if actual is None:
                 created.append(f"{ck[0]} {ck[1]}")
             else:
                 logger.info("updated %s %s/%s", ck[0], namespace, ck[1])
+        if made and not await self._still_exists(isvc):
+            # deleted between the check and an apply that created a child: take back what this pass created (uid
+            # preconditions: only those objects), instead of leaving it to the garbage collector
+            for kind, name, child_uid in made:
+                try:
+                    await self.kube.delete(kind, namespace, name, uid=child_uid)
+                except ApiError as e:
+                    if e.status not in (404, 409):
+                        raise
+            raise OwnerGone(f"{namespace}/{isvc['metadata']['name']}")
         if created:
             _event(isvc, "Normal", "Created", message="created " + ", ".join(created))
         return rejected
@@ -416,7 +442,7 @@ class Reconciler:
 
     async def _still_exists(self, isvc: dict[str, Any]) -> bool:
         """Watch streams of different kinds are not ordered: children may vanish (garbage collection) before the
-        owner's own DELETED event arrives. Creating children is the one step that asks the API first."""
+        owner's own DELETED event arrives. Writing children is the one step that asks the API first."""
         meta = isvc["metadata"]
         try:
             fresh = await self.kube.get(api.KIND, meta["namespace"], meta["name"])
@@ -516,6 +542,15 @@ class Reconciler:
 
 
 # ------------------------------------------------------------------------------------------------ kopf handlers
+def scope_settings(settings: kopf.OperatorSettings, rbac_scope: str) -> None:
+    """What kopf may ask the API for. A namespaced install (`--rbac-scope namespace`: Roles in the watched
+    namespaces, no ClusterRole) turns kopf's scanning off: kopf otherwise lists and watches CRDs and namespaces
+    cluster-wide at every start, is refused, logs the refusals and backs off before it serves anything. Off, it
+    discovers the resources once at start (API discovery, which every authenticated user may read) and serves the
+    -n namespaces by name."""
+    settings.scanning.disabled = rbac_scope == "namespace"
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
@@ -528,6 +563,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.networking.error_backoffs = [0.5, 1, 2, 5, 10]
     # how long a replica that died (no clean exit) keeps leading before a standby takes over (--peering-lifetime)
     settings.peering.lifetime = int(os.environ.get("SHOAL_PEERING_LIFETIME") or settings.peering.lifetime)
+    scope_settings(settings, os.environ.get("SHOAL_RBAC_SCOPE") or "cluster")
     for w in CHILDREN:  # server-side filtering of the child watches
         settings.watching.label_selectors[(w.group, w.version, w.plural)] = MANAGED_SELECTOR
     if "reconciler" not in memo:

@@ -11,8 +11,9 @@ nothing (no event), empty env values dropped (omitempty, as the real server stor
 preconditions on delete, label selectors on lists and watches, resourceVersion on lists, watches that
 replay only events newer than the requested resourceVersion (subscribing before the replay, so nothing is
 lost in between), `timeoutSeconds`, ownerReference garbage collection, fault injection (`cluster.inject(...)`)
-for the retry tests, and a record of every write, apply request and LIST (`cluster.writes`, `cluster.applies`,
-`cluster.lists`).
+for the retry tests, RBAC (`cluster.authorize`: 403 for what a Role does not grant, recorded in
+`cluster.denied`), watches that lag (`cluster.lag`), and a record of every write, apply request and LIST
+(`cluster.writes`, `cluster.applies`, `cluster.lists`).
 
 The emulator and the operator each run in their own thread with their own event loop; tests are plain
 synchronous functions acting as the cluster's controllers through HTTP (`Client`).
@@ -94,8 +95,11 @@ class Cluster(kmock.KubernetesEmulator):
     applies: list[tuple[str, str | None, str | None]] = attrs.field(factory=list, init=False)
     applied: dict[tuple, dict[str, dict[str, Any]]] = attrs.field(factory=dict, init=False)  # key -> manager -> cfg
     gc: bool = attrs.field(default=True)
-    lags: dict[str, float] = attrs.field(factory=dict, init=False)  # plural -> seconds its watch events lag
+    lags: dict[str | None, float] = attrs.field(factory=dict, init=False)  # plural (None: all) -> seconds late
     _lag_tail: dict[str, asyncio.Future] = attrs.field(factory=dict, init=False)
+    # RBAC: (apiGroup, resource, verb, namespace or None for a cluster-scoped request) -> allowed?; None: all
+    authorize: Any = attrs.field(default=None, init=False)
+    denied: list[tuple[str, str, str, str | None]] = attrs.field(factory=list, init=False)
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
 
     # ------------------------------------------------------------------------------------------ plumbing
@@ -133,16 +137,17 @@ class Cluster(kmock.KubernetesEmulator):
         return aiohttp.web.json_response({"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
                                           "code": status, "reason": reason, "message": message}, status=status)
 
-    def lag(self, plural: str, seconds: float) -> None:
-        """Watch events of `plural` reach watchers `seconds` late, in order (GETs stay current): on a real server a
-        watch-fed cache often lags the writes, e.g. an operator reads an object before its own status write."""
+    def lag(self, plural: str | None, seconds: float) -> None:
+        """Watch events of `plural` (None: of every resource) reach watchers `seconds` late, in order per resource
+        (GETs stay current): on a real server a watch-fed cache often lags the writes, e.g. an operator reads an
+        object before its own status write is visible, or sees a child the garbage collector already removed."""
         if seconds:
             self.lags[plural] = seconds
         else:
             self.lags.pop(plural, None)
 
     async def _emit(self, res: tuple, type_: str, obj: dict[str, Any]) -> None:
-        lag = self.lags.get(res[2])
+        lag = self.lags.get(res[2], self.lags.get(None))
         if lag:
             loop = asyncio.get_running_loop()
             before, done = self._lag_tail.get(res[2]), loop.create_future()
@@ -173,6 +178,16 @@ class Cluster(kmock.KubernetesEmulator):
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None or request.resource.plural is None:
             return await super(kmock.KubernetesEmulator, self)._handle(request)  # discovery etc.
+        if self.authorize is not None and not request.headers.get("X-Test-Client"):
+            verb = {enums.action.CREATE: "create", enums.action.UPDATE: "patch", enums.action.DELETE: "delete",
+                    enums.action.FETCH: "get", enums.action.LIST: "list", enums.action.WATCH: "watch"}.get(
+                request.action, "get")
+            plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+            asked = (request.resource.group or "", plural, verb, request.namespace)
+            if not self.authorize(*asked):
+                self.denied.append(asked)
+                where = f"in namespace {request.namespace}" if request.namespace else "at the cluster scope"
+                return self._error(403, "Forbidden", f"{plural}.{asked[0]} is forbidden: cannot {verb} {where}")
         fault = self._fault(request)
         if fault is not None:
             reason = {409: "Conflict", 500: "InternalError", 503: "ServiceUnavailable", 429: "TooManyRequests",
@@ -585,8 +600,9 @@ class EmulatorServer:
 class OperatorThread:
     """kopf.operator() with shoal's handlers, in its own thread and loop, against the emulator."""
 
-    def __init__(self, peering: tuple[str, int] | None = None):
-        """`peering`: (peering name, priority) to run peered (as the chart's highAvailability), else standalone."""
+    def __init__(self, peering: tuple[str, int] | None = None, namespaces: list[str] | None = None):
+        """`peering`: (peering name, priority) to run peered (as the chart's highAvailability), else standalone;
+        `namespaces`: serve only these (`-n`), else every namespace (`-A`)."""
         import kopf
 
         from shoal.operator import HANDLER_MODULES
@@ -602,8 +618,9 @@ class OperatorThread:
         def target():
             try:
                 mode = dict(peering_name=peering[0], priority=peering[1]) if peering else dict(standalone=True)
-                asyncio.run(kopf.operator(clusterwide=True, stop_flag=self.stop_flag, ready_flag=self.ready_flag,
-                                          memo=self.memo, **mode))
+                scope = dict(namespaces=namespaces) if namespaces else dict(clusterwide=True)
+                asyncio.run(kopf.operator(stop_flag=self.stop_flag, ready_flag=self.ready_flag, memo=self.memo,
+                                          **scope, **mode))
             except BaseException as e:  # pragma: no cover - surfaced by the fixture
                 self.error = e
 

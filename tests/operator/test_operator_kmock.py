@@ -766,3 +766,27 @@ def test_a_cpu_service_is_applied_once_however_often_it_is_reconciled(env, ns):
     assert first == 1 and applies() == first
     stored = env.client.get("deployments", ns, "cpu")["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "EMPTY_ON_PURPOSE"} in stored
+
+
+def test_no_child_is_written_for_a_service_deleted_while_a_reconcile_runs(env, ns):
+    """The operator's indexes lag the API (watch streams of different kinds are not ordered): a reconcile that still
+    sees a deleted service and a child the garbage collector already removed must not re-create that child (owned
+    by a uid that no longer exists). Deletion races a reconcile here: the spec change and the deletion reach the
+    operator (every watch) 1 s late, 0.5 s apart."""
+    isvc = env.client.create(ISVC, ns, isvc_body("gone", {"replicas": 2}))
+    wait_for(lambda: env.client.get("deployments", ns, "gone"), 10, "deployment")
+    settled(env, ns, "gone")
+    env.cluster.lag(None, 1.0)  # every watch: the children the garbage collector removes stay in the indexes
+    try:
+        env.client.patch(ISVC, ns, "gone", {"spec": {"replicas": 3}})  # its reconcile applies, creating nothing new
+        time.sleep(0.5)  # the race itself: delete while that reconcile is on its way
+        env.client.delete(ISVC, ns, "gone")
+        deleted_at = len(env.cluster.writes)
+        wait_for(lambda: (ns, "gone") not in (env.operator.memo.reconciler.indexes.get("InferenceService") or {}),
+                 10, "the operator to see the deletion")
+        settled(env, ns, "gone")
+    finally:
+        env.cluster.lag(None, 0)
+    written = [w for w in env.cluster.writes[deleted_at:] if w[0] in ("create", "patch") and w[2] == ns]
+    assert written == [], f"children written for the deleted {isvc['metadata']['uid']}: {written}"
+    assert env.client.get("deployments", ns, "gone") is None
