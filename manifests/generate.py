@@ -4,9 +4,9 @@
     python manifests/generate.py --check   # exit 1 when it is stale (tests/chart runs the same comparison)
 
 The kustomize base is the chart rendered with the values below by the real Helm engine (helm-python-sdk,
-in-process, offline), minus Helm's own labels. The CRD is not copied: manifests/kustomization.yaml takes it
-from ../crds as a kustomize base, so there is exactly one generated CRD file per consumer (crds/ for kustomize
-and kubectl, charts/shoal/crds/ for Helm).
+in-process, offline), minus Helm's own labels. The CRDs are not rendered here: manifests/kustomization.yaml takes
+them from manifests/crds, a kustomize base written by the CRD generator (which also writes crds/ for kubectl and
+charts/shoal/crds/ for Helm).
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def _generate_module():
 
 
 def _crd_base_missing() -> str | None:
-    if not (ROOT / "crds" / "kustomization.yaml").exists():
-        return "crds/kustomization.yaml (owned by the CRD generator) does not exist yet"
+    if not (MANIFESTS / "crds" / "kustomization.yaml").exists():
+        return "manifests/crds/kustomization.yaml (owned by the CRD generator) does not exist yet"
     return None
 
 
@@ -53,7 +53,18 @@ def test_kustomization_shape():
     k = yaml.safe_load(KUSTOMIZATION.read_text())
     assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization"
     assert k["namespace"] == NAMESPACE
-    assert k["resources"] == ["namespace.yaml", "../crds", "operator.yaml"]
+    assert k["resources"] == ["namespace.yaml", "crds", "operator.yaml"]
+
+
+def test_kubectl_apply_f_crds_applies_only_crds():
+    """`kubectl apply -f crds/` reads every YAML file there: each must be a CRD (a kustomization.yaml is none)."""
+    files = sorted((ROOT / "crds").iterdir())
+    assert files
+    for path in files:
+        assert path.suffix in (".yaml", ".yml"), path
+        docs = load_docs(path.read_text())
+        assert docs and all(d["apiVersion"] == "apiextensions.k8s.io/v1" and d["kind"] == "CustomResourceDefinition"
+                            for d in docs), f"{path.name} is not a CRD: `kubectl apply -f crds/` would fail on it"
 
 
 def test_listed_resources_validate():
