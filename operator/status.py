@@ -254,6 +254,10 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     budget = spec.probes.download_timeout_seconds if spec.model.uri.startswith("hf://") else None
     for pod in live_pods:
         problem = pod_problem(pod, now, budget)
+        if problem and plan.multi_pod and problem[0] in ("PodFailed", "CrashLoopBackOff") and (
+                (pod.get("status") or {}).get("phase") == "Failed" or restarts(pod) > 0):
+            # heals by itself: the reconciler restarts the whole group (restart_broken_groups), never Failed
+            problem = ("GroupRestarting", f"{problem[1]}; restarting all ranks of its group together")
         if problem:
             problems.append(problem)
     if any(p[0] == "ModelDownloading" for p in problems):  # the rollout deadline does not count the download

@@ -172,3 +172,14 @@ def test_cross_field_rules_name_the_field(change, named):
     with pytest.raises(api.SpecError) as exc:
         api.validate(doc["metadata"]["name"], doc["spec"])
     assert exc.value.field == named
+
+
+def test_every_priority_class_an_example_names_is_defined_beside_it():
+    """An example whose pods name a PriorityClass that does not exist cannot create any pod (FailedCreate)."""
+    for path in example_files():
+        docs = load_docs(path.read_text())
+        defined = {d["metadata"]["name"] for d in docs if d.get("kind") == "PriorityClass"}
+        for doc in docs:
+            if doc.get("kind") == "InferenceService":
+                name = ((doc["spec"].get("scheduling") or {}).get("priorityClassName"))
+                assert name is None or name in defined, f"{path.name} needs PriorityClass {name}: define it there"

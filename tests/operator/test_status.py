@@ -300,3 +300,22 @@ async def test_the_status_patch_carries_the_resource_version_it_was_computed_fro
     ((subresource, patch),) = kube.patches
     assert subresource == "status" and patch["metadata"]["resourceVersion"] == "41"
     assert patch["status"]["phase"] == "Pending"
+
+
+def test_a_rank_that_failed_is_a_group_restart_not_a_failed_service():
+    """A failed or restarted rank makes the reconciler restart its whole group, which heals by itself: the status
+    says GroupRestarting, and the phase is never Failed for it."""
+    spec = {"replicas": 1, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
+            "resources": {"gpusPerPod": 8}}
+    revision = render.plan(isvc(spec), Settings()).revision
+    sts = {("StatefulSet", "m-g0"): {"metadata": {
+        "name": "m-g0", "generation": 1, "labels": {L_GROUP: "0"}, "annotations": {render.A_REVISION: revision}},
+        "status": {"observedGeneration": 1, "updatedReplicas": 2, "replicas": 2}}}
+    for broken in (pod("m-g0-1", phase="Failed", group=0),
+                   pod("m-g0-1", group=0, restarts=1, waiting={"reason": "CrashLoopBackOff", "message": "back-off"})):
+        s = status_for(spec, sts, [pod("m-g0-0", ready=True, group=0), broken])
+        assert s["phase"] != "Failed"
+        assert cond(s, "Ready")["reason"] == "GroupRestarting" and "m-g0-1" in cond(s, "Ready")["message"]
+    # a single-pod replica's failure stays what it is
+    s = status_for({"replicas": 1}, deployment(0, replicas=1), [pod("m-1", phase="Failed")])
+    assert s["phase"] == "Failed" and cond(s, "Ready")["reason"] == "PodFailed"
