@@ -819,6 +819,16 @@ def gateway_memory(gw: api.GatewayOptions) -> str:
     return f"{math.ceil(total / 2**20)}Mi"
 
 
+GATEWAY_KEY_ENV = "SHOAL_API_KEY"  # what shoal-gateway reads (operator/gateway/cli.py resolve_api_key)
+
+
+def gateway_key_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The gateway's copy of the engines' API key, the same for every runtime."""
+    ref = spec.security.api_key_secret_ref
+    assert ref is not None
+    return [{"name": GATEWAY_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
 def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
     name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
     gw, res = spec.gateway, spec.gateway.resources
@@ -846,8 +856,9 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
                 + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}, metrics_port],
         # The engines' key, so the gateway answers 401 itself: an unauthenticated request is never held, never
-        # counted as load and never wakes the autoscaler.
-        **({"env": _with_api_key([], spec)} if spec.security.api_key_secret_ref else {}),
+        # counted as load and never wakes the autoscaler. shoal-gateway reads SHOAL_API_KEY whatever the engines'
+        # runtime (the engines' own variable, e.g. VLLM_API_KEY, means nothing to it).
+        **({"env": gateway_key_env(spec)} if spec.security.api_key_secret_ref else {}),
         "resources": resources,
         "readinessProbe": _probe("/readyz", 2, 2, 2),
         "livenessProbe": _probe("/livez", 10, 3, 5),

@@ -77,6 +77,10 @@ def test_vllm_single_pod_replica():
     (init,) = pod["initContainers"]
     assert init["image"] == SETTINGS.engine_image and init["args"][:2] == ["shoal-engine", "download"]
     assert pod["terminationGracePeriodSeconds"] > 90
+    # the gateway checks the same key, read as SHOAL_API_KEY whatever the runtime (VLLM_API_KEY means nothing to it)
+    (gw,) = [container(c) for c in children if c["kind"] == "Deployment" and c["metadata"]["name"].endswith("-gateway")]
+    assert gw["env"] == [{"name": "SHOAL_API_KEY",
+                          "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "token"}}}]
     # the gateway polls /health and reads vllm: gauges
     assert gateway_args(children)[-2:] == ["--runtime", "vllm"]
 
