@@ -49,6 +49,15 @@ def switch(on: str | None, off: str | None) -> Mapping:
     return lambda value: [w for w in ([on] if value else [off]) if w]
 
 
+def one_of(mapping: Mapping, allowed: frozenset, why: str) -> Mapping:
+    """`mapping` for a value in `allowed` (or unset); any other value is Unsupported with `why`."""
+    def check(value: Any) -> list[str]:
+        if value is not None and value not in allowed:
+            raise Unsupported(f"{value} is not accepted: {why}")
+        return mapping(value)
+    return check
+
+
 def choice(name: str, table: dict[Any, str | None], why: str) -> Mapping:
     """An enum: `table` maps the spec's value to the runtime's (None: the runtime's default, no flag); a value
     missing from the table is Unsupported with `why`."""
@@ -128,13 +137,19 @@ SHOAL = Runtime(
     workers_serve_health=True, init_entrypoint=True, runtime_adapters=True,
 )
 
+# vLLM's --max-lora-rank choices (vllm/config/lora.py): any other value fails its argument parsing at start
+VLLM_LORA_RANKS = frozenset({1, 8, 16, 32, 64, 128, 256, 320, 512})
+
 VLLM = Runtime(
     name="vllm", image="vllm/vllm-openai:v0.32.0", command=("vllm", "serve"), model_flag="--model",
     options={
         **{o: shoal_flag(o) for o in ("tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len",
                                       "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                                      "enable_prefix_caching", "enforce_eager", "max_loras", "max_lora_rank",
-                                      "max_cpu_loras", "scheduling_policy")},
+                                      "enable_prefix_caching", "enforce_eager", "max_loras", "max_cpu_loras",
+                                      "scheduling_policy")},
+        "max_lora_rank": one_of(shoal_flag("max_lora_rank"), VLLM_LORA_RANKS,
+                                "vLLM accepts only the LoRA ranks 1, 8, 16, 32, 64, 128, 256, 320 and 512 (any other "
+                                "makes it exit at start): use the next one up from your adapters' largest rank"),
         "enable_lora": switch("--enable-lora", None),
         "attention_backend": choice("--attention-backend", {"auto": None, "flash": "FLASH_ATTN",
                                                             "triton": "TRITON_ATTN", "cpu": "CPU_ATTN"},

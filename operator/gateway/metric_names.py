@@ -22,7 +22,10 @@ class EngineMetrics:
     waiting_prefill_tokens: tuple[str, ...] = ()
     prefix_queries: tuple[str, ...] = ()  # counters (for dashboards and benches; not used to route)
     prefix_hits: tuple[str, ...] = ()
-    lora_info: tuple[str, ...] = ()  # an info gauge labelled with running/waiting adapters
+    lora_info: tuple[str, ...] = ()  # an info gauge labelled with running/waiting adapters and max_lora
+    # an info gauge labelled with the adapters loaded (resident_lora_adapters) and max_cpu_lora; a runtime without
+    # one (vLLM) counts the adapters its lora_info names as resident: a request runs or waits on each of them there
+    lora_resident: tuple[str, ...] = ()
 
 
 SHOAL = EngineMetrics(
@@ -30,6 +33,7 @@ SHOAL = EngineMetrics(
     running=("shoal:num_requests_running",), waiting=("shoal:num_requests_waiting",),
     kv_usage=("shoal:kv_cache_usage_perc",), waiting_prefill_tokens=("shoal:num_waiting_prefill_tokens",),
     prefix_queries=("shoal:prefix_cache_queries_total",), prefix_hits=("shoal:prefix_cache_hits_total",),
+    lora_info=("shoal:lora_requests_info",), lora_resident=("shoal:lora_resident_info",),
 )
 VLLM = EngineMetrics(
     # vLLM's /health is 200 once the engine serves and while its engine core is alive (it listens only when

@@ -34,21 +34,30 @@ def _label(line: str, name: str) -> str | None:
     return line[start:line.find('"', start)]
 
 
-def parse_lora(text: str) -> dict:
-    """Resident adapters and slot use from an engine's lora_resident_info and lora_requests_info (label values:
-    comma-separated adapter names; empty when the engine serves no adapters), and its base model's name."""
+def parse_lora(text: str, metrics: EngineMetrics = SHOAL) -> dict:
+    """Resident adapters and slot use from an engine's LoRA info gauges, by its runtime's names (metric_names.py;
+    label values: comma-separated adapter names, empty when the engine serves no adapters), and its base model's
+    name (the model_name label of its running-requests gauge)."""
     out = {"lora_resident": frozenset(), "max_cpu_loras": 0, "lora_running": 0, "max_loras": 0}
+    named: set[str] = set()  # adapters lora_info names (running or waiting): resident where no gauge says more
+    has_resident = False
     for line in text.splitlines():
-        if line.startswith("shoal:num_requests_running{"):
+        name = line.split("{", 1)[0]
+        if name in metrics.running and "{" in line:
             out["served_model"] = _label(line, "model_name")
-        elif line.startswith("shoal:lora_resident_info{"):
+        elif name in metrics.lora_resident:
             names = _label(line, "resident_lora_adapters") or ""
             out["lora_resident"] = frozenset(n for n in names.split(",") if n)
             out["max_cpu_loras"] = int(_label(line, "max_cpu_lora") or 0)
-        elif line.startswith("shoal:lora_requests_info{"):
-            running = _label(line, "running_lora_adapters") or ""
-            out["lora_running"] = len([n for n in running.split(",") if n])
-            out["max_loras"] = int(_label(line, "max_lora") or 0)
+            has_resident = True
+        elif name in metrics.lora_info:
+            running = [n for n in (_label(line, "running_lora_adapters") or "").split(",") if n]
+            waiting = [n for n in (_label(line, "waiting_lora_adapters") or "").split(",") if n]
+            out["lora_running"] = len(running)
+            out["max_loras"] = int(float(_label(line, "max_lora") or 0))
+            named = set(running) | set(waiting)
+    if not has_resident and not metrics.lora_resident:
+        out["lora_resident"] = frozenset(named)
     return out
 
 
@@ -110,7 +119,7 @@ class Poller:
             b.running, b.waiting, b.kv_usage = load["running"], load["waiting"], load["kv_usage"]
             b.waiting_prefill_tokens = load["waiting_prefill_tokens"]
             b.inflight_at_poll = b.inflight
-            for key, value in parse_lora(text).items():
+            for key, value in parse_lora(text, self.metrics).items():
                 setattr(b, key, value)
             b.last_ok = now
         if ready and not b.circuit_open(now):

@@ -477,6 +477,19 @@ def test_parse_lora_reads_residency_and_slots():
     assert parse_lora(empty)["lora_resident"] == frozenset()
 
 
+def test_parse_lora_reads_vllms_names():
+    """vLLM's engines export vllm:lora_requests_info (no resident-adapters gauge): the adapters a request runs or
+    waits on there are resident, and its slots and base model are read by vLLM's names."""
+    from shoal.operator.gateway.metric_names import VLLM
+    from shoal.operator.gateway.poller import parse_lora
+
+    text = ('vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql",waiting_lora_adapters="chat"} 1.7e9\n'
+            'vllm:num_requests_running{engine="0",model_name="base"} 1.0\n')
+    assert parse_lora(text, VLLM) == {"lora_resident": frozenset({"sql", "chat"}), "max_cpu_loras": 0,
+                                      "lora_running": 1, "max_loras": 4, "served_model": "base"}
+    assert parse_lora(text)["lora_resident"] == frozenset()  # Shoal's names only: nothing resident
+
+
 @pytest.mark.parametrize("routing", ["prefix-load", "least-load"])
 def test_lora_affinity_prefers_resident_then_free_place_then_load(routing):
     r, bs, now = make_router(routing), backends(3), time.monotonic()

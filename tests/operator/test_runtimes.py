@@ -194,6 +194,8 @@ def test_every_engine_option_has_a_mapping_in_the_shoal_runtime():
     ({"runtime": "vllm", "model": {"uri": "demo://"}}, "spec.model.uri", "runtime vllm has no built-in demo model"),
     ({"runtime": "vllm", "engine": {"attentionBackend": "sdpa"}}, "spec.engine.attentionBackend",
      "runtime vllm: 'sdpa' has no equivalent"),
+    ({"runtime": "vllm", "engine": {"enableLora": True, "maxLoraRank": 48}}, "spec.engine.maxLoraRank",
+     "runtime vllm: 48 is not accepted: vLLM accepts only the LoRA ranks 1, 8, 16, 32, 64, 128, 256, 320 and 512"),
     ({"runtime": "vllm", "engine": {"quantization": "int4"}}, "spec.engine.quantization",
      "runtime vllm: 'int4' has no equivalent (vLLM reads GPTQ/AWQ"),
     ({"runtime": "vllm", "engine": {"extraArgs": ["--distributed-executor-backend=ray"]}},
@@ -214,6 +216,16 @@ def test_what_a_runtime_cannot_honour_is_an_invalid_spec_naming_it(spec, field, 
     with pytest.raises(api.SpecError) as ei:
         render.plan(isvc(spec), SETTINGS)
     assert ei.value.field == field and words in ei.value.message, ei.value
+
+
+def test_vllm_takes_the_lora_ranks_it_accepts():
+    for rank in sorted(runtimes.VLLM_LORA_RANKS):
+        spec = {"runtime": "vllm", "model": {"uri": "pvc://models/qwen"},
+                "engine": {"enableLora": True, "maxLoraRank": rank}}
+        args = container(engine_of(render.render(isvc(spec), SETTINGS)))["args"]
+        assert args[args.index("--max-lora-rank") + 1] == str(rank)
+    shoal = {"model": {"uri": "pvc://models/qwen"}, "engine": {"enableLora": True, "maxLoraRank": 48}}
+    render.render(isvc(shoal), SETTINGS)  # Shoal's engine takes any rank
 
 
 def test_the_crd_knows_the_runtime_field():
