@@ -472,9 +472,9 @@ class InferenceServiceSpec(_Model):
     # Priority and the inference extension (shared gateway, docs/gateway.md; InferencePool, render.py)
     priority: int = Field(
         default=0, ge=-2147483648, le=2147483647,
-        description="how important this model's requests are where they compete for a gateway's capacity (the "
-                    "inference extension's InferenceObjective priority): higher first; under saturation the "
-                    "lowest is shed first (429). Sent to engines that schedule by priority "
+        description="how important this model's requests are where they compete for a Shoal gateway's capacity: "
+                    "higher first; under saturation the lowest is shed first (429). Not rendered for the Gateway "
+                    "API Inference Extension (no InferenceObjective: give one of your own). Sent to engines that schedule by priority "
                     "(engine.schedulingPolicy: priority). Applies to the model and to its adapters without a priority of "
                     "their own (spec.adapters[].priority)")
     inference_pool: InferencePoolOptions | None = Field(

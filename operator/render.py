@@ -1018,7 +1018,19 @@ def inference_pool(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool
     })
 
 
-def http_route(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+# The Gateway API's bounds on one HTTPRoute: 64 matches per rule, 16 rules, 128 matches in all (a CEL rule)
+ROUTE_MATCHES_PER_RULE = 64
+ROUTE_MATCHES = 128
+
+
+def route_name(name: str, index: int) -> str:
+    return name if index == 0 else f"{name}-r{index + 1}"
+
+
+def http_routes(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The HTTPRoutes from the user's Gateway to the pool: with matchModelHeader one match per served name (the
+    model and up to 256 adapters), in rules of at most 64 matches and routes of at most 128 (`<name>`,
+    `<name>-r2`, `<name>-r3`); without it one match for every path."""
     route = spec.inference_pool.http_route if spec.inference_pool else None
     assert route is not None
     name = isvc["metadata"]["name"]
@@ -1031,24 +1043,31 @@ def http_route(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, An
             parent["sectionName"] = ref.section_name
         parents.append(parent)
     backend = {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": name}
-    matches = [{"path": {"type": "PathPrefix", "value": "/"},
-                **({"headers": [{"type": "Exact", "name": MODEL_NAME_HEADER, "value": model}]}
-                   if route.match_model_header else {})}
-               for model in served_names(isvc, spec)]
-    rule = {"matches": matches, "backendRefs": [backend],
-            # a whole non-streaming generation, as Shoal's gateway allows (spec.gateway.responseTimeoutSeconds)
-            "timeouts": {"request": f"{spec.gateway.response_timeout_seconds}s"}}
-    body: dict[str, Any] = {"parentRefs": parents, "rules": [rule]}
-    if route.hostnames:
-        body["hostnames"] = list(route.hostnames)
-    return _finish({"apiVersion": HTTP_ROUTE_API, "kind": "HTTPRoute",
-                    "metadata": _meta(isvc, name, "http-route"), "spec": body})
+    if route.match_model_header:
+        matches = [{"path": {"type": "PathPrefix", "value": "/"},
+                    "headers": [{"type": "Exact", "name": MODEL_NAME_HEADER, "value": model}]}
+                   for model in served_names(isvc, spec)]
+    else:
+        matches = [{"path": {"type": "PathPrefix", "value": "/"}}]
+    routes = []
+    for index, start in enumerate(range(0, len(matches), ROUTE_MATCHES)):
+        mine = matches[start:start + ROUTE_MATCHES]
+        # a whole non-streaming generation, as Shoal's gateway allows (spec.gateway.responseTimeoutSeconds)
+        rules = [{"matches": mine[i:i + ROUTE_MATCHES_PER_RULE], "backendRefs": [backend],
+                  "timeouts": {"request": f"{spec.gateway.response_timeout_seconds}s"}}
+                 for i in range(0, len(mine), ROUTE_MATCHES_PER_RULE)]
+        body: dict[str, Any] = {"parentRefs": parents, "rules": rules}
+        if route.hostnames:
+            body["hostnames"] = list(route.hostnames)
+        routes.append(_finish({"apiVersion": HTTP_ROUTE_API, "kind": "HTTPRoute",
+                               "metadata": _meta(isvc, route_name(name, index), "http-route"), "spec": body}))
+    return routes
 
 
 def inference_extension_children(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> list[dict]:
     children = [inference_pool(isvc, spec, multi)]
     if spec.inference_pool is not None and spec.inference_pool.http_route is not None:
-        children.append(http_route(isvc, spec))
+        children += http_routes(isvc, spec)
     return children
 
 

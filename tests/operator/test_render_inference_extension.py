@@ -139,3 +139,21 @@ def test_priority_and_scheduling_policy_reach_the_engines():
     with pytest.raises(api.SpecError) as e:
         api.validate("llm", {"priority": 2**31})
     assert e.value.field == "spec.priority"
+
+
+@pytest.mark.parametrize("n_adapters, routes", [(63, [[64]]), (64, [[64, 1]]), (256, [[64, 64], [64, 64], [1]])])
+def test_an_http_route_for_many_adapters_is_split_into_valid_rules_and_routes(n_adapters, routes):
+    """One match per served name; the Gateway API allows 64 matches per rule and 128 per route: 64 adapters (65
+    names) made one invalid rule. Rules of <= 64, routes of <= 128 (<name>, <name>-r2, ...), every name routed."""
+    adapters = [{"name": f"a{i}", "uri": f"hf://org/adapter-{i}"} for i in range(n_adapters)]
+    k = kids({"engine": {"enableLora": True}, "adapters": adapters,
+              "inferencePool": {**POOL, "httpRoute": ROUTE}})
+    found = sorted((name for kind, name in k if kind == "HTTPRoute"), key=lambda n: (len(n), n))
+    assert found == ["llm", "llm-r2", "llm-r3"][:len(routes)]
+    names = []
+    for name, sizes in zip(found, routes):
+        route = k[("HTTPRoute", name)]
+        valid(route, HTTP_ROUTE)
+        assert [len(rule["matches"]) for rule in route["spec"]["rules"]] == sizes
+        names += [m["headers"][0]["value"] for rule in route["spec"]["rules"] for m in rule["matches"]]
+    assert names == ["llm"] + [a["name"] for a in adapters]
