@@ -1,5 +1,7 @@
-"""`shoal-engine`: serve | demo | download | sync-adapters | bench serve | bench fleet | bench gateway |
-bench throughput | bench latency.
+"""`shoal-engine`: serve | demo | bench serve | bench throughput | bench latency.
+
+(The pods' helper containers are `shoal-podtools` in the operator image; the fleet benches are
+`python -m shoal.operator.gateway.bench_fleet` and `...bench_shared`.)
 
 Flags follow vLLM's names so habits and manifests carry over. Engine options are defined once, as fields of
 EngineConfig / DistributedConfig (shoal.engine.config) marked with a Flag: their flags, defaults, choices and help
@@ -215,18 +217,6 @@ def cmd_bench_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return run_bench(args)
 
 
-def cmd_bench_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from shoal.engine.tools.bench_fleet import run_bench
-
-    return run_bench(args)
-
-
-def cmd_bench_gateway(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from shoal.engine.tools.bench_gateway import run_bench
-
-    return run_bench(args)
-
-
 def cmd_bench_throughput(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from shoal.engine.tools import bench_throughput
 
@@ -272,42 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("extra", nargs=argparse.REMAINDER, help="further `serve` flags, after `--`")
     demo.set_defaults(func=cmd_demo, parser=demo)
 
-    from shoal.engine.tools import download
-
-    dl = sub.add_parser("download", help="fetch a hub model into the local HF cache (the operator's init container)",
-                        description=download.__doc__.splitlines()[0])
-    download.add_args(dl)
-    dl.set_defaults(func=lambda args, parser: download.run(args), parser=dl)
-
-    from shoal.engine.tools import adapter_sync
-
-    sync = sub.add_parser("sync-adapters", help="keep a running engine's LoRA adapters equal to a list (the "
-                          "operator's in-pod sidecar)", description=adapter_sync.__doc__.splitlines()[0])
-    adapter_sync.add_args(sync)
-    sync.set_defaults(func=lambda args, parser: adapter_sync.run(args), parser=sync)
-
-    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), fleet (gateway routing), "
-                           "gateway (shared gateway at scale, fairness), throughput (offline), "
-                           "latency (batch 1 vs llama.cpp)")
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), throughput (offline), latency (batch 1 "
+                           "vs llama.cpp); the fleet's (gateway routing, shared gateway) are in shoal.operator.gateway")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     bs = bsub.add_parser("serve", help="load-test a running server (like `vllm bench serve`)")
     from shoal.engine.tools.bench_serve import add_bench_serve_args
 
     add_bench_serve_args(bs)
     bs.set_defaults(func=cmd_bench_serve, parser=bs)
-    bf = bsub.add_parser("fleet", help="N engine replicas behind shoal-gateway: routing policies compared "
-                         "(shoal.engine.tools.bench_fleet)")
-    from shoal.engine.tools.bench_fleet import add_bench_fleet_args
-
-    add_bench_fleet_args(bf)
-    bf.set_defaults(func=cmd_bench_fleet, parser=bf)
-    bg = bsub.add_parser("gateway", help="the shared gateway's pick time and memory with many models and adapters, "
-                         "and a trickle tenant's TTFT under another's flood, fairness off and on "
-                         "(shoal.engine.tools.bench_gateway)")
-    from shoal.engine.tools.bench_gateway import add_bench_gateway_args
-
-    add_bench_gateway_args(bg)
-    bg.set_defaults(func=cmd_bench_gateway, parser=bg)
     bt = bsub.add_parser("throughput", help="offline throughput vs transformers (shoal.engine.tools.bench_throughput)",
                          add_help=False)
     bt.add_argument("rest", nargs=argparse.REMAINDER)

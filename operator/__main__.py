@@ -6,6 +6,8 @@ Shoal's own flags (each also settable by its environment variable):
 
   --engine-image IMAGE        default engine image for specs without spec.image   (SHOAL_ENGINE_IMAGE)
   --gateway-image IMAGE       shoal-gateway image (default: the operator image)   (SHOAL_GATEWAY_IMAGE)
+  --fleet-image IMAGE         the engine pods' helper containers, shoal-podtools   (SHOAL_FLEET_IMAGE)
+                              (model download, adapter sync; default: the operator image)
   --max-gpus-per-node N       GPUs one node offers; caps the default gpusPerPod   (SHOAL_MAX_GPUS_PER_NODE)
   --cluster-domain DOMAIN     for the status URL and rank-0 addresses             (SHOAL_CLUSTER_DOMAIN)
   --operator-namespace NS     namespace allowed to scrape engine metrics          (SHOAL_OPERATOR_NAMESPACE,
@@ -47,6 +49,7 @@ import sys
 OWN_FLAGS = {
     "--engine-image": "SHOAL_ENGINE_IMAGE",
     "--gateway-image": "SHOAL_GATEWAY_IMAGE",
+    "--fleet-image": "SHOAL_FLEET_IMAGE",
     "--max-gpus-per-node": "SHOAL_MAX_GPUS_PER_NODE",
     "--cluster-domain": "SHOAL_CLUSTER_DOMAIN",
     "--operator-namespace": "SHOAL_OPERATOR_NAMESPACE",

@@ -6,8 +6,8 @@ How an adapter list reaches running engines (the design; docs/operator.md explai
   and its source as the pod sees it: a local directory, or ``hf://org/name@revision`` to fetch). The pod template
   mounts that ConfigMap by name only, so the list is no part of the template (nor of its hash): editing
   spec.adapters never rolls a pod.
-* Every engine pod of a service with ``engine.enableLora`` runs a small sidecar, ``shoal-engine sync-adapters``
-  (engine/tools/adapter_sync.py). The kubelet refreshes the mounted ConfigMap in place; the sidecar fetches hub
+* Every engine pod of a service with ``engine.enableLora`` runs a small sidecar, ``shoal-podtools sync-adapters``
+  (operator/podtools/adapter_sync.py). The kubelet refreshes the mounted ConfigMap in place; the sidecar fetches hub
   adapters into the pod's cache volume and loads and unloads adapters through the engine's own
   ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` on localhost, with the engine's API key from the pod's
   Secret reference: the operator never holds the key, and nothing outside the pod calls those endpoints. Its

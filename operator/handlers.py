@@ -62,6 +62,7 @@ def settings_from_env() -> Settings:
     return Settings(
         engine_image=os.environ.get("SHOAL_ENGINE_IMAGE") or render.DEFAULT_ENGINE_IMAGE,
         gateway_image=os.environ.get("SHOAL_GATEWAY_IMAGE") or render.DEFAULT_GATEWAY_IMAGE,
+        fleet_image=os.environ.get("SHOAL_FLEET_IMAGE") or render.DEFAULT_FLEET_IMAGE,
         max_gpus_per_node=int(os.environ.get("SHOAL_MAX_GPUS_PER_NODE") or 8),
         max_concurrent_upgrades=int(os.environ.get("SHOAL_MAX_CONCURRENT_UPGRADES") or 1),
         cluster_domain=os.environ.get("SHOAL_CLUSTER_DOMAIN") or "cluster.local",

@@ -44,6 +44,10 @@ from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
 DEFAULT_ENGINE_IMAGE = "ghcr.io/shoal-dev/shoal-engine:0.1.0"
 # shoal-gateway needs no torch: the operator's small image (Dockerfile.operator) carries it.
 DEFAULT_GATEWAY_IMAGE = "ghcr.io/shoal-dev/shoal-operator:0.1.0"
+# The pods' helper containers (shoal-podtools: the model download, the adapter sync) run from the operator image,
+# whatever the engine's runtime: the engine image carries no operator code.
+DEFAULT_FLEET_IMAGE = "ghcr.io/shoal-dev/shoal-operator:0.1.0"
+PODTOOLS = "shoal-podtools"
 GATEWAY_UID = 65532  # the operator image's user
 
 L_NAME = "app.kubernetes.io/name"
@@ -72,6 +76,7 @@ class Settings:
 
     engine_image: str = DEFAULT_ENGINE_IMAGE
     gateway_image: str = DEFAULT_GATEWAY_IMAGE
+    fleet_image: str = DEFAULT_FLEET_IMAGE  # the pods' helper containers (shoal-podtools)
     max_gpus_per_node: int = 8
     cluster_domain: str = "cluster.local"
     operator_namespace: str | None = None  # metrics scraping allowed from there by the NetworkPolicy
@@ -363,8 +368,8 @@ def _download_container(spec: InferenceServiceSpec, image: str, env: list[dict[s
     container = {
         "name": DOWNLOAD_CONTAINER,
         "image": image,
-        # behind the image's init, as the engine (runtimes.SHOAL.init_entrypoint)
-        "args": ["shoal-engine", "download", *download_args],
+        "command": [PODTOOLS],
+        "args": ["download", *download_args],
         "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
         "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
         # a download is network and disk bound; requests keep the pod out of BestEffort while it runs,
@@ -388,8 +393,8 @@ def _adapter_sync_container(spec: InferenceServiceSpec, image: str, env: list[di
     container = {
         "name": adapters.SIDECAR,
         "image": image,
-        # behind the image's init, as the engine (runtimes.SHOAL.init_entrypoint)
-        "args": ["shoal-engine", "sync-adapters", "--config", f"{adapters.CONFIG_DIR}/{adapters.CONFIG_KEY}",
+        "command": [PODTOOLS],
+        "args": ["sync-adapters", "--config", f"{adapters.CONFIG_DIR}/{adapters.CONFIG_KEY}",
                  "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", "--port", str(adapters.SIDECAR_PORT)],
         "ports": [{"name": adapters.SIDECAR, "containerPort": adapters.SIDECAR_PORT, "protocol": "TCP"}],
         "env": [e for e in env if e["name"] not in ("HF_HUB_OFFLINE", "SHOAL_API_KEY")] + key,
@@ -438,11 +443,9 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     env = _engine_env(spec, multi, spec.gpus_per_pod(settings.max_gpus_per_node))
     volumes, mounts = _volumes(name, spec)
     container = _engine_container(isvc, spec, settings, replica=replica, multi=multi, env=env, mounts=mounts)
-    # the download runs `shoal-engine download`: from Shoal's engine image when the engine is another runtime
-    download_image = container["image"] if spec.runtime == "shoal" else settings.engine_image
-    init_containers = ([_download_container(spec, download_image, env, mounts)]
+    init_containers = ([_download_container(spec, settings.fleet_image, env, mounts)]
                        if spec.model.uri.startswith("hf://") else [])
-    sidecars = [_adapter_sync_container(spec, download_image, env, mounts)] if spec.engine.enable_lora else []
+    sidecars = [_adapter_sync_container(spec, settings.fleet_image, env, mounts)] if spec.engine.enable_lora else []
     pod_spec: dict[str, Any] = {
         **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container, *sidecars],

@@ -15,7 +15,7 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
   the Service's labels as the EndpointSlice controller does.
 * A deleted pod turns not-ready/terminating in its EndpointSlice at once, gets SIGTERM (the engine drains its
   in-flight requests) and disappears when the process exits (SIGKILL after the grace period).
-* The adapter-sync sidecar (`shoal-engine sync-adapters`, with engine.enableLora) runs as a second local process
+* The adapter-sync sidecar (`shoal-podtools sync-adapters`, with engine.enableLora) runs as a second local process
   next to its engine: its ConfigMap volume is a local folder the loop here refreshes from the emulator (as the
   kubelet refreshes mounted ConfigMaps), its `--engine-url` is the engine's local port, and the pod object
   carries its local port as the container port (the operator reads its /status at podIP:port). The pod is Ready
@@ -58,11 +58,14 @@ POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "T
 
 
 def local_argv(argv: list[str]) -> list[str]:
-    """The local program for a container's argv (its `command` and `args` together: Shoal's engine and its
-    sidecar run behind the image's init, with the whole argv as args; vLLM's command overrides its image's
+    """The local program for a container's argv (its `command` and `args` together: Shoal's engine runs behind the
+    image's init, with the whole argv as args; the adapter sidecar's command is shoal-podtools (operator image);
+    vLLM's command overrides its image's
     entrypoint)."""
-    if argv[:2] == ["shoal-engine", "serve"] or argv[:2] == ["shoal-engine", "sync-adapters"]:
+    if argv[:2] == ["shoal-engine", "serve"]:
         return [sys.executable, "-m", "shoal.engine.cli", *argv[1:]]
+    if argv[:2] == ["shoal-podtools", "sync-adapters"]:
+        return [sys.executable, "-m", "shoal.operator.podtools", *argv[1:]]
     if argv[:2] == ["vllm", "serve"]:
         return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", *argv[2:]]
     raise ValueError(f"the local kubelet cannot run a container {argv[:2]!r} (single-pod shoal-engine, its "

@@ -64,7 +64,7 @@ def test_dockerfile_is_pinned_non_root_and_has_the_entrypoint(dockerfile, entryp
 
 
 @pytest.mark.parametrize("dockerfile,required", [
-    ("Dockerfile.operator", {"kopf", "kubernetes", "pydantic", "pyyaml", "aiohttp"}),
+    ("Dockerfile.operator", {"kopf", "kubernetes", "pydantic", "pyyaml", "aiohttp", "huggingface-hub"}),
     ("Dockerfile.engine", {"torch", "transformers", "tokenizers", "safetensors", "aiohttp", "pydantic",
                            "prometheus-client", "pyyaml", "numpy"}),
 ])
@@ -115,7 +115,8 @@ def test_engine_image_states_its_compatibility_floors():
 
 def test_engine_pods_keep_the_images_init_as_pid_1():
     """Dockerfile.engine's ENTRYPOINT is tini, which execs its arguments; every container the operator renders from
-    that image gives its argv as args and no command (a command would replace tini and leave Python as PID 1)."""
+    that image gives its argv as args and no command (a command would replace tini and leave Python as PID 1).
+    The pods' helper containers come from the operator image instead (no engine code there), as shoal-podtools."""
     import json
 
     from shoal.operator import render
@@ -136,5 +137,9 @@ def test_engine_pods_keep_the_images_init_as_pid_1():
         for obj in workloads:
             pod = obj["spec"]["template"]["spec"]
             for c in pod["containers"] + pod["initContainers"]:
+                if c["image"] == settings.fleet_image:
+                    assert c["command"] == ["shoal-podtools"], c["name"]
+                    continue
                 assert "command" not in c, c["name"]
                 assert c["args"][:1] in (["shoal-engine"], ["/bin/sh"]), c["args"][:3]
+            assert any(c["image"] == settings.fleet_image for c in pod["initContainers"])

@@ -51,7 +51,7 @@ def test_adapters_render_a_configmap_a_sidecar_and_valid_children():
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["adapters"] == {"name": "adapters", "configMap": {"name": "llm-adapters"}}
     assert volumes["adapter-claim-0"]["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
-    assert sidecar["name"] == "adapter-sync" and sidecar["args"][:2] == ["shoal-engine", "sync-adapters"] and "command" not in sidecar
+    assert sidecar["name"] == "adapter-sync" and sidecar["command"] == ["shoal-podtools"] and sidecar["args"][0] == "sync-adapters"
     assert sidecar["ports"] == [{"name": "adapter-sync", "containerPort": 8001, "protocol": "TCP"}]
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "adapter-sync"}
     env = {e["name"]: e for e in sidecar["env"]}
@@ -93,7 +93,7 @@ def test_vllm_runtime_loads_adapters_through_its_runtime_endpoints():
     engine, sidecar = pod["containers"]
     assert engine["command"] == ["vllm", "serve"] and "--enable-lora" in engine["args"]
     assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in engine["env"]
-    assert sidecar["image"] == SETTINGS.engine_image  # the sidecar comes from Shoal's image
+    assert sidecar["image"] == SETTINGS.fleet_image != engine["image"]  # the sidecar comes from the operator image
 
 
 @pytest.mark.parametrize("spec,field,words", [

@@ -11,7 +11,8 @@ from shoal.operator import api, render
 from shoal.operator.render import L_GROUP, L_ISVC, L_POD_INDEX, Settings
 
 K8S_VERSION = kubernetes_validate.latest_version()  # the newest schemas the installed package ships
-SETTINGS = Settings(engine_image="registry.test/shoal-engine:1", operator_namespace="shoal-system")
+SETTINGS = Settings(engine_image="registry.test/shoal-engine:1", fleet_image="registry.test/shoal-operator:1",
+                    operator_namespace="shoal-system")
 
 
 def isvc(spec: dict | None = None, name: str = "llm", namespace: str = "team-a") -> dict:
@@ -176,7 +177,9 @@ def test_single_gpu_hf_model():
     # An init container fills the cache the engine reads, with the same HF_HOME and the network allowed.
     pod = kids[("Deployment", "llm")]["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    assert init["args"][:2] == ["shoal-engine", "download"] and flag(init["args"], "--model") == "Qwen/Qwen2.5-7B-Instruct"
+    # shoal-podtools, from the operator image: the engine image carries no operator code
+    assert init["command"] == ["shoal-podtools"] and init["args"][0] == "download" and init["image"] == SETTINGS.fleet_image
+    assert flag(init["args"], "--model") == "Qwen/Qwen2.5-7B-Instruct"
     init_env = {e["name"]: e.get("value") for e in init["env"]}
     assert init_env["HF_HOME"] == "/cache/huggingface" and "HF_HUB_OFFLINE" not in init_env
     assert {"name": "cache", "mountPath": "/cache"} in init["volumeMounts"]

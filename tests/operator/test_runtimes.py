@@ -17,7 +17,8 @@ from shoal.operator import api, render, runtimes, status
 from shoal.operator.render import Settings
 
 K8S_VERSION = kubernetes_validate.latest_version()
-SETTINGS = Settings(engine_image="registry.test/shoal-engine:1", operator_namespace="shoal-system")
+SETTINGS = Settings(engine_image="registry.test/shoal-engine:1", fleet_image="registry.test/shoal-operator:1",
+                    operator_namespace="shoal-system")
 
 
 
@@ -73,9 +74,9 @@ def test_vllm_single_pod_replica():
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    # the hf:// download is `shoal-engine download`, which Shoal's image has and vLLM's has not
+    # the hf:// download is `shoal-podtools download`, from the operator image (never run inside vLLM's image)
     (init,) = pod["initContainers"]
-    assert init["image"] == SETTINGS.engine_image and init["args"][:2] == ["shoal-engine", "download"]
+    assert init["image"] == SETTINGS.fleet_image and init["command"] == ["shoal-podtools"] and init["args"][0] == "download"
     assert pod["terminationGracePeriodSeconds"] > 90
     # the gateway checks the same key, read as SHOAL_API_KEY whatever the runtime (VLLM_API_KEY means nothing to it)
     (gw,) = [container(c) for c in children if c["kind"] == "Deployment" and c["metadata"]["name"].endswith("-gateway")]

@@ -1,7 +1,7 @@
-"""`shoal-engine download`: fetch a hub model into the local Hugging Face cache, before the engine starts.
+"""`shoal-podtools download`: fetch a hub model into the local Hugging Face cache, before the engine starts.
 
 The engine itself never touches the network; in Kubernetes this runs as the pod's init container for
-`hf://` models (HF_HOME points at the pod's cache volume, which may be a persistent claim shared by every pod;
+`hf://` models, from the operator image (any runtime: Shoal's engine, vLLM, SGLang) (HF_HOME points at the pod's cache volume, which may be a persistent claim shared by every pod;
 HF_TOKEN, if set, authorises gated models). Only what the engine loads is fetched: config, safetensors shards and
 their index, tokenizer and generation files.
 
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         path = with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=PATTERNS),
                             where, args.max_retries, args.retry_backoff)
     except Exception as e:  # the hub client raises many types (offline, 401/404, disk full): all are fatal here
-        print(f"shoal-engine download: cannot fetch {where}: {e.__class__.__name__}: {e}", file=sys.stderr)
+        print(f"shoal-podtools download: cannot fetch {where}: {e.__class__.__name__}: {e}", file=sys.stderr)
         return 1
     finally:
         stop.set()

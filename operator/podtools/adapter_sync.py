@@ -1,4 +1,4 @@
-"""`shoal-engine sync-adapters`: the in-pod loop that keeps an engine's LoRA adapters equal to a list.
+"""`shoal-podtools sync-adapters`: the in-pod loop that keeps an engine's LoRA adapters equal to a list.
 
 The operator renders an InferenceService's `spec.adapters` into the ConfigMap `<name>-adapters`, which every
 engine pod mounts; this loop runs next to the engine (a sidecar container) and, every --interval seconds:
@@ -20,7 +20,7 @@ changes, anything else (engine busy, hub unreachable) is retried with backoff.
 /status (JSON) reports the list it applied (the sha256 of the file, which the operator compares with the
 ConfigMap it rendered) and each adapter's state: the operator reads it from every serving pod into
 status.adapters. Ranks > 0 of a multi-pod replica serve no API: there the loop only answers its probes.
-No torch: the sidecar is small.
+No torch: the sidecar is small, and runs from the operator image next to any runtime's engine.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def fetch(source: str) -> str:
     Hugging Face cache of this pod ($HF_HOME on the cache volume)."""
     from huggingface_hub import snapshot_download
 
-    from shoal.engine.tools.download import PATTERNS, with_retries
+    from shoal.operator.podtools.download import PATTERNS, with_retries
 
     repo, revision = parse_source(source)
     return with_retries(lambda: snapshot_download(repo, revision=revision, allow_patterns=PATTERNS), source,

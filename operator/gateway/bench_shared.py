@@ -1,4 +1,4 @@
-"""`shoal-engine bench gateway`: the shared gateway's routing cost at fleet scale, and fairness under a flood.
+"""`python -m shoal.operator.gateway.bench_shared`: the shared gateway's routing cost at scale, fairness under a flood.
 
 Two parts (`--parts`):
   pick      in-process: a shared gateway fed `--models` InferenceServices with `--adapters-per-model` adapters each
@@ -30,7 +30,7 @@ import tracemalloc
 
 import aiohttp
 
-from shoal.engine.tools.bench_fleet import Child, _bench_model, _pct
+from shoal.operator.gateway.bench_fleet import Child, _bench_model, _pct
 
 
 def add_bench_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -249,3 +249,13 @@ async def main_async(args) -> int:
 
 def run_bench(args) -> int:
     return asyncio.run(main_async(args))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shoal.operator.gateway.bench_shared", description=__doc__.split("\n")[0])
+    add_bench_gateway_args(p)
+    return run_bench(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The adapter-sync sidecar's loop (engine/tools/adapter_sync.py) against a stand-in engine that speaks vLLM's
+"""The adapter-sync sidecar's loop (operator/podtools/adapter_sync.py) against a stand-in engine that speaks vLLM's
 adapter endpoints: what it loads, reloads, unloads, leaves alone and retries. The real engine and the operator are
 in tests/operator/test_adapters_e2e.py."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 from aiohttp import web
 
-from shoal.engine.tools import adapter_sync
+from shoal.operator.podtools import adapter_sync
 
 
 class FakeEngine:

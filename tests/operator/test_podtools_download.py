@@ -1,4 +1,4 @@
-"""`shoal-engine download` (the operator's init container for hf:// models) fails clearly without the hub."""
+"""`shoal-podtools download` (the operator's init container for hf:// models) fails clearly without the hub."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 def test_download_without_network_fails_with_the_model_named(tmp_path):
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "shoal.engine.cli", "download", "--model", "some-org/some-model"],
+    proc = subprocess.run([sys.executable, "-m", "shoal.operator.podtools", "download", "--model", "some-org/some-model"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "cannot fetch 'some-org/some-model'" in proc.stderr
@@ -21,13 +21,13 @@ def test_download_without_network_fails_with_the_model_named(tmp_path):
 
 
 def test_download_requires_a_model():
-    proc = subprocess.run([sys.executable, "-m", "shoal.engine.cli", "download"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "shoal.operator.podtools", "download"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--model" in proc.stderr
 
 
 def test_progress_counts_partial_files_against_the_total(tmp_path):
-    from shoal.engine.tools.download import Progress
+    from shoal.operator.podtools.download import Progress
 
     blobs = tmp_path / "models--org--m" / "blobs"
     blobs.mkdir(parents=True)
@@ -73,7 +73,7 @@ class FlakyHub:
 def _download(tmp_path, hub: FlakyHub, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
     env.pop("HF_HUB_OFFLINE", None)
-    return subprocess.run([sys.executable, "-m", "shoal.engine.cli", "download", "--model", "org/m",
+    return subprocess.run([sys.executable, "-m", "shoal.operator.podtools", "download", "--model", "org/m",
                            "--retry-backoff", "0.05", *extra], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -91,6 +91,25 @@ def test_a_hub_hiccup_is_retried_inside_the_container(tmp_path, status):
     assert hub.requests >= 3
 
 
+def test_sigterm_stops_a_download_at_once(tmp_path):
+    """The init container runs as PID 1 of the operator image (no init): SIGTERM must end it, not be ignored."""
+    hub = FlakyHub(503)
+    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
+    env.pop("HF_HUB_OFFLINE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "shoal.operator.podtools", "download", "--model", "org/m",
+                             "--retry-backoff", "100"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline()  # blocks until the first retry is announced (its wait is 100 s)
+        assert "retry 1/" in line, f"waited for the first retry line, got {line!r}"
+        proc.terminate()
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        hub.close()
+    assert rc == 128 + 15, f"waited for the download to exit on SIGTERM, rc {rc}"
+
+
 def test_a_missing_model_is_not_retried(tmp_path):
     hub = FlakyHub(404)
     try:
@@ -103,7 +122,7 @@ def test_a_missing_model_is_not_retried(tmp_path):
 def test_retry_delays_grow(monkeypatch):
     from huggingface_hub import constants
 
-    from shoal.engine.tools.download import with_retries
+    from shoal.operator.podtools.download import with_retries
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the test session runs offline
 

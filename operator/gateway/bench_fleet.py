@@ -1,4 +1,7 @@
-"""`shoal-engine bench fleet`: N engine replicas behind shoal-gateway on this machine, routing policies compared.
+"""`python -m shoal.operator.gateway.bench_fleet`: N engine replicas behind shoal-gateway, routing policies compared.
+
+The engines run as processes (`python -m shoal.engine.cli serve`, or vLLM): the fleet half drives them from outside
+and imports no engine module but the option parsers.
 
 For each workload and request rate, every routing policy gets the same kind of seeded traffic (fresh prompts per
 run, so no run profits from another's cache):
@@ -279,7 +282,7 @@ async def paired_latencies(session, direct_url: str, gateway_url: str, rate: flo
 
 async def gateway_overhead(session, args) -> dict:
     port = _free_port()
-    noop = subprocess.Popen([sys.executable, "-c", f"from shoal.engine.tools.bench_fleet import noop_server; "
+    noop = subprocess.Popen([sys.executable, "-c", f"from shoal.operator.gateway.bench_fleet import noop_server; "
                              f"noop_server({port})"])
     backend = f"http://127.0.0.1:{port}"
     gw = Child([sys.executable, "-m", "shoal.operator.gateway", "--endpoint", backend, "--log-level", "warning"])
@@ -311,13 +314,14 @@ async def gateway_overhead(session, args) -> dict:
 
 # ---- the whole benchmark -------------------------------------------------------------------------------------------
 def _bench_model() -> str:
-    from shoal.engine.tools.tiny_model import make_model
-
     path = os.path.join(tempfile.gettempdir(), "shoal-bench-fleet-model")
     if not os.path.exists(os.path.join(path, "config.json")):
-        # Prefill-heavy enough that a cached prefix matters, small enough for a CPU fleet.
-        make_model(path, arch="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
+        # Prefill-heavy enough that a cached prefix matters, small enough for a CPU fleet. Made by the engine's
+        # tiny_model in a child process: the fleet half loads no torch.
+        subprocess.run([sys.executable, "-c", "import sys; from shoal.engine.tools.tiny_model import make_model; "
+                        "make_model(sys.argv[1], arch='llama', hidden_size=256, intermediate_size=688, "
+                        "num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, "
+                        "max_position_embeddings=4096)", path], check=True)
     return path
 
 
@@ -403,7 +407,7 @@ def run_bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="shoal-engine bench fleet", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m shoal.operator.gateway.bench_fleet", description=__doc__.split("\n")[0])
     add_bench_fleet_args(p)
     return run_bench(p.parse_args(argv))
 

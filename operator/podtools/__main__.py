@@ -1,0 +1,5 @@
+import sys
+
+from shoal.operator.podtools.cli import main
+
+sys.exit(main())
