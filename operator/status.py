@@ -41,11 +41,16 @@ def terminating(obj: dict[str, Any]) -> bool:
     return bool(obj["metadata"].get("deletionTimestamp"))
 
 
+ENGINE_CONTAINER = "engine"
+
+
 def restarts(pod: dict[str, Any]) -> int:
-    """Restarts of the pod's containers — not of its init containers: a model download that retried (a hub
-    hiccup) never joined the torch.distributed group, so it must not restart the group."""
+    """Restarts of the pod's engine container — not of its init containers (a model download that retried, a hub
+    hiccup, never joined the torch.distributed group) nor of its sidecars (an adapter-sync restart leaves the
+    engine and its rank running): only the engine's failure restarts a group."""
     status = pod.get("status") or {}
-    return sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
+    return sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []
+               if c.get("name") == ENGINE_CONTAINER)
 
 
 @dataclass(frozen=True)

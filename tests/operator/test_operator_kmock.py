@@ -245,6 +245,17 @@ def test_multi_pod_group_restarts_together(env, ns):
     settled(env, ns, "big")
     assert not [e for e in env.cluster.find("events", ns) if e["reason"] == "GroupRestart"]
     assert {p["metadata"]["uid"] for p in env.cluster.find("pods", ns)} == set(uids.values())
+    # its adapter-sync sidecar restarted (a liveness failure, an OOM): the engine and its rank kept running, so
+    # nothing restarts either
+    sidecar_restart = _pod_status(ready=True)
+    sidecar_restart["status"]["containerStatuses"].append({"name": "adapter-sync", "ready": True, "started": True,
+                                                           "restartCount": 3, "state": {"running": {}}})
+    env.client.patch("pods", ns, "big-g1-1", sidecar_restart, sub="status")
+    wait_for(lambda: any(len((p.get("status") or {}).get("containerStatuses") or []) == 2
+                         for p in reconciler.indexes["Pod"].get((ns, "big"), [])), 10, "the operator saw it")
+    settled(env, ns, "big")
+    assert not [e for e in env.cluster.find("events", ns) if e["reason"] == "GroupRestart"]
+    assert {p["metadata"]["uid"] for p in env.cluster.find("pods", ns)} == set(uids.values())
     # rank 1 of group 0 restarts (its container died): the whole group must restart, group 1 untouched
     env.client.patch("pods", ns, "big-g0-1", _pod_status(ready=False, restarts=1), sub="status")
     wait_for(lambda: env.client.get("pods", ns, "big-g0-0") is None and env.client.get("pods", ns, "big-g0-1")
