@@ -45,7 +45,9 @@ CONDITION = "AdaptersReady"
 STATUS_TIMEOUT = 2.0
 REPOLL_UNSETTLED = 2.0  # seconds between reads while an adapter is pending, downloading or loading
 REPOLL_FAILED = 30.0  # while one has failed (the sidecar retries what may succeed later)
-MAX_LISTED = 64  # pods listed per adapter in status.adapters (the ones not loaded first); readyReplicas counts all
+# status.adapters is counts per adapter plus a few examples of what went wrong, whatever the fleet's size
+MAX_EXAMPLES = 2
+EXAMPLE_LENGTH = 256
 
 
 def configmap_name(name: str) -> str:
@@ -135,26 +137,30 @@ def replica_states(spec: api.InferenceServiceSpec, report: dict[str, Any] | None
 
 def summarize(spec: api.InferenceServiceSpec, per_pod: dict[str, dict[str, tuple[str, str | None]]]
               ) -> tuple[list[dict[str, Any]], tuple[bool, str, str]]:
-    """status.adapters and the AdaptersReady condition (ok, reason, message) from each pod's states."""
+    """status.adapters (per adapter: how many serving pods have it loaded, failed or pending, and a few examples of
+    the failures) and the AdaptersReady condition (ok, reason, message) from each pod's states."""
     entries, failed, waiting = [], [], []
     for a in spec.adapters:
-        replicas = []
+        counts = {"Loaded": 0, "Failed": 0, "Pending": 0}
+        examples = []
         for pod, states in per_pod.items():
             state, message = states[a.name]
-            replicas.append({"pod": pod, "state": state, **({"message": message[:4096]} if message else {})})
+            counts[state if state in counts else "Pending"] += 1
             if state == "Failed":
                 failed.append(f"{a.name} on {pod}: {message}")
             elif state != "Loaded":
                 waiting.append(f"{a.name} on {pod}: {state}{f' ({message})' if message else ''}")
-        loaded = sum(r["state"] == "Loaded" for r in replicas)
-        if len(replicas) > MAX_LISTED:  # a big fleet: the status object must stay small
-            replicas = sorted(replicas, key=lambda r: r["state"] == "Loaded")[:MAX_LISTED]
+            if state in ("Failed", "Unknown") and len(examples) < MAX_EXAMPLES:
+                examples.append({"pod": pod, "state": state,
+                                 **({"message": message[:EXAMPLE_LENGTH]} if message else {})})
         entries.append({"name": a.name, "uri": a.uri, **({"revision": a.revision} if a.revision else {}),
-                        "readyReplicas": loaded, "replicas": replicas})
+                        "readyReplicas": counts["Loaded"], "failedReplicas": counts["Failed"],
+                        "pendingReplicas": counts["Pending"], "errors": examples})
     total = len(spec.adapters) * len(per_pod)
     loaded = total - len(failed) - len(waiting)
     if failed:
-        cond = (False, "AdapterLoadFailed", f"{loaded}/{total} adapter loads done; failed: " + "; ".join(failed[:5]))
+        cond = (False, "AdapterLoadFailed", f"{loaded}/{total} adapter loads done; {len(failed)} failed: "
+                + "; ".join(failed[:5]))
     elif waiting:
         cond = (False, "AdaptersLoading", f"{loaded}/{total} adapter loads done; " + "; ".join(waiting[:5]))
     elif not per_pod:
@@ -215,10 +221,14 @@ class AdapterReports:
         return Observation(entries, cond, failures, repoll)
 
     def new_failures(self, key: tuple[str, str], failures: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
-        """Failures not reported by an Event yet (each (adapter, pod, message) once)."""
+        """Failures not reported by an Event yet: each (adapter, reason) once, naming the first pod it was seen on
+        (one Event per pod would be adapters x pods Events on a big fleet)."""
         seen = self.reported.setdefault(key, set())
-        fresh = [f for f in failures if f not in seen]
-        seen.update(fresh)
+        fresh = []
+        for adapter, pod, message in failures:
+            if (adapter, "", message) not in seen:
+                seen.add((adapter, "", message))
+                fresh.append((adapter, pod, message))
         return fresh
 
     def _schedule(self, key: tuple[str, str], delay: float | None) -> None:

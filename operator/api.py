@@ -550,24 +550,31 @@ class AutoscalingStatus(_Model):
     inputs: AutoscalingInputs | None = None
 
 
-class AdapterReplicaStatus(_Model):
+class AdapterError(_Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
 
     pod: str
-    state: Literal["Pending", "Downloading", "Loading", "Loaded", "Failed", "Unknown"]
-    message: str | None = Field(default=None, max_length=4096)
+    state: Literal["Failed", "Unknown"]
+    message: str | None = Field(default=None, max_length=256)
 
 
 class AdapterStatus(_Model):
+    """One adapter across the fleet, in counts: its size does not grow with the number of pods (etcd refuses a
+    status write above its request limit, ~1.5 MiB, and 256 adapters x 64 pods listed one by one exceeded it)."""
+
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
 
     name: str
     uri: str
     revision: str | None = None
     ready_replicas: int = Field(default=0, ge=0, description="serving replicas where the adapter is loaded")
-    replicas: list[AdapterReplicaStatus] = Field(
-        default_factory=list, description="the adapter's state in each serving pod (at most 64: those not loaded "
-                                          "first)")
+    failed_replicas: int = Field(default=0, ge=0, description="serving replicas where its load failed")
+    pending_replicas: int = Field(default=0, ge=0, description="serving replicas still downloading or loading it, "
+                                                               "or whose sidecar does not answer")
+    errors: list[AdapterError] = Field(
+        default_factory=list, max_length=2,
+        description="a few examples of the pods where it failed or is unknown, with the reason (the condition "
+                    "AdaptersReady and AdapterLoadFailed Events say more)")
 
 
 class InferenceServiceStatus(_Model):

@@ -140,9 +140,9 @@ def test_status_per_replica_and_condition():
                                                              "chat": ("Failed", "400: rank 128 above 64")}), None),
     }
     entries, (ok, reason, message) = adapters.summarize(spec, per_pod)
-    assert [(e["name"], e["readyReplicas"]) for e in entries] == [("sql", 2), ("chat", 1)]
+    assert [(e["name"], e["readyReplicas"], e["failedReplicas"]) for e in entries] == [("sql", 2, 0), ("chat", 1, 1)]
     assert entries[0]["revision"] == "0a1b2c3"
-    assert entries[1]["replicas"][1] == {"pod": "llm-b", "state": "Failed", "message": "400: rank 128 above 64"}
+    assert entries[1]["errors"] == [{"pod": "llm-b", "state": "Failed", "message": "400: rank 128 above 64"}]
     assert (ok, reason) == (False, "AdapterLoadFailed") and "chat on llm-b: 400: rank 128" in message
     api.InferenceServiceStatus.model_validate({"adapters": entries})  # what the CRD's status schema says
 
@@ -162,9 +162,25 @@ def test_a_pod_that_has_not_seen_the_new_list_is_pending():
     assert adapters.summarize(spec, {"p": states})[1][1] == "AdaptersLoading"
 
 
-def test_a_big_fleet_lists_the_pods_that_need_attention():
-    spec = parsed(ADAPTERS[:1])
-    per_pod = {f"llm-{i:03}": {"sql": ("Failed", "boom") if i == 99 else ("Loaded", None)} for i in range(100)}
-    (entry,), _ = adapters.summarize(spec, per_pod)
-    assert entry["readyReplicas"] == 99 and len(entry["replicas"]) == adapters.MAX_LISTED
-    assert entry["replicas"][0] == {"pod": "llm-099", "state": "Failed", "message": "boom"}
+def test_the_status_stays_small_whatever_the_fleet_size():
+    """256 adapters x 64 pods, every load failed with a long reason: listed pod by pod that was ~6 MB, past etcd's
+    request limit, and the status patch was refused (Ready froze). Counts and a few examples stay far below."""
+    many = [{"name": f"team-adapter-{i:03}", "uri": f"hf://org/team-adapter-{i:03}"} for i in range(256)]
+    spec = parsed(many)
+    reason = "400: " + "the adapter's rank 128 is above the engine's --max-lora-rank 64; " * 20
+    per_pod = {f"llm-7d9f8b6c5d-{i:05}": {a["name"]: ("Failed", reason) for a in many} for i in range(64)}
+    entries, (ok, kind, message) = adapters.summarize(spec, per_pod)
+    patch = json.dumps({"status": {"adapters": entries, "conditions": [{"type": "AdaptersReady", "message": message}]}})
+    assert len(patch.encode()) < 256 * 1024, len(patch)
+    assert entries[0]["failedReplicas"] == 64 and entries[0]["readyReplicas"] == 0
+    assert len(entries[0]["errors"]) == adapters.MAX_EXAMPLES and entries[0]["errors"][0]["pod"] == "llm-7d9f8b6c5d-00000"
+    assert (ok, kind) == (False, "AdapterLoadFailed") and "16384 failed" in message
+    api.InferenceServiceStatus.model_validate({"adapters": entries})
+
+
+def test_a_failure_is_one_event_per_adapter_and_reason_not_per_pod():
+    reports = adapters.AdapterReports(trigger=lambda *_: None)
+    failures = [("sql", f"llm-{i}", "400: bad rank") for i in range(64)]
+    assert reports.new_failures(("ns", "llm"), failures) == [("sql", "llm-0", "400: bad rank")]
+    assert reports.new_failures(("ns", "llm"), failures + [("sql", "llm-9", "500: busy")]) == [
+        ("sql", "llm-9", "500: busy")]

@@ -29,7 +29,8 @@ def served_adapters(port: int) -> set[str]:
 
 def adapter_states(env, ns: str, name: str) -> dict[str, str]:
     found = (env.client.get(ISVC, ns, name).get("status") or {}).get("adapters") or []
-    return {a["name"]: a["replicas"][0]["state"] for a in found if a["replicas"]}
+    return {a["name"]: "Loaded" if a["readyReplicas"] else "Failed" if a["failedReplicas"] else "Pending"
+            for a in found if a["readyReplicas"] + a["failedReplicas"] + a["pendingReplicas"]}
 
 
 def test_adapters_follow_the_spec_in_the_running_engine(env, ns, llama_model, tmp_path):
