@@ -43,6 +43,8 @@ FINAL = ("Loaded", "Failed")
 MODELS_TIMEOUT = 5.0
 LOAD_TIMEOUT = 600.0  # a load reads the adapter from disk and copies it to every rank
 MAX_BACKOFF = 300.0
+PARALLEL_LOADS = 4  # adapters converging at once: a pass of many slow loads is not their sum
+LIVENESS_SLACK = 60.0  # beyond one load's timeout, how old the heartbeat may grow before /livez fails
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -229,8 +231,17 @@ class Syncer:
             self.managed.discard(name)
             self._save()
         self._track(desired)
-        for a in self.adapters.values():
-            await self._converge(a, loaded)
+        # A few at a time, each beating the heart when it starts and ends: /livez fails only when one adapter's
+        # load is stuck past its timeout, never because a pass of many slow loads is long (a liveness failure of
+        # this container would restart it mid-pass, and the pass would start over).
+        gate = asyncio.Semaphore(PARALLEL_LOADS)
+
+        async def converge(a: Adapter) -> None:
+            async with gate:
+                self.heartbeat = time.monotonic()
+                await self._converge(a, loaded)
+                self.heartbeat = time.monotonic()
+        await asyncio.gather(*(converge(a) for a in list(self.adapters.values())))
         self.applied = digest
         if all(a.state in FINAL for a in self.adapters.values()):
             self.settled_once = True
@@ -315,7 +326,7 @@ def make_app(syncer: Syncer):
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def livez(_request):
-        stale = time.monotonic() - syncer.heartbeat > max(60.0, 10 * syncer.interval) + LOAD_TIMEOUT
+        stale = time.monotonic() - syncer.heartbeat > max(LIVENESS_SLACK, 10 * syncer.interval) + LOAD_TIMEOUT
         return web.json_response({"alive": not stale}, status=503 if stale else 200)
 
     async def status(_request):

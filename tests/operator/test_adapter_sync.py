@@ -4,6 +4,7 @@ in tests/operator/test_adapters_e2e.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -13,7 +14,8 @@ from shoal.operator.podtools import adapter_sync
 
 
 class FakeEngine:
-    def __init__(self, refuse: set[str] = frozenset()):
+    def __init__(self, refuse: set[str] = frozenset(), delay: float = 0.0):
+        self.delay = delay  # seconds each load takes
         self.loaded: dict[str, str] = {"static": "/from/lora-modules"}  # as --lora-modules would have it
         self.refuse = set(refuse)
         self.calls: list[tuple[str, str]] = []
@@ -28,6 +30,7 @@ class FakeEngine:
         async def load(request):
             body = await request.json()
             self.calls.append(("load", body["lora_name"]))
+            await asyncio.sleep(self.delay)
             if body["lora_path"] in self.refuse:
                 return web.json_response({"error": {"message": "rank 32 above 16"}}, status=400)
             self.loaded[body["lora_name"]] = body["lora_path"]
@@ -121,3 +124,34 @@ async def test_readiness_waits_for_the_first_list_and_workers_are_ready_at_once(
         async with TestClient(TestServer(application)) as client:
             assert (await client.get("/readyz")).status == status
             assert (await client.get("/livez")).status == 200
+
+
+async def test_a_long_pass_of_slow_loads_keeps_the_sidecar_alive(tmp_path, monkeypatch):
+    """Eight slow loads: one after another the pass outlasted the liveness bound (one load's timeout plus slack),
+    the kubelet restarted the sidecar mid-pass and it started over. Loads run a few at a time and each beats the
+    heart, so /livez stays 200 for as long as no single load is stuck."""
+    import aiohttp
+    from aiohttp.test_utils import TestClient, TestServer
+
+    fake = FakeEngine(delay=0.3)
+    monkeypatch.setenv("SHOAL_API_KEY", "k")
+    monkeypatch.setattr(adapter_sync, "LOAD_TIMEOUT", 0.5)  # one load's bound ...
+    monkeypatch.setattr(adapter_sync, "LIVENESS_SLACK", 0.2)  # ... plus slack: 0.7 s, while 8 loads take 2.4 s
+    cfg = tmp_path / "adapters.json"
+    write(cfg, {f"a{i}": f"/a{i}" for i in range(8)})
+    async with TestServer(fake.app()) as engine_server:
+        syncer = adapter_sync.Syncer(cfg, str(engine_server.make_url("")).rstrip("/"), tmp_path / "state.json",
+                                     interval=0.01)
+        async with TestClient(TestServer(adapter_sync.make_app(syncer))) as probe:
+            syncer.session = aiohttp.ClientSession()
+            try:
+                alive = []
+                pass_ = asyncio.create_task(syncer.sync_once())
+                while not pass_.done():
+                    alive.append((await probe.get("/livez")).status)
+                    await asyncio.sleep(0.05)
+                await pass_
+            finally:
+                await syncer.session.close()
+        assert alive and set(alive) == {200}, alive
+        assert {a["state"] for a in syncer.status()["adapters"]} == {"Loaded"}
