@@ -76,10 +76,18 @@ def source(spec: api.InferenceServiceSpec, adapter: api.Adapter) -> str:
     return uri[len("file://"):]
 
 
+def base_model(spec: api.InferenceServiceSpec) -> str | None:
+    """The hub id of the service's model (hf://), which an adapter's adapter_config.json names as its
+    base_model_name_or_path; None when the model is a path, whose hub id the operator cannot know."""
+    return spec.model.uri[len("hf://"):] if spec.model.uri.startswith("hf://") else None
+
+
 def config(spec: api.InferenceServiceSpec) -> str:
     """The ConfigMap's adapters.json (deterministic: the sidecar's digest of it is compared with ours)."""
-    return json.dumps({"adapters": [{"name": a.name, "source": source(spec, a)} for a in spec.adapters]},
-                      sort_keys=True, separators=(",", ":"))
+    body: dict[str, Any] = {"adapters": [{"name": a.name, "source": source(spec, a)} for a in spec.adapters]}
+    if base_model(spec):
+        body["baseModel"] = base_model(spec)  # the sidecar refuses adapters trained for another base model
+    return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
 
 def digest(text: str) -> str:

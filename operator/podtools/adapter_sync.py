@@ -89,6 +89,25 @@ def _error_message(status: int, text: str) -> str:
     return f"{status}: {str(message).strip()[:1000]}"
 
 
+def other_base_model(path: str, base_model: str | None) -> str | None:
+    """Why the adapter at `path` was trained for another base model than the service's, or None (the same, or
+    either unknown: no adapter_config.json, a local path as its base, a model given as a path). An adapter of
+    another model with the same shapes would load silently and answer nonsense."""
+    try:
+        trained_on = json.loads((Path(path) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not base_model or not isinstance(trained_on, str) or not trained_on.strip():
+        return None
+    trained_on = trained_on.strip().rstrip("/")
+    if trained_on.startswith(("/", ".", "~")):  # a path on the trainer's machine: no hub id to compare
+        return None
+    if trained_on.lower() == base_model.strip().rstrip("/").lower():
+        return None
+    return (f"trained for base model {trained_on} (adapter_config.json base_model_name_or_path), but this service "
+            f"serves {base_model}: not loaded")
+
+
 @dataclass
 class Adapter:
     name: str
@@ -119,6 +138,7 @@ class Syncer:
     settled_once: bool = False
     heartbeat: float = field(default_factory=time.monotonic)
     session: Any = None
+    base_model: str | None = None  # the service's model as a hub id (the list's baseModel), when known
 
     def __post_init__(self) -> None:
         try:
@@ -168,7 +188,9 @@ class Syncer:
     def _read_config(self) -> tuple[str, dict[str, str]] | None:
         try:
             raw = self.config.read_bytes()
-            entries = json.loads(raw).get("adapters") or []
+            body = json.loads(raw)
+            entries = body.get("adapters") or []
+            self.base_model = body.get("baseModel") or None
             return hashlib.sha256(raw).hexdigest()[:16], {e["name"]: e["source"] for e in entries}
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             logger.warning("cannot read the adapter list %s: %s", self.config, e)
@@ -278,6 +300,10 @@ class Syncer:
             if status not in (200, 404):
                 self._failed(a, f"cannot unload the previous version: {_error_message(status, text)}")
                 return
+        mismatch = other_base_model(path, self.base_model)
+        if mismatch:
+            self._failed(a, mismatch, refused_path=path)
+            return
         a.state, a.message = "Loading", None
         status, text = await self._post("/v1/load_lora_adapter", {"lora_name": a.name, "lora_path": path},
                                         LOAD_TIMEOUT)

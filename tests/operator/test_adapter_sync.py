@@ -155,3 +155,29 @@ async def test_a_long_pass_of_slow_loads_keeps_the_sidecar_alive(tmp_path, monke
                 await syncer.session.close()
         assert alive and set(alive) == {200}, alive
         assert {a["state"] for a in syncer.status()["adapters"]} == {"Loaded"}
+
+
+async def test_an_adapter_trained_for_another_base_model_is_refused(engine, tmp_path, monkeypatch):
+    """adapter_config.json names the base model an adapter was trained for: one of another model with the same
+    shapes would load silently and answer nonsense, so it is refused with a clear reason (the operator shows it in
+    status.adapters and an AdapterLoadFailed Event) and never sent to the engine."""
+    import aiohttp
+
+    monkeypatch.setenv("SHOAL_API_KEY", "k")
+    for name, base in (("mine", "Org/Base-7B"), ("theirs", "org/other-7b"), ("local", "/home/me/base")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base, "r": 8}))
+    cfg = tmp_path / "adapters.json"
+    cfg.write_text(json.dumps({"baseModel": "org/base-7b", "adapters": [
+        {"name": n, "source": str(tmp_path / n)} for n in ("mine", "theirs", "local")]}))
+    syncer = adapter_sync.Syncer(cfg, engine.url, tmp_path / "state.json", interval=0.01)
+    syncer.session = aiohttp.ClientSession()
+    try:
+        await syncer.sync_once()
+    finally:
+        await syncer.session.close()
+    states = {a["name"]: (a["state"], a["message"]) for a in syncer.status()["adapters"]}
+    assert states["mine"] == ("Loaded", None) and states["local"] == ("Loaded", None)  # same id; unknown base
+    assert states["theirs"][0] == "Failed"
+    assert "trained for base model org/other-7b" in states["theirs"][1] and "serves org/base-7b" in states["theirs"][1]
+    assert ("load", "theirs") not in engine.calls

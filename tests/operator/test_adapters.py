@@ -184,3 +184,10 @@ def test_a_failure_is_one_event_per_adapter_and_reason_not_per_pod():
     assert reports.new_failures(("ns", "llm"), failures) == [("sql", "llm-0", "400: bad rank")]
     assert reports.new_failures(("ns", "llm"), failures + [("sql", "llm-9", "500: busy")]) == [
         ("sql", "llm-9", "500: busy")]
+
+def test_the_list_names_the_base_model_when_the_operator_knows_it():
+    """The sidecar refuses adapters trained for another base model: it learns the service's model from the list
+    (an hf:// model's hub id; a path model has none the operator could know)."""
+    hub = api.validate("llm", spec_with(ADAPTERS[:1], model={"uri": "hf://meta-llama/Llama-3.1-8B"}))
+    assert json.loads(adapters.config(hub))["baseModel"] == "meta-llama/Llama-3.1-8B"
+    assert "baseModel" not in json.loads(adapters.config(parsed(ADAPTERS[:1])))
