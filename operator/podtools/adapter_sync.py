@@ -17,6 +17,10 @@ loses its adapters: then again only once they are back. A failed load is kept wi
 reason; a refusal (4xx: rank too high, wrong base model, missing file) is not retried until the adapter's source
 changes, anything else (engine busy, hub unreachable) is retried with backoff.
 
+Storage: hub adapters are fetched at most DOWNLOADS at a time, and the snapshots this loop fetched that no listed
+adapter uses any more (removed, or replaced by another revision) are deleted with their blobs after each pass.
+An adapter whose adapter_config.json names another base model than the list's `baseModel` is refused unloaded.
+
 /status (JSON) reports the list it applied (the sha256 of the file, which the operator compares with the
 ConfigMap it rendered) and each adapter's state: the operator reads it from every serving pod into
 status.adapters. Ranks > 0 of a multi-pod replica serve no API: there the loop only answers its probes.
@@ -44,6 +48,7 @@ MODELS_TIMEOUT = 5.0
 LOAD_TIMEOUT = 600.0  # a load reads the adapter from disk and copies it to every rank
 MAX_BACKOFF = 300.0
 PARALLEL_LOADS = 4  # adapters converging at once: a pass of many slow loads is not their sum
+DOWNLOADS = 2  # hub downloads at once per pod: a long list is fetched a few adapters at a time, not all at once
 LIVENESS_SLACK = 60.0  # beyond one load's timeout, how old the heartbeat may grow before /livez fails
 
 
@@ -76,6 +81,24 @@ def fetch(source: str) -> str:
     repo, revision = parse_source(source)
     return with_retries(lambda: snapshot_download(repo, revision=revision, allow_patterns=PATTERNS), source,
                         max_retries=5, backoff=2.0)
+
+
+def drop_snapshot(path: str) -> bool:
+    """Delete a hub snapshot this loop fetched (`.../models--org--name/snapshots/<commit>`) with the blobs no other
+    revision of that repo shares (huggingface_hub's own cache deletion): removed adapters and replaced revisions
+    do not pile up in the pod's cache volume. -> whether it was found and deleted."""
+    from huggingface_hub import scan_cache_dir
+
+    snapshot = Path(path)
+    repo_dir = snapshot.parent.parent
+    if snapshot.parent.name != "snapshots" or not repo_dir.parent.is_dir():
+        return False
+    cache = scan_cache_dir(repo_dir.parent)
+    for repo in cache.repos:
+        if Path(repo.repo_path) == repo_dir and any(r.commit_hash == snapshot.name for r in repo.revisions):
+            cache.delete_revisions(snapshot.name).execute()
+            return True
+    return False
 
 
 def _error_message(status: int, text: str) -> str:
@@ -139,12 +162,19 @@ class Syncer:
     heartbeat: float = field(default_factory=time.monotonic)
     session: Any = None
     base_model: str | None = None  # the service's model as a hub id (the list's baseModel), when known
+    fetched: set[str] = field(default_factory=set)  # hub snapshots this loop downloaded (persisted in state_file)
+    downloads: Any = None  # asyncio.Semaphore(DOWNLOADS)
 
     def __post_init__(self) -> None:
         try:
-            self.managed = set(json.loads(self.state_file.read_text()))
+            state = json.loads(self.state_file.read_text())
         except (OSError, ValueError, TypeError):
-            self.managed = set()
+            state = []
+        if isinstance(state, list):  # the format before snapshots were tracked: the loaded names only
+            state = {"managed": state}
+        self.managed = set(state.get("managed") or [])
+        self.fetched = set(state.get("fetched") or [])
+        self.downloads = asyncio.Semaphore(DOWNLOADS)
 
     # ---- I/O with the engine ---------------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -181,8 +211,23 @@ class Syncer:
 
     def _save(self) -> None:
         tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(sorted(self.managed)))
+        tmp.write_text(json.dumps({"managed": sorted(self.managed), "fetched": sorted(self.fetched)}))
         tmp.replace(self.state_file)
+
+    def _collect(self) -> None:
+        """Delete the snapshots this loop fetched that no listed adapter uses any more (removed, or replaced by
+        another revision)."""
+        wanted = {a.path for a in self.adapters.values() if a.path}
+        for path in sorted(self.fetched - wanted):
+            try:
+                deleted = drop_snapshot(path)
+            except Exception as e:  # a cache another process changed meanwhile: try again next pass
+                logger.warning("cannot delete the unused adapter snapshot %s: %s", path, e)
+                continue
+            if deleted:
+                logger.info("deleted the unused adapter snapshot %s", path)
+            self.fetched.discard(path)
+            self._save()
 
     # ---- one pass --------------------------------------------------------------------------------------------
     def _read_config(self) -> tuple[str, dict[str, str]] | None:
@@ -207,7 +252,7 @@ class Syncer:
             if time.monotonic() < a.retry_at:
                 return None
             a.state, a.message = "Downloading", None
-            a.download = asyncio.get_running_loop().create_task(asyncio.to_thread(fetch, a.source))
+            a.download = asyncio.get_running_loop().create_task(self._fetch(a.source))
             return None
         if not a.download.done():
             return None
@@ -217,7 +262,16 @@ class Syncer:
         except Exception as e:  # the hub client's many failures (404, 401, offline, disk full)
             self._failed(a, f"cannot fetch {a.source}: {e.__class__.__name__}: {str(e).splitlines()[0][:500]}")
             return None
+        self.fetched.add(a.path)
+        self._save()
         return a.path
+
+    async def _fetch(self, source: str) -> str:
+        """One hub download, at most DOWNLOADS at once in this pod."""
+        if self.downloads is None:
+            self.downloads = asyncio.Semaphore(DOWNLOADS)
+        async with self.downloads:
+            return await asyncio.to_thread(fetch, source)
 
     def _failed(self, a: Adapter, message: str, refused_path: str | None = None) -> None:
         a.state, a.message, a.refused = "Failed", message, refused_path
@@ -264,6 +318,7 @@ class Syncer:
                 await self._converge(a, loaded)
                 self.heartbeat = time.monotonic()
         await asyncio.gather(*(converge(a) for a in list(self.adapters.values())))
+        self._collect()
         self.applied = digest
         if all(a.state in FINAL for a in self.adapters.values()):
             self.settled_once = True

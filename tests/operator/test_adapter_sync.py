@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -94,7 +95,8 @@ async def test_the_loop_converges_and_touches_only_its_own(engine, tmp_path, mon
         assert engine.loaded == {"static": "/from/lora-modules", "hub": "/hub/org/x@v2"}
         assert ("load", "bad") not in engine.calls and ("unload", "static") not in engine.calls
         assert engine.calls == [("unload", "a"), ("unload", "hub"), ("load", "hub")]
-        assert json.loads((tmp_path / "state.json").read_text()) == ["hub"]  # remembered across sidecar restarts
+        # remembered across sidecar restarts: what it loaded, and the snapshot it fetched (v1's is gone)
+        assert json.loads((tmp_path / "state.json").read_text()) == {"managed": ["hub"], "fetched": ["/hub/org/x@v2"]}
 
         # an engine that restarted in place lost its adapters: not ready again until they are back
         assert syncer.settled_once
@@ -181,3 +183,58 @@ async def test_an_adapter_trained_for_another_base_model_is_refused(engine, tmp_
     assert states["theirs"][0] == "Failed"
     assert "trained for base model org/other-7b" in states["theirs"][1] and "serves org/base-7b" in states["theirs"][1]
     assert ("load", "theirs") not in engine.calls
+
+
+def fake_hub_snapshot(cache, repo: str, commit: str, content: bytes) -> str:
+    """A hub snapshot laid out as huggingface_hub stores it: blobs, a snapshot of symlinks, a ref."""
+    import hashlib
+
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    blob = hashlib.sha256(content).hexdigest()
+    (repo_dir / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "blobs" / blob).write_bytes(content)
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "adapter_model.safetensors").symlink_to(f"../../blobs/{blob}")
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    return str(snapshot)
+
+
+async def test_removed_adapters_and_old_revisions_leave_the_cache(engine, tmp_path, monkeypatch):
+    """Each pod's cache volume held every adapter and revision it ever fetched: removed adapters and replaced
+    revisions are now deleted (with their blobs), and the model's and other adapters' files are left alone."""
+    import aiohttp
+
+    monkeypatch.setenv("SHOAL_API_KEY", "k")
+    cache = tmp_path / "hub"
+    snapshots = {"hf://org/x@v1": fake_hub_snapshot(cache, "org/x", "a" * 40, b"v1 weights"),
+                 "hf://org/x@v2": fake_hub_snapshot(cache, "org/x", "b" * 40, b"v2 weights"),
+                 "hf://org/y": fake_hub_snapshot(cache, "org/y", "c" * 40, b"y weights")}
+    model = fake_hub_snapshot(cache, "org/base", "d" * 40, b"the model")  # fetched by the init container
+    monkeypatch.setattr(adapter_sync, "fetch", lambda source: snapshots[source])
+    cfg = tmp_path / "adapters.json"
+    write(cfg, {"x": "hf://org/x@v1", "y": "hf://org/y"})
+    syncer = adapter_sync.Syncer(cfg, engine.url, tmp_path / "state.json", interval=0.01)
+    syncer.session = aiohttp.ClientSession()
+    try:
+        async def until(check):
+            for _ in range(100):
+                await syncer.sync_once()
+                if check():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("the loop did not converge")
+
+        await until(lambda: {engine.loaded.get("x"), engine.loaded.get("y")} == {snapshots["hf://org/x@v1"],
+                                                                                 snapshots["hf://org/y"]})
+        write(cfg, {"x": "hf://org/x@v2"})  # a new revision of x, and y removed
+        await until(lambda: engine.loaded.get("x") == snapshots["hf://org/x@v2"] and "y" not in engine.loaded)
+    finally:
+        await syncer.session.close()
+    assert not (cache / "models--org--y").exists()
+    assert not (cache / "models--org--x" / "snapshots" / ("a" * 40)).exists()
+    assert (cache / "models--org--x" / "snapshots" / ("b" * 40) / "adapter_model.safetensors").read_bytes() == \
+        b"v2 weights"
+    assert len(list((cache / "models--org--x" / "blobs").iterdir())) == 1  # v1's blob went with it
+    assert (Path(model) / "adapter_model.safetensors").read_bytes() == b"the model"
