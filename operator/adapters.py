@@ -32,7 +32,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shoal.operator import api
+from shoal.operator import api, contract
 
 logger = logging.getLogger("shoal.operator.adapters")
 
@@ -49,7 +49,7 @@ MAX_LISTED = 64  # pods listed per adapter in status.adapters (the ones not load
 
 
 def configmap_name(name: str) -> str:
-    return f"{name}-adapters"
+    return contract.adapters_configmap_name(name)
 
 
 def claims(spec: api.InferenceServiceSpec) -> list[str]:

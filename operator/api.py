@@ -23,17 +23,15 @@ from shoal.engine import flags
 from shoal.engine.config import AttentionBackend, Dtype, EngineConfig
 from shoal.engine.execution.models import SUPPORTED_ARCHITECTURES  # the registry imports without torch
 
-GROUP = "serving.shoal.dev"
-VERSION = "v1alpha1"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
+from shoal.operator import contract  # noqa: E402
+from shoal.operator.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: E402,F401 (the contract's)
+
 SINGULAR = "inferenceservice"
 # `kubectl get isvc` is what users expect. KServe uses "isvc" too, and a cluster running both resolves it to one
 # of the two CRDs, so "sisvc" is registered as well: it never clashes (nor does inferenceservices.serving.shoal.dev).
 SHORT_NAMES = ["isvc", "sisvc"]
 # not "all": `kubectl delete all --all` must never delete models
 CATEGORIES = ["shoal"]
-API_VERSION = f"{GROUP}/{VERSION}"
 # Versioning (docs/api.md "Versions"): every version the CRD serves, oldest first, and the one the API server
 # stores. All share this one schema (conversion strategy None: the API server only rewrites apiVersion), so a new
 # version is added here, made the storage version once it has been served for a release, and the old one is kept
@@ -248,7 +246,7 @@ class Security(_Model):
 
 
 class Probes(_Model):
-    startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400,
+    startup_timeout_seconds: int = Field(default=contract.DEFAULT_STARTUP_TIMEOUT_SECONDS, ge=30, le=86400,
                                          description="model load budget before the pod is restarted")
     download_timeout_seconds: int = Field(
         default=21600, ge=60, le=604800,
@@ -833,8 +831,4 @@ def running_replicas(spec: InferenceServiceSpec, status: dict[str, Any] | None) 
 
 
 def served_model_name(name: str, spec: InferenceServiceSpec) -> str:
-    if spec.model.served_name:
-        return spec.model.served_name
-    if spec.model.uri.startswith("hf://"):
-        return spec.model.uri[len("hf://"):]
-    return name
+    return contract.served_model_name(name, spec.model.uri, spec.model.served_name)

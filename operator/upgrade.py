@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-A_UPGRADE = "serving.shoal.dev/upgrade-engine-image"
+from shoal.operator.contract import A_UPGRADE  # noqa: E402
 
 
 def asked(isvc: dict[str, Any]) -> bool:

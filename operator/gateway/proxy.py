@@ -220,9 +220,10 @@ class Gateway:
         pool.max_inflight = view.max_inflight or c.max_inflight  # engine.maxNumSeqs, else the gateway's flag
         pool.hold_timeout = (c.hold_timeout or view.hold_timeout) if view.hold_timeout else 0.0
         if view.hold_timeout and pool not in self._wakers:
+            from shoal.operator.contract import wake_configmap_name
             from shoal.operator.gateway.wake import Waker
 
-            waker = Waker(view.namespace, f"{view.name}-wake", api=self.kube_api, session=self.session)
+            waker = Waker(view.namespace, wake_configmap_name(view.name), api=self.kube_api, session=self.session)
             self._wakers[pool] = waker
             pool.on_hold.append(waker)
         elif not view.hold_timeout and pool in self._wakers:
