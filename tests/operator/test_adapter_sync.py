@@ -4,12 +4,26 @@ in tests/operator/test_adapters_e2e.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 from aiohttp import web
+from prockit import EVENT_BOUND
 
 from shoal.operator.podtools import adapter_sync
+
+
+async def passes_until(syncer, done, what: str) -> None:
+    """Sync passes until `done()`, bounded by time (not by a count of passes, which a loaded machine outruns)."""
+    deadline = time.monotonic() + EVENT_BOUND
+    while True:
+        await syncer.sync_once()
+        if done():
+            return
+        assert time.monotonic() < deadline, f"waited {EVENT_BOUND:.0f} s of sync passes for {what}"
+        await asyncio.sleep(0.01)
 
 
 class FakeEngine:
@@ -71,10 +85,8 @@ async def test_the_loop_converges_and_touches_only_its_own(engine, tmp_path, mon
     syncer = adapter_sync.Syncer(cfg, engine.url, tmp_path / "state.json", interval=0.01)
     syncer.session = aiohttp.ClientSession()
     try:
-        for _ in range(50):  # a hub adapter downloads in a thread: passes until it is loaded
-            await syncer.sync_once()
-            if syncer.settled_once:
-                break
+        # a hub adapter downloads in a thread: passes until it is loaded
+        await passes_until(syncer, lambda: syncer.settled_once, "the first list to settle")
         states = {a["name"]: (a["state"], a["message"]) for a in syncer.status()["adapters"]}
         assert states == {"a": ("Loaded", None), "hub": ("Loaded", None), "bad": ("Failed", "400: rank 32 above 16")}
         assert engine.loaded == {"static": "/from/lora-modules", "a": "/a", "hub": "/hub/org/x@v1"}
@@ -84,10 +96,7 @@ async def test_the_loop_converges_and_touches_only_its_own(engine, tmp_path, mon
         # the one it did not load (`static`) is left alone
         engine.calls.clear()
         write(cfg, {"bad": "/bad", "hub": "hf://org/x@v2"})
-        for _ in range(50):
-            await syncer.sync_once()
-            if engine.loaded.get("hub") == "/hub/org/x@v2":
-                break
+        await passes_until(syncer, lambda: engine.loaded.get("hub") == "/hub/org/x@v2", "hub@v2 to be loaded")
         assert engine.loaded == {"static": "/from/lora-modules", "hub": "/hub/org/x@v2"}
         assert ("load", "bad") not in engine.calls and ("unload", "static") not in engine.calls
         assert engine.calls == [("unload", "a"), ("unload", "hub"), ("load", "hub")]
