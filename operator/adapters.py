@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from shoal.operator import api, contract
+from shoal.operator.contract import L_POD_INDEX, MODELS_DIR
 
 logger = logging.getLogger("shoal.operator.adapters")
 
@@ -61,8 +62,6 @@ def claims(spec: api.InferenceServiceSpec) -> list[str]:
 
 def source(spec: api.InferenceServiceSpec, adapter: api.Adapter) -> str:
     """Where the pod finds the adapter: a directory it has, or the hub reference the sidecar fetches."""
-    from shoal.operator.render import MODELS_DIR
-
     uri = adapter.uri
     if uri.startswith("hf://"):
         return uri + (f"@{adapter.revision}" if adapter.revision else "")
@@ -87,8 +86,6 @@ def digest(text: str) -> str:
 # ------------------------------------------------------------------------------------------------- status
 def serving_pods(pods: list[dict[str, Any]], multi: bool) -> list[dict[str, Any]]:
     """Pods whose sidecar drives an engine API: running, not terminating, rank 0 of a multi-pod group."""
-    from shoal.operator.render import L_POD_INDEX
-
     found = []
     for p in pods:
         labels = p["metadata"].get("labels") or {}

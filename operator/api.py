@@ -22,6 +22,8 @@ from pydantic.alias_generators import to_camel
 from shoal.engine import flags
 from shoal.engine.config import AttentionBackend, Dtype, EngineConfig
 from shoal.engine.execution.models import SUPPORTED_ARCHITECTURES  # the registry imports without torch
+from shoal.operator import runtimes  # reads the spec's models from the spec it is given, never imports this module
+from shoal.operator.errors import SpecError  # runtimes raises it too
 
 from shoal.operator import contract  # noqa: E402
 from shoal.operator.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: E402,F401 (the contract's)
@@ -163,7 +165,7 @@ class EngineOptions(_Model):
 
 
 # The spec.engine fields that are engine flags, in rendering order.
-ENGINE_FLAG_FIELDS = tuple(name for name in EngineOptions.model_fields if name in EngineConfig.model_fields)
+ENGINE_FLAG_FIELDS = runtimes.flag_fields(EngineOptions)
 
 
 class Resources(_Model):
@@ -681,13 +683,6 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
 
 
 # ------------------------------------------------------------------------------------------------------ validation
-class SpecError(ValueError):
-    """A spec the operator refuses; `field` is the dotted path (spec.engine.extraArgs[2])."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 def _loc_to_path(loc: tuple[Any, ...]) -> str:
@@ -749,8 +744,6 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
     if len(name) > limit:
         errors.append(SpecError("metadata.name", f"must be at most {limit} characters for this topology "
                                                  "(child and pod names are derived from it)"))
-    from shoal.operator import runtimes  # it renders from this module's models
-
     errors += runtimes.spec_errors(spec, pods)
     if spec.gateway.max_buffered_bytes < spec.gateway.max_body_bytes:
         errors.append(SpecError("spec.gateway.maxBufferedBytes",

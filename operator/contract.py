@@ -36,6 +36,9 @@ A_REVISION = f"{GROUP}/revision"  # of a group's template, independent of its in
 A_WAKE = f"{GROUP}/wake-requested-at"  # on <name>-wake: a gateway holds requests at zero replicas
 A_UPGRADE = f"{GROUP}/upgrade-engine-image"  # on the InferenceService: move it to the operator's engine image now
 
+# ---- the pod's layout ----------------------------------------------------------------------------------------------
+MODELS_DIR = "/models"  # where a pvc:// model's (and a pvc:// adapter's) claim is mounted
+
 # ---- defaults a reader needs -------------------------------------------------------------------------------------
 DEFAULT_STARTUP_TIMEOUT_SECONDS = 1800  # spec.probes.startupTimeoutSeconds: also how long a request waits at zero
 HF_SCHEME = "hf://"
