@@ -32,7 +32,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shoal.operator import api
+from shoal.operator import api, contract
+from shoal.operator.contract import L_POD_INDEX, MODELS_DIR
 
 logger = logging.getLogger("shoal.operator.adapters")
 
@@ -51,7 +52,7 @@ EXAMPLE_LENGTH = 256
 
 
 def configmap_name(name: str) -> str:
-    return f"{name}-adapters"
+    return contract.adapters_configmap_name(name)
 
 
 def claims(spec: api.InferenceServiceSpec) -> list[str]:
@@ -63,8 +64,6 @@ def claims(spec: api.InferenceServiceSpec) -> list[str]:
 
 def source(spec: api.InferenceServiceSpec, adapter: api.Adapter) -> str:
     """Where the pod finds the adapter: a directory it has, or the hub reference the sidecar fetches."""
-    from shoal.operator.render import MODELS_DIR
-
     uri = adapter.uri
     if uri.startswith("hf://"):
         return uri + (f"@{adapter.revision}" if adapter.revision else "")
@@ -97,8 +96,6 @@ def digest(text: str) -> str:
 # ------------------------------------------------------------------------------------------------- status
 def serving_pods(pods: list[dict[str, Any]], multi: bool) -> list[dict[str, Any]]:
     """Pods whose sidecar drives an engine API: running, not terminating, rank 0 of a multi-pod group."""
-    from shoal.operator.render import L_POD_INDEX
-
     found = []
     for p in pods:
         labels = p["metadata"].get("labels") or {}

@@ -22,18 +22,18 @@ from pydantic.alias_generators import to_camel
 from shoal.engine import flags
 from shoal.engine.config import AttentionBackend, Dtype, EngineConfig
 from shoal.engine.execution.models import SUPPORTED_ARCHITECTURES  # the registry imports without torch
+from shoal.operator import runtimes  # reads the spec's models from the spec it is given, never imports this module
+from shoal.operator.errors import SpecError  # runtimes raises it too
 
-GROUP = "serving.shoal.dev"
-VERSION = "v1alpha1"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
+from shoal.operator import contract  # noqa: E402
+from shoal.operator.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: E402,F401 (the contract's)
+
 SINGULAR = "inferenceservice"
 # `kubectl get isvc` is what users expect. KServe uses "isvc" too, and a cluster running both resolves it to one
 # of the two CRDs, so "sisvc" is registered as well: it never clashes (nor does inferenceservices.serving.shoal.dev).
 SHORT_NAMES = ["isvc", "sisvc"]
 # not "all": `kubectl delete all --all` must never delete models
 CATEGORIES = ["shoal"]
-API_VERSION = f"{GROUP}/{VERSION}"
 # Versioning (docs/api.md "Versions"): every version the CRD serves, oldest first, and the one the API server
 # stores. All share this one schema (conversion strategy None: the API server only rewrites apiVersion), so a new
 # version is added here, made the storage version once it has been served for a release, and the old one is kept
@@ -165,7 +165,7 @@ class EngineOptions(_Model):
 
 
 # The spec.engine fields that are engine flags, in rendering order.
-ENGINE_FLAG_FIELDS = tuple(name for name in EngineOptions.model_fields if name in EngineConfig.model_fields)
+ENGINE_FLAG_FIELDS = runtimes.flag_fields(EngineOptions)
 
 
 class Resources(_Model):
@@ -248,7 +248,7 @@ class Security(_Model):
 
 
 class Probes(_Model):
-    startup_timeout_seconds: int = Field(default=1800, ge=30, le=86400,
+    startup_timeout_seconds: int = Field(default=contract.DEFAULT_STARTUP_TIMEOUT_SECONDS, ge=30, le=86400,
                                          description="model load budget before the pod is restarted")
     download_timeout_seconds: int = Field(
         default=21600, ge=60, le=604800,
@@ -690,13 +690,6 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
 
 
 # ------------------------------------------------------------------------------------------------------ validation
-class SpecError(ValueError):
-    """A spec the operator refuses; `field` is the dotted path (spec.engine.extraArgs[2])."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 def _loc_to_path(loc: tuple[Any, ...]) -> str:
@@ -758,8 +751,6 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
     if len(name) > limit:
         errors.append(SpecError("metadata.name", f"must be at most {limit} characters for this topology "
                                                  "(child and pod names are derived from it)"))
-    from shoal.operator import runtimes  # it renders from this module's models
-
     errors += runtimes.spec_errors(spec, pods)
     if spec.gateway.max_buffered_bytes < spec.gateway.max_body_bytes:
         errors.append(SpecError("spec.gateway.maxBufferedBytes",
@@ -840,8 +831,4 @@ def running_replicas(spec: InferenceServiceSpec, status: dict[str, Any] | None) 
 
 
 def served_model_name(name: str, spec: InferenceServiceSpec) -> str:
-    if spec.model.served_name:
-        return spec.model.served_name
-    if spec.model.uri.startswith("hf://"):
-        return spec.model.uri[len("hf://"):]
-    return name
+    return contract.served_model_name(name, spec.model.uri, spec.model.served_name)

@@ -6,7 +6,7 @@ sync does not fight the autoscaler).
 Watch, never list
     What a decision reads — InferenceServices, the EndpointSlices of their engine and gateway Services (which carry
     the Services' labels, so one label selector finds every slice of ours), the gateways' wake-up ConfigMaps and
-    kopf's peering objects — comes from watch-fed caches (informer.py), listed once. The caches keep running on a
+    kopf's peering objects — comes from watch-fed caches (k8s/informer.py), listed once. The caches keep running on a
     standby replica, which takes over with current data.
 Lead
     Exactly one operator replica scales: the one kopf's peering lets reconcile (leadership.py applies kopf's rule
@@ -64,19 +64,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.operator.gateway import metric_names
-from shoal.operator.gateway.discovery import KubeAPI
-from shoal.operator import api, render
+from shoal.operator import api, contract, render
+from shoal.operator.contract import (A_WAKE, GATEWAY_ENGINE_GAUGES, GATEWAY_HELD_REQUESTS, GATEWAY_INFLIGHT_REQUESTS,
+                                     L_SERVICE_NAME)
 from shoal.operator.autoscaling import Decision, History, Observation, Policy, ReplicaLoad, decide, pick_victims
-from shoal.operator.informer import Informers
-from shoal.operator.informer import kube_api as informer_api
+from shoal.operator.k8s.client import KubeAPI
+from shoal.operator.k8s.informer import Informers
 from shoal.operator.kube import ApiError, Kube
 from shoal.operator.leadership import Leadership
 
 logger = logging.getLogger("shoal.operator.autoscaler")
 
-A_WAKE = "serving.shoal.dev/wake-requested-at"
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-L_SERVICE_NAME = "kubernetes.io/service-name"
 INTERVAL = 1.0  # seconds between decisions without a wake-up
 SCRAPE_TIMEOUT = 1.0  # one /metrics, from when it may start (the fleet-wide bound below)
 MAX_CONCURRENT_SCRAPES = 32  # across every InferenceService (--max-concurrent-scrapes)
@@ -136,7 +135,7 @@ def _recent(stamp: str, now: datetime.datetime | None = None) -> bool:
 
 def engine_service(name: str, spec: api.InferenceServiceSpec) -> str:
     """The Service whose EndpointSlices list the serving (rank-0) engine pods."""
-    return render.engines_service_name(name) if spec.gateway.enabled else name
+    return contract.serving_engines_service(name, spec.gateway.enabled)
 
 
 def gateway_service(name: str, spec: api.InferenceServiceSpec) -> str | None:
@@ -176,10 +175,6 @@ class GatewayView:
     engines: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-_GATEWAY_ENGINE_GAUGES = {"shoal:gateway_backend_running_requests": "running",
-                          "shoal:gateway_backend_waiting_requests": "waiting",
-                          "shoal:gateway_backend_kv_cache_usage": "kv_usage",
-                          "shoal:gateway_backend_waiting_prefill_tokens": "waiting_prefill_tokens"}
 
 
 def gateway_view(text: str) -> GatewayView:
@@ -189,12 +184,12 @@ def gateway_view(text: str) -> GatewayView:
             if math.isnan(sample.value):
                 continue
             backend = sample.labels.get("backend")
-            if sample.name == "shoal:gateway_held_requests":
+            if sample.name == GATEWAY_HELD_REQUESTS:
                 view.held += sample.value
-            elif sample.name == "shoal:gateway_inflight_requests" and backend:
+            elif sample.name == GATEWAY_INFLIGHT_REQUESTS and backend:
                 view.in_flight[backend] = view.in_flight.get(backend, 0.0) + sample.value
-            elif sample.name in _GATEWAY_ENGINE_GAUGES and backend:
-                view.engines.setdefault(backend, {})[_GATEWAY_ENGINE_GAUGES[sample.name]] = sample.value
+            elif sample.name in GATEWAY_ENGINE_GAUGES and backend:
+                view.engines.setdefault(backend, {})[GATEWAY_ENGINE_GAUGES[sample.name]] = sample.value
     return view
 
 
@@ -203,7 +198,7 @@ def load_from_gateways(url: str, views: list[GatewayView]) -> dict[str, float] |
     highest, should they differ), else the requests the gateways have in flight to it; None without a view."""
     polled = [v.engines[url] for v in views if url in v.engines]
     if polled:
-        return {k: max(p.get(k, 0.0) for p in polled) for k in _GATEWAY_ENGINE_GAUGES.values()}
+        return {k: max(p.get(k, 0.0) for p in polled) for k in GATEWAY_ENGINE_GAUGES.values()}
     if not views:
         return None
     return {"running": sum(v.in_flight.get(url, 0.0) for v in views), "waiting": 0.0, "kv_usage": 0.0,
@@ -295,9 +290,9 @@ class Autoscaler:
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self, kube_api: KubeAPI | None = None) -> None:
         """Start the caches and the supervisor (from kopf's startup handler, on every replica)."""
-        kube_api = kube_api or await asyncio.to_thread(informer_api)
+        kube_api = kube_api or await asyncio.to_thread(KubeAPI.from_environment)
         ns = self.namespaces
-        managed = f"{render.L_MANAGED_BY}={render.MANAGED_BY}"
+        managed = contract.MANAGED_SELECTOR
         self.isvcs = Informers(kube_api, api.API_VERSION, api.PLURAL, ns, on_event=self._isvc_event)
         self.slices = Informers(kube_api, "discovery.k8s.io/v1", "endpointslices", ns, label_selector=managed,
                                 index=_slice_service)
@@ -598,27 +593,11 @@ class Autoscaler:
         state.last_scale_time = scale_time
         M_SCALINGS.labels(ns, name, decision.reason).inc()
         verb = "ScaledUp" if decision.desired > obs.current else "ScaledDown"
-        await self._event(updated, verb, f"replicas {obs.current} -> {decision.desired} ({decision.reason}): "
+        await self.kube.event(updated, "Normal", verb, f"replicas {obs.current} -> {decision.desired} ({decision.reason}): "
                                          f"{decision.message}")
         logger.info("%s/%s: replicas %d -> %d (%s): %s", ns, name, obs.current, decision.desired, decision.reason,
                     decision.message)
         return updated
-
-    async def _event(self, isvc: dict[str, Any], reason: str, message: str) -> None:
-        """A Normal Event on the InferenceService (kopf's event poster serves handlers only); best effort."""
-        meta = isvc["metadata"]
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
-        event = {"apiVersion": "v1", "kind": "Event",
-                 "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-                 "involvedObject": {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta["name"],
-                                    "namespace": meta["namespace"], "uid": meta.get("uid")},
-                 "type": "Normal", "reason": reason, "message": message[:1024],
-                 "source": {"component": "shoal-operator"}, "reportingComponent": "shoal-operator",
-                 "firstTimestamp": now[:19] + "Z", "lastTimestamp": now[:19] + "Z", "count": 1}
-        try:
-            await self.kube.create("Event", meta["namespace"], event)
-        except ApiError as e:
-            logger.info("event %s on %s/%s not posted: %s", reason, meta["namespace"], meta["name"], e)
 
     async def _mark_victims(self, namespace: str, replicas: list[ReplicaLoad], count: int) -> None:
         """Pod deletion costs from the in-flight counts: the ReplicaSet removes the cheapest pods first."""
@@ -681,7 +660,7 @@ async def start_autoscaler(settings: kopf.OperatorSettings, memo: kopf.Memo, **_
     if "autoscaler" not in memo:
         peering = settings.peering
         memo.autoscaler = Autoscaler(
-            kube=Kube.from_environment(workers=4),
+            kube=Kube.from_environment(),
             leadership=Leadership(standalone=peering.standalone, peering_name=peering.name,
                                   priority=peering.priority, mandatory=peering.mandatory),
             peering_clusterwide=peering.clusterwide, namespaces=watched_namespaces(),
@@ -701,7 +680,7 @@ async def stop_autoscaler(memo: kopf.Memo, **_: Any) -> None:
     autoscaler: Autoscaler | None = memo.get("autoscaler")
     if autoscaler is not None:
         await autoscaler.close()
-        autoscaler.kube.close()
+        await autoscaler.kube.close()
     server = memo.get("metrics_server")
     if server is not None:
         server[0].shutdown()

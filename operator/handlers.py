@@ -129,20 +129,6 @@ def _autoscaled_replicas(isvc: dict[str, Any]) -> Any:
     return ((isvc.get("status") or {}).get("autoscaling") or {}).get("desiredReplicas")
 
 
-def _ref(isvc: dict[str, Any]) -> dict[str, Any]:
-    m = isvc["metadata"]
-    return {"apiVersion": api.API_VERSION, "kind": api.KIND,
-            "metadata": {"name": m["name"], "namespace": m["namespace"], "uid": m.get("uid")}}
-
-
-def _event(isvc: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    """A Kubernetes Event on the InferenceService (kopf posts it in the background); best effort."""
-    try:
-        kopf.event(_ref(isvc), type=type_, reason=reason, message=message)
-    except LookupError:  # outside kopf's handler context (never expected): an Event is not worth a failed pass
-        logger.warning("cannot post event %s on %s: %s", reason, isvc["metadata"]["name"], message)
-
-
 # ---------------------------------------------------------------------------------------------------- reconciler
 @dataclass
 class Desired:
@@ -168,10 +154,17 @@ class Reconciler:
     queue: WorkQueue = field(init=False)
     recheck_task: asyncio.Task | None = field(default=None, init=False)
     adapter_reports: adapters.AdapterReports = field(init=False)
+    _events: set[asyncio.Task] = field(default_factory=set, init=False)  # Events being posted
 
     def __post_init__(self) -> None:
         self.queue = WorkQueue(lambda key: self.reconcile(*key), name="reconcile", max_backoff=self.max_backoff)
         self.adapter_reports = adapters.AdapterReports(trigger=self.trigger)
+
+    def _event(self, isvc: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A Kubernetes Event on the InferenceService, posted in the background (k8s.events); best effort."""
+        task = asyncio.get_running_loop().create_task(self.kube.event(isvc, type_, reason, message))
+        self._events.add(task)
+        task.add_done_callback(self._events.discard)
 
     def trigger(self, namespace: str, name: str, indexes: dict[str, Any] | None = None) -> None:
         """Queue a reconcile of the InferenceService. `indexes`: kopf's, as the calling handler got them (the same
@@ -267,7 +260,7 @@ class Reconciler:
         new_status["adapters"] = seen.adapters
         for adapter, pod, message in self.adapter_reports.new_failures((meta["namespace"], meta["name"]),
                                                                        seen.failures):
-            _event(isvc, "Warning", "AdapterLoadFailed", message=f"adapter {adapter} on pod {pod}: {message}")
+            self._event(isvc, "Warning", "AdapterLoadFailed", message=f"adapter {adapter} on pod {pod}: {message}")
 
     def _upgrade_condition(self, key: tuple[str, str], isvc: dict[str, Any], started: bool,
                            new_status: dict[str, Any]) -> None:
@@ -290,7 +283,7 @@ class Reconciler:
         pinned, started = self.upgrades.pin(key, isvc, default, upgrade.workload_image(self.observed(key), runtime),
                                             self.settings.max_concurrent_upgrades, everyone)
         if started:
-            _event(isvc, "Normal", "EngineImageUpgrade",
+            self._event(isvc, "Normal", "EngineImageUpgrade",
                    message=f"moving to the operator's engine image {default} (was "
                            f"{(isvc.get('status') or {}).get('engineImage') or 'unpinned'})")
         if pinned and (isvc.get("status") or {}).get("engineImage") != pinned:
@@ -344,7 +337,7 @@ class Reconciler:
         for ck, obj in want.children.items():
             actual = observed.get(ck)
             if actual is not None and not _owned_by(actual, uid):
-                _event(isvc, "Warning", "ChildConflict",
+                self._event(isvc, "Warning", "ChildConflict",
                        message=f"{ck[0]} {ck[1]} exists but is not owned by this InferenceService; not touching it")
                 continue
             if actual is not None and not _drifted(actual, obj):
@@ -363,7 +356,7 @@ class Reconciler:
                     # a StatefulSet field that cannot change (volumeClaimTemplates, ...): the group goes down
                     # anyway, so replace the StatefulSet; the next pass creates it on the new spec
                     await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
-                    _event(isvc, "Normal", "GroupRecreate", message=f"recreating {ck[1]}: {e.message}")
+                    self._event(isvc, "Normal", "GroupRecreate", message=f"recreating {ck[1]}: {e.message}")
                     continue
                 if e.status == 404 and ck[0] in OPTIONAL_KINDS:  # its CRD is not installed
                     group = KINDS[ck[0]][0].split("/")[0]
@@ -392,7 +385,7 @@ class Reconciler:
                         raise
             raise OwnerGone(f"{namespace}/{isvc['metadata']['name']}")
         if created:
-            _event(isvc, "Normal", "Created", message="created " + ", ".join(created))
+            self._event(isvc, "Normal", "Created", message="created " + ", ".join(created))
         return rejected
 
     async def _delete_unwanted(self, isvc: dict[str, Any], want: Desired,
@@ -404,7 +397,7 @@ class Reconciler:
                 continue
             try:
                 await self.kube.delete(ck[0], namespace, ck[1], uid=actual["metadata"].get("uid"))
-                _event(isvc, "Normal", "Deleted", message=f"deleted {ck[0]} {ck[1]} (no longer wanted)")
+                self._event(isvc, "Normal", "Deleted", message=f"deleted {ck[0]} {ck[1]} (no longer wanted)")
             except ApiError as e:
                 if e.status not in (404, 409):
                     raise
@@ -477,11 +470,11 @@ class Reconciler:
     def _rollout_events(self, isvc: dict[str, Any], move: rollout.Step, had_groups: bool) -> None:
         for index in move.create:
             if had_groups:
-                _event(isvc, "Normal", "GroupSurge", message=f"starting group {index} on the current spec")
+                self._event(isvc, "Normal", "GroupSurge", message=f"starting group {index} on the current spec")
         for index in move.retire:
-            _event(isvc, "Normal", "GroupRetire", message=f"retiring group {index} (outdated or surplus)")
+            self._event(isvc, "Normal", "GroupRetire", message=f"retiring group {index} (outdated or surplus)")
         for index in move.update:
-            _event(isvc, "Normal", "GroupRollout", message=f"replacing group {index} in place (maxSurge 0)")
+            self._event(isvc, "Normal", "GroupRollout", message=f"replacing group {index} in place (maxSurge 0)")
 
     async def restart_broken_groups(self, isvc: dict[str, Any], plan: Plan,
                                     observed: dict[tuple[str, str], dict], pods: list[dict[str, Any]]) -> None:
@@ -501,14 +494,14 @@ class Reconciler:
                 who = broken[0]["metadata"]["name"] if broken else "a member"
                 why = "failed" if broken and (broken[0].get("status") or {}).get("phase") == "Failed" else \
                     "restarted" if broken else "was deleted"
-                _event(isvc, "Warning", "GroupRestart",
+                self._event(isvc, "Warning", "GroupRestart",
                        message=f"{who} of group {index} {why}: restarting all {n} pods of the group together")
                 await self._delete_pods(isvc, live)
                 continue
             update_rev = (sts.get("status") or {}).get("updateRevision")
             if update_rev and live and any(p["metadata"].get("labels", {}).get("controller-revision-hash")
                                            not in (None, update_rev) for p in live):
-                _event(isvc, "Normal", "GroupRestart", message=f"restarting group {index} on its new pod template")
+                self._event(isvc, "Normal", "GroupRestart", message=f"restarting group {index} on its new pod template")
                 await self._delete_pods(isvc, live)
 
     async def _delete_pods(self, isvc: dict[str, Any], pods: list[dict[str, Any]]) -> None:
@@ -529,17 +522,17 @@ class Reconciler:
 
         if ready(new, adapters.CONDITION)[0] == "True" and ready(old, adapters.CONDITION)[0] != "True":
             cond = next(c for c in new["conditions"] if c["type"] == adapters.CONDITION)
-            _event(isvc, "Normal", "AdaptersReady", message=cond["message"])
+            self._event(isvc, "Normal", "AdaptersReady", message=cond["message"])
         before, after = ready(old), ready(new)
         if before == after:
             return
         cond = next(c for c in new["conditions"] if c["type"] == "Ready")
         if after[0] == "True":
-            _event(isvc, "Normal", "Ready", message=cond["message"])
+            self._event(isvc, "Normal", "Ready", message=cond["message"])
         elif after[1] in ("ModelDownloading", "ModelLoading", "PodsPending", "ReplicasNotReady", "ScaledToZero"):
-            _event(isvc, "Normal", after[1], message=cond["message"])
+            self._event(isvc, "Normal", after[1], message=cond["message"])
         else:
-            _event(isvc, "Warning", after[1] or "NotReady", message=cond["message"])
+            self._event(isvc, "Warning", after[1] or "NotReady", message=cond["message"])
 
 
 # ------------------------------------------------------------------------------------------------ kopf handlers
@@ -599,7 +592,8 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     if reconciler is not None:
         reconciler.stop()
         await reconciler.adapter_reports.close()
-        reconciler.kube.close()
+        await asyncio.gather(*reconciler._events, return_exceptions=True)
+        await reconciler.kube.close()
 
 
 # ------------------------------------------------------------------------------------------------ kopf wiring

@@ -1,7 +1,8 @@
 """The few Kubernetes API calls the handlers make, in one place.
 
 Verbs used: get, list, watch (kopf's watch streams and indexes, the autoscaler's informers), create (Events),
-patch and delete.
+patch and delete. The calls go through the fleet half's one client (shoal.operator.k8s); `Kube` maps kinds to
+paths for them.
 
 Children are written with server-side apply (``application/apply-patch+yaml``, field manager ``shoal-operator``,
 ``force=true``): the API server records which fields the operator set, so a field the operator stops rendering
@@ -16,15 +17,14 @@ Role variant) must grant exactly these.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import json
 import logging
-import os
-from dataclasses import dataclass
 from typing import Any
 
 from shoal.operator import api
+from shoal.operator.k8s.client import ApiError, Client, collection_path, load_configuration, object_path
+from shoal.operator.k8s.events import post_event
+
+__all__ = ["ApiError", "Kube", "load_configuration", "path", "PERMISSIONS", "KINDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,122 +107,56 @@ WATCHED_KINDS = (*CHILD_KINDS, "Pod")
 FIELD_MANAGER = "shoal-operator"
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, reason: str, message: str = ""):
-        super().__init__(f"{status} {reason}: {message}")
-        self.status = status
-        self.reason = reason
-        self.message = message
-
-
 def path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
     api_version, plural = KINDS[kind]
-    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    p = f"{prefix}/namespaces/{namespace}/{plural}"
     if name:
-        p += f"/{name}"
-        if subresource:
-            p += f"/{subresource}"
-    return p
+        return object_path(api_version, plural, namespace, name, subresource)
+    return collection_path(api_version, plural, namespace)
 
 
-def load_configuration() -> Any:
-    """A fresh `kubernetes.client.Configuration`: the in-cluster service account when running in a pod, else
-    the kubeconfig named by $KUBECONFIG *now* (the client library fixes its default path at import time)."""
-    import kubernetes
-
-    configuration = kubernetes.client.Configuration()
-    try:
-        kubernetes.config.load_incluster_config(client_configuration=configuration)
-    except kubernetes.config.ConfigException:
-        config_file = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
-        kubernetes.config.load_kube_config(config_file=config_file, client_configuration=configuration)
-    return configuration
-
-
-@dataclass
 class Kube:
-    """A thin JSON client over the official `kubernetes` package (kubeconfig / in-cluster auth, TLS, exec
-    plugins and token refresh all come from it); blocking calls run in a small thread pool."""
+    """The operator's calls by kind (KINDS), on the fleet half's one client (k8s.client.Client: aiohttp)."""
 
-    api_client: Any
-    executor: concurrent.futures.ThreadPoolExecutor
+    def __init__(self, client: Client):
+        self.client = client
 
     @classmethod
-    def from_environment(cls, workers: int = 16) -> "Kube":
-        """In-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config."""
-        import kubernetes
-
-        configuration = load_configuration()
-        configuration.connection_pool_maxsize = workers
-        configuration.retries = False
-        return cls(kubernetes.client.ApiClient(configuration),
-                   concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="shoal-kube"))
-
-    def _call(self, method: str, url: str, body: Any = None, query: list | None = None,
-              content_type: str = "application/json") -> dict[str, Any]:
-        import kubernetes
-
-        c = self.api_client
-        try:
-            _method, full_url, headers, data, post = c.param_serialize(
-                method=method, resource_path=url, query_params=query or [], body=body,
-                header_params={"Accept": "application/json", "Content-Type": content_type},
-                auth_settings=["BearerToken"])
-            resp = c.call_api(_method, full_url, header_params=headers, body=data, post_params=post,
-                              _request_timeout=(10, 60))
-            resp.read()
-        except kubernetes.client.ApiException as e:
-            raise ApiError(e.status or 0, e.reason or "", str(e.body or "")) from None
-        raw = resp.data or b""
-        if not 200 <= resp.status < 300:
-            try:
-                status = json.loads(raw or b"{}")
-            except ValueError:
-                status = {}
-            raise ApiError(resp.status, status.get("reason") or resp.reason or "", status.get("message", ""))
-        return json.loads(raw) if raw else {}
-
-    async def _run(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, lambda: self._call(*args, **kwargs))
+    def from_environment(cls) -> "Kube":
+        """In-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config (resolved on the
+        first call, in the running loop)."""
+        return cls(Client())
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any]:
-        return await self._run("GET", path(kind, namespace, name))
+        return await self.client.get(path(kind, namespace, name))
 
     async def list(self, kind: str, namespace: str, label_selector: str | None = None,
                    field_selector: str | None = None) -> list[dict[str, Any]]:
-        query = [("labelSelector", label_selector)] if label_selector else []
-        query += [("fieldSelector", field_selector)] if field_selector else []
-        return (await self._run("GET", path(kind, namespace), query=query)).get("items", [])
+        return await self.client.list(path(kind, namespace), label_selector, field_selector)
 
     async def create(self, kind: str, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
-        """POST: 409 when the name is taken (the autoscaler's Events use generateName)."""
-        return await self._run("POST", path(kind, namespace), body=obj)
+        """POST: 409 when the name is taken."""
+        return await self.client.create(path(kind, namespace), obj)
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply of a complete desired object (creates it when missing): afterwards the object holds
         exactly these fields of ours, fields we applied before and no longer do are removed."""
         meta = obj["metadata"]
-        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
-        return await self._run("PATCH", path(obj["kind"], meta["namespace"], meta["name"]), body=obj, query=query,
-                               content_type="application/apply-patch+yaml")
+        return await self.client.apply(path(obj["kind"], meta["namespace"], meta["name"]), obj, FIELD_MANAGER)
 
     async def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any],
                           subresource: str | None = None) -> dict[str, Any]:
-        return await self._run("PATCH", path(kind, namespace, name, subresource), body=patch,
-                               content_type="application/merge-patch+json")
+        return await self.client.merge_patch(path(kind, namespace, name, subresource), patch)
 
     async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None,
                      propagation: str = "Background") -> None:
-        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}
-        if uid:  # never delete a same-named successor of the object we decided about
-            body["preconditions"] = {"uid": uid}
-        await self._run("DELETE", path(kind, namespace, name), body=body)
+        await self.client.delete(path(kind, namespace, name), uid=uid, propagation=propagation)
 
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        try:
-            self.api_client.close()
-        except Exception:  # pragma: no cover - best effort at shutdown
-            pass
+    async def event(self, isvc: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A Kubernetes Event on the InferenceService (best effort: k8s.events)."""
+        m = isvc["metadata"]
+        involved = {"apiVersion": api.API_VERSION, "kind": api.KIND,
+                    "metadata": {"name": m["name"], "namespace": m["namespace"], "uid": m.get("uid")}}
+        await post_event(self.client, involved, type_, reason, message)
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -50,22 +50,14 @@ DEFAULT_FLEET_IMAGE = "ghcr.io/shoal-dev/shoal-operator:0.1.0"
 PODTOOLS = "shoal-podtools"
 GATEWAY_UID = 65532  # the operator image's user
 
-L_NAME = "app.kubernetes.io/name"
-L_INSTANCE = "app.kubernetes.io/instance"
-L_COMPONENT = "app.kubernetes.io/component"
-L_MANAGED_BY = "app.kubernetes.io/managed-by"
-L_PART_OF = "app.kubernetes.io/part-of"
-L_ISVC = "serving.shoal.dev/inferenceservice"
-L_GROUP = "serving.shoal.dev/group"
-L_POD_INDEX = "apps.kubernetes.io/pod-index"
-A_SPEC_HASH = "serving.shoal.dev/spec-hash"
-A_GROUP_SIZE = "serving.shoal.dev/group-size"
-A_REVISION = "serving.shoal.dev/revision"  # of a group's template, independent of its index (rollout.py)
-MANAGED_BY = "shoal-operator"
+# names, labels and annotations: the InferenceService contract (contract.py), which the gateway reads by too
+from shoal.operator.contract import (A_GROUP_SIZE, A_REVISION, A_SPEC_HASH, L_COMPONENT, L_GROUP,  # noqa: E402
+                                     L_INSTANCE, L_ISVC, L_MANAGED_BY, L_NAME, L_PART_OF, L_POD_INDEX, MANAGED_BY,
+                                     MODELS_DIR,
+                                     engines_service_name, gateway_name, wake_configmap_name)
 
 DOWNLOAD_CONTAINER = "model-download"  # init container that fetches hf:// models (status.py watches it)
 CACHE_DIR = "/cache"
-MODELS_DIR = "/models"
 CHAT_TEMPLATE_DIR = "/etc/shoal/chat-template"
 CHAT_TEMPLATE_KEY = "template.jinja"
 
@@ -130,14 +122,6 @@ def pod_selector(name: str) -> dict[str, str]:
 
 def gateway_selector(name: str) -> dict[str, str]:
     return {L_ISVC: name, L_COMPONENT: "gateway"}
-
-
-def gateway_name(name: str) -> str:
-    return f"{name}-gateway"
-
-
-def engines_service_name(name: str) -> str:
-    return f"{name}-engines"
 
 
 def labels(name: str, component: str) -> dict[str, str]:
@@ -740,10 +724,6 @@ def engines_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: boo
 
 def scales_from_zero(spec: InferenceServiceSpec) -> bool:
     return spec.autoscaling is not None and spec.autoscaling.min_replicas == 0
-
-
-def wake_configmap_name(name: str) -> str:
-    return f"{name}-wake"
 
 
 def wake_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from shoal.engine import flags
 from shoal.engine.config import EngineConfig
+from shoal.operator.errors import SpecError
 from shoal.operator.gateway import metric_names
 from shoal.operator.gateway.metric_names import EngineMetrics
 
@@ -211,20 +212,21 @@ def _camel(option: str) -> str:
     return head + "".join(w.title() for w in rest)
 
 
-def _spec_defaults() -> dict[str, Any]:
-    from shoal.operator.api import ENGINE_FLAG_FIELDS, EngineOptions
+def flag_fields(options: type) -> tuple[str, ...]:
+    """The fields of the spec's engine options (api.EngineOptions) that are EngineConfig fields: rendered as flags."""
+    return tuple(name for name in options.model_fields if name in EngineConfig.model_fields)
 
-    return {o: EngineOptions.model_fields[o].get_default(call_default_factory=True) for o in ENGINE_FLAG_FIELDS}
+
+def _spec_defaults(options: type) -> dict[str, Any]:
+    return {o: options.model_fields[o].get_default(call_default_factory=True) for o in flag_fields(options)}
 
 
 def spec_errors(spec: Any, pods_per_replica: int) -> list:
     """Everything in `spec` that its runtime cannot honour, as api.SpecError naming the field and the runtime."""
-    from shoal.operator.api import ENGINE_FLAG_FIELDS, SpecError
-
     rt = of(spec)
     errors = []
-    defaults = _spec_defaults()
-    values = {o: getattr(spec.engine, o) for o in ENGINE_FLAG_FIELDS}
+    defaults = _spec_defaults(type(spec.engine))
+    values = {o: getattr(spec.engine, o) for o in flag_fields(type(spec.engine))}
     if spec.adapters and not rt.runtime_adapters:
         errors.append(SpecError("spec.adapters", f"runtime {rt.name} cannot load adapters at run time here (no "
                                                  "load/unload endpoints wired for it); use runtime shoal or vllm"))
@@ -273,8 +275,6 @@ class Group:
 def args(rt: Runtime, spec: Any, *, model: str | None, served_name: str, port: int, chat_template: str | None,
          group: Group | None) -> list[str]:
     """The server's arguments (after `command`). `model` None: the runtime's built-in demo model."""
-    from shoal.operator.api import ENGINE_FLAG_FIELDS
-
     e = spec.engine
     out: list[str] = []
     if model is not None:
@@ -282,7 +282,7 @@ def args(rt: Runtime, spec: Any, *, model: str | None, served_name: str, port: i
         if spec.model.revision:
             out += ["--revision", spec.model.revision]
     out += ["--served-model-name", served_name, "--host", "0.0.0.0", "--port", str(port)]
-    for option in ENGINE_FLAG_FIELDS:  # in the spec's order
+    for option in flag_fields(type(e)):  # in the spec's order
         mapping = rt.options.get(option)
         if mapping is not None:
             out += mapping(getattr(e, option))

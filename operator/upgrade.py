@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-A_UPGRADE = "serving.shoal.dev/upgrade-engine-image"
+from shoal.operator.contract import A_UPGRADE  # noqa: E402
+
 # The condition a service carries while it moves to a new default image (True from the pass that starts the move
 # until its rollout has ended): how an operator process tells an upgrade in flight, which another process may have
 # started, from a new service that is merely rolling out its first pods (waiting for GPUs, say), which is no upgrade.

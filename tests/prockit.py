@@ -19,6 +19,11 @@ from typing import Any
 from promkit import parse_metrics
 
 
+# How long a test waits for an event of the system under test (a reconcile, an Event, a scale, a status): far above
+# any realistic delay on a loaded machine, so that only a missing event fails a test, never a slow one.
+EVENT_BOUND = 120.0
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
     """The first truthy value of `predicate()`, polled every 20 ms; an AssertionError naming `what` (and the last
     value) after `timeout` seconds. A predicate that raises KeyError, TypeError, IndexError or AttributeError (an

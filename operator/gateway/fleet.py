@@ -3,7 +3,7 @@ and which pool serves which model name.
 
 `shoal-gateway --namespace NS` (no --service, no --endpoint) is one OpenAI endpoint for many models: a request goes
 to the InferenceService serving its `model`, as its base model (the served name) or as one of its LoRA adapters.
-Two list-and-watch streams feed it (discovery.ListWatch):
+Two list-and-watch streams feed it (k8s.informer.Informer):
 
 * InferenceServices: one pool per service (pool.py), configured from its spec — served name, runtime (readiness
   path and metric names), spec.priority, engine.maxNumSeqs (admission slots per engine), engine.schedulingPolicy,
@@ -31,21 +31,24 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from shoal.operator.gateway.discovery import KubeAPI, ListWatch, collection_path, ready_urls
+from shoal.operator import contract
+from shoal.operator.gateway.discovery import ready_urls
 from shoal.operator.gateway.metric_names import BY_RUNTIME
 from shoal.operator.gateway.pool import Pool
+from shoal.operator.k8s.client import KubeAPI, collection_path
+from shoal.operator.k8s.informer import Informer
 
 if TYPE_CHECKING:
     from shoal.operator.gateway.proxy import Gateway
 
 log = logging.getLogger("shoal.gateway.fleet")
 
-# The InferenceService API (operator/api.py; the gateway imports nothing of the operator's).
-ISVC_GROUP_VERSION = "serving.shoal.dev/v1alpha1"
-ISVC_PLURAL = "inferenceservices"
-MANAGED_SELECTOR = "app.kubernetes.io/managed-by=shoal-operator"
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
-DEFAULT_STARTUP_TIMEOUT = 1800  # probes.startupTimeoutSeconds' default: how long a request waits at zero
+# The InferenceService contract (operator/contract.py), which the operator renders by; not the spec's models.
+ISVC_GROUP_VERSION = contract.API_VERSION
+ISVC_PLURAL = contract.PLURAL
+MANAGED_SELECTOR = contract.MANAGED_SELECTOR
+SERVICE_NAME_LABEL = contract.L_SERVICE_NAME
+DEFAULT_STARTUP_TIMEOUT = contract.DEFAULT_STARTUP_TIMEOUT_SECONDS  # how long a request waits at zero
 
 
 class ModelNotFound(LookupError):
@@ -83,9 +86,8 @@ class ServiceView:
         name = meta["name"]
         model = spec.get("model") or {}
         uri = model.get("uri") or ""
-        # the operator's rule (api.served_model_name), which it also writes to status.servedModelName
-        served = (status.get("servedModelName") or model.get("servedName")
-                  or (uri[len("hf://"):] if uri.startswith("hf://") else name))
+        # the operator writes the contract's rule to status.servedModelName; before its first status, the same rule
+        served = status.get("servedModelName") or contract.served_model_name(name, uri, model.get("servedName"))
         gateway = spec.get("gateway") or {}
         engine = spec.get("engine") or {}
         autoscaling = spec.get("autoscaling") or None
@@ -98,7 +100,7 @@ class ServiceView:
                                    if isinstance(a.get("priority"), int) and not isinstance(a["priority"], bool))
         return cls(
             namespace=meta.get("namespace") or "", name=name, served_name=served,
-            engine_service=f"{name}-engines" if gateway.get("enabled", True) is not False else name,
+            engine_service=contract.serving_engines_service(name, gateway.get("enabled", True) is not False),
             runtime=runtime, priority=_int(spec.get("priority"), 0),
             hold_timeout=float(_int((spec.get("probes") or {}).get("startupTimeoutSeconds"),
                                     DEFAULT_STARTUP_TIMEOUT)) if from_zero else 0.0,
@@ -345,12 +347,13 @@ class Fleet:
         if self.api is None:
             self.api = await asyncio.to_thread(KubeAPI.from_environment)
         where = f"namespace {self.namespace}" if self.namespace else "every namespace"
-        isvcs = ListWatch(self.api, collection_path(ISVC_GROUP_VERSION, ISVC_PLURAL, self.namespace),
-                          f"InferenceServices in {where}")
-        slices = ListWatch(self.api, collection_path("discovery.k8s.io/v1", "endpointslices", self.namespace),
-                           f"EndpointSlices in {where}", MANAGED_SELECTOR)
-        return [asyncio.create_task(isvcs.run(self.reset, self.isvc_event), name="fleet-isvcs"),
-                asyncio.create_task(slices.run(self.slices_reset, self.slice_event), name="fleet-slices")]
+        isvcs = Informer(self.api, collection_path(ISVC_GROUP_VERSION, ISVC_PLURAL, self.namespace),
+                         on_list=self.reset, on_event=self.isvc_event, what=f"InferenceServices in {where}")
+        slices = Informer(self.api, collection_path("discovery.k8s.io/v1", "endpointslices", self.namespace),
+                          label_selector=MANAGED_SELECTOR, on_list=self.slices_reset, on_event=self.slice_event,
+                          what=f"EndpointSlices in {where}")
+        return [asyncio.create_task(isvcs.run(), name="fleet-isvcs"),
+                asyncio.create_task(slices.run(), name="fleet-slices")]
 
     async def stop(self) -> None:
         for t in self.tasks:

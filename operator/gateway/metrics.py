@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from shoal.operator import contract
+
 if TYPE_CHECKING:
     from shoal.operator.gateway.proxy import Gateway
 
-P = "shoal:gateway_"
+P = contract.GATEWAY_METRIC_PREFIX
 PICK_BUCKETS = [0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1]
 WAIT_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0]
 
@@ -42,7 +44,7 @@ class _PoolCollector:
                                     labels=["backend"])
         circuit = GaugeMetricFamily(P + "backend_circuit_open", "1 while the engine's circuit breaker is open.",
                                     labels=["backend"])
-        inflight = GaugeMetricFamily(P + "inflight_requests", "Requests this gateway has in flight to the engine.",
+        inflight = GaugeMetricFamily(contract.GATEWAY_INFLIGHT_REQUESTS, "Requests this gateway has in flight to the engine.",
                                      labels=["backend"])
         load = GaugeMetricFamily(P + "backend_load", "The engine's load as the router scores it (requests).",
                                  labels=["backend"])
@@ -107,7 +109,7 @@ class GatewayMetrics:
         self.rejected = Counter(P + "rejected", "Requests refused by the gateway itself, by reason.", ["reason"],
                                 registry=r)
         self.pending = Gauge(P + "pending_requests", "Requests inside the gateway (proxied or held).", registry=r)
-        self.held = Gauge(P + "held_requests", "Requests waiting for an engine to become ready.", registry=r)
+        self.held = Gauge(contract.GATEWAY_HELD_REQUESTS, "Requests waiting for an engine to become ready.", registry=r)
         self.queue_wait = Histogram(P + "queue_wait_seconds", "Time from a request's arrival to its dispatch to "
                                     "an engine, by priority (0 for requests that found a free slot).", ["priority"],
                                     buckets=WAIT_BUCKETS, registry=r)

@@ -40,7 +40,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from shoal.engine import __version__
+from shoal.operator import __version__
 from shoal.operator.gateway.admission import Shed, Ticket, request_cost
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
 from shoal.operator.gateway.metric_names import for_runtime
@@ -220,9 +220,10 @@ class Gateway:
         pool.max_inflight = view.max_inflight or c.max_inflight  # engine.maxNumSeqs, else the gateway's flag
         pool.hold_timeout = (c.hold_timeout or view.hold_timeout) if view.hold_timeout else 0.0
         if view.hold_timeout and pool not in self._wakers:
+            from shoal.operator.contract import wake_configmap_name
             from shoal.operator.gateway.wake import Waker
 
-            waker = Waker(view.namespace, f"{view.name}-wake", api=self.kube_api, session=self.session)
+            waker = Waker(view.namespace, wake_configmap_name(view.name), api=self.kube_api, session=self.session)
             self._wakers[pool] = waker
             pool.on_hold.append(waker)
         elif not view.hold_timeout and pool in self._wakers:

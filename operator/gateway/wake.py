@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import logging
 import time
-from urllib.parse import quote
 
 import aiohttp
 
-from shoal.operator.gateway.discovery import KubeAPI
+from shoal.operator.contract import A_WAKE
+from shoal.operator.k8s.client import Client, KubeAPI, object_path
 
 log = logging.getLogger("shoal.gateway.wake")
 
-ANNOTATION = "serving.shoal.dev/wake-requested-at"
-CONFIGMAP_PATH = "/api/v1/namespaces/{namespace}/configmaps/{name}"
+ANNOTATION = A_WAKE
 
 
 def wake_patch(now: datetime.datetime | None = None) -> dict:
@@ -74,12 +72,8 @@ class Waker:
     async def _send(self) -> None:
         try:
             await self.start()
-            url = self.api.server + CONFIGMAP_PATH.format(namespace=quote(self.namespace), name=quote(self.name))
-            headers = {**self.api.headers(), "Content-Type": "application/merge-patch+json"}
-            async with self._session.patch(url, data=json.dumps(wake_patch()), headers=headers,
-                                           ssl=self.api.ssl_context) as r:
-                if r.status >= 300:
-                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+            await Client(self.api, self._session, timeout=5).merge_patch(
+                object_path("v1", "configmaps", self.namespace, self.name), wake_patch())
             self.sent += 1
             log.info("requests held: woke the autoscaler through configmap %s/%s", self.namespace, self.name)
         except asyncio.CancelledError:

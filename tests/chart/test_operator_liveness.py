@@ -3,11 +3,12 @@ against a real HTTP Kubernetes API (kmock's emulator on localhost) and answers t
 
 from __future__ import annotations
 
-import importlib
 import asyncio
+import importlib
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -18,6 +19,10 @@ from prockit import free_port
 
 kmock = importlib.import_module("kmock")
 importlib.import_module("shoal.operator.handlers")
+
+# Far above any realistic start (a loaded CI machine took more than 20 s): the test waits for the probe's answer or
+# the operator's exit, whichever comes first, and says which it waited for when neither came.
+START_BOUND = 300.0
 
 
 def test_operator_starts_with_the_chart_arguments_and_passes_its_liveness_probe(tmp_path):
@@ -46,16 +51,18 @@ def test_operator_starts_with_the_chart_arguments_and_passes_its_liveness_probe(
             proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "shoal.operator", *container["args"],
                                                         env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
             try:
-                for _ in range(100):
-                    if proc.returncode is not None:
-                        break
+                deadline = time.monotonic() + START_BOUND
+                while proc.returncode is None and time.monotonic() < deadline:
                     try:
                         status = await asyncio.to_thread(
                             lambda: urllib.request.urlopen(probe_url, timeout=2).status)
                         return status, ""
                     except OSError:
                         await asyncio.sleep(0.2)
-                return 0, (tmp_path / "operator.log").read_text()
+                what = (f"the operator exited ({proc.returncode}) before answering {probe_url}"
+                        if proc.returncode is not None else
+                        f"waited {START_BOUND:.0f} s for the operator to answer its liveness probe {probe_url}")
+                return 0, what + "\n" + (tmp_path / "operator.log").read_text()
             finally:
                 if proc.returncode is None:
                     proc.terminate()

@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from shoal.operator.gateway.admission import FairQueue, Ticket, request_cost
-from shoal.operator.gateway.discovery import KubeAPI
+from shoal.operator.k8s.client import KubeAPI
 from shoal.operator.gateway.fleet import ServiceView
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app
 from shoal.operator.gateway.tenants import EngineKeys, TenantKeys

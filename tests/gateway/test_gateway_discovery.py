@@ -165,8 +165,7 @@ def test_gateway_follows_ready_endpoints_of_the_service(api, ns, engines, gatewa
 def test_the_gateway_and_the_operator_read_a_kubeconfig_alike(tmp_path, monkeypatch, user):
     import yaml
 
-    from shoal.operator.gateway.discovery import KubeAPI
-    from shoal.operator.informer import kube_api
+    from shoal.operator.k8s.client import KubeAPI
 
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump({
@@ -176,7 +175,7 @@ def test_the_gateway_and_the_operator_read_a_kubeconfig_alike(tmp_path, monkeypa
         "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(path))
-    api = kube_api()
+    api = KubeAPI.from_environment()
     assert (api.server, api.token, api.ssl_context) == ("https://10.0.0.1:6443", user.get("token"), False)
     assert api.headers() == ({"Authorization": "Bearer sk-123"} if user else {})
     from kubernetes import client, config

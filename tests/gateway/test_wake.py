@@ -12,7 +12,7 @@ from aiohttp import web
 
 importlib.import_module("shoal.operator.gateway.discovery")
 
-from shoal.operator.gateway.discovery import KubeAPI  # noqa: E402
+from shoal.operator.k8s.client import KubeAPI  # noqa: E402
 from shoal.operator.gateway.wake import ANNOTATION, Waker  # noqa: E402
 
 

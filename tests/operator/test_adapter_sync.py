@@ -6,12 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+from prockit import EVENT_BOUND
 
 from shoal.operator.podtools import adapter_sync
+
+
+async def passes_until(syncer, done, what: str) -> None:
+    """Sync passes until `done()`, bounded by time (not by a count of passes, which a loaded machine outruns)."""
+    deadline = time.monotonic() + EVENT_BOUND
+    while True:
+        await syncer.sync_once()
+        if done():
+            return
+        assert time.monotonic() < deadline, f"waited {EVENT_BOUND:.0f} s of sync passes for {what}"
+        await asyncio.sleep(0.01)
 
 
 class FakeEngine:
@@ -75,10 +88,8 @@ async def test_the_loop_converges_and_touches_only_its_own(engine, tmp_path, mon
     syncer = adapter_sync.Syncer(cfg, engine.url, tmp_path / "state.json", interval=0.01)
     syncer.session = aiohttp.ClientSession()
     try:
-        for _ in range(50):  # a hub adapter downloads in a thread: passes until it is loaded
-            await syncer.sync_once()
-            if syncer.settled_once:
-                break
+        # a hub adapter downloads in a thread: passes until it is loaded
+        await passes_until(syncer, lambda: syncer.settled_once, "the first list to settle")
         states = {a["name"]: (a["state"], a["message"]) for a in syncer.status()["adapters"]}
         assert states == {"a": ("Loaded", None), "hub": ("Loaded", None), "bad": ("Failed", "400: rank 32 above 16")}
         assert engine.loaded == {"static": "/from/lora-modules", "a": "/a", "hub": "/hub/org/x@v1"}
@@ -88,10 +99,7 @@ async def test_the_loop_converges_and_touches_only_its_own(engine, tmp_path, mon
         # the one it did not load (`static`) is left alone
         engine.calls.clear()
         write(cfg, {"bad": "/bad", "hub": "hf://org/x@v2"})
-        for _ in range(50):
-            await syncer.sync_once()
-            if engine.loaded.get("hub") == "/hub/org/x@v2":
-                break
+        await passes_until(syncer, lambda: engine.loaded.get("hub") == "/hub/org/x@v2", "hub@v2 to be loaded")
         assert engine.loaded == {"static": "/from/lora-modules", "hub": "/hub/org/x@v2"}
         assert ("load", "bad") not in engine.calls and ("unload", "static") not in engine.calls
         assert engine.calls == [("unload", "a"), ("unload", "hub"), ("load", "hub")]
@@ -218,18 +226,11 @@ async def test_removed_adapters_and_old_revisions_leave_the_cache(engine, tmp_pa
     syncer = adapter_sync.Syncer(cfg, engine.url, tmp_path / "state.json", interval=0.01)
     syncer.session = aiohttp.ClientSession()
     try:
-        async def until(check):
-            for _ in range(100):
-                await syncer.sync_once()
-                if check():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError("the loop did not converge")
-
-        await until(lambda: {engine.loaded.get("x"), engine.loaded.get("y")} == {snapshots["hf://org/x@v1"],
-                                                                                 snapshots["hf://org/y"]})
+        await passes_until(syncer, lambda: {engine.loaded.get("x"), engine.loaded.get("y")} == {
+            snapshots["hf://org/x@v1"], snapshots["hf://org/y"]}, "x and y loaded")
         write(cfg, {"x": "hf://org/x@v2"})  # a new revision of x, and y removed
-        await until(lambda: engine.loaded.get("x") == snapshots["hf://org/x@v2"] and "y" not in engine.loaded)
+        await passes_until(syncer, lambda: engine.loaded.get("x") == snapshots["hf://org/x@v2"]
+                           and "y" not in engine.loaded, "x's new revision loaded and y unloaded")
     finally:
         await syncer.session.close()
     assert not (cache / "models--org--y").exists()

@@ -12,7 +12,7 @@ import json
 
 from fleetkit import Kubelet
 from kubekit import condition, isvc_body, wait_for
-from prockit import http
+from prockit import EVENT_BOUND, http
 
 from shoal.engine.tools.tiny_lora import make_lora_adapter
 
@@ -43,7 +43,7 @@ def test_adapters_follow_the_spec_in_the_running_engine(env, ns, llama_model, tm
         "engine": {"attentionBackend": "sdpa", "enableLora": True, "maxLoras": 2, "maxLoraRank": 16},
         "gateway": {"enabled": False}, "security": {"apiKeySecretRef": {"name": "key"}},
         "adapters": [{"name": "good", "uri": f"file://{good}"}, {"name": "big", "uri": f"file://{big}"}]}))
-    wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, name), EVENT_BOUND, "deployment")
     kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=name,
                       env={"SHOAL_API_KEY": KEY})  # the Secret's value, which the pod's env would carry
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from fleetkit import FakeEngines, publish_slices
 from kubekit import condition, isvc_body, slice_labels, wait_for
-from prockit import free_port
+from prockit import EVENT_BOUND, free_port
 
 from shoal.operator.gateway.wake import wake_patch
 from shoal.operator.autoscaler import A_DELETION_COST, A_WAKE, REGISTRY
@@ -36,22 +36,22 @@ def test_wake_annotation_scales_from_zero_at_once_and_reports_it(env, ns):
     body = isvc_body("chat", {"replicas": 0, "autoscaling": {
         "minReplicas": 0, "maxReplicas": 3, "scaleUpStabilizationSeconds": 30}})
     env.client.create(ISVC, ns, body)
-    wait_for(lambda: env.client.get("deployments", ns, "chat"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "chat"), EVENT_BOUND, "deployment")
     # the gateway's wake-up object; a stamp left from a wake-up long ago, as a restarted operator (or a new
     # leader) finds it, must not wake anything
-    wait_for(lambda: env.client.get("configmaps", ns, "chat-wake"), 10, "wake-up configmap")
+    wait_for(lambda: env.client.get("configmaps", ns, "chat-wake"), EVENT_BOUND, "wake-up configmap")
     env.client.patch("configmaps", ns, "chat-wake", {"metadata": {"annotations": {A_WAKE: "2026-01-01T00:00:00.000Z"}}})
     # idle at zero: the loop runs and says why it stays there
     st = wait_for(lambda: (env.client.get(ISVC, ns, "chat").get("status") or {}).get("autoscaling"), 10,
                   "status.autoscaling")
     assert st["desiredReplicas"] == 0
     ticks = decisions(ns, "chat")
-    wait_for(lambda: decisions(ns, "chat") >= ticks + 2, 10, "two more autoscaler decisions")
+    wait_for(lambda: decisions(ns, "chat") >= ticks + 2, EVENT_BOUND, "two more autoscaler decisions")
     assert running(env, ns, "chat") == 0  # still at zero
     # the gateway holds a request and asks for capacity
     env.client.patch("configmaps", ns, "chat-wake", wake_patch())
-    wait_for(lambda: running(env, ns, "chat") == 1, 5, "replicas 1")
-    wait_for(lambda: env.client.get("deployments", ns, "chat")["spec"]["replicas"] == 1, 5, "deployment scaled")
+    wait_for(lambda: running(env, ns, "chat") == 1, EVENT_BOUND, "replicas 1")
+    wait_for(lambda: env.client.get("deployments", ns, "chat")["spec"]["replicas"] == 1, EVENT_BOUND, "deployment scaled")
     isvc = wait_for(lambda: (i := env.client.get(ISVC, ns, "chat")) and
                     (i["status"].get("autoscaling") or {}).get("desiredReplicas") == 1 and i, 5, "status")
     st = isvc["status"]["autoscaling"]
@@ -60,7 +60,7 @@ def test_wake_annotation_scales_from_zero_at_once_and_reports_it(env, ns):
     assert cond["status"] == "True" and "the autoscaler owns the replica count" in cond["message"]
     assert env.client.get(ISVC, ns, "chat")["spec"]["replicas"] == 0  # the manifest's field is never written
     assert condition(isvc, "Ready") is not None  # the reconciler's conditions survive next to it
-    events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "ScaledUp"], 5, "event")
+    events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "ScaledUp"], EVENT_BOUND, "event")
     assert "0 -> 1 (ScaleFromZero)" in events[0]["message"]
     # removing spec.autoscaling hands replicas back and removes what the autoscaler reported
     env.client.patch(ISVC, ns, "chat", {"spec": {"autoscaling": None}})
@@ -72,11 +72,11 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
     env.client.create(ISVC, ns, isvc_body("qa", {"replicas": 1, "autoscaling": {
         "minReplicas": 1, "maxReplicas": 4, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": 2}}))
-    wait_for(lambda: env.client.get("deployments", ns, "qa"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "qa"), EVENT_BOUND, "deployment")
     engines.load["qa-a"] = (8, 27, 0.3)
     publish_slices(env.client, ns, "qa-engines", ["qa-a"], engines)
-    wait_for(lambda: running(env, ns, "qa") == 4, 10, "scaled up to 4 (35/10)")
-    wait_for(lambda: env.client.get("deployments", ns, "qa")["spec"]["replicas"] == 4, 5, "deployment scaled")
+    wait_for(lambda: running(env, ns, "qa") == 4, EVENT_BOUND, "scaled up to 4 (35/10)")
+    wait_for(lambda: env.client.get("deployments", ns, "qa")["spec"]["replicas"] == 4, EVENT_BOUND, "deployment scaled")
     st = wait_for(lambda: (s := env.client.get(ISVC, ns, "qa")["status"]["autoscaling"]).get("neededReplicas") == 4
                   and s, 5, "status of the scale-up")
     assert st["neededReplicas"] == 4 and st["inputs"]["inFlight"] == 35 and st["inputs"]["kvCacheUsage"] == 0.3
@@ -85,7 +85,7 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
         env.client.create("pods", ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod}})
     publish_slices(env.client, ns, "qa-engines", ["qa-b", "qa-c", "qa-d"], engines)
     engines.load.update({"qa-a": (0, 0, 0.0), "qa-b": (1, 0, 0.1), "qa-c": (5, 0, 0.1), "qa-d": (0, 0, 0.0)})
-    wait_for(lambda: running(env, ns, "qa") == 1, 15, "scaled down to 1 (6/10)")
+    wait_for(lambda: running(env, ns, "qa") == 1, EVENT_BOUND, "scaled down to 1 (6/10)")
     costs = {p: int(env.client.get("pods", ns, p)["metadata"]["annotations"][A_DELETION_COST])
              for p in ("qa-a", "qa-b", "qa-c", "qa-d")}
     assert max(costs, key=costs.get) == "qa-c", costs  # the busiest pod is the one kept
@@ -105,11 +105,11 @@ def test_load_scales_up_and_idle_scales_down_least_busy_pods_first(env, ns, engi
 def test_requests_held_by_the_gateways_scale_from_zero_to_what_they_need(env, ns, engines):
     env.client.create(ISVC, ns, isvc_body("hold", {"replicas": 0, "autoscaling": {
         "minReplicas": 0, "maxReplicas": 8, "targetInFlightPerReplica": 16}}))
-    wait_for(lambda: env.client.get("deployments", ns, "hold"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "hold"), EVENT_BOUND, "deployment")
     # two gateway pods behind the Service "hold" hold 40 requests between them (no wake-up annotation)
     engines.held.update({"hold-gw-1": 25, "hold-gw-2": 15})
     publish_slices(env.client, ns, "hold", ["hold-gw-1", "hold-gw-2"], engines)
-    wait_for(lambda: running(env, ns, "hold") == 3, 10, "scaled to ceil(40/16)")
+    wait_for(lambda: running(env, ns, "hold") == 3, EVENT_BOUND, "scaled to ceil(40/16)")
     st = wait_for(lambda: (s := env.client.get(ISVC, ns, "hold")["status"].get("autoscaling")) and
                   s.get("neededReplicas") == 3 and s, 5, "status")
     assert st["inputs"]["held"] == 40 and st["inputs"]["inFlight"] == 40
@@ -122,10 +122,10 @@ def test_reapplying_the_manifest_does_not_fight_the_autoscaler(env, ns, engines)
         "minReplicas": 1, "maxReplicas": 4, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": 30}})
     env.client.create(ISVC, ns, manifest)
-    wait_for(lambda: env.client.get("deployments", ns, "git"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "git"), EVENT_BOUND, "deployment")
     engines.load["git-a"] = (10, 15, 0.2)
     publish_slices(env.client, ns, "git-engines", ["git-a"], engines)
-    wait_for(lambda: env.client.get("deployments", ns, "git")["spec"]["replicas"] == 3, 10, "scaled up to 3 (25/10)")
+    wait_for(lambda: env.client.get("deployments", ns, "git")["spec"]["replicas"] == 3, EVENT_BOUND, "scaled up to 3 (25/10)")
     assert env.client.get(ISVC, ns, "git")["spec"]["replicas"] == 1  # the manifest's field is left alone
     # the GitOps tool re-applies the manifest: replicas 1, and the spec changes (a new generation) at the same time
     env.client.patch(ISVC, ns, "git", {"spec": {**manifest["spec"], "replicas": 1,
@@ -133,7 +133,7 @@ def test_reapplying_the_manifest_does_not_fight_the_autoscaler(env, ns, engines)
     wait_for(lambda: "--max-num-seqs" in env.client.get("deployments", ns, "git")["spec"]["template"]["spec"][
         "containers"][0]["args"], 10, "the new spec rendered")
     ticks = decisions(ns, "git")
-    wait_for(lambda: decisions(ns, "git") >= ticks + 3, 10, "three more autoscaler decisions")
+    wait_for(lambda: decisions(ns, "git") >= ticks + 3, EVENT_BOUND, "three more autoscaler decisions")
     assert env.client.get("deployments", ns, "git")["spec"]["replicas"] == 3
     assert running(env, ns, "git") == 3
     assert not [e for e in env.cluster.find("events", ns) if e["reason"] == "ScaledDown"]
@@ -155,13 +155,13 @@ def test_no_finalizer_and_endpoints_come_from_a_watch_not_a_list_per_decision(en
     no LIST of EndpointSlices comes with them."""
     env.client.create(ISVC, ns, isvc_body("watched", {"replicas": 1, "autoscaling": {
         "minReplicas": 1, "maxReplicas": 3, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0}}))
-    wait_for(lambda: env.client.get("deployments", ns, "watched"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "watched"), EVENT_BOUND, "deployment")
     engines.load["watched-a"] = (12, 0, 0.1)
     publish_slices(env.client, ns, "watched-engines", ["watched-a"], engines)
-    wait_for(lambda: running(env, ns, "watched") == 2, 10, "scaled to 2 from the watched slice (12/10)")
+    wait_for(lambda: running(env, ns, "watched") == 2, EVENT_BOUND, "scaled to 2 from the watched slice (12/10)")
     lists = sum(1 for plural, _ in env.cluster.lists if plural == "endpointslices")
     ticks = decisions(ns, "watched")
-    wait_for(lambda: decisions(ns, "watched") >= ticks + 3, 10, "three more decisions")
+    wait_for(lambda: decisions(ns, "watched") >= ticks + 3, EVENT_BOUND, "three more decisions")
     assert sum(1 for plural, _ in env.cluster.lists if plural == "endpointslices") == lists
     assert not env.client.get(ISVC, ns, "watched")["metadata"].get("finalizers")
     env.client.delete(ISVC, ns, "watched")  # nothing to wait for: gone at once, operator or not
@@ -170,7 +170,7 @@ def test_no_finalizer_and_endpoints_come_from_a_watch_not_a_list_per_decision(en
     old = isvc_body("upgraded", {"replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 2}})
     old["metadata"]["finalizers"] = ["kopf.zalando.org/KopfFinalizerMarker"]
     env.client.create(ISVC, ns, old)
-    wait_for(lambda: not env.client.get(ISVC, ns, "upgraded")["metadata"].get("finalizers"), 10, "finalizer gone")
+    wait_for(lambda: not env.client.get(ISVC, ns, "upgraded")["metadata"].get("finalizers"), EVENT_BOUND, "finalizer gone")
 
 
 def test_engines_the_operator_cannot_reach_scale_from_the_gateways_view(env, ns, engines):
@@ -181,7 +181,7 @@ def test_engines_the_operator_cannot_reach_scale_from_the_gateways_view(env, ns,
 
     env.client.create(ISVC, ns, isvc_body("mesh", {"replicas": 1, "autoscaling": {
         "minReplicas": 1, "maxReplicas": 6, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0}}))
-    wait_for(lambda: env.client.get("deployments", ns, "mesh"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "mesh"), EVENT_BOUND, "deployment")
     refused = free_port()  # nobody listens there: every scrape of the engines fails, as a STRICT sidecar's would
     labels = slice_labels(env.client, ns, "mesh-engines")
     for pod, port in (("mesh-a", refused), ("mesh-b", refused)):
@@ -202,7 +202,7 @@ def test_engines_the_operator_cannot_reach_scale_from_the_gateways_view(env, ns,
                         f'shoal:gateway_inflight_requests{{backend="{b}"}} 8\nshoal:gateway_held_requests 0\n'
     publish_slices(env.client, ns, "mesh", ["mesh-gw-1", "mesh-gw-2"], engines)
     # 24 on a (its own gauges, via the gateways) + 17 on b (the gateways' counts) = 41 -> ceil(41/10) = 5
-    wait_for(lambda: running(env, ns, "mesh") == 5, 10, "scaled to 5 from the gateways' view")
+    wait_for(lambda: running(env, ns, "mesh") == 5, EVENT_BOUND, "scaled to 5 from the gateways' view")
     st = wait_for(lambda: (s := env.client.get(ISVC, ns, "mesh")["status"].get("autoscaling")) and
                   s.get("neededReplicas") == 5 and s, 5, "status")
     assert st["inputs"]["inFlight"] == 41 and st["inputs"]["kvCacheUsage"] == 0.5
@@ -218,15 +218,15 @@ def test_an_external_autoscaler_gets_the_inputs_and_owns_the_replica_count(env, 
     env.client.create(ISVC, ns, isvc_body("keda", {"replicas": 1, "autoscaling": {
         "minReplicas": 1, "maxReplicas": 5, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0,
         "autoscalerClass": "external"}}))
-    wait_for(lambda: env.client.get("deployments", ns, "keda"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "keda"), EVENT_BOUND, "deployment")
     engines.load["keda-a"] = (25, 5, 0.4)
     publish_slices(env.client, ns, "keda-engines", ["keda-a"], engines)
     sample = {"namespace": ns, "name": "keda"}
-    wait_for(lambda: REGISTRY.get_sample_value("shoal:autoscaler_needed_replicas", sample) == 3, 10, "needed 3")
+    wait_for(lambda: REGISTRY.get_sample_value("shoal:autoscaler_needed_replicas", sample) == 3, EVENT_BOUND, "needed 3")
     assert REGISTRY.get_sample_value("shoal:autoscaler_in_flight_requests", sample) == 30
     ticks = decisions(ns, "keda")
-    wait_for(lambda: decisions(ns, "keda") >= ticks + 2, 10, "two more decisions")
+    wait_for(lambda: decisions(ns, "keda") >= ticks + 2, EVENT_BOUND, "two more decisions")
     assert "autoscaling" not in (env.client.get(ISVC, ns, "keda").get("status") or {})
     assert env.client.get("deployments", ns, "keda")["spec"]["replicas"] == 1
     env.client.patch(ISVC, ns, "keda", {"spec": {"replicas": 3}}, sub="scale")  # the HPA acts
-    wait_for(lambda: env.client.get("deployments", ns, "keda")["spec"]["replicas"] == 3, 10, "deployment follows")
+    wait_for(lambda: env.client.get("deployments", ns, "keda")["spec"]["replicas"] == 3, EVENT_BOUND, "deployment follows")

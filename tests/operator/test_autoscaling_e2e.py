@@ -16,7 +16,7 @@ import time
 import pytest
 from fleetkit import GatewayProcess, Kubelet, publish_gateway
 from kubekit import isvc_body, wait_for
-from prockit import http
+from prockit import EVENT_BOUND, http
 
 openai = importlib.import_module("openai")
 importlib.import_module("shoal.operator.gateway")
@@ -51,7 +51,7 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
         "autoscaling": {"minReplicas": 0, "maxReplicas": 2, "targetInFlightPerReplica": 2,
                         "scaleUpStabilizationSeconds": 1, "scaleDownStabilizationSeconds": 3,
                         "scaleToZeroAfterSeconds": 5}}))
-    wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, name), EVENT_BOUND, "deployment")
     kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=f"{name}-engines")
     gateway = None
     errors: list[BaseException] = []
@@ -128,7 +128,7 @@ def test_unauthenticated_requests_at_zero_never_scale_the_fleet(env, ns):
         "replicas": 0, "model": {"uri": "demo://"}, "security": {"apiKeySecretRef": {"name": "k", "key": "key"}},
         "autoscaling": {"minReplicas": 0, "maxReplicas": 4, "targetInFlightPerReplica": 1,
                         "scaleUpStabilizationSeconds": 0}}))
-    wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, name), EVENT_BOUND, "deployment")
     gateway = GatewayProcess(ns, name, service=f"{name}-engines", hold_timeout=3, env={"SHOAL_API_KEY": "s3cret"})
     try:
         publish_gateway(env.client, ns, name, gateway.port)  # the operator reads held requests from it
@@ -153,7 +153,7 @@ def test_unauthenticated_requests_at_zero_never_scale_the_fleet(env, ns):
         status = http("POST", gateway.url + "/v1/completions", body={"model": name, "prompt": "hi"},
                       headers={"Authorization": "Bearer s3cret"}, timeout=10)[0]
         assert status == 503
-        wait_for(lambda: running(env, ns, name) == 1, 10, "scale from zero")
+        wait_for(lambda: running(env, ns, name) == 1, EVENT_BOUND, "scale from zero")
     except BaseException:
         print("gateway log:", gateway.logs()[-5000:])
         raise
@@ -175,7 +175,7 @@ def test_streams_on_a_replica_removed_by_a_scale_down_complete(env, ns, model_fa
         "replicas": 2, "model": {"uri": f"file://{model}", "servedName": "tiny"},
         "engine": {"attentionBackend": "sdpa", "maxModelLen": 2048}, "probes": {"failureGracePeriodSeconds": 2},
         "autoscaling": {"minReplicas": 2, "maxReplicas": 2, "loadSource": "gateways"}}))
-    wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, name), EVENT_BOUND, "deployment")
     kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=f"{name}-engines")
     gateway = None
     results: dict[int, tuple] = {}

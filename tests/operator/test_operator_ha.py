@@ -11,7 +11,7 @@ from signal import SIGKILL
 import pytest
 from fleetkit import FakeEngines, publish_slices
 from kubekit import Client, EmulatorServer, OperatorThread, isvc_body, wait_for, write_kubeconfig
-from prockit import LoggedProcess, free_port
+from prockit import EVENT_BOUND, LoggedProcess, free_port
 from promkit import parse_metrics
 
 PEERING = "/apis/kopf.dev/v1/clusterkopfpeerings"
@@ -47,11 +47,11 @@ def test_the_standby_operator_takes_over_when_the_leader_leaves(cluster):
         wait_for(lambda: sorted(p["priority"] for p in peers(server).values() if p) == [100, 200], 20,
                  "both operators in the peering")
         client.create("inferenceservices", "ha", isvc_body("m", {"replicas": 1}))
-        wait_for(lambda: client.get("deployments", "ha", "m"), 15, "children from the leader")
+        wait_for(lambda: client.get("deployments", "ha", "m"), EVENT_BOUND, "children from the leader")
         leader.stop()  # a clean exit removes the leader from the peering: the standby resumes at once
-        wait_for(lambda: [p["priority"] for p in peers(server).values() if p] == [100], 15, "leader gone")
+        wait_for(lambda: [p["priority"] for p in peers(server).values() if p] == [100], EVENT_BOUND, "leader gone")
         client.patch("inferenceservices", "ha", "m", {"spec": {"replicas": 3}})
-        wait_for(lambda: client.get("deployments", "ha", "m")["spec"]["replicas"] == 3, 20, "standby reconciles")
+        wait_for(lambda: client.get("deployments", "ha", "m")["spec"]["replicas"] == 3, EVENT_BOUND, "standby reconciles")
     finally:
         leader.stop()
         standby.stop()
@@ -98,16 +98,16 @@ def test_a_follower_takes_over_a_scale_up_from_a_killed_leader_without_scaling_t
         client.create("inferenceservices", "ha", isvc_body("chat", {"replicas": 1, "autoscaling": {
             "minReplicas": 1, "maxReplicas": 4, "targetInFlightPerReplica": 10, "scaleUpStabilizationSeconds": 0,
             "scaleDownStabilizationSeconds": 600}}))
-        wait_for(lambda: client.get("deployments", "ha", "chat"), 20, "children from the leader")
+        wait_for(lambda: client.get("deployments", "ha", "chat"), EVENT_BOUND, "children from the leader")
         engines.load["chat-a"] = (15, 0, 0.1)
         publish_slices(client, "ha", "chat-engines", ["chat-a"], engines)
-        wait_for(lambda: scaled_up(server, "ha") == ["replicas 1 -> 2"], 20, "the leader scales 1 -> 2")
+        wait_for(lambda: scaled_up(server, "ha") == ["replicas 1 -> 2"], EVENT_BOUND, "the leader scales 1 -> 2")
         leader.signal(SIGKILL)  # mid scale-up: the second replica never got an endpoint
         leader.proc.wait(10)
         wait_for(follower.leading, 30, "the follower leading after the dead leader's lifetime")
         decisions = ("shoal:autoscaler_decision_seconds_count", 'name="chat",namespace="ha"')
         decided = follower.sample(*decisions)
-        wait_for(lambda: follower.sample(*decisions) >= decided + 3, 20, "three decisions of the follower")
+        wait_for(lambda: follower.sample(*decisions) >= decided + 3, EVENT_BOUND, "three decisions of the follower")
         status = client.get("inferenceservices", "ha", "chat")["status"]["autoscaling"]
         assert status["desiredReplicas"] == 2 and scaled_up(server, "ha") == ["replicas 1 -> 2"], status
         engines.load["chat-a"] = (25, 0, 0.1)  # more load: the follower scales, once

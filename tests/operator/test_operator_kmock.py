@@ -14,6 +14,7 @@ import time
 import requests
 
 from kubekit import condition, isvc_body, wait_for
+from prockit import EVENT_BOUND
 
 from shoal.operator.render import L_GROUP, L_ISVC, L_MANAGED_BY, L_POD_INDEX
 
@@ -67,7 +68,7 @@ def test_create_makes_children_with_owner_references(env, ns):
     uid = isvc["metadata"]["uid"]
     expected = {("deployments", "chat"), ("services", "chat"), ("networkpolicies", "chat"),
                 ("poddisruptionbudgets", "chat")} | gateway_children("chat")
-    wait_for(lambda: set(children(env, ns)) == expected, 10, "children")
+    wait_for(lambda: set(children(env, ns)) == expected, EVENT_BOUND, "children")
     kids = children(env, ns)
     for obj in kids.values():
         refs = obj["metadata"]["ownerReferences"]
@@ -78,17 +79,17 @@ def test_create_makes_children_with_owner_references(env, ns):
     assert dep["spec"]["replicas"] == 2
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.test/shoal-engine:test"
     # status before any pod is ready: honest, not Ready
-    status = wait_for(lambda: get_isvc(env, ns, "chat").get("status"), 5, "status")
+    status = wait_for(lambda: get_isvc(env, ns, "chat").get("status"), EVENT_BOUND, "status")
     assert status["observedGeneration"] == 1 and status["readyReplicas"] == 0
     assert condition({"status": status}, "Ready")["status"] == "False"
     # Events about what was created
-    events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "Created"], 5, "events")
+    events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "Created"], EVENT_BOUND, "events")
     assert all(e["involvedObject"]["uid"] == uid for e in events)
 
 
 def test_deployment_status_makes_isvc_ready(env, ns):
     env.client.create(ISVC, ns, isvc_body("qa", {"replicas": 2}))
-    wait_for(lambda: env.client.get("deployments", ns, "qa"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "qa"), EVENT_BOUND, "deployment")
     ready_deployment(env, ns, "qa", 2)
     cond = ready_is(env, ns, "qa", "True", "AllReplicasReady")
     status = get_isvc(env, ns, "qa")["status"]
@@ -107,22 +108,22 @@ def test_deployment_status_makes_isvc_ready(env, ns):
 
 def test_scale_via_spec_children_follow(env, ns):
     env.client.create(ISVC, ns, isvc_body("sc", {"replicas": 1}))
-    wait_for(lambda: env.client.get("deployments", ns, "sc"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "sc"), EVENT_BOUND, "deployment")
     assert env.client.get("poddisruptionbudgets", ns, "sc") is None
     env.client.patch(ISVC, ns, "sc", {"spec": {"replicas": 3}})
-    wait_for(lambda: env.client.get("deployments", ns, "sc")["spec"]["replicas"] == 3, 10, "scaled up")
-    wait_for(lambda: env.client.get("poddisruptionbudgets", ns, "sc"), 10, "PDB for replicas > 1")
+    wait_for(lambda: env.client.get("deployments", ns, "sc")["spec"]["replicas"] == 3, EVENT_BOUND, "scaled up")
+    wait_for(lambda: env.client.get("poddisruptionbudgets", ns, "sc"), EVENT_BOUND, "PDB for replicas > 1")
     ready_deployment(env, ns, "sc", 3)
     ready_is(env, ns, "sc", "True")
     assert get_isvc(env, ns, "sc")["status"]["observedGeneration"] == 2
     env.client.patch(ISVC, ns, "sc", {"spec": {"replicas": 1}})
-    wait_for(lambda: env.client.get("deployments", ns, "sc")["spec"]["replicas"] == 1, 10, "scaled down")
-    wait_for(lambda: env.client.get("poddisruptionbudgets", ns, "sc") is None, 10, "PDB pruned")
+    wait_for(lambda: env.client.get("deployments", ns, "sc")["spec"]["replicas"] == 1, EVENT_BOUND, "scaled down")
+    wait_for(lambda: env.client.get("poddisruptionbudgets", ns, "sc") is None, EVENT_BOUND, "PDB pruned")
 
 
 def test_model_change_rolls_out_new_pod_template(env, ns):
     env.client.create(ISVC, ns, isvc_body("ro", {"model": {"uri": "hf://org/a"}}))
-    wait_for(lambda: env.client.get("deployments", ns, "ro"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "ro"), EVENT_BOUND, "deployment")
     ready_deployment(env, ns, "ro", 1)
     ready_is(env, ns, "ro", "True")
     old = env.client.get("deployments", ns, "ro")
@@ -132,11 +133,11 @@ def test_model_change_rolls_out_new_pod_template(env, ns):
         dep = env.client.get("deployments", ns, "ro")
         args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
         return dep if args[args.index("--model") + 1] == "org/b" else None
-    dep = wait_for(new_template, 10, "new pod template")
+    dep = wait_for(new_template, EVENT_BOUND, "new pod template")
     assert dep["metadata"]["generation"] == old["metadata"]["generation"] + 1
     assert dep["metadata"]["uid"] == old["metadata"]["uid"]  # patched in place: a rolling update, not a recreate
     # the deployment controller has not caught up yet -> Progressing
-    wait_for(lambda: condition(get_isvc(env, ns, "ro"), "Progressing")["status"] == "True", 10, "Progressing")
+    wait_for(lambda: condition(get_isvc(env, ns, "ro"), "Progressing")["status"] == "True", EVENT_BOUND, "Progressing")
     ready_deployment(env, ns, "ro", 1)
     ready_is(env, ns, "ro", "True")
     assert get_isvc(env, ns, "ro")["status"]["servedModelName"] == "org/b"
@@ -144,16 +145,16 @@ def test_model_change_rolls_out_new_pod_template(env, ns):
 
 def test_deleted_or_edited_child_comes_back(env, ns):
     env.client.create(ISVC, ns, isvc_body("dr", {"replicas": 2}))
-    svc = wait_for(lambda: env.client.get("services", ns, "dr"), 10, "service")
-    wait_for(lambda: env.client.get("deployments", ns, "dr"), 10, "deployment")
+    svc = wait_for(lambda: env.client.get("services", ns, "dr"), EVENT_BOUND, "service")
+    wait_for(lambda: env.client.get("deployments", ns, "dr"), EVENT_BOUND, "deployment")
     env.client.delete("services", ns, "dr")
-    back = wait_for(lambda: env.client.get("services", ns, "dr"), 10, "service recreated")
+    back = wait_for(lambda: env.client.get("services", ns, "dr"), EVENT_BOUND, "service recreated")
     assert back["metadata"]["uid"] != svc["metadata"]["uid"]
     env.client.delete("deployments", ns, "dr")
-    wait_for(lambda: env.client.get("deployments", ns, "dr"), 10, "deployment recreated")
+    wait_for(lambda: env.client.get("deployments", ns, "dr"), EVENT_BOUND, "deployment recreated")
     # drift: someone edits the deployment by hand -> restored
     env.client.patch("deployments", ns, "dr", {"spec": {"replicas": 7}})
-    wait_for(lambda: env.client.get("deployments", ns, "dr")["spec"]["replicas"] == 2, 10, "drift repaired")
+    wait_for(lambda: env.client.get("deployments", ns, "dr")["spec"]["replicas"] == 2, EVENT_BOUND, "drift repaired")
     env.client.patch("services", ns, "dr", {"spec": {"selector": {"app": "hijacked"}}})
     wait_for(lambda: env.client.get("services", ns, "dr")["spec"]["selector"].get(L_ISVC) == "dr", 10,
              "selector restored")
@@ -176,13 +177,13 @@ def test_invalid_spec_sets_invalidspec_and_touches_no_children(env, ns):
     assert warnings and warnings[0]["type"] == "Warning"
     # fixing the spec recovers
     env.client.patch(ISVC, ns, "bad", {"spec": {"resources": {"gpusPerPod": 4}}})
-    wait_for(lambda: env.client.get("deployments", ns, "bad"), 10, "children after the fix")
-    wait_for(lambda: condition(get_isvc(env, ns, "bad"), "Ready")["reason"] != "InvalidSpec", 10, "reason cleared")
+    wait_for(lambda: env.client.get("deployments", ns, "bad"), EVENT_BOUND, "children after the fix")
+    wait_for(lambda: condition(get_isvc(env, ns, "bad"), "Ready")["reason"] != "InvalidSpec", EVENT_BOUND, "reason cleared")
 
 
 def test_invalid_update_leaves_existing_children_alone(env, ns):
     env.client.create(ISVC, ns, isvc_body("keep", {"replicas": 2}))
-    dep = wait_for(lambda: env.client.get("deployments", ns, "keep"), 10, "deployment")
+    dep = wait_for(lambda: env.client.get("deployments", ns, "keep"), EVENT_BOUND, "deployment")
     env.client.patch(ISVC, ns, "keep", {"spec": {"replicas": 1, "engine": {"extraArgs": ["--model=x"]}}})
     ready_is(env, ns, "keep", "False", "InvalidSpec")
     settled(env, ns, "keep")
@@ -214,7 +215,7 @@ def test_multi_pod_group_restarts_together(env, ns):
     spec = {"replicas": 2, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2},
             "resources": {"gpusPerPod": 8}}
     env.client.create(ISVC, ns, isvc_body("big", spec))
-    wait_for(lambda: all(env.client.get("statefulsets", ns, f"big-g{r}") for r in (0, 1)), 10, "statefulsets")
+    wait_for(lambda: all(env.client.get("statefulsets", ns, f"big-g{r}") for r in (0, 1)), EVENT_BOUND, "statefulsets")
     assert env.client.get("services", ns, "big-g0")["spec"]["clusterIP"] == "None"
     assert env.client.get("services", ns, "big-engines")["spec"]["selector"][L_POD_INDEX] == "0"
     # play the StatefulSet controller: two pods per group, all ready
@@ -275,7 +276,7 @@ def test_multi_pod_group_restarts_together(env, ns):
 
 def test_failed_pod_reasons_surface_in_status(env, ns):
     env.client.create(ISVC, ns, isvc_body("img", {"replicas": 1}))
-    wait_for(lambda: env.client.get("deployments", ns, "img"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "img"), EVENT_BOUND, "deployment")
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "img-abc", "labels": {
         L_ISVC: "img", L_MANAGED_BY: "shoal-operator", "app.kubernetes.io/component": "engine"}},
         "spec": {"containers": [{"name": "engine", "image": "x"}]}}
@@ -300,12 +301,12 @@ def test_api_errors_are_retried_and_converge_without_duplicates(env, ns):
         env.client.create(ISVC, ns, isvc_body("flaky", {"replicas": 2}))
         wait_for(lambda: env.client.get("deployments", ns, "flaky") and env.client.get("services", ns, "flaky"),
                  15, "children despite errors")
-        wait_for(lambda: get_isvc(env, ns, "flaky").get("status"), 15, "status despite errors")
+        wait_for(lambda: get_isvc(env, ns, "flaky").get("status"), EVENT_BOUND, "status despite errors")
         ready_deployment(env, ns, "flaky", 2)
         ready_is(env, ns, "flaky", "True", timeout=15)
         faults.append(cluster.inject("update", "deployments", 503, 2, subresource=None))
         env.client.patch("deployments", ns, "flaky", {"spec": {"replicas": 5}})  # drift while patches fail
-        wait_for(lambda: env.client.get("deployments", ns, "flaky")["spec"]["replicas"] == 2, 15, "repaired")
+        wait_for(lambda: env.client.get("deployments", ns, "flaky")["spec"]["replicas"] == 2, EVENT_BOUND, "repaired")
     finally:
         for f in faults:
             f.remaining = 0
@@ -319,15 +320,15 @@ def test_api_errors_are_retried_and_converge_without_duplicates(env, ns):
 
 def test_operator_restart_resumes_without_duplicates(env, ns):
     env.client.create(ISVC, ns, isvc_body("res", {"replicas": 2}))
-    wait_for(lambda: len(children(env, ns)) == 4 + len(gateway_children("res")), 10, "children")
+    wait_for(lambda: len(children(env, ns)) == 4 + len(gateway_children("res")), EVENT_BOUND, "children")
     env.operator.stop()
     env.operator = None
     env.client.delete("networkpolicies", ns, "res")  # changed while the operator was down
     env.client.patch(ISVC, ns, "res", {"spec": {"replicas": 3}})
     before = len([w for w in env.cluster.writes if w[0] == "create" and w[2] == ns and w[1] != "events"])
     env.restart_operator()
-    wait_for(lambda: env.client.get("networkpolicies", ns, "res"), 10, "netpol recreated on resume")
-    wait_for(lambda: env.client.get("deployments", ns, "res")["spec"]["replicas"] == 3, 10, "scaled on resume")
+    wait_for(lambda: env.client.get("networkpolicies", ns, "res"), EVENT_BOUND, "netpol recreated on resume")
+    wait_for(lambda: env.client.get("deployments", ns, "res")["spec"]["replicas"] == 3, EVENT_BOUND, "scaled on resume")
     settled(env, ns, "res")
     after = [w for w in env.cluster.writes if w[0] == "create" and w[2] == ns and w[1] != "events"]
     assert len(after) == before + 1  # only the missing NetworkPolicy
@@ -335,9 +336,9 @@ def test_operator_restart_resumes_without_duplicates(env, ns):
 
 def test_deleting_the_isvc_collects_children(env, ns):
     env.client.create(ISVC, ns, isvc_body("gone", {"replicas": 2}))
-    wait_for(lambda: len(children(env, ns)) == 4 + len(gateway_children("gone")), 10, "children")
+    wait_for(lambda: len(children(env, ns)) == 4 + len(gateway_children("gone")), EVENT_BOUND, "children")
     env.client.delete(ISVC, ns, "gone")
-    wait_for(lambda: children(env, ns) == {}, 10, "children collected through ownerReferences")
+    wait_for(lambda: children(env, ns) == {}, EVENT_BOUND, "children collected through ownerReferences")
     settled(env, ns, "gone")  # the deletions of the children were seen too
     assert children(env, ns) == {}  # and nothing resurrects them
 
@@ -486,7 +487,7 @@ def test_in_place_group_update_of_an_immutable_field_recreates_the_group(env, ns
 
 def test_quota_exceeded_shows_on_conditions_and_events(env, ns):
     env.client.create(ISVC, ns, isvc_body("quota", {"replicas": 1}))
-    wait_for(lambda: env.client.get("deployments", ns, "quota"), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "quota"), EVENT_BOUND, "deployment")
     message = ('pods "quota-7d9f-x2" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, '
                'used: requests.nvidia.com/gpu=8, limited: requests.nvidia.com/gpu=8')
     env.client.patch("deployments", ns, "quota", {"status": {"observedGeneration": 1, "replicas": 0, "conditions": [
@@ -496,7 +497,7 @@ def test_quota_exceeded_shows_on_conditions_and_events(env, ns):
     isvc = get_isvc(env, ns, "quota")
     assert condition(isvc, "Degraded")["status"] == "True" and condition(isvc, "Degraded")["reason"] == "FailedCreate"
     assert isvc["status"]["phase"] == "Failed"
-    events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "FailedCreate"], 5, "event")
+    events = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "FailedCreate"], EVENT_BOUND, "event")
     assert events[0]["type"] == "Warning" and "exceeded quota" in events[0]["message"]
 
 
@@ -504,7 +505,7 @@ def test_statefulset_failed_create_events_show_on_conditions(env, ns):
     spec = {"replicas": 1, "engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
             "resources": {"gpusPerPod": 2}}
     env.client.create(ISVC, ns, isvc_body("stsq", spec))
-    sts = wait_for(lambda: env.client.get("statefulsets", ns, "stsq-g0"), 10, "statefulset")
+    sts = wait_for(lambda: env.client.get("statefulsets", ns, "stsq-g0"), EVENT_BOUND, "statefulset")
     message = ('create Pod stsq-g0-0 in StatefulSet stsq-g0 failed error: pods "stsq-g0-0" is forbidden: '
                'violates PodSecurity "restricted:latest": hostPath volumes')
     # the StatefulSet controller reports it only as an Event (no condition, no status change to watch)
@@ -525,12 +526,12 @@ def test_rejected_child_shows_on_conditions_and_recovers(env, ns):
         cond = ready_is(env, ns, "denied", "False", "ChildRejected")
         assert "Deployment denied" in cond["message"] and message in cond["message"]
         assert get_isvc(env, ns, "denied")["status"]["phase"] == "Failed"
-        wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "ChildRejected"], 5, "event")
+        wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "ChildRejected"], EVENT_BOUND, "event")
         assert env.client.get("services", ns, "denied")  # the other children were still created
     finally:
         fault.remaining = 0
-    wait_for(lambda: env.client.get("deployments", ns, "denied"), 15, "deployment once the API accepts it")
-    wait_for(lambda: condition(get_isvc(env, ns, "denied"), "Ready")["reason"] != "ChildRejected", 15, "cleared")
+    wait_for(lambda: env.client.get("deployments", ns, "denied"), EVENT_BOUND, "deployment once the API accepts it")
+    wait_for(lambda: condition(get_isvc(env, ns, "denied"), "Ready")["reason"] != "ChildRejected", EVENT_BOUND, "cleared")
 
 
 def test_child_watches_are_filtered_server_side(env, ns):
@@ -596,7 +597,7 @@ def converged(env, ns: str, name: str) -> bool:
 
 def test_removing_every_optional_field_converges_to_the_rendered_children(env, ns):
     env.client.create(ISVC, ns, isvc_body("opt", EVERY_OPTIONAL_FIELD))
-    wait_for(lambda: converged(env, ns, "opt"), 10, "children with every option")
+    wait_for(lambda: converged(env, ns, "opt"), EVENT_BOUND, "children with every option")
     assert env.client.get("persistentvolumeclaims", ns, "opt-model-cache")
     pod = env.client.get("deployments", ns, "opt")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] and pod["tolerations"] and pod["initContainers"] and pod["imagePullSecrets"]
@@ -605,7 +606,7 @@ def test_removing_every_optional_field_converges_to_the_rendered_children(env, n
     assert not any(e["name"] == "SHOAL_API_KEY" for e in pod["initContainers"][0]["env"])
     # back to the defaults: every optional field removed (JSON merge patch: null deletes)
     env.client.patch(ISVC, ns, "opt", {"spec": {k: None for k in EVERY_OPTIONAL_FIELD}})
-    wait_for(lambda: converged(env, ns, "opt"), 10, "children without any option")
+    wait_for(lambda: converged(env, ns, "opt"), EVENT_BOUND, "children without any option")
     pod = env.client.get("deployments", ns, "opt")["spec"]["template"]["spec"]
     for gone in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets",
                  "initContainers", "topologySpreadConstraints", "schedulerName", "runtimeClassName",
@@ -621,10 +622,10 @@ def test_removing_every_optional_field_converges_to_the_rendered_children(env, n
 def test_multi_pod_to_single_pod_converges(env, ns):
     env.client.create(ISVC, ns, isvc_body("shrink", {"engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
                                                      "resources": {"gpusPerPod": 2}}))
-    wait_for(lambda: converged(env, ns, "shrink"), 10, "multi-pod children")
+    wait_for(lambda: converged(env, ns, "shrink"), EVENT_BOUND, "multi-pod children")
     assert env.client.get("services", ns, "shrink-engines")["spec"]["selector"][L_POD_INDEX] == "0"
     env.client.patch(ISVC, ns, "shrink", {"spec": {"engine": None, "resources": None}})
-    wait_for(lambda: converged(env, ns, "shrink"), 10, "single-pod children")
+    wait_for(lambda: converged(env, ns, "shrink"), EVENT_BOUND, "single-pod children")
     assert L_POD_INDEX not in env.client.get("services", ns, "shrink-engines")["spec"]["selector"]
     assert env.client.get("statefulsets", ns, "shrink-g0") is None
 
@@ -709,8 +710,8 @@ def test_adapters_reach_the_pods_list_without_touching_the_template_and_show_on_
     lora = {"engine": {"enableLora": True}, "gateway": {"enabled": False},
             "adapters": [{"name": "good", "uri": "file:///loras/good"}, {"name": "bad", "uri": "file:///loras/bad"}]}
     env.client.create(ISVC, ns, isvc_body("lo", lora))
-    cm = wait_for(lambda: env.client.get("configmaps", ns, "lo-adapters"), 10, "the adapters ConfigMap")
-    dep = wait_for(lambda: env.client.get("deployments", ns, "lo"), 10, "deployment")
+    cm = wait_for(lambda: env.client.get("configmaps", ns, "lo-adapters"), EVENT_BOUND, "the adapters ConfigMap")
+    dep = wait_for(lambda: env.client.get("deployments", ns, "lo"), EVENT_BOUND, "deployment")
     template_hash = dep["metadata"]["annotations"]["serving.shoal.dev/spec-hash"]
     sidecar = FakeSidecar()
     try:
@@ -753,7 +754,7 @@ def test_adapters_reach_the_pods_list_without_touching_the_template_and_show_on_
 
         # No adapters left: status.adapters and the condition go
         env.client.patch(ISVC, ns, "lo", {"spec": {"adapters": None}})
-        wait_for(lambda: "adapters" not in get_isvc(env, ns, "lo")["status"], 10, "status.adapters removed")
+        wait_for(lambda: "adapters" not in get_isvc(env, ns, "lo")["status"], EVENT_BOUND, "status.adapters removed")
         assert condition(get_isvc(env, ns, "lo"), "AdaptersReady") is None
     finally:
         sidecar.server.shutdown()

@@ -18,7 +18,7 @@ import time
 import pytest
 from fleetkit import Kubelet
 from kubekit import isvc_body, wait_for
-from prockit import LoggedProcess, free_port, http
+from prockit import EVENT_BOUND, LoggedProcess, free_port, http
 
 from shoal.engine.tools.tiny_lora import make_lora_adapter
 
@@ -50,7 +50,7 @@ def test_one_endpoint_routes_by_model_and_wakes_only_the_model_asked_for(env, ns
         env.client.create(ISVC, ns, isvc_body(name, {
             "replicas": 0, "model": {"uri": f"file://{llama_model}", "servedName": served}, "engine": engine,
             "autoscaling": from_zero}))
-    wait_for(lambda: env.client.get("deployments", ns, "chat"), 10, "the chat deployment")
+    wait_for(lambda: env.client.get("deployments", ns, "chat"), EVENT_BOUND, "the chat deployment")
     kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=None)
     port = free_port()
     gateway = LoggedProcess([sys.executable, "-m", "shoal.operator.gateway", "--namespace", ns, "--host", "127.0.0.1",

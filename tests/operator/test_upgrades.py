@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from kubekit import condition, isvc_body, wait_for
+from prockit import EVENT_BOUND
 
 ISVC = "inferenceservices"
 
@@ -45,7 +46,7 @@ def test_a_new_operator_image_rolls_the_fleet_one_service_at_a_time(env, ns, mon
     for name in ("up-a", "up-b", "up-c"):
         env.client.create(ISVC, ns, isvc_body(name))
     for name in ("up-a", "up-b", "up-c"):
-        wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
+        wait_for(lambda: env.client.get("deployments", ns, name), EVENT_BOUND, "deployment")
         _deployment_status(env, ns, name, updated=1)
         ready(env, ns, name)
         assert get_isvc(env, ns, name)["status"]["engineImage"] == old == _engine_image(env, ns, name)
@@ -57,18 +58,18 @@ def test_a_new_operator_image_rolls_the_fleet_one_service_at_a_time(env, ns, mon
         # up-c is asked to move now, whatever the budget; of the others one moves, one waits its turn
         env.client.patch(ISVC, ns, "up-c", {"metadata": {"annotations": {"serving.shoal.dev/upgrade-engine-image":
                                                                          "now"}}})
-        wait_for(lambda: _engine_image(env, ns, "up-c") == new, 10, "up-c upgraded on request")
+        wait_for(lambda: _engine_image(env, ns, "up-c") == new, EVENT_BOUND, "up-c upgraded on request")
         first = wait_for(lambda: next((n for n in ("up-a", "up-b") if _engine_image(env, ns, n) == new), None), 10,
                          "one service upgraded")
         second = "up-b" if first == "up-a" else "up-a"
         for name in (first, "up-c"):
             _deployment_status(env, ns, name, updated=0)  # rolling out the new template
-        wait_for(lambda: get_isvc(env, ns, first)["status"].get("engineImage") == new, 10, "pinned")
+        wait_for(lambda: get_isvc(env, ns, first)["status"].get("engineImage") == new, EVENT_BOUND, "pinned")
         settled(env, ns, second)
         time.sleep(1.0)  # the recheck interval of this module: a waiting service is looked at again meanwhile
         assert _engine_image(env, ns, second) == old and get_isvc(env, ns, second)["status"]["engineImage"] == old
         _deployment_status(env, ns, first, updated=1)  # its rollout ends (up-c's, asked for, takes no slot)
-        wait_for(lambda: _engine_image(env, ns, second) == new, 10, "the second service upgraded in its turn")
+        wait_for(lambda: _engine_image(env, ns, second) == new, EVENT_BOUND, "the second service upgraded in its turn")
         events = [e for e in env.cluster.find("events", ns) if e["reason"] == "EngineImageUpgrade"]
         assert len(events) == 3
     finally:

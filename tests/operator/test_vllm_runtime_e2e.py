@@ -21,6 +21,7 @@ import time
 import pytest
 from fleetkit import VLLM_PYTHON, GatewayProcess, Kubelet, publish_gateway
 from kubekit import isvc_body, wait_for
+from prockit import EVENT_BOUND
 
 from shoal.operator import autoscaler
 
@@ -69,7 +70,7 @@ def test_a_vllm_fleet_behind_the_gateway(env, ns, vllm_model):
         # one replica at most (a second vLLM would not fit this machine), one request per replica as the target:
         # the load then shows in what the autoscaler says it needs
         "autoscaling": {"minReplicas": 1, "maxReplicas": 1, "targetInFlightPerReplica": 1}}))
-    wait_for(lambda: env.client.get("deployments", ns, name), 10, "deployment")
+    wait_for(lambda: env.client.get("deployments", ns, name), EVENT_BOUND, "deployment")
     dep = env.client.get("deployments", ns, name)
     assert dep["spec"]["template"]["spec"]["containers"][0]["command"] == ["vllm", "serve"]
     kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=f"{name}-engines")

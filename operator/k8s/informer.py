@@ -1,15 +1,18 @@
-"""Watch-fed caches ("informers") of the objects the autoscaler reads: it never lists per decision.
+"""One list-then-watch cache ("informer") of a collection, with optional indexes.
 
-An `Informer` lists one collection once (a resource type, in one namespace or cluster-wide, optionally by label
-selector), then watches it from the list's resourceVersion, applying every event to an in-memory copy. A watch that
-ends (its server timeout) resumes from the last resourceVersion seen (bookmarks included); a 410 Gone or any error
-relists, with backoff, and while the API server is unreachable the last known objects stay in force. An optional
-`index` groups objects by a key (EndpointSlices by their Service), and `on_event` sees every change as it lands.
+An `Informer` lists one collection (a resource type, in one namespace or cluster-wide, optionally by label
+selector), then watches it from the list's resourceVersion, applying every event to an in-memory copy:
+* watch lines are split by the informer itself (an object may be larger than any line limit), and a watch that
+  ends (its server timeout) resumes from the last resourceVersion seen, bookmarks included;
+* a 410 Gone (or an ERROR event) or any failure relists, with exponential backoff; while the API server is
+  unreachable the last known objects stay in force;
+* `index` groups objects by a key (EndpointSlices by their Service); `on_event(type, obj)` sees every change as it
+  lands; `on_list(items)`, when given, gets each complete list instead of per-object ADDED/DELETED events (a
+  consumer that rebuilds its state from the whole set).
 
-These caches do not depend on kopf: kopf closes its own watch streams while an operator replica stands by for a
-peer (its indexes go stale there), whereas a standby autoscaler keeps warm caches and takes over with current data.
-Requests go through aiohttp with the gateway's `KubeAPI` (in a pod: the service-account token, re-read on every
-request since bound tokens rotate; elsewhere: the kubeconfig's server, token and TLS).
+The autoscaler's caches and the gateway's views (EndpointSlices, InferenceServices) are informers. They do not
+depend on kopf: kopf closes its own watch streams while an operator replica stands by for a peer, whereas a standby
+autoscaler keeps warm caches and takes over with current data.
 """
 
 from __future__ import annotations
@@ -19,34 +22,19 @@ import json
 import logging
 from collections.abc import Callable, Hashable
 from typing import Any
-from urllib.parse import urlencode
 
 import aiohttp
 
-from shoal.operator.gateway.discovery import KubeAPI
+from shoal.operator.k8s.client import KubeAPI, collection_path
 
 logger = logging.getLogger("shoal.operator.informer")
 
 Key = tuple[str | None, str]  # (namespace, name)
+MAX_BACKOFF = 10.0
 
 
-def kube_api() -> KubeAPI:
-    """How the informers reach the API server: in a pod its service account (KubeAPI re-reads the token), else
-    the kubeconfig that $KUBECONFIG names now (kube.load_configuration), with its token or client certificate."""
-    import os
-
-    from shoal.operator.gateway.discovery import SA_DIR
-    from shoal.operator.kube import load_configuration
-
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.exists(os.path.join(SA_DIR, "token")):
-        return KubeAPI.from_environment()
-    return KubeAPI.from_configuration(load_configuration())
-
-
-def collection_path(api_version: str, plural: str, namespace: str | None = None) -> str:
-    """/api/v1/configmaps, /apis/discovery.k8s.io/v1/namespaces/ns/endpointslices, ..."""
-    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    return f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
+class Gone(Exception):
+    """The watch's resourceVersion expired (410, or an ERROR event): relist."""
 
 
 def object_key(obj: dict[str, Any]) -> Key:
@@ -55,19 +43,24 @@ def object_key(obj: dict[str, Any]) -> Key:
 
 
 class Informer:
-    def __init__(self, api: KubeAPI, path: str, *, label_selector: str | None = None,
+    def __init__(self, api: KubeAPI | None, path: str, *, label_selector: str | None = None,
                  index: Callable[[dict[str, Any]], Hashable | None] | None = None,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None, watch_timeout: int = 300):
-        self.api = api
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                 on_list: Callable[[list[dict[str, Any]]], None] | None = None,
+                 watch_timeout: int = 300, what: str | None = None):
+        self.api = api  # None: KubeAPI.from_environment() when run starts
         self.path = path
         self.label_selector = label_selector
         self.index = index
         self.on_event = on_event
+        self.on_list = on_list
         self.watch_timeout = watch_timeout
+        self.what = what or path  # for logs
         self.objects: dict[Key, dict[str, Any]] = {}
         self.indexed: dict[Hashable, dict[Key, dict[str, Any]]] = {}
         self.synced = asyncio.Event()  # set once the first list has landed
         self.lists = 0  # how many times the collection was listed (once, plus one per relist)
+        self.watches = 0  # watch requests made (a resumed watch is one more)
 
     # ---- reading (the caller's copies are the cache's objects: never modify them) ----------------------------
     def get(self, namespace: str | None, name: str) -> dict[str, Any] | None:
@@ -95,35 +88,39 @@ class Informer:
             if not members:
                 self.indexed.pop(group, None)
 
-    def _notify(self, kind: str, obj: dict[str, Any]) -> None:
-        if self.on_event is not None:
+    def _call(self, callback: Callable[..., None] | None, *args: Any) -> None:
+        if callback is not None:
             try:
-                self.on_event(kind, obj)
+                callback(*args)
             except Exception:  # noqa: BLE001 - a consumer's bug must not stop the cache
-                logger.exception("informer %s: event handler failed", self.path)
+                logger.exception("informer %s: event handler failed", self.what)
 
     # ---- list and watch ----------------------------------------------------------------------------------------
-    def _url(self, **params: Any) -> str:
-        query = {k: v for k, v in (("labelSelector", self.label_selector), *params.items()) if v not in (None, "")}
-        return f"{self.api.server}{self.path}" + (f"?{urlencode(query)}" if query else "")
-
-    async def run(self, session: aiohttp.ClientSession) -> None:
+    async def run(self, session: aiohttp.ClientSession | None = None) -> None:
+        """List and watch until cancelled (on the caller's session, or an own one)."""
+        if self.api is None:
+            self.api = await asyncio.to_thread(KubeAPI.from_environment)
+        if session is None:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as own:
+                return await self.run(own)
         backoff = 0.5
         while True:
             try:
                 rv = await self._list(session)
                 backoff = 0.5
-                while rv:  # a watch that times out resumes where it was; an error relists
+                while True:  # a watch that times out resumes where it was; Gone or an error relists
                     rv = await self._watch(session, rv)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - keep the last known objects and try again
-                logger.warning("informer %s: %r; relisting in %.1fs", self.path, e, backoff)
+                level = logging.INFO if isinstance(e, Gone) else logging.WARNING
+                logger.log(level, "informer %s: %r; relisting in %.1fs", self.what, e, backoff)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                backoff = min(backoff * 2, MAX_BACKOFF)
 
     async def _list(self, session: aiohttp.ClientSession) -> str:
-        async with session.get(self._url(), headers=self.api.headers(), ssl=self.api.ssl_context,
+        url = self.api.url(self.path, {"labelSelector": self.label_selector})
+        async with session.get(url, headers=self.api.headers(), ssl=self.api.ssl_context,
                                timeout=aiohttp.ClientTimeout(total=60)) as r:
             if r.status != 200:
                 raise RuntimeError(f"list: HTTP {r.status}: {(await r.text())[:300]}")
@@ -131,24 +128,31 @@ class Informer:
         self.lists += 1
         items = data.get("items") or []
         listed = {object_key(o) for o in items}
-        for key in [k for k in self.objects if k not in listed]:
-            gone = self.objects[key]
-            self._drop(key)
-            self._notify("DELETED", gone)
+        gone = [self.objects[k] for k in self.objects if k not in listed]
+        for obj in gone:
+            self._drop(object_key(obj))
         for obj in items:
             self._put(obj)
-            self._notify("ADDED", obj)
+        if self.on_list is not None:
+            self._call(self.on_list, items)
+        else:
+            for obj in gone:
+                self._call(self.on_event, "DELETED", obj)
+            for obj in items:
+                self._call(self.on_event, "ADDED", obj)
         self.synced.set()
         return (data.get("metadata") or {}).get("resourceVersion") or ""
 
-    async def _watch(self, session: aiohttp.ClientSession, rv: str) -> str | None:
-        """Apply the events of one watch request; -> the resourceVersion to resume from, None to relist."""
-        url = self._url(watch="true", allowWatchBookmarks="true", timeoutSeconds=self.watch_timeout,
-                        resourceVersion=rv)
+    async def _watch(self, session: aiohttp.ClientSession, rv: str) -> str:
+        """Apply the events of one watch request; -> the resourceVersion to resume from. Raises Gone to relist."""
+        self.watches += 1
+        url = self.api.url(self.path, {"labelSelector": self.label_selector, "watch": "true",
+                                       "allowWatchBookmarks": "true", "timeoutSeconds": self.watch_timeout,
+                                       "resourceVersion": rv})
         timeout = aiohttp.ClientTimeout(total=self.watch_timeout + 30, sock_read=self.watch_timeout + 30)
         async with session.get(url, headers=self.api.headers(), ssl=self.api.ssl_context, timeout=timeout) as r:
             if r.status == 410:
-                return None
+                raise Gone(f"watch from resourceVersion {rv}: HTTP 410")
             if r.status != 200:
                 raise RuntimeError(f"watch: HTTP {r.status}: {(await r.text())[:300]}")
             buffer = b""
@@ -158,23 +162,20 @@ class Informer:
                 for line in lines:
                     if line.strip():
                         rv = self._apply(json.loads(line), rv)
-                        if rv is None:
-                            return None
         return rv
 
-    def _apply(self, event: dict[str, Any], rv: str) -> str | None:
+    def _apply(self, event: dict[str, Any], rv: str) -> str:
         kind, obj = event.get("type"), event.get("object") or {}
         if kind == "ERROR":  # 410 Gone (expired resourceVersion) included: relist
-            logger.info("informer %s: watch error %s; relisting", self.path, obj.get("message") or obj)
-            return None
+            raise Gone(f"watch error: {obj.get('message') or obj}")
         rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
-        if kind == "BOOKMARK":
+        if kind == "BOOKMARK" or not (obj.get("metadata") or {}).get("name"):
             return rv
         if kind == "DELETED":
             self._drop(object_key(obj))
         else:
             self._put(obj)
-        self._notify(kind or "MODIFIED", obj)
+        self._call(self.on_event, kind or "MODIFIED", obj)
         return rv
 
 
