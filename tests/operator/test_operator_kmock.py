@@ -728,8 +728,9 @@ def test_adapters_reach_the_pods_list_without_touching_the_template_and_show_on_
                         c["reason"] == "AdapterLoadFailed" and c, 15, "AdaptersReady=False")
         assert cond["status"] == "False" and "bad on lo-abc12: 400: rank 32" in cond["message"]
         status = get_isvc(env, ns, "lo")["status"]
-        assert [(a["name"], a["readyReplicas"], a["replicas"][0]["state"]) for a in status["adapters"]] == [
-            ("good", 1, "Loaded"), ("bad", 0, "Failed")]
+        assert [(a["name"], a["readyReplicas"], a["failedReplicas"]) for a in status["adapters"]] == [
+            ("good", 1, 0), ("bad", 0, 1)]
+        assert status["adapters"][1]["errors"][0]["pod"] == "lo-abc12"
         assert condition(get_isvc(env, ns, "lo"), "Ready")["status"] == "True"  # the engine keeps serving
         failed = wait_for(lambda: [e for e in env.cluster.find("events", ns) if e["reason"] == "AdapterLoadFailed"],
                           10, "an AdapterLoadFailed Event")
@@ -740,8 +741,8 @@ def test_adapters_reach_the_pods_list_without_touching_the_template_and_show_on_
                                                                 {"name": "new", "uri": "hf://org/new-lora"}]}})
         cm = wait_for(lambda: (c := env.client.get("configmaps", ns, "lo-adapters")) and "new-lora" in
                       c["data"]["adapters.json"] and c, 10, "the new list in the ConfigMap")
-        wait_for(lambda: [a["replicas"][0]["state"] for a in get_isvc(env, ns, "lo")["status"]["adapters"]] == [
-            "Loaded", "Pending"], 10, "new: Pending while the pod still has the old list")
+        wait_for(lambda: [(a["readyReplicas"], a["pendingReplicas"]) for a in
+                          get_isvc(env, ns, "lo")["status"]["adapters"]] == [(1, 0), (0, 1)], 10, "new: Pending while the pod still has the old list")
         sidecar.serve(cm, {"good": ("Loaded", None), "new": ("Loaded", None)})
         wait_for(lambda: condition(get_isvc(env, ns, "lo"), "AdaptersReady")["status"] == "True", 15,
                  "AdaptersReady=True once the pod reports the new list loaded")
