@@ -468,7 +468,7 @@ class InferenceServiceSpec(_Model):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
         description="LoRA adapters served next to the base model (needs engine.enableLora): each pod fetches and "
                     "loads them into its running engine, and unloads the ones removed, without a restart; "
-                    "status.adapters reports each adapter's state per replica")
+                    "status.adapters counts, per adapter, the serving replicas where it is loaded, failed or pending")
     # Priority and the inference extension (shared gateway, docs/gateway.md; InferencePool, render.py)
     priority: int = Field(
         default=0, ge=-2147483648, le=2147483647,
