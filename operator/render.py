@@ -379,7 +379,10 @@ def _adapter_sync_container(spec: InferenceServiceSpec, image: str, env: list[di
         "image": image,
         "command": [PODTOOLS],
         "args": ["sync-adapters", "--config", f"{adapters.CONFIG_DIR}/{adapters.CONFIG_KEY}",
-                 "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", "--port", str(adapters.SIDECAR_PORT)],
+                 "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", "--port", str(adapters.SIDECAR_PORT)]
+                # a cache other pods (or other services) share: their lists may still use a snapshot this pod's
+                # list dropped, so only a pod's own cache is collected
+                + (["--keep-unused-snapshots"] if _shared_cache(spec) else []),
         "ports": [{"name": adapters.SIDECAR, "containerPort": adapters.SIDECAR_PORT, "protocol": "TCP"}],
         "env": [e for e in env if e["name"] not in ("HF_HUB_OFFLINE", "SHOAL_API_KEY")] + key,
         "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")]
@@ -488,6 +491,11 @@ def cache_claim_name(name: str) -> str:
 
 def _per_pod_cache(spec: InferenceServiceSpec) -> bool:
     return spec.model.cache.persistent and spec.model.cache.access_mode == "ReadWriteOnce"
+
+
+def _shared_cache(spec: InferenceServiceSpec) -> bool:
+    """Is /cache a volume several pods use (an existing claim, or the operator's shared ReadWriteMany claim)?"""
+    return bool(spec.model.cache.claim_name) or (spec.model.cache.persistent and not _per_pod_cache(spec))
 
 
 def _cache_claimed(spec: InferenceServiceSpec) -> bool:

@@ -58,6 +58,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="bind address of /readyz, /livez and /status")
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between passes")
+    parser.add_argument("--keep-unused-snapshots", action="store_true",
+                        help="never delete the hub snapshots of adapters the list no longer uses (a cache volume "
+                             "other pods share, whose lists may still use them)")
     parser.add_argument("--state-file", default=None,
                         help="where the names of the adapters this loop loaded are kept across its restarts "
                              "(default: $TMPDIR/shoal-adapter-sync.json)")
@@ -162,6 +165,7 @@ class Syncer:
     heartbeat: float = field(default_factory=time.monotonic)
     session: Any = None
     base_model: str | None = None  # the service's model as a hub id (the list's baseModel), when known
+    collect: bool = True  # delete the snapshots this loop fetched that the list no longer uses
     fetched: set[str] = field(default_factory=set)  # hub snapshots this loop downloaded (persisted in state_file)
     downloads: Any = None  # asyncio.Semaphore(DOWNLOADS)
 
@@ -218,7 +222,7 @@ class Syncer:
         """Delete the snapshots this loop fetched that no listed adapter uses any more (removed, or replaced by
         another revision)."""
         wanted = {a.path for a in self.adapters.values() if a.path}
-        for path in sorted(self.fetched - wanted):
+        for path in sorted(self.fetched - wanted) if self.collect else ():
             try:
                 deleted = drop_snapshot(path)
             except Exception as e:  # a cache another process changed meanwhile: try again next pass
@@ -428,6 +432,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
     state = Path(args.state_file or Path(tempfile.gettempdir()) / "shoal-adapter-sync.json")
     syncer = Syncer(Path(args.config), args.engine_url.rstrip("/"), state, interval=args.interval,
+                    collect=not args.keep_unused_snapshots,
                     worker=os.environ.get("SHOAL_NODE_RANK", "0") != "0")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

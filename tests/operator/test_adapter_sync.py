@@ -239,3 +239,24 @@ async def test_removed_adapters_and_old_revisions_leave_the_cache(engine, tmp_pa
         b"v2 weights"
     assert len(list((cache / "models--org--x" / "blobs").iterdir())) == 1  # v1's blob went with it
     assert (Path(model) / "adapter_model.safetensors").read_bytes() == b"the model"
+
+
+async def test_a_shared_cache_keeps_unused_snapshots(engine, tmp_path, monkeypatch):
+    import aiohttp
+
+    monkeypatch.setenv("SHOAL_API_KEY", "k")
+    cache = tmp_path / "hub"
+    old = fake_hub_snapshot(cache, "org/x", "a" * 40, b"v1 weights")
+    new = fake_hub_snapshot(cache, "org/x", "b" * 40, b"v2 weights")
+    monkeypatch.setattr(adapter_sync, "fetch", lambda source: {"hf://org/x@v1": old, "hf://org/x@v2": new}[source])
+    cfg = tmp_path / "adapters.json"
+    write(cfg, {"x": "hf://org/x@v1"})
+    syncer = adapter_sync.Syncer(cfg, engine.url, tmp_path / "state.json", interval=0.01, collect=False)
+    syncer.session = aiohttp.ClientSession()
+    try:
+        await passes_until(syncer, lambda: engine.loaded.get("x") == old, "v1 loaded")
+        write(cfg, {"x": "hf://org/x@v2"})
+        await passes_until(syncer, lambda: engine.loaded.get("x") == new, "v2 loaded")
+    finally:
+        await syncer.session.close()
+    assert Path(old).is_dir() and Path(new).is_dir()  # another pod's list may still name v1

@@ -191,3 +191,17 @@ def test_the_list_names_the_base_model_when_the_operator_knows_it():
     hub = api.validate("llm", spec_with(ADAPTERS[:1], model={"uri": "hf://meta-llama/Llama-3.1-8B"}))
     assert json.loads(adapters.config(hub))["baseModel"] == "meta-llama/Llama-3.1-8B"
     assert "baseModel" not in json.loads(adapters.config(parsed(ADAPTERS[:1])))
+
+
+def test_only_a_pods_own_cache_has_its_unused_adapter_snapshots_deleted():
+    """A sidecar deletes the hub snapshots its list no longer uses; in a cache other pods share (an existing claim,
+    the shared ReadWriteMany claim) their lists may still use them, so there it keeps them."""
+    def sidecar_args(cache):
+        spec = spec_with(ADAPTERS[:1], model={"uri": "hf://org/base", "cache": cache})
+        dep = kids(spec)[("Deployment", "llm")]
+        (c,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == adapters.SIDECAR]
+        return c["args"]
+    assert "--keep-unused-snapshots" not in sidecar_args({})  # an emptyDir: the pod's own
+    assert "--keep-unused-snapshots" in sidecar_args({"claimName": "shared-hf"})
+    assert "--keep-unused-snapshots" in sidecar_args({"persistent": True, "size": "100Gi",
+                                                      "accessMode": "ReadWriteMany"})
