@@ -382,7 +382,8 @@ def _adapter_sync_container(spec: InferenceServiceSpec, image: str, env: list[di
                  "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", "--port", str(adapters.SIDECAR_PORT)]
                 # a cache other pods (or other services) share: their lists may still use a snapshot this pod's
                 # list dropped, so only a pod's own cache is collected
-                + (["--keep-unused-snapshots"] if _shared_cache(spec) else []),
+                + (["--keep-unused-snapshots"] if _shared_cache(spec) else [])
+                + (["--max-cache-bytes", str(cap)] if (cap := adapter_cache_cap(spec)) else []),
         "ports": [{"name": adapters.SIDECAR, "containerPort": adapters.SIDECAR_PORT, "protocol": "TCP"}],
         "env": [e for e in env if e["name"] not in ("HF_HUB_OFFLINE", "SHOAL_API_KEY")] + key,
         "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")]
@@ -512,10 +513,35 @@ def cache_volume(name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         return []
     if cache.persistent:
         return [{"name": "cache", "persistentVolumeClaim": {"claimName": cache_claim_name(name)}}]
+    size = cache_bound(spec)
+    return [{"name": "cache", "emptyDir": {"sizeLimit": str(size)} if size is not None else {}}]
+
+
+# LoRA adapters fetched from the hub land in the pod's cache too: with a model that is not downloaded (pvc://,
+# file://) and no model.cache.size, the cache still gets this bound, so a long adapter list cannot fill the node.
+ADAPTER_CACHE_BOUND = "50Gi"
+# The adapter sidecar starts no hub download once the cache holds this share of its bound: an adapter is refused
+# (Failed, retried later) instead of the kubelet evicting the pod for exceeding the emptyDir's sizeLimit.
+ADAPTER_CACHE_SHARE = 0.9
+
+
+def cache_bound(spec: InferenceServiceSpec) -> int | str | None:
+    """The size the pod's own /cache may reach (an emptyDir's sizeLimit, a per-pod claim's size); None: unbounded
+    (a claim other pods share is sized by whoever made it)."""
     size = spec.cache_size()
     if size is None and spec.model.uri.startswith("hf://"):
         size = default_download_bound(spec)
-    return [{"name": "cache", "emptyDir": {"sizeLimit": str(size)} if size is not None else {}}]
+    if size is None and spec.engine.enable_lora and not _cache_claimed(spec):  # not the list: no rollout on edits
+        size = ADAPTER_CACHE_BOUND
+    return size
+
+
+def adapter_cache_cap(spec: InferenceServiceSpec) -> int | None:
+    """The sidecar's --max-cache-bytes: a share of the pod's own cache bound (None: a shared or unbounded cache)."""
+    from kubernetes.utils import parse_quantity
+
+    bound = None if _shared_cache(spec) else cache_bound(spec)
+    return int(int(parse_quantity(str(bound))) * ADAPTER_CACHE_SHARE) if bound is not None else None
 
 
 # An hf:// download without model.cache.size still gets a sizeLimit, so a wrong model id (a 400 B checkpoint for a

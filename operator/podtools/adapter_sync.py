@@ -61,6 +61,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-unused-snapshots", action="store_true",
                         help="never delete the hub snapshots of adapters the list no longer uses (a cache volume "
                              "other pods share, whose lists may still use them)")
+    parser.add_argument("--max-cache-bytes", type=int, default=0,
+                        help="start no hub download once the pod's Hugging Face cache holds this many bytes (the "
+                             "operator passes a share of the cache volume's size limit; 0: no cap)")
     parser.add_argument("--state-file", default=None,
                         help="where the names of the adapters this loop loaded are kept across its restarts "
                              "(default: $TMPDIR/shoal-adapter-sync.json)")
@@ -84,6 +87,21 @@ def fetch(source: str) -> str:
     repo, revision = parse_source(source)
     return with_retries(lambda: snapshot_download(repo, revision=revision, allow_patterns=PATTERNS), source,
                         max_retries=5, backoff=2.0)
+
+
+def cache_usage() -> int:
+    """Bytes in this pod's Hugging Face cache (each blob once: snapshots are symlinks to blobs)."""
+    from huggingface_hub import constants
+
+    total = 0
+    for root, _dirs, files in os.walk(constants.HF_HUB_CACHE):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(root, f))
+            except OSError:
+                continue
+            total += 0 if (st.st_mode & 0o170000) == 0o120000 else st.st_size  # symlinks count nothing
+    return total
 
 
 def drop_snapshot(path: str) -> bool:
@@ -166,6 +184,7 @@ class Syncer:
     session: Any = None
     base_model: str | None = None  # the service's model as a hub id (the list's baseModel), when known
     collect: bool = True  # delete the snapshots this loop fetched that the list no longer uses
+    max_cache_bytes: int = 0  # no hub download starts once the cache holds this much (0: no cap)
     fetched: set[str] = field(default_factory=set)  # hub snapshots this loop downloaded (persisted in state_file)
     downloads: Any = None  # asyncio.Semaphore(DOWNLOADS)
 
@@ -254,6 +273,12 @@ class Syncer:
             return a.path
         if a.download is None:
             if time.monotonic() < a.retry_at:
+                return None
+            used = cache_usage() if self.max_cache_bytes else 0
+            if self.max_cache_bytes and used >= self.max_cache_bytes:  # retried: removed adapters free space
+                self._failed(a, f"not downloaded: the pod's cache holds {used / 2**30:.1f} GiB, at its cap of "
+                                f"{self.max_cache_bytes / 2**30:.1f} GiB (a share of the cache volume's size; "
+                                "remove adapters or raise spec.model.cache.size)")
                 return None
             a.state, a.message = "Downloading", None
             a.download = asyncio.get_running_loop().create_task(self._fetch(a.source))
@@ -432,7 +457,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
     state = Path(args.state_file or Path(tempfile.gettempdir()) / "shoal-adapter-sync.json")
     syncer = Syncer(Path(args.config), args.engine_url.rstrip("/"), state, interval=args.interval,
-                    collect=not args.keep_unused_snapshots,
+                    collect=not args.keep_unused_snapshots, max_cache_bytes=args.max_cache_bytes,
                     worker=os.environ.get("SHOAL_NODE_RANK", "0") != "0")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

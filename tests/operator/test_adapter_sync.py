@@ -260,3 +260,31 @@ async def test_a_shared_cache_keeps_unused_snapshots(engine, tmp_path, monkeypat
     finally:
         await syncer.session.close()
     assert Path(old).is_dir() and Path(new).is_dir()  # another pod's list may still name v1
+
+
+async def test_no_download_starts_once_the_cache_is_at_its_cap(engine, tmp_path, monkeypatch):
+    """The pod's cache volume has a size limit (the kubelet evicts the pod past it): once the cache holds the
+    sidecar's cap, an adapter to download fails with the reason, and is fetched once space is freed."""
+    import aiohttp
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("SHOAL_API_KEY", "k")
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    model = fake_hub_snapshot(cache, "org/base", "d" * 40, b"m" * 4000)  # the model: 4000 bytes of the cache
+    fetched = []
+    monkeypatch.setattr(adapter_sync, "fetch", lambda source: fetched.append(source) or model)
+    cfg = tmp_path / "adapters.json"
+    write(cfg, {"x": "hf://org/x"})
+    syncer = adapter_sync.Syncer(cfg, engine.url, tmp_path / "state.json", interval=0.01, max_cache_bytes=3000)
+    syncer.session = aiohttp.ClientSession()
+    try:
+        await syncer.sync_once()
+        (x,) = syncer.status()["adapters"]
+        assert x["state"] == "Failed" and "at its cap" in x["message"] and fetched == []
+        syncer.max_cache_bytes = 10_000  # room again (here: a higher cap): retried after its backoff
+        syncer.adapters["x"].retry_at = 0
+        await passes_until(syncer, lambda: engine.loaded.get("x") == model, "x fetched and loaded")
+    finally:
+        await syncer.session.close()
+    assert fetched == ["hf://org/x"]

@@ -205,3 +205,22 @@ def test_only_a_pods_own_cache_has_its_unused_adapter_snapshots_deleted():
     assert "--keep-unused-snapshots" in sidecar_args({"claimName": "shared-hf"})
     assert "--keep-unused-snapshots" in sidecar_args({"persistent": True, "size": "100Gi",
                                                       "accessMode": "ReadWriteMany"})
+
+
+def test_a_pods_own_cache_is_bounded_and_the_sidecar_stays_below_the_bound():
+    """With LoRA a pvc:// model's cache still holds hub adapters: it gets a size limit (not from the list, which
+    must never roll pods), and the sidecar stops downloading at 90 % of it rather than have the pod evicted."""
+    def pod(spec):
+        dep = kids(spec)[("Deployment", "llm")]["spec"]["template"]["spec"]
+        (c,) = [c for c in dep["containers"] if c["name"] == adapters.SIDECAR]
+        (cache,) = [v for v in dep["volumes"] if v["name"] == "cache"]
+        return cache, c["args"]
+    cache, args = pod(spec_with(ADAPTERS[:1]))
+    assert cache == {"name": "cache", "emptyDir": {"sizeLimit": "50Gi"}}
+    assert args[args.index("--max-cache-bytes") + 1] == str(int(50 * 2**30 * 0.9))
+    assert pod(spec_with(ADAPTERS))[0] == cache  # another list: the same template
+    cache, args = pod(spec_with(ADAPTERS[:1], model={"uri": "pvc://models/llama-8b", "cache": {"size": "20Gi"}}))
+    assert cache["emptyDir"] == {"sizeLimit": "20Gi"} and args[args.index("--max-cache-bytes") + 1] == str(
+        int(20 * 2**30 * 0.9))
+    assert "--max-cache-bytes" not in pod(spec_with(ADAPTERS[:1], model={"uri": "pvc://models/llama-8b",
+                                                                         "cache": {"claimName": "shared"}}))[1]
