@@ -17,7 +17,8 @@ loses its adapters: then again only once they are back. A failed load is kept wi
 reason; a refusal (4xx: rank too high, wrong base model, missing file) is not retried until the adapter's source
 changes, anything else (engine busy, hub unreachable) is retried with backoff.
 
-Storage: hub adapters are fetched at most DOWNLOADS at a time, and the snapshots this loop fetched that no listed
+Storage: hub adapters are fetched at most DOWNLOADS at a time, each after a random wait of up to --download-jitter
+seconds (the pods of a fleet see a list change within the same refresh: their fetches are spread), and the snapshots this loop fetched that no listed
 adapter uses any more (removed, or replaced by another revision) are deleted with their blobs after each pass.
 An adapter whose adapter_config.json names another base model than the list's `baseModel` is refused unloaded.
 
@@ -35,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +63,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-unused-snapshots", action="store_true",
                         help="never delete the hub snapshots of adapters the list no longer uses (a cache volume "
                              "other pods share, whose lists may still use them)")
+    parser.add_argument("--download-jitter", type=float, default=5.0,
+                        help="seconds (at most, at random) each hub download waits before it starts, so the pods "
+                             "of a fleet do not all hit the hub at the same moment after a list change")
     parser.add_argument("--max-cache-bytes", type=int, default=0,
                         help="start no hub download once the pod's Hugging Face cache holds this many bytes (the "
                              "operator passes a share of the cache volume's size limit; 0: no cap)")
@@ -185,6 +190,7 @@ class Syncer:
     base_model: str | None = None  # the service's model as a hub id (the list's baseModel), when known
     collect: bool = True  # delete the snapshots this loop fetched that the list no longer uses
     max_cache_bytes: int = 0  # no hub download starts once the cache holds this much (0: no cap)
+    jitter: float = 0.0  # seconds (at most, at random) before each hub download starts
     fetched: set[str] = field(default_factory=set)  # hub snapshots this loop downloaded (persisted in state_file)
     downloads: Any = None  # asyncio.Semaphore(DOWNLOADS)
 
@@ -299,6 +305,8 @@ class Syncer:
         """One hub download, at most DOWNLOADS at once in this pod."""
         if self.downloads is None:
             self.downloads = asyncio.Semaphore(DOWNLOADS)
+        if self.jitter > 0:  # a list change reaches every pod within the same kubelet refresh: spread the fetches
+            await asyncio.sleep(random.uniform(0.0, self.jitter))
         async with self.downloads:
             return await asyncio.to_thread(fetch, source)
 
@@ -458,6 +466,7 @@ async def _serve(args: argparse.Namespace) -> None:
     state = Path(args.state_file or Path(tempfile.gettempdir()) / "shoal-adapter-sync.json")
     syncer = Syncer(Path(args.config), args.engine_url.rstrip("/"), state, interval=args.interval,
                     collect=not args.keep_unused_snapshots, max_cache_bytes=args.max_cache_bytes,
+                    jitter=args.download_jitter,
                     worker=os.environ.get("SHOAL_NODE_RANK", "0") != "0")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

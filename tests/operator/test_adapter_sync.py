@@ -288,3 +288,36 @@ async def test_no_download_starts_once_the_cache_is_at_its_cap(engine, tmp_path,
     finally:
         await syncer.session.close()
     assert fetched == ["hf://org/x"]
+
+
+async def test_hub_downloads_are_spread_out_and_few_at_a_time(engine, tmp_path, monkeypatch):
+    """A list change reaches every pod at about the same moment: each download waits a random moment (up to the
+    jitter) and at most DOWNLOADS run at once in a pod, instead of every adapter of every pod at once."""
+    import threading
+
+    import aiohttp
+
+    monkeypatch.setenv("SHOAL_API_KEY", "k")
+    lock, running, most, starts = threading.Lock(), [0], [0], []
+
+    def slow_fetch(source):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            starts.append(time.monotonic())
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return f"/hub/{source[5:]}"
+    monkeypatch.setattr(adapter_sync, "fetch", slow_fetch)
+    cfg = tmp_path / "adapters.json"
+    write(cfg, {f"a{i}": f"hf://org/a{i}" for i in range(6)})
+    syncer = adapter_sync.Syncer(cfg, engine.url, tmp_path / "state.json", interval=0.01, jitter=0.3)
+    syncer.session = aiohttp.ClientSession()
+    began = time.monotonic()
+    try:
+        await passes_until(syncer, lambda: len(engine.loaded) == 7, "six hub adapters loaded")
+    finally:
+        await syncer.session.close()
+    assert most[0] <= adapter_sync.DOWNLOADS and len(starts) == 6
+    assert min(starts) - began < 0.3 + 0.1 and max(starts) - began >= 0.2 * (6 // adapter_sync.DOWNLOADS - 1)
