@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 from pydantic.alias_generators import to_camel
 
 from shoal.engine import flags
@@ -24,6 +25,8 @@ from shoal.engine.config import AttentionBackend, Dtype, EngineConfig
 from shoal.engine.execution.models import SUPPORTED_ARCHITECTURES  # the registry imports without torch
 from shoal.operator import runtimes  # reads the spec's models from the spec it is given, never imports this module
 from shoal.operator.errors import SpecError  # runtimes raises it too
+from shoal.operator.gateway import options as gateway_options
+from shoal.operator.gateway.proxy import GatewayConfig  # declares the gateway's options (CLI flags, spec.gateway)
 
 from shoal.operator import contract  # noqa: E402
 from shoal.operator.contract import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: E402,F401 (the contract's)
@@ -354,37 +357,29 @@ class GatewayResources(_Model):
                                                               "OOM-killed")
 
 
-class GatewayOptions(_Model):
-    enabled: bool = Field(
+def _gateway_option_fields() -> dict[str, Any]:
+    """spec.gateway's shoal-gateway options, from their one declaration on GatewayConfig (gateway/options.py)."""
+    fields: dict[str, Any] = {}
+    for declared, spec in gateway_options.spec_fields(GatewayConfig):
+        annotation: Any = Literal[declared.option.choices] if declared.option.choices else spec.type
+        fields[spec.name] = (annotation, Field(default=gateway_options.spec_default(declared), ge=spec.ge,
+                                               le=spec.le, description=spec.description))
+    return fields
+
+
+GatewayOptions = create_model(
+    "GatewayOptions", __base__=_Model, __module__=__name__,
+    enabled=(bool, Field(
         default=True,
         description="run shoal-gateway (prefix-cache and load-aware routing) in front of the engines; the Service "
                     "<name> points at it, and engines accept HTTP only from it. false: <name> points at the "
-                    "engines directly (plain L4 balancing).",
-    )
-    routing: Literal["prefix-load", "least-load", "round-robin"] = Field(
-        default="prefix-load", description="shoal-gateway --routing")
-    replicas: int = Field(default=2, ge=2, le=100, description="gateway pods (at least 2, for availability)")
-    image: str | None = Field(default=None, max_length=1024,
-                              description="gateway image; the operator's default (the small image without torch)")
-    resources: GatewayResources = section(GatewayResources)
-    response_timeout_seconds: int = Field(
-        default=3600, ge=1, le=86400,
-        description="how long an engine may take to start answering — a whole non-streaming generation; past it "
-                    "the request is cancelled and the client gets 504, never a second run on another engine "
-                    "(shoal-gateway --response-timeout)")
-    read_timeout_seconds: int = Field(
-        default=600, ge=1, le=86400,
-        description="silence allowed between the bytes of an answer, e.g. stream chunks (--read-timeout)")
-    max_body_bytes: int = Field(
-        default=32 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024,
-        description="largest request body; larger get 413 (--max-body-bytes)")
-    max_pending: int = Field(
-        default=4096, ge=1, le=1_000_000,
-        description="requests inside one gateway pod at once, held ones included; more get 429 (--max-pending)")
-    max_buffered_bytes: int = Field(
-        default=128 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024 * 1024,
-        description="request bodies one gateway pod holds at once, all requests together; a request beyond gets "
-                    "429 (--max-buffered-bytes; at least maxBodyBytes)")
+                    "engines directly (plain L4 balancing).")),
+    replicas=(int, Field(default=2, ge=2, le=100, description="gateway pods (at least 2, for availability)")),
+    image=(str | None, Field(default=None, max_length=1024,
+                             description="gateway image; the operator's default (the small image without torch)")),
+    resources=(GatewayResources, section(GatewayResources)),
+    **_gateway_option_fields(),
+)
 
 
 # ------------------------------------------------------------------- Gateway API Inference Extension (InferencePool)

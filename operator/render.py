@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.operator import adapters, api, overlay, runtimes, upgrade
+from shoal.operator.gateway import options as gateway_options
+from shoal.operator.gateway.proxy import GatewayConfig
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/shoal-dev/shoal-engine:0.1.0"
@@ -811,10 +813,9 @@ def gateway_metrics_listener() -> tuple[list[str], dict[str, Any], dict[str, str
 
 
 def gateway_limit_args(gw: api.GatewayOptions) -> list[str]:
-    """spec.gateway's timeouts and admission limits as shoal-gateway flags."""
-    return ["--response-timeout", str(gw.response_timeout_seconds), "--read-timeout", str(gw.read_timeout_seconds),
-            "--max-body-bytes", str(gw.max_body_bytes), "--max-buffered-bytes", str(gw.max_buffered_bytes),
-            "--max-pending", str(gw.max_pending)]
+    """spec.gateway's shoal-gateway options (routing, timeouts, admission limits) as its flags: the declaration on
+    GatewayConfig says which field is which flag (gateway/options.py)."""
+    return gateway_options.to_args(GatewayConfig, gw)
 
 
 # What one gateway process holds at most (operator/gateway): the interpreter with aiohttp and prometheus_client, the
@@ -867,7 +868,7 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         "image": gw.image or settings.gateway_image,
         "command": ["shoal-gateway"],
         "args": ["--service", engines_service_name(name), "--namespace", namespace, "--port-name", "http",
-                 "--port", str(ENGINE_PORT), "--routing", gw.routing, "--shutdown-timeout", str(drain)]
+                 "--port", str(ENGINE_PORT), "--shutdown-timeout", str(drain)]
                 + gateway_limit_args(gw) + hold_args + metrics_args
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
                 + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),

@@ -16,8 +16,8 @@ from aiohttp import web
 from shoal.operator.gateway.backends import HealthPolicy
 from shoal.operator.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
 from shoal.operator.gateway.metric_names import RUNTIMES
+from shoal.operator.gateway.options import add_flags, config_kwargs, positive
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
-from shoal.operator.gateway.routing import ROUTINGS
 from shoal.operator.gateway.tenants import EngineKeys, TenantKeys
 
 log = logging.getLogger("shoal.gateway")
@@ -32,18 +32,6 @@ def endpoint_url(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return text.rstrip("/")
-
-
-def positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
 
 
 def non_negative_int(text: str) -> int:
@@ -91,7 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the engines' runtime: their readiness path and load metric names (default: %(default)s)")
     src.add_argument("--port-name", help="the EndpointSlice port to use (default: the first TCP port)")
     r = p.add_argument_group("routing")
-    r.add_argument("--routing", choices=ROUTINGS, default=d.routing, help="default: %(default)s")
     r.add_argument("--prefix-block-chars", type=positive(int), default=d.block_chars,
                    help="characters per hashed prompt block (default %(default)s)")
     r.add_argument("--prefix-max-blocks", type=positive(int), default=d.max_blocks,
@@ -139,13 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
                                         "they are held or counted as load (also: $SHOAL_API_KEY, --api-key-file)")
     auth.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file")
     rel = p.add_argument_group("reliability")
-    rel.add_argument("--max-pending", type=positive(int), default=d.max_pending,
-                     help="requests inside the gateway at once; more get 429 (default %(default)s)")
-    rel.add_argument("--max-body-bytes", type=positive(int), default=d.max_body_bytes,
-                     help="largest request body; larger get 413 (default %(default)s)")
-    rel.add_argument("--max-buffered-bytes", type=positive(int), default=d.max_buffered_bytes,
-                     help="request bodies held at once, all requests together; a request beyond gets 429 "
-                          "(default %(default)s)")
     rel.add_argument("--hold-timeout", type=non_negative, default=d.hold_timeout,
                      help="seconds a request waits for an engine when none is ready (scale from zero); "
                           "0 answers 503 at once (default). Shared gateway: services that scale to zero hold for "
@@ -157,13 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--retry-after", type=positive(int), default=d.retry_after,
                      help="Retry-After seconds on 503/429 (default %(default)s)")
     rel.add_argument("--connect-timeout", type=positive(float), default=d.connect_timeout)
-    rel.add_argument("--response-timeout", type=positive(float), default=d.response_timeout,
-                     help="seconds an engine may take to start its answer — a whole non-streaming generation; "
-                          "past it the request is cancelled and the client gets 504, never a retry elsewhere "
-                          "(default %(default)s)")
-    rel.add_argument("--read-timeout", type=positive(float), default=d.read_timeout,
-                     help="seconds of silence allowed between the bytes of an answer, e.g. stream chunks "
-                          "(default %(default)s)")
     rel.add_argument("--poll-interval", type=positive(float), default=d.poll_interval)
     rel.add_argument("--poll-timeout", type=positive(float), default=d.poll_timeout)
     h = HealthPolicy()
@@ -173,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an engine silent this long is skipped while others answer (default %(default)s s)")
     rel.add_argument("--circuit-failures", type=positive(int), default=h.circuit_failures)
     rel.add_argument("--circuit-cooldown", type=positive(float), default=h.circuit_cooldown)
+    add_flags(GatewayConfig, {"routing": r, "reliability": rel})  # the options declared on GatewayConfig
     p.add_argument("--shutdown-timeout", type=non_negative, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -214,14 +188,13 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ValueError(f"--max-buffered-bytes ({args.max_buffered_bytes}) must be at least --max-body-bytes "
                          f"({args.max_body_bytes}), or the largest body could never be admitted")
     return GatewayConfig(
+        **config_kwargs(GatewayConfig, args),  # the declared options (options.py)
         runtime=args.runtime,
-        routing=args.routing, block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
+        block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
         index_size=args.prefix_index_size,
-        max_pending=args.max_pending,
-        max_body_bytes=args.max_body_bytes, max_buffered_bytes=args.max_buffered_bytes,
         hold_timeout=args.hold_timeout, retry_after=args.retry_after,
-        connect_timeout=args.connect_timeout, response_timeout=args.response_timeout, read_timeout=args.read_timeout,
+        connect_timeout=args.connect_timeout,
         poll_interval=args.poll_interval,
         poll_timeout=args.poll_timeout, api_key=None if shared else resolve_api_key(args),
         health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,

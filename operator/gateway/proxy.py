@@ -45,10 +45,11 @@ from shoal.operator.gateway.admission import Shed, Ticket, request_cost
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
 from shoal.operator.gateway.metric_names import for_runtime
 from shoal.operator.gateway.metrics import GatewayMetrics
+from shoal.operator.gateway.options import SpecField, option, positive
 from shoal.operator.gateway.poller import Poller
 from shoal.operator.gateway.pool import Pool, Unavailable
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
-from shoal.operator.gateway.routing import Pick, PrefixIndex, make_router
+from shoal.operator.gateway.routing import ROUTINGS, Pick, PrefixIndex, make_router
 from shoal.operator.gateway.tenants import EngineKeys, Tenancy, TenantKeys
 
 log = logging.getLogger("shoal.gateway")
@@ -72,21 +73,46 @@ ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span - how far the
 
 @dataclass
 class GatewayConfig:
-    routing: str = "prefix-load"
+    """Every gateway setting. Fields with an `option(...)` are declared once for the CLI and, with a SpecField, for
+    the CRD's spec.gateway and the operator's rendering (options.py)."""
+
+    routing: str = option("prefix-load", "routing", "how an engine is picked", choices=ROUTINGS,
+                          spec=SpecField("routing", str, "shoal-gateway --routing"))
     block_chars: int = 64  # about 16 tokens of English: the engine's default KV block
     max_blocks: int = 512  # hash at most the first block_chars * max_blocks characters
     load_factor: float = 1.25
     affinity_slack: float = 2.0
     cold_slack: float = 1.0
     index_size: int = 200_000
-    max_pending: int = 4096
-    max_body_bytes: int = 32 * 1024 * 1024
-    max_buffered_bytes: int = 128 * 1024 * 1024  # request bodies held at once, all requests together
+    max_pending: int = option(
+        4096, "reliability", "requests inside the gateway at once; more get 429", type=positive(int),
+        spec=SpecField("max_pending", int, "requests inside one gateway pod at once, held ones included; more get "
+                                           "429 (--max-pending)", ge=1, le=1_000_000))
+    max_body_bytes: int = option(
+        32 * 1024 * 1024, "reliability", "largest request body; larger get 413", type=positive(int),
+        spec=SpecField("max_body_bytes", int, "largest request body; larger get 413 (--max-body-bytes)",
+                       ge=1024, le=1024 * 1024 * 1024))
+    max_buffered_bytes: int = option(
+        128 * 1024 * 1024, "reliability",
+        "request bodies held at once, all requests together; a request beyond gets 429", type=positive(int),
+        spec=SpecField("max_buffered_bytes", int, "request bodies one gateway pod holds at once, all requests "
+                                                  "together; a request beyond gets 429 (--max-buffered-bytes; at "
+                                                  "least maxBodyBytes)", ge=1024, le=64 * 1024 * 1024 * 1024))
     hold_timeout: float = 0.0  # wait this long for an engine when none is ready (0: 503 at once)
     retry_after: int = 1
     connect_timeout: float = 3.0
-    response_timeout: float = 3600.0  # request sent -> response headers: a whole non-streaming generation
-    read_timeout: float = 600.0  # silence from an engine between response bytes, once it answered
+    response_timeout: float = option(  # request sent -> response headers: a whole non-streaming generation
+        3600.0, "reliability", "seconds an engine may take to start its answer — a whole non-streaming "
+        "generation; past it the request is cancelled and the client gets 504, never a retry elsewhere",
+        type=positive(float),
+        spec=SpecField("response_timeout_seconds", int, "how long an engine may take to start answering — a whole "
+                       "non-streaming generation; past it the request is cancelled and the client gets 504, never "
+                       "a second run on another engine (shoal-gateway --response-timeout)", ge=1, le=86400))
+    read_timeout: float = option(  # silence from an engine between response bytes, once it answered
+        600.0, "reliability", "seconds of silence allowed between the bytes of an answer, e.g. stream chunks",
+        type=positive(float),
+        spec=SpecField("read_timeout_seconds", int, "silence allowed between the bytes of an answer, e.g. stream "
+                                                    "chunks (--read-timeout)", ge=1, le=86400))
     poll_interval: float = 0.25
     poll_timeout: float = 1.0
     runtime: str = "shoal"  # the engines' runtime: which readiness path and metric names to read (metric_names.py)
