@@ -86,7 +86,8 @@ class _PoolCollector:
         if self.gateway.pools.shared:
             yield service
             yield GaugeMetricFamily(P + "models", "Model names the shared gateway routes (base models and "
-                                    "adapters).", value=len(self.gateway.pools.index()))
+                                    "adapters), each namespace's counted apart.",
+                                    value=sum(len(names) for names in self.gateway.pools.index().values()))
 
 
 class GatewayMetrics:

@@ -49,7 +49,7 @@ from shoal.operator.gateway.poller import Poller
 from shoal.operator.gateway.pool import Pool, Unavailable
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
 from shoal.operator.gateway.routing import Pick, PrefixIndex, make_router
-from shoal.operator.gateway.tenants import EngineKeys, Tenancy, TenantKeys
+from shoal.operator.gateway.tenants import LOOPBACK, Caller, EngineKeys, Network, Tenancy, TenantKeys
 
 log = logging.getLogger("shoal.gateway")
 
@@ -97,6 +97,7 @@ class GatewayConfig:
     max_queued: int = 1024  # requests waiting for a slot, all pools together; beyond, the lowest priority is shed
     queue_timeout: float = 60.0  # a request waits this long for a slot, then 429
     tenant_header: str | None = None  # a header naming the tenant, set by a trusted proxy in front
+    trusted_proxies: tuple[Network, ...] = LOOPBACK  # the peers whose tenant header is believed
     tenant_keys: TenantKeys | None = None  # API key -> tenant (the shared gateway's clients)
     engine_keys: EngineKeys | None = None  # the engines' keys per InferenceService (the shared gateway)
     models_interval: float = 10.0  # the shared gateway polls each service's /v1/models this often
@@ -146,7 +147,7 @@ class StaticPools:
     def __init__(self, pool: Pool):
         self.pool = pool
 
-    def resolve(self, model: str | None) -> Pool:
+    def resolve(self, model: str | None, namespace: str | None = None) -> Pool:
         return self.pool
 
     def all(self) -> list[Pool]:
@@ -159,7 +160,8 @@ class Gateway:
         """A per-service gateway (one pool of `backends`), or with `shared` the shared gateway of `namespace`
         (None: every namespace) whose pools follow the InferenceServices there (fleet.py)."""
         self.config = config
-        self.tenancy = Tenancy(config.tenant_keys, config.tenant_header)
+        self.tenancy = Tenancy(config.tenant_keys, config.tenant_header, config.trusted_proxies,
+                               header_required=shared)
         self.metrics = GatewayMetrics(self)
         self.pending = 0
         self.buffered = 0  # bytes of request bodies reserved by the requests inside
@@ -342,8 +344,8 @@ class Gateway:
         return headers
 
     # ---- handlers --------------------------------------------------------------------------------------------
-    def _authenticate(self, request: web.Request) -> str | None:
-        """The request's tenant, or None: refuse it (401)."""
+    def _authenticate(self, request: web.Request) -> Caller | None:
+        """The request's caller, or None: refuse it (401)."""
         if self.config.api_key and not authorized(request, self.config.api_key):
             return None
         return self.tenancy.identify(request)
@@ -354,8 +356,8 @@ class Gateway:
                               "invalid_request_error", "invalid_api_key")
 
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
-        tenant = self._authenticate(request)
-        if tenant is None:
+        caller = self._authenticate(request)
+        if caller is None:
             return self._unauthenticated()
         if self.pools.shared and request.path not in SHARED_PATHS:
             return await self.not_found(request)
@@ -376,7 +378,7 @@ class Gateway:
         self.buffered += reserve
         self.metrics.pending.inc()
         try:
-            return await self._forward(request, tenant)
+            return await self._forward(request, caller)
         finally:
             self.pending -= 1
             self.buffered -= reserve
@@ -388,7 +390,7 @@ class Gateway:
         return error_response(503, "no ready backend can serve this request; retry shortly",
                               "service_unavailable", "no_backend", {"Retry-After": str(self.config.retry_after)})
 
-    async def _forward(self, request: web.Request, tenant: str) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, caller: Caller) -> web.StreamResponse:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -397,7 +399,11 @@ class Gateway:
                                   "invalid_request_error", "body_too_large")
         parsed = parse_body(request.path, body)
         model = model_of(parsed) if request.path in (SHARED_PATHS if self.pools.shared else ROUTED_PATHS) else None
-        pool = self.pools.resolve(model)
+        try:
+            pool = self.pools.resolve(model, caller.namespace)
+        except LookupError as e:  # fleet.ModelAmbiguous: several namespaces granting the caller serve it
+            self.metrics.rejected.labels("ambiguous_model").inc()
+            return error_response(409, str(e), "invalid_request_error", "model_ambiguous", param="model")
         if pool is None:  # the shared gateway: the model names which service
             if parsed is None:
                 return error_response(400, "the request body must be a JSON object naming a `model`",
@@ -407,7 +413,7 @@ class Gateway:
                 return error_response(400, "`model` is required: this endpoint serves several models",
                                       "invalid_request_error", "model_required", param="model")
             return model_not_found(model)
-        ticket = Ticket(priority=pool.priority_of(model), tenant=tenant, cost=request_cost(len(body), parsed), model=model,
+        ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant, cost=request_cost(len(body), parsed), model=model,
                         hashes=self.prompt_hashes(request.path, parsed, model, pool))
         try:
             backend = await pool.admit(ticket, self.enqueue)
@@ -520,16 +526,18 @@ class Gateway:
         return web.json_response({"status": "no_ready_backend"}, status=503)
 
     async def list_models(self, request: web.Request) -> web.Response:
-        """The shared gateway's /v1/models: every model of every service it routes to (fleet.Fleet.models)."""
-        if self._authenticate(request) is None:
+        """The shared gateway's /v1/models: the models the caller may use (fleet.Fleet.models)."""
+        caller = self._authenticate(request)
+        if caller is None:
             return self._unauthenticated()
-        return web.json_response({"object": "list", "data": self.pools.models()})
+        return web.json_response({"object": "list", "data": self.pools.models(caller.namespace)})
 
     async def get_model(self, request: web.Request) -> web.Response:
-        if self._authenticate(request) is None:
+        caller = self._authenticate(request)
+        if caller is None:
             return self._unauthenticated()
         model = request.match_info["model"]
-        for card in self.pools.models():
+        for card in self.pools.models(caller.namespace):
             if card["id"] == model:
                 return web.json_response(card)
         return model_not_found(model)

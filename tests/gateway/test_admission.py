@@ -297,7 +297,7 @@ async def test_the_shared_gateway_routes_by_model_lists_every_model_and_hides_wh
 
 async def test_tenant_keys_authenticate_and_the_engines_get_their_own_key(tmp_path):
     (tmp_path / "tenants").mkdir()
-    (tmp_path / "tenants" / "team-a").write_text("sk-a1\nsk-a2\n")
+    (tmp_path / "tenants" / "team.a").write_text("sk-a1\nsk-a2\n")  # a tenant of namespace team
     (tmp_path / "tenants" / "team-b").write_text("sk-b\n")
     (tmp_path / "engines").mkdir()
     (tmp_path / "engines" / "team.chat").write_text("engine-secret\n")
