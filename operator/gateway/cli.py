@@ -18,7 +18,7 @@ from shoal.operator.gateway.discovery import EndpointSliceDiscovery, StaticDisco
 from shoal.operator.gateway.metric_names import RUNTIMES
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
 from shoal.operator.gateway.routing import ROUTINGS
-from shoal.operator.gateway.tenants import EngineKeys, TenantKeys
+from shoal.operator.gateway.tenants import EngineKeys, TenantKeys, parse_networks
 
 log = logging.getLogger("shoal.gateway")
 
@@ -123,7 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "shared gateway does so for services with engine.schedulingPolicy: priority")
     adm.add_argument("--tenant-header", metavar="NAME",
                      help="trust this request header as the tenant's name (set by an authenticating proxy in front; "
-                          "e.g. x-gateway-inference-fairness-id)")
+                          "e.g. x-gateway-inference-fairness-id), only from --trusted-proxies")
+    adm.add_argument("--trusted-proxies", metavar="CIDRS", default="",
+                     help="comma-separated CIDRs of the proxies whose --tenant-header is believed; from any other "
+                          "peer it is ignored (the shared gateway then answers 401)")
+    adm.add_argument("--allow-unauthenticated", action="store_true",
+                     help="UNSAFE: let the shared gateway serve callers it cannot identify (no --tenant-keys, no "
+                          "--tenant-header): anyone who reaches it uses every model it serves, with the engines' "
+                          "keys when --engine-keys is given")
     adm.add_argument("--tenant-keys", metavar="DIR",
                      help="shared gateway: a directory with one file per tenant holding its API keys, one per line "
                           "(a mounted Secret; re-read when it changes); a request's key names its tenant, any "
@@ -208,6 +215,13 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ValueError("the shared gateway takes no --api-key, --wake-configmap or --runtime: it reads each "
                          "InferenceService's runtime and wake-up ConfigMap, and its clients' keys are tenant keys "
                          "(--tenant-keys)")
+    if args.tenant_header and not args.trusted_proxies:
+        raise ValueError("--tenant-header needs --trusted-proxies: the CIDRs of the authenticating proxies that set "
+                         "it (from anyone else the header would let a caller name any tenant)")
+    if shared and not (args.tenant_keys or args.tenant_header) and not args.allow_unauthenticated:
+        raise ValueError("the shared gateway must know who is asking: give --tenant-keys DIR (or --tenant-header with "
+                         "--trusted-proxies); --allow-unauthenticated serves anyone who reaches it, unsafe"
+                         + (", and would hand them the engines' keys (--engine-keys)" if args.engine_keys else ""))
     if args.load_factor < 1.0:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
     if args.max_buffered_bytes < args.max_body_bytes:
@@ -227,7 +241,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,
                             circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown),
         max_inflight=args.max_inflight_per_engine, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
-        tenant_header=args.tenant_header,
+        tenant_header=args.tenant_header, trusted_proxies=parse_networks(args.trusted_proxies),
         tenant_keys=TenantKeys(args.tenant_keys) if args.tenant_keys else None,
         engine_keys=EngineKeys(args.engine_keys) if args.engine_keys else None,
         models_interval=args.models_interval, engine_priority=args.engine_priority)

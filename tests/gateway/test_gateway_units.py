@@ -178,7 +178,7 @@ def test_parse_load_and_ready_urls():
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "or serve every InferenceService of --namespace (or --all-namespaces)"),
+    (["--allow-unauthenticated"], "or serve every InferenceService of --namespace (or --all-namespaces)"),
     (["--namespace", "ns", "--api-key", "k"], "the shared gateway takes no --api-key"),
     (["--endpoint", "http://a:1", "--tenant-keys", "/tmp"], "--tenant-keys and --engine-keys are for the shared"),
     (["-A", "--namespace", "ns"], "--all-namespaces is the shared gateway of the whole cluster"),
@@ -188,6 +188,11 @@ def test_parse_load_and_ready_urls():
     (["--endpoint", "http://a:1", "--load-factor", "0.5"], "--load-factor must be >= 1"),
     (["--service", "s"], "--namespace"),
     (["--endpoint", "http://a:1", "--api-key-file", "/nonexistent/key"], "--api-key-file: cannot read"),
+    # unsafe combinations: an anonymous shared gateway, the engines' keys handed to anyone, a header anyone sets
+    (["--namespace", "ns"], "the shared gateway must know who is asking"),
+    (["--namespace", "ns", "--engine-keys", "/tmp"], "would hand them the engines' keys"),
+    (["--endpoint", "http://a:1", "--tenant-header", "X-Tenant"], "--tenant-header needs --trusted-proxies"),
+    (["--namespace", "ns", "--tenant-header", "X", "--trusted-proxies", "10.0.0.0/33"], "--trusted-proxies:"),
 ])
 def test_cli_rejects_bad_arguments(argv, message):
     out = subprocess.run([sys.executable, "-m", "shoal.operator.gateway", *argv], capture_output=True, text=True,
@@ -504,3 +509,21 @@ def test_request_model_is_read_from_the_body():
     assert request_model("/v1/completions", b'{"model": 3}') is None
     assert request_model("/v1/models", b'{"model": "a"}') is None
     assert request_model("/v1/completions", b'not json "model"') is None
+
+
+def test_a_tenant_header_is_believed_only_from_the_trusted_proxies():
+    from types import SimpleNamespace
+
+    from shoal.operator.gateway.tenants import Caller, Tenancy, parse_networks
+
+    proxies = parse_networks("10.1.0.0/16, fd00::/8")
+    shared, per_service = (Tenancy(header="X-Tenant", trusted=proxies, header_required=r) for r in (True, False))
+
+    def request(peer: str, tenant: str | None = "team-a.batch"):
+        return SimpleNamespace(remote=peer, headers={"X-Tenant": tenant} if tenant else {})
+
+    assert shared.identify(request("10.1.2.3")) == Caller("team-a.batch", "team-a")
+    assert shared.identify(request("fd00::7")) == Caller("team-a.batch", "team-a")
+    for untrusted in (request("10.2.0.1"), request("10.1.2.3", None), request("garbage")):
+        assert shared.identify(untrusted) is None  # 401: the shared gateway authorizes by it
+    assert per_service.identify(request("10.2.0.1")) == Caller("default", None)  # ignored: the default tenant
