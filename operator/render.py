@@ -833,7 +833,9 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
                  "--port", str(ENGINE_PORT), "--routing", gw.routing, "--shutdown-timeout", str(drain)]
                 + gateway_limit_args(gw) + hold_args + metrics_args
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
-                + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),
+                + (["--runtime", spec.runtime] if spec.runtime != "shoal" else [])
+                # engines that schedule by priority get the gateway's, never a client's (proxy.engine_body)
+                + (["--engine-priority"] if spec.engine.scheduling_policy == "priority" else []),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}, metrics_port],
         # The engines' key, so the gateway answers 401 itself: an unauthenticated request is never held, never
         # counted as load and never wakes the autoscaler.

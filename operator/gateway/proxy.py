@@ -63,6 +63,12 @@ HOP_BY_HOP = frozenset(h.lower() for h in (
 RETRY_STATUSES = frozenset({429, 503})
 RETRY_REASONS = frozenset({"refused", "connect_timeout", "reset"})  # failures before the engine accepted it
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+# The engines' administration (vLLM's and Shoal's): the operator's adapter-sync sidecar calls them on localhost;
+# no gateway forwards them from clients.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_lora_adapter",
+                         "/unload_lora_adapter", "/v1/lora_adapters", "/reset_prefix_cache", "/sleep", "/wake_up",
+                         "/collective_rpc", "/start_profile", "/stop_profile", "/scale_elastic_ep",
+                         "/update_weights", "/pause", "/resume"})
 # The shared gateway proxies only these (each names its model); engine administration (loading adapters, ...)
 # is never reachable through the platform's entry point.
 SHARED_PATHS = (*ROUTED_PATHS, "/tokenize", "/detokenize")
@@ -321,8 +327,11 @@ class Gateway:
         the engine when it was sent (Ticket.share < 0: a trickle next to a flood) ranks ahead by as much, so the
         engine starts it before the flood's remaining prefill (scheduler.py). Every other request ranks 0: they
         keep their arrival order among themselves (one tenant alone is always at its share)."""
-        if not pool.engine_priority or not isinstance(parsed, dict):
+        if not isinstance(parsed, dict):
             return body
+        if not pool.engine_priority:  # a client never sets its own rank, whatever the engines' policy
+            return json.dumps({k: v for k, v in parsed.items() if k != "priority"}).encode() \
+                if "priority" in parsed else body
         rank = -ticket.priority * ENGINE_PRIORITY_SPAN + max(-(ENGINE_PRIORITY_SPAN // 2), min(ticket.share, 0))
         return json.dumps({**parsed, "priority": rank}).encode()
 
@@ -359,7 +368,7 @@ class Gateway:
         caller = self._authenticate(request)
         if caller is None:
             return self._unauthenticated()
-        if self.pools.shared and request.path not in SHARED_PATHS:
+        if request.path in ADMIN_PATHS or (self.pools.shared and request.path not in SHARED_PATHS):
             return await self.not_found(request)
         if self.pending >= self.config.max_pending:
             self.metrics.rejected.labels("too_many_pending").inc()
@@ -492,13 +501,17 @@ class Gateway:
             if k.lower() not in HOP_BY_HOP or k.lower() == "content-length":
                 out.headers.add(k, v)
         try:
-            await out.prepare(request)
+            await _to_client(out.prepare(request))
             loop = asyncio.get_running_loop()
             async with asyncio.timeout(self.config.read_timeout) as silence:
                 while chunk := await upstream.content.readany():
-                    await out.write(chunk)
+                    await _to_client(out.write(chunk))
                     silence.reschedule(loop.time() + self.config.read_timeout)
-            await out.write_eof()
+            await _to_client(out.write_eof())
+        except ClientGone:
+            # the client went away while we wrote to it: the engine did nothing wrong (no circuit strike, no
+            # retry); closing the upstream below aborts the request there
+            code = "client_closed"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             # The engine failed mid-answer: bytes already reached the client, so no retry; cut the connection
             # so the client sees an incomplete response rather than a silently truncated one.
@@ -554,6 +567,19 @@ class Gateway:
     async def not_found(self, request: web.Request) -> web.Response:
         return error_response(404, f"no route {request.method} {request.path} on the gateway",
                               "invalid_request_error", "not_found")
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected (never the engine's failure)."""
+
+
+async def _to_client(write) -> None:
+    """A write toward the client; its connection errors (aiohttp's ClientConnectionResetError is both a
+    ClientError and a ConnectionResetError, so it would pass for the engine's) become ClientGone."""
+    try:
+        await write
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+        raise ClientGone() from e
 
 
 def build_metrics_app(gateway: Gateway) -> web.Application:

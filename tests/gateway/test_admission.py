@@ -443,7 +443,10 @@ def test_engine_priority_ranks_the_model_then_the_tenants_excess_over_its_fair_s
     gw = Gateway(GatewayConfig())
     pool, ticket = gw.pools.pool, Ticket(priority=2)
     body = json.dumps({"model": "m", "priority": 9}).encode()
-    assert gw.engine_body(pool, ticket, body, json.loads(body)) == body  # fcfs engines get the client's body
+    # fcfs engines get the client's body, less a priority of its own (one it could promote itself with)
+    assert json.loads(gw.engine_body(pool, ticket, body, json.loads(body))) == {"model": "m"}
+    plain = json.dumps({"model": "m"}).encode()
+    assert gw.engine_body(pool, ticket, plain, json.loads(plain)) is plain
     pool.engine_priority = True
 
     def rank(t: Ticket) -> int:

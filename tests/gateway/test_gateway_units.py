@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -527,3 +528,80 @@ def test_a_tenant_header_is_believed_only_from_the_trusted_proxies():
     for untrusted in (request("10.2.0.1"), request("10.1.2.3", None), request("garbage")):
         assert shared.identify(untrusted) is None  # 401: the shared gateway authorizes by it
     assert per_service.identify(request("10.2.0.1")) == Caller("default", None)  # ignored: the default tenant
+
+
+async def test_the_per_service_gateway_keeps_engine_administration_and_priority_from_clients():
+    seen: list[dict] = []
+    app = stand_in_engine(seen=seen)
+    loaded: list[str] = []
+
+    async def load(request):
+        loaded.append(request.path)
+        return web.json_response({})
+
+    app.router.add_post("/v1/load_lora_adapter", load)
+    app.router.add_post("/v1/unload_lora_adapter", load)
+    engine = TestServer(app)
+    await engine.start_server()
+    gw, client = await gateway_client(GatewayConfig(), [str(engine.make_url("")).rstrip("/")])
+    try:
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            r = await client.post(path, json={"lora_name": "x", "lora_path": "/etc"})
+            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+        assert not loaded
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "a", "priority": -1000})
+        assert r.status == 200 and seen[-1]["body"] == {"model": "m", "prompt": "a"}
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.close()
+
+
+async def test_a_client_that_disconnects_mid_answer_is_not_the_engines_failure():
+    streamed = asyncio.Event()
+
+    async def stream(request):
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for _ in range(500):
+            await out.write(b"data: " + b"x" * 4096 + b"\n\n")
+            streamed.set()
+            await asyncio.sleep(0.005)
+        return out
+
+    app = stand_in_engine()
+    app.router.add_post("/v1/chat/completions", stream)
+    engine = TestServer(app)
+    await engine.start_server()
+    # Without handler cancellation the gateway keeps writing after the client is gone and the write fails: with
+    # it (shoal-gateway's setting) the same happens when the write comes before the cancellation is delivered.
+    gw = Gateway(GatewayConfig(health=HealthPolicy(circuit_failures=1)))
+    gw.backends.replace([str(engine.make_url("")).rstrip("/")])
+    await gw.start()
+    runner = web.AppRunner(build_app(gw), handler_cancellation=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server = SimpleNamespace(host="127.0.0.1", port=site._server.sockets[0].getsockname()[1], close=runner.cleanup)
+    try:
+        (backend,) = gw.backends.all()
+        for i in range(3):
+            streamed.clear()
+            reader, writer = await asyncio.open_connection(server.host, server.port)
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            await writer.drain()
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            await streamed.wait()
+            writer.transport.abort()  # gone mid-answer
+            deadline = time.monotonic() + 10
+            while gw.metrics.requests.labels(backend.url, "client_closed")._value.get() < i + 1:
+                assert time.monotonic() < deadline, "the gateway never noticed the client was gone"
+                await asyncio.sleep(0.01)
+            assert backend.failures == 0 and gw.metrics.requests.labels(backend.url, "broken")._value.get() == 0
+        assert gw.backends.eligible() == [backend]  # no circuit opened
+    finally:
+        await server.close()
+        await gw.stop()
+        await engine.close()

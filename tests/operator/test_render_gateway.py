@@ -209,3 +209,14 @@ def test_the_gateways_metrics_listener_is_left_out_of_a_mesh():
         k[("Service", "llm")]["spec"]["ports"]
     plain = kids({"gateway": {"enabled": False}})
     assert [p["name"] for p in plain[("Service", "llm")]["spec"]["ports"]] == ["http"]
+
+
+def test_engines_that_schedule_by_priority_get_the_gateways_priority_never_a_clients():
+    from shoal.operator.gateway.cli import build_parser
+
+    def gateway_args(spec):
+        return kids(spec)[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert "--engine-priority" not in gateway_args(None)
+    args = gateway_args({"engine": {"schedulingPolicy": "priority"}})
+    assert build_parser().parse_args(args).engine_priority
