@@ -17,6 +17,7 @@ from shoal.operator.gateway.backends import HealthPolicy
 from shoal.operator.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
 from shoal.operator.gateway.metric_names import RUNTIMES
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
+from shoal.operator.gateway.quotas import QuotaPolicy
 from shoal.operator.gateway.routing import ROUTINGS
 from shoal.operator.gateway.tenants import EngineKeys, TenantKeys, parse_networks
 
@@ -138,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     adm.add_argument("--engine-keys", metavar="DIR",
                      help="shared gateway: the engines' API keys, one file per InferenceService named "
                           "<namespace>.<name>, sent to its engines instead of the client's key")
+    q = p.add_argument_group("per-tenant quotas (0: none); past one, 429 with Retry-After and x-ratelimit-* headers")
+    q.add_argument("--tenant-requests-per-minute", type=non_negative_int, default=0, metavar="N")
+    q.add_argument("--tenant-tokens-per-minute", type=non_negative_int, default=0, metavar="N",
+                   help="tokens estimated per request: prompt characters / 4 + max_tokens")
+    q.add_argument("--tenant-max-concurrent", type=non_negative_int, default=0, metavar="N",
+                   help="a tenant's requests inside the gateway at once (waiting or running)")
     adm.add_argument("--models-interval", type=positive(float), default=d.models_interval,
                      help="shared gateway: seconds between polls of each service's /v1/models (adapters loaded at "
                           "run time) (default %(default)s)")
@@ -244,7 +251,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tenant_header=args.tenant_header, trusted_proxies=parse_networks(args.trusted_proxies),
         tenant_keys=TenantKeys(args.tenant_keys) if args.tenant_keys else None,
         engine_keys=EngineKeys(args.engine_keys) if args.engine_keys else None,
-        models_interval=args.models_interval, engine_priority=args.engine_priority)
+        models_interval=args.models_interval, engine_priority=args.engine_priority,
+        quotas=QuotaPolicy(args.tenant_requests_per_minute, args.tenant_tokens_per_minute,
+                           args.tenant_max_concurrent))
 
 
 def own_namespace() -> str | None:

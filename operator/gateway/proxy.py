@@ -31,6 +31,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ from shoal.operator.gateway.metrics import GatewayMetrics
 from shoal.operator.gateway.poller import Poller
 from shoal.operator.gateway.pool import Pool, Unavailable
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
+from shoal.operator.gateway.quotas import OverQuota, QuotaPolicy, Quotas, Shares, share_cap
 from shoal.operator.gateway.routing import Pick, PrefixIndex, make_router
 from shoal.operator.gateway.tenants import LOOPBACK, Caller, EngineKeys, Network, Tenancy, TenantKeys
 
@@ -73,6 +75,7 @@ ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/l
 # is never reachable through the platform's entry point.
 SHARED_PATHS = (*ROUTED_PATHS, "/tokenize", "/detokenize")
 KEY_HEADERS = ("authorization", "x-api-key")
+ENGINE_DEFAULT_MAX_NUM_SEQS = 256  # Shoal's and vLLM's --max-num-seqs default
 ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span - how far the tenant is below its fair share
 
 
@@ -108,6 +111,7 @@ class GatewayConfig:
     engine_keys: EngineKeys | None = None  # the engines' keys per InferenceService (the shared gateway)
     models_interval: float = 10.0  # the shared gateway polls each service's /v1/models this often
     engine_priority: bool = False  # the engines run --scheduling-policy priority (the shared gateway: per spec)
+    quotas: QuotaPolicy = field(default_factory=QuotaPolicy)  # per tenant (quotas.py)
 
 
 def parse_body(path: str, body: bytes) -> Any:
@@ -169,6 +173,10 @@ class Gateway:
         self.tenancy = Tenancy(config.tenant_keys, config.tenant_header, config.trusted_proxies,
                                header_required=shared)
         self.metrics = GatewayMetrics(self)
+        # tenants told apart: each gets its share of every global limit (quotas.py)
+        self.per_tenant = self.tenancy.authenticates or config.tenant_header is not None
+        self.quotas = Quotas(config.quotas)
+        self.pending_shares, self.buffer_shares = Shares(), Shares()
         self.pending = 0
         self.buffered = 0  # bytes of request bodies reserved by the requests inside
         self.draining = False
@@ -225,7 +233,9 @@ class Gateway:
         pool.priority = view.priority
         pool.model_priorities = dict(view.adapter_priorities)
         pool.engine_priority = view.engine_priority or c.engine_priority
-        pool.max_inflight = view.max_inflight or c.max_inflight  # engine.maxNumSeqs, else the gateway's flag
+        # engine.maxNumSeqs, else the gateway's flag, else the engines' default: fair queuing is always on, the
+        # gateway's queue taking over where an engine would start queueing first come, first served
+        pool.max_inflight = view.max_inflight or c.max_inflight or ENGINE_DEFAULT_MAX_NUM_SEQS
         pool.hold_timeout = (c.hold_timeout or view.hold_timeout) if view.hold_timeout else 0.0
         if view.hold_timeout and pool not in self._wakers:
             from shoal.operator.gateway.wake import Waker
@@ -266,6 +276,12 @@ class Gateway:
         """The waiting room is bounded (all pools together): past `max_queued`, the newest request of the lowest
         priority below this one's is shed to make room, or — none lower — this one is refused."""
         pools = self.pools.all()
+        if self.per_tenant:
+            mine = sum(p.queue.tenants.get(ticket.tenant, 0) for p in pools)
+            others = len({t for p in pools for t in p.queue.tenants} - {ticket.tenant})
+            if mine + 1 > share_cap(self.config.max_queued, others):
+                raise Shed("tenant_queue_full", f"{mine} of your requests are waiting for an engine slot: your "
+                                                "share of the waiting room")
         if sum(len(p.queue) for p in pools) < self.config.max_queued:
             return
         victims = [(v.priority, -v.seq, v, p) for p in pools if (v := p.queue.victim(ticket.priority)) is not None]
@@ -370,27 +386,36 @@ class Gateway:
             return self._unauthenticated()
         if request.path in ADMIN_PATHS or (self.pools.shared and request.path not in SHARED_PATHS):
             return await self.not_found(request)
-        if self.pending >= self.config.max_pending:
-            self.metrics.rejected.labels("too_many_pending").inc()
-            return error_response(429, f"the gateway has {self.pending} requests pending; retry later",
-                                  "rate_limit_error", "too_many_pending",
-                                  {"Retry-After": str(self.config.retry_after)})
+        c, tenant = self.config, caller.tenant
+        if self.pending >= c.max_pending or \
+                (self.per_tenant and not self.pending_shares.admits(tenant, 1, c.max_pending)):
+            reason = "too_many_pending" if self.pending >= c.max_pending else "tenant_pending"
+            self.metrics.rejected.labels(reason).inc()
+            return error_response(429, f"the gateway has {self.pending} requests pending" + (
+                "" if reason == "too_many_pending" else ", your share of them") + "; retry later",
+                "rate_limit_error", reason, {"Retry-After": str(c.retry_after)})
         # a body of unknown length (chunked) may be as large as max_body_bytes: reserve that much
-        reserve = 0 if not request.can_read_body else min(request.content_length or self.config.max_body_bytes,
-                                                          self.config.max_body_bytes)
-        if self.buffered + reserve > self.config.max_buffered_bytes:
-            self.metrics.rejected.labels("too_much_buffered").inc()
-            return error_response(429, f"the gateway holds {self.buffered} bytes of request bodies; retry later",
-                                  "rate_limit_error", "too_much_buffered",
-                                  {"Retry-After": str(self.config.retry_after)})
+        reserve = 0 if not request.can_read_body else min(request.content_length or c.max_body_bytes,
+                                                          c.max_body_bytes)
+        if self.buffered + reserve > c.max_buffered_bytes or \
+                (self.per_tenant and not self.buffer_shares.admits(tenant, reserve, c.max_buffered_bytes)):
+            reason = "too_much_buffered" if self.buffered + reserve > c.max_buffered_bytes else "tenant_buffered"
+            self.metrics.rejected.labels(reason).inc()
+            return error_response(429, f"the gateway holds {self.buffered} bytes of request bodies" + (
+                "" if reason == "too_much_buffered" else ", your share of them") + "; retry later",
+                "rate_limit_error", reason, {"Retry-After": str(c.retry_after)})
         self.pending += 1
         self.buffered += reserve
+        self.pending_shares.take(tenant, 1)
+        self.buffer_shares.take(tenant, reserve)
         self.metrics.pending.inc()
         try:
             return await self._forward(request, caller)
         finally:
             self.pending -= 1
             self.buffered -= reserve
+            self.pending_shares.give(tenant, 1)
+            self.buffer_shares.give(tenant, reserve)
             self.metrics.pending.dec()
 
     def _unavailable(self) -> web.Response:
@@ -422,8 +447,25 @@ class Gateway:
                 return error_response(400, "`model` is required: this endpoint serves several models",
                                       "invalid_request_error", "model_required", param="model")
             return model_not_found(model)
-        ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant, cost=request_cost(len(body), parsed), model=model,
-                        hashes=self.prompt_hashes(request.path, parsed, model, pool))
+        ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant, cost=request_cost(len(body), parsed),
+                        model=model, hashes=self.prompt_hashes(request.path, parsed, model, pool))
+        if not self.quotas.policy.on:
+            return await self._dispatch(request, pool, ticket, body, parsed, {})
+        try:
+            limits = self.quotas.admit(caller.tenant, ticket.cost)
+        except OverQuota as e:
+            self.metrics.rejected.labels(e.reason).inc()
+            return error_response(429, str(e), "rate_limit_error", e.reason, {
+                **e.headers, "Retry-After": str(max(1, math.ceil(e.retry_after))),
+                "retry-after-ms": str(math.ceil(e.retry_after * 1000))})
+        try:
+            return await self._dispatch(request, pool, ticket, body, parsed, limits)
+        finally:
+            self.quotas.release(caller.tenant)
+
+    async def _dispatch(self, request: web.Request, pool: Pool, ticket: Ticket, body: bytes, parsed: Any,
+                        limits: dict[str, str]) -> web.StreamResponse:
+        model = ticket.model
         try:
             backend = await pool.admit(ticket, self.enqueue)
         except Unavailable:
@@ -456,7 +498,7 @@ class Gateway:
                     self.metrics.retries.labels(f"status_{upstream.status}").inc()
                     upstream.release()
                     continue
-                return await self._relay(request, backend, upstream)
+                return await self._relay(request, backend, upstream, limits)
             finally:
                 pool.release(backend, ticket)
                 backend = retry  # type: ignore[assignment]
@@ -492,7 +534,8 @@ class Gateway:
                     reason)
         return reason
 
-    async def _relay(self, request: web.Request, backend: Backend, upstream: aiohttp.ClientResponse):
+    async def _relay(self, request: web.Request, backend: Backend, upstream: aiohttp.ClientResponse,
+                     limits: dict[str, str]):
         if upstream.status < 500:
             backend.on_success()
         code = str(upstream.status)
@@ -500,6 +543,7 @@ class Gateway:
         for k, v in upstream.headers.items():
             if k.lower() not in HOP_BY_HOP or k.lower() == "content-length":
                 out.headers.add(k, v)
+        out.headers.update(limits)  # the tenant's quotas, as OpenAI reports them
         try:
             await _to_client(out.prepare(request))
             loop = asyncio.get_running_loop()

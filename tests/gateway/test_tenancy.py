@@ -4,6 +4,8 @@ models and those of namespaces that grant it, on every route, and what it may no
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from shoal.operator.gateway.fleet import GRANT_ANNOTATION
@@ -103,6 +105,97 @@ async def test_a_name_belongs_to_its_namespace_and_only_grants_share_it(tmp_path
                 "data"]} == {"chat", "sql"}
             assert not b_embed.seen[1:] and not c_embed.seen
             assert len(engines["evil"].seen) == 2  # team-b's own request and team-c's granted one, nothing else
+        finally:
+            await client.close()
+            await gw.stop()
+
+
+async def test_a_flooding_tenant_gets_only_its_share_of_the_waiting_room_and_of_the_body_budget(tmp_path):
+    async with Engine("big") as big, Engine("small") as small:
+        config = GatewayConfig(tenant_keys=keys(tmp_path), max_queued=8, max_buffered_bytes=4 * 40_000,
+                               max_body_bytes=40_000)
+        gw, client = await shared(config, [], {})
+        gw.pools.reset([service("team-a", "big", "big"), service("team-b", "small", "small")])
+        for pool in gw.pools.all():  # one engine slot each: everything else waits in the gateway
+            pool.max_inflight = 1
+        gw.pools.slices_reset([endpoint_slice("big-engines", big.url, namespace="team-a"),
+                               endpoint_slice("small-engines", small.url, namespace="team-b")])
+        await until(lambda: all(p.backends.eligible() for p in gw.pools.all()))
+        try:
+            def send(key: str, model: str, prompt: str = "p"):
+                return asyncio.create_task(client.post("/v1/completions", json={"model": model, "prompt": prompt},
+                                                       headers=auth(key)))
+
+            flood = [send("sk-a", "big") for _ in range(12)]
+            # one runs; a tenant alone may hold half of the waiting room (4 of 8); the rest is refused at once
+            await until(lambda: sum(t.done() for t in flood) == 7 and len(big.seen) == 1)
+            refused = [t.result() for t in flood if t.done()]
+            flood = [t for t in flood if not t.done()]
+            assert {r.status for r in refused} == {429}
+            assert {(await r.json())["error"]["code"] for r in refused} == {"tenant_queue_full"}
+            assert len(gw.pools.resolve("big", "team-a").queue) == 4
+            # team-b's requests still find room: one runs, the next waits its turn
+            cold = [send("sk-b", "small") for _ in range(2)]
+            await until(lambda: len(small.seen) == 1 and len(gw.pools.resolve("small", "team-b").queue) == 1)
+            small.release(0)
+            await until(lambda: len(small.seen) == 2)
+            small.release(1)
+            assert [(await t).status for t in cold] == [200, 200]
+            for i in range(5):
+                big.release(i)
+                await until(lambda: len(big.seen) == min(i + 2, 5))
+            assert [(await t).status for t in flood] == [200] * 5
+            # the body budget: four 40 kB bodies would take all of it; team-a gets half while alone
+            bodies = [send("sk-a", "big", "x" * 39_000) for _ in range(3)]
+            await until(lambda: len(big.seen) == 6 and sum(t.done() for t in bodies) == 1)
+            (third,) = [t.result() for t in bodies if t.done()]
+            bodies = [t for t in bodies if not t.done()]
+            assert third.status == 429 and (await third.json())["error"]["code"] == "tenant_buffered"
+            other = send("sk-b", "small", "y" * 39_000)  # another tenant's large body still fits
+            await until(lambda: len(small.seen) == 3)
+            small.release(2)
+            assert (await other).status == 200
+            big.release(5)
+            await until(lambda: len(big.seen) == 7)
+            big.release(6)
+            assert [(await t).status for t in bodies] == [200, 200]
+        finally:
+            await client.close()
+            await gw.stop()
+
+
+async def test_per_tenant_quotas_answer_429_with_retry_after_and_the_openai_rate_limit_headers(tmp_path):
+    from shoal.operator.gateway.quotas import QuotaPolicy
+
+    async with Engine("a", served="chat", hold=False) as engine:
+        config = GatewayConfig(tenant_keys=keys(tmp_path),
+                               quotas=QuotaPolicy(requests_per_minute=2, tokens_per_minute=3000))
+        gw, client = await shared(config, [], {})
+        gw.pools.reset([service("team-a", "chat", "chat", grants="*")])
+        gw.pools.slices_reset([endpoint_slice("chat-engines", engine.url, namespace="team-a")])
+        await until(lambda: all(p.backends.eligible() for p in gw.pools.all()))
+        # fair queuing is on without engine.maxNumSeqs: the gateway queues where the engine's default would
+        assert [p.max_inflight for p in gw.pools.all()] == [256]
+        try:
+            async def ask(key: str, max_tokens: int = 10):
+                return await client.post("/v1/completions", json={"model": "chat", "prompt": "x",
+                                                                  "max_tokens": max_tokens}, headers=auth(key))
+
+            r = await ask("sk-a")
+            assert r.status == 200 and r.headers["x-ratelimit-limit-requests"] == "2"
+            assert r.headers["x-ratelimit-remaining-requests"] == "1" and r.headers["x-ratelimit-limit-tokens"] == "3000"
+            assert int(r.headers["x-ratelimit-remaining-tokens"]) < 3000
+            r = await ask("sk-a", max_tokens=5000)  # more than the whole minute's tokens: waits for a full bucket
+            assert r.status == 429 and (await r.json())["error"]["code"] == "tenant_tokens_per_minute"
+            assert int(r.headers["Retry-After"]) >= 1 and int(r.headers["retry-after-ms"]) > 0
+            assert (await ask("sk-a")).status == 200
+            r = await ask("sk-a")
+            assert r.status == 429 and (await r.json())["error"]["code"] == "tenant_requests_per_minute"
+            assert r.headers["x-ratelimit-remaining-requests"] == "0" and r.headers["x-ratelimit-reset-requests"]
+            assert 1 <= int(r.headers["Retry-After"]) <= 30
+            # another tenant's quota is its own
+            assert (await ask("sk-c")).status == 200
+            assert len(engine.seen) == 3
         finally:
             await client.close()
             await gw.stop()
