@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "lowest priority below the newcomer's is shed with 429 (default %(default)s)")
     adm.add_argument("--queue-timeout", type=positive(float), default=d.queue_timeout,
                      help="seconds a request waits for a slot before 429 (default %(default)s)")
+    adm.add_argument("--max-priority", type=int, default=0, metavar="N",
+                     help="shared gateway: the highest spec.priority (and adapters' priority) it honours for a "
+                          "namespace without --namespace-max-priority; higher is clamped, reported as a "
+                          "PriorityClamped event on the InferenceService (default %(default)s)")
+    adm.add_argument("--namespace-max-priority", action="append", default=[], metavar="NAMESPACE=N",
+                     help="shared gateway: the highest priority this namespace may use (repeatable)")
     adm.add_argument("--engine-priority", action="store_true",
                      help="the engines run --scheduling-policy priority: send each request an engine priority (the "
                           "model's priority, then the tenant's requests already at that engine, fewest first). The "
@@ -234,7 +240,17 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if args.max_buffered_bytes < args.max_body_bytes:
         raise ValueError(f"--max-buffered-bytes ({args.max_buffered_bytes}) must be at least --max-body-bytes "
                          f"({args.max_body_bytes}), or the largest body could never be admitted")
+    bounds = {}
+    for item in args.namespace_max_priority:
+        namespace, _, value = item.partition("=")
+        try:
+            bounds[namespace.strip()] = int(value)
+        except ValueError:
+            raise ValueError(f"--namespace-max-priority: {item!r} is not NAMESPACE=N") from None
+        if not namespace.strip():
+            raise ValueError(f"--namespace-max-priority: {item!r} is not NAMESPACE=N")
     return GatewayConfig(
+        max_priority=args.max_priority, namespace_max_priority=bounds,
         runtime=args.runtime,
         routing=args.routing, block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,

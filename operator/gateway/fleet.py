@@ -33,7 +33,9 @@ import asyncio
 import datetime
 import logging
 import time
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
+from urllib.parse import quote
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -99,6 +101,8 @@ class ServiceView:
     adapter_priorities: tuple[tuple[str, int], ...] = ()  # (name, priority) of adapters with their own
     created: str = ""
     grants: frozenset[str] = frozenset()  # tenant namespaces besides its own that may use it ("*": all)
+    uid: str = ""
+    asked_priority: int = 0  # spec.priority before the platform's bound (clamped())
 
     def usable_by(self, namespace: str | None) -> bool:
         """May a caller of `namespace` use this service? None: the gateway authenticates nobody (one tenant)."""
@@ -136,7 +140,16 @@ class ServiceView:
             max_inflight=_int(engine.get("maxNumSeqs"), 0),
             engine_priority=engine.get("schedulingPolicy") == "priority",
             adapters=adapters, adapter_priorities=adapter_priorities, created=meta.get("creationTimestamp") or "",
-            grants=grants_of(meta))
+            grants=grants_of(meta), uid=meta.get("uid") or "")
+
+    def clamped(self, bound: int | None) -> "ServiceView":
+        """The view with its priorities (the service's and its adapters') at most `bound` (None: unbounded)."""
+        if bound is None:
+            return self
+        return replace(self, asked_priority=self.priority, priority=min(self.priority, bound),
+                       adapter_priorities=tuple((a, min(p, bound)) for a, p in self.adapter_priorities))
+
+
 
 
 def _epoch(stamp: str) -> int:
@@ -152,7 +165,7 @@ class Fleet:
     shared = True
 
     def __init__(self, gateway: "Gateway", namespace: str | None, api: KubeAPI | None = None,
-                 models_interval: float = 10.0):
+                 models_interval: float = 10.0, priority_bound=lambda namespace: None):
         self.gateway = gateway
         self.namespace = namespace  # None: every namespace
         self.api = api
@@ -165,6 +178,8 @@ class Fleet:
         self._index: dict[str, dict[str, list[Pool]]] | None = None
         self._conflicts: set[tuple[str, str]] = set()
         self.tasks: list[asyncio.Task] = []
+        self.priority_bound = priority_bound  # namespace -> the highest priority the platform allows it, or None
+        self.reported: set[tuple] = set()  # clamps already reported as Events
 
     # ---- the index -------------------------------------------------------------------------------------------
     def _names(self, key: tuple[str, str]) -> list[tuple[str, bool]]:
@@ -271,6 +286,7 @@ class Fleet:
         if obj.get("metadata", {}).get("deletionTimestamp"):
             self.remove(view.key)
             return
+        view = self._bounded(view, obj)
         old = self.views.get(view.key)
         if old == view:
             return
@@ -287,6 +303,41 @@ class Fleet:
         if old is None or old.engine_service != view.engine_service:
             self._publish(view)
         self._changed()
+
+    def _bounded(self, view: ServiceView, obj: dict) -> ServiceView:
+        """spec.priority (and the adapters') capped by what the platform allows the namespace; a cap is reported
+        once as a Warning Event on the InferenceService (`PriorityClamped`) and logged."""
+        bound = self.priority_bound(view.namespace)
+        asked = max([view.priority, *(p for _, p in view.adapter_priorities)])
+        view = view.clamped(bound)
+        if bound is not None and asked > bound and (view.key, view.uid, asked, bound) not in self.reported:
+            self.reported.add((view.key, view.uid, asked, bound))
+            message = (f"priority {asked} exceeds the highest namespace {view.namespace} may use ({bound}): the "
+                       f"shared gateway ranks its requests at {bound}")
+            log.warning("%s/%s: %s", *view.key, message)
+            if self.gateway.session is not None and self.api is not None:
+                task = asyncio.get_running_loop().create_task(self._event(view, "PriorityClamped", message))
+                self.tasks.append(task)
+                task.add_done_callback(lambda t: t in self.tasks and self.tasks.remove(t))
+        return view
+
+    async def _event(self, view: ServiceView, reason: str, message: str) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+        body = {"apiVersion": "v1", "kind": "Event",
+                "metadata": {"generateName": f"{view.name}.", "namespace": view.namespace},
+                "involvedObject": {"apiVersion": ISVC_GROUP_VERSION, "kind": "InferenceService",
+                                   "namespace": view.namespace, "name": view.name, "uid": view.uid},
+                "reason": reason, "message": message, "type": "Warning", "count": 1,
+                "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "shoal-gateway"}}
+        url = f"{self.api.server}/api/v1/namespaces/{quote(view.namespace)}/events"
+        try:
+            async with self.gateway.session.post(url, data=json.dumps(body), ssl=self.api.ssl_context,
+                                                 headers={**self.api.headers(), "Content-Type": "application/json"},
+                                                 timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status >= 300:
+                    log.warning("cannot record the %s event of %s/%s: HTTP %d", reason, *view.key, r.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("cannot record the %s event of %s/%s: %r", reason, *view.key, e)
 
     def remove(self, key: tuple[str, str]) -> None:
         self.views.pop(key, None)

@@ -112,6 +112,9 @@ class GatewayConfig:
     models_interval: float = 10.0  # the shared gateway polls each service's /v1/models this often
     engine_priority: bool = False  # the engines run --scheduling-policy priority (the shared gateway: per spec)
     quotas: QuotaPolicy = field(default_factory=QuotaPolicy)  # per tenant (quotas.py)
+    # The highest spec.priority the shared gateway honours, per namespace (else max_priority; None: unbounded)
+    max_priority: int | None = None
+    namespace_max_priority: dict[str, int] = field(default_factory=dict)
 
 
 def parse_body(path: str, body: bytes) -> Any:
@@ -190,7 +193,8 @@ class Gateway:
 
             # one prefix index for every model: the memory bound stays index_size hashes, whatever the fleet
             self.prefix_index = PrefixIndex(config.index_size)
-            self.pools = Fleet(self, namespace, kube_api, config.models_interval)
+            self.pools = Fleet(self, namespace, kube_api, config.models_interval,
+                               lambda ns: config.namespace_max_priority.get(ns, config.max_priority))
         else:
             self.prefix_index = None
             pool = self._new_pool(backends or BackendSet(config.health), config.hold_timeout, config.max_inflight)

@@ -14,7 +14,9 @@ from chartkit import CHART_DIR, NAMESPACE, by_kind, kube_validate, pretty, rende
 
 SHARED = {"sharedGateway": {"enabled": True, "tenantKeysSecret": "tenants", "engineKeysSecret": "engine-keys",
                             "tenantHeader": "x-gateway-inference-fairness-id", "trustedProxies": ["10.8.0.0/16"],
-                            "maxInflightPerEngine": 8}}
+                            "maxInflightPerEngine": 8, "namespaceMaxPriority": {"prod": 100},
+                            "tenantQuotas": {"requestsPerMinute": 600, "tokensPerMinute": 100000,
+                                             "maxConcurrent": 16}}}
 ONE_NAMESPACE = {"sharedGateway": {"enabled": True, "namespace": "models", "service": {"type": "LoadBalancer"},
                                    "tenantKeysSecret": "tenants"}}
 
@@ -42,7 +44,8 @@ def test_the_shared_gateway_renders_valid_least_privilege_objects(values):
     # it reads InferenceServices and EndpointSlices; waking a service is granted per service by the operator
     assert role["rules"] == [
         {"apiGroups": ["serving.shoal.dev"], "resources": ["inferenceservices"], "verbs": ["list", "watch"]},
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     if values is ONE_NAMESPACE:
         assert role["metadata"]["namespace"] == "models"
     (dep,) = by_kind(objects, "Deployment")
@@ -73,6 +76,11 @@ def test_tenant_and_engine_keys_are_mounted_secrets_and_the_arguments_parse():
     args = cli.build_parser().parse_args(c["args"])
     assert cli.shared_mode(args) and args.all_namespaces and args.max_inflight_per_engine == 8
     assert args.tenant_header == "x-gateway-inference-fairness-id"
+    config = cli.config_from_args(cli.build_parser().parse_args(
+        [a for a in c["args"] if not a.startswith(("--tenant-keys", "--engine-keys"))]))  # no Secret mounted here
+    assert config.max_priority == 0 and config.namespace_max_priority == {"prod": 100}  # bounded by default
+    assert (config.quotas.requests_per_minute, config.quotas.tokens_per_minute, config.quotas.max_concurrent) == (
+        600, 100000, 16)
 
 
 def test_the_operator_accepts_the_shared_gateway_flag(tmp_path):

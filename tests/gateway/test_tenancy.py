@@ -199,3 +199,48 @@ async def test_per_tenant_quotas_answer_429_with_retry_after_and_the_openai_rate
         finally:
             await client.close()
             await gw.stop()
+
+
+async def test_priorities_are_bounded_by_what_the_platform_allows_each_namespace_and_a_clamp_is_an_event():
+    from shoal.operator.gateway.discovery import KubeAPI
+
+    events: list[dict] = []
+
+    async def record(request: web.Request) -> web.Response:
+        events.append({**await request.json(), "path": request.path})
+        return web.json_response({}, status=201)
+
+    app = web.Application()
+    app.router.add_post("/api/v1/namespaces/{ns}/events", record)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    api = KubeAPI(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    config = GatewayConfig(max_priority=0, namespace_max_priority={"team-a": 5})
+    gw, client = await shared(config, [], {}, api=api)
+    try:
+        a = isvc("chat", "chat", namespace="team-a", priority=9)
+        b = isvc("batch", "batch", namespace="team-b", priority=7, adapters=[("urgent", 1000), "plain"])
+        low = isvc("low", "low", namespace="team-b", priority=-3)
+        for obj, uid in ((a, "u-a"), (b, "u-b"), (low, "u-low")):
+            obj["metadata"]["uid"] = uid
+        gw.pools.reset([a, b, low])
+        pools = {p.name: p for p in gw.pools.all()}
+        assert pools["chat"].priority == 5  # team-a may use up to 5
+        assert pools["batch"].priority == 0 and pools["batch"].priority_of("urgent") == 0
+        assert pools["low"].priority == -3  # lowering oneself is always allowed
+        await until(lambda: len(events) == 2)
+        by_name = {e["involvedObject"]["name"]: e for e in events}
+        assert set(by_name) == {"chat", "batch"}
+        assert all(e["reason"] == "PriorityClamped" and e["type"] == "Warning" for e in events)
+        assert by_name["chat"]["involvedObject"]["uid"] == "u-a" and by_name["chat"]["path"].startswith(
+            "/api/v1/namespaces/team-a/")
+        assert "1000" in by_name["batch"]["message"] and "(0)" in by_name["batch"]["message"]
+        gw.pools.apply({**b, "metadata": {**b["metadata"], "resourceVersion": "2"}})  # the same spec: no new event
+        await asyncio.sleep(0.1)
+        assert len(events) == 2
+    finally:
+        await client.close()
+        await gw.stop()
+        await runner.cleanup()
