@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from shoal.engine.server.keys import KeySet
 from shoal.operator.gateway.backends import HealthPolicy
 from shoal.operator.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
 from shoal.operator.gateway.metric_names import RUNTIMES
@@ -157,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     auth = p.add_argument_group("authentication")
     auth.add_argument("--api-key", help="the engines' API key: requests without it get 401 from the gateway, before "
                                         "they are held or counted as load (also: $SHOAL_API_KEY, --api-key-file)")
-    auth.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file")
+    auth.add_argument("--api-key-file", metavar="PATH",
+                      help="accept every key in this file, one per line, re-read when it changes (a mounted Secret: "
+                           "list the new and the old key during a rotation)")
     rel = p.add_argument_group("reliability")
     rel.add_argument("--max-pending", type=positive(int), default=d.max_pending,
                      help="requests inside the gateway at once; more get 429 (default %(default)s)")
@@ -199,19 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_api_key(args: argparse.Namespace) -> str | None:
+def resolve_api_key(args: argparse.Namespace) -> "str | KeySet | None":
     """--api-key, else --api-key-file, else $SHOAL_API_KEY (what the operator sets from the Secret), as the engine."""
     if args.api_key:
         return args.api_key
     if args.api_key_file:
         try:
-            with open(args.api_key_file, encoding="utf-8") as f:
-                key = f.read().strip()
+            return KeySet.from_file(args.api_key_file)  # every line, re-read when the mounted Secret changes
         except OSError as e:
             raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e.strerror}") from None
-        if not key:
-            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
-        return key
+        except ValueError:
+            raise ValueError(f"--api-key-file: {args.api_key_file} is empty") from None
     return os.environ.get("SHOAL_API_KEY") or None
 
 

@@ -51,7 +51,9 @@ from shoal.operator.gateway.pool import Pool, Unavailable
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
 from shoal.operator.gateway.quotas import OverQuota, QuotaPolicy, Quotas, Shares, share_cap
 from shoal.operator.gateway.routing import Pick, PrefixIndex, make_router
-from shoal.operator.gateway.tenants import LOOPBACK, Caller, EngineKeys, Network, Tenancy, TenantKeys
+from shoal.engine.server.keys import KeySet
+from shoal.operator.gateway.tenants import (LOOPBACK, Caller, EngineKeys, Network, Tenancy, TenantKeys,
+                                            presented_key)
 
 log = logging.getLogger("shoal.gateway")
 
@@ -99,7 +101,7 @@ class GatewayConfig:
     poll_interval: float = 0.25
     poll_timeout: float = 1.0
     runtime: str = "shoal"  # the engines' runtime: which readiness path and metric names to read (metric_names.py)
-    api_key: str | None = None  # the engines' key: checked here first, so unauthenticated requests cost nothing
+    api_key: str | KeySet | None = None  # the engines' key(s): checked here first, so unauthenticated requests cost nothing
     health: HealthPolicy = field(default_factory=HealthPolicy)
     # Admission (pool.py, admission.py): slots per engine (0: no limit, the engines queue), and the waiting room.
     max_inflight: int = 0
@@ -145,11 +147,13 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
     return web.json_response(body, status=status, headers=headers)
 
 
-def authorized(request: web.Request, key: str) -> bool:
-    """The engine's rule (engine/server/app.py): `Authorization: Bearer <key>` or `X-API-Key: <key>`."""
-    given = request.headers.get("Authorization", "")
-    token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
-    return bool(token) and hmac.compare_digest(token.encode(), key.encode())
+def authorized(request: web.Request, keys: "str | KeySet") -> bool:
+    """The engine's rule (engine/server/app.py): `Authorization: Bearer <key>` or `X-API-Key: <key>`, against one
+    key or a KeySet (--api-key-file: every line, re-read when the mounted Secret changes)."""
+    token = presented_key(request)
+    if isinstance(keys, KeySet):
+        return keys.accepts(token)
+    return bool(token) and hmac.compare_digest(token.encode(), keys.encode())
 
 
 class StaticPools:
@@ -360,6 +364,12 @@ class Gateway:
         keys = self.config.engine_keys
         return keys.key_for(pool.namespace, pool.name) if keys is not None and pool.name else None
 
+    def other_engine_key(self, pool: Pool) -> str | None:
+        """The second key of a shared gateway's pool (the previous one during a rotation), if its Secret has one."""
+        keys = self.config.engine_keys
+        listed = keys.keys_for(pool.namespace, pool.name) if keys is not None and pool.name else []
+        return listed[1] if len(listed) > 1 else None
+
     def engine_headers(self, request: web.Request, pool: Pool) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         key = self.engine_key(pool) if self.pools.shared else None
@@ -488,6 +498,13 @@ class Gateway:
             retry: Backend | None = None
             try:
                 upstream = await self._send(pool, backend, request, headers, body)
+                if not isinstance(upstream, str) and upstream.status == 401 and \
+                        (other := self.other_engine_key(pool)) is not None:
+                    # a key rotation under way: the engine does not know the newest key yet (or no longer the
+                    # old one); the Secret lists both, so try the other once
+                    upstream.release()
+                    headers = {**headers, "Authorization": f"Bearer {other}"}
+                    upstream = await self._send(pool, backend, request, headers, body)
                 if upstream == "timeout":  # the engine may still be running it: never a second run elsewhere
                     self.metrics.requests.labels(backend.url, "504").inc()
                     return error_response(504, f"the engine did not answer within {self.config.response_timeout:g}"

@@ -139,11 +139,15 @@ class TenantKeys(KeyDirectory):
 
 class EngineKeys(KeyDirectory):
     """The engines' API keys the shared gateway sends on, one file per InferenceService named
-    `<namespace>.<name>` (the first line is the key)."""
+    `<namespace>.<name>`: the newest key first, during a rotation the previous one on the next line (the gateway
+    retries a 401 once with it, so engines that have not re-read their Secret yet keep answering)."""
+
+    def keys_for(self, namespace: str, name: str) -> list[str]:
+        self.maybe_reload()
+        return self.entries.get(f"{namespace}.{name}") or []
 
     def key_for(self, namespace: str, name: str) -> str | None:
-        self.maybe_reload()
-        lines = self.entries.get(f"{namespace}.{name}")
+        lines = self.keys_for(namespace, name)
         return lines[0] if lines else None
 
 

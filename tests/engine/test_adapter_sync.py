@@ -121,3 +121,13 @@ async def test_readiness_waits_for_the_first_list_and_workers_are_ready_at_once(
         async with TestClient(TestServer(application)) as client:
             assert (await client.get("/readyz")).status == status
             assert (await client.get("/livez")).status == 200
+
+
+def test_the_newest_key_of_a_rotated_secret_is_read_at_each_call(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("old\n")
+    monkeypatch.setenv("SHOAL_API_KEY_FILE", str(keys))
+    syncer = adapter_sync.Syncer(tmp_path / "adapters.json", "http://127.0.0.1:1", tmp_path / "state.json")
+    assert syncer._headers() == {"Authorization": "Bearer old"}
+    keys.write_text("\nnew\nold\n")  # the rollover: the newest first
+    assert syncer._headers() == {"Authorization": "Bearer new"}

@@ -244,3 +244,44 @@ async def test_priorities_are_bounded_by_what_the_platform_allows_each_namespace
         await client.close()
         await gw.stop()
         await runner.cleanup()
+
+
+async def test_during_a_rotation_the_shared_gateway_retries_a_401_once_with_the_engines_other_key(tmp_path):
+    from shoal.operator.gateway.tenants import EngineKeys
+
+    class KeyedEngine(Engine):
+        accepted = "old-key"
+
+        async def complete(self, request):
+            if request.headers.get("Authorization") != f"Bearer {self.accepted}":
+                self.seen.append({"auth": request.headers.get("Authorization"), "refused": True})
+                return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
+            return await super().complete(request)
+
+    (tmp_path / "engines").mkdir()
+    engine_keys = tmp_path / "engines" / "team-a.chat"
+    engine_keys.write_text("new-key\nold-key\n")  # rotation under way: the newest first
+    async with KeyedEngine("chat", served="chat", hold=False) as engine:
+        config = GatewayConfig(tenant_keys=keys(tmp_path), engine_keys=EngineKeys(str(tmp_path / "engines"), 0))
+        gw, client = await shared(config, [], {})
+        gw.pools.reset([service("team-a", "chat", "chat")])
+        gw.pools.slices_reset([endpoint_slice("chat-engines", engine.url, namespace="team-a")])
+        await until(lambda: all(p.backends.eligible() for p in gw.pools.all()))
+        try:
+            async def ask():
+                return await client.post("/v1/completions", json={"model": "chat", "prompt": "x"}, headers=auth("sk-a"))
+
+            r = await ask()  # the engine has not re-read its Secret yet: the old key, on the second try
+            assert r.status == 200 and [s["auth"] for s in engine.seen] == ["Bearer new-key", "Bearer old-key"]
+            (backend,) = gw.pools.all()[0].backends.all()
+            assert backend.failures == 0
+            engine.accepted = "new-key"  # it did
+            engine.seen.clear()
+            assert (await ask()).status == 200 and [s["auth"] for s in engine.seen] == ["Bearer new-key"]
+            engine_keys.write_text("new-key\n")  # the rotation is over
+            engine.accepted = "old-key"  # an engine that somehow kept the old key only: one try, 401 passed on
+            engine.seen.clear()
+            assert (await ask()).status == 401 and len(engine.seen) == 1
+        finally:
+            await client.close()
+            await gw.stop()

@@ -146,10 +146,15 @@ def test_scale_from_zero_makes_the_gateway_hold_requests_and_wake_the_autoscaler
 def test_the_gateway_checks_the_engines_api_key_itself():
     k = kids({"security": {"apiKeySecretRef": {"name": "llm-key", "key": "token"}},
               "autoscaling": {"minReplicas": 0, "maxReplicas": 2}})
-    (c,) = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"]
-    # from the Secret as an env var (never an argument), so unauthenticated requests never hold or wake anything
-    assert c["env"] == [{"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "token"}}}]
-    assert not any("llm-key" in a or "api-key" in a for a in c["args"])
+    pod = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    # the Secret mounted (never an argument nor an env var), re-read when it is rotated, so unauthenticated
+    # requests never hold or wake anything and a new key needs no restart
+    assert "env" not in c and not any("llm-key" in a or "token" in a for a in c["args"])
+    assert c["args"][c["args"].index("--api-key-file") + 1] == render.API_KEYS_FILE
+    assert c["volumeMounts"] == [{"name": "api-keys", "mountPath": render.API_KEYS_DIR, "readOnly": True}]
+    assert pod["volumes"] == [{"name": "api-keys", "secret": {"secretName": "llm-key",
+                                                              "items": [{"key": "token", "path": "keys"}]}}]
     assert "env" not in kids()[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
 
 
