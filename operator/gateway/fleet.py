@@ -192,8 +192,8 @@ class Fleet:
         return names
 
     def index(self) -> dict[str, dict[str, list[Pool]]]:
-        """namespace -> model name -> the pools of that namespace serving it, best first (the base model, then
-        the oldest service)."""
+        """model name -> namespace -> the pools of that namespace serving it, best first (the base model, then
+        the oldest service). Name first: a lookup costs the namespaces serving that name, not all of them."""
         if self._index is None:
             ranked: dict[str, dict[str, list[tuple[tuple, Pool]]]] = {}
             for key, pool in self.pools.items():
@@ -209,7 +209,7 @@ class Fleet:
                         self._conflicts.add((namespace, model))
                         log.warning("model %r is served by %s: routed to %s", model,
                                     ", ".join(p.key for p in unique), unique[0].key)
-                    self._index.setdefault(namespace, {})[model] = unique
+                    self._index.setdefault(model, {})[namespace] = unique
         return self._index
 
     def _changed(self) -> None:
@@ -222,8 +222,8 @@ class Fleet:
     def _candidates(self, model: str, namespace: str | None) -> dict[str, Pool]:
         """Per namespace, the pool a caller of `namespace` would get for `model` there."""
         found: dict[str, Pool] = {}
-        for ns, names in self.index().items():
-            usable = [p for p in names.get(model, ()) if self._usable(p, namespace)]
+        for ns, pools in self.index().get(model, {}).items():
+            usable = [p for p in pools if self._usable(p, namespace)]
             if usable:
                 found[ns] = usable[0]
         if not found:  # an adapter loaded since the last /v1/models poll: the engines' metrics know it
@@ -252,7 +252,7 @@ class Fleet:
         """The aggregated /v1/models of a caller of `namespace`: each model it may use (as resolve() would route
         it; ambiguous names are left out), as its engines describe it when they answered, else from the spec —
         only CARD_FIELDS, never an adapter's path."""
-        names = {model for ns, by_name in self.index().items() for model in by_name}
+        names = set(self.index())
         for pool in self.pools.values():
             for b in pool.backends.all():
                 names.update(b.lora_resident)

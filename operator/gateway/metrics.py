@@ -87,7 +87,7 @@ class _PoolCollector:
             yield service
             yield GaugeMetricFamily(P + "models", "Model names the shared gateway routes (base models and "
                                     "adapters), each namespace's counted apart.",
-                                    value=sum(len(names) for names in self.gateway.pools.index().values()))
+                                    value=sum(len(by_ns) for by_ns in self.gateway.pools.index().values()))
 
 
 class GatewayMetrics:
