@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import logging
 import time
-import json
 from dataclasses import dataclass, replace
 from urllib.parse import quote
 from typing import TYPE_CHECKING, Any
@@ -102,7 +102,6 @@ class ServiceView:
     created: str = ""
     grants: frozenset[str] = frozenset()  # tenant namespaces besides its own that may use it ("*": all)
     uid: str = ""
-    asked_priority: int = 0  # spec.priority before the platform's bound (clamped())
 
     def usable_by(self, namespace: str | None) -> bool:
         """May a caller of `namespace` use this service? None: the gateway authenticates nobody (one tenant)."""
@@ -146,10 +145,8 @@ class ServiceView:
         """The view with its priorities (the service's and its adapters') at most `bound` (None: unbounded)."""
         if bound is None:
             return self
-        return replace(self, asked_priority=self.priority, priority=min(self.priority, bound),
+        return replace(self, priority=min(self.priority, bound),
                        adapter_priorities=tuple((a, min(p, bound)) for a, p in self.adapter_priorities))
-
-
 
 
 def _epoch(stamp: str) -> int:
@@ -286,7 +283,7 @@ class Fleet:
         if obj.get("metadata", {}).get("deletionTimestamp"):
             self.remove(view.key)
             return
-        view = self._bounded(view, obj)
+        view = self._bounded(view)
         old = self.views.get(view.key)
         if old == view:
             return
@@ -304,7 +301,7 @@ class Fleet:
             self._publish(view)
         self._changed()
 
-    def _bounded(self, view: ServiceView, obj: dict) -> ServiceView:
+    def _bounded(self, view: ServiceView) -> ServiceView:
         """spec.priority (and the adapters') capped by what the platform allows the namespace; a cap is reported
         once as a Warning Event on the InferenceService (`PriorityClamped`) and logged."""
         bound = self.priority_bound(view.namespace)

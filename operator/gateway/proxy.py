@@ -42,6 +42,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shoal.engine import __version__
+from shoal.engine.server.keys import KeySet
 from shoal.operator.gateway.admission import Shed, Ticket, request_cost
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
 from shoal.operator.gateway.metric_names import for_runtime
@@ -51,7 +52,6 @@ from shoal.operator.gateway.pool import Pool, Unavailable
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
 from shoal.operator.gateway.quotas import OverQuota, QuotaPolicy, Quotas, Shares, share_cap
 from shoal.operator.gateway.routing import Pick, PrefixIndex, make_router
-from shoal.engine.server.keys import KeySet
 from shoal.operator.gateway.tenants import (LOOPBACK, Caller, EngineKeys, Network, Tenancy, TenantKeys,
                                             presented_key)
 
@@ -101,7 +101,8 @@ class GatewayConfig:
     poll_interval: float = 0.25
     poll_timeout: float = 1.0
     runtime: str = "shoal"  # the engines' runtime: which readiness path and metric names to read (metric_names.py)
-    api_key: str | KeySet | None = None  # the engines' key(s): checked here first, so unauthenticated requests cost nothing
+    # the engines' key(s): checked here first, so unauthenticated requests cost nothing
+    api_key: str | KeySet | None = None
     health: HealthPolicy = field(default_factory=HealthPolicy)
     # Admission (pool.py, admission.py): slots per engine (0: no limit, the engines queue), and the waiting room.
     max_inflight: int = 0

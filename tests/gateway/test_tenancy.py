@@ -183,7 +183,8 @@ async def test_per_tenant_quotas_answer_429_with_retry_after_and_the_openai_rate
 
             r = await ask("sk-a")
             assert r.status == 200 and r.headers["x-ratelimit-limit-requests"] == "2"
-            assert r.headers["x-ratelimit-remaining-requests"] == "1" and r.headers["x-ratelimit-limit-tokens"] == "3000"
+            assert r.headers["x-ratelimit-remaining-requests"] == "1"
+            assert r.headers["x-ratelimit-limit-tokens"] == "3000"
             assert int(r.headers["x-ratelimit-remaining-tokens"]) < 3000
             r = await ask("sk-a", max_tokens=5000)  # more than the whole minute's tokens: waits for a full bucket
             assert r.status == 429 and (await r.json())["error"]["code"] == "tenant_tokens_per_minute"

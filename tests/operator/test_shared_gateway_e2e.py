@@ -54,7 +54,8 @@ def test_one_endpoint_routes_by_model_and_wakes_only_the_model_asked_for(env, ns
     kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=None)
     port = free_port()
     gateway = LoggedProcess([sys.executable, "-m", "shoal.operator.gateway", "--namespace", ns, "--host", "127.0.0.1",
-                             "--port", str(port), "--poll-interval", "0.1", "--models-interval", "0.5", "--allow-unauthenticated",
+                             "--port", str(port), "--poll-interval", "0.1", "--models-interval", "0.5",
+                             "--allow-unauthenticated",
                              "--log-level", "info"], port, log_prefix="shared-gateway-")
     try:
         with kubelet:
