@@ -101,7 +101,7 @@ def test_one_endpoint_routes_by_model_and_wakes_only_the_model_asked_for(env, ns
         print("kubelet events:", kubelet.events)
         print("gateway log:", gateway.logs()[-6000:])
         for pod in kubelet.pods.values():
-            print(f"pod {pod.name} log:", pod.logs()[-3000:])
+            print(f"pod {pod.name} (exit code {pod.proc.poll()}) log:", pod.logs()[-3000:])
         raise
     finally:
         gateway.stop(timeout=15)
@@ -188,7 +188,7 @@ def test_tenants_use_their_namespaces_models_and_what_is_granted_a_hostile_names
         print("kubelet events:", kubelet.events)
         print("gateway log:", gateway.logs()[-6000:])
         for pod in kubelet.pods.values():
-            print(f"pod {pod.name} log:", pod.logs()[-3000:])
+            print(f"pod {pod.name} (exit code {pod.proc.poll()}) log:", pod.logs()[-3000:])
         raise
     finally:
         gateway.stop(timeout=15)
