@@ -50,7 +50,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route except health and /metrics "
                         "(also: $SHOAL_API_KEY, --api-key-file)")
-    g.add_argument("--api-key-file", default=None, help="read the API key from this file (e.g. a mounted Secret)")
+    g.add_argument("--api-key-file", default=None,
+                   help="accept every key in this file, one per line (a mounted Secret: re-read when it changes, so "
+                        "a key rotates without a restart; list the new and the old key during a rollover)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
     g.add_argument("--engine-heartbeat-timeout", type=float, default=None,
@@ -102,16 +104,16 @@ def engine_config_from_args(args: argparse.Namespace) -> config.EngineConfig:
     return config.EngineConfig(model=model, **kw)
 
 
-def resolve_api_key(args: argparse.Namespace) -> str | None:
+def resolve_api_key(args: argparse.Namespace):
+    """--api-key, else --api-key-file (a KeySet: every line is a key, re-read when the file changes, so a rotated
+    Secret takes effect without a restart), else $SHOAL_API_KEY; None: no authentication."""
     if getattr(args, "api_key", None):
         return args.api_key
     path = getattr(args, "api_key_file", None)
     if path:
-        with open(path, encoding="utf-8") as f:
-            key = f.read().strip()
-        if not key:
-            raise ValueError(f"API key file {path} is empty")
-        return key
+        from shoal.engine.server.keys import KeySet
+
+        return KeySet.from_file(path)
     return os.environ.get("SHOAL_API_KEY") or None
 
 

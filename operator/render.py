@@ -196,6 +196,9 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
     rt = runtimes.of(spec)
     args = runtimes.args(rt, spec, model=model_path(spec), served_name=api.served_model_name(name, spec),
                          port=ENGINE_PORT, chat_template=template, group=group)
+    if _key_file(spec):  # before spec.engine.extraArgs, which come last
+        at = len(args) - len(spec.engine.extra_args)
+        args[at:at] = ["--api-key-file", API_KEYS_FILE]
     if rt.name == "shoal" and spec.gpus_per_pod(settings.max_gpus_per_node) == 0:
         args += ["--device", "cpu"]  # never `auto`: a GPU the node's runtime leaks in must not be picked
     return args
@@ -255,6 +258,25 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict
     return [e for e in env if e["name"] not in user_names] + [_stored_env(copy.deepcopy(e)) for e in spec.env]
 
 
+API_KEYS_DIR = "/etc/shoal/api-keys"  # the engines' key Secret, mounted: re-read on rotation (--api-key-file)
+API_KEYS_FILE = f"{API_KEYS_DIR}/keys"
+
+
+def _key_file(spec: InferenceServiceSpec) -> bool:
+    """Shoal's engine takes its keys from the mounted Secret (every line a key, re-read when the kubelet updates
+    the volume): a rotation needs no restart of GPU pods. Other runtimes read one key from their env var."""
+    return spec.security.api_key_secret_ref is not None and spec.runtime == "shoal"
+
+
+def api_key_volume(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    ref = spec.security.api_key_secret_ref
+    return [{"name": "api-keys", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": "keys"}]}}] \
+        if ref else []
+
+
+API_KEYS_MOUNT = {"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}
+
+
 def _with_api_key(env: list[dict[str, Any]], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     """The API key reaches the engine only as an env var from the Secret, which the engine reads itself
     (SHOAL_API_KEY, VLLM_API_KEY: the runtime's): never in args (the kubelet would expand it into /proc/*/cmdline
@@ -309,6 +331,8 @@ def _volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]
         mounts.append({"name": f"adapter-claim-{i}", "mountPath": f"{adapters.CLAIMS_DIR}/{claim}", "readOnly": True})
     if spec.engine.enable_lora:  # the adapter list, by name only: its content is not part of the template
         volumes.append({"name": "adapters", "configMap": {"name": adapters.configmap_name(name)}})
+    if _key_file(spec):  # mounted by the engine container alone (never the init containers)
+        volumes += api_key_volume(spec)
     return volumes, mounts
 
 
@@ -331,9 +355,9 @@ def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings
         **runtimes.argv(rt, multi, engine_args(name, namespace, spec, settings, replica=replica)),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
                  + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else []),
-        "env": _with_api_key(env, spec),
+        "env": list(env) if _key_file(spec) else _with_api_key(env, spec),
         "resources": _engine_resources(spec, spec.gpus_per_pod(settings.max_gpus_per_node)),
-        "volumeMounts": mounts,
+        "volumeMounts": mounts + ([API_KEYS_MOUNT] if _key_file(spec) else []),
         **_failure_grace(runtimes.probes(rt, spec, multi, ENGINE_PORT), spec),
         "lifecycle": {"preStop": {"sleep": {"seconds": settings.prestop_seconds}}},
         "securityContext": _restricted_container(spec.security.capabilities),
@@ -375,7 +399,9 @@ def _adapter_sync_container(spec: InferenceServiceSpec, image: str, env: list[di
     adapters (so it may reach the hub, like the download init container) and calls the engine on localhost with
     the engine's API key."""
     ref = spec.security.api_key_secret_ref
-    key = [{"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}] if ref else []
+    # Shoal's engine: the mounted key Secret, whose first line it reads at each call (a rotation needs no restart)
+    key = [{"name": "SHOAL_API_KEY_FILE", "value": API_KEYS_FILE}] if _key_file(spec) else \
+        [{"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}] if ref else []
     container = {
         "name": adapters.SIDECAR,
         "image": image,
@@ -389,7 +415,8 @@ def _adapter_sync_container(spec: InferenceServiceSpec, image: str, env: list[di
         "ports": [{"name": adapters.SIDECAR, "containerPort": adapters.SIDECAR_PORT, "protocol": "TCP"}],
         "env": [e for e in env if e["name"] not in ("HF_HUB_OFFLINE", "SHOAL_API_KEY")] + key,
         "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")]
-                        + [{"name": "adapters", "mountPath": adapters.CONFIG_DIR, "readOnly": True}],
+                        + [{"name": "adapters", "mountPath": adapters.CONFIG_DIR, "readOnly": True}]
+                        + ([API_KEYS_MOUNT] if _key_file(spec) else []),
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         # Ready once the pod's first adapter list is loaded (or failed): new pods turn Ready with the adapters
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": adapters.SIDECAR}, "periodSeconds": 2,
@@ -837,16 +864,6 @@ def gateway_memory(gw: api.GatewayOptions) -> str:
     return f"{math.ceil(total / 2**20)}Mi"
 
 
-GATEWAY_KEY_ENV = "SHOAL_API_KEY"  # what shoal-gateway reads (operator/gateway/cli.py resolve_api_key)
-
-
-def gateway_key_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """The gateway's copy of the engines' API key, the same for every runtime."""
-    ref = spec.security.api_key_secret_ref
-    assert ref is not None
-    return [{"name": GATEWAY_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
-
-
 def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
     name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
     gw, res = spec.gateway, spec.gateway.resources
@@ -871,12 +888,15 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
                  "--port", str(ENGINE_PORT), "--shutdown-timeout", str(drain)]
                 + gateway_limit_args(gw) + hold_args + metrics_args
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
+                # the engines' keys, every line of the mounted Secret, re-read when it is rotated
+                + (["--api-key-file", API_KEYS_FILE] if spec.security.api_key_secret_ref else [])
+                # engines that schedule by priority get the gateway's, never a client's (proxy.engine_body)
+                + (["--engine-priority"] if spec.engine.scheduling_policy == "priority" else [])
                 + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}, metrics_port],
-        # The engines' key, so the gateway answers 401 itself: an unauthenticated request is never held, never
-        # counted as load and never wakes the autoscaler. shoal-gateway reads SHOAL_API_KEY whatever the engines'
-        # runtime (the engines' own variable, e.g. VLLM_API_KEY, means nothing to it).
-        **({"env": gateway_key_env(spec)} if spec.security.api_key_secret_ref else {}),
+        # The engines' keys, so the gateway answers 401 itself: an unauthenticated request is never held, never
+        # counted as load and never wakes the autoscaler.
+        **({"volumeMounts": [API_KEYS_MOUNT]} if spec.security.api_key_secret_ref else {}),
         "resources": resources,
         "readinessProbe": _probe("/readyz", 2, 2, 2),
         "livenessProbe": _probe("/livez", 10, 3, 5),
@@ -905,6 +925,8 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
     }
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
+    if spec.security.api_key_secret_ref:
+        pod_spec["volumes"] = api_key_volume(spec)
     return _finish({
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -45,7 +45,8 @@ def rolling_out(isvc: dict[str, Any]) -> bool:
 # `workload_image`, which must never take a pin from such a workload: the pin lives in the status, and a reconcile
 # that reads the service before its own status write is visible would otherwise pin what it just rendered.
 A_RENDERED_IMAGE = "serving.shoal.dev/default-engine-image"
-# containers that run Shoal's engine image whatever the runtime (`shoal-engine download` / `sync-adapters`)
+# containers that ran Shoal's engine image whatever the runtime in workloads rendered before pinning (the helpers
+# were `shoal-engine download` / `sync-adapters` then)
 SHOAL_HELPERS = ("model-download", "adapter-sync")
 
 

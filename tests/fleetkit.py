@@ -27,6 +27,7 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
 
 from __future__ import annotations
 
+import base64
 import copy
 import os
 import random
@@ -55,6 +56,13 @@ VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON",
                                           ".vllm-venv", "bin", "python"))
 # env the operator points into the pod's volumes (/cache, /tmp): meaningless for a local process
 POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "TRITON_CACHE_DIR"})
+
+
+def _local_path(value: str, mounts: dict[str, str]) -> str:
+    for mount_path, folder in mounts.items():
+        if value.startswith(mount_path + "/"):
+            return folder + value[len(mount_path):]
+    return value
 
 
 def local_argv(argv: list[str]) -> list[str]:
@@ -194,8 +202,10 @@ class Kubelet:
                 args[args.index(flag) + 1] = value
             else:
                 args += [flag, value]
+        secrets = self._mount_secrets(name, container, template["spec"])
+        args = [_local_path(a, secrets) for a in args]
         log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{name}-", suffix=".log", delete=False)
-        pod_env = {e["name"]: e["value"] for e in container.get("env") or []
+        pod_env = {e["name"]: _local_path(e["value"], secrets) for e in container.get("env") or []
                    if "value" in e and e["name"] not in POD_PATH_ENV}
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **pod_env, **self.env}
         # cwd: not the repository, whose operator/ folder would shadow the standard library's `operator` there
@@ -235,6 +245,8 @@ class Kubelet:
                 paths[mount["mountPath"]] = folder
         for folder, cm_name in projections:
             self._project(folder, cm_name)
+        secrets = self._mount_secrets(pod, container, pod_spec)
+        paths.update(secrets)
         port = free_port()
         for i, arg in enumerate(args):
             for mount_path, folder in paths.items():
@@ -250,13 +262,30 @@ class Kubelet:
             p["containerPort"] = port
         log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{pod}-{container['name']}-", suffix=".log",
                                           delete=False)
-        pod_env = {e["name"]: e["value"] for e in container.get("env") or []
+        pod_env = {e["name"]: _local_path(e["value"], secrets) for e in container.get("env") or []
                    if "value" in e and e["name"] not in POD_PATH_ENV}
         env = {**os.environ, **pod_env, **self.env}
         proc = subprocess.Popen([*program, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=tempfile.gettempdir())
         ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")
         return Sidecar(proc, port, ready_path, log.name, projections)
+
+    def _mount_secrets(self, pod: str, container: dict, pod_spec: dict) -> dict[str, str]:
+        """The container's Secret volumes as local folders holding the Secret's items (a missing Secret: an empty
+        folder, where a real pod would wait): {mount path: folder}."""
+        volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+        out = {}
+        for mount in container.get("volumeMounts") or []:
+            ref = (volumes.get(mount["name"]) or {}).get("secret")
+            if not ref:
+                continue
+            folder = out[mount["mountPath"]] = tempfile.mkdtemp(prefix=f"kubelet-{pod}-{mount['name']}-")
+            data = (self.client.get("secrets", self.ns, ref["secretName"]) or {}).get("data") or {}
+            for item in ref.get("items") or [{"key": k, "path": k} for k in data]:
+                if item["key"] in data:
+                    with open(os.path.join(folder, item["path"]), "wb") as f:
+                        f.write(base64.b64decode(data[item["key"]]))
+        return out
 
     def _project(self, folder: str, configmap: str) -> None:
         """Write a ConfigMap's data into a folder when it changed (atomically per file, as the kubelet does)."""

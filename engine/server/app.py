@@ -16,7 +16,6 @@ status and duration, never bodies (so never prompt text); health and metrics req
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from aiohttp import web
@@ -24,6 +23,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from shoal.engine.core.async_engine import AsyncEngine, EngineError
 from shoal.engine.server import openai_api as oai
+from shoal.engine.server.keys import KeySet
 from shoal.engine.server.common import (
     STATE_KEY,
     ServerState,
@@ -82,11 +82,11 @@ async def error_middleware(request: web.Request, handler):
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    key = get_state(request).api_key
-    if key and request.path not in OPEN_PATHS:
+    keys = get_state(request).api_keys
+    if keys is not None and request.path not in OPEN_PATHS:
         given = request.headers.get("Authorization", "")
         token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
-        if not token or not hmac.compare_digest(token.encode(), key.encode()):
+        if not keys.accepts(token.strip()):
             raise APIError("Invalid or missing API key (send 'Authorization: Bearer <key>').", 401,
                            code="invalid_api_key")
     return await handler(request)
@@ -256,10 +256,12 @@ async def tokenizer_info_route(request: web.Request) -> web.Response:
 
 
 # --------------------------------------------------------------------------------------------- app
-def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | None = None,
+def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | KeySet | None = None,
               client_max_size: int = 64 * 1024 * 1024, tool_call_parser: str | None = None) -> web.Application:
+    """`api_key`: one key, or a KeySet (--api-key-file: several, re-read when the file changes)."""
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=client_max_size)
-    app[STATE_KEY] = ServerState(engine, metrics, api_key or None, tool_call_parser)
+    keys = api_key if isinstance(api_key, KeySet) else KeySet([api_key]) if api_key else None
+    app[STATE_KEY] = ServerState(engine, metrics, keys, tool_call_parser)
     r = app.router
     r.add_post("/v1/completions", oai.create_completion)
     r.add_post("/v1/chat/completions", oai.create_chat_completion)

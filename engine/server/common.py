@@ -21,6 +21,7 @@ from shoal.engine.core.async_engine import (
 from shoal.engine.core.engine import ContextLengthError
 from shoal.engine.core.lora import LoRACapacityError, LoRANotFoundError
 from shoal.engine.server.metrics import ServerMetrics
+from shoal.engine.server.keys import KeySet
 from shoal.engine.server.protocol import APIError, validation_error_to_api_error
 
 RETRY_AFTER_SECONDS = 1
@@ -28,11 +29,11 @@ STATE_KEY = web.AppKey("shoal_state", object)
 
 
 class ServerState:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, api_key: str | None,
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, api_keys: KeySet | None,
                  tool_call_parser: str | None = None):
         self.engine = engine
         self.metrics = metrics
-        self.api_key = api_key
+        self.api_keys = api_keys  # None: no authentication
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" enabled with this parser
         self.active_handlers = 0  # generation requests whose HTTP response is not finished yet
         self.created = int(time.time())

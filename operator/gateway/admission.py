@@ -131,6 +131,7 @@ class FairQueue:
         self._order: list[int] = []  # priorities with a level, highest first
         self._seq = itertools.count()
         self._size = 0
+        self.tenants: dict[str, int] = {}  # waiting requests per tenant (its share of the waiting room)
 
     def __len__(self) -> int:
         return self._size
@@ -151,6 +152,7 @@ class FairQueue:
         t.queued = True
         level.push(t)
         self._size += 1
+        self.tenants[t.tenant] = self.tenants.get(t.tenant, 0) + 1
 
     def charge(self, t: Ticket) -> None:
         """Account a request dispatched without waiting (a slot was free): its work counts toward its tenant's
@@ -172,14 +174,23 @@ class FairQueue:
             if t is not None:
                 t.queued = False
                 self._size -= 1
+                self._left(t)
                 return t
         return None
+
+    def _left(self, t: Ticket) -> None:
+        left = self.tenants.get(t.tenant, 1) - 1
+        if left > 0:
+            self.tenants[t.tenant] = left
+        else:
+            self.tenants.pop(t.tenant, None)
 
     def remove(self, t: Ticket) -> None:
         if t.queued:
             t.queued = False
             self._levels[t.priority].remove(t)
             self._size -= 1
+            self._left(t)
 
     def victim(self, below: int) -> Ticket | None:
         """The newest waiting request of the lowest priority lower than `below`, if any."""

@@ -37,6 +37,9 @@ def add_bench_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="pick,fairness", help="comma-separated: pick, fairness")
     p.add_argument("--models", type=int, default=100)
     p.add_argument("--adapters-per-model", type=int, default=10)
+    p.add_argument("--tenants", type=int, default=50,
+                   help="pick: tenants, each in its namespace holding a share of the services (granted to all), "
+                        "with per-tenant quotas on; 0: one anonymous tenant, no quotas")
     p.add_argument("--picks", type=int, default=20000)
     p.add_argument("--prompt-chars", type=int, default=2000, help="pick: prompt length (prefix hashing)")
     p.add_argument("--model", default=None, help="fairness: model directory (default: a small random Llama)")
@@ -54,8 +57,12 @@ def add_bench_gateway_args(p: argparse.ArgumentParser) -> None:
 
 
 # ---- pick ----------------------------------------------------------------------------------------------------------
-def _isvc(i: int, adapters: int) -> dict:
-    return {"metadata": {"namespace": "bench", "name": f"svc-{i}", "creationTimestamp": "2026-01-01T00:00:00Z"},
+def _isvc(i: int, adapters: int, tenants: int) -> dict:
+    from shoal.operator.gateway.fleet import GRANT_ANNOTATION
+
+    namespace = f"team-{i % tenants}" if tenants else "bench"
+    return {"metadata": {"namespace": namespace, "name": f"svc-{i}", "creationTimestamp": "2026-01-01T00:00:00Z",
+                         "annotations": {GRANT_ANNOTATION: "*"}},
             "spec": {"model": {"uri": f"hf://org/model-{i}", "servedName": f"model-{i}"},
                      "adapters": [{"name": f"model-{i}-lora-{j}", "uri": f"hf://org/lora-{i}-{j}"}
                                   for j in range(adapters)]}}
@@ -64,10 +71,13 @@ def _isvc(i: int, adapters: int) -> dict:
 def _fleet(args):
     """A shared gateway fed the fleet, its engines fresh and ready; -> (gateway, every model name)."""
     from shoal.operator.gateway.proxy import Gateway, GatewayConfig
+    from shoal.operator.gateway.quotas import QuotaPolicy
 
-    gw = Gateway(GatewayConfig(), namespace="bench", shared=True)
+    # quotas on, set high enough never to refuse: the cost of keeping the buckets is what is measured
+    quotas = QuotaPolicy(10**9, 10**12, 10**6) if args.tenants else QuotaPolicy()
+    gw = Gateway(GatewayConfig(quotas=quotas), namespace="bench", shared=True)
     fleet = gw.pools
-    fleet.reset([_isvc(i, args.adapters_per_model) for i in range(args.models)])
+    fleet.reset([_isvc(i, args.adapters_per_model, args.tenants) for i in range(args.models)])
     now = time.monotonic()
     for i, pool in enumerate(fleet.all()):
         pool.backends.replace([f"http://10.{i // 250}.{i % 250}.{k}:8000" for k in (1, 2)])
@@ -86,14 +96,20 @@ def _picks(gw, names: list[str], args, times: list[float] | None = None, hash_ti
     for n in range(args.picks):
         model = rng.choice(names)
         body = {"model": model, "prompt": prompts[n % len(prompts)] + str(n)}
+        tenant = f"team-{n % args.tenants}" if args.tenants else None
         t0 = time.perf_counter()
-        pool = gw.pools.resolve(model)
+        pool = gw.pools.resolve(model, tenant)  # the tenant's own namespace first, then those granting it
+        if tenant is not None:
+            gw.quotas.admit(tenant, 1000.0)
         t1 = time.perf_counter()
         hashes = gw.prompt_hashes("/v1/completions", body, model, pool)
         t2 = time.perf_counter()
-        backend = pool.pick(Ticket(model=model, hashes=hashes))
+        ticket = Ticket(model=model, hashes=hashes, tenant=tenant or "")
+        backend = pool.pick(ticket)
         t3 = time.perf_counter()
-        backend.inflight -= 1
+        pool.release(backend, ticket)
+        if tenant is not None:
+            gw.quotas.release(tenant)
         if times is not None:
             times.append((t1 - t0) + (t3 - t2))
             hash_times.append(t2 - t1)
@@ -122,6 +138,7 @@ async def bench_pick(args) -> dict:
     hash_times: list[float] = []
     _picks(gw, names, args, times, hash_times)
     return {"models": args.models, "adapters": args.models * args.adapters_per_model, "names": len(names),
+            "tenants": args.tenants,
             "picks": args.picks, "pick_p50_us": _pct(times, 50) * 1e6, "pick_p99_us": _pct(times, 99) * 1e6,
             "pick_mean_us": sum(times) / len(times) * 1e6, "hash_p50_us": _pct(hash_times, 50) * 1e6,
             "memory_fleet_mib": mib(before, loaded), "memory_after_picks_mib": mib(before, filled),
@@ -233,7 +250,8 @@ async def main_async(args) -> int:
         return 0
     if "pick" in report:
         p = report["pick"]
-        print(f"pick: {p['models']} models, {p['adapters']} adapters ({p['names']} names), {p['picks']} picks: "
+        print(f"pick: {p['models']} models, {p['adapters']} adapters ({p['names']} names), {p['tenants']} tenants "
+              f"(quotas {'on' if p['tenants'] else 'off'}), {p['picks']} picks: "
               f"lookup + route p50 {p['pick_p50_us']:.1f} us, p99 {p['pick_p99_us']:.1f} us, mean "
               f"{p['pick_mean_us']:.1f} us (prompt hashing apart: p50 {p['hash_p50_us']:.1f} us); memory "
               f"{p['memory_fleet_mib']:.1f} MiB for the fleet, {p['memory_after_picks_mib']:.1f} MiB with the "

@@ -13,12 +13,14 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from shoal.engine.server.keys import KeySet
 from shoal.operator.gateway.backends import HealthPolicy
 from shoal.operator.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
 from shoal.operator.gateway.metric_names import RUNTIMES
 from shoal.operator.gateway.options import add_flags, config_kwargs, positive
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
-from shoal.operator.gateway.tenants import EngineKeys, TenantKeys
+from shoal.operator.gateway.quotas import QuotaPolicy
+from shoal.operator.gateway.tenants import EngineKeys, TenantKeys, parse_networks
 
 log = logging.getLogger("shoal.gateway")
 
@@ -104,13 +106,26 @@ def build_parser() -> argparse.ArgumentParser:
                           "lowest priority below the newcomer's is shed with 429 (default %(default)s)")
     adm.add_argument("--queue-timeout", type=positive(float), default=d.queue_timeout,
                      help="seconds a request waits for a slot before 429 (default %(default)s)")
+    adm.add_argument("--max-priority", type=int, default=0, metavar="N",
+                     help="shared gateway: the highest spec.priority (and adapters' priority) it honours for a "
+                          "namespace without --namespace-max-priority; higher is clamped, reported as a "
+                          "PriorityClamped event on the InferenceService (default %(default)s)")
+    adm.add_argument("--namespace-max-priority", action="append", default=[], metavar="NAMESPACE=N",
+                     help="shared gateway: the highest priority this namespace may use (repeatable)")
     adm.add_argument("--engine-priority", action="store_true",
                      help="the engines run --scheduling-policy priority: send each request an engine priority (the "
                           "model's priority, then the tenant's requests already at that engine, fewest first). The "
                           "shared gateway does so for services with engine.schedulingPolicy: priority")
     adm.add_argument("--tenant-header", metavar="NAME",
                      help="trust this request header as the tenant's name (set by an authenticating proxy in front; "
-                          "e.g. x-gateway-inference-fairness-id)")
+                          "e.g. x-gateway-inference-fairness-id), only from --trusted-proxies")
+    adm.add_argument("--trusted-proxies", metavar="CIDRS", default="",
+                     help="comma-separated CIDRs of the proxies whose --tenant-header is believed; from any other "
+                          "peer it is ignored (the shared gateway then answers 401)")
+    adm.add_argument("--allow-unauthenticated", action="store_true",
+                     help="UNSAFE: let the shared gateway serve callers it cannot identify (no --tenant-keys, no "
+                          "--tenant-header): anyone who reaches it uses every model it serves, with the engines' "
+                          "keys when --engine-keys is given")
     adm.add_argument("--tenant-keys", metavar="DIR",
                      help="shared gateway: a directory with one file per tenant holding its API keys, one per line "
                           "(a mounted Secret; re-read when it changes); a request's key names its tenant, any "
@@ -118,13 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
     adm.add_argument("--engine-keys", metavar="DIR",
                      help="shared gateway: the engines' API keys, one file per InferenceService named "
                           "<namespace>.<name>, sent to its engines instead of the client's key")
+    q = p.add_argument_group("per-tenant quotas (0: none); past one, 429 with Retry-After and x-ratelimit-* headers")
+    q.add_argument("--tenant-requests-per-minute", type=non_negative_int, default=0, metavar="N")
+    q.add_argument("--tenant-tokens-per-minute", type=non_negative_int, default=0, metavar="N",
+                   help="tokens estimated per request: prompt characters / 4 + max_tokens")
+    q.add_argument("--tenant-max-concurrent", type=non_negative_int, default=0, metavar="N",
+                   help="a tenant's requests inside the gateway at once (waiting or running)")
     adm.add_argument("--models-interval", type=positive(float), default=d.models_interval,
                      help="shared gateway: seconds between polls of each service's /v1/models (adapters loaded at "
                           "run time) (default %(default)s)")
     auth = p.add_argument_group("authentication")
     auth.add_argument("--api-key", help="the engines' API key: requests without it get 401 from the gateway, before "
                                         "they are held or counted as load (also: $SHOAL_API_KEY, --api-key-file)")
-    auth.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file")
+    auth.add_argument("--api-key-file", metavar="PATH",
+                      help="accept every key in this file, one per line, re-read when it changes (a mounted Secret: "
+                           "list the new and the old key during a rotation)")
     rel = p.add_argument_group("reliability")
     rel.add_argument("--hold-timeout", type=non_negative, default=d.hold_timeout,
                      help="seconds a request waits for an engine when none is ready (scale from zero); "
@@ -153,19 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_api_key(args: argparse.Namespace) -> str | None:
+def resolve_api_key(args: argparse.Namespace) -> "str | KeySet | None":
     """--api-key, else --api-key-file, else $SHOAL_API_KEY (what the operator sets from the Secret), as the engine."""
     if args.api_key:
         return args.api_key
     if args.api_key_file:
         try:
-            with open(args.api_key_file, encoding="utf-8") as f:
-                key = f.read().strip()
+            return KeySet.from_file(args.api_key_file)  # every line, re-read when the mounted Secret changes
         except OSError as e:
             raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e.strerror}") from None
-        if not key:
-            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
-        return key
+        except ValueError:
+            raise ValueError(f"--api-key-file: {args.api_key_file} is empty") from None
     return os.environ.get("SHOAL_API_KEY") or None
 
 
@@ -182,13 +203,30 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ValueError("the shared gateway takes no --api-key, --wake-configmap or --runtime: it reads each "
                          "InferenceService's runtime and wake-up ConfigMap, and its clients' keys are tenant keys "
                          "(--tenant-keys)")
+    if args.tenant_header and not args.trusted_proxies:
+        raise ValueError("--tenant-header needs --trusted-proxies: the CIDRs of the authenticating proxies that set "
+                         "it (from anyone else the header would let a caller name any tenant)")
+    if shared and not (args.tenant_keys or args.tenant_header) and not args.allow_unauthenticated:
+        raise ValueError("the shared gateway must know who is asking: give --tenant-keys DIR (or --tenant-header with "
+                         "--trusted-proxies); --allow-unauthenticated serves anyone who reaches it, unsafe"
+                         + (", and would hand them the engines' keys (--engine-keys)" if args.engine_keys else ""))
     if args.load_factor < 1.0:
         raise ValueError(f"--load-factor must be >= 1, got {args.load_factor}")
     if args.max_buffered_bytes < args.max_body_bytes:
         raise ValueError(f"--max-buffered-bytes ({args.max_buffered_bytes}) must be at least --max-body-bytes "
                          f"({args.max_body_bytes}), or the largest body could never be admitted")
+    bounds = {}
+    for item in args.namespace_max_priority:
+        namespace, _, value = item.partition("=")
+        try:
+            bounds[namespace.strip()] = int(value)
+        except ValueError:
+            raise ValueError(f"--namespace-max-priority: {item!r} is not NAMESPACE=N") from None
+        if not namespace.strip():
+            raise ValueError(f"--namespace-max-priority: {item!r} is not NAMESPACE=N")
     return GatewayConfig(
         **config_kwargs(GatewayConfig, args),  # the declared options (options.py)
+        max_priority=args.max_priority, namespace_max_priority=bounds,
         runtime=args.runtime,
         block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
@@ -200,10 +238,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,
                             circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown),
         max_inflight=args.max_inflight_per_engine, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
-        tenant_header=args.tenant_header,
+        tenant_header=args.tenant_header, trusted_proxies=parse_networks(args.trusted_proxies),
         tenant_keys=TenantKeys(args.tenant_keys) if args.tenant_keys else None,
         engine_keys=EngineKeys(args.engine_keys) if args.engine_keys else None,
-        models_interval=args.models_interval, engine_priority=args.engine_priority)
+        models_interval=args.models_interval, engine_priority=args.engine_priority,
+        quotas=QuotaPolicy(args.tenant_requests_per_minute, args.tenant_tokens_per_minute,
+                           args.tenant_max_concurrent))
 
 
 def own_namespace() -> str | None:

@@ -15,18 +15,27 @@ Two list-and-watch streams feed it (k8s.informer.Informer):
 
 Model names come from the specs (the served name, spec.adapters), from each pool's engines' /v1/models (adapters
 loaded at run time, with `parent`), polled every `models_interval` seconds, and — for an adapter loaded since the
-last poll — from the residency the engines' metrics report. One name served by two services goes to the one
-serving it as its base model, else to the oldest service (a warning says so). An unknown name is a 404 that lists
-nothing (what a caller may not see stays unseen). Everything waiting in a pool whose service is deleted gets 404.
+last poll — from the residency the engines' metrics report.
+
+Names belong to their namespace (docs/gateway.md, "Tenancy"). A caller (a tenant: tenants.Caller) of namespace N
+resolves a `model` in N first; only when N serves no such name, in the other namespaces whose InferenceServices
+grant N (annotation `serving.shoal.dev/tenant-namespaces: "n1,n2"` or `"*"` on the service). A name that several
+granting namespaces serve is refused (409 model_ambiguous), never silently pointed at one of them, so nothing
+another namespace creates can capture what a tenant's `model` reaches. Within one namespace a name served by two
+services goes to the one serving it as its base model, else to the oldest (a warning says so). A model the caller
+may not use is answered exactly like an unknown one (404, naming nothing else). Everything waiting in a pool whose
+service is deleted gets 404.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from urllib.parse import quote
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -49,10 +58,29 @@ ISVC_PLURAL = contract.PLURAL
 MANAGED_SELECTOR = contract.MANAGED_SELECTOR
 SERVICE_NAME_LABEL = contract.L_SERVICE_NAME
 DEFAULT_STARTUP_TIMEOUT = contract.DEFAULT_STARTUP_TIMEOUT_SECONDS  # how long a request waits at zero
+# Set by a namespace's own users (RBAC: whoever may edit the InferenceService): the tenants' namespaces that may
+# use this service's models besides its own, comma-separated, or "*" for every tenant.
+GRANT_ANNOTATION = "serving.shoal.dev/tenant-namespaces"
+# What an aggregated /v1/models card may say: never an engine's adapter path (vLLM's `root` of a LoRA card).
+CARD_FIELDS = ("id", "object", "created", "owned_by", "parent", "max_model_len")
 
 
 class ModelNotFound(LookupError):
-    """No InferenceService serves this model (404)."""
+    """No InferenceService the caller may use serves this model (404)."""
+
+
+class ModelAmbiguous(LookupError):
+    """Several namespaces granting the caller serve this name (409): none is chosen for it."""
+
+    def __init__(self, model: str, namespaces: list[str]):
+        super().__init__(f"the model `{model}` is served by namespaces {', '.join(namespaces)}, which all grant "
+                         f"yours: ask their owners to rename it, or revoke a grant")
+        self.namespaces = namespaces
+
+
+def grants_of(meta: dict) -> frozenset[str]:
+    text = (meta.get("annotations") or {}).get(GRANT_ANNOTATION) or ""
+    return frozenset(n.strip() for n in text.split(",") if n.strip())
 
 
 def _int(value: Any, default: int) -> int:
@@ -75,6 +103,12 @@ class ServiceView:
     adapters: tuple[str, ...] = ()
     adapter_priorities: tuple[tuple[str, int], ...] = ()  # (name, priority) of adapters with their own
     created: str = ""
+    grants: frozenset[str] = frozenset()  # tenant namespaces besides its own that may use it ("*": all)
+    uid: str = ""
+
+    def usable_by(self, namespace: str | None) -> bool:
+        """May a caller of `namespace` use this service? None: the gateway authenticates nobody (one tenant)."""
+        return namespace is None or namespace == self.namespace or "*" in self.grants or namespace in self.grants
 
     @property
     def key(self) -> tuple[str, str]:
@@ -106,7 +140,15 @@ class ServiceView:
                                     DEFAULT_STARTUP_TIMEOUT)) if from_zero else 0.0,
             max_inflight=_int(engine.get("maxNumSeqs"), 0),
             engine_priority=engine.get("schedulingPolicy") == "priority",
-            adapters=adapters, adapter_priorities=adapter_priorities, created=meta.get("creationTimestamp") or "")
+            adapters=adapters, adapter_priorities=adapter_priorities, created=meta.get("creationTimestamp") or "",
+            grants=grants_of(meta), uid=meta.get("uid") or "")
+
+    def clamped(self, bound: int | None) -> "ServiceView":
+        """The view with its priorities (the service's and its adapters') at most `bound` (None: unbounded)."""
+        if bound is None:
+            return self
+        return replace(self, priority=min(self.priority, bound),
+                       adapter_priorities=tuple((a, min(p, bound)) for a, p in self.adapter_priorities))
 
 
 def _epoch(stamp: str) -> int:
@@ -122,7 +164,7 @@ class Fleet:
     shared = True
 
     def __init__(self, gateway: "Gateway", namespace: str | None, api: KubeAPI | None = None,
-                 models_interval: float = 10.0):
+                 models_interval: float = 10.0, priority_bound=lambda namespace: None):
         self.gateway = gateway
         self.namespace = namespace  # None: every namespace
         self.api = api
@@ -132,9 +174,11 @@ class Fleet:
         self.slices: dict[tuple[str, str], dict[str, dict]] = {}  # (namespace, service) -> slice name -> slice
         self.engine_models: dict[tuple[str, str], list[dict]] = {}  # the engines' /v1/models, per service
         self._models_polled: dict[tuple[str, str], float] = {}
-        self._index: dict[str, Pool] | None = None
-        self._conflicts: set[str] = set()
+        self._index: dict[str, dict[str, list[Pool]]] | None = None
+        self._conflicts: set[tuple[str, str]] = set()
         self.tasks: list[asyncio.Task] = []
+        self.priority_bound = priority_bound  # namespace -> the highest priority the platform allows it, or None
+        self.reported: set[tuple] = set()  # clamps already reported as Events
 
     # ---- the index -------------------------------------------------------------------------------------------
     def _names(self, key: tuple[str, str]) -> list[tuple[str, bool]]:
@@ -146,61 +190,89 @@ class Fleet:
                 names.append((card["id"], False))
         return names
 
-    def index(self) -> dict[str, Pool]:
+    def index(self) -> dict[str, dict[str, list[Pool]]]:
+        """model name -> namespace -> the pools of that namespace serving it, best first (the base model, then
+        the oldest service). Name first: a lookup costs the namespaces serving that name, not all of them."""
         if self._index is None:
-            best: dict[str, tuple[tuple, Pool]] = {}
+            ranked: dict[str, dict[str, list[tuple[tuple, Pool]]]] = {}
             for key, pool in self.pools.items():
                 created = self.views[key].created or "~"
                 for model, base in self._names(key):
-                    rank = (not base, created, key)  # the base model first, then the oldest service
-                    held = best.get(model)
-                    if held is not None and held[1] is not pool and model not in self._conflicts:
-                        self._conflicts.add(model)
-                        winner = pool if rank < held[0] else held[1]
-                        log.warning("model %r is served by %s and %s: routed to %s", model, held[1].key, pool.key,
-                                    winner.key)
-                    if held is None or rank < held[0]:
-                        best[model] = (rank, pool)
-            self._index = {model: pool for model, (_, pool) in best.items()}
+                    ranked.setdefault(key[0], {}).setdefault(model, []).append(((not base, created, key), pool))
+            self._index = {}
+            for namespace, names in ranked.items():
+                for model, pools in names.items():
+                    pools.sort(key=lambda x: x[0])
+                    unique = list(dict.fromkeys(p for _, p in pools))
+                    if len(unique) > 1 and (namespace, model) not in self._conflicts:
+                        self._conflicts.add((namespace, model))
+                        log.warning("model %r is served by %s: routed to %s", model,
+                                    ", ".join(p.key for p in unique), unique[0].key)
+                    self._index.setdefault(model, {})[namespace] = unique
         return self._index
 
     def _changed(self) -> None:
         self._index = None
 
-    def resolve(self, model: str | None) -> Pool | None:
+    def _usable(self, pool: Pool, namespace: str | None) -> bool:
+        view = self.views.get((pool.namespace, pool.name))
+        return view is not None and view.usable_by(namespace)
+
+    def _candidates(self, model: str, namespace: str | None) -> dict[str, Pool]:
+        """Per namespace, the pool a caller of `namespace` would get for `model` there."""
+        found: dict[str, Pool] = {}
+        for ns, pools in self.index().get(model, {}).items():
+            usable = [p for p in pools if self._usable(p, namespace)]
+            if usable:
+                found[ns] = usable[0]
+        if not found:  # an adapter loaded since the last /v1/models poll: the engines' metrics know it
+            for p in self.pools.values():
+                if p.namespace not in found and self._usable(p, namespace) and \
+                        any(model in b.lora_resident for b in p.backends.all()):
+                    found[p.namespace] = p
+        return found
+
+    def resolve(self, model: str | None, namespace: str | None = None) -> Pool | None:
+        """The pool serving `model` to a caller of `namespace`: its own namespace's first, else the one granting
+        namespace that serves it; None when none may (ModelAmbiguous when several would)."""
         if not model:
             return None
-        pool = self.index().get(model)
-        if pool is None:  # an adapter loaded since the last /v1/models poll: the engines' metrics know it
-            for p in self.pools.values():
-                if any(model in b.lora_resident for b in p.backends.all()):
-                    return p
-        return pool
+        found = self._candidates(model, namespace)
+        if namespace in found:
+            return found[namespace]
+        if len(found) > 1:
+            raise ModelAmbiguous(model, sorted(found))
+        return next(iter(found.values()), None)
 
     def all(self) -> list[Pool]:
         return list(self.pools.values())
 
-    def models(self) -> list[dict]:
-        """The aggregated /v1/models: every service's base model and adapters, as its engines describe them when
-        they answered, else from the spec."""
-        cards: dict[str, dict] = {}
-        for model, pool in sorted(self.index().items()):
+    def models(self, namespace: str | None = None) -> list[dict]:
+        """The aggregated /v1/models of a caller of `namespace`: each model it may use (as resolve() would route
+        it; ambiguous names are left out), as its engines describe it when they answered, else from the spec —
+        only CARD_FIELDS, never an adapter's path."""
+        names = set(self.index())
+        for pool in self.pools.values():
+            for b in pool.backends.all():
+                names.update(b.lora_resident)
+        cards: list[dict] = []
+        for model in sorted(names):
+            try:
+                pool = self.resolve(model, namespace)
+            except ModelAmbiguous:
+                continue
+            if pool is None:
+                continue
             key = (pool.namespace, pool.name)
             view = self.views[key]
             known = {c.get("id"): c for c in self.engine_models.get(key, ())}
-            if model in known:
-                cards[model] = dict(known[model])
-            else:
-                base = model == view.served_name
-                cards[model] = {"id": model, "object": "model", "created": _epoch(view.created), "owned_by": "shoal",
-                                "root": model if base else None, "parent": None if base else view.served_name,
-                                "permission": []}
-        for pool in self.pools.values():  # adapters the engines report resident, not yet in a /v1/models poll
-            for b in pool.backends.all():
-                for adapter in b.lora_resident:
-                    cards.setdefault(adapter, {"id": adapter, "object": "model", "created": 0, "owned_by": "shoal",
-                                               "root": None, "parent": pool.served_name, "permission": []})
-        return list(cards.values())
+            base = model == view.served_name
+            card = {"id": model, "object": "model", "created": _epoch(view.created), "owned_by": "shoal",
+                    "parent": None if base else view.served_name}
+            card.update({k: v for k, v in known.get(model, {}).items() if k in CARD_FIELDS})
+            card["root"] = model if card.get("parent") is None else card["parent"]
+            cards.append(card)
+        return cards
 
     # ---- InferenceServices -----------------------------------------------------------------------------------
     def apply(self, obj: dict) -> None:
@@ -213,6 +285,7 @@ class Fleet:
         if obj.get("metadata", {}).get("deletionTimestamp"):
             self.remove(view.key)
             return
+        view = self._bounded(view)
         old = self.views.get(view.key)
         if old == view:
             return
@@ -229,6 +302,41 @@ class Fleet:
         if old is None or old.engine_service != view.engine_service:
             self._publish(view)
         self._changed()
+
+    def _bounded(self, view: ServiceView) -> ServiceView:
+        """spec.priority (and the adapters') capped by what the platform allows the namespace; a cap is reported
+        once as a Warning Event on the InferenceService (`PriorityClamped`) and logged."""
+        bound = self.priority_bound(view.namespace)
+        asked = max([view.priority, *(p for _, p in view.adapter_priorities)])
+        view = view.clamped(bound)
+        if bound is not None and asked > bound and (view.key, view.uid, asked, bound) not in self.reported:
+            self.reported.add((view.key, view.uid, asked, bound))
+            message = (f"priority {asked} exceeds the highest namespace {view.namespace} may use ({bound}): the "
+                       f"shared gateway ranks its requests at {bound}")
+            log.warning("%s/%s: %s", *view.key, message)
+            if self.gateway.session is not None and self.api is not None:
+                task = asyncio.get_running_loop().create_task(self._event(view, "PriorityClamped", message))
+                self.tasks.append(task)
+                task.add_done_callback(lambda t: t in self.tasks and self.tasks.remove(t))
+        return view
+
+    async def _event(self, view: ServiceView, reason: str, message: str) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+        body = {"apiVersion": "v1", "kind": "Event",
+                "metadata": {"generateName": f"{view.name}.", "namespace": view.namespace},
+                "involvedObject": {"apiVersion": ISVC_GROUP_VERSION, "kind": "InferenceService",
+                                   "namespace": view.namespace, "name": view.name, "uid": view.uid},
+                "reason": reason, "message": message, "type": "Warning", "count": 1,
+                "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "shoal-gateway"}}
+        url = f"{self.api.server}/api/v1/namespaces/{quote(view.namespace)}/events"
+        try:
+            async with self.gateway.session.post(url, data=json.dumps(body), ssl=self.api.ssl_context,
+                                                 headers={**self.api.headers(), "Content-Type": "application/json"},
+                                                 timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status >= 300:
+                    log.warning("cannot record the %s event of %s/%s: HTTP %d", reason, *view.key, r.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("cannot record the %s event of %s/%s: %r", reason, *view.key, e)
 
     def remove(self, key: tuple[str, str]) -> None:
         self.views.pop(key, None)

@@ -88,7 +88,8 @@ class _PoolCollector:
         if self.gateway.pools.shared:
             yield service
             yield GaugeMetricFamily(P + "models", "Model names the shared gateway routes (base models and "
-                                    "adapters).", value=len(self.gateway.pools.index()))
+                                    "adapters), each namespace's counted apart.",
+                                    value=sum(len(by_ns) for by_ns in self.gateway.pools.index().values()))
 
 
 class GatewayMetrics:

@@ -31,6 +31,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shoal.operator import __version__
+from shoal.engine.server.keys import KeySet
 from shoal.operator.gateway.admission import Shed, Ticket, request_cost
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
 from shoal.operator.gateway.metric_names import for_runtime
@@ -49,8 +51,10 @@ from shoal.operator.gateway.options import SpecField, option, positive
 from shoal.operator.gateway.poller import Poller
 from shoal.operator.gateway.pool import Pool, Unavailable
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
+from shoal.operator.gateway.quotas import OverQuota, QuotaPolicy, Quotas, Shares, share_cap
 from shoal.operator.gateway.routing import ROUTINGS, Pick, PrefixIndex, make_router
-from shoal.operator.gateway.tenants import EngineKeys, Tenancy, TenantKeys
+from shoal.operator.gateway.tenants import (LOOPBACK, Caller, EngineKeys, Network, Tenancy, TenantKeys,
+                                            presented_key)
 
 log = logging.getLogger("shoal.gateway")
 
@@ -64,10 +68,17 @@ HOP_BY_HOP = frozenset(h.lower() for h in (
 RETRY_STATUSES = frozenset({429, 503})
 RETRY_REASONS = frozenset({"refused", "connect_timeout", "reset"})  # failures before the engine accepted it
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+# The engines' administration (vLLM's and Shoal's): the operator's adapter-sync sidecar calls them on localhost;
+# no gateway forwards them from clients.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_lora_adapter",
+                         "/unload_lora_adapter", "/v1/lora_adapters", "/reset_prefix_cache", "/sleep", "/wake_up",
+                         "/collective_rpc", "/start_profile", "/stop_profile", "/scale_elastic_ep",
+                         "/update_weights", "/pause", "/resume"})
 # The shared gateway proxies only these (each names its model); engine administration (loading adapters, ...)
 # is never reachable through the platform's entry point.
 SHARED_PATHS = (*ROUTED_PATHS, "/tokenize", "/detokenize")
 KEY_HEADERS = ("authorization", "x-api-key")
+ENGINE_DEFAULT_MAX_NUM_SEQS = 256  # Shoal's and vLLM's --max-num-seqs default
 ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span - how far the tenant is below its fair share
 
 
@@ -116,17 +127,23 @@ class GatewayConfig:
     poll_interval: float = 0.25
     poll_timeout: float = 1.0
     runtime: str = "shoal"  # the engines' runtime: which readiness path and metric names to read (metric_names.py)
-    api_key: str | None = None  # the engines' key: checked here first, so unauthenticated requests cost nothing
+    # the engines' key(s): checked here first, so unauthenticated requests cost nothing
+    api_key: str | KeySet | None = None
     health: HealthPolicy = field(default_factory=HealthPolicy)
     # Admission (pool.py, admission.py): slots per engine (0: no limit, the engines queue), and the waiting room.
     max_inflight: int = 0
     max_queued: int = 1024  # requests waiting for a slot, all pools together; beyond, the lowest priority is shed
     queue_timeout: float = 60.0  # a request waits this long for a slot, then 429
     tenant_header: str | None = None  # a header naming the tenant, set by a trusted proxy in front
+    trusted_proxies: tuple[Network, ...] = LOOPBACK  # the peers whose tenant header is believed
     tenant_keys: TenantKeys | None = None  # API key -> tenant (the shared gateway's clients)
     engine_keys: EngineKeys | None = None  # the engines' keys per InferenceService (the shared gateway)
     models_interval: float = 10.0  # the shared gateway polls each service's /v1/models this often
     engine_priority: bool = False  # the engines run --scheduling-policy priority (the shared gateway: per spec)
+    quotas: QuotaPolicy = field(default_factory=QuotaPolicy)  # per tenant (quotas.py)
+    # The highest spec.priority the shared gateway honours, per namespace (else max_priority; None: unbounded)
+    max_priority: int | None = None
+    namespace_max_priority: dict[str, int] = field(default_factory=dict)
 
 
 def parse_body(path: str, body: bytes) -> Any:
@@ -157,11 +174,13 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
     return web.json_response(body, status=status, headers=headers)
 
 
-def authorized(request: web.Request, key: str) -> bool:
-    """The engine's rule (engine/server/app.py): `Authorization: Bearer <key>` or `X-API-Key: <key>`."""
-    given = request.headers.get("Authorization", "")
-    token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
-    return bool(token) and hmac.compare_digest(token.encode(), key.encode())
+def authorized(request: web.Request, keys: "str | KeySet") -> bool:
+    """The engine's rule (engine/server/app.py): `Authorization: Bearer <key>` or `X-API-Key: <key>`, against one
+    key or a KeySet (--api-key-file: every line, re-read when the mounted Secret changes)."""
+    token = presented_key(request)
+    if isinstance(keys, KeySet):
+        return keys.accepts(token)
+    return bool(token) and hmac.compare_digest(token.encode(), keys.encode())
 
 
 class StaticPools:
@@ -172,7 +191,7 @@ class StaticPools:
     def __init__(self, pool: Pool):
         self.pool = pool
 
-    def resolve(self, model: str | None) -> Pool:
+    def resolve(self, model: str | None, namespace: str | None = None) -> Pool:
         return self.pool
 
     def all(self) -> list[Pool]:
@@ -185,8 +204,13 @@ class Gateway:
         """A per-service gateway (one pool of `backends`), or with `shared` the shared gateway of `namespace`
         (None: every namespace) whose pools follow the InferenceServices there (fleet.py)."""
         self.config = config
-        self.tenancy = Tenancy(config.tenant_keys, config.tenant_header)
+        self.tenancy = Tenancy(config.tenant_keys, config.tenant_header, config.trusted_proxies,
+                               header_required=shared)
         self.metrics = GatewayMetrics(self)
+        # tenants told apart: each gets its share of every global limit (quotas.py)
+        self.per_tenant = self.tenancy.authenticates or config.tenant_header is not None
+        self.quotas = Quotas(config.quotas)
+        self.pending_shares, self.buffer_shares = Shares(), Shares()
         self.pending = 0
         self.buffered = 0  # bytes of request bodies reserved by the requests inside
         self.draining = False
@@ -200,7 +224,8 @@ class Gateway:
 
             # one prefix index for every model: the memory bound stays index_size hashes, whatever the fleet
             self.prefix_index = PrefixIndex(config.index_size)
-            self.pools = Fleet(self, namespace, kube_api, config.models_interval)
+            self.pools = Fleet(self, namespace, kube_api, config.models_interval,
+                               lambda ns: config.namespace_max_priority.get(ns, config.max_priority))
         else:
             self.prefix_index = None
             pool = self._new_pool(backends or BackendSet(config.health), config.hold_timeout, config.max_inflight)
@@ -243,7 +268,9 @@ class Gateway:
         pool.priority = view.priority
         pool.model_priorities = dict(view.adapter_priorities)
         pool.engine_priority = view.engine_priority or c.engine_priority
-        pool.max_inflight = view.max_inflight or c.max_inflight  # engine.maxNumSeqs, else the gateway's flag
+        # engine.maxNumSeqs, else the gateway's flag, else the engines' default: fair queuing is always on, the
+        # gateway's queue taking over where an engine would start queueing first come, first served
+        pool.max_inflight = view.max_inflight or c.max_inflight or ENGINE_DEFAULT_MAX_NUM_SEQS
         pool.hold_timeout = (c.hold_timeout or view.hold_timeout) if view.hold_timeout else 0.0
         if view.hold_timeout and pool not in self._wakers:
             from shoal.operator.contract import wake_configmap_name
@@ -285,6 +312,12 @@ class Gateway:
         """The waiting room is bounded (all pools together): past `max_queued`, the newest request of the lowest
         priority below this one's is shed to make room, or — none lower — this one is refused."""
         pools = self.pools.all()
+        if self.per_tenant:
+            mine = sum(p.queue.tenants.get(ticket.tenant, 0) for p in pools)
+            others = len({t for p in pools for t in p.queue.tenants} - {ticket.tenant})
+            if mine + 1 > share_cap(self.config.max_queued, others):
+                raise Shed("tenant_queue_full", f"{mine} of your requests are waiting for an engine slot: your "
+                                                "share of the waiting room")
         if sum(len(p.queue) for p in pools) < self.config.max_queued:
             return
         victims = [(v.priority, -v.seq, v, p) for p in pools if (v := p.queue.victim(ticket.priority)) is not None]
@@ -346,8 +379,11 @@ class Gateway:
         the engine when it was sent (Ticket.share < 0: a trickle next to a flood) ranks ahead by as much, so the
         engine starts it before the flood's remaining prefill (scheduler.py). Every other request ranks 0: they
         keep their arrival order among themselves (one tenant alone is always at its share)."""
-        if not pool.engine_priority or not isinstance(parsed, dict):
+        if not isinstance(parsed, dict):
             return body
+        if not pool.engine_priority:  # a client never sets its own rank, whatever the engines' policy
+            return json.dumps({k: v for k, v in parsed.items() if k != "priority"}).encode() \
+                if "priority" in parsed else body
         rank = -ticket.priority * ENGINE_PRIORITY_SPAN + max(-(ENGINE_PRIORITY_SPAN // 2), min(ticket.share, 0))
         return json.dumps({**parsed, "priority": rank}).encode()
 
@@ -355,6 +391,12 @@ class Gateway:
         """The engines' own key of a shared gateway's pool (--engine-keys, read anew when the Secret changes)."""
         keys = self.config.engine_keys
         return keys.key_for(pool.namespace, pool.name) if keys is not None and pool.name else None
+
+    def other_engine_key(self, pool: Pool) -> str | None:
+        """The second key of a shared gateway's pool (the previous one during a rotation), if its Secret has one."""
+        keys = self.config.engine_keys
+        listed = keys.keys_for(pool.namespace, pool.name) if keys is not None and pool.name else []
+        return listed[1] if len(listed) > 1 else None
 
     def engine_headers(self, request: web.Request, pool: Pool) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -369,8 +411,8 @@ class Gateway:
         return headers
 
     # ---- handlers --------------------------------------------------------------------------------------------
-    def _authenticate(self, request: web.Request) -> str | None:
-        """The request's tenant, or None: refuse it (401)."""
+    def _authenticate(self, request: web.Request) -> Caller | None:
+        """The request's caller, or None: refuse it (401)."""
         if self.config.api_key and not authorized(request, self.config.api_key):
             return None
         return self.tenancy.identify(request)
@@ -381,32 +423,41 @@ class Gateway:
                               "invalid_request_error", "invalid_api_key")
 
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
-        tenant = self._authenticate(request)
-        if tenant is None:
+        caller = self._authenticate(request)
+        if caller is None:
             return self._unauthenticated()
-        if self.pools.shared and request.path not in SHARED_PATHS:
+        if request.path in ADMIN_PATHS or (self.pools.shared and request.path not in SHARED_PATHS):
             return await self.not_found(request)
-        if self.pending >= self.config.max_pending:
-            self.metrics.rejected.labels("too_many_pending").inc()
-            return error_response(429, f"the gateway has {self.pending} requests pending; retry later",
-                                  "rate_limit_error", "too_many_pending",
-                                  {"Retry-After": str(self.config.retry_after)})
+        c, tenant = self.config, caller.tenant
+        if self.pending >= c.max_pending or \
+                (self.per_tenant and not self.pending_shares.admits(tenant, 1, c.max_pending)):
+            reason = "too_many_pending" if self.pending >= c.max_pending else "tenant_pending"
+            self.metrics.rejected.labels(reason).inc()
+            return error_response(429, f"the gateway has {self.pending} requests pending" + (
+                "" if reason == "too_many_pending" else ", your share of them") + "; retry later",
+                "rate_limit_error", reason, {"Retry-After": str(c.retry_after)})
         # a body of unknown length (chunked) may be as large as max_body_bytes: reserve that much
-        reserve = 0 if not request.can_read_body else min(request.content_length or self.config.max_body_bytes,
-                                                          self.config.max_body_bytes)
-        if self.buffered + reserve > self.config.max_buffered_bytes:
-            self.metrics.rejected.labels("too_much_buffered").inc()
-            return error_response(429, f"the gateway holds {self.buffered} bytes of request bodies; retry later",
-                                  "rate_limit_error", "too_much_buffered",
-                                  {"Retry-After": str(self.config.retry_after)})
+        reserve = 0 if not request.can_read_body else min(request.content_length or c.max_body_bytes,
+                                                          c.max_body_bytes)
+        if self.buffered + reserve > c.max_buffered_bytes or \
+                (self.per_tenant and not self.buffer_shares.admits(tenant, reserve, c.max_buffered_bytes)):
+            reason = "too_much_buffered" if self.buffered + reserve > c.max_buffered_bytes else "tenant_buffered"
+            self.metrics.rejected.labels(reason).inc()
+            return error_response(429, f"the gateway holds {self.buffered} bytes of request bodies" + (
+                "" if reason == "too_much_buffered" else ", your share of them") + "; retry later",
+                "rate_limit_error", reason, {"Retry-After": str(c.retry_after)})
         self.pending += 1
         self.buffered += reserve
+        self.pending_shares.take(tenant, 1)
+        self.buffer_shares.take(tenant, reserve)
         self.metrics.pending.inc()
         try:
-            return await self._forward(request, tenant)
+            return await self._forward(request, caller)
         finally:
             self.pending -= 1
             self.buffered -= reserve
+            self.pending_shares.give(tenant, 1)
+            self.buffer_shares.give(tenant, reserve)
             self.metrics.pending.dec()
 
     def _unavailable(self) -> web.Response:
@@ -415,7 +466,7 @@ class Gateway:
         return error_response(503, "no ready backend can serve this request; retry shortly",
                               "service_unavailable", "no_backend", {"Retry-After": str(self.config.retry_after)})
 
-    async def _forward(self, request: web.Request, tenant: str) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, caller: Caller) -> web.StreamResponse:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -424,7 +475,11 @@ class Gateway:
                                   "invalid_request_error", "body_too_large")
         parsed = parse_body(request.path, body)
         model = model_of(parsed) if request.path in (SHARED_PATHS if self.pools.shared else ROUTED_PATHS) else None
-        pool = self.pools.resolve(model)
+        try:
+            pool = self.pools.resolve(model, caller.namespace)
+        except LookupError as e:  # fleet.ModelAmbiguous: several namespaces granting the caller serve it
+            self.metrics.rejected.labels("ambiguous_model").inc()
+            return error_response(409, str(e), "invalid_request_error", "model_ambiguous", param="model")
         if pool is None:  # the shared gateway: the model names which service
             if parsed is None:
                 return error_response(400, "the request body must be a JSON object naming a `model`",
@@ -434,8 +489,25 @@ class Gateway:
                 return error_response(400, "`model` is required: this endpoint serves several models",
                                       "invalid_request_error", "model_required", param="model")
             return model_not_found(model)
-        ticket = Ticket(priority=pool.priority_of(model), tenant=tenant, cost=request_cost(len(body), parsed), model=model,
-                        hashes=self.prompt_hashes(request.path, parsed, model, pool))
+        ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant, cost=request_cost(len(body), parsed),
+                        model=model, hashes=self.prompt_hashes(request.path, parsed, model, pool))
+        if not self.quotas.policy.on:
+            return await self._dispatch(request, pool, ticket, body, parsed, {})
+        try:
+            limits = self.quotas.admit(caller.tenant, ticket.cost)
+        except OverQuota as e:
+            self.metrics.rejected.labels(e.reason).inc()
+            return error_response(429, str(e), "rate_limit_error", e.reason, {
+                **e.headers, "Retry-After": str(max(1, math.ceil(e.retry_after))),
+                "retry-after-ms": str(math.ceil(e.retry_after * 1000))})
+        try:
+            return await self._dispatch(request, pool, ticket, body, parsed, limits)
+        finally:
+            self.quotas.release(caller.tenant)
+
+    async def _dispatch(self, request: web.Request, pool: Pool, ticket: Ticket, body: bytes, parsed: Any,
+                        limits: dict[str, str]) -> web.StreamResponse:
+        model = ticket.model
         try:
             backend = await pool.admit(ticket, self.enqueue)
         except Unavailable:
@@ -454,6 +526,13 @@ class Gateway:
             retry: Backend | None = None
             try:
                 upstream = await self._send(pool, backend, request, headers, body)
+                if not isinstance(upstream, str) and upstream.status == 401 and \
+                        (other := self.other_engine_key(pool)) is not None:
+                    # a key rotation under way: the engine does not know the newest key yet (or no longer the
+                    # old one); the Secret lists both, so try the other once
+                    upstream.release()
+                    headers = {**headers, "Authorization": f"Bearer {other}"}
+                    upstream = await self._send(pool, backend, request, headers, body)
                 if upstream == "timeout":  # the engine may still be running it: never a second run elsewhere
                     self.metrics.requests.labels(backend.url, "504").inc()
                     return error_response(504, f"the engine did not answer within {self.config.response_timeout:g}"
@@ -468,7 +547,7 @@ class Gateway:
                     self.metrics.retries.labels(f"status_{upstream.status}").inc()
                     upstream.release()
                     continue
-                return await self._relay(request, backend, upstream)
+                return await self._relay(request, backend, upstream, limits)
             finally:
                 pool.release(backend, ticket)
                 backend = retry  # type: ignore[assignment]
@@ -504,7 +583,8 @@ class Gateway:
                     reason)
         return reason
 
-    async def _relay(self, request: web.Request, backend: Backend, upstream: aiohttp.ClientResponse):
+    async def _relay(self, request: web.Request, backend: Backend, upstream: aiohttp.ClientResponse,
+                     limits: dict[str, str]):
         if upstream.status < 500:
             backend.on_success()
         code = str(upstream.status)
@@ -512,14 +592,19 @@ class Gateway:
         for k, v in upstream.headers.items():
             if k.lower() not in HOP_BY_HOP or k.lower() == "content-length":
                 out.headers.add(k, v)
+        out.headers.update(limits)  # the tenant's quotas, as OpenAI reports them
         try:
-            await out.prepare(request)
+            await _to_client(out.prepare(request))
             loop = asyncio.get_running_loop()
             async with asyncio.timeout(self.config.read_timeout) as silence:
                 while chunk := await upstream.content.readany():
-                    await out.write(chunk)
+                    await _to_client(out.write(chunk))
                     silence.reschedule(loop.time() + self.config.read_timeout)
-            await out.write_eof()
+            await _to_client(out.write_eof())
+        except ClientGone:
+            # the client went away while we wrote to it: the engine did nothing wrong (no circuit strike, no
+            # retry); closing the upstream below aborts the request there
+            code = "client_closed"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             # The engine failed mid-answer: bytes already reached the client, so no retry; cut the connection
             # so the client sees an incomplete response rather than a silently truncated one.
@@ -547,16 +632,18 @@ class Gateway:
         return web.json_response({"status": "no_ready_backend"}, status=503)
 
     async def list_models(self, request: web.Request) -> web.Response:
-        """The shared gateway's /v1/models: every model of every service it routes to (fleet.Fleet.models)."""
-        if self._authenticate(request) is None:
+        """The shared gateway's /v1/models: the models the caller may use (fleet.Fleet.models)."""
+        caller = self._authenticate(request)
+        if caller is None:
             return self._unauthenticated()
-        return web.json_response({"object": "list", "data": self.pools.models()})
+        return web.json_response({"object": "list", "data": self.pools.models(caller.namespace)})
 
     async def get_model(self, request: web.Request) -> web.Response:
-        if self._authenticate(request) is None:
+        caller = self._authenticate(request)
+        if caller is None:
             return self._unauthenticated()
         model = request.match_info["model"]
-        for card in self.pools.models():
+        for card in self.pools.models(caller.namespace):
             if card["id"] == model:
                 return web.json_response(card)
         return model_not_found(model)
@@ -573,6 +660,19 @@ class Gateway:
     async def not_found(self, request: web.Request) -> web.Response:
         return error_response(404, f"no route {request.method} {request.path} on the gateway",
                               "invalid_request_error", "not_found")
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected (never the engine's failure)."""
+
+
+async def _to_client(write) -> None:
+    """A write toward the client; its connection errors (aiohttp's ClientConnectionResetError is both a
+    ClientError and a ConnectionResetError, so it would pass for the engine's) become ClientGone."""
+    try:
+        await write
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+        raise ClientGone() from e
 
 
 def build_metrics_app(gateway: Gateway) -> web.Application:

@@ -3,12 +3,18 @@
 Three ways, one per deployment:
 * `--tenant-keys DIR`: a directory of files, one per tenant, each holding that tenant's API keys one per line —
   what a Kubernetes Secret mounted as a volume looks like (`kubectl create secret generic tenants
-  --from-literal=team-a=sk-a1 --from-file=team-b=team-b-keys.txt`). A request's key (`Authorization: Bearer` or
-  `X-API-Key`, as the engines take it) names its tenant; any other request gets 401. The directory is re-read
-  when it changes (a rotated Secret), at most every `reload_interval` seconds, without a restart.
+  --from-literal=team-a=sk-a1 --from-file=team-b.batch=team-b-keys.txt`). A request's key (`Authorization:
+  Bearer` or `X-API-Key`, as the engines take it) names its tenant; any other request gets 401. The directory is
+  re-read when it changes (a rotated Secret), at most every `reload_interval` seconds, without a restart.
 * `--tenant-header NAME`: an authenticating proxy in front of the gateway sets this header (e.g. the inference
-  extension's `x-gateway-inference-fairness-id`); the gateway trusts it. Requests without it share one tenant.
+  extension's `x-gateway-inference-fairness-id`); the gateway believes it only from the peers `--trusted-proxies`
+  names (CIDRs) and ignores it from anyone else. The shared gateway answers 401 to a request without a believed
+  header; a per-service gateway counts it as the one default tenant.
 * neither: everyone is one tenant ("default"), so admission is by priority and arrival only.
+
+A tenant belongs to a Kubernetes namespace: its name is `<namespace>` or `<namespace>.<anything>` (namespace names
+hold no dot), and the shared gateway lets it use its namespace's models and those of namespaces that grant it
+(fleet.py). The one tenant of a gateway that authenticates nobody belongs to no namespace.
 
 Keys are compared as SHA-256 digests looked up in a dict: no key is ever compared character by character.
 """
@@ -16,9 +22,11 @@ Keys are compared as SHA-256 digests looked up in a dict: no key is ever compare
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -131,29 +139,71 @@ class TenantKeys(KeyDirectory):
 
 class EngineKeys(KeyDirectory):
     """The engines' API keys the shared gateway sends on, one file per InferenceService named
-    `<namespace>.<name>` (the first line is the key)."""
+    `<namespace>.<name>`: the newest key first, during a rotation the previous one on the next line (the gateway
+    retries a 401 once with it, so engines that have not re-read their Secret yet keep answering)."""
+
+    def keys_for(self, namespace: str, name: str) -> list[str]:
+        self.maybe_reload()
+        return self.entries.get(f"{namespace}.{name}") or []
 
     def key_for(self, namespace: str, name: str) -> str | None:
-        self.maybe_reload()
-        lines = self.entries.get(f"{namespace}.{name}")
+        lines = self.keys_for(namespace, name)
         return lines[0] if lines else None
 
 
-class Tenancy:
-    """The tenant of a request, or None when it must be refused (401)."""
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the tenant (fairness, quotas) and its namespace (what it may use; None: a gateway that
+    authenticates nobody, whose one tenant may use everything it serves)."""
 
-    def __init__(self, keys: TenantKeys | None = None, header: str | None = None):
+    tenant: str
+    namespace: str | None
+
+
+def namespace_of(tenant: str) -> str:
+    return tenant.split(".", 1)[0]
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+LOOPBACK: tuple[Network, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+
+
+def parse_networks(text: str) -> tuple[Network, ...]:
+    """`--trusted-proxies`: comma-separated CIDRs (or addresses)."""
+    try:
+        return tuple(ipaddress.ip_network(part.strip(), strict=False) for part in text.split(",") if part.strip())
+    except ValueError as e:
+        raise ValueError(f"--trusted-proxies: {e}") from None
+
+
+class Tenancy:
+    """The caller of a request, or None when it must be refused (401)."""
+
+    def __init__(self, keys: TenantKeys | None = None, header: str | None = None,
+                 trusted: tuple[Network, ...] = LOOPBACK, header_required: bool = False):
         self.keys = keys
         self.header = header
+        self.trusted = trusted
+        self.header_required = header_required  # the shared gateway: the header is how callers authenticate
 
     @property
     def authenticates(self) -> bool:
-        return self.keys is not None
+        return self.keys is not None or (self.header is not None and self.header_required)
 
-    def identify(self, request: web.Request) -> str | None:
+    def _trusted(self, request: web.Request) -> bool:
+        try:
+            peer = ipaddress.ip_address(request.remote or "")
+        except ValueError:
+            return False
+        return any(peer in net for net in self.trusted)
+
+    def identify(self, request: web.Request) -> Caller | None:
         if self.keys is not None:
-            return self.keys.tenant_of(presented_key(request))
+            tenant = self.keys.tenant_of(presented_key(request))
+            return Caller(tenant, namespace_of(tenant)) if tenant else None
         if self.header:
-            value = request.headers.get(self.header, "").strip()
-            return value[:MAX_TENANT_CHARS] if value else DEFAULT_TENANT
-        return DEFAULT_TENANT
+            value = request.headers.get(self.header, "").strip()[:MAX_TENANT_CHARS]
+            if value and self._trusted(request):
+                return Caller(value, namespace_of(value) if self.header_required else None)
+            return None if self.header_required else Caller(DEFAULT_TENANT, None)
+        return Caller(DEFAULT_TENANT, None)

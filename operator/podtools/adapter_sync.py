@@ -157,6 +157,16 @@ def other_base_model(path: str, base_model: str | None) -> str | None:
             f"serves {base_model}: not loaded")
 
 
+def newest_key(path: str | None) -> str | None:
+    """The first line of the engine's mounted key Secret (the newest key during a rotation), read anew each time."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return next((line.strip() for line in f if line.strip()), None)
+    except OSError:
+        return None
+
 @dataclass
 class Adapter:
     name: str
@@ -207,7 +217,7 @@ class Syncer:
 
     # ---- I/O with the engine ---------------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
-        key = os.environ.get("SHOAL_API_KEY")
+        key = newest_key(os.environ.get("SHOAL_API_KEY_FILE")) or os.environ.get("SHOAL_API_KEY")
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     async def _engine_adapters(self) -> dict[str, str] | None:

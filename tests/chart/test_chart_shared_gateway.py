@@ -13,8 +13,12 @@ import pytest
 from chartkit import CHART_DIR, NAMESPACE, by_kind, kube_validate, pretty, render
 
 SHARED = {"sharedGateway": {"enabled": True, "tenantKeysSecret": "tenants", "engineKeysSecret": "engine-keys",
-                            "tenantHeader": "x-gateway-inference-fairness-id", "maxInflightPerEngine": 8}}
-ONE_NAMESPACE = {"sharedGateway": {"enabled": True, "namespace": "models", "service": {"type": "LoadBalancer"}}}
+                            "tenantHeader": "x-gateway-inference-fairness-id", "trustedProxies": ["10.8.0.0/16"],
+                            "maxInflightPerEngine": 8, "namespaceMaxPriority": {"prod": 100},
+                            "tenantQuotas": {"requestsPerMinute": 600, "tokensPerMinute": 100000,
+                                             "maxConcurrent": 16}}}
+ONE_NAMESPACE = {"sharedGateway": {"enabled": True, "namespace": "models", "service": {"type": "LoadBalancer"},
+                                   "tenantKeysSecret": "tenants"}}
 
 
 def gateway_objects(values):
@@ -30,7 +34,7 @@ def test_off_by_default():
 def test_the_shared_gateway_renders_valid_least_privilege_objects(values):
     objects = gateway_objects(values)
     assert sorted(o["kind"] for o in objects) == sorted(
-        ["ServiceAccount", "Deployment", "Service", "PodDisruptionBudget",
+        ["ServiceAccount", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy",
          *(["Role", "RoleBinding"] if values is ONE_NAMESPACE else ["ClusterRole", "ClusterRoleBinding"])])
     for obj in objects:
         kube_validate(obj)
@@ -40,7 +44,8 @@ def test_the_shared_gateway_renders_valid_least_privilege_objects(values):
     # it reads InferenceServices and EndpointSlices; waking a service is granted per service by the operator
     assert role["rules"] == [
         {"apiGroups": ["serving.shoal.dev"], "resources": ["inferenceservices"], "verbs": ["list", "watch"]},
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     if values is ONE_NAMESPACE:
         assert role["metadata"]["namespace"] == "models"
     (dep,) = by_kind(objects, "Deployment")
@@ -71,6 +76,11 @@ def test_tenant_and_engine_keys_are_mounted_secrets_and_the_arguments_parse():
     args = cli.build_parser().parse_args(c["args"])
     assert cli.shared_mode(args) and args.all_namespaces and args.max_inflight_per_engine == 8
     assert args.tenant_header == "x-gateway-inference-fairness-id"
+    config = cli.config_from_args(cli.build_parser().parse_args(
+        [a for a in c["args"] if not a.startswith(("--tenant-keys", "--engine-keys"))]))  # no Secret mounted here
+    assert config.max_priority == 0 and config.namespace_max_priority == {"prod": 100}  # bounded by default
+    assert (config.quotas.requests_per_minute, config.quotas.tokens_per_minute, config.quotas.max_concurrent) == (
+        600, 100000, 16)
 
 
 def test_the_operator_accepts_the_shared_gateway_flag(tmp_path):
@@ -85,3 +95,36 @@ def test_the_operator_accepts_the_shared_gateway_flag(tmp_path):
                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert bad.returncode != 0 and "NAMESPACE/SERVICEACCOUNT" in bad.stderr
+
+
+@pytest.mark.parametrize("values, message", [
+    ({}, "set tenantKeysSecret"),
+    ({"engineKeysSecret": "engine-keys"}, "set tenantKeysSecret"),  # the engines' keys handed to anyone
+    ({"tenantHeader": "x-tenant"}, "needs sharedGateway.trustedProxies"),
+])
+def test_the_default_is_safe_an_anonymous_gateway_is_refused(values, message):
+    with pytest.raises(helm.HelmError) as exc:
+        render({"sharedGateway": {"enabled": True, **values}})
+    assert message in str(exc.value), str(exc.value)
+
+
+def test_only_the_named_peers_reach_the_gateway_and_an_unsafe_opt_out_says_so():
+    cli = importlib.import_module("shoal.operator.gateway.cli")
+    objects = gateway_objects(SHARED)
+    (policy,) = by_kind(objects, "NetworkPolicy")
+    (dep,) = by_kind(objects, "Deployment")
+    assert policy["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    # a tenant header is believed from the trusted proxies only: nobody else reaches the port
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}],
+                                          "from": [{"ipBlock": {"cidr": "10.8.0.0/16"}}]}]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert cli.build_parser().parse_args(c["args"]).trusted_proxies == "10.8.0.0/16"
+    (policy,) = by_kind(gateway_objects(ONE_NAMESPACE), "NetworkPolicy")
+    assert policy["spec"]["ingress"][0]["from"] == [{"namespaceSelector": {}}]  # the cluster's pods, not outside
+    unsafe = gateway_objects({"sharedGateway": {"enabled": True, "allowUnauthenticated": True}})
+    (dep,) = by_kind(unsafe, "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    args = cli.build_parser().parse_args(c["args"])
+    assert args.allow_unauthenticated and cli.config_from_args(args).tenant_keys is None
+    for obj in unsafe:
+        kube_validate(obj)

@@ -97,8 +97,9 @@ def test_api_key_sources(tmp_path, monkeypatch):
     ns = argparse.Namespace(api_key=None, api_key_file=None)
     assert cli.resolve_api_key(ns) == "from-env"
     f = tmp_path / "key"
-    f.write_text("from-file\n")
-    assert cli.resolve_api_key(argparse.Namespace(api_key=None, api_key_file=str(f))) == "from-file"
+    f.write_text("from-file\nold-key\n")
+    keys = cli.resolve_api_key(argparse.Namespace(api_key=None, api_key_file=str(f)))
+    assert keys.accepts("from-file") and keys.accepts("old-key") and not keys.accepts("nope")
     assert cli.resolve_api_key(argparse.Namespace(api_key="flag", api_key_file=str(f))) == "flag"
     f.write_text("  \n")
     with pytest.raises(ValueError):

@@ -297,7 +297,7 @@ async def test_the_shared_gateway_routes_by_model_lists_every_model_and_hides_wh
 
 async def test_tenant_keys_authenticate_and_the_engines_get_their_own_key(tmp_path):
     (tmp_path / "tenants").mkdir()
-    (tmp_path / "tenants" / "team-a").write_text("sk-a1\nsk-a2\n")
+    (tmp_path / "tenants" / "team.a").write_text("sk-a1\nsk-a2\n")  # a tenant of namespace team
     (tmp_path / "tenants" / "team-b").write_text("sk-b\n")
     (tmp_path / "engines").mkdir()
     (tmp_path / "engines" / "team.chat").write_text("engine-secret\n")
@@ -443,7 +443,10 @@ def test_engine_priority_ranks_the_model_then_the_tenants_excess_over_its_fair_s
     gw = Gateway(GatewayConfig())
     pool, ticket = gw.pools.pool, Ticket(priority=2)
     body = json.dumps({"model": "m", "priority": 9}).encode()
-    assert gw.engine_body(pool, ticket, body, json.loads(body)) == body  # fcfs engines get the client's body
+    # fcfs engines get the client's body, less a priority of its own (one it could promote itself with)
+    assert json.loads(gw.engine_body(pool, ticket, body, json.loads(body))) == {"model": "m"}
+    plain = json.dumps({"model": "m"}).encode()
+    assert gw.engine_body(pool, ticket, plain, json.loads(plain)) is plain
     pool.engine_priority = True
 
     def rank(t: Ticket) -> int:

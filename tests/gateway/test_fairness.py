@@ -73,7 +73,7 @@ def test_a_flooding_tenant_cannot_push_a_trickle_tenants_ttft_past_its_bound(fle
     try:
         engine.wait_ready()
         gw = start_gateway(engine.url, extra=("--max-inflight-per-engine", "16", "--engine-priority",
-                                              "--tenant-header", "X-Tenant"))
+                                              "--tenant-header", "X-Tenant", "--trusted-proxies", "127.0.0.1/32"))
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, timeout=120)
         ttft(client, "warm", FLOOD_PROMPT, 2)
         unloaded = trickle(client)

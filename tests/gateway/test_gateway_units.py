@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -178,7 +179,7 @@ def test_parse_load_and_ready_urls():
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "or serve every InferenceService of --namespace (or --all-namespaces)"),
+    (["--allow-unauthenticated"], "or serve every InferenceService of --namespace (or --all-namespaces)"),
     (["--namespace", "ns", "--api-key", "k"], "the shared gateway takes no --api-key"),
     (["--endpoint", "http://a:1", "--tenant-keys", "/tmp"], "--tenant-keys and --engine-keys are for the shared"),
     (["-A", "--namespace", "ns"], "--all-namespaces is the shared gateway of the whole cluster"),
@@ -188,6 +189,11 @@ def test_parse_load_and_ready_urls():
     (["--endpoint", "http://a:1", "--load-factor", "0.5"], "--load-factor must be >= 1"),
     (["--service", "s"], "--namespace"),
     (["--endpoint", "http://a:1", "--api-key-file", "/nonexistent/key"], "--api-key-file: cannot read"),
+    # unsafe combinations: an anonymous shared gateway, the engines' keys handed to anyone, a header anyone sets
+    (["--namespace", "ns"], "the shared gateway must know who is asking"),
+    (["--namespace", "ns", "--engine-keys", "/tmp"], "would hand them the engines' keys"),
+    (["--endpoint", "http://a:1", "--tenant-header", "X-Tenant"], "--tenant-header needs --trusted-proxies"),
+    (["--namespace", "ns", "--tenant-header", "X", "--trusted-proxies", "10.0.0.0/33"], "--trusted-proxies:"),
 ])
 def test_cli_rejects_bad_arguments(argv, message):
     out = subprocess.run([sys.executable, "-m", "shoal.operator.gateway", *argv], capture_output=True, text=True,
@@ -517,3 +523,98 @@ def test_request_model_is_read_from_the_body():
     assert request_model("/v1/completions", b'{"model": 3}') is None
     assert request_model("/v1/models", b'{"model": "a"}') is None
     assert request_model("/v1/completions", b'not json "model"') is None
+
+
+def test_a_tenant_header_is_believed_only_from_the_trusted_proxies():
+    from types import SimpleNamespace
+
+    from shoal.operator.gateway.tenants import Caller, Tenancy, parse_networks
+
+    proxies = parse_networks("10.1.0.0/16, fd00::/8")
+    shared, per_service = (Tenancy(header="X-Tenant", trusted=proxies, header_required=r) for r in (True, False))
+
+    def request(peer: str, tenant: str | None = "team-a.batch"):
+        return SimpleNamespace(remote=peer, headers={"X-Tenant": tenant} if tenant else {})
+
+    assert shared.identify(request("10.1.2.3")) == Caller("team-a.batch", "team-a")
+    assert shared.identify(request("fd00::7")) == Caller("team-a.batch", "team-a")
+    for untrusted in (request("10.2.0.1"), request("10.1.2.3", None), request("garbage")):
+        assert shared.identify(untrusted) is None  # 401: the shared gateway authorizes by it
+    assert per_service.identify(request("10.2.0.1")) == Caller("default", None)  # ignored: the default tenant
+
+
+async def test_the_per_service_gateway_keeps_engine_administration_and_priority_from_clients():
+    seen: list[dict] = []
+    app = stand_in_engine(seen=seen)
+    loaded: list[str] = []
+
+    async def load(request):
+        loaded.append(request.path)
+        return web.json_response({})
+
+    app.router.add_post("/v1/load_lora_adapter", load)
+    app.router.add_post("/v1/unload_lora_adapter", load)
+    engine = TestServer(app)
+    await engine.start_server()
+    gw, client = await gateway_client(GatewayConfig(), [str(engine.make_url("")).rstrip("/")])
+    try:
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            r = await client.post(path, json={"lora_name": "x", "lora_path": "/etc"})
+            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+        assert not loaded
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "a", "priority": -1000})
+        assert r.status == 200 and seen[-1]["body"] == {"model": "m", "prompt": "a"}
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.close()
+
+
+async def test_a_client_that_disconnects_mid_answer_is_not_the_engines_failure():
+    streamed = asyncio.Event()
+
+    async def stream(request):
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for _ in range(500):
+            await out.write(b"data: " + b"x" * 4096 + b"\n\n")
+            streamed.set()
+            await asyncio.sleep(0.005)
+        return out
+
+    app = stand_in_engine()
+    app.router.add_post("/v1/chat/completions", stream)
+    engine = TestServer(app)
+    await engine.start_server()
+    # Without handler cancellation the gateway keeps writing after the client is gone and the write fails: with
+    # it (shoal-gateway's setting) the same happens when the write comes before the cancellation is delivered.
+    gw = Gateway(GatewayConfig(health=HealthPolicy(circuit_failures=1)))
+    gw.backends.replace([str(engine.make_url("")).rstrip("/")])
+    await gw.start()
+    runner = web.AppRunner(build_app(gw), handler_cancellation=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server = SimpleNamespace(host="127.0.0.1", port=site._server.sockets[0].getsockname()[1], close=runner.cleanup)
+    try:
+        (backend,) = gw.backends.all()
+        for i in range(3):
+            streamed.clear()
+            reader, writer = await asyncio.open_connection(server.host, server.port)
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            await writer.drain()
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            await streamed.wait()
+            writer.transport.abort()  # gone mid-answer
+            deadline = time.monotonic() + 10
+            while gw.metrics.requests.labels(backend.url, "client_closed")._value.get() < i + 1:
+                assert time.monotonic() < deadline, "the gateway never noticed the client was gone"
+                await asyncio.sleep(0.01)
+            assert backend.failures == 0 and gw.metrics.requests.labels(backend.url, "broken")._value.get() == 0
+        assert gw.backends.eligible() == [backend]  # no circuit opened
+    finally:
+        await server.close()
+        await gw.stop()
+        await engine.close()

@@ -321,3 +321,13 @@ async def test_hub_downloads_are_spread_out_and_few_at_a_time(engine, tmp_path, 
         await syncer.session.close()
     assert most[0] <= adapter_sync.DOWNLOADS and len(starts) == 6
     assert min(starts) - began < 0.3 + 0.1 and max(starts) - began >= 0.2 * (6 // adapter_sync.DOWNLOADS - 1)
+
+
+def test_the_newest_key_of_a_rotated_secret_is_read_at_each_call(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("old\n")
+    monkeypatch.setenv("SHOAL_API_KEY_FILE", str(keys))
+    syncer = adapter_sync.Syncer(tmp_path / "adapters.json", "http://127.0.0.1:1", tmp_path / "state.json")
+    assert syncer._headers() == {"Authorization": "Bearer old"}
+    keys.write_text("\nnew\nold\n")  # the rollover: the newest first
+    assert syncer._headers() == {"Authorization": "Bearer new"}

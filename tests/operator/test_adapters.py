@@ -55,9 +55,12 @@ def test_adapters_render_a_configmap_a_sidecar_and_valid_children():
     assert sidecar["ports"] == [{"name": "adapter-sync", "containerPort": 8001, "protocol": "TCP"}]
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "adapter-sync"}
     env = {e["name"]: e for e in sidecar["env"]}
-    assert env["SHOAL_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "key", "key": "k"}}
+    # the engine's key Secret, mounted: it sends the newest key, read at each call (a rotation needs no restart)
+    assert env["SHOAL_API_KEY_FILE"] == {"name": "SHOAL_API_KEY_FILE", "value": "/etc/shoal/api-keys/keys"}
+    assert "SHOAL_API_KEY" not in env
     assert "HF_HUB_OFFLINE" not in env  # it fetches hf:// adapters; the engine stays offline
-    assert {m["mountPath"] for m in sidecar["volumeMounts"]} == {"/cache", "/tmp", "/etc/shoal/adapters"}
+    assert {m["mountPath"] for m in sidecar["volumeMounts"]} == {"/cache", "/tmp", "/etc/shoal/adapters",
+                                                                 "/etc/shoal/api-keys"}
     # the operator reads the sidecars' /status: its namespace is admitted on their port
     rules = children[("NetworkPolicy", "llm")]["spec"]["ingress"]
     assert {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "shoal-system"}}}],

@@ -8,6 +8,7 @@ keeps serving; everything goes through the engine's API key.
 
 from __future__ import annotations
 
+import base64
 import json
 
 from fleetkit import Kubelet
@@ -38,6 +39,9 @@ def test_adapters_follow_the_spec_in_the_running_engine(env, ns, llama_model, tm
     other = make_lora_adapter(tmp_path / "other", llama_model, rank=8, seed=2)
     big = make_lora_adapter(tmp_path / "big", llama_model, rank=32, seed=3)
     name = "lora"
+    # the engine and its sidecar read the key from the mounted Secret (the local kubelet mounts it)
+    env.client.create("secrets", ns, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "key"},
+                                      "data": {"api-key": base64.b64encode(KEY.encode()).decode()}})
     env.client.create(ISVC, ns, isvc_body(name, {
         "model": {"uri": f"file://{llama_model}", "servedName": "tiny"},
         "engine": {"attentionBackend": "sdpa", "enableLora": True, "maxLoras": 2, "maxLoraRank": 16},

@@ -279,7 +279,7 @@ def test_idle_gpus_are_refused_with_the_numbers():
     assert "4 × pipeline 3 = 12 ranks on pods of 8 GPUs would leave 4 requested GPUs idle" in e.value.message
 
 
-def test_api_key_is_only_an_env_var_of_the_engine_container():
+def test_api_key_is_only_a_mounted_secret_of_the_engine_container():
     spec = {**TOPOLOGIES["tp8xpp2"], "security": {"apiKeySecretRef": {"name": "k"}}}
     for obj in render.render(isvc(spec), SETTINGS):
         if obj["kind"] != "StatefulSet":
@@ -287,8 +287,15 @@ def test_api_key_is_only_an_env_var_of_the_engine_container():
         pod = obj["spec"]["template"]["spec"]
         for c in pod["containers"] + pod["initContainers"]:
             assert not any("SHOAL_API_KEY" in a or a == "--api-key" for a in c.get("command", []) + c["args"])
-        assert [e for e in pod["containers"][0]["env"] if e["name"] == "SHOAL_API_KEY"] == [
-            {"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "api-key"}}}]
+        # the Secret mounted in the engine container alone, every line a key, re-read on rotation (no restart)
+        engine = pod["containers"][0]
+        assert not any(e["name"] == "SHOAL_API_KEY" for e in engine["env"])
+        assert flag(engine["args"], "--api-key-file") == render.API_KEYS_FILE
+        assert {"name": "api-keys", "mountPath": render.API_KEYS_DIR, "readOnly": True} in engine["volumeMounts"]
+        assert {"name": "api-keys", "secret": {"secretName": "k", "items": [{"key": "api-key", "path": "keys"}]}} \
+            in pod["volumes"]
+        assert not any(m["name"] == "api-keys" for c in pod["containers"][1:] + pod["initContainers"]
+                       for m in c.get("volumeMounts", []))
         assert not any(e["name"] == "SHOAL_API_KEY" for e in pod["initContainers"][0]["env"])
         assert pod["initContainers"][0]["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi"}
 
@@ -311,7 +318,7 @@ def test_every_option_reaches_the_pod():
     assert "--api-key" not in args and not any("SHOAL_API_KEY" in a for a in args)  # never in /proc/*/cmdline
     assert args[-2:] == ["--seed", "7"]
     env = {e["name"]: e for e in c["env"]}
-    assert env["SHOAL_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "llm-key", "key": "token"}
+    assert "SHOAL_API_KEY" not in env and flag(args, "--api-key-file") == render.API_KEYS_FILE  # the mounted Secret
     assert env["NCCL_DEBUG"]["value"] == "INFO" and env["HF_HUB_OFFLINE"]["value"] == "0"  # user env wins
     assert [e["name"] for e in c["env"]].count("HF_HUB_OFFLINE") == 1
     assert c["image"] == "my.registry/engine:2" and c["imagePullPolicy"] == "Always"

@@ -146,10 +146,15 @@ def test_scale_from_zero_makes_the_gateway_hold_requests_and_wake_the_autoscaler
 def test_the_gateway_checks_the_engines_api_key_itself():
     k = kids({"security": {"apiKeySecretRef": {"name": "llm-key", "key": "token"}},
               "autoscaling": {"minReplicas": 0, "maxReplicas": 2}})
-    (c,) = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"]
-    # from the Secret as an env var (never an argument), so unauthenticated requests never hold or wake anything
-    assert c["env"] == [{"name": "SHOAL_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "token"}}}]
-    assert not any("llm-key" in a or "api-key" in a for a in c["args"])
+    pod = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    # the Secret mounted (never an argument nor an env var), re-read when it is rotated, so unauthenticated
+    # requests never hold or wake anything and a new key needs no restart
+    assert "env" not in c and not any("llm-key" in a or "token" in a for a in c["args"])
+    assert c["args"][c["args"].index("--api-key-file") + 1] == render.API_KEYS_FILE
+    assert c["volumeMounts"] == [{"name": "api-keys", "mountPath": render.API_KEYS_DIR, "readOnly": True}]
+    assert pod["volumes"] == [{"name": "api-keys", "secret": {"secretName": "llm-key",
+                                                              "items": [{"key": "token", "path": "keys"}]}}]
     assert "env" not in kids()[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
 
 
@@ -209,3 +214,14 @@ def test_the_gateways_metrics_listener_is_left_out_of_a_mesh():
         k[("Service", "llm")]["spec"]["ports"]
     plain = kids({"gateway": {"enabled": False}})
     assert [p["name"] for p in plain[("Service", "llm")]["spec"]["ports"]] == ["http"]
+
+
+def test_engines_that_schedule_by_priority_get_the_gateways_priority_never_a_clients():
+    from shoal.operator.gateway.cli import build_parser
+
+    def gateway_args(spec):
+        return kids(spec)[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert "--engine-priority" not in gateway_args(None)
+    args = gateway_args({"engine": {"schedulingPolicy": "priority"}})
+    assert build_parser().parse_args(args).engine_priority

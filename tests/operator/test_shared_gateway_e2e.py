@@ -55,6 +55,7 @@ def test_one_endpoint_routes_by_model_and_wakes_only_the_model_asked_for(env, ns
     port = free_port()
     gateway = LoggedProcess([sys.executable, "-m", "shoal.operator.gateway", "--namespace", ns, "--host", "127.0.0.1",
                              "--port", str(port), "--poll-interval", "0.1", "--models-interval", "0.5",
+                             "--allow-unauthenticated",
                              "--log-level", "info"], port, log_prefix="shared-gateway-")
     try:
         with kubelet:
@@ -100,9 +101,97 @@ def test_one_endpoint_routes_by_model_and_wakes_only_the_model_asked_for(env, ns
         print("kubelet events:", kubelet.events)
         print("gateway log:", gateway.logs()[-6000:])
         for pod in kubelet.pods.values():
-            print(f"pod {pod.name} log:", pod.logs()[-3000:])
+            print(f"pod {pod.name} (exit code {pod.proc.poll()}) log:", pod.logs()[-3000:])
         raise
     finally:
         gateway.stop(timeout=15)
         for name in ("chat", "code", "idle"):
             env.client.delete(ISVC, ns, name)
+
+
+@pytest.mark.slow
+def test_tenants_use_their_namespaces_models_and_what_is_granted_a_hostile_namespace_captures_nothing(
+        env, ns, llama_model, tmp_path):
+    """Two namespaces, two tenants (a key each), team-b hostile: its older services serve team-a's base name and
+    adapter name (at zero replicas: a black hole at no cost) and grant them to everyone. team-a's names stay
+    team-a's; team-b's key reaches nothing of team-a's, which answers like an unknown model; /v1/models lists only
+    what each caller may use."""
+    team_a, team_b = f"{ns}-a", f"{ns}-b"
+    adapter = make_lora_adapter(tmp_path / "sql", llama_model, rank=4, seed=1)
+    keys = tmp_path / "tenant-keys"
+    keys.mkdir()
+    (keys / team_a).write_text("sk-team-a\n")
+    (keys / f"{team_b}.hostile").write_text("sk-team-b\n")
+    from shoal.operator.gateway.fleet import GRANT_ANNOTATION
+
+    for name, served in (("evil-chat", "chat"), ("evil-sql", "sql")):  # first: the older services
+        body = isvc_body(name, {"replicas": 0, "model": {"uri": f"file://{llama_model}", "servedName": served}})
+        body["metadata"]["annotations"] = {GRANT_ANNOTATION: "*"}
+        env.client.create(ISVC, team_b, body)
+    env.client.create(ISVC, team_a, isvc_body("chat", {
+        "model": {"uri": f"file://{llama_model}", "servedName": "chat"},
+        "engine": {"attentionBackend": "sdpa", "maxNumSeqs": 4, "shutdownTimeoutSeconds": 10,
+                   "extraArgs": ["--enable-lora", "--lora-modules", f"sql={adapter}", "--max-lora-rank", "8"]}}))
+    wait_for(lambda: env.client.get("deployments", team_a, "chat"), 10, "the chat deployment")
+    kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, team_a, engine_service=None)
+    port = free_port()
+    gateway = LoggedProcess([sys.executable, "-m", "shoal.operator.gateway", "--all-namespaces", "--host",
+                             "127.0.0.1", "--port", str(port), "--poll-interval", "0.1", "--models-interval", "0.5",
+                             "--tenant-keys", str(keys), "--log-level", "info"], port, log_prefix="shared-gateway-")
+
+    def listed(key: str) -> set[str]:
+        status, body, _ = http("GET", gateway.url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
+                               timeout=5)
+        return {c["id"] for c in json.loads(body)["data"]} if status == 200 else set()
+
+    try:
+        with kubelet:
+            gateway.wait_ready(30)
+            a = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-team-a", max_retries=0, timeout=240)
+            b = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-team-b", max_retries=0, timeout=240)
+
+            def answers(model: str) -> bool:
+                try:
+                    return bool(a.completions.create(model=model, prompt="warm", max_tokens=1).choices)
+                except (openai.APIStatusError, openai.APIConnectionError):
+                    return False
+
+            wait_for(lambda: "sql" in {c["id"] for c in json.loads(http(
+                "GET", gateway.url + "/v1/models", headers={"Authorization": "Bearer sk-team-a"}, timeout=5)[1])[
+                "data"] if c.get("parent")}, 240, "team-a's adapter listed by its engine")
+            wait_for(lambda: answers("chat") and answers("sql"), 240, "team-a's chat and its adapter to answer")
+            # the hijack: team-b's older services serving the same names (granted to all) capture nothing
+            assert a.completions.create(model="sql", prompt="select", max_tokens=2).model == "sql"
+            assert a.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2).model == "chat"
+            assert listed("sk-team-a") == {"chat", "sql"}
+            # team-b resolves in its own namespace: its black hole, never team-a's engines
+            with pytest.raises(openai.APIStatusError) as own:
+                b.completions.create(model="chat", prompt="x", max_tokens=1)
+            assert own.value.status_code == 503
+            assert listed("sk-team-b") == {"chat", "sql"}  # its own two services
+            # the cross-namespace key: team-a's names team-b does not serve look unknown to it
+            env.client.create(ISVC, team_b, isvc_body("quiet", {
+                "replicas": 0, "model": {"uri": f"file://{llama_model}", "servedName": "quiet"}}))
+            wait_for(lambda: "quiet" in listed("sk-team-b"), 30, "team-b's new service listed")
+            assert "quiet" not in listed("sk-team-a")  # not granted
+            with pytest.raises(openai.NotFoundError) as hidden:
+                a.completions.create(model="quiet", prompt="x", max_tokens=1)
+            with pytest.raises(openai.NotFoundError) as unknown:
+                a.completions.create(model="nope", prompt="x", max_tokens=1)
+            assert hidden.value.body == {**unknown.value.body, "message": unknown.value.body["message"].replace(
+                "nope", "quiet")}
+            status, _, _ = http("GET", gateway.url + "/v1/models", timeout=5)
+            assert status == 401  # no key, nothing
+            assert kubelet.error is None, kubelet.error
+    except BaseException:
+        print("kubelet events:", kubelet.events)
+        print("gateway log:", gateway.logs()[-6000:])
+        for pod in kubelet.pods.values():
+            print(f"pod {pod.name} (exit code {pod.proc.poll()}) log:", pod.logs()[-3000:])
+        raise
+    finally:
+        gateway.stop(timeout=15)
+        env.client.delete(ISVC, team_a, "chat")
+        for name in ("evil-chat", "evil-sql", "quiet"):
+            env.client.delete(ISVC, team_b, name)
