@@ -78,10 +78,14 @@ def test_vllm_single_pod_replica():
     (init,) = pod["initContainers"]
     assert init["image"] == SETTINGS.fleet_image and init["command"] == ["shoal-podtools"] and init["args"][0] == "download"
     assert pod["terminationGracePeriodSeconds"] > 90
-    # the gateway checks the same key, read as SHOAL_API_KEY whatever the runtime (VLLM_API_KEY means nothing to it)
-    (gw,) = [container(c) for c in children if c["kind"] == "Deployment" and c["metadata"]["name"].endswith("-gateway")]
-    assert gw["env"] == [{"name": "SHOAL_API_KEY",
-                          "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "token"}}}]
+    # the gateway checks the same key whatever the runtime (VLLM_API_KEY means nothing to it): the Secret mounted and
+    # named by --api-key-file, every line a key, re-read on rotation
+    (gw_deploy,) = [c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"].endswith("-gateway")]
+    gw = container(gw_deploy)
+    assert gw["volumeMounts"] == [render.API_KEYS_MOUNT]
+    assert gw["args"][gw["args"].index("--api-key-file") + 1] == render.API_KEYS_FILE
+    assert gw_deploy["spec"]["template"]["spec"]["volumes"] == [
+        {"name": "api-keys", "secret": {"secretName": "llm-key", "items": [{"key": "token", "path": "keys"}]}}]
     # the gateway polls /health and reads vllm: gauges
     assert gateway_args(children)[-2:] == ["--runtime", "vllm"]
 
