@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": model, "results": results}))
         return 0
     print(f"model {model}; {len(PROMPTS)} prompts")
-    print(f"{'tier':<12}{'dtype':<10}{'ppl none':>12}{'ppl int8':>12}{'ratio':>8}{'|dlogp|':>9}{'top1 =':>8}  int8 path")
+    print(f"{'tier':<17}{'dtype':<10}{'ppl none':>12}{'ppl int8':>12}{'ratio':>8}{'|dlogp|':>9}{'top1 =':>8}  int8 path")
     for r in results:
         for dtype, row in r["rows"].items():
-            print(f"{r['tier']:<12}{dtype:<10}{row['ppl_none']:>12.2f}{row['ppl_int8']:>12.2f}"
+            print(f"{r['tier']:<17}{dtype:<10}{row['ppl_none']:>12.2f}{row['ppl_int8']:>12.2f}"
                   f"{row['ppl_int8'] / row['ppl_none']:>8.3f}{row['mean_abs_dlogprob']:>9.3f}"
                   f"{row['top1_agree']:>8.1%}  {r['int8']}")
     return 0

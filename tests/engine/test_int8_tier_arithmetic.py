@@ -105,3 +105,41 @@ def test_every_tier_chooses_weights_its_int8_gemm_sums_exactly(cpu, cap):
     x[:, 3] = 40.0  # an outlier channel, as real residual streams have: the other entries quantize small
     xu8 = quantize_activations_u8(x)
     assert torch.equal(gemm(xu8, wq), gemm_vnni(xu8, wq))
+
+
+def emulated_kernel(gemm, compensation_error: int = 0):
+    """An int8_linear whose integer GEMM is `gemm` over u8 activations (zero point 128), as oneDNN's would be."""
+
+    def kernel(x, w, w_scale, w_zero_point, bias):
+        xu8 = quantize_activations_u8(x)
+        scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+        acc = gemm(xu8, w) - (ZERO_POINT + compensation_error) * w.long().sum(1)
+        return acc.double() * scale.double() * w_scale.double()
+
+    return kernel
+
+
+def test_the_load_time_probe_catches_a_gemm_that_is_not_exact():
+    """The probe that picks the weight range at load, on emulated GEMMs: the saturating pairs of a CPU without VNNI
+    fail it at 8 bits and pass at 7; a wrong zero-point compensation fails at any width; VNNI passes at 8."""
+    from shoal.engine.execution.quantization.int8 import gemm_is_exact
+
+    same = lambda w: w  # noqa: E731 - the emulated kernels take the plain int8 weight
+    assert not gemm_is_exact(emulated_kernel(gemm_pairs_int16), 127, pack=same)
+    assert gemm_is_exact(emulated_kernel(gemm_pairs_int16), NO_VNNI_WEIGHT_LIMIT, pack=same)
+    assert gemm_is_exact(emulated_kernel(gemm_vnni), 127, pack=same)
+    assert not gemm_is_exact(emulated_kernel(gemm_vnni, compensation_error=1), 127, pack=same)
+    assert not gemm_is_exact(emulated_kernel(gemm_vnni, compensation_error=1), NO_VNNI_WEIGHT_LIMIT, pack=same)
+
+
+def test_this_cpus_int8_gemm_is_exact_for_the_range_chosen_and_the_probe_sees_saturation():
+    from shoal.engine.execution.cpu_features import cpu_features
+    from shoal.engine.execution.quantization.int8 import Int8Weight, _cpu_kernel, gemm_is_exact
+
+    kernel, limit = _cpu_kernel(torch.empty(0))
+    if kernel is None:
+        pytest.skip("no oneDNN int8 kernel here: torch._int_mm runs, exact by construction")
+    assert limit == Int8Weight.weight_limit(torch.device("cpu"))
+    assert gemm_is_exact(kernel, limit)
+    if not cpu_features().int8_vnni:  # vpmaddubsw here: 8-bit weights saturate, and the probe must say so
+        assert not gemm_is_exact(kernel, 127) and limit == NO_VNNI_WEIGHT_LIMIT
