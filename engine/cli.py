@@ -285,9 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from shoal.engine.execution.cpu_features import CpuIsaError, apply_thread_defaults, cpu_features
+    from shoal.engine.execution.cpu_budget import apply_cpu_budget
+    from shoal.engine.execution.cpu_features import CpuIsaError, cpu_features
 
-    apply_thread_defaults()  # before torch loads OpenMP: passive waits unless the environment says otherwise
+    apply_cpu_budget()  # before torch loads OpenMP: threads and waits from the CPU quota, affinity and load
 
     try:
         cpu_features()  # first, before torch runs a kernel: a SHOAL_CPU_ISA cap must reach torch and oneDNN too

@@ -236,6 +236,18 @@ def _stored_env(var: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in var.items() if not (k == "value" and v == "")}
 
 
+def cpu_engine_cpus(spec: InferenceServiceSpec, gpus: int) -> int | None:
+    """Whole CPUs for a CPU-only Shoal engine with a CPU request: the request rounded up, rendered as request ==
+    limit. Whole CPUs, because a CFS quota with a fraction (1500m) lets a step's threads run out of quota mid-step
+    and stop for the rest of the period, and because only a Guaranteed pod's integer CPUs get exclusive cores from
+    the static CPU manager policy; the engine runs one OpenMP thread per CPU (docs/performance.md)."""
+    if gpus > 0 or spec.resources.cpu is None or spec.runtime != "shoal":
+        return None
+    from kubernetes.utils import parse_quantity
+
+    return max(1, math.ceil(parse_quantity(str(spec.resources.cpu))))
+
+
 def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict[str, Any]]:
     """The env every container of the pod shares: cache locations, the rank (multi-pod), GPU visibility (CPU
     pods), then the user's env."""
@@ -254,6 +266,9 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}})
     if gpus == 0:
         env += [dict(e) for e in CPU_ONLY_ENV]
+    cpus = cpu_engine_cpus(spec, gpus)
+    if cpus is not None:  # the engine would read the quota itself; said outright where a cgroup is unreadable
+        env.append({"name": "OMP_NUM_THREADS", "value": str(cpus)})
     user_names = {e.get("name") for e in spec.env}
     return [e for e in env if e["name"] not in user_names] + [_stored_env(copy.deepcopy(e)) for e in spec.env]
 
@@ -293,7 +308,10 @@ def _with_api_key(env: list[dict[str, Any]], spec: InferenceServiceSpec) -> list
 def _engine_resources(spec: InferenceServiceSpec, gpus: int) -> dict[str, Any]:
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
-    if spec.resources.cpu is not None:
+    cpus = cpu_engine_cpus(spec, gpus)
+    if cpus is not None:
+        requests["cpu"] = limits["cpu"] = str(cpus)
+    elif spec.resources.cpu is not None:
         requests["cpu"] = str(spec.resources.cpu)
     if spec.resources.memory is not None:
         requests["memory"] = limits["memory"] = str(spec.resources.memory)

@@ -92,8 +92,10 @@ class LLMEngine:
         self.hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
         self.device = pick_device(config.device)
         if self.device.type == "cpu":  # the tier decides dtype auto, kernels and their builds: say which
+            from shoal.engine.execution.cpu_budget import apply_thread_count
             from shoal.engine.execution.cpu_features import log_cpu_features
 
+            apply_thread_count()  # a quota or affinity mask still bounds the threads outside `shoal-engine`
             log_cpu_features()
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         if config.quantization is not None:  # refuse before loading anything

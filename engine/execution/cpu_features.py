@@ -202,56 +202,38 @@ def _cap_libraries(tier: str) -> None:
                        "the environment before the process starts to cap torch too", ENV_CAP, tier, got, want)
 
 
-# OpenMP's wait policy. A thread that finishes its share of a parallel region either spins, waiting for the next
-# region (libgomp's default: up to 300,000 spins, milliseconds on CPUs with a slow `pause`), or sleeps at once
-# (passive). A decode step runs hundreds of short regions, so sleeping at once pays a futex wake-up in each; spinning
-# for ever holds a core that a sibling thread or another process needs, which on a shared machine (a CPU limit,
-# noisy neighbours, more runnable threads than cores) makes every region wait for the scheduler. A short spin takes
-# both: measured on the 2-core development VM, batch-1 decode of SmolLM2-135M Q4_1, tokens/s passive vs 10,000
-# spins: 55.8 vs 137.4 idle, 36.5 vs 54.3 beside 2 busy processes, 13.1 vs 19.8 beside 6 (1,000 spins: 137.5 idle,
-# 49.4 beside 2; libgomp's 300,000: 134.7 idle). So 10,000 spins is the default; OMP_WAIT_POLICY or GOMP_SPINCOUNT set
-# in the environment wins. The small-M kernel hands out its rows dynamically, so a worker that wakes late only takes
-# fewer of them.
+# How many threads and which OpenMP wait policy: `cpu_budget.py` decides from the CPU quota, affinity and load.
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-DEFAULT_SPINCOUNT = "10000"
-
-
-def apply_thread_defaults(environ=None) -> str:
-    """Bound OpenMP's spin-wait unless the environment chose a policy; returns the policy in effect. It takes
-    effect only before torch loads its OpenMP runtime (`shoal-engine` calls this first thing)."""
-    environ = os.environ if environ is None else environ
-    chosen = {v: environ[v] for v in WAIT_POLICY_VARS if v in environ}
-    if chosen:
-        return ", ".join(f"{k}={v}" for k, v in chosen.items()) + " (from the environment)"
-    environ["GOMP_SPINCOUNT"] = DEFAULT_SPINCOUNT
-    environ[_SET_BY_SHOAL] = "GOMP_SPINCOUNT"
-    return f"GOMP_SPINCOUNT={DEFAULT_SPINCOUNT} (default)"
-
-
-_SET_BY_SHOAL = "SHOAL_SET_WAIT_POLICY"  # names the wait-policy variable Shoal set, not the user
 
 
 def peer_environ(environ=None) -> dict[str, str]:
-    """The environment for a peer engine a benchmark runs (llama.cpp, vLLM): this process's, less the wait policy
-    Shoal chose for itself, so that the peer runs as its users run it (llama.cpp built with OpenMP ran 3x slower with
-    passive waits on an idle machine). A policy the user set stays, for both."""
+    """The environment for a peer engine a benchmark runs (llama.cpp, vLLM): this process's, less the thread count
+    and wait policy Shoal chose for itself, so that the peer runs as its users run it (llama.cpp built with OpenMP
+    ran 3x slower with passive waits on an idle machine). What the user set stays, for both."""
+    from shoal.engine.execution.cpu_budget import SET_BY_SHOAL
+
     env = dict(os.environ if environ is None else environ)
-    ours = env.pop(_SET_BY_SHOAL, None)
-    if ours:
-        env.pop(ours, None)
+    for var in filter(None, env.pop(SET_BY_SHOAL, "").split(",")):
+        env.pop(var, None)
     return env
 
 
 def thread_policy() -> str:
     """The OpenMP wait policy this process runs with, for the start-up log."""
+    from shoal.engine.execution.cpu_budget import SET_BY_SHOAL
+
     chosen = {v: os.environ[v] for v in WAIT_POLICY_VARS if v in os.environ}
     if not chosen:
         return "libgomp's default (up to 300,000 spins, then sleep)"
-    return ", ".join(f"{k}={v}" for k, v in chosen.items()) + (" (default)" if _SET_BY_SHOAL in os.environ else "")
+    ours = os.environ.get(SET_BY_SHOAL, "").split(",")
+    return ", ".join(f"{k}={v}" + (" (Shoal's choice)" if k in ours else " (from the environment)")
+                     for k, v in chosen.items())
 
 
 def log_cpu_features() -> None:
     import torch
 
-    logger.info("%s\n  threads: %d, OpenMP wait: %s", cpu_features().describe(), torch.get_num_threads(),
-                thread_policy())
+    from shoal.engine.execution.cpu_budget import decision
+
+    logger.info("%s\n  threads: %d, OpenMP wait: %s\n  CPU budget: %s", cpu_features().describe(),
+                torch.get_num_threads(), thread_policy(), decision())

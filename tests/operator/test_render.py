@@ -138,11 +138,28 @@ def test_cpu_demo_single_pod():
     assert "--model" not in c["args"]  # demo:// -> the engine's built-in demo model
     assert flag(c["args"], "--served-model-name") == "llm"
     assert flag(c["args"], "--port") == "8000" and flag(c["args"], "--host") == "0.0.0.0"
-    assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}
     assert "nvidia.com/gpu" not in str(c["resources"])
     assert c["image"] == "registry.test/shoal-engine:1"
     assert dep["spec"]["replicas"] == 1
     assert dep["spec"]["selector"]["matchLabels"] == {L_ISVC: "llm", "app.kubernetes.io/component": "engine"}
+
+
+@pytest.mark.parametrize("cpu, whole", [("1500m", "2"), (2, "2"), ("500m", "1"), ("3.2", "4"), ("4", "4")])
+def test_cpu_engines_get_whole_cpus_as_request_and_limit_and_the_threads_to_match(cpu, whole):
+    """A fractional CFS quota stops a step's threads mid-step, and only a Guaranteed pod's whole CPUs get exclusive
+    cores from the static CPU manager: CPU-only Shoal engines get whole CPUs (the request rounded up), request ==
+    limit, and OMP_NUM_THREADS to match; a user's OMP_NUM_THREADS wins."""
+    spec = {**TOPOLOGIES["cpu-demo"], "resources": {"gpusPerPod": 0, "cpu": cpu, "memory": "4Gi"}}
+    c = container(by_kind(render.render(isvc(spec), SETTINGS))[("Deployment", "llm")])
+    assert c["resources"]["requests"]["cpu"] == c["resources"]["limits"]["cpu"] == whole
+    assert {e["name"]: e.get("value") for e in c["env"]}["OMP_NUM_THREADS"] == whole
+    mine = container(by_kind(render.render(isvc({**spec, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]}),
+                                           SETTINGS))[("Deployment", "llm")])
+    assert [e["value"] for e in mine["env"] if e["name"] == "OMP_NUM_THREADS"] == ["1"]
+    # GPU engines keep their plain CPU request and get no thread setting
+    gpu = container(by_kind(render.render(isvc(TOPOLOGIES["tp4"]), SETTINGS))[("Deployment", "llm")])
+    assert "cpu" not in gpu["resources"].get("limits", {}) and "OMP_NUM_THREADS" not in str(gpu["env"])
 
 
 def test_cpu_pods_see_no_gpu_and_run_on_cpu():

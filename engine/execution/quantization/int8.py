@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from shoal.engine.execution.quantization.base import QuantizedWeight
+
+logger = logging.getLogger(__name__)
 
 
 # Weight range of the oneDNN path on x86 CPUs without VNNI. There oneDNN's u8 x s8 GEMM multiplies with
@@ -22,9 +27,48 @@ def quantize_rows_int8(t: torch.Tensor, limit: int = 127) -> tuple[torch.Tensor,
     return torch.round(t / scale).clamp_(-limit, limit).to(torch.int8), scale
 
 
+def gemm_is_exact(kernel, limit: int, pack=None) -> bool:
+    """Whether `kernel` (int8_linear) gives the exact integer product for weights within +-limit, on operands that
+    reach every corner of the range: activations whose per-token quantization is the integers themselves (a +-127
+    in every row makes the scale 1), next to weights at +-limit and mixed ones, at a decode (1 row) and a batch
+    (33 rows) shape with widths of real layers. Saturating int16 pairs (no VNNI), a wrong zero-point compensation
+    or any other kernel that is not exact shows as a difference; the sums stay below 2**24, so float32 holds them
+    exactly. `pack` lays the int8 weight out for the kernel (default: oneDNN's prepack)."""
+    pack = pack or (lambda w: torch.ops.onednn.qlinear_prepack(w, None))
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in ((1, 576, 64), (33, 512, 48)):
+        w = torch.randint(-limit, limit + 1, (n, k), generator=g, dtype=torch.int32)
+        w[0], w[1], w[2, ::2], w[2, 1::2] = limit, -limit, limit, -limit
+        x = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int32)
+        x[:, 0] = 127
+        x[0, 1:] = 127  # with weights at +limit: every pair at its largest
+        if m > 1:
+            x[1, 1:] = -127
+        packed = pack(w.to(torch.int8))
+        got = kernel(x.float(), packed, torch.ones(n), torch.zeros(n, dtype=torch.int64), None)
+        if not torch.equal(got.double(), x.double() @ w.double().t()):
+            return False
+    return True
+
+
+@functools.cache
+def _probed_limit(kernel, first_guess: int) -> int | None:
+    """The widest weight range this process's int8 GEMM sums exactly (the CPU flags' guess first), or None when
+    not even 7-bit weights are exact: then the portable path runs. Checked once, because what oneDNN runs depends on
+    its build, its ISA cap and the CPU, and a GEMM that is not exact answers wrong, not slow."""
+    for limit in dict.fromkeys((first_guess, NO_VNNI_WEIGHT_LIMIT)):
+        if gemm_is_exact(kernel, limit):
+            if limit != first_guess:
+                logger.warning("int8: the oneDNN GEMM here does not sum %d-bit weights exactly; using 7-bit weights",
+                               8 if first_guess == 127 else 7)
+            return limit
+    logger.warning("int8: the oneDNN GEMM here is not exact even for 7-bit weights; using torch._int_mm")
+    return None
+
+
 def _cpu_kernel(weight: torch.Tensor):
     """(the fused C++ int8_linear op, the weight range it is exact for) on an x86 CPU where it and oneDNN's int8
-    prepack are available, else (None, 127): torch._int_mm then runs, exact everywhere."""
+    prepack are available and exact, else (None, 127): torch._int_mm then runs, exact everywhere."""
     from shoal.engine.execution.cpu_features import cpu_features
     from shoal.engine.execution.layers.fused import load_kernels
 
@@ -34,7 +78,8 @@ def _cpu_kernel(weight: torch.Tensor):
     ops = load_kernels()[0]
     if ops is None:
         return None, 127
-    return ops.int8_linear, 127 if features.int8_vnni else NO_VNNI_WEIGHT_LIMIT
+    limit = _probed_limit(ops.int8_linear, 127 if features.int8_vnni else NO_VNNI_WEIGHT_LIMIT)
+    return (None, 127) if limit is None else (ops.int8_linear, limit)
 
 
 class Int8Weight(QuantizedWeight):

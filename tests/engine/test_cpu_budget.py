@@ -1,0 +1,120 @@
+"""The engine's CPU budget: the quota read from fake cgroup trees (v2 and v1, nested, absent, unlimited, garbage),
+the thread count and wait policy decided from it, the affinity mask and the observed load, and the environment
+always winning."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shoal.engine.execution import cpu_budget
+from shoal.engine.execution.cpu_budget import apply_cpu_budget, cgroup_quota, decide, other_load
+from shoal.engine.execution.cpu_features import peer_environ
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.mark.parametrize("content, cpus", [("150000 100000\n", 1.5), ("max 100000\n", None), ("200000 50000", 4.0),
+                                          ("50000", 0.5), ("garbage here", None)])
+def test_cgroup_v2_cpu_max_at_the_namespace_root(tmp_path, content, cpus):
+    write(tmp_path / "cpu.max", content)
+    quota, where = cgroup_quota(tmp_path, proc_cgroup="0::/\n")
+    assert quota == cpus
+    if cpus is not None:
+        assert "cgroup v2 cpu.max" in where and str(tmp_path) in where
+
+
+def test_no_cgroup_files_means_no_quota(tmp_path):
+    assert cgroup_quota(tmp_path, proc_cgroup="0::/\n") == (None, "no CPU quota")
+    assert cgroup_quota(tmp_path, proc_cgroup="") == (None, "no CPU quota")
+
+
+def test_the_tightest_limit_over_the_cgroup_and_its_ancestors_counts(tmp_path):
+    # a pod-level limit above an unlimited container cgroup, as the kubelet lays them out without a namespace
+    write(tmp_path / "cpu.max", "max 100000")
+    write(tmp_path / "kubepods" / "pod1" / "cpu.max", "150000 100000")
+    write(tmp_path / "kubepods" / "pod1" / "ctr" / "cpu.max", "max 100000")
+    assert cgroup_quota(tmp_path, proc_cgroup="0::/kubepods/pod1/ctr\n")[0] == 1.5
+    write(tmp_path / "kubepods" / "pod1" / "ctr" / "cpu.max", "120000 100000")
+    quota, where = cgroup_quota(tmp_path, proc_cgroup="0::/kubepods/pod1/ctr\n")
+    assert quota == 1.2 and "ctr" in where
+
+
+def test_cgroup_v1_cfs_quota(tmp_path):
+    proc = "12:memory:/x\n4:cpu,cpuacct:/kubepods/pod1\n0::/\n"
+    write(tmp_path / "cpu,cpuacct" / "kubepods" / "pod1" / "cpu.cfs_quota_us", "150000\n")
+    write(tmp_path / "cpu,cpuacct" / "kubepods" / "pod1" / "cpu.cfs_period_us", "100000\n")
+    quota, where = cgroup_quota(tmp_path, proc_cgroup=proc)
+    assert quota == 1.5 and "cgroup v1" in where
+    write(tmp_path / "cpu,cpuacct" / "kubepods" / "pod1" / "cpu.cfs_quota_us", "-1\n")  # unlimited
+    assert cgroup_quota(tmp_path, proc_cgroup=proc)[0] is None
+    # a separately mounted cpu controller (as on hosts that mount each controller on its own)
+    write(tmp_path / "cpu" / "job" / "cpu.cfs_quota_us", "250000")
+    write(tmp_path / "cpu" / "job" / "cpu.cfs_period_us", "100000")
+    other = tmp_path / "other"
+    write(other / "cpu" / "job" / "cpu.cfs_quota_us", "250000")
+    write(other / "cpu" / "job" / "cpu.cfs_period_us", "100000")
+    assert cgroup_quota(other, proc_cgroup="3:cpu:/job\n")[0] == 2.5
+
+
+@pytest.mark.parametrize("affinity, quota, threads", [(2, None, 2), (2, 1.5, 1), (2, 1.0, 1), (2, 0.5, 1),
+                                                      (2, 4.0, 2), (16, 3.9, 3), (1, None, 1), (8, 8.0, 8)])
+def test_never_more_threads_than_the_quota_runs_at_once(affinity, quota, threads):
+    budget = decide(affinity, quota, busy=0.0)
+    assert budget.threads == threads
+    assert budget.env()["OMP_NUM_THREADS"] == str(threads)
+
+
+def test_waits_spin_briefly_on_own_cpus_and_sleep_beside_other_work():
+    quiet = decide(2, None, busy=0.1)
+    assert not quiet.passive and quiet.env() == {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"}
+    busy = decide(2, None, busy=1.0)
+    assert busy.passive and busy.env()["OMP_WAIT_POLICY"] == "passive" and "GOMP_SPINCOUNT" not in busy.env()
+    assert "1.0 CPUs busy" in busy.describe()
+
+
+def test_other_load_is_read_from_the_cpus_we_may_use():
+    # cpu0 busy for the whole window, cpu1 idle, cpu2 (not ours) busy
+    stats = iter(["cpu  0 0 0 0\ncpu0 100 0 0 100 0 0 0 0\ncpu1 0 0 0 200\ncpu2 100 0 0 100\n",
+                  "cpu  0 0 0 0\ncpu0 200 0 0 100 0 0 0 0\ncpu1 0 0 0 300\ncpu2 200 0 0 100\n"])
+    assert other_load({0, 1}, read_stat=lambda: next(stats), sleep=lambda s: None) == pytest.approx(1.0)
+    stats = iter(["cpu1 0 0 0 200\n", "cpu1 0 0 0 300\n"])
+    assert other_load({1}, read_stat=lambda: next(stats), sleep=lambda s: None) == 0.0
+
+
+def test_the_environment_wins_and_peers_get_it_back(monkeypatch):
+    monkeypatch.setattr(cpu_budget, "_decision", None)
+    busy = decide(2, 1.5, busy=1.0)
+    env = {"PATH": "/bin"}
+    assert "1 thread(s), passive" in apply_cpu_budget(env, busy)
+    assert env["OMP_NUM_THREADS"] == "1" and env["OMP_WAIT_POLICY"] == "passive"
+    assert peer_environ(env) == {"PATH": "/bin"}  # a peer engine runs with its own defaults
+    # the user's thread count stays; Shoal still picks the waits
+    env = {"OMP_NUM_THREADS": "2"}
+    line = apply_cpu_budget(env, busy)
+    assert env["OMP_NUM_THREADS"] == "2" and env["OMP_WAIT_POLICY"] == "passive"
+    assert "OMP_NUM_THREADS=2 from the environment wins" in line
+    assert peer_environ(env) == {"OMP_NUM_THREADS": "2"}
+    # both chosen: nothing observed, nothing changed
+    env = {"OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": "0"}
+    assert apply_cpu_budget(env, None).startswith("from the environment") and env == {
+        "OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": "0"}
+    env = {"SHOAL_CPU_THREADS": "1", "OMP_WAIT_POLICY": "active"}
+    apply_cpu_budget(env, busy)
+    assert env["OMP_NUM_THREADS"] == "1" and env["OMP_WAIT_POLICY"] == "active"
+
+
+def test_an_affinity_mask_of_one_cpu_gives_torch_one_thread():
+    """Through the real process start: the mask is read, the choice reaches torch's OpenMP."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))});"
+            "from shoal.engine.execution.cpu_budget import apply_cpu_budget; print(apply_cpu_budget());"
+            "import torch; print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line, threads = proc.stdout.strip().splitlines()
+    assert threads == "1" and "1 CPU(s) in the affinity mask" in line
