@@ -1,7 +1,7 @@
 """Which part of the one distribution each image installs: rewrites a copy of pyproject.toml in place.
 
-    python image_packages.py operator /src/pyproject.toml   # shoal.operator + the engine's option declarations
-    python image_packages.py engine   /src/pyproject.toml   # shoal.engine only
+    python operator/image_packages.py operator /src/pyproject.toml   # shoal.operator + the engine's option declarations
+    python operator/image_packages.py engine   /src/pyproject.toml   # shoal.engine only
 
 pyproject.toml lists both halves' packages (one distribution, one editable install for development); setuptools
 refuses a listed package whose folder is missing, so an image that copies one half first narrows the list (and the
@@ -19,8 +19,10 @@ from pathlib import Path
 
 # engine/ files the operator image copies, and the packages they make up
 OPERATOR_ENGINE_FILES = ("engine/__init__.py", "engine/flags.py", "engine/config.py",
-                         "engine/execution/__init__.py", "engine/execution/models/__init__.py")
-OPERATOR_ENGINE_PACKAGES = ("shoal.engine", "shoal.engine.execution", "shoal.engine.execution.models")
+                         "engine/execution/__init__.py", "engine/execution/models/__init__.py",
+                         "engine/server/__init__.py", "engine/server/keys.py")
+OPERATOR_ENGINE_PACKAGES = ("shoal.engine", "shoal.engine.execution", "shoal.engine.execution.models",
+                            "shoal.engine.server")
 
 
 def keeps(half: str, package: str) -> bool:
