@@ -3,19 +3,22 @@
 Each extension is compiled with torch.utils.cpp_extension (and ninja) under a name keyed by a hash of its
 sources, the shared headers, the tier's compiler flags and torch's version, so
 - a build made for one tier never runs at another (a cluster's nodes, or a `SHOAL_CPU_ISA` cap, differ), and two
-  versions of the source never overwrite each other's build: nothing is rebuilt in place, which is what used to
-  leave a stale build lock behind when a process was killed mid-build;
-- a lock file older than STALE_LOCK_S (no build takes that long) is a leftover of such a kill and is removed.
+  versions of the source never overwrite each other's build;
+- processes building the same extension queue on an flock of their own (the kernel releases it when its holder
+  dies), never on torch's lock file alone: a process killed mid-build leaves that file behind, and torch's waiters
+  poll for it to vanish, forever. Whoever holds the flock is the only builder, so a torch lock file it finds is
+  such a leftover and is removed.
 Builds land in torch's extensions directory ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import re
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 INCLUDE_DIR = Path(__file__).parent / "csrc"  # headers shared by every extension (fast_math.h)
 BASE_CFLAGS = ["-O3", "-fopenmp"]
-STALE_LOCK_S = 600.0
 
 
 class NativeBuildError(RuntimeError):
@@ -63,15 +65,21 @@ def build_key(sources: list[Path], cflags: list[str]) -> str:
     return h.hexdigest()[:12]
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing a build lock left %.0f s ago by a process that died mid-build: %s", age, lock)
-        lock.unlink(missing_ok=True)
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold the build directory alone: an flock, so a holder that dies releases it. Inside, torch's own lock file
+    (`lock`), if present, was left by a process killed mid-build, and is removed before torch waits on it."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "shoal.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing a build lock left by a process that died mid-build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_cpu_extension(name: str, sources: list[Path], what: str, library: str, probe: str):
@@ -89,10 +97,10 @@ def load_cpu_extension(name: str, sources: list[Path], what: str, library: str, 
     try:
         _put_ninja_on_path()
         build_dir = Path(_get_build_directory(full_name, verbose=False))
-        _clear_stale_lock(build_dir)
-        load(name=full_name, sources=[str(s) for s in sources], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-             extra_include_paths=[str(INCLUDE_DIR)], build_directory=str(build_dir), is_python_module=False,
-             verbose=False)
+        with build_lock(build_dir):
+            load(name=full_name, sources=[str(s) for s in sources], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                 extra_include_paths=[str(INCLUDE_DIR)], build_directory=str(build_dir), is_python_module=False,
+                 verbose=False)
     except Exception as e:  # a missing compiler/ninja/header is reported, never fatal: callers fall back
         logger.debug("%s build failure", what, exc_info=True)
         raise NativeBuildError(summarise(e, what)) from None

@@ -108,17 +108,41 @@ def test_builds_are_keyed_by_source_and_tier_flags(tmp_path):
     assert build_key([src], avx2) != key
 
 
-def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
+def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_build_waited_for(tmp_path):
+    """A process killed mid-build leaves torch's lock file behind: the next builder removes it (torch's waiters
+    would poll for it forever). A live builder holds the flock, so nobody removes its lock file under it."""
+    import subprocess
+    import sys
+    import threading
+
     from shoal.engine.execution import native_build
 
-    lock = tmp_path / "lock"
-    lock.touch()
-    native_build._clear_stale_lock(tmp_path)
-    assert lock.exists()  # a build may be running right now
-    old = os.stat(lock).st_mtime - native_build.STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    native_build._clear_stale_lock(tmp_path)
-    assert not lock.exists()
+    (tmp_path / "lock").touch()  # left by a killed build
+    with native_build.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        (tmp_path / "lock").touch()  # torch's own lock, while this process builds
+    # another process holding the flock (a live build): this one waits for it, then finds its lock file stale
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True);"
+        " sys.stdin.readline()"), str(tmp_path / "shoal.flock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        entered = threading.Event()
+
+        def build():
+            with native_build.build_lock(tmp_path):
+                entered.set()
+
+        waiter = threading.Thread(target=build)
+        waiter.start()
+        assert not entered.wait(0.5) and (tmp_path / "lock").exists()  # the live build's lock is kept
+        holder.kill()  # the builder dies mid-build: the kernel releases its flock
+        waiter.join(60)
+        assert entered.is_set() and not (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_missing_kernel_source_is_reported_not_raised_by_the_loaders(tmp_path, monkeypatch):
