@@ -2,6 +2,7 @@
 
 Routes
   POST /v1/completions, /v1/chat/completions     OpenAI shapes, `stream: true` as SSE ending in `data: [DONE]`
+  POST /v1/responses, GET/DELETE /v1/responses/{id}  OpenAI's Responses API on the chat path (responses_api.py)
   GET  /v1/models, /version                      adapters listed with `parent` (--enable-lora)
   POST /v1/load_lora_adapter, /unload_lora_adapter  vLLM's bodies: {"lora_name", "lora_path"} / {"lora_name"}
   POST /tokenize, /detokenize                    vLLM's shapes
@@ -24,6 +25,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from shoal.engine.core.async_engine import AsyncEngine, EngineError
 from shoal.engine.server import openai_api as oai
+from shoal.engine.server import responses_api
 from shoal.engine.server.common import (
     STATE_KEY,
     ServerState,
@@ -36,6 +38,7 @@ from shoal.engine.server.common import (
     require_loaded,
 )
 from shoal.engine.server.metrics import ServerMetrics
+from shoal.engine.server.response_store import ResponseStore
 from shoal.engine.server.protocol import (
     APIError,
     DetokenizeRequest,
@@ -257,12 +260,14 @@ async def tokenizer_info_route(request: web.Request) -> web.Response:
 
 # --------------------------------------------------------------------------------------------- app
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | None = None,
-              client_max_size: int = 64 * 1024 * 1024, tool_call_parser: str | None = None) -> web.Application:
+              client_max_size: int = 64 * 1024 * 1024, tool_call_parser: str | None = None,
+              response_store: ResponseStore | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=client_max_size)
     app[STATE_KEY] = ServerState(engine, metrics, api_key or None, tool_call_parser)
     r = app.router
     r.add_post("/v1/completions", oai.create_completion)
     r.add_post("/v1/chat/completions", oai.create_chat_completion)
+    responses_api.add_routes(app, ResponseStore() if response_store is None else response_store)
     r.add_get("/v1/models", models_route)
     r.add_post("/v1/load_lora_adapter", load_lora_adapter)
     r.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
