@@ -49,11 +49,12 @@ def model(model_factory):
 @pytest.fixture(scope="module")
 def server(start_server, model, template):
     return start_server(model, "--max-model-len", "2048", "--num-kv-blocks", "512", "--max-num-seqs", "16",
-                        "--chat-template", str(template), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+                        "--chat-template", str(template), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                        wait=False).wait_ready(timeout=300)  # a shared, busy test machine
 
 
 def _client(server, key="key-a"):
-    return OpenAI(base_url=server.base + "/v1", api_key=key, max_retries=0, timeout=120)
+    return OpenAI(base_url=server.base + "/v1", api_key=key, max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +220,7 @@ def test_previous_response_id_get_delete_and_keys(server, client):
 
 def test_expired_previous_response_is_404(start_server, model, template):
     server = start_server(model, "--max-model-len", "512", "--num-kv-blocks", "64", "--chat-template", str(template),
-                          "--response-store-ttl", "2")
+                          "--response-store-ttl", "2", wait=False).wait_ready(timeout=300)
     client = _client(server)
     r = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
     assert client.responses.retrieve(r.id).id == r.id  # stored for 2 s
