@@ -63,6 +63,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "dropped first")
     g.add_argument("--response-store-ttl", type=float, default=3600.0,
                    help="Responses API: seconds a stored response can be read or continued")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="export request traces over OTLP/HTTP to this URL (also: the standard OTEL_* variables; "
+                        "needs the 'tracing' extra)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
 
@@ -186,6 +189,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         heartbeat_timeout=args.engine_heartbeat_timeout or DEFAULT_HEARTBEAT_TIMEOUT,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         response_store_size=args.response_store_size, response_store_ttl=args.response_store_ttl,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     return run(config, opts)
 

@@ -320,7 +320,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             run.out.finish()
             return json_response(run.message(run.out.blocks, run.stop_reason()), headers={"X-Request-Id": run.id})
         finally:
-            oai.abort_jobs(api.jobs)
+            oai.end_jobs(request, state, api.jobs, "messages", run.model)
     finally:
         state.active_handlers -= 1
 

@@ -273,9 +273,10 @@ async def tokenizer_info_route(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------------------------- app
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | None = None,
               client_max_size: int = 64 * 1024 * 1024, tool_call_parser: str | None = None,
-              response_store: ResponseStore | None = None) -> web.Application:
+              response_store: ResponseStore | None = None, tracer=None) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=client_max_size)
     app[STATE_KEY] = ServerState(engine, metrics, api_key or None, tool_call_parser)
+    app[STATE_KEY].tracer = tracer
     r = app.router
     r.add_post("/v1/completions", oai.create_completion)
     r.add_post("/v1/chat/completions", oai.create_chat_completion)

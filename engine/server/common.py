@@ -35,6 +35,7 @@ class ServerState:
         self.api_key = api_key
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" enabled with this parser
         self.active_handlers = 0  # generation requests whose HTTP response is not finished yet
+        self.tracer = None  # tracing.RequestTracer when tracing is on
         self.created = int(time.time())
 
     @property

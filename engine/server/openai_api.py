@@ -110,12 +110,15 @@ class Job:
     prompt_text: str
     stream: RequestStream | None = None
     prompt_logprobs: PromptLogprobs | None = None  # from the engine's first output that carries them
+    request_id: str = ""
+    metrics: Any = None  # the engine's timing record (RequestMetrics), latest seen: for tracing
 
 
 async def merge_streams(jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput | None]]:
     """(job index, output) from every stream as they come; (i, None) when stream i ended without finishing."""
     if len(jobs) == 1:
         async for out in jobs[0].stream:
+            jobs[0].metrics = out.metrics or jobs[0].metrics
             yield 0, out
         if not jobs[0].stream.finished_normally:
             yield 0, None
@@ -143,6 +146,7 @@ async def merge_streams(jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutp
             elif isinstance(item, BaseException):
                 raise item
             else:
+                jobs[i].metrics = item.metrics or jobs[i].metrics
                 yield i, item
     finally:
         for t in tasks:
@@ -154,7 +158,7 @@ async def start_jobs(state: ServerState, base_id: str, jobs: list[Job], params, 
     """Hand every prompt to the engine; on any failure abort those already added and raise an APIError."""
     try:
         for i, job in enumerate(jobs):
-            rid = base_id if len(jobs) == 1 else f"{base_id}-{i}"
+            rid = job.request_id = base_id if len(jobs) == 1 else f"{base_id}-{i}"
             job.stream = await state.engine.add_request(rid, job.prompt_ids, params, priority=priority,
                                                         lora_request=lora)
     except (EngineError, ValueError) as e:
@@ -169,6 +173,14 @@ def abort_jobs(jobs: list[Job]) -> None:
     for j in jobs:
         if j.stream is not None:
             j.stream.abort()
+
+
+def end_jobs(request: web.Request, state: ServerState, jobs: list[Job], operation: str, model: str) -> None:
+    """A request's jobs are done with: abort what still runs (a disconnect, an error), trace what ran."""
+    abort_jobs(jobs)
+    if state.tracer is not None:
+        for j in jobs:
+            state.tracer.record(request.headers, operation, model, j.request_id, j.metrics, len(j.prompt_ids))
 
 
 # ------------------------------------------------------------------------------------------ logprobs
@@ -516,7 +528,7 @@ async def _run(request: web.Request, state: ServerState, api: _Endpoint, params,
                 return await _stream(request, api, base_id, created, model, req.include_usage)
             return await _respond(api, base_id, created, model)
         finally:
-            abort_jobs(api.jobs)
+            end_jobs(request, state, api.jobs, id_prefix, model)
     finally:
         state.active_handlers -= 1
 

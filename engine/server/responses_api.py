@@ -401,7 +401,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             response, _ = run.finished()
             return json_response(response, headers={"X-Request-Id": run.id})
         finally:
-            oai.abort_jobs(api.jobs)
+            oai.end_jobs(request, state, api.jobs, "responses", run.model)
     finally:
         state.active_handlers -= 1
 
