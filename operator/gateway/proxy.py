@@ -50,11 +50,13 @@ from shoal.operator.gateway.pool import Pool, Unavailable
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
 from shoal.operator.gateway.routing import Pick, PrefixIndex, make_router
 from shoal.operator.gateway.tenants import EngineKeys, Tenancy, TenantKeys
+from shoal.operator.gateway.tracing import GatewayTracer, tracing_configured
 
 log = logging.getLogger("shoal.gateway")
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) are per connection and never forwarded; Host and Content-Length are
 # recomputed for the engine's connection.
+TRACE_KEY = web.RequestKey("shoal_trace", object)  # the request's tracing.RequestTrace (None: tracing is off)
 HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Trailers",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
@@ -169,6 +171,7 @@ class Gateway:
         self._pollers: dict[Pool, tuple[Poller, asyncio.Task]] = {}
         self._wakers: dict[Pool, Any] = {}
         self.kube_api = kube_api
+        self.tracer = GatewayTracer() if tracing_configured() else None  # tracing.py; None: no cost
         if shared:
             from shoal.operator.gateway.fleet import Fleet
 
@@ -296,6 +299,8 @@ class Gateway:
             await waker.close()
         if self.session is not None:
             await self.session.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
 
     def start_draining(self) -> None:
         """Readiness fails from now on, and requests waiting for an engine are answered 503 at once."""
@@ -375,12 +380,19 @@ class Gateway:
         self.pending += 1
         self.buffered += reserve
         self.metrics.pending.inc()
+        trace = self.tracer.request(request.headers, request.path, tenant) if self.tracer is not None else None
+        request[TRACE_KEY] = trace
+        status = 499  # the client went away
         try:
-            return await self._forward(request, tenant)
+            response = await self._forward(request, tenant)
+            status = response.status
+            return response
         finally:
             self.pending -= 1
             self.buffered -= reserve
             self.metrics.pending.dec()
+            if trace is not None:
+                trace.end(status)
 
     def _unavailable(self) -> web.Response:
         self.metrics.rejected.labels("no_backend").inc()
@@ -409,6 +421,9 @@ class Gateway:
             return model_not_found(model)
         ticket = Ticket(priority=pool.priority_of(model), tenant=tenant, cost=request_cost(len(body), parsed), model=model,
                         hashes=self.prompt_hashes(request.path, parsed, model, pool))
+        trace = request.get(TRACE_KEY)
+        if trace is not None:
+            trace.queue_started(model)
         try:
             backend = await pool.admit(ticket, self.enqueue)
         except Unavailable:
@@ -419,13 +434,18 @@ class Gateway:
                                   {"Retry-After": str(self.config.retry_after)})
         except LookupError:  # the service was deleted while the request waited (fleet.ModelNotFound)
             return model_not_found(model or "")
+        if trace is not None:
+            trace.queue_ended("admitted")
         body = self.engine_body(pool, ticket, body, parsed)
         headers = self.engine_headers(request, pool)
         tried: tuple[Backend, ...] = ()
+        retry_reason: str | None = None
         while True:
             tried += (backend,)
             retry: Backend | None = None
             try:
+                if trace is not None:
+                    trace.attempt_started(backend.url, headers, retry_reason)
                 upstream = await self._send(pool, backend, request, headers, body)
                 if upstream == "timeout":  # the engine may still be running it: never a second run elsewhere
                     self.metrics.requests.labels(backend.url, "504").inc()
@@ -434,11 +454,13 @@ class Gateway:
                 if isinstance(upstream, str):
                     if len(tried) == 1 and (retry := pool.pick(ticket, tried, room=False)) is not None:
                         self.metrics.retries.labels(upstream).inc()
+                        retry_reason = upstream
                         continue
                     return self._unavailable()
                 if upstream.status in RETRY_STATUSES and len(tried) == 1 and \
                         (retry := pool.pick(ticket, tried, room=False)) is not None:
                     self.metrics.retries.labels(f"status_{upstream.status}").inc()
+                    retry_reason = f"status_{upstream.status}"
                     upstream.release()
                     continue
                 return await self._relay(request, backend, upstream)

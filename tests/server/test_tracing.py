@@ -4,47 +4,13 @@ hold the model, token counts and tenant."""
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 from openai import OpenAI
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from prockit import free_port, wait_for
+from otlpkit import Collector, attributes
+from prockit import wait_for
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
-
-
-class Collector:
-    """An OTLP/HTTP trace receiver: POST /v1/traces with a protobuf ExportTraceServiceRequest."""
-
-    def __init__(self):
-        self.spans: list = []
-        spans = self.spans
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                req = ExportTraceServiceRequest()
-                req.ParseFromString(body)
-                for rs in req.resource_spans:
-                    service = {a.key: a.value.string_value for a in rs.resource.attributes}.get("service.name")
-                    for ss in rs.scope_spans:
-                        spans.extend((service, s) for s in ss.spans)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.port = free_port()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +20,8 @@ def collector():
     c.close()
 
 
-def _attrs(span) -> dict:
-    out = {}
-    for a in span.attributes:
-        v = a.value
-        out[a.key] = v.string_value if v.HasField("string_value") else v.int_value
-    return out
-
-
 def test_spans_nest_under_the_callers_traceparent(start_server, llama_model, collector):
-    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{collector.port}/v1/traces",
-           "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": "engine-under-test"}
+    env = collector.env("engine-under-test")
     server = start_server(llama_model, "--max-model-len", "256", "--num-kv-blocks", "64", env=env,
                           wait=False).wait_ready(timeout=300)
     client = OpenAI(base_url=server.base + "/v1", api_key="k", max_retries=0, timeout=300)
@@ -80,12 +37,12 @@ def test_spans_nest_under_the_callers_traceparent(start_server, llama_model, col
     wait_for(lambda: len(spans_named("shoal.engine.request")) == 3 and len(spans_named("decode")) == 3, 60,
              "three request spans and their phases at the collector")
     assert {svc for svc, _ in collector.spans} == {"engine-under-test"}
-    chat, resp, untraced = sorted(spans_named("shoal.engine.request"),
-                                  key=lambda s: _attrs(s)["gen_ai.operation.name"] != "chatcmpl")
+    by_op = {attributes(s)["gen_ai.operation.name"]: s for s in spans_named("shoal.engine.request")}
+    chat, resp, untraced = by_op["chatcmpl"], by_op["responses"], by_op["cmpl"]
     for span in (chat, resp):
         assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_ID
     assert untraced.trace_id.hex() != TRACE_ID and not untraced.parent_span_id
-    a = _attrs(chat)
+    a = attributes(chat)
     assert a["gen_ai.request.model"] == "tiny" and a["shoal.tenant"] == "team-a"
     assert a["gen_ai.usage.input_tokens"] == r.usage.prompt_tokens and a["gen_ai.usage.output_tokens"] == 5
     assert a["shoal.request_id"] == r.id
