@@ -62,6 +62,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     g.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral"], default=None,
                    help="how tool calls look in the model's output, for tool_choice \"auto\"")
+    g.add_argument("--response-store-size", type=int, default=1000,
+                   help="Responses API: how many stored responses (previous_response_id) are kept, oldest "
+                        "dropped first")
+    g.add_argument("--response-store-ttl", type=float, default=3600.0,
+                   help="Responses API: seconds a stored response can be read or continued")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="export request traces over OTLP/HTTP to this URL (also: the standard OTEL_* variables; "
+                        "needs the 'tracing' extra)")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
 
@@ -174,6 +182,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--api-key-file: {e}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
+    if args.response_store_size < 1 or args.response_store_ttl <= 0:
+        parser.error("--response-store-size must be >= 1 and --response-store-ttl > 0")
     from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT
     from shoal.engine.server.run import ServerOptions, run
 
@@ -182,6 +192,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         access_log=not args.disable_access_log,
         heartbeat_timeout=args.engine_heartbeat_timeout or DEFAULT_HEARTBEAT_TIMEOUT,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        response_store_size=args.response_store_size, response_store_ttl=args.response_store_ttl,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     return run(config, opts)
 

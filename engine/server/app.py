@@ -2,6 +2,9 @@
 
 Routes
   POST /v1/completions, /v1/chat/completions     OpenAI shapes, `stream: true` as SSE ending in `data: [DONE]`
+  POST /v1/responses, GET/DELETE /v1/responses/{id}  OpenAI's Responses API on the chat path (responses_api.py)
+  POST /v1/messages, /v1/messages/count_tokens   Anthropic's Messages API on the chat path (anthropic_api.py),
+                                                 errors in Anthropic's body
   GET  /v1/models, /version                      adapters listed with `parent` (--enable-lora)
   POST /v1/load_lora_adapter, /unload_lora_adapter  vLLM's bodies: {"lora_name", "lora_path"} / {"lora_name"}
   POST /tokenize, /detokenize                    vLLM's shapes
@@ -22,8 +25,9 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from shoal.engine.core.async_engine import AsyncEngine, EngineError
+from shoal.engine.server import anthropic_api
 from shoal.engine.server import openai_api as oai
-from shoal.engine.server.keys import KeySet
+from shoal.engine.server import responses_api
 from shoal.engine.server.common import (
     STATE_KEY,
     ServerState,
@@ -35,7 +39,9 @@ from shoal.engine.server.common import (
     read_json,
     require_loaded,
 )
+from shoal.engine.server.keys import KeySet
 from shoal.engine.server.metrics import ServerMetrics
+from shoal.engine.server.response_store import ResponseStore
 from shoal.engine.server.protocol import (
     APIError,
     DetokenizeRequest,
@@ -63,21 +69,30 @@ def version() -> str:
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
+        return await _errors_as_responses(request, handler)
+    except APIError as e:  # Anthropic's clients read Anthropic's error body
+        return anthropic_api.error_response(e) if request.path.startswith(anthropic_api.PREFIX) else \
+            api_error_response(e)
+
+
+async def _errors_as_responses(request: web.Request, handler):
+    """The handler's answer; bad input, unknown routes and bugs as APIError (never a crash, never a traceback)."""
+    try:
         return await handler(request)
-    except APIError as e:
-        return api_error_response(e)
+    except APIError:
+        raise
     except web.HTTPException as e:
         if e.status < 400:
             raise
         msg = {404: f"route {request.method} {request.path} not found",
                405: f"method {request.method} not allowed on {request.path}",
                413: "request body too large"}.get(e.status, e.reason)
-        return api_error_response(APIError(msg, e.status, code=None))
+        raise APIError(msg, e.status, code=None) from None
     except (ConnectionResetError, ConnectionError):
         raise
     except Exception:  # noqa: BLE001 - a bug, not bad input: log it and answer 500, never crash
         logger.exception("unhandled error on %s %s", request.method, request.path)
-        return api_error_response(APIError("internal server error", 500))
+        raise APIError("internal server error", 500) from None
 
 
 @web.middleware
@@ -87,7 +102,7 @@ async def auth_middleware(request: web.Request, handler):
         given = request.headers.get("Authorization", "")
         token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
         if not keys.accepts(token.strip()):
-            raise APIError("Invalid or missing API key (send 'Authorization: Bearer <key>').", 401,
+            raise APIError("Invalid or missing API key (send 'Authorization: Bearer <key>' or 'X-API-Key: <key>').", 401,
                            code="invalid_api_key")
     return await handler(request)
 
@@ -257,14 +272,18 @@ async def tokenizer_info_route(request: web.Request) -> web.Response:
 
 # --------------------------------------------------------------------------------------------- app
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | KeySet | None = None,
-              client_max_size: int = 64 * 1024 * 1024, tool_call_parser: str | None = None) -> web.Application:
+              client_max_size: int = 64 * 1024 * 1024, tool_call_parser: str | None = None,
+              response_store: ResponseStore | None = None, tracer=None) -> web.Application:
     """`api_key`: one key, or a KeySet (--api-key-file: several, re-read when the file changes)."""
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=client_max_size)
     keys = api_key if isinstance(api_key, KeySet) else KeySet([api_key]) if api_key else None
     app[STATE_KEY] = ServerState(engine, metrics, keys, tool_call_parser)
+    app[STATE_KEY].tracer = tracer
     r = app.router
     r.add_post("/v1/completions", oai.create_completion)
     r.add_post("/v1/chat/completions", oai.create_chat_completion)
+    responses_api.add_routes(app, ResponseStore() if response_store is None else response_store)
+    anthropic_api.add_routes(app)
     r.add_get("/v1/models", models_route)
     r.add_post("/v1/load_lora_adapter", load_lora_adapter)
     r.add_post("/v1/unload_lora_adapter", unload_lora_adapter)

@@ -36,6 +36,7 @@ class ServerState:
         self.api_keys = api_keys  # None: no authentication
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" enabled with this parser
         self.active_handlers = 0  # generation requests whose HTTP response is not finished yet
+        self.tracer = None  # tracing.RequestTracer when tracing is on
         self.created = int(time.time())
 
     @property

@@ -103,19 +103,22 @@ def _vllm_prompt_logprobs(plp: PromptLogprobs | None) -> list | None:
 
 # ------------------------------------------------------------------------------------------ engine streams
 @dataclass
-class _Job:
+class Job:
     """One prompt of a request: its engine stream and the prompt's ids/text."""
 
     prompt_ids: list[int]
     prompt_text: str
     stream: RequestStream | None = None
     prompt_logprobs: PromptLogprobs | None = None  # from the engine's first output that carries them
+    request_id: str = ""
+    metrics: Any = None  # the engine's timing record (RequestMetrics), latest seen: for tracing
 
 
-async def _merge_streams(jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput | None]]:
+async def merge_streams(jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput | None]]:
     """(job index, output) from every stream as they come; (i, None) when stream i ended without finishing."""
     if len(jobs) == 1:
         async for out in jobs[0].stream:
+            jobs[0].metrics = out.metrics or jobs[0].metrics
             yield 0, out
         if not jobs[0].stream.finished_normally:
             yield 0, None
@@ -143,32 +146,41 @@ async def _merge_streams(jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOu
             elif isinstance(item, BaseException):
                 raise item
             else:
+                jobs[i].metrics = item.metrics or jobs[i].metrics
                 yield i, item
     finally:
         for t in tasks:
             t.cancel()
 
 
-async def _start_jobs(state: ServerState, base_id: str, jobs: list[_Job], params, priority: int,
+async def start_jobs(state: ServerState, base_id: str, jobs: list[Job], params, priority: int,
                       prompt_param: str, lora: str | None = None) -> None:
     """Hand every prompt to the engine; on any failure abort those already added and raise an APIError."""
     try:
         for i, job in enumerate(jobs):
-            rid = base_id if len(jobs) == 1 else f"{base_id}-{i}"
+            rid = job.request_id = base_id if len(jobs) == 1 else f"{base_id}-{i}"
             job.stream = await state.engine.add_request(rid, job.prompt_ids, params, priority=priority,
                                                         lora_request=lora)
     except (EngineError, ValueError) as e:
-        _abort_jobs(jobs)
+        abort_jobs(jobs)
         raise engine_error_to_api_error(e, prompt_param) from None
     except BaseException:
-        _abort_jobs(jobs)
+        abort_jobs(jobs)
         raise
 
 
-def _abort_jobs(jobs: list[_Job]) -> None:
+def abort_jobs(jobs: list[Job]) -> None:
     for j in jobs:
         if j.stream is not None:
             j.stream.abort()
+
+
+def end_jobs(request: web.Request, state: ServerState, jobs: list[Job], operation: str, model: str) -> None:
+    """A request's jobs are done with: abort what still runs (a disconnect, an error), trace what ran."""
+    abort_jobs(jobs)
+    if state.tracer is not None:
+        for j in jobs:
+            state.tracer.record(request.headers, operation, model, j.request_id, j.metrics, len(j.prompt_ids))
 
 
 # ------------------------------------------------------------------------------------------ logprobs
@@ -232,16 +244,16 @@ class _Endpoint:
     object_full: str
     object_chunk: str
 
-    def __init__(self, state: ServerState, jobs: list[_Job], n: int):
+    def __init__(self, state: ServerState, jobs: list[Job], n: int):
         self.state, self.jobs, self.n = state, jobs, n
 
     def opening_choices(self) -> list[dict]:
         return []
 
-    def delta_choice(self, index: int, job: _Job, comp: CompletionOutput, out: RequestOutput) -> dict | None:
+    def delta_choice(self, index: int, job: Job, comp: CompletionOutput, out: RequestOutput) -> dict | None:
         raise NotImplementedError
 
-    def final_choice(self, index: int, job: _Job, comp: CompletionOutput, out: RequestOutput | None) -> dict:
+    def final_choice(self, index: int, job: Job, comp: CompletionOutput, out: RequestOutput | None) -> dict:
         raise NotImplementedError
 
     def response_fields(self, finals: list[RequestOutput | None]) -> dict:
@@ -255,13 +267,13 @@ class _Endpoint:
 class _Completions(_Endpoint):
     object_full = object_chunk = "text_completion"
 
-    def __init__(self, state: ServerState, jobs: list[_Job], req: CompletionRequest):
+    def __init__(self, state: ServerState, jobs: list[Job], req: CompletionRequest):
         super().__init__(state, jobs, req.n)
         self.req = req
         self.text_offset: dict[int, int] = {}  # per choice: characters before the next logprob token
         self.started: set[int] = set()  # choices whose echo (if any) was sent
 
-    def _text_and_logprobs(self, index: int, job: _Job, comp: CompletionOutput,
+    def _text_and_logprobs(self, index: int, job: Job, comp: CompletionOutput,
                            out: RequestOutput | None) -> tuple[str, dict | None]:
         req, text, lp = self.req, comp.text, None
         k = req.logprobs
@@ -311,7 +323,7 @@ class _Chat(_Endpoint):
 
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, state: ServerState, jobs: list[_Job], req: ChatCompletionRequest, top: int | None,
+    def __init__(self, state: ServerState, jobs: list[Job], req: ChatCompletionRequest, top: int | None,
                  plan: tools.ToolPlan):
         super().__init__(state, jobs, req.n)
         self.req, self.top, self.plan = req, top, plan
@@ -441,7 +453,7 @@ async def _stream(request: web.Request, api: _Endpoint, base_id: str, created: i
     try:
         for choice in api.opening_choices():
             await sse.send(chunk(choice))
-        async for i, out in _merge_streams(jobs):
+        async for i, out in merge_streams(jobs):
             if out is None:  # aborted (shutdown): close the open choices
                 for index in sorted(c for c in open_choices if c // n == i):
                     open_choices.discard(index)
@@ -479,7 +491,7 @@ async def _respond(api: _Endpoint, base_id: str, created: int, model: str) -> we
     jobs, n = api.jobs, api.n
     finals: list[RequestOutput | None] = [None] * len(jobs)
     try:
-        async for i, out in _merge_streams(jobs):
+        async for i, out in merge_streams(jobs):
             if out is not None:
                 if finals[i] is None:
                     finals[i] = out
@@ -510,13 +522,13 @@ async def _run(request: web.Request, state: ServerState, api: _Endpoint, params,
     model = lora or state.served_model_name
     state.active_handlers += 1
     try:
-        await _start_jobs(state, base_id, api.jobs, params, req.priority, prompt_param, lora)
+        await start_jobs(state, base_id, api.jobs, params, req.priority, prompt_param, lora)
         try:
             if req.stream:
                 return await _stream(request, api, base_id, created, model, req.include_usage)
             return await _respond(api, base_id, created, model)
         finally:
-            _abort_jobs(api.jobs)
+            end_jobs(request, state, api.jobs, id_prefix, model)
     finally:
         state.active_handlers -= 1
 
@@ -532,13 +544,13 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         prompts = req.prompts()
     except ValueError as e:
         raise APIError(str(e), 400, param="prompt") from None
-    jobs: list[_Job] = []
+    jobs: list[Job] = []
     for p in prompts:
         if isinstance(p, str):
             ids = list(tok.encode(p, add_special_tokens=req.add_special_tokens)) if p else []
-            jobs.append(_Job(ids, p))
+            jobs.append(Job(ids, p))
         else:
-            jobs.append(_Job(list(p), ""))
+            jobs.append(Job(list(p), ""))
     kw = req.sampling_kwargs()
     kw["max_tokens"] = req.max_tokens
     if req.logprobs is not None:
@@ -559,6 +571,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = await read_json(request, ChatCompletionRequest)
     check_model(state, req.model)
     require_loaded(state)
+    api, params = await prepare_chat(state, req)
+    return await _run(request, state, api, params, req, "chatcmpl", "messages")
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> tuple[_Chat, Any]:
+    """The one place a chat conversation becomes a prompt and SamplingParams (chat completions, and the Responses
+    and Anthropic Messages APIs, which translate their requests into a ChatCompletionRequest first)."""
     plan = tools.plan(req.tools, req.tool_choice, state.tool_call_parser)
     template_kwargs = dict(req.chat_template_kwargs or {})
     if plan.tools:
@@ -580,5 +599,4 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         kw["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
     kw["structured_outputs"] = await _compile(state, grammar)
     params = _make_params(kw)
-    jobs = [_Job(prompt_ids, "")]
-    return await _run(request, state, _Chat(state, jobs, req, top, plan), params, req, "chatcmpl", "messages")
+    return _Chat(state, [Job(prompt_ids, "")], req, top, plan), params

@@ -29,6 +29,8 @@ from shoal.engine.config import EngineConfig
 from shoal.engine.server.app import AccessLogger, build_app
 from shoal.engine.server.common import STATE_KEY
 from shoal.engine.server.metrics import ServerMetrics
+from shoal.engine.server.response_store import ResponseStore
+from shoal.engine.server.tracing import RequestTracer, tracing_configured
 
 logger = logging.getLogger("shoal.engine.server")
 
@@ -43,6 +45,9 @@ class ServerOptions:
     heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     fatal_exit_grace: float = 2.0
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled with this parser
+    response_store_size: int = 1000  # stored Responses API responses (previous_response_id), oldest dropped first
+    response_store_ttl: float = 3600.0  # seconds a stored response lives
+    otlp_traces_endpoint: str | None = None  # tracing on (also by the OTEL_* variables: see tracing.py)
 
 
 async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=None) -> int:
@@ -52,7 +57,15 @@ async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=Non
     engine = AsyncEngine(config, engine_factory=engine_factory, heartbeat_timeout=opts.heartbeat_timeout,
                          metrics=metrics)
     metrics.attach(engine)
-    app = build_app(engine, metrics, api_key=opts.api_key, tool_call_parser=opts.tool_call_parser)
+    tracer = None
+    if tracing_configured(opts.otlp_traces_endpoint):
+        try:
+            tracer = RequestTracer(endpoint=opts.otlp_traces_endpoint)
+        except RuntimeError as e:
+            logger.error("%s", e)
+            return 1
+    app = build_app(engine, metrics, api_key=opts.api_key, tool_call_parser=opts.tool_call_parser,
+                    response_store=ResponseStore(opts.response_store_size, opts.response_store_ttl), tracer=tracer)
     state = app[STATE_KEY]
     runner_kw = {"access_log_class": AccessLogger} if opts.access_log else {"access_log": None}
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0, **runner_kw)
@@ -118,6 +131,8 @@ async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=Non
     _remove_signal_handlers(loop)
     await runner.cleanup()
     await asyncio.to_thread(engine.shutdown, 5.0 if engine.is_loaded else 0.0)
+    if tracer is not None:
+        await asyncio.to_thread(tracer.shutdown)
     logger.info("shut down")
     return code
 

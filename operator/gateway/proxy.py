@@ -55,11 +55,13 @@ from shoal.operator.gateway.quotas import OverQuota, QuotaPolicy, Quotas, Shares
 from shoal.operator.gateway.routing import ROUTINGS, Pick, PrefixIndex, make_router
 from shoal.operator.gateway.tenants import (LOOPBACK, Caller, EngineKeys, Network, Tenancy, TenantKeys,
                                             presented_key)
+from shoal.operator.gateway.tracing import GatewayTracer, tracing_configured
 
 log = logging.getLogger("shoal.gateway")
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) are per connection and never forwarded; Host and Content-Length are
 # recomputed for the engine's connection.
+TRACE_KEY = web.RequestKey("shoal_trace", object)  # the request's tracing.RequestTrace (None: tracing is off)
 HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer", "Trailers",
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
@@ -219,6 +221,7 @@ class Gateway:
         self._pollers: dict[Pool, tuple[Poller, asyncio.Task]] = {}
         self._wakers: dict[Pool, Any] = {}
         self.kube_api = kube_api
+        self.tracer = GatewayTracer() if tracing_configured() else None  # tracing.py; None: no cost
         if shared:
             from shoal.operator.gateway.fleet import Fleet
 
@@ -356,6 +359,8 @@ class Gateway:
             await waker.close()
         if self.session is not None:
             await self.session.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
 
     def start_draining(self) -> None:
         """Readiness fails from now on, and requests waiting for an engine are answered 503 at once."""
@@ -451,14 +456,21 @@ class Gateway:
         self.pending_shares.take(tenant, 1)
         self.buffer_shares.take(tenant, reserve)
         self.metrics.pending.inc()
+        trace = self.tracer.request(request.headers, request.path, tenant) if self.tracer is not None else None
+        request[TRACE_KEY] = trace
+        status = 499  # the client went away
         try:
-            return await self._forward(request, caller)
+            response = await self._forward(request, caller)
+            status = response.status
+            return response
         finally:
             self.pending -= 1
             self.buffered -= reserve
             self.pending_shares.give(tenant, 1)
             self.buffer_shares.give(tenant, reserve)
             self.metrics.pending.dec()
+            if trace is not None:
+                trace.end(status)
 
     def _unavailable(self) -> web.Response:
         self.metrics.rejected.labels("no_backend").inc()
@@ -508,6 +520,9 @@ class Gateway:
     async def _dispatch(self, request: web.Request, pool: Pool, ticket: Ticket, body: bytes, parsed: Any,
                         limits: dict[str, str]) -> web.StreamResponse:
         model = ticket.model
+        trace = request.get(TRACE_KEY)
+        if trace is not None:
+            trace.queue_started(model)
         try:
             backend = await pool.admit(ticket, self.enqueue)
         except Unavailable:
@@ -518,13 +533,18 @@ class Gateway:
                                   {"Retry-After": str(self.config.retry_after)})
         except LookupError:  # the service was deleted while the request waited (fleet.ModelNotFound)
             return model_not_found(model or "")
+        if trace is not None:
+            trace.queue_ended("admitted")
         body = self.engine_body(pool, ticket, body, parsed)
         headers = self.engine_headers(request, pool)
         tried: tuple[Backend, ...] = ()
+        retry_reason: str | None = None
         while True:
             tried += (backend,)
             retry: Backend | None = None
             try:
+                if trace is not None:
+                    trace.attempt_started(backend.url, headers, retry_reason)
                 upstream = await self._send(pool, backend, request, headers, body)
                 if not isinstance(upstream, str) and upstream.status == 401 and \
                         (other := self.other_engine_key(pool)) is not None:
@@ -540,11 +560,13 @@ class Gateway:
                 if isinstance(upstream, str):
                     if len(tried) == 1 and (retry := pool.pick(ticket, tried, room=False)) is not None:
                         self.metrics.retries.labels(upstream).inc()
+                        retry_reason = upstream
                         continue
                     return self._unavailable()
                 if upstream.status in RETRY_STATUSES and len(tried) == 1 and \
                         (retry := pool.pick(ticket, tried, room=False)) is not None:
                     self.metrics.retries.labels(f"status_{upstream.status}").inc()
+                    retry_reason = f"status_{upstream.status}"
                     upstream.release()
                     continue
                 return await self._relay(request, backend, upstream, limits)
