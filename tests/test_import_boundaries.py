@@ -39,7 +39,8 @@ KNOWN_ENGINE_CYCLES = [
     {"shoal.engine.cli", "shoal.engine.tools.demo"},
 ]
 # import name -> distribution, where they differ (Dockerfile.operator pins distributions)
-DISTRIBUTION = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "huggingface_hub": "huggingface-hub"}
+DISTRIBUTION = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "huggingface_hub": "huggingface-hub",
+                "opentelemetry": "opentelemetry-sdk"}  # the tracing extra: the SDK and its OTLP exporter, pinned together
 
 
 def module_name(prefix: str, folder: Path, path: Path) -> str:
