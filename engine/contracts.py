@@ -166,6 +166,9 @@ class StepInputs:
     # of the step uses an adapter; and the adapter id every slot must hold for this step (None = any).
     lora_token_slots: torch.Tensor | None = None
     lora_slot_ids: list[int | None] | None = None
+    # Hybrid models (recurrent layers next to attention): each sequence's recurrent-state slot ([B] int64), None for
+    # models without recurrent layers.
+    state_slots: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "StepInputs":
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)

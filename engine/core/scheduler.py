@@ -34,6 +34,7 @@ import torch
 from shoal.engine.contracts import StepInputs
 from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.core.sequence import Sequence, SeqStatus
+from shoal.engine.core.state_pool import StatePool
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", sliding_window: int | None = None,
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, state_pool: StatePool | None = None):
         self.pool = pool
+        # Hybrid models: one recurrent-state slot per running sequence (it has max_num_seqs of them).
+        self.state_pool = state_pool
         self.sliding_window = sliding_window  # every layer's window (the smallest), or None
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -99,6 +102,9 @@ class Scheduler:
             self.pool.free(seq.held_block_ids)
         seq.block_ids = []
         seq.block_hashes = []
+        if seq.state_slot is not None:  # the state goes with the blocks: recomputed from the tokens if resumed
+            self.state_pool.free(seq.state_slot)
+            seq.state_slot = None
         seq.num_freed_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_draft_computed = 0  # a draft model's keys/values went with the blocks
@@ -197,6 +203,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.block_ids += self.pool.allocate(need)
+            if self.state_pool is not None:
+                seq.state_slot = self.state_pool.allocate()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             if seq.lora_id is not None:
@@ -255,6 +263,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
     query_start = [0]
     width = max(len(s.seq.block_ids) for s in scheduled)
     tables: list[list[int]] = []
+    state_slots: list[int] = []
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
         c = seq.num_computed_tokens
@@ -272,6 +281,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
         query_lens.append(n)
         seq_lens.append(c + n)
+        if seq.state_slot is not None:
+            state_slots.append(seq.state_slot)
         query_start.append(len(tokens))
         tables.append(blocks + [0] * (width - len(blocks)))
         for p in s.scored:  # prompt positions whose logits score the next prompt token
@@ -291,4 +302,5 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         query_lens=query_lens,
         seq_lens_list=seq_lens,
+        state_slots=torch.tensor(state_slots, dtype=torch.int64) if state_slots else None,
     )

@@ -59,7 +59,8 @@ def split_micro_batches(inputs: StepInputs, m: int) -> list[StepInputs]:
             seq_lens=inputs.seq_lens[a:b], block_tables=inputs.block_tables[a:b], logits_indices=sel,
             query_lens=inputs.query_lens[a:b], seq_lens_list=inputs.seq_lens_list[a:b],
             lora_token_slots=None if inputs.lora_token_slots is None else inputs.lora_token_slots[t0:t1],
-            lora_slot_ids=inputs.lora_slot_ids))
+            lora_slot_ids=inputs.lora_slot_ids,
+            state_slots=None if inputs.state_slots is None else inputs.state_slots[a:b]))
     return out
 
 
