@@ -21,7 +21,7 @@ from shoal.engine.core.lora import LoRARegistry, LoRARequest
 from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from shoal.engine.core.scheduler import ScheduledSeq, Scheduler, build_step_inputs
 from shoal.engine.core.sequence import Request, Sequence, SeqStatus
-from shoal.engine.core.state_pool import StatePool
+from shoal.engine.core.state_pool import StateCheckpoints, StatePool
 from shoal.engine.core.structured_outputs import CompiledGrammar, GrammarCompiler, StructuredOutputsParams
 from shoal.engine.core.tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
 from shoal.engine.execution.executor import Executor, make_executor
@@ -126,8 +126,11 @@ class LLMEngine:
                                                 self.max_model_len, Sampler(self.vocab_size, self.eos_token_ids))
         self.spec = config.speculative_config
         self.proposer = None
-        # Hybrid models: bytes of one sequence's recurrent state (0 for pure transformers), carved from the KV budget.
+        # Hybrid models: bytes of one sequence's recurrent state (0 for pure transformers), carved from the KV budget,
+        # and with prefix caching as many checkpoint slots again (core/state_pool.StateCheckpoints).
         self.state_bytes = self.executor.runner.state_bytes_per_seq()
+        self.num_checkpoints = config.max_num_seqs if self.state_bytes and config.enable_prefix_caching else 0
+        self.num_state_slots = config.max_num_seqs + self.num_checkpoints
         try:
             if self.state_bytes and self.spec is not None:
                 raise ValueError("speculative decoding is not supported for hybrid models (recurrent layers): their "
@@ -144,21 +147,21 @@ class LLMEngine:
                     f"max_model_len={self.max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization / "
                     f"--num-kv-blocks or lower --max-model-len"
                 )
-            self.executor.allocate_kv_cache(num_blocks, config.block_size, config.max_num_seqs)
+            self.executor.allocate_kv_cache(num_blocks, config.block_size, self.num_state_slots)
             if getattr(self.proposer, "fills_after_schedule", False):  # a draft model: its cache, same blocks
                 self.proposer.allocate_kv_cache(num_blocks, config.block_size)
         except BaseException:
             self.executor.shutdown()  # a failed start must not leave worker ranks behind
             raise
-        # A cached KV prefix is useless to a hybrid without the recurrent state at its end (not kept yet).
-        self.prefix_caching = config.enable_prefix_caching and not self.state_bytes
+        self.prefix_caching = config.enable_prefix_caching
         self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching)
         self.state_pool = StatePool(config.max_num_seqs) if self.state_bytes else None
+        checkpoints = StateCheckpoints(config.max_num_seqs, self.num_checkpoints) if self.num_checkpoints else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy,
                                    sliding_window=self.kv_window,
                                    max_loras=config.max_loras if config.enable_lora else None,
-                                   state_pool=self.state_pool)
+                                   state_pool=self.state_pool, checkpoints=checkpoints)
         self.lora: LoRARegistry | None = None
         if config.enable_lora:
             self.lora = LoRARegistry(self.executor, self.hf_config, config.max_loras, config.max_lora_rank,
@@ -188,10 +191,9 @@ class LLMEngine:
             "on" if self.prefix_caching else "off", self.max_num_batched_tokens,
         )
         if self.state_bytes:
-            logger.info("recurrent state: %d slots (max_num_seqs) of %.2f MiB each, %.1f MiB in all, carved from the "
-                        "KV-cache budget%s", config.max_num_seqs, self.state_bytes / 2**20,
-                        config.max_num_seqs * self.state_bytes / 2**20,
-                        "; prefix caching is off for this hybrid model" if config.enable_prefix_caching else "")
+            logger.info("recurrent state: %d sequence slots (max_num_seqs) + %d prefix-cache checkpoints of %.2f MiB "
+                        "each, %.1f MiB in all, carved from the KV-cache budget", config.max_num_seqs,
+                        self.num_checkpoints, self.state_bytes / 2**20, self.num_state_slots * self.state_bytes / 2**20)
         self._log_sliding_window(num_blocks)
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -268,14 +270,16 @@ class LLMEngine:
             return budget
         c = self.config
         kv_floor = (-(-self.max_model_len // c.block_size) + padding) * per_block
-        fits = max(0, (budget - kv_floor) // self.state_bytes)
+        per_seq = self.state_bytes * self.num_state_slots // c.max_num_seqs  # its slot (and its checkpoint's)
+        fits = max(0, (budget - kv_floor) // per_seq)
         if c.max_num_seqs > fits:
             raise ValueError(
-                f"--max-num-seqs {c.max_num_seqs} needs {c.max_num_seqs * self.state_bytes / 2**20:.1f} MiB of "
-                f"recurrent state ({self.state_bytes / 2**20:.2f} MiB per sequence); the cache budget ({flag}, "
-                f"{budget / 2**20:.1f} MiB) holds the state of at most {fits} sequences next to the KV blocks of one "
-                f"max_model_len={self.max_model_len} sequence: lower --max-num-seqs to {fits} or raise {flag}")
-        return budget - c.max_num_seqs * self.state_bytes
+                f"--max-num-seqs {c.max_num_seqs} needs {c.max_num_seqs * per_seq / 2**20:.1f} MiB of recurrent "
+                f"state ({per_seq / 2**20:.2f} MiB per sequence{', with its prefix-cache checkpoint' if self.num_checkpoints else ''}); "
+                f"the cache budget ({flag}, {budget / 2**20:.1f} MiB) holds the state of at most {fits} sequences next "
+                f"to the KV blocks of one max_model_len={self.max_model_len} sequence: lower --max-num-seqs to {fits} "
+                f"or raise {flag}")
+        return budget - c.max_num_seqs * per_seq
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,

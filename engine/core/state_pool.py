@@ -33,3 +33,34 @@ class StatePool:
         if len(self._free) != self.num_slots:
             held = sorted(set(range(self.num_slots)) - set(self._free))
             raise AssertionError(f"recurrent-state slots still in use: {held[:20]} ({len(held)} in all)")
+
+
+class StateCheckpoints:
+    """Prefix caching for hybrids: copies of a sequence's recurrent state taken at a block boundary, keyed by the
+    hash of the block that ends there (kv_cache's hash chain, so the key covers every token before the boundary).
+
+    A cached KV prefix is usable by a hybrid only up to a boundary whose state is kept: the scheduler cuts each
+    prompt's prefill at its last full block (the boundary a repeated prompt resumes from) and the step copies the
+    state there into a checkpoint slot; a later request with that prefix starts from a copy of it. Checkpoint slots
+    follow the sequences' slots in the same state tensors; the least recently used one is overwritten first."""
+
+    def __init__(self, first_slot: int, num_slots: int):
+        from collections import OrderedDict
+
+        self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
+        self._by_hash: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, least recently used first
+
+    def get(self, block_hash: int) -> int | None:
+        slot = self._by_hash.get(block_hash)
+        if slot is not None:
+            self._by_hash.move_to_end(block_hash)
+        return slot
+
+    def put(self, block_hash: int) -> int | None:
+        """The slot to copy the state at `block_hash`'s boundary into (None: already kept)."""
+        if block_hash in self._by_hash:
+            self._by_hash.move_to_end(block_hash)
+            return None
+        slot = self._free.pop() if self._free else self._by_hash.popitem(last=False)[1]
+        self._by_hash[block_hash] = slot
+        return slot

@@ -60,7 +60,9 @@ def split_micro_batches(inputs: StepInputs, m: int) -> list[StepInputs]:
             query_lens=inputs.query_lens[a:b], seq_lens_list=inputs.seq_lens_list[a:b],
             lora_token_slots=None if inputs.lora_token_slots is None else inputs.lora_token_slots[t0:t1],
             lora_slot_ids=inputs.lora_slot_ids,
-            state_slots=None if inputs.state_slots is None else inputs.state_slots[a:b]))
+            state_slots=None if inputs.state_slots is None else inputs.state_slots[a:b],
+            state_restore=None if inputs.state_restore is None else inputs.state_restore[a:b],
+            state_save=None if inputs.state_save is None else inputs.state_save[a:b]))
     return out
 
 

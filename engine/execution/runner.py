@@ -143,6 +143,15 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self, backend, max_num_seqs, self.max_model_len, block_size,
                                               pad_block=num_blocks)
 
+    def _copy_state(self, src: torch.Tensor, dst: torch.Tensor, from_slots: bool = True) -> None:
+        """Copy recurrent state between slots in every recurrent layer, for the sequences where the checkpoint
+        slot (src when restoring, dst when saving) is set (>= 0)."""
+        use = (src if from_slots else dst) >= 0
+        src, dst = src[use], dst[use]
+        for cache in self.kv_caches:
+            if hasattr(cache, "copy_slots"):
+                cache.copy_slots(src, dst)
+
     def free_kv_cache(self) -> None:
         self.kv_caches = []
 
@@ -159,7 +168,11 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(inputs.lora_slot_ids, inputs.lora_token_slots)
         meta = attention_metadata(inputs)
+        if inputs.state_restore is not None:  # hybrid prefix cache hits start from a kept state
+            self._copy_state(inputs.state_restore, inputs.state_slots)
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden)
+        if inputs.state_save is not None:  # ... and keep the state of prompts ending their last full block
+            self._copy_state(inputs.state_slots, inputs.state_save, from_slots=False)
         if not self.model.ps.is_last_stage:
             return out
         return self.model.compute_logits(out.index_select(0, inputs.logits_indices))

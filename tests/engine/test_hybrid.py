@@ -71,7 +71,8 @@ def test_state_is_carved_from_the_cache_budget_and_max_num_seqs_refused(qwen3_ne
         engine = llm.llm_engine
         runner = engine.executor.runner
         state = sum(c.nbytes for c in runner.kv_caches if isinstance(c, RecurrentState))
-        assert engine.state_bytes > 0 and state == 8 * engine.state_bytes
+        # 8 sequences' slots and 8 prefix-cache checkpoints
+        assert engine.state_bytes > 0 and state == 16 * engine.state_bytes == engine.num_state_slots * engine.state_bytes
         assert runner.kv_cache_bytes <= 8 * 2**20, "state and KV blocks together must stay within the budget"
         assert engine.pool.num_blocks == (8 * 2**20 - state) // runner.bytes_per_block(4)
     per_seq = engine.state_bytes
@@ -100,6 +101,32 @@ def test_abort_mid_prefill_and_decode_frees_every_slot_and_block(qwen3_next):
         # The slots come back clean: a prompt run after the aborts equals transformers.
         outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
         check_against_hf(qwen3_next, llm.get_tokenizer(), outputs, PROMPTS[:2], max_new=MAX_NEW)
+
+
+def test_repeated_prompt_served_from_the_prefix_cache(qwen3_next):
+    """A prompt's prefill is cut at its last full block, where the state is kept; the same prompt again (and a
+    longer one sharing it) starts from there, equal to the uncached run and to transformers."""
+    prompt = PROMPTS[1]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    with LLM(model=qwen3_next, block_size=4, max_model_len=128, max_num_batched_tokens=16) as llm:
+        engine, tok = llm.llm_engine, llm.get_tokenizer()
+        n = len(tok.encode(prompt))
+        first = llm.generate([prompt], params)[0]
+        assert first.num_cached_tokens == 0
+        hits = engine.pool.prefix_hits
+        again = llm.generate([prompt], params)[0]
+        assert again.num_cached_tokens == (n - 1) // 4 * 4 > 0, "the repeated prompt was not served from the cache"
+        assert engine.pool.prefix_hits - hits == again.num_cached_tokens
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        for a, b in zip(again.outputs[0].logprobs, first.outputs[0].logprobs):
+            for tid, lp in a.items():
+                assert lp.logprob == pytest.approx(b[tid].logprob, abs=1e-5)
+        longer = tok.encode(prompt) + tok.encode(" and then the fish swam home")
+        out = llm.generate([longer], params)[0]
+        assert out.num_cached_tokens == (n - 1) // 4 * 4
+        check_against_hf(qwen3_next, tok, [again, out], [prompt, longer], max_new=MAX_NEW)
+        engine.pool.check_all_free()
+        engine.state_pool.check_all_free()
 
 
 def test_speculative_decoding_refused_for_hybrids(qwen3_next):

@@ -42,6 +42,11 @@ class RecurrentState:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.ssm.nbytes
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """State of slots src into slots dst (prefix-cache checkpoints: take one, or start a sequence from one)."""
+        self.conv[dst] = self.conv[src]
+        self.ssm[dst] = self.ssm[src]
+
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
