@@ -166,6 +166,13 @@ class StepInputs:
     # of the step uses an adapter; and the adapter id every slot must hold for this step (None = any).
     lora_token_slots: torch.Tensor | None = None
     lora_slot_ids: list[int | None] | None = None
+    # Hybrid models (recurrent layers next to attention): each sequence's recurrent-state slot ([B] int64), None for
+    # models without recurrent layers.
+    state_slots: torch.Tensor | None = None
+    # Hybrid prefix caching, per sequence ([B] int64, -1 = none): the checkpoint slot whose state the sequence starts
+    # this step from (copied before the step), and the one its state is copied into after the step.
+    state_restore: torch.Tensor | None = None
+    state_save: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "StepInputs":
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)

@@ -21,6 +21,7 @@ from shoal.engine.core.lora import LoRARegistry, LoRARequest
 from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from shoal.engine.core.scheduler import ScheduledSeq, Scheduler, build_step_inputs
 from shoal.engine.core.sequence import Request, Sequence, SeqStatus
+from shoal.engine.core.state_pool import StateCheckpoints, StatePool
 from shoal.engine.core.structured_outputs import CompiledGrammar, GrammarCompiler, StructuredOutputsParams
 from shoal.engine.core.tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
 from shoal.engine.execution.executor import Executor, make_executor
@@ -127,7 +128,15 @@ class LLMEngine:
                                                 self.max_model_len, Sampler(self.vocab_size, self.eos_token_ids))
         self.spec = config.speculative_config
         self.proposer = None
+        # Hybrid models: bytes of one sequence's recurrent state (0 for pure transformers), carved from the KV budget,
+        # and with prefix caching as many checkpoint slots again (core/state_pool.StateCheckpoints).
+        self.state_bytes = self.executor.runner.state_bytes_per_seq()
+        self.num_checkpoints = config.max_num_seqs if self.state_bytes and config.enable_prefix_caching else 0
+        self.num_state_slots = config.max_num_seqs + self.num_checkpoints
         try:
+            if self.state_bytes and self.spec is not None:
+                raise ValueError("speculative decoding is not supported for hybrid models (recurrent layers): their "
+                                 "state cannot take back rejected draft tokens; drop --speculative-config")
             if self.spec is not None:
                 from shoal.engine.core.speculative import make_proposer
 
@@ -140,17 +149,21 @@ class LLMEngine:
                     f"max_model_len={self.max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization / "
                     f"--num-kv-blocks or lower --max-model-len"
                 )
-            self.executor.allocate_kv_cache(num_blocks, config.block_size)
+            self.executor.allocate_kv_cache(num_blocks, config.block_size, self.num_state_slots)
             if getattr(self.proposer, "fills_after_schedule", False):  # a draft model: its cache, same blocks
                 self.proposer.allocate_kv_cache(num_blocks, config.block_size)
         except BaseException:
             self.executor.shutdown()  # a failed start must not leave worker ranks behind
             raise
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.prefix_caching = config.enable_prefix_caching
+        self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching)
+        self.state_pool = StatePool(config.max_num_seqs) if self.state_bytes else None
+        checkpoints = StateCheckpoints(config.max_num_seqs, self.num_checkpoints) if self.num_checkpoints else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy,
                                    sliding_window=self.kv_window,
-                                   max_loras=config.max_loras if config.enable_lora else None)
+                                   max_loras=config.max_loras if config.enable_lora else None,
+                                   state_pool=self.state_pool, checkpoints=checkpoints)
         self.lora: LoRARegistry | None = None
         if config.enable_lora:
             self.lora = LoRARegistry(self.executor, self.hf_config, config.max_loras, config.max_lora_rank,
@@ -177,8 +190,12 @@ class LLMEngine:
             num_blocks, config.block_size, num_blocks * self.executor.bytes_per_block(config.block_size) / 2**20,
             "fp8 e4m3 with per-token scales" if config.kv_cache_dtype == "fp8" else f"{str(self.dtype)[6:]}",
             capacity / self.max_model_len, self.max_model_len, self.executor.backend_name,
-            "on" if config.enable_prefix_caching else "off", self.max_num_batched_tokens,
+            "on" if self.prefix_caching else "off", self.max_num_batched_tokens,
         )
+        if self.state_bytes:
+            logger.info("recurrent state: %d sequence slots (max_num_seqs) + %d prefix-cache checkpoints of %.2f MiB "
+                        "each, %.1f MiB in all, carved from the KV-cache budget", config.max_num_seqs,
+                        self.num_checkpoints, self.state_bytes / 2**20, self.num_state_slots * self.state_bytes / 2**20)
         self._log_sliding_window(num_blocks)
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -242,8 +259,29 @@ class LLMEngine:
             budget = total * c.gpu_memory_utilization - torch.cuda.memory_allocated(self.device) - peak - used_by_others
             if budget <= 0:
                 raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization={c.gpu_memory_utilization}")
+            budget = self._carve_state(int(budget), per_block, padding, "--gpu-memory-utilization")
             return max(1, int(budget // per_block) - padding)
-        return max(1, (c.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES) // per_block - padding)
+        budget = self._carve_state(c.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES, per_block, padding,
+                                   "--kv-cache-memory")
+        return max(1, budget // per_block - padding)
+
+    def _carve_state(self, budget: int, per_block: int, padding: int, flag: str) -> int:
+        """A hybrid model's recurrent state for --max-num-seqs sequences comes out of the cache budget first; what
+        is left must still hold one max_model_len sequence's KV blocks. Returns the bytes left for KV blocks."""
+        if not self.state_bytes:
+            return budget
+        c = self.config
+        kv_floor = (-(-self.max_model_len // c.block_size) + padding) * per_block
+        per_seq = self.state_bytes * self.num_state_slots // c.max_num_seqs  # its slot (and its checkpoint's)
+        fits = max(0, (budget - kv_floor) // per_seq)
+        if c.max_num_seqs > fits:
+            raise ValueError(
+                f"--max-num-seqs {c.max_num_seqs} needs {c.max_num_seqs * per_seq / 2**20:.1f} MiB of recurrent "
+                f"state ({per_seq / 2**20:.2f} MiB per sequence{', with its prefix-cache checkpoint' if self.num_checkpoints else ''}); "
+                f"the cache budget ({flag}, {budget / 2**20:.1f} MiB) holds the state of at most {fits} sequences next "
+                f"to the KV blocks of one max_model_len={self.max_model_len} sequence: lower --max-num-seqs to {fits} "
+                f"or raise {flag}")
+        return budget - c.max_num_seqs * per_seq
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,

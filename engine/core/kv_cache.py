@@ -83,10 +83,12 @@ class BlockPool:
                 else:
                     self._free[block_id] = None
 
-    def lookup_prefix(self, token_ids: list[int], max_tokens: int, salt: int | None = None
+    def lookup_prefix(self, token_ids: list[int], max_tokens: int, salt: int | None = None, usable=None
                       ) -> tuple[list[int], list[int]]:
         """Longest run of cached full blocks that prefixes token_ids, covering at most max_tokens tokens.
-        Returns (block ids, their hashes); the blocks are referenced (the caller owns them now)."""
+        Returns (block ids, their hashes); the blocks are referenced (the caller owns them now). `usable(hashes)`,
+        where given, says how many of the leading blocks found the caller can use (a hybrid model: only up to a
+        block whose recurrent state is kept); only those are taken and counted as hits."""
         if not self.enable_prefix_caching:
             return [], []
         self.prefix_queries += max_tokens
@@ -97,6 +99,9 @@ class BlockPool:
                 break
             ids.append(block_id)
             hashes.append(h)
+        if usable is not None:
+            n = usable(hashes)
+            ids, hashes = ids[:n], hashes[:n]
         for block_id in ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -119,6 +124,10 @@ class BlockPool:
             if h not in self._cached:
                 self._cached[h] = block_ids[i]
                 self.blocks[block_ids[i]].block_hash = h
+
+    def prefix_hash(self, token_ids: list[int], num_blocks: int, salt: int | None = None) -> int:
+        """The chained hash of the first num_blocks full blocks of token_ids (the key of their prefix)."""
+        return list(_hash_chain(token_ids[:num_blocks * self.block_size], self.block_size, 0, chain_root(salt)))[-1]
 
     def check_all_free(self) -> None:
         """Raise if any block is still referenced (used by tests and on shutdown)."""

@@ -34,6 +34,7 @@ import torch
 from shoal.engine.contracts import StepInputs
 from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.core.sequence import Sequence, SeqStatus
+from shoal.engine.core.state_pool import StateCheckpoints, StatePool
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ class ScheduledSeq:
     num_draft: int = 0
     # Positions of this step whose logits score the next prompt token (prompt logprobs), set by the engine.
     scored: range = range(0)
+    # Hybrid prefix caching (core/state_pool.StateCheckpoints): the checkpoint slot this step starts the sequence's
+    # recurrent state from, and the one its state is copied into after the step (-1: none).
+    restore_from: int = -1
+    save_to: int = -1
 
 
 @dataclass
@@ -63,8 +68,12 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", sliding_window: int | None = None,
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, state_pool: StatePool | None = None,
+                 checkpoints: StateCheckpoints | None = None):
         self.pool = pool
+        # Hybrid models: one recurrent-state slot per running sequence (it has max_num_seqs of them).
+        self.state_pool = state_pool
+        self.checkpoints = checkpoints  # hybrid prefix caching: recurrent state kept at prompts' last full block
         self.sliding_window = sliding_window  # every layer's window (the smallest), or None
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -99,6 +108,9 @@ class Scheduler:
             self.pool.free(seq.held_block_ids)
         seq.block_ids = []
         seq.block_hashes = []
+        if seq.state_slot is not None:  # the state goes with the blocks: recomputed from the tokens if resumed
+            self.state_pool.free(seq.state_slot)
+            seq.state_slot = None
         seq.num_freed_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_draft_computed = 0  # a draft model's keys/values went with the blocks
@@ -122,6 +134,36 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
         logger.debug("preempted %s (recompute of %d tokens)", seq.request.request_id, seq.num_tokens)
+
+    # -- hybrid prefix caching ------------------------------------------------------------------------------
+    def _checkpoint_at(self, seq: Sequence) -> int:
+        """The block boundary where a hybrid's state is kept for `seq`: its prompt's last full block before the last
+        prompt token (where a repeated prompt resumes). 0: none."""
+        if self.checkpoints is None:
+            return 0
+        return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def _cut_at_checkpoint(self, seq: Sequence, n: int) -> int:
+        """A prefill chunk ends at the checkpoint boundary when it would cross it (the state exists only there)."""
+        b = self._checkpoint_at(seq)
+        return b - seq.num_computed_tokens if seq.num_computed_tokens < b < seq.num_computed_tokens + n else n
+
+    def _save_slot(self, seq: Sequence, n: int) -> int:
+        b = self._checkpoint_at(seq)
+        if not b or seq.num_computed_tokens + n != b:
+            return -1
+        slot = self.checkpoints.put(self.pool.prefix_hash(seq.token_ids, b // self.block_size, seq.lora_id))
+        return -1 if slot is None else slot
+
+    def _usable_prefix(self, hashes: list[int]) -> int:
+        """How many leading cached blocks a hybrid can use: up to the last one whose end state is kept."""
+        for n in range(len(hashes), 0, -1):
+            if self.checkpoints.get(hashes[n - 1]) is not None:
+                return n
+        return 0
+
+    def _scheduled(self, seq: Sequence, n: int, samples: bool, draft: int = 0, restore_from: int = -1):
+        return ScheduledSeq(seq, n, samples, draft, restore_from=restore_from, save_to=self._save_slot(seq, n))
 
     # -- one step ------------------------------------------------------------------------------------------
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -149,7 +191,7 @@ class Scheduler:
                 deferred.append(seq)
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._cut_at_checkpoint(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             draft = 0
             if seq.spec_token_ids and seq.num_tokens - seq.num_computed_tokens == 1:
                 # Proposals ride along only on blocks that are free anyway: never at the price of a preemption
@@ -166,7 +208,7 @@ class Scheduler:
                 self._preempt(seq, out)  # the last unscheduled sequence itself: nothing is left to schedule
                 break
             seq.block_ids += self.pool.allocate(need)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n - draft == seq.num_tokens, draft))
+            out.scheduled.append(self._scheduled(seq, n, seq.num_computed_tokens + n - draft == seq.num_tokens, draft))
             budget -= n
             i += 1
 
@@ -182,7 +224,8 @@ class Scheduler:
                 # Reuse cached full blocks, but always compute at least the last token (its logits are needed),
                 # and every prompt position whose logprobs are still wanted.
                 usable = seq.num_tokens - 1 if seq.prompt_scored_upto is None else seq.prompt_scored_upto
-                seq.block_ids, seq.block_hashes = self.pool.lookup_prefix(seq.token_ids, usable, seq.lora_id)
+                seq.block_ids, seq.block_hashes = self.pool.lookup_prefix(
+                    seq.token_ids, usable, seq.lora_id, self._usable_prefix if self.checkpoints else None)
                 seq.num_computed_tokens = len(seq.block_ids) * self.block_size
                 seq.num_cached_tokens = seq.num_computed_tokens
             n = seq.num_tokens - seq.num_computed_tokens
@@ -191,17 +234,23 @@ class Scheduler:
                     self._free_blocks(seq)
                     break
                 n = budget
+            n = self._cut_at_checkpoint(seq, n)
             need = self._blocks_needed(seq, seq.num_computed_tokens + n)
             if need > self.pool.num_free:
                 self._free_blocks(seq)  # give back the prefix-cache references; retried next step
                 break
             self.waiting.popleft()
             seq.block_ids += self.pool.allocate(need)
+            if self.state_pool is not None:
+                seq.state_slot = self.state_pool.allocate()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             if seq.lora_id is not None:
                 adapters.add(seq.lora_id)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            cached = self.checkpoints is not None and seq.num_cached_tokens > 0 and seq.num_computed_tokens > 0
+            restore = self.checkpoints.get(seq.block_hashes[-1]) if cached else None
+            out.scheduled.append(self._scheduled(seq, n, seq.num_computed_tokens + n == seq.num_tokens,
+                                                 restore_from=-1 if restore is None else restore))
             budget -= n
 
         # The deferred prefills get what the arrivals left of the budget (no preemption for them: a chunk that
@@ -209,12 +258,12 @@ class Scheduler:
         for seq in deferred:
             if budget <= 0 or out.preempted:
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._cut_at_checkpoint(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             need = self._blocks_needed(seq, seq.num_computed_tokens + n)
             if need > self.pool.num_free:
                 break
             seq.block_ids += self.pool.allocate(need)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
+            out.scheduled.append(self._scheduled(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
         return out
 
@@ -255,6 +304,9 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
     query_start = [0]
     width = max(len(s.seq.block_ids) for s in scheduled)
     tables: list[list[int]] = []
+    state_slots: list[int] = []
+    restore: list[int] = []
+    save: list[int] = []
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
         c = seq.num_computed_tokens
@@ -272,6 +324,10 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
         query_lens.append(n)
         seq_lens.append(c + n)
+        if seq.state_slot is not None:
+            state_slots.append(seq.state_slot)
+            restore.append(s.restore_from)
+            save.append(s.save_to)
         query_start.append(len(tokens))
         tables.append(blocks + [0] * (width - len(blocks)))
         for p in s.scored:  # prompt positions whose logits score the next prompt token
@@ -291,4 +347,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         query_lens=query_lens,
         seq_lens_list=seq_lens,
+        state_slots=torch.tensor(state_slots, dtype=torch.int64) if state_slots else None,
+        state_restore=torch.tensor(restore, dtype=torch.int64) if any(r >= 0 for r in restore) else None,
+        state_save=torch.tensor(save, dtype=torch.int64) if any(s >= 0 for s in save) else None,
     )

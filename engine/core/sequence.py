@@ -34,6 +34,7 @@ class Sequence:
     # all windowed): their entries in block_ids are 0 (never read, never published to the prefix cache).
     num_freed_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission
+    state_slot: int | None = None  # hybrid models: the recurrent-state slot it holds while running (StatePool)
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None

@@ -143,8 +143,8 @@ class DistributedExecutor:
     def remove_lora(self, adapter_id: int) -> None:
         self.collective_rpc("remove_lora", adapter_id)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.collective_rpc("allocate_kv_cache", num_blocks, block_size)
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
+        self.collective_rpc("allocate_kv_cache", num_blocks, block_size, num_state_slots)
 
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         return self.collective_rpc("profile_peak_memory", num_tokens, block_size)

@@ -59,7 +59,10 @@ def split_micro_batches(inputs: StepInputs, m: int) -> list[StepInputs]:
             seq_lens=inputs.seq_lens[a:b], block_tables=inputs.block_tables[a:b], logits_indices=sel,
             query_lens=inputs.query_lens[a:b], seq_lens_list=inputs.seq_lens_list[a:b],
             lora_token_slots=None if inputs.lora_token_slots is None else inputs.lora_token_slots[t0:t1],
-            lora_slot_ids=inputs.lora_slot_ids))
+            lora_slot_ids=inputs.lora_slot_ids,
+            state_slots=None if inputs.state_slots is None else inputs.state_slots[a:b],
+            state_restore=None if inputs.state_restore is None else inputs.state_restore[a:b],
+            state_save=None if inputs.state_save is None else inputs.state_save[a:b]))
     return out
 
 

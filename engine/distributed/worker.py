@@ -68,8 +68,8 @@ class Worker:
     def remove_lora(self, adapter_id: int) -> None:
         self.shard.runner.remove_lora(adapter_id)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.shard.runner.allocate_kv_cache(num_blocks, block_size)
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
+        self.shard.runner.allocate_kv_cache(num_blocks, block_size, num_state_slots)
 
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         """Every rank runs a dummy step of num_tokens; the peak over all ranks."""

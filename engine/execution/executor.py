@@ -34,8 +34,8 @@ class Executor(Protocol):
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         """Activation bytes a step of num_tokens needs (CUDA; the most over all ranks)."""
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the paged KV cache on every rank."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
+        """Allocate the paged KV cache (and a hybrid model's recurrent-state slots) on every rank."""
 
     def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
         """Run one step and sample `rows` (one per entry of inputs.logits_indices); None when rows is empty."""
@@ -72,8 +72,8 @@ class UniProcExecutor:
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         return profile_peak_memory(self.runner, num_tokens, block_size, self.runner.execute)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks, block_size)
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
+        self.runner.allocate_kv_cache(num_blocks, block_size, num_state_slots)
 
     def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
         logits = self.runner.execute(inputs)

@@ -49,9 +49,11 @@ def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
         return gguf_config(model_dir)
     if not (model_dir / "config.json").exists():
         raise WeightError(f"{model_dir}: config.json is missing")
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs as strict dataclasses
+
     try:
         return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-    except ValueError as e:
+    except (ValueError, StrictDataclassError) as e:
         raise WeightError(f"{model_dir}/config.json: {e}") from None
     except OSError as e:
         raise WeightError(f"{model_dir}/config.json: cannot be read ({e})") from None

@@ -28,6 +28,7 @@ def attention_metadata(inputs: StepInputs) -> AttentionMetadata:
         query_lens_list=inputs.query_lens,
         seq_lens_list=inputs.seq_lens_list,
         is_decode_only=all(q == 1 for q in inputs.query_lens),
+        state_slots=inputs.state_slots,
     )
 
 
@@ -41,6 +42,7 @@ def dummy_step_inputs(num_tokens: int, block_size: int) -> StepInputs:
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
         block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
         logits_indices=torch.tensor([num_tokens - 1]), query_lens=[num_tokens], seq_lens_list=[num_tokens],
+        state_slots=torch.zeros(1, dtype=torch.int64),  # read by hybrid models only (one state slot)
     )
 
 
@@ -90,6 +92,9 @@ class ModelRunner:
             logger.info("decode graph capture is off: the %s attention backend cannot be captured",
                         self.backend_name)
             return
+        if getattr(self.model, "has_state", False):
+            logger.info("decode graph capture is off: the model's recurrent layers update per-sequence state")
+            return
         if not (self.model.ps.is_first_stage and self.model.ps.is_last_stage):
             logger.info("decode graph capture is off under pipeline parallelism")
             return
@@ -99,7 +104,12 @@ class ModelRunner:
         """K and V bytes of one block over this rank's layers; an fp8 cache counts its scales too."""
         m = self.model
         per_head = KVCache.bytes_per_token_head(m.head_dim, self.dtype, self.kv_cache_dtype)
-        return max(1, m.num_local_layers * m.num_kv_heads_local * per_head * block_size)
+        layers = getattr(m, "num_kv_layers", m.num_local_layers)  # hybrids: only the attention layers
+        return max(1, layers * m.num_kv_heads_local * per_head * block_size)
+
+    def state_bytes_per_seq(self) -> int:
+        """Recurrent-state bytes of one sequence over this rank's layers (hybrid models; 0 for the others)."""
+        return self.model.state_bytes_per_seq() if getattr(self.model, "has_state", False) else 0
 
     @property
     def padding_blocks(self) -> int:
@@ -111,21 +121,36 @@ class ModelRunner:
         """Bytes the allocated KV cache holds (values and, for fp8, scales)."""
         return sum(c.nbytes for c in self.kv_caches)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
+        """The paged KV cache of every attention layer and, for hybrid models, num_state_slots sequences' state in
+        every recurrent layer (one cache object per local layer, in layer order)."""
         m = self.model
         # With decode capture, one block past the pool belongs to the padding rows of padded batches.
         blocks = num_blocks + (self.capture is not None)
         self.block_size = block_size
-        self.kv_caches = [
-            KVCache.allocate(blocks, block_size, m.num_kv_heads_local, m.head_dim, self.dtype, self.device,
-                             self.kv_cache_dtype)
-            for _ in range(m.num_local_layers)
-        ]
+
+        def make_kv():
+            return KVCache.allocate(blocks, block_size, m.num_kv_heads_local, m.head_dim, self.dtype, self.device,
+                                    self.kv_cache_dtype)
+
+        if getattr(m, "has_state", False):
+            self.kv_caches = m.allocate_caches(make_kv, num_state_slots, self.device)
+        else:
+            self.kv_caches = [make_kv() for _ in range(m.num_local_layers)]
         self.decode_graphs = None
         if self.capture is not None:
             backend, max_num_seqs = self.capture
             self.decode_graphs = DecodeGraphs(self, backend, max_num_seqs, self.max_model_len, block_size,
                                               pad_block=num_blocks)
+
+    def _copy_state(self, src: torch.Tensor, dst: torch.Tensor, from_slots: bool = True) -> None:
+        """Copy recurrent state between slots in every recurrent layer, for the sequences where the checkpoint
+        slot (src when restoring, dst when saving) is set (>= 0)."""
+        use = (src if from_slots else dst) >= 0
+        src, dst = src[use], dst[use]
+        for cache in self.kv_caches:
+            if hasattr(cache, "copy_slots"):
+                cache.copy_slots(src, dst)
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
@@ -143,7 +168,11 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(inputs.lora_slot_ids, inputs.lora_token_slots)
         meta = attention_metadata(inputs)
+        if inputs.state_restore is not None:  # hybrid prefix cache hits start from a kept state
+            self._copy_state(inputs.state_restore, inputs.state_slots)
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden)
+        if inputs.state_save is not None:  # ... and keep the state of prompts ending their last full block
+            self._copy_state(inputs.state_slots, inputs.state_save, from_slots=False)
         if not self.model.ps.is_last_stage:
             return out
         return self.model.compute_logits(out.index_select(0, inputs.logits_indices))

@@ -7,8 +7,10 @@ figure counts only the tokens each request asked for, so padding work is not rew
 The model is `--model DIR` (any local Hugging Face directory) or a built-in random-weight preset: `bench` (wide and
 shallow: hidden 512, 8 layers), `smollm2-135m` (deep and narrow: SmolLM2-135M's shape, 30 layers, hidden 576),
 `olmoe-moe` (OLMoE's mixture-of-experts layout: 8 layers, hidden 512, 32 experts of width 512, top-4; --profile
-prints the MoE blocks' share of a decode step and their floor) or `gemma3-sliding` (Gemma 3 270M's shape with a
-128-token sliding window on five of every six layers).
+prints the MoE blocks' share of a decode step and their floor), `gemma3-sliding` (Gemma 3 270M's shape with a
+128-token sliding window on five of every six layers) or `qwen3-next-hybrid` (Qwen3-Next's layout scaled down:
+Gated DeltaNet and gated attention 3:1, MoE with a shared expert; --profile adds the recurrent state to the decode
+step's memory floor).
 `--profile` runs the workload once more with timers attached and prints where a step's time goes, with the
 memory-traffic floor of a decode step (see shoal.engine.tools.step_profile).
 
@@ -56,6 +58,14 @@ PRESETS = {
         num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=128,
         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
         rope_scaling=None, max_position_embeddings=2048, tie_word_embeddings=True)),
+    # Qwen3-Next's layout scaled down: Gated DeltaNet and gated attention 3:1 over 8 layers, hidden 512, 4 key heads
+    # feeding 8 value heads of 64 (the releases: 16 -> 32 of 128), 32 experts of width 256 top-4 plus a shared one.
+    "qwen3-next-hybrid": ("bench-qwen3-next-512", dict(
+        arch="qwen3_next", vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, intermediate_size=1024, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, max_position_embeddings=2048, tie_word_embeddings=False)),
 }
 
 
@@ -199,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="bench", choices=sorted(PRESETS),
                     help="built-in random-weight model when no --model is given: bench (hidden 512, 8 layers), "
                          "smollm2-135m (SmolLM2-135M's shape: 30 layers, hidden 576, vocab 49152), olmoe-moe "
-                         "(8 layers, hidden 512, 32 experts of width 512, top-4) or gemma3-sliding (Gemma 3 270M's "
-                         "shape, 18 layers, hidden 640, a 128-token window on 5 of 6 layers)")
+                         "(8 layers, hidden 512, 32 experts of width 512, top-4), gemma3-sliding (Gemma 3 270M's "
+                         "shape, 18 layers, hidden 640, a 128-token window on 5 of 6 layers) or qwen3-next-hybrid "
+                         "(Qwen3-Next's layout: Gated DeltaNet and gated attention 3:1, 8 layers, hidden 512, 32 "
+                         "experts top-4 plus a shared one)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))

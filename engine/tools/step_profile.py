@@ -9,8 +9,8 @@ the engine's own bookkeeping (what is left of the step). Steps whose every seque
 reported apart from steps that carry prompt tokens.
 
 The memory-traffic floor of a decode step is the bytes it must read at least once (every weight matrix, the
-embedding rows of its tokens, and the whole KV context of every sequence) divided by the machine's measured read
-bandwidth; the compute floor is its matmul FLOPs divided by the measured matmul throughput at that batch size.
+embedding rows of its tokens, the whole KV context of every sequence and, for hybrid models, every sequence's
+recurrent state, read and written back) divided by the machine's measured read bandwidth; the compute floor is its matmul FLOPs divided by the measured matmul throughput at that batch size.
 The MoE blocks get a floor of their own: the weights of the experts a decode step's tokens were actually routed to
 (counted per block and step), the routers and shared experts, over the same bandwidth.
 Hooks cost a few microseconds each, so profiled steps run slightly slower than unprofiled ones; and they run
@@ -293,10 +293,13 @@ class StepProfiler:
             w = self.weight_bytes()
             kv = self.decode_context / n * self.kv_bytes_per_token()
             emb = self.decode_batch / n * self.model.config.hidden_size * 2
-            floor_ms = 1e3 * (w + kv + emb) / bandwidth
+            # A hybrid's recurrent state: read and written back once per sequence and step.
+            state = 2 * self.decode_batch / n * getattr(self.engine, "state_bytes", 0)
+            floor_ms = 1e3 * (w + kv + emb + state) / bandwidth
+            state_part = f" + recurrent state {state / 1e6:.1f} MB (read and written)" if state else ""
             lines.append(
-                f"memory-traffic floor of a decode step: weights {w / 1e6:.1f} MB + KV {kv / 1e6:.1f} MB = "
-                f"{(w + kv + emb) / 1e6:.1f} MB read / {bandwidth / 1e9:.1f} GB/s measured = {floor_ms:.2f} ms; "
+                f"memory-traffic floor of a decode step: weights {w / 1e6:.1f} MB + KV {kv / 1e6:.1f} MB{state_part} = "
+                f"{(w + kv + emb + state) / 1e6:.1f} MB / {bandwidth / 1e9:.1f} GB/s measured = {floor_ms:.2f} ms; "
                 f"measured step {step_ms:.2f} ms = {step_ms / floor_ms:.2f}x the floor")
             if matmul_flops:
                 flops = self.matmul_flops_per_token() * self.decode_batch / n

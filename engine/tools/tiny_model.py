@@ -102,6 +102,15 @@ def _config(arch: str, vocab_size: int, **overrides):
         else:
             name, extra = _MOE_CONFIGS[arch]
             cls, kw = getattr(tf, name), dict(base, num_experts_per_tok=2, **extra)
+    elif arch == "qwen3_next":
+        # Gated DeltaNet layers 3:1 with gated full attention (partial rotary), 4 experts top-2 with a shared
+        # expert, one dense layer; 2 key heads feeding 4 value heads (grouped value attention).
+        cls = tf.Qwen3NextConfig
+        kw = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=40, num_experts=4,
+                  num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
     elif arch == "gemma2":
         # Alternating sliding (8 tokens) and global layers, both soft-caps low enough to bite on random weights.
         cls = tf.Gemma2Config

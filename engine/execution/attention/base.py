@@ -46,6 +46,8 @@ class AttentionMetadata:
     is_decode_only: bool = False
     # Per-step scratch shared by all layers (a backend stores index tensors or masks it builds once per step).
     scratch: dict = field(default_factory=dict)
+    # Hybrid models: each sequence's recurrent-state slot ([B] int64; StepInputs.state_slots).
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -90,14 +90,15 @@ class DecoderLM(CausalLM):
         self.rotaries = nn.ModuleList(dict.fromkeys(rotaries.values()))  # registered once each (buffers follow .to)
         types, windows = self.layer_types(config), self.sliding_windows(config)
         self.layers = nn.ModuleList(
-            self.layer_cls(RotaryAttention(config, dtype, backend, rotaries[types[i]], self.head_dim,
-                                           sliding_window=windows[i], **self.attention_options(i)),
+            self.layer_cls(self.make_mixer(i, types[i], windows[i], rotaries, dtype, backend),
                            self.make_mlp(i, dtype), config.hidden_size, config.rms_norm_eps, dtype, self.norm_cls)
             for i in range(start, end)
         )
         self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(self.embed_tokens, tied=tied, materialize=last)
-        self.num_kv_heads_local = self.layers[0].self_attn.attn.num_kv_heads if len(self.layers) else 0
+        # Hybrids (models/hybrid.py) have layers without paged attention: the first attention layer tells.
+        self.num_kv_heads_local = next((layer.self_attn.attn.num_kv_heads for layer in self.layers
+                                        if hasattr(layer.self_attn, "attn")), 0)
 
     # ---- what a family overrides
 
@@ -126,6 +127,16 @@ class DecoderLM(CausalLM):
         """The RoPE table of each layer type (one shared table unless a family rotates its types differently)."""
         shared = RotaryEmbedding(config, self.head_dim, max_model_len, dtype)
         return {SLIDING: shared, FULL: shared}
+
+    def make_mixer(self, layer_idx: int, layer_type: str, window: int | None, rotaries: dict, dtype,
+                   backend) -> nn.Module:
+        """Layer `layer_idx`'s token mixer: rotary self-attention (hybrids add recurrent layers)."""
+        return RotaryAttention(self.config, dtype, backend, rotaries[layer_type], self.head_dim, sliding_window=window,
+                               **self.attention_options(layer_idx))
+
+    def mixer_prefix(self, layer_idx: int) -> str:
+        """Where the checkpoint keeps layer `layer_idx`'s token mixer, under the layer's prefix."""
+        return "self_attn."
 
     def attention_options(self, layer_idx: int) -> dict:
         """Keyword arguments of layer `layer_idx`'s RotaryAttention besides its window and RoPE table."""
@@ -171,7 +182,7 @@ class DecoderLM(CausalLM):
             lp = f"{p}layers.{idx}."
             for name in layer.norm_names:
                 getattr(layer, name).weight.data.copy_(src.load(f"{lp}{name}.weight", (c.hidden_size,)))
-            layer.self_attn.load(src, lp + "self_attn.")
+            layer.self_attn.load(src, lp + self.mixer_prefix(idx))
             self.load_mlp(layer.mlp, src, lp, idx)
         if self.ps.is_last_stage:
             self.norm.weight.data.copy_(src.load(p + "norm.weight", (c.hidden_size,)))

@@ -1,0 +1,33 @@
+"""`shoal-engine serve` with a hybrid model (Qwen3-Next: Gated DeltaNet + gated attention): greedy completions
+through the openai client, streamed equal to non-streamed and to the offline engine; a repeated prompt is a
+prefix-cache hit in the usual metrics; the cache is all free again afterwards."""
+
+from __future__ import annotations
+
+from openai import OpenAI
+
+from shoal.engine import LLM, SamplingParams
+
+from .conftest import metric
+
+PROMPTS = ["Once upon a time there was a little shoal of fish that swam together in the warm",
+           "def add(a, b):"]
+
+
+def test_hybrid_server_streamed_equals_non_streamed_and_caches_prefixes(start_server, model_factory):
+    model = model_factory("qwen3_next")
+    with LLM(model=model, max_model_len=256, block_size=4) as llm:
+        ref = [o.outputs[0].text for o in llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)]
+    server = start_server(model, "--max-model-len", "256", "--block-size", "4", "--max-num-seqs", "8")
+    client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=600)  # the first request may build CPU kernels
+    extra = {"ignore_eos": True}
+    for prompt, want in zip(PROMPTS, ref):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body=extra)
+        assert r.choices[0].text == want
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                           extra_body=extra)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    m = server.metrics()
+    assert metric(m, "shoal:prefix_cache_hits_total", model_name="tiny") > 0, "the repeated prompts were not cached"
+    assert metric(m, "shoal:num_free_kv_blocks") == metric(m, "shoal:num_kv_blocks")
