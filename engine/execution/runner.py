@@ -61,13 +61,14 @@ class ModelRunner:
         self.backend_name = backend.name
         self.max_model_len = max_model_len
         self.hf_config = hf_config
-        self.model = load_model(model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition,
-                                quantization)
+        self._load_args = (model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition, quantization)
+        self.model = load_model(*self._load_args)
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.capture: tuple[str, int] | None = None  # (backend, max_num_seqs) once decode capture is enabled
         self.decode_graphs: DecodeGraphs | None = None
         self.lora = None  # an execution.lora.LoRAManager once enable_lora ran
+        self.offloaded = False  # sleep level 1 on a GPU: the weights wait in host memory
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """Give every adaptable linear layer max_loras adapter slots of rank up to max_rank (execution/lora.py)."""
@@ -129,6 +130,35 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What this shard holds now: KV-cache and weight bytes (0 for what sleep released)."""
+        from shoal.engine.execution.quantization import resident_weight_bytes
+
+        on_device = self.model is not None and not self.offloaded
+        return {"kv_cache_bytes": self.kv_cache_bytes,
+                "weight_bytes": resident_weight_bytes(self.model) if on_device else 0}
+
+    def sleep(self, level: int) -> None:
+        """Sleep mode: release the KV cache (its captured decode graphs with it). Level 1 keeps the weights: on a
+        GPU they move to host memory, on the CPU they stay where they are. Level 2 drops them; wake_up reloads
+        them from the model files. The caller reallocates the KV cache after wake_up."""
+        self.free_kv_cache()
+        self.decode_graphs = None
+        if level == 2:
+            self.model = None
+        elif self.device.type == "cuda":
+            self.model.to("cpu")
+            self.offloaded = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.model is None:
+            self.model = load_model(*self._load_args)
+        elif self.offloaded:
+            self.model.to(self.device)
+            self.offloaded = False
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
