@@ -8,6 +8,7 @@ import logging
 import torch
 
 from shoal.engine.contracts import StepInputs
+from shoal.engine.distributed.parallel_state import get_parallel_state, set_parallel_state
 from shoal.engine.execution.attention import select_backend
 from shoal.engine.execution.attention.base import AttentionMetadata, KVCache
 from shoal.engine.execution.graph_capture import DecodeGraphs
@@ -62,6 +63,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.hf_config = hf_config
         self._load_args = (model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition, quantization)
+        self._parallel_state = get_parallel_state()  # the layers read it as they are built; a reload needs it too
         self.model = load_model(*self._load_args)
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
@@ -135,14 +137,17 @@ class ModelRunner:
         """What this shard holds now: KV-cache and weight bytes (0 for what sleep released)."""
         from shoal.engine.execution.quantization import resident_weight_bytes
 
-        on_device = self.model is not None and not self.offloaded
-        return {"kv_cache_bytes": self.kv_cache_bytes,
-                "weight_bytes": resident_weight_bytes(self.model) if on_device else 0}
+        weights = 0
+        if self.model is not None:  # what sleep level 1 moved to host memory does not count
+            weights = resident_weight_bytes(self.model) - sum(
+                t.numel() * t.element_size() for t in self.model.parameters() if t.device != self.device)
+        return {"kv_cache_bytes": self.kv_cache_bytes, "weight_bytes": weights}
 
     def sleep(self, level: int) -> None:
         """Sleep mode: release the KV cache (its captured decode graphs with it). Level 1 keeps the weights: on a
         GPU they move to host memory, on the CPU they stay where they are. Level 2 drops them; wake_up reloads
-        them from the model files. The caller reallocates the KV cache after wake_up."""
+        them from the model files. The caller reallocates the KV cache after wake_up. (Level 1 on a GPU moves the
+        parameters and buffers; a packed or quantized form kept outside them stays, and memory_bytes counts it.)"""
         self.free_kv_cache()
         self.decode_graphs = None
         if level == 2:
@@ -155,7 +160,12 @@ class ModelRunner:
 
     def wake_up(self) -> None:
         if self.model is None:
-            self.model = load_model(*self._load_args)
+            previous = get_parallel_state()
+            set_parallel_state(self._parallel_state)
+            try:
+                self.model = load_model(*self._load_args)
+            finally:
+                set_parallel_state(previous)
         elif self.offloaded:
             self.model.to(self.device)
             self.offloaded = False
