@@ -400,6 +400,47 @@ def check_cuda_graphs(ctx: Context) -> dict:
     return figures
 
 
+@stage("sleep-mode", 30, "sleep levels 1 and 2 free the KV cache (and weights) on the GPU; wake-up gives the same tokens")
+def check_sleep_mode(ctx: Context) -> dict:
+    import torch
+    from shoal.engine import LLM, SamplingParams
+
+    figures, failures = {}, []
+    model = ctx.model("llama")
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    prompts = prompts_for("batched")
+    on_cuda = DEVICE == "cuda"
+    with LLM(model=str(model), device=DEVICE, dtype="bfloat16" if on_cuda else "float32", enable_sleep_mode=True,
+             **{**BASE, "kv_cache_memory": 64 * 2**20}) as llm:
+        engine = llm.llm_engine
+        before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        awake = engine.memory_bytes()
+        for level in (1, 2):
+            allocated = torch.cuda.memory_allocated() if on_cuda else 0
+            engine.sleep(level)
+            asleep = engine.memory_bytes()
+            freed = allocated - torch.cuda.memory_allocated() if on_cuda else 0
+            t0 = time.monotonic()
+            engine.wake_up()
+            wake_s = time.monotonic() - t0
+            after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            expected_freed = awake["kv_cache_bytes"] + awake["weight_bytes"] - asleep["weight_bytes"]
+            figures[f"level{level}"] = {"reported_awake": awake, "reported_asleep": asleep,
+                                        "cuda_bytes_freed": freed, "expected_freed": expected_freed,
+                                        "wake_up_s": round(wake_s, 3), "same_tokens": after == before}
+            if asleep["kv_cache_bytes"] or (level == 2 and asleep["weight_bytes"]):
+                failures.append(f"level {level}: still holds {asleep}")
+            if on_cuda and freed < 0.9 * expected_freed:
+                failures.append(f"level {level}: CUDA memory fell by {freed} bytes, expected ~{expected_freed}")
+            if after != before:
+                failures.append(f"level {level}: greedy tokens changed after wake-up")
+            if engine.memory_bytes() != awake:
+                failures.append(f"level {level}: awake again with {engine.memory_bytes()}, not {awake}")
+    if failures:
+        raise Failed("; ".join(failures), figures)
+    return figures
+
+
 @stage("attention-backends", 45, "every CUDA attention backend that applies (triton, flash, sdpa) vs transformers")
 def check_backends(ctx: Context) -> dict:
     import torch

@@ -55,7 +55,7 @@ def test_stages_enumerate_without_cuda(checks, tmp_path):
     names = [s.name for s in checks.STAGES]
     assert names[:3] == ["environment", "gpu-tests", "gguf-triton-kernels"]
     assert {f"exact-fp32-{f}" for f in ("dense", "sliding-window", "moe", "gguf")} <= set(names)
-    assert {"half-precision", "cuda-graphs", "attention-backends", "openai-serve", "throughput-bench",
+    assert {"half-precision", "cuda-graphs", "sleep-mode", "attention-backends", "openai-serve", "throughput-bench",
             "throughput-8b"} <= set(names)
     assert len(set(names)) == len(names) and all(callable(s.run) and s.budget_s > 0 for s in checks.STAGES)
     proc, _ = run_script("--list", out=tmp_path)
@@ -83,3 +83,14 @@ def test_a_family_stage_runs_on_the_cpu(checks, tmp_path, monkeypatch):
     assert entry["figures"]["prefix-caching"]["prefix_hits"] > 0
     assert entry["figures"]["preemption"]["preemptions"] > 0
     assert (tmp_path / "gpu-summary.json").exists()
+
+
+def test_the_sleep_stage_runs_on_the_cpu(checks, tmp_path, monkeypatch):
+    """sleep-mode on the CPU: both levels free what they say and wake to the same tokens (the CUDA memory figures
+    are the GPU's alone)."""
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    stage = next(s for s in checks.STAGES if s.name == "sleep-mode")
+    ctx = checks.Context(tmp_path, tmp_path, time.monotonic() + 600)
+    entry = checks.run_stages(ctx, [stage], tmp_path / "gpu-summary.json")["stages"][0]
+    assert entry["status"] == "PASS", entry["error"]
+    assert entry["figures"]["level2"]["reported_asleep"] == {"kv_cache_bytes": 0, "weight_bytes": 0}
