@@ -257,7 +257,8 @@ def pytest_stage(args: list[str], timeout: float) -> dict:
         proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        print((e.stdout or b"")[-20000:] if isinstance(e.stdout, str) else "", flush=True)
+        partial = e.stdout or ""  # bytes, whatever text=True said
+        print((partial.decode(errors="replace") if isinstance(partial, bytes) else partial)[-20000:], flush=True)
         raise Failed(f"pytest did not finish in {timeout:.0f}s") from None
     print(proc.stdout[-20000:], flush=True)
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
