@@ -186,6 +186,7 @@ class AsyncEngine:
         self.heartbeat = time.monotonic()
         self.draining = False
         self.sleep_level = 0  # sleep mode: 0 awake, else the level it sleeps at (set by sleep() / wake_up())
+        self._sleep_call = False  # a sleep or wake-up runs on the engine thread (a level-2 wake reloads the model)
         self.snapshot = StatsSnapshot()
         self.start_time = time.time()
 
@@ -234,8 +235,8 @@ class AsyncEngine:
             return False
         if self._thread is None or not self._thread.is_alive():
             return False
-        if self.is_loaded and self.heartbeat_age() > self.heartbeat_timeout:
-            return False
+        if self.is_loaded and self.heartbeat_age() > self.heartbeat_timeout and not self._sleep_call:
+            return False  # (a wake-up that reloads weights holds the loop for as long as a load: not a hang)
         return True
 
     def is_healthy(self) -> bool:
@@ -367,16 +368,24 @@ class AsyncEngine:
             return await self.run_in_engine(lambda engine: engine.sleep(level))  # the engine's own refusal
         self.sleep_level = level
         try:
-            return await self.run_in_engine(lambda engine: (engine.sleep(level), engine.memory_bytes())[1])
+            return await self._sleep_mode_call(lambda engine: (engine.sleep(level), engine.memory_bytes())[1])
         except BaseException:
             self.sleep_level = 0
             raise
 
     async def wake_up(self) -> dict:
         """Weights back, a fresh KV cache; requests are admitted again. Returns the memory it holds awake."""
-        memory = await self.run_in_engine(lambda engine: (engine.wake_up(), engine.memory_bytes())[1])
+        memory = await self._sleep_mode_call(lambda engine: (engine.wake_up(), engine.memory_bytes())[1])
         self.sleep_level = 0
         return memory
+
+    async def _sleep_mode_call(self, fn: Callable[[Any], Any]) -> Any:
+        self._sleep_call = True
+        try:
+            return await self.run_in_engine(fn)
+        finally:
+            self._sleep_call = False
+            self.heartbeat = time.monotonic()
 
     async def memory_bytes(self) -> dict:
         return await self.run_in_engine(lambda engine: engine.memory_bytes())

@@ -62,7 +62,7 @@ def test_sleep_and_wake_keep_greedy_output_and_free_then_restore_memory(server, 
     status, woken, _ = server.post("/wake_up", None)
     assert status == 200, woken
     assert woken == {**awake, "is_sleeping": False, "level": None}  # the same KV cache and weights again
-    assert server.get("/readyz")[0] == 200
+    wait_for(lambda: server.get("/readyz")[0] == 200, timeout=30, what="/readyz 200 after wake-up")
     assert greedy(server) == before  # after a fresh KV cache (prefix cache emptied) and, at level 2, a reload
 
 
