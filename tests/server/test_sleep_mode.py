@@ -17,7 +17,8 @@ FLAGS = ("--enable-sleep-mode", "--block-size", "4", "--max-model-len", "128", "
 
 @pytest.fixture(scope="module")
 def server(start_server, llama_model):
-    return start_server(llama_model, *FLAGS)
+    # A first start may build the CPU kernels (minutes on a loaded 2-core machine): a longer bound than the default.
+    return start_server(llama_model, *FLAGS, wait=False).wait_ready(timeout=300)
 
 
 def client(server) -> openai.OpenAI:
@@ -97,7 +98,8 @@ def test_sleep_is_refused_while_a_request_is_in_flight(server):
 
 
 def test_without_the_flag_sleep_endpoints_say_how_to_enable_it(start_server, llama_model):
-    plain = start_server(llama_model, "--block-size", "4", "--max-model-len", "128", "--kv-cache-memory", "4MiB")
+    plain = start_server(llama_model, "--block-size", "4", "--max-model-len", "128", "--kv-cache-memory", "4MiB",
+                         wait=False).wait_ready(timeout=300)
     for method, path in (("POST", "/sleep?level=1"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
         status, raw, _ = plain.request(method, path)
         body = json.loads(raw)
