@@ -191,6 +191,9 @@ class EngineConfig(BaseModel):
     attention_backend: Annotated[AttentionBackend, Flag(
         ENGINE, "auto: flash > triton > sdpa on CUDA, cpu (C++ paged kernel) > sdpa on CPU")] = "auto"
     enforce_eager: Annotated[bool, Flag(ENGINE, "no CUDA graphs (never capture decode steps)")] = False
+    enable_sleep_mode: Annotated[bool, Flag(
+        ENGINE, "allow POST /sleep?level=1|2 and POST /wake_up: level 1 frees the KV cache and keeps the weights "
+                "(in host memory on a GPU), level 2 drops the weights too and reloads them on wake-up")] = False
     enable_expert_parallel: Annotated[bool, Flag(
         ENGINE, "mixture-of-experts models: place whole experts on the ranks of each tensor-parallel group (experts / "
                 "tp per rank) instead of splitting every expert's width across them (layers/moe.py)")] = False
@@ -238,6 +241,10 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"lora_modules entry {entry!r} must be name=path")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
+        spec = self.speculative_config
+        if self.enable_sleep_mode and spec is not None and spec.method == "draft_model":
+            raise ValueError("enable_sleep_mode does not support a speculative draft model (its own KV cache and "
+                             "weights are not released by sleep); use the ngram method or leave sleep mode off")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         d = self.distributed

@@ -65,6 +65,10 @@ class DrainingError(EngineError):
     """The engine is shutting down and admits no new requests."""
 
 
+class SleepingError(EngineError):
+    """The engine is asleep (sleep mode): POST /wake_up before sending requests."""
+
+
 class MetricsSink:
     """What AsyncEngine reports per request; the server's metrics implement it. All no-ops here."""
 
@@ -181,6 +185,8 @@ class AsyncEngine:
         self.fatal_error: BaseException | None = None
         self.heartbeat = time.monotonic()
         self.draining = False
+        self.sleep_level = 0  # sleep mode: 0 awake, else the level it sleeps at (set by sleep() / wake_up())
+        self._sleep_call = False  # a sleep or wake-up runs on the engine thread (a level-2 wake reloads the model)
         self.snapshot = StatsSnapshot()
         self.start_time = time.time()
 
@@ -229,8 +235,8 @@ class AsyncEngine:
             return False
         if self._thread is None or not self._thread.is_alive():
             return False
-        if self.is_loaded and self.heartbeat_age() > self.heartbeat_timeout:
-            return False
+        if self.is_loaded and self.heartbeat_age() > self.heartbeat_timeout and not self._sleep_call:
+            return False  # (a wake-up that reloads weights holds the loop for as long as a load: not a hang)
         return True
 
     def is_healthy(self) -> bool:
@@ -243,7 +249,7 @@ class AsyncEngine:
         """Readiness: loaded, loop alive, not draining. A full queue does not count: an overloaded replica must stay
         behind its Service and answer 429 (which a gateway retries elsewhere), not leave the EndpointSlice with
         its running requests, and have the load move to the others in a burst."""
-        return self.is_healthy() and not self.draining
+        return self.is_healthy() and not self.draining and not self.sleep_level
 
     def num_waiting(self) -> int:
         stats = self.snapshot.stats
@@ -277,6 +283,8 @@ class AsyncEngine:
             raise EngineDeadError("engine loop is not running")
         if self.draining:
             raise DrainingError("the server is shutting down")
+        if self.sleep_level:
+            raise SleepingError(f"the engine is asleep (level {self.sleep_level}); POST /wake_up first")
         if self.queue_full():
             raise QueueFullError(f"too many waiting requests (max_queue_len={self.max_queue_len})")
 
@@ -351,6 +359,36 @@ class AsyncEngine:
         future = loop.create_future()
         self._inbox.put((_CALL, fn, loop, future))
         return await future
+
+    async def sleep(self, level: int) -> dict:
+        """Sleep mode: new requests are refused from now on (SleepingError), then LLMEngine.sleep runs on the
+        engine thread. It refuses while requests are in flight (those admitted before this call included, as the
+        engine thread applies them first); then the engine stays awake. Returns the memory it holds asleep."""
+        if self.sleep_level:
+            return await self.run_in_engine(lambda engine: engine.sleep(level))  # the engine's own refusal
+        self.sleep_level = level
+        try:
+            return await self._sleep_mode_call(lambda engine: (engine.sleep(level), engine.memory_bytes())[1])
+        except BaseException:
+            self.sleep_level = 0
+            raise
+
+    async def wake_up(self) -> dict:
+        """Weights back, a fresh KV cache; requests are admitted again. Returns the memory it holds awake."""
+        memory = await self._sleep_mode_call(lambda engine: (engine.wake_up(), engine.memory_bytes())[1])
+        self.sleep_level = 0
+        return memory
+
+    async def _sleep_mode_call(self, fn: Callable[[Any], Any]) -> Any:
+        self._sleep_call = True
+        try:
+            return await self.run_in_engine(fn)
+        finally:
+            self._sleep_call = False
+            self.heartbeat = time.monotonic()
+
+    async def memory_bytes(self) -> dict:
+        return await self.run_in_engine(lambda engine: engine.memory_bytes())
 
     async def compile_grammar(self, spec: Any) -> Any:
         """Compile a StructuredOutputsParams (cached) on a worker thread, so neither the event loop nor the engine

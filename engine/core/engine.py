@@ -32,6 +32,14 @@ from shoal.engine.execution.sampling import Sampler, SamplingRow, make_generator
 logger = logging.getLogger(__name__)
 
 
+class SleepError(ValueError):
+    """A sleep or wake-up request the engine cannot honour now (HTTP 400; `conflict`: 409, requests in flight)."""
+
+    def __init__(self, message: str, conflict: bool = False):
+        super().__init__(message)
+        self.conflict = conflict
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -137,6 +145,9 @@ class LLMEngine:
             if self.state_bytes and self.spec is not None:
                 raise ValueError("speculative decoding is not supported for hybrid models (recurrent layers): their "
                                  "state cannot take back rejected draft tokens; drop --speculative-config")
+            if self.state_bytes and config.enable_sleep_mode:
+                raise ValueError("sleep mode is not supported for hybrid models (recurrent layers) yet: their state "
+                                 "slots are not released and restored by sleep/wake_up; drop --enable-sleep-mode")
             if self.spec is not None:
                 from shoal.engine.core.speculative import make_proposer
 
@@ -159,6 +170,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching)
         self.state_pool = StatePool(config.max_num_seqs) if self.state_bytes else None
         checkpoints = StateCheckpoints(config.max_num_seqs, self.num_checkpoints) if self.num_checkpoints else None
+        self.sleep_level = 0  # 0 awake, else the level of the last sleep (sleep mode)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy,
                                    sliding_window=self.kv_window,
@@ -353,6 +365,42 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # -- sleep mode (--enable-sleep-mode; vLLM's /sleep and /wake_up) -----------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (and at level 2 the weights) on every rank. Refused (SleepError) with requests in
+        flight: their KV blocks would go with the cache; the caller waits for them or aborts them first."""
+        if not self.config.enable_sleep_mode:
+            raise SleepError("sleep mode is not enabled on this engine (start it with --enable-sleep-mode)")
+        if level not in (1, 2):
+            raise SleepError(f"level must be 1 (free the KV cache, keep the weights) or 2 (free both), got {level}")
+        if self.sleep_level:
+            raise SleepError(f"the engine is already asleep (level {self.sleep_level}); POST /wake_up first")
+        if self.requests:
+            raise SleepError(f"{len(self.requests)} request(s) in flight: sleep is refused until they finish",
+                             conflict=True)
+        if level == 2 and self.lora is not None:
+            raise SleepError("level 2 drops the weights the loaded LoRA adapters are attached to; use level 1")
+        self.executor.sleep(level)
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Weights back (level 1) or reloaded from the model files (level 2), a fresh KV cache and an empty prefix
+        cache (the old blocks' contents are gone)."""
+        if not self.config.enable_sleep_mode:
+            raise SleepError("sleep mode is not enabled on this engine (start it with --enable-sleep-mode)")
+        if not self.sleep_level:
+            raise SleepError("the engine is awake; there is nothing to wake up")
+        c = self.config
+        self.executor.wake_up()
+        self.executor.allocate_kv_cache(self.pool.num_blocks, c.block_size)
+        self.pool = BlockPool(self.pool.num_blocks, c.block_size, c.enable_prefix_caching)
+        self.scheduler.pool = self.pool
+        self.sleep_level = 0
+
+    def memory_bytes(self) -> dict[str, int]:
+        """KV-cache and weight bytes rank 0 holds now (what sleep frees and wake_up restores)."""
+        return self.executor.memory_bytes()
 
     def check_health(self) -> None:
         """Raise once the executor can no longer run steps (a rank of a multi-process engine failed), so an idle

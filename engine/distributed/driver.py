@@ -146,6 +146,15 @@ class DistributedExecutor:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
         self.collective_rpc("allocate_kv_cache", num_blocks, block_size, num_state_slots)
 
+    def sleep(self, level: int) -> None:
+        self.collective_rpc("sleep", level)
+
+    def wake_up(self) -> None:
+        self.collective_rpc("wake_up")
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.collective_rpc("memory_bytes")
+
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         return self.collective_rpc("profile_peak_memory", num_tokens, block_size)
 

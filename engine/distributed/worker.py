@@ -71,6 +71,15 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
         self.shard.runner.allocate_kv_cache(num_blocks, block_size, num_state_slots)
 
+    def sleep(self, level: int) -> None:
+        self.shard.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        self.shard.runner.wake_up()
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.shard.runner.memory_bytes()
+
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         """Every rank runs a dummy step of num_tokens; the peak over all ranks."""
         peak = torch.tensor([self.shard.profile(num_tokens, block_size)], dtype=torch.int64)

@@ -43,6 +43,15 @@ class Executor(Protocol):
     def check_health(self) -> None:
         """Raise once this executor can no longer run steps (e.g. a rank of its group failed)."""
 
+    def sleep(self, level: int) -> None:
+        """Sleep mode on every rank: free the KV cache; level 1 keeps the weights, level 2 drops them."""
+
+    def wake_up(self) -> None:
+        """Undo sleep on every rank (weights back or reloaded); the KV cache is then allocated again."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """KV-cache and weight bytes rank 0's shard holds now."""
+
     def shutdown(self) -> None:
         """Release the KV cache and stop any process this executor started (idempotent)."""
 
@@ -87,6 +96,15 @@ class UniProcExecutor:
 
     def check_health(self) -> None:
         """One process has no peer that could fail: a failed step raises from execute() itself."""
+
+    def sleep(self, level: int) -> None:
+        self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        self.runner.wake_up()
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.runner.memory_bytes()
 
     def shutdown(self) -> None:
         self.runner.free_kv_cache()

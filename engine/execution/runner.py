@@ -8,6 +8,7 @@ import logging
 import torch
 
 from shoal.engine.contracts import StepInputs
+from shoal.engine.distributed.parallel_state import get_parallel_state, set_parallel_state
 from shoal.engine.execution.attention import select_backend
 from shoal.engine.execution.attention.base import AttentionMetadata, KVCache
 from shoal.engine.execution.graph_capture import DecodeGraphs
@@ -63,13 +64,15 @@ class ModelRunner:
         self.backend_name = backend.name
         self.max_model_len = max_model_len
         self.hf_config = hf_config
-        self.model = load_model(model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition,
-                                quantization)
+        self._load_args = (model_dir, hf_config, dtype, device, backend, max_model_len, layer_partition, quantization)
+        self._parallel_state = get_parallel_state()  # the layers read it as they are built; a reload needs it too
+        self.model = load_model(*self._load_args)
         self.kv_caches: list[KVCache] = []
         self.block_size = 0
         self.capture: tuple[str, int] | None = None  # (backend, max_num_seqs) once decode capture is enabled
         self.decode_graphs: DecodeGraphs | None = None
         self.lora = None  # an execution.lora.LoRAManager once enable_lora ran
+        self.offloaded = False  # sleep level 1 on a GPU: the weights wait in host memory
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """Give every adaptable linear layer max_loras adapter slots of rank up to max_rank (execution/lora.py)."""
@@ -154,6 +157,43 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What this shard holds now: KV-cache and weight bytes (0 for what sleep released)."""
+        from shoal.engine.execution.quantization import resident_weight_bytes
+
+        weights = 0
+        if self.model is not None:  # what sleep level 1 moved to host memory does not count
+            weights = resident_weight_bytes(self.model) - sum(
+                t.numel() * t.element_size() for t in self.model.parameters() if t.device != self.device)
+        return {"kv_cache_bytes": self.kv_cache_bytes, "weight_bytes": weights}
+
+    def sleep(self, level: int) -> None:
+        """Sleep mode: release the KV cache (its captured decode graphs with it). Level 1 keeps the weights: on a
+        GPU they move to host memory, on the CPU they stay where they are. Level 2 drops them; wake_up reloads
+        them from the model files. The caller reallocates the KV cache after wake_up. (Level 1 on a GPU moves the
+        parameters and buffers; a packed or quantized form kept outside them stays, and memory_bytes counts it.)"""
+        self.free_kv_cache()
+        self.decode_graphs = None
+        if level == 2:
+            self.model = None
+        elif self.device.type == "cuda":
+            self.model.to("cpu")
+            self.offloaded = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.model is None:
+            previous = get_parallel_state()
+            set_parallel_state(self._parallel_state)
+            try:
+                self.model = load_model(*self._load_args)
+            finally:
+                set_parallel_state(previous)
+        elif self.offloaded:
+            self.model.to(self.device)
+            self.offloaded = False
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ Routes
   GET  /metrics                                  Prometheus text (per-app registry)
   GET  /startupz /readyz /livez                  model loaded / serving (a full queue too) / loop alive
   GET  /health                                   vLLM's: model loaded and engine loop alive (503 while loading)
+  POST /sleep?level=1|2, /wake_up; GET /is_sleeping  vLLM's sleep mode (--enable-sleep-mode), with memory figures
 
 `--api-key` protects every route except the health endpoints and /metrics. Access logs carry method, path,
 status and duration, never bodies (so never prompt text); health and metrics requests are not logged.
@@ -25,6 +26,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from shoal.engine.core.async_engine import AsyncEngine, EngineError
+from shoal.engine.core.engine import SleepError
 from shoal.engine.server import anthropic_api
 from shoal.engine.server import openai_api as oai
 from shoal.engine.server import responses_api
@@ -136,7 +138,8 @@ async def readyz(request: web.Request) -> web.Response:
     if eng.is_ready():
         return json_response({"status": "ready"})
     reason = ("failed" if eng.fatal_error is not None else "loading" if not eng.is_loaded
-              else "not_alive" if not eng.is_alive() else "draining" if eng.draining else "not_ready")
+              else "not_alive" if not eng.is_alive() else "draining" if eng.draining
+              else "sleeping" if eng.sleep_level else "not_ready")
     return json_response({"status": reason}, 503)
 
 
@@ -212,6 +215,58 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     except (EngineError, ValueError) as e:
         raise engine_error_to_api_error(e, "lora_name") from None
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+# --------------------------------------------------------------------------------------------- sleep mode
+def _require_sleep_mode(state: ServerState) -> None:
+    require_loaded(state)
+    if not state.engine.config.enable_sleep_mode:
+        raise APIError("sleep mode is not enabled on this server (start it with --enable-sleep-mode)", 400,
+                       code="sleep_mode_disabled")
+
+
+def _sleep_state(eng: AsyncEngine, memory: dict) -> dict:
+    return {"is_sleeping": bool(eng.sleep_level), "level": eng.sleep_level or None, **memory}
+
+
+async def sleep_route(request: web.Request) -> web.Response:
+    """vLLM's POST /sleep?level=1|2 (default 1). Refused with 409 while requests are in flight: they would lose
+    their KV cache. Answers the state it sleeps in (/is_sleeping's body)."""
+    state = get_state(request)
+    _require_sleep_mode(state)
+    raw = request.query.get("level", "1")
+    if raw not in ("1", "2"):
+        raise APIError(f"level must be 1 (free the KV cache, keep the weights) or 2 (free the weights too), "
+                       f"got {raw!r}", 400, param="level")
+    if state.engine.sleep_level:
+        raise APIError(f"the engine is already asleep (level {state.engine.sleep_level}); POST /wake_up first", 400,
+                       code="already_sleeping")
+    try:
+        memory = await state.engine.sleep(int(raw))
+    except SleepError as e:
+        raise APIError(str(e), 409 if e.conflict else 400, code="requests_in_flight" if e.conflict else None)
+    return json_response(_sleep_state(state.engine, memory))
+
+
+async def wake_up_route(request: web.Request) -> web.Response:
+    """vLLM's POST /wake_up: weights back (level 1) or reloaded (level 2), a fresh KV cache, /readyz 200 again."""
+    state = get_state(request)
+    _require_sleep_mode(state)
+    if not state.engine.sleep_level:
+        raise APIError("the engine is awake; there is nothing to wake up", 400, code="not_sleeping")
+    try:
+        memory = await state.engine.wake_up()
+    except SleepError as e:
+        raise APIError(str(e), 400) from None
+    return json_response(_sleep_state(state.engine, memory))
+
+
+async def is_sleeping_route(request: web.Request) -> web.Response:
+    """vLLM's GET /is_sleeping {"is_sleeping": bool}, plus the level and the KV-cache and weight bytes rank 0
+    holds now (what sleep freed shows as 0)."""
+    state = get_state(request)
+    _require_sleep_mode(state)
+    return json_response(_sleep_state(state.engine, await state.engine.memory_bytes()))
 
 
 def _require_lora(state: ServerState) -> None:
@@ -296,4 +351,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | Key
     r.add_get("/readyz", readyz)
     r.add_get("/livez", livez)
     r.add_get("/health", health)
+    r.add_post("/sleep", sleep_route)
+    r.add_post("/wake_up", wake_up_route)
+    r.add_get("/is_sleeping", is_sleeping_route)
     return app

@@ -17,6 +17,7 @@ from shoal.engine.core.async_engine import (
     EngineNotReadyError,
     QueueFullError,
     RequestFailedError,
+    SleepingError,
 )
 from shoal.engine.core.engine import ContextLengthError
 from shoal.engine.core.lora import LoRACapacityError, LoRANotFoundError
@@ -80,6 +81,8 @@ def engine_error_to_api_error(e: Exception, prompt_param: str = "prompt") -> API
     if isinstance(e, DrainingError):
         return APIError("the server is shutting down; retry on another replica", 503, code="draining",
                         headers=retry)
+    if isinstance(e, SleepingError):
+        return APIError(f"{e}; retry on another replica or once it is awake", 503, code="sleeping", headers=retry)
     if isinstance(e, EngineNotReadyError):
         return APIError("the model is still loading", 503, code="loading", headers=retry)
     if isinstance(e, EngineDeadError):

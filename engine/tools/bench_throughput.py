@@ -66,6 +66,11 @@ PRESETS = {
         shared_expert_intermediate_size=256, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
         linear_conv_kernel_dim=4, max_position_embeddings=2048, tie_word_embeddings=False)),
+    # Llama 3 8B's shape (32 layers, hidden 4096, 32 query heads on 8 KV heads, SwiGLU 14336, vocab 128256): a
+    # GPU-sized decode step, 16 GB of bf16 weights to read (e2e/gpu/checks.py). Made on the GPU when there is one.
+    "llama3-8b": ("llama3-8b-shape", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)),
 }
 
 
@@ -83,7 +88,11 @@ def bench_model_dir(preset: str = "bench") -> Path:
     root = Path(os.environ.get("SHOAL_CACHE", Path.home() / ".cache" / "shoal"))
     path = root / name
     if not (path / "config.json").exists():
-        make_model(path, arch=arch, seed=0, dtype="bfloat16", **config)
+        import torch
+
+        # Random init of billions of weights takes minutes on a CPU and seconds on a GPU.
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            make_model(path, arch=arch, seed=0, dtype="bfloat16", **config)
     return path
 
 
@@ -147,7 +156,7 @@ def run_shoal(model_dir, reqs, args, memory: dict | None = None, **extra) -> tup
                 llm.generate(prompts, params)
             n = profiler.steps["decode"]
             batch = round(profiler.decode_batch / n) if n else 0
-            report = profiler.report(step_profile.measure_read_bandwidth(),
+            report = profiler.report(step_profile.measure_read_bandwidth(profiler.device),
                                      step_profile.measure_matmul_flops(profiler.model, batch))
     return elapsed, report
 
@@ -182,14 +191,16 @@ def run_vllm(python: str, model_dir, reqs, args) -> float:
 
 
 def run_hf(model_dir, reqs, batch_size: int, dtype) -> float:
+    """Seconds of the workload through transformers generate(), on the GPU when there is one (as Shoal runs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     with torch.inference_mode():
-        model.generate(torch.tensor([reqs[0][0][:16]]), max_new_tokens=4, do_sample=False)
+        model.generate(torch.tensor([reqs[0][0][:16]], device=device), max_new_tokens=4, do_sample=False)
         t0 = time.perf_counter()
         for i in range(0, len(reqs), batch_size):
             batch = reqs[i:i + batch_size]
@@ -199,7 +210,10 @@ def run_hf(model_dir, reqs, batch_size: int, dtype) -> float:
             for row, (p, _) in enumerate(batch):  # left padding, as decoder-only generation needs
                 ids[row, width - len(p):] = torch.tensor(p)
                 mask[row, width - len(p):] = 1
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(m for _, m in batch), do_sample=False)
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(m for _, m in batch),
+                           do_sample=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
 
@@ -208,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a local Hugging Face model directory (default: the --preset model)")
     ap.add_argument("--preset", default="bench", choices=sorted(PRESETS),
                     help="built-in random-weight model when no --model is given: bench (hidden 512, 8 layers), "
+                         "llama3-8b (Llama 3 8B's shape, 16 GB in bf16: for GPUs), "
                          "smollm2-135m (SmolLM2-135M's shape: 30 layers, hidden 576, vocab 49152), olmoe-moe "
                          "(8 layers, hidden 512, 32 experts of width 512, top-4), gemma3-sliding (Gemma 3 270M's "
                          "shape, 18 layers, hidden 640, a 128-token window on 5 of 6 layers) or qwen3-next-hybrid "

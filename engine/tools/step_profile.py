@@ -309,14 +309,20 @@ class StepProfiler:
         return "\n".join(lines)
 
 
-def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second one pass of reading a buffer far larger than the caches achieves (best of `repeats`)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
+def measure_read_bandwidth(device: torch.device | str = "cpu", nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes per second one pass of reading a buffer far larger than the caches achieves on `device` (the model's:
+    host memory, or a GPU's HBM), best of `repeats`."""
+    device = torch.device(device)
+    if nbytes is None:  # many times the last-level cache: 256 MiB on a CPU, 2 GiB on a GPU (an H200 has 60 MB of L2)
+        nbytes = (2048 if device.type == "cuda" else 256) * 2**20
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     x.sum()
+    _sync(device)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         x.sum()
+        _sync(device)
         best = min(best, time.perf_counter() - t)
     return nbytes / best
 
