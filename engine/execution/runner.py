@@ -98,7 +98,7 @@ class ModelRunner:
     def bytes_per_block(self, block_size: int) -> int:
         """K and V bytes of one block over this rank's layers; an fp8 cache counts its scales too."""
         m = self.model
-        per_head = KVCache.bytes_per_token_head(m.head_dim, self.dtype, self.kv_cache_dtype)
+        per_head = m.kv_cache_class.bytes_per_token_head(m.head_dim, self.dtype, self.kv_cache_dtype)
         return max(1, m.num_local_layers * m.num_kv_heads_local * per_head * block_size)
 
     @property
@@ -117,8 +117,8 @@ class ModelRunner:
         blocks = num_blocks + (self.capture is not None)
         self.block_size = block_size
         self.kv_caches = [
-            KVCache.allocate(blocks, block_size, m.num_kv_heads_local, m.head_dim, self.dtype, self.device,
-                             self.kv_cache_dtype)
+            m.kv_cache_class.allocate(blocks, block_size, m.num_kv_heads_local, m.head_dim, self.dtype, self.device,
+                                      self.kv_cache_dtype)
             for _ in range(m.num_local_layers)
         ]
         self.decode_graphs = None
@@ -150,6 +150,11 @@ class ModelRunner:
 
 
 def _attention_shape(hf_config) -> dict:
+    from shoal.engine.execution.models import model_class
+
+    cls = model_class(hf_config)
+    if hasattr(cls, "attention_shape"):  # MLA: the latent's width, one key head
+        return cls.attention_shape(hf_config)
     heads = getattr(hf_config, "num_attention_heads", None) or getattr(hf_config, "n_head")
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd")

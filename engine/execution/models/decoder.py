@@ -90,8 +90,7 @@ class DecoderLM(CausalLM):
         self.rotaries = nn.ModuleList(dict.fromkeys(rotaries.values()))  # registered once each (buffers follow .to)
         types, windows = self.layer_types(config), self.sliding_windows(config)
         self.layers = nn.ModuleList(
-            self.layer_cls(RotaryAttention(config, dtype, backend, rotaries[types[i]], self.head_dim,
-                                           sliding_window=windows[i], **self.attention_options(i)),
+            self.layer_cls(self.make_attention(i, dtype, backend, rotaries[types[i]], windows[i]),
                            self.make_mlp(i, dtype), config.hidden_size, config.rms_norm_eps, dtype, self.norm_cls)
             for i in range(start, end)
         )
@@ -126,6 +125,11 @@ class DecoderLM(CausalLM):
         """The RoPE table of each layer type (one shared table unless a family rotates its types differently)."""
         shared = RotaryEmbedding(config, self.head_dim, max_model_len, dtype)
         return {SLIDING: shared, FULL: shared}
+
+    def make_attention(self, layer_idx: int, dtype, backend, rotary: RotaryEmbedding, window: int | None) -> nn.Module:
+        """Layer `layer_idx`'s attention: a RotaryAttention with the family's options (MLA families replace it)."""
+        return RotaryAttention(self.config, dtype, backend, rotary, self.head_dim, sliding_window=window,
+                               **self.attention_options(layer_idx))
 
     def attention_options(self, layer_idx: int) -> dict:
         """Keyword arguments of layer `layer_idx`'s RotaryAttention besides its window and RoPE table."""
