@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
-from shoal.engine.execution.attention.base import FP8_DTYPE, KVCache, quantize_fp8
+from shoal.engine.execution.attention.base import FP8_DTYPE, KVCache, write_kv
 from shoal.engine.execution.attention.layer import PagedAttention
 from shoal.engine.execution.layers.linear import ColumnParallelLinear, PackedMatmul, RowParallelLinear, _param
 from shoal.engine.execution.layers.norm import RMSNorm
@@ -73,10 +73,9 @@ class LatentKVCache(KVCache):
         if self.k_scale is None:
             self.k.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(self.k.dtype))
             return
-        values, scales = quantize_fp8(k)
-        # Scattered as bytes: index_copy_ has no float8 kernel on every device.
-        self.k.view(torch.uint8).view(nb * bs, h, d).index_copy_(0, slot_mapping, values.view(torch.uint8))
-        self.k_scale.view(nb * bs, h).index_copy_(0, slot_mapping, scales)
+        # The shared fp8 write (one fused C++ call on CPU, which recorded decode graphs can replay) stores the entry
+        # as both "k" and "v": the same bytes twice into the one tensor.
+        write_kv(k, k, self.k, self.v, slot_mapping, self.k_scale, self.v_scale)
 
 
 class ReplicatedLinear(PackedMatmul):
