@@ -1,6 +1,6 @@
 """DeepSeek (MLA) over gloo (worker processes on this machine): tensor parallel (query heads, kv_b_proj and o_proj
-split by head, the latent projected and cached whole on every rank, every expert's width split) and pipeline
-parallel, against the single-process engine and transformers."""
+split by head, the latent projected and cached whole on every rank, every expert's width split), against the
+single-process engine and transformers."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ import torch
 
 from shoal.engine import LLM
 from shoal.engine.execution.layers.mla import LatentAttention
-from test_tp_pp_equivalence import OPTIONS, PARAMS, PROMPTS, compare
+from test_tp_pp_equivalence import OPTIONS, PARAMS, PROMPTS, compare, single_process
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch,tp,pp", [("deepseek_v3", 2, 1), ("deepseek_v3", 1, 2), ("deepseek_v2", 2, 1)],
+@pytest.mark.parametrize("arch,tp,pp", [("deepseek_v3", 2, 1)],
                          ids=lambda v: str(v))
 def test_mla_parallel_matches_single_process_and_transformers(model_factory, arch, tp, pp):
     model_dir = model_factory(arch)
+    # The single-process run first: made while the group is up, it could outlast an idle stage's receive timeout.
+    single_process(model_dir)
     with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
              distributed={"collective_timeout": 120.0}, **OPTIONS) as llm:
         runner = llm.llm_engine.executor.shard.runner  # rank 0's shard, in this process
