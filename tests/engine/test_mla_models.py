@@ -130,7 +130,7 @@ def test_fp8_latent_cache(model_factory):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("kv_lora_rank", None, "config field kv_lora_rank must be a positive integer"),
+    ("kv_lora_rank", 0, "config field kv_lora_rank must be a positive integer"),
     ("qk_rope_head_dim", 7, "config field qk_rope_head_dim must be even"),
     ("n_group", 3, r"config field n_group \(3\) must divide n_routed_experts \(8\)"),
 ])
