@@ -106,7 +106,7 @@ class ModelRunner:
     def bytes_per_block(self, block_size: int) -> int:
         """K and V bytes of one block over this rank's layers; an fp8 cache counts its scales too."""
         m = self.model
-        per_head = KVCache.bytes_per_token_head(m.head_dim, self.dtype, self.kv_cache_dtype)
+        per_head = m.kv_cache_class.bytes_per_token_head(m.head_dim, self.dtype, self.kv_cache_dtype)
         layers = getattr(m, "num_kv_layers", m.num_local_layers)  # hybrids: only the attention layers
         return max(1, layers * m.num_kv_heads_local * per_head * block_size)
 
@@ -133,8 +133,8 @@ class ModelRunner:
         self.block_size = block_size
 
         def make_kv():
-            return KVCache.allocate(blocks, block_size, m.num_kv_heads_local, m.head_dim, self.dtype, self.device,
-                                    self.kv_cache_dtype)
+            return m.kv_cache_class.allocate(blocks, block_size, m.num_kv_heads_local, m.head_dim, self.dtype,
+                                             self.device, self.kv_cache_dtype)
 
         if getattr(m, "has_state", False):
             self.kv_caches = m.allocate_caches(make_kv, num_state_slots, self.device)
@@ -219,6 +219,11 @@ class ModelRunner:
 
 
 def _attention_shape(hf_config) -> dict:
+    from shoal.engine.execution.models import model_class
+
+    cls = model_class(hf_config)
+    if hasattr(cls, "attention_shape"):  # MLA: the latent's width, one key head
+        return cls.attention_shape(hf_config)
     heads = getattr(hf_config, "num_attention_heads", None) or getattr(hf_config, "n_head")
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd")

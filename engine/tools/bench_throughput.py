@@ -8,9 +8,11 @@ The model is `--model DIR` (any local Hugging Face directory) or a built-in rand
 shallow: hidden 512, 8 layers), `smollm2-135m` (deep and narrow: SmolLM2-135M's shape, 30 layers, hidden 576),
 `olmoe-moe` (OLMoE's mixture-of-experts layout: 8 layers, hidden 512, 32 experts of width 512, top-4; --profile
 prints the MoE blocks' share of a decode step and their floor), `gemma3-sliding` (Gemma 3 270M's shape with a
-128-token sliding window on five of every six layers) or `qwen3-next-hybrid` (Qwen3-Next's layout scaled down:
+128-token sliding window on five of every six layers), `qwen3-next-hybrid` (Qwen3-Next's layout scaled down:
 Gated DeltaNet and gated attention 3:1, MoE with a shared expert; --profile adds the recurrent state to the decode
-step's memory floor).
+step's memory floor) or `deepseek-v3-mla` (DeepSeek V3's layout scaled down: latent attention with q_lora, grouped
+sigmoid routing over 32 experts plus a shared one, the first layer dense). For an MLA model it also prints the
+KV-cache capacity in tokens per GiB of its latent cache against the same model with full K/V.
 `--profile` runs the workload once more with timers attached and prints where a step's time goes, with the
 memory-traffic floor of a decode step (see shoal.engine.tools.step_profile).
 
@@ -71,7 +73,36 @@ PRESETS = {
     "llama3-8b": ("llama3-8b-shape", dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)),
+    # DeepSeek V3's layout at bench scale: MLA (q_lora 192, latent 128 + 32 rope dims, 16 heads of 64 + 32 / 64),
+    # the first layer dense, then 32 experts of width 256 in 8 groups (4 kept), top-4, one shared expert.
+    "deepseek-v3-mla": ("bench-deepseek-v3-512", dict(
+        arch="deepseek_v3", vocab_size=32000, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
+        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=192, kv_lora_rank=128,
+        qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=32, n_shared_experts=1, n_group=8,
+        topk_group=4, num_experts_per_tok=4, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
+
+
+def kv_capacity(config, dtype, kv_cache_dtype: str = "auto") -> dict | None:
+    """Tokens one GiB of KV cache holds for an MLA model: its latent cache against full K/V of the same model (a key
+    of qk_nope + qk_rope and a value of v_head_dim per head and layer). None for other models."""
+    import torch
+
+    from shoal.engine.execution.attention.base import KVCache
+    from shoal.engine.execution.layers.mla import LatentKVCache
+
+    if not getattr(config, "kv_lora_rank", None):
+        return None
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    latent = layers * LatentKVCache.bytes_per_token_head(config.kv_lora_rank + config.qk_rope_head_dim, dtype,
+                                                         kv_cache_dtype)
+    key, value = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    full = layers * heads * (KVCache.bytes_per_token_head(key, dtype, kv_cache_dtype)
+                             + KVCache.bytes_per_token_head(value, dtype, kv_cache_dtype)) // 2
+    return {"latent_tokens_per_gib": 2**30 // latent, "full_kv_tokens_per_gib": 2**30 // full,
+            "ratio": round(full / latent, 2)}
 
 
 def bench_model_dir(preset: str = "bench") -> Path:
@@ -294,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     if longest > args.max_model_len:
         ap.error(f"prompts up to {args.prompt_len[1]} plus outputs up to {args.output_len[1]} tokens exceed "
                  f"max_model_len {args.max_model_len}; shorten them")
+    for kv in args.kv_cache_dtype or ["auto"]:
+        capacity = kv_capacity(config, args.dtype, kv)
+        if capacity:
+            print(f"KV cache capacity ({args.dtype}, --kv-cache-dtype {kv}): latent (MLA) "
+                  f"{capacity['latent_tokens_per_gib']} tokens/GiB vs full K/V {capacity['full_kv_tokens_per_gib']} "
+                  f"tokens/GiB ({capacity['ratio']}x)")
     reqs = workload(args.seed, args.num_prompts, config.vocab_size, args.prompt_len, args.output_len,
                     args.repetitive)
     tokens = sum(m for _, m in reqs)

@@ -78,6 +78,24 @@ _MOE_CONFIGS = {
 }
 MOE_ARCHS = list(_MOE_CONFIGS)
 
+# Latent attention (MLA) with a q low-rank projection (V3) or without (V2-Lite), decoupled RoPE dims scaled by YaRN
+# with mscale_all_dim (the softmax scale changes too), v_head_dim != qk head dim; layer 0 dense, then 8 experts in 4
+# groups (2 kept), top-2, plus one shared expert.
+_MLA_COMMON = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                   kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_group=4, topk_group=2,
+                   num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=512, rms_norm_eps=1e-5,
+                   tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                    "rope_theta": 10000.0})
+_MLA_CONFIGS = {
+    "deepseek_v3": ("DeepseekV3Config", dict(q_lora_rank=48, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    "deepseek_v2": ("DeepseekV2Config", dict(q_lora_rank=None, routed_scaling_factor=1.5,
+                                             topk_method="group_limited_greedy")),
+}
+MLA_ARCHS = list(_MLA_CONFIGS)
+
 
 def _config(arch: str, vocab_size: int, **overrides):
     import transformers as tf
@@ -111,6 +129,9 @@ def _config(arch: str, vocab_size: int, **overrides):
                   num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2, linear_num_value_heads=4,
                   linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
                   max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    elif arch in _MLA_CONFIGS:
+        name, extra = _MLA_CONFIGS[arch]
+        cls, kw = getattr(tf, name), dict(_MLA_COMMON, **extra)
     elif arch == "gemma2":
         # Alternating sliding (8 tokens) and global layers, both soft-caps low enough to bite on random weights.
         cls = tf.Gemma2Config
@@ -178,6 +199,9 @@ def make_model(
                 p.normal_(0.0, 0.15)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek V3's routing bias: nonzero, so it matters
+                b.normal_(0.0, 0.1)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), safe_serialization=True, **kw)
     if tokenizer:

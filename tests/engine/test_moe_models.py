@@ -82,9 +82,9 @@ def test_unsupported_architecture_lists_the_families(tmp_path):
     from shoal.engine.execution.models import model_class
 
     class Config:
-        architectures = ["DeepseekV3ForCausalLM"]
+        architectures = ["XLNetLMHeadModel"]
 
-    with pytest.raises(ValueError, match=r"unsupported architecture \['DeepseekV3ForCausalLM'\]") as e:
+    with pytest.raises(ValueError, match=r"unsupported architecture \['XLNetLMHeadModel'\]") as e:
         model_class(Config())
     for name in ARCHITECTURE.values():
         assert name in str(e.value)

@@ -2,7 +2,10 @@
 
 Routing (`select_experts`): softmax (or sigmoid, where a config says `scoring_func: sigmoid`) over the router
 logits (plus the router's bias where it has one: gpt-oss) in float32, top-k, optionally renormalised over the chosen
-k (`norm_topk_prob`; Mixtral and gpt-oss always do).
+k (`norm_topk_prob`; Mixtral and gpt-oss always do). DeepSeek's routing (`GroupedRouting`) adds three steps: a
+per-expert correction bias added to the scores for the choice only (the weights stay the unbiased scores), the choice
+limited to the `topk_group` best of `n_group` expert groups (a group scored by its two best biased scores, or by its
+best score without a bias: DeepSeek V2's group_limited_greedy), and the final weights times routed_scaling_factor.
 
 Experts (`fused_experts`): the (token, slot) pairs are grouped by expert and each expert with tokens runs as one
 batch — gather, one GEMM for gate and up together (plus their bias), the activation, one GEMM for down (plus its
@@ -78,8 +81,19 @@ SILU = ExpertActivation()
 # ------------------------------------------------------------------------------------------------------- routing
 
 
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's routing options (see the module docstring); the defaults route like plain top-k."""
+
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False  # the router has an e_score_correction_bias [E]
+
+
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                   scoring_func: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+                   scoring_func: str = "softmax", grouping: GroupedRouting | None = None,
+                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int64) of each token's top_k experts."""
     logits = router_logits.float()
     if scoring_func == "softmax":
@@ -88,10 +102,25 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         scores = torch.sigmoid(logits)
     else:
         raise ValueError(f"MoE scoring_func {scoring_func!r} is not supported (supported: {', '.join(SCORING)})")
-    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if grouping is None:
+        weights, ids = torch.topk(scores, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if grouping.n_group > 1:
+        T, E = choice.shape
+        groups = choice.view(T, grouping.n_group, E // grouping.n_group)
+        group_scores = (groups.topk(2, dim=-1)[0].sum(-1) if correction_bias is not None
+                        else groups.amax(dim=-1))
+        keep = torch.topk(group_scores, grouping.topk_group, dim=-1, sorted=False)[1]
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(E // grouping.n_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * grouping.routed_scaling_factor, ids
 
 
 # ------------------------------------------------------------------------------------------------------- experts
@@ -300,7 +329,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, renormalize: bool,
                  dtype: torch.dtype, scoring_func: str = "softmax", shared_intermediate: int = 0,
                  shared_gate: bool = False, router_bias: bool = False, expert_bias: bool = False,
-                 activation: ExpertActivation = SILU):
+                 activation: ExpertActivation = SILU, grouping: GroupedRouting | None = None):
         super().__init__()
         from shoal.engine.execution.layers.mlp import GatedMLP
 
@@ -309,7 +338,15 @@ class SparseMoeBlock(nn.Module):
         if scoring_func not in SCORING:
             raise ValueError(f"MoE scoring_func {scoring_func!r} is not supported (supported: {', '.join(SCORING)})")
         self.ps = get_parallel_state()
+        if grouping is not None and (num_experts % grouping.n_group or grouping.topk_group > grouping.n_group
+                                     or top_k > grouping.topk_group * (num_experts // grouping.n_group)):
+            raise ValueError(f"n_group {grouping.n_group} / topk_group {grouping.topk_group} cannot route "
+                             f"{top_k} of {num_experts} experts (n_group must divide the experts, topk_group be at "
+                             "most n_group, and the kept groups hold at least num_experts_per_tok experts)")
         self.top_k, self.renormalize, self.scoring_func = top_k, renormalize, scoring_func
+        self.grouping = grouping
+        self.correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+                                if grouping is not None and grouping.correction_bias else None)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)  # replicated
         self.gate_bias = (nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False) if router_bias
                           else None)
@@ -320,7 +357,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(F.linear(x, self.gate, self.gate_bias), self.top_k, self.renormalize,
-                                      self.scoring_func)
+                                      self.scoring_func, self.grouping, self.correction_bias)
         exchange = self.ps.expert_exchange
         if self.experts.expert_parallel and exchange is not None and exchange.use_all_to_all(x.shape[0]):
             return self._all_to_all(x, weights, ids)

@@ -18,6 +18,7 @@ class CausalLM(nn.Module):
     head_dim: int
     uses_alibi: bool = False
     uses_sinks: bool = False  # attention sinks: only backends with supports_sinks can run the model
+    kv_cache_class: type[KVCache] = KVCache  # each layer's cache (MLA families: a one-tensor latent cache)
 
     def __init__(self):
         super().__init__()

@@ -130,13 +130,17 @@ class DecoderLM(CausalLM):
 
     def make_mixer(self, layer_idx: int, layer_type: str, window: int | None, rotaries: dict, dtype,
                    backend) -> nn.Module:
-        """Layer `layer_idx`'s token mixer: rotary self-attention (hybrids add recurrent layers)."""
-        return RotaryAttention(self.config, dtype, backend, rotaries[layer_type], self.head_dim, sliding_window=window,
-                               **self.attention_options(layer_idx))
+        """Layer `layer_idx`'s token mixer: its attention (hybrids add recurrent layers)."""
+        return self.make_attention(layer_idx, dtype, backend, rotaries[layer_type], window)
 
     def mixer_prefix(self, layer_idx: int) -> str:
         """Where the checkpoint keeps layer `layer_idx`'s token mixer, under the layer's prefix."""
         return "self_attn."
+
+    def make_attention(self, layer_idx: int, dtype, backend, rotary: RotaryEmbedding, window: int | None) -> nn.Module:
+        """Layer `layer_idx`'s attention: a RotaryAttention with the family's options (MLA families replace it)."""
+        return RotaryAttention(self.config, dtype, backend, rotary, self.head_dim, sliding_window=window,
+                               **self.attention_options(layer_idx))
 
     def attention_options(self, layer_idx: int) -> dict:
         """Keyword arguments of layer `layer_idx`'s RotaryAttention besides its window and RoPE table."""

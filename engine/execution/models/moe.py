@@ -28,9 +28,10 @@ def check_silu_experts(config) -> None:
                          "(the fused MoE layer runs silu)")
 
 
-def load_moe_block(block: SparseMoeBlock, src, m: str, expert_names=_EXPERT_NAMES) -> None:
+def load_moe_block(block: SparseMoeBlock, src, m: str, expert_names=_EXPERT_NAMES,
+                   shared_name: str = "shared_expert.") -> None:
     """A sparse block's tensors under the prefix m ('...mlp.'): gate.weight [E, H], experts.{e}.<names>, and the
-    shared expert (with its gate) when the block has one."""
+    shared expert (with its gate) when the block has one (under `shared_name`: DeepSeek's is shared_experts.)."""
     experts = block.experts
     h, inter = experts.hidden, experts.intermediate
     block.gate.data.copy_(src.load(m + "gate.weight", (experts.num_experts, h)))
@@ -40,7 +41,7 @@ def load_moe_block(block: SparseMoeBlock, src, m: str, expert_names=_EXPERT_NAME
         experts.load_expert(e, reader(src, f"{p}{gate}.weight", (inter, h)), reader(src, f"{p}{up}.weight", (inter, h)),
                             reader(src, f"{p}{down}.weight", (h, inter)))
     if block.shared_expert is not None:
-        block.shared_expert.load(src, m + "shared_expert.")
+        block.shared_expert.load(src, m + shared_name)
     if block.shared_expert_gate is not None:
         block.shared_expert_gate.data.copy_(src.load(m + "shared_expert_gate.weight", (1, h)))
 
