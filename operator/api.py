@@ -155,6 +155,7 @@ class EngineOptions(_Model):
     max_lora_rank: int | None = engine_option("max_lora_rank", ge=1, le=4096)
     max_cpu_loras: int | None = engine_option("max_cpu_loras", ge=1, le=65536)
     scheduling_policy: Literal["fcfs", "priority"] | None = engine_option("scheduling_policy")
+    enable_sleep_mode: bool = engine_option("enable_sleep_mode", default=False)
     shutdown_timeout_seconds: int = Field(
         default=900, ge=0, le=21600,
         description="drain budget on SIGTERM (--shutdown-timeout): a replica removed by a scale-down, a rollout or "
