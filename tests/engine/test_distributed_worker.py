@@ -20,7 +20,7 @@ def fake_rank(monkeypatch, calls):
     pending = iter([decode_call(encode_call(method, args)) for method, args in calls])
     monkeypatch.setattr(worker_module, "receive_call", lambda group: next(pending))
     monkeypatch.setattr(worker_module.dist, "monitored_barrier", lambda group, timeout: ran.append("barrier"))
-    runner = SimpleNamespace(allocate_kv_cache=lambda blocks, size: ran.append(("allocate", blocks, size)))
+    runner = SimpleNamespace(allocate_kv_cache=lambda blocks, size, state_slots=1: ran.append(("allocate", blocks, size)))
     shard = SimpleNamespace(runner=runner, sampler=None,
                             run_step=lambda inputs, started: ran.append(("step", inputs.tolist(), started > 0)))
     group = SimpleNamespace(control=None, monitor=SimpleNamespace(stop=lambda: ran.append("monitor stopped")))
