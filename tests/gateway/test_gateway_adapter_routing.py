@@ -78,6 +78,11 @@ def served_by(gateway, engine_) -> float:
     return metric(gateway.metrics(), "shoal:gateway_requests_total", backend=engine_.url, code="200")
 
 
+def asked_wrong_engine(gateway) -> float:
+    """Requests an engine answered 404 that the gateway then retried on another (the fallback, not the routing)."""
+    return metric(gateway.metrics(), "shoal:gateway_retries_total", reason="status_404")
+
+
 def ask(gateway, model: str, n: int) -> None:
     """n completions for `model` through the gateway: every one answered (a 404 raises NotFoundError)."""
     for k in range(n):
@@ -103,6 +108,7 @@ def test_adapter_goes_only_where_listed_then_everywhere_it_is(pair, adapter, sta
     before_b = served_by(gw, b)
     ask(gw, "ad", 6)  # round-robin would give B three of them, each a 404
     assert served_by(gw, b) == before_b, "a request for the adapter went to the engine without it"
+    assert asked_wrong_engine(gw) == 0  # not even once, then retried elsewhere after its 404
     ask(gw, "tiny", 4)  # the base model: both engines in turn
     assert served_by(gw, b) == before_b + 2
 
@@ -129,6 +135,7 @@ def test_engine_restarted_without_its_adapters_is_skipped_until_it_lists_them(pa
     before_b = served_by(gw, b)
     ask(gw, "ad", 6)
     assert served_by(gw, b) == before_b, "the restarted engine got a request for an adapter it no longer has"
+    assert asked_wrong_engine(gw) == 0
     ask(gw, "tiny", 2)
     assert served_by(gw, b) == before_b + 1  # it still serves the base model
 
