@@ -423,6 +423,11 @@ async def test_a_failed_attempt_is_retried_on_another_engine_and_a_failing_engin
     config = GatewayConfig(routing="round-robin", poll_interval=60, health=HealthPolicy(circuit_cooldown=120))
     gw, client = await gateway_client(config, [str(s.make_url("")).rstrip("/") for s in (bad, good)])
     try:
+        # the first poll over (its healthy answer would forgive failures it overlapped)
+        deadline = time.monotonic() + 10
+        while not all(b.last_ok for b in gw.backends.all()):
+            assert time.monotonic() < deadline, "the gateway's first poll of both engines"
+            await asyncio.sleep(0.01)
         for i in range(8):
             r = await client.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"})
             assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
