@@ -121,7 +121,8 @@ class Poller:
             log.debug("poll of %s failed: %r", b.url, e)  # no answer: the data goes stale, then stalled
             return
         left = deadline - time.monotonic()
-        text, adapters = await asyncio.gather(self._metrics(b, left), self._adapters(b, left) if ready else _none())
+        listing = ready and self.metrics.lists_adapters
+        text, adapters = await asyncio.gather(self._metrics(b, left), self._adapters(b, left) if listing else _none())
         now = time.monotonic()
         b.ready, b.last_answer = ready, now
         if not ready:
