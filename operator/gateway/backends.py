@@ -21,6 +21,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+# An adapter an engine listed this recently is still its pool's (its engine may be reloading it after a restart):
+# a request for it waits for an engine that lists it rather than going to one that would answer 404.
+ADAPTER_MEMORY = 300.0
+
+
 @dataclass
 class HealthPolicy:
     stale_after: float = 1.0  # seconds without a successful poll: load data is unknown
@@ -54,12 +59,33 @@ class Backend:
     lora_running: int = 0
     max_loras: int = 0
     served_model: str | None = None  # the engine's base model name (its metrics' model_name label)
+    # The adapters the engine serves now: the cards with a `parent` in its /v1/models (polled with its metrics).
+    # None: unknown (not polled yet, the poll failed, or the engine went away: a restarted engine lists its own).
+    adapters: frozenset[str] | None = None
+    adapters_at: float | None = None  # when `adapters` was read
+    listed: dict[str, float] = field(default_factory=dict)  # adapter -> when the engine last listed it
     # Circuit breaker.
     failures: int = 0
     open_until: float = 0.0
 
     def fresh(self, now: float) -> bool:
         return self.last_ok is not None and now - self.last_ok <= self.policy.stale_after
+
+    def adapters_fresh(self, now: float) -> bool:
+        """The adapter list is current (read within stale_after): an adapter it lacks is not served there."""
+        return self.adapters is not None and self.adapters_at is not None and \
+            now - self.adapters_at <= self.policy.stale_after
+
+    def read_adapters(self, adapters: frozenset[str], now: float) -> None:
+        self.adapters, self.adapters_at = adapters, now
+        for name in adapters:
+            self.listed[name] = now
+        if len(self.listed) > len(adapters):
+            self.listed = {n: t for n, t in self.listed.items() if now - t <= ADAPTER_MEMORY}
+
+    def forget_adapters(self) -> None:
+        """The engine stopped answering (refused, not ready): whatever it lists when back is read anew."""
+        self.adapters, self.adapters_at = None, None
 
     def stalled(self, now: float) -> bool:
         since = self.last_answer if self.last_answer is not None else self.added_at
@@ -104,6 +130,7 @@ class Backend:
     def on_refused(self, now: float) -> None:
         """Nobody listens: not ready until a poll says otherwise (an engine that restarts comes back at once)."""
         self.ready = False
+        self.forget_adapters()
         self.on_failure(now)
 
 

@@ -15,7 +15,7 @@ Two list-and-watch streams feed it (k8s.informer.Informer):
 
 Model names come from the specs (the served name, spec.adapters), from each pool's engines' /v1/models (adapters
 loaded at run time, with `parent`), polled every `models_interval` seconds, and — for an adapter loaded since the
-last poll — from the residency the engines' metrics report.
+last poll — from what each engine listed at its last poll (poller.py) or the residency its metrics report.
 
 Names belong to their namespace (docs/gateway.md, "Tenancy"). A caller (a tenant: tenants.Caller) of namespace N
 resolves a `model` in N first; only when N serves no such name, in the other namespaces whose InferenceServices
@@ -228,7 +228,7 @@ class Fleet:
         if not found:  # an adapter loaded since the last /v1/models poll: the engines' metrics know it
             for p in self.pools.values():
                 if p.namespace not in found and self._usable(p, namespace) and \
-                        any(model in b.lora_resident for b in p.backends.all()):
+                        any(model in b.lora_resident or model in b.listed for b in p.backends.all()):
                     found[p.namespace] = p
         return found
 
@@ -255,6 +255,7 @@ class Fleet:
         for pool in self.pools.values():
             for b in pool.backends.all():
                 names.update(b.lora_resident)
+                names.update(b.adapters or ())
         cards: list[dict] = []
         for model in sorted(names):
             try:

@@ -26,6 +26,8 @@ class EngineMetrics:
     # an info gauge labelled with the adapters loaded (resident_lora_adapters) and max_cpu_lora; a runtime without
     # one (vLLM) counts the adapters its lora_info names as resident: a request runs or waits on each of them there
     lora_resident: tuple[str, ...] = ()
+    # its /v1/models lists the LoRA adapters it serves (cards with a `parent`): the gateway routes by that list
+    lists_adapters: bool = False
 
 
 SHOAL = EngineMetrics(
@@ -33,7 +35,7 @@ SHOAL = EngineMetrics(
     running=("shoal:num_requests_running",), waiting=("shoal:num_requests_waiting",),
     kv_usage=("shoal:kv_cache_usage_perc",), waiting_prefill_tokens=("shoal:num_waiting_prefill_tokens",),
     prefix_queries=("shoal:prefix_cache_queries_total",), prefix_hits=("shoal:prefix_cache_hits_total",),
-    lora_info=("shoal:lora_requests_info",), lora_resident=("shoal:lora_resident_info",),
+    lora_info=("shoal:lora_requests_info",), lora_resident=("shoal:lora_resident_info",), lists_adapters=True,
 )
 VLLM = EngineMetrics(
     # vLLM's /health is 200 once the engine serves and while its engine core is alive (it listens only when
@@ -42,7 +44,7 @@ VLLM = EngineMetrics(
     running=("vllm:num_requests_running",), waiting=("vllm:num_requests_waiting",),
     kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     prefix_queries=("vllm:prefix_cache_queries_total",), prefix_hits=("vllm:prefix_cache_hits_total",),
-    lora_info=("vllm:lora_requests_info",),
+    lora_info=("vllm:lora_requests_info",), lists_adapters=True,
 )
 SGLANG = EngineMetrics(
     runtime="sglang", ready_path="/health",

@@ -53,9 +53,12 @@ class _PoolCollector:
         service = GaugeMetricFamily(P + "service_requests", "Requests of this gateway per InferenceService (shared "
                                     "gateway): held (no engine yet), queued (waiting for a slot, held included) "
                                     "and inflight (at an engine).", labels=["namespace", "inferenceservice", "state"])
+        adapters = GaugeMetricFamily(P + "backend_adapters", "LoRA adapters the engine lists in its /v1/models "
+                                     "(only while that list is fresh).", labels=["backend"])
         engine_load = [(GaugeMetricFamily(P + name, doc, labels=["backend"]), field)
                        for name, field, doc in ENGINE_GAUGES]
         ready = 0
+        adapter_waits = 0
         by_priority: dict[int, int] = {}
         for pool in self.gateway.pools.all():
             eligible = set(pool.backends.eligible(now))
@@ -65,9 +68,12 @@ class _PoolCollector:
                 circuit.add_metric([b.url], 1.0 if b.circuit_open(now) else 0.0)
                 inflight.add_metric([b.url], float(b.inflight))
                 load.add_metric([b.url], b.load(now))
+                if b.adapters_fresh(now):
+                    adapters.add_metric([b.url], float(len(b.adapters)))
                 if b.fresh(now):
                     for family, field in engine_load:
                         family.add_metric([b.url], float(getattr(b, field)))
+            adapter_waits += pool.adapter_waits
             for priority, n in pool.queue.by_priority().items():
                 by_priority[priority] = by_priority.get(priority, 0) + n
             if pool.name:
@@ -83,7 +89,10 @@ class _PoolCollector:
         yield load
         for family, _ in engine_load:
             yield family
+        yield adapters
         yield queued
+        yield GaugeMetricFamily(P + "adapter_wait_requests", "Requests waiting for an engine to list their LoRA "
+                                "adapter (loading, or reloading after a restart).", value=adapter_waits)
         yield GaugeMetricFamily(P + "ready_backends", "Engines that may take new requests.", value=ready)
         if self.gateway.pools.shared:
             yield service

@@ -4,7 +4,8 @@ every 250 ms, concurrently and with one timeout per poll.
 One task per round polls all engines at once; an engine whose previous poll is still running is skipped (a
 hung engine costs one pending poll, never a pile of them), so a slow engine cannot delay the others' data.
 Only the load gauges are read from /metrics, by the names of the engines' runtime (metric_names.py), with a line
-scan rather than a full Prometheus parse.
+scan rather than a full Prometheus parse. A ready engine's /v1/models is read in the same poll (concurrently with
+/metrics): the adapters it lists (cards with a `parent`) are the ones a request may be sent there for (pool.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import aiohttp
 
@@ -61,10 +63,21 @@ def parse_lora(text: str, metrics: EngineMetrics = SHOAL) -> dict:
     return out
 
 
+def parse_adapters(body) -> frozenset[str] | None:
+    """The adapters an engine's /v1/models lists (cards with a `parent`: Shoal's engine and vLLM), or None when the
+    answer is not a model list."""
+    cards = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(cards, list):
+        return None
+    return frozenset(c["id"] for c in cards if isinstance(c, dict) and c.get("parent") and isinstance(c.get("id"), str))
+
+
 class Poller:
     def __init__(self, backends: BackendSet, session: aiohttp.ClientSession, interval: float = 0.25,
-                 timeout: float = 1.0, metrics: EngineMetrics = SHOAL):
+                 timeout: float = 1.0, metrics: EngineMetrics = SHOAL,
+                 headers: Callable[[], dict[str, str]] = dict):
         self.backends = backends
+        self.headers = headers  # for /v1/models: the engines' key, when they have one
         self.session = session
         self.interval = interval
         self.timeout = timeout  # seconds for one poll: /readyz and /metrics together
@@ -88,8 +101,10 @@ class Poller:
         await asyncio.gather(*self._polling.values(), return_exceptions=True)
 
     async def poll(self, b: Backend) -> None:
-        """The readiness path, then /metrics in what is left of the poll's timeout. A readiness answer counts even
-        when the metrics do not come in time (a busy engine renders them slower): only the load data goes stale."""
+        """The readiness path, then /metrics and (ready engines) /v1/models in what is left of the poll's timeout. A
+        readiness answer counts even when the others do not come in time (a busy engine renders them slower): only
+        the load data and the adapter list go stale. A not-ready engine's adapter list is forgotten: an engine that
+        restarts in place lists what it serves when it is ready again, read in that same poll."""
         was_usable = b.usable(time.monotonic())
         deadline = time.monotonic() + self.timeout
         try:
@@ -99,21 +114,21 @@ class Poller:
                 ready = r.status == 200
         except (aiohttp.ClientConnectorError, ConnectionRefusedError):
             b.ready, b.last_answer = False, time.monotonic()  # nobody listens: a definite "no"
+            b.forget_adapters()
             self._changed(b, was_usable)
             return
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             log.debug("poll of %s failed: %r", b.url, e)  # no answer: the data goes stale, then stalled
             return
-        text = None
         left = deadline - time.monotonic()
-        try:
-            if left > 0:
-                async with self.session.get(b.url + "/metrics", timeout=aiohttp.ClientTimeout(total=left)) as r:
-                    text = await r.text() if r.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            log.debug("metrics of %s did not come in time: %r", b.url, e)
+        listing = ready and self.metrics.lists_adapters
+        text, adapters = await asyncio.gather(self._metrics(b, left), self._adapters(b, left) if listing else _none())
         now = time.monotonic()
         b.ready, b.last_answer = ready, now
+        if not ready:
+            b.forget_adapters()
+        elif adapters is not None:
+            b.read_adapters(adapters, now)
         if text is not None:
             load = scan(text, self.metrics)
             b.running, b.waiting, b.kv_usage = load["running"], load["waiting"], load["kv_usage"]
@@ -126,6 +141,32 @@ class Poller:
             b.failures = 0  # a healthy answer forgives earlier failures of a closed circuit
         self._changed(b, was_usable)
 
+    async def _metrics(self, b: Backend, left: float) -> str | None:
+        if left <= 0:
+            return None
+        try:
+            async with self.session.get(b.url + "/metrics", timeout=aiohttp.ClientTimeout(total=left)) as r:
+                return await r.text() if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.debug("metrics of %s did not come in time: %r", b.url, e)
+            return None
+
+    async def _adapters(self, b: Backend, left: float) -> frozenset[str] | None:
+        """The adapters the engine lists now; None when it did not say in time (its list goes stale: unknown)."""
+        if left <= 0:
+            return None
+        try:
+            async with self.session.get(b.url + "/v1/models", headers=self.headers(),
+                                        timeout=aiohttp.ClientTimeout(total=left)) as r:
+                return parse_adapters(await r.json(content_type=None)) if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            log.debug("/v1/models of %s did not come in time: %r", b.url, e)
+            return None
+
     def _changed(self, b: Backend, was_usable: bool) -> None:
         if b.usable(time.monotonic()) != was_usable:
             self.backends.notify()
+
+
+async def _none() -> None:
+    return None

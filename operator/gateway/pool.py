@@ -9,7 +9,14 @@ of its engines, and admission (admission.py):
   request that finds every engine full waits in the pool's FairQueue and is dispatched, in priority and fair
   order, the moment a slot frees. 0: no limit (the engines queue), and requests wait only for an engine to exist;
 * with no engine at all, a request waits up to `hold_timeout` (scale from zero: the `on_hold` hooks wake the
-  autoscaler); 0 answers 503 at once.
+  autoscaler); 0 answers 503 at once;
+* a request naming one of the pool's LoRA adapters goes only to engines that list it in their /v1/models (read by
+  the poller with their metrics; engines whose list is unknown — stale, or not read since they came back — only
+  when no engine lists it). When engines exist but none lists it yet (added to spec.adapters and still loading, or
+  the engines restarted and reload it) the request is held apart from the queue — it blocks nobody — until one
+  does, up to `queue_timeout` (then 503 adapter_not_loaded). A name is one of the pool's adapters while it is
+  declared (the shared gateway: spec.adapters) or some engine listed it within ADAPTER_MEMORY; any other name
+  (the base model, an unknown one) goes to every engine as before.
 
 The engine is picked when the request is admitted (the router runs among the engines with a free slot), so a
 slot is never promised twice.
@@ -24,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from shoal.operator.gateway.admission import FairQueue, Shed, Ticket
-from shoal.operator.gateway.backends import Backend, BackendSet
+from shoal.operator.gateway.backends import ADAPTER_MEMORY, Backend, BackendSet
 from shoal.operator.gateway.routing import Pick, Router
 
 log = logging.getLogger("shoal.gateway.pool")
@@ -32,6 +39,13 @@ log = logging.getLogger("shoal.gateway.pool")
 
 class Unavailable(Exception):
     """No engine could take the request (503 + Retry-After)."""
+
+
+class AdapterNotLoaded(Unavailable):
+    """Engines exist, but none listed the request's adapter within the wait (503 adapter_not_loaded)."""
+
+    def __init__(self, model: str, waited: float):
+        super().__init__(f"the adapter `{model}` is not loaded on any engine yet (waited {waited:g} s); retry shortly")
 
 
 @dataclass(eq=False)
@@ -46,12 +60,14 @@ class Pool:
     namespace: str = ""  # the InferenceService's, in the shared gateway
     name: str = ""
     served_name: str | None = None
+    adapters: frozenset[str] = frozenset()  # the adapters the service declares (spec.adapters; the shared gateway)
     engine_priority: bool = False  # the engines schedule by priority: tell them the request's (proxy.py)
     runtime: str = "shoal"
     # Called (synchronously) when a request starts waiting for an engine to exist: a scale-from-zero hook.
     on_hold: list[Callable[[], None]] = field(default_factory=list)
     queue: FairQueue = field(default_factory=FairQueue)
     held: int = 0  # requests waiting because no engine exists
+    adapter_waits: int = 0  # requests waiting for an engine to list their adapter
     draining: bool = False
     # metrics hooks: a routing decision (pick, seconds it took), a dispatch (ticket, seconds it waited), and
     # (start, end) of a request held for an engine to exist
@@ -59,6 +75,7 @@ class Pool:
     on_dispatch: Callable[[Ticket, float], None] | None = None
     on_held: tuple[Callable[[], None], Callable[[], None]] | None = None
     _pump_task: asyncio.Task | None = None
+    _closed: BaseException | None = None
 
     def __post_init__(self):
         self.backends.listeners.append(self.pump)
@@ -71,9 +88,47 @@ class Pool:
         """The priority of a request for `model`: its adapter's own (spec.adapters[].priority), else the pool's."""
         return self.model_priorities.get(model, self.priority) if model else self.priority
 
+    # ---- adapters --------------------------------------------------------------------------------------------
+    def is_adapter(self, model: str | None, now: float) -> bool:
+        """Is `model` one of this pool's LoRA adapters: declared, or listed by an engine within ADAPTER_MEMORY?"""
+        if not model or model == self.served_name:
+            return False
+        return model in self.adapters or any(now - b.listed.get(model, -ADAPTER_MEMORY - 1) <= ADAPTER_MEMORY
+                                             for b in self.backends.all())
+
+    def serving(self, model: str | None, backends: list[Backend], now: float) -> list[Backend]:
+        """The engines of `backends` a request for `model` may go to: for an adapter, those that list it, else
+        those whose list is unknown (never one that does not list it); for any other name, all of them."""
+        if not self.is_adapter(model, now):
+            return backends
+        listing = [b for b in backends if b.adapters_fresh(now) and model in b.adapters]
+        return listing or [b for b in backends if not b.adapters_fresh(now)]
+
+    async def _await_adapter(self, model: str) -> None:
+        """Hold a request for an adapter that no engine lists while engines exist (being loaded): until one lists
+        it (or no engine is left: admission then holds or answers as for any request), up to queue_timeout. Held
+        apart from the fair queue, so it delays no other request."""
+        started = time.monotonic()
+        self.adapter_waits += 1  # not `held`: more engines would not help (the autoscaler reads held)
+        try:
+            while True:
+                if self._closed is not None:
+                    raise self._closed
+                if self.draining:
+                    raise Unavailable()
+                now = time.monotonic()
+                eligible = self.backends.eligible(now)
+                if not eligible or self.serving(model, eligible, now):
+                    return
+                if now - started >= self.queue_timeout:
+                    raise AdapterNotLoaded(model, self.queue_timeout)
+                await asyncio.sleep(0.05)  # the poller reads every engine's list each poll interval
+        finally:
+            self.adapter_waits -= 1
+
     # ---- admission -------------------------------------------------------------------------------------------
-    def _with_room(self, now: float, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
-        eligible = self.backends.eligible(now, exclude)
+    def _with_room(self, now: float, exclude: tuple[Backend, ...] = (), model: str | None = None) -> list[Backend]:
+        eligible = self.serving(model, self.backends.eligible(now, exclude), now)
         if self.max_inflight <= 0:
             return eligible
         return [b for b in eligible if b.occupancy(now) < self.max_inflight]
@@ -83,7 +138,8 @@ class Pool:
         after a failed first attempt, which already held a slot); the engine's in-flight count is taken here."""
         started = time.perf_counter()
         now = time.monotonic()
-        candidates = self._with_room(now, exclude) if room else self.backends.eligible(now, exclude)
+        candidates = self._with_room(now, exclude, ticket.model) if room else \
+            self.serving(ticket.model, self.backends.eligible(now, exclude), now)
         if not candidates:
             return None
         pick = self.router.pick(candidates, ticket.hashes, now, ticket.model)
@@ -105,6 +161,10 @@ class Pool:
         `enqueue(ticket)` is the gateway's bound on waiting requests (it may shed another one, or refuse)."""
         if self.draining:
             raise Unavailable()
+        now = time.monotonic()
+        if self.is_adapter(ticket.model, now) and (engines := self.backends.eligible(now)) and \
+                not self.serving(ticket.model, engines, now):
+            await self._await_adapter(ticket.model)
         if not self.queue:
             backend = self.pick(ticket)
             if backend is not None:
@@ -201,6 +261,7 @@ class Pool:
 
     def close(self, error: BaseException) -> None:
         """The pool is gone (its InferenceService was deleted): everything waiting gets `error`."""
+        self._closed = error
         while (t := self.queue.pop()) is not None:
             t.refuse(error)
         if self.pump in self.backends.listeners:

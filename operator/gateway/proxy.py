@@ -42,14 +42,14 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shoal.operator import __version__
-from shoal.engine.server.keys import KeySet
+from shoal.engine.server.keys import KeySet, read_keys
 from shoal.operator.gateway.admission import Shed, Ticket, request_cost
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
 from shoal.operator.gateway.metric_names import for_runtime
 from shoal.operator.gateway.metrics import GatewayMetrics
 from shoal.operator.gateway.options import SpecField, option, positive
 from shoal.operator.gateway.poller import Poller
-from shoal.operator.gateway.pool import Pool, Unavailable
+from shoal.operator.gateway.pool import AdapterNotLoaded, Pool, Unavailable
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
 from shoal.operator.gateway.quotas import OverQuota, QuotaPolicy, Quotas, Shares, share_cap
 from shoal.operator.gateway.routing import ROUTINGS, Pick, PrefixIndex, make_router
@@ -221,6 +221,7 @@ class Gateway:
         self._pollers: dict[Pool, tuple[Poller, asyncio.Task]] = {}
         self._wakers: dict[Pool, Any] = {}
         self.kube_api = kube_api
+        self._key_read: tuple[float, str | None] = (-1e9, None)  # (when, the newest line of --api-key-file)
         self.tracer = GatewayTracer() if tracing_configured() else None  # tracing.py; None: no cost
         if shared:
             from shoal.operator.gateway.fleet import Fleet
@@ -267,6 +268,7 @@ class Gateway:
     def configure_pool(self, pool: Pool, view) -> None:
         c = self.config
         pool.namespace, pool.name, pool.served_name = view.namespace, view.name, view.served_name
+        pool.adapters = frozenset(view.adapters)
         pool.runtime = view.runtime
         pool.priority = view.priority
         pool.model_priorities = dict(view.adapter_priorities)
@@ -298,7 +300,7 @@ class Gateway:
 
     def _start_polling(self, pool: Pool, runtime: str) -> None:
         poller = Poller(pool.backends, self.session, self.config.poll_interval, self.config.poll_timeout,
-                        metrics=for_runtime(runtime))
+                        metrics=for_runtime(runtime), headers=lambda: self.poll_headers(pool))
         self._pollers[pool] = (poller, asyncio.create_task(poller.run(), name=f"gateway-poller-{pool.key}"))
 
     def _observe_pick(self, pick: Pick, seconds: float) -> None:
@@ -391,6 +393,27 @@ class Gateway:
                 if "priority" in parsed else body
         rank = -ticket.priority * ENGINE_PRIORITY_SPAN + max(-(ENGINE_PRIORITY_SPAN // 2), min(ticket.share, 0))
         return json.dumps({**parsed, "priority": rank}).encode()
+
+    def poll_headers(self, pool: Pool) -> dict[str, str]:
+        """What the poller sends with /v1/models: the engines' key (the shared gateway's per service; a per-service
+        gateway's --api-key, or the newest line of --api-key-file, which the engines share)."""
+        if self.pools.shared:
+            key = self.engine_key(pool)
+        elif isinstance(self.config.api_key, KeySet):
+            key = self._newest_key(self.config.api_key)
+        else:
+            key = self.config.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _newest_key(self, keys: KeySet) -> str | None:
+        """The first line of --api-key-file (the newest key during a rotation), read at most once a second."""
+        now = time.monotonic()
+        if keys.path and now - self._key_read[0] >= 1.0:
+            try:
+                self._key_read = (now, read_keys(keys.path)[0])
+            except (OSError, ValueError):
+                self._key_read = (now, self._key_read[1])  # a half-written file: keep the key read before
+        return self._key_read[1]
 
     def engine_key(self, pool: Pool) -> str | None:
         """The engines' own key of a shared gateway's pool (--engine-keys, read anew when the Secret changes)."""
@@ -525,6 +548,11 @@ class Gateway:
             trace.queue_started(model)
         try:
             backend = await pool.admit(ticket, self.enqueue)
+        except AdapterNotLoaded as e:
+            self.metrics.rejected.labels("adapter_not_loaded").inc()
+            self.metrics.requests.labels("none", "503").inc()
+            return error_response(503, str(e), "service_unavailable", "adapter_not_loaded",
+                                  {"Retry-After": str(self.config.retry_after)}, param="model")
         except Unavailable:
             return self._unavailable()
         except Shed as e:
@@ -563,8 +591,11 @@ class Gateway:
                         retry_reason = upstream
                         continue
                     return self._unavailable()
-                if upstream.status in RETRY_STATUSES and len(tried) == 1 and \
+                if (upstream.status in RETRY_STATUSES or (upstream.status == 404 and pool.is_adapter(
+                        model, time.monotonic()))) and len(tried) == 1 and \
                         (retry := pool.pick(ticket, tried, room=False)) is not None:
+                    # a 404 for an adapter: this engine dropped it since its last poll (unloaded, restarted);
+                    # another that lists it serves it
                     self.metrics.retries.labels(f"status_{upstream.status}").inc()
                     retry_reason = f"status_{upstream.status}"
                     upstream.release()

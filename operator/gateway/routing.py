@@ -4,8 +4,9 @@ A Router runs its profiles in turn over the eligible engines. A profile narrows 
 constraints), sums its scorers' scores (each in [0, 1], higher is better) times their weights, and lets its picker
 choose among the highest totals; a profile whose filters leave no engine hands over to the next one. Every
 routing is such a composition, so new criteria (adapter affinity, priority) are one more Filter or Scorer.
-A request naming a LoRA adapter goes where it is resident (prefix-load: first profile, within the affinity
-bound; least-load: LoRAAffinityScorer ranks resident > a free adapter place > neither above load):
+The candidates for a request naming a LoRA adapter are already only the engines that list it (pool.py); among
+them it goes where it is resident (prefix-load: first profile, within the affinity bound; least-load:
+LoRAAffinityScorer ranks resident > a free adapter place > neither above load):
 
 prefix-load (default)
     0. lora-affinity: for an adapter, engines within the affinity bound where it is resident, least loaded first.

@@ -10,6 +10,7 @@ import json
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import generate_latest
 
 from shoal.operator.gateway.admission import FairQueue, Ticket, request_cost
 from shoal.operator.k8s.client import KubeAPI
@@ -241,7 +242,8 @@ async def _no_watch():
 
 
 async def test_the_shared_gateway_routes_by_model_lists_every_model_and_hides_what_it_does_not_serve():
-    async with Engine("chat", served="chat-7b", adapters=("sql-lora",), hold=False) as chat, \
+    # the engines list the adapter the spec declares (loaded by the sidecar) and one loaded at run time
+    async with Engine("chat", served="chat-7b", adapters=("sql-lora", "support-lora"), hold=False) as chat, \
             Engine("code", served="coder", hold=False) as code:
         gw, client = await shared(GatewayConfig(models_interval=0.1), [
             isvc("chat", "chat-7b", adapters=("support-lora",)), isvc("code", "coder")],
@@ -324,7 +326,7 @@ async def test_tenant_keys_authenticate_and_the_engines_get_their_own_key(tmp_pa
 
 
 async def test_an_adapter_with_a_priority_of_its_own_is_ranked_by_it_and_the_others_by_the_service():
-    async with Engine("chat", served="chat-7b", hold=False) as chat:
+    async with Engine("chat", served="chat-7b", adapters=("sql-lora", "plain-lora"), hold=False) as chat:
         gw, client = await shared(GatewayConfig(), [
             isvc("chat", "chat-7b", scheduling="priority", priority=3, adapters=[("sql-lora", 9), "plain-lora"])],
             {"chat": chat})
@@ -337,6 +339,33 @@ async def test_an_adapter_with_a_priority_of_its_own_is_ranked_by_it_and_the_oth
             assert ranks == {"chat-7b": -3 * 2**20, "sql-lora": -9 * 2**20, "plain-lora": -3 * 2**20}
             pool = gw.pools.resolve("sql-lora")
             assert pool.priority_of("sql-lora") == 9 and pool.priority_of("chat-7b") == 3
+        finally:
+            await client.close()
+            await gw.stop()
+
+
+async def test_a_declared_adapter_no_engine_lists_yet_waits_for_one_and_blocks_nobody():
+    async with Engine("chat", served="chat-7b", hold=False) as chat:
+        gw, client = await shared(GatewayConfig(), [isvc("chat", "chat-7b", adapters=("new-lora", "bad-lora"))],
+                                  {"chat": chat})
+        pool = gw.pools.resolve("chat-7b")
+        try:
+            await until(lambda: pool.backends.all()[0].adapters is not None)  # its list read (until then: unknown)
+            waiting = post(client, "new-lora")  # in spec.adapters, not loaded yet: held, not sent to a 404
+            await until(lambda: pool.adapter_waits == 1)
+            assert "shoal:gateway_adapter_wait_requests 1.0" in generate_latest(gw.metrics.registry).decode()
+            r = await client.post("/v1/completions", json={"model": "chat-7b", "prompt": "x"})
+            assert r.status == 200 and len(chat.seen) == 1  # the base model goes at once, the adapter waits
+            chat.adapters = ("new-lora",)  # the sidecar loaded it: the next poll lists it
+            r = await waiting
+            assert r.status == 200 and (await r.json()) == {"engine": "chat", "model": "new-lora"}
+            assert pool.adapter_waits == 0
+            pool.queue_timeout = 0.3  # an adapter that never loads: a bounded wait, then 503 naming it
+            r = await client.post("/v1/completions", json={"model": "bad-lora", "prompt": "x"})
+            assert r.status == 503 and r.headers["Retry-After"]
+            error = (await r.json())["error"]
+            assert error["code"] == "adapter_not_loaded" and "`bad-lora`" in error["message"]
+            assert [s["body"]["model"] for s in chat.seen] == ["chat-7b", "new-lora"]
         finally:
             await client.close()
             await gw.stop()

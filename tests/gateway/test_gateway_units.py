@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from shoal.engine.server.keys import KeySet
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
 from shoal.operator.gateway.discovery import ready_urls
 from shoal.operator.gateway.poller import Poller, parse_load
@@ -423,6 +424,11 @@ async def test_a_failed_attempt_is_retried_on_another_engine_and_a_failing_engin
     config = GatewayConfig(routing="round-robin", poll_interval=60, health=HealthPolicy(circuit_cooldown=120))
     gw, client = await gateway_client(config, [str(s.make_url("")).rstrip("/") for s in (bad, good)])
     try:
+        # the first poll over (its healthy answer would forgive failures it overlapped)
+        deadline = time.monotonic() + 10
+        while not all(b.last_ok for b in gw.backends.all()):
+            assert time.monotonic() < deadline, "the gateway's first poll of both engines"
+            await asyncio.sleep(0.01)
         for i in range(8):
             r = await client.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"})
             assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
@@ -618,3 +624,42 @@ async def test_a_client_that_disconnects_mid_answer_is_not_the_engines_failure()
         await server.close()
         await gw.stop()
         await engine.close()
+
+
+async def test_the_poller_reads_each_engines_adapters_with_the_engines_key(tmp_path):
+    """--api-key-file (rotation: newest key first): the poller reads /v1/models with the first line, as the engines
+    require; an engine that refuses the key has an unknown list (requests are not narrowed by it)."""
+    keys = tmp_path / "api-key"
+    keys.write_text("new-key\nold-key\n")
+
+    def engine(accepts: str) -> web.Application:
+        app = stand_in_engine()
+
+        async def models(request):
+            if request.headers.get("Authorization") != f"Bearer {accepts}":
+                return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
+            return web.json_response({"object": "list", "data": [
+                {"id": "m", "object": "model", "parent": None}, {"id": "sql", "object": "model", "parent": "m"}]})
+        app.router.add_get("/v1/models", models)
+        return app
+    good, stale = TestServer(engine("new-key")), TestServer(engine("other"))
+    await good.start_server()
+    await stale.start_server()
+    config = GatewayConfig(poll_interval=0.05, api_key=KeySet.from_file(str(keys)))
+    gw, client = await gateway_client(config, [str(s.make_url("")).rstrip("/") for s in (good, stale)])
+    try:
+        by_url = {b.url: b for b in gw.backends.all()}
+        g, s = by_url[str(good.make_url("")).rstrip("/")], by_url[str(stale.make_url("")).rstrip("/")]
+        deadline = time.monotonic() + 10
+        while g.adapters is None or s.ready is None:
+            assert time.monotonic() < deadline, "both engines polled"
+            await asyncio.sleep(0.01)
+        assert g.adapters == {"sql"} and s.adapters is None
+        pool = gw.pools.pool
+        now = time.monotonic()
+        assert pool.serving("sql", [g, s], now) == [g] and pool.serving("m", [g, s], now) == [g, s]
+    finally:
+        await client.close()
+        await gw.stop()
+        await good.close()
+        await stale.close()
