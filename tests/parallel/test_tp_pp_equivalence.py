@@ -102,6 +102,7 @@ def test_tp2_kv_heads_split_qwen2(qwen2_gqa):
 class _Seq:
     def __init__(self, tokens, computed, blocks):
         self.token_ids, self.num_computed_tokens, self.block_ids = tokens, computed, blocks
+        self.state_slot = None  # no recurrent state (a transformer's sequence)
 
 
 def _Sched(seq, n, samples=True):
