@@ -22,7 +22,8 @@ from shoal.engine.core.async_engine import EngineDeadError
 from shoal.engine.server import openai_api as oai
 from shoal.engine.server.common import check_model, dumps, get_state, json_response, read_json, require_loaded
 from shoal.engine.server.protocol import APIError, ChatCompletionRequest, validation_error_to_api_error
-from shoal.engine.server.reasoning import ReasoningSplitter, template_thinks
+from shoal.engine.server.chat_relay import ChatRelay
+from shoal.engine.server.reasoning import ReasoningSplitter
 
 PREFIX = "/v1/messages"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -256,38 +257,18 @@ class BlockBuilder:
 
 
 # ------------------------------------------------------------------------------------------ routes
-class _Run:
-    def __init__(self, state, api, model: str):
-        self.state, self.api, self.model = state, api, model
-        self.id = f"msg_{uuid.uuid4().hex}"
-        self.output_tokens = 0
-        self.finish: str | None = None
-        self.stop_sequence: str | None = None
-        template = getattr(state.engine, "chat_template", None) or getattr(state.engine.tokenizer, "chat_template",
-                                                                           None)
-        splitter = None
-        if template_thinks(template) and not api.req.continue_final_message:
-            tail = state.engine.tokenizer.decode(api.jobs[0].prompt_ids[-8:])
-            splitter = ReasoningSplitter(opened_by_prompt=tail.rstrip().endswith("<think>"))
-        self.out = BlockBuilder(splitter)
+class _Run(ChatRelay):
+    """One Messages request in flight: the chat jobs and the content blocks being built."""
 
-    def feed(self, out) -> list[dict]:
-        events = []
-        for comp in out.outputs:
-            self.output_tokens += len(comp.token_ids)
-            choice = self.api.delta_choice(0, self.api.jobs[0], comp, out)
-            if choice is None:
-                continue
-            delta = choice["delta"]
-            if delta.get("content"):
-                events += self.out.text(delta["content"])
-            if delta.get("tool_calls"):
-                events += self.out.tool_calls(delta["tool_calls"])
-            if choice["finish_reason"] is not None:
-                self.finish = choice["finish_reason"]
-                if isinstance(comp.stop_reason, str) and self.finish == "stop":
-                    self.finish, self.stop_sequence = "stop_sequence", comp.stop_reason
-        return events
+    def __init__(self, state, api, model: str):
+        super().__init__(state, api, BlockBuilder)
+        self.model = model
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.stop_sequence: str | None = None
+
+    def finished_by(self, completion) -> None:
+        if isinstance(completion.stop_reason, str) and self.finish == "stop":
+            self.finish, self.stop_sequence = "stop_sequence", completion.stop_reason
 
     def stop_reason(self) -> str:
         return self.finish if self.finish == "stop_sequence" else _STOP_REASONS.get(self.finish or "abort")
@@ -295,7 +276,7 @@ class _Run:
     def message(self, content: list[dict], stop_reason: str | None) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": self.stop_sequence,
-                "usage": {"input_tokens": len(self.api.jobs[0].prompt_ids), "output_tokens": self.output_tokens}}
+                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": self.output_tokens}}
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
@@ -305,24 +286,12 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     require_loaded(state)
     api, params = await oai.prepare_chat(state, to_chat_request(req))
     run = _Run(state, api, req.model or state.served_model_name)
-    state.active_handlers += 1
-    try:
-        await oai.start_jobs(state, run.id, api.jobs, params, 0, "messages", lora)
-        try:
-            if req.stream:
-                return await _stream(request, run)
-            try:
-                async for _, out in oai.merge_streams(api.jobs):
-                    if out is not None:
-                        run.feed(out)
-            except EngineDeadError as e:
-                raise APIError(f"generation failed: {e}", 500) from None
-            run.out.finish()
-            return json_response(run.message(run.out.blocks, run.stop_reason()), headers={"X-Request-Id": run.id})
-        finally:
-            oai.end_jobs(request, state, api.jobs, "messages", run.model)
-    finally:
-        state.active_handlers -= 1
+    async with run.running(request, run.id, params, 0, "messages", lora, "messages", run.model):
+        if req.stream:
+            return await _stream(request, run)
+        await run.collect()
+        run.out.finish()
+        return json_response(run.message(run.out.blocks, run.stop_reason()), headers={"X-Request-Id": run.id})
 
 
 def _event(event: dict) -> bytes:
@@ -336,10 +305,9 @@ async def _stream(request: web.Request, run: _Run) -> web.StreamResponse:
     start["usage"]["output_tokens"] = 0
     await resp.write(_event({"type": "message_start", "message": start}))
     try:
-        async for _, out in oai.merge_streams(run.api.jobs):
-            if out is not None:
-                for event in run.feed(out):
-                    await resp.write(_event(event))
+        async for events in run.outputs():
+            for event in events:
+                await resp.write(_event(event))
         for event in run.out.finish():
             await resp.write(_event(event))
         await resp.write(_event({"type": "message_delta",

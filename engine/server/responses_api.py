@@ -23,7 +23,8 @@ from shoal.engine.core.async_engine import EngineDeadError
 from shoal.engine.server import openai_api as oai
 from shoal.engine.server.common import check_model, dumps, get_state, json_response, read_json, require_loaded
 from shoal.engine.server.protocol import APIError, ChatCompletionRequest, validation_error_to_api_error
-from shoal.engine.server.reasoning import ReasoningSplitter, template_thinks
+from shoal.engine.server.chat_relay import ChatRelay
+from shoal.engine.server.reasoning import ReasoningSplitter
 from shoal.engine.server.response_store import ResponseStore, StoredResponse, owner_of
 
 STORE_KEY = web.AppKey("shoal_response_store", ResponseStore)
@@ -287,31 +288,23 @@ class OutputBuilder:
 
 
 # ------------------------------------------------------------------------------------------ the route
-class _Run:
-    """One Responses request in flight: the chat job, the output being built, and the Response object."""
+class _Run(ChatRelay):
+    """One Responses request in flight: the chat jobs, the output being built, and the Response object."""
 
     def __init__(self, state, store: ResponseStore, req: ResponsesRequest, api, conversation: list[dict],
                  owner: str, model: str):
-        self.state, self.store, self.req, self.api = state, store, req, api
+        super().__init__(state, api, OutputBuilder)
+        self.store, self.req = store, req
         self.conversation, self.owner, self.model = conversation, owner, model
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.output_tokens = 0
-        self.finish: str | None = None
-        template = getattr(state.engine, "chat_template", None) or getattr(state.engine.tokenizer, "chat_template",
-                                                                           None)
-        splitter = None
-        if template_thinks(template):
-            tail = state.engine.tokenizer.decode(api.jobs[0].prompt_ids[-8:])
-            splitter = ReasoningSplitter(opened_by_prompt=tail.rstrip().endswith("<think>"))
-        self.out = OutputBuilder(splitter)
         self.seq = 0
 
     def response(self, status: str) -> dict:
         req = self.req
         incomplete = {"reason": "max_output_tokens"} if self.finish == "length" else None
         error = ({"code": "server_error", "message": "generation was aborted"} if self.finish == "abort" else None)
-        prompt_tokens = len(self.api.jobs[0].prompt_ids)
+        prompt_tokens = self.prompt_tokens
         reasoning = self.out.reasoning_text()
         reasoning_tokens = len(self.state.engine.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         return {
@@ -332,23 +325,6 @@ class _Run:
 
     def status(self) -> str:
         return {"length": "incomplete", "abort": "failed"}.get(self.finish or "abort", "completed")
-
-    def feed(self, out) -> list[dict]:
-        """One engine output -> the events it causes."""
-        events = []
-        for comp in out.outputs:
-            self.output_tokens += len(comp.token_ids)
-            choice = self.api.delta_choice(0, self.api.jobs[0], comp, out)
-            if choice is None:
-                continue
-            delta = choice["delta"]
-            if delta.get("content"):
-                events += self.out.text(delta["content"])
-            if delta.get("tool_calls"):
-                events += self.out.tool_calls(delta["tool_calls"])
-            if choice["finish_reason"] is not None:
-                self.finish = choice["finish_reason"]
-        return events
 
     def finished(self) -> tuple[dict, list[dict]]:
         events = self.out.finish()
@@ -386,24 +362,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     chat = to_chat_request(req, messages)
     api, params = await oai.prepare_chat(state, chat)
     run = _Run(state, store, req, api, conversation, owner, lora or state.served_model_name)
-    state.active_handlers += 1
-    try:
-        await oai.start_jobs(state, run.id, api.jobs, params, chat.priority, "input", lora)
-        try:
-            if req.stream:
-                return await _stream(request, run)
-            try:
-                async for _, out in oai.merge_streams(api.jobs):
-                    if out is not None:
-                        run.feed(out)
-            except EngineDeadError as e:
-                raise APIError(f"generation failed: {e}", 500, code="engine_dead") from None
-            response, _ = run.finished()
-            return json_response(response, headers={"X-Request-Id": run.id})
-        finally:
-            oai.end_jobs(request, state, api.jobs, "responses", run.model)
-    finally:
-        state.active_handlers -= 1
+    async with run.running(request, run.id, params, chat.priority, "input", lora, "responses", run.model):
+        if req.stream:
+            return await _stream(request, run)
+        await run.collect()
+        response, _ = run.finished()
+        return json_response(response, headers={"X-Request-Id": run.id})
 
 
 async def _stream(request: web.Request, run: _Run) -> web.StreamResponse:
@@ -413,10 +377,9 @@ async def _stream(request: web.Request, run: _Run) -> web.StreamResponse:
     for kind in ("response.created", "response.in_progress"):
         await resp.write(run.numbered({"type": kind, "response": opening}))
     try:
-        async for _, out in oai.merge_streams(run.api.jobs):
-            if out is not None:
-                for event in run.feed(out):
-                    await resp.write(run.numbered(event))
+        async for events in run.outputs():
+            for event in events:
+                await resp.write(run.numbered(event))
         response, events = run.finished()
         for event in events:
             await resp.write(run.numbered(event))
