@@ -22,7 +22,7 @@ from shoal.engine.core.async_engine import EngineDeadError
 from shoal.engine.server import openai_api as oai
 from shoal.engine.server.common import check_model, dumps, get_state, json_response, read_json, require_loaded
 from shoal.engine.server.protocol import APIError, ChatCompletionRequest, validation_error_to_api_error
-from shoal.engine.server.chat_relay import ChatRelay
+from shoal.engine.server.chat_relay import ChatRelay, DeltaBuilder
 from shoal.engine.server.reasoning import ReasoningSplitter
 
 PREFIX = "/v1/messages"
@@ -180,11 +180,11 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
 
 
 # ------------------------------------------------------------------------------------------ content blocks
-class BlockBuilder:
+class BlockBuilder(DeltaBuilder):
     """Chat deltas -> Anthropic content blocks and the stream events that build them."""
 
     def __init__(self, splitter: ReasoningSplitter | None):
-        self.splitter = splitter
+        super().__init__(splitter)
         self.blocks: list[dict] = []
         self.open: dict | None = None  # the text or thinking block being written
         self.calls: dict[int, dict] = {}  # chat tool-call index -> tool_use block (arguments as text so far)
@@ -198,10 +198,6 @@ class BlockBuilder:
     def _stop(self) -> list[dict]:
         block, self.open = self.open, None
         return [] if block is None else [{"type": "content_block_stop", "index": self.blocks.index(block)}]
-
-    def text(self, piece: str) -> list[dict]:
-        pieces = self.splitter.feed(piece) if self.splitter else [("text", piece)] if piece else []
-        return [e for kind, p in pieces for e in self._text(kind, p)]
 
     def _text(self, kind: str, piece: str) -> list[dict]:
         events = []
@@ -226,7 +222,7 @@ class BlockBuilder:
             fn = d.get("function") or {}
             index = d.get("index", 0)
             if d.get("id"):
-                events += self._flush() + self._stop() + self._close_calls()
+                events += self.flush_text() + self._stop() + self._close_calls()
                 block = {"type": "tool_use", "id": d["id"], "name": fn.get("name", ""), "input": {}}
                 self.calls[index], self.args[index] = block, ""
                 events += self._start(block)
@@ -236,10 +232,6 @@ class BlockBuilder:
                 events.append({"type": "content_block_delta", "index": self.blocks.index(self.calls[index]),
                                "delta": {"type": "input_json_delta", "partial_json": piece}})
         return events
-
-    def _flush(self) -> list[dict]:
-        pieces = self.splitter.finish() if self.splitter else []
-        return [e for kind, p in pieces for e in self._text(kind, p)]
 
     def _close_calls(self) -> list[dict]:
         events = []
@@ -253,7 +245,7 @@ class BlockBuilder:
         return events
 
     def finish(self) -> list[dict]:
-        return self._flush() + self._stop() + self._close_calls()
+        return self.flush_text() + self._stop() + self._close_calls()
 
 
 # ------------------------------------------------------------------------------------------ routes

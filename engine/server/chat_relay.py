@@ -30,6 +30,26 @@ def reasoning_splitter(state, api) -> ReasoningSplitter | None:
     return ReasoningSplitter(opened_by_prompt=tail.rstrip().endswith("<think>"))
 
 
+class DeltaBuilder:
+    """The base of the APIs' output builders: chat text arrives in pieces, split into reasoning and answer where
+    the template thinks; `_text(kind, piece)` turns one piece into the API's events."""
+
+    def __init__(self, splitter: ReasoningSplitter | None):
+        self.splitter = splitter
+
+    def text(self, piece: str) -> list[dict]:
+        pieces = self.splitter.feed(piece) if self.splitter else [("text", piece)] if piece else []
+        return [e for kind, p in pieces for e in self._text(kind, p)]
+
+    def flush_text(self) -> list[dict]:
+        """What the splitter still holds (a partial "<think" tag, say), written out at the end or before a call."""
+        pieces = self.splitter.finish() if self.splitter else []
+        return [e for kind, p in pieces for e in self._text(kind, p)]
+
+    def _text(self, kind: str, piece: str) -> list[dict]:
+        raise NotImplementedError
+
+
 class ChatRelay:
     """One translated chat request in flight; `out` is the API's builder, made with the reasoning splitter."""
 

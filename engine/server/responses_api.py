@@ -23,7 +23,7 @@ from shoal.engine.core.async_engine import EngineDeadError
 from shoal.engine.server import openai_api as oai
 from shoal.engine.server.common import check_model, dumps, get_state, json_response, read_json, require_loaded
 from shoal.engine.server.protocol import APIError, ChatCompletionRequest, validation_error_to_api_error
-from shoal.engine.server.chat_relay import ChatRelay
+from shoal.engine.server.chat_relay import ChatRelay, DeltaBuilder
 from shoal.engine.server.reasoning import ReasoningSplitter
 from shoal.engine.server.response_store import ResponseStore, StoredResponse, owner_of
 
@@ -190,12 +190,12 @@ def to_chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompleti
 
 
 # ------------------------------------------------------------------------------------------ output items
-class OutputBuilder:
+class OutputBuilder(DeltaBuilder):
     """Chat deltas -> Responses output items, and the stream events that build them (each method returns the
     events it caused; a non-streaming response drops them)."""
 
     def __init__(self, splitter: ReasoningSplitter | None):
-        self.splitter = splitter
+        super().__init__(splitter)
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item text is going into
         self.calls: dict[int, dict] = {}  # chat tool-call index -> function_call item
@@ -209,10 +209,6 @@ class OutputBuilder:
 
     def _where(self, item: dict) -> dict:
         return {"item_id": item["id"], "output_index": self.items.index(item)}
-
-    def text(self, piece: str) -> list[dict]:
-        pieces = self.splitter.feed(piece) if self.splitter else [("text", piece)] if piece else []
-        return [e for kind, p in pieces for e in self._text(kind, p)]
 
     def _text(self, kind: str, piece: str) -> list[dict]:
         events = []
@@ -267,10 +263,6 @@ class OutputBuilder:
                 item["arguments"] += args
                 events.append(self._event("response.function_call_arguments.delta", **self._where(item), delta=args))
         return events
-
-    def flush_text(self) -> list[dict]:
-        pieces = self.splitter.finish() if self.splitter else []
-        return [e for kind, p in pieces for e in self._text(kind, p)]
 
     def finish(self) -> list[dict]:
         events = self.flush_text() + self._close_open()
