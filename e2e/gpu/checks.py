@@ -79,6 +79,19 @@ class Failed(AssertionError):
         self.figures = figures or {}
 
 
+class Findings:
+    """A stage's figures and the differences it found; the stage returns `done()`, which raises them as Failed."""
+
+    def __init__(self):
+        self.figures: dict = {}
+        self.failures: list[str] = []
+
+    def done(self) -> dict:
+        if self.failures:
+            raise Failed("; ".join(self.failures), self.figures)
+        return self.figures
+
+
 # ------------------------------------------------------------------------------------------------ the run itself
 class Context:
     def __init__(self, out: Path, work: Path, deadline: float):
@@ -321,7 +334,8 @@ def family_stage(family: str):
 
     def run(ctx: Context) -> dict:
         model = ctx.model(arch)
-        figures, failures = {}, []
+        found = Findings()
+        figures, failures = found.figures, found.failures
         # The GGUF file read dequantized is what transformers computes exactly; served packed (the default on
         # CUDA: Triton kernels, activations rounded to 16 bits) it is held to HALF_TOL's float16 bound below.
         with env(SHOAL_GGUF_DEQUANTIZE="1"):
@@ -346,9 +360,7 @@ def family_stage(family: str):
             figures["packed-triton"] = {**r, **facts}
             if not r["ok"]:
                 failures.append(f"packed-triton: beyond the float16 tolerance {r}")
-        if failures:
-            raise Failed("; ".join(failures), figures)
-        return figures
+        return found.done()
 
     return run
 
@@ -360,7 +372,8 @@ for _family, _arch in FAMILIES.items():
 
 @stage("half-precision", 45, "bfloat16 and float16 vs transformers in the same dtype, within HALF_TOL")
 def check_half_precision(ctx: Context) -> dict:
-    figures, failures = {}, []
+    found = Findings()
+    figures, failures = found.figures, found.failures
     for family in ("dense", "sliding-window", "moe"):
         model = ctx.model(FAMILIES[family])
         for dtype in ("bfloat16", "float16"):
@@ -371,14 +384,13 @@ def check_half_precision(ctx: Context) -> dict:
                 figures[f"{family}/{dtype}/{mode}"] = r
                 if not r["ok"]:
                     failures.append(f"{family}/{dtype}/{mode}: {r}")
-    if failures:
-        raise Failed("; ".join(failures), figures)
-    return figures
+    return found.done()
 
 
 @stage("cuda-graphs", 30, "captured decode graphs vs --enforce-eager: the same tokens and logprobs")
 def check_cuda_graphs(ctx: Context) -> dict:
-    figures, failures = {}, []
+    found = Findings()
+    figures, failures = found.figures, found.failures
     model = ctx.model("llama")
     prompts = prompts_for("batched") + ["Hello", "Once"]  # 8 sequences finishing together, buckets 8 to 1 on the way
     for dtype in ("float32", "bfloat16"):
@@ -396,9 +408,7 @@ def check_cuda_graphs(ctx: Context) -> dict:
             failures.append(f"{dtype}: --enforce-eager still captured graphs")
         if same != len(prompts) or diff > FP32_LOGPROB_TOL:
             failures.append(f"{dtype}: graphs and eager differ ({same}/{len(prompts)} equal, max |dlogprob| {diff:.2e})")
-    if failures:
-        raise Failed("; ".join(failures), figures)
-    return figures
+    return found.done()
 
 
 @stage("sleep-mode", 30, "sleep levels 1 and 2 free the KV cache (and weights) on the GPU; wake-up gives the same tokens")
@@ -406,7 +416,8 @@ def check_sleep_mode(ctx: Context) -> dict:
     import torch
     from shoal.engine import LLM, SamplingParams
 
-    figures, failures = {}, []
+    found = Findings()
+    figures, failures = found.figures, found.failures
     model = ctx.model("llama")
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     prompts = prompts_for("batched")
@@ -437,9 +448,7 @@ def check_sleep_mode(ctx: Context) -> dict:
                 failures.append(f"level {level}: greedy tokens changed after wake-up")
             if engine.memory_bytes() != awake:
                 failures.append(f"level {level}: awake again with {engine.memory_bytes()}, not {awake}")
-    if failures:
-        raise Failed("; ".join(failures), figures)
-    return figures
+    return found.done()
 
 
 @stage("attention-backends", 45, "every CUDA attention backend that applies (triton, flash, sdpa) vs transformers")
@@ -447,7 +456,8 @@ def check_backends(ctx: Context) -> dict:
     import torch
     from shoal.engine.execution.attention import backend_class
 
-    figures, failures = {}, []
+    found = Findings()
+    figures, failures = found.figures, found.failures
     for name in ("triton", "flash", "sdpa"):
         cls = backend_class(name)
         ok, why = cls.is_available(torch.device(DEVICE)) if cls else (False, "cannot be imported")
@@ -478,9 +488,7 @@ def check_backends(ctx: Context) -> dict:
                         failures.append(f"{key}: asked for {name}, the engine ran {facts['backend']}")
                     if bad:
                         failures.append(f"{key}: {r}")
-    if failures:
-        raise Failed("; ".join(failures), figures)
-    return figures
+    return found.done()
 
 
 @stage("openai-serve", 60, "an openai-client round trip against `shoal-engine serve --device cuda`")
