@@ -30,6 +30,7 @@ from shoal.engine.distributed.pipeline import Shard, build_runner
 from shoal.engine.distributed.spawn import spawn_workers
 from shoal.engine.distributed.wire import broadcast_call
 from shoal.engine.distributed.worker import Worker
+from shoal.engine.execution.cpu_budget import rank_threads
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger("shoal.engine.distributed.driver")
@@ -53,7 +54,7 @@ class DistributedExecutor:
         self._threads_before = None
         if device.type == "cpu" and per_node > 1:
             self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+            torch.set_num_threads(rank_threads(per_node))
         self.children: list[tuple[int, subprocess.Popen]] = []
         try:
             self.children = spawn_workers([(r, r) for r in range(1, per_node)], tp, pp, port, dcfg, device.type)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from shoal.engine.config import DistributedConfig
+from shoal.engine.execution.cpu_budget import rank_threads
 
 logger = logging.getLogger("shoal.engine.distributed.spawn")
 _spawned: list[subprocess.Popen] = []  # every worker this process started (see kill_spawned_workers)
@@ -31,8 +32,8 @@ def worker_command(rank: int, local_rank: int, tp: int, pp: int, master_port: in
 
 def worker_env(local_world: int, device_type: str) -> dict[str, str]:
     env = dict(os.environ)
-    if device_type != "cuda":  # the node's cores shared between its ranks
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local_world)))
+    if device_type != "cuda":  # the node's CPU budget shared between its ranks
+        env["OMP_NUM_THREADS"] = str(rank_threads(local_world))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("SHOAL_LOG_LEVEL", logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower())
     return env

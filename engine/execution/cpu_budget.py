@@ -216,6 +216,22 @@ def apply_thread_count() -> str:
     return _decision
 
 
+def rank_threads(local_ranks: int, environ=None) -> int:
+    """Threads for each of a node's `local_ranks` CPU ranks: an OMP_NUM_THREADS the user set is per process (as
+    with torchrun) and wins; otherwise the node's whole CPUs (affinity within the cgroup quota, the budget above)
+    split evenly, so the ranks together never oversubscribe the quota."""
+    environ = os.environ if environ is None else environ
+    shoal_set = environ.get(SET_BY_SHOAL, "").split(",")
+    if "OMP_NUM_THREADS" in environ and "OMP_NUM_THREADS" not in shoal_set:
+        try:
+            return max(1, int(environ["OMP_NUM_THREADS"]))
+        except ValueError:
+            pass
+    quota, where = cgroup_quota()
+    node = decide(len(os.sched_getaffinity(0)), quota, 0.0, where).threads
+    return max(1, node // max(1, local_ranks))
+
+
 def decision() -> str:
     """What decided this process's threads and waits, for the start-up log."""
     if _decision is not None:

@@ -118,3 +118,20 @@ def test_an_affinity_mask_of_one_cpu_gives_torch_one_thread():
     assert proc.returncode == 0, proc.stderr
     line, threads = proc.stdout.strip().splitlines()
     assert threads == "1" and "1 CPU(s) in the affinity mask" in line
+
+
+def test_a_nodes_cpu_ranks_split_its_budget_unless_the_user_set_threads(monkeypatch):
+    from shoal.engine.distributed.spawn import worker_env
+
+    monkeypatch.setattr(cpu_budget, "cgroup_quota", lambda *a, **k: (3.0, "a 3-CPU quota"))
+    monkeypatch.setattr(cpu_budget.os, "sched_getaffinity", lambda pid: set(range(8)))
+    # Shoal set OMP_NUM_THREADS for rank 0 from the whole budget: the workers must not each take all of it
+    shoal = {"OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": "10000", cpu_budget.SET_BY_SHOAL: "OMP_NUM_THREADS,GOMP_SPINCOUNT"}
+    assert cpu_budget.rank_threads(2, shoal) == 1  # 3 CPUs of quota over 2 ranks, never 4 on 8 visible CPUs
+    assert cpu_budget.rank_threads(1, shoal) == 3
+    assert cpu_budget.rank_threads(8, shoal) == 1
+    # a user's OMP_NUM_THREADS is per process, as with torchrun
+    assert cpu_budget.rank_threads(2, {"OMP_NUM_THREADS": "5"}) == 5
+    monkeypatch.setattr(os, "environ", {**shoal, "PATH": os.environ.get("PATH", "")})
+    assert worker_env(2, "cpu")["OMP_NUM_THREADS"] == "1"
+    assert worker_env(2, "cuda")["OMP_NUM_THREADS"] == "3"  # GPU ranks keep the parent's setting
