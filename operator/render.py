@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.operator import adapters, api, overlay, runtimes, upgrade
+from shoal.operator import adapters, api, contract, overlay, runtimes, upgrade
 from shoal.operator.gateway import options as gateway_options
 from shoal.operator.gateway.proxy import GatewayConfig
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
@@ -820,11 +820,15 @@ def wake_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
 
 
 def gateway_rbac(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """The gateway's identity: it may list and watch EndpointSlices in its namespace, and, when the fleet can scale
-    to zero, patch its wake-up ConfigMap to wake the autoscaler (operator/gateway/wake.py); nothing else."""
+    """The gateway's identity: it may list and watch EndpointSlices in its namespace, read its own InferenceService
+    (spec.adapters: gateway/own_service.py), and, when the fleet can scale to zero, patch its wake-up ConfigMap to
+    wake the autoscaler (operator/gateway/wake.py); nothing else."""
     name = isvc["metadata"]["name"]
     gw = gateway_name(name)
-    rules = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
+    rules = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+             # its own InferenceService, read by name (shoal-gateway --inference-service): the adapters it declares
+             {"apiGroups": [contract.GROUP], "resources": [contract.PLURAL], "resourceNames": [name],
+              "verbs": ["get", "list", "watch"]}]
     if scales_from_zero(spec):
         rules.append({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [wake_configmap_name(name)],
                       "verbs": ["patch"]})
@@ -902,7 +906,8 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         "name": "gateway",
         "image": gw.image or settings.gateway_image,
         "command": ["shoal-gateway"],
-        "args": ["--service", engines_service_name(name), "--namespace", namespace, "--port-name", "http",
+        "args": ["--service", engines_service_name(name), "--namespace", namespace, "--inference-service", name,
+                 "--port-name", "http",
                  "--port", str(ENGINE_PORT), "--shutdown-timeout", str(drain)]
                 + gateway_limit_args(gw) + hold_args + metrics_args
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default

@@ -42,6 +42,23 @@ def test_default_gateway_deployment():
     assert pod["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"] == GATEWAY_PODS
 
 
+def test_the_gateway_watches_its_inferenceservice_for_declared_adapters_and_is_not_rolled_by_them():
+    """The per-service gateway learns spec.adapters from the InferenceService itself (--inference-service), so
+    adding an adapter changes nothing in its Deployment: no roll, and a request for the new adapter is held until
+    an engine loads it (tests/gateway/test_gateway_declared_adapters.py)."""
+    from shoal.operator.gateway.cli import build_parser, config_from_args
+
+    lora = {"engine": {"enableLora": True}, "adapters": [{"name": "sql", "uri": "hf://org/sql-lora"}]}
+    before = kids(lora)[("Deployment", "llm-gateway")]
+    args = before["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--inference-service") + 1] == "llm"
+    parsed = build_parser().parse_args(args)
+    config_from_args(parsed)  # a combination the gateway accepts
+    assert (parsed.service, parsed.namespace, parsed.inference_service) == ("llm-engines", "team-a", "llm")
+    more = {**lora, "adapters": [*lora["adapters"], {"name": "chat-v2", "uri": "hf://org/chat-v2"}]}
+    assert kids(more)[("Deployment", "llm-gateway")] == before
+
+
 def test_service_points_at_the_gateway_and_the_gateway_at_ready_engines():
     k = kids()
     assert k[("Service", "llm")]["spec"]["selector"] == GATEWAY_PODS
@@ -53,10 +70,13 @@ def test_service_points_at_the_gateway_and_the_gateway_at_ready_engines():
     assert multi[("Service", "llm-engines")]["spec"]["selector"][L_POD_INDEX] == "0"  # rank 0 serves the API
 
 
-def test_gateway_may_read_endpointslices_and_nothing_else():
+def test_gateway_may_read_endpointslices_and_its_own_inferenceservice_and_nothing_else():
     k = kids()
     assert k[("Role", "llm-gateway")]["rules"] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+        # spec.adapters, read by name (a field selector on metadata.name): no other InferenceService
+        {"apiGroups": ["serving.shoal.dev"], "resources": ["inferenceservices"], "resourceNames": ["llm"],
+         "verbs": ["get", "list", "watch"]}]
     rb = k[("RoleBinding", "llm-gateway")]
     assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llm-gateway"}
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "llm-gateway", "namespace": "team-a"}]
@@ -128,12 +148,13 @@ def test_scale_from_zero_makes_the_gateway_hold_requests_and_wake_the_autoscaler
     args = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--hold-timeout") + 1] == "300" and args[args.index("--wake-configmap") + 1] == "llm-wake"
     # the Waker annotates a ConfigMap of its own, and may write nothing else (never its InferenceService)
-    assert k[("Role", "llm-gateway")]["rules"][1:] == [{"apiGroups": [""], "resources": ["configmaps"],
+    assert k[("Role", "llm-gateway")]["rules"][2:] == [{"apiGroups": [""], "resources": ["configmaps"],
                                                         "resourceNames": ["llm-wake"], "verbs": ["patch"]}]
     wake = k[("ConfigMap", "llm-wake")]
     assert wake["metadata"]["ownerReferences"][0]["name"] == "llm"
     assert wake["metadata"]["labels"]["app.kubernetes.io/component"] == "wake"
-    assert not any(r["apiGroups"] == ["serving.shoal.dev"] for r in k[("Role", "llm-gateway")]["rules"])
+    assert not any(r["apiGroups"] == ["serving.shoal.dev"] and set(r["verbs"]) - {"get", "list", "watch"}
+                   for r in k[("Role", "llm-gateway")]["rules"])  # it reads its spec, never writes it
     assert ("ConfigMap", "llm-wake") not in kids({"autoscaling": {"minReplicas": 1, "maxReplicas": 2}})
     # by default the hold outlasts GPU node provisioning + image pull + model load (the startup budget), not 600 s
     args = kids({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}})[("Deployment", "llm-gateway")]["spec"][
