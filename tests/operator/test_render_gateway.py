@@ -246,3 +246,62 @@ def test_engines_that_schedule_by_priority_get_the_gateways_priority_never_a_cli
     assert "--engine-priority" not in gateway_args(None)
     args = gateway_args({"engine": {"schedulingPolicy": "priority"}})
     assert build_parser().parse_args(args).engine_priority
+
+
+TRACING = {"endpoint": "http://otel-collector.observability:4318/", "samplingRatio": 0.25,
+           "headersSecretRef": {"name": "otel-auth"}}
+
+
+def otel(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", []) if e["name"].startswith("OTEL_")}
+
+
+def test_tracing_renders_the_standard_otel_variables_into_engines_and_gateway():
+    """spec.tracing (issue 34): the same OTEL_* variables in the engine and the gateway containers, so one trace
+    spans both (a parent-based ratio follows the gateway's decision at the engine); nothing when unset."""
+    k = kids({"tracing": TRACING, "env": [{"name": "OTEL_TRACES_SAMPLER_ARG", "value": "1.0"}]})
+    engine = k[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0]
+    gateway = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    want = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://otel-collector.observability:4318/v1/traces",
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25",
+            "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=team-a,shoal.inferenceservice=llm"}
+    headers = {"secretKeyRef": {"name": "otel-auth", "key": "headers"}}
+    assert {n: e.get("value") for n, e in otel(gateway).items() if "value" in e} == want
+    assert otel(gateway)["OTEL_EXPORTER_OTLP_TRACES_HEADERS"]["valueFrom"] == headers
+    # the engine: the same, except what the user's spec.env sets itself (given once, the user's value)
+    assert [e["value"] for e in engine["env"] if e["name"] == "OTEL_TRACES_SAMPLER_ARG"] == ["1.0"]
+    assert {n: e.get("value") for n, e in otel(engine).items() if "value" in e} == {
+        **want, "OTEL_TRACES_SAMPLER_ARG": "1.0"}
+    assert otel(engine)["OTEL_EXPORTER_OTLP_TRACES_HEADERS"]["valueFrom"] == headers
+    assert "--otlp-traces-endpoint" not in engine["args"]  # Shoal's engine turns tracing on from the env
+    version = kubernetes_validate.latest_version()
+    for obj in (k[("Deployment", "llm")], k[("Deployment", "llm-gateway")]):
+        kubernetes_validate.validate(obj, version, strict=True)
+    # off: no OTEL_* anywhere
+    k = kids()
+    assert not otel(k[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0])
+    assert not otel(k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_tracing_on_vllm_sets_its_flag_and_a_runtime_without_tracing_is_refused():
+    k = kids({"runtime": "vllm", "model": {"uri": "hf://org/m"}, "tracing": {"endpoint": "https://otel:4318"}})
+    engine = k[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0]
+    args = engine["args"] if "args" in engine else engine["command"]
+    assert args[args.index("--otlp-traces-endpoint") + 1] == "https://otel:4318/v1/traces"
+    assert otel(engine)["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"]["value"] == "http/protobuf"  # vLLM defaults to gRPC
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc({"runtime": "sglang", "model": {"uri": "hf://org/m"},
+                            "tracing": {"endpoint": "http://otel:4318"}}), SETTINGS)
+    assert e.value.field == "spec.tracing"
+
+
+@pytest.mark.parametrize("tracing, field", [
+    ({"endpoint": "otel:4318"}, "spec.tracing.endpoint"),
+    ({"endpoint": "http://otel:4318", "samplingRatio": 1.5}, "spec.tracing.samplingRatio"),
+    ({"samplingRatio": 0.5}, "spec.tracing.endpoint"),
+])
+def test_bad_tracing_names_the_field(tracing, field):
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc({"tracing": tracing}), SETTINGS)
+    assert e.value.field == field
