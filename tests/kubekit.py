@@ -9,8 +9,8 @@ changes only status, the main endpoint never does), server-side apply (`Cluster.
 fields a manager applied before and no longer applies are removed; lists are atomic), no-op patches that change
 nothing (no event), empty env values dropped (omitempty, as the real server stores them), uid
 preconditions on delete, label selectors (and metadata.name/namespace field selectors) on lists and watches,
-resourceVersion on lists, watches that replay only events newer than the requested resourceVersion (subscribing before the replay, so nothing is
-lost in between), `timeoutSeconds`, ownerReference garbage collection, fault injection (`cluster.inject(...)`)
+resourceVersion on lists, watches that replay only events newer than the requested resourceVersion (subscribing
+before the replay, so nothing is lost in between), `timeoutSeconds`, ownerReference garbage collection, fault injection (`cluster.inject(...)`)
 for the retry tests, RBAC (`cluster.authorize`: 403 for what a Role does not grant, recorded in
 `cluster.denied`), watches that lag (`cluster.lag`), and a record of every write, apply request and LIST
 (`cluster.writes`, `cluster.applies`, `cluster.lists`).

@@ -26,7 +26,7 @@ from shoal.operator.gateway.routing import make_router, prefix_load
 
 def test_gateway_imports_no_torch():
     code = ("import sys, shoal.operator.gateway.cli, shoal.operator.gateway.proxy, shoal.operator.gateway.discovery, "
-            "shoal.operator.gateway.fleet, shoal.operator.gateway.wake; "
+            "shoal.operator.gateway.fleet, shoal.operator.gateway.wake, shoal.operator.gateway.own_service; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
