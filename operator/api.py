@@ -433,6 +433,29 @@ class InferencePoolOptions(_Model):
                                                                          "this model to the pool")
 
 
+class TracingHeadersRef(_Model):
+    name: str = Field(min_length=1, max_length=253, description="the Secret, in the InferenceService's namespace")
+    key: str = Field(default="headers", min_length=1, max_length=253,
+                     description="its entry: OTLP headers as key=value pairs, comma-separated, e.g. "
+                                 "`authorization=Bearer%20<token>` (OTEL_EXPORTER_OTLP_TRACES_HEADERS)")
+
+
+class Tracing(_Model):
+    """OpenTelemetry traces of this service's requests (gateway -> engine, one trace per request), exported over
+    OTLP/HTTP: rendered as the standard OTEL_* variables into the engine and the gateway containers."""
+
+    endpoint: str = Field(
+        pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$", max_length=2048,
+        description="the collector's OTLP/HTTP base URL, e.g. http://otel-collector.observability:4318: spans go to "
+                    "<endpoint>/v1/traces (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
+    sampling_ratio: float = Field(
+        default=1.0, ge=0.0, le=1.0,
+        description="share of new traces recorded; a request arriving with a W3C traceparent follows its caller's "
+                    "decision (OTEL_TRACES_SAMPLER=parentbased_traceidratio, OTEL_TRACES_SAMPLER_ARG)")
+    headers_secret_ref: TracingHeadersRef | None = Field(
+        default=None, description="a Secret entry with the headers the collector wants (e.g. its API key)")
+
+
 class InferenceServiceSpec(_Model):
     runtime: Literal["shoal", "vllm", "sglang"] = Field(  # operator/runtimes.py describes each
         default="shoal",
@@ -473,6 +496,9 @@ class InferenceServiceSpec(_Model):
                     "API Inference Extension (no InferenceObjective: give one of your own). Sent to engines that schedule by priority "
                     "(engine.schedulingPolicy: priority). Applies to the model and to its adapters without a priority of "
                     "their own (spec.adapters[].priority)")
+    tracing: Tracing | None = Field(
+        default=None, description="export OpenTelemetry traces of the requests from the gateway and the engines "
+                                  "(off when unset; the pods' own OTEL_* env, spec.env, overrides what this renders)")
     inference_pool: InferencePoolOptions | None = Field(
         default=None, description="render an InferencePool (Gateway API Inference Extension) for a Gateway that "
                                   "already runs the extension's endpoint picker; off by default")

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.operator import adapters, api, overlay, runtimes, upgrade
+from shoal.operator import adapters, api, contract, overlay, runtimes, upgrade
 from shoal.operator.gateway import options as gateway_options
 from shoal.operator.gateway.proxy import GatewayConfig
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
@@ -199,6 +199,9 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
     if _key_file(spec):  # before spec.engine.extraArgs, which come last
         at = len(args) - len(spec.engine.extra_args)
         args[at:at] = ["--api-key-file", API_KEYS_FILE]
+    if spec.tracing is not None and rt.tracing_flag:  # before spec.engine.extraArgs too
+        at = len(args) - len(spec.engine.extra_args)
+        args[at:at] = [rt.tracing_flag, traces_url(spec.tracing)]
     if rt.name == "shoal" and spec.gpus_per_pod(settings.max_gpus_per_node) == 0:
         args += ["--device", "cpu"]  # never `auto`: a GPU the node's runtime leaks in must not be picked
     return args
@@ -271,6 +274,32 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict
         env.append({"name": "OMP_NUM_THREADS", "value": str(cpus)})
     user_names = {e.get("name") for e in spec.env}
     return [e for e in env if e["name"] not in user_names] + [_stored_env(copy.deepcopy(e)) for e in spec.env]
+
+
+def traces_url(tracing: api.Tracing) -> str:
+    return tracing.endpoint.rstrip("/") + "/v1/traces"
+
+
+def tracing_env(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """spec.tracing as the standard OpenTelemetry variables, which the engine and the gateway (and vLLM's
+    exporter) read: where to (OTLP/HTTP), how much (a parent-based ratio: a caller's sampled traceparent is always
+    followed, so one trace spans gateway and engine), the collector's headers from their Secret, and which
+    InferenceService the spans come from."""
+    t = spec.tracing
+    if t is None:
+        return []
+    meta = isvc["metadata"]
+    env = [{"name": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "value": traces_url(t)},
+           {"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": "http/protobuf"},
+           {"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+           {"name": "OTEL_TRACES_SAMPLER_ARG", "value": repr(float(t.sampling_ratio))},
+           {"name": "OTEL_RESOURCE_ATTRIBUTES",
+            "value": f"k8s.namespace.name={meta['namespace']},shoal.inferenceservice={meta['name']}"}]
+    if t.headers_secret_ref is not None:
+        ref = t.headers_secret_ref
+        env.append({"name": "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return env
 
 
 API_KEYS_DIR = "/etc/shoal/api-keys"  # the engines' key Secret, mounted: re-read on rotation (--api-key-file)
@@ -373,7 +402,9 @@ def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings
         **runtimes.argv(rt, multi, engine_args(name, namespace, spec, settings, replica=replica)),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
                  + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else []),
-        "env": list(env) if _key_file(spec) else _with_api_key(env, spec),
+        # spec.env (in `env`) wins over the OTEL_* variables spec.tracing renders
+        "env": [e for e in tracing_env(isvc, spec) if e["name"] not in {u.get("name") for u in spec.env}]
+               + (list(env) if _key_file(spec) else _with_api_key(env, spec)),
         "resources": _engine_resources(spec, spec.gpus_per_pod(settings.max_gpus_per_node)),
         "volumeMounts": mounts + ([API_KEYS_MOUNT] if _key_file(spec) else []),
         **_failure_grace(runtimes.probes(rt, spec, multi, ENGINE_PORT), spec),
@@ -820,11 +851,15 @@ def wake_configmap(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
 
 
 def gateway_rbac(isvc: dict[str, Any], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """The gateway's identity: it may list and watch EndpointSlices in its namespace, and, when the fleet can scale
-    to zero, patch its wake-up ConfigMap to wake the autoscaler (operator/gateway/wake.py); nothing else."""
+    """The gateway's identity: it may list and watch EndpointSlices in its namespace, read its own InferenceService
+    (spec.adapters: gateway/own_service.py), and, when the fleet can scale to zero, patch its wake-up ConfigMap to
+    wake the autoscaler (operator/gateway/wake.py); nothing else."""
     name = isvc["metadata"]["name"]
     gw = gateway_name(name)
-    rules = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
+    rules = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+             # its own InferenceService, read by name (shoal-gateway --inference-service): the adapters it declares
+             {"apiGroups": [contract.GROUP], "resources": [contract.PLURAL], "resourceNames": [name],
+              "verbs": ["get", "list", "watch"]}]
     if scales_from_zero(spec):
         rules.append({"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [wake_configmap_name(name)],
                       "verbs": ["patch"]})
@@ -902,7 +937,8 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         "name": "gateway",
         "image": gw.image or settings.gateway_image,
         "command": ["shoal-gateway"],
-        "args": ["--service", engines_service_name(name), "--namespace", namespace, "--port-name", "http",
+        "args": ["--service", engines_service_name(name), "--namespace", namespace, "--inference-service", name,
+                 "--port-name", "http",
                  "--port", str(ENGINE_PORT), "--shutdown-timeout", str(drain)]
                 + gateway_limit_args(gw) + hold_args + metrics_args
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
@@ -912,6 +948,7 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
                 + (["--engine-priority"] if spec.engine.scheduling_policy == "priority" else [])
                 + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}, metrics_port],
+        **({"env": env} if (env := tracing_env(isvc, spec)) else {}),
         # The engines' keys, so the gateway answers 401 itself: an unauthenticated request is never held, never
         # counted as load and never wakes the autoscaler.
         **({"volumeMounts": [API_KEYS_MOUNT]} if spec.security.api_key_secret_ref else {}),

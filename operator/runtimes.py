@@ -107,6 +107,10 @@ class Runtime:
     lora_env: tuple[tuple[str, str], ...] = ()  # env of an engine with engine.enableLora (adapters loaded at run time)
     # spec.adapters: loaded at run time through vLLM's /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter
     runtime_adapters: bool = False
+    # spec.tracing: the OTEL_* env turns Shoal's tracing on; a server that needs a flag as well names it here
+    # (given the traces URL); None with traces_from_env False: the runtime cannot be told (refused)
+    tracing_flag: str | None = None
+    traces_from_env: bool = False
 
     def managed_flags(self, probe_values: dict[str, Any]) -> frozenset[str]:
         """Flags the operator sets; extraArgs may not repeat them (they would fight the rendered ones)."""
@@ -135,7 +139,7 @@ SHOAL = Runtime(
     # workers (--headless) serve /livez and /readyz only, so a multi-pod group starts on /readyz
     startup=Probe("/startupz", 10, 5), readiness=Probe("/readyz", 5, 5, 3), liveness=Probe("/livez", 10, 10, 6),
     metrics=metric_names.SHOAL, shutdown_flag="--shutdown-timeout", builtin_demo=True, multi_node=True,
-    workers_serve_health=True, init_entrypoint=True, runtime_adapters=True,
+    workers_serve_health=True, init_entrypoint=True, runtime_adapters=True, traces_from_env=True,
 )
 
 # vLLM's --max-lora-rank choices (vllm/config/lora.py): any other value fails its argument parsing at start
@@ -174,6 +178,8 @@ VLLM = Runtime(
     # its /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this set (the adapter-sync sidecar
     # calls them)
     lora_env=(("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),), runtime_adapters=True,
+    # traces only with this flag; its exporter protocol comes from OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+    tracing_flag="--otlp-traces-endpoint",
 )
 
 SGLANG = Runtime(
@@ -244,6 +250,9 @@ def spec_errors(spec: Any, pods_per_replica: int) -> list:
     if spec.model.uri.startswith("demo://") and not rt.builtin_demo:
         errors.append(SpecError("spec.model.uri", f"runtime {rt.name} has no built-in demo model; give the model "
                                                   "as hf://, pvc:// or file://"))
+    if getattr(spec, "tracing", None) is not None and rt.tracing_flag is None and not rt.traces_from_env:
+        errors.append(SpecError("spec.tracing", f"runtime {rt.name} is not wired for tracing here; use runtime "
+                                                "shoal or vllm, or its own flags in engine.extraArgs"))
     if spec.security.api_key_secret_ref and rt.api_key_env is None:
         errors.append(SpecError("spec.security.apiKeySecretRef",
                                 f"runtime {rt.name} takes an API key only as a command-line argument, which would "

@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--service", help="discover engines from this Kubernetes Service's EndpointSlices")
     src.add_argument("--namespace", help="the Service's namespace; alone, the namespace whose InferenceServices the "
                                           "shared gateway serves (default: the pod's own namespace)")
+    src.add_argument("--inference-service", metavar="NAME",
+                     help="with --service: the InferenceService (in --namespace) these engines serve; its spec is "
+                          "watched, so a request for an adapter spec.adapters declares that no engine lists yet is "
+                          "held until one loads it (up to --queue-timeout, then 503 adapter_not_loaded) instead of "
+                          "reaching an engine that 404s (needs get/list/watch on that InferenceService)")
     src.add_argument("--all-namespaces", "-A", action="store_true",
                      help="the shared gateway serves the InferenceServices of every namespace")
     src.add_argument("--runtime", choices=RUNTIMES, default=d.runtime,
@@ -203,6 +208,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ValueError("the shared gateway takes no --api-key, --wake-configmap or --runtime: it reads each "
                          "InferenceService's runtime and wake-up ConfigMap, and its clients' keys are tenant keys "
                          "(--tenant-keys)")
+    if args.inference_service and not args.service:
+        raise ValueError("--inference-service names the InferenceService of the engines of --service (a per-service "
+                         "gateway); the shared gateway reads every InferenceService itself")
     if args.tenant_header and not args.trusted_proxies:
         raise ValueError("--tenant-header needs --trusted-proxies: the CIDRs of the authenticating proxies that set "
                          "it (from anyone else the header would let a caller name any tenant)")
@@ -256,7 +264,7 @@ def own_namespace() -> str | None:
 
 async def serve(config: GatewayConfig, discovery, host: str | None, port: int, shutdown_timeout: float,
                 waker=None, metrics_port: int | None = None, shared_namespace: str | None = None,
-                shared: bool = False) -> int:
+                shared: bool = False, own_service=None) -> int:
     gateway = Gateway(config, namespace=shared_namespace, shared=shared)
     if waker is not None:
         try:
@@ -283,7 +291,7 @@ async def serve(config: GatewayConfig, discovery, host: str | None, port: int, s
         if metrics_runner is not None:
             await metrics_runner.cleanup()
         return 1
-    await gateway.start(discovery)
+    await gateway.start(discovery, own_service)
     if shared:
         log.info("shoal-gateway listening on http://%s:%d: the InferenceServices of %s, routing %s",
                  host or "0.0.0.0", port, shared_namespace and f"namespace {shared_namespace}" or "every namespace",
@@ -334,6 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not namespace:
             parser.error("--service needs --namespace outside a pod")
         discovery = EndpointSliceDiscovery(args.service, namespace, port_name=args.port_name)
+    own_service = None
+    if args.inference_service:
+        from shoal.operator.gateway.own_service import OwnService
+
+        own_service = OwnService(args.inference_service, namespace)
     waker = None
     if args.wake_configmap:
         if not namespace:
@@ -342,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         waker = Waker(namespace, args.wake_configmap)
     return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout, waker,
-                             metrics_port=args.metrics_port))
+                             metrics_port=args.metrics_port, own_service=own_service))
 
 
 if __name__ == "__main__":

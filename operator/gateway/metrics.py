@@ -94,6 +94,10 @@ class _PoolCollector:
         yield GaugeMetricFamily(P + "adapter_wait_requests", "Requests waiting for an engine to list their LoRA "
                                 "adapter (loading, or reloading after a restart).", value=adapter_waits)
         yield GaugeMetricFamily(P + "ready_backends", "Engines that may take new requests.", value=ready)
+        yield GaugeMetricFamily(P + "declared_adapters", "LoRA adapters the InferenceService(s) declare in "
+                                "spec.adapters, as the gateway last read them (a per-service gateway reads its "
+                                "own with --inference-service).",
+                                value=sum(len(pool.adapters) for pool in self.gateway.pools.all()))
         if self.gateway.pools.shared:
             yield service
             yield GaugeMetricFamily(P + "models", "Model names the shared gateway routes (base models and "

@@ -15,7 +15,8 @@ of its engines, and admission (admission.py):
   when no engine lists it). When engines exist but none lists it yet (added to spec.adapters and still loading, or
   the engines restarted and reload it) the request is held apart from the queue — it blocks nobody — until one
   does, up to `queue_timeout` (then 503 adapter_not_loaded). A name is one of the pool's adapters while it is
-  declared (the shared gateway: spec.adapters) or some engine listed it within ADAPTER_MEMORY; any other name
+  declared (spec.adapters: read by the shared gateway, and by a per-service gateway with --inference-service,
+  own_service.py) or some engine listed it within ADAPTER_MEMORY; any other name
   (the base model, an unknown one) goes to every engine as before.
 
 The engine is picked when the request is admitted (the router runs among the engines with a free slot), so a
@@ -60,7 +61,7 @@ class Pool:
     namespace: str = ""  # the InferenceService's, in the shared gateway
     name: str = ""
     served_name: str | None = None
-    adapters: frozenset[str] = frozenset()  # the adapters the service declares (spec.adapters; the shared gateway)
+    adapters: frozenset[str] = frozenset()  # the adapters the service declares (spec.adapters)
     engine_priority: bool = False  # the engines schedule by priority: tell them the request's (proxy.py)
     runtime: str = "shoal"
     # Called (synchronously) when a request starts waiting for an engine to exist: a scale-from-zero hook.

@@ -333,7 +333,9 @@ class Gateway:
         victim.refuse(Shed("shed", "shed for requests of a higher priority while every engine is busy"))
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    async def start(self, discovery=None) -> None:
+    async def start(self, discovery=None, own_service=None) -> None:
+        """Start polling the engines (found by `discovery`); a per-service gateway with `own_service`
+        (own_service.OwnService) also watches its InferenceService's spec (declared adapters)."""
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
             auto_decompress=False,  # bytes pass through as the engine sent them
@@ -345,6 +347,8 @@ class Gateway:
             return
         if discovery is not None:
             self.tasks.append(asyncio.create_task(discovery.run(self.backends), name="gateway-discovery"))
+        if own_service is not None:
+            self.tasks.append(asyncio.create_task(own_service.run(self.pools.pool), name="gateway-own-service"))
         self._start_polling(self.pools.pool, self.config.runtime)
 
     async def stop(self) -> None:

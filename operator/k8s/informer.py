@@ -44,6 +44,7 @@ def object_key(obj: dict[str, Any]) -> Key:
 
 class Informer:
     def __init__(self, api: KubeAPI | None, path: str, *, label_selector: str | None = None,
+                 field_selector: str | None = None,
                  index: Callable[[dict[str, Any]], Hashable | None] | None = None,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
                  on_list: Callable[[list[dict[str, Any]]], None] | None = None,
@@ -51,6 +52,7 @@ class Informer:
         self.api = api  # None: KubeAPI.from_environment() when run starts
         self.path = path
         self.label_selector = label_selector
+        self.field_selector = field_selector  # e.g. metadata.name=X: one object (RBAC resourceNames can allow it)
         self.index = index
         self.on_event = on_event
         self.on_list = on_list
@@ -119,7 +121,7 @@ class Informer:
                 backoff = min(backoff * 2, MAX_BACKOFF)
 
     async def _list(self, session: aiohttp.ClientSession) -> str:
-        url = self.api.url(self.path, {"labelSelector": self.label_selector})
+        url = self.api.url(self.path, {"labelSelector": self.label_selector, "fieldSelector": self.field_selector})
         async with session.get(url, headers=self.api.headers(), ssl=self.api.ssl_context,
                                timeout=aiohttp.ClientTimeout(total=60)) as r:
             if r.status != 200:
@@ -146,7 +148,8 @@ class Informer:
     async def _watch(self, session: aiohttp.ClientSession, rv: str) -> str:
         """Apply the events of one watch request; -> the resourceVersion to resume from. Raises Gone to relist."""
         self.watches += 1
-        url = self.api.url(self.path, {"labelSelector": self.label_selector, "watch": "true",
+        url = self.api.url(self.path, {"labelSelector": self.label_selector, "fieldSelector": self.field_selector,
+                                       "watch": "true",
                                        "allowWatchBookmarks": "true", "timeoutSeconds": self.watch_timeout,
                                        "resourceVersion": rv})
         timeout = aiohttp.ClientTimeout(total=self.watch_timeout + 30, sock_read=self.watch_timeout + 30)

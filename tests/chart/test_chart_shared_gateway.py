@@ -128,3 +128,36 @@ def test_only_the_named_peers_reach_the_gateway_and_an_unsafe_opt_out_says_so():
     assert args.allow_unauthenticated and cli.config_from_args(args).tenant_keys is None
     for obj in unsafe:
         kube_validate(obj)
+
+
+def test_tracing_values_become_the_otel_variables_the_gateway_and_its_sdk_read(monkeypatch):
+    """sharedGateway.tracing (issue 34): off (no OTEL_* at all) by default; set, the standard variables that turn the
+    gateway's tracing on and that OpenTelemetry's SDK reads as a parent-based ratio sampler and the OTLP exporter."""
+    tracing = importlib.import_module("shoal.operator.gateway.tracing")
+    sampling = importlib.import_module("opentelemetry.sdk.trace.sampling")
+    exporter = importlib.import_module("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    (dep,) = by_kind(gateway_objects(SHARED), "Deployment")
+    assert not dep["spec"]["template"]["spec"]["containers"][0].get("env")
+    values = {"sharedGateway": {**SHARED["sharedGateway"], "tracing": {
+        "endpoint": "http://otel-collector.observability:4318/", "samplingRatio": 0.25,
+        "headersSecret": {"name": "otel-auth"}}}}
+    objects = gateway_objects(values)
+    for obj in objects:
+        kube_validate(obj)
+    (dep,) = by_kind(objects, "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert [e["valueFrom"] for e in c["env"] if e["name"] == "OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == [
+        {"secretKeyRef": {"name": "otel-auth", "key": "headers"}}]
+    for name in list(__import__("os").environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        if value is not None:
+            monkeypatch.setenv(name, value)
+    assert tracing.tracing_configured()
+    sampler = sampling._get_from_env_or_default()
+    assert isinstance(sampler, sampling.ParentBased) and "TraceIdRatioBased{0.25}" in sampler.get_description()
+    assert exporter.OTLPSpanExporter()._endpoint == "http://otel-collector.observability:4318/v1/traces"
+    with pytest.raises(helm.HelmError):  # not a URL: the values schema refuses it
+        render({"sharedGateway": {**SHARED["sharedGateway"], "tracing": {"endpoint": "otel:4318"}}})

@@ -26,7 +26,7 @@ from shoal.operator.gateway.routing import make_router, prefix_load
 
 def test_gateway_imports_no_torch():
     code = ("import sys, shoal.operator.gateway.cli, shoal.operator.gateway.proxy, shoal.operator.gateway.discovery, "
-            "shoal.operator.gateway.fleet, shoal.operator.gateway.wake; "
+            "shoal.operator.gateway.fleet, shoal.operator.gateway.wake, shoal.operator.gateway.own_service; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
@@ -663,3 +663,28 @@ async def test_the_poller_reads_each_engines_adapters_with_the_engines_key(tmp_p
         await gw.stop()
         await good.close()
         await stale.close()
+
+
+def test_the_per_service_gateway_takes_declared_adapters_and_served_name_from_its_inferenceservice():
+    """own_service.OwnService: spec.adapters become the pool's adapters (held until an engine lists them, pool.py),
+    the served name is never taken for an adapter, and a deleted or unreadable service leaves nothing declared
+    behind; --inference-service belongs to a gateway of --service engines."""
+    from shoal.operator.gateway.cli import build_parser, config_from_args
+    from shoal.operator.gateway.own_service import OwnService
+
+    gw = Gateway(GatewayConfig())
+    pool = gw.pools.pool
+    own = OwnService("llm", "team-a")
+    spec = {"model": {"uri": "hf://org/base"}, "adapters": [{"name": "sql", "uri": "hf://org/sql"}, {"name": "x"}]}
+    own.apply(pool, {"metadata": {"name": "llm", "namespace": "team-a"}, "spec": spec})
+    now = time.monotonic()
+    assert own.read and pool.adapters == {"sql", "x"} and pool.served_name == "org/base"
+    assert pool.is_adapter("sql", now) and not pool.is_adapter("org/base", now) and not pool.is_adapter("other", now)
+    own.apply(pool, {"metadata": {}, "spec": {}})  # unreadable (no name): what was read stays
+    assert pool.adapters == {"sql", "x"}
+    own.apply(pool, None)  # deleted
+    assert pool.adapters == frozenset() and not pool.is_adapter("sql", now)
+    for argv in (["--endpoint", "http://127.0.0.1:1", "--inference-service", "llm"],
+                 ["--namespace", "ns", "--allow-unauthenticated", "--inference-service", "llm"]):
+        with pytest.raises(ValueError, match="--inference-service"):
+            config_from_args(build_parser().parse_args(argv))

@@ -42,6 +42,23 @@ def test_default_gateway_deployment():
     assert pod["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"] == GATEWAY_PODS
 
 
+def test_the_gateway_watches_its_inferenceservice_for_declared_adapters_and_is_not_rolled_by_them():
+    """The per-service gateway learns spec.adapters from the InferenceService itself (--inference-service), so
+    adding an adapter changes nothing in its Deployment: no roll, and a request for the new adapter is held until
+    an engine loads it (tests/gateway/test_gateway_declared_adapters.py)."""
+    from shoal.operator.gateway.cli import build_parser, config_from_args
+
+    lora = {"engine": {"enableLora": True}, "adapters": [{"name": "sql", "uri": "hf://org/sql-lora"}]}
+    before = kids(lora)[("Deployment", "llm-gateway")]
+    args = before["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--inference-service") + 1] == "llm"
+    parsed = build_parser().parse_args(args)
+    config_from_args(parsed)  # a combination the gateway accepts
+    assert (parsed.service, parsed.namespace, parsed.inference_service) == ("llm-engines", "team-a", "llm")
+    more = {**lora, "adapters": [*lora["adapters"], {"name": "chat-v2", "uri": "hf://org/chat-v2"}]}
+    assert kids(more)[("Deployment", "llm-gateway")] == before
+
+
 def test_service_points_at_the_gateway_and_the_gateway_at_ready_engines():
     k = kids()
     assert k[("Service", "llm")]["spec"]["selector"] == GATEWAY_PODS
@@ -53,10 +70,13 @@ def test_service_points_at_the_gateway_and_the_gateway_at_ready_engines():
     assert multi[("Service", "llm-engines")]["spec"]["selector"][L_POD_INDEX] == "0"  # rank 0 serves the API
 
 
-def test_gateway_may_read_endpointslices_and_nothing_else():
+def test_gateway_may_read_endpointslices_and_its_own_inferenceservice_and_nothing_else():
     k = kids()
     assert k[("Role", "llm-gateway")]["rules"] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}]
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+        # spec.adapters, read by name (a field selector on metadata.name): no other InferenceService
+        {"apiGroups": ["serving.shoal.dev"], "resources": ["inferenceservices"], "resourceNames": ["llm"],
+         "verbs": ["get", "list", "watch"]}]
     rb = k[("RoleBinding", "llm-gateway")]
     assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llm-gateway"}
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "llm-gateway", "namespace": "team-a"}]
@@ -128,12 +148,13 @@ def test_scale_from_zero_makes_the_gateway_hold_requests_and_wake_the_autoscaler
     args = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--hold-timeout") + 1] == "300" and args[args.index("--wake-configmap") + 1] == "llm-wake"
     # the Waker annotates a ConfigMap of its own, and may write nothing else (never its InferenceService)
-    assert k[("Role", "llm-gateway")]["rules"][1:] == [{"apiGroups": [""], "resources": ["configmaps"],
+    assert k[("Role", "llm-gateway")]["rules"][2:] == [{"apiGroups": [""], "resources": ["configmaps"],
                                                         "resourceNames": ["llm-wake"], "verbs": ["patch"]}]
     wake = k[("ConfigMap", "llm-wake")]
     assert wake["metadata"]["ownerReferences"][0]["name"] == "llm"
     assert wake["metadata"]["labels"]["app.kubernetes.io/component"] == "wake"
-    assert not any(r["apiGroups"] == ["serving.shoal.dev"] for r in k[("Role", "llm-gateway")]["rules"])
+    assert not any(r["apiGroups"] == ["serving.shoal.dev"] and set(r["verbs"]) - {"get", "list", "watch"}
+                   for r in k[("Role", "llm-gateway")]["rules"])  # it reads its spec, never writes it
     assert ("ConfigMap", "llm-wake") not in kids({"autoscaling": {"minReplicas": 1, "maxReplicas": 2}})
     # by default the hold outlasts GPU node provisioning + image pull + model load (the startup budget), not 600 s
     args = kids({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}})[("Deployment", "llm-gateway")]["spec"][
@@ -225,3 +246,62 @@ def test_engines_that_schedule_by_priority_get_the_gateways_priority_never_a_cli
     assert "--engine-priority" not in gateway_args(None)
     args = gateway_args({"engine": {"schedulingPolicy": "priority"}})
     assert build_parser().parse_args(args).engine_priority
+
+
+TRACING = {"endpoint": "http://otel-collector.observability:4318/", "samplingRatio": 0.25,
+           "headersSecretRef": {"name": "otel-auth"}}
+
+
+def otel(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", []) if e["name"].startswith("OTEL_")}
+
+
+def test_tracing_renders_the_standard_otel_variables_into_engines_and_gateway():
+    """spec.tracing (issue 34): the same OTEL_* variables in the engine and the gateway containers, so one trace
+    spans both (a parent-based ratio follows the gateway's decision at the engine); nothing when unset."""
+    k = kids({"tracing": TRACING, "env": [{"name": "OTEL_TRACES_SAMPLER_ARG", "value": "1.0"}]})
+    engine = k[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0]
+    gateway = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    want = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://otel-collector.observability:4318/v1/traces",
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25",
+            "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=team-a,shoal.inferenceservice=llm"}
+    headers = {"secretKeyRef": {"name": "otel-auth", "key": "headers"}}
+    assert {n: e.get("value") for n, e in otel(gateway).items() if "value" in e} == want
+    assert otel(gateway)["OTEL_EXPORTER_OTLP_TRACES_HEADERS"]["valueFrom"] == headers
+    # the engine: the same, except what the user's spec.env sets itself (given once, the user's value)
+    assert [e["value"] for e in engine["env"] if e["name"] == "OTEL_TRACES_SAMPLER_ARG"] == ["1.0"]
+    assert {n: e.get("value") for n, e in otel(engine).items() if "value" in e} == {
+        **want, "OTEL_TRACES_SAMPLER_ARG": "1.0"}
+    assert otel(engine)["OTEL_EXPORTER_OTLP_TRACES_HEADERS"]["valueFrom"] == headers
+    assert "--otlp-traces-endpoint" not in engine["args"]  # Shoal's engine turns tracing on from the env
+    version = kubernetes_validate.latest_version()
+    for obj in (k[("Deployment", "llm")], k[("Deployment", "llm-gateway")]):
+        kubernetes_validate.validate(obj, version, strict=True)
+    # off: no OTEL_* anywhere
+    k = kids()
+    assert not otel(k[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0])
+    assert not otel(k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0])
+
+
+def test_tracing_on_vllm_sets_its_flag_and_a_runtime_without_tracing_is_refused():
+    k = kids({"runtime": "vllm", "model": {"uri": "hf://org/m"}, "tracing": {"endpoint": "https://otel:4318"}})
+    engine = k[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0]
+    args = engine["args"] if "args" in engine else engine["command"]
+    assert args[args.index("--otlp-traces-endpoint") + 1] == "https://otel:4318/v1/traces"
+    assert otel(engine)["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"]["value"] == "http/protobuf"  # vLLM defaults to gRPC
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc({"runtime": "sglang", "model": {"uri": "hf://org/m"},
+                            "tracing": {"endpoint": "http://otel:4318"}}), SETTINGS)
+    assert e.value.field == "spec.tracing"
+
+
+@pytest.mark.parametrize("tracing, field", [
+    ({"endpoint": "otel:4318"}, "spec.tracing.endpoint"),
+    ({"endpoint": "http://otel:4318", "samplingRatio": 1.5}, "spec.tracing.samplingRatio"),
+    ({"samplingRatio": 0.5}, "spec.tracing.endpoint"),
+])
+def test_bad_tracing_names_the_field(tracing, field):
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc({"tracing": tracing}), SETTINGS)
+    assert e.value.field == field
