@@ -130,7 +130,7 @@ def test_cancel_stops_a_batch_and_keeps_what_finished(engine, tmp_path):
 
 
 def test_batches_and_files_belong_to_their_tenant(engine, tmp_path):
-    gw = start(engine, tmp_path, "--tenant-header", "x-tenant")
+    gw = start(engine, tmp_path, "--tenant-header", "x-tenant", "--trusted-proxies", "127.0.0.1/32")
     try:
         a, b = client(gw, "team-a"), client(gw, "team-b")
         file_id = upload(a, [chat_line("only")])
