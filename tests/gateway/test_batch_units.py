@@ -1,0 +1,192 @@
+"""The Batches store (operator/gateway/batch_store.py) on a temporary directory, and the runner's place below every
+interactive request (batch_runner.py), in-process against stand-in engines the tests release one by one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from shoal.operator.gateway.batch_store import BatchError, Store, parse_input, validate_create
+from shoal.operator.gateway.proxy import Gateway, GatewayConfig
+
+from .test_admission import Engine, started, until
+
+
+def line(custom_id: str, url: str = "/v1/completions", **body) -> bytes:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
+                       "body": {"model": "m", "prompt": custom_id, **body}}).encode()
+
+
+def add_file(store: Store, owner: str, data: bytes, purpose: str = "batch") -> str:
+    tmp = store.upload_path()
+    with open(tmp, "wb") as f:
+        f.write(data)
+    return store.add_file(tmp, owner, "in.jsonl", purpose)["id"]
+
+
+# ---- the store ----------------------------------------------------------------------------------------------
+def test_parse_input_keeps_order_and_skips_blank_lines():
+    lines = parse_input(line("a") + b"\n\n" + line("b") + b"\n", "/v1/completions")
+    assert [(x.index, x.custom_id, x.body["prompt"]) for x in lines] == [(0, "a", "a"), (1, "b", "b")]
+    with pytest.raises(BatchError, match="line 3: duplicate custom_id 'a'"):
+        parse_input(line("a") + b"\n\n" + line("a"), "/v1/completions")
+    with pytest.raises(BatchError, match="no request"):
+        parse_input(b"\n  \n", "/v1/completions")
+
+
+def test_create_parameters_are_checked_field_by_field():
+    ok = {"input_file_id": "file-1", "endpoint": "/v1/embeddings", "completion_window": "24h"}
+    assert validate_create(ok) == ("file-1", "/v1/embeddings", "24h", None)
+    for bad, param in (({"metadata": {"k": 1}}, "metadata"), ({"metadata": {str(i): "v" for i in range(17)}},
+                                                               "metadata"),
+                       ({"input_file_id": ""}, "input_file_id"), ({"endpoint": "/v1/moderations"}, "endpoint")):
+        with pytest.raises(BatchError) as e:
+            validate_create({**ok, **bad})
+        assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_files_and_batches_belong_to_their_owner(tmp_path):
+    store = Store(str(tmp_path))
+    file_id = add_file(store, "a", line("x") + b"\n")
+    assert store.get_file(file_id, "a")["bytes"] == len(line("x")) + 1
+    record, lines = store.create_batch("a", None, file_id, "/v1/completions", "24h", {"k": "v"})
+    batch_id = record["batch"]["id"]
+    assert [x.custom_id for x in lines] == ["x"] and record["batch"]["request_counts"]["total"] == 1
+    for call in (lambda: store.get_file(file_id, "b"), lambda: store.delete_file(file_id, "b"),
+                 lambda: store.get_batch(batch_id, "b"),
+                 lambda: store.create_batch("b", None, file_id, "/v1/completions", "24h", None),
+                 lambda: store.get_file("file-../../etc", "a"), lambda: store.get_batch("batch_x/../y", "a")):
+        with pytest.raises(BatchError) as e:
+            call()
+        assert e.value.status == 404
+    assert [r["batch"]["id"] for r in store.records("a")] == [batch_id] and list(store.records("b")) == []
+    # the batch keeps its own copy of the input: deleting the file does not take its requests away
+    store.delete_file(file_id, "a")
+    assert [x.custom_id for x in store.input_lines(store.get_batch(batch_id, "a"))] == ["x"]
+
+
+def test_finished_ids_come_from_the_result_files_and_a_torn_last_line_is_cut(tmp_path):
+    store = Store(str(tmp_path))
+    record, _ = store.create_batch("a", None, add_file(store, "a", b"\n".join(line(c) for c in "xyz")),
+                                   "/v1/completions", "24h", None)
+    batch_id = record["batch"]["id"]
+    store.append(batch_id, [("output.jsonl", b'{"custom_id":"x"}'), ("errors.jsonl", b'{"custom_id":"y"}')])
+    out = os.path.join(store.batch_dir(batch_id), "output.jsonl")
+    with open(out, "ab") as f:
+        f.write(b'{"custom_id":"z","resp')  # a crash in the middle of a write
+    assert store.finished(batch_id) == ({"x"}, {"y"})
+    with open(out, "rb") as f:
+        assert f.read() == b'{"custom_id":"x"}\n'  # z runs again, and its line is appended whole
+    # publishing is idempotent: a crash after it is finished again on resume with the same file
+    assert store.publish_result(record, "output.jsonl", "file-1output") == "file-1output"
+    assert store.publish_result(record, "output.jsonl", "file-1output") == "file-1output"
+    assert store.get_file("file-1output", "a")["purpose"] == "batch_output"
+    with open(store.file_content_path("file-1output", "a"), "rb") as f:
+        assert f.read() == b'{"custom_id":"x"}\n'
+    assert store.publish_result(record, "nothing.jsonl", "file-1nothing") is None
+
+
+def test_one_process_at_a_time_runs_a_batch(tmp_path):
+    store = Store(str(tmp_path))
+    record, _ = store.create_batch("a", None, add_file(store, "a", line("x")), "/v1/completions", "24h", None)
+    batch_id = record["batch"]["id"]
+    other = Store(str(tmp_path))  # another replica on the same volume
+    fd = store.lock(batch_id)
+    assert fd is not None and other.lock(batch_id) is None
+    os.close(fd)
+    fd = other.lock(batch_id)
+    assert fd is not None
+    os.close(fd)
+
+
+def test_a_batch_dir_that_cannot_be_used_is_a_flag_error(tmp_path):
+    from shoal.operator.gateway.cli import build_parser, config_from_args
+
+    (tmp_path / "file").write_text("")
+    args = build_parser().parse_args(["--endpoint", "http://127.0.0.1:1", "--batch-dir", str(tmp_path / "file/x")])
+    with pytest.raises(ValueError, match="--batch-dir: cannot keep batches in"):
+        config_from_args(args)
+    args = build_parser().parse_args(["--endpoint", "http://127.0.0.1:1", "--batch-dir", str(tmp_path / "ok")])
+    assert config_from_args(args).batch_dir == str(tmp_path / "ok") and (tmp_path / "ok" / "batches").is_dir()
+
+
+# ---- the runner below interactive requests ------------------------------------------------------------------
+async def create_batch(client, *ids: str) -> str:
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", b"\n".join(line(i, max_tokens=8) for i in ids), filename="in.jsonl")
+    r = await client.post("/v1/files", data=form)
+    assert r.status == 200, await r.text()
+    file_id = (await r.json())["id"]
+    r = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                               "completion_window": "24h"})
+    assert r.status == 200, await r.text()
+    return (await r.json())["id"]
+
+
+async def test_an_interactive_request_takes_the_next_free_slot_before_the_batch(tmp_path):
+    async with Engine("e") as engine:
+        gw = Gateway(GatewayConfig(max_inflight=1, max_queued=1, poll_interval=0.05, batch_dir=str(tmp_path),
+                                   batch_per_engine=1))
+        gw.backends.replace([engine.url])
+        client = await started(gw)
+        try:
+            batch_id = await create_batch(client, "b0", "b1", "b2")
+            await until(lambda: len(engine.seen) == 1)  # the batch took the idle engine
+            interactive = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "i0"}))
+            await until(lambda: len(gw.pools.pool.queue) == 1)
+            engine.release(0)
+            await until(lambda: len(engine.seen) == 2)
+            assert engine.seen[1]["body"]["prompt"] == "i0"  # not the batch's next request
+            await asyncio.sleep(0.2)  # an absence: the batch must not take a second slot beside it
+            assert len(engine.seen) == 2
+            engine.release(1)
+            assert (await interactive).status == 200
+            for i in (2, 3):
+                await until(lambda: len(engine.seen) == i + 1)
+                engine.release(i)
+            assert [s["body"]["prompt"] for s in engine.seen] == ["b0", "i0", "b1", "b2"]
+
+            async def status():
+                return await (await client.get(f"/v1/batches/{batch_id}")).json()
+            for _ in range(200):
+                if (b := await status())["status"] == "completed":
+                    break
+                await asyncio.sleep(0.02)
+            assert b["status"] == "completed" and b["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+        finally:
+            await client.close()
+            await gw.stop()
+
+
+class BusyEngine(Engine):
+    """An engine that reports requests waiting in its own queue (others' traffic) until told otherwise."""
+
+    waiting = 3
+
+    async def metrics(self, request):
+        return web.Response(text=f'shoal:num_requests_running{{model_name="m"}} 1\n'
+                                 f'shoal:num_requests_waiting{{model_name="m"}} {self.waiting}\n')
+
+
+async def test_without_gateway_slots_the_batch_waits_while_the_engine_queues(tmp_path):
+    async with BusyEngine("e", hold=False) as engine:
+        gw = Gateway(GatewayConfig(poll_interval=0.05, batch_dir=str(tmp_path)))
+        gw.backends.replace([engine.url])
+        client = await started(gw)
+        try:
+            await until(lambda: gw.backends.all()[0].fresh(time.monotonic()))  # its queue is known
+            await create_batch(client, "b0", "b1")
+            await asyncio.sleep(0.5)  # polled several times: the engine still queues, the batch stays out
+            assert engine.seen == []
+            engine.waiting = 0
+            await until(lambda: len(engine.seen) == 2)
+        finally:
+            await client.close()
+            await gw.stop()
