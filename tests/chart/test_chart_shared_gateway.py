@@ -128,3 +128,46 @@ def test_only_the_named_peers_reach_the_gateway_and_an_unsafe_opt_out_says_so():
     assert args.allow_unauthenticated and cli.config_from_args(args).tenant_keys is None
     for obj in unsafe:
         kube_validate(obj)
+
+
+def test_batches_get_a_kept_volume_every_replica_mounts_and_the_flags_parse():
+    cli = importlib.import_module("shoal.operator.gateway.cli")
+    values = {"sharedGateway": {**ONE_NAMESPACE["sharedGateway"],
+                                "batches": {"enabled": True, "storageClassName": "nfs", "size": "50Gi",
+                                            "maxInflightPerEngine": 3}}}
+    objects = gateway_objects(values)
+    for obj in objects:
+        kube_validate(obj)
+    report = helm.lint(str(CHART_DIR), values, strict=True, namespace=NAMESPACE)
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], pretty(report)
+    (pvc,) = by_kind(objects, "PersistentVolumeClaim")
+    assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "nfs",
+                           "resources": {"requests": {"storage": "50Gi"}}}
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # users' results outlive the release
+    (dep,) = by_kind(objects, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert {"name": "batches", "persistentVolumeClaim": {"claimName": pvc["metadata"]["name"]}} in pod["volumes"]
+    assert {"name": "batches", "mountPath": "/var/lib/shoal/batches"} in c["volumeMounts"]
+    assert pod["securityContext"]["fsGroup"] == 65532
+    args = cli.build_parser().parse_args(c["args"])
+    assert (args.batch_dir, args.batch_max_inflight_per_engine) == ("/var/lib/shoal/batches", 3)
+    # an existing claim is mounted as it is; no volume without batches
+    values["sharedGateway"]["batches"]["existingClaim"] = "mine"
+    objects = gateway_objects(values)
+    assert not by_kind(objects, "PersistentVolumeClaim")
+    (dep,) = by_kind(objects, "Deployment")
+    assert {"name": "batches", "persistentVolumeClaim": {"claimName": "mine"}} in dep["spec"]["template"]["spec"][
+        "volumes"]
+    (dep,) = by_kind(gateway_objects(ONE_NAMESPACE), "Deployment")
+    assert not any(a.startswith("--batch") for a in dep["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_a_volume_only_one_pod_can_mount_needs_one_replica():
+    values = {"sharedGateway": {**ONE_NAMESPACE["sharedGateway"],
+                                "batches": {"enabled": True, "accessMode": "ReadWriteOnce"}}}
+    with pytest.raises(helm.HelmError) as exc:
+        render(values)
+    assert "set sharedGateway.replicas: 1" in str(exc.value)
+    values["sharedGateway"]["replicas"] = 1
+    assert by_kind(gateway_objects(values), "PersistentVolumeClaim")[0]["spec"]["accessModes"] == ["ReadWriteOnce"]
