@@ -246,17 +246,21 @@ class BatchRunner:
     async def _one(self, run: Running, line: Line, pool, backend, ticket, queue: list[Line],
                    retry_at: dict[str, float]) -> None:
         run.inflight += 1
+        metrics = self.gateway.metrics
+        metrics.batch_running.inc()
         result = None
         try:
             result = await self._send(pool, backend, ticket, line)
         finally:
             run.inflight -= 1
+            metrics.batch_running.dec()
             self.by_engine[backend] -= 1
             if not self.by_engine[backend]:
                 del self.by_engine[backend]
             pool.release(backend, ticket)
             self.freed.set()
         if result is None:  # refused before running: again later
+            metrics.batch_requests.labels("requeued").inc()
             retry_at[line.custom_id] = time.monotonic() + RETRY_BACKOFF
             queue.append(line)
             return
@@ -297,6 +301,7 @@ class BatchRunner:
                   "error": None}
         await self._append(run, "output.jsonl" if ok else "errors.jsonl", result)
         run.batch["request_counts"]["completed" if ok else "failed"] += 1
+        self.gateway.metrics.batch_requests.labels("completed" if ok else "failed").inc()
         if time.monotonic() - run.saved >= SAVE_EVERY:
             await self._save(run)
 

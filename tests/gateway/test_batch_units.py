@@ -160,6 +160,8 @@ async def test_an_interactive_request_takes_the_next_free_slot_before_the_batch(
                     break
                 await asyncio.sleep(0.02)
             assert b["status"] == "completed" and b["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+            m = gw.metrics
+            assert m.batch_requests.labels("completed")._value.get() == 3 and m.batch_running._value.get() == 0
         finally:
             await client.close()
             await gw.stop()
