@@ -1,7 +1,7 @@
 """OpenAI's Files and Batches routes on the gateway (`--batch-dir`): upload a JSONL of requests, create a batch of
 them, follow its progress, cancel it, download its output and error files.
 
-  POST /v1/files (multipart: purpose=batch, file)   GET /v1/files/{id}   GET /v1/files/{id}/content
+  POST /v1/files (multipart: purpose=batch, file)   GET /v1/files   GET /v1/files/{id}   GET /v1/files/{id}/content
   DELETE /v1/files/{id}   POST /v1/batches   GET /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
 
 Every route authenticates as the proxied ones do (the gateway's key, or the shared gateway's tenant keys); a file
@@ -38,7 +38,8 @@ class BatchAPI:
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         for method, path, handler in (
-                ("POST", "/v1/files", self.upload), ("GET", "/v1/files/{file_id}", self.get_file),
+                ("POST", "/v1/files", self.upload), ("GET", "/v1/files", self.list_files),
+                ("GET", "/v1/files/{file_id}", self.get_file),
                 ("GET", "/v1/files/{file_id}/content", self.file_content),
                 ("DELETE", "/v1/files/{file_id}", self.delete_file),
                 ("POST", "/v1/batches", self.create), ("GET", "/v1/batches", self.list),
@@ -92,6 +93,15 @@ class BatchAPI:
                 if size > self.max_file_bytes:
                     raise BatchError(413, f"the file exceeds {self.max_file_bytes} bytes", "file_too_large", "file")
                 f.write(chunk)
+
+    async def list_files(self, request: web.Request, caller) -> web.Response:
+        """The caller's files, newest first (or `order=asc`), by `purpose` when given, `limit`/`after` pages."""
+        limit = _limit(request, default=10_000, most=10_000)
+        files = await asyncio.to_thread(self.store.list_files, caller.tenant)
+        if purpose := request.query.get("purpose"):
+            files = [f for f in files if f["purpose"] == purpose]
+        files.sort(key=lambda f: (f["created_at"], f["id"]), reverse=request.query.get("order", "desc") != "asc")
+        return web.json_response(_page(files, request.query.get("after"), limit))
 
     async def get_file(self, request: web.Request, caller) -> web.Response:
         return web.json_response(await asyncio.to_thread(self.store.get_file, request.match_info["file_id"],
@@ -149,19 +159,28 @@ class BatchAPI:
         return web.json_response(view)
 
     async def list(self, request: web.Request, caller) -> web.Response:
-        try:
-            limit = int(request.query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= LIST_LIMIT:
-            raise BatchError(400, f"`limit` must be a whole number from 1 to {LIST_LIMIT}", "invalid_value", "limit")
-        after = request.query.get("after")
+        limit = _limit(request, default=20, most=LIST_LIMIT)
         records = await asyncio.to_thread(lambda: list(self.store.records(caller.tenant)))
         views = sorted((self._view(r["batch"]["id"], r) for r in records),
                        key=lambda b: (b["created_at"], b["id"]), reverse=True)  # newest first, as OpenAI lists
-        if after:
-            ids = [b["id"] for b in views]
-            views = views[ids.index(after) + 1:] if after in ids else []
-        page = views[:limit]
-        return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                                  "last_id": page[-1]["id"] if page else None, "has_more": len(views) > limit})
+        return web.json_response(_page(views, request.query.get("after"), limit))
+
+
+def _limit(request: web.Request, default: int, most: int) -> int:
+    try:
+        limit = int(request.query.get("limit", str(default)))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= most:
+        raise BatchError(400, f"`limit` must be a whole number from 1 to {most}", "invalid_value", "limit")
+    return limit
+
+
+def _page(items: list[dict], after: str | None, limit: int) -> dict:
+    """OpenAI's cursor page: the items after the one with id `after`, at most `limit`."""
+    if after:
+        ids = [x["id"] for x in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}

@@ -205,6 +205,18 @@ class Store:
             raise self._no_file(file_id)
         return doc["file"]
 
+    def list_files(self, owner: str) -> list[dict]:
+        out = []
+        for name in os.listdir(self.files_dir):
+            if name.startswith("file-") and name.endswith(".json"):
+                try:
+                    doc = read_json(os.path.join(self.files_dir, name))
+                except (OSError, ValueError):  # deleted meanwhile
+                    continue
+                if doc.get("owner") == owner:
+                    out.append(doc["file"])
+        return out
+
     def file_content_path(self, file_id: str, owner: str) -> str:
         self.get_file(file_id, owner)
         return self._file_paths(file_id)[1]

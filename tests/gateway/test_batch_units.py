@@ -92,6 +92,16 @@ def test_finished_ids_come_from_the_result_files_and_a_torn_last_line_is_cut(tmp
     assert store.publish_result(record, "nothing.jsonl", "file-1nothing") is None
 
 
+def test_lists_page_with_openai_cursors():
+    from shoal.operator.gateway.batch_api import _page
+
+    items = [{"id": f"x{i}"} for i in range(5)]
+    assert _page(items, None, 2) == {"object": "list", "data": items[:2], "first_id": "x0", "last_id": "x1",
+                                     "has_more": True}
+    assert _page(items, "x1", 10)["data"] == items[2:] and not _page(items, "x1", 10)["has_more"]
+    assert _page(items, "gone", 10)["data"] == [] and _page([], None, 1)["first_id"] is None
+
+
 def test_one_process_at_a_time_runs_a_batch(tmp_path):
     store = Store(str(tmp_path))
     record, _ = store.create_batch("a", None, add_file(store, "a", line("x")), "/v1/completions", "24h", None)

@@ -77,6 +77,8 @@ def test_batch_runs_every_request_and_reports_results(engine, tmp_path):
         assert errors[0]["response"]["body"]["error"]["code"] == "model_not_found"
         assert c.files.retrieve(done.output_file_id).purpose == "batch_output"
         assert [b.id for b in c.batches.list()] == [batch.id]
+        assert {f.id for f in c.files.list()} == {input_id, done.output_file_id, done.error_file_id}
+        assert [f.id for f in c.files.list(purpose="batch")] == [input_id]
         # an input file may be deleted once the batch has it
         assert c.files.delete(input_id).deleted
         with pytest.raises(openai.NotFoundError):
@@ -142,7 +144,7 @@ def test_batches_and_files_belong_to_their_tenant(engine, tmp_path):
                                               completion_window="24h")):
             with pytest.raises(openai.NotFoundError):
                 call()
-        assert list(b.batches.list()) == []
+        assert list(b.batches.list()) == [] and list(b.files.list()) == []
         assert finished(a, batch.id).status == "completed"
         assert [x.id for x in a.batches.list()] == [batch.id]
     finally:
