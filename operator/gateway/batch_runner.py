@@ -178,8 +178,6 @@ class BatchRunner:
                                        ("errors.jsonl", "error_file_id", f"file-{suffix}errors")):
                 batch[key] = await asyncio.to_thread(self.store.publish_result, run.record, name, file_id)
             await self._transition(run, final)
-        elif batch["status"] == "expired" and batch["output_file_id"] is None:
-            await self._expire(run)
 
     async def _dispatch_all(self, run: Running, todo: list[Line]) -> None:
         batch = run.batch
@@ -187,7 +185,14 @@ class BatchRunner:
         retry_at: dict[str, float] = {}
         workers: set[asyncio.Task] = set()
         checked = 0.0
-        while queue or workers:
+        broken: list[BaseException] = []  # a result that could not be written: the batch cannot go on
+
+        def done(task: asyncio.Task) -> None:
+            workers.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                broken.append(task.exception())
+
+        while (queue or workers) and not broken:
             if batch["status"] == "in_progress" and time.monotonic() - checked >= POLL:
                 checked = time.monotonic()  # a cancel may come through another replica: look at the volume
                 if await asyncio.to_thread(self.store.cancel_asked, batch["id"]):
@@ -205,7 +210,7 @@ class BatchRunner:
                     if isinstance(admitted, Refusal) else self._one(run, line, *admitted, queue, retry_at)
                 task = self._spawn(work, f"batch-req-{line.custom_id}")
                 workers.add(task)
-                task.add_done_callback(workers.discard)
+                task.add_done_callback(done)
                 continue
             self.freed.clear()
             try:
@@ -214,6 +219,10 @@ class BatchRunner:
                 pass
             if queue and retry_at.get(queue[-1].custom_id, 0.0) > now and len(queue) > 1:
                 queue.insert(0, queue.pop())  # a request waiting out its backoff lets the next one go
+        if broken:
+            for w in workers:
+                w.cancel()  # their results could not be recorded either; they run again on a resume
+            raise broken[0]
 
     def _take_capacity(self, run: Running, line: Line):
         """(pool, backend, ticket) for the line when capacity is free for batch work now, else None; a Refusal
@@ -318,11 +327,11 @@ class BatchRunner:
             group, run.pending = run.pending, []
             try:
                 await asyncio.to_thread(self.store.append, run.batch["id"], [(n, line) for n, line, _ in group])
-            except BaseException as e:
+            except Exception as e:  # each waiting result fails with it (its request is not done)
                 for _, _, f in group:
                     if not f.done():
                         f.set_exception(e)
-                raise
+                continue
             for _, _, f in group:
                 if not f.done():
                     f.set_result(None)

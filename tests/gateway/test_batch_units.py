@@ -202,3 +202,53 @@ async def test_without_gateway_slots_the_batch_waits_while_the_engine_queues(tmp
         finally:
             await client.close()
             await gw.stop()
+
+
+async def batch_status(client, batch_id: str, until_status: str) -> dict:
+    for _ in range(500):
+        b = await (await client.get(f"/v1/batches/{batch_id}")).json()
+        if b["status"] == until_status:
+            return b
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"batch {batch_id} never reached {until_status}: {b}")
+
+
+async def test_a_batch_past_its_window_expires_with_an_error_line_per_request_left(tmp_path):
+    store = Store(str(tmp_path))
+    record, _ = store.create_batch("default", None, add_file(store, "default", line("x") + b"\n" + line("y")),
+                                   "/v1/completions", "24h", None)
+    record["batch"]["expires_at"] = record["batch"]["created_at"] - 1  # as if the gateway was down for a day
+    store.save(record)
+    async with Engine("e", hold=False) as engine:
+        gw = Gateway(GatewayConfig(poll_interval=0.05, batch_dir=str(tmp_path)))
+        gw.backends.replace([engine.url])
+        client = await started(gw)  # resumes the directory's batch
+        try:
+            b = await batch_status(client, record["batch"]["id"], "expired")
+            assert b["request_counts"] == {"total": 2, "completed": 0, "failed": 2} and b["output_file_id"] is None
+            errors = [json.loads(x) for x in (await (await client.get(
+                f"/v1/files/{b['error_file_id']}/content")).read()).splitlines()]
+            assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("x", "batch_expired"),
+                                                                               ("y", "batch_expired")]
+            assert engine.seen == []
+        finally:
+            await client.close()
+            await gw.stop()
+
+
+async def test_results_that_cannot_be_written_fail_the_batch_instead_of_completing_it(tmp_path):
+    async with Engine("e", hold=False) as engine:
+        gw = Gateway(GatewayConfig(poll_interval=0.05, batch_dir=str(tmp_path)))
+        gw.backends.replace([engine.url])
+        client = await started(gw)
+
+        def disk_full(batch_id, results):
+            raise OSError(28, "No space left on device")
+        gw.batches.store.append = disk_full
+        try:
+            b = await batch_status(client, await create_batch(client, "x", "y"), "failed")
+            assert "No space left on device" in b["errors"]["data"][0]["message"]
+            assert b["output_file_id"] is None and b["request_counts"]["completed"] == 0
+        finally:
+            await client.close()
+            await gw.stop()
