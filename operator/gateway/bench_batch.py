@@ -3,7 +3,8 @@
 Real processes: one engine (a small random Llama, or `--model`) behind `shoal-gateway --batch-dir` with
 `--max-inflight-per-engine --slots`. `--clients` closed-loop clients send streamed chats for `--seconds`, once with
 no batch and once while a batch of `--batch-requests` chats runs through the same gateway (submitted just before,
-cancelled just after), rounds alternating (`--rounds`) so a loaded machine hurts both sides alike. Printed per
+cancelled just after), rounds alternating (`--rounds`) so a loaded machine hurts both sides alike. With
+`--engine-priority` the engine schedules by priority and the gateway sends batch requests at the lowest. Printed per
 side: interactive TTFT p50/p95, interactive requests and output tokens per second, and the batch requests that
 finished meanwhile; then the ratios (the goal: TTFT within 10 % of no batch). The machine's load average is
 printed with them: on a shared machine the figures are noisy.
@@ -95,10 +96,12 @@ async def main_async(args) -> int:
     model_dir = args.model or _bench_model()
     batch_dir = tempfile.mkdtemp(prefix="shoal-bench-batch-")
     engine = Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model_dir, "--served-model-name",
-                    "tiny", "--kv-cache-memory", args.kv_cache_memory])
+                    "tiny", "--kv-cache-memory", args.kv_cache_memory,
+                    *(["--scheduling-policy", "priority"] if args.engine_priority else [])])
     gateway = Child([sys.executable, "-m", "shoal.operator.gateway", "--endpoint", engine.url, "--poll-interval",
                      "0.1", "--log-level", "warning", "--max-inflight-per-engine", str(args.slots),
-                     "--batch-dir", batch_dir, "--batch-max-inflight-per-engine", str(args.batch_per_engine)])
+                     "--batch-dir", batch_dir, "--batch-max-inflight-per-engine", str(args.batch_per_engine),
+                     *(["--engine-priority"] if args.engine_priority else [])])
     rng = random.Random(0)
     sides: dict[str, list[dict]] = {"no batch": [], "batch": []}
     try:
@@ -127,7 +130,8 @@ async def main_async(args) -> int:
     if args.json:
         print(json.dumps({**report, "loadavg": load}, indent=2))
         return 0
-    print(f"{args.clients} interactive clients, {args.slots} slots, batch of {args.batch_requests} "
+    print(f"{args.clients} interactive clients, {args.slots} slots, "
+          f"engine scheduling {'priority' if args.engine_priority else 'fcfs'}, batch of {args.batch_requests} "
           f"({args.batch_per_engine} per engine), {args.rounds} x {args.seconds:g} s per side; "
           f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} on {os.cpu_count()} CPUs")
     for side, r in report.items():
@@ -153,6 +157,9 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=15.0, help="per side and round")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--engine-priority", action="store_true",
+                   help="the engine runs --scheduling-policy priority and the gateway sends priorities "
+                        "(--engine-priority): interactive prefills go before the batch's")
     p.add_argument("--json", action="store_true")
     return asyncio.run(main_async(p.parse_args(argv)))
 

@@ -15,7 +15,9 @@ from aiohttp import web
 from shoal.operator.gateway.batch_store import BatchError, Store, parse_input, validate_create
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig
 
-from .test_admission import Engine, started, until
+from shoal.operator.gateway.tenants import EngineKeys, TenantKeys
+
+from .test_admission import Engine, isvc, shared, started, until
 
 
 def line(custom_id: str, url: str = "/v1/completions", **body) -> bytes:
@@ -127,15 +129,16 @@ def test_a_batch_dir_that_cannot_be_used_is_a_flag_error(tmp_path):
 
 
 # ---- the runner below interactive requests ------------------------------------------------------------------
-async def create_batch(client, *ids: str) -> str:
+async def create_batch(client, *ids: str, models: dict[str, str] | None = None, headers=None) -> str:
     form = aiohttp.FormData()
     form.add_field("purpose", "batch")
-    form.add_field("file", b"\n".join(line(i, max_tokens=8) for i in ids), filename="in.jsonl")
-    r = await client.post("/v1/files", data=form)
+    form.add_field("file", b"\n".join(line(i, max_tokens=8, model=(models or {}).get(i, "m")) for i in ids),
+                   filename="in.jsonl")
+    r = await client.post("/v1/files", data=form, headers=headers)
     assert r.status == 200, await r.text()
     file_id = (await r.json())["id"]
     r = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
-                                               "completion_window": "24h"})
+                                               "completion_window": "24h"}, headers=headers)
     assert r.status == 200, await r.text()
     return (await r.json())["id"]
 
@@ -204,9 +207,9 @@ async def test_without_gateway_slots_the_batch_waits_while_the_engine_queues(tmp
             await gw.stop()
 
 
-async def batch_status(client, batch_id: str, until_status: str) -> dict:
+async def batch_status(client, batch_id: str, until_status: str, headers=None) -> dict:
     for _ in range(500):
-        b = await (await client.get(f"/v1/batches/{batch_id}")).json()
+        b = await (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
         if b["status"] == until_status:
             return b
         await asyncio.sleep(0.02)
@@ -249,6 +252,38 @@ async def test_results_that_cannot_be_written_fail_the_batch_instead_of_completi
             b = await batch_status(client, await create_batch(client, "x", "y"), "failed")
             assert "No space left on device" in b["errors"]["data"][0]["message"]
             assert b["output_file_id"] is None and b["request_counts"]["completed"] == 0
+        finally:
+            await client.close()
+            await gw.stop()
+
+
+async def test_the_shared_gateway_routes_each_batch_request_by_model_with_the_engines_key(tmp_path):
+    (tmp_path / "tenants").mkdir()
+    (tmp_path / "tenants" / "team.a").write_text("sk-a\n")
+    (tmp_path / "tenants" / "team.b").write_text("sk-b\n")
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "team.chat").write_text("engine-secret\n")
+    a, b = {"Authorization": "Bearer sk-a"}, {"Authorization": "Bearer sk-b"}
+    async with Engine("chat", served="chat-7b", hold=False) as chat, Engine("code", served="coder", hold=False) \
+            as code:
+        config = GatewayConfig(tenant_keys=TenantKeys(str(tmp_path / "tenants")), batch_dir=str(tmp_path / "b"),
+                               engine_keys=EngineKeys(str(tmp_path / "engines")))
+        gw, client = await shared(config, [isvc("chat", "chat-7b", scheduling="priority"), isvc("code", "coder")],
+                                  {"chat": chat, "code": code})
+        try:
+            assert (await client.get("/v1/batches")).status == 401  # no key, no batches
+            batch_id = await create_batch(client, "x", "y", "z", headers=a,
+                                          models={"x": "chat-7b", "y": "coder", "z": "gpt-5"})
+            done = await batch_status(client, batch_id, "completed", headers=a)
+            assert done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+            assert [s["body"]["prompt"] for s in chat.seen] == ["x"] and [s["body"]["prompt"] for s in code.seen] \
+                == ["y"]
+            assert chat.seen[0]["auth"] == "Bearer engine-secret"  # the engines' key, never the tenant's
+            assert chat.seen[0]["body"]["priority"] > 2**50  # below every interactive request at the engine
+            errors = (await (await client.get(f"/v1/files/{done['error_file_id']}/content", headers=a)).read())
+            assert json.loads(errors)["response"]["body"]["error"]["code"] == "model_not_found"
+            assert (await client.get(f"/v1/batches/{batch_id}", headers=b)).status == 404  # another tenant's
+            assert (await (await client.get("/v1/batches", headers=b)).json())["data"] == []
         finally:
             await client.close()
             await gw.stop()
