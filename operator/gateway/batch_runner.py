@@ -60,7 +60,6 @@ class Running:
     lines: list[Line] = field(default_factory=list)
     pending: list[tuple[str, bytes, asyncio.Future]] = field(default_factory=list)  # results not yet fsynced
     flushing: asyncio.Task | None = None
-    inflight: int = 0
     saved: float = 0.0
 
     @property
@@ -254,14 +253,12 @@ class BatchRunner:
 
     async def _one(self, run: Running, line: Line, pool, backend, ticket, queue: list[Line],
                    retry_at: dict[str, float]) -> None:
-        run.inflight += 1
         metrics = self.gateway.metrics
         metrics.batch_running.inc()
         result = None
         try:
             result = await self._send(pool, backend, ticket, line)
         finally:
-            run.inflight -= 1
             metrics.batch_running.dec()
             self.by_engine[backend] -= 1
             if not self.by_engine[backend]:

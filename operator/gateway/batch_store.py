@@ -36,7 +36,6 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_LINES = 50_000  # OpenAI's limit of requests per batch
 TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
-FILE_PURPOSES = ("batch", "batch_output")
 
 
 class BatchError(Exception):
