@@ -10,7 +10,9 @@ Data plane only: it must import no torch and no transformers (its image is the s
   proxy.py      the aiohttp app: forwarding, SSE pass-through, retries, 503/429/413, hold queue; GatewayConfig
   options.py    how a GatewayConfig field is declared once as a flag and a spec.gateway field
   metric_names.py  each engine runtime's readiness path and load metric names (shoal:, vllm:, sglang:)
+  batch_store.py, batch_runner.py, batch_api.py  OpenAI Files and Batches (--batch-dir): durable state, runs at
+                the lowest priority, the routes
   metrics.py    shoal:gateway_* Prometheus metrics
   cli.py        the `shoal-gateway` command line
-  bench_fleet.py, bench_shared.py  benchmarks over local engine processes (python -m ...)
+  bench_fleet.py, bench_shared.py, bench_batch.py  benchmarks over local engine processes (python -m ...)
 """

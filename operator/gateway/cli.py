@@ -175,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     rel.add_argument("--circuit-failures", type=positive(int), default=h.circuit_failures)
     rel.add_argument("--circuit-cooldown", type=positive(float), default=h.circuit_cooldown)
     add_flags(GatewayConfig, {"routing": r, "reliability": rel})  # the options declared on GatewayConfig
+    b = p.add_argument_group("batches (OpenAI /v1/files and /v1/batches)")
+    b.add_argument("--batch-dir", metavar="DIR",
+                   help="serve OpenAI's Files and Batches API, keeping uploaded files, batches and their results in "
+                        "this directory (a volume: a restarted gateway resumes its batches, neither losing nor "
+                        "repeating a finished request; replicas sharing it run each batch once). Unset: not served")
+    b.add_argument("--batch-max-inflight-per-engine", type=positive(int), default=d.batch_per_engine, metavar="N",
+                   help="batch requests this gateway runs on one engine at once; they take only capacity no "
+                        "interactive request waits for (default %(default)s)")
     p.add_argument("--shutdown-timeout", type=non_negative, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -223,6 +231,13 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if args.max_buffered_bytes < args.max_body_bytes:
         raise ValueError(f"--max-buffered-bytes ({args.max_buffered_bytes}) must be at least --max-body-bytes "
                          f"({args.max_body_bytes}), or the largest body could never be admitted")
+    if args.batch_dir:
+        from shoal.operator.gateway.batch_store import Store
+
+        try:
+            Store(args.batch_dir)  # creates its folders and checks it can write there
+        except OSError as e:
+            raise ValueError(f"--batch-dir: cannot keep batches in {args.batch_dir}: {e.strerror}") from None
     bounds = {}
     for item in args.namespace_max_priority:
         namespace, _, value = item.partition("=")
@@ -250,6 +265,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tenant_keys=TenantKeys(args.tenant_keys) if args.tenant_keys else None,
         engine_keys=EngineKeys(args.engine_keys) if args.engine_keys else None,
         models_interval=args.models_interval, engine_priority=args.engine_priority,
+        batch_dir=args.batch_dir, batch_per_engine=args.batch_max_inflight_per_engine,
         quotas=QuotaPolicy(args.tenant_requests_per_minute, args.tenant_tokens_per_minute,
                            args.tenant_max_concurrent))
 

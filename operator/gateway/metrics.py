@@ -127,4 +127,10 @@ class GatewayMetrics:
         self.queue_wait = Histogram(P + "queue_wait_seconds", "Time from a request's arrival to its dispatch to "
                                     "an engine, by priority (0 for requests that found a free slot).", ["priority"],
                                     buckets=WAIT_BUCKETS, registry=r)
+        # OpenAI Batches (batch_runner.py): their requests, apart from the proxied ones above
+        self.batch_requests = Counter(P + "batch_requests", "Batch requests by outcome: completed (2xx, in the "
+                                      "output file), failed (another answer, in the error file), requeued (refused "
+                                      "by the engine before running: tried again).", ["outcome"], registry=r)
+        self.batch_running = Gauge(P + "batch_requests_running", "Batch requests this gateway has at engines.",
+                                   registry=r)
         r.register(_PoolCollector(gateway))

@@ -146,6 +146,10 @@ class GatewayConfig:
     # The highest spec.priority the shared gateway honours, per namespace (else max_priority; None: unbounded)
     max_priority: int | None = None
     namespace_max_priority: dict[str, int] = field(default_factory=dict)
+    # OpenAI Batches (batch_api.py): their files and state on this directory (None: the routes are not served);
+    # batch requests in flight per engine, taken only from capacity no interactive request wants
+    batch_dir: str | None = None
+    batch_per_engine: int = 2
 
 
 def parse_body(path: str, body: bytes) -> Any:
@@ -223,6 +227,11 @@ class Gateway:
         self.kube_api = kube_api
         self._key_read: tuple[float, str | None] = (-1e9, None)  # (when, the newest line of --api-key-file)
         self.tracer = GatewayTracer() if tracing_configured() else None  # tracing.py; None: no cost
+        self.batches = None
+        if config.batch_dir:
+            from shoal.operator.gateway.batch_api import BatchAPI
+
+            self.batches = BatchAPI(self, config.batch_dir, config.batch_per_engine)
         if shared:
             from shoal.operator.gateway.fleet import Fleet
 
@@ -342,6 +351,8 @@ class Gateway:
             skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
+        if self.batches is not None:  # resumes the directory's unfinished batches as engines appear
+            await self.batches.runner.start()
         if self.pools.shared:  # its pools open (and start polling) as the InferenceServices are listed
             await self.pools.start(self.session)
             return
@@ -352,6 +363,8 @@ class Gateway:
         self._start_polling(self.pools.pool, self.config.runtime)
 
     async def stop(self) -> None:
+        if self.batches is not None:  # batch requests in flight run again after a restart; finished ones never
+            await self.batches.runner.stop()
         if self.pools.shared:
             await self.pools.stop()
         for t in self.tasks:
@@ -753,6 +766,8 @@ def build_app(gateway: Gateway) -> web.Application:
         r.add_get("/v1/models", gateway.list_models)
         r.add_get("/v1/models/{model}", gateway.get_model)
         r.add_get("/version", gateway.version)
+    if gateway.batches is not None:  # before the proxied /v1/* routes
+        gateway.batches.add_routes(r)
     for path in ("/v1/{tail:.*}", "/tokenize", "/detokenize", "/version"):
         r.add_route("*", path, gateway.handle_proxy)
     r.add_get("/readyz", gateway.readyz)

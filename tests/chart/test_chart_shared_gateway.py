@@ -161,3 +161,44 @@ def test_tracing_values_become_the_otel_variables_the_gateway_and_its_sdk_read(m
     assert exporter.OTLPSpanExporter()._endpoint == "http://otel-collector.observability:4318/v1/traces"
     with pytest.raises(helm.HelmError):  # not a URL: the values schema refuses it
         render({"sharedGateway": {**SHARED["sharedGateway"], "tracing": {"endpoint": "otel:4318"}}})
+def test_batches_get_a_kept_volume_every_replica_mounts_and_the_flags_parse():
+    cli = importlib.import_module("shoal.operator.gateway.cli")
+    values = {"sharedGateway": {**ONE_NAMESPACE["sharedGateway"],
+                                "batches": {"enabled": True, "storageClassName": "nfs", "size": "50Gi",
+                                            "maxInflightPerEngine": 3}}}
+    objects = gateway_objects(values)
+    for obj in objects:
+        kube_validate(obj)
+    report = helm.lint(str(CHART_DIR), values, strict=True, namespace=NAMESPACE)
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], pretty(report)
+    (pvc,) = by_kind(objects, "PersistentVolumeClaim")
+    assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "nfs",
+                           "resources": {"requests": {"storage": "50Gi"}}}
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # users' results outlive the release
+    (dep,) = by_kind(objects, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert {"name": "batches", "persistentVolumeClaim": {"claimName": pvc["metadata"]["name"]}} in pod["volumes"]
+    assert {"name": "batches", "mountPath": "/var/lib/shoal/batches"} in c["volumeMounts"]
+    assert pod["securityContext"]["fsGroup"] == 65532
+    args = cli.build_parser().parse_args(c["args"])
+    assert (args.batch_dir, args.batch_max_inflight_per_engine) == ("/var/lib/shoal/batches", 3)
+    # an existing claim is mounted as it is; no volume without batches
+    values["sharedGateway"]["batches"]["existingClaim"] = "mine"
+    objects = gateway_objects(values)
+    assert not by_kind(objects, "PersistentVolumeClaim")
+    (dep,) = by_kind(objects, "Deployment")
+    assert {"name": "batches", "persistentVolumeClaim": {"claimName": "mine"}} in dep["spec"]["template"]["spec"][
+        "volumes"]
+    (dep,) = by_kind(gateway_objects(ONE_NAMESPACE), "Deployment")
+    assert not any(a.startswith("--batch") for a in dep["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_a_volume_only_one_pod_can_mount_needs_one_replica():
+    values = {"sharedGateway": {**ONE_NAMESPACE["sharedGateway"],
+                                "batches": {"enabled": True, "accessMode": "ReadWriteOnce"}}}
+    with pytest.raises(helm.HelmError) as exc:
+        render(values)
+    assert "set sharedGateway.replicas: 1" in str(exc.value)
+    values["sharedGateway"]["replicas"] = 1
+    assert by_kind(gateway_objects(values), "PersistentVolumeClaim")[0]["spec"]["accessModes"] == ["ReadWriteOnce"]
