@@ -84,6 +84,9 @@ ENGINE_BACKOFF_MAX = 60.0  # loadSource auto: an engine that keeps failing is sc
 STATUS_REFRESH = 15.0  # rewrite status.autoscaling at most this often when only the inputs moved
 WAKE_FRESH = 30.0  # seconds: a wake-up annotation seen for the first time counts only if this recent
 STOP_GRACE = 5.0  # seconds a loop may take to finish its tick once told to stop
+# From zero, a held request makes the gateway wake a parked engine itself; the autoscaler wakes one only if none
+# is awake this long after it saw the need (a gateway that could not), so one request wakes one engine, not two.
+GATEWAY_WAKE_HEAD_START = 3.0
 SLEEP_TIMEOUT = 30.0  # POST /sleep: frees the KV cache (and at level 2 the weights); seconds, not minutes
 CONDITION = "Autoscaling"
 
@@ -270,6 +273,7 @@ class State:
     urls: dict[str, str] = field(default_factory=dict)
     waking: dict[str, asyncio.Task] = field(default_factory=dict)
     marked: dict[str, str | None] = field(default_factory=dict)
+    zero_need_since: float | None = None  # when a decision first wanted replicas while none was awake
 
 
 @dataclass
@@ -624,6 +628,12 @@ class Autoscaler:
         target = decision.desired
         if sleeps(spec):  # the decision counts awake replicas: park or wake engines, keep their pods
             parking = park(obs, decision.desired)
+            if obs.current == 0 and parking.wake:  # the gateway's to do first (GATEWAY_WAKE_HEAD_START)
+                state.zero_need_since = state.zero_need_since or obs.now
+                if obs.now - state.zero_need_since < GATEWAY_WAKE_HEAD_START:
+                    parking = Parking(pods=parking.pods)
+            else:
+                state.zero_need_since = None
             await self.act_on_sleep(isvc, spec, parking, state)
             target = parking.pods
         if target != obs.pods:
