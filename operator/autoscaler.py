@@ -65,8 +65,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.operator.gateway import metric_names
 from shoal.operator import api, contract, render
-from shoal.operator.contract import (A_SLEEPING, A_WAKE, GATEWAY_ENGINE_GAUGES, GATEWAY_HELD_REQUESTS, GATEWAY_INFLIGHT_REQUESTS,
-                                     L_SERVICE_NAME)
+from shoal.operator.contract import (A_SLEEPING, A_WAKE, GATEWAY_ENGINE_GAUGES, GATEWAY_HELD_REQUESTS,
+                                     GATEWAY_INFLIGHT_REQUESTS, L_SERVICE_NAME)
 from shoal.operator.autoscaling import (Decision, History, Observation, Parking, Policy, ReplicaLoad, decide, park,
                                         pick_victims)
 from shoal.operator.k8s.client import KubeAPI
@@ -121,7 +121,8 @@ M_SCRAPES = Counter("shoal:autoscaler_scrapes", "/metrics scrapes of engines and
                     registry=REGISTRY)
 M_LEADING = Gauge("shoal:autoscaler_leading", "1 on the operator replica whose autoscaler acts, else 0.",
                   registry=REGISTRY)
-PER_SERVICE = (M_DESIRED, M_CURRENT, M_SLEEPING, M_READY, M_STARTING, M_NEEDED, M_IN_FLIGHT, M_HELD, M_KV, M_PREFILL, M_UNKNOWN)
+PER_SERVICE = (M_DESIRED, M_CURRENT, M_SLEEPING, M_READY, M_STARTING, M_NEEDED, M_IN_FLIGHT, M_HELD, M_KV, M_PREFILL,
+               M_UNKNOWN)
 
 
 def _now() -> str:
@@ -669,7 +670,8 @@ class Autoscaler:
                 logger.info("%s/%s: waking %s", ns, name, pod)
 
     async def _post(self, url: str, path: str, timeout: float, what: str) -> bool:
-        """An engine admin call: True when it did it (or it was already so: 400 already_sleeping/not_sleeping)."""
+        """An engine admin call: True when it answered 200. Anything else (409 requests in flight, 400 already so,
+        unreachable) is logged and decided again on the next tick, from what /is_sleeping says then."""
         try:
             async with self.session.post(url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 if r.status == 200:
@@ -677,7 +679,7 @@ class Autoscaler:
                 text = (await r.text())[:300]
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             text = repr(e)
-        logger.info("%s: POST %s not done (%s); decided again on the next tick", what, path, text)
+        logger.info("%s: POST %s not done (%s)", what, path, text)
         return False
 
     async def scale(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, obs: Observation,

@@ -74,8 +74,8 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # The engines' administration (vLLM's and Shoal's): the operator's adapter-sync sidecar calls them on localhost;
 # no gateway forwards them from clients.
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_lora_adapter",
-                         "/unload_lora_adapter", "/v1/lora_adapters", "/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping",
-                         "/collective_rpc", "/start_profile", "/stop_profile", "/scale_elastic_ep",
+                         "/unload_lora_adapter", "/v1/lora_adapters", "/reset_prefix_cache", "/sleep", "/wake_up",
+                         "/is_sleeping", "/collective_rpc", "/start_profile", "/stop_profile", "/scale_elastic_ep",
                          "/update_weights", "/pause", "/resume"})
 # The shared gateway proxies only these (each names its model); engine administration (loading adapters, ...)
 # is never reachable through the platform's entry point.
