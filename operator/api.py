@@ -318,6 +318,17 @@ class Autoscaling(_Model):
         description="shoal: the operator sets the replica count; external: it only observes and exports its "
                     "inputs and recommendation as shoal:autoscaler_* metrics, and spec.replicas (the scale "
                     "subresource) is left to an HPA or KEDA ScaledObject")
+    # What "zero" means (docs/autoscaling.md, "Scale to zero by sleeping").
+    scale_to_zero: Literal["delete", "sleep"] = Field(
+        default="delete",
+        description="with minReplicas 0, what happens to idle replicas at zero: delete (the pods go; a request "
+                    "starts a new pod, which loads the model) or sleep (the pods stay, their engines asleep "
+                    "through POST /sleep, so waking one costs seconds, not a pod start; needs "
+                    "engine.enableSleepMode)")
+    sleep_level: Literal[1, 2] = Field(
+        default=1,
+        description="with scaleToZero sleep: 1 frees the KV cache and keeps the weights in host memory (fastest "
+                    "wake-up), 2 frees the weights too (they are read again from the model files on wake-up)")
 
 
 class Adapter(_Model):
@@ -570,6 +581,9 @@ class AutoscalingStatus(_Model):
     last_decision_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
     last_scale_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
     inputs: AutoscalingInputs | None = None
+    sleeping_replicas: int | None = Field(default=None, ge=0,
+                                          description="with scaleToZero sleep: replicas whose engine is asleep "
+                                                      "(pods kept, not Ready; the gateway wakes one on a request)")
 
 
 class AdapterError(_Model):
@@ -701,6 +715,41 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
         check=lambda s: s.autoscaling is None or s.autoscaling.min_replicas > 0 or s.gateway.enabled,
     ),
     CrossFieldRule(
+        cel="!has(self.autoscaling) || !has(self.autoscaling.scaleToZero) || self.autoscaling.scaleToZero != "
+            "'sleep' || (has(self.engine) && has(self.engine.enableSleepMode) && self.engine.enableSleepMode)",
+        message="autoscaling.scaleToZero sleep needs engine.enableSleepMode: true (the engines must offer "
+                "POST /sleep and /wake_up to be parked asleep instead of deleted)",
+        field_path=".autoscaling.scaleToZero",
+        check=lambda s: s.autoscaling is None or s.autoscaling.scale_to_zero != "sleep" or s.engine.enable_sleep_mode,
+    ),
+    CrossFieldRule(
+        cel="!has(self.autoscaling) || !has(self.autoscaling.scaleToZero) || self.autoscaling.scaleToZero != "
+            "'sleep' || (has(self.autoscaling.minReplicas) && self.autoscaling.minReplicas == 0)",
+        message="autoscaling.scaleToZero sleep applies when the fleet scales to zero: set minReplicas: 0",
+        field_path=".autoscaling.scaleToZero",
+        check=lambda s: s.autoscaling is None or s.autoscaling.scale_to_zero != "sleep"
+        or s.autoscaling.min_replicas == 0,
+    ),
+    CrossFieldRule(
+        cel="!has(self.autoscaling) || !has(self.autoscaling.scaleToZero) || self.autoscaling.scaleToZero != "
+            "'sleep' || !has(self.autoscaling.loadSource) || self.autoscaling.loadSource != 'gateways'",
+        message="autoscaling.scaleToZero sleep needs the operator to reach the engines (it puts them to sleep and "
+                "reads /is_sleeping): loadSource gateways says it cannot; use auto or engines",
+        field_path=".autoscaling.scaleToZero",
+        check=lambda s: s.autoscaling is None or s.autoscaling.scale_to_zero != "sleep"
+        or s.autoscaling.load_source != "gateways",
+    ),
+    CrossFieldRule(
+        cel="!has(self.autoscaling) || !has(self.autoscaling.scaleToZero) || self.autoscaling.scaleToZero != "
+            "'sleep' || !has(self.security) || !has(self.security.apiKeySecretRef)",
+        message="autoscaling.scaleToZero sleep cannot be used with security.apiKeySecretRef yet: the operator "
+                "puts engines to sleep through their admin routes and holds no engine key; use scaleToZero "
+                "delete, or rely on the gateway's client keys and the engines' NetworkPolicy",
+        field_path=".autoscaling.scaleToZero",
+        check=lambda s: s.autoscaling is None or s.autoscaling.scale_to_zero != "sleep"
+        or s.security.api_key_secret_ref is None,
+    ),
+    CrossFieldRule(
         cel="!has(self.autoscaling) || !has(self.autoscaling.loadSource) || "
             "self.autoscaling.loadSource != 'gateways' || !has(self.gateway) || !has(self.gateway.enabled) || "
             "self.gateway.enabled",
@@ -806,7 +855,27 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
     if spec.model.uri.startswith("pvc://") and not spec.model.uri[len("pvc://"):].split("/", 1)[0]:
         errors.append(SpecError("spec.model.uri", "pvc:// needs a claim name: pvc://claim/path"))
     errors += _adapter_errors(name, spec, pods)
+    errors += _sleep_errors(spec, pods)
     return errors
+
+
+def _sleep_errors(spec: InferenceServiceSpec, pods: int) -> list[SpecError]:
+    """scaleToZero sleep needs a runtime whose sleep mode the fleet can drive (readiness fails while asleep, so
+    the gateway routes nothing there, and /is_sleeping says so), and single-pod replicas (the autoscaler parks
+    and wakes a replica through its one engine endpoint)."""
+    a = spec.autoscaling
+    if a is None or a.scale_to_zero != "sleep":
+        return []
+    rt = runtimes.of(spec)
+    if not rt.sleep_parking:
+        return [SpecError("spec.autoscaling.scaleToZero",
+                          f"runtime {rt.name} has no sleep mode the fleet can park replicas in (its readiness does "
+                          "not fail while asleep, so requests would reach a sleeping engine); use runtime shoal or "
+                          "scaleToZero delete")]
+    if pods > 1:
+        return [SpecError("spec.autoscaling.scaleToZero",
+                          f"replicas of {pods} pods cannot be parked asleep yet; use scaleToZero delete")]
+    return []
 
 
 def _adapter_errors(name: str, spec: InferenceServiceSpec, pods: int) -> list[SpecError]:

@@ -65,9 +65,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.operator.gateway import metric_names
 from shoal.operator import api, contract, render
-from shoal.operator.contract import (A_WAKE, GATEWAY_ENGINE_GAUGES, GATEWAY_HELD_REQUESTS, GATEWAY_INFLIGHT_REQUESTS,
-                                     L_SERVICE_NAME)
-from shoal.operator.autoscaling import Decision, History, Observation, Policy, ReplicaLoad, decide, pick_victims
+from shoal.operator.contract import (A_SLEEPING, A_WAKE, GATEWAY_ENGINE_GAUGES, GATEWAY_HELD_REQUESTS,
+                                     GATEWAY_INFLIGHT_REQUESTS, L_SERVICE_NAME)
+from shoal.operator.autoscaling import (Decision, History, Observation, Parking, Policy, ReplicaLoad, decide, park,
+                                        pick_victims)
 from shoal.operator.k8s.client import KubeAPI
 from shoal.operator.k8s.informer import Informers
 from shoal.operator.kube import ApiError, Kube
@@ -83,6 +84,10 @@ ENGINE_BACKOFF_MAX = 60.0  # loadSource auto: an engine that keeps failing is sc
 STATUS_REFRESH = 15.0  # rewrite status.autoscaling at most this often when only the inputs moved
 WAKE_FRESH = 30.0  # seconds: a wake-up annotation seen for the first time counts only if this recent
 STOP_GRACE = 5.0  # seconds a loop may take to finish its tick once told to stop
+# From zero, a held request makes the gateway wake a parked engine itself; the autoscaler wakes one only if none
+# is awake this long after it saw the need (a gateway that could not), so one request wakes one engine, not two.
+GATEWAY_WAKE_HEAD_START = 3.0
+SLEEP_TIMEOUT = 30.0  # POST /sleep: frees the KV cache (and at level 2 the weights); seconds, not minutes
 CONDITION = "Autoscaling"
 
 REGISTRY = CollectorRegistry(auto_describe=False)
@@ -103,6 +108,8 @@ M_HELD = Gauge("shoal:autoscaler_held_requests", "Requests the gateways hold whi
 M_KV = Gauge("shoal:autoscaler_kv_cache_usage", "KV-cache usage summed over serving engines.", _L, registry=REGISTRY)
 M_PREFILL = Gauge("shoal:autoscaler_waiting_prefill_tokens", "Prompt tokens waiting for prefill on the engines.", _L,
                   registry=REGISTRY)
+M_SLEEPING = Gauge("shoal:autoscaler_sleeping_replicas", "Replicas parked asleep (scaleToZero sleep): pods kept, "
+                   "engines asleep.", _L, registry=REGISTRY)
 M_UNKNOWN = Gauge("shoal:autoscaler_unknown_load_endpoints", "Ready engines and gateways whose load nobody could "
                   "report at the last decision.", _L, registry=REGISTRY)
 M_SCALINGS = Counter("shoal:autoscaler_scalings", "Changes of the replica count made by the autoscaler, by reason.",
@@ -114,7 +121,8 @@ M_SCRAPES = Counter("shoal:autoscaler_scrapes", "/metrics scrapes of engines and
                     registry=REGISTRY)
 M_LEADING = Gauge("shoal:autoscaler_leading", "1 on the operator replica whose autoscaler acts, else 0.",
                   registry=REGISTRY)
-PER_SERVICE = (M_DESIRED, M_CURRENT, M_READY, M_STARTING, M_NEEDED, M_IN_FLIGHT, M_HELD, M_KV, M_PREFILL, M_UNKNOWN)
+PER_SERVICE = (M_DESIRED, M_CURRENT, M_SLEEPING, M_READY, M_STARTING, M_NEEDED, M_IN_FLIGHT, M_HELD, M_KV, M_PREFILL,
+               M_UNKNOWN)
 
 
 def _now() -> str:
@@ -141,6 +149,11 @@ def engine_service(name: str, spec: api.InferenceServiceSpec) -> str:
 def gateway_service(name: str, spec: api.InferenceServiceSpec) -> str | None:
     """The Service in front of the gateway pods, whose metrics report held requests (None: no gateway)."""
     return name if spec.gateway.enabled else None
+
+
+def sleeps(spec: api.InferenceServiceSpec) -> bool:
+    """scaleToZero sleep: the autoscaler parks idle replicas asleep instead of deleting them."""
+    return spec.autoscaling is not None and spec.autoscaling.scale_to_zero == "sleep"
 
 
 def policy_of(spec: api.InferenceServiceSpec) -> Policy:
@@ -210,6 +223,7 @@ class Endpoint:
     url: str
     pod: str | None
     ready: bool
+    terminating: bool = False
 
 
 def endpoints(slices: list[dict[str, Any]], port_name: str | None = None) -> list[Endpoint]:
@@ -227,8 +241,9 @@ def endpoints(slices: list[dict[str, Any]], port_name: str | None = None) -> lis
                 continue
             host = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
             ref = ep.get("targetRef") or {}
-            ready = (ep.get("conditions") or {}).get("ready") is not False
-            found.append(Endpoint(f"http://{host}:{ports[0]['port']}", ref.get("name"), ready))
+            conditions = ep.get("conditions") or {}
+            found.append(Endpoint(f"http://{host}:{ports[0]['port']}", ref.get("name"),
+                                  conditions.get("ready") is not False, conditions.get("terminating") is True))
     return found
 
 
@@ -254,6 +269,12 @@ class State:
     last_status: tuple | None = None
     last_status_time: float = 0.0
     last_scale_time: str | None = None
+    # scaleToZero sleep: the engines' URLs by pod (last observation), wake-ups under way, and the sleep level each
+    # pod's A_SLEEPING annotation was last set to (None: removed), so it is patched only when it changes
+    urls: dict[str, str] = field(default_factory=dict)
+    waking: dict[str, asyncio.Task] = field(default_factory=dict)
+    marked: dict[str, str | None] = field(default_factory=dict)
+    zero_need_since: float | None = None  # when a decision first wanted replicas while none was awake
 
 
 @dataclass
@@ -440,6 +461,9 @@ class Autoscaler:
                     for w in waits:
                         w.cancel()
         finally:
+            for task in state.waking.values():  # a new leader reads what woke from /is_sleeping
+                task.cancel()
+            state.waking.clear()
             logger.info("autoscaling of %s/%s stopped", *key)
             for gauge in PER_SERVICE:
                 try:
@@ -507,7 +531,8 @@ class Autoscaler:
     def _endpoints(self, namespace: str, service: str, port_name: str | None = None) -> list[Endpoint]:
         return endpoints(self.slices.by_index((namespace, service), namespace), port_name) if self.slices else []
 
-    async def observe(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, woken: bool) -> Observation:
+    async def observe(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, woken: bool,
+                      state: State | None = None) -> Observation:
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
         source = spec.autoscaling.load_source
         engines = self._endpoints(ns, engine_service(name, spec))
@@ -534,10 +559,53 @@ class Autoscaler:
                 pod=ep.pod or ep.url, ready=ep.ready, running=int(load["running"]), waiting=int(load["waiting"]),
                 kv_cache_usage=load["kv_usage"], waiting_prefill_tokens=int(load["waiting_prefill_tokens"])))
         unknown += sum(1 for g, t in zip(gateways, gateway_texts) if t is None and g.ready)  # held: unknown
-        current = api.running_replicas(spec, isvc.get("status"))
-        ready = min(sum(1 for e in engines if e.ready), current)
+        pods = api.running_replicas(spec, isvc.get("status"))
+        asleep: tuple[str, ...] = ()
+        if state is not None and sleeps(spec):
+            asleep = await self._observe_sleep(ns, engines, state)
+            asleep = asleep[:pods]  # a rollout's surplus pods are not parked replicas
+        current = pods - len(asleep)  # the awake replicas: what the decision scales
+        ready = min(sum(1 for e in engines if e.ready and (e.pod or e.url) not in asleep), current)
         return Observation(now=time.monotonic(), current=current, ready=ready, replicas=tuple(replicas),
-                           held=int(sum(v.held for v in views)), wake=woken and ready == 0, unanswered=unknown)
+                           held=int(sum(v.held for v in views)), wake=woken and ready == 0, unanswered=unknown,
+                           asleep=asleep)
+
+    async def _is_sleeping(self, url: str) -> int | None:
+        """An engine's sleep level from its /is_sleeping (0: awake); None when it did not say (loading, gone)."""
+        if self._scrape_slots is None:
+            self._scrape_slots = asyncio.Semaphore(self.max_concurrent_scrapes)
+        async with self._scrape_slots:
+            try:
+                async with self.session.get(url + "/is_sleeping",
+                                            timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)) as r:
+                    body = await r.json() if r.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
+                body = None
+        if not isinstance(body, dict):
+            return None
+        return int(body.get("level") or 1) if body.get("is_sleeping") else 0
+
+    async def _observe_sleep(self, namespace: str, engines: list[Endpoint], state: State) -> tuple[str, ...]:
+        """The pods whose engine is asleep, read from every engine's /is_sleeping on each decision (never kept
+        only in memory: an operator restart, a new leader, a wake-up by the gateway all read the truth), and
+        mirrored on the pods as the A_SLEEPING annotation, which the reconciler's status reads."""
+        live = [e for e in engines if not e.terminating and e.pod]
+        levels = await asyncio.gather(*(self._is_sleeping(e.url) for e in live))
+        state.urls = {e.pod: e.url for e in live}
+        for e, level in zip(live, levels):
+            if level is None:
+                continue
+            want = str(level) if level else None
+            if state.marked.get(e.pod, "unknown") != want:
+                try:
+                    await self.kube.merge_patch("Pod", namespace, e.pod,
+                                                {"metadata": {"annotations": {A_SLEEPING: want}}})
+                    state.marked[e.pod] = want
+                except ApiError as err:
+                    if err.status != 404:
+                        logger.warning("%s/%s: could not mark it %s: %s", namespace, e.pod,
+                                       "asleep" if want else "awake", err)
+        return tuple(sorted(e.pod for e, level in zip(live, levels) if level))
 
     # ---- decide and act --------------------------------------------------------------------------------------
     async def tick(self, isvc: dict[str, Any], state: State, woken: bool = False) -> Decision:
@@ -546,33 +614,85 @@ class Autoscaler:
         ns, name = meta["namespace"], meta["name"]
         spec = self.spec_of(isvc)
         policy = policy_of(spec)
-        obs = await self.observe(isvc, spec, woken)
+        obs = await self.observe(isvc, spec, woken, state)
         decision = decide(obs, policy, state.history)
         logger.debug("%s/%s: %s -> %s", ns, name, obs, decision)
         M_DECISION_SECONDS.labels(ns, name).observe(time.perf_counter() - started)
         for gauge, value in ((M_DESIRED, decision.desired), (M_CURRENT, obs.current), (M_READY, obs.ready),
                              (M_STARTING, obs.starting), (M_NEEDED, decision.needed), (M_IN_FLIGHT, obs.in_flight),
                              (M_HELD, obs.held), (M_KV, obs.kv_sum), (M_PREFILL, obs.waiting_prefill_tokens),
-                             (M_UNKNOWN, obs.unanswered)):
+                             (M_UNKNOWN, obs.unanswered), (M_SLEEPING, len(obs.asleep))):
             gauge.labels(ns, name).set(value)
         if spec.autoscaling.autoscaler_class == "external":  # an HPA or KEDA acts on the metrics above
             await self._forget(isvc)
             return decision
-        if decision.desired != obs.current:
-            isvc = await self.scale(isvc, spec, obs, decision, state) or isvc
-        await self.report(isvc, obs, decision, state)
+        target = decision.desired
+        if sleeps(spec):  # the decision counts awake replicas: park or wake engines, keep their pods
+            parking = park(obs, decision.desired)
+            if obs.current == 0 and parking.wake:  # the gateway's to do first (GATEWAY_WAKE_HEAD_START)
+                state.zero_need_since = state.zero_need_since or obs.now
+                if obs.now - state.zero_need_since < GATEWAY_WAKE_HEAD_START:
+                    parking = Parking(pods=parking.pods)
+            else:
+                state.zero_need_since = None
+            await self.act_on_sleep(isvc, spec, parking, state)
+            target = parking.pods
+        if target != obs.pods:
+            isvc = await self.scale(isvc, spec, obs, decision, state, target) or isvc
+        await self.report(isvc, obs, decision, state, target)
         return decision
 
-    async def scale(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, obs: Observation,
-                    decision: Decision, state: State) -> dict[str, Any] | None:
-        """Write the new count; -> the updated InferenceService, or None when the count it was decided on is no
-        longer current (another operator replica scaled meanwhile: decide again on the next tick)."""
+    async def act_on_sleep(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, parking: Parking,
+                           state: State) -> None:
+        """POST /sleep to the idle engines to park (awaited: seconds), POST /wake_up to the parked ones to wake (in
+        the background: level 2 reads the weights again; the next decisions see them awake through /is_sleeping
+        and count them as starting until Ready)."""
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
-        if decision.desired < obs.current and spec.pods_per_replica(self.max_gpus_per_node) == 1:
-            await self._mark_victims(ns, list(obs.replicas), obs.current - decision.desired)
+        level = spec.autoscaling.sleep_level
+        parked = []
+        for pod in parking.sleep:
+            url = state.urls.get(pod)
+            if url and await self._post(url, f"/sleep?level={level}", SLEEP_TIMEOUT, f"{ns}/{pod}"):
+                parked.append(pod)
+        if parked:
+            await self.kube.event(isvc, "Normal", "ParkedAsleep",
+                                  f"idle: engine(s) of {', '.join(parked)} put to sleep at level {level} "
+                                  "(pods kept; the gateway wakes one on the next request)")
+            logger.info("%s/%s: parked asleep (level %d): %s", ns, name, level, ", ".join(parked))
+        for pod in parking.wake:
+            url = state.urls.get(pod)
+            task = state.waking.get(pod)
+            if url and (task is None or task.done()):
+                state.waking[pod] = asyncio.create_task(
+                    self._post(url, "/wake_up", float(spec.probes.startup_timeout_seconds), f"{ns}/{pod}"),
+                    name=f"wake {ns}/{pod}")
+                await self.kube.event(isvc, "Normal", "WakingUp", f"waking the engine of {pod} for the load")
+                logger.info("%s/%s: waking %s", ns, name, pod)
+
+    async def _post(self, url: str, path: str, timeout: float, what: str) -> bool:
+        """An engine admin call: True when it answered 200. Anything else (409 requests in flight, 400 already so,
+        unreachable) is logged and decided again on the next tick, from what /is_sleeping says then."""
+        try:
+            async with self.session.post(url + path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                if r.status == 200:
+                    return True
+                text = (await r.text())[:300]
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            text = repr(e)
+        logger.info("%s: POST %s not done (%s)", what, path, text)
+        return False
+
+    async def scale(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, obs: Observation,
+                    decision: Decision, state: State, target: int) -> dict[str, Any] | None:
+        """Write the new pod count `target`; -> the updated InferenceService, or None when the count it was decided
+        on is no longer current (another operator replica scaled meanwhile: decide again on the next tick)."""
+        ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
+        current = obs.pods
+        if target < current and spec.pods_per_replica(self.max_gpus_per_node) == 1:
+            await self._mark_victims(ns, list(obs.replicas), current - target, obs.asleep)
         scale_time = _now()
         # The count lives in the status (the reconciler follows it), never in spec.replicas, the manifest's field.
-        patch = {"status": {"autoscaling": {"desiredReplicas": decision.desired, "lastScaleTime": scale_time}}}
+        patch = {"status": {"autoscaling": {"desiredReplicas": target, "lastScaleTime": scale_time}}}
         updated = None
         for attempt in range(2):
             # resourceVersion: only on the view the decision was made on
@@ -584,24 +704,26 @@ class Autoscaler:
                 if e.status != 409 or attempt:
                     raise
             isvc = await self.kube.get(api.KIND, ns, name)  # newer than the cache: did the count move?
-            if api.running_replicas(spec, isvc.get("status")) != obs.current:
+            if api.running_replicas(spec, isvc.get("status")) != current:
                 logger.info("%s/%s: replicas changed under this decision (%d -> %d); deciding again", ns, name,
-                            obs.current, decision.desired)
+                            current, target)
                 return None
         if updated is None:
             return None
         state.last_scale_time = scale_time
         M_SCALINGS.labels(ns, name, decision.reason).inc()
-        verb = "ScaledUp" if decision.desired > obs.current else "ScaledDown"
-        await self.kube.event(updated, "Normal", verb, f"replicas {obs.current} -> {decision.desired} ({decision.reason}): "
-                                         f"{decision.message}")
-        logger.info("%s/%s: replicas %d -> %d (%s): %s", ns, name, obs.current, decision.desired, decision.reason,
+        verb = "ScaledUp" if target > current else "ScaledDown"
+        await self.kube.event(updated, "Normal", verb, f"replicas {current} -> {target} ({decision.reason}): "
+                                                       f"{decision.message}")
+        logger.info("%s/%s: replicas %d -> %d (%s): %s", ns, name, current, target, decision.reason,
                     decision.message)
         return updated
 
-    async def _mark_victims(self, namespace: str, replicas: list[ReplicaLoad], count: int) -> None:
-        """Pod deletion costs from the in-flight counts: the ReplicaSet removes the cheapest pods first."""
-        order = pick_victims(replicas, len(replicas))
+    async def _mark_victims(self, namespace: str, replicas: list[ReplicaLoad], count: int,
+                            keep: tuple[str, ...] = ()) -> None:
+        """Pod deletion costs from the in-flight counts: the ReplicaSet removes the cheapest pods first (parked
+        ones, `keep`, last)."""
+        order = pick_victims(replicas, len(replicas), keep)
         victims = set(order[:count])
         for rank, pod in enumerate(order):
             cost = -1000 + rank if pod in victims else rank
@@ -612,11 +734,13 @@ class Autoscaler:
                 if e.status != 404:
                     raise
 
-    async def report(self, isvc: dict[str, Any], obs: Observation, decision: Decision, state: State) -> None:
+    async def report(self, isvc: dict[str, Any], obs: Observation, decision: Decision, state: State,
+                     target: int | None = None) -> None:
         """status.autoscaling and the Autoscaling condition: written when the decision changes, else every
         STATUS_REFRESH seconds while its inputs move (not once a second)."""
         ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
-        key = (decision.desired, decision.reason, decision.needed, obs.current, obs.ready)
+        target = decision.desired if target is None else target
+        key = (target, decision.reason, decision.needed, obs.pods, obs.ready, len(obs.asleep))
         inputs = {"inFlight": obs.in_flight, "held": obs.held, "kvCacheUsage": round(obs.kv_sum, 3),
                   "waitingPrefillTokens": obs.waiting_prefill_tokens, "ready": obs.ready, "starting": obs.starting}
         old = (isvc.get("status") or {}).get("autoscaling") or {}
@@ -638,9 +762,10 @@ class Autoscaler:
             "observedGeneration": isvc["metadata"].get("generation"),
         })
         status = {"autoscaling": {
-            "currentReplicas": obs.current, "desiredReplicas": decision.desired, "neededReplicas": decision.needed,
+            "currentReplicas": obs.pods, "desiredReplicas": target, "neededReplicas": decision.needed,
             "reason": decision.reason, "message": decision.message[:4096], "lastDecisionTime": now,
             "lastScaleTime": state.last_scale_time or old.get("lastScaleTime"), "inputs": inputs,
+            "sleepingReplicas": len(obs.asleep) if sleeps(self.spec_of(isvc)) else None,
         }, "conditions": conditions}
         # resourceVersion: never write back conditions older than the reconciler's (409 -> next tick)
         patch = {"metadata": {"resourceVersion": isvc["metadata"].get("resourceVersion")}, "status": status}

@@ -76,6 +76,12 @@ class Observation:
     held: int = 0  # requests the gateway holds because no replica is ready
     wake: bool = False  # the gateway asked for capacity since the last decision
     unanswered: int = 0  # Ready engines/gateways whose /metrics did not answer: their load is unknown, not zero
+    # scaleToZero sleep: pods whose engine is asleep (kept, not counted in `current`, which is the awake replicas)
+    asleep: tuple[str, ...] = ()
+
+    @property
+    def pods(self) -> int:  # the replica count the workload runs: awake and asleep
+        return self.current + len(self.asleep)
 
     @property
     def starting(self) -> int:
@@ -360,7 +366,35 @@ def decide(obs: Observation, policy: Policy, history: History) -> Decision:
     return Decision(desired, reason, f"{why}: {_inputs(obs, policy)}", tick.needed)
 
 
-def pick_victims(replicas: list[ReplicaLoad], count: int) -> list[str]:
-    """The `count` pods to remove on scale-down: the ones with the least in flight (not-ready ones first)."""
-    order = sorted(replicas, key=lambda r: (r.ready, r.in_flight, r.kv_cache_usage, r.pod))
+@dataclass(frozen=True)
+class Parking:
+    """What scaleToZero sleep does with a decision of `desired` awake replicas: engines to put to sleep, engines to
+    wake up, and the pod count to run (awake + asleep)."""
+
+    sleep: tuple[str, ...] = ()
+    wake: tuple[str, ...] = ()
+    pods: int = 0
+
+
+def park(obs: Observation, desired: int) -> Parking:
+    """Scale to zero parks every awake replica asleep (pods kept); more replicas wake parked ones before pods are
+    added; fewer replicas, short of zero, remove awake pods (the parked stay parked: they are the fast way back).
+
+    A replica with requests in flight is never put to sleep (the engine refuses anyway: its KV cache would go), nor
+    one still starting (it has no model to free yet): both are asked again on a later decision."""
+    awake = obs.current
+    if desired == 0 and awake:
+        idle = tuple(sorted(r.pod for r in obs.replicas
+                            if r.ready and r.in_flight == 0 and r.pod not in obs.asleep))
+        return Parking(sleep=idle, pods=obs.pods)
+    if desired > awake:
+        woken = tuple(sorted(obs.asleep)[:desired - awake])
+        return Parking(wake=woken, pods=obs.pods + (desired - awake - len(woken)))
+    return Parking(pods=obs.pods - (awake - desired))
+
+
+def pick_victims(replicas: list[ReplicaLoad], count: int, keep: tuple[str, ...] = ()) -> list[str]:
+    """The `count` pods to remove on scale-down: the ones with the least in flight (not-ready ones first); the
+    pods in `keep` (parked asleep) last."""
+    order = sorted(replicas, key=lambda r: (r.pod in keep, r.ready, r.in_flight, r.kv_cache_usage, r.pod))
     return [r.pod for r in order[:max(count, 0)]]

@@ -34,6 +34,7 @@ A_SPEC_HASH = f"{GROUP}/spec-hash"  # of a rendered child, compared by the recon
 A_GROUP_SIZE = f"{GROUP}/group-size"
 A_REVISION = f"{GROUP}/revision"  # of a group's template, independent of its index (rollout.py)
 A_WAKE = f"{GROUP}/wake-requested-at"  # on <name>-wake: a gateway holds requests at zero replicas
+A_SLEEPING = f"{GROUP}/sleeping"  # on an engine pod parked asleep (scaleToZero sleep): its sleep level
 A_UPGRADE = f"{GROUP}/upgrade-engine-image"  # on the InferenceService: move it to the operator's engine image now
 
 # ---- the pod's layout ----------------------------------------------------------------------------------------------

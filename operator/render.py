@@ -932,6 +932,8 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         # annotating its wake-up ConfigMap.
         hold = spec.probes.startup_timeout_seconds
         hold_args = ["--hold-timeout", str(hold), "--wake-configmap", wake_configmap_name(name)]
+        if spec.autoscaling.scale_to_zero == "sleep":  # a held request wakes a parked engine directly
+            hold_args.append("--wake-engines")
     metrics_args, metrics_port, metrics_annotations = gateway_metrics_listener()
     container = {
         "name": "gateway",

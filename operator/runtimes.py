@@ -105,6 +105,9 @@ class Runtime:
     # reaps the worker ranks and compiler processes the server starts).
     init_entrypoint: bool = False
     lora_env: tuple[tuple[str, str], ...] = ()  # env of an engine with engine.enableLora (adapters loaded at run time)
+    # autoscaling.scaleToZero sleep: POST /sleep?level=, /wake_up and GET /is_sleeping without a restart, and the
+    # readiness probe failing while asleep (the gateway then sends it nothing; vLLM's /health stays 200 asleep)
+    sleep_parking: bool = False
     # spec.adapters: loaded at run time through vLLM's /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter
     runtime_adapters: bool = False
     # spec.tracing: the OTEL_* env turns Shoal's tracing on; a server that needs a flag as well names it here
@@ -139,7 +142,7 @@ SHOAL = Runtime(
     # workers (--headless) serve /livez and /readyz only, so a multi-pod group starts on /readyz
     startup=Probe("/startupz", 10, 5), readiness=Probe("/readyz", 5, 5, 3), liveness=Probe("/livez", 10, 10, 6),
     metrics=metric_names.SHOAL, shutdown_flag="--shutdown-timeout", builtin_demo=True, multi_node=True,
-    workers_serve_health=True, init_entrypoint=True, runtime_adapters=True, traces_from_env=True,
+    workers_serve_health=True, init_entrypoint=True, runtime_adapters=True, traces_from_env=True, sleep_parking=True,
 )
 
 # vLLM's --max-lora-rank choices (vllm/config/lora.py): any other value fails its argument parsing at start

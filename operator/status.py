@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.operator import api, render
+from shoal.operator.contract import A_SLEEPING
 from shoal.operator.render import A_REVISION, DOWNLOAD_CONTAINER, L_GROUP, Plan
 
 # Pod problems worth a reason of their own (container waiting reasons seen on pods -> condition reason)
@@ -35,6 +36,11 @@ def _now() -> str:
 def pod_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True"
                for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def asleep(pod: dict[str, Any]) -> bool:
+    """Parked asleep by the autoscaler (scaleToZero sleep): not Ready on purpose, not a problem."""
+    return bool((pod["metadata"].get("annotations") or {}).get(A_SLEEPING)) and not pod_ready(pod)
 
 
 def terminating(obj: dict[str, Any]) -> bool:
@@ -201,7 +207,7 @@ def invalid_status(isvc: dict[str, Any], error: api.SpecError) -> dict[str, Any]
 
 
 def autoscaled_serving(plan: Plan, ready: int, desired: int, errors: list[tuple[str, str]],
-                       worst: tuple[str, str] | None) -> tuple[bool, tuple[str, str] | None]:
+                       worst: tuple[str, str] | None, sleeping: int = 0) -> tuple[bool, tuple[str, str] | None]:
     """Ready means "requests will be served". An autoscaled fleet that adds replicas keeps serving on those it
     has (a scale-up is not degradation), and one at zero — or coming back from it — whose gateway holds requests
     and wakes the autoscaler serves them once a replica is up. -> (serving, the Ready reason and message; None:
@@ -215,6 +221,9 @@ def autoscaled_serving(plan: Plan, ready: int, desired: int, errors: list[tuple[
         return True, ("ScalingUp", f"{ready}/{desired} replicas ready, the others starting; {where}{tail}")
     if not render.scales_from_zero(spec) or errors:
         return False, None
+    if desired == 0 and sleeping:
+        return True, ("ScaledToZero", f"idle at 0 replicas awake, {sleeping} parked asleep (pods kept): the gateway "
+                                      f"holds a request and wakes one; {where}")
     if desired == 0:
         return True, ("ScaledToZero", f"idle at 0 replicas: the gateway holds requests and wakes the autoscaler, "
                                       f"the first answers wait for a replica to start; {where}")
@@ -233,6 +242,8 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     gen = isvc["metadata"].get("generation")
     previous = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or []}
     live_pods = [p for p in pods if not terminating(p)]
+    # scaleToZero sleep: parked pods are part of the count but not of what should be Ready
+    sleeping = sum(1 for p in live_pods if asleep(p)) if plan.spec.autoscaling else 0
     problems: list[tuple[str, str]] = []
     deadline_exceeded = False
 
@@ -258,7 +269,7 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     problems += admission_failures(children) + list(failed_creates)
     budget = spec.probes.download_timeout_seconds if spec.model.uri.startswith("hf://") else None
     for pod in live_pods:
-        problem = pod_problem(pod, now, budget)
+        problem = None if asleep(pod) else pod_problem(pod, now, budget)
         if problem and plan.multi_pod and problem[0] in ("PodFailed", "CrashLoopBackOff") and (
                 (pod.get("status") or {}).get("phase") == "Failed" or restarts(pod) > 0):
             # heals by itself: the reconciler restarts the whole group (restart_broken_groups), never Failed
@@ -272,9 +283,10 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     worst = problems[0] if problems else None
     errors = [p for p in problems if p[0] not in ("ModelDownloading", "ModelLoading", "PodsPending")]
 
-    all_ready = desired > 0 and ready >= desired
-    rolling = updated < desired or replicas > desired or not all_ready
-    serving, serving_cond = autoscaled_serving(plan, ready, desired, errors, worst)
+    awake = max(desired - sleeping, 0)  # replicas that should be Ready
+    all_ready = awake > 0 and ready >= awake
+    rolling = updated < desired or replicas > desired or (not all_ready and not (sleeping and awake == 0))
+    serving, serving_cond = autoscaled_serving(plan, ready, awake, errors, worst, sleeping)
     if serving_cond is not None:
         ready_cond = serving_cond
     elif desired == 0:
@@ -298,8 +310,8 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
 
     if errors:
         degraded = (True, errors[0][0], errors[0][1])
-    elif 0 < ready < desired and not progressing[0]:
-        degraded = (True, "ReplicasUnavailable", f"only {ready}/{desired} replicas ready")
+    elif 0 < ready < awake and not progressing[0]:
+        degraded = (True, "ReplicasUnavailable", f"only {ready}/{awake} replicas ready")
     else:
         degraded = (False, "AsExpected", "no problem seen on the pods")
 

@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+# An engine the gateway woke up (POST /wake_up) is routed to at once, before its endpoint turns Ready (the readiness
+# probe's period, seconds): it stays a backend this long while discovery still lists it as not ready.
+WOKEN_GRACE = 30.0
+
 # An adapter an engine listed this recently is still its pool's (its engine may be reloading it after a restart):
 # a request for it waits for an engine that lists it rather than going to one that would answer 404.
 ADAPTER_MEMORY = 300.0
@@ -141,6 +145,11 @@ class BackendSet:
         self.policy = policy or HealthPolicy()
         self._backends: dict[str, Backend] = {}
         self.listeners: list[Callable[[], None]] = []  # told of every change (admission re-checks its queue)
+        # Endpoints that exist but are not Ready and not terminating: loading, or parked asleep (scaleToZero
+        # sleep), which the gateway may wake (wake.EngineWaker); and those it woke, with when.
+        self.standby: frozenset[str] = frozenset()
+        self.woken: dict[str, float] = {}
+        self._ready: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._backends)
@@ -148,10 +157,23 @@ class BackendSet:
     def all(self) -> list[Backend]:
         return list(self._backends.values())
 
-    def replace(self, urls: set[str] | list[str]) -> None:
-        """Make the set exactly `urls` (discovery's view). Engines that left are marked removed, so requests
-        still holding them finish but no new one is sent there."""
-        wanted = {u.rstrip("/") for u in urls}
+    def replace(self, urls: set[str] | list[str], standby: set[str] | frozenset[str] = frozenset()) -> None:
+        """Make the set exactly `urls` (discovery's view: the Ready endpoints), plus the engines this gateway
+        woke that are still listed in `standby` (the not-ready ones) and not Ready yet. Engines that left are
+        marked removed, so requests still holding them finish but no new one is sent there."""
+        self._ready = {u.rstrip("/") for u in urls}
+        self.standby = frozenset(u.rstrip("/") for u in standby)
+        now = time.monotonic()
+        self.woken = {u: t for u, t in self.woken.items()
+                      if u in self.standby and u not in self._ready and now - t < WOKEN_GRACE}
+        self._apply(self._ready | set(self.woken))
+
+    def add_woken(self, url: str) -> None:
+        """An engine this gateway just woke up: a backend now, before discovery says it is Ready."""
+        self.woken[url] = time.monotonic()
+        self._apply(self._ready | set(self.woken))
+
+    def _apply(self, wanted: set[str]) -> None:
         for url in list(self._backends):
             if url not in wanted:
                 self._backends.pop(url).removed = True

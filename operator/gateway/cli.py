@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --hold-timeout: annotate this ConfigMap (in --namespace; the operator renders "
                           "<inferenceservice>-wake) when requests start waiting, so the operator's autoscaler "
                           "wakes at once (scale from zero)")
+    rel.add_argument("--wake-engines", action="store_true",
+                     help="with --hold-timeout: wake a parked engine (POST /wake_up to an endpoint that is not "
+                          "Ready) when requests start waiting, and route to it as soon as it is awake "
+                          "(autoscaling.scaleToZero sleep)")
     rel.add_argument("--retry-after", type=positive(int), default=d.retry_after,
                      help="Retry-After seconds on 503/429 (default %(default)s)")
     rel.add_argument("--connect-timeout", type=positive(float), default=d.connect_timeout)
@@ -254,7 +258,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
         index_size=args.prefix_index_size,
-        hold_timeout=args.hold_timeout, retry_after=args.retry_after,
+        hold_timeout=args.hold_timeout, wake_engines=args.wake_engines, retry_after=args.retry_after,
         connect_timeout=args.connect_timeout,
         poll_interval=args.poll_interval,
         poll_timeout=args.poll_timeout, api_key=None if shared else resolve_api_key(args),

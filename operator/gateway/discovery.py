@@ -29,8 +29,10 @@ class StaticDiscovery:
         backends.replace(self.urls)
 
 
-def ready_urls(slices: dict[str, dict], scheme: str = "http", port_name: str | None = None) -> set[str]:
-    """Base URLs of the Ready endpoints of these EndpointSlices."""
+def ready_urls(slices: dict[str, dict], scheme: str = "http", port_name: str | None = None,
+               standby: bool = False) -> set[str]:
+    """Base URLs of the Ready endpoints of these EndpointSlices; with `standby`, of the not-Ready ones that are not
+    terminating instead (engines loading, or parked asleep, which the gateway may wake)."""
     urls = set()
     for s in slices.values():
         ports = [p for p in s.get("ports") or [] if p.get("protocol", "TCP") == "TCP" and p.get("port")]
@@ -40,7 +42,8 @@ def ready_urls(slices: dict[str, dict], scheme: str = "http", port_name: str | N
             continue
         port = ports[0]["port"]
         for ep in s.get("endpoints") or []:
-            if (ep.get("conditions") or {}).get("ready") is False:
+            conditions = ep.get("conditions") or {}
+            if standby != (conditions.get("ready") is False) or (standby and conditions.get("terminating")):
                 continue
             for addr in (ep.get("addresses") or [])[:1]:
                 host = f"[{addr}]" if ":" in addr else addr
@@ -60,10 +63,12 @@ class EndpointSliceDiscovery:
 
     def _publish(self, backends: BackendSet) -> None:
         urls = ready_urls(self.slices, port_name=self.port_name)
+        standby = ready_urls(self.slices, port_name=self.port_name, standby=True)
         before = {b.url for b in backends.all()}
-        if urls != before:
-            log.info("backends of %s/%s: %s", self.namespace, self.service, ", ".join(sorted(urls)) or "none")
-            backends.replace(urls)
+        if urls != before or standby != backends.standby:
+            if urls != before:
+                log.info("backends of %s/%s: %s", self.namespace, self.service, ", ".join(sorted(urls)) or "none")
+            backends.replace(urls, standby)
 
     async def run(self, backends: BackendSet) -> None:
         if self.api is None:

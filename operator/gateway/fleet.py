@@ -98,6 +98,7 @@ class ServiceView:
     runtime: str = "shoal"
     priority: int = 0
     hold_timeout: float = 0.0
+    wake_engines: bool = False  # autoscaling.scaleToZero sleep: a held request wakes a parked engine
     max_inflight: int = 0
     engine_priority: bool = False
     adapters: tuple[str, ...] = ()
@@ -138,6 +139,7 @@ class ServiceView:
             runtime=runtime, priority=_int(spec.get("priority"), 0),
             hold_timeout=float(_int((spec.get("probes") or {}).get("startupTimeoutSeconds"),
                                     DEFAULT_STARTUP_TIMEOUT)) if from_zero else 0.0,
+            wake_engines=from_zero and autoscaling.get("scaleToZero") == "sleep",
             max_inflight=_int(engine.get("maxNumSeqs"), 0),
             engine_priority=engine.get("schedulingPolicy") == "priority",
             adapters=adapters, adapter_priorities=adapter_priorities, created=meta.get("creationTimestamp") or "",
@@ -369,10 +371,13 @@ class Fleet:
         pool = self.pools.get(view.key)
         if pool is None:
             return
-        urls = ready_urls(self.slices.get((view.namespace, view.engine_service), {}), port_name="http")
-        if urls != {b.url for b in pool.backends.all()}:
-            log.info("engines of %s/%s: %s", *view.key, ", ".join(sorted(urls)) or "none")
-            pool.backends.replace(urls)
+        slices = self.slices.get((view.namespace, view.engine_service), {})
+        urls = ready_urls(slices, port_name="http")
+        standby = ready_urls(slices, port_name="http", standby=True)
+        if urls != {b.url for b in pool.backends.all()} or standby != pool.backends.standby:
+            if urls != {b.url for b in pool.backends.all()}:
+                log.info("engines of %s/%s: %s", *view.key, ", ".join(sorted(urls)) or "none")
+            pool.backends.replace(urls, standby)
 
     def _service_changed(self, namespace: str, service: str) -> None:
         for view in self.views.values():

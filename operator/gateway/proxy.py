@@ -56,6 +56,7 @@ from shoal.operator.gateway.routing import ROUTINGS, Pick, PrefixIndex, make_rou
 from shoal.operator.gateway.tenants import (LOOPBACK, Caller, EngineKeys, Network, Tenancy, TenantKeys,
                                             presented_key)
 from shoal.operator.gateway.tracing import GatewayTracer, tracing_configured
+from shoal.operator.gateway.wake import EngineWaker
 
 log = logging.getLogger("shoal.gateway")
 
@@ -74,7 +75,7 @@ ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # no gateway forwards them from clients.
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_lora_adapter",
                          "/unload_lora_adapter", "/v1/lora_adapters", "/reset_prefix_cache", "/sleep", "/wake_up",
-                         "/collective_rpc", "/start_profile", "/stop_profile", "/scale_elastic_ep",
+                         "/is_sleeping", "/collective_rpc", "/start_profile", "/stop_profile", "/scale_elastic_ep",
                          "/update_weights", "/pause", "/resume"})
 # The shared gateway proxies only these (each names its model); engine administration (loading adapters, ...)
 # is never reachable through the platform's entry point.
@@ -112,6 +113,7 @@ class GatewayConfig:
                                                   "together; a request beyond gets 429 (--max-buffered-bytes; at "
                                                   "least maxBodyBytes)", ge=1024, le=64 * 1024 * 1024 * 1024))
     hold_timeout: float = 0.0  # wait this long for an engine when none is ready (0: 503 at once)
+    wake_engines: bool = False  # holding a request, wake a parked engine (POST /wake_up; scaleToZero sleep)
     retry_after: int = 1
     connect_timeout: float = 3.0
     response_timeout: float = option(  # request sent -> response headers: a whole non-streaming generation
@@ -224,6 +226,7 @@ class Gateway:
         self.tasks: list[asyncio.Task] = []
         self._pollers: dict[Pool, tuple[Poller, asyncio.Task]] = {}
         self._wakers: dict[Pool, Any] = {}
+        self._engine_wakers: dict[Pool, EngineWaker] = {}
         self.kube_api = kube_api
         self._key_read: tuple[float, str | None] = (-1e9, None)  # (when, the newest line of --api-key-file)
         self.tracer = GatewayTracer() if tracing_configured() else None  # tracing.py; None: no cost
@@ -243,6 +246,7 @@ class Gateway:
             self.prefix_index = None
             pool = self._new_pool(backends or BackendSet(config.health), config.hold_timeout, config.max_inflight)
             pool.engine_priority = config.engine_priority
+            self._engine_wakers[pool].enabled = config.wake_engines
             self.pools = StaticPools(pool)
 
     # The per-service gateway's one pool (tests and the single-service CLI use these).
@@ -264,6 +268,9 @@ class Gateway:
         pool.on_pick = self._observe_pick
         pool.on_dispatch = self._observe_dispatch
         pool.on_held = self.metrics.held.inc, self.metrics.held.dec
+        waker = self._engine_wakers[pool] = EngineWaker(backends, lambda: self.poll_headers(pool))
+        waker.session = self.session
+        pool.on_hold.append(waker)
         return pool
 
     def open_pool(self, view) -> Pool:
@@ -286,6 +293,7 @@ class Gateway:
         # gateway's queue taking over where an engine would start queueing first come, first served
         pool.max_inflight = view.max_inflight or c.max_inflight or ENGINE_DEFAULT_MAX_NUM_SEQS
         pool.hold_timeout = (c.hold_timeout or view.hold_timeout) if view.hold_timeout else 0.0
+        self._engine_wakers[pool].enabled = view.wake_engines
         if view.hold_timeout and pool not in self._wakers:
             from shoal.operator.contract import wake_configmap_name
             from shoal.operator.gateway.wake import Waker
@@ -306,6 +314,9 @@ class Gateway:
         waker = self._wakers.pop(pool, None)
         if waker is not None:
             asyncio.get_running_loop().create_task(waker.close())
+        engine_waker = self._engine_wakers.pop(pool, None)
+        if engine_waker is not None:
+            engine_waker.close()
 
     def _start_polling(self, pool: Pool, runtime: str) -> None:
         poller = Poller(pool.backends, self.session, self.config.poll_interval, self.config.poll_timeout,
@@ -353,6 +364,8 @@ class Gateway:
         )
         if self.batches is not None:  # resumes the directory's unfinished batches as engines appear
             await self.batches.runner.start()
+        for engine_waker in self._engine_wakers.values():
+            engine_waker.session = self.session
         if self.pools.shared:  # its pools open (and start polling) as the InferenceServices are listed
             await self.pools.start(self.session)
             return
@@ -376,6 +389,8 @@ class Gateway:
             await poller.close()
         for waker in self._wakers.values():
             await waker.close()
+        for engine_waker in self._engine_wakers.values():
+            engine_waker.close()
         if self.session is not None:
             await self.session.close()
         if self.tracer is not None:

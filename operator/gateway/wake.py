@@ -88,3 +88,61 @@ class Waker:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._session is not None and self._own_session:
             await self._session.close()
+
+
+class EngineWaker:
+    """A `Pool.on_hold` hook for fleets parked asleep (autoscaling.scaleToZero sleep): a request is held because no
+    engine is Ready, so wake a parked one directly — POST /wake_up with the engines' key, the route clients can
+    never reach through the gateway (proxy.ADMIN_PATHS) — and route to it the moment it answers, before its
+    endpoint turns Ready (up to a readiness-probe period later). One wake-up at a time per pool: the requests held
+    meanwhile go to the engine it wakes, and the autoscaler wakes more if the load needs them.
+
+    Candidates are the pool's standby endpoints (not Ready, not terminating): an engine that is loading answers
+    503 and one that is already awake (another gateway replica woke it) answers 400 `not_sleeping`; the latter is
+    routed to once its /readyz says so."""
+
+    def __init__(self, backends, headers, timeout: float = 600.0):
+        self.backends = backends  # BackendSet
+        self.headers = headers  # () -> the engines' Authorization header (Gateway.poll_headers)
+        self.timeout = timeout  # a level-2 wake-up reads the weights again
+        self.enabled = False  # set per pool: only fleets that park asleep
+        self.session: aiohttp.ClientSession | None = None
+        self.woken = 0
+        self._task: asyncio.Task | None = None
+
+    def __call__(self) -> None:
+        if not self.enabled or self.session is None or not self.backends.standby or \
+                (self._task is not None and not self._task.done()):
+            return
+        self._task = asyncio.get_running_loop().create_task(self._wake(), name="gateway-wake-engine")
+
+    async def _wake(self) -> None:
+        for url in sorted(self.backends.standby):
+            if self.backends.eligible():
+                return  # an engine became Ready meanwhile
+            try:
+                if await self._wake_one(url):
+                    self.woken += 1
+                    self.backends.add_woken(url)
+                    log.info("requests held: woke the engine at %s", url)
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the autoscaler wakes parked engines too
+                log.warning("could not wake the engine at %s: %r", url, e)
+        log.info("requests held: no parked engine to wake among %d standby endpoint(s)", len(self.backends.standby))
+
+    async def _wake_one(self, url: str) -> bool:
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        async with self.session.post(url + "/wake_up", headers=self.headers(), timeout=timeout) as r:
+            if r.status == 200:
+                return True
+            body = await r.text()
+        if "not_sleeping" not in body:
+            return False  # loading, or no sleep mode: not ours to wake
+        async with self.session.get(url + "/readyz", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            return r.status == 200
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

@@ -447,6 +447,15 @@ def test_the_gateway_reads_the_served_name_as_the_operator_derives_it():
     assert ServiceView.of({"metadata": {"name": "s"}, "spec": {"gateway": {"enabled": False}}}).engine_service == "s"
 
 
+def test_the_shared_gateway_wakes_parked_engines_of_services_that_sleep_at_zero():
+    def view(autoscaling):
+        return ServiceView.of({"metadata": {"name": "s", "namespace": "ns"}, "spec": {"autoscaling": autoscaling}})
+
+    assert view({"minReplicas": 0, "maxReplicas": 2, "scaleToZero": "sleep"}).wake_engines
+    assert not view({"minReplicas": 0, "maxReplicas": 2}).wake_engines  # delete: nothing parked to wake
+    assert not view({"minReplicas": 1, "maxReplicas": 2, "scaleToZero": "sleep"}).wake_engines
+
+
 def test_tenant_keys_follow_their_secret_without_a_restart(tmp_path):
     (tmp_path / "team-a").write_text("sk-1\n")
     keys = TenantKeys(str(tmp_path), reload_interval=0)

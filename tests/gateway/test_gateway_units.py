@@ -688,3 +688,78 @@ def test_the_per_service_gateway_takes_declared_adapters_and_served_name_from_it
                  ["--namespace", "ns", "--allow-unauthenticated", "--inference-service", "llm"]):
         with pytest.raises(ValueError, match="--inference-service"):
             config_from_args(build_parser().parse_args(argv))
+def test_standby_endpoints_and_an_engine_the_gateway_woke():
+    """Not-ready, not-terminating endpoints are standby (parked asleep, or loading); one the gateway woke is a
+    backend at once and stays one until its endpoint turns Ready or goes away."""
+    slices = {"s": {"ports": [{"port": 8000}], "endpoints": [
+        {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+        {"addresses": ["10.0.0.2"], "conditions": {"ready": False}},
+        {"addresses": ["10.0.0.3"], "conditions": {"ready": False, "terminating": True}}]}}
+    assert ready_urls(slices, standby=True) == {"http://10.0.0.2:8000"}
+    backends = BackendSet()
+    backends.replace(set(), {"http://10.0.0.2:8000"})
+    assert not backends.eligible() and backends.standby == {"http://10.0.0.2:8000"}
+    backends.add_woken("http://10.0.0.2:8000")
+    assert [b.url for b in backends.eligible()] == ["http://10.0.0.2:8000"]
+    backends.replace(set(), {"http://10.0.0.2:8000"})  # another slice event: still not Ready, still ours
+    assert [b.url for b in backends.eligible()] == ["http://10.0.0.2:8000"]
+    backends.replace({"http://10.0.0.2:8000"}, set())  # Ready now: discovery's own
+    assert not backends.woken and [b.url for b in backends.eligible()] == ["http://10.0.0.2:8000"]
+    backends.add_woken("http://10.0.0.9:8000")
+    backends.replace(set(), set())  # the pod went away
+    assert not backends.eligible() and not backends.woken
+
+
+async def test_a_held_request_wakes_a_parked_engine_and_goes_to_it():
+    """The gateway's EngineWaker: POST /wake_up with the engines' key to a standby endpoint, then the request held
+    for lack of a Ready engine is forwarded to it; an engine still loading (503) is skipped."""
+    calls = []
+    LOADING, ASLEEP = web.AppKey("loading", bool), web.AppKey("asleep", bool)
+
+    async def wake_up(request):
+        calls.append(request.headers.get("Authorization"))
+        if request.app[LOADING]:
+            return web.json_response({"error": {"message": "loading"}}, status=503)
+        request.app[ASLEEP] = False
+        return web.json_response({"is_sleeping": False})
+
+    async def completions(request):
+        if request.app[ASLEEP]:
+            return web.json_response({"error": {"code": "sleeping"}}, status=503)
+        return web.json_response({"choices": [{"text": "awake"}]})
+
+    async def readyz(request):
+        return web.json_response({}, status=503 if request.app[ASLEEP] else 200)
+
+    async def metrics(request):
+        return web.Response(text="")
+
+    servers = []
+    for loading in (True, False):
+        app = web.Application()
+        app[LOADING], app[ASLEEP] = loading, True
+        app.router.add_post("/wake_up", wake_up)
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/readyz", readyz)
+        app.router.add_get("/metrics", metrics)
+        server = TestServer(app)
+        await server.start_server()
+        servers.append(server)
+    urls = sorted(str(s.make_url("")).rstrip("/") for s in servers)
+    gw, client = await gateway_client(GatewayConfig(hold_timeout=30, wake_engines=True, api_key="k"), [])
+    gw.backends.replace(set(), set(urls))  # both parked or loading: not Ready, not terminating
+    try:
+        r = await asyncio.wait_for(client.post("/v1/completions", json={"model": "m", "prompt": "hi"},
+                                               headers={"Authorization": "Bearer k"}), 20)
+        assert r.status == 200 and (await r.json())["choices"][0]["text"] == "awake"
+        assert calls and all(key == "Bearer k" for key in calls), calls
+        assert [b.url for b in gw.backends.eligible()] == [str(servers[1].make_url("")).rstrip("/")]
+        # the admin routes are never forwarded from a client
+        for path in ("/wake_up", "/sleep", "/is_sleeping"):
+            r = await client.post(path, headers={"Authorization": "Bearer k"})
+            assert r.status == 404, path
+    finally:
+        await client.close()
+        await gw.stop()
+        for s in servers:
+            await s.close()

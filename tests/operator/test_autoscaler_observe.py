@@ -124,3 +124,47 @@ def test_new_flags():
     with pytest.raises(SystemExit, match="max-concurrent-scrapes"):
         parse(["--max-concurrent-scrapes", "0"])
     assert autoscaler.MAX_CONCURRENT_SCRAPES >= 1
+
+
+async def test_which_engines_sleep_is_read_from_the_engines_not_from_memory():
+    """scaleToZero sleep: a fresh autoscaler (an operator restart, a new leader) learns which replicas are parked
+    from each engine's /is_sleeping, marks the pods, and counts only the awake ones as replicas; an engine that
+    does not answer (still loading) is awake, and a terminating endpoint is not a parked replica."""
+    levels = {"a": 2, "b": 0, "c": None}
+
+    async def is_sleeping(request):
+        level = levels[request.match_info["pod"]]
+        if level is None:
+            return web.json_response({"error": {"message": "loading"}}, status=503)
+        return web.json_response({"is_sleeping": bool(level), "level": level or None})
+
+    app = web.Application()
+    app.router.add_get("/{pod}/is_sleeping", is_sleeping)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    patches = []
+
+    class Kube:
+        async def merge_patch(self, kind, ns, name, body, **_):
+            patches.append((kind, name, body["metadata"]["annotations"][autoscaler.A_SLEEPING]))
+
+    scaler = Autoscaler(kube=Kube())
+    scaler.session = aiohttp.ClientSession()
+    state = autoscaler.State()
+    engines = [autoscaler.Endpoint(f"{base}/{p}", p, ready=p == "b") for p in "abc"]
+    engines.append(autoscaler.Endpoint(f"{base}/a", "old", ready=False, terminating=True))
+    try:
+        assert await scaler._observe_sleep("ns", engines, state) == ("a",)
+        assert sorted(patches) == [("Pod", "a", "2"), ("Pod", "b", None)]  # "c" did not say: left alone
+        patches.clear()
+        assert await scaler._observe_sleep("ns", engines, state) == ("a",)
+        assert patches == []  # annotations are patched only when they change
+        levels["a"] = 0  # a gateway woke it
+        assert await scaler._observe_sleep("ns", engines, state) == ()
+        assert patches == [("Pod", "a", None)]
+    finally:
+        await scaler.session.close()
+        await runner.cleanup()

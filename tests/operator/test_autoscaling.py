@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from shoal.operator.autoscaling import History, Observation, Policy, ReplicaLoad, decide, pick_victims
+from shoal.operator.autoscaling import (History, Observation, Parking, Policy, ReplicaLoad, decide, park,
+                                        pick_victims)
 
 
 class Fleet:
@@ -334,3 +335,48 @@ def test_the_autoscaler_validates_with_the_operators_gpus_per_node():
     assert spec.gpus_per_pod(16) == 16 and spec.pods_per_replica(16) == 1
     with pytest.raises(api.SpecError):
         Autoscaler(kube=None, max_gpus_per_node=8).spec_of(isvc)
+
+
+# ------------------------------------------------------------------------------- scaleToZero sleep (park/wake)
+def test_idle_fleet_is_parked_asleep_not_deleted_and_woken_by_the_next_request():
+    """The decision counts awake replicas; park() turns it into engines to sleep or wake and keeps the pods."""
+    policy = Policy(min_replicas=0, max_replicas=4, scale_down_window=60, scale_to_zero_after=120)
+    history = History()
+    one = (ReplicaLoad("p0"),)
+    for t in range(0, 120):
+        d = decide(Observation(now=float(t), current=1, ready=1, replicas=one), policy, history)
+        assert d.desired == 1
+    d = decide(Observation(now=120.0, current=1, ready=1, replicas=one), policy, history)
+    assert (d.desired, d.reason) == (0, "ScaleToZero")
+    obs = Observation(now=120.0, current=1, ready=1, replicas=one)
+    assert park(obs, d.desired) == Parking(sleep=("p0",), pods=1)  # parked, the pod stays
+    # asleep: not Ready, not awake; idle stays parked
+    asleep = Observation(now=121.0, current=0, ready=0, replicas=(ReplicaLoad("p0", ready=False),), asleep=("p0",))
+    d = decide(asleep, policy, history)
+    assert d.desired == 0 and park(asleep, d.desired) == Parking(pods=1)
+    # a held request: the operator wakes the parked engine instead of starting a pod
+    held = Observation(now=130.0, current=0, ready=0, replicas=(ReplicaLoad("p0", ready=False),), asleep=("p0",),
+                       held=1, wake=True)
+    d = decide(held, policy, history)
+    assert (d.desired, d.reason) == (1, "ScaleFromZero")
+    assert park(held, d.desired) == Parking(wake=("p0",), pods=1)
+
+
+def test_parking_wakes_parked_replicas_before_adding_pods_and_removes_awake_ones_first():
+    replicas = (ReplicaLoad("a", running=3), ReplicaLoad("s1", ready=False), ReplicaLoad("s2", ready=False))
+    obs = Observation(now=0.0, current=1, ready=1, replicas=replicas, asleep=("s2", "s1"))
+    assert obs.pods == 3
+    assert park(obs, 2) == Parking(wake=("s1",), pods=3)
+    assert park(obs, 5) == Parking(wake=("s1", "s2"), pods=5)  # both parked woken, two pods added
+    assert park(obs, 1) == Parking(pods=3)  # steady
+    # scale-down short of zero deletes awake pods; the parked ones are the last victims
+    two_awake = Observation(now=0.0, current=2, ready=2, replicas=(ReplicaLoad("a"), ReplicaLoad("b"),
+                                                                    ReplicaLoad("s", ready=False)), asleep=("s",))
+    assert park(two_awake, 1) == Parking(pods=2)
+    assert pick_victims(list(two_awake.replicas), 1, keep=("s",)) == ["a"]
+
+
+def test_busy_or_starting_replicas_are_not_put_to_sleep():
+    replicas = (ReplicaLoad("busy", running=1), ReplicaLoad("loading", ready=False), ReplicaLoad("idle"))
+    obs = Observation(now=0.0, current=3, ready=2, replicas=replicas)
+    assert park(obs, 0) == Parking(sleep=("idle",), pods=3)

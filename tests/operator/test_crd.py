@@ -258,3 +258,29 @@ def test_one_storage_version_and_a_stated_conversion_strategy():
     assert old["schema"] == new["schema"] and old["subresources"] == new["subresources"]
     with pytest.raises(ValueError):
         crdgen.build_crd(versions=("v1alpha1",), storage="v1beta1")
+
+
+def test_sleep_policy_rules_in_cel_and_python():
+    """autoscaling.scaleToZero sleep: refused by the API server (CEL) and the operator alike without
+    engine.enableSleepMode, without minReplicas 0, with loadSource gateways or with an engine API key."""
+    ok = {"model": {"uri": "hf://org/m"}, "engine": {"enableSleepMode": True},
+          "autoscaling": {"minReplicas": 0, "maxReplicas": 2, "scaleToZero": "sleep", "sleepLevel": 2}}
+    sleep_rules = [r for r in api.CROSS_FIELD_RULES if "scaleToZero" in r.cel]
+    assert len(sleep_rules) == 4
+    api.validate("sample", ok)
+    assert all(cel_eval(r.cel, _defaulted(ok)) for r in sleep_rules)
+    bad = [
+        ({"engine": {"enableSleepMode": False}}, "enableSleepMode"),
+        ({"autoscaling": {**ok["autoscaling"], "minReplicas": 1}}, "minReplicas: 0"),
+        ({"autoscaling": {**ok["autoscaling"], "loadSource": "gateways"}}, "loadSource gateways"),
+        ({"security": {"apiKeySecretRef": {"name": "k", "key": "key"}}}, "apiKeySecretRef"),
+    ]
+    for change, words in bad:
+        spec = {**ok, **change}
+        failing = [r for r in sleep_rules if not cel_eval(r.cel, _defaulted(spec))]
+        assert len(failing) == 1 and words in failing[0].message, (change, [r.message for r in failing])
+        with pytest.raises(api.SpecError) as e:
+            api.validate("sample", spec)
+        assert e.value.field == "spec.autoscaling.scaleToZero" and words in e.value.message, e.value
+    with pytest.raises(api.SpecError, match="runtime vllm has no sleep mode"):
+        api.validate("sample", {**ok, "runtime": "vllm"})
