@@ -20,6 +20,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # 512 MiB on CPU unless --kv-cac
 # Value sets shared with the operator's spec.engine (shoal.operator.api): one definition each.
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 AttentionBackend = Literal["auto", "sdpa", "triton", "flash", "cpu"]
+PoolingType = Literal["LAST", "MEAN", "CLS"]
+Runner = Literal["auto", "generate", "pooling"]
 
 MODEL, ENGINE, MULTI_NODE = "model", "engine", "multi-node (torch.distributed)"  # --help sections
 LORA = "LoRA adapters"
@@ -132,7 +134,7 @@ class PoolerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    pooling_type: Literal["LAST", "MEAN", "CLS"] | None = Field(
+    pooling_type: PoolingType | None = Field(
         default=None, description="LAST: the last prompt token's hidden state; MEAN: the mean over the prompt's "
                                   "tokens; CLS: the first token's")
     normalize: bool | None = Field(default=None, description="L2-normalize the pooled vector")
@@ -244,7 +246,7 @@ class EngineConfig(BaseModel):
                 '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; "disable_by_batch_size" (default 8) switches it off '
                 'for steps with more decoding sequences; or a draft model with the same tokenizer: '
                 '{"model": DIR, "num_speculative_tokens": 4}', type=parse_speculative_config, metavar="JSON")] = None
-    runner: Annotated[Literal["auto", "generate", "pooling"], Flag(
+    runner: Annotated[Runner, Flag(
         ENGINE, "auto: a causal LM generates and also serves /v1/embeddings (its prompt's hidden states pooled, see "
                 "--pooler-config), an encoder-only model (BertModel) serves /v1/embeddings only; generate: no "
                 "/v1/embeddings; pooling: /v1/embeddings only (completions and chat are refused)")] = "auto"
