@@ -57,6 +57,17 @@ def test_pooling_survives_chunks_and_preemption(model_factory, pooling):
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+def test_offline_llm_embed(model_factory):
+    from shoal.engine import LLM
+
+    model = model_factory("llama")
+    with LLM(model=str(model), max_model_len=256) as llm:
+        outs = llm.embed([TEXT, {"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
+    ids = llm.get_tokenizer().encode(TEXT)
+    assert torch.allclose(outs[0].embedding, hf_pooled(model, ids, "LAST"), atol=1e-4)
+    assert torch.allclose(outs[1].embedding, hf_pooled(model, [5, 6, 7], "LAST"), atol=1e-4)
+
+
 def test_aborted_and_refused_embeddings_leak_no_block(model_factory):
     engine = LLMEngine(EngineConfig(model=str(model_factory("llama")), max_model_len=256,
                                     max_num_batched_tokens=32))
