@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 MAX_N = 128  # completions per request (the same cap as SamplingParams)
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs cap)
@@ -209,7 +209,7 @@ class EmbeddingRequest(BaseModel):
 
     model: str | None = None
     input: Prompt
-    dimensions: int | None = None  # checked against the model by the engine (Matryoshka models only)
+    dimensions: StrictInt | None = None  # checked against the model by the engine (Matryoshka models only)
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
     add_special_tokens: StrictBool = True

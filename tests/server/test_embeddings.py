@@ -139,6 +139,8 @@ def test_bad_input_is_a_400_and_leaks_nothing(llama_server):
     assert "out of range" in body["message"], body
     status, body, _ = llama_server.post("/v1/embeddings", {"model": "tiny", "input": "x", "encoding_format": "hex"})
     assert status == 400 and body["error"]["param"] == "encoding_format", body
+    status, body, _ = llama_server.post("/v1/embeddings", {"model": "tiny", "input": "x", "dimensions": True})
+    assert status == 400 and body["error"]["param"] == "dimensions", body
     status, body, _ = llama_server.post("/v1/embeddings", {"model": "nope", "input": "x"})
     assert status == 404 and body["error"]["code"] == "model_not_found", body
     # A client that gives up mid-request aborts its inputs: their blocks go back too.
