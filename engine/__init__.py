@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "LLMEngine", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "EngineConfig", "LLMEngine", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):
@@ -13,10 +13,10 @@ def __getattr__(name: str):
         from shoal.engine.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from shoal.engine.contracts import SamplingParams
+    if name in ("SamplingParams", "PoolingParams"):
+        from shoal.engine import contracts
 
-        return SamplingParams
+        return getattr(contracts, name)
     if name == "EngineConfig":
         from shoal.engine.config import EngineConfig
 

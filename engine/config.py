@@ -20,6 +20,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # 512 MiB on CPU unless --kv-cac
 # Value sets shared with the operator's spec.engine (shoal.operator.api): one definition each.
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 AttentionBackend = Literal["auto", "sdpa", "triton", "flash", "cpu"]
+PoolingType = Literal["LAST", "MEAN", "CLS"]
+Runner = Literal["auto", "generate", "pooling"]
 
 MODEL, ENGINE, MULTI_NODE = "model", "engine", "multi-node (torch.distributed)"  # --help sections
 LORA = "LoRA adapters"
@@ -124,6 +126,40 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+class PoolerConfig(BaseModel):
+    """How an embedding request's vector is made (vLLM's --pooler-config JSON): which final hidden states are pooled
+    and whether the vector is L2-normalized. Unset fields come from the model's sentence-transformers files
+    (modules.json, 1_Pooling/config.json) where present, else the defaults: LAST for decoders, MEAN for encoders,
+    normalized."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pooling_type: PoolingType | None = Field(
+        default=None, description="LAST: the last prompt token's hidden state; MEAN: the mean over the prompt's "
+                                  "tokens; CLS: the first token's")
+    normalize: bool | None = Field(default=None, description="L2-normalize the pooled vector")
+
+    @field_validator("pooling_type", mode="before")
+    @classmethod
+    def _upper(cls, value):
+        return value.upper() if isinstance(value, str) else value
+
+
+def parse_json_object(flag: str):
+    """A parser of a flag whose value is a JSON object (its fields are checked by the config model)."""
+
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} is not valid JSON ({e}): {text!r}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {text!r}")
+        return value
+
+    return parse
+
+
 def parse_speculative_config(text: str) -> dict:
     """The --speculative-config JSON object (its fields are checked by SpeculativeConfig)."""
     try:
@@ -210,6 +246,14 @@ class EngineConfig(BaseModel):
                 '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; "disable_by_batch_size" (default 8) switches it off '
                 'for steps with more decoding sequences; or a draft model with the same tokenizer: '
                 '{"model": DIR, "num_speculative_tokens": 4}', type=parse_speculative_config, metavar="JSON")] = None
+    runner: Annotated[Runner, Flag(
+        ENGINE, "auto: a causal LM generates and also serves /v1/embeddings (its prompt's hidden states pooled, see "
+                "--pooler-config), an encoder-only model (BertModel) serves /v1/embeddings only; generate: no "
+                "/v1/embeddings; pooling: /v1/embeddings only (completions and chat are refused)")] = "auto"
+    pooler_config: Annotated[PoolerConfig | None, Flag(
+        ENGINE, 'pooling of /v1/embeddings as a JSON object: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": '
+                'true | false}; unset fields come from the model\'s sentence-transformers files, else LAST (decoders) '
+                'or MEAN (encoders), normalized', type=parse_json_object("--pooler-config"), metavar="JSON")] = None
     enable_lora: Annotated[bool, Flag(
         LORA, "serve LoRA adapters (PEFT directories) of the base model; one batch mixes adapters and the base "
               "model; clients name an adapter as `model`")] = False
@@ -224,9 +268,9 @@ class EngineConfig(BaseModel):
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
-    @field_validator("speculative_config", mode="before")
+    @field_validator("speculative_config", "pooler_config", mode="before")
     @classmethod
-    def _parse_speculative_config(cls, value):
+    def _parse_json_config(cls, value):
         return json.loads(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")

@@ -5,6 +5,8 @@ these types, execution/ consumes them and never imports core/ (tests/engine/test
 
   RequestOutputKind  how much of a request's output each step reports (vLLM's names)
   SamplingParams     one request's sampling parameters (vLLM's names, defaults and checks)
+  PoolingParams      one embedding request's pooling (vLLM's PoolingParams names): the prompt's hidden states
+                     pooled into one vector instead of generating
   StepInputs         one step's whole plan in plain tensors: what the scheduler's choice becomes, what every model
                      runner executes, and what rank 0 sends to the other ranks of a multi-process engine
 """
@@ -151,6 +153,27 @@ class SamplingParams:
         return new
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # last token, mean over the prompt, first token (vLLM's names)
+
+
+@dataclass
+class PoolingParams:
+    """An embedding request: pool the final hidden states of the prompt into one vector. None fields take the
+    engine's pooler configuration (--pooler-config, else the model's sentence-transformers files, else the
+    default); `dimensions` keeps the first N components (Matryoshka models only), renormalized when normalizing."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}.")
+        d = self.dimensions
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {d!r}.")
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
@@ -173,6 +196,9 @@ class StepInputs:
     # this step from (copied before the step), and the one its state is copied into after the step.
     state_restore: torch.Tensor | None = None
     state_save: torch.Tensor | None = None
+    # Embedding requests: [start, end) rows of the flat batch whose final hidden states are summed into one vector
+    # each (a LAST or CLS pooler's range is one row; MEAN's a whole prompt chunk). None: nothing is pooled.
+    pool_ranges: list[tuple[int, int]] | None = None
 
     def to(self, device: torch.device) -> "StepInputs":
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)

@@ -7,7 +7,7 @@ import time
 from typing import Any, Sequence
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.contracts import RequestOutputKind, SamplingParams
+from shoal.engine.contracts import PoolingParams, RequestOutputKind, SamplingParams
 from shoal.engine.core.engine import LLMEngine
 from shoal.engine.core.outputs import RequestOutput
 
@@ -63,14 +63,28 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
+        params = [sp if sp.output_kind is RequestOutputKind.FINAL_ONLY  # no per-step copies of the outputs
+                  else sp.clone(output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
+        return self._run(prompts, params, loras, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in input order, its `embedding` the pooled vector (a float32
+        tensor): the engine's pooling (--pooler-config / the model's sentence-transformers files), `dimensions`
+        from pooling_params."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = [self._prompt(p) for p in prompts]
+        params = [pooling_params or PoolingParams()] * len(prompts)
+        return self._run(prompts, params, [None] * len(prompts), use_tqdm)
+
+    def _run(self, prompts: list, params: list, loras: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         progress = _Progress(len(prompts)) if use_tqdm else None
         try:
             for prompt, sp, lora in zip(prompts, params, loras):
                 rid = str(next(self._ids))
-                if sp.output_kind is not RequestOutputKind.FINAL_ONLY:
-                    sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # no per-step copies of the outputs
                 engine.add_request(rid, prompt, sp, lora_request=lora)
                 ids.append(rid)
             finished: dict[str, RequestOutput] = {}

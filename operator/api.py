@@ -21,7 +21,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 from pydantic.alias_generators import to_camel
 
 from shoal.engine import flags
-from shoal.engine.config import AttentionBackend, Dtype, EngineConfig
+from shoal.engine.config import AttentionBackend, Dtype, EngineConfig, PoolerConfig, PoolingType, Runner
 from shoal.engine.execution.models import SUPPORTED_ARCHITECTURES  # the registry imports without torch
 from shoal.operator import runtimes  # reads the spec's models from the spec it is given, never imports this module
 from shoal.operator.errors import SpecError  # runtimes raises it too
@@ -132,6 +132,14 @@ def engine_option(name: str, *, default: Any = None, **limits: Any) -> Any:
     return Field(default=default, description=f"{flag.help} ({flags.flag_name(EngineConfig, name)})", **limits)
 
 
+class PoolerOptions(_Model):
+    """How /v1/embeddings pools (the engine's --pooler-config); unset fields keep the model's own choice."""
+
+    pooling_type: PoolingType | None = Field(default=None,
+                                             description=PoolerConfig.model_fields["pooling_type"].description)
+    normalize: bool | None = Field(default=None, description=PoolerConfig.model_fields["normalize"].description)
+
+
 class EngineOptions(_Model):
     """Options of the engine (shoal-engine serve flags); unset ones keep the engine's defaults."""
 
@@ -156,6 +164,8 @@ class EngineOptions(_Model):
     max_cpu_loras: int | None = engine_option("max_cpu_loras", ge=1, le=65536)
     scheduling_policy: Literal["fcfs", "priority"] | None = engine_option("scheduling_policy")
     enable_sleep_mode: bool = engine_option("enable_sleep_mode", default=False)
+    runner: Runner | None = engine_option("runner")
+    pooler_config: PoolerOptions | None = engine_option("pooler_config")
     shutdown_timeout_seconds: int = Field(
         default=900, ge=0, le=21600,
         description="drain budget on SIGTERM (--shutdown-timeout): a replica removed by a scale-down, a rollout or "

@@ -134,7 +134,7 @@ _SHOAL_OPTIONS: dict[str, Mapping] = {option: shoal_flag(option) for option in (
     "tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching", "attention_backend",
     "enforce_eager", "quantization", "kv_cache_dtype", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-    "scheduling_policy", "enable_sleep_mode")}
+    "scheduling_policy", "enable_sleep_mode", "runner", "pooler_config")}
 
 SHOAL = Runtime(
     name="shoal", image=None, command=("shoal-engine", "serve"), model_flag="--model", options=_SHOAL_OPTIONS,
@@ -154,7 +154,7 @@ VLLM = Runtime(
         **{o: shoal_flag(o) for o in ("tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len",
                                       "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
                                       "enable_prefix_caching", "enforce_eager", "max_loras", "max_cpu_loras",
-                                      "scheduling_policy", "enable_sleep_mode")},
+                                      "scheduling_policy", "enable_sleep_mode", "runner", "pooler_config")},
         "max_lora_rank": one_of(shoal_flag("max_lora_rank"), VLLM_LORA_RANKS,
                                 "vLLM accepts only the LoRA ranks 1, 8, 16, 32, 64, 128, 256, 320 and 512 (any other "
                                 "makes it exit at start): use the next one up from your adapters' largest rank"),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.engine.config import EngineConfig
-from shoal.engine.contracts import RequestOutputKind
+from shoal.engine.contracts import PoolingParams, RequestOutputKind
 from shoal.engine.core.outputs import RequestMetrics, RequestOutput
 
 logger = logging.getLogger("shoal.engine.core.async_engine")
@@ -304,7 +304,8 @@ class AsyncEngine:
         EngineNotReadyError or EngineDeadError.
         """
         self._check_admission()
-        if params.output_kind is not RequestOutputKind.DELTA:
+        # An embedding request (PoolingParams) has one output, its vector, when it finishes.
+        if not isinstance(params, PoolingParams) and params.output_kind is not RequestOutputKind.DELTA:
             params = params.clone(output_kind=RequestOutputKind.DELTA)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")

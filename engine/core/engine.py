@@ -15,10 +15,12 @@ from typing import Iterable
 import torch
 
 from shoal.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from shoal.engine.contracts import RequestOutputKind, SamplingParams
+from shoal.engine.contracts import PoolingParams, RequestOutputKind, SamplingParams
 from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.core.lora import LoRARegistry, LoRARequest
 from shoal.engine.core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from shoal.engine.core.pooling import finish as finish_pooling
+from shoal.engine.core.pooling import make_pooler
 from shoal.engine.core.scheduler import ScheduledSeq, Scheduler, build_step_inputs
 from shoal.engine.core.sequence import Request, Sequence, SeqStatus
 from shoal.engine.core.state_pool import StateCheckpoints, StatePool
@@ -70,8 +72,13 @@ class EngineStats:
 class ContextLengthError(ValueError):
     """The prompt plus the tokens to generate do not fit in max_model_len (the one place this is checked)."""
 
-    def __init__(self, max_model_len: int, prompt_len: int, max_tokens: int):
+    def __init__(self, max_model_len: int, prompt_len: int, max_tokens: int, embedding: bool = False):
         self.max_model_len, self.prompt_len, self.max_tokens = max_model_len, prompt_len, max_tokens
+        if embedding:
+            super().__init__(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len} tokens in the input for embedding generation. Please reduce the length of the input.")
+            return
         super().__init__(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
@@ -114,6 +121,10 @@ class LLMEngine:
         # Each layer's attention window (None: full context). When every layer has one, KV blocks that slid out of
         # the smallest window are freed as sequences advance (see Scheduler).
         self.layer_windows = model_class(self.hf_config).sliding_windows(self.hf_config)
+        # An encoder-only model (BertModel) only embeds: whole prompts per step (bidirectional attention cannot be
+        # chunked), no KV cache kept between steps, nothing generated.
+        self.is_encoder = bool(getattr(model_class(self.hf_config), "is_encoder", False))
+        self.generates, self.pools = self._resolve_runner()
         all_local = bool(self.layer_windows) and all(self.layer_windows)
         self.kv_window = min(self.layer_windows) if all_local else None
         self.max_model_len = self._resolve_max_model_len()
@@ -122,11 +133,15 @@ class LLMEngine:
         torch.manual_seed(config.seed)
 
         self.max_num_batched_tokens = config.max_num_batched_tokens or self._default_batched_tokens()
-        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        chunked = config.enable_chunked_prefill and not self.is_encoder
+        if not chunked and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"without chunked prefill{' (an encoder-only model runs whole prompts)' if self.is_encoder else ''}, "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_model_len ({self.max_model_len}), or long prompts could never be scheduled"
             )
+        self.pooler = make_pooler(self.model_dir, self.hf_config, self.is_encoder, config.pooler_config) \
+            if self.pools else None
 
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_dir)
         self.vocab_size = self.hf_config.vocab_size
@@ -166,13 +181,13 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()  # a failed start must not leave worker ranks behind
             raise
-        self.prefix_caching = config.enable_prefix_caching
+        self.prefix_caching = config.enable_prefix_caching and not self.is_encoder  # an encoder keeps no KV
         self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching)
         self.state_pool = StatePool(config.max_num_seqs) if self.state_bytes else None
         checkpoints = StateCheckpoints(config.max_num_seqs, self.num_checkpoints) if self.num_checkpoints else None
         self.sleep_level = 0  # 0 awake, else the level of the last sleep (sleep mode)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.scheduling_policy,
+                                   chunked, config.scheduling_policy,
                                    sliding_window=self.kv_window,
                                    max_loras=config.max_loras if config.enable_lora else None,
                                    state_pool=self.state_pool, checkpoints=checkpoints)
@@ -196,6 +211,11 @@ class LLMEngine:
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        if self.pooler is not None:
+            p = self.pooler
+            logger.info("embeddings: %s pooling, %s (%s)%s; generation %s", p.pooling_type,
+                        "normalized" if p.normalize else "not normalized", p.source,
+                        ", Matryoshka dimensions" if p.matryoshka else "", "on" if self.generates else "off")
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %s); max concurrency %.1f requests at max_model_len=%d; "
             "attention backend %s; prefix caching %s; max_num_batched_tokens=%d",
@@ -211,6 +231,24 @@ class LLMEngine:
         self._log_sliding_window(num_blocks)
 
     # -- set-up ---------------------------------------------------------------------------------------------
+    def _resolve_runner(self) -> tuple[bool, bool]:
+        """(generates, pools) from --runner and the model: see EngineConfig.runner."""
+        runner, c = self.config.runner, self.config
+        if self.is_encoder:
+            if runner == "generate":
+                raise ValueError(f"{self.hf_config.architectures[0]} is an encoder-only model: it cannot generate "
+                                 "(use --runner pooling or auto to serve /v1/embeddings)")
+            for name, on in (("--speculative-config", c.speculative_config is not None),
+                             ("--enable-lora", c.enable_lora), ("--enable-sleep-mode", c.enable_sleep_mode)):
+                if on:
+                    raise ValueError(f"{name} is not supported for an encoder-only model")
+        if c.world_size > 1 and (self.is_encoder or runner == "pooling"):
+            raise ValueError("embeddings (--runner pooling, encoder-only models) are not supported with tensor or "
+                             "pipeline parallelism: run the model with -tp 1 -pp 1")
+        generates = not self.is_encoder and runner != "pooling"
+        pools = runner != "generate" and c.world_size == 1  # auto on a parallel decoder: generation only
+        return generates, pools
+
     def _log_sliding_window(self, num_blocks: int) -> None:
         windowed = [w for w in self.layer_windows if w]
         if not windowed:
@@ -250,7 +288,7 @@ class LLMEngine:
 
     def _default_batched_tokens(self) -> int:
         default = 8192 if self.device.type == "cuda" else 2048
-        if not self.config.enable_chunked_prefill:
+        if not self.config.enable_chunked_prefill or self.is_encoder:
             default = max(default, self.max_model_len)
         return default
 
@@ -263,6 +301,8 @@ class LLMEngine:
             padding = max(padding, self.proposer.runner.padding_blocks)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
+        if self.is_encoder:  # blocks only count tokens: a step's prompts (each rounded up), freed after the step
+            return -(-self.max_num_batched_tokens // c.block_size) + c.max_num_seqs
         if self.device.type == "cuda" and c.kv_cache_memory is None:
             free, total = torch.cuda.mem_get_info(self.device)
             peak = self.executor.profile_peak_memory(
@@ -296,11 +336,24 @@ class LLMEngine:
         return budget - c.max_num_seqs * per_seq
 
     # -- requests -------------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, *,
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | PoolingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0,
                     lora_request: str | LoRARequest | None = None) -> None:
-        """lora_request: the name of a registered LoRA adapter (or its LoRARequest) to run the request under."""
+        """lora_request: the name of a registered LoRA adapter (or its LoRARequest) to run the request under.
+        PoolingParams make it an embedding request: its prompt is prefilled and pooled, nothing is generated."""
         params = params or SamplingParams()
+        pooling = None
+        if isinstance(params, PoolingParams):
+            if self.pooler is None:
+                raise ValueError("this engine does not serve embeddings (--runner generate, or a tensor/pipeline-"
+                                 "parallel engine); start it with --runner auto or pooling")
+            if lora_request is not None:
+                raise ValueError("embeddings under a LoRA adapter are not supported")
+            pooling = self.pooler.resolve(params)
+        elif not self.generates:
+            raise ValueError("this engine serves embeddings only (an encoder-only model, or --runner pooling): "
+                             "use /v1/embeddings")
         lora = self._lora(lora_request)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -313,6 +366,11 @@ class LLMEngine:
                 raise ValueError(f"prompt token id {bad[0]!r} is out of range: ids must be integers in [0, {self.vocab_size})")
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if pooling is not None:
+            if len(token_ids) > self.max_model_len:
+                raise ContextLengthError(self.max_model_len, len(token_ids), 0, embedding=True)
+            self._add_pooling_request(request_id, text, token_ids, pooling, arrival_time, priority)
+            return
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(token_ids)
@@ -347,6 +405,19 @@ class LLMEngine:
             seq.grammar = grammar.matcher() if grammar is not None else None
             request.seqs.append(seq)
             self.scheduler.add(seq)
+        self.requests[request_id] = request
+        self.prompt_tokens_total += len(token_ids)
+
+    def _add_pooling_request(self, request_id: str, text: str | None, token_ids: list[int], pooling: PoolingParams,
+                             arrival_time: float | None, priority: int) -> None:
+        # Nothing is generated (max_tokens 0); the request keeps plain parameters so shared paths read one type.
+        params = SamplingParams(max_tokens=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        request = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority,
+                          pooling=pooling)
+        seq = Sequence(seq_id=next(self._seq_ids), request=request, index=0, token_ids=list(token_ids),
+                       num_prompt_tokens=len(token_ids))
+        request.seqs.append(seq)
+        self.scheduler.add(seq)
         self.requests[request_id] = request
         self.prompt_tokens_total += len(token_ids)
 
@@ -421,11 +492,16 @@ class LLMEngine:
         if self.proposer is not None and self.proposer.fills_after_schedule:
             self.proposer.fill(sched.scheduled)
         rows, sampling, scoring = self._sampling_rows(sched.scheduled)
+        pooling = self._pooling_ranges(sched.scheduled)
         inputs = build_step_inputs(sched.scheduled, self.config.block_size)
         if self.lora is not None:
             self._lora_inputs(inputs, sched.scheduled)
-        sampled = self.executor.execute(inputs, rows)
+        if inputs.pool_ranges:
+            sampled, pooled = self.executor.execute_pooling(inputs, rows)
+        else:
+            sampled, pooled = self.executor.execute(inputs, rows), None
         self.scheduler.after_step(sched)
+        embedded = self._finish_pooling(pooling, pooled) if pooling else []
 
         for row, request in scoring:
             self._record_prompt_logprob(request, row, sampled)
@@ -451,6 +527,53 @@ class LLMEngine:
             out = self._request_output(request)
             if out is not None:
                 outputs.append(out)
+        return outputs + embedded
+
+    # -- embedding requests ---------------------------------------------------------------------------------
+    @staticmethod
+    def _pooling_ranges(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Set the positions each embedding request pools this step; its scheduled entries (in step order)."""
+        out = []
+        for s in scheduled:
+            seq = s.seq
+            if seq.pooling is None:
+                continue
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
+            kind = seq.pooling.pooling_type
+            if kind == "MEAN":
+                s.pooled = range(start, end)
+            elif kind == "CLS" and start == 0:
+                s.pooled = range(0, 1)
+            elif kind == "LAST" and end == seq.num_prompt_tokens:
+                s.pooled = range(end - 1, end)
+            out.append(s)
+        return out
+
+    def _finish_pooling(self, scheduled: list[ScheduledSeq], pooled) -> list[RequestOutput]:
+        """Add this step's pooled hidden states to each embedding request; finish those whose prompt is done (their
+        blocks go back to the pool at once)."""
+        outputs = []
+        now = time.time()
+        row = 0
+        for s in scheduled:
+            seq = s.seq
+            if s.pooled:
+                vector = pooled[row]
+                row += 1
+                # A chunk from position 0 starts the sum again (a preempted prompt is recomputed from there).
+                seq.pooled = vector if s.pooled.start == 0 or seq.pooled is None else seq.pooled + vector
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                continue
+            request = seq.request
+            seq.finish_reason = "stop"
+            self.scheduler.remove(seq)
+            embedding = finish_pooling(seq.pooled, seq.num_prompt_tokens, request.pooling)
+            seq.pooled = None
+            m = request.metrics
+            m.first_token_time = m.last_token_time = m.finished_time = now
+            self.requests.pop(request.request_id, None)
+            outputs.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], True, m,
+                                         seq.num_cached_tokens, embedding=embedding))
         return outputs
 
     def _sampling_rows(self, scheduled: list[ScheduledSeq]):
@@ -508,7 +631,7 @@ class LLMEngine:
         speculate = len(running) <= self.spec.disable_by_batch_size
         for seq in running:
             seq.spec_token_ids, seq.spec_probs = [], []
-            if not speculate or seq.grammar is not None or seq.num_tokens - seq.num_computed_tokens != 1:
+            if not speculate or seq.grammar is not None or seq.pooling is not None or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             # Room for the proposals and the model's own token after them, within max_tokens and the context.
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1

@@ -73,6 +73,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # in the first output only, in DELTA mode
     extra: dict = field(default_factory=dict)
+    # An embedding request's vector (a float32 CPU torch.Tensor), in its one, finished output; None otherwise.
+    embedding: object = None
 
     def add(self, delta: "RequestOutput") -> None:
         """Merge a later DELTA output of the same request into this one (completions matched by index)."""

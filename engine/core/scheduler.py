@@ -53,6 +53,8 @@ class ScheduledSeq:
     # recurrent state from, and the one its state is copied into after the step (-1: none).
     restore_from: int = -1
     save_to: int = -1
+    # Embedding requests: the positions of this step whose final hidden states are pooled (set by the engine).
+    pooled: range = range(0)
 
 
 @dataclass
@@ -163,6 +165,7 @@ class Scheduler:
         return 0
 
     def _scheduled(self, seq: Sequence, n: int, samples: bool, draft: int = 0, restore_from: int = -1):
+        samples = samples and seq.pooling is None  # an embedding request pools its prompt and samples nothing
         return ScheduledSeq(seq, n, samples, draft, restore_from=restore_from, save_to=self._save_slot(seq, n))
 
     # -- one step ------------------------------------------------------------------------------------------
@@ -224,6 +227,8 @@ class Scheduler:
                 # Reuse cached full blocks, but always compute at least the last token (its logits are needed),
                 # and every prompt position whose logprobs are still wanted.
                 usable = seq.num_tokens - 1 if seq.prompt_scored_upto is None else seq.prompt_scored_upto
+                if seq.pooling is not None and seq.pooling.pooling_type != "LAST":
+                    usable = 0  # MEAN and CLS pool hidden states a cached prefix would not compute
                 seq.block_ids, seq.block_hashes = self.pool.lookup_prefix(
                     seq.token_ids, usable, seq.lora_id, self._usable_prefix if self.checkpoints else None)
                 seq.num_computed_tokens = len(seq.block_ids) * self.block_size
@@ -307,6 +312,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
     state_slots: list[int] = []
     restore: list[int] = []
     save: list[int] = []
+    pool_ranges: list[tuple[int, int]] = []
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
         c = seq.num_computed_tokens
@@ -330,6 +336,9 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
             save.append(s.save_to)
         query_start.append(len(tokens))
         tables.append(blocks + [0] * (width - len(blocks)))
+        if s.pooled:  # contiguous positions whose hidden states are pooled, as rows of the flat batch
+            first = len(tokens) - n + (s.pooled.start - c)
+            pool_ranges.append((first, first + len(s.pooled)))
         for p in s.scored:  # prompt positions whose logits score the next prompt token
             logits_indices.append(len(tokens) - n + (p - c))
         if s.samples:
@@ -350,4 +359,5 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
         state_slots=torch.tensor(state_slots, dtype=torch.int64) if state_slots else None,
         state_restore=torch.tensor(restore, dtype=torch.int64) if any(r >= 0 for r in restore) else None,
         state_save=torch.tensor(save, dtype=torch.int64) if any(s >= 0 for s in save) else None,
+        pool_ranges=pool_ranges or None,
     )

@@ -52,6 +52,8 @@ class Sequence:
     # leading positions hold valid draft keys/values (DraftModelProposer).
     spec_probs: list = field(default_factory=list)
     num_draft_computed: int = 0
+    # Embedding requests: the pooled hidden states so far (a sum over the prompt's chunks, for MEAN pooling).
+    pooled: torch.Tensor | None = None
 
     @property
     def prompt_scored_upto(self) -> int | None:
@@ -62,6 +64,11 @@ class Sequence:
         if self.index != 0 or plp is None or len(plp) >= self.num_prompt_tokens:
             return None
         return max(0, len(plp) - 1)
+
+    @property
+    def pooling(self):
+        """The request's resolved PoolingParams when it is an embedding request (None: it generates)."""
+        return self.request.pooling
 
     @property
     def held_block_ids(self) -> list[int]:
@@ -107,6 +114,9 @@ class Request:
     prompt_logprobs: list | None = None  # one entry per prompt token scored so far (the first is None)
     prompt_logprobs_sent: bool = False
     lora: object = None  # a core.lora.LoRARequest when the request runs under an adapter
+    # An embedding request's PoolingParams, every field resolved (pooling_type, normalize set): its prompt is
+    # prefilled (chunked under the same token budget as any prompt), pooled, and nothing is generated.
+    pooling: object = None
 
     @property
     def arrival_time(self) -> float:

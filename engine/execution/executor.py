@@ -88,6 +88,13 @@ class UniProcExecutor:
         logits = self.runner.execute(inputs)
         return self.sampler(logits, rows) if rows else None
 
+    def execute_pooling(self, inputs: StepInputs, rows: list[SamplingRow]) -> tuple[SamplerOutput | None,
+                                                                                    torch.Tensor]:
+        """A step with embedding requests in it: the sampled rows as execute() and the pooled hidden-state sums
+        (ModelRunner.execute_pooling). Only this executor pools: the parallel ones do not return hidden states."""
+        logits, pooled = self.runner.execute_pooling(inputs)
+        return (self.sampler(logits, rows) if rows else None), pooled
+
     def add_lora(self, adapter_id: int, path: str) -> None:
         self.runner.add_lora(adapter_id, path)
 

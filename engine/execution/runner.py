@@ -95,6 +95,8 @@ class ModelRunner:
             logger.info("decode graph capture is off: the %s attention backend cannot be captured",
                         self.backend_name)
             return
+        if getattr(self.model, "is_encoder", False):
+            return  # an encoder runs whole prompts only, never a decode step
         if getattr(self.model, "has_state", False):
             logger.info("decode graph capture is off: the model's recurrent layers update per-sequence state")
             return
@@ -106,6 +108,8 @@ class ModelRunner:
     def bytes_per_block(self, block_size: int) -> int:
         """K and V bytes of one block over this rank's layers; an fp8 cache counts its scales too."""
         m = self.model
+        if getattr(m, "is_encoder", False):
+            return 0  # an encoder keeps no KV cache: its blocks only count tokens in the scheduler
         per_head = m.kv_cache_class.bytes_per_token_head(m.head_dim, self.dtype, self.kv_cache_dtype)
         layers = getattr(m, "num_kv_layers", m.num_local_layers)  # hybrids: only the attention layers
         return max(1, layers * m.num_kv_heads_local * per_head * block_size)
@@ -131,6 +135,9 @@ class ModelRunner:
         # With decode capture, one block past the pool belongs to the padding rows of padded batches.
         blocks = num_blocks + (self.capture is not None)
         self.block_size = block_size
+        if getattr(m, "is_encoder", False):  # bidirectional attention within each step's prompts: nothing kept
+            self.kv_caches = []
+            return
 
         def make_kv():
             return m.kv_cache_class.allocate(blocks, block_size, m.num_kv_heads_local, m.head_dim, self.dtype,
@@ -205,6 +212,25 @@ class ModelRunner:
                 return logits
         if inputs.input_ids.device != self.device:
             inputs = inputs.to(self.device)
+        out = self._forward(inputs, hidden)
+        if not self.model.ps.is_last_stage:
+            return out
+        return self.model.compute_logits(out.index_select(0, inputs.logits_indices))
+
+    @torch.inference_mode()
+    def execute_pooling(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Run one step that pools (one process, every layer here): float32 logits for inputs.logits_indices (None
+        when no row samples) and, per entry of inputs.pool_ranges, the sum of the final hidden states of its rows
+        ([P, hidden] float32, on the CPU). Never a captured graph: those return logits only."""
+        if inputs.input_ids.device != self.device:
+            inputs = inputs.to(self.device)
+        out = self._forward(inputs, None)
+        pooled = torch.stack([out[a:b].float().sum(0) for a, b in inputs.pool_ranges]).cpu()
+        if not inputs.logits_indices.numel():
+            return None, pooled
+        return self.model.compute_logits(out.index_select(0, inputs.logits_indices)), pooled
+
+    def _forward(self, inputs: StepInputs, hidden: torch.Tensor | None) -> torch.Tensor:
         if self.lora is not None:
             self.lora.prepare(inputs.lora_slot_ids, inputs.lora_token_slots)
         meta = attention_metadata(inputs)
@@ -213,9 +239,7 @@ class ModelRunner:
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden)
         if inputs.state_save is not None:  # ... and keep the state of prompts ending their last full block
             self._copy_state(inputs.state_slots, inputs.state_save, from_slots=False)
-        if not self.model.ps.is_last_stage:
-            return out
-        return self.model.compute_logits(out.index_select(0, inputs.logits_indices))
+        return out
 
 
 def _attention_shape(hf_config) -> dict:

@@ -5,6 +5,7 @@ Routes
   POST /v1/responses, GET/DELETE /v1/responses/{id}  OpenAI's Responses API on the chat path (responses_api.py)
   POST /v1/messages, /v1/messages/count_tokens   Anthropic's Messages API on the chat path (anthropic_api.py),
                                                  errors in Anthropic's body
+  POST /v1/embeddings                            OpenAI's embeddings, pooled hidden states (embeddings_api.py)
   GET  /v1/models, /version                      adapters listed with `parent` (--enable-lora)
   POST /v1/load_lora_adapter, /unload_lora_adapter  vLLM's bodies: {"lora_name", "lora_path"} / {"lora_name"}
   POST /tokenize, /detokenize                    vLLM's shapes
@@ -27,7 +28,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from shoal.engine.core.async_engine import AsyncEngine, EngineError
 from shoal.engine.core.engine import SleepError
-from shoal.engine.server import anthropic_api
+from shoal.engine.server import anthropic_api, embeddings_api
 from shoal.engine.server import openai_api as oai
 from shoal.engine.server import responses_api
 from shoal.engine.server.common import (
@@ -337,6 +338,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | Key
     r = app.router
     r.add_post("/v1/completions", oai.create_completion)
     r.add_post("/v1/chat/completions", oai.create_chat_completion)
+    r.add_post("/v1/embeddings", embeddings_api.create_embedding)
     responses_api.add_routes(app, ResponseStore() if response_store is None else response_store)
     anthropic_api.add_routes(app)
     r.add_get("/v1/models", models_route)

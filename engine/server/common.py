@@ -64,7 +64,7 @@ def api_error_response(e: APIError) -> web.Response:
 # Request fields an engine or SamplingParams error message can start with.
 _PARAMS = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-                     "prompt_logprobs", "prompt"})
+                     "prompt_logprobs", "prompt", "dimensions", "input"})
 
 
 def param_from_message(msg: str) -> str | None:

@@ -210,6 +210,12 @@ class ServerMetrics(MetricsSink):
         self.structured_requests = Counter(
             PREFIX + "structured_output_requests", "Requests with grammar-constrained output, by constraint kind "
             "(json_schema, json_object, regex, choice, grammar, tool_call).", ln + ["kind"], registry=r)
+        self.embedding_requests = Counter(
+            PREFIX + "embedding_requests", "Finished /v1/embeddings inputs (one per string or token list).", ln,
+            registry=r)
+        self.embedding_tokens = Counter(
+            PREFIX + "embedding_prompt_tokens", "Prompt tokens pooled into embeddings (also in prompt_tokens).", ln,
+            registry=r)
         # Children bound once (label lookups are not free on the hot path).
         self._ttft = self.ttft.labels(model_name)
         self._itl = self.itl.labels(model_name)
@@ -218,6 +224,8 @@ class ServerMetrics(MetricsSink):
         self._success = {reason: self.request_success.labels(model_name, reason) for reason in FINISHED_REASONS}
         self._prompt_len = self.prompt_len.labels(model_name)
         self._gen_len = self.gen_len.labels(model_name)
+        self._embedding_requests = self.embedding_requests.labels(model_name)
+        self._embedding_tokens = self.embedding_tokens.labels(model_name)
 
     def attach(self, engine: AsyncEngine) -> None:
         stats = _EngineStatsCollector(engine, self.model_name)
@@ -238,7 +246,10 @@ class ServerMetrics(MetricsSink):
 
     def on_finished(self, output: RequestOutput, finished_time: float) -> None:
         reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
-        reason = reasons[0] if reasons else "abort"
+        reason = reasons[0] if reasons else "stop" if output.embedding is not None else "abort"
+        if output.embedding is not None:
+            self._embedding_requests.inc()
+            self._embedding_tokens.inc(len(output.prompt_token_ids))
         if reason not in self._success:
             self._success[reason] = self.request_success.labels(self.model_name, reason)
         self._success[reason].inc()

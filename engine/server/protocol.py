@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 MAX_N = 128  # completions per request (the same cap as SamplingParams)
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs cap)
@@ -200,6 +200,36 @@ class CompletionRequest(_SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
+
+
+class EmbeddingRequest(BaseModel):
+    """/v1/embeddings: OpenAI's fields plus vLLM's add_special_tokens and priority."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: Prompt
+    dimensions: StrictInt | None = None  # checked against the model by the engine (Matryoshka models only)
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+    add_special_tokens: StrictBool = True
+    priority: int = 0
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input(s) as a list, each a string or a list of token ids; ValueError for an empty one."""
+        p = self.input
+        if isinstance(p, str):
+            items: list = [p]
+        elif not p:
+            raise ValueError("input must not be empty")
+        elif all(isinstance(x, int) for x in p):
+            items = [list(p)]
+        else:
+            items = list(p)
+        for i, item in enumerate(items):
+            if not item:
+                raise ValueError(f"input[{i}] is empty" if len(items) > 1 else "input must not be empty")
+        return items
 
 
 class ChatMessage(BaseModel):

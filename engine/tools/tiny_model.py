@@ -209,6 +209,50 @@ def make_model(
     return path
 
 
+def make_bert_model(path: str | os.PathLike, seed: int = 0, sentence_transformers: bool = True,
+                    **config_overrides) -> Path:
+    """A random-weight BertModel directory shaped like sentence-transformers' all-MiniLM (smaller): WordPiece
+    tokenizer adding [CLS]/[SEP], and with `sentence_transformers` its modules.json (Transformer -> mean Pooling ->
+    Normalize) and 1_Pooling/config.json."""
+    import json
+
+    import torch
+    import transformers as tf
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    words = sorted({w for text in _CORPUS for w in text.lower().split()})
+    chars = sorted({ch for text in _CORPUS for ch in text.lower() if not ch.isspace()})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + ch for ch in chars] + words
+    vocab = list(dict.fromkeys(vocab))
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tf.BertTokenizerFast(vocab={t: i for i, t in enumerate(vocab)}, do_lower_case=True).save_pretrained(str(path))
+    kw = dict(vocab_size=len(vocab), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=128, max_position_embeddings=128, type_vocab_size=2, hidden_act="gelu")
+    kw.update(config_overrides)
+    config = tf.BertConfig(**kw)
+    torch.manual_seed(seed)
+    model = tf.BertModel(config, add_pooling_layer=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+            elif "bias" in name:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(str(path), safe_serialization=True)
+    if sentence_transformers:
+        (path / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+        (path / "1_Pooling").mkdir(exist_ok=True)
+        (path / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": kw["hidden_size"], "pooling_mode_cls_token": False,
+            "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+            "pooling_mode_mean_sqrt_len_tokens": False}))
+    return path
+
+
 def default_model_dir() -> Path:
     """The demo model's cache directory: $SHOAL_CACHE or ~/.cache/shoal, then demo-llama."""
     root = Path(os.environ.get("SHOAL_CACHE", Path.home() / ".cache" / "shoal"))

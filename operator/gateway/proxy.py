@@ -79,7 +79,7 @@ ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/l
                          "/update_weights", "/pause", "/resume"})
 # The shared gateway proxies only these (each names its model); engine administration (loading adapters, ...)
 # is never reachable through the platform's entry point.
-SHARED_PATHS = (*ROUTED_PATHS, "/tokenize", "/detokenize")
+SHARED_PATHS = (*ROUTED_PATHS, "/v1/embeddings", "/tokenize", "/detokenize")
 KEY_HEADERS = ("authorization", "x-api-key")
 ENGINE_DEFAULT_MAX_NUM_SEQS = 256  # Shoal's and vLLM's --max-num-seqs default
 ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span - how far the tenant is below its fair share

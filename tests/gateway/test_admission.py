@@ -93,6 +93,7 @@ class Engine:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/embeddings", self.complete)
         self.server = TestServer(app)
 
     async def readyz(self, request):

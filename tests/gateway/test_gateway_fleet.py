@@ -99,6 +99,8 @@ def test_authorization_reaches_the_engine(fleet, start_gateway):
     assert status == 200 and b"tiny" in body
     status, body, _ = http("POST", gw.url + "/tokenize", {"model": "tiny", "prompt": "hello there"})
     assert status == 200 and b"tokens" in body
+    r = client(gw).embeddings.create(model="tiny", input=["hello there", "general kenobi"])
+    assert len(r.data) == 2 and r.usage.prompt_tokens > 0
 
 
 def test_a_stopped_backend_does_not_stall_requests_to_the_others(fleet, start_gateway):

@@ -73,6 +73,7 @@ async def test_a_name_belongs_to_its_namespace_and_only_grants_share_it(tmp_path
             assert await ask("sk-a", "chat") == (200, {"engine": "a-chat", "model": "chat"})
             assert await ask("sk-a", "sql") == (200, {"engine": "a-chat", "model": "sql"})
             assert (await ask("sk-a", "embed"))[1]["engine"] == "b-embed"  # granted to team-a
+            assert (await ask("sk-a", "embed", "/v1/embeddings"))[1]["engine"] == "b-embed"  # routed by its model
             # team-b resolves in its own namespace first
             assert (await ask("sk-b", "sql"))[1]["engine"] == "b-evil"
             # team-c is granted only `evil` ("*"): the rest of team-a and team-b look unknown, on every route
@@ -84,6 +85,8 @@ async def test_a_name_belongs_to_its_namespace_and_only_grants_share_it(tmp_path
                     "error"]["message"].replace("no-such-model", model)}})
                 assert status == 404
                 r = await client.post("/tokenize", json={"model": model, "prompt": "x"}, headers=auth("sk-c"))
+                assert r.status == 404
+                r = await client.post("/v1/embeddings", json={"model": model, "input": "x"}, headers=auth("sk-c"))
                 assert r.status == 404
                 assert (await client.get(f"/v1/models/{model}", headers=auth("sk-c"))).status == 404
             # /v1/models: what the caller may use, and never an adapter's path
@@ -103,7 +106,7 @@ async def test_a_name_belongs_to_its_namespace_and_only_grants_share_it(tmp_path
             assert (await ask("sk-a", "chat"))[1]["engine"] == "a-chat"  # its own names are untouched
             assert {c["id"] for c in (await (await client.get("/v1/models", headers=auth("sk-a"))).json())[
                 "data"]} == {"chat", "sql"}
-            assert not b_embed.seen[1:] and not c_embed.seen
+            assert not b_embed.seen[2:] and not c_embed.seen
             assert len(engines["evil"].seen) == 2  # team-b's own request and team-c's granted one, nothing else
         finally:
             await client.close()

@@ -12,7 +12,7 @@ from typing import Literal, get_args, get_origin
 import pytest
 
 from shoal.engine import cli, flags
-from shoal.engine.config import DistributedConfig, EngineConfig
+from shoal.engine.config import DistributedConfig, EngineConfig, PoolerConfig
 from shoal.operator import api, render
 from shoal.operator.render import Settings
 
@@ -29,9 +29,15 @@ NUMERIC_SAMPLES = {
     "max_lora_rank": 32,
     "max_cpu_loras": 8,
 }
+# Object-valued options: (the spec's camelCase value, the EngineConfig value it must arrive as).
+OBJECT_SAMPLES = {
+    "pooler_config": ({"poolingType": "MEAN", "normalize": False}, PoolerConfig(pooling_type="MEAN", normalize=False)),
+}
 
 
 def _values(name: str) -> list:
+    if name in OBJECT_SAMPLES:
+        return []  # test_object_options_round_trip
     base = flags.base_type(api.EngineOptions.model_fields[name].annotation)
     if base is bool:
         return [True, False]
@@ -59,7 +65,8 @@ def test_every_engine_option_of_the_spec_is_an_engine_flag():
     assert spec_only == {"shutdown_timeout_seconds", "extra_args"}  # a server flag and the pass-through
     for name in api.ENGINE_FLAG_FIELDS:
         assert flags.flag_of(EngineConfig.model_fields[name]) is not None, name
-        assert name in NUMERIC_SAMPLES or len(_values(name)) > 1, f"no sample value for spec.engine.{name}"
+        assert name in NUMERIC_SAMPLES or name in OBJECT_SAMPLES or len(_values(name)) > 1, \
+            f"no sample value for spec.engine.{name}"
 
 
 @pytest.mark.parametrize("name,value", CASES, ids=[f"{n}={v}" for n, v in CASES])
@@ -67,6 +74,14 @@ def test_option_round_trips_spec_to_engine_config(name, value):
     camel = api.EngineOptions.model_fields[name].alias
     config, args = _parsed_config({"model": {"uri": "hf://org/m"}, "engine": {camel: value}})
     assert getattr(config, name) == value, args
+
+
+@pytest.mark.parametrize("name", sorted(OBJECT_SAMPLES))
+def test_object_options_round_trip(name):
+    spec_value, want = OBJECT_SAMPLES[name]
+    camel = api.EngineOptions.model_fields[name].alias
+    config, args = _parsed_config({"model": {"uri": "hf://org/m"}, "engine": {camel: spec_value}})
+    assert getattr(config, name) == want, args
 
 
 def test_all_options_together_round_trip():
