@@ -8,6 +8,7 @@ on a pod (``pod_problem``) with the API's own words; ``invalid_status`` is the s
 from __future__ import annotations
 
 import datetime
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +133,28 @@ def _download_problem(pod: dict[str, Any], now: datetime.datetime, budget: int |
         return "ModelDownloading", (f"pod {name} is downloading the model ({so_far}; progress: kubectl logs "
                                     f"{name} -c {DOWNLOAD_CONTAINER})")
     return None
+
+
+def model_cache_status(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """status.modelCache: the summary the newest pod's download init container left as its termination message
+    (podtools/download.py), with the number of live pods that reported the same entry."""
+    reports = []
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            done = (cs.get("state") or {}).get("terminated") or {}
+            if cs.get("name") == DOWNLOAD_CONTAINER and done.get("exitCode") == 0:
+                try:
+                    summary = json.loads(done.get("message") or "")["modelCache"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if isinstance(summary, dict) and isinstance(summary.get("entry"), str):
+                    reports.append((done.get("finishedAt") or "", summary))
+    if not reports:
+        return None
+    _, newest = max(reports, key=lambda r: r[0])
+    out = {k: newest[k] for k in ("entry", "commit", "sizeBytes", "verified", "fetched") if newest.get(k) is not None}
+    out["pods"] = sum(1 for _, r in reports if r.get("entry") == newest["entry"])
+    return out
 
 
 def _probe_path(pod: dict[str, Any], probe: str) -> str:
@@ -314,7 +337,9 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     else:
         phase = "Pending"
 
+    cache = model_cache_status(live_pods)
     return {
+        **({"modelCache": cache} if cache else {}),
         "phase": phase,
         "replicas": replicas,
         "readyReplicas": ready,
