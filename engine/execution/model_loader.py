@@ -12,7 +12,7 @@ import torch
 from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config, is_gguf
 from shoal.engine.execution.layers.linear import PackedMatmul
 from shoal.engine.execution.models import model_class
-from shoal.engine.execution.weights import WeightError, WeightSource
+from shoal.engine.execution.weights import WeightError, WeightSource, load_threads
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     if is_gguf(model_dir):
         src = GGUFWeightSource(model_dir, hf_config, packed=_gguf_packed(gguf_packed, device))
     else:
-        src = WeightSource(model_dir)
+        src = WeightSource(model_dir, threads=load_threads())
     quant_config = getattr(hf_config, "quantization_config", None)
     if quant_config:  # GPTQ / AWQ: packed weights dequantized as they are read
         from shoal.engine.execution.quantization.prequantized import PrequantizedSource
