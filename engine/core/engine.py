@@ -14,6 +14,7 @@ from typing import Iterable
 
 import torch
 
+from shoal.engine import startup
 from shoal.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from shoal.engine.contracts import RequestOutputKind, SamplingParams
 from shoal.engine.core.kv_cache import BlockPool
@@ -160,7 +161,8 @@ class LLMEngine:
                     f"max_model_len={self.max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization / "
                     f"--num-kv-blocks or lower --max-model-len"
                 )
-            self.executor.allocate_kv_cache(num_blocks, config.block_size, self.num_state_slots)
+            with startup.timed("kv_cache"):
+                self.executor.allocate_kv_cache(num_blocks, config.block_size, self.num_state_slots)
             if getattr(self.proposer, "fills_after_schedule", False):  # a draft model: its cache, same blocks
                 self.proposer.allocate_kv_cache(num_blocks, config.block_size)
         except BaseException:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.engine import startup
 from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config, is_gguf
 from shoal.engine.execution.layers.linear import PackedMatmul
 from shoal.engine.execution.models import model_class
@@ -131,6 +132,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     for module in model.modules():
         if isinstance(module, PackedMatmul):  # a tied LM head shares its weight with the embedding: keep it
             module.prepack(free_original=not getattr(module, "tied", False))
-    logger.info("loaded %s (%s, %s) from %s in %.2fs", cls.__name__, str(dtype).removeprefix("torch."),
-                device, model_dir, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    startup.add("weights", seconds)
+    logger.info("loaded %s (%s, %s) from %s in %.2fs (%d loader threads)", cls.__name__,
+                str(dtype).removeprefix("torch."), device, model_dir, seconds, getattr(src, "threads", 1))
     return model
