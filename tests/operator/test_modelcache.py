@@ -168,3 +168,17 @@ def test_the_lease_sidecar_refreshes_and_releases(tmp_path):
     stop.set()
     t.join(10)
     assert not (leases / "pod-a").exists()
+
+
+def test_the_adapter_sidecar_counts_the_model_cache_against_its_cap(tmp_path, monkeypatch):
+    """A pod's own cache holds the model (in the model cache) and the adapters (in the hub cache): the adapter
+    sidecar's cap counts both, or adapters could fill the volume past its size limit."""
+    from huggingface_hub import constants
+
+    from shoal.operator.podtools import adapter_sync
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "shoal"))
+    cache = ModelCache(tmp_path / "shoal" / "models")
+    _entry(cache, "org--m@main", 4000, last_used=1.0)
+    assert adapter_sync.cache_usage() >= 4000
