@@ -179,6 +179,9 @@ def pod_problem(pod: dict[str, Any], now: datetime.datetime | None = None,
         if reason:
             last = ((cs.get("lastState") or {}).get("terminated") or {})
             extra = f" (last exit: {last.get('reason')}, code {last.get('exitCode')})" if last else ""
+            said = (last.get("message") or "").strip().splitlines()
+            if said and cs.get("name") == DOWNLOAD_CONTAINER:  # its termination message: why (the cache is full...)
+                extra += f": {said[-1][:300]}"
             return reason, (f"pod {name} container {cs.get('name')}: {waiting.get('reason')}: "
                             f"{waiting.get('message') or ''}{extra}").strip()
     for cond in status.get("conditions") or []:

@@ -76,3 +76,14 @@ def test_status_model_cache_is_the_newest_download_report():
                                                "fetched": False, "pods": 2}
     api.ModelCacheStatus.model_validate(status.model_cache_status(pods))
     assert status.model_cache_status([pods[2]]) is None
+
+
+def test_a_model_that_does_not_fit_shows_the_download_reason():
+    reason = ("model cache: org--big@main needs 30.00 GiB; the model cache (20.00 GiB) has 5.00 GiB free after "
+              "evicting every unused entry; in use: org--m@main (15.00 GiB, leased by llm-abc)")
+    pod = {"metadata": {"name": "llm-xyz"}, "status": {"phase": "Pending", "initContainerStatuses": [
+        {"name": render.DOWNLOAD_CONTAINER, "restartCount": 3,
+         "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+         "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": reason}}}]}}
+    found = status.pod_problem(pod)
+    assert found[0] == "CrashLoopBackOff" and found[1].endswith(reason[:300])
