@@ -2,13 +2,16 @@
 
 Phases (the names are the `phase` label of shoal:startup_seconds, and the keys of /startupz's `startup`):
   process       the interpreter's own start, until shoal-engine's main runs
-  imports       torch, transformers and the server's modules
+  imports       flags parsed; torch and the server's modules imported
+  config        the model folder resolved and its config read (transformers' config machinery imported)
+  tokenizer     the tokenizer loaded
   weights       building the model and loading its weights (model_loader.load_model)
   kernel_build  compiling or loading the JIT-built CPU kernels (native_build; a cached build only loads)
   kv_cache      allocating the KV cache
   warmup        the warm-up forwards before a decode graph is recorded (lazy: the first steps of each batch size)
   graph_capture recording decode graphs (lazy, as warm-up)
-  total         process start to ready (the lazy phases that ran before it included)
+  other         the rest of the time to ready (device and CPU-tier checks, the server's set-up, the engine thread)
+  total         process start to ready (model loaded), fixed then
 Seconds add up per phase in this process (rank 0; other ranks load their own shards at the same time).
 """
 
@@ -20,12 +23,14 @@ import threading
 import time
 from typing import Iterator
 
-PHASES = ("process", "imports", "weights", "kernel_build", "kv_cache", "warmup", "graph_capture")
+PHASES = ("process", "imports", "config", "tokenizer", "weights", "kernel_build", "kv_cache", "warmup",
+          "graph_capture")
 
 _lock = threading.Lock()
 _seconds: dict[str, float] = {}
 _ready_at: float | None = None
 _main_t0: float | None = None
+_at_ready = 0.0  # the phases' sum when ready() ran (lazy phases after it are not part of `total`)
 
 
 def process_started_at() -> float | None:
@@ -43,6 +48,11 @@ def process_started_at() -> float | None:
 def add(phase: str, seconds: float) -> None:
     with _lock:
         _seconds[phase] = _seconds.get(phase, 0.0) + max(0.0, seconds)
+
+
+def seconds(phase: str) -> float:
+    with _lock:
+        return _seconds.get(phase, 0.0)
 
 
 @contextlib.contextmanager
@@ -70,8 +80,12 @@ def imports_done() -> None:
 
 
 def ready() -> None:
-    global _ready_at
-    _ready_at = time.time()
+    """The model is loaded: `total` and `other` are fixed now (the first call counts)."""
+    global _ready_at, _at_ready
+    if _ready_at is None:
+        with _lock:
+            _at_ready = sum(_seconds.values())
+        _ready_at = time.time()
 
 
 def breakdown() -> dict[str, float]:
@@ -80,7 +94,9 @@ def breakdown() -> dict[str, float]:
         out = {p: round(_seconds[p], 3) for p in PHASES if p in _seconds}
     started = process_started_at()
     if _ready_at is not None and started is not None:
-        out["total"] = round(_ready_at - started, 3)
+        total = _ready_at - started
+        out["other"] = round(max(0.0, total - _at_ready), 3)
+        out["total"] = round(total, 3)
     return out
 
 

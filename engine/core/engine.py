@@ -98,8 +98,9 @@ def pick_device(choice: str) -> torch.device:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_dir = resolve_model_dir(config.model, config.revision)
-        self.hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
+        with startup.timed("config"):  # (transformers' config machinery is imported here, on first use)
+            self.model_dir = resolve_model_dir(config.model, config.revision)
+            self.hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
         self.device = pick_device(config.device)
         if self.device.type == "cpu":  # the tier decides dtype auto, kernels and their builds: say which
             from shoal.engine.execution.cpu_budget import apply_thread_count
@@ -118,7 +119,9 @@ class LLMEngine:
         all_local = bool(self.layer_windows) and all(self.layer_windows)
         self.kv_window = min(self.layer_windows) if all_local else None
         self.max_model_len = self._resolve_max_model_len()
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir, config.revision, config.trust_remote_code)
+        with startup.timed("tokenizer"):
+            self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir, config.revision,
+                                            config.trust_remote_code)
         self.model_name = config.served_model_name or config.model
         torch.manual_seed(config.seed)
 

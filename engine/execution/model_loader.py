@@ -104,7 +104,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     """`gguf_packed`: keep a GGUF file's quantized weights in their blocks (the packed kernels: C++ on CPU, Triton
     on CUDA); default on unless SHOAL_GGUF_DEQUANTIZE=1 (dequantize on load, for comparisons)."""
     cls = model_class(hf_config)
-    t0 = time.perf_counter()
+    t0, built_before = time.perf_counter(), startup.seconds("kernel_build")
     with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor
         model = cls(hf_config, dtype, backend, max_model_len, layer_partition)
     if is_gguf(model_dir):
@@ -133,7 +133,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         if isinstance(module, PackedMatmul):  # a tied LM head shares its weight with the embedding: keep it
             module.prepack(free_original=not getattr(module, "tied", False))
     seconds = time.perf_counter() - t0
-    startup.add("weights", seconds)
+    startup.add("weights", seconds - (startup.seconds("kernel_build") - built_before))  # builds count once
     logger.info("loaded %s (%s, %s) from %s in %.2fs (%d loader threads)", cls.__name__,
                 str(dtype).removeprefix("torch."), device, model_dir, seconds, getattr(src, "threads", 1))
     return model

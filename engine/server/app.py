@@ -128,6 +128,7 @@ class AccessLogger(AbstractAccessLogger):
 async def startupz(request: web.Request) -> web.Response:
     eng = get_state(request).engine
     if eng.is_loaded:  # with where the start-up went (shoal.engine.startup: seconds per phase)
+        startup.ready()  # (this answer may come before the server's own "ready" line)
         return json_response({"status": "started", "startup": startup.breakdown()})
     if eng.fatal_error is not None:
         return json_response({"status": "failed", "error": str(eng.fatal_error)}, 503)

@@ -120,7 +120,8 @@ class _EngineStatsCollector:
     def _startup(self):
         """Seconds of each start-up phase of this process (shoal.engine.startup), and `total` to ready."""
         g = GaugeMetricFamily(PREFIX + "startup_seconds", "Seconds spent in each start-up phase (process, imports, "
-                              "weights, kernel_build, kv_cache, warmup, graph_capture; total: to ready).",
+                              "config, tokenizer, weights, kernel_build, kv_cache, warmup, graph_capture, other; "
+                              "total: to ready).",
                               labels=["model_name", "phase"])
         for phase, seconds in startup.breakdown().items():
             g.add_metric([self.model_name, phase], seconds)

@@ -28,7 +28,7 @@ from prockit import free_port, http
 
 from shoal.engine.startup import PHASES
 
-COLUMNS = (*PHASES, "total")
+COLUMNS = (*PHASES, "other", "total")
 
 
 def serve_once(model: str, threads: int) -> dict[str, float]:
@@ -97,10 +97,10 @@ def main() -> None:
             serve_once(model, 1)  # the page cache and the kernel builds warm, so both rows start alike
             for threads in (1, min(8, os.cpu_count() or 1)):
                 rows.append((Path(model).name, threads, serve_once(model, threads)))
-        print(f"{'model':<34} {'threads':>7} " + " ".join(f"{c:>13}" for c in (*COLUMNS, "ready")))
+        print(f"{'model':<20} {'threads':>7} " + " ".join(f"{c[:9]:>9}" for c in (*COLUMNS, "ready")))
         for name, threads, b in rows:
-            print(f"{name[:34]:<34} {threads:>7} " + " ".join(
-                f"{b[c]:>12.2f}s" if c in b else f"{'-':>13}" for c in (*COLUMNS, "ready")))
+            print(f"{name[:20]:<20} {threads:>7} " + " ".join(
+                f"{b[c]:>8.2f}s" if c in b else f"{'-':>9}" for c in (*COLUMNS, "ready")))
         print()
         print(f"{'model':<34} {'first download':>15} {'from the cache':>15} {'MiB':>8}")
         with FakeHub() as hub:
