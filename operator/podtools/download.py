@@ -191,6 +191,7 @@ def ensure(cache: ModelCache, args: argparse.Namespace, where: str) -> dict:
     with cache.lock(key, on_wait=lambda: print(f"waiting: another pod is fetching {where} into the cache",
                                                flush=True)):
         fetched, evicted = False, []
+        cache.lease(key, args.holder)  # first: an eviction for another model skips it while it is checked
         manifest = cache.manifest(key)
         if manifest is not None:
             problems = cache.verify(key, full=args.verify == "full")
@@ -202,7 +203,7 @@ def ensure(cache: ModelCache, args: argparse.Namespace, where: str) -> dict:
             manifest, evicted = _download(cache, key, args, where)
             fetched = True
         cache.touch(key)
-        cache.lease(key, args.holder)  # before the engine starts: eviction never takes it from under this pod
+        cache.lease(key, args.holder)  # refreshed: it lasts until the lease sidecar (or the engine's start) takes over
     verb = "downloaded" if fetched else "found in the cache (verified)"
     print(f"{verb}: {where} at {cache.path(key)}, {_gib(manifest['sizeBytes'])}, {time.perf_counter() - t0:.1f}s"
           + (f"; evicted {', '.join(evicted)}" if evicted else ""), flush=True)

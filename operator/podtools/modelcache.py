@@ -246,13 +246,43 @@ class ModelCache:
         return sorted(out, key=lambda e: e.last_used)
 
     def usage(self, exclude: str | None = None) -> int:
-        """Bytes the cache holds or has promised: entries, plus each running download's full size."""
+        """Bytes the cache holds or has promised: entries, and each download folder at its reserved full size
+        (a running download) or its size on disk (an abandoned one)."""
         total = sum(e.size for e in self.entries() if e.key != exclude)
-        for reservation in (self.root / ".partial").glob("*.bytes"):
-            if reservation.name[:-len(".bytes")] != exclude:
-                with contextlib.suppress(OSError, ValueError):
-                    total += int(reservation.read_text())
+        for key, reserved, on_disk in self._partials():
+            if key != exclude:
+                total += max(reserved, on_disk)
         return total
+
+    def _partials(self) -> list[tuple[str, int, int]]:
+        """(key, reserved bytes, bytes on disk) of every download folder or reservation."""
+        found: dict[str, list[int]] = {}
+        for path in (self.root / ".partial").iterdir():
+            if path.name.endswith(".bytes"):
+                with contextlib.suppress(OSError, ValueError):
+                    found.setdefault(path.name[:-len(".bytes")], [0, 0])[0] = int(path.read_text())
+            elif path.is_dir():
+                found.setdefault(path.name, [0, 0])[1] = folder_bytes(path)
+        return [(k, r, d) for k, (r, d) in found.items()]
+
+    def _drop_abandoned(self, keep: str) -> None:
+        """Delete download folders nobody is downloading (their entry's lock is free): a model whose download
+        failed for good, or was replaced, must not hold space forever. The trash is emptied too."""
+        for key, _reserved, _on_disk in self._partials():
+            if key == keep:
+                continue
+            with open(self.root / ".locks" / f"{key}.lock", "a+") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # a download in progress
+                try:
+                    shutil.rmtree(self.partial(key), ignore_errors=True)
+                    self.unreserve(key)
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+        for leftover in (self.root / ".trash").iterdir():  # a deletion a crash interrupted
+            shutil.rmtree(leftover, ignore_errors=True)
 
     def make_room(self, key: str, need: int, cap: int | None) -> list[str]:
         """Reserve `need` bytes for downloading `key` under `cap`, evicting least recently used entries nobody
@@ -263,6 +293,8 @@ class ModelCache:
         with self.space_lock():
             evict: list[Entry] = []
             if cap is not None:
+                if cap - self.usage(exclude=key) < need:
+                    self._drop_abandoned(keep=key)
                 free = cap - self.usage(exclude=key)
                 for entry in self.entries():
                     if free >= need:

@@ -182,3 +182,14 @@ def test_the_adapter_sidecar_counts_the_model_cache_against_its_cap(tmp_path, mo
     cache = ModelCache(tmp_path / "shoal" / "models")
     _entry(cache, "org--m@main", 4000, last_used=1.0)
     assert adapter_sync.cache_usage() >= 4000
+
+
+def test_an_abandoned_download_is_cleared_when_space_is_short_but_a_running_one_is_kept(tmp_path):
+    cache = ModelCache(tmp_path)
+    for key in ("abandoned", "running"):
+        cache.partial(key).mkdir()
+        (cache.partial(key) / "model.safetensors").write_bytes(b"x" * 600)
+    assert cache.usage() == 1200  # both count against the cap while they are there
+    with cache.lock("running"):  # its downloader holds the entry's lock
+        cache.make_room("new", 600, cap=1_300)
+    assert not cache.partial("abandoned").exists() and cache.partial("running").exists()
