@@ -184,9 +184,11 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
     if args.response_store_size < 1 or args.response_store_ttl <= 0:
         parser.error("--response-store-size must be >= 1 and --response-store-ttl > 0")
+    from shoal.engine import startup
     from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT
     from shoal.engine.server.run import ServerOptions, run
 
+    startup.imports_done()
     opts = ServerOptions(
         host=args.host, port=args.port, api_key=api_key, shutdown_timeout=args.shutdown_timeout,
         access_log=not args.disable_access_log,
@@ -297,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from shoal.engine import startup
+
+    startup.main_started()
     from shoal.engine.execution.cpu_budget import apply_cpu_budget
     from shoal.engine.execution.cpu_features import CpuIsaError, cpu_features
 

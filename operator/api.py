@@ -49,7 +49,11 @@ MASTER_PORT = 29500  # torch.distributed rendezvous on rank 0 of a multi-pod gro
 DEMO_URI = "demo://"
 
 # hf://org/name  |  pvc://claim[/path]  |  file:///absolute/path (inside the image)  |  demo://
-URI_PATTERN = r"^(demo://|hf://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.*)$"
+# an OCI model image: registry host (with a dot or a port, or localhost) / repository, then a tag and/or a digest
+OCI_REFERENCE = (r"^(localhost|[a-zA-Z0-9-]+(\.[a-zA-Z0-9-]+)+|[a-zA-Z0-9.-]+:[0-9]+)(:[0-9]+)?"
+                 r"/[a-z0-9]+([._-]+[a-z0-9]+)*(/[a-z0-9]+([._-]+[a-z0-9]+)*)*"
+                 r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$")
+URI_PATTERN = r"^(demo://|hf://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.*|oci://.+)$"
 # LoRA adapters come from the same places as models, except the demo: hf://org/name, pvc://claim/path, file:///path
 ADAPTER_URI_PATTERN = (r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.+"
                        r"|file:///.+)$")
@@ -107,7 +111,9 @@ class ModelSource(_Model):
     uri: str = Field(
         default=DEMO_URI, pattern=URI_PATTERN,
         description="hf://org/name (hub id, resolved through HF_HOME), pvc://claim/path (a PersistentVolumeClaim "
-                    "mounted read-only at /models), file:///path (a path inside the engine image) or demo:// (the "
+                    "mounted read-only at /models), oci://registry/repo:tag (an OCI image of model files mounted "
+                    "read-only at /models as an image volume: Kubernetes >= 1.31 with the ImageVolume feature), "
+                    "file:///path (a path inside the engine image) or demo:// (the "
                     "demo model baked into the engine image, SmolLM2-135M-Instruct; the default). With runtime shoal "
                     "its config.json's `architectures` must be one the engine serves: "
                     + ", ".join(SUPPORTED_ARCHITECTURES) + ".",
@@ -623,6 +629,22 @@ class AdapterStatus(_Model):
                     "AdaptersReady and AdapterLoadFailed Events say more)")
 
 
+class ModelCacheStatus(_Model):
+    """The model's entry in the model cache, as the newest pod's download init container reported it (one entry:
+    the size of the status does not grow with pods or with the cache)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
+
+    entry: str = Field(max_length=600, description="the entry's folder under /cache/shoal/models (model@revision)")
+    commit: str | None = Field(default=None, max_length=64, description="the hub commit it holds")
+    size_bytes: int | None = Field(default=None, ge=0)
+    verified: Literal["hub", "manifest"] | None = Field(
+        default=None, description="hub: every file matched the hub's checksum when downloaded; manifest: checked "
+                                  "against the sha256 manifest written at download")
+    fetched: bool | None = Field(default=None, description="that pod downloaded it (false: found in the cache)")
+    pods: int | None = Field(default=None, ge=0, description="live pods whose download reported this entry")
+
+
 class InferenceServiceStatus(_Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
 
@@ -643,6 +665,8 @@ class InferenceServiceStatus(_Model):
     observed_generation: int | None = Field(default=None, ge=0)
     autoscaling: AutoscalingStatus | None = Field(default=None, description="the autoscaler's last decision")
     adapters: list[AdapterStatus] | None = Field(default=None, description="spec.adapters as the pods report them")
+    model_cache: ModelCacheStatus | None = Field(default=None, description="what the model cache holds for this "
+                                                 "service's hf:// model")
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
@@ -862,6 +886,11 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
     for i, env in enumerate(spec.env):
         if not isinstance(env.get("name"), str) or not env.get("name"):
             errors.append(SpecError(f"spec.env[{i}].name", "every env entry needs a name"))
+    if spec.model.uri.startswith("oci://"):
+        ref = spec.model.uri[len("oci://"):]
+        if not re.match(OCI_REFERENCE, ref) or not re.search(r"(:[^/]+|@sha256:[a-f0-9]{64})$", ref):
+            errors.append(SpecError("spec.model.uri", f"{ref!r} is not a full OCI image reference: "
+                                                      "oci://registry.example.com/repo/name:tag (or @sha256:<digest>)"))
     if spec.model.uri.startswith("pvc://") and not spec.model.uri[len("pvc://"):].split("/", 1)[0]:
         errors.append(SpecError("spec.model.uri", "pvc:// needs a claim name: pvc://claim/path"))
     errors += _adapter_errors(name, spec, pods)

@@ -216,6 +216,7 @@ class Reconciler:
         isvc, pinned, started = self._pin_engine_image(key, isvc)
         try:
             plan = self._plan(isvc)
+            await self._check_cache_claim(namespace, plan.spec)
         except api.SpecError as e:
             await self._write_status(isvc, status.invalid_status(isvc, e))
             return
@@ -419,6 +420,25 @@ class Reconciler:
                 return  # deleted while we worked
             raise
         self._event_on_transition(isvc, old_status, new_status)
+
+    async def _check_cache_claim(self, namespace: str, spec: api.InferenceServiceSpec) -> None:
+        """A model cache (model.cache.size: the eviction cap) larger than the existing claim it lives on would fill
+        the volume before eviction starts: refused before anything is applied. A claim the operator cannot read
+        (missing: the pods wait for it, as Kubernetes does) is not checked."""
+        cache = spec.model.cache
+        if not cache.claim_name or spec.cache_size() is None:
+            return
+        try:
+            claim = await self.kube.get("PersistentVolumeClaim", namespace, cache.claim_name)
+        except Exception:  # not found, or not readable: nothing to compare with
+            return
+        from kubernetes.utils import parse_quantity
+
+        have = ((claim.get("status") or {}).get("capacity") or {}).get("storage") or (
+            ((claim.get("spec") or {}).get("resources") or {}).get("requests") or {}).get("storage")
+        if have and parse_quantity(str(spec.cache_size())) > parse_quantity(str(have)):
+            raise api.SpecError("spec.model.cache.size", f"{spec.cache_size()} is larger than the claim "
+                                f"{cache.claim_name} ({have}): the cache would fill the volume before evicting")
 
     def _plan(self, isvc: dict[str, Any]) -> Plan:
         """render.plan, memoised per (uid, generation, autoscaler's replica count): every child event

@@ -41,6 +41,7 @@ from typing import Any
 from shoal.operator import adapters, api, contract, overlay, runtimes, upgrade
 from shoal.operator.gateway import options as gateway_options
 from shoal.operator.gateway.proxy import GatewayConfig
+from shoal.operator.podtools.modelcache import entry_key
 from shoal.operator.api import ENGINE_PORT, MASTER_PORT, InferenceServiceSpec
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/shoal-dev/shoal-engine:0.1.0"
@@ -60,6 +61,8 @@ from shoal.operator.contract import (A_GROUP_SIZE, A_REVISION, A_SPEC_HASH, L_CO
 
 DOWNLOAD_CONTAINER = "model-download"  # init container that fetches hf:// models (status.py watches it)
 CACHE_DIR = "/cache"
+MODEL_CACHE_DIR = f"{CACHE_DIR}/shoal/models"  # the model cache's root on the volume (podtools/modelcache.py)
+LEASE_CONTAINER = "model-cache-lease"  # native sidecar keeping the pod's lease on its cache entry (shared caches)
 CHAT_TEMPLATE_DIR = "/etc/shoal/chat-template"
 CHAT_TEMPLATE_KEY = "template.jinja"
 
@@ -169,11 +172,13 @@ def _finish(obj: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------- the engine pod
 def model_path(spec: InferenceServiceSpec) -> str | None:
-    """What the engine loads: a hub id (resolved offline in the cache the init container filled), a path on the
-    mounted claim or in the image; None for demo:// (the engine's built-in demo model)."""
+    """What the engine loads: the model cache's entry the init container filled (hf://), a path on the mounted
+    claim or image volume, or in the image; None for demo:// (the engine's built-in demo model)."""
     uri = spec.model.uri
     if uri.startswith("hf://"):
-        return uri[len("hf://"):]
+        return f"{MODEL_CACHE_DIR}/{entry_key(uri[len('hf://'):], spec.model.revision)}"
+    if uri.startswith("oci://"):
+        return MODELS_DIR
     if uri.startswith("pvc://"):
         _claim, _, path = uri[len("pvc://"):].partition("/")
         return f"{MODELS_DIR}/{path}".rstrip("/")
@@ -264,6 +269,8 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict
         *({"name": k, "value": v} for k, v in runtimes.of(spec).env),
         *({"name": k, "value": v} for k, v in (runtimes.of(spec).lora_env if spec.engine.enable_lora else ())),
     ]
+    if _cache_claimed(spec):  # the JIT-built CPU kernels outlive the pod (native_build keys them by CPU tier)
+        env.append({"name": "TORCH_EXTENSIONS_DIR", "value": f"{CACHE_DIR}/shoal/torch_extensions"})
     if multi:
         env.append({"name": "SHOAL_NODE_RANK",
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}})
@@ -370,6 +377,10 @@ def _volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]
         claim = spec.model.uri[len("pvc://"):].split("/", 1)[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+    if spec.model.uri.startswith("oci://"):  # an image volume (Kubernetes >= 1.31, ImageVolume): pulled, not fetched
+        volumes.append({"name": "model", "image": {"reference": spec.model.uri[len("oci://"):],
+                                                   "pullPolicy": spec.image_pull_policy or "IfNotPresent"}})
+        mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
     if spec.model.chat_template:
         volumes.append({"name": "chat-template", "configMap": {"name": f"{name}-chat-template"}})
         mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True})
@@ -421,9 +432,9 @@ def _download_container(spec: InferenceServiceSpec, image: str, env: list[dict[s
                         mounts: list[dict[str, Any]]) -> dict[str, Any]:
     """The init container that fills the cache volume with an hf:// model: the engine never downloads (HF_TOKEN
     may come from spec.env)."""
-    download_args = ["--model", spec.model.uri[len("hf://"):]]
-    if spec.model.revision:
-        download_args += ["--revision", spec.model.revision]
+    download_args = _cache_args(spec)
+    if (cap := cache_cap(spec)) is not None:
+        download_args += ["--max-cache-bytes", str(cap)]
     container = {
         "name": DOWNLOAD_CONTAINER,
         "image": image,
@@ -434,6 +445,43 @@ def _download_container(spec: InferenceServiceSpec, image: str, env: list[dict[s
         # a download is network and disk bound; requests keep the pod out of BestEffort while it runs,
         # the limit bounds the hub client's parallel buffers
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "8Gi"}},
+        "securityContext": _restricted_container(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    return container
+
+
+def _cache_args(spec: InferenceServiceSpec) -> list[str]:
+    out = ["--model", spec.model.uri[len("hf://"):]]
+    if spec.model.revision:
+        out += ["--revision", spec.model.revision]
+    return out + ["--cache-dir", MODEL_CACHE_DIR]
+
+
+def cache_cap(spec: InferenceServiceSpec) -> int | None:
+    """The model cache's size cap in bytes: its size (what LRU eviction keeps the cache under), else the bound of
+    the pod's own cache volume; None: unbounded."""
+    from kubernetes.utils import parse_quantity
+
+    size = spec.cache_size() if _cache_claimed(spec) else cache_bound(spec)
+    return int(parse_quantity(str(size))) if size is not None else None
+
+
+def _lease_container(spec: InferenceServiceSpec, image: str, env: list[dict[str, Any]],
+                     mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A native sidecar (restartPolicy Always: it starts before the engine and stops after it) that keeps this
+    pod's lease on the cache entry fresh, so eviction for another model never removes the one it runs."""
+    container = {
+        "name": LEASE_CONTAINER,
+        "image": image,
+        "command": [PODTOOLS],
+        "args": ["cache-lease", *_cache_args(spec)],
+        "restartPolicy": "Always",
+        "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
+        "volumeMounts": [m for m in mounts if m["name"] == "cache"],
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
         "securityContext": _restricted_container(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -511,6 +559,8 @@ def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Set
     container = _engine_container(isvc, spec, settings, replica=replica, multi=multi, env=env, mounts=mounts)
     init_containers = ([_download_container(spec, settings.fleet_image, env, mounts)]
                        if spec.model.uri.startswith("hf://") else [])
+    if init_containers and _shared_cache(spec):
+        init_containers.append(_lease_container(spec, settings.fleet_image, env, mounts))
     sidecars = [_adapter_sync_container(spec, settings.fleet_image, env, mounts)] if spec.engine.enable_lora else []
     pod_spec: dict[str, Any] = {
         **({"initContainers": init_containers} if init_containers else {}),

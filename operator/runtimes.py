@@ -291,7 +291,7 @@ def args(rt: Runtime, spec: Any, *, model: str | None, served_name: str, port: i
     out: list[str] = []
     if model is not None:
         out += [rt.model_flag, model]
-        if spec.model.revision:
+        if spec.model.revision and not model.startswith("/"):  # a cache entry or a path is one revision already
             out += ["--revision", spec.model.revision]
     out += ["--served-model-name", served_name, "--host", "0.0.0.0", "--port", str(port)]
     for option in flag_fields(type(e)):  # in the spec's order

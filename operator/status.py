@@ -8,6 +8,7 @@ on a pod (``pod_problem``) with the API's own words; ``invalid_status`` is the s
 from __future__ import annotations
 
 import datetime
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +141,28 @@ def _download_problem(pod: dict[str, Any], now: datetime.datetime, budget: int |
     return None
 
 
+def model_cache_status(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """status.modelCache: the summary the newest pod's download init container left as its termination message
+    (podtools/download.py), with the number of live pods that reported the same entry."""
+    reports = []
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            done = (cs.get("state") or {}).get("terminated") or {}
+            if cs.get("name") == DOWNLOAD_CONTAINER and done.get("exitCode") == 0:
+                try:
+                    summary = json.loads(done.get("message") or "")["modelCache"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if isinstance(summary, dict) and isinstance(summary.get("entry"), str):
+                    reports.append((done.get("finishedAt") or "", summary))
+    if not reports:
+        return None
+    _, newest = max(reports, key=lambda r: r[0])
+    out = {k: newest[k] for k in ("entry", "commit", "sizeBytes", "verified", "fetched") if newest.get(k) is not None}
+    out["pods"] = sum(1 for _, r in reports if r.get("entry") == newest["entry"])
+    return out
+
+
 def _probe_path(pod: dict[str, Any], probe: str) -> str:
     """' (/readyz)': the engine container's probe path, which depends on the runtime (vLLM's is /health)."""
     for c in (pod.get("spec") or {}).get("containers") or []:
@@ -162,6 +185,9 @@ def pod_problem(pod: dict[str, Any], now: datetime.datetime | None = None,
         if reason:
             last = ((cs.get("lastState") or {}).get("terminated") or {})
             extra = f" (last exit: {last.get('reason')}, code {last.get('exitCode')})" if last else ""
+            said = (last.get("message") or "").strip().splitlines()
+            if said and cs.get("name") == DOWNLOAD_CONTAINER:  # its termination message: why (the cache is full...)
+                extra += f": {said[-1][:300]}"
             return reason, (f"pod {name} container {cs.get('name')}: {waiting.get('reason')}: "
                             f"{waiting.get('message') or ''}{extra}").strip()
     for cond in status.get("conditions") or []:
@@ -326,7 +352,9 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     else:
         phase = "Pending"
 
+    cache = model_cache_status(live_pods)
     return {
+        **({"modelCache": cache} if cache else {}),
         "phase": phase,
         "replicas": replicas,
         "readyReplicas": ready,

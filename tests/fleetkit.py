@@ -21,6 +21,13 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
   carries its local port as the container port (the operator reads its /status at podIP:port). The pod is Ready
   when both the engine and the sidecar are.
 
+* Init containers run before the engine: `shoal-podtools download` to completion (its termination message, the
+  model cache summary, goes to the pod's initContainerStatuses), native sidecars (restartPolicy Always: the
+  model cache's `cache-lease`) in the background until the pod goes. A PersistentVolumeClaim named in `claims`
+  is a local folder every pod mounting it shares (the model cache on a ReadWriteMany claim); paths under its
+  mount in args and env point there. A failing init container is reported through `Kubelet.error` (the pod is
+  not started), not as a pod in Init:Error.
+
 `GatewayProcess` runs a real `shoal-gateway` discovering the engines through the emulator's EndpointSlices, and
 `publish_gateway` makes it the endpoint of the gateway Service (what the gateway pods would be).
 """
@@ -58,9 +65,27 @@ VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON",
 POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "TRITON_CACHE_DIR"})
 
 
+def _host_env() -> dict[str, str]:
+    """This machine's env as a container's base: no HF_HUB_OFFLINE of the test session (a pod sets its own)."""
+    return {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+
+
+def _pod_env(container: dict, mounts: dict[str, str]) -> dict[str, str]:
+    """A container's literal env values, paths under a local mount mapped; the cache variables (POD_PATH_ENV) only
+    where they point into such a mount (else they would name in-pod paths that do not exist here)."""
+    out = {}
+    for e in container.get("env") or []:
+        if "value" not in e:
+            continue
+        local = _local_path(e["value"], mounts)
+        if e["name"] not in POD_PATH_ENV or local != e["value"]:
+            out[e["name"]] = local
+    return out
+
+
 def _local_path(value: str, mounts: dict[str, str]) -> str:
     for mount_path, folder in mounts.items():
-        if value.startswith(mount_path + "/"):
+        if value == mount_path or value.startswith(mount_path + "/"):
             return folder + value[len(mount_path):]
     return value
 
@@ -72,6 +97,8 @@ def local_argv(argv: list[str]) -> list[str]:
     entrypoint)."""
     if argv[:2] == ["shoal-engine", "serve"]:
         return [sys.executable, "-m", "shoal.engine.cli", *argv[1:]]
+    if argv[:2] in (["shoal-podtools", "download"], ["shoal-podtools", "cache-lease"]):
+        return [sys.executable, "-m", "shoal.operator.podtools", *argv[1:]]
     if argv[:2] == ["shoal-podtools", "sync-adapters"]:
         return [sys.executable, "-m", "shoal.operator.podtools", *argv[1:]]
     if argv[:2] == ["vllm", "serve"]:
@@ -104,6 +131,8 @@ class LocalPod:
     proc: subprocess.Popen
     log_path: str
     sidecars: list[Sidecar] = field(default_factory=list)
+    helpers: list[subprocess.Popen] = field(default_factory=list)  # native sidecars (restartPolicy Always)
+    init_statuses: list[dict] = field(default_factory=list)  # the finished init containers, as the pod shows them
     service: str = ""  # the engine Service whose EndpointSlice lists it
     ready_path: str = "/readyz"
     created: float = field(default_factory=time.monotonic)
@@ -118,12 +147,13 @@ class LocalPod:
             return f.read()
 
     def processes(self) -> list[subprocess.Popen]:
-        return [self.proc, *(s.proc for s in self.sidecars)]
+        return [self.proc, *(s.proc for s in self.sidecars), *self.helpers]
 
 
 class Kubelet:
     def __init__(self, client, cluster, namespace: str, engine_service: str | None, env: dict | None = None,
-                 interval: float = 0.1):
+                 interval: float = 0.1, claims: dict[str, str] | None = None):
+        self.claims = claims or {}  # PersistentVolumeClaim name -> the local folder it is
         self.client = client
         self.cluster = cluster
         self.ns = namespace
@@ -203,11 +233,12 @@ class Kubelet:
             else:
                 args += [flag, value]
         secrets = self._mount_secrets(name, container, template["spec"])
+        secrets.update(self._claim_mounts(container, template["spec"]))
         args = [_local_path(a, secrets) for a in args]
+        helpers, init_statuses = self._run_init_containers(name, template["spec"])
         log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{name}-", suffix=".log", delete=False)
-        pod_env = {e["name"]: _local_path(e["value"], secrets) for e in container.get("env") or []
-                   if "value" in e and e["name"] not in POD_PATH_ENV}
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **pod_env, **self.env}
+        pod_env = _pod_env(container, secrets)
+        env = {**_host_env(), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **pod_env, **self.env}
         # cwd: not the repository, whose operator/ folder would shadow the standard library's `operator` there
         proc = subprocess.Popen(local_argv(args), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=tempfile.gettempdir())
@@ -216,7 +247,8 @@ class Kubelet:
         pod_spec = copy.deepcopy(template["spec"])
         sidecars = [self._start_sidecar(name, c, pod_spec, port) for c in pod_spec["containers"][1:]]
         self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace, ready_path=ready_path,
-                                   sidecars=sidecars, service=self.service or f"{dep['metadata']['name']}-engines")
+                                   sidecars=sidecars, service=self.service or f"{dep['metadata']['name']}-engines",
+                                   helpers=helpers, init_statuses=init_statuses)
         self.events.append((time.monotonic(), name, "started"))
         self.client.create("pods", self.ns, {
             "apiVersion": "v1", "kind": "Pod",
@@ -269,6 +301,47 @@ class Kubelet:
                                 cwd=tempfile.gettempdir())
         ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")
         return Sidecar(proc, port, ready_path, log.name, projections)
+
+    def _claim_mounts(self, container: dict, pod_spec: dict) -> dict[str, str]:
+        """{mount path: local folder} of the container's claims that `claims` maps."""
+        volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+        out = {}
+        for mount in container.get("volumeMounts") or []:
+            claim = ((volumes.get(mount["name"]) or {}).get("persistentVolumeClaim") or {}).get("claimName")
+            if claim in self.claims:
+                out[mount["mountPath"]] = self.claims[claim]
+        return out
+
+    def _run_init_containers(self, pod: str, pod_spec: dict) -> tuple[list[subprocess.Popen], list[dict]]:
+        """Run the pod's init containers in order: a plain one to completion (a failure raises, with its log),
+        a native sidecar started and left running. -> (the sidecars, the init container statuses)."""
+        helpers, statuses = [], []
+        for c in pod_spec.get("initContainers") or []:
+            mounts = self._claim_mounts(c, pod_spec)
+            argv = [_local_path(a, mounts) for a in list(c.get("command") or []) + list(c.get("args") or [])]
+            message_file = tempfile.mktemp(prefix=f"kubelet-{pod}-{c['name']}-termination-")
+            if argv[:2] == ["shoal-podtools", "download"]:
+                argv += ["--termination-log", message_file]  # the container's terminationMessagePath
+            env = {**_host_env(), **_pod_env(c, mounts), **self.env, "HOSTNAME": pod}
+            log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{pod}-{c['name']}-", suffix=".log",
+                                              delete=False)
+            proc = subprocess.Popen(local_argv(argv), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    cwd=tempfile.gettempdir())
+            if c.get("restartPolicy") == "Always":
+                helpers.append(proc)
+                continue
+            rc = proc.wait(300)
+            with open(log.name, encoding="utf-8", errors="replace") as f:
+                output = f.read()
+            if rc != 0:
+                for h in helpers:
+                    h.kill()
+                raise RuntimeError(f"init container {c['name']} of {pod} exited {rc}:\n{output[-3000:]}")
+            message = open(message_file).read() if os.path.exists(message_file) else output[-2048:]
+            statuses.append({"name": c["name"], "ready": False, "restartCount": 0, "state": {"terminated": {
+                "exitCode": rc, "reason": "Completed", "message": message,
+                "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}})
+        return helpers, statuses
 
     def _mount_secrets(self, pod: str, container: dict, pod_spec: dict) -> dict[str, str]:
         """The container's Secret volumes as local folders holding the Secret's items (a missing Secret: an empty
@@ -323,6 +396,11 @@ class Kubelet:
                     if sidecar.proc.poll() is None:
                         sidecar.proc.kill()
                     sidecar.proc.wait(10)
+                for helper in local.helpers:  # native sidecars stop after the main containers
+                    try:
+                        helper.wait(10)
+                    except subprocess.TimeoutExpired:
+                        helper.kill()
                 self.events.append((time.monotonic(), name, f"exited {local.proc.returncode}"))
                 self._unpublish(local)
                 self.client.patch("pods", self.ns, name, {"metadata": {"finalizers": None}})
@@ -346,7 +424,8 @@ class Kubelet:
                 "phase": "Failed" if exited else "Running", "podIP": "127.0.0.1",
                 "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
                 "containerStatuses": [{"name": "engine", "ready": ready, "started": ready, "restartCount": 0,
-                                       "state": state}]}}, sub="status")
+                                       "state": state}],
+                **({"initContainerStatuses": local.init_statuses} if local.init_statuses else {})}}, sub="status")
             self._publish(local, pod, ready=ready, terminating=False)
 
     def _publish(self, local: LocalPod, pod: dict, ready: bool, terminating: bool) -> None:

@@ -14,6 +14,7 @@ from typing import Iterable
 
 import torch
 
+from shoal.engine import startup
 from shoal.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from shoal.engine.contracts import PoolingParams, RequestOutputKind, SamplingParams
 from shoal.engine.core.kv_cache import BlockPool
@@ -104,8 +105,9 @@ def pick_device(choice: str) -> torch.device:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_dir = resolve_model_dir(config.model, config.revision)
-        self.hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
+        with startup.timed("config"):  # (transformers' config machinery is imported here, on first use)
+            self.model_dir = resolve_model_dir(config.model, config.revision)
+            self.hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
         self.device = pick_device(config.device)
         if self.device.type == "cpu":  # the tier decides dtype auto, kernels and their builds: say which
             from shoal.engine.execution.cpu_budget import apply_thread_count
@@ -128,7 +130,9 @@ class LLMEngine:
         all_local = bool(self.layer_windows) and all(self.layer_windows)
         self.kv_window = min(self.layer_windows) if all_local else None
         self.max_model_len = self._resolve_max_model_len()
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir, config.revision, config.trust_remote_code)
+        with startup.timed("tokenizer"):
+            self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir, config.revision,
+                                            config.trust_remote_code)
         self.model_name = config.served_model_name or config.model
         torch.manual_seed(config.seed)
 
@@ -175,7 +179,8 @@ class LLMEngine:
                     f"max_model_len={self.max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization / "
                     f"--num-kv-blocks or lower --max-model-len"
                 )
-            self.executor.allocate_kv_cache(num_blocks, config.block_size, self.num_state_slots)
+            with startup.timed("kv_cache"):
+                self.executor.allocate_kv_cache(num_blocks, config.block_size, self.num_state_slots)
             if getattr(self.proposer, "fills_after_schedule", False):  # a draft model: its cache, same blocks
                 self.proposer.allocate_kv_cache(num_blocks, config.block_size)
         except BaseException:

@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from shoal.engine import startup
 from shoal.engine.execution.attention.base import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -160,14 +161,14 @@ class DecodeGraphs:
         try:
             stream = torch.cuda.Stream(self.runner.device)
             stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), startup.timed("warmup"):
                 for _ in range(2):  # warm-up: lazy initialisation and autotuning must not happen under capture
                     self._forward(bucket, meta)
             torch.cuda.current_stream(self.runner.device).wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with startup.timed("graph_capture"), torch.cuda.graph(graph, pool=self.pool):
                 logits = self._forward(bucket, meta)
         except Exception as e:  # any capture failure: warn once and keep serving eagerly
             self.failed = True
@@ -185,11 +186,13 @@ class DecodeGraphs:
 
         start = time.perf_counter()
         try:
-            for _ in range(2):  # warm-up: kernels are built and loaded, lazy state is set, before recording
-                self._forward(bucket, meta)
+            with startup.timed("warmup"):
+                for _ in range(2):  # warm-up: kernels are built and loaded, lazy state is set, before recording
+                    self._forward(bucket, meta)
             recorded = []
-            graph = cpu_graph.capture(lambda: recorded.append(
-                self._forward(bucket, self._meta(bucket, meta.seq_lens_list))) or recorded[0])
+            with startup.timed("graph_capture"):
+                graph = cpu_graph.capture(lambda: recorded.append(
+                    self._forward(bucket, self._meta(bucket, meta.seq_lens_list))) or recorded[0])
             # The same ops on the same inputs: the replay must give the recorded logits to the last bit.
             if not torch.equal(graph.replay(), recorded[0]):
                 raise cpu_graph.CaptureError("the replayed forward differs from the recorded one")

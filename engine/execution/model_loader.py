@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
+from shoal.engine import startup
 from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config, is_gguf
 from shoal.engine.execution.layers.linear import PackedMatmul
 from shoal.engine.execution.models import model_class
-from shoal.engine.execution.weights import WeightError, WeightSource
+from shoal.engine.execution.weights import WeightError, WeightSource, load_threads
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +104,13 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     """`gguf_packed`: keep a GGUF file's quantized weights in their blocks (the packed kernels: C++ on CPU, Triton
     on CUDA); default on unless SHOAL_GGUF_DEQUANTIZE=1 (dequantize on load, for comparisons)."""
     cls = model_class(hf_config)
-    t0 = time.perf_counter()
+    t0, built_before = time.perf_counter(), startup.seconds("kernel_build")
     with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor
         model = cls(hf_config, dtype, backend, max_model_len, layer_partition)
     if is_gguf(model_dir):
         src = GGUFWeightSource(model_dir, hf_config, packed=_gguf_packed(gguf_packed, device))
     else:
-        src = WeightSource(model_dir)
+        src = WeightSource(model_dir, threads=load_threads())
     quant_config = getattr(hf_config, "quantization_config", None)
     if quant_config:  # GPTQ / AWQ: packed weights dequantized as they are read
         from shoal.engine.execution.quantization.prequantized import PrequantizedSource
@@ -131,6 +132,8 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     for module in model.modules():
         if isinstance(module, PackedMatmul):  # a tied LM head shares its weight with the embedding: keep it
             module.prepack(free_original=not getattr(module, "tied", False))
-    logger.info("loaded %s (%s, %s) from %s in %.2fs", cls.__name__, str(dtype).removeprefix("torch."),
-                device, model_dir, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    startup.add("weights", seconds - (startup.seconds("kernel_build") - built_before))  # builds count once
+    logger.info("loaded %s (%s, %s) from %s in %.2fs (%d loader threads)", cls.__name__,
+                str(dtype).removeprefix("torch."), device, model_dir, seconds, getattr(src, "threads", 1))
     return model

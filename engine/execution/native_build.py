@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.engine import startup
 from shoal.engine.execution.cpu_features import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def load_cpu_extension(name: str, sources: list[Path], what: str, library: str, 
     try:
         _put_ninja_on_path()
         build_dir = Path(_get_build_directory(full_name, verbose=False))
-        with build_lock(build_dir):
+        with build_lock(build_dir), startup.timed("kernel_build"):
             load(name=full_name, sources=[str(s) for s in sources], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                  extra_include_paths=[str(INCLUDE_DIR)], build_directory=str(build_dir), is_python_module=False,
                  verbose=False)

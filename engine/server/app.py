@@ -26,6 +26,7 @@ import logging
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
+from shoal.engine import startup
 from shoal.engine.core.async_engine import AsyncEngine, EngineError
 from shoal.engine.core.engine import SleepError
 from shoal.engine.server import anthropic_api, embeddings_api
@@ -127,8 +128,9 @@ class AccessLogger(AbstractAccessLogger):
 # --------------------------------------------------------------------------------------------- health/misc
 async def startupz(request: web.Request) -> web.Response:
     eng = get_state(request).engine
-    if eng.is_loaded:
-        return json_response({"status": "started"})
+    if eng.is_loaded:  # with where the start-up went (shoal.engine.startup: seconds per phase)
+        startup.ready()  # (this answer may come before the server's own "ready" line)
+        return json_response({"status": "started", "startup": startup.breakdown()})
     if eng.fatal_error is not None:
         return json_response({"status": "failed", "error": str(eng.fatal_error)}, 503)
     return json_response({"status": "loading"}, 503)

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from shoal.engine import startup
 from shoal.engine.core.async_engine import AsyncEngine, MetricsSink
 from shoal.engine.core.outputs import RequestOutput
 
@@ -114,6 +115,17 @@ class _EngineStatsCollector:
                       get("spec_decode_num_accepted_tokens_total"))
 
         yield from self._lora(s)
+        yield self._startup()
+
+    def _startup(self):
+        """Seconds of each start-up phase of this process (shoal.engine.startup), and `total` to ready."""
+        g = GaugeMetricFamily(PREFIX + "startup_seconds", "Seconds spent in each start-up phase (process, imports, "
+                              "config, tokenizer, weights, kernel_build, kv_cache, warmup, graph_capture, other; "
+                              "total: to ready).",
+                              labels=["model_name", "phase"])
+        for phase, seconds in startup.breakdown().items():
+            g.add_metric([self.model_name, phase], seconds)
+        return g
 
     def _cache_config(self, num_blocks: float):
         """vLLM's cache_config_info: the KV cache's shape as label values (value 1). Endpoint pickers' prefix-cache

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from shoal.engine import startup
 from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT, ENGINE_THREAD, AsyncEngine
 from shoal.engine.config import EngineConfig
 from shoal.engine.server.app import AccessLogger, build_app
@@ -104,8 +105,10 @@ async def serve(config: EngineConfig, opts: ServerOptions, *, engine_factory=Non
             _remove_signal_handlers(loop)
             await runner.cleanup()
             return 1
+        startup.ready()
         logger.info("ready: serving %s at http://%s:%d (max_model_len %s)", engine.model_name, host, port,
                     engine.max_model_len)
+        logger.info("start-up: %s", startup.summary())
         death = asyncio.create_task(_engine_death(engine))
         done, _ = await asyncio.wait({first_signal, death}, return_when=asyncio.FIRST_COMPLETED)
         if first_signal in done:

@@ -95,11 +95,14 @@ def fetch(source: str) -> str:
 
 
 def cache_usage() -> int:
-    """Bytes in this pod's Hugging Face cache (each blob once: snapshots are symlinks to blobs)."""
+    """Bytes in this pod's Hugging Face cache (each blob once: snapshots are symlinks to blobs) and its model cache
+    (the hf:// model the init container fetched, podtools/modelcache.py)."""
     from huggingface_hub import constants
 
+    from shoal.operator.podtools.download import default_cache_dir
+
     total = 0
-    for root, _dirs, files in os.walk(constants.HF_HUB_CACHE):
+    for root, _dirs, files in (*os.walk(constants.HF_HUB_CACHE), *os.walk(default_cache_dir())):
         for f in files:
             try:
                 st = os.lstat(os.path.join(root, f))

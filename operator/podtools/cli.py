@@ -1,4 +1,4 @@
-"""`shoal-podtools`: download | sync-adapters — the engine pods' helper containers (operator image, any runtime)."""
+"""`shoal-podtools`: download | cache-lease | sync-adapters — the engine pods' helper containers (operator image, any runtime)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,20 @@ import signal
 import sys
 from typing import Sequence
 
-from shoal.operator.podtools import adapter_sync, download
+from shoal.operator.podtools import adapter_sync, download, lease
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal-podtools", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    dl = sub.add_parser("download", help="fetch a hub model into the local HF cache (the pod's init container)",
+    dl = sub.add_parser("download", help="fetch a hub model into the model cache (the pod's init container)",
                         description=download.__doc__.splitlines()[0])
     download.add_args(dl)
     dl.set_defaults(func=download.run)
+    ls = sub.add_parser("cache-lease", help="keep the pod's lease on its model cache entry (the pod's sidecar)",
+                        description=lease.__doc__.splitlines()[0])
+    lease.add_args(ls)
+    ls.set_defaults(func=lease.run)
     sync = sub.add_parser("sync-adapters", help="keep a running engine's LoRA adapters equal to a list (the pod's "
                           "sidecar)", description=adapter_sync.__doc__.splitlines()[0])
     adapter_sync.add_args(sync)

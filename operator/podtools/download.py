@@ -1,4 +1,4 @@
-"""`shoal-podtools download`: fetch a hub model into the local Hugging Face cache, before the engine starts.
+"""`shoal-podtools download`: fetch a hub model into the pod's model cache, before the engine starts.
 
 The engine itself never touches the network; in Kubernetes this runs as the pod's init container for
 `hf://` models, from the operator image (any runtime: Shoal's engine, vLLM, SGLang) (HF_HOME points at the pod's cache volume, which may be a persistent claim shared by every pod;
@@ -12,17 +12,30 @@ exponential backoff (honouring Retry-After), resuming where it stopped, so a hub
 container — which, for a multi-pod group, would have looked like a failed rank; 401/403/404, offline mode or a
 full disk fail at once. Progress is logged as plain lines (``kubectl logs POD -c model-download``), not as terminal
 progress bars.
+
+The model lands in the model cache (modelcache.py, ``$SHOAL_CACHE/models/<org>--<name>@<revision>``), which the
+engine loads as a plain folder: under the entry's lock (a second pod, or another service on the same claim, waits
+and then finds it cached), checked against its manifest (sizes and sha256, all of it at each start: a corrupt entry
+is fetched again), downloaded into a partial folder, every file checked against the hub's ETag (sha256 for LFS
+files, the git blob sha1 otherwise), and renamed into place whole. Room is made under the cache's size cap by
+evicting least recently used entries no running pod leases; a model that cannot fit fails with the reason. The
+pod's lease is taken before this exits (the `cache-lease` sidecar then keeps it fresh), and a one-line JSON summary
+goes to the termination message, which the operator copies into status.modelCache.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
+
+from shoal.operator.podtools.modelcache import CacheError, ModelCache, entry_key
 
 T = TypeVar("T")
 TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -56,6 +69,27 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "(default: 10)")
     parser.add_argument("--retry-backoff", type=_seconds, default=2.0,
                         help="first retry delay in seconds, doubled per retry up to 120 (default: 2)")
+    add_cache_args(parser)
+    parser.add_argument("--max-cache-bytes", type=_count, default=None,
+                        help="the cache's size cap: least recently used entries no pod leases are evicted to fit "
+                             "the model under it (default: no cap)")
+    parser.add_argument("--verify", choices=("full", "size"), default="full",
+                        help="how a cached entry is checked at start: every file's sha256 (full) or only the sizes")
+    parser.add_argument("--termination-log", default="/dev/termination-log",
+                        help="where the JSON summary goes (the pod's termination message; skipped if not writable)")
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("SHOAL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shoal")
+    return os.path.join(base, "models")
+
+
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", default=None,
+                        help="the model cache's root (default: $SHOAL_CACHE/models)")
+    parser.add_argument("--holder", default=os.environ.get("HOSTNAME") or os.uname().nodename,
+                        help="who leases the entry (default: the pod's name, $HOSTNAME)")
 
 
 def _chain(e: BaseException):
@@ -111,15 +145,14 @@ def _gib(n: int) -> str:
 
 
 class Progress:
-    """Measures the bytes of a model's cache folder (partial files included) against the total to fetch."""
+    """Measures the bytes of a download folder (the hub client's partial files included) against the total."""
 
     def __init__(self, folder: Path, total: int | None):
         self.folder, self.total = folder, total
         self.t0, self.start = time.monotonic(), self.on_disk()
 
     def on_disk(self) -> int:
-        blobs = self.folder / "blobs"
-        return sum(f.stat().st_size for f in blobs.iterdir() if f.is_file()) if blobs.is_dir() else 0
+        return sum(f.stat().st_size for f in self.folder.rglob("*") if f.is_file()) if self.folder.is_dir() else 0
 
     def line(self) -> str:
         have = self.on_disk()
@@ -133,28 +166,87 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub.utils import disable_progress_bars
 
-    t0 = time.perf_counter()
+    disable_progress_bars()  # plain progress lines in the log (Progress), no terminal bars
     where = f"{args.model!r}{' at ' + args.revision if args.revision else ''}"
-    stop = threading.Event()
     try:
-        plan = with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=PATTERNS,
-                                                      dry_run=True), where, args.max_retries, args.retry_backoff)
-        total = sum(f.file_size or 0 for f in plan)
-        cached = sum(f.file_size or 0 for f in plan if f.is_cached)
-        print(f"fetching {where}: {len(plan)} files, {_gib(total)}, {_gib(cached)} already in the cache",
-              flush=True)
-        folder = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=args.model, repo_type="model")
-        progress = Progress(folder, total or None)
-        threading.Thread(target=progress.report_every, args=(args.progress_interval, stop), daemon=True).start()
-        path = with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=PATTERNS),
-                            where, args.max_retries, args.retry_backoff)
+        cache = ModelCache(args.cache_dir or default_cache_dir())
+        summary = ensure(cache, args, where)
+    except CacheError as e:
+        print(f"shoal-podtools download: {where}: {e}", file=sys.stderr)
+        _terminate_with(args.termination_log, f"model cache: {e}")
+        return 1
     except Exception as e:  # the hub client raises many types (offline, 401/404, disk full): all are fatal here
         print(f"shoal-podtools download: cannot fetch {where}: {e.__class__.__name__}: {e}", file=sys.stderr)
         return 1
+    _terminate_with(args.termination_log, json.dumps({"modelCache": summary}, separators=(",", ":")))
+    return 0
+
+
+def ensure(cache: ModelCache, args: argparse.Namespace, where: str) -> dict:
+    """The model's cache entry, verified, leased by this pod: found, repaired or downloaded -> the summary."""
+    key = entry_key(args.model, args.revision)
+    t0 = time.perf_counter()
+    with cache.lock(key, on_wait=lambda: print(f"waiting: another pod is fetching {where} into the cache",
+                                               flush=True)):
+        fetched, evicted = False, []
+        cache.lease(key, args.holder)  # first: an eviction for another model skips it while it is checked
+        manifest = cache.manifest(key)
+        if manifest is not None:
+            problems = cache.verify(key, full=args.verify == "full")
+            if problems:
+                print(f"cached {where} is corrupt ({'; '.join(problems[:3])}): fetching it again", flush=True)
+                cache.discard(key)
+                manifest = None
+        if manifest is None:
+            manifest, evicted = _download(cache, key, args, where)
+            fetched = True
+        cache.touch(key)
+        cache.lease(key, args.holder)  # refreshed: it lasts until the lease sidecar (or the engine's start) takes over
+    verb = "downloaded" if fetched else "found in the cache (verified)"
+    print(f"{verb}: {where} at {cache.path(key)}, {_gib(manifest['sizeBytes'])}, {time.perf_counter() - t0:.1f}s"
+          + (f"; evicted {', '.join(evicted)}" if evicted else ""), flush=True)
+    return {"entry": key, "commit": manifest.get("commit"), "sizeBytes": manifest["sizeBytes"],
+            "verified": manifest.get("verified"), "fetched": fetched, "evicted": evicted[:5]}
+
+
+def _download(cache: ModelCache, key: str, args: argparse.Namespace, where: str) -> tuple[dict, list[str]]:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub._local_folder import read_download_metadata
+
+    plan = with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=PATTERNS,
+                                                  dry_run=True), where, args.max_retries, args.retry_backoff)
+    total = sum(f.file_size or 0 for f in plan)
+    evicted = cache.make_room(key, total, args.max_cache_bytes)
+    partial = cache.partial(key)
+    partial.mkdir(parents=True, exist_ok=True)
+    print(f"fetching {where}: {len(plan)} files, {_gib(total)}, {_gib(Progress(partial, None).on_disk())} "
+          "already downloaded", flush=True)
+    stop = threading.Event()
+    progress = Progress(partial, total or None)
+    threading.Thread(target=progress.report_every, args=(args.progress_interval, stop), daemon=True).start()
+    try:
+        with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=PATTERNS,
+                                               local_dir=partial), where, args.max_retries, args.retry_backoff)
+    except BaseException:
+        cache.unreserve(key)  # the partial files stay (a retry resumes them), the promise of space does not
+        raise
     finally:
         stop.set()
-    print(f"downloaded {args.model} to {path} in {time.perf_counter() - t0:.1f}s")
-    return 0
+    etags, commit = {}, None
+    for f in plan:
+        meta = read_download_metadata(partial, f.filename)
+        etags[f.filename] = meta.etag if meta else None
+        commit = commit or (meta.commit_hash if meta else None)
+    source = {"source": f"hf://{args.model}", "revision": args.revision or "main", "commit": commit}
+    return cache.commit(key, source, etags), evicted
+
+
+def _terminate_with(path: str, message: str) -> None:
+    """The pod's termination message (at most 4 KiB is kept): the operator reads the summary from it."""
+    try:
+        with open(path, "w") as f:
+            f.write(message[:4000])
+    except OSError:
+        pass

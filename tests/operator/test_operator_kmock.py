@@ -132,7 +132,7 @@ def test_model_change_rolls_out_new_pod_template(env, ns):
     def new_template():
         dep = env.client.get("deployments", ns, "ro")
         args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
-        return dep if args[args.index("--model") + 1] == "org/b" else None
+        return dep if args[args.index("--model") + 1] == "/cache/shoal/models/org--b@main" else None
     dep = wait_for(new_template, EVENT_BOUND, "new pod template")
     assert dep["metadata"]["generation"] == old["metadata"]["generation"] + 1
     assert dep["metadata"]["uid"] == old["metadata"]["uid"]  # patched in place: a rolling update, not a recreate

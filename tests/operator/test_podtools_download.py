@@ -12,7 +12,7 @@ import pytest
 
 
 def test_download_without_network_fails_with_the_model_named(tmp_path):
-    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HOME": str(tmp_path), "SHOAL_CACHE": str(tmp_path / "shoal"), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "shoal.operator.podtools", "download", "--model", "some-org/some-model"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
@@ -71,7 +71,7 @@ class FlakyHub:
 
 
 def _download(tmp_path, hub: FlakyHub, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
+    env = {**os.environ, "HF_HOME": str(tmp_path), "SHOAL_CACHE": str(tmp_path / "shoal"), "HF_ENDPOINT": hub.url}
     env.pop("HF_HUB_OFFLINE", None)
     return subprocess.run([sys.executable, "-m", "shoal.operator.podtools", "download", "--model", "org/m",
                            "--retry-backoff", "0.05", *extra], env=env, capture_output=True, text=True, timeout=120)
@@ -94,7 +94,7 @@ def test_a_hub_hiccup_is_retried_inside_the_container(tmp_path, status):
 def test_sigterm_stops_a_download_at_once(tmp_path):
     """The init container runs as PID 1 of the operator image (no init): SIGTERM must end it, not be ignored."""
     hub = FlakyHub(503)
-    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
+    env = {**os.environ, "HF_HOME": str(tmp_path), "SHOAL_CACHE": str(tmp_path / "shoal"), "HF_ENDPOINT": hub.url}
     env.pop("HF_HUB_OFFLINE", None)
     proc = subprocess.Popen([sys.executable, "-m", "shoal.operator.podtools", "download", "--model", "org/m",
                              "--retry-backoff", "100"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -185,7 +185,8 @@ def test_cpu_pods_see_no_gpu_and_run_on_cpu():
 def test_single_gpu_hf_model():
     kids = by_kind(render.render(isvc(TOPOLOGIES["single-gpu"]), SETTINGS))
     c = container(kids[("Deployment", "llm")])
-    assert flag(c["args"], "--model") == "Qwen/Qwen2.5-7B-Instruct"
+    # the engine loads the model cache's entry the init container verified (a folder, never the hub)
+    assert flag(c["args"], "--model") == "/cache/shoal/models/Qwen--Qwen2.5-7B-Instruct@main"
     assert flag(c["args"], "--served-model-name") == "Qwen/Qwen2.5-7B-Instruct"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     env = {e["name"]: e.get("value") for e in c["env"]}

@@ -59,7 +59,7 @@ def test_vllm_single_pod_replica():
     c = pod["containers"][0]
     assert c["image"] == "vllm/vllm-openai:v0.32.0" and c["command"] == ["vllm", "serve"]
     assert c["args"] == [
-        "--model", "Qwen/Qwen2.5-7B-Instruct", "--revision", "main", "--served-model-name", "Qwen/Qwen2.5-7B-Instruct",
+        "--model", "/cache/shoal/models/Qwen--Qwen2.5-7B-Instruct@main", "--served-model-name", "Qwen/Qwen2.5-7B-Instruct",
         "--host", "0.0.0.0", "--port", "8000", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
         "--dtype", "bfloat16", "--max-model-len", "8192", "--max-num-seqs", "64", "--max-num-batched-tokens", "4096",
         "--gpu-memory-utilization", "0.85", "--no-enable-prefix-caching", "--enforce-eager", "--quantization", "fp8",

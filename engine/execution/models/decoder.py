@@ -26,6 +26,7 @@ from shoal.engine.execution.layers.mlp import GatedMLP
 from shoal.engine.execution.layers.norm import RMSNorm
 from shoal.engine.execution.layers.rotary import RotaryEmbedding
 from shoal.engine.execution.models.base import CausalLM, find_prefix, reader
+from shoal.engine.execution.weights import parallel_map
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -181,13 +182,17 @@ class DecoderLM(CausalLM):
         shape = (c.vocab_size, c.hidden_size)
         if self.ps.is_first_stage or (self.ps.is_last_stage and self.lm_head.tied):
             self.embed_tokens.load(reader(src, p + "embed_tokens.weight", shape))
-        for i, layer in enumerate(self.layers):
-            idx = self.start_layer + i
+
+        def load_layer(i: int) -> None:
+            layer, idx = self.layers[i], self.start_layer + i
             lp = f"{p}layers.{idx}."
             for name in layer.norm_names:
                 getattr(layer, name).weight.data.copy_(src.load(f"{lp}{name}.weight", (c.hidden_size,)))
             layer.self_attn.load(src, lp + self.mixer_prefix(idx))
             self.load_mlp(layer.mlp, src, lp, idx)
+
+        # layers are independent: a source that allows it (plain safetensors) loads several at once
+        parallel_map(load_layer, range(len(self.layers)), getattr(src, "threads", 1))
         if self.ps.is_last_stage:
             self.norm.weight.data.copy_(src.load(p + "norm.weight", (c.hidden_size,)))
             if not self.lm_head.tied:

@@ -1,0 +1,104 @@
+"""The engine's start-up breakdown: where the seconds from process start to serving go.
+
+Phases (the names are the `phase` label of shoal:startup_seconds, and the keys of /startupz's `startup`):
+  process       the interpreter's own start, until shoal-engine's main runs
+  imports       flags parsed; torch and the server's modules imported
+  config        the model folder resolved and its config read (transformers' config machinery imported)
+  tokenizer     the tokenizer loaded
+  weights       building the model and loading its weights (model_loader.load_model)
+  kernel_build  compiling or loading the JIT-built CPU kernels (native_build; a cached build only loads)
+  kv_cache      allocating the KV cache
+  warmup        the warm-up forwards before a decode graph is recorded (lazy: the first steps of each batch size)
+  graph_capture recording decode graphs (lazy, as warm-up)
+  other         the rest of the time to ready (device and CPU-tier checks, the server's set-up, the engine thread)
+  total         process start to ready (model loaded), fixed then
+Seconds add up per phase in this process (rank 0; other ranks load their own shards at the same time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Iterator
+
+PHASES = ("process", "imports", "config", "tokenizer", "weights", "kernel_build", "kv_cache", "warmup",
+          "graph_capture")
+
+_lock = threading.Lock()
+_seconds: dict[str, float] = {}
+_ready_at: float | None = None
+_main_t0: float | None = None
+_at_ready = 0.0  # the phases' sum when ready() ran (lazy phases after it are not part of `total`)
+
+
+def process_started_at() -> float | None:
+    """The process's start as a Unix time, from /proc (None where there is no /proc)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def add(phase: str, seconds: float) -> None:
+    with _lock:
+        _seconds[phase] = _seconds.get(phase, 0.0) + max(0.0, seconds)
+
+
+def seconds(phase: str) -> float:
+    with _lock:
+        return _seconds.get(phase, 0.0)
+
+
+@contextlib.contextmanager
+def timed(phase: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        add(phase, time.perf_counter() - t0)
+
+
+def main_started() -> None:
+    """Called first thing in main: the time before it is the interpreter's start."""
+    global _main_t0
+    _main_t0 = time.perf_counter()
+    started = process_started_at()
+    if started is not None and "process" not in _seconds:
+        add("process", time.time() - started)
+
+
+def imports_done() -> None:
+    """Called once the server's modules are imported: main's time so far (flags parsed, modules imported)."""
+    if _main_t0 is not None and "imports" not in _seconds:
+        add("imports", time.perf_counter() - _main_t0)
+
+
+def ready() -> None:
+    """The model is loaded: `total` and `other` are fixed now (the first call counts)."""
+    global _ready_at, _at_ready
+    if _ready_at is None:
+        with _lock:
+            _at_ready = sum(_seconds.values())
+        _ready_at = time.time()
+
+
+def breakdown() -> dict[str, float]:
+    """{phase: seconds} for the phases seen so far, in PHASES order, and `total` once ready."""
+    with _lock:
+        out = {p: round(_seconds[p], 3) for p in PHASES if p in _seconds}
+    started = process_started_at()
+    if _ready_at is not None and started is not None:
+        total = _ready_at - started
+        out["other"] = round(max(0.0, total - _at_ready), 3)
+        out["total"] = round(total, 3)
+    return out
+
+
+def summary() -> str:
+    return ", ".join(f"{phase} {seconds:.2f}s" for phase, seconds in breakdown().items())

@@ -1,0 +1,89 @@
+"""What render.py makes of the model cache (spec.model.cache), OCI model images and the kernel cache, validated
+against the Kubernetes schemas; status.modelCache from the download's termination message."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+
+from shoal.operator import api, render, status
+from test_render import K8S_VERSION, SETTINGS, by_kind, container, flag, isvc
+
+
+def _pod(spec: dict) -> dict:
+    children = render.render(isvc(spec), SETTINGS)
+    for obj in children:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    return by_kind(children)[("Deployment", "llm")]["spec"]["template"]["spec"]
+
+
+def test_a_shared_cache_gets_a_capped_download_a_lease_sidecar_and_the_kernel_cache():
+    pod = _pod({"model": {"uri": "hf://org/m", "revision": "v2", "cache": {"claimName": "models", "size": "200Gi"}},
+                "replicas": 2})
+    download, lease = pod["initContainers"]
+    entry = "/cache/shoal/models/org--m@v2"
+    assert flag(container({"spec": {"template": {"spec": pod}}})["args"], "--model") == entry
+    assert "--revision" not in pod["containers"][0]["args"]  # the entry is that revision already
+    assert download["args"][:7] == ["download", "--model", "org/m", "--revision", "v2", "--cache-dir",
+                                    "/cache/shoal/models"]
+    assert flag(download["args"], "--max-cache-bytes") == str(200 * 2**30)  # LRU eviction keeps the cache under size
+    # a native sidecar: started before the engine, stopped after it, refreshing this pod's lease on the entry
+    assert lease["name"] == render.LEASE_CONTAINER and lease["restartPolicy"] == "Always"
+    assert lease["args"] == ["cache-lease", "--model", "org/m", "--revision", "v2", "--cache-dir",
+                             "/cache/shoal/models"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["TORCH_EXTENSIONS_DIR"] == "/cache/shoal/torch_extensions"  # kernels built once per claim and tier
+
+
+def test_a_pod_own_cache_has_no_lease_and_no_persistent_kernel_cache():
+    pod = _pod({"model": {"uri": "hf://org/m", "cache": {"size": "20Gi"}}})
+    (download,) = pod["initContainers"]
+    assert flag(download["args"], "--max-cache-bytes") == str(20 * 2**30)
+    assert "TORCH_EXTENSIONS_DIR" not in {e["name"] for e in pod["containers"][0]["env"]}
+
+
+def test_an_oci_model_is_an_image_volume():
+    pod = _pod({"model": {"uri": "oci://registry.example.com/models/smollm2:135m"}})
+    assert "initContainers" not in pod  # nothing to download: the kubelet pulls the image
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+    assert volume == {"name": "model", "image": {"reference": "registry.example.com/models/smollm2:135m",
+                                                 "pullPolicy": "IfNotPresent"}}
+    c = pod["containers"][0]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    assert flag(c["args"], "--model") == "/models" and flag(c["args"], "--served-model-name") == "llm"
+
+
+@pytest.mark.parametrize("ref", ["smollm2:135m", "registry.example.com/models/smollm2",
+                                 "registry.example.com/Models/x:1", "registry.example.com//x:1"])
+def test_a_malformed_oci_reference_is_refused_with_the_field(ref):
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc({"model": {"uri": f"oci://{ref}"}}), SETTINGS)
+    assert e.value.field == "spec.model.uri" and "not a full OCI image reference" in str(e.value)
+
+
+def test_status_model_cache_is_the_newest_download_report():
+    def pod(name: str, finished: str, **summary) -> dict:
+        message = json.dumps({"modelCache": {"entry": "org--m@main", "sizeBytes": 10, "verified": "hub", **summary}})
+        return {"metadata": {"name": name}, "status": {"initContainerStatuses": [
+            {"name": render.DOWNLOAD_CONTAINER, "state": {"terminated": {"exitCode": 0, "message": message,
+                                                                          "finishedAt": finished}}}]}}
+
+    pods = [pod("a", "2026-01-01T10:00:00Z", fetched=True), pod("b", "2026-01-01T10:05:00Z", fetched=False),
+            {"metadata": {"name": "c"}, "status": {}}]
+    assert status.model_cache_status(pods) == {"entry": "org--m@main", "sizeBytes": 10, "verified": "hub",
+                                               "fetched": False, "pods": 2}
+    api.ModelCacheStatus.model_validate(status.model_cache_status(pods))
+    assert status.model_cache_status([pods[2]]) is None
+
+
+def test_a_model_that_does_not_fit_shows_the_download_reason():
+    reason = ("model cache: org--big@main needs 30.00 GiB; the model cache (20.00 GiB) has 5.00 GiB free after "
+              "evicting every unused entry; in use: org--m@main (15.00 GiB, leased by llm-abc)")
+    pod = {"metadata": {"name": "llm-xyz"}, "status": {"phase": "Pending", "initContainerStatuses": [
+        {"name": render.DOWNLOAD_CONTAINER, "restartCount": 3,
+         "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+         "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": reason}}}]}}
+    found = status.pod_problem(pod)
+    assert found[0] == "CrashLoopBackOff" and found[1].endswith(reason[:300])
