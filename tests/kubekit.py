@@ -8,7 +8,7 @@ existing name or a stale resourceVersion, 422 when a JSON-patch `test` fails, st
 changes only status, the main endpoint never does), server-side apply (`Cluster._apply`: per field manager,
 fields a manager applied before and no longer applies are removed; lists are atomic), no-op patches that change
 nothing (no event), empty env values dropped (omitempty, as the real server stores them), uid
-preconditions on delete, label selectors (and metadata.name/namespace field selectors) on lists and watches,
+preconditions on delete, label and field selectors on lists and watches,
 resourceVersion on lists, watches that replay only events newer than the requested resourceVersion (subscribing
 before the replay, so nothing is lost in between), `timeoutSeconds`, ownerReference garbage collection, fault injection (`cluster.inject(...)`)
 for the retry tests, RBAC (`cluster.authorize`: 403 for what a Role does not grant, recorded in
@@ -73,15 +73,16 @@ def _selector_matches(selector: str | None, labels: dict[str, str]) -> bool:
     return True
 
 
-def _fields_match(selector: str | None, meta: dict[str, Any]) -> bool:
-    """The field selectors every resource supports: metadata.name and metadata.namespace (=, ==, !=)."""
+def _fields_match(selector: str | None, obj: dict[str, Any]) -> bool:
+    """Field selectors (=, ==, !=) on a dotted path of the object: metadata.name and metadata.namespace, as every
+    resource supports, and the fields a kind adds (an Event's involvedObject.kind, reason, ...)."""
     for term in filter(None, (t.strip() for t in (selector or "").split(","))):
         negate = "!=" in term
         key, value = term.replace("!=", "=").replace("==", "=").split("=", 1)
-        field = {"metadata.name": "name", "metadata.namespace": "namespace"}.get(key.strip())
-        if field is None:
-            raise ValueError(f"field selector {term!r}: only metadata.name and metadata.namespace are emulated")
-        if (meta.get(field) == value.strip()) == negate:
+        field: Any = obj
+        for part in key.strip().split("."):
+            field = field.get(part) if isinstance(field, dict) else None
+        if (("" if field is None else str(field)) == value.strip()) == negate:
             return False
     return True
 
@@ -426,7 +427,7 @@ class Cluster(kmock.KubernetesEmulator):
                 if r == res and (request.namespace is None or ns == request.namespace)
                 and (request.name is None or name == request.name)
                 and _selector_matches(selector, obj["metadata"].get("labels") or {})
-                and _fields_match(fields, obj["metadata"])]
+                and _fields_match(fields, obj)]
 
     async def _serve_fetch(self, request: kmock.Request) -> Any:
         obj = self.store.get((self._key(request), request.namespace, request.name))
@@ -453,7 +454,7 @@ class Cluster(kmock.KubernetesEmulator):
             return (request.namespace is None or meta.get("namespace") == request.namespace) and \
                 (request.name is None or meta.get("name") == request.name) and \
                 _selector_matches(selector, meta.get("labels") or {}) and \
-                _fields_match(request.params.get("fieldSelector"), meta)
+                _fields_match(request.params.get("fieldSelector"), event["object"])
 
         async with self.changed:  # subscribe (take the position) and snapshot atomically
             position = len(self.log)
