@@ -287,3 +287,70 @@ async def test_the_shared_gateway_routes_each_batch_request_by_model_with_the_en
         finally:
             await client.close()
             await gw.stop()
+
+
+# ---- --batch-share, scale from zero -------------------------------------------------------------------------
+@pytest.mark.parametrize("share", ["idle", "spare"])
+async def test_batch_share_idle_keeps_batch_requests_off_an_engine_with_an_interactive_one(tmp_path, share):
+    async with Engine("e") as engine:
+        gw = Gateway(GatewayConfig(poll_interval=0.05, batch_dir=str(tmp_path), batch_per_engine=2,
+                                   batch_share=share))
+        gw.backends.replace([engine.url])
+        client = await started(gw)
+        try:
+            interactive = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "i0"}))
+            await until(lambda: len(engine.seen) == 1)
+            await create_batch(client, "b0", "b1")
+            if share == "spare":  # a free slot is enough: both go beside the interactive request
+                await until(lambda: len(engine.seen) == 3)
+            else:
+                await asyncio.sleep(0.3)  # an absence: polled six times, the engine is never idle
+                assert len(engine.seen) == 1
+            engine.release(0)
+            assert (await interactive).status == 200
+            await until(lambda: len(engine.seen) == 3)  # idle again: the batch goes
+            assert sorted(s["body"]["prompt"] for s in engine.seen[1:]) == ["b0", "b1"]
+        finally:
+            await client.close()
+            await gw.stop()
+
+
+def test_batch_share_is_a_flag_with_a_checked_value():
+    from shoal.operator.gateway.batch_runner import BatchRunner
+    from shoal.operator.gateway.cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(["--endpoint", "http://127.0.0.1:1"])).batch_share == "idle"
+    args = build_parser().parse_args(["--endpoint", "http://127.0.0.1:1", "--batch-share", "spare"])
+    assert config_from_args(args).batch_share == "spare"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--endpoint", "http://127.0.0.1:1", "--batch-share", "greedy"])
+    with pytest.raises(ValueError, match="batch share must be one of idle, spare"):
+        BatchRunner(None, None, share="greedy")
+
+
+async def test_a_batch_wakes_a_pool_with_no_engine_and_reports_its_pending_requests(tmp_path):
+    from prometheus_client import generate_latest
+
+    from shoal.operator.autoscaler import gateway_view
+
+    gw = Gateway(GatewayConfig(poll_interval=0.05, batch_dir=str(tmp_path)))
+    wakes: list[float] = []
+    gw.on_hold.append(lambda: wakes.append(time.monotonic()))
+    client = await started(gw)
+
+    def pending() -> float:
+        return gateway_view(generate_latest(gw.metrics.registry).decode()).batch_pending
+    try:
+        assert pending() == 0
+        batch_id = await create_batch(client, "b0", "b1", "b2")
+        await until(lambda: len(wakes) == 1)  # no engine: a wake-up, as a held request gives
+        assert pending() == 3 and gw.pools.pool.held == 0  # no client is held: nothing to count as one
+        await until(lambda: len(wakes) == 2)
+        assert wakes[1] - wakes[0] >= 0.9  # at most once per WAKE_EVERY while it waits
+        async with Engine("e", hold=False) as engine:  # the engine the wake-up asked for
+            gw.backends.replace([engine.url])
+            await batch_status(client, batch_id, "completed")
+            assert pending() == 0 and len(engine.seen) == 3
+    finally:
+        await client.close()
+        await gw.stop()
