@@ -299,7 +299,7 @@ class BatchRunner:
         metrics.batch_running.inc()
         result = None
         try:
-            result = await self._send(pool, backend, ticket, line)
+            result = await self._send(pool, backend, ticket, line, run)
         finally:
             metrics.batch_running.dec()
             self.by_engine[backend] -= 1
@@ -314,11 +314,27 @@ class BatchRunner:
             return
         await self._finish(run, line, *result)
 
-    async def _send(self, pool, backend, ticket, line: Line):
+    async def _send(self, pool, backend, ticket, line: Line, run: Running):
         """(status, body, request id) of the engine's answer, or None when it refused or never got the request."""
         gw = self.gateway
         body = gw.engine_body(pool, ticket, json.dumps(line.body).encode(), line.body)
         headers = {"Content-Type": "application/json", **gw.poll_headers(pool)}
+        trace = None
+        if gw.tracer is not None:  # tracing.py: a span per batch request, the engine's nested under its attempt
+            trace = gw.tracer.batch_request(run.batch["id"], line.custom_id, line.body["model"], run.record["owner"])
+            trace.attempt_started(backend.url, headers, None)
+        outcome: int | str = "failed"
+        try:
+            result = await self._post(backend, pool, line, body, headers)
+            outcome = result[0] if result is not None else "requeued"
+            return result
+        finally:
+            if trace is not None:
+                trace.attempt_ended(outcome)
+                trace.end(outcome if isinstance(outcome, int) else None)
+
+    async def _post(self, backend, pool, line: Line, body: bytes, headers: dict[str, str]):
+        gw = self.gateway
         timeout = aiohttp.ClientTimeout(total=gw.config.response_timeout, sock_connect=gw.config.connect_timeout)
         try:
             async with gw.session.post(backend.url + line.url, data=body, headers=headers, timeout=timeout) as r:

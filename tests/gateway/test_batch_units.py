@@ -354,3 +354,42 @@ async def test_a_batch_wakes_a_pool_with_no_engine_and_reports_its_pending_reque
     finally:
         await client.close()
         await gw.stop()
+
+
+async def test_each_batch_request_is_a_span_with_its_batch_and_custom_id_and_the_engine_gets_its_context(
+        tmp_path, monkeypatch):
+    from otlpkit import Collector, attributes
+
+    class TracedEngine(Engine):
+        traces: list[str | None] = []
+
+        async def complete(self, request):
+            self.traces.append(request.headers.get("traceparent"))
+            return await super().complete(request)
+
+    collector = Collector()
+    for k, v in collector.env("gateway").items():
+        monkeypatch.setenv(k, v)
+    async with TracedEngine("e", hold=False) as engine:
+        url = engine.url
+        gw = Gateway(GatewayConfig(poll_interval=0.05, batch_dir=str(tmp_path)))
+        gw.backends.replace([url])
+        client = await started(gw)
+        try:
+            batch_id = await create_batch(client, "b0", "b1")
+            await batch_status(client, batch_id, "completed")
+            await until(lambda: len(collector.named("engine_attempt")) == 2, 20)
+        finally:
+            await client.close()
+            await gw.stop()
+            collector.close()
+    spans = {attributes(s)["shoal.batch.custom_id"]: s for s in collector.named("shoal.gateway.batch_request")}
+    assert set(spans) == {"b0", "b1"}
+    a = attributes(spans["b0"])
+    assert a["shoal.batch.id"] == batch_id and a["gen_ai.request.model"] == "m"
+    assert a["http.response.status_code"] == 200
+    attempts = {s.parent_span_id: s for s in collector.named("engine_attempt")}
+    assert set(attempts) == {s.span_id for s in spans.values()}
+    assert attributes(attempts[spans["b0"].span_id])["server.address"] == url
+    # each engine request carries its attempt's context: the engine's spans nest under it
+    assert sorted(t.split("-")[2] for t in engine.traces) == sorted(s.span_id.hex() for s in attempts.values())
