@@ -16,8 +16,9 @@ from shoal.operator.gateway.batch_store import BatchError, Store, parse_input, v
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig
 
 from shoal.operator.gateway.tenants import EngineKeys, TenantKeys
+from shoal.operator.k8s.client import KubeAPI
 
-from .test_admission import Engine, isvc, shared, started, until
+from .test_admission import Engine, _fake_api, endpoint_slice, isvc, shared, started, until
 
 
 def line(custom_id: str, url: str = "/v1/completions", **body) -> bytes:
@@ -393,3 +394,21 @@ async def test_each_batch_request_is_a_span_with_its_batch_and_custom_id_and_the
     assert attributes(attempts[spans["b0"].span_id])["server.address"] == url
     # each engine request carries its attempt's context: the engine's spans nest under it
     assert sorted(t.split("-")[2] for t in engine.traces) == sorted(s.span_id.hex() for s in attempts.values())
+
+
+async def test_the_shared_gateway_wakes_only_the_service_a_batch_needs(tmp_path):
+    runner, url, patched = await _fake_api()
+    async with Engine("chat", served="chat-7b", hold=False) as chat:
+        gw, client = await shared(GatewayConfig(batch_dir=str(tmp_path)), [isvc("chat", "chat-7b", from_zero=True),
+                                           isvc("code", "coder", from_zero=True)], {}, api=KubeAPI(url))
+        try:
+            batch_id = await create_batch(client, "a", "b", models={"a": "chat-7b", "b": "chat-7b"})
+            await until(lambda: patched)
+            assert patched == ["team/chat-wake"] and gw.pools.resolve("chat-7b").held == 0
+            gw.pools.slice_event("ADDED", endpoint_slice("chat-engines", chat.url))  # the replica it asked for
+            done = await batch_status(client, batch_id, "completed")
+            assert done["request_counts"]["completed"] == 2
+        finally:
+            await client.close()
+            await gw.stop()
+            await runner.cleanup()
