@@ -65,8 +65,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.operator.gateway import metric_names
 from shoal.operator import api, contract, render
-from shoal.operator.contract import (A_WAKE, GATEWAY_BATCH_PENDING_REQUESTS, GATEWAY_ENGINE_GAUGES, GATEWAY_HELD_REQUESTS, GATEWAY_INFLIGHT_REQUESTS,
-                                     L_SERVICE_NAME)
+from shoal.operator.contract import (A_WAKE, GATEWAY_BATCH_PENDING_REQUESTS, GATEWAY_ENGINE_GAUGES,
+                                     GATEWAY_HELD_REQUESTS, GATEWAY_INFLIGHT_REQUESTS, L_SERVICE_NAME)
 from shoal.operator.autoscaling import Decision, History, Observation, Policy, ReplicaLoad, decide, pick_victims
 from shoal.operator.k8s.client import KubeAPI
 from shoal.operator.k8s.informer import Informers

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,7 +87,7 @@ class BatchRunner:
         self.store = store
         self.per_engine = per_engine
         self.share = share
-        self.woken: dict[Any, float] = {}  # Pool -> when a batch last woke it
+        self.woken: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Pool -> when a batch last woke it
         self.running: dict[str, Running] = {}
         self.by_engine: dict[Any, int] = {}  # batch requests in flight per Backend
         self.tasks: set[asyncio.Task] = set()

@@ -135,7 +135,8 @@ async def main_async(args) -> int:
         return 0
     print(f"{args.clients} interactive clients, {args.slots} slots, "
           f"engine scheduling {'priority' if args.engine_priority else 'fcfs'}, batch of {args.batch_requests} "
-          f"({args.batch_per_engine} per engine, share {args.batch_share}), {args.rounds} x {args.seconds:g} s per side; "
+          f"({args.batch_per_engine} per engine, share {args.batch_share}), "
+          f"{args.rounds} x {args.seconds:g} s per side; "
           f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} on {os.cpu_count()} CPUs")
     for side, r in report.items():
         print(f"{side:>8}: TTFT p50/p95 {r['ttft_p50_ms']:.0f}/{r['ttft_p95_ms']:.0f} ms, "
