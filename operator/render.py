@@ -908,6 +908,10 @@ def gateway_limit_args(gw: api.GatewayOptions) -> list[str]:
 GATEWAY_BASE_BYTES = 160 * 2**20
 GATEWAY_INDEX_BYTES = 200_000 * 512
 GATEWAY_PER_REQUEST_BYTES = 32 * 2**10
+# gateway.batches: a batch's parsed requests stay in memory while it runs (~3x its input file, measured on chat
+# lines) and an input file being checked is read whole: room for one largest file (200 MiB) running and another
+# being checked. Several large batches at once need gateway.resources.memory.
+GATEWAY_BATCH_BYTES = 4 * 200 * 2**20
 
 
 def gateway_memory(gw: api.GatewayOptions) -> str:
@@ -915,7 +919,7 @@ def gateway_memory(gw: api.GatewayOptions) -> str:
     if gw.resources.memory is not None:
         return str(gw.resources.memory)
     total = (GATEWAY_BASE_BYTES + GATEWAY_INDEX_BYTES + gw.max_buffered_bytes
-             + gw.max_pending * GATEWAY_PER_REQUEST_BYTES)
+             + gw.max_pending * GATEWAY_PER_REQUEST_BYTES + (GATEWAY_BATCH_BYTES if gw.batches.enabled else 0))
     return f"{math.ceil(total / 2**20)}Mi"
 
 

@@ -325,6 +325,8 @@ def test_gateway_batches_get_a_claim_of_the_service_mounted_at_the_batch_dir(tmp
     assert {"name": "batches", "mountPath": render.GATEWAY_BATCH_DIR} in c["volumeMounts"]
     assert any(m["name"] == "api-keys" for m in c["volumeMounts"])  # beside the engines' keys
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    # memory for a running batch's requests (~3x its input file) and a file being checked, beyond the default 514Mi
+    assert c["resources"]["limits"]["memory"] == "1314Mi"
     args = c["args"]
     assert args[args.index("--batch-dir") + 1] == render.GATEWAY_BATCH_DIR
     # the gateway's own CLI takes the rendered flags (the batch dir redirected to one this test can write)
