@@ -369,7 +369,7 @@ class GatewayBatches(_Model):
     storage_class_name: str | None = Field(default=None, min_length=1, max_length=253)
     access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
         default="ReadWriteMany", description="every gateway pod mounts the claim, on whichever node it runs: "
-        "ReadWriteOnce only with a single gateway replica")
+        "ReadWriteOnce (one node) is refused while several gateway pods run (gateway.replicas is at least 2)")
     existing_claim: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^[a-z0-9]"
                                        r"([-a-z0-9.]*[a-z0-9])?$", description="mount this PersistentVolumeClaim "
                                        "(ReadWriteMany) instead of the operator's; it is never created or deleted "
