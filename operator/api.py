@@ -385,6 +385,24 @@ class GatewayResources(_Model):
                                                               "OOM-killed")
 
 
+class GatewayBatches(_Model):
+    """OpenAI's Files and Batches API at this service's gateway (shoal-gateway --batch-dir), its state on a volume."""
+
+    enabled: bool = Field(default=False, description="serve /v1/files and /v1/batches at the gateway, keeping "
+                          "uploads, batches and their results on a PersistentVolumeClaim <name>-gateway-batches (or "
+                          "existingClaim) that every gateway pod mounts: a restarted or rolled gateway resumes its "
+                          "batches, neither losing nor repeating a finished request")
+    size: Quantity = Field(default="10Gi", description="the claim's storage request (input files, results)")
+    storage_class_name: str | None = Field(default=None, min_length=1, max_length=253)
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
+        default="ReadWriteMany", description="every gateway pod mounts the claim, on whichever node it runs: "
+        "ReadWriteOnce (one node) is refused while several gateway pods run (gateway.replicas is at least 2)")
+    existing_claim: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^[a-z0-9]"
+                                       r"([-a-z0-9.]*[a-z0-9])?$", description="mount this PersistentVolumeClaim "
+                                       "(ReadWriteMany) instead of the operator's; it is never created or deleted "
+                                       "by the operator")
+
+
 def _gateway_option_fields() -> dict[str, Any]:
     """spec.gateway's shoal-gateway options, from their one declaration on GatewayConfig (gateway/options.py)."""
     fields: dict[str, Any] = {}
@@ -406,6 +424,7 @@ GatewayOptions = create_model(
     image=(str | None, Field(default=None, max_length=1024,
                              description="gateway image; the operator's default (the small image without torch)")),
     resources=(GatewayResources, section(GatewayResources)),
+    batches=(GatewayBatches, section(GatewayBatches)),
     **_gateway_option_fields(),
 )
 
@@ -782,6 +801,18 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
         field_path=".autoscaling.scaleToZero",
         check=lambda s: s.autoscaling is None or s.autoscaling.scale_to_zero != "sleep"
         or s.security.api_key_secret_ref is None,
+    ),
+    CrossFieldRule(
+        cel="!has(self.gateway) || !has(self.gateway.batches) || !has(self.gateway.batches.accessMode) || "
+            "self.gateway.batches.accessMode != 'ReadWriteOnce' || has(self.gateway.batches.existingClaim) || "
+            "(has(self.gateway.replicas) && self.gateway.replicas == 1)",
+        message="accessMode ReadWriteOnce attaches the batch volume to one node, but every gateway pod mounts it "
+                "and they spread across nodes; use a ReadWriteMany storage class (NFS, CephFS, EFS, Filestore, ...) "
+                "or an existingClaim",
+        field_path=".gateway.batches.accessMode",
+        check=lambda s: s.gateway.batches.access_mode != "ReadWriteOnce" or bool(s.gateway.batches.existing_claim)
+        or s.gateway.replicas == 1,
+        explain=lambda s: f"gateway.replicas is {s.gateway.replicas}",
     ),
     CrossFieldRule(
         cel="!has(self.autoscaling) || !has(self.autoscaling.loadSource) || "

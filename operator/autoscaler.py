@@ -65,8 +65,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.operator.gateway import metric_names
 from shoal.operator import api, contract, render
-from shoal.operator.contract import (A_SLEEPING, A_WAKE, GATEWAY_ENGINE_GAUGES, GATEWAY_HELD_REQUESTS,
-                                     GATEWAY_INFLIGHT_REQUESTS, L_SERVICE_NAME)
+from shoal.operator.contract import (A_SLEEPING, A_WAKE, GATEWAY_BATCH_PENDING_REQUESTS, GATEWAY_ENGINE_GAUGES,
+                                     GATEWAY_HELD_REQUESTS, GATEWAY_INFLIGHT_REQUESTS, L_SERVICE_NAME)
 from shoal.operator.autoscaling import (Decision, History, Observation, Parking, Policy, ReplicaLoad, decide, park,
                                         pick_victims)
 from shoal.operator.k8s.client import KubeAPI
@@ -184,6 +184,7 @@ class GatewayView:
     engine, and the load of each engine whose data it has fresh, keyed by the engine's base URL."""
 
     held: float = 0.0
+    batch_pending: float = 0.0  # batch requests not finished (the gateway's batch runner)
     in_flight: dict[str, float] = field(default_factory=dict)
     engines: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -199,6 +200,8 @@ def gateway_view(text: str) -> GatewayView:
             backend = sample.labels.get("backend")
             if sample.name == GATEWAY_HELD_REQUESTS:
                 view.held += sample.value
+            elif sample.name == GATEWAY_BATCH_PENDING_REQUESTS:
+                view.batch_pending += sample.value
             elif sample.name == GATEWAY_INFLIGHT_REQUESTS and backend:
                 view.in_flight[backend] = view.in_flight.get(backend, 0.0) + sample.value
             elif sample.name in GATEWAY_ENGINE_GAUGES and backend:
@@ -568,7 +571,7 @@ class Autoscaler:
         ready = min(sum(1 for e in engines if e.ready and (e.pod or e.url) not in asleep), current)
         return Observation(now=time.monotonic(), current=current, ready=ready, replicas=tuple(replicas),
                            held=int(sum(v.held for v in views)), wake=woken and ready == 0, unanswered=unknown,
-                           asleep=asleep)
+                           asleep=asleep, batch_pending=int(sum(v.batch_pending for v in views)))
 
     async def _is_sleeping(self, url: str) -> int | None:
         """An engine's sleep level from its /is_sleeping (0: awake); None when it did not say (loading, gone)."""

@@ -33,6 +33,9 @@ Stabilization, per direction (like the HPA's behavior field):
   and never while it is still starting (it was started for someone, typically a request the gateway holds);
 * from zero, any load (a held request, a wake-up from the gateway) scales to the need at once, bypassing the
   windows: someone is waiting;
+* batch work the gateway has not finished (shoal:gateway_batch_pending_requests) keeps at least one replica — it
+  wakes a fleet at zero and keeps the fleet from scaling to zero — but sizes nothing beyond that: batch requests
+  run in capacity interactive traffic leaves free, so a batch of thousands of requests does not buy replicas;
 * a Ready engine or gateway whose /metrics did not answer (a busy engine can be slow to) is load unknown, not zero:
   such a tick counts as busy and never scales down, so a replica is not removed while it may be serving.
 """
@@ -78,6 +81,7 @@ class Observation:
     unanswered: int = 0  # Ready engines/gateways whose /metrics did not answer: their load is unknown, not zero
     # scaleToZero sleep: pods whose engine is asleep (kept, not counted in `current`, which is the awake replicas)
     asleep: tuple[str, ...] = ()
+    batch_pending: int = 0  # batch requests the gateways have not finished: busy, but no more than one replica
 
     @property
     def pods(self) -> int:  # the replica count the workload runs: awake and asleep
@@ -166,6 +170,8 @@ def _inputs(obs: Observation, policy: Policy) -> str:
             f"KV {obs.kv_sum:.2f} for target {policy.target_kv_cache_usage:.2f}/replica")
     if policy.target_waiting_prefill_tokens:
         text += f", {obs.waiting_prefill_tokens} prefill tokens waiting"
+    if obs.batch_pending:
+        text += f", {obs.batch_pending} batch requests pending"
     return text + f"; {obs.ready} ready, {obs.starting} starting"
 
 
@@ -333,7 +339,7 @@ def _observe(obs: Observation, policy: Policy, history: History) -> Tick:
     if history.started_at is None:
         history.started_at = now
     needed, signal = needed_replicas(obs, policy)
-    busy = obs.in_flight > 0 or obs.wake
+    busy = obs.in_flight > 0 or obs.wake or obs.batch_pending > 0
     if busy or obs.unanswered:  # an unanswered scrape may hide load: never evidence of idleness
         history.last_busy = now
     if busy:

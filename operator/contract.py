@@ -85,6 +85,8 @@ def adapters_configmap_name(name: str) -> str:
 GATEWAY_METRIC_PREFIX = "shoal:gateway_"
 GATEWAY_HELD_REQUESTS = GATEWAY_METRIC_PREFIX + "held_requests"
 GATEWAY_INFLIGHT_REQUESTS = GATEWAY_METRIC_PREFIX + "inflight_requests"  # per engine: label `backend`
+# batch requests not finished (waiting for capacity or at an engine), label `model`: keeps the service awake
+GATEWAY_BATCH_PENDING_REQUESTS = GATEWAY_METRIC_PREFIX + "batch_pending_requests"
 # per engine (label `backend`): the engine's own load as the gateway last polled it -> the autoscaler's field
 GATEWAY_ENGINE_GAUGES = {GATEWAY_METRIC_PREFIX + "backend_running_requests": "running",
                          GATEWAY_METRIC_PREFIX + "backend_waiting_requests": "waiting",

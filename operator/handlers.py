@@ -305,6 +305,8 @@ class Reconciler:
         """The children this pass wants: the plan's, plus for multi-pod replicas the groups of the rollout's next
         step (rollout.step) — outdated groups that still serve are kept, not wanted, until they are retired."""
         want = Desired({(o["kind"], o["metadata"]["name"]): o for o in plan.children})
+        # users' batch files and results: turning batches (or the gateway) off keeps them; they go with the service
+        want.keep.add(("PersistentVolumeClaim", render.batches_claim_name(plan.name)))
         if not plan.multi_pod:
             return want
         uid = isvc["metadata"].get("uid")

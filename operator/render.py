@@ -12,6 +12,8 @@ One replica is a *group* of ``pods_per_replica = ceil(tp*pp / gpusPerPod)`` pods
   controller, Kubernetes >= 1.28) into ``SHOAL_NODE_RANK``; rank 0 is ``<name>-g<r>-0.<name>-g<r>.<ns>.svc.<domain>``. Ranks other than 0 add
   ``--headless`` (a two-line ``sh`` wrapper, since a StatefulSet has one pod template for all ordinals);
 * a PersistentVolumeClaim ``<name>-model-cache`` for a persistent shared model cache (model.cache);
+* a PersistentVolumeClaim ``<name>-gateway-batches`` for the gateway's batches (gateway.batches; kept when batches
+  are turned off, deleted with the InferenceService);
 * with ``engine.enableLora``: the ConfigMap ``<name>-adapters`` (spec.adapters, read by the pods' adapter-sync
   sidecar: adapters.py);
 * always: the Service ``<name>`` (port 8000), a NetworkPolicy ``<name>`` for the engines (unless disabled), a
@@ -956,6 +958,10 @@ def gateway_limit_args(gw: api.GatewayOptions) -> list[str]:
 GATEWAY_BASE_BYTES = 160 * 2**20
 GATEWAY_INDEX_BYTES = 200_000 * 512
 GATEWAY_PER_REQUEST_BYTES = 32 * 2**10
+# gateway.batches: a batch's parsed requests stay in memory while it runs (~3x its input file, measured on chat
+# lines) and an input file being checked is read whole: room for one largest file (200 MiB) running and another
+# being checked. Several large batches at once need gateway.resources.memory.
+GATEWAY_BATCH_BYTES = 4 * 200 * 2**20
 
 
 def gateway_memory(gw: api.GatewayOptions) -> str:
@@ -963,8 +969,37 @@ def gateway_memory(gw: api.GatewayOptions) -> str:
     if gw.resources.memory is not None:
         return str(gw.resources.memory)
     total = (GATEWAY_BASE_BYTES + GATEWAY_INDEX_BYTES + gw.max_buffered_bytes
-             + gw.max_pending * GATEWAY_PER_REQUEST_BYTES)
+             + gw.max_pending * GATEWAY_PER_REQUEST_BYTES + (GATEWAY_BATCH_BYTES if gw.batches.enabled else 0))
     return f"{math.ceil(total / 2**20)}Mi"
+
+
+GATEWAY_BATCH_DIR = "/var/lib/shoal-gateway/batches"  # the gateway's --batch-dir, on the batch volume
+
+
+def batches_claim_name(name: str) -> str:
+    return f"{name}-gateway-batches"
+
+
+def gateway_batches_claim(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The gateway's batch volume (gateway.batches): owned by the InferenceService, not by the gateway's
+    Deployment, so users' files and results outlive every gateway roll and go with the service."""
+    b = spec.gateway.batches
+    claim: dict[str, Any] = {"accessModes": [b.access_mode], "resources": {"requests": {"storage": str(b.size)}}}
+    if b.storage_class_name:
+        claim["storageClassName"] = b.storage_class_name
+    return _finish({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(isvc, batches_claim_name(isvc["metadata"]["name"]), "gateway-batches"),
+        "spec": claim,
+    })
+
+
+def gateway_batches_volume(name: str, spec: InferenceServiceSpec) -> tuple[list[str], dict, dict]:
+    """(args, volume, volumeMount) of the batch volume."""
+    claim = spec.gateway.batches.existing_claim or batches_claim_name(name)
+    return (["--batch-dir", GATEWAY_BATCH_DIR], {"name": "batches", "persistentVolumeClaim": {"claimName": claim}},
+            {"name": "batches", "mountPath": GATEWAY_BATCH_DIR})
 
 
 def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
@@ -985,6 +1020,11 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         if spec.autoscaling.scale_to_zero == "sleep":  # a held request wakes a parked engine directly
             hold_args.append("--wake-engines")
     metrics_args, metrics_port, metrics_annotations = gateway_metrics_listener()
+    volumes, mounts = (api_key_volume(spec), [API_KEYS_MOUNT]) if spec.security.api_key_secret_ref else ([], [])
+    batch_args: list[str] = []
+    if gw.batches.enabled:
+        batch_args, volume, mount = gateway_batches_volume(name, spec)
+        volumes, mounts = [*volumes, volume], [*mounts, mount]
     container = {
         "name": "gateway",
         "image": gw.image or settings.gateway_image,
@@ -992,7 +1032,7 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         "args": ["--service", engines_service_name(name), "--namespace", namespace, "--inference-service", name,
                  "--port-name", "http",
                  "--port", str(ENGINE_PORT), "--shutdown-timeout", str(drain)]
-                + gateway_limit_args(gw) + hold_args + metrics_args
+                + gateway_limit_args(gw) + hold_args + metrics_args + batch_args
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
                 # the engines' keys, every line of the mounted Secret, re-read when it is rotated
                 + (["--api-key-file", API_KEYS_FILE] if spec.security.api_key_secret_ref else [])
@@ -1002,8 +1042,8 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}, metrics_port],
         **({"env": env} if (env := tracing_env(isvc, spec)) else {}),
         # The engines' keys, so the gateway answers 401 itself: an unauthenticated request is never held, never
-        # counted as load and never wakes the autoscaler.
-        **({"volumeMounts": [API_KEYS_MOUNT]} if spec.security.api_key_secret_ref else {}),
+        # counted as load and never wakes the autoscaler; the batch volume.
+        **({"volumeMounts": mounts} if mounts else {}),
         "resources": resources,
         "readinessProbe": _probe("/readyz", 2, 2, 2),
         "livenessProbe": _probe("/livez", 10, 3, 5),
@@ -1032,8 +1072,10 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
     }
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in spec.image_pull_secrets]
-    if spec.security.api_key_secret_ref:
-        pod_spec["volumes"] = api_key_volume(spec)
+    if volumes:
+        pod_spec["volumes"] = volumes
+    if gw.batches.enabled:  # the batch volume is writable by the gateway's group; chown only a new volume
+        pod_spec["securityContext"].update({"fsGroup": GATEWAY_UID, "fsGroupChangePolicy": "OnRootMismatch"})
     return _finish({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -1083,6 +1125,8 @@ def gateway_children(isvc: dict[str, Any], spec: InferenceServiceSpec, settings:
                 gateway_deployment(isvc, spec, settings), gateway_disruption_budget(isvc, spec)]
     if scales_from_zero(spec):
         children.append(wake_configmap(isvc, spec))
+    if spec.gateway.batches.enabled and not spec.gateway.batches.existing_claim:
+        children.append(gateway_batches_claim(isvc, spec))
     if spec.security.network_policy.enabled:
         children.append(gateway_network_policy(isvc, spec, settings))
     return children

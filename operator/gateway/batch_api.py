@@ -30,10 +30,11 @@ def error_response(e: BatchError) -> web.Response:
 
 
 class BatchAPI:
-    def __init__(self, gateway, directory: str, per_engine: int = 2, max_file_bytes: int = MAX_FILE_BYTES):
+    def __init__(self, gateway, directory: str, per_engine: int = 2, max_file_bytes: int = MAX_FILE_BYTES,
+                 share: str = "idle"):
         self.gateway = gateway
         self.store = Store(directory)
-        self.runner = BatchRunner(gateway, self.store, per_engine)
+        self.runner = BatchRunner(gateway, self.store, per_engine, share)
         self.max_file_bytes = max_file_bytes
 
     def add_routes(self, router: web.UrlDispatcher) -> None:

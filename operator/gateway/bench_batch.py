@@ -4,7 +4,9 @@ Real processes: one engine (a small random Llama, or `--model`) behind `shoal-ga
 `--max-inflight-per-engine --slots`. `--clients` closed-loop clients send streamed chats for `--seconds`, once with
 no batch and once while a batch of `--batch-requests` chats runs through the same gateway (submitted just before,
 cancelled just after), rounds alternating (`--rounds`) so a loaded machine hurts both sides alike. With
-`--engine-priority` the engine schedules by priority and the gateway sends batch requests at the lowest. Printed per
+`--engine-priority` the engine schedules by priority and the gateway sends batch requests at the lowest;
+`--batch-share idle|spare` is the gateway's policy (idle: batch requests only while no interactive request is in
+flight at the engine; with closed-loop clients that is rarely, so few batch requests finish). Printed per
 side: interactive TTFT p50/p95, interactive requests and output tokens per second, and the batch requests that
 finished meanwhile; then the ratios (the goal: TTFT within 10 % of no batch). The machine's load average is
 printed with them: on a shared machine the figures are noisy.
@@ -101,6 +103,7 @@ async def main_async(args) -> int:
     gateway = Child([sys.executable, "-m", "shoal.operator.gateway", "--endpoint", engine.url, "--poll-interval",
                      "0.1", "--log-level", "warning", "--max-inflight-per-engine", str(args.slots),
                      "--batch-dir", batch_dir, "--batch-max-inflight-per-engine", str(args.batch_per_engine),
+                     "--batch-share", args.batch_share,
                      *(["--engine-priority"] if args.engine_priority else [])])
     rng = random.Random(0)
     sides: dict[str, list[dict]] = {"no batch": [], "batch": []}
@@ -132,7 +135,8 @@ async def main_async(args) -> int:
         return 0
     print(f"{args.clients} interactive clients, {args.slots} slots, "
           f"engine scheduling {'priority' if args.engine_priority else 'fcfs'}, batch of {args.batch_requests} "
-          f"({args.batch_per_engine} per engine), {args.rounds} x {args.seconds:g} s per side; "
+          f"({args.batch_per_engine} per engine, share {args.batch_share}), "
+          f"{args.rounds} x {args.seconds:g} s per side; "
           f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} on {os.cpu_count()} CPUs")
     for side, r in report.items():
         print(f"{side:>8}: TTFT p50/p95 {r['ttft_p50_ms']:.0f}/{r['ttft_p95_ms']:.0f} ms, "
@@ -152,6 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=8, help="the gateway's --max-inflight-per-engine")
     p.add_argument("--batch-per-engine", type=int, default=2, help="--batch-max-inflight-per-engine")
     p.add_argument("--batch-requests", type=int, default=200)
+    p.add_argument("--batch-share", choices=("idle", "spare"), default="idle", help="the gateway's --batch-share")
     p.add_argument("--batch-max-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=16, help="interactive answers' length")
     p.add_argument("--words", type=int, default=60, help="words per prompt")

@@ -187,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-max-inflight-per-engine", type=positive(int), default=d.batch_per_engine, metavar="N",
                    help="batch requests this gateway runs on one engine at once; they take only capacity no "
                         "interactive request waits for (default %(default)s)")
+    b.add_argument("--batch-share", choices=("idle", "spare"), default=d.batch_share,
+                   help="which engines take batch requests: idle = only those where this gateway has no "
+                        "interactive request in flight (interactive time to first token unaffected while they "
+                        "run); spare = any free slot (more batch throughput, interactive requests share engine "
+                        "steps with batch ones) (default %(default)s)")
     p.add_argument("--shutdown-timeout", type=non_negative, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -269,7 +274,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tenant_keys=TenantKeys(args.tenant_keys) if args.tenant_keys else None,
         engine_keys=EngineKeys(args.engine_keys) if args.engine_keys else None,
         models_interval=args.models_interval, engine_priority=args.engine_priority,
-        batch_dir=args.batch_dir, batch_per_engine=args.batch_max_inflight_per_engine,
+        batch_dir=args.batch_dir, batch_per_engine=args.batch_max_inflight_per_engine, batch_share=args.batch_share,
         quotas=QuotaPolicy(args.tenant_requests_per_minute, args.tenant_tokens_per_minute,
                            args.tenant_max_concurrent))
 

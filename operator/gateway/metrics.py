@@ -98,6 +98,15 @@ class _PoolCollector:
                                 "spec.adapters, as the gateway last read them (a per-service gateway reads its "
                                 "own with --inference-service).",
                                 value=sum(len(pool.adapters) for pool in self.gateway.pools.all()))
+        batches = self.gateway.batches
+        if batches is not None:
+            pending = GaugeMetricFamily(contract.GATEWAY_BATCH_PENDING_REQUESTS, "Batch requests not finished yet "
+                                        "(waiting for capacity, or for an engine to exist, or at an engine), by "
+                                        "model; the operator's autoscaler keeps the service awake while any remain.",
+                                        labels=["model"])
+            for model, n in sorted(batches.runner.pending().items()):
+                pending.add_metric([model], float(n))
+            yield pending
         if self.gateway.pools.shared:
             yield service
             yield GaugeMetricFamily(P + "models", "Model names the shared gateway routes (base models and "

@@ -152,6 +152,7 @@ class GatewayConfig:
     # batch requests in flight per engine, taken only from capacity no interactive request wants
     batch_dir: str | None = None
     batch_per_engine: int = 2
+    batch_share: str = "idle"  # batch_runner.SHARES: idle = only engines with no interactive request of ours
 
 
 def parse_body(path: str, body: bytes) -> Any:
@@ -234,7 +235,7 @@ class Gateway:
         if config.batch_dir:
             from shoal.operator.gateway.batch_api import BatchAPI
 
-            self.batches = BatchAPI(self, config.batch_dir, config.batch_per_engine)
+            self.batches = BatchAPI(self, config.batch_dir, config.batch_per_engine, share=config.batch_share)
         if shared:
             from shoal.operator.gateway.fleet import Fleet
 

@@ -8,6 +8,10 @@ A request gives `shoal.gateway.request` (a child of the client's W3C `traceparen
 (its URL; a retry is a second attempt with the first one's failure as its `shoal.retry_reason`). The attempt's
 context is sent to the engine as `traceparent`, so the engine's spans nest under it, and the tenant as
 `X-Shoal-Tenant`.
+
+A batch request (batch_runner.py) gives `shoal.gateway.batch_request`, a trace of its own (no client sends a
+`traceparent`), with the batch id, the line's custom_id, the model and the tenant, and the same `engine_attempt`
+child, so the engine's spans nest under it.
 """
 
 from __future__ import annotations
@@ -53,6 +57,12 @@ class GatewayTracer:
                                       kind=self._server_kind, attributes={"http.route": path, "shoal.tenant": tenant})
         return RequestTrace(self, span, tenant)
 
+    def batch_request(self, batch_id: str, custom_id: str, model: str, tenant: str) -> "RequestTrace":
+        span = self.tracer.start_span("shoal.gateway.batch_request", kind=self._client_kind, attributes={
+            "shoal.batch.id": batch_id, "shoal.batch.custom_id": custom_id, "gen_ai.request.model": model,
+            "shoal.tenant": tenant})
+        return RequestTrace(self, span, tenant)
+
     def shutdown(self) -> None:
         self.provider.shutdown()
 
@@ -96,8 +106,10 @@ class RequestTrace:
             self.attempt.end()
             self.attempt = None
 
-    def end(self, status: int) -> None:
+    def end(self, status: int | None) -> None:
+        """None: no answer (a batch request the engine refused or never got; tried again)."""
         self.queue_ended("abandoned")
         self.attempt_ended()
-        self.span.set_attribute("http.response.status_code", status)
+        if status is not None:
+            self.span.set_attribute("http.response.status_code", status)
         self.span.end()

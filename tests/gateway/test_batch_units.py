@@ -16,8 +16,9 @@ from shoal.operator.gateway.batch_store import BatchError, Store, parse_input, v
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig
 
 from shoal.operator.gateway.tenants import EngineKeys, TenantKeys
+from shoal.operator.k8s.client import KubeAPI
 
-from .test_admission import Engine, isvc, shared, started, until
+from .test_admission import Engine, _fake_api, endpoint_slice, isvc, shared, started, until
 
 
 def line(custom_id: str, url: str = "/v1/completions", **body) -> bytes:
@@ -287,3 +288,127 @@ async def test_the_shared_gateway_routes_each_batch_request_by_model_with_the_en
         finally:
             await client.close()
             await gw.stop()
+
+
+# ---- --batch-share, scale from zero -------------------------------------------------------------------------
+@pytest.mark.parametrize("share", ["idle", "spare"])
+async def test_batch_share_idle_keeps_batch_requests_off_an_engine_with_an_interactive_one(tmp_path, share):
+    async with Engine("e") as engine:
+        gw = Gateway(GatewayConfig(poll_interval=0.05, batch_dir=str(tmp_path), batch_per_engine=2,
+                                   batch_share=share))
+        gw.backends.replace([engine.url])
+        client = await started(gw)
+        try:
+            interactive = asyncio.create_task(client.post("/v1/completions", json={"model": "m", "prompt": "i0"}))
+            await until(lambda: len(engine.seen) == 1)
+            await create_batch(client, "b0", "b1")
+            if share == "spare":  # a free slot is enough: both go beside the interactive request
+                await until(lambda: len(engine.seen) == 3)
+            else:
+                await asyncio.sleep(0.3)  # an absence: polled six times, the engine is never idle
+                assert len(engine.seen) == 1
+            engine.release(0)
+            assert (await interactive).status == 200
+            await until(lambda: len(engine.seen) == 3)  # idle again: the batch goes
+            assert sorted(s["body"]["prompt"] for s in engine.seen[1:]) == ["b0", "b1"]
+        finally:
+            await client.close()
+            await gw.stop()
+
+
+def test_batch_share_is_a_flag_with_a_checked_value():
+    from shoal.operator.gateway.batch_runner import BatchRunner
+    from shoal.operator.gateway.cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(["--endpoint", "http://127.0.0.1:1"])).batch_share == "idle"
+    args = build_parser().parse_args(["--endpoint", "http://127.0.0.1:1", "--batch-share", "spare"])
+    assert config_from_args(args).batch_share == "spare"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--endpoint", "http://127.0.0.1:1", "--batch-share", "greedy"])
+    with pytest.raises(ValueError, match="batch share must be one of idle, spare"):
+        BatchRunner(None, None, share="greedy")
+
+
+async def test_a_batch_wakes_a_pool_with_no_engine_and_reports_its_pending_requests(tmp_path):
+    from prometheus_client import generate_latest
+
+    from shoal.operator.autoscaler import gateway_view
+
+    gw = Gateway(GatewayConfig(poll_interval=0.05, batch_dir=str(tmp_path)))
+    wakes: list[float] = []
+    gw.on_hold.append(lambda: wakes.append(time.monotonic()))
+    client = await started(gw)
+
+    def pending() -> float:
+        return gateway_view(generate_latest(gw.metrics.registry).decode()).batch_pending
+    try:
+        assert pending() == 0
+        batch_id = await create_batch(client, "b0", "b1", "b2")
+        await until(lambda: len(wakes) == 1)  # no engine: a wake-up, as a held request gives
+        assert pending() == 3 and gw.pools.pool.held == 0  # no client is held: nothing to count as one
+        await until(lambda: len(wakes) == 2)
+        assert wakes[1] - wakes[0] >= 0.9  # at most once per WAKE_EVERY while it waits
+        async with Engine("e", hold=False) as engine:  # the engine the wake-up asked for
+            gw.backends.replace([engine.url])
+            await batch_status(client, batch_id, "completed")
+            assert pending() == 0 and len(engine.seen) == 3
+    finally:
+        await client.close()
+        await gw.stop()
+
+
+async def test_each_batch_request_is_a_span_with_its_batch_and_custom_id_and_the_engine_gets_its_context(
+        tmp_path, monkeypatch):
+    from otlpkit import Collector, attributes
+
+    class TracedEngine(Engine):
+        traces: list[str | None] = []
+
+        async def complete(self, request):
+            self.traces.append(request.headers.get("traceparent"))
+            return await super().complete(request)
+
+    collector = Collector()
+    for k, v in collector.env("gateway").items():
+        monkeypatch.setenv(k, v)
+    async with TracedEngine("e", hold=False) as engine:
+        url = engine.url
+        gw = Gateway(GatewayConfig(poll_interval=0.05, batch_dir=str(tmp_path)))
+        gw.backends.replace([url])
+        client = await started(gw)
+        try:
+            batch_id = await create_batch(client, "b0", "b1")
+            await batch_status(client, batch_id, "completed")
+            await until(lambda: len(collector.named("engine_attempt")) == 2, 20)
+        finally:
+            await client.close()
+            await gw.stop()
+            collector.close()
+    spans = {attributes(s)["shoal.batch.custom_id"]: s for s in collector.named("shoal.gateway.batch_request")}
+    assert set(spans) == {"b0", "b1"}
+    a = attributes(spans["b0"])
+    assert a["shoal.batch.id"] == batch_id and a["gen_ai.request.model"] == "m"
+    assert a["http.response.status_code"] == 200
+    attempts = {s.parent_span_id: s for s in collector.named("engine_attempt")}
+    assert set(attempts) == {s.span_id for s in spans.values()}
+    assert attributes(attempts[spans["b0"].span_id])["server.address"] == url
+    # each engine request carries its attempt's context: the engine's spans nest under it
+    assert sorted(t.split("-")[2] for t in engine.traces) == sorted(s.span_id.hex() for s in attempts.values())
+
+
+async def test_the_shared_gateway_wakes_only_the_service_a_batch_needs(tmp_path):
+    runner, url, patched = await _fake_api()
+    async with Engine("chat", served="chat-7b", hold=False) as chat:
+        gw, client = await shared(GatewayConfig(batch_dir=str(tmp_path)), [isvc("chat", "chat-7b", from_zero=True),
+                                           isvc("code", "coder", from_zero=True)], {}, api=KubeAPI(url))
+        try:
+            batch_id = await create_batch(client, "a", "b", models={"a": "chat-7b", "b": "chat-7b"})
+            await until(lambda: patched)
+            assert patched == ["team/chat-wake"] and gw.pools.resolve("chat-7b").held == 0
+            gw.pools.slice_event("ADDED", endpoint_slice("chat-engines", chat.url))  # the replica it asked for
+            done = await batch_status(client, batch_id, "completed")
+            assert done["request_counts"]["completed"] == 2
+        finally:
+            await client.close()
+            await gw.stop()
+            await runner.cleanup()

@@ -74,7 +74,10 @@ def test_gateway_view_and_the_engine_load_it_gives():
             f'shoal:gateway_backend_kv_cache_usage{{backend="{a}"}} 0.25\n'
             f'shoal:gateway_backend_waiting_prefill_tokens{{backend="{a}"}} 300\n')
     view = gateway_view(text)
-    assert view.held == 3 and view.in_flight == {a: 2, b: 5}
+    assert view.held == 3 and view.in_flight == {a: 2, b: 5} and view.batch_pending == 0
+    batches = gateway_view('shoal:gateway_batch_pending_requests{model="llm"} 7\n'
+                           'shoal:gateway_batch_pending_requests{model="llm-lora"} 2\n')
+    assert batches.batch_pending == 9 and batches.held == 0
     other = gateway_view(f'shoal:gateway_inflight_requests{{backend="{b}"}} 4\n'
                          f'shoal:gateway_backend_running_requests{{backend="{a}"}} 9\n')
     # polled gauges: the engine's own (the highest report); else the gateways' in-flight counts, summed

@@ -380,3 +380,21 @@ def test_busy_or_starting_replicas_are_not_put_to_sleep():
     replicas = (ReplicaLoad("busy", running=1), ReplicaLoad("loading", ready=False), ReplicaLoad("idle"))
     obs = Observation(now=0.0, current=3, ready=2, replicas=replicas)
     assert park(obs, 0) == Parking(sleep=("idle",), pods=3)
+def test_pending_batch_work_wakes_from_zero_and_keeps_one_replica_but_sizes_nothing():
+    policy = Policy(min_replicas=0, max_replicas=8, target_in_flight=4, scale_down_window=5, scale_to_zero_after=10)
+    history = History()
+    # a batch of 1000 requests against a fleet at zero: one replica, at once (not 250)
+    d = decide(Observation(now=0.0, current=0, ready=0, batch_pending=1000), policy, history)
+    assert (d.desired, d.reason) == (1, "ScaleFromZero")
+    assert "1000 batch requests pending" in d.message
+    # the batch runs for a long time with no interactive load: never scaled to zero meanwhile
+    for t in range(1, 120):
+        d = decide(Observation(now=float(t), current=1, ready=1, batch_pending=1000 - t), policy, history)
+        assert d.desired == 1, d
+    # the batch is done: zero after scaleToZeroAfter of idleness, counted from its last pending request
+    ds = {t: decide(Observation(now=float(t), current=1, ready=1), policy, history).desired for t in range(120, 135)}
+    assert ds[128] == 1 and ds[134] == 0
+    # interactive load on top sizes the fleet as usual; the batch adds nothing to it
+    d = decide(Observation(now=0.0, current=1, ready=1, replicas=(ReplicaLoad("p", running=12),), batch_pending=500),
+               Policy(min_replicas=0, target_in_flight=4, scale_up_window=0), History())
+    assert d.desired == 3

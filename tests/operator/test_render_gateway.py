@@ -305,3 +305,59 @@ def test_bad_tracing_names_the_field(tracing, field):
     with pytest.raises(api.SpecError) as e:
         render.render(isvc({"tracing": tracing}), SETTINGS)
     assert e.value.field == field
+
+
+def test_gateway_batches_get_a_claim_of_the_service_mounted_at_the_batch_dir(tmp_path):
+    from shoal.operator.gateway.cli import build_parser, config_from_args
+
+    plain = kids()
+    assert not any(kind == "PersistentVolumeClaim" for kind, _ in plain)
+    k = kids({"gateway": {"batches": {"enabled": True, "size": "50Gi", "storageClassName": "nfs"}},
+              "security": {"apiKeySecretRef": {"name": "keys"}}})
+    claim = k[("PersistentVolumeClaim", "llm-gateway-batches")]
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "50Gi"}},
+                             "storageClassName": "nfs"}
+    # owned by the InferenceService (goes with it), not by the gateway's Deployment (survives its rolls)
+    assert [(o["kind"], o["name"]) for o in claim["metadata"]["ownerReferences"]] == [("InferenceService", "llm")]
+    pod = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert {"name": "batches", "persistentVolumeClaim": {"claimName": "llm-gateway-batches"}} in pod["volumes"]
+    assert {"name": "batches", "mountPath": render.GATEWAY_BATCH_DIR} in c["volumeMounts"]
+    assert any(m["name"] == "api-keys" for m in c["volumeMounts"])  # beside the engines' keys
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    # memory for a running batch's requests (~3x its input file) and a file being checked, beyond the default 514Mi
+    assert c["resources"]["limits"]["memory"] == "1314Mi"
+    args = c["args"]
+    assert args[args.index("--batch-dir") + 1] == render.GATEWAY_BATCH_DIR
+    # the gateway's own CLI takes the rendered flags (the batch dir redirected to one this test can write)
+    args[args.index("--batch-dir") + 1] = str(tmp_path)
+    (tmp_path / "keys").write_text("k\n")
+    args[args.index("--api-key-file") + 1] = str(tmp_path / "keys")
+    config = config_from_args(build_parser().parse_args(args))
+    assert config.batch_dir == str(tmp_path) and config.batch_share == "idle"
+    # an existing claim is mounted, never created
+    k = kids({"gateway": {"batches": {"enabled": True, "existingClaim": "shared-batches"}}})
+    assert not any(kind == "PersistentVolumeClaim" for kind, _ in k)
+    pod = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]
+    assert {"name": "batches", "persistentVolumeClaim": {"claimName": "shared-batches"}} in pod["volumes"]
+    # turning batches on or off leaves the default Deployment as it was otherwise
+    assert "fsGroup" not in plain[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["securityContext"]
+    version = kubernetes_validate.latest_version()
+    for obj in kids({"gateway": {"batches": {"enabled": True}}}).values():
+        if obj["kind"] in ("PersistentVolumeClaim", "Deployment"):
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("batches, field", [
+    ({"enabled": True, "accessMode": "ReadWriteOnce"}, "spec.gateway.batches.accessMode"),
+    ({"enabled": True, "accessMode": "ReadWriteOncePod"}, "spec.gateway.batches.accessMode"),
+    ({"enabled": True, "size": "lots"}, "spec.gateway.batches.size"),
+    ({"enabled": True, "existingClaim": "Not_A_Name"}, "spec.gateway.batches.existingClaim"),
+    ({"enabled": "yes"}, "spec.gateway.batches.enabled"),
+])
+def test_bad_gateway_batches_name_the_field(batches, field):
+    with pytest.raises(api.SpecError) as e:
+        render.render(isvc({"gateway": {"batches": batches}}), SETTINGS)
+    assert e.value.field == field
+    if batches.get("accessMode") == "ReadWriteOnce":
+        assert "gateway.replicas is 2" in e.value.message and "ReadWriteMany" in e.value.message
