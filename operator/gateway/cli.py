@@ -96,6 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine's load is at most the least loaded one's + this many requests (default %(default)s)")
     r.add_argument("--prefix-index-size", type=positive(int), default=d.index_size,
                    help="block hashes remembered for affinity (LRU; default %(default)s)")
+    r.add_argument("--tokenizer", metavar="PATH",
+                   help="precise-prefix: the model's tokenizer.json (or a directory holding it), to turn "
+                        "completion prompts into the token ids the engines hash; without it, precise-prefix "
+                        "routes like prefix-load")
+    r.add_argument("--kv-events-port", type=positive(int), default=d.kv_events_port,
+                   help="precise-prefix: the port of each engine's KV-events PUB socket, at its pod IP "
+                        "(--kv-events-config endpoint; default %(default)s)")
+    r.add_argument("--kv-events-replay-port", type=non_negative_int, default=d.kv_events_replay_port,
+                   help="precise-prefix: the port of each engine's KV-events replay socket; 0: none "
+                        "(default %(default)s)")
+    r.add_argument("--kv-events-topic", default=d.kv_events_topic,
+                   help="precise-prefix: the topic the engines publish under (default: every topic)")
     adm = p.add_argument_group("admission: priority and fairness")
     adm.add_argument("--max-inflight-per-engine", type=non_negative_int, default=d.max_inflight, metavar="N",
                      help="requests an engine runs or queues at once; more wait in the gateway, dispatched by "
@@ -230,7 +242,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         runtime=args.runtime,
         block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
-        index_size=args.prefix_index_size,
+        index_size=args.prefix_index_size, tokenizer=args.tokenizer, kv_events_port=args.kv_events_port,
+        kv_events_replay_port=args.kv_events_replay_port, kv_events_topic=args.kv_events_topic,
         hold_timeout=args.hold_timeout, retry_after=args.retry_after,
         connect_timeout=args.connect_timeout,
         poll_interval=args.poll_interval,

@@ -97,6 +97,12 @@ class GatewayConfig:
     affinity_slack: float = 2.0
     cold_slack: float = 1.0
     index_size: int = 200_000
+    # precise-prefix (kv_index.py, kv_subscriber.py, kv_tokens.py): the model's tokenizer, and where each engine
+    # publishes its KV events (its pod IP and these ports; replay 0: none)
+    tokenizer: str | None = None
+    kv_events_port: int = 5557
+    kv_events_replay_port: int = 5558
+    kv_events_topic: str = ""
     max_pending: int = option(
         4096, "reliability", "requests inside the gateway at once; more get 429", type=positive(int),
         spec=SpecField("max_pending", int, "requests inside one gateway pod at once, held ones included; more get "
@@ -223,6 +229,14 @@ class Gateway:
         self.kube_api = kube_api
         self._key_read: tuple[float, str | None] = (-1e9, None)  # (when, the newest line of --api-key-file)
         self.tracer = GatewayTracer() if tracing_configured() else None  # tracing.py; None: no cost
+        # precise-prefix: the engines' KV events per pool; the prompt's tokens need the one model's tokenizer, so
+        # the shared gateway (many models) keeps to the approximate index
+        self._kv_subscribers: dict[Pool, Any] = {}
+        self.prompt_tokenizer = None
+        if config.routing == "precise-prefix" and config.tokenizer and not shared:
+            from shoal.operator.gateway.kv_tokens import PromptTokenizer
+
+            self.prompt_tokenizer = PromptTokenizer(config.tokenizer)
         if shared:
             from shoal.operator.gateway.fleet import Fleet
 
@@ -248,10 +262,20 @@ class Gateway:
     # ---- pools -----------------------------------------------------------------------------------------------
     def _new_pool(self, backends: BackendSet, hold_timeout: float, max_inflight: int) -> Pool:
         c = self.config
+        kv_index = None
+        if c.routing == "precise-prefix" and self.prompt_tokenizer is not None:
+            from shoal.operator.gateway.kv_index import KVIndex
+
+            kv_index = KVIndex(c.max_blocks)  # one per pool: an index never mixes two models' engines
         router = make_router(c.routing, c.load_factor, c.affinity_slack, c.cold_slack, c.index_size,
-                             index=self.prefix_index)
+                             index=self.prefix_index, kv_index=kv_index)
         pool = Pool(backends, router, hold_timeout=hold_timeout, max_inflight=max_inflight,
                     queue_timeout=c.queue_timeout)
+        if kv_index is not None:
+            from shoal.operator.gateway.kv_subscriber import KVSubscribers
+
+            self._kv_subscribers[pool] = KVSubscribers(backends, kv_index, c.kv_events_port,
+                                                       c.kv_events_replay_port or None, c.kv_events_topic)
         pool.on_pick = self._observe_pick
         pool.on_dispatch = self._observe_dispatch
         pool.on_held = self.metrics.held.inc, self.metrics.held.dec
@@ -297,8 +321,13 @@ class Gateway:
         waker = self._wakers.pop(pool, None)
         if waker is not None:
             asyncio.get_running_loop().create_task(waker.close())
+        subscribers = self._kv_subscribers.pop(pool, None)
+        if subscribers is not None:
+            asyncio.get_running_loop().create_task(subscribers.close())
 
     def _start_polling(self, pool: Pool, runtime: str) -> None:
+        if pool in self._kv_subscribers:
+            self._kv_subscribers[pool].start()
         poller = Poller(pool.backends, self.session, self.config.poll_interval, self.config.poll_timeout,
                         metrics=for_runtime(runtime), headers=lambda: self.poll_headers(pool))
         self._pollers[pool] = (poller, asyncio.create_task(poller.run(), name=f"gateway-poller-{pool.key}"))
@@ -359,6 +388,8 @@ class Gateway:
             await poller.close()
         for waker in self._wakers.values():
             await waker.close()
+        for subscribers in self._kv_subscribers.values():
+            await subscribers.close()
         if self.session is not None:
             await self.session.close()
         if self.tracer is not None:
@@ -372,12 +403,20 @@ class Gateway:
 
     # ---- routing ---------------------------------------------------------------------------------------------
     def prompt_hashes(self, path: str, parsed: Any, model: str | None, pool: Pool) -> list[bytes]:
-        if self.config.routing != "prefix-load" or path not in ROUTED_PATHS or parsed is None:
+        if self.config.routing not in ("prefix-load", "precise-prefix") or path not in ROUTED_PATHS or parsed is None:
             return []
         text = render_prompt(path, parsed)
         if text and model and any(model in b.lora_resident for b in pool.backends.all()):
             text = f"{model}\n{text}"  # engines cache each adapter's blocks apart: so does the prefix index
         return block_hashes(text, self.config.block_chars, self.config.max_blocks) if text else []
+
+    def prompt_tokens(self, path: str, parsed: Any, model: str | None, pool: Pool) -> list[int] | None:
+        """The prompt's token ids for precise-prefix routing; None for a LoRA adapter (its blocks hash from the
+        engine's own adapter id, which the gateway does not know) and wherever kv_tokens cannot tell them."""
+        if self.prompt_tokenizer is None or path not in ROUTED_PATHS or parsed is None \
+                or pool.is_adapter(model, time.monotonic()):
+            return None
+        return self.prompt_tokenizer.token_ids(path, parsed)
 
     def engine_body(self, pool: Pool, ticket: Ticket, body: bytes, parsed: Any) -> bytes:
         """The body the engine gets: the client's, with an engine priority for engines that schedule by it (vLLM's
@@ -525,7 +564,8 @@ class Gateway:
                                       "invalid_request_error", "model_required", param="model")
             return model_not_found(model)
         ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant, cost=request_cost(len(body), parsed),
-                        model=model, hashes=self.prompt_hashes(request.path, parsed, model, pool))
+                        model=model, hashes=self.prompt_hashes(request.path, parsed, model, pool),
+                        tokens=self.prompt_tokens(request.path, parsed, model, pool))
         if not self.quotas.policy.on:
             return await self._dispatch(request, pool, ticket, body, parsed, {})
         try:
