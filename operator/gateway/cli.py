@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kv-events-replay-port", type=non_negative_int, default=d.kv_events_replay_port,
                    help="precise-prefix: the port of each engine's KV-events replay socket; 0: none "
                         "(default %(default)s)")
+    r.add_argument("--kv-events-endpoint", action="append", default=[], type=kv_events_endpoint,
+                   metavar="URL=PORT[,REPLAY_PORT]",
+                   help="precise-prefix: this --endpoint engine's KV-events ports, where they differ from "
+                        "--kv-events-port / --kv-events-replay-port (engines sharing one host; repeatable)")
     r.add_argument("--kv-events-topic", default=d.kv_events_topic,
                    help="precise-prefix: the topic the engines publish under (default: every topic)")
     adm = p.add_argument_group("admission: priority and fairness")
@@ -244,6 +248,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
         index_size=args.prefix_index_size, tokenizer=args.tokenizer, kv_events_port=args.kv_events_port,
         kv_events_replay_port=args.kv_events_replay_port, kv_events_topic=args.kv_events_topic,
+        kv_events_ports=dict(args.kv_events_endpoint),
         hold_timeout=args.hold_timeout, retry_after=args.retry_after,
         connect_timeout=args.connect_timeout,
         poll_interval=args.poll_interval,
@@ -257,6 +262,19 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         models_interval=args.models_interval, engine_priority=args.engine_priority,
         quotas=QuotaPolicy(args.tenant_requests_per_minute, args.tenant_tokens_per_minute,
                            args.tenant_max_concurrent))
+
+
+def kv_events_endpoint(text: str) -> tuple[str, tuple[int, int | None]]:
+    """URL=PORT[,REPLAY_PORT] -> (the engine's URL as --endpoint normalises it, (port, replay port or None))."""
+    url, sep, ports = text.rpartition("=")
+    try:
+        port, _, replay = ports.partition(",")
+        numbers = (int(port), int(replay) if replay else None)
+    except ValueError:
+        numbers = None
+    if not sep or numbers is None or not all(0 < n < 65536 for n in numbers if n is not None):
+        raise argparse.ArgumentTypeError(f"expected URL=PORT[,REPLAY_PORT], got {text!r}")
+    return endpoint_url(url), numbers
 
 
 def own_namespace() -> str | None:

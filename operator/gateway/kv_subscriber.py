@@ -28,9 +28,13 @@ REPLAY_TIMEOUT = 2.0  # seconds a replay may take to start answering, and betwee
 
 
 class KVSubscribers:
-    def __init__(self, backends: BackendSet, index: KVIndex, port: int, replay_port: int | None, topic: str = ""):
+    def __init__(self, backends: BackendSet, index: KVIndex, port: int, replay_port: int | None, topic: str = "",
+                 ports: dict[str, tuple[int, int | None]] | None = None):
+        """`ports`: engine URL -> (events port, replay port or None) where an engine's differ from the rule
+        (static --endpoint engines sharing one host)."""
         self.backends, self.index = backends, index
         self.port, self.replay_port, self.topic = port, replay_port, topic.encode()
+        self.ports = ports or {}
         self.ctx = zmq.asyncio.Context()
         self.tasks: dict[str, asyncio.Task] = {}
         self._started = False
@@ -72,7 +76,8 @@ class KVSubscribers:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.setsockopt(zmq.LINGER, 0)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sub.connect(f"tcp://{host}:{self.port}")
+        port, replay_port = self.ports.get(url, (self.port, self.replay_port))
+        sub.connect(f"tcp://{host}:{port}")
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -99,7 +104,7 @@ class KVSubscribers:
                     continue
                 # A gap, a first batch from an engine that ran before we subscribed, or a restart (seq went back).
                 self.index.reset(url, "restarted" if seq <= view.last_seq else f"sequence gap at {seq}")
-                duplicates = await self._replay(url, host)
+                duplicates = await self._replay(url, host, replay_port)
                 if seq > self.index.view(url).last_seq and seq not in duplicates:
                     if self.index.view(url).last_seq >= 0 and seq != self.index.view(url).last_seq + 1:
                         self.index.reset(url, f"replay ended before {seq}")
@@ -122,16 +127,16 @@ class KVSubscribers:
             return
         self.index.apply(url, seq, events)
 
-    async def _replay(self, url: str, host: str) -> dict[int, bytes]:
+    async def _replay(self, url: str, host: str, replay_port: int | None) -> dict[int, bytes]:
         """Apply the engine's buffered batches from sequence 0 (consecutive ones only, onto a reset view);
         returns them by sequence number. Nothing when the engine has no replay socket or does not answer."""
-        if not self.replay_port:
+        if not replay_port:
             return {}
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         replayed: dict[int, bytes] = {}
         try:
-            dealer.connect(f"tcp://{host}:{self.replay_port}")
+            dealer.connect(f"tcp://{host}:{replay_port}")
             await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             while await dealer.poll(int(REPLAY_TIMEOUT * 1000)):
                 _, seq_bytes, payload = await dealer.recv_multipart()

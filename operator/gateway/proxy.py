@@ -103,6 +103,7 @@ class GatewayConfig:
     kv_events_port: int = 5557
     kv_events_replay_port: int = 5558
     kv_events_topic: str = ""
+    kv_events_ports: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # per --endpoint engine
     max_pending: int = option(
         4096, "reliability", "requests inside the gateway at once; more get 429", type=positive(int),
         spec=SpecField("max_pending", int, "requests inside one gateway pod at once, held ones included; more get "
@@ -275,7 +276,8 @@ class Gateway:
             from shoal.operator.gateway.kv_subscriber import KVSubscribers
 
             self._kv_subscribers[pool] = KVSubscribers(backends, kv_index, c.kv_events_port,
-                                                       c.kv_events_replay_port or None, c.kv_events_topic)
+                                                       c.kv_events_replay_port or None, c.kv_events_topic,
+                                                       c.kv_events_ports)
         pool.on_pick = self._observe_pick
         pool.on_dispatch = self._observe_dispatch
         pool.on_held = self.metrics.held.inc, self.metrics.held.dec
@@ -335,7 +337,10 @@ class Gateway:
     def _observe_pick(self, pick: Pick, seconds: float) -> None:
         self.metrics.pick_latency.observe(seconds)
         self.metrics.decisions.labels(pick.decision).inc()
-        if pick.matched_blocks:
+        if pick.matched_blocks and pick.precise:
+            self.metrics.precise_hits.inc()
+            self.metrics.precise_blocks.inc(pick.matched_blocks)
+        elif pick.matched_blocks:
             self.metrics.affinity_hits.inc()
             self.metrics.matched_chars.inc(pick.matched_blocks * self.config.block_chars)
 
