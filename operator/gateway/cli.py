@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block hashes remembered for affinity (LRU; default %(default)s)")
     r.add_argument("--tokenizer", metavar="PATH",
                    help="precise-prefix: the model's tokenizer.json (or a directory holding it), to turn "
-                        "completion prompts into the token ids the engines hash; without it, precise-prefix "
-                        "routes like prefix-load")
+                        "completion prompts into the token ids the engines hash in the gateway; without it (and "
+                        "for chat requests always) an engine's /tokenize gives them")
     r.add_argument("--kv-events-port", type=positive(int), default=d.kv_events_port,
                    help="precise-prefix: the port of each engine's KV-events PUB socket, at its pod IP "
                         "(--kv-events-config endpoint; default %(default)s)")

@@ -3,8 +3,8 @@ own tokenizer (the `tokenizers` library: no torch, no transformers).
 
 Only /v1/completions prompts: a string is encoded as the engine encodes it (special tokens added unless the
 request says `add_special_tokens: false`), a token-id list is taken as is; a batch routes by its first prompt.
-Chat requests return None: their token ids depend on the chat template the engine renders, which this module
-does not reproduce, so they route by the approximate (character) prefix index.
+Chat requests return None here: their token ids depend on the chat template the engine renders, which this module
+does not reproduce; the gateway asks an engine's /tokenize for them instead (proxy.prompt_tokens).
 """
 
 from __future__ import annotations

@@ -103,6 +103,7 @@ class GatewayConfig:
     kv_events_port: int = 5557
     kv_events_replay_port: int = 5558
     kv_events_topic: str = ""
+    tokenize_timeout: float = 1.0  # an engine's /tokenize answer, else the request routes approximately
     kv_events_ports: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # per --endpoint engine
     max_pending: int = option(
         4096, "reliability", "requests inside the gateway at once; more get 429", type=positive(int),
@@ -233,8 +234,9 @@ class Gateway:
         # precise-prefix: the engines' KV events per pool; the prompt's tokens need the one model's tokenizer, so
         # the shared gateway (many models) keeps to the approximate index
         self._kv_subscribers: dict[Pool, Any] = {}
+        self.precise = config.routing == "precise-prefix" and not shared
         self.prompt_tokenizer = None
-        if config.routing == "precise-prefix" and config.tokenizer and not shared:
+        if self.precise and config.tokenizer:
             from shoal.operator.gateway.kv_tokens import PromptTokenizer
 
             self.prompt_tokenizer = PromptTokenizer(config.tokenizer)
@@ -264,7 +266,7 @@ class Gateway:
     def _new_pool(self, backends: BackendSet, hold_timeout: float, max_inflight: int) -> Pool:
         c = self.config
         kv_index = None
-        if c.routing == "precise-prefix" and self.prompt_tokenizer is not None:
+        if self.precise:
             from shoal.operator.gateway.kv_index import KVIndex
 
             kv_index = KVIndex(c.max_blocks)  # one per pool: an index never mixes two models' engines
@@ -415,13 +417,53 @@ class Gateway:
             text = f"{model}\n{text}"  # engines cache each adapter's blocks apart: so does the prefix index
         return block_hashes(text, self.config.block_chars, self.config.max_blocks) if text else []
 
-    def prompt_tokens(self, path: str, parsed: Any, model: str | None, pool: Pool) -> list[int] | None:
-        """The prompt's token ids for precise-prefix routing; None for a LoRA adapter (its blocks hash from the
-        engine's own adapter id, which the gateway does not know) and wherever kv_tokens cannot tell them."""
-        if self.prompt_tokenizer is None or path not in ROUTED_PATHS or parsed is None \
+    async def prompt_tokens(self, path: str, parsed: Any, model: str | None, pool: Pool) -> list[int] | None:
+        """The prompt's token ids for precise-prefix routing: with --tokenizer, completion prompts here
+        (kv_tokens.py); otherwise, and for chat, from an engine's /tokenize (the engine renders the chat template
+        itself, so the ids are the ones it will cache). None for a LoRA adapter (its blocks hash from the engine's
+        own adapter id, which the gateway does not know) and whenever the ids cannot be had: the approximate index
+        routes then."""
+        if not self.precise or path not in ROUTED_PATHS or not isinstance(parsed, dict) \
                 or pool.is_adapter(model, time.monotonic()):
             return None
-        return self.prompt_tokenizer.token_ids(path, parsed)
+        if self.prompt_tokenizer is not None:
+            tokens = self.prompt_tokenizer.token_ids(path, parsed)
+            if tokens is not None or not path.endswith("/chat/completions"):
+                return tokens
+        return await self._engine_tokens(path, parsed, pool)
+
+    async def _engine_tokens(self, path: str, parsed: dict, pool: Pool) -> list[int] | None:
+        body: dict[str, Any] = {"model": parsed.get("model")}
+        if path.endswith("/chat/completions"):
+            for key in ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+                        "continue_final_message"):
+                if key in parsed:
+                    body[key] = parsed[key]
+        else:
+            prompt = parsed.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                prompt = prompt[0]
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return None
+            body["prompt"] = prompt
+            if "add_special_tokens" in parsed:
+                body["add_special_tokens"] = parsed["add_special_tokens"]
+        engines = pool.backends.eligible()
+        if not engines or self.session is None:
+            return None
+        try:
+            async with self.session.post(engines[0].url + "/tokenize", json=body, headers=self.poll_headers(pool),
+                                         timeout=aiohttp.ClientTimeout(total=self.config.tokenize_timeout)) as r:
+                if r.status != 200:
+                    return None
+                tokens = (await r.json()).get("tokens")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+        return tokens if isinstance(tokens, list) else None
 
     def engine_body(self, pool: Pool, ticket: Ticket, body: bytes, parsed: Any) -> bytes:
         """The body the engine gets: the client's, with an engine priority for engines that schedule by it (vLLM's
@@ -570,7 +612,7 @@ class Gateway:
             return model_not_found(model)
         ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant, cost=request_cost(len(body), parsed),
                         model=model, hashes=self.prompt_hashes(request.path, parsed, model, pool),
-                        tokens=self.prompt_tokens(request.path, parsed, model, pool))
+                        tokens=await self.prompt_tokens(request.path, parsed, model, pool))
         if not self.quotas.policy.on:
             return await self._dispatch(request, pool, ticket, body, parsed, {})
         try:

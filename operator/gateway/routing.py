@@ -32,11 +32,11 @@ prefix-load (default)
     prefix. Load is the gateway's in-flight count blended with the engine's polled queue (see Backend.load).
 precise-prefix
     prefix-load's profiles, with the matched prefix taken from what the engines report holding (their KV events,
-    kv_index.py) instead of what the gateway routed: the prompt's token ids (the model's tokenizer, kv_tokens.py)
-    hashed into the engines' own block hashes (shoal.engine.kv_hash), each engine scored by the leading blocks
-    it holds. Falls back to prefix-load's approximate index for a request without token ids (no tokenizer, a
-    chat request, a LoRA adapter) or when no engine reports holding any of its blocks (no events yet, or a
-    prefix routed a moment ago whose blocks are not stored yet).
+    kv_index.py) instead of what the gateway routed: the prompt's token ids (the model's tokenizer, kv_tokens.py,
+    or an engine's /tokenize) hashed into the engines' own block hashes (shoal.engine.kv_hash), each engine
+    scored by the leading blocks it holds. Falls back to prefix-load's approximate index for a request without
+    token ids (a LoRA adapter, /tokenize unavailable) or when no engine reports holding any of its blocks (no
+    events yet, or a prefix routed a moment ago whose blocks are not stored yet).
 least-load
     The least loaded engine; ties rotate.
 round-robin
