@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 
 BASE_ROOT = 0  # the parent of a base-model sequence's first block
 
@@ -29,8 +30,13 @@ def lora_root(lora_id: int | None) -> int:
     return int.from_bytes(hashlib.sha256(b"shoal-lora" + lora_id.to_bytes(8, "big")).digest()[:8], "big")
 
 
+@lru_cache(maxsize=16)
+def _packer(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}I")  # n token ids, 4-byte little-endian
+
+
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
-    data = parent.to_bytes(8, "big") + struct.pack(f"<{len(tokens)}I", *tokens)
+    data = parent.to_bytes(8, "big") + _packer(len(tokens)).pack(*tokens)
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
 
 

@@ -199,6 +199,8 @@ class LLMEngine:
                     self.lora.register(name, path)
             except BaseException:
                 self.executor.shutdown()
+                if self.kv_events is not None:
+                    self.kv_events.close()
                 raise
         # Thread-safe: AsyncEngine compiles on worker threads, off the engine loop.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
