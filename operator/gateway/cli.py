@@ -211,6 +211,10 @@ def shared_mode(args: argparse.Namespace) -> bool:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    if args.tokenizer:
+        from shoal.operator.gateway.kv_tokens import tokenizer_file
+
+        tokenizer_file(args.tokenizer)  # a missing file is a usage error now, not a traceback at start-up
     shared = shared_mode(args)
     if not shared and (args.tenant_keys or args.engine_keys):
         raise ValueError("--tenant-keys and --engine-keys are for the shared gateway (no --endpoint/--service); "

@@ -13,16 +13,21 @@ from pathlib import Path
 from typing import Any
 
 
+def tokenizer_file(path: str) -> Path:
+    """`path`: a tokenizer.json file, or a model / tokenizer directory holding one (ValueError: neither)."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"--tokenizer {path}: no tokenizer.json there (a Hugging Face fast tokenizer's file)")
+    return file
+
+
 class PromptTokenizer:
     def __init__(self, path: str):
-        """`path`: a tokenizer.json file, or a model / tokenizer directory holding one."""
         from tokenizers import Tokenizer
 
-        file = Path(path)
-        if file.is_dir():
-            file = file / "tokenizer.json"
-        if not file.is_file():
-            raise ValueError(f"--tokenizer {path}: no tokenizer.json there (a Hugging Face fast tokenizer's file)")
+        file = tokenizer_file(path)
         try:
             self.tokenizer = Tokenizer.from_file(str(file))
         except Exception as e:  # noqa: BLE001 - a corrupt file is a start-up error in words

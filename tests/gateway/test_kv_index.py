@@ -130,3 +130,16 @@ def test_precise_scorer_prefers_the_engine_holding_the_longest_prefix():
     router.record(a, [b"h1", b"h2"], now)
     pick = router.pick([a, b], [b"h1", b"h2"], now, tokens=[999] * 32)
     assert (pick.backend, pick.precise, pick.matched_blocks) == (a, False, 2)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no tokenizer.json there"),
+    (["--kv-events-endpoint", "http://127.0.0.1:8001"], "expected URL=PORT[,REPLAY_PORT]"),
+    (["--kv-events-endpoint", "http://127.0.0.1:8001=5557,70000"], "expected URL=PORT[,REPLAY_PORT]"),
+])
+def test_bad_precise_prefix_flags_are_usage_errors(flags, message, capsys):
+    from shoal.operator.gateway.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--routing", "precise-prefix", "--endpoint", "http://127.0.0.1:8001", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
