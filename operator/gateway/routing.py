@@ -35,8 +35,10 @@ precise-prefix
     kv_index.py) instead of what the gateway routed: the prompt's token ids (the model's tokenizer, kv_tokens.py,
     or an engine's /tokenize) hashed into the engines' own block hashes (shoal.engine.kv_hash), each engine
     scored by the leading blocks it holds. Falls back to prefix-load's approximate index for a request without
-    token ids (a LoRA adapter, /tokenize unavailable) or when no engine reports holding any of its blocks (no
-    events yet, or a prefix routed a moment ago whose blocks are not stored yet).
+    token ids (/tokenize unavailable) or when no engine reports holding any of its blocks (no events yet, or a
+    prefix routed a moment ago whose blocks are not stored yet). A request naming a LoRA adapter is matched
+    against the blocks each engine stored under that adapter (kv_index.py); the lora-affinity profile still
+    comes first.
 least-load
     The least loaded engine; ties rotate.
 round-robin
@@ -112,7 +114,8 @@ class RoutingContext:
     share, each computed once (loads read the backends' state at `now`)."""
 
     def __init__(self, candidates: list[Backend], hashes: list[bytes], now: float, index: PrefixIndex | None,
-                 model: str | None = None, tokens: list[int] | None = None, kv_index: KVIndex | None = None):
+                 model: str | None = None, tokens: list[int] | None = None, kv_index: KVIndex | None = None,
+                 adapter: str | None = None):
         self.candidates = candidates
         self.hashes = hashes
         self.now = now
@@ -120,6 +123,7 @@ class RoutingContext:
         self.model = model  # the request's `model` (a LoRA adapter's name routes by residency)
         self.tokens = tokens  # the prompt's token ids (precise-prefix), None when unknown
         self._kv_index = kv_index
+        self.adapter = adapter  # the LoRA adapter the request runs under (its blocks hash from its own root)
         self.precise = False  # `matched` came from the engines' KV events
 
     @cached_property
@@ -135,7 +139,7 @@ class RoutingContext:
         """Engine URL -> leading blocks of the prompt it holds: per the engines' KV events where they report any
         (precise-prefix), else per the gateway's own routing history (empty without a prefix index)."""
         if self._kv_index is not None and self.tokens:
-            precise = self._kv_index.matches([b.url for b in self.candidates], self._kv_index.prompt_hashes(self.tokens))
+            precise = self._kv_index.matches([b.url for b in self.candidates], self.tokens, self.adapter)
             if precise:
                 self.precise = True
                 return precise
@@ -189,8 +193,8 @@ class Router:
         self.kv_index = kv_index  # precise-prefix: what the engines report holding
 
     def pick(self, candidates: list[Backend], hashes: list[bytes], now: float, model: str | None = None,
-             tokens: list[int] | None = None) -> Pick:
-        ctx = RoutingContext(candidates, hashes, now, self.index, model, tokens, self.kv_index)
+             tokens: list[int] | None = None, adapter: str | None = None) -> Pick:
+        ctx = RoutingContext(candidates, hashes, now, self.index, model, tokens, self.kv_index, adapter)
         for profile in self.profiles:
             backend = profile.choose(ctx)
             if backend is not None:

@@ -104,7 +104,7 @@ def test_decodes_both_of_vllms_encodings():
         {"type": "BlockStored", "block_hashes": [5, 6], "parent_block_hash": None, "token_ids": [1] * 32,
          "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None},
         {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}, {"type": "AllBlocksCleared"}]})
-    expected = [("BlockStored", [5, 6], None, [1] * 32, 16, None, "GPU"), ("BlockRemoved", [5], "GPU"),
+    expected = [("BlockStored", [5, 6], None, [1] * 32, 16, None, "GPU", None), ("BlockRemoved", [5], "GPU"),
                 ("AllBlocksCleared",)]
     assert decode_batch(array) == expected
     assert decode_batch(mapped) == expected
@@ -117,15 +117,22 @@ def test_precise_scorer_prefers_the_engine_holding_the_longest_prefix():
     tokens = list(range(1, 81))  # 5 blocks of 16
     chain = list(hash_chain(tokens, 16))
     index = KVIndex()
-    index.apply(a.url, 0, [("BlockStored", chain[:2], None, tokens[:32], 16, None, "CPU")])
-    index.apply(b.url, 0, [("BlockStored", chain[:4], None, tokens[:64], 16, None, "CPU")])
+    index.apply(a.url, 0, [("BlockStored", chain[:2], None, tokens[:32], 16, None, "CPU", None)])
+    index.apply(b.url, 0, [("BlockStored", chain[:4], None, tokens[:64], 16, None, "CPU", None)])
     router = make_router("precise-prefix", kv_index=index)
     now = time.monotonic()
     pick = router.pick([a, b], [], now, tokens=tokens)
     assert (pick.backend, pick.decision, pick.matched_blocks, pick.precise) == (b, "affinity", 4, True)
-    # The same tokens under a LoRA adapter hash from another root: no engine holds them.
-    lora_chain = list(hash_chain(tokens, 16, parent=lora_root(1)))
+    # The same tokens under a LoRA adapter hash from another root: no engine holds them for an adapter request,
+    # until one stores blocks under it — with its own adapter number (engines number adapters in load order).
+    assert not index.matches([a.url, b.url], tokens, "sql")
+    lora_chain = list(hash_chain(tokens, 16, parent=lora_root(3)))
     assert not set(lora_chain) & set(chain)
+    index.apply(a.url, 1, [("BlockStored", lora_chain[:3], None, tokens[:48], 16, 3, "CPU", "sql")])
+    assert index.matches([a.url, b.url], tokens, "sql") == {a.url: 3}
+    assert index.matches([a.url, b.url], tokens) == {a.url: 2, b.url: 4}  # base-model requests: base blocks only
+    pick = router.pick([a, b], [], now, model="sql", tokens=tokens, adapter="sql")
+    assert (pick.backend, pick.matched_blocks, pick.precise) == (a, 3, True)
     # No events for this prompt: the approximate index (what the gateway routed) decides.
     router.record(a, [b"h1", b"h2"], now)
     pick = router.pick([a, b], [b"h1", b"h2"], now, tokens=[999] * 32)
