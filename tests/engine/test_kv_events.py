@@ -135,3 +135,39 @@ def test_events_need_prefix_caching(llama_model):
     with pytest.raises(ValueError, match="needs prefix caching"):
         LLM(llama_model, dtype="float32", enable_prefix_caching=False,
             kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}"})
+
+
+def test_lora_blocks_carry_the_adapter_and_hash_from_its_root(llama_model, tmp_path):
+    """A prompt run under a LoRA adapter is announced with the engine's adapter id and name, and its hashes are
+    the chain from kv_hash.lora_root(id): never the base model's for the same tokens."""
+    from shoal.engine.kv_hash import lora_root
+    from shoal.engine.tools.tiny_lora import make_lora_adapter
+
+    adapter = make_lora_adapter(tmp_path / "sql", llama_model, rank=4, alpha=8, seed=1)
+    port = free_port()
+    llm = LLM(llama_model, dtype="float32", block_size=BLOCK, max_model_len=128, enable_lora=True,
+              lora_modules=[f"sql={adapter}"], max_lora_rank=8,
+              kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    sub = Subscriber(port, b"")
+    try:
+        prompt = [(5 * i + 2) % 200 + 1 for i in range(2 * BLOCK + 1)]
+        base = list(hash_chain(prompt, BLOCK))
+
+        def announced():
+            llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False,
+                         lora_request="sql")
+            sub.drain(0.3)
+            return [e for e in sub.events() if e[0] == "BlockStored" and e[5] is not None]
+
+        deadline = time.monotonic() + 20
+        while not (stored := announced()):
+            assert time.monotonic() < deadline, "no BlockStored under the adapter within 20 s"
+            llm.reset_prefix_cache()  # so the next run stores (and announces) its blocks again
+        event = stored[0]
+        lora_id = event[5]
+        assert event[7] == "sql"
+        assert event[1] == list(hash_chain(prompt, BLOCK, parent=lora_root(lora_id)))
+        assert not set(event[1]) & set(base)
+    finally:
+        sub.ctx.destroy(linger=0)
+        llm.shutdown()
