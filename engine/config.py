@@ -171,6 +171,42 @@ def parse_speculative_config(text: str) -> dict:
     return value
 
 
+class KVEventsConfig(BaseModel):
+    """KV events (vLLM's --kv-events-config JSON): the prefix cache's stored / removed / cleared blocks, published
+    over ZMQ in vLLM's wire format (engine/core/kv_events.py) for KV-cache-aware routers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enable_kv_cache_events: bool = Field(default=False, description="publish the events")
+    publisher: Literal["null", "zmq"] | None = Field(
+        default=None, description='"zmq", or "null" (publish nothing); default: zmq when events are enabled')
+    endpoint: str = Field(default="tcp://*:5557", description="the ZMQ PUB address (bound when it has * or ::)")
+    replay_endpoint: str | None = Field(default=None, description="a ZMQ ROUTER address where subscribers ask for "
+                                                                  "missed batches by sequence number")
+    buffer_steps: int = Field(default=10_000, gt=0, description="batches kept for replay")
+    hwm: int = Field(default=100_000, gt=0, description="the PUB socket's high-water mark")
+    max_queue_size: int = Field(default=100_000, gt=0, description="batches waiting to be sent; more are dropped "
+                                                                   "(a sequence gap) rather than stall a step")
+    topic: str = Field(default="", description="the topic every message carries")
+
+    @property
+    def active(self) -> bool:
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+
+def parse_json_object(flag: str):
+    """A parser of a flag whose value is a JSON object (its fields are checked by the config model)."""
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{flag} is not valid JSON ({e}): {text!r}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {text!r}")
+        return value
+    return parse
+
+
 class EngineConfig(BaseModel):
     """Every engine option. A field with a Flag is a `shoal-engine serve` flag (shoal.engine.flags derives it)."""
 
@@ -254,6 +290,11 @@ class EngineConfig(BaseModel):
         ENGINE, 'pooling of /v1/embeddings as a JSON object: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": '
                 'true | false}; unset fields come from the model\'s sentence-transformers files, else LAST (decoders) '
                 'or MEAN (encoders), normalized', type=parse_json_object("--pooler-config"), metavar="JSON")] = None
+    kv_events_config: Annotated[KVEventsConfig | None, Flag(
+        ENGINE, 'KV-cache events for KV-aware routers, vLLM\'s format, as a JSON object, e.g. '
+                '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                '"replay_endpoint": "tcp://*:5558", "topic": "kv"}', type=parse_json_object("--kv-events-config"),
+        metavar="JSON")] = None
     enable_lora: Annotated[bool, Flag(
         LORA, "serve LoRA adapters (PEFT directories) of the base model; one batch mixes adapters and the base "
               "model; clients name an adapter as `model`")] = False
@@ -268,7 +309,7 @@ class EngineConfig(BaseModel):
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
-    @field_validator("speculative_config", "pooler_config", mode="before")
+    @field_validator("speculative_config", "pooler_config", "kv_events_config", mode="before")
     @classmethod
     def _parse_json_config(cls, value):
         return json.loads(value) if isinstance(value, str) else value

@@ -102,6 +102,10 @@ class LLM:
                 progress.close()
         return [finished[rid] for rid in ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's LLM.reset_prefix_cache); False while requests hold KV blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
 

@@ -209,9 +209,39 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
     if spec.tracing is not None and rt.tracing_flag:  # before spec.engine.extraArgs too
         at = len(args) - len(spec.engine.extra_args)
         args[at:at] = [rt.tracing_flag, traces_url(spec.tracing)]
+    if precise_prefix(spec):  # vLLM's flag, the same JSON for both runtimes; before extraArgs
+        at = len(args) - len(spec.engine.extra_args)
+        args[at:at] = ["--kv-events-config", kv_events_config(name, namespace)]
     if rt.name == "shoal" and spec.gpus_per_pod(settings.max_gpus_per_node) == 0:
         args += ["--device", "cpu"]  # never `auto`: a GPU the node's runtime leaks in must not be picked
     return args
+
+
+# precise-prefix routing: each engine publishes its KV events (vLLM's format) on these ports of its pod IP, and the
+# gateway subscribes to every ready engine there (operator/gateway/kv_subscriber.py).
+KV_EVENTS_PORT = 5557
+KV_REPLAY_PORT = 5558
+
+
+def precise_prefix(spec: InferenceServiceSpec) -> bool:
+    return spec.gateway.enabled and spec.gateway.routing == "precise-prefix"
+
+
+def kv_events_topic(name: str, namespace: str) -> str:
+    return f"kv@{namespace}/{name}"
+
+
+def kv_events_config(name: str, namespace: str) -> str:
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+                       "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}", "topic": kv_events_topic(name, namespace)},
+                      separators=(",", ":"))
+
+
+def kv_events_ports(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    if not precise_prefix(spec):
+        return []
+    return [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+            {"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"}]
 
 
 def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
@@ -414,7 +444,8 @@ def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings
         "image": spec.image or rt.image or settings.engine_image,
         **runtimes.argv(rt, multi, engine_args(name, namespace, spec, settings, replica=replica)),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
-                 + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else []),
+                 + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else [])
+                 + kv_events_ports(spec),
         # spec.env (in `env`) wins over the OTEL_* variables spec.tracing renders
         "env": [e for e in tracing_env(isvc, spec) if e["name"] not in {u.get("name") for u in spec.env}]
                + (list(env) if _key_file(spec) else _with_api_key(env, spec)),
@@ -843,6 +874,9 @@ def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: S
         peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
     peers += shared_gateway_peers(settings)
     rules: list[dict[str, Any]] = [{"from": peers, "ports": http}, *_scraper_rules(spec, settings)]
+    if precise_prefix(spec):  # the service's own gateway subscribes to the engines' KV events
+        rules.append({"from": [{"podSelector": {"matchLabels": gateway_selector(name)}}],
+                      "ports": [{"port": KV_EVENTS_PORT, "protocol": "TCP"}, {"port": KV_REPLAY_PORT, "protocol": "TCP"}]})
     if spec.engine.enable_lora and settings.operator_namespace:  # the operator reads the adapter-sync sidecars
         rules.append({"from": [{"namespaceSelector": {"matchLabels": {
             "kubernetes.io/metadata.name": settings.operator_namespace}}}],
@@ -1038,7 +1072,9 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
                 + (["--api-key-file", API_KEYS_FILE] if spec.security.api_key_secret_ref else [])
                 # engines that schedule by priority get the gateway's, never a client's (proxy.engine_body)
                 + (["--engine-priority"] if spec.engine.scheduling_policy == "priority" else [])
-                + (["--runtime", spec.runtime] if spec.runtime != "shoal" else []),
+                + (["--runtime", spec.runtime] if spec.runtime != "shoal" else [])
+                + (["--kv-events-port", str(KV_EVENTS_PORT), "--kv-events-replay-port", str(KV_REPLAY_PORT),
+                    "--kv-events-topic", kv_events_topic(name, namespace)] if precise_prefix(spec) else []),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}, metrics_port],
         **({"env": env} if (env := tracing_env(isvc, spec)) else {}),
         # The engines' keys, so the gateway answers 401 itself: an unauthenticated request is never held, never

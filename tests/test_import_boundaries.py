@@ -25,8 +25,9 @@ PACKAGES = {"shoal.engine": ROOT / "engine", "shoal.operator": ROOT / "operator"
 # registry's names (api.py lists the supported architectures). Their parent packages' __init__ run on import.
 # ...and the API-key file format (engine/server/keys.py) that the engines and the gateways both read, so that a
 # rotated Secret means the same to both
+# ...and the prefix cache's block hashes (engine/kv_hash.py), which the gateway's precise-prefix routing recomputes
 OPTION_MODULES = {"shoal.engine.flags", "shoal.engine.config", "shoal.engine.execution.models",
-                  "shoal.engine.server.keys"}
+                  "shoal.engine.server.keys", "shoal.engine.kv_hash"}
 # Cycles the engine has today (function-local imports hide them from tests/engine/test_import_graph.py), owned by
 # other items of issue 29 (one weight-format object per layer; the drafter behind the executor seam). A cycle that
 # is not a part of one of these fails; one that is gone must be removed here.
@@ -39,7 +40,7 @@ KNOWN_ENGINE_CYCLES = [
     {"shoal.engine.cli", "shoal.engine.tools.demo"},
 ]
 # import name -> distribution, where they differ (Dockerfile.operator pins distributions)
-DISTRIBUTION = {"yaml": "pyyaml", "prometheus_client": "prometheus-client", "huggingface_hub": "huggingface-hub",
+DISTRIBUTION = {"zmq": "pyzmq", "yaml": "pyyaml", "prometheus_client": "prometheus-client", "huggingface_hub": "huggingface-hub",
                 "opentelemetry": "opentelemetry-sdk"}  # the tracing extra: the SDK and its OTLP exporter, pinned together
 
 

@@ -187,7 +187,21 @@ class LLMEngine:
             self.executor.shutdown()  # a failed start must not leave worker ranks behind
             raise
         self.prefix_caching = config.enable_prefix_caching and not self.is_encoder  # an encoder keeps no KV
-        self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching)
+        self.kv_events = None
+        if config.kv_events_config is not None and config.kv_events_config.active:
+            if not self.prefix_caching:
+                self.executor.shutdown()
+                raise ValueError("--kv-events-config reports the prefix cache's blocks: it needs prefix caching "
+                                 "(drop --no-enable-prefix-caching; an encoder-only model keeps no KV cache)")
+            from shoal.engine.core.kv_events import KVEventPublisher
+
+            try:
+                self.kv_events = KVEventPublisher(config.kv_events_config, config.block_size,
+                                                  "GPU" if self.device.type == "cuda" else "CPU")
+            except BaseException:
+                self.executor.shutdown()
+                raise
+        self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching, events=self.kv_events is not None)
         self.state_pool = StatePool(config.max_num_seqs) if self.state_bytes else None
         checkpoints = StateCheckpoints(config.max_num_seqs, self.num_checkpoints) if self.num_checkpoints else None
         self.sleep_level = 0  # 0 awake, else the level of the last sleep (sleep mode)
@@ -205,6 +219,8 @@ class LLMEngine:
                     self.lora.register(name, path)
             except BaseException:
                 self.executor.shutdown()
+                if self.kv_events is not None:
+                    self.kv_events.close()
                 raise
         # Thread-safe: AsyncEngine compiles on worker threads, off the engine loop.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -459,6 +475,8 @@ class LLMEngine:
             raise SleepError("level 2 drops the weights the loaded LoRA adapters are attached to; use level 1")
         self.executor.sleep(level)
         self.sleep_level = level
+        self.pool.reset_prefix_cache()  # the blocks' contents are gone with the cache (nothing holds a block)
+        self._publish_kv_events()
 
     def wake_up(self) -> None:
         """Weights back (level 1) or reloaded from the model files (level 2), a fresh KV cache and an empty prefix
@@ -470,9 +488,25 @@ class LLMEngine:
         c = self.config
         self.executor.wake_up()
         self.executor.allocate_kv_cache(self.pool.num_blocks, c.block_size)
-        self.pool = BlockPool(self.pool.num_blocks, c.block_size, c.enable_prefix_caching)
+        self.pool = BlockPool(self.pool.num_blocks, c.block_size, c.enable_prefix_caching,
+                              events=self.kv_events is not None)
         self.scheduler.pool = self.pool
         self.sleep_level = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); False, and nothing changed, while requests hold
+        KV blocks."""
+        done = self.pool.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is None:
+            return
+        events = self.pool.take_events()
+        if events:
+            names = {lora.id: name for name, lora in self.lora.registered.items()} if self.lora is not None else None
+            self.kv_events.publish(events, names)
 
     def memory_bytes(self) -> dict[str, int]:
         """KV-cache and weight bytes rank 0 holds now (what sleep frees and wake_up restores)."""
@@ -489,6 +523,7 @@ class LLMEngine:
             self._propose()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            self._publish_kv_events()
             return []
         now = time.time()
         for s in sched.scheduled:
@@ -507,6 +542,7 @@ class LLMEngine:
             sampled, pooled = self.executor.execute(inputs, rows), None
         self.scheduler.after_step(sched)
         embedded = self._finish_pooling(pooling, pooled) if pooling else []
+        self._publish_kv_events()
 
         for row, request in scoring:
             self._record_prompt_logprob(request, row, sampled)
@@ -816,3 +852,5 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()

@@ -2,7 +2,12 @@
 
 A block is free when no sequence references it. Free blocks wait in an LRU queue; a free block may still hold
 cached content (it keeps its hash) until it is handed out again, which evicts that content. A full block's
-hash chains the previous block's hash with the block's token ids, so equal hashes mean equal prefixes.
+hash chains the previous block's hash with the block's token ids, so equal hashes mean equal prefixes
+(shoal.engine.kv_hash: reproducible in any process, so routers can recompute them).
+
+With `events` on, the pool records what a KV-cache index outside the engine needs (KV events, kv_events.py):
+a block whose hash is registered (stored), a cached block whose content is dropped (removed) and a reset (all
+cleared), in order; the engine takes them after each step (`take_events`).
 """
 
 from __future__ import annotations
@@ -10,19 +15,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from shoal.engine.kv_hash import hash_chain as _hash_chain
+from shoal.engine.kv_hash import lora_root as chain_root
 
-def chain_root(salt: int | None) -> int | None:
-    """The parent hash of a sequence's first block: None for the base model, a distinct root per LoRA adapter (so
-    the same tokens under different adapters never share KV blocks)."""
-    return None if salt is None else hash(("lora", salt))
-
-
-def _hash_chain(token_ids: list[int], block_size: int, start_block: int, parent: int | None):
-    """Hashes of the full blocks of token_ids from block `start_block` on, each chained to the previous one
-    (`parent`: the hash of block start_block - 1, None at the start). The one place hashes are computed."""
-    for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
-        yield parent
+# Event tuples, as vLLM's KV-event classes name them (kv_events.py encodes them):
+#   ("BlockStored", block_hashes, parent_block_hash | None, token_ids, lora_id | None)
+#   ("BlockRemoved", block_hashes)
+#   ("AllBlocksCleared",)
 
 
 @dataclass
@@ -33,7 +32,7 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, events: bool = False):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -45,6 +44,14 @@ class BlockPool:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        self.events: list[tuple] | None = [] if events and enable_prefix_caching else None
+
+    def take_events(self) -> list[tuple]:
+        """The KV events recorded since the last call (none when events are off)."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
 
     @property
     def num_free(self) -> int:
@@ -57,15 +64,18 @@ class BlockPool:
         """n fresh blocks (evicting cached content if needed); the caller checked num_free."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks with {len(self._free)} free")
-        out = []
+        out, removed = [], []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._cached.pop(block.block_hash, None)
+                removed.append(block.block_hash)
                 block.block_hash = None
             block.ref_count = 1
             out.append(block_id)
+        if removed and self.events is not None:
+            self.events.append(("BlockRemoved", removed))
         return out
 
     def free(self, block_ids: list[int]) -> None:
@@ -119,11 +129,41 @@ class BlockPool:
         done = len(block_hashes)
         computed = token_ids[:num_computed_tokens - num_computed_tokens % self.block_size]
         parent = block_hashes[-1] if block_hashes else chain_root(salt)
+        stored: list[int] = []  # a run of newly registered blocks: one BlockStored event
         for i, h in enumerate(_hash_chain(computed, self.block_size, done, parent), start=done):
             block_hashes.append(h)
             if h not in self._cached:
                 self._cached[h] = block_ids[i]
                 self.blocks[block_ids[i]].block_hash = h
+                if self.events is not None:
+                    if not stored:
+                        start = i
+                    stored.append(h)
+            elif stored:
+                self._stored(stored, start, token_ids, block_hashes, salt)
+                stored = []
+        if stored:
+            self._stored(stored, start, token_ids, block_hashes, salt)
+
+    def _stored(self, hashes: list[int], start: int, token_ids: list[int], chain: list[int], salt: int | None
+                ) -> None:
+        """Record that blocks start.. of a sequence (hashes `hashes`) are now cached. A chain's first block has no
+        parent (None, as vLLM publishes it); its root is the adapter's (`lora_id`, kv_hash.lora_root)."""
+        bs = self.block_size
+        tokens = list(token_ids[start * bs:(start + len(hashes)) * bs])
+        self.events.append(("BlockStored", hashes, chain[start - 1] if start else None, tokens, salt))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block's content (vLLM's reset_prefix_cache). Refused (False) while any block is
+        referenced: a running sequence's blocks would stay registered under hashes the index no longer has."""
+        if any(b.ref_count for b in self.blocks):
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        if self.events is not None:
+            self.events.append(("AllBlocksCleared",))
+        return True
 
     def prefix_hash(self, token_ids: list[int], num_blocks: int, salt: int | None = None) -> int:
         """The chained hash of the first num_blocks full blocks of token_ids (the key of their prefix)."""

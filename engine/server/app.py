@@ -14,6 +14,7 @@ Routes
   GET  /startupz /readyz /livez                  model loaded / serving (a full queue too) / loop alive
   GET  /health                                   vLLM's: model loaded and engine loop alive (503 while loading)
   POST /sleep?level=1|2, /wake_up; GET /is_sleeping  vLLM's sleep mode (--enable-sleep-mode), with memory figures
+  POST /reset_prefix_cache                       vLLM's: forget every cached prefix (409 while requests hold blocks)
 
 `--api-key` protects every route except the health endpoints and /metrics. Access logs carry method, path,
 status and duration, never bodies (so never prompt text); health and metrics requests are not logged.
@@ -251,6 +252,16 @@ async def sleep_route(request: web.Request) -> web.Response:
     return json_response(_sleep_state(state.engine, memory))
 
 
+async def reset_prefix_cache_route(request: web.Request) -> web.Response:
+    """vLLM's POST /reset_prefix_cache: every cached prefix forgotten (an AllBlocksCleared KV event). Refused with
+    409 while requests hold KV blocks."""
+    eng = get_state(request).engine
+    if not await eng.run_in_engine(lambda engine: engine.reset_prefix_cache()):
+        raise APIError("requests in flight hold KV blocks: the prefix cache can be reset once they finish", 409,
+                       code="requests_in_flight")
+    return json_response({"reset": True})
+
+
 async def wake_up_route(request: web.Request) -> web.Response:
     """vLLM's POST /wake_up: weights back (level 1) or reloaded (level 2), a fresh KV cache, /readyz 200 again."""
     state = get_state(request)
@@ -357,5 +368,6 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | Key
     r.add_get("/health", health)
     r.add_post("/sleep", sleep_route)
     r.add_post("/wake_up", wake_up_route)
+    r.add_post("/reset_prefix_cache", reset_prefix_cache_route)
     r.add_get("/is_sleeping", is_sleeping_route)
     return app

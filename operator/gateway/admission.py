@@ -62,6 +62,7 @@ class Ticket:
     cost: float = 1.0
     model: str | None = None  # what the router needs to pick the engine at admission time
     hashes: list[bytes] = field(default_factory=list)
+    tokens: list[int] | None = None  # the prompt's token ids (precise-prefix routing), None when unknown
     arrived: float = field(default_factory=time.monotonic)
     start: float = 0.0  # start-time fair queuing tags
     finish: float = 0.0

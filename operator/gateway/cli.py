@@ -101,6 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine's load is at most the least loaded one's + this many requests (default %(default)s)")
     r.add_argument("--prefix-index-size", type=positive(int), default=d.index_size,
                    help="block hashes remembered for affinity (LRU; default %(default)s)")
+    r.add_argument("--tokenizer", metavar="PATH",
+                   help="precise-prefix: the model's tokenizer.json (or a directory holding it), to turn "
+                        "completion prompts into the token ids the engines hash in the gateway; without it (and "
+                        "for chat requests always) an engine's /tokenize gives them")
+    r.add_argument("--kv-events-port", type=positive(int), default=d.kv_events_port,
+                   help="precise-prefix: the port of each engine's KV-events PUB socket, at its pod IP "
+                        "(--kv-events-config endpoint; default %(default)s)")
+    r.add_argument("--kv-events-replay-port", type=non_negative_int, default=d.kv_events_replay_port,
+                   help="precise-prefix: the port of each engine's KV-events replay socket; 0: none "
+                        "(default %(default)s)")
+    r.add_argument("--kv-events-endpoint", action="append", default=[], type=kv_events_endpoint,
+                   metavar="URL=PORT[,REPLAY_PORT]",
+                   help="precise-prefix: this --endpoint engine's KV-events ports, where they differ from "
+                        "--kv-events-port / --kv-events-replay-port (engines sharing one host; repeatable)")
+    r.add_argument("--kv-events-topic", default=d.kv_events_topic,
+                   help="precise-prefix: the topic the engines publish under (default: every topic)")
     adm = p.add_argument_group("admission: priority and fairness")
     adm.add_argument("--max-inflight-per-engine", type=non_negative_int, default=d.max_inflight, metavar="N",
                      help="requests an engine runs or queues at once; more wait in the gateway, dispatched by "
@@ -217,6 +233,10 @@ def shared_mode(args: argparse.Namespace) -> bool:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    if args.tokenizer:
+        from shoal.operator.gateway.kv_tokens import tokenizer_file
+
+        tokenizer_file(args.tokenizer)  # a missing file is a usage error now, not a traceback at start-up
     shared = shared_mode(args)
     if not shared and (args.tenant_keys or args.engine_keys):
         raise ValueError("--tenant-keys and --engine-keys are for the shared gateway (no --endpoint/--service); "
@@ -262,7 +282,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         runtime=args.runtime,
         block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
         load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
-        index_size=args.prefix_index_size,
+        index_size=args.prefix_index_size, tokenizer=args.tokenizer, kv_events_port=args.kv_events_port,
+        kv_events_replay_port=args.kv_events_replay_port, kv_events_topic=args.kv_events_topic,
+        kv_events_ports=dict(args.kv_events_endpoint),
         hold_timeout=args.hold_timeout, wake_engines=args.wake_engines, retry_after=args.retry_after,
         connect_timeout=args.connect_timeout,
         poll_interval=args.poll_interval,
@@ -277,6 +299,19 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         batch_dir=args.batch_dir, batch_per_engine=args.batch_max_inflight_per_engine, batch_share=args.batch_share,
         quotas=QuotaPolicy(args.tenant_requests_per_minute, args.tenant_tokens_per_minute,
                            args.tenant_max_concurrent))
+
+
+def kv_events_endpoint(text: str) -> tuple[str, tuple[int, int | None]]:
+    """URL=PORT[,REPLAY_PORT] -> (the engine's URL as --endpoint normalises it, (port, replay port or None))."""
+    url, sep, ports = text.rpartition("=")
+    try:
+        port, _, replay = ports.partition(",")
+        numbers = (int(port), int(replay) if replay else None)
+    except ValueError:
+        numbers = None
+    if not sep or numbers is None or not all(0 < n < 65536 for n in numbers if n is not None):
+        raise argparse.ArgumentTypeError(f"expected URL=PORT[,REPLAY_PORT], got {text!r}")
+    return endpoint_url(url), numbers
 
 
 def own_namespace() -> str | None:

@@ -57,6 +57,8 @@ class _PoolCollector:
                                      "(only while that list is fresh).", labels=["backend"])
         engine_load = [(GaugeMetricFamily(P + name, doc, labels=["backend"]), field)
                        for name, field, doc in ENGINE_GAUGES]
+        kv_blocks = GaugeMetricFamily(P + "kv_blocks", "KV blocks the engine reports holding in its KV events "
+                                      "(precise-prefix routing; 0 after its view was reset).", labels=["backend"])
         ready = 0
         adapter_waits = 0
         by_priority: dict[int, int] = {}
@@ -73,6 +75,11 @@ class _PoolCollector:
                 if b.fresh(now):
                     for family, field in engine_load:
                         family.add_metric([b.url], float(getattr(b, field)))
+            kv_index = getattr(pool.router, "kv_index", None)
+            if kv_index is not None:
+                for b in pool.backends.all():
+                    view = kv_index.views.get(b.url)
+                    kv_blocks.add_metric([b.url], float(len(view.blocks)) if view is not None else 0.0)
             adapter_waits += pool.adapter_waits
             for priority, n in pool.queue.by_priority().items():
                 by_priority[priority] = by_priority.get(priority, 0) + n
@@ -90,6 +97,7 @@ class _PoolCollector:
         for family, _ in engine_load:
             yield family
         yield adapters
+        yield kv_blocks
         yield queued
         yield GaugeMetricFamily(P + "adapter_wait_requests", "Requests waiting for an engine to list their LoRA "
                                 "adapter (loading, or reloading after a restart).", value=adapter_waits)
@@ -127,6 +135,10 @@ class GatewayMetrics:
                                  "least-load | round-robin.", ["decision"], registry=r)
         self.affinity_hits = Counter(P + "prefix_affinity_hits", "Requests sent to an engine that served a "
                                      "matching prompt prefix before.", registry=r)
+        self.precise_hits = Counter(P + "precise_prefix_hits", "Requests sent to an engine that reported holding "
+                                    "leading KV blocks of the prompt (precise-prefix).", registry=r)
+        self.precise_blocks = Counter(P + "precise_prefix_matched_blocks", "Leading KV blocks of the prompts that "
+                                      "the chosen engine reported holding (precise-prefix).", registry=r)
         self.matched_chars = Counter(P + "prefix_matched_chars", "Prompt characters matched by prefix affinity.",
                                      registry=r)
         self.rejected = Counter(P + "rejected", "Requests refused by the gateway itself, by reason.", ["reason"],

@@ -143,7 +143,8 @@ class Pool:
             self.serving(ticket.model, self.backends.eligible(now, exclude), now)
         if not candidates:
             return None
-        pick = self.router.pick(candidates, ticket.hashes, now, ticket.model)
+        pick = self.router.pick(candidates, ticket.hashes, now, ticket.model, ticket.tokens,
+                                ticket.model if ticket.tokens and self.is_adapter(ticket.model, now) else None)
         self.router.record(pick.backend, ticket.hashes, now)
         b = pick.backend
         b.inflight += 1

@@ -98,6 +98,14 @@ class GatewayConfig:
     affinity_slack: float = 2.0
     cold_slack: float = 1.0
     index_size: int = 200_000
+    # precise-prefix (kv_index.py, kv_subscriber.py, kv_tokens.py): the model's tokenizer, and where each engine
+    # publishes its KV events (its pod IP and these ports; replay 0: none)
+    tokenizer: str | None = None
+    kv_events_port: int = 5557
+    kv_events_replay_port: int = 5558
+    kv_events_topic: str = ""
+    tokenize_timeout: float = 1.0  # an engine's /tokenize answer, else the request routes approximately
+    kv_events_ports: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # per --endpoint engine
     max_pending: int = option(
         4096, "reliability", "requests inside the gateway at once; more get 429", type=positive(int),
         spec=SpecField("max_pending", int, "requests inside one gateway pod at once, held ones included; more get "
@@ -236,6 +244,15 @@ class Gateway:
             from shoal.operator.gateway.batch_api import BatchAPI
 
             self.batches = BatchAPI(self, config.batch_dir, config.batch_per_engine, share=config.batch_share)
+        # precise-prefix: the engines' KV events per pool; the prompt's tokens need the one model's tokenizer, so
+        # the shared gateway (many models) keeps to the approximate index
+        self._kv_subscribers: dict[Pool, Any] = {}
+        self.precise = config.routing == "precise-prefix" and not shared
+        self.prompt_tokenizer = None
+        if self.precise and config.tokenizer:
+            from shoal.operator.gateway.kv_tokens import PromptTokenizer
+
+            self.prompt_tokenizer = PromptTokenizer(config.tokenizer)
         if shared:
             from shoal.operator.gateway.fleet import Fleet
 
@@ -262,10 +279,21 @@ class Gateway:
     # ---- pools -----------------------------------------------------------------------------------------------
     def _new_pool(self, backends: BackendSet, hold_timeout: float, max_inflight: int) -> Pool:
         c = self.config
+        kv_index = None
+        if self.precise:
+            from shoal.operator.gateway.kv_index import KVIndex
+
+            kv_index = KVIndex(c.max_blocks)  # one per pool: an index never mixes two models' engines
         router = make_router(c.routing, c.load_factor, c.affinity_slack, c.cold_slack, c.index_size,
-                             index=self.prefix_index)
+                             index=self.prefix_index, kv_index=kv_index)
         pool = Pool(backends, router, hold_timeout=hold_timeout, max_inflight=max_inflight,
                     queue_timeout=c.queue_timeout)
+        if kv_index is not None:
+            from shoal.operator.gateway.kv_subscriber import KVSubscribers
+
+            self._kv_subscribers[pool] = KVSubscribers(backends, kv_index, c.kv_events_port,
+                                                       c.kv_events_replay_port or None, c.kv_events_topic,
+                                                       c.kv_events_ports)
         pool.on_pick = self._observe_pick
         pool.on_dispatch = self._observe_dispatch
         pool.on_held = self.metrics.held.inc, self.metrics.held.dec
@@ -318,8 +346,13 @@ class Gateway:
         engine_waker = self._engine_wakers.pop(pool, None)
         if engine_waker is not None:
             engine_waker.close()
+        subscribers = self._kv_subscribers.pop(pool, None)
+        if subscribers is not None:
+            asyncio.get_running_loop().create_task(subscribers.close())
 
     def _start_polling(self, pool: Pool, runtime: str) -> None:
+        if pool in self._kv_subscribers:
+            self._kv_subscribers[pool].start()
         poller = Poller(pool.backends, self.session, self.config.poll_interval, self.config.poll_timeout,
                         metrics=for_runtime(runtime), headers=lambda: self.poll_headers(pool))
         self._pollers[pool] = (poller, asyncio.create_task(poller.run(), name=f"gateway-poller-{pool.key}"))
@@ -327,7 +360,10 @@ class Gateway:
     def _observe_pick(self, pick: Pick, seconds: float) -> None:
         self.metrics.pick_latency.observe(seconds)
         self.metrics.decisions.labels(pick.decision).inc()
-        if pick.matched_blocks:
+        if pick.matched_blocks and pick.precise:
+            self.metrics.precise_hits.inc()
+            self.metrics.precise_blocks.inc(pick.matched_blocks)
+        elif pick.matched_blocks:
             self.metrics.affinity_hits.inc()
             self.metrics.matched_chars.inc(pick.matched_blocks * self.config.block_chars)
 
@@ -392,6 +428,8 @@ class Gateway:
             await waker.close()
         for engine_waker in self._engine_wakers.values():
             engine_waker.close()
+        for subscribers in self._kv_subscribers.values():
+            await subscribers.close()
         if self.session is not None:
             await self.session.close()
         if self.tracer is not None:
@@ -405,12 +443,59 @@ class Gateway:
 
     # ---- routing ---------------------------------------------------------------------------------------------
     def prompt_hashes(self, path: str, parsed: Any, model: str | None, pool: Pool) -> list[bytes]:
-        if self.config.routing != "prefix-load" or path not in ROUTED_PATHS or parsed is None:
+        if self.config.routing not in ("prefix-load", "precise-prefix") or path not in ROUTED_PATHS or parsed is None:
             return []
         text = render_prompt(path, parsed)
         if text and model and any(model in b.lora_resident for b in pool.backends.all()):
             text = f"{model}\n{text}"  # engines cache each adapter's blocks apart: so does the prefix index
         return block_hashes(text, self.config.block_chars, self.config.max_blocks) if text else []
+
+    async def prompt_tokens(self, path: str, parsed: Any, model: str | None, pool: Pool) -> list[int] | None:
+        """The prompt's token ids for precise-prefix routing: with --tokenizer, completion prompts here
+        (kv_tokens.py); otherwise, and for chat, from an engine's /tokenize (the engine renders the chat template
+        itself, so the ids are the ones it will cache). None whenever the ids cannot be had: the approximate index
+        routes then. (A LoRA adapter's requests have the base model's tokenizer; the pool matches them against the
+        blocks each engine stored under the adapter.)"""
+        if not self.precise or path not in ROUTED_PATHS or not isinstance(parsed, dict):
+            return None
+        if self.prompt_tokenizer is not None:
+            tokens = self.prompt_tokenizer.token_ids(path, parsed)
+            if tokens is not None or not path.endswith("/chat/completions"):
+                return tokens
+        return await self._engine_tokens(path, parsed, pool)
+
+    async def _engine_tokens(self, path: str, parsed: dict, pool: Pool) -> list[int] | None:
+        body: dict[str, Any] = {"model": parsed.get("model")}
+        if path.endswith("/chat/completions"):
+            for key in ("messages", "tools", "chat_template_kwargs", "add_generation_prompt",
+                        "continue_final_message"):
+                if key in parsed:
+                    body[key] = parsed[key]
+        else:
+            prompt = parsed.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                prompt = prompt[0]
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return None
+            body["prompt"] = prompt
+            if "add_special_tokens" in parsed:
+                body["add_special_tokens"] = parsed["add_special_tokens"]
+        engines = pool.backends.eligible()
+        if not engines or self.session is None:
+            return None
+        try:
+            async with self.session.post(engines[0].url + "/tokenize", json=body, headers=self.poll_headers(pool),
+                                         timeout=aiohttp.ClientTimeout(total=self.config.tokenize_timeout)) as r:
+                if r.status != 200:
+                    return None
+                tokens = (await r.json()).get("tokens")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+        return tokens if isinstance(tokens, list) else None
 
     def engine_body(self, pool: Pool, ticket: Ticket, body: bytes, parsed: Any) -> bytes:
         """The body the engine gets: the client's, with an engine priority for engines that schedule by it (vLLM's
@@ -558,7 +643,8 @@ class Gateway:
                                       "invalid_request_error", "model_required", param="model")
             return model_not_found(model)
         ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant, cost=request_cost(len(body), parsed),
-                        model=model, hashes=self.prompt_hashes(request.path, parsed, model, pool))
+                        model=model, hashes=self.prompt_hashes(request.path, parsed, model, pool),
+                        tokens=await self.prompt_tokens(request.path, parsed, model, pool))
         if not self.quotas.policy.on:
             return await self._dispatch(request, pool, ticket, body, parsed, {})
         try:

@@ -30,6 +30,15 @@ prefix-load (default)
     (default 2), because a cached prefix saves a whole prefill while one more sequence in a running batch costs
     little — without it, at low concurrency any second request of a group would leave the engine that holds its
     prefix. Load is the gateway's in-flight count blended with the engine's polled queue (see Backend.load).
+precise-prefix
+    prefix-load's profiles, with the matched prefix taken from what the engines report holding (their KV events,
+    kv_index.py) instead of what the gateway routed: the prompt's token ids (the model's tokenizer, kv_tokens.py,
+    or an engine's /tokenize) hashed into the engines' own block hashes (shoal.engine.kv_hash), each engine
+    scored by the leading blocks it holds. Falls back to prefix-load's approximate index for a request without
+    token ids (/tokenize unavailable) or when no engine reports holding any of its blocks (no events yet, or a
+    prefix routed a moment ago whose blocks are not stored yet). A request naming a LoRA adapter is matched
+    against the blocks each engine stored under that adapter (kv_index.py); the lora-affinity profile still
+    comes first.
 least-load
     The least loaded engine; ties rotate.
 round-robin
@@ -47,6 +56,7 @@ from functools import cached_property
 from typing import Protocol
 
 from shoal.operator.gateway.backends import Backend
+from shoal.operator.gateway.kv_index import KVIndex
 
 
 @dataclass
@@ -54,6 +64,7 @@ class Pick:
     backend: Backend
     decision: str  # affinity | cold | spill | least-load | round-robin
     matched_blocks: int = 0
+    precise: bool = False  # matched_blocks counts KV blocks the engine reported holding (precise-prefix)
 
 
 class PrefixIndex:
@@ -103,12 +114,17 @@ class RoutingContext:
     share, each computed once (loads read the backends' state at `now`)."""
 
     def __init__(self, candidates: list[Backend], hashes: list[bytes], now: float, index: PrefixIndex | None,
-                 model: str | None = None):
+                 model: str | None = None, tokens: list[int] | None = None, kv_index: KVIndex | None = None,
+                 adapter: str | None = None):
         self.candidates = candidates
         self.hashes = hashes
         self.now = now
         self._index = index
         self.model = model  # the request's `model` (a LoRA adapter's name routes by residency)
+        self.tokens = tokens  # the prompt's token ids (precise-prefix), None when unknown
+        self._kv_index = kv_index
+        self.adapter = adapter  # the LoRA adapter the request runs under (its blocks hash from its own root)
+        self.precise = False  # `matched` came from the engines' KV events
 
     @cached_property
     def loads(self) -> dict[Backend, float]:
@@ -120,7 +136,13 @@ class RoutingContext:
 
     @cached_property
     def matched(self) -> dict[str, int]:
-        """Engine URL -> leading blocks of the prompt it holds (empty without a prefix index)."""
+        """Engine URL -> leading blocks of the prompt it holds: per the engines' KV events where they report any
+        (precise-prefix), else per the gateway's own routing history (empty without a prefix index)."""
+        if self._kv_index is not None and self.tokens:
+            precise = self._kv_index.matches([b.url for b in self.candidates], self.tokens, self.adapter)
+            if precise:
+                self.precise = True
+                return precise
         return self._index.matches(self.candidates, self.hashes) if self._index is not None else {}
 
 
@@ -161,22 +183,25 @@ class Profile:
 
 
 class Router:
-    def __init__(self, name: str, profiles: list[Profile], index: PrefixIndex | None = None):
+    def __init__(self, name: str, profiles: list[Profile], index: PrefixIndex | None = None,
+                 kv_index: KVIndex | None = None):
         if not profiles or profiles[-1].filters:
             raise ValueError("a router's last profile must have no filters, so every request finds an engine")
         self.name = name
         self.profiles = profiles
         self.index = index
+        self.kv_index = kv_index  # precise-prefix: what the engines report holding
 
-    def pick(self, candidates: list[Backend], hashes: list[bytes], now: float, model: str | None = None) -> Pick:
-        ctx = RoutingContext(candidates, hashes, now, self.index, model)
+    def pick(self, candidates: list[Backend], hashes: list[bytes], now: float, model: str | None = None,
+             tokens: list[int] | None = None, adapter: str | None = None) -> Pick:
+        ctx = RoutingContext(candidates, hashes, now, self.index, model, tokens, self.kv_index, adapter)
         for profile in self.profiles:
             backend = profile.choose(ctx)
             if backend is not None:
                 decision = profile.decision
                 if decision == "cold" and ctx.matched:
                     decision = "spill"  # engines hold part of this prefix, but all of them are over the bound
-                return Pick(backend, decision, ctx.matched.get(backend.url, 0))
+                return Pick(backend, decision, ctx.matched.get(backend.url, 0), ctx.precise)
         raise AssertionError("unreachable: the last profile has no filters")
 
     def record(self, backend: Backend, hashes: list[bytes], now: float) -> None:
@@ -301,6 +326,15 @@ def prefix_load(load_factor: float = 1.25, affinity_slack: float = 2.0, cold_sla
     ], index if index is not None else PrefixIndex(index_size))
 
 
+def precise_prefix(load_factor: float = 1.25, affinity_slack: float = 2.0, cold_slack: float = 1.0,
+                   index_size: int = 200_000, index: PrefixIndex | None = None,
+                   kv_index: KVIndex | None = None) -> Router:
+    router = prefix_load(load_factor, affinity_slack, cold_slack, index_size, index)
+    router.name = "precise-prefix"
+    router.kv_index = kv_index if kv_index is not None else KVIndex()
+    return router
+
+
 def least_load(**_options) -> Router:
     return Router("least-load", [Profile("least-load", RotatingMaxScore(), [],
                                          [(LoRAAffinityScorer(), LORA_WEIGHT), (LoadScorer(), 1.0)])])
@@ -310,17 +344,22 @@ def round_robin(**_options) -> Router:
     return Router("round-robin", [Profile("round-robin", RotatingMaxScore())])
 
 
-ROUTERS = {"prefix-load": prefix_load, "least-load": least_load, "round-robin": round_robin}
+ROUTERS = {"prefix-load": prefix_load, "precise-prefix": precise_prefix, "least-load": least_load,
+           "round-robin": round_robin}
 ROUTINGS = tuple(ROUTERS)
 
 
 def make_router(name: str, load_factor: float = 1.25, affinity_slack: float = 2.0, cold_slack: float = 1.0,
-                index_size: int = 200_000, index: PrefixIndex | None = None) -> Router:
+                index_size: int = 200_000, index: PrefixIndex | None = None,
+                kv_index: KVIndex | None = None) -> Router:
     """`index`: a prefix index shared by several routers (the shared gateway's pools: one bounded index for every
-    model, whose hashes start with the model's name, instead of one per pool)."""
+    model, whose hashes start with the model's name, instead of one per pool). `kv_index`: the pool's index of
+    the engines' KV events (precise-prefix; one per pool, never shared between models)."""
     build = ROUTERS.get(name)
     if build is None:
         raise ValueError(f"unknown routing {name!r}; choose one of {', '.join(ROUTINGS)}")
-    extra = {"index": index} if name == "prefix-load" else {}
+    extra = {"index": index} if name in ("prefix-load", "precise-prefix") else {}
+    if name == "precise-prefix":
+        extra["kv_index"] = kv_index
     return build(load_factor=load_factor, affinity_slack=affinity_slack, cold_slack=cold_slack,
                  index_size=index_size, **extra)

@@ -361,3 +361,31 @@ def test_bad_gateway_batches_name_the_field(batches, field):
     assert e.value.field == field
     if batches.get("accessMode") == "ReadWriteOnce":
         assert "gateway.replicas is 2" in e.value.message and "ReadWriteMany" in e.value.message
+@pytest.mark.parametrize("runtime", ["shoal", "vllm"])
+def test_precise_prefix_makes_engines_publish_kv_events_to_their_gateway(runtime):
+    import json
+
+    model = {"uri": "hf://org/model"}
+    k = kids({"runtime": runtime, "model": model, "gateway": {"routing": "precise-prefix"}})
+    engine = k[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0]
+    argv = engine.get("command", []) + engine["args"]
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])  # vLLM's flag and JSON for both runtimes
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+                      "replay_endpoint": "tcp://*:5558", "topic": "kv@team-a/llm"}
+    assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in engine["ports"]
+    assert {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"} in engine["ports"]
+    # only this service's gateway pods may subscribe
+    rule = next(r for r in k[("NetworkPolicy", "llm")]["spec"]["ingress"] if {"port": 5557, "protocol": "TCP"}
+                in r.get("ports", []))
+    assert rule["from"] == [{"podSelector": {"matchLabels": GATEWAY_PODS}}]
+    args = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--routing") + 1] == "precise-prefix"
+    assert args[args.index("--kv-events-port") + 1] == "5557" and args[args.index("--kv-events-topic") + 1] == \
+        "kv@team-a/llm"
+    version = kubernetes_validate.latest_version()
+    for obj in k.values():
+        kubernetes_validate.validate(obj, version, strict=True)
+    # other routings leave the engines as they were
+    plain = kids({"runtime": runtime, "model": model})[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--kv-events-config" not in plain.get("command", []) + plain["args"]
+    assert [p["name"] for p in plain["ports"]] == ["http"]
