@@ -129,6 +129,17 @@ def _config(arch: str, vocab_size: int, **overrides):
                   num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2, linear_num_value_heads=4,
                   linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
                   max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    elif arch == "granitemoehybrid":
+        # Granite 4's layout scaled down: Mamba2 layers around one attention layer without RoPE (the releases'
+        # "nope"), 8 Mamba heads in 2 groups, 4 experts top-2 plus the shared MLP, every multiplier away from 1.
+        cls = tf.GraniteMoeHybridConfig
+        kw = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=48, shared_intermediate_size=40, num_local_experts=4, num_experts_per_tok=2,
+                  layer_types=["mamba", "mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=16,
+                  mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+                  embedding_multiplier=2.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=3.0,
+                  position_embedding_type="nope", max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False)
     elif arch in _MLA_CONFIGS:
         name, extra = _MLA_CONFIGS[arch]
         cls, kw = getattr(tf, name), dict(_MLA_COMMON, **extra)
@@ -199,6 +210,8 @@ def make_model(
                 p.normal_(0.0, 0.15)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
+            if ".mamba." in name and name.endswith((".D", ".dt_bias")):  # per-head values that differ per head
+                p.normal_(1.0 if name.endswith(".D") else 0.0, 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek V3's routing bias: nonzero, so it matters
                 b.normal_(0.0, 0.1)

@@ -25,6 +25,7 @@ _REGISTRY = {
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES = sorted(_REGISTRY)
