@@ -1,6 +1,7 @@
-"""Qwen3-Next over gloo (worker processes on this machine): tensor parallel (Gated DeltaNet key heads, with the
-value heads each serves, split over the ranks; gated attention heads split) and pipeline parallel (each stage keeps
-the recurrent state of its own layers) against the single-process engine and transformers."""
+"""Hybrids over gloo (worker processes on this machine): tensor parallel (Qwen3-Next's Gated DeltaNet key heads,
+with the value heads each serves, split over the ranks; Granite 4's Mamba2 heads and their B/C groups; attention
+heads split) and pipeline parallel (each stage keeps the recurrent state of its own layers) against the
+single-process engine and transformers."""
 
 from __future__ import annotations
 
@@ -21,6 +22,24 @@ def test_qwen3_next_parallel_matches_single_process_and_transformers(model_facto
         model = llm.llm_engine.executor.shard.runner.model  # rank 0's shard, in this process
         gdn = next(layer.self_attn for layer in model.layers if hasattr(layer.self_attn, "allocate_state"))
         assert (gdn.nk_local, gdn.nv_local) == (2 // tp, 4 // tp)
+        assert model.num_local_layers == 4 // pp
+        outputs = llm.generate(PROMPTS, PARAMS)
+        compare(model_dir, outputs, llm.get_tokenizer())
+        llm.llm_engine.pool.check_all_free()
+        llm.llm_engine.state_pool.check_all_free()
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("tp,pp,groups", [(2, 1, 2), (2, 1, 1), (1, 2, 2)], ids=["tp2", "tp2-one-group", "pp2"])
+def test_granite_hybrid_parallel_matches_single_process_and_transformers(model_factory, tp, pp, groups):
+    """Granite 4's Mamba2 heads split over the ranks: with 2 groups each rank holds one; with one group (the
+    releases' layout) both hold it and the gated norm sums its squares over the ranks."""
+    model_dir = model_factory("granitemoehybrid", mamba_n_groups=groups)
+    with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             distributed={"collective_timeout": 120.0}, **OPTIONS) as llm:
+        model = llm.llm_engine.executor.shard.runner.model
+        mamba = next(layer.self_attn for layer in model.layers if hasattr(layer.self_attn, "allocate_state"))
+        assert (mamba.heads_local, mamba.groups_local) == (8 // tp, max(1, groups // tp))
         assert model.num_local_layers == 4 // pp
         outputs = llm.generate(PROMPTS, PARAMS)
         compare(model_dir, outputs, llm.get_tokenizer())
