@@ -140,6 +140,14 @@ def _config(arch: str, vocab_size: int, **overrides):
                   embedding_multiplier=2.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=3.0,
                   position_embedding_type="nope", max_position_embeddings=512, rms_norm_eps=1e-6,
                   tie_word_embeddings=False)
+    elif arch == "nemotron_h":
+        # Nemotron-H's single-mixer blocks scaled down: Mamba2, squared-ReLU MLP and one attention block (no RoPE),
+        # 8 Mamba heads in 2 groups.
+        cls = tf.NemotronHConfig
+        kw = dict(hidden_size=64, layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+                  mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, expand=2, chunk_size=16,
+                  max_position_embeddings=512, tie_word_embeddings=False)
     elif arch in _MLA_CONFIGS:
         name, extra = _MLA_CONFIGS[arch]
         cls, kw = getattr(tf, name), dict(_MLA_COMMON, **extra)
@@ -210,7 +218,7 @@ def make_model(
                 p.normal_(0.0, 0.15)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
-            if ".mamba." in name and name.endswith((".D", ".dt_bias")):  # per-head values that differ per head
+            if (".mamba." in name or ".mixer." in name) and name.endswith((".D", ".dt_bias")):  # per-head values differ
                 p.normal_(1.0 if name.endswith(".D") else 0.0, 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek V3's routing bias: nonzero, so it matters
