@@ -1,4 +1,4 @@
-"""State-space hybrids (Mamba2 layers next to paged attention; Granite 4 = GraniteMoeHybrid): transformers' greedy
+"""State-space hybrids (Mamba2 layers next to paged attention: Granite 4 = GraniteMoeHybrid, Nemotron-H): transformers' greedy
 tokens and logprobs under every scheduling regime, the SSD chunked scan against the recurrence, the state slots
 freed on finish, abort and preemption, prefix caching through the state checkpoints, and configs refused at load."""
 
@@ -26,17 +26,25 @@ REGIMES = {
 }
 
 
+FAMILIES = ["granitemoehybrid", "nemotron_h"]
+
+
 @pytest.fixture(scope="module")
 def granite(model_factory):
     return model_factory("granitemoehybrid")
 
 
+@pytest.fixture(scope="module", params=FAMILIES)
+def mamba_hybrid(request, model_factory):
+    return model_factory(request.param)
+
+
 @pytest.mark.parametrize("regime", list(REGIMES))
-def test_granite_hybrid_greedy_matches_transformers(granite, regime):
-    with LLM(model=granite, **REGIMES[regime]) as llm:
+def test_mamba_hybrid_greedy_matches_transformers(mamba_hybrid, regime):
+    with LLM(model=mamba_hybrid, **REGIMES[regime]) as llm:
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
         outputs = llm.generate(PROMPTS, params)
-        check_against_hf(granite, llm.get_tokenizer(), outputs, PROMPTS, max_new=MAX_NEW)
+        check_against_hf(mamba_hybrid, llm.get_tokenizer(), outputs, PROMPTS, max_new=MAX_NEW)
         engine = llm.llm_engine
         if regime == "preemption":
             assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
@@ -89,12 +97,12 @@ def test_abort_mid_prefill_and_decode_frees_every_slot_and_block(granite):
         check_against_hf(granite, llm.get_tokenizer(), outputs, PROMPTS[:2], max_new=MAX_NEW)
 
 
-def test_repeated_prompt_served_from_the_prefix_cache(granite):
+def test_repeated_prompt_served_from_the_prefix_cache(mamba_hybrid):
     """The Mamba state at a prompt's last full block is kept; the same prompt again (and a longer one sharing it)
     starts from there, at the attention layers' block size, equal to the uncached run and to transformers."""
     prompt = PROMPTS[1]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    with LLM(model=granite, block_size=4, max_model_len=128, max_num_batched_tokens=16) as llm:
+    with LLM(model=mamba_hybrid, block_size=4, max_model_len=128, max_num_batched_tokens=16) as llm:
         engine, tok = llm.llm_engine, llm.get_tokenizer()
         n = len(tok.encode(prompt))
         first = llm.generate([prompt], params)[0]
@@ -110,7 +118,7 @@ def test_repeated_prompt_served_from_the_prefix_cache(granite):
         longer = tok.encode(prompt) + tok.encode(" and then the fish swam home")
         out = llm.generate([longer], params)[0]
         assert out.num_cached_tokens == (n - 1) // 4 * 4
-        check_against_hf(granite, tok, [again, out], [prompt, longer], max_new=MAX_NEW)
+        check_against_hf(mamba_hybrid, tok, [again, out], [prompt, longer], max_new=MAX_NEW)
         engine.pool.check_all_free()
         engine.state_pool.check_all_free()
 
@@ -143,5 +151,15 @@ def _edited_copy(src, dst, **changes):
 ])
 def test_inconsistent_granite_config_refused_at_load(granite, tmp_path, changes, message):
     bad = _edited_copy(granite, tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=bad, block_size=4, max_model_len=64)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(layers_block_type=["mamba", "mlp", "attention", "moe", "mamba", "mlp"]), "'moe' blocks"),
+    (dict(n_groups=3), "n_groups"),
+])
+def test_inconsistent_nemotron_h_config_refused_at_load(model_factory, tmp_path, changes, message):
+    bad = _edited_copy(model_factory("nemotron_h"), tmp_path / "bad", **changes)
     with pytest.raises(ValueError, match=message):
         LLM(model=bad, block_size=4, max_model_len=64)
