@@ -148,6 +148,17 @@ def _config(arch: str, vocab_size: int, **overrides):
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
                   mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, expand=2, chunk_size=16,
                   max_position_embeddings=512, tie_word_embeddings=False)
+    elif arch == "falcon_h1":
+        # Falcon-H1's parallel attention + Mamba2 layers scaled down (6 Mamba heads of 16 = mamba_d_ssm 96, 2 groups,
+        # the norm before the gate), every muP multiplier away from 1.
+        cls = tf.FalconH1Config
+        kw = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, mamba_d_ssm=96, mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=2,
+                  mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=True,
+                  lm_head_multiplier=0.5, embedding_multiplier=2.0, mlp_multipliers=[0.8, 1.2], key_multiplier=0.7,
+                  attention_in_multiplier=1.1, attention_out_multiplier=0.9, ssm_in_multiplier=0.8,
+                  ssm_out_multiplier=1.2, ssm_multipliers=[0.5, 1.5, 0.9, 1.1, 1.3], max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False)
     elif arch in _MLA_CONFIGS:
         name, extra = _MLA_CONFIGS[arch]
         cls, kw = getattr(tf, name), dict(_MLA_COMMON, **extra)

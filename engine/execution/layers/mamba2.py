@@ -52,6 +52,13 @@ class Mamba2Shape:
     eps: float
     norm_groups: int  # the gated RMSNorm's groups of channels (Granite / Nemotron-H: the B/C groups)
     time_step_limit: tuple[float, float] = (0.0, math.inf)
+    # "gated": RMSNorm(y * SiLU(z)) (Granite, Nemotron-H); "norm_then_gate": RMSNorm(y) * SiLU(z); "gate_only":
+    # y * SiLU(z), no norm (Falcon-H1 by mamba_rms_norm / mamba_norm_before_gate).
+    norm: str = "gated"
+    # Falcon-H1's muP: in_proj's z, x, B, C and dt rows scaled (its input multiplier included), out_proj's output
+    # scaled; both folded into the weights at load.
+    in_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    out_multiplier: float = 1.0
 
     @property
     def inner(self) -> int:
@@ -206,7 +213,11 @@ class Mamba2Mixer(nn.Module):
         A group split over tensor-parallel ranks sums its squares over them."""
         s = self.shape
         T = y.shape[0]
-        gated = y.reshape(T, self.inner_local) * F.silu(z.float())
+        gate = F.silu(z.float())
+        y = y.reshape(T, self.inner_local)
+        if s.norm == "gate_only":
+            return (y * gate).to(self.dtype)
+        gated = y * gate if s.norm == "gated" else y
         size = s.inner // s.norm_groups  # channels per norm group
         if self.inner_local % size == 0:  # whole groups on this rank
             grouped = gated.view(T, -1, size)
@@ -218,7 +229,8 @@ class Mamba2Mixer(nn.Module):
             sums[:, group] = gated.pow(2).sum(-1)
             self.ps.all_reduce(sums)
             normed = gated * torch.rsqrt(sums[:, group:group + 1] / size + s.eps)
-        return (self.norm_weight * normed.reshape(T, -1)).to(self.dtype)
+        out = self.norm_weight * normed.reshape(T, -1)
+        return (out if s.norm == "gated" else out * gate).to(self.dtype)
 
     # ---- the checkpoint
 
@@ -232,15 +244,18 @@ class Mamba2Mixer(nn.Module):
         dts = (2 * inner + 2 * gn + h0, hn)
         full = 2 * inner + 2 * gn + s.heads
 
-        def rows(name, shape, ranges):
-            return torch.cat([src.load(name, shape, dim=0, start=a, length=n) for a, n in ranges])
+        def rows(name, shape, ranges, scales=None):
+            parts = [src.load(name, shape, dim=0, start=a, length=n) for a, n in ranges]
+            if scales is not None and any(m != 1.0 for m in scales):
+                parts = [t * m for t, m in zip(parts, scales)]
+            return torch.cat(parts)
 
-        def gathered(name, shape, ranges):  # a Reader for in_proj: this rank's rows whatever it asks
-            return lambda dim, start, length: rows(name, shape, ranges)
+        def gathered(name, shape, ranges, scales):  # a Reader for in_proj: this rank's rows whatever it asks
+            return lambda dim, start, length: rows(name, shape, ranges, scales)
 
-        in_rows = [heads, xs, bs, cs, dts]
-        self.in_proj.load(gathered(p + "in_proj.weight", (full, s.hidden), in_rows),
-                          gathered(p + "in_proj.bias", (full,), in_rows) if s.proj_bias else None)
+        in_rows, scales = [heads, xs, bs, cs, dts], s.in_multipliers
+        self.in_proj.load(gathered(p + "in_proj.weight", (full, s.hidden), in_rows, scales),
+                          gathered(p + "in_proj.bias", (full,), in_rows, scales) if s.proj_bias else None)
         conv_rows = [(h0 * P, hn * P), (inner + g0 * N, gl * N), (inner + gn + g0 * N, gl * N)]
         conv = rows(p + "conv1d.weight", (s.conv_dim, 1, s.conv_kernel), conv_rows)
         self.conv_weight.data.copy_(conv[:, 0])
@@ -249,5 +264,13 @@ class Mamba2Mixer(nn.Module):
         for name in ("A_log", "D", "dt_bias"):
             getattr(self, name).data.copy_(src.load(p + name, (s.heads,), dim=0, start=h0, length=hn))
         self.norm_weight.data.copy_(src.load(p + "norm.weight", (inner,), dim=0, start=h0 * P, length=hn * P))
-        self.out_proj.load(reader(src, p + "out_proj.weight", (s.hidden, inner)),
-                           reader(src, p + "out_proj.bias", (s.hidden,)) if s.proj_bias else None)
+        out = scaled(reader(src, p + "out_proj.weight", (s.hidden, inner)), s.out_multiplier)
+        self.out_proj.load(out, scaled(reader(src, p + "out_proj.bias", (s.hidden,)), s.out_multiplier)
+                           if s.proj_bias else None)
+
+
+def scaled(read, multiplier: float):
+    """A Reader whose tensors come out times `multiplier` (a muP multiplier folded into a weight)."""
+    if multiplier == 1.0:
+        return read
+    return lambda dim, start, length: read(dim, start, length) * multiplier
