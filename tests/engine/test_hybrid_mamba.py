@@ -1,4 +1,5 @@
-"""State-space hybrids (Mamba2 layers next to paged attention: Granite 4 = GraniteMoeHybrid, Nemotron-H): transformers' greedy
+"""State-space hybrids (Mamba2 layers next to paged attention: Granite 4 = GraniteMoeHybrid, Nemotron-H, Falcon-H1
+with both in every layer): transformers' greedy
 tokens and logprobs under every scheduling regime, the SSD chunked scan against the recurrence, the state slots
 freed on finish, abort and preemption, prefix caching through the state checkpoints, and configs refused at load."""
 
@@ -26,7 +27,7 @@ REGIMES = {
 }
 
 
-FAMILIES = ["granitemoehybrid", "nemotron_h"]
+FAMILIES = ["granitemoehybrid", "nemotron_h", "falcon_h1"]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,18 @@ def test_granite_hybrid_with_rope_and_one_group_matches_transformers(model_facto
         outputs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
                                                            logprobs=5))
         check_against_hf(model, llm.get_tokenizer(), outputs, PROMPTS[:3], max_new=MAX_NEW)
+
+
+@pytest.mark.parametrize("norm", [dict(mamba_rms_norm=False), dict(mamba_norm_before_gate=False)],
+                         ids=["gate-only", "gate-then-norm"])
+def test_falcon_h1_mamba_norm_placements_match_transformers(model_factory, norm):
+    """Falcon-H1's other two Mamba norm placements (the tiny preset normalises before the gate)."""
+    model = model_factory("falcon_h1", **norm)
+    with LLM(model=model, block_size=4, max_model_len=128, max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                           logprobs=5))
+        check_against_hf(model, llm.get_tokenizer(), outputs, PROMPTS[:3], max_new=MAX_NEW)
+        llm.llm_engine.state_pool.check_all_free()
 
 
 def test_ssd_chunk_scan_equals_the_recurrence():
@@ -161,5 +174,16 @@ def test_inconsistent_granite_config_refused_at_load(granite, tmp_path, changes,
 ])
 def test_inconsistent_nemotron_h_config_refused_at_load(model_factory, tmp_path, changes, message):
     bad = _edited_copy(model_factory("nemotron_h"), tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=bad, block_size=4, max_model_len=64)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mamba_n_groups=4), "mamba_n_groups"),
+    (dict(ssm_multipliers=[1.0, 1.0]), "ssm_multipliers"),
+])
+def test_inconsistent_falcon_h1_config_refused_at_load(model_factory, tmp_path, changes, message):
+    bad = _edited_copy(model_factory("falcon_h1"), tmp_path / "bad", **changes)
     with pytest.raises(ValueError, match=message):
         LLM(model=bad, block_size=4, max_model_len=64)

@@ -263,7 +263,8 @@ class Mamba2Mixer(nn.Module):
             self.conv_bias.data.copy_(rows(p + "conv1d.bias", (s.conv_dim,), conv_rows))
         for name in ("A_log", "D", "dt_bias"):
             getattr(self, name).data.copy_(src.load(p + name, (s.heads,), dim=0, start=h0, length=hn))
-        self.norm_weight.data.copy_(src.load(p + "norm.weight", (inner,), dim=0, start=h0 * P, length=hn * P))
+        if s.norm != "gate_only":
+            self.norm_weight.data.copy_(src.load(p + "norm.weight", (inner,), dim=0, start=h0 * P, length=hn * P))
         out = scaled(reader(src, p + "out_proj.weight", (s.hidden, inner)), s.out_multiplier)
         self.out_proj.load(out, scaled(reader(src, p + "out_proj.bias", (s.hidden,)), s.out_multiplier)
                            if s.proj_bias else None)
