@@ -98,8 +98,8 @@ def ssd_chunk_scan(x, dt, A, B, C, state, chunk: int = CHUNK):
 
 def ssm_step(x, dt, A, B, C, state):
     """One token of each of S sequences, float32. x: [S, H, P]; dt: [S, H]; B, C: [S, H, N]; state: [S, H, P, N]
-    (a gathered copy). Returns (y [S, H, P] without the D skip, the new state)."""
-    state = state * (dt * A).exp()[..., None, None] + (x * dt[..., None])[..., None] * B[:, :, None, :]
+    (a gathered copy, updated in place). Returns (y [S, H, P] without the D skip, the state)."""
+    state.mul_((dt * A).exp()[..., None, None]).add_((x * dt[..., None])[..., None] * B[:, :, None, :])
     return torch.einsum("shpn,shn->shp", state, C), state
 
 
@@ -176,8 +176,8 @@ class Mamba2Mixer(nn.Module):
             if self.conv_bias is not None:
                 conv = conv + self.conv_bias.float()
             x, B, C = self._heads(F.silu(conv).to(h.dtype))
-            y, new = ssm_step(x, dt, A, B, C, state.ssm[slots])
-            state.ssm[slots] = new
+            y, new = ssm_step(x, dt, A, B, C, state.ssm.index_select(0, slots))
+            state.ssm.index_copy_(0, slots, new)
             y += x * self.D[:, None]
         else:
             y = torch.empty(h.shape[0], self.heads_local, self.shape.head_dim, dtype=torch.float32, device=h.device)
