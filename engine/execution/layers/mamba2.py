@@ -159,6 +159,8 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, h: torch.Tensor, positions, state: RecurrentState, meta) -> torch.Tensor:
         z, xbc, dt = self.in_proj(h).split([self.inner_local, self.conv_local, self.heads_local], dim=-1)
+        # The limit applies to every token here; transformers' (and mamba_ssm's) single-token decode skips it, which
+        # differs only where softplus falls outside the limit (never with Granite's default (0, inf)).
         lo, hi = self.shape.time_step_limit
         dt = F.softplus(dt.float() + self.dt_bias).clamp(lo, hi)
         A = -self.A_log.exp()
