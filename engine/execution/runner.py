@@ -126,7 +126,7 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes the allocated KV cache holds (values and, for fp8, scales)."""
-        return sum(c.nbytes for c in self.kv_caches)
+        return sum(c.nbytes for c in self.kv_caches if c is not None)  # None: a layer without a cache
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
         """The paged KV cache of every attention layer and, for hybrid models, num_state_slots sequences' state in

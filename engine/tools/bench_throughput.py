@@ -10,7 +10,8 @@ shallow: hidden 512, 8 layers), `smollm2-135m` (deep and narrow: SmolLM2-135M's 
 prints the MoE blocks' share of a decode step and their floor), `gemma3-sliding` (Gemma 3 270M's shape with a
 128-token sliding window on five of every six layers), `qwen3-next-hybrid` (Qwen3-Next's layout scaled down:
 Gated DeltaNet and gated attention 3:1, MoE with a shared expert; --profile adds the recurrent state to the decode
-step's memory floor) or `deepseek-v3-mla` (DeepSeek V3's layout scaled down: latent attention with q_lora, grouped
+step's memory floor), `granite4-hybrid` (Granite 4.0-H's layout scaled down: Mamba2 layers 3:1 with attention
+without RoPE, MoE plus a shared MLP) or `deepseek-v3-mla` (DeepSeek V3's layout scaled down: latent attention with q_lora, grouped
 sigmoid routing over 32 experts plus a shared one, the first layer dense). For an MLA model it also prints the
 KV-cache capacity in tokens per GiB of its latent cache against the same model with full K/V.
 `--profile` runs the workload once more with timers attached and prints where a step's time goes, with the
@@ -68,6 +69,16 @@ PRESETS = {
         shared_expert_intermediate_size=256, num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
         linear_conv_kernel_dim=4, max_position_embeddings=2048, tie_word_embeddings=False)),
+    # Granite 4.0-H's layout scaled down: Mamba2 layers with one attention layer (no RoPE) in every four, 8 layers,
+    # hidden 512, 16 Mamba heads of 64 in one group with d_state 128 (the releases: 128 heads, d_state 128), 32
+    # experts of width 256 top-4 plus the shared MLP.
+    "granite4-hybrid": ("bench-granite4-512", dict(
+        arch="granitemoehybrid", vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, intermediate_size=256, shared_intermediate_size=512, num_local_experts=32,
+        num_experts_per_tok=4, layer_types=["mamba", "mamba", "mamba", "attention"] * 2, mamba_n_heads=16,
+        mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
+        embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=4.0,
+        position_embedding_type="nope", max_position_embeddings=2048, tie_word_embeddings=True)),
     # Llama 3 8B's shape (32 layers, hidden 4096, 32 query heads on 8 KV heads, SwiGLU 14336, vocab 128256): a
     # GPU-sized decode step, 16 GB of bf16 weights to read (e2e/gpu/checks.py). Made on the GPU when there is one.
     "llama3-8b": ("llama3-8b-shape", dict(
@@ -258,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(8 layers, hidden 512, 32 experts of width 512, top-4), gemma3-sliding (Gemma 3 270M's "
                          "shape, 18 layers, hidden 640, a 128-token window on 5 of 6 layers) or qwen3-next-hybrid "
                          "(Qwen3-Next's layout: Gated DeltaNet and gated attention 3:1, 8 layers, hidden 512, 32 "
-                         "experts top-4 plus a shared one)")
+                         "experts top-4 plus a shared one), granite4-hybrid (Granite 4.0-H's layout: Mamba2 and "
+                         "attention 3:1, 8 layers, hidden 512, 32 experts top-4 plus the shared MLP)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))

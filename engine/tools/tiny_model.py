@@ -129,6 +129,36 @@ def _config(arch: str, vocab_size: int, **overrides):
                   num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2, linear_num_value_heads=4,
                   linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
                   max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    elif arch == "granitemoehybrid":
+        # Granite 4's layout scaled down: Mamba2 layers around one attention layer without RoPE (the releases'
+        # "nope"), 8 Mamba heads in 2 groups, 4 experts top-2 plus the shared MLP, every multiplier away from 1.
+        cls = tf.GraniteMoeHybridConfig
+        kw = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=48, shared_intermediate_size=40, num_local_experts=4, num_experts_per_tok=2,
+                  layer_types=["mamba", "mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=16,
+                  mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+                  embedding_multiplier=2.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=3.0,
+                  position_embedding_type="nope", max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False)
+    elif arch == "nemotron_h":
+        # Nemotron-H's single-mixer blocks scaled down: Mamba2, squared-ReLU MLP and one attention block (no RoPE),
+        # 8 Mamba heads in 2 groups.
+        cls = tf.NemotronHConfig
+        kw = dict(hidden_size=64, layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+                  mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, expand=2, chunk_size=16,
+                  max_position_embeddings=512, tie_word_embeddings=False)
+    elif arch == "falcon_h1":
+        # Falcon-H1's parallel attention + Mamba2 layers scaled down (6 Mamba heads of 16 = mamba_d_ssm 96, 2 groups,
+        # the norm before the gate), every muP multiplier away from 1.
+        cls = tf.FalconH1Config
+        kw = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, mamba_d_ssm=96, mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=2,
+                  mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=True,
+                  lm_head_multiplier=0.5, embedding_multiplier=2.0, mlp_multipliers=[0.8, 1.2], key_multiplier=0.7,
+                  attention_in_multiplier=1.1, attention_out_multiplier=0.9, ssm_in_multiplier=0.8,
+                  ssm_out_multiplier=1.2, ssm_multipliers=[0.5, 1.5, 0.9, 1.1, 1.3], max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False)
     elif arch in _MLA_CONFIGS:
         name, extra = _MLA_CONFIGS[arch]
         cls, kw = getattr(tf, name), dict(_MLA_COMMON, **extra)
@@ -199,6 +229,8 @@ def make_model(
                 p.normal_(0.0, 0.15)
             elif "bias" in name:
                 p.normal_(0.0, 0.02)
+            if (".mamba." in name or ".mixer." in name) and name.endswith((".D", ".dt_bias")):  # per-head values differ
+                p.normal_(1.0 if name.endswith(".D") else 0.0, 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek V3's routing bias: nonzero, so it matters
                 b.normal_(0.0, 0.1)

@@ -1,6 +1,7 @@
-"""Qwen3-Next over gloo (worker processes on this machine): tensor parallel (Gated DeltaNet key heads, with the
-value heads each serves, split over the ranks; gated attention heads split) and pipeline parallel (each stage keeps
-the recurrent state of its own layers) against the single-process engine and transformers."""
+"""Hybrids over gloo (worker processes on this machine): tensor parallel (Qwen3-Next's Gated DeltaNet key heads,
+with the value heads each serves, split over the ranks; Granite 4's Mamba2 heads and their B/C groups; attention
+heads split) and pipeline parallel (each stage keeps the recurrent state of its own layers) against the
+single-process engine and transformers."""
 
 from __future__ import annotations
 
@@ -22,6 +23,29 @@ def test_qwen3_next_parallel_matches_single_process_and_transformers(model_facto
         gdn = next(layer.self_attn for layer in model.layers if hasattr(layer.self_attn, "allocate_state"))
         assert (gdn.nk_local, gdn.nv_local) == (2 // tp, 4 // tp)
         assert model.num_local_layers == 4 // pp
+        outputs = llm.generate(PROMPTS, PARAMS)
+        compare(model_dir, outputs, llm.get_tokenizer())
+        llm.llm_engine.pool.check_all_free()
+        llm.llm_engine.state_pool.check_all_free()
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("arch,tp,pp,groups", [
+    ("granitemoehybrid", 2, 1, 2), ("granitemoehybrid", 2, 1, 1), ("granitemoehybrid", 1, 2, 2), ("nemotron_h", 2, 1, 2),
+    ("nemotron_h", 1, 2, 2), ("falcon_h1", 2, 1, 2)],
+    ids=["granite-tp2", "granite-tp2-one-group", "granite-pp2", "nemotron-h-tp2", "nemotron-h-pp2", "falcon-h1-tp2"])
+def test_mamba2_hybrid_parallel_matches_single_process_and_transformers(model_factory, arch, tp, pp, groups):
+    """Mamba2 heads split over the ranks: with 2 groups each rank holds one; with one group (Granite 4's releases)
+    both hold it and the gated norm sums its squares over the ranks. Nemotron-H's MLP blocks hold no cache."""
+    model_dir = model_factory(arch, **({"mamba_n_groups": groups} if arch == "granitemoehybrid" else {}))
+    layers, heads = {"granitemoehybrid": (4, 8), "nemotron_h": (6, 8), "falcon_h1": (3, 6)}[arch]
+    with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             distributed={"collective_timeout": 120.0}, **OPTIONS) as llm:
+        model = llm.llm_engine.executor.shard.runner.model
+        mixer = next(layer.self_attn for layer in model.layers if hasattr(layer.self_attn, "allocate_state"))
+        mamba = getattr(mixer, "mamba", mixer)  # Falcon-H1: attention and Mamba side by side
+        assert (mamba.heads_local, mamba.groups_local) == (heads // tp, max(1, groups // tp))
+        assert model.num_local_layers == layers // pp
         outputs = llm.generate(PROMPTS, PARAMS)
         compare(model_dir, outputs, llm.get_tokenizer())
         llm.llm_engine.pool.check_all_free()

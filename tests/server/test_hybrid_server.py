@@ -1,9 +1,11 @@
-"""`shoal-engine serve` with a hybrid model (Qwen3-Next: Gated DeltaNet + gated attention): greedy completions
+"""`shoal-engine serve` with the hybrid models (Qwen3-Next: Gated DeltaNet + gated attention; Granite 4: Mamba2 +
+attention without RoPE): greedy completions
 through the openai client, streamed equal to non-streamed and to the offline engine; a repeated prompt is a
 prefix-cache hit in the usual metrics; the cache is all free again afterwards."""
 
 from __future__ import annotations
 
+import pytest
 from openai import OpenAI
 
 from shoal.engine import LLM, SamplingParams
@@ -14,8 +16,9 @@ PROMPTS = ["Once upon a time there was a little shoal of fish that swam together
            "def add(a, b):"]
 
 
-def test_hybrid_server_streamed_equals_non_streamed_and_caches_prefixes(start_server, model_factory):
-    model = model_factory("qwen3_next")
+@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid"])
+def test_hybrid_server_streamed_equals_non_streamed_and_caches_prefixes(start_server, model_factory, arch):
+    model = model_factory(arch)
     with LLM(model=model, max_model_len=256, block_size=4) as llm:
         ref = [o.outputs[0].text for o in llm.generate(
             PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)]

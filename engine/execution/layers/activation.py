@@ -8,6 +8,7 @@ _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (Nemotron-H's MLP)
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),

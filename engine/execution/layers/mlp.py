@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.engine.execution.layers.activation import act_and_mul
-from shoal.engine.execution.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from shoal.engine.execution.layers.activation import act_and_mul, get_activation
+from shoal.engine.execution.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from shoal.engine.execution.models.base import fused_readers, reader
 
 
@@ -46,3 +46,25 @@ class GatedMLP(nn.Module):
         self.gate_up_proj.load(weights, biases)
         self.down_proj.load(reader(src, down + ".weight", (h, inter)),
                             reader(src, down + ".bias", (h,)) if has_bias else None)
+
+
+class PlainMLP(nn.Module):
+    """The ungated MLP: down(act(up(x))) (Nemotron-H's squared-ReLU layers), up column-parallel, down row-parallel."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, activation: str, bias: bool = False):
+        super().__init__()
+        self.hidden, self.intermediate = hidden, intermediate
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, dtype)
+        self.act = get_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+    def load(self, src, m: str) -> None:
+        h, inter = self.hidden, self.intermediate
+        has_bias = self.up_proj.bias is not None
+        self.up_proj.load(reader(src, m + "up_proj.weight", (inter, h)),
+                          reader(src, m + "up_proj.bias", (inter,)) if has_bias else None)
+        self.down_proj.load(reader(src, m + "down_proj.weight", (h, inter)),
+                            reader(src, m + "down_proj.bias", (h,)) if has_bias else None)

@@ -1,0 +1,189 @@
+"""State-space hybrids (Mamba2 layers next to paged attention: Granite 4 = GraniteMoeHybrid, Nemotron-H, Falcon-H1
+with both in every layer): transformers' greedy
+tokens and logprobs under every scheduling regime, the SSD chunked scan against the recurrence, the state slots
+freed on finish, abort and preemption, prefix caching through the state checkpoints, and configs refused at load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from shoal.engine import LLM, SamplingParams
+from shoal.engine.execution.layers.mamba2 import ssd_chunk_scan, ssm_step
+from test_engine_correctness import PROMPTS, check_against_hf
+
+pytestmark = pytest.mark.numerics
+
+MAX_NEW = 12
+REGIMES = {
+    "batched": dict(block_size=4, max_model_len=128),
+    # 5-token chunks over 2-token blocks: chunk boundaries fall at every offset of the conv kernel's window (4)
+    # and inside the prompts, each chunk carrying the conv and SSM state to the next.
+    "odd-chunks": dict(block_size=2, max_model_len=128, max_num_batched_tokens=5),
+    "preemption": dict(block_size=4, max_model_len=64, num_kv_blocks=16, max_num_batched_tokens=16),
+}
+
+
+FAMILIES = ["granitemoehybrid", "nemotron_h", "falcon_h1"]
+
+
+@pytest.fixture(scope="module")
+def granite(model_factory):
+    return model_factory("granitemoehybrid")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def mamba_hybrid(request, model_factory):
+    return model_factory(request.param)
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_mamba_hybrid_greedy_matches_transformers(mamba_hybrid, regime):
+    with LLM(model=mamba_hybrid, **REGIMES[regime]) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+        outputs = llm.generate(PROMPTS, params)
+        check_against_hf(mamba_hybrid, llm.get_tokenizer(), outputs, PROMPTS, max_new=MAX_NEW)
+        engine = llm.llm_engine
+        if regime == "preemption":
+            assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
+        engine.pool.check_all_free()
+        engine.state_pool.check_all_free()
+
+
+def test_granite_hybrid_with_rope_and_one_group_matches_transformers(model_factory):
+    """The config switches the releases leave off: RoPE on the attention layers; one B/C group for all heads."""
+    model = model_factory("granitemoehybrid", position_embedding_type="rope", mamba_n_groups=1)
+    with LLM(model=model, block_size=4, max_model_len=128, max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                           logprobs=5))
+        check_against_hf(model, llm.get_tokenizer(), outputs, PROMPTS[:3], max_new=MAX_NEW)
+
+
+@pytest.mark.parametrize("norm", [dict(mamba_rms_norm=False), dict(mamba_norm_before_gate=False)],
+                         ids=["gate-only", "gate-then-norm"])
+def test_falcon_h1_mamba_norm_placements_match_transformers(model_factory, norm):
+    """Falcon-H1's other two Mamba norm placements (the tiny preset normalises before the gate)."""
+    model = model_factory("falcon_h1", **norm)
+    with LLM(model=model, block_size=4, max_model_len=128, max_num_batched_tokens=16) as llm:
+        outputs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                           logprobs=5))
+        check_against_hf(model, llm.get_tokenizer(), outputs, PROMPTS[:3], max_new=MAX_NEW)
+        llm.llm_engine.state_pool.check_all_free()
+
+
+def test_ssd_chunk_scan_equals_the_recurrence():
+    """The chunked prefill form (several chunks, a non-zero initial state) against the token-by-token recurrence."""
+    torch.manual_seed(0)
+    T, H, P, N = 70, 3, 5, 8
+    x, B, C = torch.randn(T, H, P), torch.randn(T, H, N), torch.randn(T, H, N)
+    dt = torch.nn.functional.softplus(torch.randn(T, H))
+    A = -torch.rand(H) * 2
+    s0 = torch.randn(H, P, N)
+    state = s0.clone()
+    out = ssd_chunk_scan(x, dt, A, B, C, state, chunk=16)
+    ref_state, ref = s0[None], []
+    for t in range(T):
+        y, ref_state = ssm_step(x[None, t], dt[None, t], A, B[None, t], C[None, t], ref_state)
+        ref.append(y[0])
+    torch.testing.assert_close(out, torch.stack(ref), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, ref_state[0], atol=1e-4, rtol=1e-4)
+
+
+def test_abort_mid_prefill_and_decode_frees_every_slot_and_block(granite):
+    with LLM(model=granite, block_size=4, max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4) as llm:
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+        for _ in range(6):  # some prompts still prefilling in chunks, some decoding, some waiting
+            engine.step()
+        assert engine.state_pool.num_free < engine.state_pool.num_slots
+        engine.abort_request([f"r{i}" for i in range(len(PROMPTS))])
+        assert not engine.has_unfinished_requests()
+        engine.pool.check_all_free()
+        engine.state_pool.check_all_free()
+        # The slots come back clean: prompts run after the aborts equal transformers.
+        outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+        check_against_hf(granite, llm.get_tokenizer(), outputs, PROMPTS[:2], max_new=MAX_NEW)
+
+
+def test_repeated_prompt_served_from_the_prefix_cache(mamba_hybrid):
+    """The Mamba state at a prompt's last full block is kept; the same prompt again (and a longer one sharing it)
+    starts from there, at the attention layers' block size, equal to the uncached run and to transformers."""
+    prompt = PROMPTS[1]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    with LLM(model=mamba_hybrid, block_size=4, max_model_len=128, max_num_batched_tokens=16) as llm:
+        engine, tok = llm.llm_engine, llm.get_tokenizer()
+        n = len(tok.encode(prompt))
+        first = llm.generate([prompt], params)[0]
+        assert first.num_cached_tokens == 0
+        hits = engine.pool.prefix_hits
+        again = llm.generate([prompt], params)[0]
+        assert again.num_cached_tokens == (n - 1) // 4 * 4 > 0, "the repeated prompt was not served from the cache"
+        assert engine.pool.prefix_hits - hits == again.num_cached_tokens
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        for a, b in zip(again.outputs[0].logprobs, first.outputs[0].logprobs):
+            for tid, lp in a.items():
+                assert lp.logprob == pytest.approx(b[tid].logprob, abs=1e-5)
+        longer = tok.encode(prompt) + tok.encode(" and then the fish swam home")
+        out = llm.generate([longer], params)[0]
+        assert out.num_cached_tokens == (n - 1) // 4 * 4
+        check_against_hf(mamba_hybrid, tok, [again, out], [prompt, longer], max_new=MAX_NEW)
+        engine.pool.check_all_free()
+        engine.state_pool.check_all_free()
+
+
+def test_max_num_seqs_beyond_the_state_pool_refused(granite):
+    with LLM(model=granite, block_size=4, max_model_len=64, max_num_seqs=2) as llm:
+        per_seq = llm.llm_engine.state_bytes
+    assert per_seq > 0
+    with pytest.raises(ValueError, match=r"--max-num-seqs 256 .* at most (\d+) sequences") as err:
+        LLM(model=granite, block_size=4, max_model_len=64, kv_cache_memory=40 * per_seq, max_num_seqs=256)
+    fits = int(str(err.value).split("lower --max-num-seqs to ")[1].split()[0])
+    with LLM(model=granite, block_size=4, max_model_len=64, kv_cache_memory=40 * per_seq, max_num_seqs=fits) as llm:
+        assert llm.llm_engine.state_pool.num_slots == fits
+
+
+def _edited_copy(src, dst, **changes):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(layer_types=["mamba", "mamba", "sliding_attention", "mamba"]), "layer_types"),
+    (dict(layer_types=["mamba", "attention"]), "num_hidden_layers"),
+    (dict(mamba_n_groups=3), "mamba_n_groups"),
+    # transformers' own config validation refuses it first (its message names the Mamba head dimensions)
+    (dict(mamba_d_head=8), r"(?s)config.json: .*Mamba head"),
+])
+def test_inconsistent_granite_config_refused_at_load(granite, tmp_path, changes, message):
+    bad = _edited_copy(granite, tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=bad, block_size=4, max_model_len=64)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(layers_block_type=["mamba", "mlp", "attention", "moe", "mamba", "mlp"]), "'moe' blocks"),
+    (dict(n_groups=3), "n_groups"),
+])
+def test_inconsistent_nemotron_h_config_refused_at_load(model_factory, tmp_path, changes, message):
+    bad = _edited_copy(model_factory("nemotron_h"), tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=bad, block_size=4, max_model_len=64)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mamba_n_groups=4), "mamba_n_groups"),
+    (dict(ssm_multipliers=[1.0, 1.0]), "ssm_multipliers"),
+])
+def test_inconsistent_falcon_h1_config_refused_at_load(model_factory, tmp_path, changes, message):
+    bad = _edited_copy(model_factory("falcon_h1"), tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=message):
+        LLM(model=bad, block_size=4, max_model_len=64)
