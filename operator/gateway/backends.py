@@ -38,6 +38,7 @@ class HealthPolicy:
 class Backend:
     url: str
     policy: HealthPolicy
+    revision: str = "stable"  # stable | canary (spec.canary: discovery reads it from the endpoint's pod)
     added_at: float = field(default_factory=time.monotonic)
     removed: bool = False
     # Counted by this gateway.
@@ -140,6 +141,7 @@ class BackendSet:
     def __init__(self, policy: HealthPolicy | None = None):
         self.policy = policy or HealthPolicy()
         self._backends: dict[str, Backend] = {}
+        self.canary_percent = 0.0  # share of conversations for the canary revision's engines (gateway/canary.py)
         self.listeners: list[Callable[[], None]] = []  # told of every change (admission re-checks its queue)
 
     def __len__(self) -> int:
@@ -159,6 +161,12 @@ class BackendSet:
             if url not in self._backends:
                 self._backends[url] = Backend(url, self.policy)
         self.notify()
+
+    def set_revisions(self, revisions: dict[str, str], canary_percent: float) -> None:
+        """Each engine's revision (URLs not named are stable) and the canary's share, from discovery."""
+        for url, backend in self._backends.items():
+            backend.revision = revisions.get(url, "stable")
+        self.canary_percent = canary_percent
 
     def eligible(self, now: float | None = None, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
         """Engines that may take a new request, sorted by URL (a stable order for round-robin and ties).
