@@ -21,7 +21,7 @@ How it fits together
 * The kopf wiring is one table (``CHILDREN``, ``OWNER``): per watched kind an index, a watch label selector
   and an event handler; kopf injects the indexes into the handlers, which hand them to the reconciler.
   The autoscaler (autoscaler.py) only starts and stops with the operator here and watches on its own;
-  ``shoal.operator.HANDLER_MODULES`` lists both modules.
+  ``shoal.operator.HANDLER_MODULES`` lists the modules.
 * An invalid spec (see api.validate) sets Ready=False / reason InvalidSpec naming the field, phase Failed,
   and leaves the children alone.
 """
