@@ -142,6 +142,7 @@ class BackendSet:
         self.policy = policy or HealthPolicy()
         self._backends: dict[str, Backend] = {}
         self.canary_percent = 0.0  # share of conversations for the canary revision's engines (gateway/canary.py)
+        self.split = False  # a canary revision is in the set (or announced): every request picks a revision
         self.listeners: list[Callable[[], None]] = []  # told of every change (admission re-checks its queue)
 
     def __len__(self) -> int:
@@ -167,6 +168,7 @@ class BackendSet:
         for url, backend in self._backends.items():
             backend.revision = revisions.get(url, "stable")
         self.canary_percent = canary_percent
+        self.split = canary_percent > 0 or any(b.revision != "stable" for b in self._backends.values())
 
     def eligible(self, now: float | None = None, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
         """Engines that may take a new request, sorted by URL (a stable order for round-robin and ties).

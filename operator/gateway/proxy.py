@@ -527,8 +527,9 @@ class Gateway:
             return model_not_found(model)
         ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant, cost=request_cost(len(body), parsed),
                         model=model, hashes=self.prompt_hashes(request.path, parsed, model, pool))
-        if pool.backends.canary_percent > 0 and (key := canary.conversation_key(request.headers, parsed)):
-            ticket.revision = canary.revision_for(key, pool.backends.canary_percent)
+        if pool.backends.split:  # a canary revision exists (its share may be 0: then nothing goes there)
+            ticket.revision = canary.revision_for(canary.conversation_key(request.headers, parsed),
+                                                  pool.backends.canary_percent)
         if not self.quotas.policy.on:
             return await self._dispatch(request, pool, ticket, body, parsed, {})
         try:
