@@ -209,28 +209,29 @@ class CanaryJudge:
         if found is not None:
             await self.roll_back(isvc, revision, total, *found)
             window.last_figures = now
-        elif now - window.last_figures >= FIGURES_REFRESH:
-            await self.write_figures(isvc, revision, total)
+        elif now - window.last_figures >= FIGURES_REFRESH and await self.write_figures(isvc, revision, total):
             window.last_figures = now
 
     def _figures(self, total: dict[str, Tally]) -> dict[str, Any]:
         return {"stable": figures(total[contract.STABLE]), "canary": figures(total[contract.CANARY]),
                 "figuresTime": _now()}
 
-    async def write_figures(self, isvc: dict[str, Any], revision: str, total: dict[str, Tally]) -> None:
+    async def write_figures(self, isvc: dict[str, Any], revision: str, total: dict[str, Tally]) -> bool:
+        """status.canary's figures; -> False when they cannot be written yet (try again next second)."""
         meta = isvc["metadata"]
         old = (isvc.get("status") or {}).get("canary") or {}
-        if old.get("revision") not in (None, revision):
-            return  # the reconciler has not seen this revision yet
+        if old.get("revision") != revision:
+            return False  # the reconciler has not reported this revision yet: figures follow its status
         new = self._figures(total)
         if all(old.get(k) == new[k] for k in ("stable", "canary")):
-            return
+            return True
         try:
             await self.autoscaler.kube.merge_patch(api.KIND, meta["namespace"], meta["name"],
                                                    {"status": {"canary": new}}, subresource="status")
         except ApiError as e:
             if e.status != 404:
                 raise
+        return True
 
     async def roll_back(self, isvc: dict[str, Any], revision: str, total: dict[str, Tally], reason: str,
                         message: str) -> None:
