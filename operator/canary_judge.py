@@ -262,16 +262,23 @@ class CanaryJudge:
 
 @kopf.on.startup()
 async def start_canary_judge(memo: kopf.Memo, **_: Any) -> None:
-    """After the autoscaler's startup handler (autoscaler.py, imported first: HANDLER_MODULES), whose caches the
-    judge reads."""
-    if "canary_judge" in memo:
+    """Starts the judge once the autoscaler (autoscaler.py), whose caches it reads, exists: in a task, so that the
+    operator's startup never waits on the order kopf runs its startup handlers in."""
+    if "canary_judge_task" in memo:
         return
-    for _ in range(600):  # kopf runs startup handlers in order; be safe should it not
-        if "autoscaler" in memo:
-            break
-        await asyncio.sleep(0.05)
-    memo.canary_judge = CanaryJudge(memo.autoscaler)
-    memo.canary_judge_task = asyncio.create_task(memo.canary_judge.run(), name="canary judge")
+
+    async def run() -> None:
+        while getattr(memo.get("autoscaler"), "isvcs", None) is None:  # its caches are being made
+            await asyncio.sleep(0.05)
+        memo.canary_judge = CanaryJudge(memo.autoscaler)
+        logger.info("canary judge started")
+        try:
+            await memo.canary_judge.run()
+        except Exception:  # pragma: no cover - run() catches what a pass raises; this is a bug, said loudly
+            logger.exception("canary judge stopped")
+            raise
+
+    memo.canary_judge_task = asyncio.create_task(run(), name="canary judge")
 
 
 @kopf.on.cleanup()
