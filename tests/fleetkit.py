@@ -163,13 +163,23 @@ class Kubelet:
             self.stop_flag.wait(self.interval)
 
     def _sync(self) -> None:
+        self._sync_slice_labels()
+        synced: set[str] = set()
         for dep in self.cluster.find("deployments", self.ns):
             if dep["metadata"]["labels"].get("app.kubernetes.io/component") == "engine":
-                self._sync_deployment(dep)
+                synced |= self._sync_deployment(dep)
+        # pods whose Deployment was deleted: the emulator's garbage collector removed them (no finalizer honoured),
+        # and the kubelet stops their processes as it would a deleted pod's
+        stored = {p["metadata"]["name"]: p for p in self.cluster.find("pods", self.ns)}
+        for name in list(self.pods):
+            if name not in synced:
+                self._sync_pod(stored.get(name) or {"metadata": {"name": name, "deletionTimestamp": "gone"}})
 
-    def _sync_deployment(self, dep: dict) -> None:
+    def _sync_deployment(self, dep: dict) -> set[str]:
         name = dep["metadata"]["name"]
-        api_pods = [p for p in self.cluster.find("pods", self.ns) if p["metadata"]["name"].startswith(name + "-")]
+        # a ReplicaSet's pods are those it owns (the pods of `<name>-canary` also start with `<name>-`)
+        api_pods = [p for p in self.cluster.find("pods", self.ns)
+                    if any(r.get("name") == name for r in p["metadata"].get("ownerReferences") or [])]
         live = [p for p in api_pods if not p["metadata"].get("deletionTimestamp")]
         want = dep["spec"].get("replicas", 1)
         for _ in range(want - len(live)):
@@ -185,6 +195,27 @@ class Kubelet:
                   "updatedReplicas": len(live), "readyReplicas": ready, "availableReplicas": ready}
         if any((dep.get("status") or {}).get(k) != v for k, v in status.items()):
             self.client.patch("deployments", self.ns, name, {"status": status}, sub="status")
+        return {p["metadata"]["name"] for p in api_pods}
+
+    def _sync_slice_labels(self) -> None:
+        """As the EndpointSlice controller: a Service's label change reaches its slices (the canary's share)."""
+        for service, labels in list(self.slice_labels.items()):
+            svc = self.cluster.obj("services", self.ns, service)
+            if svc is None:
+                continue
+            reserved = {"kubernetes.io/service-name", "endpointslice.kubernetes.io/managed-by",
+                        "service.kubernetes.io/headless"}
+            now = {**{k: v for k, v in (svc["metadata"].get("labels") or {}).items() if k not in reserved},
+                   "kubernetes.io/service-name": service}
+            if now == labels:
+                continue
+            self.slice_labels[service] = now
+            for local in self.pods.values():
+                if local.service == service and self.client.get("endpointslices", self.ns,
+                                                                f"{service}-{local.name}") is not None:
+                    # a merge patch of the whole map: labels the Service dropped go too
+                    self.client.patch("endpointslices", self.ns, f"{service}-{local.name}", {"metadata": {
+                        "labels": {**{k: None for k in labels if k not in now}, **now}}})
 
     def _deletion_order(self, pod: dict) -> tuple:
         local = self.pods.get(pod["metadata"]["name"])
@@ -325,7 +356,8 @@ class Kubelet:
                     sidecar.proc.wait(10)
                 self.events.append((time.monotonic(), name, f"exited {local.proc.returncode}"))
                 self._unpublish(local)
-                self.client.patch("pods", self.ns, name, {"metadata": {"finalizers": None}})
+                if self.client.get("pods", self.ns, name) is not None:
+                    self.client.patch("pods", self.ns, name, {"metadata": {"finalizers": None}})
                 del self.pods[name]
             return
         for sidecar in local.sidecars:

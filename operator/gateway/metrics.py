@@ -96,6 +96,12 @@ class _PoolCollector:
         yield GaugeMetricFamily(P + "adapter_wait_requests", "Requests waiting for an engine to list their LoRA "
                                 "adapter (loading, or reloading after a restart).", value=adapter_waits)
         yield GaugeMetricFamily(P + "ready_backends", "Engines that may take new requests.", value=ready)
+        if not self.gateway.pools.shared:  # a per-service gateway: its one pool's canary split (spec.canary)
+            for pool in self.gateway.pools.all():
+                yield GaugeMetricFamily(P + "canary_percent", "Share of conversations sent to the canary revision "
+                                        "(the engines Service's label).", value=pool.backends.canary_percent)
+                yield GaugeMetricFamily(P + "canary_backends", "Engines of the canary revision.",
+                                        value=sum(1 for b in pool.backends.all() if b.revision == "canary"))
         if self.gateway.pools.shared:
             yield service
             yield GaugeMetricFamily(P + "models", "Model names the shared gateway routes (base models and "
