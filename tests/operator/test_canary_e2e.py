@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
-import uuid
 
 import pytest
 from fleetkit import GatewayProcess, Kubelet, publish_gateway
@@ -56,7 +55,7 @@ def test_a_canary_gets_its_share_of_500_conversations_and_promotion_leaves_one_r
             def converse(i: int) -> str:
                 out = client.chat.completions.create(
                     model="tiny", max_tokens=1,
-                    messages=[{"role": "user", "content": f"conversation {i} {uuid.uuid4().hex}"}])
+                    messages=[{"role": "user", "content": f"conversation {i}"}])  # fixed: a reproducible split
                 return out.choices[0].message.content
 
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
