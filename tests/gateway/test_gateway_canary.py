@@ -8,68 +8,18 @@ operator-driven version with real engines is tests/operator/test_canary_e2e.py.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import sys
-import threading
 import uuid
 
 import pytest
-from aiohttp import web
+from fleetkit import StandInChatEngines as Engines
 from kubekit import Client, EmulatorServer, write_kubeconfig
 from promkit import metric, parse_metrics
 from prockit import LoggedProcess, free_port, http, wait_for
 
 from shoal.operator import contract
 from shoal.operator.gateway import canary
-
-
-class Engines:
-    """Stand-in engines by pod name: /readyz, /metrics, /v1/chat/completions recording each conversation's key."""
-
-    def __init__(self, pods: list[str]):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="stand-in-engines")
-        self.thread.start()
-        self.ports = {pod: free_port() for pod in pods}
-        self.seen: dict[str, list[str]] = {pod: [] for pod in pods}  # pod -> conversation openings it served
-        self.failing: set[str] = set()
-        self.runners = [self._run(self._start(pod, port)) for pod, port in self.ports.items()]
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
-
-    async def _start(self, pod: str, port: int) -> web.AppRunner:
-        async def readyz(request):
-            return web.json_response({"status": "ready"})
-
-        async def metrics(request):
-            return web.Response(text='shoal:num_requests_running{model_name="chat"} 0\n')
-
-        async def chat(request):
-            body = await request.json()
-            self.seen[pod].append(body["messages"][0]["content"])
-            if pod in self.failing:
-                return web.json_response({"error": {"message": "boom", "type": "internal_error"}}, status=500)
-            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": pod}}]})
-
-        app = web.Application()
-        app.router.add_get("/readyz", readyz)
-        app.router.add_get("/metrics", metrics)
-        app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    def served(self, prefix: str) -> int:
-        return sum(len(v) for pod, v in self.seen.items() if pod.startswith(prefix))
-
-    def close(self) -> None:
-        for r in self.runners:
-            self._run(r.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def endpoint_slice(pod: str, port: int, percent: int) -> dict:

@@ -9,10 +9,12 @@ a condition naming the field, and nothing of it is applied.
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from fleetkit import FakeEngines, publish_gateway
-from kubekit import condition, isvc_body, wait_for
-from prockit import EVENT_BOUND
+from fleetkit import FakeEngines, GatewayProcess, StandInChatEngines, publish_gateway
+from kubekit import condition, isvc_body, slice_labels, wait_for
+from prockit import EVENT_BOUND, http
 
 from shoal.operator import contract
 
@@ -148,3 +150,64 @@ def test_a_canary_with_another_served_name_is_refused_and_nothing_of_it_is_appli
     env.client.patch(ISVC, ns, "llm", {"spec": {"canary": {"model": {"servedName": "chat"}}}})
     wait_for(lambda: env.client.get("deployments", ns, "llm-canary"), EVENT_BOUND, "the canary's Deployment")
     env.client.delete(ISVC, ns, "llm")
+
+
+def test_a_failing_canary_is_rolled_back_through_the_real_gateway_within_its_error_budget(env, ns):
+    """The whole loop: clients -> a real shoal-gateway -> stand-in engines (the canary's answer 500) -> the gateway's
+    per-revision metrics -> the operator's judge -> the engines Service's share 0 -> its slices (the test plays the
+    EndpointSlice controller, copying the Service's labels) -> the gateway stops sending conversations there."""
+    env.client.create(ISVC, ns, isvc_body("llm", {**STABLE, "replicas": 1, "canary": {
+        "model": {"uri": "hf://org/chat-v2"}, "trafficPercent": 30,
+        "rollback": {"maxErrorRate": 0.2, "minRequests": 10, "windowSeconds": 60}}}))
+    wait_for(lambda: engines_percent(env, ns, "llm") == "30", EVENT_BOUND, "the share on the engines Service")
+    pods = ["llm-7bd9f8c6d4-aaaaa", "llm-canary-5d8c9b7f6-ccccc"]
+    engines = StandInChatEngines(pods)
+    engines.failing.add(pods[1])
+    published: dict[str, str] = {}
+
+    def publish() -> None:  # the EndpointSlice controller: the Service's labels on every slice, kept current
+        labels = slice_labels(env.client, ns, "llm-engines")
+        for pod, port in engines.ports.items():
+            body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+                    "metadata": {"name": f"llm-engines-{pod}", "labels": labels},
+                    "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+                    "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True},
+                                   "targetRef": {"kind": "Pod", "name": pod}}]}
+            if pod not in published:
+                env.client.create("endpointslices", ns, body)
+            elif published[pod] != labels.get(contract.L_CANARY_PERCENT):
+                env.client.patch("endpointslices", ns, body["metadata"]["name"], {"metadata": {"labels": labels}})
+            published[pod] = labels.get(contract.L_CANARY_PERCENT)
+
+    gateway = None
+    try:
+        publish()
+        gateway = GatewayProcess(ns, "llm", service="llm-engines")
+        publish_gateway(env.client, ns, "llm", gateway.port, metrics_port=gateway.metrics_port)
+        wait_for(lambda: b"shoal:gateway_canary_backends 1.0" in http("GET", gateway.base + "/metrics")[1],
+                 30, "the gateway to see the canary")
+        statuses, rolled_at = [], None
+        for i in range(300):
+            publish()
+            status_code, _raw, _ = http("POST", gateway.base + "/v1/chat/completions", {
+                "model": "chat", "messages": [{"role": "user", "content": f"conversation {i}"}]}, timeout=30)
+            statuses.append(status_code)
+            time.sleep(0.1)  # ~10 conversations a second, ~3 of them the canary's
+            if rolled_at is None and canary_status(env, ns, "llm").get("rollback"):
+                rolled_at = i
+        failed = [i for i, s in enumerate(statuses) if s != 200]
+        print(f"rolled back after request {rolled_at}; {len(failed)} of 300 clients saw an error (the canary's "
+              f"answers until then), the last at request {failed[-1] if failed else None}")
+        assert rolled_at is not None and canary_status(env, ns, "llm")["rollback"]["reason"] == "ErrorRateAboveSLO"
+        # the budget: minRequests judged failures, plus the canary's share of what arrived while the judge (a tick
+        # a second; a gateway's counts before its first scrape are only a baseline) and the watches acted: ~5 s
+        assert 10 <= len(failed) <= 10 + 15, failed
+        assert max(failed) <= rolled_at + 20, (failed, rolled_at)
+        assert all(s == 200 for s in statuses[-100:])  # nothing reaches the canary any more
+        assert all(statuses[i] == 500 for i in failed)  # the canary's own error, relayed untouched
+        assert engines_percent(env, ns, "llm") == "0"
+    finally:
+        if gateway is not None:
+            gateway.close()
+        engines.close()
+        env.client.delete(ISVC, ns, "llm")
