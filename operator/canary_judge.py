@@ -112,7 +112,8 @@ def breach(slo: api.CanaryRollback, t: Tally) -> tuple[str, str] | None:
     rate = t.errors / t.requests
     if rate > slo.max_error_rate:
         return ("ErrorRateAboveSLO", f"{int(t.errors)} of the canary's {int(t.requests)} requests in the last "
-                                     f"{slo.window_seconds} s failed ({rate:.1%} > maxErrorRate {slo.max_error_rate:.1%})")
+                                     f"{slo.window_seconds} s failed ({rate:.1%} > maxErrorRate "
+                                     f"{slo.max_error_rate:.1%})")
     p95 = t.p95()
     if slo.max_p95_first_byte_seconds is not None and p95 is not None and p95 > slo.max_p95_first_byte_seconds:
         shown = "beyond the last bucket" if math.isinf(p95) else f"{p95:g} s"

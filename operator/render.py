@@ -54,8 +54,8 @@ GATEWAY_UID = 65532  # the operator image's user
 
 # names, labels and annotations: the InferenceService contract (contract.py), which the gateway reads by too
 from shoal.operator.contract import (A_GROUP_SIZE, A_REVISION, A_SPEC_HASH, L_CANARY, L_CANARY_PERCENT,  # noqa: E402
-                                     L_COMPONENT, L_GROUP, L_INSTANCE, L_ISVC, L_MANAGED_BY, L_NAME, L_PART_OF, L_POD_INDEX, MANAGED_BY,
-                                     MODELS_DIR,
+                                     L_COMPONENT, L_GROUP, L_INSTANCE, L_ISVC, L_MANAGED_BY, L_NAME, L_PART_OF,
+                                     L_POD_INDEX, MANAGED_BY, MODELS_DIR,
                                      canary_name, engines_service_name, gateway_name, wake_configmap_name)
 
 DOWNLOAD_CONTAINER = "model-download"  # init container that fetches hf:// models (status.py watches it)
