@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from shoal.operator import contract
-from shoal.operator.gateway.discovery import ready_urls
+from shoal.operator.gateway.discovery import canary_percent, ready_urls, revisions
 from shoal.operator.gateway.metric_names import BY_RUNTIME
 from shoal.operator.gateway.pool import Pool
 from shoal.operator.k8s.client import KubeAPI, collection_path
@@ -369,10 +369,13 @@ class Fleet:
         pool = self.pools.get(view.key)
         if pool is None:
             return
-        urls = ready_urls(self.slices.get((view.namespace, view.engine_service), {}), port_name="http")
+        slices = self.slices.get((view.namespace, view.engine_service), {})
+        urls = ready_urls(slices, port_name="http")
         if urls != {b.url for b in pool.backends.all()}:
             log.info("engines of %s/%s: %s", *view.key, ", ".join(sorted(urls)) or "none")
             pool.backends.replace(urls)
+        # a canary revision (spec.canary): split as the service's own gateway does (gateway/canary.py)
+        pool.backends.set_revisions(revisions(slices, port_name="http"), canary_percent(slices))
 
     def _service_changed(self, namespace: str, service: str) -> None:
         for view in self.views.values():
