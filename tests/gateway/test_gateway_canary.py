@@ -141,3 +141,32 @@ def test_a_failing_canarys_errors_are_counted_per_revision(fleet):
     assert gateway_metric(url, "shoal:gateway_revision_requests_total", revision="canary", outcome="error") == failed
     assert gateway_metric(url, "shoal:gateway_revision_requests_total", revision="stable", outcome="ok") == 100 - failed
     assert gateway_metric(url, "shoal:gateway_revision_first_byte_seconds_count", revision="stable") == 100 - failed
+
+
+def test_the_pool_keeps_a_request_on_its_revision_and_falls_back_only_without_its_engines():
+    from shoal.operator.gateway.admission import Ticket
+    from shoal.operator.gateway.backends import BackendSet
+    from shoal.operator.gateway.discovery import canary_percent, revisions
+    from shoal.operator.gateway.pool import Pool
+    from shoal.operator.gateway.routing import make_router
+
+    slices = {pod: endpoint_slice(pod, port, 25) for pod, port in zip(PODS, (8001, 8002, 8003))}
+    backends = BackendSet()
+    backends.replace({"http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"})
+    backends.set_revisions(revisions(slices), canary_percent(slices))
+    assert backends.split and backends.canary_percent == 25
+    assert {b.url: b.revision for b in backends.all()} == {
+        "http://127.0.0.1:8001": "stable", "http://127.0.0.1:8002": "stable", "http://127.0.0.1:8003": "canary"}
+    pool = Pool(backends, make_router("least-load"))
+    for b in backends.all():
+        b.ready = True
+        b.last_answer = b.last_ok = 1e18  # fresh: nobody stalled
+    picks = {pool.pick(Ticket(revision="canary")).url for _ in range(5)}
+    assert picks == {"http://127.0.0.1:8003"}  # however loaded it gets
+    assert "http://127.0.0.1:8003" not in {pool.pick(Ticket(revision="stable")).url for _ in range(5)}
+    # the canary cannot take requests (not ready): its conversations go to the stable engines, none is refused
+    next(b for b in backends.all() if b.revision == "canary").ready = False
+    assert pool.pick(Ticket(revision="canary")).revision == "stable"
+    # a share of 0 without canary engines: no split at all
+    backends.set_revisions({}, 0)
+    assert not backends.split
