@@ -9,4 +9,5 @@ except PackageNotFoundError:  # a source tree on sys.path without an install
 
 # The modules whose kopf handlers make up the operator: `shoal-operator` runs `kopf run -m` with each of them, and
 # tests import the same list. (A kopf handler registers itself when its module is imported.)
-HANDLER_MODULES = ("shoal.operator.handlers", "shoal.operator.autoscaler")
+HANDLER_MODULES = ("shoal.operator.handlers", "shoal.operator.autoscaler",
+                   "shoal.operator.canary_judge")

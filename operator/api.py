@@ -11,6 +11,7 @@ validations``) paired with the equivalent Python check, so both sides say the sa
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass
@@ -500,6 +501,67 @@ class Tracing(_Model):
                     "decision (OTEL_TRACES_SAMPLER=parentbased_traceidratio, OTEL_TRACES_SAMPLER_ARG)")
     headers_secret_ref: TracingHeadersRef | None = Field(
         default=None, description="a Secret entry with the headers the collector wants (e.g. its API key)")
+# ------------------------------------------------------------------------------------------------- canary revisions
+def _optional_copy(model: type[BaseModel], name: str) -> type[BaseModel]:
+    """`model` with every field optional and without a default: a field set overrides the stable revision's, an
+    unset one inherits it (a default would be filled in by the API server and override it silently)."""
+    fields: dict[str, Any] = {}
+    for field_name, info in model.model_fields.items():
+        copied = copy.copy(info)
+        copied.default, copied.default_factory = None, None
+        fields[field_name] = (info.annotation | None, copied)
+    return create_model(name, __base__=_Model, __module__=__name__, __doc__=model.__doc__, **fields)
+
+
+CanaryEngineOptions = _optional_copy(EngineOptions, "CanaryEngineOptions")
+
+
+class CanaryModel(_Model):
+    """The canary's model; unset fields are the stable revision's. The served name must stay the same."""
+
+    uri: str | None = Field(default=None, pattern=URI_PATTERN, description="as spec.model.uri")
+    revision: str | None = Field(default=None, max_length=255,
+                                 description="hub revision (hf:// only); unset: the stable revision's when the uri is "
+                                             "the same, none for another uri")
+    served_name: str | None = Field(default=None, min_length=1, max_length=255,
+                                    description="must equal the stable revision's served name (clients keep their "
+                                                "`model`): set it when the canary's hf:// id differs")
+
+
+class CanaryRollback(_Model):
+    """The canary's SLO, judged by the operator on what the gateways measure per revision over a sliding window:
+    breaking it rolls the canary back (traffic 0, its Deployment removed; condition CanaryRolledBack)."""
+
+    max_error_rate: float = Field(default=0.05, ge=0.0, le=1.0,
+                                  description="most failed canary requests allowed (5xx, an engine that failed or "
+                                              "timed out), as a fraction of the canary's requests in the window")
+    max_p95_first_byte_seconds: float | None = Field(
+        default=None, gt=0.0, le=3600.0,
+        description="most p95 time to the first byte of the canary's answers (time to first token for streams, the "
+                    "whole answer otherwise); unset: not judged")
+    window_seconds: int = Field(default=60, ge=5, le=3600, description="the sliding window the figures cover")
+    min_requests: int = Field(default=20, ge=1, le=1000000,
+                              description="fewer canary requests than this in the window are not judged (the error "
+                                          "budget: at most about this many failed requests reach clients)")
+
+
+class Canary(_Model):
+    """A second revision of the service next to the stable one (spec.model, image, engine), receiving
+    trafficPercent of the requests through the gateway, sticky per conversation. Promote with `promote: true`
+    (the operator moves the canary's fields into the stable spec and removes spec.canary); remove spec.canary to
+    drop it."""
+
+    model: CanaryModel | None = Field(default=None, description="the canary's model (unset: the stable one)")
+    image: str | None = Field(default=None, max_length=1024, description="the canary's engine image")
+    engine: CanaryEngineOptions | None = Field(  # type: ignore[valid-type]
+        default=None, description="engine options that differ from spec.engine (the others are inherited)")
+    replicas: int = Field(default=1, ge=1, le=1000, description="canary replicas (not autoscaled)")
+    traffic_percent: int = Field(default=10, ge=0, le=100,
+                                 description="share of conversations sent to the canary (0-100); each "
+                                             "conversation keeps its revision")
+    rollback: CanaryRollback = section(CanaryRollback)
+    promote: bool = Field(default=False, description="true: the canary becomes the stable revision (its fields "
+                                                     "written into spec.model/image/engine, spec.canary removed)")
 
 
 class InferenceServiceSpec(_Model):
@@ -548,6 +610,9 @@ class InferenceServiceSpec(_Model):
     inference_pool: InferencePoolOptions | None = Field(
         default=None, description="render an InferencePool (Gateway API Inference Extension) for a Gateway that "
                                   "already runs the extension's endpoint picker; off by default")
+    canary: Canary | None = Field(
+        default=None, description="a canary revision (model, image, engine options) receiving a share of the "
+                                  "traffic, rolled back automatically when it breaks its SLO (docs/api.md)")
 
     @model_validator(mode="after")
     def _cross_field(self) -> "InferenceServiceSpec":
@@ -662,6 +727,40 @@ class ModelCacheStatus(_Model):
                                   "against the sha256 manifest written at download")
     fetched: bool | None = Field(default=None, description="that pod downloaded it (false: found in the cache)")
     pods: int | None = Field(default=None, ge=0, description="live pods whose download reported this entry")
+class RevisionFigures(_Model):
+    """One revision's requests through the gateways over the canary's window (spec.canary.rollback.windowSeconds)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
+
+    requests: int = Field(default=0, ge=0)
+    errors: int = Field(default=0, ge=0, description="answered 5xx, or the engine failed or timed out")
+    error_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    p95_first_byte_seconds: float | None = Field(default=None, ge=0.0)
+
+
+class CanaryRollbackStatus(_Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
+
+    revision: str = Field(description="the canary revision that was rolled back (status.canary.revision)")
+    reason: str = Field(max_length=256)
+    message: str = Field(default="", max_length=4096)
+    time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+
+
+class CanaryStatus(_Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
+
+    revision: str | None = Field(default=None, description="hash of the canary's model, image and engine options")
+    traffic_percent: int | None = Field(default=None, ge=0, le=100,
+                                        description="the share the gateways send it now (0 once rolled back)")
+    split: str | None = Field(default=None, description="stable/canary percentages, for `kubectl get`")
+    replicas: int | None = Field(default=None, ge=0)
+    ready_replicas: int | None = Field(default=None, ge=0)
+    stable: RevisionFigures | None = Field(default=None, description="the stable revision's figures")
+    canary: RevisionFigures | None = Field(default=None, description="the canary revision's figures")
+    figures_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    rollback: CanaryRollbackStatus | None = Field(default=None, description="set when the operator rolled this "
+                                                                            "revision back (it then gets no traffic)")
 
 
 class InferenceServiceStatus(_Model):
@@ -686,6 +785,8 @@ class InferenceServiceStatus(_Model):
     adapters: list[AdapterStatus] | None = Field(default=None, description="spec.adapters as the pods report them")
     model_cache: ModelCacheStatus | None = Field(default=None, description="what the model cache holds for this "
                                                  "service's hf:// model")
+    canary: CanaryStatus | None = Field(default=None, description="the canary revision (spec.canary): its share, "
+                                                                  "replicas and both revisions' figures")
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
@@ -926,6 +1027,8 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
         errors.append(SpecError("spec.model.uri", "pvc:// needs a claim name: pvc://claim/path"))
     errors += _adapter_errors(name, spec, pods)
     errors += _sleep_errors(spec, pods)
+    if spec.canary is not None and not errors:
+        errors += canary_errors(name, spec, max_gpus_per_node=max_gpus_per_node)
     return errors
 
 
@@ -946,6 +1049,58 @@ def _sleep_errors(spec: InferenceServiceSpec, pods: int) -> list[SpecError]:
         return [SpecError("spec.autoscaling.scaleToZero",
                           f"replicas of {pods} pods cannot be parked asleep yet; use scaleToZero delete")]
     return []
+
+
+def _canary_wire(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The canary's whole spec on the wire: the stable spec with the canary's fields over it, without a canary."""
+    c = spec.canary
+    assert c is not None
+    wire = spec.model_dump(by_alias=True, mode="json", exclude={"canary"})
+    if c.model is not None:
+        model = wire["model"]
+        if c.model.uri is not None and c.model.uri != spec.model.uri:
+            model["uri"], model["revision"] = c.model.uri, None
+        if c.model.revision is not None:
+            model["revision"] = c.model.revision
+        if c.model.served_name is not None:
+            model["servedName"] = c.model.served_name
+    if c.image is not None:
+        wire["image"] = c.image
+    if c.engine is not None:
+        wire["engine"].update(c.engine.model_dump(by_alias=True, mode="json", exclude_none=True))
+    wire["replicas"] = c.replicas
+    wire["autoscaling"] = None  # the canary's replica count is its own, never the autoscaler's
+    return wire
+
+
+def canary_spec(spec: InferenceServiceSpec) -> InferenceServiceSpec:
+    """The canary revision as a whole spec (what render.py renders its Deployment from); raises SpecError naming
+    the spec.canary field at fault."""
+    try:
+        return parse_spec(_canary_wire(spec))
+    except SpecError as e:
+        raise SpecError("spec.canary." + e.field.removeprefix("spec."), e.message) from None
+
+
+def canary_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node: int) -> list[SpecError]:
+    """The canary must be a revision of the same service: the same served name, single-pod replicas."""
+    try:
+        canary = canary_spec(spec)
+    except SpecError as e:
+        return [e]
+    served, canary_served = served_model_name(name, spec), served_model_name(name, canary)
+    if canary_served != served:
+        return [SpecError("spec.canary.model.servedName",
+                          f"the canary would serve `{canary_served}` but this service serves `{served}`: clients "
+                          f"keep one model name across revisions; set spec.canary.model.servedName: {served}")]
+    if not spec.gateway.enabled:
+        return [SpecError("spec.canary", "a canary needs the gateway (spec.gateway.enabled): it splits the traffic "
+                                         "between the revisions")]
+    if spec.pods_per_replica(max_gpus_per_node) > 1 or canary.pods_per_replica(max_gpus_per_node) > 1:
+        return [SpecError("spec.canary", "canary revisions need single-pod replicas (a Deployment); this service's "
+                                         "replicas span several pods")]
+    errors = semantic_errors(name, canary, max_gpus_per_node=max_gpus_per_node)
+    return [SpecError("spec.canary." + e.field.removeprefix("spec."), e.message) for e in errors]
 
 
 def _adapter_errors(name: str, spec: InferenceServiceSpec, pods: int) -> list[SpecError]:

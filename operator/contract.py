@@ -26,6 +26,13 @@ L_ISVC = f"{GROUP}/inferenceservice"
 L_GROUP = f"{GROUP}/group"
 L_POD_INDEX = "apps.kubernetes.io/pod-index"
 L_SERVICE_NAME = "kubernetes.io/service-name"  # set by the EndpointSlice controller on a Service's slices
+# Canary revisions (spec.canary): the canary's engine pods carry L_CANARY=true (the stable ones carry none, so
+# existing Deployments keep their template); the engines Service carries the canary's traffic share as a label,
+# which reaches its EndpointSlices (the EndpointSlice controller copies a Service's labels), so every gateway
+# replica reads the split with the endpoints, on the same watch, without a restart.
+L_CANARY = f"{GROUP}/canary"
+L_CANARY_PERCENT = f"{GROUP}/canary-percent"
+STABLE, CANARY = "stable", "canary"
 MANAGED_BY = "shoal-operator"
 MANAGED_SELECTOR = f"{L_MANAGED_BY}={MANAGED_BY}"
 
@@ -66,6 +73,19 @@ def serving_engines_service(name: str, gateway_enabled: bool) -> str:
     return engines_service_name(name) if gateway_enabled else name
 
 
+def canary_name(name: str) -> str:
+    """The canary revision's Deployment; its pods are named `<name>-canary-<hash>-<suffix>`."""
+    return f"{name}-canary"
+
+
+def endpoint_revision(isvc: str | None, pod: str | None) -> str:
+    """The revision of an engine endpoint, from its EndpointSlice targetRef (the pod's name), which is all an
+    EndpointSlice says of the pod. Unambiguous: the pods of the stable Deployment are `<name>-<template hash>-...`,
+    and a template hash never spells "canary" (its alphabet has no vowels); the pods of an InferenceService named
+    `<name>-canary` are not behind `<name>`'s engines Service."""
+    return CANARY if isvc and pod and pod.startswith(f"{canary_name(isvc)}-") else STABLE
+
+
 def gateway_name(name: str) -> str:
     """The gateway's Deployment, ServiceAccount, Role, PodDisruptionBudget and NetworkPolicy."""
     return f"{name}-gateway"
@@ -92,3 +112,6 @@ GATEWAY_ENGINE_GAUGES = {GATEWAY_METRIC_PREFIX + "backend_running_requests": "ru
                          GATEWAY_METRIC_PREFIX + "backend_waiting_requests": "waiting",
                          GATEWAY_METRIC_PREFIX + "backend_kv_cache_usage": "kv_usage",
                          GATEWAY_METRIC_PREFIX + "backend_waiting_prefill_tokens": "waiting_prefill_tokens"}
+# per revision (label `revision`: stable | canary): what the canary's rollback SLO is judged on (canary_judge.py)
+GATEWAY_REVISION_REQUESTS = GATEWAY_METRIC_PREFIX + "revision_requests"  # counter; label `outcome`: ok|error
+GATEWAY_REVISION_FIRST_BYTE = GATEWAY_METRIC_PREFIX + "revision_first_byte_seconds"  # histogram

@@ -156,6 +156,7 @@ def version_entry(name: str, status: dict[str, Any], *, storage: bool, deprecate
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
         {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
         {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+        {"name": "Split", "type": "string", "jsonPath": ".status.canary.split"},  # stable/canary %, with a canary
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas", "priority": 1},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},

@@ -21,7 +21,7 @@ How it fits together
 * The kopf wiring is one table (``CHILDREN``, ``OWNER``): per watched kind an index, a watch label selector
   and an event handler; kopf injects the indexes into the handlers, which hand them to the reconciler.
   The autoscaler (autoscaler.py) only starts and stops with the operator here and watches on its own;
-  ``shoal.operator.HANDLER_MODULES`` lists both modules.
+  ``shoal.operator.HANDLER_MODULES`` lists the modules.
 * An invalid spec (see api.validate) sets Ready=False / reason InvalidSpec naming the field, phase Failed,
   and leaves the children alone.
 """
@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import kopf
 
-from shoal.operator import adapters, api, render, rollout, status, upgrade
+from shoal.operator import adapters, api, canary, render, rollout, status, upgrade
 from shoal.operator.kube import CHILD_KINDS, KINDS, OPTIONAL_KINDS, WATCHED_KINDS, ApiError, Kube, load_configuration
 from shoal.operator.render import (A_SPEC_HASH, L_GROUP, L_ISVC, L_MANAGED_BY, MANAGED_BY,
                                    Plan, Settings)
@@ -121,6 +121,11 @@ def _drifted(actual: dict[str, Any], desired: dict[str, Any]) -> bool:
 
 def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences") or [])
+
+
+def _canary_rolled_back(isvc: dict[str, Any]) -> Any:
+    """The canary revision the judge rolled back (status.canary.rollback.revision), which the plan follows."""
+    return (((isvc.get("status") or {}).get("canary") or {}).get("rollback") or {}).get("revision")
 
 
 def _autoscaled_replicas(isvc: dict[str, Any]) -> Any:
@@ -214,6 +219,8 @@ class Reconciler:
         if isvc is None:
             return
         isvc, pinned, started = self._pin_engine_image(key, isvc)
+        if ((isvc.get("spec") or {}).get("canary") or {}).get("promote") is True and await self._promote(isvc):
+            return  # the spec changed: its update event reconciles the promoted service
         try:
             plan = self._plan(isvc)
             await self._check_cache_claim(namespace, plan.spec)
@@ -262,6 +269,27 @@ class Reconciler:
         for adapter, pod, message in self.adapter_reports.new_failures((meta["namespace"], meta["name"]),
                                                                        seen.failures):
             self._event(isvc, "Warning", "AdapterLoadFailed", message=f"adapter {adapter} on pod {pod}: {message}")
+
+    async def _promote(self, isvc: dict[str, Any]) -> bool:
+        """spec.canary.promote: write the canary's fields into the stable spec and remove spec.canary, in one patch
+        on the version read (canary.promoted_spec). An invalid spec is not promoted (the pass reports it); ->
+        whether the spec was patched."""
+        meta = isvc["metadata"]
+        try:
+            api.validate(meta["name"], isvc.get("spec") or {}, max_gpus_per_node=self.settings.max_gpus_per_node)
+        except api.SpecError:
+            return False
+        patch = {"metadata": {"resourceVersion": meta.get("resourceVersion")},
+                 "spec": canary.promoted_spec(isvc.get("spec") or {})}
+        try:
+            await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"], patch)
+        except ApiError as e:
+            if e.status in (404, 409):  # deleted, or changed since read: the next pass sees the new version
+                return True
+            raise
+        self._event(isvc, "Normal", "CanaryPromoted", "the canary is now the stable revision: spec.canary's model, "
+                    "image and engine options were moved into the spec and spec.canary removed")
+        return True
 
     def _upgrade_condition(self, key: tuple[str, str], isvc: dict[str, Any], started: bool,
                            new_status: dict[str, Any]) -> None:
@@ -448,7 +476,7 @@ class Reconciler:
         meta = isvc["metadata"]
         key = (meta["namespace"], meta["name"])
         cache_key = (meta.get("uid"), meta.get("generation"), _autoscaled_replicas(isvc),
-                     (isvc.get("status") or {}).get("engineImage"))
+                     (isvc.get("status") or {}).get("engineImage"), _canary_rolled_back(isvc))
         cached = self.plans.get(key)
         if cached is not None and cached[0] == cache_key and cache_key[1] is not None:
             return cached[1]
@@ -673,6 +701,18 @@ async def autoscaled_replicas_changed(namespace: str, name: str, type: str | Non
         return
     cached = memo.reconciler.plans.get((namespace, name))
     if cached is None or cached[0][2] != _autoscaled_replicas(dict(body)):
+        memo.reconciler.trigger(namespace, name, _indexes(kwargs))
+
+
+@kopf.on.event(OWNER.group, OWNER.version, OWNER.plural, id="canary_rollback")
+async def canary_rollback_changed(namespace: str, name: str, type: str | None, body: kopf.Body,
+                                  memo: kopf.Memo, **kwargs: Any) -> None:
+    """The canary judge rolls a canary back by writing status.canary.rollback (canary_judge.py), which kopf's change
+    handlers never see: reconcile when it differs from what the last plan used."""
+    if type == "DELETED" or not (body.get("spec") or {}).get("canary"):
+        return
+    cached = memo.reconciler.plans.get((namespace, name))
+    if cached is None or cached[0][4] != _canary_rolled_back(dict(body)):
         memo.reconciler.trigger(namespace, name, _indexes(kwargs))
 
 

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.operator import adapters, api, contract, overlay, runtimes, upgrade
+from shoal.operator import adapters, api, canary, contract, overlay, runtimes, upgrade
 from shoal.operator.gateway import options as gateway_options
 from shoal.operator.gateway.proxy import GatewayConfig
 from shoal.operator.podtools.modelcache import entry_key
@@ -56,10 +56,10 @@ PODTOOLS = "shoal-podtools"
 GATEWAY_UID = 65532  # the operator image's user
 
 # names, labels and annotations: the InferenceService contract (contract.py), which the gateway reads by too
-from shoal.operator.contract import (A_GROUP_SIZE, A_REVISION, A_SPEC_HASH, L_COMPONENT, L_GROUP,  # noqa: E402
-                                     L_INSTANCE, L_ISVC, L_MANAGED_BY, L_NAME, L_PART_OF, L_POD_INDEX, MANAGED_BY,
-                                     MODELS_DIR,
-                                     engines_service_name, gateway_name, wake_configmap_name)
+from shoal.operator.contract import (A_GROUP_SIZE, A_REVISION, A_SPEC_HASH, L_CANARY, L_CANARY_PERCENT,  # noqa: E402
+                                     L_COMPONENT, L_GROUP, L_INSTANCE, L_ISVC, L_MANAGED_BY, L_NAME, L_PART_OF,
+                                     L_POD_INDEX, MANAGED_BY, MODELS_DIR,
+                                     canary_name, engines_service_name, gateway_name, wake_configmap_name)
 
 DOWNLOAD_CONTAINER = "model-download"  # init container that fetches hf:// models (status.py watches it)
 CACHE_DIR = "/cache"
@@ -102,6 +102,9 @@ class Plan:
     selector: dict[str, str]
     children: list[dict[str, Any]] = field(default_factory=list)  # all but the groups of a multi-pod replica
     revision: str = ""  # of the groups' template (multi-pod)
+    canary: InferenceServiceSpec | None = None  # the canary revision's whole spec (spec.canary)
+    canary_revision: str = ""
+    canary_percent: int = 0  # the share the gateways apply (0 once rolled back)
     isvc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     settings: Settings = field(default_factory=Settings, repr=False, compare=False)
 
@@ -779,6 +782,20 @@ def deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Setti
     })
 
 
+def canary_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
+    """The canary revision's Deployment `<name>-canary`, rendered from its whole spec (api.canary_spec): its pods
+    carry L_CANARY=true besides the engine labels, so the engines Service (and the NetworkPolicy, the disruption
+    budget) covers them as well, and its own selector only them."""
+    name = isvc["metadata"]["name"]
+    dep = deployment(isvc, spec, settings)
+    dep["metadata"]["name"] = canary_name(name)
+    dep["metadata"]["labels"][L_CANARY] = "true"
+    dep["spec"]["selector"] = {"matchLabels": {**pod_selector(name), L_CANARY: "true"}}
+    dep["spec"]["template"]["metadata"]["labels"][L_CANARY] = "true"
+    del dep["metadata"]["annotations"][A_SPEC_HASH]
+    return _finish(dep)
+
+
 def group_revision(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> str:
     """Everything the spec puts into a group, hashed without the group's index (the same for every group)."""
     return statefulset(isvc, spec, settings, 0, "")["metadata"]["annotations"][A_SPEC_HASH]
@@ -905,13 +922,16 @@ def disruption_budget(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[
 
 
 # ------------------------------------------------------------------------------------------------------ the gateway
-def engines_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
-    """Headless: no virtual IP, it exists for its EndpointSlices (Ready serving engines), which the gateway watches."""
+def engines_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool,
+                    canary_percent: int | None = None) -> dict[str, Any]:
+    """Headless: no virtual IP, it exists for its EndpointSlices (Ready serving engines), which the gateway watches.
+    With a canary its label L_CANARY_PERCENT carries the canary's share to the gateways (through the slices)."""
     name = isvc["metadata"]["name"]
+    extra = {L_CANARY_PERCENT: str(canary_percent)} if canary_percent is not None else None
     return _finish({
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(isvc, engines_service_name(name), "engines"),
+        "metadata": _meta(isvc, engines_service_name(name), "engines", extra),
         "spec": {
             "clusterIP": "None",
             "selector": serving_selector(name, multi),
@@ -1156,8 +1176,8 @@ def gateway_disruption_budget(isvc: dict[str, Any], spec: InferenceServiceSpec) 
 
 
 def gateway_children(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings,
-                     multi: bool) -> list[dict[str, Any]]:
-    children = [engines_service(isvc, spec, multi), *gateway_rbac(isvc, spec),
+                     multi: bool, canary_percent: int | None = None) -> list[dict[str, Any]]:
+    children = [engines_service(isvc, spec, multi, canary_percent), *gateway_rbac(isvc, spec),
                 gateway_deployment(isvc, spec, settings), gateway_disruption_budget(isvc, spec)]
     if scales_from_zero(spec):
         children.append(wake_configmap(isvc, spec))
@@ -1330,13 +1350,17 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
         children.append(cache_claim(isvc, spec))
     if not multi:  # the groups of multi-pod replicas are chosen by the rollout (Plan.group, rollout.py)
         children.append(deployment(isvc, spec, settings))
+    canary_spec = api.canary_spec(spec) if spec.canary is not None else None
+    canary_percent = canary.traffic_percent(spec, isvc.get("status")) if canary_spec is not None else None
+    if canary_spec is not None and not canary.rolled_back(spec, isvc.get("status")):
+        children.append(canary_deployment(isvc, canary_spec, settings))
     children.append(gateway_service(isvc, spec, multi))
     if spec.security.network_policy.enabled:
         children.append(network_policy(isvc, spec, settings, multi))
     if spec.replicas > 1:
         children.append(disruption_budget(isvc, spec))
     if spec.gateway.enabled:
-        children += gateway_children(isvc, spec, settings, multi)
+        children += gateway_children(isvc, spec, settings, multi, canary_percent)
         children += shared_gateway_access(isvc, spec, settings)
     if spec.inference_pool is not None:
         children += inference_extension_children(isvc, spec, multi)
@@ -1348,6 +1372,8 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
         url=f"http://{name}.{namespace}.svc.{settings.cluster_domain}:{ENGINE_PORT}",
         selector=selector, children=children,
         revision=group_revision(isvc, spec, settings) if multi else "", isvc=isvc, settings=settings,
+        canary=canary_spec, canary_revision=canary.revision(spec) if canary_spec is not None else "",
+        canary_percent=canary_percent or 0,
     )
 
 

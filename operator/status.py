@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.operator import api, render
+from shoal.operator import api, canary, render
 from shoal.operator.contract import A_SLEEPING
 from shoal.operator.render import A_REVISION, DOWNLOAD_CONTAINER, L_GROUP, Plan
 
@@ -267,6 +267,8 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     desired = spec.replicas
     gen = isvc["metadata"].get("generation")
     previous = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or []}
+    canary_pods = [p for p in pods if canary.canary_pod(p)]
+    pods = [p for p in pods if not canary.canary_pod(p)]  # the canary's are judged apart (canary_status)
     live_pods = [p for p in pods if not terminating(p)]
     # scaleToZero sleep: parked pods are part of the count but not of what should be Ready
     sleeping = sum(1 for p in live_pods if asleep(p)) if plan.spec.autoscaling else 0
@@ -369,9 +371,65 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
             condition("Progressing", progressing[0], progressing[1], progressing[2], previous, gen),
             condition("Degraded", degraded[0], degraded[1], degraded[2], previous, gen),
             # conditions owned by others (the autoscaler's; AdaptersReady, set by the reconciler) stay as they are
-            *(c for t, c in previous.items() if t not in ("Ready", "Progressing", "Degraded")),
+            *(c for t, c in previous.items() if t not in ("Ready", "Progressing", "Degraded", *CANARY_CONDITIONS)),
+            *canary_conditions(isvc, plan, children, canary_pods, previous, now),
         ],
+        "canary": canary_status(isvc, plan, children),
     }
+
+
+CANARY_CONDITIONS = (canary.CONDITION_READY, canary.CONDITION_ROLLED_BACK)
+
+
+def _canary_ready(plan: Plan, children: dict[tuple[str, str], dict]) -> tuple[int, int]:
+    dep = children.get(("Deployment", render.canary_name(plan.name))) or {}
+    dstatus = dep.get("status") or {}
+    return int(dstatus.get("replicas") or 0), int(dstatus.get("readyReplicas") or 0)
+
+
+def canary_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, str], dict]) -> dict | None:
+    """status.canary: the reconciler's part (revision, share, replicas); the figures and the rollback record are
+    the canary judge's (canary_judge.py) and are kept while the revision is the same."""
+    if plan.canary is None:
+        return None  # removed from the spec (or promoted): so is everything said about it
+    old = (isvc.get("status") or {}).get("canary") or {}
+    replicas, ready = _canary_ready(plan, children)
+    new = {"revision": plan.canary_revision, "trafficPercent": plan.canary_percent,
+           "split": canary.split(plan.canary_percent), "replicas": replicas, "readyReplicas": ready}
+    if old.get("revision") == plan.canary_revision:
+        new.update({k: old[k] for k in ("stable", "canary", "figuresTime", "rollback") if k in old})
+    else:  # a new revision: the last one's figures say nothing of it (null removes them in the merge patch)
+        new.update({"stable": None, "canary": None, "figuresTime": None})
+        if (old.get("rollback") or {}).get("revision") != plan.canary_revision:
+            new["rollback"] = None
+    return new
+
+
+def canary_conditions(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, str], dict],
+                      pods: list[dict[str, Any]], previous: dict[str, dict],
+                      now: datetime.datetime | None) -> list[dict]:
+    """CanaryReady (the reconciler's) and CanaryRolledBack (the judge's, kept while it names this revision)."""
+    if plan.canary is None:
+        return []
+    gen = isvc["metadata"].get("generation")
+    rolled = previous.get(canary.CONDITION_ROLLED_BACK)
+    if canary.rolled_back(plan.spec, isvc.get("status")):
+        ready = condition(canary.CONDITION_READY, False, "RolledBack", "the canary broke its SLO and was rolled back "
+                          "(status.canary.rollback); change its model, image or engine options, or remove "
+                          "spec.canary, to try again", previous, gen)
+        return [ready, *([rolled] if rolled else [])]
+    want = plan.canary.replicas
+    _, ready_n = _canary_ready(plan, children)
+    problems = [p for p in (pod_problem(pod, now) for pod in pods if not terminating(pod)) if p]
+    if ready_n >= want:
+        ready = condition(canary.CONDITION_READY, True, "CanaryServing",
+                          f"{ready_n}/{want} canary replicas ready, receiving {plan.canary_percent}% of the "
+                          "conversations", previous, gen)
+    else:
+        reason, detail = problems[0] if problems else ("ReplicasNotReady", "")
+        ready = condition(canary.CONDITION_READY, False, reason,
+                          f"{ready_n}/{want} canary replicas ready" + (f"; {detail}" if detail else ""), previous, gen)
+    return [ready]
 
 
 def status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:

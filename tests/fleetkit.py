@@ -34,6 +34,7 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import os
@@ -49,6 +50,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from aiohttp import web
 from kubekit import slice_labels
 from prockit import LoggedProcess, free_port
 
@@ -193,13 +195,23 @@ class Kubelet:
             self.stop_flag.wait(self.interval)
 
     def _sync(self) -> None:
+        self._sync_slice_labels()
+        synced: set[str] = set()
         for dep in self.cluster.find("deployments", self.ns):
             if dep["metadata"]["labels"].get("app.kubernetes.io/component") == "engine":
-                self._sync_deployment(dep)
+                synced |= self._sync_deployment(dep)
+        # pods whose Deployment was deleted: the emulator's garbage collector removed them (no finalizer honoured),
+        # and the kubelet stops their processes as it would a deleted pod's
+        stored = {p["metadata"]["name"]: p for p in self.cluster.find("pods", self.ns)}
+        for name in list(self.pods):
+            if name not in synced:
+                self._sync_pod(stored.get(name) or {"metadata": {"name": name, "deletionTimestamp": "gone"}})
 
-    def _sync_deployment(self, dep: dict) -> None:
+    def _sync_deployment(self, dep: dict) -> set[str]:
         name = dep["metadata"]["name"]
-        api_pods = [p for p in self.cluster.find("pods", self.ns) if p["metadata"]["name"].startswith(name + "-")]
+        # a ReplicaSet's pods are those it owns (the pods of `<name>-canary` also start with `<name>-`)
+        api_pods = [p for p in self.cluster.find("pods", self.ns)
+                    if any(r.get("name") == name for r in p["metadata"].get("ownerReferences") or [])]
         live = [p for p in api_pods if not p["metadata"].get("deletionTimestamp")]
         want = dep["spec"].get("replicas", 1)
         for _ in range(want - len(live)):
@@ -215,6 +227,27 @@ class Kubelet:
                   "updatedReplicas": len(live), "readyReplicas": ready, "availableReplicas": ready}
         if any((dep.get("status") or {}).get(k) != v for k, v in status.items()):
             self.client.patch("deployments", self.ns, name, {"status": status}, sub="status")
+        return {p["metadata"]["name"] for p in api_pods}
+
+    def _sync_slice_labels(self) -> None:
+        """As the EndpointSlice controller: a Service's label change reaches its slices (the canary's share)."""
+        for service, labels in list(self.slice_labels.items()):
+            svc = self.cluster.obj("services", self.ns, service)
+            if svc is None:
+                continue
+            reserved = {"kubernetes.io/service-name", "endpointslice.kubernetes.io/managed-by",
+                        "service.kubernetes.io/headless"}
+            now = {**{k: v for k, v in (svc["metadata"].get("labels") or {}).items() if k not in reserved},
+                   "kubernetes.io/service-name": service}
+            if now == labels:
+                continue
+            self.slice_labels[service] = now
+            for local in self.pods.values():
+                if local.service == service and self.client.get("endpointslices", self.ns,
+                                                                f"{service}-{local.name}") is not None:
+                    # a merge patch of the whole map: labels the Service dropped go too
+                    self.client.patch("endpointslices", self.ns, f"{service}-{local.name}", {"metadata": {
+                        "labels": {**{k: None for k in labels if k not in now}, **now}}})
 
     def _deletion_order(self, pod: dict) -> tuple:
         local = self.pods.get(pod["metadata"]["name"])
@@ -403,7 +436,8 @@ class Kubelet:
                         helper.kill()
                 self.events.append((time.monotonic(), name, f"exited {local.proc.returncode}"))
                 self._unpublish(local)
-                self.client.patch("pods", self.ns, name, {"metadata": {"finalizers": None}})
+                if self.client.get("pods", self.ns, name) is not None:
+                    self.client.patch("pods", self.ns, name, {"metadata": {"finalizers": None}})
                 del self.pods[name]
             return
         for sidecar in local.sidecars:
@@ -534,3 +568,51 @@ def publish_slices(client, ns: str, service: str, pods: list[str], engines: Fake
                 "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready},
                                "targetRef": {"kind": "Pod", "name": pod, "namespace": ns}}]}
         client.create("endpointslices", ns, body)
+
+
+class StandInChatEngines:
+    """Stand-in engines by pod name: /readyz, /metrics, /v1/chat/completions recording each conversation's key."""
+
+    def __init__(self, pods: list[str]):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="stand-in-engines")
+        self.thread.start()
+        self.ports = {pod: free_port() for pod in pods}
+        self.seen: dict[str, list[str]] = {pod: [] for pod in pods}  # pod -> conversation openings it served
+        self.failing: set[str] = set()
+        self.runners = [self._run(self._start(pod, port)) for pod, port in self.ports.items()]
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    async def _start(self, pod: str, port: int) -> web.AppRunner:
+        async def readyz(request):
+            return web.json_response({"status": "ready"})
+
+        async def metrics(request):
+            return web.Response(text='shoal:num_requests_running{model_name="chat"} 0\n')
+
+        async def chat(request):
+            body = await request.json()
+            self.seen[pod].append(body["messages"][0]["content"])
+            if pod in self.failing:
+                return web.json_response({"error": {"message": "boom", "type": "internal_error"}}, status=500)
+            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": pod}}]})
+
+        app = web.Application()
+        app.router.add_get("/readyz", readyz)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    def served(self, prefix: str) -> int:
+        return sum(len(v) for pod, v in self.seen.items() if pod.startswith(prefix))
+
+    def close(self) -> None:
+        for r in self.runners:
+            self._run(r.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

@@ -63,6 +63,7 @@ class Ticket:
     model: str | None = None  # what the router needs to pick the engine at admission time
     hashes: list[bytes] = field(default_factory=list)
     tokens: list[int] | None = None  # the prompt's token ids (precise-prefix routing), None when unknown
+    revision: str | None = None  # stable | canary: the engines it may go to (gateway/canary.py); None: any
     arrived: float = field(default_factory=time.monotonic)
     start: float = 0.0  # start-time fair queuing tags
     finish: float = 0.0

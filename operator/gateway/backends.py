@@ -42,6 +42,7 @@ class HealthPolicy:
 class Backend:
     url: str
     policy: HealthPolicy
+    revision: str = "stable"  # stable | canary (spec.canary: discovery reads it from the endpoint's pod)
     added_at: float = field(default_factory=time.monotonic)
     removed: bool = False
     # Counted by this gateway.
@@ -144,6 +145,8 @@ class BackendSet:
     def __init__(self, policy: HealthPolicy | None = None):
         self.policy = policy or HealthPolicy()
         self._backends: dict[str, Backend] = {}
+        self.canary_percent = 0.0  # share of conversations for the canary revision's engines (gateway/canary.py)
+        self.split = False  # a canary revision is in the set (or announced): every request picks a revision
         self.listeners: list[Callable[[], None]] = []  # told of every change (admission re-checks its queue)
         # Endpoints that exist but are not Ready and not terminating: loading, or parked asleep (scaleToZero
         # sleep), which the gateway may wake (wake.EngineWaker); and those it woke, with when.
@@ -181,6 +184,13 @@ class BackendSet:
             if url not in self._backends:
                 self._backends[url] = Backend(url, self.policy)
         self.notify()
+
+    def set_revisions(self, revisions: dict[str, str], canary_percent: float) -> None:
+        """Each engine's revision (URLs not named are stable) and the canary's share, from discovery."""
+        for url, backend in self._backends.items():
+            backend.revision = revisions.get(url, "stable")
+        self.canary_percent = canary_percent
+        self.split = canary_percent > 0 or any(b.revision != "stable" for b in self._backends.values())
 
     def eligible(self, now: float | None = None, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
         """Engines that may take a new request, sorted by URL (a stable order for round-robin and ties).

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from shoal.operator import contract
 from shoal.operator.gateway.backends import BackendSet
 from shoal.operator.k8s.client import KubeAPI, collection_path
 from shoal.operator.k8s.informer import Informer
@@ -51,6 +52,32 @@ def ready_urls(slices: dict[str, dict], scheme: str = "http", port_name: str | N
     return urls
 
 
+def revisions(slices: dict[str, dict], scheme: str = "http", port_name: str | None = None) -> dict[str, str]:
+    """Base URL -> revision (contract.endpoint_revision) of the canary's endpoints among these slices."""
+    found = {}
+    for s in slices.values():
+        isvc = ((s.get("metadata") or {}).get("labels") or {}).get(contract.L_ISVC)
+        for ep in s.get("endpoints") or []:
+            if contract.endpoint_revision(isvc, (ep.get("targetRef") or {}).get("name")) != contract.CANARY:
+                continue
+            for url in ready_urls({"one": {**s, "endpoints": [ep]}}, scheme, port_name):
+                found[url] = contract.CANARY
+    return found
+
+
+def canary_percent(slices: dict[str, dict]) -> float:
+    """The canary's share the operator put on the engines Service (copied to every slice of it); 0 without one."""
+    for s in slices.values():
+        value = ((s.get("metadata") or {}).get("labels") or {}).get(contract.L_CANARY_PERCENT)
+        if value is not None:
+            try:
+                return min(max(float(value), 0.0), 100.0)
+            except ValueError:
+                log.warning("ignoring %s=%r on EndpointSlice %s", contract.L_CANARY_PERCENT, value,
+                            s["metadata"].get("name"))
+    return 0.0
+
+
 class EndpointSliceDiscovery:
     def __init__(self, service: str, namespace: str, api: KubeAPI | None = None, port_name: str | None = None,
                  watch_timeout: int = 300):
@@ -69,6 +96,13 @@ class EndpointSliceDiscovery:
             if urls != before:
                 log.info("backends of %s/%s: %s", self.namespace, self.service, ", ".join(sorted(urls)) or "none")
             backends.replace(urls, standby)
+        revs, percent = revisions(self.slices, port_name=self.port_name), canary_percent(self.slices)
+        if percent != backends.canary_percent or any(b.revision != revs.get(b.url, contract.STABLE)
+                                                     for b in backends.all()):
+            log.info("canary of %s/%s: %g%% to %s", self.namespace, self.service, percent,
+                     ", ".join(sorted(revs)) or "no engine")
+            backends.set_revisions(revs, percent)
+            backends.notify()
 
     async def run(self, backends: BackendSet) -> None:
         if self.api is None:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from shoal.operator import contract
-from shoal.operator.gateway.discovery import ready_urls
+from shoal.operator.gateway.discovery import canary_percent, ready_urls, revisions
 from shoal.operator.gateway.metric_names import BY_RUNTIME
 from shoal.operator.gateway.pool import Pool
 from shoal.operator.k8s.client import KubeAPI, collection_path
@@ -378,6 +378,8 @@ class Fleet:
             if urls != {b.url for b in pool.backends.all()}:
                 log.info("engines of %s/%s: %s", *view.key, ", ".join(sorted(urls)) or "none")
             pool.backends.replace(urls, standby)
+        # a canary revision (spec.canary): split as the service's own gateway does (gateway/canary.py)
+        pool.backends.set_revisions(revisions(slices, port_name="http"), canary_percent(slices))
 
     def _service_changed(self, namespace: str, service: str) -> None:
         for view in self.views.values():

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 P = contract.GATEWAY_METRIC_PREFIX
 PICK_BUCKETS = [0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1]
+# time to the first byte of an answer (TTFT for streams, the whole answer otherwise): the canary's latency SLO
+FIRST_BYTE_BUCKETS = [0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0]
 WAIT_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0]
 
 
@@ -115,6 +117,12 @@ class _PoolCollector:
             for model, n in sorted(batches.runner.pending().items()):
                 pending.add_metric([model], float(n))
             yield pending
+        if not self.gateway.pools.shared:  # a per-service gateway: its one pool's canary split (spec.canary)
+            for pool in self.gateway.pools.all():
+                yield GaugeMetricFamily(P + "canary_percent", "Share of conversations sent to the canary revision "
+                                        "(the engines Service's label).", value=pool.backends.canary_percent)
+                yield GaugeMetricFamily(P + "canary_backends", "Engines of the canary revision.",
+                                        value=sum(1 for b in pool.backends.all() if b.revision == "canary"))
         if self.gateway.pools.shared:
             yield service
             yield GaugeMetricFamily(P + "models", "Model names the shared gateway routes (base models and "
@@ -154,4 +162,20 @@ class GatewayMetrics:
                                       "by the engine before running: tried again).", ["outcome"], registry=r)
         self.batch_running = Gauge(P + "batch_requests_running", "Batch requests this gateway has at engines.",
                                    registry=r)
+        # per revision (spec.canary: stable | canary), read by the operator's canary judge (canary_judge.py)
+        self.revision_requests = Counter(contract.GATEWAY_REVISION_REQUESTS,
+                                         "Requests answered per revision, by outcome: ok, error (5xx, or the engine "
+                                         "failed or timed out) or cancelled (the client left).",
+                                         ["revision", "outcome"], registry=r)
+        self.revision_first_byte = Histogram(contract.GATEWAY_REVISION_FIRST_BYTE, "Time from dispatch to the "
+                                             "answer's first byte per revision (time to first token for streams).",
+                                             ["revision"], buckets=FIRST_BYTE_BUCKETS, registry=r)
         r.register(_PoolCollector(gateway))
+
+    def revision_outcome(self, revision: str, code: str, first_byte: float | None = None) -> None:
+        """One answered request of `revision`; `code` as in `requests` (an HTTP status, broken, client_closed)."""
+        outcome = "error" if code.startswith("5") or code == "broken" else \
+            "cancelled" if code == "client_closed" else "ok"
+        self.revision_requests.labels(revision, outcome).inc()
+        if first_byte is not None and outcome != "cancelled":
+            self.revision_first_byte.labels(revision).observe(first_byte)

@@ -141,6 +141,8 @@ class Pool:
         now = time.monotonic()
         candidates = self._with_room(now, exclude, ticket.model) if room else \
             self.serving(ticket.model, self.backends.eligible(now, exclude), now)
+        if ticket.revision is not None and candidates:
+            candidates = self._of_revision(ticket.revision, candidates, now, exclude)
         if not candidates:
             return None
         pick = self.router.pick(candidates, ticket.hashes, now, ticket.model, ticket.tokens,
@@ -155,6 +157,15 @@ class Pool:
         if self.on_pick is not None:
             self.on_pick(pick, time.perf_counter() - started)
         return pick.backend
+
+    def _of_revision(self, revision: str, candidates: list[Backend], now: float,
+                     exclude: tuple[Backend, ...]) -> list[Backend]:
+        """The canary split (gateway/canary.py): the candidates of the request's revision while that revision has an
+        engine that may take requests (its full engines make the request wait for a slot there), else all of them —
+        a revision without engines never strands a request."""
+        if any(b.revision == revision for b in self.backends.eligible(now, exclude)):
+            return [b for b in candidates if b.revision == revision]
+        return candidates
 
     async def admit(self, ticket: Ticket, enqueue: Callable[[Ticket], None] | None = None) -> Backend:
         """The engine that runs this request, its in-flight count already taken: at once while an engine has

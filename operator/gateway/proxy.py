@@ -43,6 +43,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shoal.operator import __version__
 from shoal.engine.server.keys import KeySet, read_keys
+from shoal.operator.gateway import canary
 from shoal.operator.gateway.admission import Shed, Ticket, request_cost
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
 from shoal.operator.gateway.metric_names import for_runtime
@@ -645,6 +646,9 @@ class Gateway:
         ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant, cost=request_cost(len(body), parsed),
                         model=model, hashes=self.prompt_hashes(request.path, parsed, model, pool),
                         tokens=await self.prompt_tokens(request.path, parsed, model, pool))
+        if pool.backends.split:  # a canary revision exists (its share may be 0: then nothing goes there)
+            ticket.revision = canary.revision_for(canary.conversation_key(request.headers, parsed),
+                                                  pool.backends.canary_percent)
         if not self.quotas.policy.on:
             return await self._dispatch(request, pool, ticket, body, parsed, {})
         try:
@@ -686,6 +690,7 @@ class Gateway:
         headers = self.engine_headers(request, pool)
         tried: tuple[Backend, ...] = ()
         retry_reason: str | None = None
+        sent_at = time.monotonic()
         while True:
             tried += (backend,)
             retry: Backend | None = None
@@ -702,9 +707,12 @@ class Gateway:
                     upstream = await self._send(pool, backend, request, headers, body)
                 if upstream == "timeout":  # the engine may still be running it: never a second run elsewhere
                     self.metrics.requests.labels(backend.url, "504").inc()
+                    self.metrics.revision_outcome(backend.revision, "504")
                     return error_response(504, f"the engine did not answer within {self.config.response_timeout:g}"
                                                " s; the request was cancelled", "timeout", "engine_timeout")
                 if isinstance(upstream, str):
+                    # the engine failed the attempt (refused, reset): its revision's error even when retried
+                    self.metrics.revision_outcome(backend.revision, "503")
                     if len(tried) == 1 and (retry := pool.pick(ticket, tried, room=False)) is not None:
                         self.metrics.retries.labels(upstream).inc()
                         retry_reason = upstream
@@ -719,7 +727,7 @@ class Gateway:
                     retry_reason = f"status_{upstream.status}"
                     upstream.release()
                     continue
-                return await self._relay(request, backend, upstream, limits)
+                return await self._relay(request, backend, upstream, limits, sent_at=sent_at)
             finally:
                 pool.release(backend, ticket)
                 backend = retry  # type: ignore[assignment]
@@ -756,7 +764,7 @@ class Gateway:
         return reason
 
     async def _relay(self, request: web.Request, backend: Backend, upstream: aiohttp.ClientResponse,
-                     limits: dict[str, str]):
+                     limits: dict[str, str], sent_at: float | None = None):
         if upstream.status < 500:
             backend.on_success()
         code = str(upstream.status)
@@ -765,11 +773,14 @@ class Gateway:
             if k.lower() not in HOP_BY_HOP or k.lower() == "content-length":
                 out.headers.add(k, v)
         out.headers.update(limits)  # the tenant's quotas, as OpenAI reports them
+        first_byte: float | None = None
         try:
             await _to_client(out.prepare(request))
             loop = asyncio.get_running_loop()
             async with asyncio.timeout(self.config.read_timeout) as silence:
                 while chunk := await upstream.content.readany():
+                    if first_byte is None and sent_at is not None:
+                        first_byte = time.monotonic() - sent_at
                     await _to_client(out.write(chunk))
                     silence.reschedule(loop.time() + self.config.read_timeout)
             await _to_client(out.write_eof())
@@ -791,6 +802,7 @@ class Gateway:
         finally:
             upstream.close()  # no-op after a full read; otherwise the engine sees a disconnect and aborts
             self.metrics.requests.labels(backend.url, code).inc()
+            self.metrics.revision_outcome(backend.revision, code, first_byte)
         return out
 
     async def readyz(self, request: web.Request) -> web.Response:

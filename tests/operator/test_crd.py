@@ -62,7 +62,7 @@ def test_schema_is_structural():
         "labelSelectorPath": ".status.selector"}
     assert "status" in version["subresources"]
     assert [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")] == [
-        "Ready", "Replicas", "Model", "URL", "Age"]
+        "Ready", "Replicas", "Model", "URL", "Split", "Age"]
     ready = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Ready")
     assert ready["jsonPath"] == ".status.ready"  # "1/2", like a Deployment's READY
     assert crd["spec"]["names"]["shortNames"] == ["isvc", "sisvc"]
