@@ -40,10 +40,11 @@ def test_the_canary_is_its_own_deployment_behind_the_same_engines_service():
     assert canary_dep["spec"]["template"]["metadata"]["labels"][contract.L_CANARY] == "true"
     assert canary_dep["spec"]["replicas"] == 1
     args = canary_dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--model") + 1] == "org/chat-v2" and args[args.index("--served-model-name") + 1] == "chat"
+    assert args[args.index("--model") + 1] == "/cache/shoal/models/org--chat-v2@main"  # its model-cache entry
+    assert args[args.index("--served-model-name") + 1] == "chat"
     assert args[args.index("--max-num-seqs") + 1] == "16"
     assert canary_dep["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.test/engine:2"
-    assert canary_dep["spec"]["template"]["spec"]["initContainers"][0]["args"][-1] == "org/chat-v2"
+    assert "org/chat-v2" in canary_dep["spec"]["template"]["spec"]["initContainers"][0]["args"]
     # the stable revision is untouched by the canary's presence (no label added: no rollout of it)
     assert stable == by_name(render.plan(isvc(STABLE), SETTINGS).children)[("Deployment", "llm")]
     assert contract.L_CANARY not in stable["spec"]["template"]["metadata"]["labels"]
@@ -148,6 +149,7 @@ def gateway_text(revision_counts: dict[str, tuple[int, int]], first_byte: dict[s
 
     class NoPools:
         pools = type("P", (), {"all": lambda self: [], "shared": False})()
+        batches = None
 
     m = GatewayMetrics(NoPools())
     for revision, (ok, errors) in revision_counts.items():
