@@ -160,15 +160,8 @@ def parse_json_object(flag: str):
     return parse
 
 
-def parse_speculative_config(text: str) -> dict:
-    """The --speculative-config JSON object (its fields are checked by SpeculativeConfig)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"--speculative-config is not valid JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"--speculative-config must be a JSON object, got {text!r}")
-    return value
+# the --speculative-config JSON object (its fields are checked by SpeculativeConfig)
+parse_speculative_config = parse_json_object("--speculative-config")
 
 
 class KVEventsConfig(BaseModel):
@@ -192,19 +185,6 @@ class KVEventsConfig(BaseModel):
     @property
     def active(self) -> bool:
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
-
-
-def parse_json_object(flag: str):
-    """A parser of a flag whose value is a JSON object (its fields are checked by the config model)."""
-    def parse(text: str) -> dict:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"{flag} is not valid JSON ({e}): {text!r}") from None
-        if not isinstance(value, dict):
-            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {text!r}")
-        return value
-    return parse
 
 
 class EngineConfig(BaseModel):
