@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from kubekit import Client, EmulatorServer, write_kubeconfig
+
 from .gwkit import Proc, gateway_cmd
 
 
@@ -25,3 +27,18 @@ def start_gateway():
     yield start
     for p in procs:
         p.stop()
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    """The emulated API server and a client for it; KUBECONFIG points the gateways this module starts at it."""
+    server = EmulatorServer()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KUBECONFIG", write_kubeconfig(tmp_path_factory.mktemp("kube") / "config", server.url))
+    client = Client(server.url)
+    try:
+        yield client
+    finally:
+        client.http.close()
+        server.close()
+        mp.undo()

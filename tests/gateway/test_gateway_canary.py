@@ -14,7 +14,6 @@ import uuid
 
 import pytest
 from fleetkit import StandInChatEngines as Engines
-from kubekit import Client, EmulatorServer, write_kubeconfig
 from promkit import metric, parse_metrics
 from prockit import LoggedProcess, free_port, http, wait_for
 
@@ -30,20 +29,6 @@ def endpoint_slice(pod: str, port: int, percent: int) -> dict:
             "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
             "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True},
                            "targetRef": {"kind": "Pod", "name": pod}}]}
-
-
-@pytest.fixture(scope="module")
-def api(tmp_path_factory):
-    server = EmulatorServer()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KUBECONFIG", write_kubeconfig(tmp_path_factory.mktemp("kube") / "config", server.url))
-    client = Client(server.url)
-    try:
-        yield client
-    finally:
-        client.http.close()
-        server.close()
-        mp.undo()
 
 
 PODS = ["llm-7bd9f8c6d4-aaaaa", "llm-7bd9f8c6d4-bbbbb", "llm-canary-5d8c9b7f6-ccccc"]

@@ -16,7 +16,7 @@ import uuid
 
 import openai
 import pytest
-from kubekit import Client, EmulatorServer, isvc_body, write_kubeconfig
+from kubekit import isvc_body
 from prockit import LoggedProcess
 
 from shoal.engine.tools.tiny_lora import make_lora_adapter
@@ -26,20 +26,6 @@ from .gwkit import Proc, engine_cmd, free_port, http, metric, wait_for
 pytestmark = pytest.mark.slow
 
 QUEUE_TIMEOUT = 8  # seconds a request for an adapter no engine lists may wait
-
-
-@pytest.fixture(scope="module")
-def api(tmp_path_factory):
-    server = EmulatorServer()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KUBECONFIG", write_kubeconfig(tmp_path_factory.mktemp("kube") / "config", server.url))
-    client = Client(server.url)
-    try:
-        yield client
-    finally:
-        client.http.close()
-        server.close()
-        mp.undo()
 
 
 def adapters_spec(*names: str) -> list[dict]:

@@ -16,7 +16,6 @@ import uuid
 
 import pytest
 from aiohttp import web
-from kubekit import Client, EmulatorServer, write_kubeconfig
 from prockit import LoggedProcess, free_port, http, wait_for
 
 
@@ -82,21 +81,6 @@ def _gateway_backends(url: str) -> set[str]:
     status, raw, _ = http("GET", url + "/metrics", timeout=5)
     return {line.split('"')[1] for line in raw.decode().splitlines()
             if line.startswith("shoal:gateway_backend_healthy{") and line.endswith(" 1.0")} if status == 200 else set()
-
-
-@pytest.fixture(scope="module")
-def api(tmp_path_factory):
-    """The emulated API server and a client for it; KUBECONFIG points the gateway at it."""
-    server = EmulatorServer()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KUBECONFIG", write_kubeconfig(tmp_path_factory.mktemp("kube") / "config", server.url))
-    client = Client(server.url)
-    try:
-        yield client
-    finally:
-        client.http.close()
-        server.close()
-        mp.undo()
 
 
 @pytest.fixture

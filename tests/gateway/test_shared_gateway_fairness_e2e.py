@@ -16,7 +16,7 @@ import threading
 import uuid
 
 import pytest
-from kubekit import Client, EmulatorServer, isvc_body, write_kubeconfig
+from kubekit import Client, isvc_body
 from prockit import LoggedProcess
 
 from .gwkit import Proc, free_port, http, metric, wait_for
@@ -25,20 +25,6 @@ pytestmark = pytest.mark.slow
 
 MAX_QUEUED = 8  # the gateway's waiting room: a tenant alone may hold half of it
 FLOOD = 10
-
-
-@pytest.fixture(scope="module")
-def api(tmp_path_factory):
-    server = EmulatorServer()
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KUBECONFIG", write_kubeconfig(tmp_path_factory.mktemp("kube") / "config", server.url))
-    client = Client(server.url)
-    try:
-        yield client
-    finally:
-        client.http.close()
-        server.close()
-        mp.undo()
 
 
 def engine(model_dir, served: str) -> Proc:
