@@ -85,8 +85,14 @@ def test_state_is_carved_from_the_cache_budget_and_max_num_seqs_refused(qwen3_ne
         assert llm.llm_engine.state_pool.num_slots == fits
 
 
-def test_abort_mid_prefill_and_decode_frees_every_slot_and_block(qwen3_next):
-    with LLM(model=qwen3_next, block_size=4, max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4) as llm:
+# the recurrent families share the state slots and checkpoints: Gated DeltaNet, then Mamba2 (test_hybrid_mamba.py)
+STATE_FAMILIES = ["qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1"]
+
+
+@pytest.mark.parametrize("family", STATE_FAMILIES[:2])
+def test_abort_mid_prefill_and_decode_frees_every_slot_and_block(model_factory, family):
+    model = model_factory(family)
+    with LLM(model=model, block_size=4, max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4) as llm:
         engine = llm.llm_engine
         params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
         for i, prompt in enumerate(PROMPTS):
@@ -100,15 +106,18 @@ def test_abort_mid_prefill_and_decode_frees_every_slot_and_block(qwen3_next):
         engine.state_pool.check_all_free()
         # The slots come back clean: a prompt run after the aborts equals transformers.
         outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
-        check_against_hf(qwen3_next, llm.get_tokenizer(), outputs, PROMPTS[:2], max_new=MAX_NEW)
+        check_against_hf(model, llm.get_tokenizer(), outputs, PROMPTS[:2], max_new=MAX_NEW)
 
 
-def test_repeated_prompt_served_from_the_prefix_cache(qwen3_next):
+@pytest.mark.parametrize("family", STATE_FAMILIES)
+def test_repeated_prompt_served_from_the_prefix_cache(model_factory, family):
     """A prompt's prefill is cut at its last full block, where the state is kept; the same prompt again (and a
-    longer one sharing it) starts from there, equal to the uncached run and to transformers."""
+    longer one sharing it) starts from there, at the attention layers' block size, equal to the uncached run and
+    to transformers."""
+    model = model_factory(family)
     prompt = PROMPTS[1]
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    with LLM(model=qwen3_next, block_size=4, max_model_len=128, max_num_batched_tokens=16) as llm:
+    with LLM(model=model, block_size=4, max_model_len=128, max_num_batched_tokens=16) as llm:
         engine, tok = llm.llm_engine, llm.get_tokenizer()
         n = len(tok.encode(prompt))
         first = llm.generate([prompt], params)[0]
@@ -124,7 +133,7 @@ def test_repeated_prompt_served_from_the_prefix_cache(qwen3_next):
         longer = tok.encode(prompt) + tok.encode(" and then the fish swam home")
         out = llm.generate([longer], params)[0]
         assert out.num_cached_tokens == (n - 1) // 4 * 4
-        check_against_hf(qwen3_next, tok, [again, out], [prompt, longer], max_new=MAX_NEW)
+        check_against_hf(model, tok, [again, out], [prompt, longer], max_new=MAX_NEW)
         engine.pool.check_all_free()
         engine.state_pool.check_all_free()
 

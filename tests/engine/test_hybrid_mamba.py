@@ -1,7 +1,8 @@
 """State-space hybrids (Mamba2 layers next to paged attention: Granite 4 = GraniteMoeHybrid, Nemotron-H, Falcon-H1
 with both in every layer): transformers' greedy
 tokens and logprobs under every scheduling regime, the SSD chunked scan against the recurrence, the state slots
-freed on finish, abort and preemption, prefix caching through the state checkpoints, and configs refused at load."""
+freed on finish and preemption, and configs refused at load. Abort and prefix caching through the state checkpoints
+are tested with Qwen3-Next's in test_hybrid.py, for every hybrid family."""
 
 from __future__ import annotations
 
@@ -90,50 +91,6 @@ def test_ssd_chunk_scan_equals_the_recurrence():
         ref.append(y[0])
     torch.testing.assert_close(out, torch.stack(ref), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state, ref_state[0], atol=1e-4, rtol=1e-4)
-
-
-def test_abort_mid_prefill_and_decode_frees_every_slot_and_block(granite):
-    with LLM(model=granite, block_size=4, max_model_len=128, max_num_batched_tokens=8, max_num_seqs=4) as llm:
-        engine = llm.llm_engine
-        params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", prompt, params)
-        for _ in range(6):  # some prompts still prefilling in chunks, some decoding, some waiting
-            engine.step()
-        assert engine.state_pool.num_free < engine.state_pool.num_slots
-        engine.abort_request([f"r{i}" for i in range(len(PROMPTS))])
-        assert not engine.has_unfinished_requests()
-        engine.pool.check_all_free()
-        engine.state_pool.check_all_free()
-        # The slots come back clean: prompts run after the aborts equal transformers.
-        outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
-        check_against_hf(granite, llm.get_tokenizer(), outputs, PROMPTS[:2], max_new=MAX_NEW)
-
-
-def test_repeated_prompt_served_from_the_prefix_cache(mamba_hybrid):
-    """The Mamba state at a prompt's last full block is kept; the same prompt again (and a longer one sharing it)
-    starts from there, at the attention layers' block size, equal to the uncached run and to transformers."""
-    prompt = PROMPTS[1]
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    with LLM(model=mamba_hybrid, block_size=4, max_model_len=128, max_num_batched_tokens=16) as llm:
-        engine, tok = llm.llm_engine, llm.get_tokenizer()
-        n = len(tok.encode(prompt))
-        first = llm.generate([prompt], params)[0]
-        assert first.num_cached_tokens == 0
-        hits = engine.pool.prefix_hits
-        again = llm.generate([prompt], params)[0]
-        assert again.num_cached_tokens == (n - 1) // 4 * 4 > 0, "the repeated prompt was not served from the cache"
-        assert engine.pool.prefix_hits - hits == again.num_cached_tokens
-        assert again.outputs[0].token_ids == first.outputs[0].token_ids
-        for a, b in zip(again.outputs[0].logprobs, first.outputs[0].logprobs):
-            for tid, lp in a.items():
-                assert lp.logprob == pytest.approx(b[tid].logprob, abs=1e-5)
-        longer = tok.encode(prompt) + tok.encode(" and then the fish swam home")
-        out = llm.generate([longer], params)[0]
-        assert out.num_cached_tokens == (n - 1) // 4 * 4
-        check_against_hf(mamba_hybrid, tok, [again, out], [prompt, longer], max_new=MAX_NEW)
-        engine.pool.check_all_free()
-        engine.state_pool.check_all_free()
 
 
 def test_max_num_seqs_beyond_the_state_pool_refused(granite):
