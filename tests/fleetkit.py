@@ -485,6 +485,19 @@ class Kubelet:
             pass
 
 
+def print_fleet_diagnostics(env, ns: str, kubelet: Kubelet, gateway=None, isvc: str | None = None) -> None:
+    """What a failed local-fleet test needs to be understood: the kubelet's events, the namespace's Events, the
+    InferenceService's status, the gateway's and every pod's log tails."""
+    print("kubelet events:", kubelet.events)
+    for e in env.cluster.find("events", ns):
+        print("event:", e.get("reason"), e.get("message"))
+    if isvc is not None:
+        print("status:", (env.cluster.obj("inferenceservices", ns, isvc) or {}).get("status"))
+    print("gateway log:", gateway.logs()[-5000:] if gateway else None)
+    for pod in kubelet.pods.values():
+        print(f"pod {pod.name} log:", pod.logs()[-3000:])
+
+
 class GatewayProcess(LoggedProcess):
     def __init__(self, namespace: str, name: str, service: str, hold_timeout: float = 90, runtime: str = "shoal",
                  extra: tuple[str, ...] = (), env: dict | None = None):

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from fleetkit import GatewayProcess, Kubelet, publish_gateway
+from fleetkit import GatewayProcess, Kubelet, print_fleet_diagnostics, publish_gateway
 from kubekit import isvc_body, wait_for
 from prockit import EVENT_BOUND, http
 
@@ -107,12 +107,7 @@ def test_scale_from_zero_ramp_up_and_back_to_zero_without_client_errors(env, ns,
             assert any("-> 0 (ScaleToZero)" in m for m in reasons), reasons
             assert kubelet.error is None, kubelet.error
     except BaseException:
-        print("kubelet events:", kubelet.events)
-        for e in env.cluster.find("events", ns):
-            print("event:", e.get("reason"), e.get("message"))
-        print("gateway log:", gateway.logs()[-5000:] if gateway else None)
-        for pod in kubelet.pods.values():
-            print(f"pod {pod.name} log:", pod.logs()[-3000:])
+        print_fleet_diagnostics(env, ns, kubelet, gateway)
         raise
     finally:
         if gateway is not None:

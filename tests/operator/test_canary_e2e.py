@@ -13,7 +13,7 @@ import concurrent.futures
 import importlib
 
 import pytest
-from fleetkit import GatewayProcess, Kubelet, publish_gateway
+from fleetkit import GatewayProcess, Kubelet, print_fleet_diagnostics, publish_gateway
 from kubekit import isvc_body, wait_for
 from prockit import EVENT_BOUND, http
 from promkit import metric, parse_metrics
@@ -90,12 +90,7 @@ def test_a_canary_gets_its_share_of_500_conversations_and_promotion_leaves_one_r
             assert not (env.client.get(ISVC, ns, name).get("status") or {}).get("canary")
             assert kubelet.error is None, kubelet.error
     except BaseException:
-        print("kubelet events:", kubelet.events)
-        for e in env.cluster.find("events", ns):
-            print("event:", e.get("reason"), e.get("message"))
-        print("gateway log:", gateway.logs()[-5000:] if gateway else None)
-        for pod in kubelet.pods.values():
-            print(f"pod {pod.name} log:", pod.logs()[-3000:])
+        print_fleet_diagnostics(env, ns, kubelet, gateway)
         raise
     finally:
         if gateway is not None:

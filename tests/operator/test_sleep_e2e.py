@@ -14,7 +14,7 @@ import json
 import urllib.request
 
 import pytest
-from fleetkit import GatewayProcess, Kubelet, publish_gateway
+from fleetkit import GatewayProcess, Kubelet, print_fleet_diagnostics, publish_gateway
 from kubekit import condition, isvc_body, wait_for
 from prockit import EVENT_BOUND
 
@@ -98,13 +98,7 @@ def test_idle_fleet_is_parked_asleep_and_a_request_wakes_it_with_the_same_answer
                      is_sleeping(pod.port)["is_sleeping"], 30, "the wake-up seen by the operator")
             assert kubelet.error is None, kubelet.error
     except BaseException:
-        print("kubelet events:", kubelet.events)
-        for e in env.cluster.find("events", ns):
-            print("event:", e.get("reason"), e.get("message"))
-        print("status:", env.client.get(ISVC, ns, name).get("status"))
-        print("gateway log:", gateway.logs()[-5000:] if gateway else None)
-        for p in kubelet.pods.values():
-            print(f"pod {p.name} log:", p.logs()[-3000:])
+        print_fleet_diagnostics(env, ns, kubelet, gateway, isvc=name)
         raise
     finally:
         if gateway is not None:

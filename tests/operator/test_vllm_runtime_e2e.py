@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from fleetkit import VLLM_PYTHON, GatewayProcess, Kubelet, publish_gateway
+from fleetkit import VLLM_PYTHON, GatewayProcess, Kubelet, print_fleet_diagnostics, publish_gateway
 from kubekit import isvc_body, wait_for
 from prockit import EVENT_BOUND
 
@@ -130,12 +130,7 @@ def test_a_vllm_fleet_behind_the_gateway(env, ns, vllm_model):
             assert (pod, "exited 0") in [(p, what) for _t, p, what in kubelet.events], kubelet.events
             assert kubelet.error is None, kubelet.error
     except BaseException:
-        print("kubelet events:", kubelet.events)
-        for e in env.cluster.find("events", ns):
-            print("event:", e.get("reason"), e.get("message"))
-        print("gateway log:", gateway.logs()[-5000:] if gateway else None)
-        for p in kubelet.pods.values():
-            print(f"pod {p.name} log:", p.logs()[-5000:])
+        print_fleet_diagnostics(env, ns, kubelet, gateway)
         raise
     finally:
         if gateway is not None:
