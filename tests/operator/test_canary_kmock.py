@@ -112,7 +112,8 @@ def test_promotion_leaves_one_revision(env, ns):
         return env.client.get("deployments", ns, "llm")["spec"]["template"]["spec"]["containers"][0]["args"]
 
     wait_for(lambda: env.client.get("deployments", ns, "llm-canary") is None, EVENT_BOUND, "the canary removed")
-    wait_for(lambda: "org/chat-v2" in stable_args(), EVENT_BOUND, "the stable Deployment on the canary's model")
+    wait_for(lambda: "/cache/shoal/models/org--chat-v2@main" in stable_args(), EVENT_BOUND,  # its cache entry
+             "the stable Deployment on the canary's model")
     args = stable_args()
     assert args[args.index("--max-num-seqs") + 1] == "16" and args[args.index("--served-model-name") + 1] == "chat"
     wait_for(lambda: not canary_status(env, ns, "llm") and engines_percent(env, ns, "llm") is None, EVENT_BOUND,
