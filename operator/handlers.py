@@ -275,18 +275,34 @@ class Reconciler:
         on the version read (canary.promoted_spec). An invalid spec is not promoted (the pass reports it); ->
         whether the spec was patched."""
         meta = isvc["metadata"]
-        try:
-            api.validate(meta["name"], isvc.get("spec") or {}, max_gpus_per_node=self.settings.max_gpus_per_node)
-        except api.SpecError:
-            return False
-        patch = {"metadata": {"resourceVersion": meta.get("resourceVersion")},
-                 "spec": canary.promoted_spec(isvc.get("spec") or {})}
-        try:
-            await self.kube.merge_patch(api.KIND, meta["namespace"], meta["name"], patch)
-        except ApiError as e:
-            if e.status in (404, 409):  # deleted, or changed since read: the next pass sees the new version
-                return True
-            raise
+        namespace, name = meta["namespace"], meta["name"]
+        for _attempt in range(5):
+            spec = isvc.get("spec") or {}
+            if (spec.get("canary") or {}).get("promote") is not True:
+                return True  # promoted, or withdrawn, since the pass read it
+            try:
+                api.validate(name, spec, max_gpus_per_node=self.settings.max_gpus_per_node)
+            except api.SpecError:
+                return False
+            patch = {"metadata": {"resourceVersion": isvc["metadata"].get("resourceVersion")},
+                     "spec": canary.promoted_spec(spec)}
+            try:
+                await self.kube.merge_patch(api.KIND, namespace, name, patch)
+                break
+            except ApiError as e:
+                if e.status == 404:
+                    return True
+                if e.status != 409:
+                    raise
+            # changed since read (often only its status, which triggers no pass): promote the version that is there
+            try:
+                isvc = await self.kube.get(api.KIND, namespace, name)
+            except ApiError as e:
+                if e.status == 404:
+                    return True
+                raise
+        else:
+            raise RuntimeError(f"{namespace}/{name}: spec.canary.promote kept conflicting (retried with backoff)")
         self._event(isvc, "Normal", "CanaryPromoted", "the canary is now the stable revision: spec.canary's model, "
                     "image and engine options were moved into the spec and spec.canary removed")
         return True

@@ -101,12 +101,16 @@ def test_promotion_leaves_one_revision(env, ns):
     env.client.create(ISVC, ns, isvc_body("llm", {**STABLE, "engine": {"maxNumSeqs": 8}, "canary": {
         "model": {"uri": "hf://org/chat-v2"}, "engine": {"maxNumSeqs": 16}, "trafficPercent": 50}}))
     wait_for(lambda: env.client.get("deployments", ns, "llm-canary"), EVENT_BOUND, "the canary's Deployment")
+    # the operator's promotion patch conflicts once (a write it did not see, e.g. its own status, which starts no
+    # new pass): it must read the service again and promote that version, not wait for an event that never comes
+    conflict = env.cluster.inject("update", "inferenceservices", 409, 1, subresource=None)
     env.client.patch(ISVC, ns, "llm", {"spec": {"canary": {"promote": True}}})
     spec = wait_for(lambda: (s := env.client.get(ISVC, ns, "llm")["spec"]) and "canary" not in s and s,
                     EVENT_BOUND, "spec.canary folded into the spec")
     assert spec["model"] == {"uri": "hf://org/chat-v2", "servedName": "chat"} | {
         k: v for k, v in spec["model"].items() if k not in ("uri", "servedName")}
     assert spec["engine"]["maxNumSeqs"] == 16 and spec["replicas"] == 2
+    assert conflict.remaining == 0, "the promotion patch never met the injected conflict"
 
     def stable_args() -> list[str]:
         return env.client.get("deployments", ns, "llm")["spec"]["template"]["spec"]["containers"][0]["args"]
