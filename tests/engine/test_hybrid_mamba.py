@@ -6,15 +6,13 @@ are tested with Qwen3-Next's in test_hybrid.py, for every hybrid family."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
 from shoal.engine import LLM, SamplingParams
 from shoal.engine.execution.layers.mamba2 import ssd_chunk_scan, ssm_step
 from test_engine_correctness import PROMPTS, check_against_hf
+from test_hybrid import _edited_copy
 
 pytestmark = pytest.mark.numerics
 
@@ -102,14 +100,6 @@ def test_max_num_seqs_beyond_the_state_pool_refused(granite):
     fits = int(str(err.value).split("lower --max-num-seqs to ")[1].split()[0])
     with LLM(model=granite, block_size=4, max_model_len=64, kv_cache_memory=40 * per_seq, max_num_seqs=fits) as llm:
         assert llm.llm_engine.state_pool.num_slots == fits
-
-
-def _edited_copy(src, dst, **changes):
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config.update(changes)
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 @pytest.mark.parametrize("changes,message", [
