@@ -47,6 +47,14 @@ class RecurrentState:
         self.conv[dst] = self.conv[src]
         self.ssm[dst] = self.ssm[src]
 
+    def zero_new_sequences(self, meta) -> None:
+        """Sequences of this step starting at position 0 start from a zero state (their slot may hold another's)."""
+        fresh = [i for i, (n, s) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)) if s == n]
+        if fresh:
+            idx = meta.state_slots[fresh]
+            self.conv.index_fill_(0, idx, 0)
+            self.ssm.index_fill_(0, idx, 0)
+
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
@@ -157,12 +165,8 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         slots = meta.state_slots
-        qlens, seqlens = meta.query_lens_list, meta.seq_lens_list
-        fresh = [i for i, (n, s) in enumerate(zip(qlens, seqlens)) if s == n]
-        if fresh:  # sequences starting at position 0 start from a zero state
-            idx = slots[fresh]
-            state.conv.index_fill_(0, idx, 0)
-            state.ssm.index_fill_(0, idx, 0)
+        qlens = meta.query_lens_list
+        state.zero_new_sequences(meta)
         if meta.is_decode_only:
             out = self._decode(mixed, g, beta, state, slots)
         else:

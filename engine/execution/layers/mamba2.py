@@ -165,12 +165,8 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias).clamp(lo, hi)
         A = -self.A_log.exp()
         slots = meta.state_slots
-        qlens, seqlens = meta.query_lens_list, meta.seq_lens_list
-        fresh = [i for i, (n, s) in enumerate(zip(qlens, seqlens)) if s == n]
-        if fresh:  # sequences starting at position 0 start from a zero state
-            idx = slots[fresh]
-            state.conv.index_fill_(0, idx, 0)
-            state.ssm.index_fill_(0, idx, 0)
+        qlens = meta.query_lens_list
+        state.zero_new_sequences(meta)
         if meta.is_decode_only:
             window = torch.cat([state.conv[slots], xbc[:, :, None]], dim=-1)  # [S, C, K]
             state.conv[slots] = window[:, :, 1:]
