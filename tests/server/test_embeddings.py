@@ -143,11 +143,21 @@ def test_bad_input_is_a_400_and_leaks_nothing(llama_server):
     assert status == 400 and body["error"]["param"] == "dimensions", body
     status, body, _ = llama_server.post("/v1/embeddings", {"model": "nope", "input": "x"})
     assert status == 404 and body["error"]["code"] == "model_not_found", body
-    # A client that gives up mid-request aborts its inputs: their blocks go back too.
-    long_inputs = [TEXTS[0] * 4] * 12
-    status, _, _ = llama_server.request("POST", "/v1/embeddings", {"model": "tiny", "input": long_inputs},
-                                        timeout=0.05)
-    assert status == 0, "the request finished before the client gave up: make it longer"
+    # A client that gives up mid-request aborts its inputs: their blocks go back too. Distinct token ids (no
+    # prefix-cache hit shortens it), doubled until the request outlasts the client's patience on this machine.
+    def aborted() -> float:
+        return metric(llama_server.metrics(), "shoal:request_success_total", finished_reason="abort")
+
+    before, count = aborted(), 12
+    while True:
+        long_inputs = [[10 + (i * 7 + j * 3) % 370 for j in range(500)] for i in range(count)]  # vocabulary 384
+        status, _, _ = llama_server.request("POST", "/v1/embeddings", {"model": "tiny", "input": long_inputs},
+                                            timeout=0.05)
+        if status == 0 or count >= 12 * 2 ** 6:
+            break
+        count *= 2
+    assert status == 0, f"{count} inputs of 500 tokens finished within the client's 50 ms"
+    wait_for(lambda: aborted() > before, EVENT_BOUND, "the abandoned embedding request counted as aborted")
     assert_no_leak(llama_server)
 
 
