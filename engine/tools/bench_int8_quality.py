@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         env.pop("SHOAL_CPU_ISA", None)
         if tier != "native":
             env["SHOAL_CPU_ISA"] = tier
+        if model.endswith(".gguf"):  # packed GGUF weights stay packed under --quantization: int8 would touch nothing
+            env["SHOAL_GGUF_DEQUANTIZE"] = "1"
         proc = subprocess.run([sys.executable, "-m", "shoal.engine.tools.bench_int8_quality", "--worker",
                                "--model", model, "--dtypes", *args.dtypes, *(["--emulate-vnni"] if emulate else [])],
                               env=env, capture_output=True, text=True)
