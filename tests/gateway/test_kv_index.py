@@ -374,3 +374,14 @@ def test_an_adapters_blocks_never_score_for_the_base_model_or_another_adapter(en
     assert index.matches([SHOAL, VLLM], tokens, "sql") == {VLLM: 3}
     index.apply(VLLM, 1, [("BlockRemoved", reported[1:2], "GPU")])
     assert index.matches([SHOAL, VLLM], tokens, "sql") == {VLLM: 1}
+
+
+async def test_a_request_with_a_cache_salt_never_routes_by_the_index():
+    """vLLM keeps a salted prompt's blocks apart (a tenant's own); the index holds none of them, so a salted
+    request must not be matched against anyone's unsalted blocks."""
+    from shoal.operator.gateway.proxy import Gateway, GatewayConfig
+
+    gw = Gateway(GatewayConfig(routing="precise-prefix"))
+    body = {"model": "m", "prompt": list(range(64))}
+    assert await gw.prompt_tokens("/v1/completions", body, "m", gw.pools.pool) == list(range(64))
+    assert await gw.prompt_tokens("/v1/completions", {**body, "cache_salt": "a"}, "m", gw.pools.pool) is None
