@@ -111,18 +111,12 @@ class Replica:
         a PUB socket drops what precedes a subscription, and the first batch heard brings the rest by replay."""
         for url, pub in engines.items():
             deadline = time.monotonic() + BOUND
-            while True:
-                seq = pub.publish([])
-                wait = time.monotonic() + 1.0
-                while time.monotonic() < wait:
-                    view = self.index.views.get(url)
-                    if view is not None and view.last_seq >= seq:
-                        break
-                    await asyncio.sleep(0.02)
-                else:
-                    assert time.monotonic() < deadline, f"timed out after {BOUND}s waiting for {url}'s events"
-                    continue
-                break
+            seq, resend = pub.publish([]), time.monotonic() + 1.0
+            while (view := self.index.views.get(url)) is None or view.last_seq != seq:
+                assert time.monotonic() < deadline, f"timed out after {BOUND}s waiting for {url}'s events"
+                if time.monotonic() > resend:
+                    seq, resend = pub.publish([]), time.monotonic() + 1.0
+                await asyncio.sleep(0.02)
 
 
 def held(index: KVIndex, url: str = URL) -> set:
@@ -324,7 +318,10 @@ async def test_gateway_replicas_fed_the_same_events_agree_even_when_one_joins_la
             assert early.matches(prompts[0], "sql") == {SHOAL: 4}
 
             shoal.close()  # the engine restarts: "chat" is its adapter 1 now, "sql" is not loaded
+            resets = early.index.views[SHOAL].resets
             shoal = engines[SHOAL] = publisher(*ports[SHOAL])
+            await until(lambda: early.index.views[SHOAL].resets > resets, "the restart to be noticed",
+                        lambda: shoal.publish([]))
             shoal.publish([shoal_stored(prompts[0], 1, end=3)], {1: "chat"})
             shoal.publish([shoal_stored(prompts[2], end=5)])
             hashes = vllm.store(prompts[3], 0, 3)
