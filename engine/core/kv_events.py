@@ -83,8 +83,8 @@ class KVEventPublisher:
         logger.info("KV events: publishing on %s (replay: %s, topic %r)", config.endpoint,
                     config.replay_endpoint or "off", config.topic)
 
-    def publish(self, events: list[tuple], lora_names: dict[int, str] | None = None) -> None:
-        """Queue one step's events (the engine loop's call: never blocks)."""
+    def publish(self, events: list[tuple], lora_names: dict[int, str] | None = None) -> int:
+        """Queue one step's events (the engine loop's call: never blocks); returns the batch's sequence number."""
         seq = next(self._seq)
         try:
             self._queue.put_nowait((seq, time.time(), events, lora_names or {}))
@@ -93,6 +93,7 @@ class KVEventPublisher:
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 logger.warning("KV events: the queue is full (%d batches); dropped %d batches so far — "
                                "subscribers see the gap and resynchronise", self.config.max_queue_size, self.dropped)
+        return seq
 
     def _run(self) -> None:
         while True:
@@ -107,12 +108,16 @@ class KVEventPublisher:
                 continue
             seq, ts, events, lora_names = item
             try:
-                payload = msgpack.packb(
-                    [ts, [wire_event(e, self.block_size, self.medium, lora_names) for e in events], self.dp_rank])
+                payload = self.encode(ts, events, lora_names)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                 self._buffer.append((seq, payload))
             except Exception:  # noqa: BLE001 - one bad batch must not end publishing; the gap says it was lost
                 logger.exception("KV events: could not publish batch %d", seq)
+
+    def encode(self, ts: float, events: list[tuple], lora_names: dict[int, str]) -> bytes:
+        """One batch's payload: an EventBatch, array-like."""
+        return msgpack.packb([ts, [wire_event(e, self.block_size, self.medium, lora_names) for e in events],
+                              self.dp_rank])
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()

@@ -8,7 +8,7 @@ run, so no run profits from another's cache):
   shared      groups of requests sharing a long system prompt, each with its own question;
   multiturn   chats whose every turn resends the whole conversation so far (turns of one chat in sequence);
   unique      prompts that share nothing.
-Routings: prefix-load, precise-prefix (the engines publish KV events; the gateway tokenizes with the model's
+Routings: prefix-load, precise-prefix (the engines, of either runtime, publish KV events; the gateway tokenizes with the model's
 tokenizer and routes by the blocks they report), round-robin, least-load through the gateway, plus `oracle` for
 shared/multiturn (the client pins each group/chat to one engine directly: the best possible prefix hit rate).
 `--gateway-replicas N` runs N gateway processes per routing and spreads the requests over them in turn, as a
@@ -345,25 +345,23 @@ async def main_async(args) -> int:
         if r not in ROUTINGS + ("oracle",):
             raise SystemExit(f"unknown routing {r!r}; choose from {', '.join(ROUTINGS + ('oracle',))}")
     names = for_runtime(args.runtime)
-    if args.runtime == "vllm" and "precise-prefix" in routings:
-        raise SystemExit("precise-prefix hashes blocks as Shoal's engines do (shoal.engine.kv_hash); vLLM's block "
-                         "hashes are its own: drop precise-prefix from --routings with --runtime vllm")
 
     def engine(index: int) -> Child:
+        events = []
+        if "precise-prefix" in routings:  # KV events on ports of its own (the replicas share one host); vLLM's
+            ports = kv_ports[index] = (_free_port(), _free_port())  # flag and JSON, the same for both runtimes
+            events = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                        "endpoint": f"tcp://*:{ports[0]}",
+                                                        "replay_endpoint": f"tcp://*:{ports[1]}"})]
         if args.runtime == "vllm":  # vLLM-CPU sizes its KV cache in whole GiB, from the environment
             kv_gib = str(max(1, round(parse_bytes(args.kv_cache_memory) / 2**30)))
             # each replica's compute on its own core, as one replica per node would have (auto binds all to core 0)
             core = str(index % (os.cpu_count() or 1))
             return Child([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                           "--served-model-name", "bench", "--max-model-len", "4096", "--dtype", "float32",
-                          "--enable-prefix-caching"], ready_path=names.ready_path,
+                          "--enable-prefix-caching", *events], ready_path=names.ready_path,
                          env={"VLLM_CPU_KVCACHE_SPACE": kv_gib, "VLLM_NO_USAGE_STATS": "1",
                               "VLLM_CPU_OMP_THREADS_BIND": core})
-        events = []
-        if "precise-prefix" in routings:  # KV events on ports of its own (the replicas share one host)
-            ports = kv_ports[index] = (_free_port(), _free_port())
-            events = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{ports[0]}",
-                                                        "replay_endpoint": f"tcp://*:{ports[1]}"})]
         return Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model_dir,
                       "--served-model-name", "bench", "--kv-cache-memory", args.kv_cache_memory,
                       "--max-model-len", "4096", *events])

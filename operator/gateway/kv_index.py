@@ -1,19 +1,31 @@
 """What each engine's prefix cache holds, from its KV events (vLLM's wire format; kv_subscriber.py feeds it).
 
+The index keys every block by the gateway's own hash of its token-id chain (shoal.engine.kv_hash, from the chain's
+root, the parent block's own hash and the block's token_ids as BlockStored carries them), whatever hash the engine
+reported: a Shoal engine reports exactly that hash, a vLLM engine reports its own (seeded per process, so no other
+process can recompute it). So a prompt is hashed one way for both runtimes, and each view maps the reported hashes
+to the gateway's (BlockRemoved names only reported hashes). A block is counted once per copy the engine reports
+(vLLM may cache one hash in two blocks, or in two tiers) and held while any copy is. A block the gateway cannot
+hash is left out, and so is every block chained to it: its parent was never heard (the view started mid-stream),
+its tokens are not the block's, or vLLM's extra keys (multimodal inputs, a cache_salt) went into its hash. For an
+engine that reports the gateway's own hashes (checked on the blocks it could hash) the reported hash is used as is
+when its parent was never heard.
+
 One KVIndex per pool: the engines of one InferenceService (one model), so a request is only ever scored against
-the blocks of engines that serve its own model; blocks stored under a LoRA adapter hash from the adapter's own
-root (shoal.engine.kv_hash.lora_root of the engine's adapter id) and never match a base-model prompt. An engine
-numbers its adapters itself, so the index learns each engine's name -> id from its BlockStored events (lora_id,
-lora_name) and hashes an adapter request's prompt per engine from that engine's root; an engine that never
-stored a block under the adapter holds none of its prefix. An engine's view is a set of block
-hashes (with the medium each is in) that is kept only while its event stream is known to be complete: a sequence
-gap, a restarted engine (sequence numbers from 0 again), a dropped connection or an AllBlocksCleared empties it,
-so the index holds no block an engine may have lost without saying so (it may miss some: that costs a cache hit,
-a stale entry would cost a prefill on the wrong engine).
+the blocks of engines that serve its own model. Blocks stored under a LoRA adapter chain from the adapter's own
+root (kv_hash.lora_root of the engine's adapter id, or of its name when an engine reports only the name) and never
+match a base-model prompt. An engine numbers its adapters itself, so each view learns the engine's adapter name ->
+root from its BlockStored events (lora_id, lora_name) and an adapter request's prompt is hashed per engine from that
+engine's root; an engine that never stored a block under the adapter holds none of its prefix. A view is kept only
+while its event stream is known to be complete: a sequence gap, a restarted engine (sequence numbers from 0 again;
+it may number its adapters anew), a dropped connection or an AllBlocksCleared empties it, so the index holds no
+block an engine may have lost without saying so (it may miss some: that costs a cache hit, a stale entry would cost
+a prefill on the wrong engine).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,24 +33,47 @@ from itertools import islice
 
 import msgpack
 
-from shoal.engine.kv_hash import BASE_ROOT, hash_chain, lora_root
+from shoal.engine.kv_hash import BASE_ROOT, block_hash, hash_chain, lora_root
 
 log = logging.getLogger("shoal.gateway.kv")
+
+Reported = int | bytes  # an engine's block hash as it published it (vLLM: an int or 32 bytes)
+
+
+def named_lora_root(name: str) -> int:
+    """The gateway's root for an adapter an engine names without an id (vLLM deprecates lora_id for lora_name)."""
+    return int.from_bytes(hashlib.sha256(b"shoal-lora-name" + name.encode()).digest()[:8], "big")
 
 
 @dataclass
 class EngineView:
-    blocks: dict[int | bytes, str | None] = field(default_factory=dict)  # block hash -> medium
+    blocks: dict[int, str | None] = field(default_factory=dict)  # own block hash -> medium (what matches read)
+    copies: dict[int, int] = field(default_factory=dict)  # own block hash -> reported copies holding it
+    reported: dict[Reported, list] = field(default_factory=dict)  # reported hash -> [own hash, copies]
+    block_size: int | None = None  # the engine's KV block size, from its BlockStored events
+    native: bool | None = None  # the engine reports the gateway's own hashes (a Shoal engine); None: not known yet
     last_seq: int = -1  # the last batch applied (-1: none since the last reset)
     events: int = 0  # events applied since the engine was first seen
     resets: int = 0
-    lora_ids: dict[str, int] = field(default_factory=dict)  # adapter name -> this engine's adapter id
+    lora_roots: dict[str, int] = field(default_factory=dict)  # adapter name -> its chain root on this engine
+
+    def clear_blocks(self) -> None:
+        self.blocks.clear()
+        self.copies.clear()
+        self.reported.clear()
+
+
+def plain(extra_keys: Sequence | None, lora_name: str | None) -> bool:
+    """Whether vLLM hashed a block from its tokens (and adapter) alone: no extra key but the adapter's name."""
+    return not extra_keys or all(k == lora_name for k in extra_keys)
 
 
 def decode_batch(payload: bytes) -> list[tuple]:
     """An EventBatch payload as (kind, fields...) tuples: ("BlockStored", hashes, parent, tokens, block_size,
-    lora_id, medium, lora_name), ("BlockRemoved", hashes, medium), ("AllBlocksCleared",). Both of vLLM's encodings are read:
-    array-like structs (a tag, then the fields in order) and maps (the tag under "type")."""
+    lora_id, medium, lora_name, extra_keys), ("BlockRemoved", hashes, medium), ("AllBlocksCleared",). Both of
+    vLLM's encodings are read: array-like structs (a tag, then the fields in order; older vLLM, and Shoal) and maps
+    (the tag under "type"; vLLM since its events stopped being array-like). Fields a version lacks read None, and
+    fields a newer one adds after these are ignored."""
     batch = msgpack.unpackb(payload, strict_map_key=False)
     events = batch.get("events", []) if isinstance(batch, dict) else batch[1]
     out = []
@@ -47,7 +82,8 @@ def decode_batch(payload: bytes) -> list[tuple]:
             kind = e.get("type")
             if kind == "BlockStored":
                 out.append((kind, e["block_hashes"], e.get("parent_block_hash"), e.get("token_ids", []),
-                            e.get("block_size"), e.get("lora_id"), e.get("medium"), e.get("lora_name")))
+                            e.get("block_size"), e.get("lora_id"), e.get("medium"), e.get("lora_name"),
+                            e.get("extra_keys")))
             elif kind == "BlockRemoved":
                 out.append((kind, e["block_hashes"], e.get("medium")))
             elif kind == "AllBlocksCleared":
@@ -55,8 +91,8 @@ def decode_batch(payload: bytes) -> list[tuple]:
         elif isinstance(e, list) and e:
             kind = e[0]
             if kind == "BlockStored":
-                padded = list(e[1:8]) + [None] * (7 - len(e[1:8]))
-                out.append((kind, *padded))
+                fields = list(e[1:9])
+                out.append((kind, *fields, *[None] * (8 - len(fields))))
             elif kind == "BlockRemoved":
                 out.append((kind, e[1], e[2] if len(e) > 2 else None))
             elif kind == "AllBlocksCleared":
@@ -67,7 +103,6 @@ def decode_batch(payload: bytes) -> list[tuple]:
 class KVIndex:
     def __init__(self, max_blocks: int = 512):
         self.views: dict[str, EngineView] = {}
-        self.block_size: int | None = None  # the engines' KV block size, from their BlockStored events
         self.max_blocks = max_blocks  # hash at most this many leading blocks of a prompt
 
     def view(self, url: str) -> EngineView:
@@ -77,11 +112,14 @@ class KVIndex:
         return view
 
     def reset(self, url: str, reason: str) -> None:
-        """Forget what `url` holds: its stream is no longer known to be complete."""
+        """Forget what `url` holds: its stream is no longer known to be complete (a restarted engine may also
+        number its adapters anew, so their roots go too)."""
         view = self.view(url)
         if view.blocks or view.last_seq >= 0:
             log.info("KV index: %s's view reset (%s; %d blocks forgotten)", url, reason, len(view.blocks))
-        view.blocks.clear()
+        view.clear_blocks()
+        view.lora_roots.clear()
+        view.block_size = view.native = None
         view.last_seq = -1
         view.resets += 1
 
@@ -90,37 +128,99 @@ class KVIndex:
 
     def apply(self, url: str, seq: int, events: Iterable[tuple]) -> None:
         view = self.view(url)
-        blocks = view.blocks
         for e in events:
             kind = e[0]
             if kind == "BlockStored":
-                _, hashes, _, _, block_size, lora_id, medium, lora_name = e
-                if block_size:
-                    self.block_size = block_size
-                if lora_id is not None and lora_name:
-                    view.lora_ids[lora_name] = lora_id
-                for h in hashes:
-                    blocks[h] = medium
+                self._stored(url, view, *e[1:9], *[None] * (9 - len(e)))
             elif kind == "BlockRemoved":
                 for h in e[1]:
-                    blocks.pop(h, None)
+                    self._release(view, h)
             elif kind == "AllBlocksCleared":
-                blocks.clear()
+                view.clear_blocks()
             view.events += 1
         view.last_seq = seq
 
-    def prompt_hashes(self, tokens: Sequence[int] | None, root: int = BASE_ROOT) -> list[int]:
-        """The engines' block hashes of a prompt's leading full blocks from chain root `root` (none before any
-        engine reported its block size, or without tokens)."""
-        if not tokens or not self.block_size:
+    def _stored(self, url: str, view: EngineView, hashes: list, parent: Reported | None, tokens: list | None,
+                block_size: int | None, lora_id: int | None, medium: str | None, lora_name: str | None,
+                extra_keys: list | None) -> None:
+        if block_size:
+            if view.block_size is None:
+                view.block_size = block_size
+            elif block_size != view.block_size:  # e.g. a hybrid model's second KV group: not this index's blocks
+                return
+        bs = view.block_size
+        if lora_id is None and not lora_name:
+            root = BASE_ROOT
+        else:
+            root = lora_root(lora_id) if lora_id is not None else named_lora_root(lora_name)
+            if lora_name:
+                view.lora_roots[lora_name] = root
+        if parent is None:
+            own_parent: int | None = root
+        else:
+            known = view.reported.get(parent)
+            own_parent = known[0] if known is not None else None
+        tokens = tokens or []
+        whole = bool(bs) and len(tokens) == bs * len(hashes)
+        for i, h in enumerate(hashes):
+            keys = extra_keys[i] if extra_keys and i < len(extra_keys) else None
+            known = view.reported.get(h)
+            if known is not None:  # another copy of a block already hashed (a duplicate, another tier)
+                own = known[0]
+            elif not plain(keys, lora_name):
+                own = None  # hashed with inputs the gateway never sees: neither it nor its descendants match
+            elif own_parent is not None and whole:
+                own = block_hash(own_parent, tokens[i * bs:(i + 1) * bs])
+                view.native = own == h
+            elif view.native:
+                own = h  # the engine's hashes are the gateway's: no parent needed
+            else:
+                own = None
+            if own is None:
+                own_parent = None
+                continue
+            self._hold(view, h, own, medium)
+            own_parent = own
+
+    @staticmethod
+    def _hold(view: EngineView, h: Reported, own: int, medium: str | None) -> None:
+        entry = view.reported.get(h)
+        if entry is None:
+            view.reported[h] = [own, 1]
+        else:
+            entry[1] += 1
+        view.copies[own] = view.copies.get(own, 0) + 1
+        view.blocks[own] = medium
+
+    @staticmethod
+    def _release(view: EngineView, h: Reported) -> None:
+        entry = view.reported.get(h)
+        if entry is None:
+            return  # a block the view never held (stored before it started, or not hashable)
+        own = entry[0]
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del view.reported[h]
+        left = view.copies[own] - 1
+        if left > 0:
+            view.copies[own] = left
+        else:
+            del view.copies[own]
+            del view.blocks[own]
+
+    def prompt_hashes(self, tokens: Sequence[int] | None, block_size: int | None, root: int = BASE_ROOT
+                      ) -> list[int]:
+        """The gateway's block hashes of a prompt's leading full blocks of `block_size` tokens from chain root
+        `root` (none without a block size or without tokens)."""
+        if not tokens or not block_size:
             return []
-        return list(islice(hash_chain(tokens, self.block_size, parent=root), self.max_blocks))
+        return list(islice(hash_chain(tokens, block_size, parent=root), self.max_blocks))
 
     def matches(self, urls: Iterable[str], tokens: Sequence[int] | None, adapter: str | None = None
                 ) -> dict[str, int]:
         """Engine URL -> the number of leading blocks of the prompt `tokens` it holds, under LoRA adapter
         `adapter` (None: the base model); engines holding none are left out."""
-        chains: dict[int, list[int]] = {}  # root -> the prompt's hashes from it (one per adapter id)
+        chains: dict[tuple[int, int | None], list[int]] = {}  # (root, block size) -> the prompt's hashes
         out = {}
         for url in urls:
             view = self.views.get(url)
@@ -128,13 +228,14 @@ class KVIndex:
                 continue
             if adapter is None:
                 root = BASE_ROOT
-            elif adapter in view.lora_ids:
-                root = lora_root(view.lora_ids[adapter])
+            elif adapter in view.lora_roots:
+                root = view.lora_roots[adapter]
             else:
                 continue  # this engine never cached a block under the adapter
-            hashes = chains.get(root)
+            key = (root, view.block_size)
+            hashes = chains.get(key)
             if hashes is None:
-                hashes = chains[root] = self.prompt_hashes(tokens, root)
+                hashes = chains[key] = self.prompt_hashes(tokens, view.block_size, root)
             n = 0
             for h in hashes:
                 if h not in view.blocks:

@@ -285,7 +285,8 @@ class Gateway:
             from shoal.operator.gateway.kv_index import KVIndex
 
             kv_index = KVIndex(c.max_blocks)  # one per pool: an index never mixes two models' engines
-        router = make_router(c.routing, c.load_factor, c.affinity_slack, c.cold_slack, c.index_size,
+        routing = "prefix-load" if c.routing == "precise-prefix" and not self.precise else c.routing
+        router = make_router(routing, c.load_factor, c.affinity_slack, c.cold_slack, c.index_size,
                              index=self.prefix_index, kv_index=kv_index)
         pool = Pool(backends, router, hold_timeout=hold_timeout, max_inflight=max_inflight,
                     queue_timeout=c.queue_timeout)
@@ -449,6 +450,9 @@ class Gateway:
         text = render_prompt(path, parsed)
         if text and model and any(model in b.lora_resident for b in pool.backends.all()):
             text = f"{model}\n{text}"  # engines cache each adapter's blocks apart: so does the prefix index
+        salt = parsed.get("cache_salt") if isinstance(parsed, dict) else None
+        if text and isinstance(salt, str) and salt:
+            text = f"{salt}\n{text}"  # vLLM caches a salted prompt apart (its tenant's): so does the prefix index
         return block_hashes(text, self.config.block_chars, self.config.max_blocks) if text else []
 
     async def prompt_tokens(self, path: str, parsed: Any, model: str | None, pool: Pool) -> list[int] | None:
@@ -459,6 +463,8 @@ class Gateway:
         blocks each engine stored under the adapter.)"""
         if not self.precise or path not in ROUTED_PATHS or not isinstance(parsed, dict):
             return None
+        if parsed.get("cache_salt"):
+            return None  # vLLM hashes it into the prompt's blocks; the index holds no salted block (kv_index.py)
         if self.prompt_tokenizer is not None:
             tokens = self.prompt_tokenizer.token_ids(path, parsed)
             if tokens is not None or not path.endswith("/chat/completions"):

@@ -33,8 +33,8 @@ prefix-load (default)
 precise-prefix
     prefix-load's profiles, with the matched prefix taken from what the engines report holding (their KV events,
     kv_index.py) instead of what the gateway routed: the prompt's token ids (the model's tokenizer, kv_tokens.py,
-    or an engine's /tokenize) hashed into the engines' own block hashes (shoal.engine.kv_hash), each engine
-    scored by the leading blocks it holds. Falls back to prefix-load's approximate index for a request without
+    or an engine's /tokenize) hashed as the index keys blocks (shoal.engine.kv_hash: a Shoal engine's own hashes;
+    a vLLM engine's are mapped to them), each engine scored by the leading blocks it holds. Falls back to prefix-load's approximate index for a request without
     token ids (/tokenize unavailable) or when no engine reports holding any of its blocks (no events yet, or a
     prefix routed a moment ago whose blocks are not stored yet). A request naming a LoRA adapter is matched
     against the blocks each engine stored under that adapter (kv_index.py); the lora-affinity profile still

@@ -1,12 +1,17 @@
 """The gateway's view of the engines' KV caches: a real engine-side publisher (engine/core/kv_events.py, no model
-needed) feeding the gateway's real ZMQ subscriber; a sequence gap or a restarted engine resets that engine's view
-instead of leaving it stale; the precise scorer routes by what engines report and falls back without events."""
+needed) and a stand-in vLLM engine (the same ZMQ wire, vLLM's map encoding and its unrecomputable block hashes)
+feeding the gateway's real ZMQ subscribers; a sequence gap or a restarted engine resets that engine's view instead
+of leaving it stale; the precise scorer routes by what engines report, for both runtimes, and falls back without
+events; gateway replicas fed the same events agree; an adapter's blocks never score for another request."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import time
 
+import msgpack
 import pytest
 
 from shoal.engine.config import KVEventsConfig
@@ -23,17 +28,105 @@ URL = "http://127.0.0.1:8000"
 BOUND = 20.0  # seconds a test waits for the subscriber to see what was published
 
 
+def events_config(port: int, replay: int | None) -> KVEventsConfig:
+    return KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",
+                          replay_endpoint=f"tcp://*:{replay}" if replay else None)
+
+
 def publisher(port: int, replay: int | None) -> KVEventPublisher:
-    return KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",
-                                           replay_endpoint=f"tcp://*:{replay}" if replay else None), 16, "CPU")
+    return KVEventPublisher(events_config(port, replay), 16, "CPU")
 
 
-def held(index: KVIndex) -> set:
-    view = index.views.get(URL)
-    return set(view.blocks) if view is not None else set()
+class VLLMEngine(KVEventPublisher):
+    """vLLM's side of the wire. Shoal's publisher already speaks vLLM's ZMQ protocol (PUB + replay ROUTER, 8-byte
+    sequence numbers); this one sends what vLLM sends on it: EventBatch and events as maps (vLLM's msgspec structs,
+    tagged under "type", no longer array-like), and block hashes made as vLLM makes them — sha256 of a random
+    per-process seed, the parent, the block's tokens and its extra keys (adapter name; cache_salt on a chain's
+    first block) — 32 bytes no other process can recompute."""
+
+    def __init__(self, port: int, replay: int | None, block_size: int = 16):
+        super().__init__(events_config(port, replay), block_size, "GPU")
+        self.seed = os.urandom(32)
+
+    def encode(self, ts: float, events: list, lora_names: dict) -> bytes:
+        return msgpack.packb({"ts": ts, "events": events, "data_parallel_rank": self.dp_rank})
+
+    def store(self, tokens: list[int], start: int = 0, end: int | None = None, lora: tuple[int, str] | None = None,
+              salt: str | None = None) -> list[bytes]:
+        """Cache full blocks start..end of `tokens` (one BlockStored, as vLLM's cache_full_blocks sends it; `lora`:
+        (vLLM's adapter id, its name)); returns the hashes of every full block of `tokens`."""
+        bs = self.block_size
+        lora_id, lora_name = lora or (None, None)
+        parent, hashes, keys = self.seed, [], []
+        for i in range(len(tokens) // bs):
+            extra = ([lora_name] if lora_name else []) + ([salt] if salt and i == 0 else [])
+            parent = hashlib.sha256(parent + msgpack.packb([tokens[i * bs:(i + 1) * bs], extra])).digest()
+            hashes.append(parent)
+            keys.append(extra or None)
+        end = len(hashes) if end is None else end
+        self.publish([{"type": "BlockStored", "block_hashes": hashes[start:end],
+                       "parent_block_hash": hashes[start - 1] if start else None,
+                       "token_ids": tokens[start * bs:end * bs], "block_size": bs, "lora_id": lora_id,
+                       "medium": "GPU", "lora_name": lora_name, "extra_keys": keys[start:end]}])
+        return hashes
+
+    def remove(self, hashes: list[bytes]) -> None:
+        self.publish([{"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}])
+
+
+def shoal_stored(tokens: list[int], lora_id: int | None = None, end: int | None = None) -> tuple:
+    """A Shoal engine's BlockStored (its block pool's tuple) for the leading `end` blocks of `tokens`."""
+    hashes = list(hash_chain(tokens, 16, parent=lora_root(lora_id)))[:end]
+    return ("BlockStored", hashes, None, tokens[:16 * len(hashes)], lora_id)
+
+
+class Replica:
+    """One gateway replica's precise-prefix state for a pool: its own index, subscribers (their own ZMQ context,
+    as in a process of their own) and router. `ports`: engine URL -> (events port, replay port or None)."""
+
+    def __init__(self, ports: dict[str, tuple[int, int | None]]):
+        self.backends = BackendSet()
+        self.backends.replace(set(ports))
+        self.index = KVIndex()
+        self.subs = KVSubscribers(self.backends, self.index, 1, None, ports=ports)
+        self.router = make_router("precise-prefix", kv_index=self.index)
+
+    async def __aenter__(self) -> "Replica":
+        self.subs.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.subs.close()
+
+    def matches(self, tokens: list[int], adapter: str | None = None) -> dict[str, int]:
+        return self.index.matches(sorted(self.index.views), tokens, adapter)
+
+    def pick(self, tokens: list[int], adapter: str | None = None) -> tuple[str, int, bool]:
+        p = self.router.pick(self.backends.eligible(), [], time.monotonic(), model=adapter, tokens=tokens,
+                             adapter=adapter)
+        return p.backend.url, p.matched_blocks, p.precise
+
+    async def hear(self, engines: dict[str, KVEventPublisher]) -> None:
+        """Until this replica applied every batch `engines` published so far. Empty batches are sent meanwhile:
+        a PUB socket drops what precedes a subscription, and the first batch heard brings the rest by replay."""
+        for url, pub in engines.items():
+            deadline = time.monotonic() + BOUND
+            seq, resend = pub.publish([]), time.monotonic() + 1.0
+            while (view := self.index.views.get(url)) is None or view.last_seq != seq:
+                assert time.monotonic() < deadline, f"timed out after {BOUND}s waiting for {url}'s events"
+                if time.monotonic() > resend:
+                    seq, resend = pub.publish([]), time.monotonic() + 1.0
+                await asyncio.sleep(0.02)
+
+
+def held(index: KVIndex, url: str = URL) -> set:
+    """The block hashes `url` reported holding, as the index has them."""
+    view = index.views.get(url)
+    return set(view.reported) if view is not None else set()
 
 
 def stored(*hashes: int) -> tuple:
+    """Blocks whose reported hashes are not the gateway's (as a vLLM engine's are not)."""
     return ("BlockStored", list(hashes), None, [1] * 16 * len(hashes), None)
 
 
@@ -50,10 +143,8 @@ async def until(predicate, what: str, keep_publishing=None) -> None:
 async def test_a_gap_or_a_restart_resets_the_engines_view(replay):
     port, replay_port = free_port(), (free_port() if replay else None)
     pub = publisher(port, replay_port)
-    index = KVIndex()
-    backends = BackendSet()
-    backends.replace({URL})
-    subs = KVSubscribers(backends, index, port, replay_port)
+    replica = Replica({URL: (port, replay_port)})
+    index, backends, subs = replica.index, replica.backends, replica.subs
     subs.start()
     try:
         pub.publish([stored(1, 2, 3)])
@@ -73,7 +164,7 @@ async def test_a_gap_or_a_restart_resets_the_engines_view(replay):
         assert view.resets > resets
         # Everything before the gap is forgotten: the lost batch may have removed any of it. A replay cannot
         # bring it back either (the buffer has the same hole).
-        assert set(view.blocks) == {7}, view.blocks
+        assert set(view.reported) == {7}, view.reported
 
         # The engine restarts: new numbers from 0, nothing of the old cache.
         pub.close()
@@ -81,12 +172,12 @@ async def test_a_gap_or_a_restart_resets_the_engines_view(replay):
         marker = iter(range(2000, 3000))
         await until(lambda: held(index) & set(range(2000, 3000)), "the restarted engine's events",
                     lambda: pub.publish([stored(next(marker))]))
-        assert 7 not in index.views[URL].blocks
+        assert 7 not in held(index)
 
         pub.publish([("AllBlocksCleared",)])
         pub.publish([stored(42)])
         await until(lambda: 42 in held(index), "the batch after AllBlocksCleared")
-        assert set(index.views[URL].blocks) == {42}
+        assert held(index) == {42}
 
         backends.replace(set())  # the engine left discovery: its subscriber and view go
         assert URL not in index.views and not subs.tasks
@@ -104,7 +195,7 @@ def test_decodes_both_of_vllms_encodings():
         {"type": "BlockStored", "block_hashes": [5, 6], "parent_block_hash": None, "token_ids": [1] * 32,
          "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None},
         {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}, {"type": "AllBlocksCleared"}]})
-    expected = [("BlockStored", [5, 6], None, [1] * 32, 16, None, "GPU", None), ("BlockRemoved", [5], "GPU"),
+    expected = [("BlockStored", [5, 6], None, [1] * 32, 16, None, "GPU", None, None), ("BlockRemoved", [5], "GPU"),
                 ("AllBlocksCleared",)]
     assert decode_batch(array) == expected
     assert decode_batch(mapped) == expected
@@ -150,3 +241,144 @@ def test_bad_precise_prefix_flags_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--routing", "precise-prefix", "--endpoint", "http://127.0.0.1:8001", *flags])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+SHOAL, VLLM = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
+
+
+def prompt(seed: int, blocks: int = 5) -> list[int]:
+    return [seed * 1000 + i for i in range(16 * blocks)]
+
+
+async def test_a_vllm_engine_is_indexed_by_the_gateways_own_hashes():
+    """vLLM's hashes cannot be recomputed: the index maps each to its own hash of the block's token chain, so a
+    prompt scores a vLLM engine as it scores a Shoal one, and BlockRemoved (vLLM's hashes only) removes it."""
+    ports = {SHOAL: (free_port(), free_port()), VLLM: (free_port(), free_port())}
+    shoal, vllm = publisher(*ports[SHOAL]), VLLMEngine(*ports[VLLM])
+    engines = {SHOAL: shoal, VLLM: vllm}
+    p, salted = prompt(1), prompt(2)
+    try:
+        async with Replica(ports) as gw:
+            await gw.hear(engines)
+            shoal.publish([shoal_stored(p, end=1)])
+            hashes = vllm.store(p, 0, 2)
+            vllm.store(p, 2, 5)  # chained to block 1 by its parent hash
+            vllm.store(p, lora=(1, "sql"))
+            vllm.store(salted, 0, 1, salt="tenant-a")  # hashed with a cache_salt: never the gateway's hash
+            vllm.store(salted, 1, 3, salt="tenant-a")
+            await gw.hear(engines)
+            assert gw.matches(p) == {SHOAL: 1, VLLM: 5}
+            assert gw.pick(p) == (VLLM, 5, True)
+            assert gw.matches(p, "sql") == {VLLM: 5} and gw.matches(p, "chat") == {}
+            assert gw.matches(salted) == {}
+
+            vllm.store(p, 0, 2)  # a second copy of blocks 0-1 (vLLM does not deduplicate)
+            vllm.remove([hashes[0], hashes[3]])
+            await gw.hear(engines)
+            assert gw.matches(p) == {SHOAL: 1, VLLM: 3}  # block 0's other copy holds; block 3 is gone
+            vllm.remove([hashes[0]])
+            await gw.hear(engines)
+            assert gw.matches(p) == {SHOAL: 1}
+            assert gw.pick(p) == (SHOAL, 1, True)
+
+            vllm.store(p, 0, 5)
+            await gw.hear(engines)
+            assert gw.matches(p)[VLLM] == 5
+            next(vllm._seq)  # a batch lost: the view resets, and the replay has the same hole
+            q = prompt(3)
+            vllm.store(q)
+            vllm.store(p, 5, 5)  # nothing new, but chained to a block from before the gap
+            await gw.hear(engines)
+            assert gw.matches(p) == {SHOAL: 1} and gw.matches(q) == {VLLM: 5}
+            assert gw.index.views[VLLM].resets >= 2
+    finally:
+        shoal.close()
+        vllm.close()
+
+
+def views(replica: Replica) -> dict[str, tuple]:
+    return {url: (dict(v.blocks), dict(v.lora_roots), v.last_seq) for url, v in replica.index.views.items()}
+
+
+async def test_gateway_replicas_fed_the_same_events_agree_even_when_one_joins_late():
+    """Two replicas: one hears everything live, one joins late (everything by replay), and reconnects later; they
+    hold the same views and pick alike. The Shoal engine restarts in between and numbers its adapters anew: the
+    adapter a replica learned before the restart must not keep the number another adapter has now."""
+    ports = {SHOAL: (free_port(), free_port()), VLLM: (free_port(), free_port())}
+    shoal, vllm = publisher(*ports[SHOAL]), VLLMEngine(*ports[VLLM])
+    engines = {SHOAL: shoal, VLLM: vllm}
+    prompts = [prompt(i) for i in range(1, 5)]
+    try:
+        async with Replica(ports) as early:
+            await early.hear(engines)
+            shoal.publish([shoal_stored(prompts[0], 1, end=4)], {1: "sql"})
+            shoal.publish([shoal_stored(prompts[1], end=2)])
+            vllm.store(prompts[1], 0, 4)
+            await early.hear(engines)
+            assert early.matches(prompts[0], "sql") == {SHOAL: 4}
+
+            shoal.close()  # the engine restarts: "chat" is its adapter 1 now, "sql" is not loaded
+            resets = early.index.views[SHOAL].resets
+            shoal = engines[SHOAL] = publisher(*ports[SHOAL])
+            await until(lambda: early.index.views[SHOAL].resets > resets, "the restart to be noticed",
+                        lambda: shoal.publish([]))
+            shoal.publish([shoal_stored(prompts[0], 1, end=3)], {1: "chat"})
+            shoal.publish([shoal_stored(prompts[2], end=5)])
+            hashes = vllm.store(prompts[3], 0, 3)
+            vllm.remove(hashes[2:3])
+            await early.hear(engines)
+
+            async with Replica(ports) as late:
+                await late.hear(engines)
+                await early.hear(engines)
+                for replica in (early, late):
+                    assert replica.matches(prompts[0], "sql") == {}  # chat's blocks are not sql's
+                    assert replica.matches(prompts[0], "chat") == {SHOAL: 3}
+                assert views(early) == views(late)
+                for tokens in prompts:
+                    for adapter in (None, "sql", "chat"):
+                        assert early.pick(tokens, adapter) == late.pick(tokens, adapter), (tokens[0], adapter)
+                assert early.pick(prompts[1]) == (VLLM, 4, True)
+                assert early.pick(prompts[2]) == (SHOAL, 5, True)
+
+            vllm.store(prompts[0], 0, 5)
+            shoal.publish([("AllBlocksCleared",)])
+            async with Replica(ports) as reconnected:  # the late replica again, after more events
+                await reconnected.hear(engines)
+                await early.hear(engines)
+                assert views(early) == views(reconnected)
+                assert early.pick(prompts[0]) == reconnected.pick(prompts[0]) == (VLLM, 5, True)
+    finally:
+        shoal.close()
+        vllm.close()
+
+
+@pytest.mark.parametrize("encoding", ["vllm-int", "vllm-bytes", "vllm-name-only", "shoal"])
+def test_an_adapters_blocks_never_score_for_the_base_model_or_another_adapter(encoding):
+    """Whatever an engine reports about an adapter (vLLM's int or 32-byte hashes, a name without vLLM's
+    deprecated lora_id, Shoal's own hashes), its blocks match requests for that adapter on that engine only."""
+    tokens = prompt(7, blocks=3)
+    chain = list(hash_chain(tokens, 16, parent=lora_root(2)))
+    reported = {"vllm-int": [11, 12, 13], "vllm-bytes": [bytes([i]) * 32 for i in (11, 12, 13)],
+                "vllm-name-only": [11, 12, 13], "shoal": chain}[encoding]
+    lora_id = None if encoding == "vllm-name-only" else 2
+    extra = None if encoding == "shoal" else [["sql"]] * 3
+    index = KVIndex()
+    index.apply(VLLM, 0, [("BlockStored", reported, None, tokens, 16, lora_id, "GPU", "sql", extra)])
+    index.apply(SHOAL, 0, [("BlockStored", list(hash_chain(tokens, 16)), None, tokens, 16, None, "GPU", None)])
+    assert index.matches([SHOAL, VLLM], tokens) == {SHOAL: 3}  # base-model blocks only
+    assert index.matches([SHOAL, VLLM], tokens, "chat") == {}
+    assert index.matches([SHOAL, VLLM], tokens, "sql") == {VLLM: 3}
+    index.apply(VLLM, 1, [("BlockRemoved", reported[1:2], "GPU")])
+    assert index.matches([SHOAL, VLLM], tokens, "sql") == {VLLM: 1}
+
+
+async def test_a_request_with_a_cache_salt_never_routes_by_the_index():
+    """vLLM keeps a salted prompt's blocks apart (a tenant's own); the index holds none of them, so a salted
+    request must not be matched against anyone's unsalted blocks."""
+    from shoal.operator.gateway.proxy import Gateway, GatewayConfig
+
+    gw = Gateway(GatewayConfig(routing="precise-prefix"))
+    body = {"model": "m", "prompt": list(range(64))}
+    assert await gw.prompt_tokens("/v1/completions", body, "m", gw.pools.pool) == list(range(64))
+    assert await gw.prompt_tokens("/v1/completions", {**body, "cache_salt": "a"}, "m", gw.pools.pool) is None
