@@ -20,7 +20,7 @@ from pathlib import Path
 # engine/ files the operator image copies, and the packages they make up
 OPERATOR_ENGINE_FILES = ("engine/__init__.py", "engine/flags.py", "engine/config.py", "engine/kv_hash.py",
                          "engine/execution/__init__.py", "engine/execution/models/__init__.py",
-                         "engine/server/__init__.py", "engine/server/keys.py")
+                         "engine/server/__init__.py", "engine/server/keys.py", "engine/server/gateway_contract.py")
 OPERATOR_ENGINE_PACKAGES = ("shoal.engine", "shoal.engine.execution", "shoal.engine.execution.models",
                             "shoal.engine.server")
 

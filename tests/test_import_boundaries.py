@@ -26,8 +26,10 @@ PACKAGES = {"shoal.engine": ROOT / "engine", "shoal.operator": ROOT / "operator"
 # ...and the API-key file format (engine/server/keys.py) that the engines and the gateways both read, so that a
 # rotated Secret means the same to both
 # ...and the prefix cache's block hashes (engine/kv_hash.py), which the gateway's precise-prefix routing recomputes
+# ...and the stored responses' ids, owner header and Anthropic's error body (engine/server/gateway_contract.py),
+# which the gateways route and answer by exactly as the engines issue and answer them
 OPTION_MODULES = {"shoal.engine.flags", "shoal.engine.config", "shoal.engine.execution.models",
-                  "shoal.engine.server.keys", "shoal.engine.kv_hash"}
+                  "shoal.engine.server.keys", "shoal.engine.kv_hash", "shoal.engine.server.gateway_contract"}
 # Cycles the engine has today (function-local imports hide them from tests/engine/test_import_graph.py), owned by
 # other items of issue 29 (one weight-format object per layer; the drafter behind the executor seam). A cycle that
 # is not a part of one of these fails; one that is gone must be removed here.

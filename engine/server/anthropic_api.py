@@ -20,23 +20,19 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from shoal.engine.core.async_engine import EngineDeadError
 from shoal.engine.server import openai_api as oai
+from shoal.engine.server.gateway_contract import ANTHROPIC_PREFIX, anthropic_error
 from shoal.engine.server.common import check_model, dumps, get_state, json_response, read_json, require_loaded
 from shoal.engine.server.protocol import APIError, ChatCompletionRequest, validation_error_to_api_error
 from shoal.engine.server.chat_relay import ChatRelay, DeltaBuilder
 from shoal.engine.server.reasoning import ReasoningSplitter
 
-PREFIX = "/v1/messages"
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+PREFIX = ANTHROPIC_PREFIX
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
 
 def error_response(e: APIError) -> web.Response:
     """Anthropic's error body: {"type": "error", "error": {"type", "message"}}."""
-    body = {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "invalid_request_error"),
-                                       "message": e.message}}
-    return json_response(body, status=e.status, headers=e.headers)
+    return json_response(anthropic_error(e.status, e.message), status=e.status, headers=e.headers)
 
 
 class MessagesRequest(BaseModel):

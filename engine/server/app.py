@@ -138,13 +138,16 @@ async def startupz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """`instance`: the tag this process puts in its stored responses' ids, read by the gateways' poll to route
+    `previous_response_id` and GET/DELETE /v1/responses/{id} here (gateway_contract.py)."""
     eng = get_state(request).engine
+    instance = request.app[responses_api.STORE_KEY].instance
     if eng.is_ready():
-        return json_response({"status": "ready"})
+        return json_response({"status": "ready", "instance": instance})
     reason = ("failed" if eng.fatal_error is not None else "loading" if not eng.is_loaded
               else "not_alive" if not eng.is_alive() else "draining" if eng.draining
               else "sleeping" if eng.sleep_level else "not_ready")
-    return json_response({"status": reason}, 503)
+    return json_response({"status": reason, "instance": instance}, 503)
 
 
 async def livez(request: web.Request) -> web.Response:

@@ -26,6 +26,7 @@ from shoal.engine.server.protocol import APIError, ChatCompletionRequest, valida
 from shoal.engine.server.chat_relay import ChatRelay, DeltaBuilder
 from shoal.engine.server.reasoning import ReasoningSplitter
 from shoal.engine.server.response_store import ResponseStore, StoredResponse, owner_of
+from shoal.engine.server.gateway_contract import not_found_error, previous_not_found_error, response_id
 
 STORE_KEY = web.AppKey("shoal_response_store", ResponseStore)
 INPUT_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -288,7 +289,7 @@ class _Run(ChatRelay):
         super().__init__(state, api, OutputBuilder)
         self.store, self.req = store, req
         self.conversation, self.owner, self.model = conversation, owner, model
-        self.id = f"resp_{uuid.uuid4().hex}"
+        self.id = response_id(store.instance)  # tagged: the gateways send what concerns it to this engine
         self.created = int(time.time())
         self.seq = 0
 
@@ -342,9 +343,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.previous_response_id is not None:
         prev = store.get(owner, req.previous_response_id)
         if prev is None:
-            raise APIError(f"previous response {req.previous_response_id!r} not found (unknown, expired, deleted "
-                           "or stored under another API key)", 404, param="previous_response_id",
-                           code="previous_response_not_found")
+            raise _not_found(previous_not_found_error(req.previous_response_id))
         history = prev.conversation
     new_items = _input_items(req)
     conversation = history + new_items
@@ -385,11 +384,16 @@ async def _stream(request: web.Request, run: _Run) -> web.StreamResponse:
     return resp
 
 
+def _not_found(error: dict) -> APIError:
+    """The 404 a gateway answers alike for an id of no engine it knows (gateway_contract.py)."""
+    return APIError(error["message"], 404, type=error["type"], param=error["param"], code=error["code"])
+
+
 def _stored(request: web.Request) -> StoredResponse:
     rid = request.match_info["response_id"]
     entry = request.app[STORE_KEY].get(owner_of(request.headers), rid)
     if entry is None:
-        raise APIError(f"response {rid!r} not found", 404, param="response_id", code="not_found")
+        raise _not_found(not_found_error(rid))
     return entry
 
 
@@ -400,7 +404,7 @@ async def get_response(request: web.Request) -> web.Response:
 async def delete_response(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
     if not request.app[STORE_KEY].delete(owner_of(request.headers), rid):
-        raise APIError(f"response {rid!r} not found", 404, param="response_id", code="not_found")
+        raise _not_found(not_found_error(rid))
     return json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
 

@@ -37,7 +37,7 @@ def request_cost(body_bytes: int, parsed: Any) -> float:
     """The work a completion request asks for, in tokens: its prompt (body characters / 4) and its answer."""
     answer = DEFAULT_MAX_TOKENS
     if isinstance(parsed, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):  # the last: Responses
             value = parsed.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 answer = value
@@ -64,6 +64,8 @@ class Ticket:
     hashes: list[bytes] = field(default_factory=list)
     tokens: list[int] | None = None  # the prompt's token ids (precise-prefix routing), None when unknown
     revision: str | None = None  # stable | canary: the engines it may go to (gateway/canary.py); None: any
+    # the one engine it may go to: the one storing the response it continues or reads (Backend.instance)
+    instance: str | None = None
     arrived: float = field(default_factory=time.monotonic)
     start: float = 0.0  # start-time fair queuing tags
     finish: float = 0.0

@@ -64,6 +64,9 @@ class Backend:
     lora_running: int = 0
     max_loras: int = 0
     served_model: str | None = None  # the engine's base model name (its metrics' model_name label)
+    # The tag in the ids of the responses this engine process stores (its /readyz `instance`; None: not said yet,
+    # or not a Shoal engine): requests about one of them go here (gateway_contract.py).
+    instance: str | None = None
     # The adapters the engine serves now: the cards with a `parent` in its /v1/models (polled with its metrics).
     # None: unknown (not polled yet, the poll failed, or the engine went away: a restarted engine lists its own).
     adapters: frozenset[str] | None = None

@@ -249,6 +249,10 @@ class Fleet:
     def all(self) -> list[Pool]:
         return list(self.pools.values())
 
+    def usable(self, namespace: str | None) -> list[Pool]:
+        """The pools a caller of `namespace` may use."""
+        return [p for p in self.pools.values() if self._usable(p, namespace)]
+
     def models(self, namespace: str | None = None) -> list[dict]:
         """The aggregated /v1/models of a caller of `namespace`: each model it may use (as resolve() would route
         it; ambiguous names are left out), as its engines describe it when they answered, else from the spec —

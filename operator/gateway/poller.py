@@ -11,6 +11,7 @@ scan rather than a full Prometheus parse. A ready engine's /v1/models is read in
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Callable
@@ -110,16 +111,18 @@ class Poller:
         try:
             async with self.session.get(b.url + self.metrics.ready_path,
                                         timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
-                await r.read()
+                answer = await r.read()
                 ready = r.status == 200
         except (aiohttp.ClientConnectorError, ConnectionRefusedError):
             b.ready, b.last_answer = False, time.monotonic()  # nobody listens: a definite "no"
             b.forget_adapters()
+            b.instance = None  # whatever listens here next is another process, with a store of its own
             self._changed(b, was_usable)
             return
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             log.debug("poll of %s failed: %r", b.url, e)  # no answer: the data goes stale, then stalled
             return
+        b.instance = instance_of_readiness(answer)
         left = deadline - time.monotonic()
         listing = ready and self.metrics.lists_adapters
         text, adapters = await asyncio.gather(self._metrics(b, left), self._adapters(b, left) if listing else _none())
@@ -166,6 +169,15 @@ class Poller:
     def _changed(self, b: Backend, was_usable: bool) -> None:
         if b.usable(time.monotonic()) != was_usable:
             self.backends.notify()
+
+
+def instance_of_readiness(body: bytes) -> str | None:
+    """The stored-response tag a Shoal engine's /readyz names (gateway_contract.py); None from any other."""
+    try:
+        instance = json.loads(body).get("instance") if body else None
+    except (ValueError, AttributeError):
+        return None
+    return instance if isinstance(instance, str) and instance else None
 
 
 async def _none() -> None:

@@ -141,7 +141,9 @@ class Pool:
         now = time.monotonic()
         candidates = self._with_room(now, exclude, ticket.model) if room else \
             self.serving(ticket.model, self.backends.eligible(now, exclude), now)
-        if ticket.revision is not None and candidates:
+        if ticket.instance is not None:  # only that engine has the stored response: no other will do
+            candidates = [b for b in candidates if b.instance == ticket.instance]
+        elif ticket.revision is not None and candidates:
             candidates = self._of_revision(ticket.revision, candidates, now, exclude)
         if not candidates:
             return None
@@ -157,6 +159,10 @@ class Pool:
         if self.on_pick is not None:
             self.on_pick(pick, time.perf_counter() - started)
         return pick.backend
+
+    def storing(self, instance: str) -> Backend | None:
+        """The engine of this pool whose stored responses carry `instance` (gateway_contract.py), if it is here."""
+        return next((b for b in self.backends.all() if b.instance == instance), None)
 
     def _of_revision(self, revision: str, candidates: list[Backend], now: float,
                      exclude: tuple[Backend, ...]) -> list[Backend]:

@@ -42,6 +42,8 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shoal.operator import __version__
+from shoal.engine.server.gateway_contract import (ANTHROPIC_PREFIX, RESPONSE_PATH, TENANT_HEADER, anthropic_error,
+                                                   instance_of, not_found_error, previous_not_found_error)
 from shoal.engine.server.keys import KeySet, read_keys
 from shoal.operator.gateway import canary
 from shoal.operator.gateway.admission import Shed, Ticket, request_cost
@@ -78,9 +80,11 @@ ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/l
                          "/unload_lora_adapter", "/v1/lora_adapters", "/reset_prefix_cache", "/sleep", "/wake_up",
                          "/is_sleeping", "/collective_rpc", "/start_profile", "/stop_profile", "/scale_elastic_ep",
                          "/update_weights", "/pause", "/resume"})
-# The shared gateway proxies only these (each names its model); engine administration (loading adapters, ...)
-# is never reachable through the platform's entry point.
-SHARED_PATHS = (*ROUTED_PATHS, "/v1/embeddings", "/tokenize", "/detokenize")
+# The shared gateway proxies only these (each names its model), and GET/DELETE /v1/responses/{id} (its id names the
+# engine: gateway_contract.py); engine administration (loading adapters, ...) is never reachable through the
+# platform's entry point.
+SHARED_PATHS = (*ROUTED_PATHS, "/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+                "/tokenize", "/detokenize")
 KEY_HEADERS = ("authorization", "x-api-key")
 ENGINE_DEFAULT_MAX_NUM_SEQS = 256  # Shoal's and vLLM's --max-num-seqs default
 ENGINE_PRIORITY_SPAN = 2**20  # engine priority = -priority * span - how far the tenant is below its fair share
@@ -186,10 +190,40 @@ def request_model(path: str, body: bytes) -> str | None:
     return model_of(parse_body(path, body))
 
 
+GATEWAY_ERROR = web.ResponseKey("shoal_gateway_error", str)  # the message of an error the gateway itself made
+
+
 def error_response(status: int, message: str, type_: str, code: str | None = None,
                    headers: dict[str, str] | None = None, param: str | None = None) -> web.Response:
+    """OpenAI's error body; on Anthropic's routes anthropic_errors turns it into Anthropic's."""
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+    response = web.json_response(body, status=status, headers=headers)
+    response[GATEWAY_ERROR] = message
+    return response
+
+
+@web.middleware
+async def anthropic_errors(request: web.Request, handler):
+    """The gateway's own errors (401, 404, 429, 503, ...) on /v1/messages* in Anthropic's shape, as the engine
+    answers there: Anthropic's clients read no other. Engines' answers are relayed untouched."""
+    response = await handler(request)
+    message = response.get(GATEWAY_ERROR) if isinstance(response, web.Response) else None
+    if message is None or not request.path.startswith(ANTHROPIC_PREFIX):
+        return response
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-type", "content-length")}
+    return web.json_response(anthropic_error(response.status, message), status=response.status, headers=headers)
+
+
+def stored_reference(request: web.Request, parsed: Any) -> tuple[str, dict] | None:
+    """The stored response a request is about, with the 404 error an unknown one gets: GET/DELETE
+    /v1/responses/{id}, or a Responses request's `previous_response_id`. None for every other request."""
+    if request.method in ("GET", "DELETE") and request.path.startswith(RESPONSE_PATH):
+        rid = request.path[len(RESPONSE_PATH):]
+        return (rid, not_found_error(rid)) if rid and "/" not in rid else None
+    if request.path == "/v1/responses" and isinstance(parsed, dict) and \
+            isinstance(rid := parsed.get("previous_response_id"), str):
+        return rid, previous_not_found_error(rid)
+    return None
 
 
 def authorized(request: web.Request, keys: "str | KeySet") -> bool:
@@ -213,6 +247,9 @@ class StaticPools:
         return self.pool
 
     def all(self) -> list[Pool]:
+        return [self.pool]
+
+    def usable(self, namespace: str | None = None) -> list[Pool]:
         return [self.pool]
 
 
@@ -551,14 +588,18 @@ class Gateway:
         listed = keys.keys_for(pool.namespace, pool.name) if keys is not None and pool.name else []
         return listed[1] if len(listed) > 1 else None
 
-    def engine_headers(self, request: web.Request, pool: Pool) -> dict[str, str]:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+    def engine_headers(self, request: web.Request, pool: Pool, tenant: str) -> dict[str, str]:
+        # the tenant header is the gateway's to set (a client's own would claim another's stored responses)
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in HOP_BY_HOP and k.lower() != TENANT_HEADER.lower()}
         key = self.engine_key(pool) if self.pools.shared else None
         if self.pools.shared and (self.tenancy.authenticates or key):
             # a tenant's key is the gateway's to check, never the engines' to see; the engines get their own
             headers = {k: v for k, v in headers.items() if k.lower() not in KEY_HEADERS}
             if key:
                 headers["Authorization"] = f"Bearer {key}"
+            if self.tenancy.authenticates:  # every tenant comes with the engines' key: the tenant owns what it stores
+                headers[TENANT_HEADER] = tenant
         forwarded = request.headers.get("X-Forwarded-For")
         headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else (request.remote or "")
         return headers
@@ -572,14 +613,16 @@ class Gateway:
 
     def _unauthenticated(self) -> web.Response:
         self.metrics.rejected.labels("unauthenticated").inc()
-        return error_response(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+        return error_response(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or "
+                                   "'X-API-Key: <key>').",
                               "invalid_request_error", "invalid_api_key")
 
     async def handle_proxy(self, request: web.Request) -> web.StreamResponse:
         caller = self._authenticate(request)
         if caller is None:
             return self._unauthenticated()
-        if request.path in ADMIN_PATHS or (self.pools.shared and request.path not in SHARED_PATHS):
+        if request.path in ADMIN_PATHS or (self.pools.shared and request.path not in SHARED_PATHS
+                                           and stored_reference(request, None) is None):
             return await self.not_found(request)
         c, tenant = self.config, caller.tenant
         if self.pending >= c.max_pending or \
@@ -634,12 +677,24 @@ class Gateway:
             return error_response(413, f"request body exceeds {self.config.max_body_bytes} bytes",
                                   "invalid_request_error", "body_too_large")
         parsed = parse_body(request.path, body)
-        model = model_of(parsed) if request.path in (SHARED_PATHS if self.pools.shared else ROUTED_PATHS) else None
-        try:
-            pool = self.pools.resolve(model, caller.namespace)
-        except LookupError as e:  # fleet.ModelAmbiguous: several namespaces granting the caller serve it
-            self.metrics.rejected.labels("ambiguous_model").inc()
-            return error_response(409, str(e), "invalid_request_error", "model_ambiguous", param="model")
+        # a stored response lives in one engine's memory: its id's tag says which (gateway_contract.py)
+        stored = stored_reference(request, parsed)
+        instance = instance_of(stored[0]) if stored is not None else None
+        if stored is not None and request.method != "POST" and (instance is not None or self.pools.shared):
+            # GET/DELETE /v1/responses/{id}: no body and no model, only the id
+            model, pool = None, await self._pool_storing(instance, self.pools.usable(caller.namespace))
+            if pool is None:  # no engine of the caller's has it: the engine's own answer for an unknown id
+                return stored_not_found(stored[1])
+        else:
+            model = model_of(parsed) if request.path in (SHARED_PATHS if self.pools.shared else ROUTED_PATHS) \
+                else None
+            try:
+                pool = self.pools.resolve(model, caller.namespace)
+            except LookupError as e:  # fleet.ModelAmbiguous: several namespaces granting the caller serve it
+                self.metrics.rejected.labels("ambiguous_model").inc()
+                return error_response(409, str(e), "invalid_request_error", "model_ambiguous", param="model")
+            if pool is not None and instance is not None and await self._pool_storing(instance, [pool]) is None:
+                return stored_not_found(stored[1])  # `previous_response_id` of no engine of this model's
         if pool is None:  # the shared gateway: the model names which service
             if parsed is None:
                 return error_response(400, "the request body must be a JSON object naming a `model`",
@@ -649,9 +704,10 @@ class Gateway:
                 return error_response(400, "`model` is required: this endpoint serves several models",
                                       "invalid_request_error", "model_required", param="model")
             return model_not_found(model)
-        ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant, cost=request_cost(len(body), parsed),
+        ticket = Ticket(priority=pool.priority_of(model), tenant=caller.tenant,
+                        cost=request_cost(len(body), parsed) if request.method == "POST" else 1.0,
                         model=model, hashes=self.prompt_hashes(request.path, parsed, model, pool),
-                        tokens=await self.prompt_tokens(request.path, parsed, model, pool))
+                        tokens=await self.prompt_tokens(request.path, parsed, model, pool), instance=instance)
         if pool.backends.split:  # a canary revision exists (its share may be 0: then nothing goes there)
             ticket.revision = canary.revision_for(canary.conversation_key(request.headers, parsed),
                                                   pool.backends.canary_percent)
@@ -668,6 +724,20 @@ class Gateway:
             return await self._dispatch(request, pool, ticket, body, parsed, limits)
         finally:
             self.quotas.release(caller.tenant)
+
+    async def _pool_storing(self, instance: str | None, pools: list[Pool]) -> Pool | None:
+        """The pool of `pools` whose engine tags its stored responses `instance` (None: none). Engines this gateway
+        has not heard from yet (it just started, or they just appeared) are waited for, a poll's time at most, so
+        every replica finds the engine, not only the one that sent the response's first request."""
+        deadline = time.monotonic() + self.config.poll_interval + self.config.poll_timeout
+        while instance is not None:
+            for pool in pools:
+                if pool.storing(instance) is not None:
+                    return pool
+            if time.monotonic() >= deadline or all(b.last_answer is not None for p in pools for b in p.backends.all()):
+                break
+            await asyncio.sleep(0.05)
+        return None
 
     async def _dispatch(self, request: web.Request, pool: Pool, ticket: Ticket, body: bytes, parsed: Any,
                         limits: dict[str, str]) -> web.StreamResponse:
@@ -693,7 +763,7 @@ class Gateway:
         if trace is not None:
             trace.queue_ended("admitted")
         body = self.engine_body(pool, ticket, body, parsed)
-        headers = self.engine_headers(request, pool)
+        headers = self.engine_headers(request, pool, ticket.tenant)
         tried: tuple[Backend, ...] = ()
         retry_reason: str | None = None
         sent_at = time.monotonic()
@@ -879,8 +949,14 @@ def model_not_found(model: str) -> web.Response:
                           param="model")
 
 
+def stored_not_found(error: dict) -> web.Response:
+    """A stored response no engine of the caller's has: the very answer the engine gives for an unknown id, so
+    nobody learns whether it exists elsewhere (another tenant's, another model's)."""
+    return error_response(404, error["message"], error["type"], error["code"], param=error["param"])
+
+
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(client_max_size=gateway.config.max_body_bytes)
+    app = web.Application(client_max_size=gateway.config.max_body_bytes, middlewares=[anthropic_errors])
     r = app.router
     if gateway.pools.shared:
         r.add_get("/v1/models", gateway.list_models)

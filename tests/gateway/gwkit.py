@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 from promkit import metric  # noqa: F401  (re-exported for the fleet tests)
 from prockit import LoggedProcess, free_port, http, wait_for  # noqa: F401  (re-exported for the fleet tests)
@@ -19,6 +20,19 @@ class Proc(LoggedProcess):
         return super().wait_ready(timeout, path)
 
 
+@contextmanager
+def running(procs: list[Proc]):
+    """Engines (or gateways) ready for the block, stopped after it (a module fixture's `with running(...) as p:
+    yield p`)."""
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
 def engine_cmd(model_dir) -> list[str]:
     return [sys.executable, "-m", "shoal.engine.cli", "serve", "--model", str(model_dir), "--served-model-name",
             "tiny", "--kv-cache-memory", "32MiB", "--shutdown-timeout", "60"]
@@ -32,3 +46,14 @@ def gateway_cmd(*endpoints: str, routing: str = "prefix-load", extra: tuple[str,
     return cmd
 
 
+
+
+def publish(api, namespace: str, isvc: str, e: LoggedProcess, slice_name: str = "x1") -> None:
+    """The EndpointSlice controller's part: the engine is a Ready endpoint of `<isvc>-engines` (one slice per
+    engine: a slice has one port, and every engine on 127.0.0.1 has its own)."""
+    api.create("endpointslices", namespace, {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": f"{isvc}-engines-{slice_name}", "labels": {
+            "kubernetes.io/service-name": f"{isvc}-engines", "app.kubernetes.io/managed-by": "shoal-operator"}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": e.port, "protocol": "TCP"}],
+        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}]})

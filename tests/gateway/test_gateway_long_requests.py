@@ -7,20 +7,14 @@ import json
 import time
 
 import pytest
-from .gwkit import Proc, engine_cmd, http, metric
+from .gwkit import Proc, engine_cmd, http, metric, running
 
 pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def two_engines(fleet_model):
-    procs = [Proc(engine_cmd(fleet_model)) for _ in range(2)]
-    try:
-        for p in procs:
-            p.wait_ready()
+    with running([Proc(engine_cmd(fleet_model)) for _ in range(2)]) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 def test_a_non_streaming_generation_longer_than_the_read_timeout_runs_once(two_engines, start_gateway):
     # 0.5 s of allowed silence stands for the old 600 s read timeout; the generation below takes several times that

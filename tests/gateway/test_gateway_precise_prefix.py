@@ -15,7 +15,7 @@ import pytest
 
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
 
-from .gwkit import Proc, engine_cmd, free_port, http, metric, wait_for
+from .gwkit import Proc, engine_cmd, free_port, http, metric, running, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +30,8 @@ class EventEngine(Proc):
 
 @pytest.fixture(scope="module")
 def engines(fleet_model):
-    procs = [EventEngine(fleet_model), EventEngine(fleet_model)]
-    try:
-        for p in procs:
-            p.wait_ready()
+    with running([EventEngine(fleet_model), EventEngine(fleet_model)]) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def complete(url: str, prompt: str) -> None:

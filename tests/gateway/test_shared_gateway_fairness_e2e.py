@@ -16,10 +16,10 @@ import threading
 import uuid
 
 import pytest
-from kubekit import Client, isvc_body
+from kubekit import isvc_body
 from prockit import LoggedProcess
 
-from .gwkit import Proc, free_port, http, metric, wait_for
+from .gwkit import Proc, free_port, http, metric, publish, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +30,6 @@ FLOOD = 10
 def engine(model_dir, served: str) -> Proc:
     return Proc([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", str(model_dir), "--served-model-name",
                  served, "--kv-cache-memory", "32MiB", "--shutdown-timeout", "0"])
-
-
-def publish(api: Client, namespace: str, isvc: str, e: Proc) -> None:
-    """The EndpointSlice controller's part: the engine is a Ready endpoint of `<isvc>-engines`."""
-    api.create("endpointslices", namespace, {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": f"{isvc}-engines-x1", "labels": {
-            "kubernetes.io/service-name": f"{isvc}-engines", "app.kubernetes.io/managed-by": "shoal-operator"}},
-        "addressType": "IPv4", "ports": [{"name": "http", "port": e.port, "protocol": "TCP"}],
-        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}]})
 
 
 def complete(url: str, key: str, model: str, max_tokens: int) -> tuple[int, dict, dict]:

@@ -197,6 +197,13 @@ async def test_per_tenant_quotas_answer_429_with_retry_after_and_the_openai_rate
             assert r.status == 429 and (await r.json())["error"]["code"] == "tenant_requests_per_minute"
             assert r.headers["x-ratelimit-remaining-requests"] == "0" and r.headers["x-ratelimit-reset-requests"]
             assert 1 <= int(r.headers["Retry-After"]) <= 30
+            # on Anthropic's route the same refusal is in Anthropic's shape (what its client reads), key in x-api-key
+            r = await client.post("/v1/messages", json={"model": "chat", "max_tokens": 4, "messages": [
+                {"role": "user", "content": "x"}]}, headers={"x-api-key": "sk-a"})
+            body = await r.json()
+            assert r.status == 429 and body == {"type": "error", "error": {
+                "type": "rate_limit_error", "message": body["error"]["message"]}} and "minute" in body["error"]["message"]
+            assert 1 <= int(r.headers["Retry-After"]) <= 30 and r.headers["x-ratelimit-remaining-requests"] == "0"
             # another tenant's quota is its own
             assert (await ask("sk-c")).status == 200
             assert len(engine.seen) == 3

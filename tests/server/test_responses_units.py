@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.engine.server.reasoning import ReasoningSplitter, template_thinks
+from shoal.engine.server.gateway_contract import TENANT_HEADER, instance_of, response_id
 from shoal.engine.server.response_store import ResponseStore, StoredResponse, owner_of
 
 
@@ -41,6 +42,16 @@ def test_owner_is_the_presented_key():
     bearer = owner_of({"Authorization": "Bearer k1"})
     assert bearer == owner_of({"X-API-Key": "k1"}) != owner_of({"Authorization": "Bearer k2"})
     assert "k1" not in bearer
+
+
+def test_behind_the_shared_gateway_the_named_tenant_owns_and_ids_name_their_engine():
+    engine_key = {"Authorization": "Bearer engine-key"}
+    a, b = owner_of({**engine_key, TENANT_HEADER: "ns.a"}), owner_of({**engine_key, TENANT_HEADER: "ns.b"})
+    assert a != b and owner_of(engine_key) not in (a, b)
+    store = ResponseStore()
+    rid = response_id(store.instance)
+    assert instance_of(rid) == store.instance != ResponseStore().instance
+    assert instance_of("resp_" + "0" * 32) is None and instance_of(rid + "0") is None and instance_of(None) is None
 
 
 TEXT = "  <think>I should say hi.</think>\n\nHello <b>there</b>"
