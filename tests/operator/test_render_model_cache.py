@@ -33,15 +33,33 @@ def test_a_shared_cache_gets_a_capped_download_a_lease_sidecar_and_the_kernel_ca
     assert lease["name"] == render.LEASE_CONTAINER and lease["restartPolicy"] == "Always"
     assert lease["args"] == ["cache-lease", "--model", "org/m", "--revision", "v2", "--cache-dir",
                              "/cache/shoal/models"]
-    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
-    assert env["TORCH_EXTENSIONS_DIR"] == "/cache/shoal/torch_extensions"  # kernels built once per claim and tier
+    engine = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    # the engine mounts the shared cache read-only; the kernels it builds (once per claim and CPU tier) and its
+    # other caches go to a writable subPath of the same claim, outside the model entries
+    assert {"name": "cache", "mountPath": "/cache", "readOnly": True} in engine["volumeMounts"]
+    assert {"name": "cache", "mountPath": "/engine-cache", "subPath": "shoal/engine"} in engine["volumeMounts"]
+    assert env["TORCH_EXTENSIONS_DIR"] == "/engine-cache/torch_extensions"
+    assert env["XDG_CACHE_HOME"] == "/engine-cache" and env["SHOAL_CACHE"] == "/engine-cache/shoal"
+    # the download and the lease write the cache: read-write, and their env points into /cache
+    for helper in (download, lease):
+        (mount,) = [m for m in helper["volumeMounts"] if m["name"] == "cache"]
+        assert mount == {"name": "cache", "mountPath": "/cache"}
+        assert {e["name"]: e.get("value") for e in helper["env"]}["SHOAL_CACHE"] == "/cache/shoal"
 
 
-def test_a_pod_own_cache_has_no_lease_and_no_persistent_kernel_cache():
+def test_a_pod_own_cache_has_no_lease_and_a_read_only_engine_mount():
     pod = _pod({"model": {"uri": "hf://org/m", "cache": {"size": "20Gi"}}})
     (download,) = pod["initContainers"]
     assert flag(download["args"], "--max-cache-bytes") == str(20 * 2**30)
-    assert "TORCH_EXTENSIONS_DIR" not in {e["name"] for e in pod["containers"][0]["env"]}
+    assert {"name": "cache", "mountPath": "/cache", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+
+
+def test_spec_env_still_wins_over_the_engine_cache_locations():
+    pod = _pod({"model": {"uri": "hf://org/m"}, "env": [{"name": "XDG_CACHE_HOME", "value": "/tmp/mine"}]})
+    env = pod["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == "XDG_CACHE_HOME"] == ["/tmp/mine"]
+    assert {e["name"]: e["value"] for e in env}["TORCH_EXTENSIONS_DIR"] == "/engine-cache/torch_extensions"
 
 
 def test_an_oci_model_is_an_image_volume():
