@@ -696,6 +696,17 @@ def _cache_claimed(spec: InferenceServiceSpec) -> bool:
     return bool(spec.model.cache.claim_name or spec.model.cache.persistent)
 
 
+def cache_location(name: str, spec: InferenceServiceSpec) -> str:
+    """Where the model cache is, in words (status.modelCache.volume)."""
+    if spec.model.cache.claim_name:
+        return f"persistentVolumeClaim {spec.model.cache.claim_name}, shared by every pod that mounts it"
+    if _per_pod_cache(spec):
+        return "each pod's own persistentVolumeClaim (volumeClaimTemplates): the newest pod's is listed"
+    if spec.model.cache.persistent:
+        return f"persistentVolumeClaim {cache_claim_name(name)}, shared by the service's pods"
+    return "each pod's own emptyDir: the newest pod's is listed"
+
+
 def cache_volume(name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     """The /cache volume: an existing claim, the operator's shared claim, none (a StatefulSet's per-pod claim
     from volumeClaimTemplates) or an emptyDir."""

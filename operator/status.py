@@ -25,11 +25,11 @@ WAITING_REASONS = {
 }
 # the more serious first: the Ready condition reports the worst one seen
 SEVERITY = ["InvalidSpec", "ChildRejected", "FailedCreate", "CreateContainerConfigError", "ModelImagePullBackOff",
-            "ImagePullBackOff",
-            "CrashLoopBackOff", "PodFailed", "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing",
+            "ImagePullBackOff", "CrashLoopBackOff", "PodFailed", "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing",
             "GroupRestarting", "ModelDownloadTimeout", "ModelDownloading", "ModelLoading", "PodsPending"]
 FATAL_WHEN_NOTHING_READY = {"ChildRejected", "FailedCreate", "ModelDownloadTimeout", "CreateContainerConfigError",
-                            "ModelImagePullBackOff", "ImagePullBackOff", "CrashLoopBackOff", "ProgressDeadlineExceeded", "PodFailed"}
+                            "ModelImagePullBackOff", "ImagePullBackOff", "CrashLoopBackOff", "ProgressDeadlineExceeded",
+                            "PodFailed"}
 
 
 def _now() -> str:
@@ -143,9 +143,10 @@ def _download_problem(pod: dict[str, Any], now: datetime.datetime, budget: int |
     return None
 
 
-def model_cache_status(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+def model_cache_status(pods: list[dict[str, Any]], location: str | None = None) -> dict[str, Any] | None:
     """status.modelCache: the summary the newest pod's download init container left as its termination message
-    (podtools/download.py), with the number of live pods that reported the same entry."""
+    (podtools/download.py) — its entry and what the cache held then — with the number of live pods that reported
+    the same entry, and `location`, where the cache is."""
     reports = []
     for pod in pods:
         for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
@@ -162,6 +163,18 @@ def model_cache_status(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
     _, newest = max(reports, key=lambda r: r[0])
     out = {k: newest[k] for k in ("entry", "commit", "sizeBytes", "verified", "fetched") if newest.get(k) is not None}
     out["pods"] = sum(1 for _, r in reports if r.get("entry") == newest["entry"])
+    if isinstance(newest.get("evicted"), list) and newest["evicted"]:
+        out["evicted"] = [str(e) for e in newest["evicted"][:5]]
+    if location:
+        out["volume"] = location
+    inventory = newest.get("cache") if isinstance(newest.get("cache"), dict) else {}
+    for theirs, ours in (("entries", "cachedEntries"), ("usedBytes", "usedBytes"), ("capBytes", "capBytes")):
+        if isinstance(inventory.get(theirs), int):
+            out[ours] = inventory[theirs]
+    recent = [e for e in inventory.get("recent") or [] if isinstance(e, dict) and isinstance(e.get("entry"), str)]
+    if recent:
+        out["cached"] = [{k: e[k] for k in ("entry", "sizeBytes", "lastUsed", "leases") if e.get(k) is not None}
+                         for e in recent[:10]]
     return out
 
 
@@ -387,7 +400,7 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     else:
         phase = "Pending"
 
-    cache = model_cache_status(live_pods)
+    cache = model_cache_status(live_pods, render.cache_location(plan.name, spec))
     return {
         **({"modelCache": cache} if cache else {}),
         "phase": phase,

@@ -96,6 +96,26 @@ def test_status_model_cache_is_the_newest_download_report():
     assert status.model_cache_status([pods[2]]) is None
 
 
+def test_status_model_cache_lists_what_the_cache_holds_and_where():
+    recent = [{"entry": f"org--m{i}@main", "sizeBytes": 10 + i, "leases": i % 2, "lastUsed": "2026-01-01T10:00:00Z"}
+              for i in range(12)]
+    message = json.dumps({"modelCache": {"entry": "org--m0@main", "sizeBytes": 10, "verified": "hub",
+                                         "fetched": True, "evicted": ["org--gone@main"], "cache": {
+                                             "entries": 12, "usedBytes": 186, "capBytes": 1000, "recent": recent}}})
+    pod = {"metadata": {"name": "a"}, "status": {"initContainerStatuses": [{"name": render.DOWNLOAD_CONTAINER,
+                                                                             "state": {"terminated": {
+                                                                                 "exitCode": 0, "message": message}}}]}}
+    spec = api.InferenceServiceSpec.model_validate({"model": {"uri": "hf://org/m0", "cache": {"claimName": "models"}}})
+    found = status.model_cache_status([pod], render.cache_location("llm", spec))
+    assert found["volume"] == "persistentVolumeClaim models, shared by every pod that mounts it"
+    assert found["cachedEntries"] == 12 and found["usedBytes"] == 186 and found["capBytes"] == 1000
+    assert found["evicted"] == ["org--gone@main"]
+    assert found["cached"] == recent[:10]  # bounded, whatever the cache holds
+    api.ModelCacheStatus.model_validate(found)
+    own = api.InferenceServiceSpec.model_validate({"model": {"uri": "hf://org/m0"}})
+    assert render.cache_location("llm", own) == "each pod's own emptyDir: the newest pod's is listed"
+
+
 def test_a_model_that_does_not_fit_shows_the_download_reason():
     reason = ("model cache: org--big@main needs 30.00 GiB; the model cache (20.00 GiB) has 5.00 GiB free after "
               "evicting every unused entry; in use: org--m@main (15.00 GiB, leased by llm-abc)")

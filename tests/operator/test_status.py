@@ -337,7 +337,8 @@ def test_an_engine_image_pull_failure_is_not_blamed_on_the_model_image():
 
 def test_a_cluster_without_image_volumes_is_named_in_the_rejection():
     obj = isvc({"model": {"uri": "oci://registry.example.com/models/m:1"}})
-    refused = 'Deployment.apps "m" is invalid: spec.template.spec.volumes[3]: Required value: must specify a volume type'
+    refused = ('Deployment.apps "m" is invalid: spec.template.spec.volumes[3]: Required value: must specify a '
+               'volume type')
     s = status.compute_status(obj, render.plan(obj, Settings()), {}, [], rejected=[refused])
     ready = cond(s, "Ready")
     assert ready["reason"] == "ChildRejected" and refused in ready["message"]
