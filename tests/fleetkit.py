@@ -70,7 +70,8 @@ VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON",
                              os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                           ".vllm-venv", "bin", "python"))
 # env the operator points into the pod's volumes (/cache, /tmp): meaningless for a local process
-POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "TRITON_CACHE_DIR"})
+POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "TRITON_CACHE_DIR",
+                          "TORCH_EXTENSIONS_DIR"})
 
 
 def _host_env() -> dict[str, str]:
