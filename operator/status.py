@@ -202,6 +202,20 @@ def _model_image(pod: dict[str, Any], container: str, said: str) -> str | None:
     return None
 
 
+def model_image_problem(pod: str, ref: str, reason: str | None, message: str | None) -> tuple[str, str]:
+    return "ModelImagePullBackOff", (
+        f"pod {pod} cannot pull the model image oci://{ref} (spec.model.uri): {reason}: {message or ''} (check the "
+        "reference, spec.imagePullSecrets for a private registry, and that the cluster supports image volumes)")
+
+
+def pending_on_volumes(pod: dict[str, Any]) -> bool:
+    """Not started yet, no container reporting why (ContainerCreating): where Kubernetes 1.31's kubelet left a pod
+    whose image volume it could not pull, saying so only in the pod's Events."""
+    problem = pod_problem(pod)
+    return ((pod.get("status") or {}).get("phase") in (None, "Pending") and not terminating(pod)
+            and problem is not None and problem[0] == "PodsPending")
+
+
 def pod_problem(pod: dict[str, Any], now: datetime.datetime | None = None,
                 download_budget: int | None = None) -> tuple[str, str] | None:
     """(reason, message) for a pod that is not serving, or None when it is ready."""
@@ -221,10 +235,7 @@ def pod_problem(pod: dict[str, Any], now: datetime.datetime | None = None,
             ref = _model_image(pod, cs.get("name"), waiting.get("message") or "") if reason == "ImagePullBackOff" \
                 else None
             if ref:  # not the engine's image: the model's, which only a right reference (or a pull secret) fixes
-                return "ModelImagePullBackOff", (
-                    f"pod {name} cannot pull the model image oci://{ref} (spec.model.uri): {waiting.get('reason')}: "
-                    f"{waiting.get('message') or ''} (check the reference, spec.imagePullSecrets for a private "
-                    "registry, and that the cluster supports image volumes)").strip()
+                return model_image_problem(name, ref, waiting.get("reason"), waiting.get("message"))
             return reason, (f"pod {name} container {cs.get('name')}: {waiting.get('reason')}: "
                             f"{waiting.get('message') or ''}{extra}").strip()
     for cond in status.get("conditions") or []:
