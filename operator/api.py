@@ -713,9 +713,20 @@ class AdapterStatus(_Model):
                     "AdaptersReady and AdapterLoadFailed Events say more)")
 
 
+class CachedModel(_Model):
+    """One entry of the model cache, as the newest pod's download found the cache."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
+
+    entry: str = Field(max_length=600)
+    size_bytes: int | None = Field(default=None, ge=0)
+    last_used: str | None = Field(default=None, max_length=32, description="when a pod last started on it (UTC)")
+    leases: int | None = Field(default=None, ge=0, description="pods holding a live lease on it (never evicted)")
+
+
 class ModelCacheStatus(_Model):
-    """The model's entry in the model cache, as the newest pod's download init container reported it (one entry:
-    the size of the status does not grow with pods or with the cache)."""
+    """The model's entry in the model cache and what the cache holds, as the newest pod's download init container
+    reported them (bounded: ten entries at most, however many pods or models there are)."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
 
@@ -727,6 +738,17 @@ class ModelCacheStatus(_Model):
                                   "against the sha256 manifest written at download")
     fetched: bool | None = Field(default=None, description="that pod downloaded it (false: found in the cache)")
     pods: int | None = Field(default=None, ge=0, description="live pods whose download reported this entry")
+    evicted: list[Annotated[str, Field(max_length=600)]] | None = Field(
+        default=None, max_length=5, description="entries that download evicted (least recently used, unleased)")
+    volume: str | None = Field(default=None, max_length=400, description="where the cache is: the claim every pod "
+                                                                         "shares, or each pod's own volume")
+    cached_entries: int | None = Field(default=None, ge=0, description="entries in the cache")
+    used_bytes: int | None = Field(default=None, ge=0, description="bytes the cache's entries hold")
+    cap_bytes: int | None = Field(default=None, ge=0, description="the size cap eviction keeps it under")
+    cached: list[CachedModel] | None = Field(default=None, max_length=10,
+                                             description="the most recently used entries, newest first")
+
+
 class RevisionFigures(_Model):
     """One revision's requests through the gateways over the canary's window (spec.canary.rollback.windowSeconds)."""
 

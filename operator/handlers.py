@@ -49,6 +49,7 @@ MANAGED_SELECTOR = f"{L_MANAGED_BY}={MANAGED_BY}"
 # API answers that refuse a child for what it is (schema, admission webhooks, policies): shown on the status,
 # not only logged; 403 too, since admission webhooks and missing RBAC both answer it
 REJECTED = (400, 403, 422)
+MODEL_IMAGE_PODS_CHECKED = 3  # pending pods whose Events one pass reads for an oci:// model's failed pull
 
 
 class ChildrenRejected(Exception):
@@ -237,6 +238,7 @@ class Reconciler:
         if plan.multi_pod:
             await self.restart_broken_groups(isvc, plan, observed, pods)
         failed = await self._failed_creates(namespace, observed, pods, plan.pods_per_replica) if plan.multi_pod else []
+        failed += await self._model_image_failures(namespace, plan.spec, pods)
         new_status = status.compute_status(isvc, plan, observed, pods, rejected, failed_creates=failed)
         if pinned:
             new_status["engineImage"] = pinned
@@ -532,6 +534,26 @@ class Reconciler:
                 latest = max(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
                 found.append(("FailedCreate", f"statefulset {name} cannot create pods: {latest.get('message')}"))
         return found
+
+    async def _model_image_failures(self, namespace: str, spec: api.InferenceServiceSpec,
+                                    pods: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        """An oci:// model's image volume the kubelet cannot pull, where only the pod's Events say so (Kubernetes
+        1.31 leaves such a pod ContainerCreating; later kubelets report it on the container: status.pod_problem).
+        Read for a few pending pods of the service at most."""
+        if not spec.model.uri.startswith("oci://"):
+            return []
+        ref = spec.model.uri[len("oci://"):]
+        for pod in [p for p in pods if status.pending_on_volumes(p)][:MODEL_IMAGE_PODS_CHECKED]:
+            name = pod["metadata"]["name"]
+            events = await self.kube.list("Event", namespace, field_selector=(
+                f"involvedObject.kind=Pod,involvedObject.name={name},type=Warning"))
+            said = [e for e in events if (e.get("involvedObject") or {}).get("name") == name
+                    and (e.get("involvedObject") or {}).get("uid") in (None, pod["metadata"].get("uid"))
+                    and f'"{ref}"' in (e.get("message") or "")]
+            if said:
+                latest = max(said, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+                return [status.model_image_problem(name, ref, latest.get("reason"), latest.get("message"))]
+        return []
 
     def _rollout_events(self, isvc: dict[str, Any], move: rollout.Step, had_groups: bool) -> None:
         for index in move.create:

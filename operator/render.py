@@ -64,6 +64,11 @@ from shoal.operator.contract import (A_GROUP_SIZE, A_REVISION, A_SPEC_HASH, L_CA
 DOWNLOAD_CONTAINER = "model-download"  # init container that fetches hf:// models (status.py watches it)
 CACHE_DIR = "/cache"
 MODEL_CACHE_DIR = f"{CACHE_DIR}/shoal/models"  # the model cache's root on the volume (podtools/modelcache.py)
+# The engine mounts /cache read-only (the model cache other pods share, the adapters the sidecar fetched); what it
+# writes itself — JIT-built kernels, a runtime's compile caches, the demo model — goes to this writable subPath of
+# the same volume, so on a claim it outlives the pod like the models do.
+ENGINE_CACHE_DIR = "/engine-cache"
+ENGINE_CACHE_SUBPATH = "shoal/engine"
 LEASE_CONTAINER = "model-cache-lease"  # native sidecar keeping the pod's lease on its cache entry (shared caches)
 CHAT_TEMPLATE_DIR = "/etc/shoal/chat-template"
 CHAT_TEMPLATE_KEY = "template.jinja"
@@ -304,8 +309,6 @@ def _engine_env(spec: InferenceServiceSpec, multi: bool, gpus: int) -> list[dict
         *({"name": k, "value": v} for k, v in runtimes.of(spec).env),
         *({"name": k, "value": v} for k, v in (runtimes.of(spec).lora_env if spec.engine.enable_lora else ())),
     ]
-    if _cache_claimed(spec):  # the JIT-built CPU kernels outlive the pod (native_build keys them by CPU tier)
-        env.append({"name": "TORCH_EXTENSIONS_DIR", "value": f"{CACHE_DIR}/shoal/torch_extensions"})
     if multi:
         env.append({"name": "SHOAL_NODE_RANK",
                     "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}})
@@ -396,8 +399,33 @@ def _engine_resources(spec: InferenceServiceSpec, gpus: int) -> dict[str, Any]:
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
+def _engine_writable_env(env: list[dict[str, Any]], spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The engine's own caches on its writable mount (its /cache is read-only), unless spec.env names them: the
+    JIT-built CPU kernels (native_build keys them by CPU tier and serialises builders), XDG caches, $SHOAL_CACHE."""
+    user = {e.get("name") for e in spec.env}
+    own = {k: v for k, v in (("XDG_CACHE_HOME", ENGINE_CACHE_DIR), ("SHOAL_CACHE", f"{ENGINE_CACHE_DIR}/shoal"),
+                             ("TORCH_EXTENSIONS_DIR", f"{ENGINE_CACHE_DIR}/torch_extensions")) if k not in user}
+    ours = len(env) - len(spec.env)  # _engine_env: the operator's entries, then the user's
+    head = [{"name": e["name"], "value": own.pop(e["name"])} if e["name"] in own else e for e in env[:ours]]
+    return head + [{"name": k, "value": v} for k, v in own.items()] + env[ours:]
+
+
+def _engine_mounts(mounts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The engine's volumeMounts: /cache read-only (a write there would reach every pod sharing the cache), its
+    writable subPath at ENGINE_CACHE_DIR. The init containers and sidecars keep the read-write /cache."""
+    out = []
+    for m in mounts:
+        if m["name"] == "cache" and m["mountPath"] == CACHE_DIR:
+            out += [{**m, "readOnly": True},
+                    {"name": "cache", "mountPath": ENGINE_CACHE_DIR, "subPath": ENGINE_CACHE_SUBPATH}]
+        else:
+            out.append(m)
+    return out
+
+
 def _volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, the engine's volumeMounts): /dev/shm, the model cache, /tmp, a pvc:// model, the chat template."""
+    """(volumes, the pod's volumeMounts): /dev/shm, the model cache, /tmp, a pvc:// model, the chat template (the
+    engine's own view of them: _engine_mounts)."""
     mounts = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "cache", "mountPath": CACHE_DIR},
@@ -451,9 +479,10 @@ def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings
                  + kv_events_ports(spec),
         # spec.env (in `env`) wins over the OTEL_* variables spec.tracing renders
         "env": [e for e in tracing_env(isvc, spec) if e["name"] not in {u.get("name") for u in spec.env}]
-               + (list(env) if _key_file(spec) else _with_api_key(env, spec)),
+               + (_engine_writable_env(env, spec) if _key_file(spec)
+                  else _with_api_key(_engine_writable_env(env, spec), spec)),
         "resources": _engine_resources(spec, spec.gpus_per_pod(settings.max_gpus_per_node)),
-        "volumeMounts": mounts + ([API_KEYS_MOUNT] if _key_file(spec) else []),
+        "volumeMounts": _engine_mounts(mounts) + ([API_KEYS_MOUNT] if _key_file(spec) else []),
         **_failure_grace(runtimes.probes(rt, spec, multi, ENGINE_PORT), spec),
         "lifecycle": {"preStop": {"sleep": {"seconds": settings.prestop_seconds}}},
         "securityContext": _restricted_container(spec.security.capabilities),
@@ -665,6 +694,17 @@ def _shared_cache(spec: InferenceServiceSpec) -> bool:
 
 def _cache_claimed(spec: InferenceServiceSpec) -> bool:
     return bool(spec.model.cache.claim_name or spec.model.cache.persistent)
+
+
+def cache_location(name: str, spec: InferenceServiceSpec) -> str:
+    """Where the model cache is, in words (status.modelCache.volume)."""
+    if spec.model.cache.claim_name:
+        return f"persistentVolumeClaim {spec.model.cache.claim_name}, shared by every pod that mounts it"
+    if _per_pod_cache(spec):
+        return "each pod's own persistentVolumeClaim (volumeClaimTemplates): the newest pod's is listed"
+    if spec.model.cache.persistent:
+        return f"persistentVolumeClaim {cache_claim_name(name)}, shared by the service's pods"
+    return "each pod's own emptyDir: the newest pod's is listed"
 
 
 def cache_volume(name: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:

@@ -19,15 +19,17 @@ from shoal.operator.render import A_REVISION, DOWNLOAD_CONTAINER, L_GROUP, Plan
 # Pod problems worth a reason of their own (container waiting reasons seen on pods -> condition reason)
 WAITING_REASONS = {
     "ImagePullBackOff": "ImagePullBackOff", "ErrImagePull": "ImagePullBackOff", "InvalidImageName": "ImagePullBackOff",
+    "ErrImageNeverPull": "ImagePullBackOff",
     "CrashLoopBackOff": "CrashLoopBackOff", "CreateContainerConfigError": "CreateContainerConfigError",
     "CreateContainerError": "CreateContainerConfigError", "RunContainerError": "CrashLoopBackOff",
 }
 # the more serious first: the Ready condition reports the worst one seen
-SEVERITY = ["InvalidSpec", "ChildRejected", "FailedCreate", "CreateContainerConfigError", "ImagePullBackOff",
-            "CrashLoopBackOff", "PodFailed", "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing",
+SEVERITY = ["InvalidSpec", "ChildRejected", "FailedCreate", "CreateContainerConfigError", "ModelImagePullBackOff",
+            "ImagePullBackOff", "CrashLoopBackOff", "PodFailed", "ProgressDeadlineExceeded", "Unschedulable", "ProbeFailing",
             "GroupRestarting", "ModelDownloadTimeout", "ModelDownloading", "ModelLoading", "PodsPending"]
 FATAL_WHEN_NOTHING_READY = {"ChildRejected", "FailedCreate", "ModelDownloadTimeout", "CreateContainerConfigError",
-                            "ImagePullBackOff", "CrashLoopBackOff", "ProgressDeadlineExceeded", "PodFailed"}
+                            "ModelImagePullBackOff", "ImagePullBackOff", "CrashLoopBackOff", "ProgressDeadlineExceeded",
+                            "PodFailed"}
 
 
 def _now() -> str:
@@ -141,9 +143,10 @@ def _download_problem(pod: dict[str, Any], now: datetime.datetime, budget: int |
     return None
 
 
-def model_cache_status(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+def model_cache_status(pods: list[dict[str, Any]], location: str | None = None) -> dict[str, Any] | None:
     """status.modelCache: the summary the newest pod's download init container left as its termination message
-    (podtools/download.py), with the number of live pods that reported the same entry."""
+    (podtools/download.py) — its entry and what the cache held then — with the number of live pods that reported
+    the same entry, and `location`, where the cache is."""
     reports = []
     for pod in pods:
         for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
@@ -160,6 +163,18 @@ def model_cache_status(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
     _, newest = max(reports, key=lambda r: r[0])
     out = {k: newest[k] for k in ("entry", "commit", "sizeBytes", "verified", "fetched") if newest.get(k) is not None}
     out["pods"] = sum(1 for _, r in reports if r.get("entry") == newest["entry"])
+    if isinstance(newest.get("evicted"), list) and newest["evicted"]:
+        out["evicted"] = [str(e) for e in newest["evicted"][:5]]
+    if location:
+        out["volume"] = location
+    inventory = newest.get("cache") if isinstance(newest.get("cache"), dict) else {}
+    for theirs, ours in (("entries", "cachedEntries"), ("usedBytes", "usedBytes"), ("capBytes", "capBytes")):
+        if isinstance(inventory.get(theirs), int):
+            out[ours] = inventory[theirs]
+    recent = [e for e in inventory.get("recent") or [] if isinstance(e, dict) and isinstance(e.get("entry"), str)]
+    if recent:
+        out["cached"] = [{k: e[k] for k in ("entry", "sizeBytes", "lastUsed", "leases") if e.get(k) is not None}
+                         for e in recent[:10]]
     return out
 
 
@@ -170,6 +185,35 @@ def _probe_path(pod: dict[str, Any], probe: str) -> str:
             path = ((c.get(probe) or {}).get("httpGet") or {}).get("path")
             return f" ({path})" if path else ""
     return ""
+
+
+def _model_image(pod: dict[str, Any], container: str, said: str) -> str | None:
+    """The reference of the image volume (an oci:// model) a pull failure of `container` is about: the kubelet
+    pulls image volumes before the containers mounting them start, and reports a failed pull on each of those
+    containers with the volume's reference in the message ("Failed to pull image \"REF\": ...")."""
+    spec = pod.get("spec") or {}
+    refs = {v["name"]: v["image"]["reference"] for v in spec.get("volumes") or []
+            if isinstance(v.get("image"), dict) and v["image"].get("reference")}
+    for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+        if c.get("name") == container:
+            for m in c.get("volumeMounts") or []:
+                if m.get("name") in refs and refs[m["name"]] in said:
+                    return refs[m["name"]]
+    return None
+
+
+def model_image_problem(pod: str, ref: str, reason: str | None, message: str | None) -> tuple[str, str]:
+    return "ModelImagePullBackOff", (
+        f"pod {pod} cannot pull the model image oci://{ref} (spec.model.uri): {reason}: {message or ''} (check the "
+        "reference, spec.imagePullSecrets for a private registry, and that the cluster supports image volumes)")
+
+
+def pending_on_volumes(pod: dict[str, Any]) -> bool:
+    """Not started yet, no container reporting why (ContainerCreating): where Kubernetes 1.31's kubelet left a pod
+    whose image volume it could not pull, saying so only in the pod's Events."""
+    problem = pod_problem(pod)
+    return ((pod.get("status") or {}).get("phase") in (None, "Pending") and not terminating(pod)
+            and problem is not None and problem[0] == "PodsPending")
 
 
 def pod_problem(pod: dict[str, Any], now: datetime.datetime | None = None,
@@ -188,6 +232,10 @@ def pod_problem(pod: dict[str, Any], now: datetime.datetime | None = None,
             said = (last.get("message") or "").strip().splitlines()
             if said and cs.get("name") == DOWNLOAD_CONTAINER:  # its termination message: why (the cache is full...)
                 extra += f": {said[-1][:300]}"
+            ref = _model_image(pod, cs.get("name"), waiting.get("message") or "") if reason == "ImagePullBackOff" \
+                else None
+            if ref:  # not the engine's image: the model's, which only a right reference (or a pull secret) fixes
+                return model_image_problem(name, ref, waiting.get("reason"), waiting.get("message"))
             return reason, (f"pod {name} container {cs.get('name')}: {waiting.get('reason')}: "
                             f"{waiting.get('message') or ''}{extra}").strip()
     for cond in status.get("conditions") or []:
@@ -257,6 +305,15 @@ def autoscaled_serving(plan: Plan, ready: int, desired: int, errors: list[tuple[
     return True, ("ScalingFromZero", f"0/{desired} replicas ready; the gateway holds requests until one is{tail}")
 
 
+def _image_volume_hint(spec: api.InferenceServiceSpec, message: str) -> str:
+    """An API server without the ImageVolume feature drops an oci:// model's `image` volume source ("must specify
+    a volume type") or, older still, does not know the field: say what the volume is."""
+    if spec.model.uri.startswith("oci://") and "volumes" in message:
+        return (f"{message} (spec.model.uri {spec.model.uri} is mounted as an image volume: the cluster needs the "
+                "ImageVolume feature, Kubernetes >= 1.31, on by default from 1.33)")
+    return message
+
+
 def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, str], dict],
                    pods: list[dict[str, Any]], rejected: list[str] = (),
                    failed_creates: list[tuple[str, str]] = (),
@@ -293,7 +350,7 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
                 problems.append(("ProgressDeadlineExceeded",
                                  f"deployment {plan.name}: {cond.get('message') or 'rollout stalled'}"))
 
-    problems += [("ChildRejected", message) for message in rejected]
+    problems += [("ChildRejected", _image_volume_hint(spec, message)) for message in rejected]
     problems += admission_failures(children) + list(failed_creates)
     budget = spec.probes.download_timeout_seconds if spec.model.uri.startswith("hf://") else None
     for pod in live_pods:
@@ -354,7 +411,7 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     else:
         phase = "Pending"
 
-    cache = model_cache_status(live_pods)
+    cache = model_cache_status(live_pods, render.cache_location(plan.name, spec))
     return {
         **({"modelCache": cache} if cache else {}),
         "phase": phase,

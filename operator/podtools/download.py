@@ -20,7 +20,8 @@ is fetched again), downloaded into a partial folder, every file checked against 
 files, the git blob sha1 otherwise), and renamed into place whole. Room is made under the cache's size cap by
 evicting least recently used entries no running pod leases; a model that cannot fit fails with the reason. The
 pod's lease is taken before this exits (the `cache-lease` sidecar then keeps it fresh), and a one-line JSON summary
-goes to the termination message, which the operator copies into status.modelCache.
+(the entry, and what the whole cache holds: its ten most recently used entries) goes to the termination message,
+which the operator copies into status.modelCache.
 """
 
 from __future__ import annotations
@@ -180,8 +181,23 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:  # the hub client raises many types (offline, 401/404, disk full): all are fatal here
         print(f"shoal-podtools download: cannot fetch {where}: {e.__class__.__name__}: {e}", file=sys.stderr)
         return 1
-    _terminate_with(args.termination_log, json.dumps({"modelCache": summary}, separators=(",", ":")))
+    _terminate_with(args.termination_log, summary_message(summary))
     return 0
+
+
+MESSAGE_LIMIT = 4000  # of the termination message that is kept (_terminate_with): the JSON must fit whole
+
+
+def summary_message(summary: dict) -> str:
+    """The summary as the termination message's JSON, the cache's listing shortened (least recently used entries
+    first) until it fits: a cut JSON would be no summary at all."""
+    recent = list((summary.get("cache") or {}).get("recent") or [])
+    while True:
+        shown = {**summary, "cache": {**summary["cache"], "recent": recent}} if "cache" in summary else summary
+        text = json.dumps({"modelCache": shown}, separators=(",", ":"))
+        if len(text) <= MESSAGE_LIMIT or not recent:
+            return text
+        recent.pop()
 
 
 def ensure(cache: ModelCache, args: argparse.Namespace, where: str) -> dict:
@@ -207,8 +223,11 @@ def ensure(cache: ModelCache, args: argparse.Namespace, where: str) -> dict:
     verb = "downloaded" if fetched else "found in the cache (verified)"
     print(f"{verb}: {where} at {cache.path(key)}, {_gib(manifest['sizeBytes'])}, {time.perf_counter() - t0:.1f}s"
           + (f"; evicted {', '.join(evicted)}" if evicted else ""), flush=True)
+    inventory = cache.inventory()  # what the whole cache holds now, for status.modelCache
+    if args.max_cache_bytes is not None:
+        inventory["capBytes"] = args.max_cache_bytes
     return {"entry": key, "commit": manifest.get("commit"), "sizeBytes": manifest["sizeBytes"],
-            "verified": manifest.get("verified"), "fetched": fetched, "evicted": evicted[:5]}
+            "verified": manifest.get("verified"), "fetched": fetched, "evicted": evicted[:5], "cache": inventory}
 
 
 def _download(cache: ModelCache, key: str, args: argparse.Namespace, where: str) -> tuple[dict, list[str]]:
@@ -247,6 +266,6 @@ def _terminate_with(path: str, message: str) -> None:
     """The pod's termination message (at most 4 KiB is kept): the operator reads the summary from it."""
     try:
         with open(path, "w") as f:
-            f.write(message[:4000])
+            f.write(message[:MESSAGE_LIMIT])
     except OSError:
         pass

@@ -245,6 +245,16 @@ class ModelCache:
             out.append(Entry(path.name, manifest.get("sizeBytes", 0), last_used, self.leases(path.name), manifest))
         return sorted(out, key=lambda e: e.last_used)
 
+    def inventory(self, limit: int = 10) -> dict:
+        """What the cache holds, for the status: the entry count and bytes, and the `limit` most recently used
+        entries (size, last use as UTC ISO 8601, live leases)."""
+        found = self.entries()
+        recent = sorted(found, key=lambda e: e.last_used, reverse=True)[:limit]
+        return {"entries": len(found), "usedBytes": sum(e.size for e in found),
+                "recent": [{"entry": e.key, "sizeBytes": e.size, "leases": len(e.leases),
+                            "lastUsed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(e.last_used))}
+                           for e in recent]}
+
     def usage(self, exclude: str | None = None) -> int:
         """Bytes the cache holds or has promised: entries, and each download folder at its reserved full size
         (a running download) or its size on disk (an abandoned one)."""

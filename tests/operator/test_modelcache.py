@@ -193,3 +193,33 @@ def test_an_abandoned_download_is_cleared_when_space_is_short_but_a_running_one_
     with cache.lock("running"):  # its downloader holds the entry's lock
         cache.make_room("new", 600, cap=1_300)
     assert not cache.partial("abandoned").exists() and cache.partial("running").exists()
+
+
+def test_the_download_reports_what_the_whole_cache_holds(tmp_path, hub):
+    cache = tmp_path / "cache"
+    other = ModelCache(cache / "models")
+    _entry(other, "org--old@main", 1_000, last_used=1_000)
+    other.lease("org--old@main", "pod-x")
+    assert _finish(_download(cache, hub, "--max-cache-bytes", "10000000"))[0] == 0
+    summary = json.loads((cache / "termination-pod-a").read_text())["modelCache"]
+    inventory = summary["cache"]
+    assert inventory["entries"] == 2 and inventory["capBytes"] == 10_000_000
+    assert inventory["usedBytes"] == summary["sizeBytes"] + 1_000
+    newest, old = inventory["recent"]  # the most recently used first
+    assert newest == {"entry": "org--m@main", "sizeBytes": summary["sizeBytes"], "leases": 1,
+                      "lastUsed": newest["lastUsed"]} and newest["lastUsed"].endswith("Z")
+    assert old == {"entry": "org--old@main", "sizeBytes": 1_000, "leases": 1, "lastUsed": "1970-01-01T00:16:40Z"}
+
+
+def test_the_summary_always_fits_the_termination_message_whole():
+    from shoal.operator.podtools.download import MESSAGE_LIMIT, summary_message
+
+    recent = [{"entry": f"org--{'m' * 400}{i}@main", "sizeBytes": i, "leases": 0, "lastUsed": "2026-01-01T00:00:00Z"}
+              for i in range(10)]
+    summary = {"entry": recent[0]["entry"], "sizeBytes": 1, "cache": {"entries": 10, "usedBytes": 45,
+                                                                       "recent": recent}}
+    text = summary_message(summary)
+    assert len(text) <= MESSAGE_LIMIT
+    shown = json.loads(text)["modelCache"]
+    assert 0 < len(shown["cache"]["recent"]) < 10 and shown["cache"]["recent"] == recent[:len(shown["cache"]["recent"])]
+    assert shown["cache"]["entries"] == 10 and len(summary["cache"]["recent"]) == 10  # the caller's list is kept

@@ -191,7 +191,11 @@ def test_single_gpu_hf_model():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["HF_HOME"] == "/cache/huggingface" and env["HF_HUB_OFFLINE"] == "1"  # the engine never downloads
-    assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+    # the engine reads the cache (shared with other pods) and writes only its own subPath of it
+    assert {"name": "cache", "mountPath": "/cache", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "cache", "mountPath": "/engine-cache", "subPath": "shoal/engine"} in c["volumeMounts"]
+    assert [m for m in c["volumeMounts"] if m["name"] == "cache" and not m.get("readOnly")] == [
+        {"name": "cache", "mountPath": "/engine-cache", "subPath": "shoal/engine"}]
     # An init container fills the cache the engine reads, with the same HF_HOME and the network allowed.
     pod = kids[("Deployment", "llm")]["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
@@ -499,7 +503,7 @@ def test_model_cache_variants():
     assert not [k for k in kids if k[0] == "PersistentVolumeClaim"]
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "cache"
     assert "cache" not in {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
-    assert {"name": "cache", "mountPath": "/cache"} in container(sts)["volumeMounts"]
+    assert {"name": "cache", "mountPath": "/cache", "readOnly": True} in container(sts)["volumeMounts"]
     assert {"name": "cache", "mountPath": "/cache"} in sts["spec"]["template"]["spec"]["initContainers"][0][
         "volumeMounts"]
 

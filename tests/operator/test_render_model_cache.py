@@ -33,15 +33,33 @@ def test_a_shared_cache_gets_a_capped_download_a_lease_sidecar_and_the_kernel_ca
     assert lease["name"] == render.LEASE_CONTAINER and lease["restartPolicy"] == "Always"
     assert lease["args"] == ["cache-lease", "--model", "org/m", "--revision", "v2", "--cache-dir",
                              "/cache/shoal/models"]
-    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
-    assert env["TORCH_EXTENSIONS_DIR"] == "/cache/shoal/torch_extensions"  # kernels built once per claim and tier
+    engine = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    # the engine mounts the shared cache read-only; the kernels it builds (once per claim and CPU tier) and its
+    # other caches go to a writable subPath of the same claim, outside the model entries
+    assert {"name": "cache", "mountPath": "/cache", "readOnly": True} in engine["volumeMounts"]
+    assert {"name": "cache", "mountPath": "/engine-cache", "subPath": "shoal/engine"} in engine["volumeMounts"]
+    assert env["TORCH_EXTENSIONS_DIR"] == "/engine-cache/torch_extensions"
+    assert env["XDG_CACHE_HOME"] == "/engine-cache" and env["SHOAL_CACHE"] == "/engine-cache/shoal"
+    # the download and the lease write the cache: read-write, and their env points into /cache
+    for helper in (download, lease):
+        (mount,) = [m for m in helper["volumeMounts"] if m["name"] == "cache"]
+        assert mount == {"name": "cache", "mountPath": "/cache"}
+        assert {e["name"]: e.get("value") for e in helper["env"]}["SHOAL_CACHE"] == "/cache/shoal"
 
 
-def test_a_pod_own_cache_has_no_lease_and_no_persistent_kernel_cache():
+def test_a_pod_own_cache_has_no_lease_and_a_read_only_engine_mount():
     pod = _pod({"model": {"uri": "hf://org/m", "cache": {"size": "20Gi"}}})
     (download,) = pod["initContainers"]
     assert flag(download["args"], "--max-cache-bytes") == str(20 * 2**30)
-    assert "TORCH_EXTENSIONS_DIR" not in {e["name"] for e in pod["containers"][0]["env"]}
+    assert {"name": "cache", "mountPath": "/cache", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+
+
+def test_spec_env_still_wins_over_the_engine_cache_locations():
+    pod = _pod({"model": {"uri": "hf://org/m"}, "env": [{"name": "XDG_CACHE_HOME", "value": "/tmp/mine"}]})
+    env = pod["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == "XDG_CACHE_HOME"] == ["/tmp/mine"]
+    assert {e["name"]: e["value"] for e in env}["TORCH_EXTENSIONS_DIR"] == "/engine-cache/torch_extensions"
 
 
 def test_an_oci_model_is_an_image_volume():
@@ -76,6 +94,26 @@ def test_status_model_cache_is_the_newest_download_report():
                                                "fetched": False, "pods": 2}
     api.ModelCacheStatus.model_validate(status.model_cache_status(pods))
     assert status.model_cache_status([pods[2]]) is None
+
+
+def test_status_model_cache_lists_what_the_cache_holds_and_where():
+    recent = [{"entry": f"org--m{i}@main", "sizeBytes": 10 + i, "leases": i % 2, "lastUsed": "2026-01-01T10:00:00Z"}
+              for i in range(12)]
+    message = json.dumps({"modelCache": {"entry": "org--m0@main", "sizeBytes": 10, "verified": "hub",
+                                         "fetched": True, "evicted": ["org--gone@main"], "cache": {
+                                             "entries": 12, "usedBytes": 186, "capBytes": 1000, "recent": recent}}})
+    pod = {"metadata": {"name": "a"}, "status": {"initContainerStatuses": [{"name": render.DOWNLOAD_CONTAINER,
+                                                                             "state": {"terminated": {
+                                                                                 "exitCode": 0, "message": message}}}]}}
+    spec = api.InferenceServiceSpec.model_validate({"model": {"uri": "hf://org/m0", "cache": {"claimName": "models"}}})
+    found = status.model_cache_status([pod], render.cache_location("llm", spec))
+    assert found["volume"] == "persistentVolumeClaim models, shared by every pod that mounts it"
+    assert found["cachedEntries"] == 12 and found["usedBytes"] == 186 and found["capBytes"] == 1000
+    assert found["evicted"] == ["org--gone@main"]
+    assert found["cached"] == recent[:10]  # bounded, whatever the cache holds
+    api.ModelCacheStatus.model_validate(found)
+    own = api.InferenceServiceSpec.model_validate({"model": {"uri": "hf://org/m0"}})
+    assert render.cache_location("llm", own) == "each pod's own emptyDir: the newest pod's is listed"
 
 
 def test_a_model_that_does_not_fit_shows_the_download_reason():

@@ -319,3 +319,28 @@ def test_a_rank_that_failed_is_a_group_restart_not_a_failed_service():
     # a single-pod replica's failure stays what it is
     s = status_for({"replicas": 1}, deployment(0, replicas=1), [pod("m-1", phase="Failed")])
     assert s["phase"] == "Failed" and cond(s, "Ready")["reason"] == "PodFailed"
+
+
+def test_an_engine_image_pull_failure_is_not_blamed_on_the_model_image():
+    pod = {"metadata": {"name": "p"}, "spec": {
+        "volumes": [{"name": "model", "image": {"reference": "registry.example.com/models/m:1"}}],
+        "containers": [{"name": "engine", "image": "registry.example.com/engine:2",
+                        "volumeMounts": [{"name": "model", "mountPath": "/models"}]}]},
+        "status": {"containerStatuses": [{"name": "engine", "state": {"waiting": {
+            "reason": "ErrImagePull", "message": 'Failed to pull image "registry.example.com/engine:2": denied'}}}]}}
+    assert status.pod_problem(pod)[0] == "ImagePullBackOff"
+    pod["status"]["containerStatuses"][0]["state"]["waiting"]["message"] = (
+        'Failed to pull image "registry.example.com/models/m:1": not found')
+    reason, message = status.pod_problem(pod)
+    assert reason == "ModelImagePullBackOff" and "oci://registry.example.com/models/m:1" in message
+
+
+def test_a_cluster_without_image_volumes_is_named_in_the_rejection():
+    obj = isvc({"model": {"uri": "oci://registry.example.com/models/m:1"}})
+    refused = ('Deployment.apps "m" is invalid: spec.template.spec.volumes[3]: Required value: must specify a '
+               'volume type')
+    s = status.compute_status(obj, render.plan(obj, Settings()), {}, [], rejected=[refused])
+    ready = cond(s, "Ready")
+    assert ready["reason"] == "ChildRejected" and refused in ready["message"]
+    assert "oci://registry.example.com/models/m:1 is mounted as an image volume" in ready["message"]
+    assert "ImageVolume feature" in ready["message"]
