@@ -1,5 +1,5 @@
-"""Hybrids over gloo (worker processes on this machine): tensor parallel (Qwen3-Next's Gated DeltaNet key heads,
-with the value heads each serves, split over the ranks; Granite 4's Mamba2 heads and their B/C groups; attention
+"""Hybrids over gloo (worker processes on this machine): tensor parallel (Qwen3-Next's and Qwen3.5's Gated DeltaNet
+key heads, with the value heads each serves, split over the ranks; Granite 4's Mamba2 heads and their B/C groups; attention
 heads split) and pipeline parallel (each stage keeps the recurrent state of its own layers) against the
 single-process engine and transformers."""
 
@@ -14,9 +14,11 @@ from test_tp_pp_equivalence import OPTIONS, PARAMS, PROMPTS, compare
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_qwen3_next_parallel_matches_single_process_and_transformers(model_factory, tp, pp):
-    model_dir = model_factory("qwen3_next")
+@pytest.mark.parametrize("family,tp,pp", [("qwen3_next", 2, 1), ("qwen3_next", 1, 2), ("qwen3_5", 2, 1),
+                                           ("qwen3_5_moe", 2, 1)],
+                         ids=["qwen3-next-tp2", "qwen3-next-pp2", "qwen3.5-tp2", "qwen3.5-moe-tp2"])
+def test_gated_deltanet_hybrid_parallel_matches_single_process_and_transformers(model_factory, family, tp, pp):
+    model_dir = model_factory(family)
     with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
              distributed={"collective_timeout": 120.0}, **OPTIONS) as llm:
         model = llm.llm_engine.executor.shard.runner.model  # rank 0's shard, in this process
