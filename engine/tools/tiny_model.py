@@ -140,10 +140,12 @@ def _config(arch: str, vocab_size: int, **overrides):
                   max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
     elif arch in ("qwen3_5", "qwen3_5_moe"):
         # Qwen3-Next's layout with the Gated DeltaNet projections apart: dense (as the releases ship it, a
-        # vision-language checkpoint around the decoder, the tower tiny) or 4 experts top-2 with a shared expert.
+        # vision-language checkpoint around the decoder, the tower tiny; the LM head tied, as in the small releases)
+        # or 4 experts top-2 with a shared expert.
         kw = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
-                  linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+                  linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=arch == "qwen3_5")
         if arch == "qwen3_5":
             cls, kw = _vision_language(tf.Qwen3_5Config), dict(kw, intermediate_size=96)
         else:

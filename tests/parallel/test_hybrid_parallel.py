@@ -1,6 +1,6 @@
 """Hybrids over gloo (worker processes on this machine): tensor parallel (Qwen3-Next's and Qwen3.5's Gated DeltaNet
-key heads, with the value heads each serves, split over the ranks; Granite 4's Mamba2 heads and their B/C groups; attention
-heads split) and pipeline parallel (each stage keeps the recurrent state of its own layers) against the
+key heads, with the value heads each serves, split over the ranks; Granite 4's Mamba2 heads and their B/C groups;
+attention heads split) and pipeline parallel (each stage keeps the recurrent state of its own layers) against the
 single-process engine and transformers."""
 
 from __future__ import annotations

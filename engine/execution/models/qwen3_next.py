@@ -48,9 +48,10 @@ class GatedAttention(RotaryAttention):
         h, hd, nh, nkv = self.hidden, self.head_dim, self.total_heads, self.total_kv_heads
         # [heads * (query | gate), hidden]: de-interleave into the query rows and the gate rows.
         both = src.load(a + "q_proj.weight", (nh * 2 * hd, h)).view(nh, 2, hd, h)
-        self.qkv_proj.load([tensor_reader(both[:, 0].reshape(nh * hd, h)), reader(src, a + "k_proj.weight", (nkv * hd, h)),
+        query, gate = (tensor_reader(both[:, i].reshape(nh * hd, h)) for i in (0, 1))
+        self.qkv_proj.load([query, reader(src, a + "k_proj.weight", (nkv * hd, h)),
                             reader(src, a + "v_proj.weight", (nkv * hd, h))])
-        self.gate_proj.load(tensor_reader(both[:, 1].reshape(nh * hd, h)))
+        self.gate_proj.load(gate)
         self.o_proj.load(reader(src, a + "o_proj.weight", (h, nh * hd)))
         self.q_norm.weight.data.copy_(src.load(a + "q_norm.weight", (hd,)))
         self.k_norm.weight.data.copy_(src.load(a + "k_norm.weight", (hd,)))
