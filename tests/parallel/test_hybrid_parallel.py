@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("family,tp,pp", [("qwen3_next", 2, 1), ("qwen3_next", 1, 2), ("qwen3_5", 2, 1),
-                                           ("qwen3_5_moe", 2, 1)],
-                         ids=["qwen3-next-tp2", "qwen3-next-pp2", "qwen3.5-tp2", "qwen3.5-moe-tp2"])
+                                           ("qwen3_5", 1, 2), ("qwen3_5_moe", 2, 1)],
+                         ids=["qwen3-next-tp2", "qwen3-next-pp2", "qwen3.5-tp2", "qwen3.5-pp2", "qwen3.5-moe-tp2"])
 def test_gated_deltanet_hybrid_parallel_matches_single_process_and_transformers(model_factory, family, tp, pp):
     model_dir = model_factory(family)
     with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
