@@ -12,7 +12,7 @@ import torch
 from shoal.engine import startup
 from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config, is_gguf
 from shoal.engine.execution.layers.linear import PackedMatmul
-from shoal.engine.execution.models import model_class
+from shoal.engine.execution.models import model_class, text_decoder_config
 from shoal.engine.execution.weights import WeightError, WeightSource, load_threads
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
     from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates configs as strict dataclasses
 
     try:
-        return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        return text_decoder_config(config)  # a vision-language checkpoint: its text decoder
     except (ValueError, StrictDataclassError) as e:
         raise WeightError(f"{model_dir}/config.json: {e}") from None
     except OSError as e:

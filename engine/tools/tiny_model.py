@@ -97,6 +97,15 @@ _MLA_CONFIGS = {
 MLA_ARCHS = list(_MLA_CONFIGS)
 
 
+def _vision_language(config_cls):
+    """A config class taking the decoder's fields and wrapping them as a vision-language model's text_config, with a
+    one-block vision tower."""
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)
+    return lambda **text: config_cls(text_config=text, vision_config=vision,
+                                     tie_word_embeddings=text["tie_word_embeddings"])
+
+
 def _config(arch: str, vocab_size: int, **overrides):
     import transformers as tf
 
@@ -129,6 +138,19 @@ def _config(arch: str, vocab_size: int, **overrides):
                   num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2, linear_num_value_heads=4,
                   linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4,
                   max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    elif arch in ("qwen3_5", "qwen3_5_moe"):
+        # Qwen3-Next's layout with the Gated DeltaNet projections apart: dense (as the releases ship it, a
+        # vision-language checkpoint around the decoder, the tower tiny; the LM head tied, as in the small releases)
+        # or 4 experts top-2 with a shared expert.
+        kw = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+                  linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=arch == "qwen3_5")
+        if arch == "qwen3_5":
+            cls, kw = _vision_language(tf.Qwen3_5Config), dict(kw, intermediate_size=96)
+        else:
+            cls, kw = tf.Qwen3_5MoeTextConfig, dict(kw, moe_intermediate_size=48, shared_expert_intermediate_size=40,
+                                                    num_experts=4, num_experts_per_tok=2)
     elif arch == "granitemoehybrid":
         # Granite 4's layout scaled down: Mamba2 layers around one attention layer without RoPE (the releases'
         # "nope"), 8 Mamba heads in 2 groups, 4 experts top-2 plus the shared MLP, every multiplier away from 1.
@@ -221,7 +243,8 @@ def make_model(
     vocab = config_overrides.pop("vocab_size", 384)
     config = _config(arch, vocab, **config_overrides)
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    auto = tf.AutoModelForImageTextToText if hasattr(config, "vision_config") else tf.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=getattr(torch, dtype))
     # Random init in transformers is small; widen it so greedy decoding is not a constant token.
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,11 +1,14 @@
-"""Hybrid models (recurrent layers next to paged attention; Qwen3-Next's Gated DeltaNet): transformers' greedy tokens
-and logits under every scheduling regime, the recurrent-state slots (one budget with the KV blocks, freed on finish,
-abort and preemption), and checkpoints refused at load."""
+"""Hybrid models (recurrent layers next to paged attention; the Gated DeltaNet families: Qwen3-Next, Qwen3.5 dense as
+a vision-language checkpoint and Qwen3.5 MoE): transformers' greedy tokens and logits under every scheduling regime,
+the recurrent-state slots (one budget with the KV blocks, freed on finish, abort and preemption), and checkpoints
+refused at load."""
 
 from __future__ import annotations
 
 import json
 import shutil
+
+from safetensors.torch import load_file, save_file
 
 import pytest
 import torch
@@ -33,18 +36,42 @@ def qwen3_next(model_factory):
     return model_factory("qwen3_next")
 
 
+GDN_FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
+
+
 @pytest.mark.parametrize("regime", list(REGIMES))
-def test_qwen3_next_greedy_matches_transformers(qwen3_next, regime):
-    with LLM(model=qwen3_next, **REGIMES[regime]) as llm:
+@pytest.mark.parametrize("family", GDN_FAMILIES)
+def test_gated_deltanet_hybrid_greedy_matches_transformers(model_factory, family, regime):
+    model = model_factory(family)
+    with LLM(model=model, **REGIMES[regime]) as llm:
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
         outputs = llm.generate(PROMPTS, params)
-        check_against_hf(qwen3_next, llm.get_tokenizer(), outputs, PROMPTS, max_new=MAX_NEW)
+        check_against_hf(model, llm.get_tokenizer(), outputs, PROMPTS, max_new=MAX_NEW)
         engine = llm.llm_engine
         assert engine.executor.runner.decode_graphs is None  # recurrent state: decode steps run eagerly
         if regime == "preemption":
             assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
         engine.pool.check_all_free()
         engine.state_pool.check_all_free()
+
+
+def test_qwen3_5_moe_stacked_experts_load_like_per_expert_tensors(model_factory, tmp_path):
+    """Qwen3.5's releases store each layer's experts stacked (experts.gate_up_proj [E, 2 * inter, H], experts.down_proj
+    [E, H, inter]); transformers saves one tensor per expert. The same weights either way give transformers' tokens."""
+    model = model_factory("qwen3_5_moe")
+    stacked = shutil.copytree(model, tmp_path / "stacked")
+    tensors = load_file(stacked / "model.safetensors")
+    for layer in range(4):
+        m = f"model.layers.{layer}.mlp.experts."
+        gate, up, down = ([tensors.pop(f"{m}{e}.{name}.weight") for e in range(4)]
+                          for name in ("gate_proj", "up_proj", "down_proj"))
+        tensors[m + "gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        tensors[m + "down_proj"] = torch.stack(down)
+    save_file(tensors, stacked / "model.safetensors", metadata={"format": "pt"})
+    with LLM(model=stacked, block_size=4, max_model_len=128) as llm:
+        outputs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                           logprobs=5))
+    check_against_hf(model, llm.get_tokenizer(), outputs, PROMPTS[:3], max_new=MAX_NEW)
 
 
 def test_chunked_delta_rule_equals_the_recurrence():
@@ -86,7 +113,7 @@ def test_state_is_carved_from_the_cache_budget_and_max_num_seqs_refused(qwen3_ne
 
 
 # the recurrent families share the state slots and checkpoints: Gated DeltaNet, then Mamba2 (test_hybrid_mamba.py)
-STATE_FAMILIES = ["qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1"]
+STATE_FAMILIES = ["qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "qwen3_5"]
 
 
 @pytest.mark.parametrize("family", STATE_FAMILIES[:2])
@@ -145,19 +172,22 @@ def test_speculative_decoding_refused_for_hybrids(qwen3_next):
 
 
 def _edited_copy(src, dst, **changes):
+    """A copy of the model at src whose decoder's config (a vision-language checkpoint's text_config) has `changes`."""
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
-    config.update(changes)
+    config.get("text_config", config).update(changes)
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("changes,field", [
     (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"]), "layer_types"),
     (dict(layer_types=["linear_attention", "full_attention"]), "num_hidden_layers"),
     (dict(linear_num_value_heads=3), "linear_num_value_heads"),
 ])
-def test_inconsistent_hybrid_config_refused_at_load(qwen3_next, tmp_path, changes, field):
-    bad = _edited_copy(qwen3_next, tmp_path / "bad", **changes)
+def test_inconsistent_hybrid_config_refused_at_load(model_factory, family, tmp_path, changes, field):
+    bad = _edited_copy(model_factory(family), tmp_path / "bad", **changes)
     with pytest.raises(ValueError, match=field):
         LLM(model=bad, block_size=4, max_model_len=64)
+

@@ -1,4 +1,5 @@
-"""DeepSeek (MLA) over gloo (worker processes on this machine): tensor parallel (query heads, kv_b_proj and o_proj
+"""DeepSeek V3 and V2 (MLA; V2 without the q low-rank projection, group-limited greedy routing) over gloo (worker
+processes on this machine): tensor parallel (query heads, kv_b_proj and o_proj
 split by head, the latent projected and cached whole on every rank, every expert's width split), against the
 single-process engine and transformers."""
 
@@ -14,7 +15,7 @@ from test_tp_pp_equivalence import OPTIONS, PARAMS, PROMPTS, compare, single_pro
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch,tp,pp", [("deepseek_v3", 2, 1)],
+@pytest.mark.parametrize("arch,tp,pp", [("deepseek_v3", 2, 1), ("deepseek_v2", 2, 1)],
                          ids=lambda v: str(v))
 def test_mla_parallel_matches_single_process_and_transformers(model_factory, arch, tp, pp):
     model_dir = model_factory(arch)

@@ -1,12 +1,13 @@
-"""`shoal-engine serve` with the hybrid models (Qwen3-Next: Gated DeltaNet + gated attention; Granite 4: Mamba2 +
-attention without RoPE): greedy completions
-through the openai client, streamed equal to non-streamed and to the offline engine; a repeated prompt is a
-prefix-cache hit in the usual metrics; the cache is all free again afterwards."""
+"""`shoal-engine serve` with the hybrid models (Qwen3-Next and Qwen3.5: Gated DeltaNet + gated attention, Qwen3.5 as
+its vision-language checkpoint; Granite 4 and Nemotron-H: Mamba2 + attention without RoPE; Falcon-H1: both side by
+side in every layer): greedy completions through the openai client, streamed equal to non-streamed and to the
+offline engine; a repeated prompt is a prefix-cache hit in the usual metrics; the cache is all free again
+afterwards; an image sent to the vision-language checkpoint is refused (its text decoder alone is served)."""
 
 from __future__ import annotations
 
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from shoal.engine import LLM, SamplingParams
 
@@ -16,7 +17,7 @@ PROMPTS = ["Once upon a time there was a little shoal of fish that swam together
            "def add(a, b):"]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "qwen3_5"])
 def test_hybrid_server_streamed_equals_non_streamed_and_caches_prefixes(start_server, model_factory, arch):
     model = model_factory(arch)
     with LLM(model=model, max_model_len=256, block_size=4) as llm:
@@ -31,6 +32,10 @@ def test_hybrid_server_streamed_equals_non_streamed_and_caches_prefixes(start_se
         stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
                                            extra_body=extra)
         assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    if arch == "qwen3_5":
+        image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+        with pytest.raises(BadRequestError, match=r"content part 1 of type 'image_url' is not supported \(text only\)"):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": image}], max_tokens=4)
     m = server.metrics()
     assert metric(m, "shoal:prefix_cache_hits_total", model_name="tiny") > 0, "the repeated prompts were not cached"
     assert metric(m, "shoal:num_free_kv_blocks") == metric(m, "shoal:num_kv_blocks")

@@ -114,10 +114,8 @@ class GatedDeltaNet(nn.Module):
         self.nv_local = self.nk_local * self.ratio
         self.head_start = ps.tp_rank * self.nk_local  # first key head of this rank
         self.eps = config.rms_norm_eps
-        self.in_proj_qkvz = ColumnParallelLinear(self.hidden, self.nk * (2 * self.dk + 2 * self.ratio * self.dv),
-                                                 False, dtype)
-        self.in_proj_ba = ColumnParallelLinear(self.hidden, self.nk * 2 * self.ratio, False, dtype)
         self.channels = 2 * self.nk_local * self.dk + self.nv_local * self.dv
+        self.make_in_proj(dtype)
         self.conv_weight = nn.Parameter(torch.empty(self.channels, self.kernel, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.nv_local, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv_local, dtype=torch.float32), requires_grad=False)
@@ -136,7 +134,18 @@ class GatedDeltaNet(nn.Module):
         return RecurrentState(torch.zeros(slots, self.channels, self.kernel - 1, dtype=self.dtype, device=device),
                               torch.zeros(slots, self.nv_local, self.dk, self.dv, dtype=torch.float32, device=device))
 
-    # ---- the step
+    # ---- the input projections (a checkpoint layout: Qwen3.5's keeps them apart, models/qwen3_5.py)
+
+    def make_in_proj(self, dtype: torch.dtype) -> None:
+        """Qwen3-Next's two fused projections, their rows grouped by key head."""
+        self.in_proj_qkvz = ColumnParallelLinear(self.hidden, self.nk * (2 * self.dk + 2 * self.ratio * self.dv),
+                                                 False, dtype)
+        self.in_proj_ba = ColumnParallelLinear(self.hidden, self.nk * 2 * self.ratio, False, dtype)
+
+    def load_in_proj(self, src, p: str) -> None:
+        h, nk, dk, dv, r = self.hidden, self.nk, self.dk, self.dv, self.ratio
+        self.in_proj_qkvz.load(reader(src, p + "in_proj_qkvz.weight", (nk * (2 * dk + 2 * r * dv), h)))
+        self.in_proj_ba.load(reader(src, p + "in_proj_ba.weight", (nk * 2 * r, h)))
 
     def _split(self, h: torch.Tensor):
         """Project and regroup: mixed q|k|v [T, channels] (the conv's input), z [T, nv, dv], b and a [T, nv]."""
@@ -147,6 +156,8 @@ class GatedDeltaNet(nn.Module):
         b, a = ba.split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return mixed, z.reshape(T, self.nv_local, dv), b.reshape(T, -1), a.reshape(T, -1)
+
+    # ---- the step
 
     def _qkv_heads(self, mixed: torch.Tensor):
         """Conv output [..., channels] -> float32 q, k (L2-normalised, q scaled, repeated per value head) and v,
@@ -208,8 +219,7 @@ class GatedDeltaNet(nn.Module):
     def load(self, src, p: str) -> None:
         """Weights under the prefix `p` ('model.layers.0.linear_attn.'), this rank's key heads only."""
         h, nk, nv, dk, dv, r = self.hidden, self.nk, self.nv, self.dk, self.dv, self.ratio
-        self.in_proj_qkvz.load(reader(src, p + "in_proj_qkvz.weight", (nk * (2 * dk + 2 * r * dv), h)))
-        self.in_proj_ba.load(reader(src, p + "in_proj_ba.weight", (nk * 2 * r, h)))
+        self.load_in_proj(src, p)
         channels = 2 * nk * dk + nv * dv
         conv = src.load(p + "conv1d.weight", (channels, 1, self.kernel))[:, 0]
         s, n = self.head_start, self.nk_local

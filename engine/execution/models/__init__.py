@@ -25,13 +25,38 @@ _REGISTRY = {
     "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),  # the MLP is the config's: dense or sparse
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
     "BertModel": ("bert", "BertModel"),  # encoder-only: embeddings only
 }
 
-SUPPORTED_ARCHITECTURES = sorted(_REGISTRY)
+# Vision-language checkpoints whose text decoder is served (their vision tower is never read; requests are text
+# only): the wrapper's architecture -> the decoder's, built from the wrapper's text_config.
+_TEXT_DECODERS = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+
+SUPPORTED_ARCHITECTURES = sorted([*_REGISTRY, *_TEXT_DECODERS])
+
+
+def text_decoder_config(config):
+    """`config` itself, or for a vision-language checkpoint of _TEXT_DECODERS its text_config made a causal LM's:
+    the decoder's architecture, and the wrapper's tie_word_embeddings and dtype (what the wrapper's own class
+    follows)."""
+    archs = getattr(config, "architectures", None) or []
+    decoder = next((_TEXT_DECODERS[a] for a in archs if a in _TEXT_DECODERS), None)
+    if decoder is None:
+        return config
+    text = config.text_config  # transformers fills in its defaults where config.json has none
+    text.architectures = [decoder]
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    if getattr(config, "dtype", None) is not None:
+        text.dtype = config.dtype
+    return text
 
 
 def model_class(config) -> type[CausalLM]:

@@ -84,6 +84,11 @@ def reader(src: WeightSource, name: str, full_shape: tuple[int, ...], transpose:
     return read
 
 
+def tensor_reader(t: torch.Tensor):
+    """A Reader over a tensor already in memory (a part of a checkpoint tensor read whole)."""
+    return lambda dim, start, length: t.narrow(dim, start, length)
+
+
 def fused_readers(src: WeightSource, name: str, part_rows: list[int], cols: int | None = None) -> list:
     """Readers over the row blocks of one checkpoint tensor [sum(part_rows), cols] (or a bias [sum(part_rows)]) that
     fuses several projections along its output dimension (Phi-3's qkv_proj, gate_up_proj): reader i sees rows

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from shoal.engine.execution.layers.moe import SparseMoeBlock
-from shoal.engine.execution.models.base import reader
+from shoal.engine.execution.models.base import reader, tensor_reader
 from shoal.engine.execution.models.decoder import DecoderLM, hidden_activation
 
 _EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -33,10 +33,16 @@ def load_moe_block(block: SparseMoeBlock, src, m: str, expert_names=_EXPERT_NAME
     """A sparse block's tensors under the prefix m ('...mlp.'): gate.weight [E, H], experts.{e}.<names>, and the
     shared expert (with its gate) when the block has one (under `shared_name`: DeepSeek's is shared_experts.)."""
     experts = block.experts
-    h, inter = experts.hidden, experts.intermediate
-    block.gate.data.copy_(src.load(m + "gate.weight", (experts.num_experts, h)))
+    h, inter, n = experts.hidden, experts.intermediate, experts.num_experts
+    block.gate.data.copy_(src.load(m + "gate.weight", (n, h)))
     gate, up, down = expert_names
+    stacked = src.has(m + "experts.gate_up_proj")  # transformers 5's layout, as Qwen3.5's releases ship it
     for e in experts.local_experts():
+        if stacked:  # gate_up_proj [E, 2 * inter, H] (gate rows first), down_proj [E, H, inter]: one expert read whole
+            both = src.load(m + "experts.gate_up_proj", (n, 2 * inter, h), dim=0, start=e, length=1)[0]
+            experts.load_expert(e, tensor_reader(both[:inter]), tensor_reader(both[inter:]), tensor_reader(
+                src.load(m + "experts.down_proj", (n, h, inter), dim=0, start=e, length=1)[0]))
+            continue
         p = f"{m}experts.{e}."
         experts.load_expert(e, reader(src, f"{p}{gate}.weight", (inter, h)), reader(src, f"{p}{up}.weight", (inter, h)),
                             reader(src, f"{p}{down}.weight", (h, inter)))
@@ -51,18 +57,20 @@ class _SparseDecoderLM(DecoderLM):
     norm_topk_prob."""
 
     expert_size_field = "moe_intermediate_size"  # the config field holding each expert's intermediate size
+    always_renormalize = False  # the top-k weights renormalised whatever norm_topk_prob says (Qwen3.5's router)
 
     def is_sparse(self, layer_idx: int) -> bool:
         c = self.config
         step = getattr(c, "decoder_sparse_step", 1) or 1
-        return (layer_idx not in (getattr(c, "mlp_only_layers", None) or []) and c.num_experts > 0
+        return (layer_idx not in (getattr(c, "mlp_only_layers", None) or []) and getattr(c, "num_experts", 0) > 0
                 and (layer_idx + 1) % step == 0)
 
     def moe_block(self, dtype, **shared) -> SparseMoeBlock:
         c = self.config
         check_silu_experts(c)
         return SparseMoeBlock(c.hidden_size, c.num_experts, c.num_experts_per_tok,
-                              getattr(c, self.expert_size_field), renormalize=bool(getattr(c, "norm_topk_prob", False)),
+                              getattr(c, self.expert_size_field),
+                              renormalize=self.always_renormalize or bool(getattr(c, "norm_topk_prob", False)),
                               dtype=dtype, scoring_func=getattr(c, "scoring_func", "softmax"), **shared)
 
     def make_mlp(self, layer_idx: int, dtype) -> nn.Module:

@@ -20,17 +20,12 @@ from shoal.engine.execution.layers.gated_delta_net import GatedDeltaNet
 from shoal.engine.execution.layers.linear import ColumnParallelLinear
 from shoal.engine.execution.layers.moe import SparseMoeBlock
 from shoal.engine.execution.layers.norm import GemmaRMSNorm
-from shoal.engine.execution.models.base import reader
+from shoal.engine.execution.models.base import reader, tensor_reader
 from shoal.engine.execution.models.decoder import FULL
 from shoal.engine.execution.models.hybrid import HybridCaches
 from shoal.engine.execution.models.moe import _SparseDecoderLM
 
 LINEAR = "linear_attention"
-
-
-def _rows(t: torch.Tensor):
-    """A Reader (layers.linear) over a tensor already in memory."""
-    return lambda dim, start, length: t.narrow(dim, start, length)
 
 
 class GatedAttention(RotaryAttention):
@@ -53,9 +48,10 @@ class GatedAttention(RotaryAttention):
         h, hd, nh, nkv = self.hidden, self.head_dim, self.total_heads, self.total_kv_heads
         # [heads * (query | gate), hidden]: de-interleave into the query rows and the gate rows.
         both = src.load(a + "q_proj.weight", (nh * 2 * hd, h)).view(nh, 2, hd, h)
-        self.qkv_proj.load([_rows(both[:, 0].reshape(nh * hd, h)), reader(src, a + "k_proj.weight", (nkv * hd, h)),
+        query, gate = (tensor_reader(both[:, i].reshape(nh * hd, h)) for i in (0, 1))
+        self.qkv_proj.load([query, reader(src, a + "k_proj.weight", (nkv * hd, h)),
                             reader(src, a + "v_proj.weight", (nkv * hd, h))])
-        self.gate_proj.load(_rows(both[:, 1].reshape(nh * hd, h)))
+        self.gate_proj.load(gate)
         self.o_proj.load(reader(src, a + "o_proj.weight", (h, nh * hd)))
         self.q_norm.weight.data.copy_(src.load(a + "q_norm.weight", (hd,)))
         self.k_norm.weight.data.copy_(src.load(a + "k_norm.weight", (hd,)))
@@ -64,10 +60,12 @@ class GatedAttention(RotaryAttention):
 class Qwen3NextForCausalLM(HybridCaches, _SparseDecoderLM):
     norm_cls = GemmaRMSNorm
     qk_norm = "head"
+    family = "Qwen3-Next"  # in load errors
+    linear_mixer_cls = GatedDeltaNet  # the linear layers' mixer (Qwen3.5 reads its projections another way)
 
     def __init__(self, config, dtype, backend, max_model_len, layer_partition=None):
         if getattr(config, "attention_bias", False):
-            raise ValueError("Qwen3-Next config: attention_bias=true is not supported (the releases have none)")
+            raise ValueError(f"{self.family} config: attention_bias=true is not supported (the releases have none)")
         super().__init__(config, dtype, backend, max_model_len, layer_partition)
 
     @classmethod
@@ -75,14 +73,14 @@ class Qwen3NextForCausalLM(HybridCaches, _SparseDecoderLM):
         types = list(getattr(config, "layer_types", None) or [])
         unknown = sorted(set(types) - {LINEAR, FULL})
         if unknown or len(types) != config.num_hidden_layers:
-            raise ValueError(f"Qwen3-Next config: layer_types {types} must give {LINEAR!r} or {FULL!r} for each of "
+            raise ValueError(f"{cls.family} config: layer_types {types} must give {LINEAR!r} or {FULL!r} for each of "
                              f"the {config.num_hidden_layers} layers (num_hidden_layers)"
                              + (f"; unsupported layer type(s) {unknown}" if unknown else ""))
         return types
 
     def make_mixer(self, layer_idx, layer_type, window, rotaries, dtype, backend) -> nn.Module:
         if layer_type == LINEAR:
-            return GatedDeltaNet(self.config, dtype)
+            return self.linear_mixer_cls(self.config, dtype)
         return GatedAttention(self.config, dtype, backend, rotaries[FULL], self.head_dim, qk_norm="head",
                               norm_cls=GemmaRMSNorm)
 
