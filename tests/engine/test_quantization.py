@@ -92,7 +92,10 @@ def test_int8_weights_the_cpu_kernel_would_saturate_are_refused():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_int8_quantizes_the_lm_head_and_embedding_and_halves_weight_memory(model_factory, tied):
+def test_int8_keeps_the_lm_head_dense_quantizes_an_untied_embedding_and_cuts_weight_memory(model_factory, tied):
+    """The LM head stays in the model's dtype (as vLLM's W8A8 keeps it: per-token rounding of the final hidden
+    state costs the most quality there); an untied embedding table is stored as int8 rows, a tied one stays the
+    head's dense table."""
     from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from shoal.engine.execution.quantization import resident_weight_bytes
 
@@ -103,20 +106,22 @@ def test_int8_quantizes_the_lm_head_and_embedding_and_halves_weight_memory(model
     with LLM(model=model, **options) as llm:
         dense_net = llm.llm_engine.executor.runner.model
         dense_bytes = resident_weight_bytes(dense_net)
-        prepacked = any(m.packed is not None for m in dense_net.modules() if isinstance(m, PackedMatmul))
         ref = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
     with LLM(model=model, quantization="int8", **options) as llm:
         net = llm.llm_engine.executor.runner.model
         heads = [m for m in net.modules() if isinstance(m, ParallelLMHead)]
         tables = [m for m in net.modules() if isinstance(m, VocabParallelEmbedding)]
-        assert heads and all(isinstance(h.quantized, Int8Weight) for h in heads)
-        assert tables and all(t.int8_rows is not None and not t.weight.numel() for t in tables)
+        layers = [m for m in net.modules() if isinstance(m, PackedMatmul) and not isinstance(m, ParallelLMHead)]
+        assert heads and all(h.quantized is None for h in heads)
+        assert layers and all(isinstance(m.quantized, Int8Weight) for m in layers)
+        if tied:
+            assert tables and all(t.int8_rows is None and t.weight.numel() for t in tables)
+        else:
+            assert tables and all(t.int8_rows is not None and not t.weight.numel() for t in tables)
         int8_bytes = resident_weight_bytes(net)
         got = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
-    # Every weight is one byte instead of two, plus scales and the norms. A tied table is held twice in int8 (for
-    # lookups, and in oneDNN's layout for the LM head), and twice in bf16 only where bf16 weights are prepacked.
-    bound = 0.72 if tied and not prepacked else 0.56
-    assert int8_bytes < dense_bytes * bound, (int8_bytes, dense_bytes)
+    # The linear layers' weights are one byte instead of two; the head (and a tied table) stays bf16.
+    assert int8_bytes < dense_bytes * (0.85 if tied else 0.7), (int8_bytes, dense_bytes)
     mean, worst = _logprob_error(ref, got)
     # Without VNNI the weights are 7-bit (see quantization/int8.py): twice the rounding step, ~1.4x the error.
     slack = 1.0 if Int8Weight.weight_limit(torch.device("cpu")) == 127 else 1.5

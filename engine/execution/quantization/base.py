@@ -7,7 +7,9 @@ import torch
 
 class QuantizedWeight:
     kernel: str = ""  # which kernel runs the matmul (logged)
-    quantizes_vocab_tables: bool = False  # also the LM head and the token embedding (see quantization/__init__)
+    # Whether --quantization also stores the token embedding's rows in this form (a lookup: the weight's error
+    # only). The LM head is never quantized here: see quantize_model.
+    quantizes_embedding: bool = False
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:

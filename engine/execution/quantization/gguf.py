@@ -100,8 +100,6 @@ class GGUFWeight(QuantizedWeight):
     """A layer's weight as GGUF row segments (concatenated along the output features), padded with zero rows
     to `out` (a vocabulary-parallel LM head whose last rank holds fewer rows)."""
 
-    quantizes_vocab_tables = True
-
     def __init__(self, segments: list[GGUFPacked], out: int | None = None):
         if not segments or len({s.cols for s in segments}) != 1:
             raise ValueError("a GGUFWeight needs one or more segments of equal width")

@@ -88,7 +88,7 @@ class Int8Weight(QuantizedWeight):
     threads; the same arithmetic as separate torch ops around torch._int_mm, which also re-lays the weight out on
     every call, gained nothing). Elsewhere (CUDA) the torch ops around torch._int_mm (cuBLASLt) run."""
 
-    quantizes_vocab_tables = True
+    quantizes_embedding = True
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         """q: int8 [out, in] within this device's weight_limit(q.device), scale: float32 [out]."""
