@@ -643,6 +643,7 @@ class StandInChatEngines:
         self.ports = {pod: free_port() for pod in pods}
         self.seen: dict[str, list[str]] = {pod: [] for pod in pods}  # pod -> conversation openings it served
         self.failing: set[str] = set()
+        self.failing_status = 500  # what a failing pod answers (503: busy, which the gateway retries elsewhere)
         self.runners = [self._run(self._start(pod, port)) for pod, port in self.ports.items()]
 
     def _run(self, coro):
@@ -659,7 +660,8 @@ class StandInChatEngines:
             body = await request.json()
             self.seen[pod].append(body["messages"][0]["content"])
             if pod in self.failing:
-                return web.json_response({"error": {"message": "boom", "type": "internal_error"}}, status=500)
+                return web.json_response({"error": {"message": "boom", "type": "internal_error"}},
+                                         status=self.failing_status)
             return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": pod}}]})
 
         app = web.Application()

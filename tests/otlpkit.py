@@ -45,8 +45,10 @@ class Collector:
         return {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{self.port}/v1/traces",
                 "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": service}
 
-    def named(self, name: str, service: str | None = None) -> list:
-        return [s for svc, s in self.spans if s.name == name and service in (None, svc)]
+    def named(self, name: str, service: str | None = None, trace_id: str | None = None) -> list:
+        """The spans called `name` (of `service`, in the trace `trace_id` in hex, where given)."""
+        return [s for svc, s in self.spans if s.name == name and service in (None, svc)
+                and trace_id in (None, s.trace_id.hex())]
 
 
 def attributes(span) -> dict:

@@ -75,6 +75,7 @@ class Ticket:
     # How far its tenant was above its fair share of the engine when it was sent there: (the tenant's requests
     # there) x (tenants there, itself included) - (all requests there). 0 at the share, negative below it.
     share: int = 0
+    pick: Any = None  # the router's latest decision for it (routing.Pick): what its trace names
 
     def grant(self, result: Any) -> None:
         if self.future is not None and not self.future.done():

@@ -150,6 +150,7 @@ class Pool:
         pick = self.router.pick(candidates, ticket.hashes, now, ticket.model, ticket.tokens,
                                 ticket.model if ticket.tokens and self.is_adapter(ticket.model, now) else None)
         self.router.record(pick.backend, ticket.hashes, now)
+        ticket.pick = pick
         b = pick.backend
         b.inflight += 1
         ahead = b.tenants.get(ticket.tenant, 0)

@@ -772,7 +772,8 @@ class Gateway:
             retry: Backend | None = None
             try:
                 if trace is not None:
-                    trace.attempt_started(backend.url, headers, retry_reason)
+                    trace.attempt_started(backend.url, headers, retry_reason, len(tried), pool.router.name,
+                                          ticket.pick)
                 upstream = await self._send(pool, backend, request, headers, body)
                 if not isinstance(upstream, str) and upstream.status == 401 and \
                         (other := self.other_engine_key(pool)) is not None:
@@ -781,6 +782,8 @@ class Gateway:
                     upstream.release()
                     headers = {**headers, "Authorization": f"Bearer {other}"}
                     upstream = await self._send(pool, backend, request, headers, body)
+                if trace is not None and (isinstance(upstream, str) or upstream.status in RETRY_STATUSES):
+                    trace.attempt_ended(upstream if isinstance(upstream, str) else f"status_{upstream.status}")
                 if upstream == "timeout":  # the engine may still be running it: never a second run elsewhere
                     self.metrics.requests.labels(backend.url, "504").inc()
                     self.metrics.revision_outcome(backend.revision, "504")
@@ -801,6 +804,8 @@ class Gateway:
                     # another that lists it serves it
                     self.metrics.retries.labels(f"status_{upstream.status}").inc()
                     retry_reason = f"status_{upstream.status}"
+                    if trace is not None:
+                        trace.attempt_ended(retry_reason)
                     upstream.release()
                     continue
                 return await self._relay(request, backend, upstream, limits, sent_at=sent_at)
@@ -850,6 +855,8 @@ class Gateway:
                 out.headers.add(k, v)
         out.headers.update(limits)  # the tenant's quotas, as OpenAI reports them
         first_byte: float | None = None
+        trace = request.get(TRACE_KEY)
+        usage = trace.usage_reader(upstream.headers.get("Content-Type", "")) if trace is not None else None
         try:
             await _to_client(out.prepare(request))
             loop = asyncio.get_running_loop()
@@ -858,6 +865,8 @@ class Gateway:
                     if first_byte is None and sent_at is not None:
                         first_byte = time.monotonic() - sent_at
                     await _to_client(out.write(chunk))
+                    if usage is not None:
+                        usage.feed(chunk)
                     silence.reschedule(loop.time() + self.config.read_timeout)
             await _to_client(out.write_eof())
         except ClientGone:
@@ -877,6 +886,8 @@ class Gateway:
             raise
         finally:
             upstream.close()  # no-op after a full read; otherwise the engine sees a disconnect and aborts
+            if usage is not None:
+                usage.close()
             self.metrics.requests.labels(backend.url, code).inc()
             self.metrics.revision_outcome(backend.revision, code, first_byte)
         return out
