@@ -14,6 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from webkit import serve
+from yarl import URL
 
 from shoal.engine.server.keys import KeySet
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
@@ -597,11 +599,8 @@ async def test_a_client_that_disconnects_mid_answer_is_not_the_engines_failure()
     gw = Gateway(GatewayConfig(health=HealthPolicy(circuit_failures=1)))
     gw.backends.replace([str(engine.make_url("")).rstrip("/")])
     await gw.start()
-    runner = web.AppRunner(build_app(gw), handler_cancellation=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = SimpleNamespace(host="127.0.0.1", port=site._server.sockets[0].getsockname()[1], close=runner.cleanup)
+    runner, url = await serve(build_app(gw), handler_cancellation=False)
+    server = SimpleNamespace(host="127.0.0.1", port=URL(url).port, close=runner.cleanup)
     try:
         (backend,) = gw.backends.all()
         for i in range(3):

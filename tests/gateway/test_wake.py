@@ -9,6 +9,7 @@ import json
 
 import pytest
 from aiohttp import web
+from webkit import serve
 
 importlib.import_module("shoal.operator.gateway.discovery")
 
@@ -26,12 +27,8 @@ async def _api_server(status: int = 200):
 
     app = web.Application()
     app.router.add_patch("/api/v1/namespaces/{ns}/configmaps/{name}", patch)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}", seen
+    runner, url = await serve(app)
+    return runner, url, seen
 
 
 async def test_held_requests_wake_the_operator_once_per_interval():

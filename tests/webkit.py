@@ -1,0 +1,16 @@
+"""In-process aiohttp stand-ins (a fake Kubernetes API, an engine's /metrics) served on a localhost port."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+
+async def serve(app: web.Application, port: int = 0, **runner_options: Any) -> tuple[web.AppRunner, str]:
+    """Serve `app` on 127.0.0.1:`port` (0: a free one); its runner (`cleanup()` stops it) and base URL."""
+    runner = web.AppRunner(app, **runner_options)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
