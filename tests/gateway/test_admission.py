@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import generate_latest
-from webkit import serve
+from webkit import configmap_api
 
 from shoal.operator.gateway.admission import FairQueue, Ticket, request_cost
 from shoal.operator.k8s.client import KubeAPI
@@ -404,13 +404,10 @@ async def test_under_saturation_the_lowest_priority_is_shed_first():
 async def _fake_api() -> tuple[web.AppRunner, str, list[str]]:
     patched: list[str] = []
 
-    async def patch(request: web.Request) -> web.Response:
+    async def record(request: web.Request) -> None:
         patched.append(f"{request.match_info['ns']}/{request.match_info['name']}")
-        return web.json_response({})
 
-    app = web.Application()
-    app.router.add_patch("/api/v1/namespaces/{ns}/configmaps/{name}", patch)
-    runner, url = await serve(app)
+    runner, url = await configmap_api(record)
     return runner, url, patched
 
 

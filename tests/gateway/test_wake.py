@@ -9,7 +9,7 @@ import json
 
 import pytest
 from aiohttp import web
-from webkit import serve
+from webkit import configmap_api
 
 importlib.import_module("shoal.operator.gateway.discovery")
 
@@ -20,14 +20,11 @@ from shoal.operator.gateway.wake import ANNOTATION, Waker  # noqa: E402
 async def _api_server(status: int = 200):
     seen: list[dict] = []
 
-    async def patch(request: web.Request) -> web.Response:
+    async def record(request: web.Request) -> None:
         seen.append({"path": request.path, "type": request.content_type, "auth": request.headers.get("Authorization"),
                      "body": json.loads(await request.read())})
-        return web.json_response({}, status=status)
 
-    app = web.Application()
-    app.router.add_patch("/api/v1/namespaces/{ns}/configmaps/{name}", patch)
-    runner, url = await serve(app)
+    runner, url = await configmap_api(record, status)
     return runner, url, seen
 
 
