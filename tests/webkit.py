@@ -6,6 +6,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from shoal.operator.gateway.backends import Backend, BackendSet
 
 
 async def serve(app: web.Application, port: int = 0, **runner_options: Any) -> tuple[web.AppRunner, str]:
@@ -28,3 +31,20 @@ async def configmap_api(record: Callable[[web.Request], Awaitable[None]],
     app = web.Application()
     app.router.add_patch("/api/v1/namespaces/{ns}/configmaps/{name}", patch)
     return await serve(app)
+
+
+async def started(app: web.Application) -> tuple[TestServer, str]:
+    """`app` served by aiohttp's TestServer (close it when done) and its base URL, as the gateway is given it."""
+    server = TestServer(app)
+    await server.start_server()
+    return server, str(server.make_url("")).rstrip("/")
+
+
+async def lone_backend(app: web.Application) -> tuple[TestServer, BackendSet, Backend]:
+    """`app` (a stand-in engine) served and made the one backend of a BackendSet, as discovery does for a Ready
+    pod; close the server when done."""
+    engine, url = await started(app)
+    backends = BackendSet()
+    backends.replace([url])
+    (b,) = backends.all()
+    return engine, backends, b
