@@ -37,7 +37,6 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import copy
 import functools
@@ -57,6 +56,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from aiohttp import web
 from kubekit import slice_labels
+from webkit import LoopThread
 from prockit import LoggedProcess, free_port
 
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
@@ -633,22 +633,18 @@ def publish_slices(client, ns: str, service: str, pods: list[str], engines: Fake
         client.create("endpointslices", ns, body)
 
 
-class StandInChatEngines:
+class StandInChatEngines(LoopThread):
     """Stand-in engines by pod name: /readyz, /metrics, /v1/chat/completions recording each conversation's key."""
 
     def __init__(self, pods: list[str]):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="stand-in-engines")
-        self.thread.start()
+        super().__init__()
         self.ports = {pod: free_port() for pod in pods}
         self.seen: dict[str, list[str]] = {pod: [] for pod in pods}  # pod -> conversation openings it served
         self.failing: set[str] = set()
-        self.runners = [self._run(self._start(pod, port)) for pod, port in self.ports.items()]
+        for pod, port in self.ports.items():
+            self.serve(self._app(pod), port)
 
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
-
-    async def _start(self, pod: str, port: int) -> web.AppRunner:
+    def _app(self, pod: str) -> web.Application:
         async def readyz(request):
             return web.json_response({"status": "ready"})
 
@@ -666,16 +662,7 @@ class StandInChatEngines:
         app.router.add_get("/readyz", readyz)
         app.router.add_get("/metrics", metrics)
         app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
+        return app
 
     def served(self, prefix: str) -> int:
         return sum(len(v) for pod, v in self.seen.items() if pod.startswith(prefix))
-
-    def close(self) -> None:
-        for r in self.runners:
-            self._run(r.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)

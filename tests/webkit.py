@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -48,3 +50,26 @@ async def lone_backend(app: web.Application) -> tuple[TestServer, BackendSet, Ba
     backends.replace([url])
     (b,) = backends.all()
     return engine, backends, b
+
+
+class LoopThread:
+    """Stand-ins for tests that are not async themselves: an event loop in a daemon thread serves their apps."""
+
+    def __init__(self, name: str = "stand-in-engines"):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
+        self.thread.start()
+        self.runners: list[web.AppRunner] = []
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def serve(self, app: web.Application, port: int) -> None:
+        """Serve `app` on 127.0.0.1:`port` until close()."""
+        self.runners.append(self._run(serve(app, port))[0])
+
+    def close(self) -> None:
+        for r in self.runners:
+            self._run(r.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
