@@ -52,11 +52,11 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 from aiohttp import web
 from kubekit import slice_labels
-from webkit import LoopThread
+from webkit import LoopThread, QuietHandler, idle_engine
 from prockit import LoggedProcess, free_port
 
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
@@ -590,7 +590,7 @@ class FakeEngines:
         if pod not in self.servers:
             engines = self
 
-            class Handler(BaseHTTPRequestHandler):
+            class Handler(QuietHandler):
                 def do_GET(self):
                     running, waiting, kv = engines.load.get(pod, (0, 0, 0.0))
                     if pod in engines.texts:
@@ -601,14 +601,7 @@ class FakeEngines:
                         body = (f'shoal:num_requests_running{{model_name="m"}} {running}\n'
                                 f'shoal:num_requests_waiting{{model_name="m"}} {waiting}\n'
                                 f'shoal:kv_cache_usage_perc{{model_name="m"}} {kv}\n').encode()
-                    self.send_response(200 if self.path == "/metrics" else 404)
-                    self.send_header("Content-Type", "text/plain; version=0.0.4")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-
-                def log_message(self, *args):
-                    pass
+                    self.reply(200 if self.path == "/metrics" else 404, body, "text/plain; version=0.0.4")
 
             server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
             threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -645,12 +638,6 @@ class StandInChatEngines(LoopThread):
             self.serve(self._app(pod), port)
 
     def _app(self, pod: str) -> web.Application:
-        async def readyz(request):
-            return web.json_response({"status": "ready"})
-
-        async def metrics(request):
-            return web.Response(text='shoal:num_requests_running{model_name="chat"} 0\n')
-
         async def chat(request):
             body = await request.json()
             self.seen[pod].append(body["messages"][0]["content"])
@@ -658,9 +645,7 @@ class StandInChatEngines(LoopThread):
                 return web.json_response({"error": {"message": "boom", "type": "internal_error"}}, status=500)
             return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": pod}}]})
 
-        app = web.Application()
-        app.router.add_get("/readyz", readyz)
-        app.router.add_get("/metrics", metrics)
+        app = idle_engine("chat")
         app.router.add_post("/v1/chat/completions", chat)
         return app
 

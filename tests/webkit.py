@@ -1,9 +1,11 @@
-"""In-process aiohttp stand-ins (a fake Kubernetes API, an engine's /metrics) served on a localhost port."""
+"""In-process HTTP stand-ins (a fake Kubernetes API, an engine's /metrics, a hub) served on a localhost port:
+aiohttp apps, or http.server handlers for a server in a plain thread."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from http.server import BaseHTTPRequestHandler
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -52,6 +54,20 @@ async def lone_backend(app: web.Application) -> tuple[TestServer, BackendSet, Ba
     return engine, backends, b
 
 
+def idle_engine(model: str) -> web.Application:
+    """A stand-in engine, ready and idle: /readyz, and /metrics with no request of `model` running. Add its API."""
+    async def readyz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ready"})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=f'shoal:num_requests_running{{model_name="{model}"}} 0\n')
+
+    app = web.Application()
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
 class LoopThread:
     """Stand-ins for tests that are not async themselves: an event loop in a daemon thread serves their apps."""
 
@@ -73,3 +89,17 @@ class LoopThread:
             self._run(r.cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """An http.server handler that logs nothing and answers in one call."""
+
+    def reply(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass

@@ -15,7 +15,7 @@ import uuid
 import pytest
 from aiohttp import web
 from prockit import LoggedProcess, free_port, http, wait_for
-from webkit import LoopThread
+from webkit import LoopThread, idle_engine
 
 
 class StandInEngines(LoopThread):
@@ -29,20 +29,12 @@ class StandInEngines(LoopThread):
             self.serve(self._app(p), p)
 
     def _app(self, port: int) -> web.Application:
-        async def readyz(request):
-            return web.json_response({"status": "ready"})
-
-        async def metrics(request):
-            return web.Response(text='shoal:num_requests_running{model_name="tiny"} 0\n')
-
         async def complete(request):
             await request.read()
             self.seen[port] += 1
             return web.json_response({"choices": [{"index": 0, "text": str(port)}]})
 
-        app = web.Application()
-        app.router.add_get("/readyz", readyz)
-        app.router.add_get("/metrics", metrics)
+        app = idle_engine("tiny")
         app.router.add_post("/v1/completions", complete)
         return app
 
