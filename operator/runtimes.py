@@ -130,11 +130,9 @@ class Runtime:
         return frozenset(words)
 
 
-_SHOAL_OPTIONS: dict[str, Mapping] = {option: shoal_flag(option) for option in (
-    "tensor_parallel_size", "pipeline_parallel_size", "dtype", "max_model_len", "max_num_seqs",
-    "max_num_batched_tokens", "gpu_memory_utilization", "enable_prefix_caching", "attention_backend",
-    "enforce_eager", "quantization", "kv_cache_dtype", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-    "scheduling_policy", "enable_sleep_mode", "runner", "pooler_config")}
+# Shoal's engine takes every EngineConfig flag by its own name, so its table is EngineConfig's flags: the spec's
+# engine options (api.EngineOptions, the one list of them) need no second copy here.
+_SHOAL_OPTIONS: dict[str, Mapping] = {option: shoal_flag(option) for option in flags.flag_fields(EngineConfig)}
 
 SHOAL = Runtime(
     name="shoal", image=None, command=("shoal-engine", "serve"), model_flag="--model", options=_SHOAL_OPTIONS,

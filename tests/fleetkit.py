@@ -37,7 +37,6 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import copy
 import functools
@@ -53,10 +52,11 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 from aiohttp import web
 from kubekit import slice_labels
+from webkit import LoopThread, QuietHandler, idle_engine
 from prockit import LoggedProcess, free_port
 
 A_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
@@ -590,7 +590,7 @@ class FakeEngines:
         if pod not in self.servers:
             engines = self
 
-            class Handler(BaseHTTPRequestHandler):
+            class Handler(QuietHandler):
                 def do_GET(self):
                     running, waiting, kv = engines.load.get(pod, (0, 0, 0.0))
                     if pod in engines.texts:
@@ -601,14 +601,7 @@ class FakeEngines:
                         body = (f'shoal:num_requests_running{{model_name="m"}} {running}\n'
                                 f'shoal:num_requests_waiting{{model_name="m"}} {waiting}\n'
                                 f'shoal:kv_cache_usage_perc{{model_name="m"}} {kv}\n').encode()
-                    self.send_response(200 if self.path == "/metrics" else 404)
-                    self.send_header("Content-Type", "text/plain; version=0.0.4")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-
-                def log_message(self, *args):
-                    pass
+                    self.reply(200 if self.path == "/metrics" else 404, body, "text/plain; version=0.0.4")
 
             server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
             threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -633,29 +626,19 @@ def publish_slices(client, ns: str, service: str, pods: list[str], engines: Fake
         client.create("endpointslices", ns, body)
 
 
-class StandInChatEngines:
+class StandInChatEngines(LoopThread):
     """Stand-in engines by pod name: /readyz, /metrics, /v1/chat/completions recording each conversation's key."""
 
     def __init__(self, pods: list[str]):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="stand-in-engines")
-        self.thread.start()
+        super().__init__()
         self.ports = {pod: free_port() for pod in pods}
         self.seen: dict[str, list[str]] = {pod: [] for pod in pods}  # pod -> conversation openings it served
         self.failing: set[str] = set()
         self.failing_status = 500  # what a failing pod answers (503: busy, which the gateway retries elsewhere)
-        self.runners = [self._run(self._start(pod, port)) for pod, port in self.ports.items()]
+        for pod, port in self.ports.items():
+            self.serve(self._app(pod), port)
 
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
-
-    async def _start(self, pod: str, port: int) -> web.AppRunner:
-        async def readyz(request):
-            return web.json_response({"status": "ready"})
-
-        async def metrics(request):
-            return web.Response(text='shoal:num_requests_running{model_name="chat"} 0\n')
-
+    def _app(self, pod: str) -> web.Application:
         async def chat(request):
             body = await request.json()
             self.seen[pod].append(body["messages"][0]["content"])
@@ -664,20 +647,9 @@ class StandInChatEngines:
                                          status=self.failing_status)
             return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": pod}}]})
 
-        app = web.Application()
-        app.router.add_get("/readyz", readyz)
-        app.router.add_get("/metrics", metrics)
+        app = idle_engine("chat")
         app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
+        return app
 
     def served(self, prefix: str) -> int:
         return sum(len(v) for pod, v in self.seen.items() if pod.startswith(prefix))
-
-    def close(self) -> None:
-        for r in self.runners:
-            self._run(r.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)

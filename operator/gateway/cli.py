@@ -17,7 +17,7 @@ from shoal.engine.server.keys import KeySet
 from shoal.operator.gateway.backends import HealthPolicy
 from shoal.operator.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
 from shoal.operator.gateway.metric_names import RUNTIMES
-from shoal.operator.gateway.options import add_flags, config_kwargs, positive
+from shoal.operator.gateway.options import add_flags, bounded, config_kwargs, positive
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
 from shoal.operator.gateway.quotas import QuotaPolicy
 from shoal.operator.gateway.tenants import EngineKeys, TenantKeys, parse_networks
@@ -36,24 +36,8 @@ def endpoint_url(text: str) -> str:
     return text.rstrip("/")
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+non_negative_int = bounded(int, or_zero=True, noun="whole number")
+non_negative = bounded(float, or_zero=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,17 +42,21 @@ class Option:
     spec: SpecField | None = None
 
 
-def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    """A parser of numbers > 0 of `kind` (int, float), with the flag's error in words."""
+def bounded(kind: Callable[[str], Any], *, or_zero: bool, noun: str = "number") -> Callable[[str], Any]:
+    """A parser of numbers of `kind` (int, float) > 0 (or_zero: >= 0), with the flag's error in words."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {noun}") from None
+        if value < 0 or (value == 0 and not or_zero):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if or_zero else '>'} 0, got {text}")
         return value
     return parse
+
+
+def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    return bounded(kind, or_zero=False)
 
 
 def option(default: Any, group: str, help: str, **kw: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 
@@ -33,3 +34,15 @@ def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int, dtype: torc
     ids = out.sequences[0, len(prompt_ids):].tolist()
     logprobs = torch.log_softmax(torch.stack([l[0] for l in out.logits]).float(), dim=-1).cpu()
     return ids, logprobs
+
+
+def assert_greedy_matches(model_dir, tokenizer, prompts: list[str], outputs, max_new_tokens: int,
+                          context: tuple = (), abs_tol: float = 2e-4) -> None:
+    """Each of `outputs` (the engine's, greedy with logprobs, one per prompt) has transformers' greedy tokens for
+    its prompt, and each logprob it reports is transformers' own within `abs_tol`; `context` leads the messages."""
+    for prompt, out in zip(prompts, outputs):
+        ref_ids, ref_lp = hf_greedy(model_dir, tokenizer.encode(prompt), max_new_tokens)
+        assert out.outputs[0].token_ids == ref_ids, (*context, prompt)
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            for tid, lp in entry.items():
+                assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=abs_tol), (*context, prompt, step)

@@ -194,7 +194,7 @@ def test_mixtral_gguf_with_stacked_experts(model_factory, gguf_dir):
     so the oracle is transformers on the Hugging Face directory the F32 file was written from; a Q8_0 file must stay
     within its rounding of that (measured 0.12 nats at most on the first step; a near-tie in the router can flip an
     expert, hence the margin; a wrong expert slice is several nats off)."""
-    from hf_reference import hf_greedy
+    from hf_reference import assert_greedy_matches
 
     hf = model_factory("mixtral")
     f32 = write_gguf(hf, gguf_dir / "tiny-mixtral-f32.gguf", weight_type="F32")
@@ -204,12 +204,7 @@ def test_mixtral_gguf_with_stacked_experts(model_factory, gguf_dir):
         assert llm.llm_engine.hf_config.num_local_experts == 4
         tok = llm.get_tokenizer()
         exact = llm.generate(PROMPTS, params)
-    for prompt, out in zip(PROMPTS, exact):
-        ref_ids, ref_lp = hf_greedy(hf, tok.encode(prompt), MAX_NEW)
-        assert out.outputs[0].token_ids == ref_ids, prompt
-        for step, entry in enumerate(out.outputs[0].logprobs):
-            for tid, lp in entry.items():
-                assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=2e-4)
+    assert_greedy_matches(hf, tok, PROMPTS, exact, MAX_NEW)
     with LLM(model=str(q8), **OPTIONS) as llm:
         quant = llm.generate(PROMPTS, params)
     for a, b in zip(exact, quant):
@@ -222,7 +217,7 @@ def test_qwen_moe_gguf_matches_the_checkpoint(model_factory, gguf_dir, arch):
     """llama.cpp's qwen2moe / qwen3moe layout (stacked experts, Qwen2-MoE's shared expert and its [H] gate, every
     layer sparse, top-k renormalised for Qwen3-MoE only): an F32 file holds the checkpoint's exact weights, so
     transformers on the source directory is the oracle."""
-    from hf_reference import hf_greedy
+    from hf_reference import assert_greedy_matches
 
     hf = model_factory(arch, mlp_only_layers=None)
     path = write_gguf(hf, gguf_dir / f"tiny-{arch}-f32.gguf", weight_type="F32")
@@ -231,12 +226,7 @@ def test_qwen_moe_gguf_matches_the_checkpoint(model_factory, gguf_dir, arch):
         assert type(llm.llm_engine.executor.runner.model).__name__ == f"{arch.title().replace('_', '')}ForCausalLM"
         tok = llm.get_tokenizer()
         outputs = llm.generate(PROMPTS, params)
-    for prompt, out in zip(PROMPTS, outputs):
-        ref_ids, ref_lp = hf_greedy(hf, tok.encode(prompt), MAX_NEW)
-        assert out.outputs[0].token_ids == ref_ids, prompt
-        for step, entry in enumerate(out.outputs[0].logprobs):
-            for tid, lp in entry.items():
-                assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=2e-4), (prompt, step)
+    assert_greedy_matches(hf, tok, PROMPTS, outputs, MAX_NEW)
 
 
 # Gemma 2/3 and Phi-3 as llama.cpp lays them out (Gemma norms stored as 1 + w, Phi-3's fused attn_qkv and gate/up
@@ -253,7 +243,7 @@ FAMILIES = {
 @pytest.mark.parametrize("arch", list(FAMILIES))
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-slices"])
 def test_gemma_and_phi3_gguf_match_the_checkpoint(model_factory, gguf_dir, arch, tp, monkeypatch):
-    from hf_reference import hf_greedy
+    from hf_reference import assert_greedy_matches
     from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config
 
     src = model_factory(arch, **FAMILIES[arch])
@@ -275,9 +265,4 @@ def test_gemma_and_phi3_gguf_match_the_checkpoint(model_factory, gguf_dir, arch,
         tok = llm.get_tokenizer()
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
                                                        logprobs=3))
-        for prompt, out in zip(PROMPTS, outputs):
-            ref_ids, ref_lp = hf_greedy(src, tok.encode(prompt), MAX_NEW)
-            assert out.outputs[0].token_ids == ref_ids, (arch, prompt)
-            for step, entry in enumerate(out.outputs[0].logprobs):
-                for tid, lp in entry.items():
-                    assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=2e-4), (arch, prompt, step)
+        assert_greedy_matches(src, tok, PROMPTS, outputs, MAX_NEW, context=(arch,))

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from hf_reference import hf_greedy
+from hf_reference import assert_greedy_matches
 from prequant_fixtures import write_compressed_tensors_int8, write_prequantized
 from shoal.engine import LLM, SamplingParams
 from shoal.engine.execution.weights import WeightError
@@ -36,12 +36,7 @@ def _assert_greedy_matches_oracle(model_dir, oracle, caplog) -> None:
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
                                                        logprobs=3))
         tok = llm.get_tokenizer()
-    for prompt, o in zip(PROMPTS, outputs):
-        ref_ids, ref_lp = hf_greedy(oracle, tok.encode(prompt), MAX_NEW)
-        assert o.outputs[0].token_ids == ref_ids
-        for step, entry in enumerate(o.outputs[0].logprobs):
-            for tid, lp in entry.items():
-                assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=2e-4)
+    assert_greedy_matches(oracle, tok, PROMPTS, outputs, MAX_NEW)
 
 
 @pytest.mark.parametrize("case", list(CASES))

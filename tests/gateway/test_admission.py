@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import generate_latest
+from webkit import configmap_api
 
 from shoal.operator.gateway.admission import FairQueue, Ticket, request_cost
 from shoal.operator.k8s.client import KubeAPI
@@ -403,17 +404,11 @@ async def test_under_saturation_the_lowest_priority_is_shed_first():
 async def _fake_api() -> tuple[web.AppRunner, str, list[str]]:
     patched: list[str] = []
 
-    async def patch(request: web.Request) -> web.Response:
+    async def record(request: web.Request) -> None:
         patched.append(f"{request.match_info['ns']}/{request.match_info['name']}")
-        return web.json_response({})
 
-    app = web.Application()
-    app.router.add_patch("/api/v1/namespaces/{ns}/configmaps/{name}", patch)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", patched
+    runner, url = await configmap_api(record)
+    return runner, url, patched
 
 
 async def test_a_model_at_zero_is_held_and_only_its_service_is_woken():

@@ -8,57 +8,35 @@ behind it are stand-ins serving the engine's HTTP contract as far as the gateway
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-import threading
 import uuid
 
 import pytest
 from aiohttp import web
 from prockit import LoggedProcess, free_port, http, wait_for
+from webkit import LoopThread, idle_engine
 
 
-class StandInEngines:
+class StandInEngines(LoopThread):
     """Several engine stand-ins on 127.0.0.1, served by one event loop in a thread."""
 
     def __init__(self, count: int):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="stand-in-engines")
-        self.thread.start()
+        super().__init__()
         self.ports = [free_port() for _ in range(count)]
         self.seen = {p: 0 for p in self.ports}
-        self.runners = [self._run(self._start(p)) for p in self.ports]
+        for p in self.ports:
+            self.serve(self._app(p), p)
 
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
-
-    async def _start(self, port: int) -> web.AppRunner:
-        async def readyz(request):
-            return web.json_response({"status": "ready"})
-
-        async def metrics(request):
-            return web.Response(text='shoal:num_requests_running{model_name="tiny"} 0\n')
-
+    def _app(self, port: int) -> web.Application:
         async def complete(request):
             await request.read()
             self.seen[port] += 1
             return web.json_response({"choices": [{"index": 0, "text": str(port)}]})
 
-        app = web.Application()
-        app.router.add_get("/readyz", readyz)
-        app.router.add_get("/metrics", metrics)
+        app = idle_engine("tiny")
         app.router.add_post("/v1/completions", complete)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    def close(self) -> None:
-        for r in self.runners:
-            self._run(r.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        return app
 
 
 def endpoint_slice(name: str, service: str, port: int, ready: bool = True) -> dict:

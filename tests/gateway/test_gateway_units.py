@@ -14,6 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from webkit import lone_backend, serve, started
+from yarl import URL
 
 from shoal.engine.server.keys import KeySet
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
@@ -236,10 +238,8 @@ async def gateway_client(config: GatewayConfig, urls: list[str]) -> tuple[Gatewa
 
 async def test_body_limit_pending_limit_and_unknown_routes():
     seen: list[dict] = []
-    engine = TestServer(stand_in_engine(delay=0.5, seen=seen))
-    await engine.start_server()
-    gw, client = await gateway_client(GatewayConfig(max_body_bytes=1000, max_pending=1),
-                                      [str(engine.make_url("")).rstrip("/")])
+    engine, url = await started(stand_in_engine(delay=0.5, seen=seen))
+    gw, client = await gateway_client(GatewayConfig(max_body_bytes=1000, max_pending=1), [url])
     try:
         r = await client.post("/v1/completions", data=b"x" * 5000, headers={"Content-Type": "application/json"})
         assert r.status == 413 and (await r.json())["error"]["code"] == "body_too_large"
@@ -340,10 +340,8 @@ async def test_hold_deadline_then_503():
 
 async def test_request_bodies_held_at_once_are_bounded():
     seen: list[dict] = []
-    engine = TestServer(stand_in_engine(delay=0.5, seen=seen))
-    await engine.start_server()
-    gw, client = await gateway_client(GatewayConfig(max_body_bytes=4000, max_buffered_bytes=6000),
-                                      [str(engine.make_url("")).rstrip("/")])
+    engine, url = await started(stand_in_engine(delay=0.5, seen=seen))
+    gw, client = await gateway_client(GatewayConfig(max_body_bytes=4000, max_buffered_bytes=6000), [url])
     try:
         body = json.dumps({"model": "m", "prompt": "x" * 3000})
         first = asyncio.create_task(client.post("/v1/completions", data=body))
@@ -458,11 +456,7 @@ async def test_a_poll_keeps_the_readiness_answer_when_metrics_come_late_and_stay
     app = web.Application()
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", slow_metrics)
-    engine = TestServer(app)
-    await engine.start_server()
-    backends = BackendSet()
-    backends.replace([str(engine.make_url("")).rstrip("/")])
-    (b,) = backends.all()
+    engine, backends, b = await lone_backend(app)
     try:
         async with aiohttp.ClientSession() as session:
             t0 = time.monotonic()
@@ -597,11 +591,8 @@ async def test_a_client_that_disconnects_mid_answer_is_not_the_engines_failure()
     gw = Gateway(GatewayConfig(health=HealthPolicy(circuit_failures=1)))
     gw.backends.replace([str(engine.make_url("")).rstrip("/")])
     await gw.start()
-    runner = web.AppRunner(build_app(gw), handler_cancellation=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = SimpleNamespace(host="127.0.0.1", port=site._server.sockets[0].getsockname()[1], close=runner.cleanup)
+    runner, url = await serve(build_app(gw), handler_cancellation=False)
+    server = SimpleNamespace(host="127.0.0.1", port=URL(url).port, close=runner.cleanup)
     try:
         (backend,) = gw.backends.all()
         for i in range(3):

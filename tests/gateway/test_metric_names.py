@@ -5,10 +5,9 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
+from webkit import lone_backend
 
 from shoal.operator.gateway import metric_names
-from shoal.operator.gateway.backends import BackendSet
 from shoal.operator.gateway.cli import build_parser, config_from_args
 from shoal.operator.gateway.poller import Poller, parse_load
 from shoal.operator.autoscaler import metric_sums
@@ -95,11 +94,7 @@ async def test_the_poller_asks_a_vllm_engine_for_health_and_reads_its_gauges():
     app = web.Application()
     app.router.add_get("/health", health)  # no /readyz: a poll of it would be a 404, i.e. not ready
     app.router.add_get("/metrics", metrics)
-    engine = TestServer(app)
-    await engine.start_server()
-    backends = BackendSet()
-    backends.replace([str(engine.make_url("")).rstrip("/")])
-    (b,) = backends.all()
+    engine, backends, b = await lone_backend(app)
     try:
         async with aiohttp.ClientSession() as session:
             await Poller(backends, session, timeout=2.0, metrics=metric_names.VLLM).poll(b)

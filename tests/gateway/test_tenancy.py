@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
+from webkit import serve
 
 from shoal.operator.gateway.fleet import GRANT_ANNOTATION
 from shoal.operator.gateway.proxy import GatewayConfig
@@ -223,11 +224,8 @@ async def test_priorities_are_bounded_by_what_the_platform_allows_each_namespace
 
     app = web.Application()
     app.router.add_post("/api/v1/namespaces/{ns}/events", record)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    api = KubeAPI(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    runner, url = await serve(app)
+    api = KubeAPI(url)
     config = GatewayConfig(max_priority=0, namespace_max_priority={"team-a": 5})
     gw, client = await shared(config, [], {}, api=api)
     try:

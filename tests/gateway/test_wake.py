@@ -9,6 +9,7 @@ import json
 
 import pytest
 from aiohttp import web
+from webkit import configmap_api
 
 importlib.import_module("shoal.operator.gateway.discovery")
 
@@ -19,19 +20,12 @@ from shoal.operator.gateway.wake import ANNOTATION, Waker  # noqa: E402
 async def _api_server(status: int = 200):
     seen: list[dict] = []
 
-    async def patch(request: web.Request) -> web.Response:
+    async def record(request: web.Request) -> None:
         seen.append({"path": request.path, "type": request.content_type, "auth": request.headers.get("Authorization"),
                      "body": json.loads(await request.read())})
-        return web.json_response({}, status=status)
 
-    app = web.Application()
-    app.router.add_patch("/api/v1/namespaces/{ns}/configmaps/{name}", patch)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    return runner, f"http://127.0.0.1:{port}", seen
+    runner, url = await configmap_api(record, status)
+    return runner, url, seen
 
 
 async def test_held_requests_wake_the_operator_once_per_interval():

@@ -36,13 +36,18 @@ def _metadata() -> dict[str, Any]:
         "ownerReferences": {"type": "array"}}, "additionalProperties": False}
 
 
-INFERENCE_POOL: dict[str, Any] = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "inference.networking.k8s.io/v1"},
-        "kind": {"const": "InferencePool"},
-        "metadata": _metadata(),
-        "spec": {"type": "object", "required": ["selector", "targetPorts"], "additionalProperties": False,
+def _resource(api_version: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """A whole object of `kind`: apiVersion, kind, metadata and `spec`, nothing else."""
+    return {
+        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
+        "properties": {"apiVersion": {"const": api_version}, "kind": {"const": kind}, "metadata": _metadata(),
+                       "spec": spec},
+    }
+
+
+INFERENCE_POOL: dict[str, Any] = _resource(
+    "inference.networking.k8s.io/v1", "InferencePool",
+        {"type": "object", "required": ["selector", "targetPorts"], "additionalProperties": False,
                  "properties": {
                      "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
                      "endpointPickerRef": {
@@ -57,16 +62,11 @@ INFERENCE_POOL: dict[str, Any] = {
                                                       "pattern": r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}}}},
                      "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": PORT_OBJECT},
                  }},
-    },
-}
+)
 
-HTTP_ROUTE: dict[str, Any] = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "gateway.networking.k8s.io/v1"},
-        "kind": {"const": "HTTPRoute"},
-        "metadata": _metadata(),
-        "spec": {"type": "object", "additionalProperties": False, "properties": {
+HTTP_ROUTE: dict[str, Any] = _resource(
+    "gateway.networking.k8s.io/v1", "HTTPRoute",
+        {"type": "object", "additionalProperties": False, "properties": {
             "parentRefs": {"type": "array", "maxItems": 32, "items": {
                 "type": "object", "required": ["name"], "additionalProperties": False,
                 "properties": {"group": GROUP, "kind": KIND, "name": NAME, "namespace": NAMESPACE, "port": PORT,
@@ -98,8 +98,7 @@ HTTP_ROUTE: dict[str, Any] = {
                     "timeouts": {"type": "object", "additionalProperties": False,
                                  "properties": {"request": DURATION, "backendRequest": DURATION}}}}},
         }},
-    },
-}
+)
 
 
 def cel_errors(obj: dict[str, Any]) -> list[str]:

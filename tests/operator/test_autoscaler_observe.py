@@ -10,6 +10,7 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
+from webkit import serve
 
 from shoal.operator import autoscaler
 from shoal.operator.__main__ import parse, watched_namespaces
@@ -32,15 +33,11 @@ async def test_scrapes_are_bounded_across_the_fleet():
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, url = await serve(app)
     scaler = Autoscaler(kube=None, max_concurrent_scrapes=4)
     scaler.session = aiohttp.ClientSession()
     try:
-        texts = await asyncio.gather(*(scaler._scrape(f"http://127.0.0.1:{port}", "engine") for _ in range(60)))
+        texts = await asyncio.gather(*(scaler._scrape(url, "engine") for _ in range(60)))
     finally:
         await scaler.session.close()
         await runner.cleanup()
@@ -143,11 +140,7 @@ async def test_which_engines_sleep_is_read_from_the_engines_not_from_memory():
 
     app = web.Application()
     app.router.add_get("/{pod}/is_sleeping", is_sleeping)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, base = await serve(app)
     patches = []
 
     class Kube:

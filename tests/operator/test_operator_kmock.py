@@ -15,6 +15,7 @@ import requests
 
 from kubekit import condition, isvc_body, wait_for
 from prockit import EVENT_BOUND
+from webkit import QuietHandler
 
 from shoal.operator.render import L_GROUP, L_ISVC, L_MANAGED_BY, L_POD_INDEX
 
@@ -680,17 +681,10 @@ class FakeSidecar:
         self.report: dict = {"config": None, "engine": "ready", "adapters": []}
         fake = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self):  # noqa: N802 - http.server's naming
-                body = json.dumps(fake.report).encode()
-                self.send_response(200 if self.path == "/status" else 404)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
+                self.reply(200 if self.path == "/status" else 404, json.dumps(fake.report).encode(),
+                           "application/json")
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]

@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
+from webkit import QuietHandler
 
 
 def test_download_without_network_fails_with_the_model_named(tmp_path):
@@ -46,20 +47,12 @@ class FlakyHub:
         self.requests = 0
         hub = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self):
                 hub.requests += 1
-                body = b'{"error": "try later"}'
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(status, b'{"error": "try later"}', "application/json")
 
             do_HEAD = do_GET
-
-            def log_message(self, *args):
-                pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

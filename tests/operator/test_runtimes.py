@@ -189,10 +189,12 @@ def test_the_runtime_tables_match_the_spec_and_the_gateway():
 
 
 def test_every_engine_option_has_a_mapping_in_the_shoal_runtime():
-    # a new spec.engine field must say how each runtime takes it; Shoal's engine takes them all
-    assert set(runtimes.SHOAL.options) == set(api.ENGINE_FLAG_FIELDS)
+    # a new spec.engine field must say how each runtime takes it; Shoal's engine takes them all, each by its own
+    # flag (test_engine_options.py parses what they render back into the same EngineConfig)
+    assert set(api.ENGINE_FLAG_FIELDS) <= set(runtimes.SHOAL.options)
     for rt in runtimes.RUNTIMES.values():
-        assert set(rt.options) <= set(api.ENGINE_FLAG_FIELDS), rt.name
+        if rt is not runtimes.SHOAL:  # the others map spec fields one by one
+            assert set(rt.options) <= set(api.ENGINE_FLAG_FIELDS), rt.name
 
 
 @pytest.mark.parametrize("spec, field, words", [

@@ -79,17 +79,21 @@ def _stream_texts(stream, n: int) -> tuple[list[str], list[str | None]]:
     return texts, finish
 
 
+def _chat_texts(client, stream: bool, **kw) -> tuple[list[str], list[str | None]]:
+    """The n choices' texts and finish reasons of one chat completion, streamed or not."""
+    if stream:
+        return _stream_texts(client.chat.completions.create(stream=True, **kw), kw["n"])
+    r = client.chat.completions.create(**kw)
+    return [c.message.content for c in r.choices], [c.finish_reason for c in r.choices]
+
+
 # ------------------------------------------------------------------------------------------ JSON schema
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_chat_always_valid(client, stream):
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     for seed in SEEDS:
         kw = dict(model="tiny", messages=MSGS, n=3, seed=seed, temperature=1.0, max_tokens=300, response_format=rf)
-        if stream:
-            texts, finish = _stream_texts(client.chat.completions.create(stream=True, **kw), 3)
-        else:
-            r = client.chat.completions.create(**kw)
-            texts, finish = [c.message.content for c in r.choices], [c.finish_reason for c in r.choices]
+        texts, finish = _chat_texts(client, stream, **kw)
         for text, reason in zip(texts, finish):
             # Bounded schema: it always ends (well before max_tokens), compact, and valid.
             assert reason == "stop", (seed, text)
@@ -144,11 +148,7 @@ def test_regex_choice_and_grammar(client, stream):
     for body, ok in cases:
         for seed in SEEDS[:3]:
             kw = dict(model="tiny", messages=MSGS, n=2, seed=seed, temperature=1.0, max_tokens=40, extra_body=body)
-            if stream:
-                texts, finish = _stream_texts(client.chat.completions.create(stream=True, **kw), 2)
-            else:
-                r = client.chat.completions.create(**kw)
-                texts, finish = [c.message.content for c in r.choices], [c.finish_reason for c in r.choices]
+            texts, finish = _chat_texts(client, stream, **kw)
             for text, reason in zip(texts, finish):
                 if reason == "length":  # only the unbounded grammar may run out of tokens, as a valid prefix
                     assert "grammar" in body.get("structured_outputs", {}) and text.startswith("(")
