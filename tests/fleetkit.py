@@ -54,6 +54,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 
+import requests
 from aiohttp import web
 from kubekit import slice_labels
 from webkit import LoopThread, QuietHandler, idle_engine
@@ -267,7 +268,13 @@ class Kubelet:
         status = {"observedGeneration": dep["metadata"].get("generation"), "replicas": len(live),
                   "updatedReplicas": len(live), "readyReplicas": ready, "availableReplicas": ready}
         if any((dep.get("status") or {}).get(k) != v for k, v in status.items()):
-            self.client.patch("deployments", self.ns, name, {"status": status}, sub="status")
+            try:
+                self.client.patch("deployments", self.ns, name, {"status": status}, sub="status")
+            except requests.HTTPError as e:
+                # deleted since this round listed it (a canary promoted, a revision retired): a Deployment
+                # controller has nothing to report then and carries on
+                if e.response is None or e.response.status_code != 404:
+                    raise
         return {p["metadata"]["name"] for p in api_pods}
 
     def _sync_slice_labels(self) -> None:

@@ -53,7 +53,7 @@ def test_sleep_and_wake_keep_greedy_output_and_free_then_restore_memory(server, 
     assert asleep["weight_bytes"] == (awake["weight_bytes"] if level == 1 else 0)
 
     status, body = server.get("/readyz")
-    assert (status, json.loads(body)) == (503, {"status": "sleeping"})
+    assert status == 503 and json.loads(body)["status"] == "sleeping", body
     assert server.get("/livez")[0] == 200  # asleep is not dead: no restart
     with pytest.raises(openai.APIStatusError) as refused:
         greedy(server)
