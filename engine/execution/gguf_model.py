@@ -105,14 +105,13 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 @functools.lru_cache(maxsize=4)
 def _open(path: str, mtime_ns: int):
-    """One parsed GGUFReader per file and process: parsing the metadata of a 49k-token vocabulary takes seconds,
-    and config, tokenizer and weights all read it."""
-    from gguf import GGUFReader
+    """One parsed file per process: config, tokenizer check and weights all read it."""
+    from shoal.engine.execution.gguf_reader import GGUFFile, GGUFFormatError
 
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct.error/IndexError on truncated or foreign files
-        raise WeightError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        return GGUFFile(path)
+    except GGUFFormatError as e:
+        raise WeightError(f"{path}: not a readable GGUF file ({e})") from None
 
 
 def open_gguf(path: str | os.PathLike):
@@ -260,14 +259,54 @@ def _family_config(reader, arch: str, kw: dict, path) -> dict:
     return out
 
 
+def _tokenizer_cache_dir() -> Path:
+    return Path(os.environ.get("SHOAL_CACHE") or Path.home() / ".cache" / "shoal") / "gguf-tokenizers"
+
+
 def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):
-    """The tokenizer (and chat template) stored in the GGUF metadata, through transformers' converter."""
+    """The tokenizer (and chat template) stored in the GGUF metadata, through transformers' converter.
+
+    The conversion (a second parse of the metadata inside transformers, then building the BPE) takes seconds, so
+    its result is saved once under $SHOAL_CACHE/gguf-tokenizers/, keyed by the metadata's digest and the
+    transformers version, and later starts (another replica on the cache volume, a restart) load that in a
+    fraction of a second. A cache that cannot be written costs only the time."""
+    import transformers
     from transformers import AutoTokenizer
 
     p = Path(path).resolve()
-    if _field(open_gguf(p), "tokenizer.ggml.tokens") is None:
+    reader = open_gguf(p)
+    if _field(reader, "tokenizer.ggml.tokens") is None:
         raise WeightError(f"{p}: the GGUF file has no tokenizer; pass --tokenizer DIR")
-    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True, **kwargs)
+    cached = _tokenizer_cache_dir() / f"{reader.metadata_digest()[:32]}-transformers-{transformers.__version__}"
+    if (cached / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a damaged entry: convert again below and replace it
+            logger.warning("the cached tokenizer %s cannot be loaded (%s: %s); converting the GGUF's again",
+                           cached, type(e).__name__, e)
+    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True, **kwargs)
+    _save_converted(tok, cached)
+    return tok
+
+
+def _save_converted(tok, cached: Path) -> None:
+    import shutil
+    import tempfile
+
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+    except OSError as e:
+        logger.info("the converted GGUF tokenizer is not cached (%s); the next start converts it again", e)
+        return
+    try:
+        tok.save_pretrained(str(tmp))
+        shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)  # whole or absent: a reader never sees a half-written entry
+    except OSError as e:  # a full volume, or another replica renaming its copy into place first
+        logger.info("the converted GGUF tokenizer is not cached (%s)", e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class GGUFWeightSource:
