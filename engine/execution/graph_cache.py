@@ -188,6 +188,7 @@ def save(key: str, source: str, manifest: list, num_ops: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".tmp")
         try:
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from another user's engine on a shared volume
             with os.fdopen(fd, "w") as f:
                 json.dump({"format": FORMAT, "key": key, "source": source, "constants": manifest,
                            "num_ops": num_ops}, f)

@@ -193,7 +193,8 @@ class DecodeGraphs:
             with startup.timed("warmup"):
                 for _ in range(2):  # warm-up: kernels are built and loaded, lazy state is set, before recording
                     warm = self._forward(bucket, meta)
-            key = self._cache_key(bucket) if graph_cache.enabled() else None
+            with startup.timed("graph_capture"):
+                key = self._cache_key(bucket)
             graph = self._load_cpu(bucket, key, warm) if key else None
             if graph is not None:
                 self.graphs[bucket] = (graph, None)
@@ -217,7 +218,8 @@ class DecodeGraphs:
         logger.info("captured the CPU decode graph for batch size %d (%d ops) in %.2f s", bucket, graph.num_ops,
                     time.perf_counter() - start)
         if key:
-            self._save_cpu(bucket, key, graph)
+            with startup.timed("graph_capture"):
+                self._save_cpu(bucket, key, graph)
         return graph, None
 
     # -- the persistent cache of CPU graphs (execution/graph_cache.py) -----------------------------------------------
@@ -225,12 +227,14 @@ class DecodeGraphs:
         from shoal.engine.execution import graph_cache
         from shoal.engine.execution.cpu_features import cpu_features
 
+        if not graph_cache.enabled():
+            return None
         r = self.runner
         model_dir, quantization = r._load_args[0], r._load_args[7]
         try:
             identity = graph_cache.model_identity(model_dir)
-        except (OSError, ValueError) as e:  # a model not read from files (tests, custom loaders): nothing to key on
-            logger.debug("no CPU graph cache key for %s (%s)", model_dir, e)
+        except Exception as e:  # files that cannot be read or stat'ed: nothing to key on, so no cache (never eager)
+            logger.debug("no CPU graph cache key for %s (%s: %s)", model_dir, e.__class__.__name__, e)
             return None
         ps = r.model.ps
         lora = None if r.lora is None else [r.lora.max_loras, r.lora.max_rank]
@@ -271,7 +275,12 @@ class DecodeGraphs:
     def _save_cpu(self, bucket: int, key: str, graph) -> None:
         from shoal.engine.execution import graph_cache
 
-        manifest = graph_cache.describe_constants(graph.constants, graph_cache.named_bases(self))
+        try:
+            manifest = graph_cache.describe_constants(graph.constants, graph_cache.named_bases(self))
+        except Exception as e:  # the graph is captured and serving: a failure to describe it only loses the cache
+            logger.warning("not caching the CPU decode graph for batch size %d (%s: %s)", bucket,
+                           e.__class__.__name__, e)
+            return
         if manifest is None:
             logger.debug("not caching the CPU decode graph for batch size %d: a constant is a view of no tensor "
                          "that outlives a step", bucket)

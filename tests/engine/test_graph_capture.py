@@ -149,7 +149,7 @@ def _cached_run(model_dir):
 @pytest.fixture
 def graph_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SHOAL_CACHE", str(tmp_path))
-    monkeypatch.delenv("SHOAL_GRAPH_CACHE", raising=False)
+    monkeypatch.setenv("SHOAL_GRAPH_CACHE", "1")  # tests/conftest.py turns it off for every other test
     return tmp_path / "cpu-graphs"
 
 
@@ -215,3 +215,17 @@ def test_the_graph_cache_can_be_turned_off(model_factory, graph_cache_dir, monke
     _cached_run(model_dir)
     _, loaded = _cached_run(model_dir)
     assert loaded == 0 and not graph_cache_dir.exists()
+
+
+def test_a_constant_of_no_lasting_tensor_is_never_named():
+    """A constant whose storage belongs to no tensor that outlives a step makes the graph uncacheable."""
+    from shoal.engine.execution import graph_cache
+
+    weight, stray = torch.randn(4, 4), torch.randn(4)
+    bases = {weight.untyped_storage().data_ptr(): ("model:w", weight)}
+    assert graph_cache.describe_constants([weight[1:, :2]], bases) == [["model:w", "torch.float32", [3, 2], [4, 1], 4]]
+    assert graph_cache.describe_constants([weight.t(), stray], bases) is None
+    view, = graph_cache.rebuild_constants([["model:w", "torch.float32", [3, 2], [4, 1], 4]], bases)
+    assert torch.equal(view, weight[1:, :2]) and view.data_ptr() == weight[1:, :2].data_ptr()
+    with pytest.raises(graph_cache.EntryError, match="past its 64 bytes"):
+        graph_cache.rebuild_constants([["model:w", "torch.float32", [4, 4], [4, 1], 1]], bases)
