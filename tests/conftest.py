@@ -37,6 +37,9 @@ def _serialise_ast_parse() -> None:
 
 
 _serialise_ast_parse()
+# Engines started by tests (in process and as subprocesses) save no CPU decode graphs into the user's cache: each
+# test's model folder would leave an entry behind for good. The graph cache's own tests opt back in.
+os.environ.setdefault("SHOAL_GRAPH_CACHE", "0")
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

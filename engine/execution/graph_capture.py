@@ -19,6 +19,9 @@ One mechanism, pluggable backends (`--enforce-eager` turns capture off):
     exists so that the mechanism itself runs and is tested on machines without a GPU.
 (A torch.compile backend per bucket was tried on CPU and not kept: Dynamo breaks the graph at every custom kernel.)
 
+A captured CPU graph is saved to $SHOAL_CACHE/cpu-graphs/ and loaded on the next start instead of recorded
+(execution/graph_cache.py; SHOAL_GRAPH_CACHE=0 turns that off).
+
 If capturing a bucket fails, a warning is logged and decode steps run eagerly from then on.
 """
 
@@ -82,6 +85,7 @@ class DecodeGraphs:
         self.pool = None
         self.failed = False
         self.num_padded_steps = 0  # decode steps that ran through a bucket (captured or eager)
+        self.num_loaded = 0  # CPU graphs loaded from the persistent cache rather than recorded (graph_cache.py)
 
     # -- which steps ---------------------------------------------------------------------------------------------
     def bucket_for(self, inputs) -> int | None:
@@ -182,13 +186,22 @@ class DecodeGraphs:
     def _capture_cpu(self, bucket: int, meta: AttentionMetadata):
         import time
 
-        from shoal.engine.execution import cpu_graph
+        from shoal.engine.execution import cpu_graph, graph_cache
 
         start = time.perf_counter()
         try:
             with startup.timed("warmup"):
                 for _ in range(2):  # warm-up: kernels are built and loaded, lazy state is set, before recording
-                    self._forward(bucket, meta)
+                    warm = self._forward(bucket, meta)
+            with startup.timed("graph_capture"):
+                key = self._cache_key(bucket)
+            graph = self._load_cpu(bucket, key, warm) if key else None
+            if graph is not None:
+                self.graphs[bucket] = (graph, None)
+                self.num_loaded += 1
+                logger.info("loaded the CPU decode graph for batch size %d from the cache (%d ops) in %.2f s",
+                            bucket, graph.num_ops, time.perf_counter() - start)
+                return graph, None
             recorded = []
             with startup.timed("graph_capture"):
                 graph = cpu_graph.capture(lambda: recorded.append(
@@ -204,4 +217,72 @@ class DecodeGraphs:
         self.graphs[bucket] = (graph, None)
         logger.info("captured the CPU decode graph for batch size %d (%d ops) in %.2f s", bucket, graph.num_ops,
                     time.perf_counter() - start)
+        if key:
+            with startup.timed("graph_capture"):
+                self._save_cpu(bucket, key, graph)
         return graph, None
+
+    # -- the persistent cache of CPU graphs (execution/graph_cache.py) -----------------------------------------------
+    def _cache_key(self, bucket: int) -> str | None:
+        from shoal.engine.execution import graph_cache
+        from shoal.engine.execution.cpu_features import cpu_features
+
+        if not graph_cache.enabled():
+            return None
+        r = self.runner
+        model_dir, quantization = r._load_args[0], r._load_args[7]
+        try:
+            identity = graph_cache.model_identity(model_dir)
+        except Exception as e:  # files that cannot be read or stat'ed: nothing to key on, so no cache (never eager)
+            logger.debug("no CPU graph cache key for %s (%s: %s)", model_dir, e.__class__.__name__, e)
+            return None
+        ps = r.model.ps
+        lora = None if r.lora is None else [r.lora.max_loras, r.lora.max_rank]
+        kv = [[list(getattr(c, f).shape) if getattr(c, f, None) is not None else None
+               for f in ("k", "v", "k_scale", "v_scale")] if c is not None else None for c in r.kv_caches]
+        to_json = getattr(r.hf_config, "to_json_string", None)
+        return graph_cache.entry_key({
+            "format": graph_cache.FORMAT, "model": identity, "hf_config": to_json() if to_json else repr(r.hf_config),
+            "dtype": str(r.dtype), "quantization": quantization, "kv_cache_dtype": r.kv_cache_dtype, "kv": kv,
+            "block_size": self.block_size, "max_model_len": self.max_model_len, "bucket": bucket,
+            "static_rows": self.buckets[-1], "pad_block": self.pad_block, "attention": r.backend_name, "lora": lora,
+            "parallel": [ps.tp_rank, ps.tp_size, ps.pp_rank, ps.pp_size, ps.expert_parallel],
+            "torch": torch.__version__, "cpu_tier": cpu_features().tier, "threads": torch.get_num_threads(),
+            "engine": graph_cache.engine_source_digest()})
+
+    def _load_cpu(self, bucket: int, key: str, warm: torch.Tensor):
+        """The cached graph of this key if it replays the warm-up's logits bit for bit; None otherwise (a bad entry
+        is discarded with a warning, and the caller records afresh)."""
+        from shoal.engine.execution import cpu_graph, graph_cache
+
+        try:
+            with startup.timed("graph_capture"):
+                entry = graph_cache.load(key)
+                if entry is None:
+                    return None
+                constants = graph_cache.rebuild_constants(entry["constants"], graph_cache.named_bases(self))
+                graph = cpu_graph.CpuGraph(entry["source"], constants, int(entry.get("num_ops", 0)))
+                # Same static inputs as the last warm-up (which wrote the same KV slot with the same values).
+                if not torch.equal(graph.replay(), warm):
+                    raise graph_cache.EntryError("its replay differs from the warm-up's logits")
+        except Exception as e:  # anything: a cache entry must never cost more than a fresh recording
+            logger.warning("discarding the cached CPU decode graph for batch size %d (%s: %s); recording it afresh",
+                           bucket, e.__class__.__name__, e)
+            graph_cache.discard(key)
+            return None
+        return graph
+
+    def _save_cpu(self, bucket: int, key: str, graph) -> None:
+        from shoal.engine.execution import graph_cache
+
+        try:
+            manifest = graph_cache.describe_constants(graph.constants, graph_cache.named_bases(self))
+        except Exception as e:  # the graph is captured and serving: a failure to describe it only loses the cache
+            logger.warning("not caching the CPU decode graph for batch size %d (%s: %s)", bucket,
+                           e.__class__.__name__, e)
+            return
+        if manifest is None:
+            logger.debug("not caching the CPU decode graph for batch size %d: a constant is a view of no tensor "
+                         "that outlives a step", bucket)
+            return
+        graph_cache.save(key, graph.source, manifest, graph.num_ops)

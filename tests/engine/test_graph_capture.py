@@ -133,3 +133,99 @@ def test_cpu_graph_replays_exactly_and_refuses_host_reads():
         cpu_graph.capture(lambda: x * x.sum().item())
     with pytest.raises(cpu_graph.CaptureError, match="lift_fresh"):
         cpu_graph.capture(lambda: x + torch.tensor([1.0]))
+
+
+# ------------------------------------------------------------------------------- the persistent CPU graph cache
+def _cached_run(model_dir):
+    """Greedy outputs of three prompts (buckets 4, 2, 1 as they finish) and how many graphs came from the cache."""
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
+    with LLM(model=model_dir, block_size=4, max_model_len=128, decode_capture="cpu-graph") as llm:
+        outs = llm.generate(PROMPTS[:3], params)
+        graphs = llm.llm_engine.executor.runner.decode_graphs
+        assert not graphs.failed and sorted(graphs.graphs) == [1, 2, 4]
+        return [o.outputs[0].token_ids for o in outs], graphs.num_loaded
+
+
+@pytest.fixture
+def graph_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path))
+    monkeypatch.setenv("SHOAL_GRAPH_CACHE", "1")  # tests/conftest.py turns it off for every other test
+    return tmp_path / "cpu-graphs"
+
+
+def _eager_tokens(model_dir):
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
+    with LLM(model=model_dir, block_size=4, max_model_len=128, enforce_eager=True) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
+
+
+def test_a_second_start_loads_its_cpu_graphs_from_the_cache(model_factory, graph_cache_dir, caplog):
+    model_dir = model_factory("llama")
+    first, loaded_first = _cached_run(model_dir)
+    assert loaded_first == 0 and len(list(graph_cache_dir.glob("*.json"))) == 3
+    with caplog.at_level(logging.INFO, logger="shoal.engine.execution.graph_capture"):
+        second, loaded_second = _cached_run(model_dir)
+    assert loaded_second == 3
+    assert "loaded the CPU decode graph for batch size 1 from the cache" in caplog.text
+    assert "captured the CPU decode graph" not in caplog.text
+    assert first == second == _eager_tokens(model_dir)
+
+
+def test_a_corrupt_cache_entry_is_recorded_afresh(model_factory, graph_cache_dir, caplog):
+    model_dir = model_factory("llama")
+    first, _ = _cached_run(model_dir)
+    entries = sorted(graph_cache_dir.glob("*.json"))
+    entries[0].write_text(entries[0].read_text()[:100])  # truncated
+    entries[1].write_bytes(b"\xff\x00 not json")
+    with caplog.at_level(logging.WARNING, logger="shoal.engine.execution.graph_capture"):
+        second, loaded = _cached_run(model_dir)
+    assert loaded == 1 and caplog.text.count("discarding the cached CPU decode graph") == 2
+    assert first == second
+    _, loaded_again = _cached_run(model_dir)  # the two were overwritten with good entries
+    assert loaded_again == 3
+
+
+def test_a_cache_entry_whose_constants_no_longer_fit_falls_back(model_factory, graph_cache_dir, caplog):
+    import json
+
+    model_dir = model_factory("llama")
+    first, _ = _cached_run(model_dir)
+    entries = sorted(graph_cache_dir.glob("*.json"))
+    for path, tamper in zip(entries, ("shape", "name", "offset")):
+        entry = json.loads(path.read_text())
+        big = max(range(len(entry["constants"])), key=lambda i: sum(entry["constants"][i][2]))
+        if tamper == "shape":  # a view past its base's storage
+            entry["constants"][big][2] = [n * 1000 for n in entry["constants"][big][2]]
+        elif tamper == "name":
+            entry["constants"][big][0] = "model:no.such.weight"
+        else:  # fits the storage but views other values: only the replay check can tell
+            c = next(c for c in entry["constants"] if c[0].startswith("model:") and c[4] == 0 and len(c[2]) == 2)
+            c[2][0] -= 1
+            c[4] = c[3][0]
+        path.write_text(json.dumps(entry))
+    with caplog.at_level(logging.WARNING, logger="shoal.engine.execution.graph_capture"):
+        second, loaded = _cached_run(model_dir)
+    assert loaded == 0 and caplog.text.count("discarding the cached CPU decode graph") == 3
+    assert first == second == _eager_tokens(model_dir)
+
+
+def test_the_graph_cache_can_be_turned_off(model_factory, graph_cache_dir, monkeypatch):
+    monkeypatch.setenv("SHOAL_GRAPH_CACHE", "0")
+    model_dir = model_factory("llama")
+    _cached_run(model_dir)
+    _, loaded = _cached_run(model_dir)
+    assert loaded == 0 and not graph_cache_dir.exists()
+
+
+def test_a_constant_of_no_lasting_tensor_is_never_named():
+    """A constant whose storage belongs to no tensor that outlives a step makes the graph uncacheable."""
+    from shoal.engine.execution import graph_cache
+
+    weight, stray = torch.randn(4, 4), torch.randn(4)
+    bases = {weight.untyped_storage().data_ptr(): ("model:w", weight)}
+    assert graph_cache.describe_constants([weight[1:, :2]], bases) == [["model:w", "torch.float32", [3, 2], [4, 1], 4]]
+    assert graph_cache.describe_constants([weight.t(), stray], bases) is None
+    view, = graph_cache.rebuild_constants([["model:w", "torch.float32", [3, 2], [4, 1], 4]], bases)
+    assert torch.equal(view, weight[1:, :2]) and view.data_ptr() == weight[1:, :2].data_ptr()
+    with pytest.raises(graph_cache.EntryError, match="past its 64 bytes"):
+        graph_cache.rebuild_constants([["model:w", "torch.float32", [4, 4], [4, 1], 1]], bases)
