@@ -133,7 +133,7 @@ class ModelSource(_Model):
 
 def engine_option(name: str, *, default: Any = None, **limits: Any) -> Any:
     """A spec.engine field that sets EngineConfig's field `name`: its description is the engine flag's help, and
-    render.py passes it as that flag (flags.to_args). `default` None leaves the engine's own default."""
+    render/ passes it as that flag (flags.to_args). `default` None leaves the engine's own default."""
     flag = flags.flag_of(EngineConfig.model_fields[name])
     assert flag is not None, f"EngineConfig.{name} is not a shoal-engine flag"
     return Field(default=default, description=f"{flag.help} ({flags.flag_name(EngineConfig, name)})", **limits)
@@ -434,7 +434,7 @@ GatewayOptions = create_model(
 # Users whose Gateway (Envoy Gateway, Istio, GKE...) already runs the inference extension's endpoint picker get an
 # InferencePool (inference.networking.k8s.io/v1) selecting the serving engine pods, and optionally an HTTPRoute
 # (gateway.networking.k8s.io/v1) sending this model's requests to it. Field limits follow the published CRDs
-# (gateway-api-inference-extension v1.6.0, gateway-api v1.6.1); render.py says which objects they become.
+# (gateway-api-inference-extension v1.6.0, gateway-api v1.6.1); render/ says which objects they become.
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
@@ -596,7 +596,7 @@ class InferenceServiceSpec(_Model):
         description="LoRA adapters served next to the base model (needs engine.enableLora): each pod fetches and "
                     "loads them into its running engine, and unloads the ones removed, without a restart; "
                     "status.adapters counts, per adapter, the serving replicas where it is loaded, failed or pending")
-    # Priority and the inference extension (shared gateway, docs/gateway.md; InferencePool, render.py)
+    # Priority and the inference extension (shared gateway, docs/gateway.md; InferencePool, render/)
     priority: int = Field(
         default=0, ge=-2147483648, le=2147483647,
         description="how important this model's requests are where they compete for a Shoal gateway's capacity: "
@@ -622,7 +622,7 @@ class InferenceServiceSpec(_Model):
                 raise ValueError(f"spec.{rule.field_path.lstrip('.')}: {rule.message}{detail}")
         return self
 
-    # Derived values (one place for the arithmetic render.py and status use)
+    # Derived values (one place for the arithmetic render/ and status use)
     def cache_size(self) -> int | str | None:
         return self.model.cache.size if self.model.cache.size is not None else self.resources.cache_size
 
@@ -1096,7 +1096,7 @@ def _canary_wire(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 
 def canary_spec(spec: InferenceServiceSpec) -> InferenceServiceSpec:
-    """The canary revision as a whole spec (what render.py renders its Deployment from); raises SpecError naming
+    """The canary revision as a whole spec (what render/ renders its Deployment from); raises SpecError naming
     the spec.canary field at fault."""
     try:
         return parse_spec(_canary_wire(spec))

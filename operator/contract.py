@@ -2,7 +2,7 @@
 
 Names of the children (the engines Service, the gateway, the ConfigMaps), their labels and annotation keys, the
 defaults a reader needs without the spec's model (the served model name rule, the startup-timeout default) and the
-gateway metric names the autoscaler scrapes. The operator renders by these (render.py, adapters.py, api.py); the
+gateway metric names the autoscaler scrapes. The operator renders by these (render/, adapters.py, api.py); the
 autoscaler and the gateway (fleet.ServiceView, wake.py) read by them. Plain constants and functions over plain
 values: the gateway imports this module alone, without the spec's pydantic models.
 """

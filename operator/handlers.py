@@ -8,7 +8,7 @@ How it fits together
   restarted operator sees what exists and never duplicates it.
 * Every trigger — the resource created, updated or resumed, or any event of one of its children — adds the
   InferenceService to a work queue (workqueue.py): one worker task per resource reconciles until it is clean:
-  render the desired children (render.py), server-side apply the missing and the drifted (a spec-hash
+  render the desired children (render/), server-side apply the missing and the drifted (a spec-hash
   annotation plus a subset comparison of the spec; apply removes what is no longer rendered, see kube.py),
   delete the unwanted (uid preconditions), restart
   multi-pod groups that lost a rank, then compute status from the indexes (status.py) and patch it when it

@@ -3,7 +3,7 @@
 A runtime says how its server is started (image, command, the flag of each spec.engine field), where it reports
 health (probe paths and timings), how it gets the API key (an env var read by the engine itself: never in
 args) and what its metrics are called (operator/gateway/metric_names.py, shared with the gateway and autoscaler).
-render.py asks the spec's runtime for the engine container's command, args, probes and env; everything else it
+render/ asks the spec's runtime for the engine container's command, args, probes and env; everything else it
 renders (Services, NetworkPolicies, PDBs, the gateway, groups and rollouts, status) is the same for every runtime.
 
 A spec field a runtime cannot honour is an error naming the runtime (`spec_errors`, reported as InvalidSpec), never

@@ -1,7 +1,7 @@
 """One ZMQ subscriber per engine of a pool, feeding its KV events into the pool's KVIndex (kv_index.py).
 
 An engine at http://IP:PORT publishes on tcp://IP:<events port> and answers replays on tcp://IP:<replay port>
-(the operator renders both, render.py). The subscriber follows the pool's engine set (BackendSet listeners): an
+(the operator renders both, render/). The subscriber follows the pool's engine set (BackendSet listeners): an
 engine that appears gets a subscriber, one that leaves loses it and its view. A batch is applied only when its
 sequence number follows the last one applied; otherwise — a gap (lost messages, a dropped connection) or a
 restarted engine (numbers from 0 again) — the engine's view is reset and rebuilt from the replay socket's buffer

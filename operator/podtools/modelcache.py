@@ -46,7 +46,7 @@ class CacheError(RuntimeError):
 
 
 def entry_key(repo: str, revision: str | None) -> str:
-    """`org/name` at `revision` -> the entry's folder name (render.py passes the same path to the engine)."""
+    """`org/name` at `revision` -> the entry's folder name (render/ passes the same path to the engine)."""
     return repo.replace("/", "--") + "@" + urllib.parse.quote(revision or "main", safe="")
 
 

@@ -379,7 +379,7 @@ def _selects(selector: dict, labels: dict) -> bool:
 
 @pytest.mark.parametrize("gateway", [True, False])
 def test_service_monitor_selects_the_metrics_services_the_operator_renders(gateway):
-    """The ServiceMonitor's selector and port name must match what operator/render.py puts on the Services whose
+    """The ServiceMonitor's selector and port name must match what operator/render/ puts on the Services whose
     pods serve /metrics (the gateway's, the rank-0 engines'), and must not select the headless rank Services of
     multi-pod groups (workers serve no metrics)."""
     render_mod = importlib.import_module("shoal.operator.render")

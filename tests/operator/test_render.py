@@ -1,4 +1,4 @@
-"""render.py: every topology and option, every object validated against the official Kubernetes schemas."""
+"""render/: every topology and option, every object validated against the official Kubernetes schemas."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""render.py: the per-InferenceService shoal-gateway (spec.gateway) and how it changes the engines' exposure."""
+"""render/: the per-InferenceService shoal-gateway (spec.gateway) and how it changes the engines' exposure."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""render.py for platforms: an InferencePool and HTTPRoute (spec.inferencePool) validated against the Gateway API
+"""render/ for platforms: an InferencePool and HTTPRoute (spec.inferencePool) validated against the Gateway API
 Inference Extension's and the Gateway API's published schemas (gie_schemas.py), and the shared gateway's access to
 every service (the operator's --shared-gateway)."""
 

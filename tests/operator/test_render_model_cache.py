@@ -1,4 +1,4 @@
-"""What render.py makes of the model cache (spec.model.cache), OCI model images and the kernel cache, validated
+"""What render/ makes of the model cache (spec.model.cache), OCI model images and the kernel cache, validated
 against the Kubernetes schemas; status.modelCache from the download's termination message."""
 
 from __future__ import annotations
