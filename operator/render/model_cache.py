@@ -45,19 +45,22 @@ def _download_container(spec: InferenceServiceSpec, image: str, env: list[dict[s
     download_args = _cache_args(spec)
     if (cap := cache_cap(spec)) is not None:
         download_args += ["--max-cache-bytes", str(cap)]
-    container = {
-        "name": DOWNLOAD_CONTAINER,
-        "image": image,
-        "command": [PODTOOLS],
-        "args": ["download", *download_args],
-        "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
-        "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
-        # a download is network and disk bound; requests keep the pod out of BestEffort while it runs,
-        # the limit bounds the hub client's parallel buffers
-        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "8Gi"}},
-        "securityContext": _restricted_container(),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
+    # a download is network and disk bound; requests keep the pod out of BestEffort while it runs,
+    # the limit bounds the hub client's parallel buffers
+    return _podtools_container(spec, DOWNLOAD_CONTAINER, image, ["download", *download_args], env,
+                               [m for m in mounts if m["name"] in ("cache", "tmp")],
+                               {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "8Gi"}})
+
+
+def _podtools_container(spec: InferenceServiceSpec, name: str, image: str, args: list[str],
+                        env: list[dict[str, Any]], mounts: list[dict[str, Any]], resources: dict[str, Any],
+                        **extra: Any) -> dict[str, Any]:
+    """A shoal-podtools container of the engine pod: the hub's offline switch dropped (these are the parts that
+    may reach the hub), restricted, the pull policy the spec asks for."""
+    container = {"name": name, "image": image, "command": [PODTOOLS], "args": args, **extra,
+                 "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"], "volumeMounts": mounts,
+                 "resources": resources, "securityContext": _restricted_container(),
+                 "terminationMessagePolicy": "FallbackToLogsOnError"}
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
     return container
@@ -83,21 +86,10 @@ def _lease_container(spec: InferenceServiceSpec, image: str, env: list[dict[str,
                      mounts: list[dict[str, Any]]) -> dict[str, Any]:
     """A native sidecar (restartPolicy Always: it starts before the engine and stops after it) that keeps this
     pod's lease on the cache entry fresh, so eviction for another model never removes the one it runs."""
-    container = {
-        "name": LEASE_CONTAINER,
-        "image": image,
-        "command": [PODTOOLS],
-        "args": ["cache-lease", *_cache_args(spec)],
-        "restartPolicy": "Always",
-        "env": [e for e in env if e["name"] != "HF_HUB_OFFLINE"],
-        "volumeMounts": [m for m in mounts if m["name"] == "cache"],
-        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
-        "securityContext": _restricted_container(),
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
-    if spec.image_pull_policy:
-        container["imagePullPolicy"] = spec.image_pull_policy
-    return container
+    return _podtools_container(spec, LEASE_CONTAINER, image, ["cache-lease", *_cache_args(spec)], env,
+                               [m for m in mounts if m["name"] == "cache"],
+                               {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+                               restartPolicy="Always")
 
 
 def cache_claim_name(name: str) -> str:
