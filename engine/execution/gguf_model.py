@@ -277,7 +277,7 @@ def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):
     reader = open_gguf(p)
     if _field(reader, "tokenizer.ggml.tokens") is None:
         raise WeightError(f"{p}: the GGUF file has no tokenizer; pass --tokenizer DIR")
-    cached = _tokenizer_cache_dir() / f"{reader.metadata_digest()[:32]}-transformers-{transformers.__version__}"
+    cached = _tokenizer_cache_dir() / f"v2-{reader.metadata_digest()[:32]}-transformers-{transformers.__version__}"
     if (cached / "tokenizer.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cached), local_files_only=True, **kwargs)
@@ -301,12 +301,36 @@ def _save_converted(tok, cached: Path) -> None:
         return
     try:
         tok.save_pretrained(str(tmp))
+        why = _round_trip_differs(tok, tmp)
+        if why:  # some conversions do not survive save_pretrained (a Gemma vocabulary loses its unk token)
+            logger.info("the converted GGUF tokenizer is not cached: %s", why)
+            return
         shutil.rmtree(cached, ignore_errors=True)
         os.replace(tmp, cached)  # whole or absent: a reader never sees a half-written entry
     except OSError as e:  # a full volume, or another replica renaming its copy into place first
         logger.info("the converted GGUF tokenizer is not cached (%s)", e)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+_PROBE = ["Hello world! The quick brown fox", "  two  spaces\nÜnïcödé 🐟 日本語\t", "<s></s><unk><|im_end|>x"]
+
+
+def _round_trip_differs(tok, saved: Path) -> str | None:
+    """Why the saved copy is not the same tokenizer (None when it is): loaded back and compared on its vocabulary,
+    special tokens, chat template and the encodings of a few texts."""
+    from transformers import AutoTokenizer
+
+    try:
+        back = AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
+        same = (len(back) == len(tok) and back.get_vocab() == tok.get_vocab()
+                and back.all_special_tokens == tok.all_special_tokens
+                and getattr(back, "chat_template", None) == getattr(tok, "chat_template", None)
+                and all(back.encode(t) == tok.encode(t) for t in _PROBE)
+                and all(back.decode(tok.encode(t)) == tok.decode(tok.encode(t)) for t in _PROBE))
+    except Exception as e:  # noqa: BLE001 - whatever the reload raises, the copy is unusable
+        return f"loading it back fails ({type(e).__name__}: {e})"
+    return None if same else "loaded back, it tokenizes differently"
 
 
 class GGUFWeightSource:

@@ -24,7 +24,7 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     """A local directory, or a hub id already present in the local Hugging Face cache (never the network)."""
     path = Path(model).expanduser()
     if path.is_dir():
-        return path
+        return _gguf_alone(path)
     if path.exists():
         if is_gguf(path):
             return path
@@ -35,12 +35,27 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+        return _gguf_alone(Path(snapshot_download(model, revision=revision, local_files_only=True)))
     except Exception as e:
         raise WeightError(
             f"{model}: not a local directory and not in the local Hugging Face cache "
             f"(no network access is assumed; download it first or pass a directory): {e.__class__.__name__}"
         ) from None
+
+
+def _gguf_alone(model_dir: Path) -> Path:
+    """A folder without config.json that holds one GGUF file (a llama.cpp repository on the hub, as the model
+    cache stores it) is that file; with several, which one is the user's choice."""
+    if (model_dir / "config.json").exists():
+        return model_dir
+    ggufs = sorted(p for p in model_dir.glob("*.gguf") if is_gguf(p))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        raise WeightError(f"{model_dir}: no config.json and {len(ggufs)} GGUF files "
+                          f"({', '.join(p.name for p in ggufs[:6])}{', ...' if len(ggufs) > 6 else ''}); "
+                          "pass one of them as --model DIR/FILE.gguf")
+    return model_dir
 
 
 def load_hf_config(model_dir: Path, trust_remote_code: bool = False):

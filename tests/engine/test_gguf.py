@@ -266,3 +266,23 @@ def test_gemma_and_phi3_gguf_match_the_checkpoint(model_factory, gguf_dir, arch,
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
                                                        logprobs=3))
         assert_greedy_matches(src, tok, PROMPTS, outputs, MAX_NEW, context=(arch,))
+
+
+def test_a_folder_holding_one_gguf_file_serves_it(hf_llama, gguf_dir, tmp_path):
+    """A llama.cpp repository (the model cache stores hf://org/name-GGUF as such a folder: no config.json);
+    with several GGUF files the error names them."""
+    import shutil
+
+    path = write_gguf(hf_llama, gguf_dir / "tiny-folder.gguf", weight_type="Q8_0")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copyfile(path, repo / path.name)
+    (repo / "README.md").write_text("# a GGUF repository\n")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(model=str(path), **OPTIONS) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(model=str(repo), **OPTIONS) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    shutil.copyfile(path, repo / "other.gguf")
+    with pytest.raises(WeightError, match=r"2 GGUF files \(other.gguf, tiny-folder.gguf\).*--model DIR/FILE.gguf"):
+        LLM(model=str(repo), **OPTIONS)

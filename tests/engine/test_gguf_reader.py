@@ -95,6 +95,20 @@ def test_the_converted_tokenizer_is_cached_and_loads_the_same(files, tmp_path, m
     assert len(saves) == 2
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_a_cached_tokenizer_is_always_the_converted_one(model_factory, arch, tmp_path, monkeypatch):
+    """A conversion that does not survive save_pretrained (Gemma's vocabulary loses its unk token) is not cached;
+    whatever is cached loads back as the same tokenizer."""
+    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
+    extra = {"gemma2": dict(query_pre_attn_scalar=16)}.get(arch, {})
+    path = write_gguf(model_factory(arch, **SHAPE, **extra), tmp_path / f"{arch}.gguf", weight_type="F16")
+    first, second = gguf_model.load_gguf_tokenizer(path), gguf_model.load_gguf_tokenizer(path)
+    texts = ["Hello world! The quick brown", "Ünïcödé 🐟 naïve café <unk>"]
+    assert [second.encode(t) for t in texts] == [first.encode(t) for t in texts]
+    assert (len(second), second.all_special_tokens, second.chat_template) == \
+        (len(first), first.all_special_tokens, first.chat_template)
+
+
 def test_an_unwritable_cache_costs_only_time(files, tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
