@@ -18,10 +18,10 @@ from the client's first request (a real `openai` client, streaming, through the 
 Breakdown of a start from zero: decision (request -> the autoscaler's desiredReplicas 1), pod (-> the pod's first
 container started: the Deployment scaled, the kubelet saw it), download (the model-download init container's run;
 a check of the entry for `cache`), then the engine's own /startupz phases (process, imports, config, tokenizer,
-weights, kernel_build, kv_cache, other...; a JIT kernel build not cached yet runs lazily at the first forward and
-is counted as kernel_build, not first), and first (the rest to the first token: the readiness probe, the
-gateway's endpoint list, the held request's prefill). Of a wake-up: wake (request -> /is_sleeping false: the
-gateway's POST /wake_up), first (-> the first token).
+weights, kernel_build, kv_cache, other...) inside engine (its spawn -> the kubelet's probe seeing it ready), and
+first (-> the first token: the gateway's endpoint list, the held request's prefill, and any lazy first-use work,
+such as a JIT kernel build not cached yet, which /startupz then lists as kernel_build). Of a wake-up: wake
+(request -> /is_sleeping false: the gateway's POST /wake_up), first (-> the first token).
 
 The model cache holds hub repositories as folders and the engine is pointed at the entry's folder, which must hold a
 config.json: a single GGUF file cannot go through it. So fetch and cache serve a tiny random llama folder (published
@@ -81,30 +81,32 @@ def first_true(pred, stop: threading.Event) -> list[float]:
 
 
 def zero_breakdown(t0: float, decided: float, events: list[tuple[float, str]], startup: dict[str, float],
-                   first: float) -> dict[str, float]:
-    """A start from zero, in seconds per part (pure: the bench's figures from its marks).
-    events: the pod's (time, what) from the kubelet; startup: the engine's /startupz phases with their `total`."""
+                   first: float) -> dict:
+    """A start from zero, in seconds per part (pure: the bench's figures from its marks). events: the pod's
+    (time, what) from the kubelet; startup: the engine's /startupz phases, shown inside `engine` (the wall time from
+    its spawn to the kubelet's probe seeing it ready), not added to the parts."""
     at = {what: t for t, what in events}
-    spawned = at["started"]
+    spawned, ready = at["started"], at["ready"]
     init_start = at.get(f"init {DOWNLOAD} started", spawned)
     init_end = next((t for what, t in at.items() if what.startswith(f"init {DOWNLOAD} exited")), init_start)
-    out = {"decision": decided - t0, "pod": init_start - decided, "download": init_end - init_start}
-    out["pod"] += spawned - init_end  # the kubelet's set-up between the init container and the engine
-    engine = {p: startup[p] for p in ENGINE_PHASES if startup.get(p)}
-    out.update(engine)
-    # `total` is fixed at ready; lazy phases (a kernel build at the first forward) add to the sum after it
-    out["first"] = first - spawned - max(startup.get("total", 0.0), sum(engine.values()))
-    out["total"] = first - t0
-    return out
+    # pod: the Deployment scaled and the kubelet's set-up, before and after the init container
+    return {"decision": decided - t0, "pod": init_start - decided + spawned - init_end,
+            "download": init_end - init_start,
+            "engine": ready - spawned, "phases": {p: startup[p] for p in ENGINE_PHASES if startup.get(p)},
+            "first": first - ready, "total": first - t0}
 
 
 def wake_breakdown(t0: float, woke: float, first: float) -> dict[str, float]:
     return {"wake": woke - t0, "first": first - woke, "total": first - t0}
 
 
-def line(name: str, r: dict[str, float], note: str = "") -> str:
-    parts = ", ".join(f"{k} {v:.2f}s" for k, v in r.items() if k != "total")
-    return f"{name:<7} total {r['total']:6.2f}s to the first token = {parts}" + (f"  [{note}]" if note else "")
+def line(name: str, r: dict, note: str = "") -> str:
+    def fmt(v) -> str:
+        return f"{v:.2f}s" if isinstance(v, float) else "(" + ", ".join(f"{k} {x:.2f}s" for k, x in v.items()) + ")"
+
+    parts = ", ".join(f"{k} {fmt(v)}" if k != "phases" else fmt(v) for k, v in r.items() if k != "total")
+    return (f"{name:<7} total {r['total']:6.2f}s to the first token = {parts}".replace(", (", " (")
+            + (f"  [{note}]" if note else ""))
 
 
 def answers_match(answers: dict[str, str]) -> dict[str, bool]:
@@ -188,8 +190,9 @@ class Fleet:
             def sleeping() -> dict:
                 return json.loads(http("GET", f"http://127.0.0.1:{pod.port}/is_sleeping")[1])
 
-            asleep = wait_for(lambda: (s := sleeping())["is_sleeping"] and s, 120, f"{name} parked asleep")
+            wait_for(lambda: sleeping()["is_sleeping"], 120, f"{name} parked asleep")
             wait_for(lambda: pod.name not in self.kubelet.ready_pods(), 30, f"{name}'s parked pod not Ready")
+            asleep = sleeping()
             woke = first_true(lambda: not sleeping()["is_sleeping"], stop)
             t0 = time.monotonic()
             first, text = stream(gateway.base, name)
