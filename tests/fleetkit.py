@@ -200,7 +200,8 @@ class Kubelet:
         self.interval = interval
         self.pods: dict[str, LocalPod] = {}
         self.slice_labels: dict[str, dict[str, str]] = {}  # per engine Service, as the EndpointSlice controller copies
-        self.events: list[tuple[float, str, str]] = []  # (time, pod, what): started/ready/terminating/exited
+        # (time, pod, what): init <container> started/exited <rc>, started/ready/terminating/exited <rc>
+        self.events: list[tuple[float, str, str]] = []
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
         self.retry_at: dict[str, float] = {}  # Deployment -> when its pod's failed init containers run again
@@ -415,12 +416,14 @@ class Kubelet:
             env = {**_host_env(), **_pod_env(c, mounts), **self.env, "HOSTNAME": pod}
             log = tempfile.NamedTemporaryFile("w", prefix=f"kubelet-{pod}-{c['name']}-", suffix=".log",
                                               delete=False)
+            self.events.append((time.monotonic(), pod, f"init {c['name']} started"))  # (benches time a download)
             proc = subprocess.Popen(self._enforced(local_argv(argv), c, pod_spec), stdout=log,
                                     stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
             if c.get("restartPolicy") == "Always":
                 helpers.append(proc)
                 continue
             rc = proc.wait(300)
+            self.events.append((time.monotonic(), pod, f"init {c['name']} exited {rc}"))
             with open(log.name, encoding="utf-8", errors="replace") as f:
                 output = f.read()
             if rc != 0:
