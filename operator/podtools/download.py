@@ -3,7 +3,8 @@
 The engine itself never touches the network; in Kubernetes this runs as the pod's init container for
 `hf://` models, from the operator image (any runtime: Shoal's engine, vLLM, SGLang) (HF_HOME points at the pod's cache volume, which may be a persistent claim shared by every pod;
 HF_TOKEN, if set, authorises gated models). Only what the engine loads is fetched: config, safetensors shards and
-their index, tokenizer and generation files.
+their index, tokenizer and generation files (and, for a repository without config.json, i.e. llama.cpp's, its one
+GGUF file; several are refused by name).
 
 Downloads are resumable: the hub client keeps partial files (``*.incomplete``) and continues them, so a pod
 restarted mid-download, or a second pod sharing the cache, does not start over; files already in the cache are
@@ -41,7 +42,8 @@ from shoal.operator.podtools.modelcache import CacheError, ModelCache, entry_key
 T = TypeVar("T")
 TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
-PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]  # + *.gguf
+# for a repository without config.json (llama.cpp's: one GGUF file holds config, tokenizer and weights)
 
 
 def _count(text: str) -> int:
@@ -234,8 +236,18 @@ def _download(cache: ModelCache, key: str, args: argparse.Namespace, where: str)
     from huggingface_hub import snapshot_download
     from huggingface_hub._local_folder import read_download_metadata
 
-    plan = with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=PATTERNS,
+    patterns = PATTERNS
+    plan = with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=patterns,
                                                   dry_run=True), where, args.max_retries, args.retry_backoff)
+    if not any(f.filename == "config.json" for f in plan):  # a llama.cpp repository: the engine serves its GGUF
+        patterns = [*PATTERNS, "*.gguf"]
+        plan = with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=patterns,
+                                                      dry_run=True), where, args.max_retries, args.retry_backoff)
+        ggufs = sorted(f.filename for f in plan if f.filename.endswith(".gguf"))
+        if len(ggufs) > 1:  # several quantizations of one model: fetching them all would be a mistake
+            raise CacheError(f"the repository has no config.json and {len(ggufs)} GGUF files "
+                             f"({', '.join(ggufs[:6])}{', ...' if len(ggufs) > 6 else ''}); the engine serves "
+                             "one GGUF file per model: publish it alone in a repository, or serve it by file://")
     total = sum(f.file_size or 0 for f in plan)
     evicted = cache.make_room(key, total, args.max_cache_bytes)
     partial = cache.partial(key)
@@ -246,7 +258,7 @@ def _download(cache: ModelCache, key: str, args: argparse.Namespace, where: str)
     progress = Progress(partial, total or None)
     threading.Thread(target=progress.report_every, args=(args.progress_interval, stop), daemon=True).start()
     try:
-        with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=PATTERNS,
+        with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=patterns,
                                                local_dir=partial), where, args.max_retries, args.retry_backoff)
     except BaseException:
         cache.unreserve(key)  # the partial files stay (a retry resumes them), the promise of space does not

@@ -23,10 +23,10 @@ first (-> the first token: the gateway's endpoint list, the held request's prefi
 such as a JIT kernel build not cached yet, which /startupz then lists as kernel_build). Of a wake-up: wake
 (request -> /is_sleeping false: the gateway's POST /wake_up), first (-> the first token).
 
-The model cache holds hub repositories as folders and the engine is pointed at the entry's folder, which must hold a
-config.json: a single GGUF file cannot go through it. So fetch and cache serve a tiny random llama folder (published
-on the stand-in hub), and file/sleep1/sleep2 the real SmolLM2-135M-Instruct Q4_1 GGUF (`find_demo_model()`; the tiny
-model with a warning when it is absent). Greedy answers are compared within each model.
+Every scenario serves the real SmolLM2-135M-Instruct Q4_1 GGUF (`find_demo_model()`): fetch and cache as a
+llama.cpp repository on the stand-in hub (a folder holding the one GGUF file, which the model cache stores and the
+engine serves), file by file://. When it is absent, a tiny random llama folder stands in, with a warning. Greedy
+answers are compared within each model.
 Other engineers' jobs may share this machine: read the load printed with the figures.
 """
 
@@ -52,9 +52,9 @@ DOWNLOAD = "model-download"  # the init container (shoal.operator.render.DOWNLOA
 # the engine's start-up phases in /startupz order, as printed (shoal.engine.startup.PHASES and `other`)
 ENGINE_PHASES = ("process", "imports", "config", "tokenizer", "weights", "kernel_build", "kv_cache", "warmup",
                  "graph_capture", "other")
-SCENARIOS = {  # name -> (the model group, how it starts)
-    "fetch": ("tiny", "zero"), "cache": ("tiny", "zero"), "file": ("gguf", "zero"),
-    "sleep1": ("gguf", "sleep"), "sleep2": ("gguf", "sleep"),
+SCENARIOS = {  # name -> (the model group whose answers must agree, how it starts): one model serves them all
+    "fetch": ("model", "zero"), "cache": ("model", "zero"), "file": ("model", "zero"),
+    "sleep1": ("model", "sleep"), "sleep2": ("model", "sleep"),
 }
 
 
@@ -215,12 +215,13 @@ def main() -> int:
     tiny = Path(make_model(tempfile.mkdtemp(prefix="bench-fleet-tiny-"), arch="llama"))
     gguf = find_demo_model()
     if gguf is None or not Path(gguf).exists():
-        print(f"WARNING: {MODEL_LABEL} is not on this machine: file/sleep1/sleep2 serve the tiny random model")
-        real = {"uri": f"file://{tiny}"}
+        print(f"WARNING: {MODEL_LABEL} is not on this machine: every scenario serves a tiny random model")
+        real, published = {"uri": f"file://{tiny}"}, tiny
     else:
-        print(f"model: {MODEL_LABEL} at {gguf} (file, sleep1, sleep2); a tiny random llama folder for fetch and "
-              "cache (the model cache takes hub folders with a config.json, not a single GGUF file)")
-        real = {"uri": f"file://{gguf}"}
+        print(f"model: {MODEL_LABEL} at {gguf} (fetch and cache: published on the stand-in hub as a llama.cpp "
+              "repository holding that one file)")
+        real, published = {"uri": f"file://{gguf}"}, Path(tempfile.mkdtemp(prefix="bench-fleet-repo-"))
+        (published / Path(gguf).name).symlink_to(gguf)
     print(f"load before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} CPUs", flush=True)
     server = EmulatorServer()
     os.environ["KUBECONFIG"] = write_kubeconfig(Path(tempfile.mkdtemp()) / "config", server.url)
@@ -231,7 +232,7 @@ def main() -> int:
     answers: dict[str, str] = {}
     try:
         with FakeHub() as hub:
-            hub.publish("org/tiny", tiny)
+            hub.publish("org/model", published)
             env = {"HF_ENDPOINT": hub.url}
             if os.environ.get("TORCH_EXTENSIONS_DIR"):  # a kernel cache the pods share, as a node's
                 env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
@@ -239,10 +240,10 @@ def main() -> int:
                               claims={"models": claim})
             with kubelet:
                 fleet = Fleet(server, client, kubelet)
-                cached = {"uri": "hf://org/tiny", "cache": {"claimName": "models"}}
+                cached = {"uri": "hf://org/model", "cache": {"claimName": "models"}}
                 for name in ("fetch", "cache", "file"):
                     r, answers[name] = fleet.from_zero(name, real if name == "file" else cached)
-                    downloads = hub.file_downloads("org/tiny")
+                    downloads = hub.file_downloads("org/model")
                     results[name] = (r, f"hub file downloads so far: {downloads}" if name != "file" else "")
                     print(line(name, *results[name]), flush=True)
                 for level in (1, 2):

@@ -23,6 +23,6 @@ def test_the_lines_and_the_answers_comparison():
     r = wake_breakdown(t0=1.0, woke=1.25, first=1.5)
     assert line("sleep1", r, "asleep") == "sleep1  total   0.50s to the first token = wake 0.25s, first 0.25s  [asleep]"
     assert set(SCENARIOS) == {"fetch", "cache", "file", "sleep1", "sleep2"}
-    same = {"fetch": "a", "cache": "a", "file": "b", "sleep1": "b", "sleep1:before": "b", "sleep2": "b"}
-    assert answers_match(same) == {"tiny": True, "gguf": True}
-    assert answers_match({**same, "sleep2": "c"}) == {"tiny": True, "gguf": False}
+    same = {"fetch": "a", "cache": "a", "file": "a", "sleep1": "a", "sleep1:before": "a", "sleep2": "a"}
+    assert answers_match(same) == {"model": True}
+    assert answers_match({**same, "sleep2": "c"}) == {"model": False}

@@ -100,6 +100,28 @@ def test_a_model_larger_than_the_cap_fails_with_the_sizes(tmp_path, hub):
     assert "raise spec.model.cache.size" in err and not (cache / "models" / "org--m@main").exists()
 
 
+def test_a_llama_cpp_repository_brings_its_one_gguf_file_and_several_are_refused(tmp_path):
+    """A repository without config.json is llama.cpp's: its GGUF file is the model (the engine serves a folder
+    holding one); with several quantizations in it, fetching them all would be a mistake, so it says which."""
+    repo = tmp_path / "gguf-repo"
+    repo.mkdir()
+    (repo / "model-Q4_1.gguf").write_bytes(b"GGUF" + os.urandom(50_000))
+    (repo / "README.md").write_text("# GGUF\n")
+    cache = tmp_path / "cache"
+    with FakeHub() as hub:
+        hub.publish("org/m", repo)
+        rc, out, err = _finish(_download(cache, hub))
+        assert rc == 0, err
+        entry = cache / "models" / "org--m@main"
+        assert (entry / "model-Q4_1.gguf").read_bytes() == (repo / "model-Q4_1.gguf").read_bytes()
+        assert not (entry / "README.md").exists()
+        (repo / "model-Q8_0.gguf").write_bytes(b"GGUF" + os.urandom(1000))
+        hub.publish("org/m", repo, commit="d" * 40)
+        rc, out, err = _finish(_download(tmp_path / "cache2", hub))
+    assert rc == 1 and "no config.json and 2 GGUF files (model-Q4_1.gguf, model-Q8_0.gguf)" in err
+    assert "Traceback" not in err and not (tmp_path / "cache2" / "models" / "org--m@main").exists()
+
+
 # ---- the cache itself, without a hub ---------------------------------------------------------------------------
 def _entry(cache: ModelCache, key: str, size: int, last_used: float) -> None:
     partial = cache.partial(key)
