@@ -260,7 +260,9 @@ def _family_config(reader, arch: str, kw: dict, path) -> dict:
 
 
 def _tokenizer_cache_dir() -> Path:
-    return Path(os.environ.get("SHOAL_CACHE") or Path.home() / ".cache" / "shoal") / "gguf-tokenizers"
+    from shoal.engine.tools.demo_model import cache_root
+
+    return cache_root() / "gguf-tokenizers"
 
 
 def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):

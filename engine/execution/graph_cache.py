@@ -42,7 +42,9 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SHOAL_CACHE") or Path.home() / ".cache" / "shoal") / "cpu-graphs"
+    from shoal.engine.tools.demo_model import cache_root
+
+    return cache_root() / "cpu-graphs"
 
 
 @functools.cache

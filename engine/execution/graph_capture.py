@@ -86,6 +86,7 @@ class DecodeGraphs:
         self.failed = False
         self.num_padded_steps = 0  # decode steps that ran through a bucket (captured or eager)
         self.num_loaded = 0  # CPU graphs loaded from the persistent cache rather than recorded (graph_cache.py)
+        self._key_parts: dict | None = None  # the cache key's parts every bucket shares ({}: no key can be made)
 
     # -- which steps ---------------------------------------------------------------------------------------------
     def bucket_for(self, inputs) -> int | None:
@@ -225,10 +226,19 @@ class DecodeGraphs:
     # -- the persistent cache of CPU graphs (execution/graph_cache.py) -----------------------------------------------
     def _cache_key(self, bucket: int) -> str | None:
         from shoal.engine.execution import graph_cache
-        from shoal.engine.execution.cpu_features import cpu_features
 
         if not graph_cache.enabled():
             return None
+        if self._key_parts is None:
+            self._key_parts = self._shared_key_parts() or {}
+        return graph_cache.entry_key({**self._key_parts, "bucket": bucket}) if self._key_parts else None
+
+    def _shared_key_parts(self) -> dict | None:
+        """What every bucket's key shares, worked out once: a bucket is captured during serving, on its first step,
+        and the model's identity (a stat of every file, a GGUF's metadata digest) need not be read again each time."""
+        from shoal.engine.execution import graph_cache
+        from shoal.engine.execution.cpu_features import cpu_features
+
         r = self.runner
         model_dir, quantization = r._load_args[0], r._load_args[7]
         try:
@@ -241,14 +251,14 @@ class DecodeGraphs:
         kv = [[list(getattr(c, f).shape) if getattr(c, f, None) is not None else None
                for f in ("k", "v", "k_scale", "v_scale")] if c is not None else None for c in r.kv_caches]
         to_json = getattr(r.hf_config, "to_json_string", None)
-        return graph_cache.entry_key({
+        return {
             "format": graph_cache.FORMAT, "model": identity, "hf_config": to_json() if to_json else repr(r.hf_config),
             "dtype": str(r.dtype), "quantization": quantization, "kv_cache_dtype": r.kv_cache_dtype, "kv": kv,
-            "block_size": self.block_size, "max_model_len": self.max_model_len, "bucket": bucket,
+            "block_size": self.block_size, "max_model_len": self.max_model_len,
             "static_rows": self.buckets[-1], "pad_block": self.pad_block, "attention": r.backend_name, "lora": lora,
             "parallel": [ps.tp_rank, ps.tp_size, ps.pp_rank, ps.pp_size, ps.expert_parallel],
             "torch": torch.__version__, "cpu_tier": cpu_features().tier, "threads": torch.get_num_threads(),
-            "engine": graph_cache.engine_source_digest()})
+            "engine": graph_cache.engine_source_digest()}
 
     def _load_cpu(self, bucket: int, key: str, warm: torch.Tensor):
         """The cached graph of this key if it replays the warm-up's logits bit for bit; None otherwise (a bad entry

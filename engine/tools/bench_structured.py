@@ -45,10 +45,10 @@ def _train_tokenizer(path: Path, vocab_size: int = 32000) -> None:
 
 
 def model_dir() -> Path:
+    from shoal.engine.tools.demo_model import cache_root
     from shoal.engine.tools.tiny_model import make_model
 
-    root = Path(os.environ.get("SHOAL_CACHE", Path.home() / ".cache" / "shoal"))
-    path = root / "bench-llama-512-tok32k"
+    path = cache_root() / "bench-llama-512-tok32k"
     if not (path / "tokenizer.json").exists():
         make_model(path, arch="llama", seed=0, dtype="bfloat16", vocab_size=32000, hidden_size=512,
                    intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,

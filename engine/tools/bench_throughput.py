@@ -118,8 +118,7 @@ def kv_capacity(config, dtype, kv_cache_dtype: str = "auto") -> dict | None:
 
 def bench_model_dir(preset: str = "bench") -> Path:
     """The directory of a built-in benchmark model (see PRESETS), made on first use."""
-    import os
-
+    from shoal.engine.tools.demo_model import cache_root
     from shoal.engine.tools.tiny_model import make_model
 
     if preset not in PRESETS:
@@ -127,8 +126,7 @@ def bench_model_dir(preset: str = "bench") -> Path:
     name, config = PRESETS[preset]
     config = dict(config)
     arch = config.pop("arch", "llama")
-    root = Path(os.environ.get("SHOAL_CACHE", Path.home() / ".cache" / "shoal"))
-    path = root / name
+    path = cache_root() / name
     if not (path / "config.json").exists():
         import torch
 

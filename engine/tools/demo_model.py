@@ -36,7 +36,8 @@ class DemoModelError(RuntimeError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SHOAL_CACHE", Path.home() / ".cache" / "shoal"))
+    """Shoal's cache folder: $SHOAL_CACHE (in pods, the engine's writable cache volume) or ~/.cache/shoal."""
+    return Path(os.environ.get("SHOAL_CACHE") or Path.home() / ".cache" / "shoal")
 
 
 def cached_path() -> Path:

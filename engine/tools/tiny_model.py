@@ -310,8 +310,9 @@ def make_bert_model(path: str | os.PathLike, seed: int = 0, sentence_transformer
 
 def default_model_dir() -> Path:
     """The demo model's cache directory: $SHOAL_CACHE or ~/.cache/shoal, then demo-llama."""
-    root = Path(os.environ.get("SHOAL_CACHE", Path.home() / ".cache" / "shoal"))
-    return root / "demo-llama"
+    from shoal.engine.tools.demo_model import cache_root
+
+    return cache_root() / "demo-llama"
 
 
 def ensure_demo_model() -> Path:
