@@ -163,6 +163,9 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return cmd_serve_headless(args, parser)
     if getattr(args, "node_rank", None):
         parser.error("nodes other than node 0 run workers only: pass --headless")
+    from shoal.engine import startup
+
+    startup.hold_gc()  # until the model is loaded (startup.ready)
     try:
         config = engine_config_from_args(args)
     except Exception as e:  # noqa: BLE001 - validation errors become a clean usage error (exit 2)
@@ -184,7 +187,6 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
     if args.response_store_size < 1 or args.response_store_ttl <= 0:
         parser.error("--response-store-size must be >= 1 and --response-store-ttl > 0")
-    from shoal.engine import startup
     from shoal.engine.core.async_engine import DEFAULT_HEARTBEAT_TIMEOUT
     from shoal.engine.server.run import ServerOptions, run
 
