@@ -72,12 +72,29 @@ def choice(name: str, table: dict[Any, str | None], why: str) -> Mapping:
     return render
 
 
+# The kubelet probes a starting container every period and marks it started on the first success (the readiness
+# probe runs at once then): a start that is done at 3 s is seen at the next tick, so a 10 s period would cost a
+# scale from zero up to 10 s more than the engine needs. One second (Kubernetes' least) bounds that to a second,
+# and a server that can hold the probe (Shoal's /startupz?wait=) answers the moment it is loaded.
+STARTUP_PERIOD = 1
+
+
 @dataclass(frozen=True)
 class Probe:
     path: str
     period: int
     timeout: int
     failures: int = 0  # a startup probe's come from spec.probes.startupTimeoutSeconds
+    hold: int = 0  # seconds the server holds an unanswered probe (`?wait=`, under `timeout`); 0: answers at once
+
+    @property
+    def url_path(self) -> str:
+        return f"{self.path}?wait={self.hold}" if self.hold else self.path
+
+    @property
+    def attempt_seconds(self) -> int:
+        """How long one failing attempt takes at the least (a held probe runs until its hold ends)."""
+        return max(self.period, self.hold)
 
 
 @dataclass(frozen=True)
@@ -138,7 +155,8 @@ SHOAL = Runtime(
     name="shoal", image=None, command=("shoal-engine", "serve"), model_flag="--model", options=_SHOAL_OPTIONS,
     api_key_env="SHOAL_API_KEY",
     # workers (--headless) serve /livez and /readyz only, so a multi-pod group starts on /readyz
-    startup=Probe("/startupz", 10, 5), readiness=Probe("/readyz", 5, 5, 3), liveness=Probe("/livez", 10, 10, 6),
+    startup=Probe("/startupz", STARTUP_PERIOD, 5, hold=4),
+    readiness=Probe("/readyz", 5, 5, 3), liveness=Probe("/livez", 10, 10, 6),
     metrics=metric_names.SHOAL, shutdown_flag="--shutdown-timeout", builtin_demo=True, multi_node=True,
     workers_serve_health=True, init_entrypoint=True, runtime_adapters=True, traces_from_env=True, sleep_parking=True,
 )
@@ -169,7 +187,8 @@ VLLM = Runtime(
     # /metrics, /tokenize... are open): the NetworkPolicy still admits only the gateway and scrapers.
     api_key_env="VLLM_API_KEY",
     # vLLM listens only once the model is loaded and its engine core runs; /health fails when the core dies.
-    startup=Probe("/health", 10, 5), readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
+    startup=Probe("/health", STARTUP_PERIOD, 5),
+    readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
     metrics=metric_names.VLLM, shutdown_flag="--shutdown-timeout", multi_node=True,
     # multi-node: Ray-free multiprocessing, one process per local GPU in every pod (vLLM 0.32's --nnodes,
     # --node-rank, --master-addr); ranks > 0 run --headless and serve no HTTP
@@ -201,7 +220,8 @@ SGLANG = Runtime(
                                     "SGLang orders requests by arrival or prompt prefix, not by a request priority"),
     },
     api_key_env=None,  # SGLang takes its key only as --api-key: it would show in the pod spec and /proc/*/cmdline
-    startup=Probe("/health", 10, 5), readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
+    startup=Probe("/health", STARTUP_PERIOD, 5),
+    readiness=Probe("/health", 5, 5, 3), liveness=Probe("/health", 10, 10, 6),
     # rendered only (untested end to end); single-pod replicas; no API key from a Secret
     metrics=metric_names.SGLANG, shutdown_flag=None, fixed_args=("--enable-metrics",),
 )
@@ -338,10 +358,10 @@ _RANK0_EXEC = ('import os, sys, urllib.request\n'
 
 def _probe(rt: Runtime, p: Probe, failures: int, multi: bool, port: int) -> dict[str, Any]:
     if multi and not rt.workers_serve_health:
-        handler = {"exec": {"command": ["python3", "-c", _RANK0_EXEC.format(port=port, path=p.path,
+        handler = {"exec": {"command": ["python3", "-c", _RANK0_EXEC.format(port=port, path=p.url_path,
                                                                              timeout=max(1, p.timeout - 1))]}}
     else:
-        handler = {"httpGet": {"path": p.path, "port": "http"}}
+        handler = {"httpGet": {"path": p.url_path, "port": "http"}}
     return {**handler, "periodSeconds": p.period, "failureThreshold": failures, "timeoutSeconds": p.timeout}
 
 
@@ -350,7 +370,7 @@ def probes(rt: Runtime, spec: Any, multi: bool, port: int) -> dict[str, Any]:
     startup = rt.startup
     if multi and rt.workers_serve_health:
         startup = Probe(rt.readiness.path, startup.period, startup.timeout)  # workers serve /readyz, not /startupz
-    budget = max(1, -(-spec.probes.startup_timeout_seconds // startup.period))
+    budget = max(1, -(-spec.probes.startup_timeout_seconds // startup.attempt_seconds))
     return {
         "startupProbe": _probe(rt, startup, budget, multi, port),
         "readinessProbe": _probe(rt, rt.readiness, rt.readiness.failures, multi, port),

@@ -183,7 +183,7 @@ def _probe_path(pod: dict[str, Any], probe: str) -> str:
     for c in (pod.get("spec") or {}).get("containers") or []:
         if c.get("name") == "engine":
             path = ((c.get(probe) or {}).get("httpGet") or {}).get("path")
-            return f" ({path})" if path else ""
+            return f" ({path.partition('?')[0]})" if path else ""  # (not a held probe's ?wait=)
     return ""
 
 

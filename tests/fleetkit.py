@@ -8,8 +8,11 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
   `vllm serve` from the virtualenv SHOAL_VLLM_PYTHON names: see `local_argv`), with the container's literal env
   values (not its in-pod paths), except that `--host/--port` are mapped to 127.0.0.1 and a free port (as a
   container port mapping would).
-* Readiness comes from the container's readiness probe path (/readyz, vLLM's /health) and is written to the
-  pod's Ready condition, the Deployment's
+* A container with a startup probe is probed on its path as the kubelet does: at once, then at every period tick,
+  each probe given its timeoutSeconds (so a start is seen at the next tick, or at once by a probe the server holds
+  open: Shoal's /startupz?wait=); once one succeeds,
+  readiness comes from the container's readiness probe path (/readyz, vLLM's /health), probed every loop, and is
+  written to the pod's Ready condition, the Deployment's
   status and one EndpointSlice per pod (a slice holds one port list, and each local pod has its own port) of the
   engine Service (`engine_service`, or `<deployment>-engines` for every Deployment when it is None), labelled with
   the Service's labels as the EndpointSlice controller does.
@@ -145,9 +148,9 @@ def local_argv(argv: list[str]) -> list[str]:
                      "adapter-sync sidecar, or vllm only)")
 
 
-def _ready(port: int, path: str) -> bool:
+def _ready(port: int, path: str, timeout: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2.0) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
             return r.status == 200
     except Exception:
         return False
@@ -173,7 +176,9 @@ class LocalPod:
     init_statuses: list[dict] = field(default_factory=list)  # the finished init containers, as the pod shows them
     service: str = ""  # the engine Service whose EndpointSlice lists it
     ready_path: str = "/readyz"
+    startup_path: str | None = None  # the startup probe's (None: started at once)
     created: float = field(default_factory=time.monotonic)
+    started: bool = False  # the startup probe has succeeded
     ready: bool = False
     failures: int = 0  # consecutive failed probes (a ready pod turns unready after FAILURE_THRESHOLD)
     ready_at: float | None = None
@@ -222,6 +227,16 @@ class Kubelet:
 
     def ready_pods(self) -> list[str]:
         return [p.name for p in self.pods.values() if p.ready and p.terminating_since is None]
+
+    def _startup_prober(self, local: LocalPod, period: float, timeout: float) -> None:
+        """The kubelet's startup probe worker for one container: a probe at once, then one per period tick (a
+        held probe runs up to its timeout, and the next starts at the tick after it), until one succeeds."""
+        while not self.stop_flag.is_set() and local.proc.poll() is None:
+            t = time.monotonic()
+            if _ready(local.port, local.startup_path, timeout):
+                local.started = True
+                return
+            self.stop_flag.wait(max(0.0, t + period - time.monotonic()))
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -326,11 +341,17 @@ class Kubelet:
                                 stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
         grace = float(template["spec"].get("terminationGracePeriodSeconds") or 30)
         ready_path = ((container.get("readinessProbe") or {}).get("httpGet") or {}).get("path", "/readyz")
+        startup = container.get("startupProbe") or {}
         pod_spec = copy.deepcopy(template["spec"])
         sidecars = [self._start_sidecar(name, c, pod_spec, port) for c in pod_spec["containers"][1:]]
         self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace, ready_path=ready_path,
+                                   startup_path=(startup.get("httpGet") or {}).get("path"),
                                    sidecars=sidecars, service=self.service or f"{dep['metadata']['name']}-engines",
                                    helpers=helpers, init_statuses=init_statuses)
+        if self.pods[name].startup_path:
+            threading.Thread(target=self._startup_prober, name=f"startup-{name}", daemon=True,
+                             args=(self.pods[name], float(startup.get("periodSeconds") or 10),
+                                   float(startup.get("timeoutSeconds") or 1))).start()
         self.events.append((time.monotonic(), name, "started"))
         self.client.create("pods", self.ns, {
             "apiVersion": "v1", "kind": "Pod",
@@ -504,7 +525,8 @@ class Kubelet:
             for folder, configmap in sidecar.projections:
                 self._project(folder, configmap)
         exited = local.proc.poll() is not None
-        probe = not exited and _ready(local.port, local.ready_path) and all(
+        local.started = local.started or local.startup_path is None
+        probe = local.started and not exited and _ready(local.port, local.ready_path) and all(
             s.proc.poll() is None and _ready(s.port, s.ready_path) for s in local.sidecars)
         local.failures = 0 if probe else local.failures + 1
         ready = probe or (local.ready and not exited and local.failures < FAILURE_THRESHOLD)

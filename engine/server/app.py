@@ -127,8 +127,27 @@ class AccessLogger(AbstractAccessLogger):
 
 
 # --------------------------------------------------------------------------------------------- health/misc
+STARTUP_WAIT_LIMIT = 30.0  # seconds /startupz?wait= may hold a probe
+
+
 async def startupz(request: web.Request) -> web.Response:
+    """200 once the model is loaded, 503 before (or after a failed load). `?wait=S` (at most 30): while loading,
+    the answer is held up to S seconds and given the moment the model is loaded — the startup probe's long poll,
+    so the kubelet sees a finished start at once instead of at its probe's next period."""
     eng = get_state(request).engine
+    raw = request.query.get("wait", "0")
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = -1.0
+    if not 0 <= wait <= STARTUP_WAIT_LIMIT:
+        raise APIError(f"wait must be a number of seconds from 0 to {STARTUP_WAIT_LIMIT:.0f}, got {raw!r}", 400,
+                       param="wait")
+    if wait and not eng.is_loaded and eng.fatal_error is None:
+        try:
+            await eng.wait_loaded(wait)
+        except (TimeoutError, EngineError):  # still loading, or the load failed: answered below
+            pass
     if eng.is_loaded:  # with where the start-up went (shoal.engine.startup: seconds per phase)
         startup.ready()  # (this answer may come before the server's own "ready" line)
         return json_response({"status": "started", "startup": startup.breakdown()})

@@ -355,7 +355,7 @@ def test_every_option_reaches_the_pod():
     assert kids[("ConfigMap", "llm-chat-template")]["data"] == {"template.jinja": "{{ messages }}"}
     assert pod["nodeSelector"] == {"gpu": "a100"} and pod["priorityClassName"] == "inference"
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu" and "nodeAffinity" in pod["affinity"]
-    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 3600
+    assert c["startupProbe"]["failureThreshold"] * 4 == 3600  # a held /startupz attempt lasts its 4 s
     # drain: preStop sleep, then --shutdown-timeout, all inside the grace period
     assert pod["terminationGracePeriodSeconds"] > 120 + c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
@@ -382,10 +382,13 @@ def test_pod_security_and_probes():
     assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
     assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/dev/shm", "/cache", "/tmp"}
-    assert c["startupProbe"]["httpGet"] == {"path": "/startupz", "port": "http"}
+    # held up to 4 s and answered the moment the model is loaded, within the probe's 5 s timeout
+    assert c["startupProbe"]["httpGet"] == {"path": "/startupz?wait=4", "port": "http"}
+    assert c["startupProbe"]["timeoutSeconds"] == 5
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
-    assert c["startupProbe"]["failureThreshold"] == 180  # 1800 s default budget / 10 s period
+    assert c["startupProbe"]["failureThreshold"] == 450  # 1800 s default budget / 4 s per held attempt
+    assert c["startupProbe"]["periodSeconds"] == 1
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
 

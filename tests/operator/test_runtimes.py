@@ -176,7 +176,7 @@ def test_shoal_is_the_default_and_renders_as_before():
     assert "command" not in c and c["args"][:2] == ["shoal-engine", "serve"]
     assert c["args"][c["args"].index("--quantization"):][:4] == ["--quantization", "int8", "--kv-cache-dtype", "fp8"]
     assert [c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")] == \
-        ["/startupz", "/readyz", "/livez"]
+        ["/startupz?wait=4", "/readyz", "/livez"]  # the startup probe held (a long poll)
     assert "--runtime" not in gateway_args(default)  # existing fleets' gateways are not rolled
 
 
