@@ -16,8 +16,9 @@ progress bars.
 
 The model lands in the model cache (modelcache.py, ``$SHOAL_CACHE/models/<org>--<name>@<revision>``), which the
 engine loads as a plain folder: under the entry's lock (a second pod, or another service on the same claim, waits
-and then finds it cached), checked against its manifest (sizes and sha256, all of it at each start: a corrupt entry
-is fetched again), downloaded into a partial folder, every file checked against the hub's ETag (sha256 for LFS
+and then finds it cached), checked against its manifest at each start (sizes, and the sha256 of every file rewritten or replaced
+since the entry was committed, as its mtime tells; `--verify full` hashes every file: a corrupt entry is fetched
+again), downloaded into a partial folder, every file checked against the hub's ETag (sha256 for LFS
 files, the git blob sha1 otherwise), and renamed into place whole. Room is made under the cache's size cap by
 evicting least recently used entries no running pod leases; a model that cannot fit fails with the reason. The
 pod's lease is taken before this exits (the `cache-lease` sidecar then keeps it fresh), and a one-line JSON summary
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from shoal.operator.podtools.modelcache import CacheError, ModelCache, entry_key
+from shoal.operator.podtools.modelcache import VERIFY_MODES, CacheError, ModelCache, entry_key
 
 T = TypeVar("T")
 TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -76,8 +77,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cache-bytes", type=_count, default=None,
                         help="the cache's size cap: least recently used entries no pod leases are evicted to fit "
                              "the model under it (default: no cap)")
-    parser.add_argument("--verify", choices=("full", "size"), default="full",
-                        help="how a cached entry is checked at start: every file's sha256 (full) or only the sizes")
+    parser.add_argument("--verify", choices=VERIFY_MODES, default="stat",
+                        help="how a cached entry is checked at start: the sha256 of every file whose mtime changed "
+                             "since the entry was committed, and every size (stat, the default: an untouched "
+                             "entry of any size in milliseconds); every file's sha256 (full); only the sizes")
     parser.add_argument("--termination-log", default="/dev/termination-log",
                         help="where the JSON summary goes (the pod's termination message; skipped if not writable)")
 
@@ -169,9 +172,6 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    from huggingface_hub.utils import disable_progress_bars
-
-    disable_progress_bars()  # plain progress lines in the log (Progress), no terminal bars
     where = f"{args.model!r}{' at ' + args.revision if args.revision else ''}"
     try:
         cache = ModelCache(args.cache_dir or default_cache_dir())
@@ -212,7 +212,7 @@ def ensure(cache: ModelCache, args: argparse.Namespace, where: str) -> dict:
         cache.lease(key, args.holder)  # first: an eviction for another model skips it while it is checked
         manifest = cache.manifest(key)
         if manifest is not None:
-            problems = cache.verify(key, full=args.verify == "full")
+            problems = cache.verify(key, args.verify)
             if problems:
                 print(f"cached {where} is corrupt ({'; '.join(problems[:3])}): fetching it again", flush=True)
                 cache.discard(key)
@@ -233,8 +233,11 @@ def ensure(cache: ModelCache, args: argparse.Namespace, where: str) -> dict:
 
 
 def _download(cache: ModelCache, key: str, args: argparse.Namespace, where: str) -> tuple[dict, list[str]]:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # (imported only to fetch: a cached entry starts without it)
     from huggingface_hub._local_folder import read_download_metadata
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()  # plain progress lines in the log (Progress), no terminal bars
 
     patterns = PATTERNS
     plan = with_retries(lambda: snapshot_download(args.model, revision=args.revision, allow_patterns=patterns,

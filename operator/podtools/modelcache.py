@@ -39,6 +39,7 @@ MANIFEST = ".shoal-entry.json"
 LAST_USED = ".last-used"
 LEASE_TTL = 600.0  # seconds a lease lives without a refresh (the lease sidecar refreshes every LEASE_TTL / 10)
 _CHUNK = 8 << 20
+VERIFY_MODES = ("full", "stat", "size")  # ModelCache.verify
 
 
 class CacheError(RuntimeError):
@@ -62,10 +63,18 @@ def file_digests(path: Path) -> tuple[str, str]:
     return sha256.hexdigest(), git.hexdigest()
 
 
-def _hash_all(root: Path, names: list[str], threads: int) -> dict[str, tuple[str, str]]:
+def file_sha256(path: Path) -> str:
+    sha256 = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha256.update(chunk)
+    return sha256.hexdigest()
+
+
+def _hash_all(root: Path, names: list[str], threads: int, digest: Callable[[Path], object] = file_digests) -> dict:
     # hashlib releases the GIL on large buffers: shards hash in parallel, as fast as the volume reads
     with ThreadPoolExecutor(max(1, min(threads, len(names) or 1))) as pool:
-        return dict(zip(names, pool.map(lambda n: file_digests(root / n), names)))
+        return dict(zip(names, pool.map(lambda n: digest(root / n), names)))
 
 
 def folder_bytes(path: Path) -> int:
@@ -133,24 +142,31 @@ class ModelCache:
         except (OSError, ValueError):
             return None
 
-    def verify(self, key: str, full: bool = True, threads: int = 4) -> list[str]:
-        """What is wrong with the entry against its manifest (missing, resized or, with `full`, changed files):
-        [] when it is intact."""
+    def verify(self, key: str, mode: str = "full", threads: int = 4) -> list[str]:
+        """What is wrong with the entry against its manifest: [] when it is intact. Every mode finds missing and
+        resized files; `full` also hashes every file; `stat` hashes only the files whose mtime is not the one
+        recorded at the commit (rewritten or replaced since: a changed byte is written by something), so an
+        untouched entry of any size is checked in milliseconds, and every file of an entry committed before
+        mtimes were recorded; `size` hashes nothing."""
+        if mode not in VERIFY_MODES:
+            raise ValueError(f"verify mode {mode!r}: expected one of {', '.join(VERIFY_MODES)}")
         manifest = self.manifest(key)
         if manifest is None:
             return ["no manifest"]
         root, files = self.path(key), manifest.get("files") or {}
-        problems = []
+        problems, to_hash = [], []
         for name, meta in files.items():
             try:
-                size = (root / name).stat().st_size
+                st = (root / name).stat()
             except OSError:
                 problems.append(f"{name}: missing")
                 continue
-            if size != meta["size"]:
-                problems.append(f"{name}: {size} bytes, expected {meta['size']}")
-        if full and not problems:
-            for name, (sha256, _git) in _hash_all(root, list(files), threads).items():
+            if st.st_size != meta["size"]:
+                problems.append(f"{name}: {st.st_size} bytes, expected {meta['size']}")
+            elif mode == "full" or (mode == "stat" and meta.get("mtimeNs") != st.st_mtime_ns):
+                to_hash.append(name)
+        if to_hash and not problems:
+            for name, sha256 in _hash_all(root, to_hash, threads, file_sha256).items():
                 if sha256 != files[name]["sha256"]:
                     problems.append(f"{name}: sha256 {sha256[:12]}..., expected {files[name]['sha256'][:12]}...")
         return problems
@@ -173,7 +189,9 @@ class ModelCache:
             raise CacheError(f"download of {key} does not match the hub's checksums: {', '.join(bad[:5])} "
                              "(discarded; the next attempt fetches it again)")
         shutil.rmtree(partial / ".cache", ignore_errors=True)  # the hub client's resume metadata
-        files = {n: {"size": (partial / n).stat().st_size, "sha256": digests[n][0]} for n in names}
+        stats = {n: (partial / n).stat() for n in names}  # a rename keeps them: `stat` verification compares mtimes
+        files = {n: {"size": stats[n].st_size, "sha256": digests[n][0], "mtimeNs": stats[n].st_mtime_ns}
+                 for n in names}
         manifest = {**source, "files": files, "sizeBytes": sum(f["size"] for f in files.values()),
                     "verified": "hub" if any(expected.values()) else "manifest", "created": self.clock()}
         _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))

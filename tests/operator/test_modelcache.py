@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hubkit import FakeHub
+from shoal.operator.podtools import modelcache
 from shoal.operator.podtools.modelcache import LAST_USED, CacheError, ModelCache, entry_key
 
 
@@ -79,6 +80,33 @@ def test_a_corrupt_entry_is_detected_at_start_and_fetched_again(tmp_path, hub, m
     assert rc == 0 and "is corrupt (model-00002-of-00002.safetensors: sha256" in out and "downloaded:" in out
     assert shard.read_bytes() == (model / shard.name).read_bytes()
     assert hub.file_downloads("org/m") == 6
+
+
+def test_the_start_check_hashes_only_the_files_changed_since_the_commit(tmp_path, hub, monkeypatch):
+    """`--verify stat` (the default): an untouched entry is checked without reading a byte; a file rewritten since
+    the commit (a new mtime) is hashed and its corruption found. A change that kept size and mtime is what only
+    `full` sees."""
+    cache = tmp_path / "cache"
+    assert _finish(_download(cache, hub))[0] == 0
+    entries, key = ModelCache(cache / "models"), "org--m@main"
+    hashed: list[str] = []
+    real = modelcache.file_sha256
+    monkeypatch.setattr(modelcache, "file_sha256", lambda path: hashed.append(path.name) or real(path))
+    assert entries.verify(key, "stat") == [] and hashed == []
+    shard = cache / "models" / key / "model-00002-of-00002.safetensors"
+    before = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[7] ^= 1
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))  # size and mtime as committed
+    assert entries.verify(key, "stat") == [] and hashed == []
+    assert "model-00002-of-00002.safetensors: sha256" in entries.verify(key, "full")[0]
+    hashed.clear()
+    os.utime(shard)  # rewritten now
+    assert "model-00002-of-00002.safetensors: sha256" in entries.verify(key, "stat")[0]
+    assert hashed == [shard.name]
+    with pytest.raises(ValueError, match="verify mode 'quick'"):
+        entries.verify(key, "quick")
 
 
 def test_a_bad_transfer_never_becomes_an_entry(tmp_path, hub):
