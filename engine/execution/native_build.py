@@ -8,7 +8,9 @@ sources, the shared headers, the tier's compiler flags and torch's version, so
   dies), never on torch's lock file alone: a process killed mid-build leaves that file behind, and torch's waiters
   poll for it to vanish, forever. Whoever holds the flock is the only builder, so a torch lock file it finds is
   such a leftover and is removed.
-Builds land in torch's extensions directory ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions).
+Builds land in torch's extensions directory ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions). A build
+that loaded once leaves a marker beside its library, and a later process loads that library directly: torch's
+`load` would import setuptools (~0.2 s) and run ninja to find nothing to do, on the way to the first token.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -30,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 INCLUDE_DIR = Path(__file__).parent / "csrc"  # headers shared by every extension (fast_math.h)
 BASE_CFLAGS = ["-O3", "-fopenmp"]
+
+
+BUILT_MARKER = "shoal-built"  # written once the build's library has loaded: the library beside it is whole
 
 
 class NativeBuildError(RuntimeError):
@@ -83,12 +89,33 @@ def build_lock(build_dir: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def build_directory(full_name: str) -> Path:
+    """Where torch.utils.cpp_extension builds `full_name` (its _get_build_directory, without importing it)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        import torch._appdirs
+
+        accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None
+                       else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions")),
+                            f"{python}_{accelerator}")
+    return Path(root) / full_name
+
+
+def _load_built(build_dir: Path, full_name: str) -> bool:
+    """Load a library an earlier process built and loaded under this key (its name): True if there was one."""
+    library = build_dir / f"{full_name}.so"
+    if not (build_dir / BUILT_MARKER).is_file() or not library.is_file():
+        return False
+    torch.ops.load_library(str(library))
+    return True
+
+
 def load_cpu_extension(name: str, sources: list[Path], what: str, library: str, probe: str):
     """Compile (or reuse) and load the extension `name` from `sources` for this process's CPU tier and return its
     op namespace torch.ops.<library>, with the op `probe` resolved now (a failed registration shows here, not
     mid-step). Raises NativeBuildError with a one-line reason; callers fall back to their torch path."""
-    from torch.utils.cpp_extension import _get_build_directory, load
-
     for src in sources:
         if not src.exists():
             raise NativeBuildError(f"the {what} could not be built: {src} is missing from this installation")
@@ -96,12 +123,16 @@ def load_cpu_extension(name: str, sources: list[Path], what: str, library: str, 
     cflags = BASE_CFLAGS + features.cflags
     full_name = f"{name}_{features.tier}_{build_key(sources, cflags)}"
     try:
-        _put_ninja_on_path()
-        build_dir = Path(_get_build_directory(full_name, verbose=False))
+        build_dir = build_directory(full_name)
         with build_lock(build_dir), startup.timed("kernel_build"):
-            load(name=full_name, sources=[str(s) for s in sources], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                 extra_include_paths=[str(INCLUDE_DIR)], build_directory=str(build_dir), is_python_module=False,
-                 verbose=False)
+            if not _load_built(build_dir, full_name):
+                from torch.utils.cpp_extension import load
+
+                _put_ninja_on_path()
+                load(name=full_name, sources=[str(s) for s in sources], extra_cflags=cflags,
+                     extra_ldflags=["-fopenmp"], extra_include_paths=[str(INCLUDE_DIR)],
+                     build_directory=str(build_dir), is_python_module=False, verbose=False)
+                (build_dir / BUILT_MARKER).write_text(full_name + "\n")
     except Exception as e:  # a missing compiler/ninja/header is reported, never fatal: callers fall back
         logger.debug("%s build failure", what, exc_info=True)
         raise NativeBuildError(summarise(e, what)) from None

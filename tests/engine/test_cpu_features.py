@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -150,3 +151,27 @@ def test_a_missing_kernel_source_is_reported_not_raised_by_the_loaders(tmp_path,
 
     with pytest.raises(NativeBuildError, match="is missing from this installation"):
         load_cpu_extension("shoal_missing", [tmp_path / "gone.cpp"], "test kernel", "shoal_missing", "op")
+
+
+def test_the_build_directory_is_torchs(tmp_path, monkeypatch):
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from shoal.engine.execution.native_build import build_directory
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert build_directory("shoal_x_1") == Path(_get_build_directory("shoal_x_1", verbose=False))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert build_directory("shoal_x_2") == Path(_get_build_directory("shoal_x_2", verbose=False))
+
+
+def test_a_kernel_built_and_loaded_once_loads_without_torchs_builder():
+    """Once a build has loaded, a later process loads its library directly: no setuptools import, no ninja run."""
+    from shoal.engine.execution.layers import fused
+
+    ops, why, _ = fused.load_kernels()  # built here if no earlier test did
+    assert ops is not None, why
+    code = ("import sys; from shoal.engine.execution.layers import fused; ops, why, _ = fused.load_kernels(); "
+            "assert ops is not None, why; assert hasattr(ops, 'add_rms_norm'); "
+            "print('torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    assert out == ["False", "False"], out
