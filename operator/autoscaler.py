@@ -55,6 +55,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -502,16 +503,20 @@ class Autoscaler:
                 return
 
     # ---- observe ---------------------------------------------------------------------------------------------
-    async def _scrape(self, url: str, target: str) -> str | None:
+    async def _get(self, url: str, read: Callable[[aiohttp.ClientResponse], Awaitable[Any]]) -> Any:
+        """GET `url` in one of the scrape slots (its timeout starts once the slot is ours): `read(response)` when
+        it answers 200; None when it answers otherwise, fails or times out."""
         if self._scrape_slots is None:
             self._scrape_slots = asyncio.Semaphore(self.max_concurrent_scrapes)
-        async with self._scrape_slots:  # the timeout starts once a slot is ours
+        async with self._scrape_slots:
             try:
-                async with self.session.get(url + "/metrics",
-                                            timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)) as r:
-                    text = await r.text() if r.status == 200 else None
+                async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)) as r:
+                    return await read(r) if r.status == 200 else None
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
-                text = None
+                return None
+
+    async def _scrape(self, url: str, target: str) -> str | None:
+        text = await self._get(url + "/metrics", aiohttp.ClientResponse.text)
         M_SCRAPES.labels(target, "ok" if text is not None else "failed").inc()
         return text
 
@@ -575,15 +580,7 @@ class Autoscaler:
 
     async def _is_sleeping(self, url: str) -> int | None:
         """An engine's sleep level from its /is_sleeping (0: awake); None when it did not say (loading, gone)."""
-        if self._scrape_slots is None:
-            self._scrape_slots = asyncio.Semaphore(self.max_concurrent_scrapes)
-        async with self._scrape_slots:
-            try:
-                async with self.session.get(url + "/is_sleeping",
-                                            timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT)) as r:
-                    body = await r.json() if r.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
-                body = None
+        body = await self._get(url + "/is_sleeping", aiohttp.ClientResponse.json)
         if not isinstance(body, dict):
             return None
         return int(body.get("level") or 1) if body.get("is_sleeping") else 0

@@ -82,3 +82,13 @@ def any_model(request, model_factory):
 def llama_model(model_factory):
     return model_factory("llama")
 
+
+
+@pytest.fixture(scope="module")
+def collector():
+    """An OTLP/HTTP trace collector (otlpkit) that the processes a tracing test starts export their spans to."""
+    from otlpkit import Collector
+
+    c = Collector()
+    yield c
+    c.close()

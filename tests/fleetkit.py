@@ -41,6 +41,7 @@ EndpointSlice controller for the engine Deployments the operator creates in the 
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import functools
 import os
@@ -54,6 +55,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 
@@ -577,7 +579,56 @@ def print_fleet_diagnostics(env, ns: str, kubelet: Kubelet, gateway=None, isvc: 
         print("status:", (env.cluster.obj("inferenceservices", ns, isvc) or {}).get("status"))
     print("gateway log:", gateway.logs()[-5000:] if gateway else None)
     for pod in kubelet.pods.values():
-        print(f"pod {pod.name} log:", pod.logs()[-3000:])
+        print(f"pod {pod.name} (exit code {pod.proc.poll()}) log:", pod.logs()[-3000:])
+
+
+@contextlib.contextmanager
+def local_fleet(env, ns: str, name: str, **gateway_options) -> Iterator[tuple[Kubelet, GatewayProcess]]:
+    """The InferenceService `name`'s engine pods run by a local Kubelet, behind a local gateway for its engines
+    Service (GatewayProcess's keyword options). A failure inside prints the fleet's diagnostics; whatever happens
+    the gateway stops, the pods go and the InferenceService is deleted."""
+    kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=f"{name}-engines")
+    gateway = None
+    try:
+        with kubelet:
+            gateway = GatewayProcess(ns, name, service=f"{name}-engines", **gateway_options)
+            yield kubelet, gateway
+    except BaseException:
+        print_fleet_diagnostics(env, ns, kubelet, gateway, isvc=name)
+        raise
+    finally:
+        if gateway is not None:
+            gateway.close()
+        env.client.delete("inferenceservices", ns, name)
+
+
+@contextlib.contextmanager
+def clients_in_a_loop(n: int, request: Callable[[], object], pause: float = 0.0,
+                      join_timeout: float = 60) -> Iterator[None]:
+    """`n` client threads, each sending `request` back to back (`pause` seconds apart) while the block runs. A
+    thread stops at its first exception; after the block (every thread joined) any exception fails the test."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                request()
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                errors.append(e)
+                return
+            stop.wait(pause)
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(join_timeout)
+    assert not errors, errors
 
 
 class GatewayProcess(LoggedProcess):

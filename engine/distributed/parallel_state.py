@@ -6,6 +6,8 @@ default (rank 0 of 1, no communication); the distributed launcher installs a sta
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +61,17 @@ def get_parallel_state() -> ParallelState:
 def set_parallel_state(state: ParallelState) -> None:
     global _state
     _state = state
+
+
+@contextlib.contextmanager
+def using_parallel_state(state: ParallelState) -> Iterator[ParallelState]:
+    """`state` for the block (layers read it while they are built: a rank's shard), the previous one after."""
+    previous = _state
+    set_parallel_state(state)
+    try:
+        yield state
+    finally:
+        set_parallel_state(previous)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

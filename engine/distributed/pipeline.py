@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from shoal.engine.contracts import StepInputs
 from shoal.engine.distributed.comm import Group
-from shoal.engine.distributed.parallel_state import get_parallel_state, set_parallel_state
+from shoal.engine.distributed.parallel_state import using_parallel_state
 from shoal.engine.execution.executor import profile_peak_memory
 from shoal.engine.execution.runner import ModelRunner
 from shoal.engine.execution.sampling import Sampler
@@ -78,7 +78,6 @@ class PipelineStats:
 
 def build_runner(group: Group, config, model_dir, hf_config, dtype, device, max_model_len: int) -> ModelRunner:
     """This rank's ModelRunner: the layers read the group's parallel state while they are built."""
-    previous = get_parallel_state()
     state = dataclasses.replace(group.state, expert_parallel=config.enable_expert_parallel)
     experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
     if state.expert_parallel and state.tp_size > 1 and experts and experts % state.tp_size == 0:
@@ -89,16 +88,13 @@ def build_runner(group: Group, config, model_dir, hf_config, dtype, device, max_
         dist.barrier(group=group.control)
         state.expert_exchange = expert_exchange.choose(state, hf_config.hidden_size, hf_config.num_experts_per_tok,
                                                        experts, dtype, device)
-    set_parallel_state(state)
-    try:
+    with using_parallel_state(state):
         runner = ModelRunner(model_dir, hf_config, dtype, device, config.attention_backend, max_model_len,
                              config.distributed.layer_partition, block_size=config.block_size,
                              quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
         if config.enable_lora:
             runner.enable_lora(config.max_loras, config.max_lora_rank)
         return runner
-    finally:
-        set_parallel_state(previous)
 
 
 class Shard:

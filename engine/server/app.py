@@ -219,28 +219,29 @@ async def models_route(request: web.Request) -> web.Response:
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
     """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: validate, load on every rank, register."""
-    state = get_state(request)
-    req = await read_json(request, LoadLoRAAdapterRequest)
-    require_loaded(state)
-    _require_lora(state)
-    try:
-        await state.engine.run_in_engine(lambda engine: engine.add_lora(req.lora_name, req.lora_path))
-    except (EngineError, ValueError) as e:
-        raise engine_error_to_api_error(e, "lora_path") from None
-    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+    return await _change_lora(request, LoadLoRAAdapterRequest, "lora_path", "added",
+                              lambda engine, req: engine.add_lora(req.lora_name, req.lora_path))
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: unregister; its running requests finish first."""
+    return await _change_lora(request, UnloadLoRAAdapterRequest, "lora_name", "removed",
+                              lambda engine, req: engine.remove_lora(req.lora_name))
+
+
+async def _change_lora(request: web.Request, body: type[LoadLoRAAdapterRequest | UnloadLoRAAdapterRequest],
+                       param: str, done: str, change) -> web.Response:
+    """The adapter endpoints' one path: vLLM's body, a loaded engine with LoRA on, `change(engine, body)` run in
+    the engine (every rank); an engine's refusal is a client error on `param`, and success is vLLM's text."""
     state = get_state(request)
-    req = await read_json(request, UnloadLoRAAdapterRequest)
+    req = await read_json(request, body)
     require_loaded(state)
     _require_lora(state)
     try:
-        await state.engine.run_in_engine(lambda engine: engine.remove_lora(req.lora_name))
+        await state.engine.run_in_engine(lambda engine: change(engine, req))
     except (EngineError, ValueError) as e:
-        raise engine_error_to_api_error(e, "lora_name") from None
-    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+        raise engine_error_to_api_error(e, param) from None
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' {done} successfully.")
 
 
 # --------------------------------------------------------------------------------------------- sleep mode
@@ -310,12 +311,17 @@ def _require_lora(state: ServerState) -> None:
         raise APIError("LoRA adapters are not enabled on this server (start it with --enable-lora)", 400)
 
 
-async def tokenize_route(request: web.Request) -> web.Response:
+async def _tokenizer_request(request: web.Request, body: type[TokenizeRequest | DetokenizeRequest]):
+    """The tokenizer endpoints' preamble: (state, the body for the served model, the tokenizer) once it is loaded."""
     state = get_state(request)
-    req = await read_json(request, TokenizeRequest)
+    req = await read_json(request, body)
     check_model(state, req.model)
     require_loaded(state)
-    tok = state.engine.tokenizer
+    return state, req, state.engine.tokenizer
+
+
+async def tokenize_route(request: web.Request) -> web.Response:
+    state, req, tok = await _tokenizer_request(request, TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise APIError("give exactly one of 'prompt' or 'messages'", 400)
     if req.prompt is not None:
@@ -335,11 +341,7 @@ async def tokenize_route(request: web.Request) -> web.Response:
 
 
 async def detokenize_route(request: web.Request) -> web.Response:
-    state = get_state(request)
-    req = await read_json(request, DetokenizeRequest)
-    check_model(state, req.model)
-    require_loaded(state)
-    tok = state.engine.tokenizer
+    state, req, tok = await _tokenizer_request(request, DetokenizeRequest)
     vocab = len(tok)
     bad = [t for t in req.tokens if t < 0 or t >= vocab]
     if bad:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, ValidationInfo,
+                      field_validator)
 
 MAX_N = 128  # completions per request (the same cap as SamplingParams)
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs cap)
@@ -77,6 +78,13 @@ def validation_error_to_api_error(e: ValidationError) -> APIError:
 
 
 # --------------------------------------------------------------------------------------------------- requests
+def _refused_when_set(cls, v, info: ValidationInfo):
+    """A field OpenAI defines and the server does not implement: accepted while empty, a 400 naming it if set."""
+    if v:
+        raise ValueError(f"{info.field_name} is not supported")
+    return v
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool | None = False
@@ -137,12 +145,7 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    _logit_bias = field_validator("logit_bias")(_refused_when_set)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for SamplingParams (without max_tokens / logprobs, which differ per endpoint)."""
@@ -183,12 +186,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     add_special_tokens: StrictBool = True
 
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
+    _suffix = field_validator("suffix")(_refused_when_set)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: each a string or a list of token ids."""

@@ -245,7 +245,18 @@ def make_model(
     torch.manual_seed(seed)
     auto = tf.AutoModelForImageTextToText if hasattr(config, "vision_config") else tf.AutoModelForCausalLM
     model = auto.from_config(config, dtype=getattr(torch, dtype))
-    # Random init in transformers is small; widen it so greedy decoding is not a constant token.
+    _widen_random_init(model)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), safe_serialization=True, **kw)
+    if tokenizer:
+        make_tokenizer(path, vocab_size=min(vocab, 384))
+    return path
+
+
+def _widen_random_init(model) -> None:
+    """Random init in transformers is small; widen it so greedy decoding is not a constant token."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -257,11 +268,6 @@ def make_model(
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek V3's routing bias: nonzero, so it matters
                 b.normal_(0.0, 0.1)
-    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(path), safe_serialization=True, **kw)
-    if tokenizer:
-        make_tokenizer(path, vocab_size=min(vocab, 384))
-    return path
 
 
 def make_bert_model(path: str | os.PathLike, seed: int = 0, sentence_transformers: bool = True,
@@ -288,12 +294,7 @@ def make_bert_model(path: str | os.PathLike, seed: int = 0, sentence_transformer
     config = tf.BertConfig(**kw)
     torch.manual_seed(seed)
     model = tf.BertModel(config, add_pooling_layer=False)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.15)
-            elif "bias" in name:
-                p.normal_(0.0, 0.02)
+    _widen_random_init(model)
     model.save_pretrained(str(path), safe_serialization=True)
     if sentence_transformers:
         (path / "modules.json").write_text(json.dumps([

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import random
 
@@ -54,6 +56,56 @@ def check_against_hf(model_dir, tokenizer, outputs, prompts, max_new=MAX_NEW, lo
                     assert lp.logprob == pytest.approx(float(ref_lp[step, tid]), abs=logprob_tol), (prompt, step, tid)
 
 
+def family_fixture(archs: list[str]):
+    """For a family's test module: a module-scoped `family` fixture, each of `archs` in turn as (arch, tiny model
+    directory)."""
+
+    @pytest.fixture(scope="module", params=archs)
+    def family(request, model_factory):
+        return request.param, model_factory(request.param)
+
+    return family
+
+
+@contextlib.contextmanager
+def family_engine(model_dir, architecture: str, **engine_kw):
+    """The engine on a family's tiny model, checked to be that family's: its config.json names `architecture` and
+    the engine built the model class of that name."""
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == [architecture]
+    with LLM(model=model_dir, **engine_kw) as llm:
+        assert type(llm.llm_engine.executor.runner.model).__name__ == architecture
+        yield llm
+
+
+SHARED_PREFIX = "Kubernetes runs pods on nodes; an operator reconciles custom resources into deployments and services."
+
+
+def prefix_sharing_runs(llm, *more_tails: str):
+    """Prompts sharing a long prefix, the first run alone, then the rest (greedy, top-3 logprobs): the rest are
+    prefix-cache hits. Returns (prompts, params, first outputs, rest outputs)."""
+    prompts = [SHARED_PREFIX + tail for tail in (" Hello", " Once upon a time", " def add(a, b):", *more_tails)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    first = llm.generate(prompts[:1], params)
+    rest = llm.generate(prompts[1:], params)
+    assert llm.llm_engine.pool.prefix_hits > 0
+    return prompts, params, first, rest
+
+
+def check_mode_against_hf(llm, model_dir, mode: str) -> None:
+    """For the families' mode tests: greedy tokens and top-5 logprobs equal transformers', a mode named for a
+    mechanism exercised it (preemptions in "chunked-preemption", padded decode steps in "decode-capture"), and every
+    block is free afterwards."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(PROMPTS, params)
+    check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS)
+    if mode == "chunked-preemption":
+        assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
+    if mode == "decode-capture":
+        assert engine.executor.runner.decode_graphs.num_padded_steps > 0
+    engine.pool.check_all_free()
+
+
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_greedy_matches_transformers(any_model, regime, monkeypatch):
     arch, model_dir = any_model
@@ -83,15 +135,11 @@ def test_greedy_matches_transformers(any_model, regime, monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
 def test_prefix_caching_reuses_blocks_and_matches(model_factory, arch):
     model_dir = model_factory(arch)
-    shared = "Kubernetes runs pods on nodes; an operator reconciles custom resources into deployments and services."
-    prompts = [shared + tail for tail in (" Hello", " Once upon a time", " def add(a, b):", " numbers 0 1 2")]
     with LLM(model=model_dir, block_size=4, max_model_len=128) as llm:
-        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-        first = llm.generate(prompts[:1], params)
-        rest = llm.generate(prompts[1:], params)
+        prompts, params, first, rest = prefix_sharing_runs(llm, " numbers 0 1 2")
         engine = llm.llm_engine
-        assert engine.pool.prefix_hits > 0
-        assert all(o.num_cached_tokens >= 4 * (len(llm.get_tokenizer().encode(shared)) // 4 - 1) for o in rest)
+        shared = len(llm.get_tokenizer().encode(SHARED_PREFIX))
+        assert all(o.num_cached_tokens >= 4 * (shared // 4 - 1) for o in rest)
         check_against_hf(model_dir, llm.get_tokenizer(), first + rest, prompts)
         # The same prompt again is served almost entirely from the cache and still matches.
         again = llm.generate(prompts[:1], params)

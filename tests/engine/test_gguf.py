@@ -151,7 +151,7 @@ def test_a_tensor_parallel_rank_dequantizes_only_its_slices(hf_llama, gguf_dir, 
     import gguf.quants
 
     monkeypatch.setenv("SHOAL_GGUF_DEQUANTIZE", "1")
-    from shoal.engine.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+    from shoal.engine.distributed.parallel_state import ParallelState, using_parallel_state
     from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config
     from shoal.engine.execution.model_loader import load_model
 
@@ -167,12 +167,8 @@ def test_a_tensor_parallel_rank_dequantizes_only_its_slices(hf_llama, gguf_dir, 
 
     read, original = [], gguf.quants.dequantize
     monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qt: read.append(data.size) or original(data, qt))
-    before = get_parallel_state()
-    try:
-        set_parallel_state(ParallelState(tp_rank=1, tp_size=2))
+    with using_parallel_state(ParallelState(tp_rank=1, tp_size=2)):
         load_model(path, config, torch.float32, torch.device("cpu"), None, 64)
-    finally:
-        set_parallel_state(before)
     matrices = [t for t in src._tensors.values() if len(t.shape) == 2]
     # The vocabulary is split too (embedding and LM head); norms are tiny and replicated.
     assert max(read) <= max(t.data.size for t in matrices) // 2

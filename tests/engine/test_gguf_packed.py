@@ -449,7 +449,7 @@ def test_tensor_parallel_slices_of_packed_blocks(model_factory, gguf_dir):
 
 def test_tensor_parallel_rank_serves_its_packed_slices(model_factory, gguf_dir):
     """A tp=2 rank 1 model built from packed slices computes what the same slices of the dense weights do."""
-    from shoal.engine.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+    from shoal.engine.distributed.parallel_state import ParallelState, using_parallel_state
     from shoal.engine.execution.gguf_model import gguf_config
     from shoal.engine.execution.layers.linear import PackedMatmul
     from shoal.engine.execution.model_loader import load_model
@@ -457,13 +457,9 @@ def test_tensor_parallel_rank_serves_its_packed_slices(model_factory, gguf_dir):
     hf = model_factory("llama", **SHAPE)
     path = write_gguf(hf, gguf_dir / "tiny-tp-q8.gguf", weight_type="Q8_0")
     config = gguf_config(path)
-    before = get_parallel_state()
-    try:
-        set_parallel_state(ParallelState(tp_rank=1, tp_size=2))
+    with using_parallel_state(ParallelState(tp_rank=1, tp_size=2)):
         packed = load_model(path, config, torch.float32, torch.device("cpu"), None, 64, gguf_packed=True)
         dense = load_model(path, config, torch.float32, torch.device("cpu"), None, 64, gguf_packed=False)
-    finally:
-        set_parallel_state(before)
     pairs = [(p, d) for (n, p), (_, d) in zip(packed.named_modules(), dense.named_modules())
              if isinstance(p, PackedMatmul)]
     assert pairs and all(p.quantized is not None for p, _ in pairs)
@@ -540,7 +536,7 @@ def test_packed_expert_loop_equals_expert_by_expert(qtypes):
 def test_tensor_parallel_rank_serves_its_packed_experts(model_factory, gguf_dir, expert_parallel):
     """A tp=2 rank 1 of a Qwen2-MoE GGUF: its experts' packed slices (intermediate rows and down's columns on block
     boundaries, or whole experts) compute what the same slices of the dequantized stacks do."""
-    from shoal.engine.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+    from shoal.engine.distributed.parallel_state import ParallelState, using_parallel_state
     from shoal.engine.execution.gguf_model import gguf_config
     from shoal.engine.execution.layers.moe import FusedMoE
     from shoal.engine.execution.model_loader import load_model
@@ -548,13 +544,9 @@ def test_tensor_parallel_rank_serves_its_packed_experts(model_factory, gguf_dir,
     hf = model_factory("qwen2_moe", **MOE_SHAPE, **MOE_FAMILIES["qwen2_moe"])
     path = write_gguf(hf, gguf_dir / "tiny-qwen2_moe-tp-Q4_0.gguf", weight_type="Q4_0")
     config = gguf_config(path)
-    before = get_parallel_state()
-    try:
-        set_parallel_state(ParallelState(tp_rank=1, tp_size=2, expert_parallel=expert_parallel))
+    with using_parallel_state(ParallelState(tp_rank=1, tp_size=2, expert_parallel=expert_parallel)):
         packed = load_model(path, config, torch.float32, torch.device("cpu"), None, 64, gguf_packed=True)
         dense = load_model(path, config, torch.float32, torch.device("cpu"), None, 64, gguf_packed=False)
-    finally:
-        set_parallel_state(before)
     pairs = [(p, d) for p, d in zip(packed.modules(), dense.modules()) if isinstance(p, FusedMoE)]
     assert pairs and all(p.gguf is not None for p, _ in pairs)
     torch.manual_seed(0)

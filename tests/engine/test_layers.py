@@ -63,20 +63,16 @@ def test_pipeline_layer_split():
 def test_pipeline_stages_hold_only_the_vocabulary_tables_they_use(model_factory, arch):
     """A middle stage holds no embedding and no LM head; the first embeds; the last projects (tied or not)."""
     from shoal.engine.execution.model_loader import load_hf_config, load_model
-    from shoal.engine.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+    from shoal.engine.distributed.parallel_state import ParallelState, using_parallel_state
 
     model_dir = model_factory(arch)
     hf_config = load_hf_config(model_dir)
-    before = get_parallel_state()
     vocab_rows = {}
-    try:
-        for rank in range(3):
-            set_parallel_state(ParallelState(pp_rank=rank, pp_size=3))
+    for rank in range(3):
+        with using_parallel_state(ParallelState(pp_rank=rank, pp_size=3)):
             model = load_model(model_dir, hf_config, torch.float32, torch.device("cpu"), None, 64)
-            embed = next(m for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding")
-            vocab_rows[rank] = (embed.weight.shape[0], model.lm_head.weight.shape[0])
-    finally:
-        set_parallel_state(before)
+        embed = next(m for m in model.modules() if type(m).__name__ == "VocabParallelEmbedding")
+        vocab_rows[rank] = (embed.weight.shape[0], model.lm_head.weight.shape[0])
     vocab = hf_config.vocab_size
     tied = bool(getattr(hf_config, "tie_word_embeddings", True))
     assert vocab_rows[1] == (0, 0)
@@ -92,7 +88,7 @@ def test_tensor_parallel_rank_reads_only_its_slices(model_factory, monkeypatch, 
 
     from shoal.engine.execution import weights
     from shoal.engine.execution.model_loader import load_hf_config, load_model
-    from shoal.engine.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+    from shoal.engine.distributed.parallel_state import ParallelState, using_parallel_state
 
     heads = {"llama": {"num_attention_heads": 4, "num_key_value_heads": 2}, "bloom": {"n_head": 4}, "gpt2": {}}
     model_dir = model_factory(arch, **heads[arch])
@@ -110,12 +106,8 @@ def test_tensor_parallel_rank_reads_only_its_slices(model_factory, monkeypatch, 
         return tensor
 
     monkeypatch.setattr(weights.WeightSource, "load", recording_load)
-    before = get_parallel_state()
-    try:
-        set_parallel_state(ParallelState(tp_rank=1, tp_size=2))
+    with using_parallel_state(ParallelState(tp_rank=1, tp_size=2)):
         load_model(model_dir, hf_config, torch.float32, torch.device("cpu"), None, 64)
-    finally:
-        set_parallel_state(before)
     import math
 
     sizes = {name: math.prod(shape) for name, shape in full.items()}

@@ -16,7 +16,9 @@ from shoal.engine import LLM, SamplingParams
 from shoal.engine.execution.layers.mla import LatentAttention, LatentKVCache
 from shoal.engine.execution.layers.moe import SparseMoeBlock
 from shoal.engine.tools.tiny_model import MLA_ARCHS
-from test_engine_correctness import MAX_NEW, PROMPTS, check_against_hf
+from test_engine_correctness import (check_against_hf, check_mode_against_hf, family_engine, family_fixture,
+                                     prefix_sharing_runs)
+from test_kv_fp8 import assert_fp8_greedy_close
 
 pytestmark = pytest.mark.numerics
 
@@ -34,42 +36,26 @@ MODES = {
 LATENT, FULL_KV = 40, 4 * (24 + 12)
 
 
-@pytest.fixture(scope="module", params=MLA_ARCHS)
-def family(request, model_factory):
-    return request.param, model_factory(request.param)
+family = family_fixture(MLA_ARCHS)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_transformers(family, mode):
     arch, model_dir = family
-    assert json.loads((model_dir / "config.json").read_text())["architectures"] == [ARCHITECTURE[arch]]
-    with LLM(model=model_dir, **MODES[mode]) as llm:
+    with family_engine(model_dir, ARCHITECTURE[arch], **MODES[mode]) as llm:
         engine = llm.llm_engine
         model = engine.executor.runner.model
-        assert type(model).__name__ == ARCHITECTURE[arch]
         assert engine.executor.backend_name == MODES[mode].get("attention_backend", "cpu")
         assert all(isinstance(layer.self_attn, LatentAttention) for layer in model.layers)
         assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [False, True, True]
-        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-        outputs = llm.generate(PROMPTS, params)
-        check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS)
-        if mode == "chunked-preemption":
-            assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
-        if mode == "decode-capture":
-            assert engine.executor.runner.decode_graphs.num_padded_steps > 0
-        engine.pool.check_all_free()
+        check_mode_against_hf(llm, model_dir, mode)
 
 
 def test_prefix_caching_serves_repeated_prompts_from_the_latent_cache(model_factory):
     model_dir = model_factory("deepseek_v3")
-    shared = "Kubernetes runs pods on nodes; an operator reconciles custom resources into deployments and services."
-    prompts = [shared + tail for tail in (" Hello", " Once upon a time", " def add(a, b):")]
     with LLM(model=model_dir, block_size=4, max_model_len=128) as llm:
-        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-        first = llm.generate(prompts[:1], params)
-        rest = llm.generate(prompts[1:], params)
+        prompts, params, first, rest = prefix_sharing_runs(llm)
         again = llm.generate(prompts[:1], params)
-        assert llm.llm_engine.pool.prefix_hits > 0
         assert all(o.num_cached_tokens >= 4 for o in rest + again)
         assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
         check_against_hf(model_dir, llm.get_tokenizer(), first + rest + again, prompts + prompts[:1])
@@ -115,18 +101,8 @@ def test_fp8_latent_cache(model_factory):
             engine.pool.check_all_free()
     (blocks_auto, out_auto), (blocks_fp8, out_fp8) = results["auto"], results["fp8"]
     assert blocks_fp8 / blocks_auto == pytest.approx(2 * LATENT / (LATENT + 4), rel=0.01)  # bf16 vs e4m3 + scale
-    diffs = []
-    for a, b in zip(out_auto, out_fp8):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        assert len(tb) == 8 and ta[0] == tb[0]
-        for step in range(4):
-            if ta[step] != tb[step]:
-                break
-            diffs.append(abs(a.outputs[0].logprobs[step][ta[step]].logprob
-                             - b.outputs[0].logprobs[step][tb[step]].logprob))
+    diffs = assert_fp8_greedy_close(out_auto, out_fp8)
     print("fp8 vs bf16 latent cache, |logprob difference| of the greedy tokens:", diffs)
-    assert len(diffs) >= 6 and max(diffs) <= 0.5 and sum(diffs) / len(diffs) <= 0.2, diffs
-    assert max(diffs) > 0  # the fp8 cache was in use
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -3,14 +3,14 @@ within float32 tolerance. Tiny random-weight models (3 layers, GQA, 4 experts wi
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from shoal.engine import LLM, SamplingParams
 from shoal.engine.execution.layers.moe import SparseMoeBlock
 from shoal.engine.tools.tiny_model import MOE_ARCHS
-from test_engine_correctness import MAX_NEW, PROMPTS, check_against_hf
+from test_engine_correctness import (PROMPTS, check_against_hf, check_mode_against_hf, family_engine, family_fixture,
+                                     prefix_sharing_runs)
 
 FAMILIES = ["qwen3", *MOE_ARCHS]
 ARCHITECTURE = {"qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -25,40 +25,24 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request, model_factory):
-    return request.param, model_factory(request.param)
+family = family_fixture(FAMILIES)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_transformers(family, mode):
     arch, model_dir = family
-    assert json.loads((model_dir / "config.json").read_text())["architectures"] == [ARCHITECTURE[arch]]
-    with LLM(model=model_dir, **MODES[mode]) as llm:
+    with family_engine(model_dir, ARCHITECTURE[arch], **MODES[mode]) as llm:
         model = llm.llm_engine.executor.runner.model
-        assert type(model).__name__ == ARCHITECTURE[arch]
         sparse = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
         # qwen2_moe: layer 1 is in mlp_only_layers; qwen3_moe: layer 2 is; qwen3: dense everywhere.
         assert sparse == {"qwen3": [], "qwen2_moe": [0, 2], "qwen3_moe": [0, 1]}.get(arch, [0, 1, 2])
-        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-        outputs = llm.generate(PROMPTS, params)
-        check_against_hf(model_dir, llm.get_tokenizer(), outputs, PROMPTS)
-        if mode == "decode-capture":
-            assert llm.llm_engine.executor.runner.decode_graphs.num_padded_steps > 0
-        if mode == "chunked-preemption":
-            assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
-        llm.llm_engine.pool.check_all_free()
+        check_mode_against_hf(llm, model_dir, mode)
 
 
 def test_prefix_caching_reuses_blocks_and_matches(family):
     arch, model_dir = family
-    shared = "Kubernetes runs pods on nodes; an operator reconciles custom resources into deployments and services."
-    prompts = [shared + tail for tail in (" Hello", " Once upon a time", " def add(a, b):")]
     with LLM(model=model_dir, block_size=4, max_model_len=128) as llm:
-        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-        first = llm.generate(prompts[:1], params)
-        rest = llm.generate(prompts[1:], params)
-        assert llm.llm_engine.pool.prefix_hits > 0
+        prompts, _, first, rest = prefix_sharing_runs(llm)
         assert all(o.num_cached_tokens >= 4 for o in rest)
         check_against_hf(model_dir, llm.get_tokenizer(), first + rest, prompts)
 

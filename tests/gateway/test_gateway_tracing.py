@@ -9,7 +9,7 @@ import json
 import pytest
 from aiohttp import web
 from fleetkit import StandInChatEngines
-from otlpkit import Collector, attributes
+from otlpkit import attributes
 
 from shoal.operator.gateway.proxy import GatewayConfig
 
@@ -19,13 +19,6 @@ from .test_tenancy import auth, keys
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
-
-
-@pytest.fixture(scope="module")
-def collector():
-    c = Collector()
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import json
 import urllib.request
 
 import pytest
-from fleetkit import GatewayProcess, Kubelet, print_fleet_diagnostics, publish_gateway
+from fleetkit import local_fleet, publish_gateway
 from kubekit import condition, isvc_body, wait_for
 from prockit import EVENT_BOUND
 
@@ -57,53 +57,42 @@ def test_idle_fleet_is_parked_asleep_and_a_request_wakes_it_with_the_same_answer
                         if c["name"] == "gateway")["args"]
     assert "--wake-engines" in gateway_args  # the rendered gateway wakes parked engines itself
     assert deployment["spec"]["replicas"] == 1
-    kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=f"{name}-engines")
-    gateway = None
-    try:
-        with kubelet:
-            gateway = GatewayProcess(ns, name, service=f"{name}-engines", extra=("--wake-engines",))
-            publish_gateway(env.client, ns, name, gateway.port)
-            client = openai.OpenAI(base_url=gateway.base + "/v1", api_key="none", max_retries=0, timeout=120)
-            # bound, not expectation: a loaded 2-core machine may take a minute or two to start an engine
-            wait_for(lambda: kubelet.ready_pods(), 240, "the first replica ready")
-            (pod,) = kubelet.pods.values()
-            before = greedy(client)
-            assert before
-            awake = is_sleeping(pod.port)
-            assert awake["is_sleeping"] is False and awake["kv_cache_bytes"] > 0 and awake["weight_bytes"] > 0
+    with local_fleet(env, ns, name, extra=("--wake-engines",)) as (kubelet, gateway):
+        publish_gateway(env.client, ns, name, gateway.port)
+        client = openai.OpenAI(base_url=gateway.base + "/v1", api_key="none", max_retries=0, timeout=120)
+        # bound, not expectation: a loaded 2-core machine may take a minute or two to start an engine
+        wait_for(lambda: kubelet.ready_pods(), 240, "the first replica ready")
+        (pod,) = kubelet.pods.values()
+        before = greedy(client)
+        assert before
+        awake = is_sleeping(pod.port)
+        assert awake["is_sleeping"] is False and awake["kv_cache_bytes"] > 0 and awake["weight_bytes"] > 0
 
-            # 1. idle: parked asleep, the pod kept, its memory freed, the status says so
-            wait_for(lambda: autoscaling(env, ns, name).get("sleepingReplicas") == 1, 60, "the replica parked")
-            asleep = is_sleeping(pod.port)
-            assert asleep["is_sleeping"] is True and asleep["level"] == 2
-            assert asleep["kv_cache_bytes"] == 0 and asleep["weight_bytes"] == 0
-            assert list(kubelet.pods) == [pod.name] and pod.proc.poll() is None  # same pod, same process
-            assert env.client.get("deployments", ns, name)["spec"]["replicas"] == 1  # scaled to zero, pod kept
-            assert env.client.get("pods", ns, pod.name)["metadata"]["annotations"][A_SLEEPING] == "2"
-            wait_for(lambda: not kubelet.ready_pods(), 30, "the parked pod not Ready (its /readyz fails)")
-            ready = wait_for(lambda: (c := condition(env.client.get(ISVC, ns, name), "Ready"))
-                             and c["reason"] == "ScaledToZero" and "asleep" in c["message"] and c, 30,
-                             "Ready=True ScaledToZero with the replica asleep")
-            assert ready["status"] == "True", ready
-            parked = [e["message"] for e in env.cluster.find("events", ns) if e["reason"] == "ParkedAsleep"]
-            assert parked and pod.name in parked[0], parked
+        # 1. idle: parked asleep, the pod kept, its memory freed, the status says so
+        wait_for(lambda: autoscaling(env, ns, name).get("sleepingReplicas") == 1, 60, "the replica parked")
+        asleep = is_sleeping(pod.port)
+        assert asleep["is_sleeping"] is True and asleep["level"] == 2
+        assert asleep["kv_cache_bytes"] == 0 and asleep["weight_bytes"] == 0
+        assert list(kubelet.pods) == [pod.name] and pod.proc.poll() is None  # same pod, same process
+        assert env.client.get("deployments", ns, name)["spec"]["replicas"] == 1  # scaled to zero, pod kept
+        assert env.client.get("pods", ns, pod.name)["metadata"]["annotations"][A_SLEEPING] == "2"
+        wait_for(lambda: not kubelet.ready_pods(), 30, "the parked pod not Ready (its /readyz fails)")
+        ready = wait_for(lambda: (c := condition(env.client.get(ISVC, ns, name), "Ready"))
+                         and c["reason"] == "ScaledToZero" and "asleep" in c["message"] and c, 30,
+                         "Ready=True ScaledToZero with the replica asleep")
+        assert ready["status"] == "True", ready
+        parked = [e["message"] for e in env.cluster.find("events", ns) if e["reason"] == "ParkedAsleep"]
+        assert parked and pod.name in parked[0], parked
 
-            # 2. a request: held by the gateway, which wakes the parked engine; the same greedy answer, no error
-            assert greedy(client) == before
-            assert pod.proc.poll() is None and list(kubelet.pods) == [pod.name]  # woken, never restarted
-            assert not [what for _t, _p, what in kubelet.events if what.startswith("exited")], kubelet.events
-            assert "woke the engine at" in gateway.logs()
-            # the operator reads the wake-up from /is_sleeping: no longer counted asleep
-            wait_for(lambda: autoscaling(env, ns, name).get("sleepingReplicas") == 0 or
-                     is_sleeping(pod.port)["is_sleeping"], 30, "the wake-up seen by the operator")
-            assert kubelet.error is None, kubelet.error
-    except BaseException:
-        print_fleet_diagnostics(env, ns, kubelet, gateway, isvc=name)
-        raise
-    finally:
-        if gateway is not None:
-            gateway.close()
-        env.client.delete(ISVC, ns, name)
+        # 2. a request: held by the gateway, which wakes the parked engine; the same greedy answer, no error
+        assert greedy(client) == before
+        assert pod.proc.poll() is None and list(kubelet.pods) == [pod.name]  # woken, never restarted
+        assert not [what for _t, _p, what in kubelet.events if what.startswith("exited")], kubelet.events
+        assert "woke the engine at" in gateway.logs()
+        # the operator reads the wake-up from /is_sleeping: no longer counted asleep
+        wait_for(lambda: autoscaling(env, ns, name).get("sleepingReplicas") == 0 or
+                 is_sleeping(pod.port)["is_sleeping"], 30, "the wake-up seen by the operator")
+        assert kubelet.error is None, kubelet.error
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from fleetkit import VLLM_PYTHON, GatewayProcess, Kubelet, print_fleet_diagnostics, publish_gateway
+from fleetkit import VLLM_PYTHON, clients_in_a_loop, local_fleet, publish_gateway
 from kubekit import isvc_body, wait_for
 from prockit import EVENT_BOUND
 
@@ -73,66 +73,39 @@ def test_a_vllm_fleet_behind_the_gateway(env, ns, vllm_model):
     wait_for(lambda: env.client.get("deployments", ns, name), EVENT_BOUND, "deployment")
     dep = env.client.get("deployments", ns, name)
     assert dep["spec"]["template"]["spec"]["containers"][0]["command"] == ["vllm", "serve"]
-    kubelet = Kubelet(type(env.client)(env.server.url), env.cluster, ns, engine_service=f"{name}-engines")
-    gateway = None
-    try:
-        with kubelet:
-            gateway = GatewayProcess(ns, name, service=f"{name}-engines", runtime="vllm")
-            publish_gateway(env.client, ns, name, gateway.port)
-            client = openai.OpenAI(base_url=gateway.base + "/v1", api_key="none", max_retries=0, timeout=300)
+    with local_fleet(env, ns, name, runtime="vllm") as (kubelet, gateway):
+        publish_gateway(env.client, ns, name, gateway.port)
+        client = openai.OpenAI(base_url=gateway.base + "/v1", api_key="none", max_retries=0, timeout=300)
 
-            # 1. apply -> Ready: the same status and conditions as with Shoal's engine
-            wait_for(lambda: (env.client.get(ISVC, ns, name).get("status") or {}).get("phase") == "Ready", 420,
-                     "Ready (vLLM-CPU starts in 50-110 s on an idle machine, 3-4 min on a loaded one)")
-            status = env.client.get(ISVC, ns, name)["status"]
-            assert status["readyReplicas"] == 1 and status["servedModelName"] == "tiny"
-            assert {c["type"]: c["status"] for c in status["conditions"]}["Ready"] == "True"
+        # 1. apply -> Ready: the same status and conditions as with Shoal's engine
+        wait_for(lambda: (env.client.get(ISVC, ns, name).get("status") or {}).get("phase") == "Ready", 420,
+                 "Ready (vLLM-CPU starts in 50-110 s on an idle machine, 3-4 min on a loaded one)")
+        status = env.client.get(ISVC, ns, name)["status"]
+        assert status["readyReplicas"] == 1 and status["servedModelName"] == "tiny"
+        assert {c["type"]: c["status"] for c in status["conditions"]}["Ready"] == "True"
 
-            # 2. an OpenAI client through the gateway
-            assert [m.id for m in client.models.list().data] == ["tiny"]
-            chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                  max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-            assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
+        # 2. an OpenAI client through the gateway
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
 
-            # 3. the autoscaler reads vLLM's vllm:num_requests_running/waiting: 3 streams need 3 replicas
-            errors: list[BaseException] = []
-            stop = threading.Event()
+        # 3. the autoscaler reads vLLM's vllm:num_requests_running/waiting: 3 streams need 3 replicas
+        def one_stream():
+            assert stream(client, 200)[1] == "length"
 
-            def load():
-                while not stop.is_set():
-                    try:
-                        assert stream(client, 200)[1] == "length"
-                    except BaseException as e:  # noqa: BLE001 - asserted below
-                        errors.append(e)
-                        return
+        with clients_in_a_loop(3, one_stream, join_timeout=120):
+            wait_for(lambda: gauge("shoal:autoscaler_in_flight_requests", ns, name) >= 2, 60,
+                     "the autoscaler sees the running requests")
+            wait_for(lambda: gauge("shoal:autoscaler_needed_replicas", ns, name) >= 2, 30, "needed replicas")
+        assert gauge("shoal:autoscaler_desired_replicas", ns, name) == 1  # capped by maxReplicas
 
-            threads = [threading.Thread(target=load, daemon=True) for _ in range(3)]
-            for t in threads:
-                t.start()
-            try:
-                wait_for(lambda: gauge("shoal:autoscaler_in_flight_requests", ns, name) >= 2, 60,
-                         "the autoscaler sees the running requests")
-                wait_for(lambda: gauge("shoal:autoscaler_needed_replicas", ns, name) >= 2, 30, "needed replicas")
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join(120)
-            assert not errors, errors
-            assert gauge("shoal:autoscaler_desired_replicas", ns, name) == 1  # capped by maxReplicas
-
-            # 4. SIGTERM drains: the pod is deleted mid-stream, the stream still ends normally, vLLM exits 0
-            (pod,) = kubelet.ready_pods()
-            deleted = threading.Event()
-            text, reason = stream(client, 300, on_first=lambda: (env.client.delete("pods", ns, pod), deleted.set()))
-            assert deleted.is_set() and reason == "length" and text
-            wait_for(lambda: any(p == pod and what.startswith("exited") for _t, p, what in kubelet.events), 90,
-                     "the drained pod exits")
-            assert (pod, "exited 0") in [(p, what) for _t, p, what in kubelet.events], kubelet.events
-            assert kubelet.error is None, kubelet.error
-    except BaseException:
-        print_fleet_diagnostics(env, ns, kubelet, gateway)
-        raise
-    finally:
-        if gateway is not None:
-            gateway.close()
-        env.client.delete(ISVC, ns, name)
+        # 4. SIGTERM drains: the pod is deleted mid-stream, the stream still ends normally, vLLM exits 0
+        (pod,) = kubelet.ready_pods()
+        deleted = threading.Event()
+        text, reason = stream(client, 300, on_first=lambda: (env.client.delete("pods", ns, pod), deleted.set()))
+        assert deleted.is_set() and reason == "length" and text
+        wait_for(lambda: any(p == pod and what.startswith("exited") for _t, p, what in kubelet.events), 90,
+                 "the drained pod exits")
+        assert (pod, "exited 0") in [(p, what) for _t, p, what in kubelet.events], kubelet.events
+        assert kubelet.error is None, kubelet.error

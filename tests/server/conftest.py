@@ -48,3 +48,24 @@ def start_server():
     yield start
     for s in servers:
         s.stop(signal.SIGTERM, timeout=15)
+
+
+def offline_greedy(model_dir, prompts: list[str], max_tokens: int, **engine_kw) -> list[str]:
+    """The offline engine's greedy texts (EOS ignored): what a server given the same model must answer."""
+    from shoal.engine import LLM, SamplingParams
+
+    with LLM(model=model_dir, **engine_kw) as llm:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_served_greedy(client, prompts: list[str], want: list[str], max_tokens: int) -> None:
+    """Each prompt's greedy completion from the server (an openai client), streamed and not, is the text wanted."""
+    extra = {"ignore_eos": True}
+    for prompt, text in zip(prompts, want, strict=True):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                      extra_body=extra)
+        assert r.choices[0].text == text
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, extra_body=extra)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == text

@@ -9,9 +9,7 @@ from __future__ import annotations
 import pytest
 from openai import BadRequestError, OpenAI
 
-from shoal.engine import LLM, SamplingParams
-
-from .conftest import metric
+from .conftest import assert_served_greedy, metric, offline_greedy
 
 PROMPTS = ["Once upon a time there was a little shoal of fish that swam together in the warm",
            "def add(a, b):"]
@@ -20,18 +18,10 @@ PROMPTS = ["Once upon a time there was a little shoal of fish that swam together
 @pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "qwen3_5"])
 def test_hybrid_server_streamed_equals_non_streamed_and_caches_prefixes(start_server, model_factory, arch):
     model = model_factory(arch)
-    with LLM(model=model, max_model_len=256, block_size=4) as llm:
-        ref = [o.outputs[0].text for o in llm.generate(
-            PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)]
+    ref = offline_greedy(model, PROMPTS, 16, max_model_len=256, block_size=4)
     server = start_server(model, "--max-model-len", "256", "--block-size", "4", "--max-num-seqs", "8")
     client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=600)  # the first request may build CPU kernels
-    extra = {"ignore_eos": True}
-    for prompt, want in zip(PROMPTS, ref):
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body=extra)
-        assert r.choices[0].text == want
-        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True,
-                                           extra_body=extra)
-        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    assert_served_greedy(client, PROMPTS, ref, 16)
     if arch == "qwen3_5":
         image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
         with pytest.raises(BadRequestError, match=r"content part 1 of type 'image_url' is not supported \(text only\)"):

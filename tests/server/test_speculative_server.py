@@ -7,9 +7,7 @@ import json
 
 from openai import OpenAI
 
-from shoal.engine import LLM, SamplingParams
-
-from .conftest import metric
+from .conftest import assert_served_greedy, metric, offline_greedy
 
 PROMPTS = ["one two three four five six one two three four five six one two three",
            "the cat sat on the mat, the cat sat on the mat, the cat",
@@ -19,19 +17,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 
 
 def test_server_greedy_equals_non_speculative_and_counts(start_server, llama_model):
-    with LLM(model=llama_model, dtype="float32", max_model_len=256) as llm:
-        ref = [o.outputs[0].text for o in llm.generate(
-            PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+    ref = offline_greedy(llama_model, PROMPTS, 24, dtype="float32", max_model_len=256)
     server = start_server(llama_model, "--max-model-len", "256", "--num-kv-blocks", "64",
                           "--speculative-config", json.dumps(NGRAM))
     client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    extra = {"ignore_eos": True}
-    for prompt, want in zip(PROMPTS, ref):
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
-        assert r.choices[0].text == want
-        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
-                                           extra_body=extra)
-        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    assert_served_greedy(client, PROMPTS, ref, 24)
     m = server.metrics()
     drafted = metric(m, "shoal:spec_decode_num_draft_tokens_total", model_name="tiny")
     accepted = metric(m, "shoal:spec_decode_num_accepted_tokens_total", model_name="tiny")

@@ -6,18 +6,11 @@ from __future__ import annotations
 
 import pytest
 from openai import OpenAI
-from otlpkit import Collector, attributes
+from otlpkit import attributes
 from prockit import wait_for
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
-
-
-@pytest.fixture(scope="module")
-def collector():
-    c = Collector()
-    yield c
-    c.close()
 
 
 def test_spans_nest_under_the_callers_traceparent(start_server, llama_model, collector):

@@ -48,6 +48,19 @@ def test_validation_errors_name_the_field():
     assert e.body()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("model, field, value", [(CompletionRequest, "suffix", "!"),
+                                                (CompletionRequest, "logit_bias", {"7": 10}),
+                                                (ChatCompletionRequest, "logit_bias", {"7": 10})])
+def test_unimplemented_openai_fields_are_refused_by_name_only_when_set(model, field, value):
+    body = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+    model.model_validate({**body, field: None})  # absent or empty: accepted
+    model.model_validate({**body, field: type(value)()})
+    with pytest.raises(ValidationError) as ei:
+        model.model_validate({**body, field: value})
+    e = validation_error_to_api_error(ei.value)
+    assert e.status == 400 and e.param == field and str(e) == f"{field}: Value error, {field} is not supported"
+
+
 def test_chat_request_details():
     r = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=5, max_completion_tokens=3)
     assert r.requested_max_tokens() == 3 and r.requested_logprobs() is None

@@ -192,6 +192,15 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+def check_blocks_and_heads(block_size: int, num_heads: int | None, num_kv_heads: int | None) -> tuple[bool, str]:
+    """What every paged backend's check_config asks of the cache and the heads: (usable, reason when not)."""
+    if block_size < 1:
+        return False, f"block_size must be positive (got {block_size})"
+    if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
+        return False, f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+    return True, ""
+
+
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with explicit matmuls in float32, for what SDPA cannot express (soft-capping, sinks): q [B, H, Q, D],

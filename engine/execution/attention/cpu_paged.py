@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shoal.engine.execution.attention.base import (AttentionBackend, AttentionMetadata, FP8_DTYPE, dequantize_fp8,
-                                                  explicit_attention)
+from shoal.engine.execution.attention.base import (AttentionBackend, AttentionMetadata, FP8_DTYPE,
+                                                  check_blocks_and_heads, dequantize_fp8, explicit_attention)
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +82,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
             return False, f"the cpu backend supports float32/bfloat16/float16, not {dtype}"
         if not 1 <= head_dim <= MAX_HEAD_DIM:
             return False, f"the cpu backend supports head_dim up to {MAX_HEAD_DIM} (got {head_dim})"
-        if block_size < 1:
-            return False, f"block_size must be positive (got {block_size})"
-        if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
-            return False, f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        return True, ""
+        return check_blocks_and_heads(block_size, num_heads, num_kv_heads)
 
     def __init__(self, dense_prefill: bool = True):
         self.dense_prefill = dense_prefill  # False: the kernel does every sequence, long prefill chunks included

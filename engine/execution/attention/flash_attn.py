@@ -26,7 +26,8 @@ import importlib.util
 
 import torch
 
-from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, dequantize_fp8
+from shoal.engine.execution.attention.base import (AttentionBackend, AttentionMetadata, check_blocks_and_heads,
+                                                   dequantize_fp8)
 
 ALIBI_REFUSAL = (
     "the flash attention backend does not support models with ALiBi positional bias (BLOOM-style ALiBi is "
@@ -88,11 +89,7 @@ class FlashAttentionBackend(AttentionBackend):
                            "use --dtype float16/bfloat16, or --attention-backend triton or sdpa")
         if head_dim > 256 or head_dim % 8:
             return False, f"the flash backend needs head_dim <= 256 and a multiple of 8 (got {head_dim})"
-        if block_size < 1:
-            return False, f"block_size must be positive (got {block_size})"
-        if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
-            return False, f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        return True, ""
+        return check_blocks_and_heads(block_size, num_heads, num_kv_heads)
 
     @staticmethod
     def reads_cache_in_place(block_size: int) -> bool:

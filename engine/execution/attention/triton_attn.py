@@ -19,7 +19,7 @@ the first `import triton` of the process (transformers' model classes import tri
 
 import torch
 
-from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata
+from shoal.engine.execution.attention.base import AttentionBackend, AttentionMetadata, check_blocks_and_heads
 
 try:
     import triton
@@ -278,11 +278,7 @@ class TritonAttentionBackend(AttentionBackend):
             return False, f"the triton backend supports float32/float16/bfloat16, not {dtype}"
         if not 1 <= head_dim <= 256:
             return False, f"the triton backend supports head_dim up to 256 (got {head_dim})"
-        if block_size < 1:
-            return False, f"block_size must be positive (got {block_size})"
-        if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
-            return False, f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        return True, ""
+        return check_blocks_and_heads(block_size, num_heads, num_kv_heads)
 
     def _pick_num_splits(self, device: torch.device, meta: AttentionMetadata, programs: int, block_n: int) -> int:
         if self.num_splits is not None:
