@@ -115,10 +115,6 @@ def _open(path: str, mtime_ns: int):
 
 
 def open_gguf(path: str | os.PathLike):
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        raise WeightError(f"{path}: reading GGUF files needs the 'gguf' package (pip install gguf)") from None
     p = Path(path).resolve()
     return _open(str(p), p.stat().st_mtime_ns)
 
@@ -277,7 +273,7 @@ def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):
 
     p = Path(path).resolve()
     reader = open_gguf(p)
-    if _field(reader, "tokenizer.ggml.tokens") is None:
+    if "tokenizer.ggml.tokens" not in reader.fields:  # (not decoded: the cached path never needs the vocabulary)
         raise WeightError(f"{p}: the GGUF file has no tokenizer; pass --tokenizer DIR")
     cached = _tokenizer_cache_dir() / f"v2-{reader.metadata_digest()[:32]}-transformers-{transformers.__version__}"
     if (cached / "tokenizer.json").is_file():
@@ -286,6 +282,11 @@ def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):
         except Exception as e:  # noqa: BLE001 - a damaged entry: convert again below and replace it
             logger.warning("the cached tokenizer %s cannot be loaded (%s: %s); converting the GGUF's again",
                            cached, type(e).__name__, e)
+    try:
+        import gguf  # noqa: F401  (transformers' converter reads the vocabulary with it)
+    except ImportError:
+        raise WeightError(f"{p}: converting a GGUF file's tokenizer needs the 'gguf' package (pip install gguf)") \
+            from None
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True, **kwargs)
     _save_converted(tok, cached)
     return tok
