@@ -1,0 +1,192 @@
+"""One rank's KV offloading: copies blocks between its KV cache and its tiers (kv_connector.py), off the step.
+
+The engine decides what moves (core/kv_tiers.py) and every rank of a parallel group moves its own shard of the
+same blocks, so the tiers of every rank hold the same hashes:
+- save: blocks the pool just evicted (their content is overwritten from the next step on) are copied out. The
+  step waits only for that copy: on a GPU it runs on a copy stream into pinned memory and the step's stream waits
+  for it on the device; on the CPU it is one index_select per cache tensor. Handing the copies to the tiers (the
+  CPU tier's spill to disk, with its checksum and file write) happens on the copy thread.
+- load: a prefix that missed the pool but hits a tier is read back into fresh blocks before the prefill. Blocks
+  still on their way to the tiers are served from the pending copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from shoal.engine.execution.kv_connector import KVConnector
+from shoal.engine.execution.kv_cpu_tier import CPUTier
+from shoal.engine.execution.kv_disk_tier import DiskTier
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    """What every rank builds its tiers from (the engine sizes them in blocks, the same on every rank)."""
+
+    cpu_blocks: int
+    disk_blocks: int = 0
+    disk_path: str | None = None
+
+
+class BlockLayout:
+    """Where one block's K, V (and fp8 scales) of every layer of this rank sit in the block's flat bytes."""
+
+    def __init__(self, kv_caches: list):
+        self.tensors = [t for c in kv_caches if c is not None for t in c.tensors()]
+        self.sizes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.nbytes = sum(self.sizes)
+        self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
+
+    def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
+        """Copy the blocks' bytes into out [n, nbytes] uint8 (on the current stream)."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        n, off = len(block_ids), 0
+        for t, size in zip(self.tensors, self.sizes):
+            out[:, off:off + size].copy_(t.index_select(0, idx).reshape(n, -1).view(torch.uint8), non_blocking=True)
+            off += size
+
+    def scatter(self, block_ids: list[int], data: list[torch.Tensor]) -> None:
+        """Write each block's bytes (flat uint8 on the host) into its block."""
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        rows = torch.stack(data).to(self.device)
+        off = 0
+        for t, size in zip(self.tensors, self.sizes):
+            part = rows[:, off:off + size].contiguous().view(t.dtype).view(len(block_ids), *t.shape[1:])
+            t.index_copy_(0, idx, part)
+            off += size
+
+
+class KVOffloader:
+    """This rank's tiers (CPU, then disk) and the copy thread that fills them."""
+
+    def __init__(self, runner, spec: OffloadSpec, rank: int = 0):
+        self.runner = runner
+        layout = BlockLayout(runner.kv_caches)
+        self.block_nbytes = layout.nbytes
+        disk = None
+        if spec.disk_blocks:
+            disk = DiskTier(f"{spec.disk_path}/rank-{rank}", spec.disk_blocks, layout.nbytes)
+        self.tiers: list[KVConnector] = [CPUTier(spec.cpu_blocks, layout.nbytes, spill=disk)]
+        if disk is not None:
+            self.tiers.append(disk)
+        self._pending: dict[int, tuple[torch.Tensor, object]] = {}  # hash -> (bytes, CUDA event | None)
+        self._lock = threading.Lock()  # the tiers and _pending: the copy thread vs loads and lookups
+        self._queue: queue.Queue = queue.Queue()
+        self._stream = torch.cuda.Stream(layout.device) if layout.device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="kv-offload", daemon=True)
+        self._thread.start()
+
+    # -- save ----------------------------------------------------------------------------------------------
+    def save(self, saves: list[tuple[int, int]]) -> None:
+        """Copy out (block hash, block id) pairs the pool evicted; the tiers take them on the copy thread."""
+        saves = [(h, b) for h, b in saves if h not in self._pending]
+        if not saves:
+            return
+        layout = BlockLayout(self.runner.kv_caches)  # rebuilt: wake_up reallocates the cache
+        n, event = len(saves), None
+        if self._stream is not None:
+            out = torch.empty(n, layout.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._stream.wait_stream(torch.cuda.current_stream(layout.device))  # the steps that wrote them
+            with torch.cuda.stream(self._stream):
+                layout.gather([b for _, b in saves], out)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            torch.cuda.current_stream(layout.device).wait_stream(self._stream)  # overwrite only once copied
+        else:
+            out = torch.empty(n, layout.nbytes, dtype=torch.uint8)
+            layout.gather([b for _, b in saves], out)
+        with self._lock:
+            for i, (h, _) in enumerate(saves):
+                self._pending[h] = (out[i], event)
+        self._queue.put([h for h, _ in saves])
+
+    def _run(self) -> None:
+        while True:
+            hashes = self._queue.get()
+            if hashes is None:
+                return
+            with self._lock:
+                for h in hashes:
+                    entry = self._pending.pop(h, None)
+                    if entry is None:  # loaded or cleared meanwhile
+                        continue
+                    data, event = entry
+                    if event is not None:
+                        event.synchronize()
+                    self.tiers[0].store(h, data)
+
+    def transfer(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> int:
+        """Save, then load (saves first: a load may reuse a block just evicted); how many loads completed."""
+        self.save(saves)
+        return self.load(loads) if loads else 0
+
+    # -- lookup / load -------------------------------------------------------------------------------------
+    def lookup(self, hashes: list[int]) -> list[str]:
+        """The tier of each leading block held (pending copies count as the CPU tier's)."""
+        out = []
+        with self._lock:
+            for h in hashes:
+                tier = "cpu" if h in self._pending else next((t.name for t in self.tiers if t.lookup([h])), None)
+                if tier is None:
+                    break
+                out.append(tier)
+        return out
+
+    def load(self, loads: list[tuple[int, int]]) -> int:
+        """Read (block hash, block id) pairs back into the cache, in order, up to the first block no tier holds
+        intact; how many were loaded."""
+        found: list[torch.Tensor] = []
+        with self._lock:
+            for h, _ in loads:
+                data = self._read(h)
+                if data is None:
+                    break
+                found.append(data)
+        if found:
+            BlockLayout(self.runner.kv_caches).scatter([b for _, b in loads[:len(found)]], found)
+        return len(found)
+
+    def _read(self, h: int) -> torch.Tensor | None:
+        pending = self._pending.get(h)
+        if pending is not None:
+            data, event = pending
+            if event is not None:
+                event.synchronize()
+            return data
+        for tier in self.tiers:
+            if tier.lookup([h]):
+                return tier.load(h)  # None: damaged (dropped by the tier)
+        return None
+
+    def remove(self, hashes: list[int]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._pending.pop(h, None)
+                for tier in self.tiers:
+                    tier.remove(h)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pending.clear()
+            for tier in self.tiers:
+                tier.clear()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier: blocks held, bytes used, capacity in bytes (this rank's)."""
+        with self._lock:
+            out = {t.name: {"blocks": len(t), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
+                   for t in self.tiers}
+            out["cpu"]["blocks"] += len(self._pending)
+            out["cpu"]["used_bytes"] += len(self._pending) * self.block_nbytes
+            return out
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
