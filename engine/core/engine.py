@@ -68,6 +68,10 @@ class EngineStats:
     lora_resident: list[str] = field(default_factory=list)
     lora_registered: list[tuple[str, str, int]] = field(default_factory=list)
     lora_loads_total: int = 0  # adapter loads onto the ranks (registrations and reloads after eviction)
+    # KV offloading: prefix-cache hits in tokens per tier ("device": the pool itself, "cpu", "disk"), and each
+    # offload tier's {"blocks", "used_bytes", "capacity_bytes", "corrupted"} (rank 0's); empty when it is off
+    prefix_cache_tier_hits: dict[str, int] = field(default_factory=dict)
+    kv_offload_tiers: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class ContextLengthError(ValueError):
@@ -872,7 +876,11 @@ class LLMEngine:
                         lora_resident=[v.name for v in self.lora.resident.values()],
                         lora_registered=[(v.name, v.path, v.created) for v in self.lora.registered.values()],
                         lora_loads_total=len(self.lora.load_seconds))
-        return EngineStats(**lora,
+        tiers = {}
+        if self.tiers is not None:
+            tiers = dict(prefix_cache_tier_hits={"device": self.pool.prefix_hits, **self.tiers.hits},
+                         kv_offload_tiers=self.tiers.usage())
+        return EngineStats(**lora, **tiers,
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             num_waiting_prefill_tokens=self._waiting_prefill_tokens(),

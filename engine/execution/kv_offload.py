@@ -113,6 +113,7 @@ class KVOffloader:
             if hashes is None:
                 return
             with self._lock:
+                self._queue.task_done()
                 for h in hashes:
                     entry = self._pending.pop(h, None)
                     if entry is None:  # loaded or cleared meanwhile
@@ -179,13 +180,20 @@ class KVOffloader:
                 tier.clear()
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per tier: blocks held, bytes used, capacity in bytes (this rank's)."""
+        """Per tier (this rank's): blocks held, bytes used, capacity in bytes, blocks found damaged. Read without
+        the lock (sizes of dicts only), so a scrape never waits for a disk write."""
+        out = {t.name: {"blocks": len(t), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
+                        "corrupted": getattr(t, "corrupted", 0)} for t in self.tiers}
+        pending = len(self._pending)
+        out["cpu"]["blocks"] += pending
+        out["cpu"]["used_bytes"] += pending * self.block_nbytes
+        return out
+
+    def wait_idle(self) -> None:
+        """Wait until the copy thread has handed every copy so far to the tiers (tests, benchmarks)."""
+        self._queue.join()
         with self._lock:
-            out = {t.name: {"blocks": len(t), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
-                   for t in self.tiers}
-            out["cpu"]["blocks"] += len(self._pending)
-            out["cpu"]["used_bytes"] += len(self._pending) * self.block_nbytes
-            return out
+            pass
 
     def close(self) -> None:
         self._queue.put(None)
