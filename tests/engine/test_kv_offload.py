@@ -4,34 +4,13 @@ from the CPU or the disk tier instead of recomputed, and greedy tokens are the s
 
 from __future__ import annotations
 
-import random
-from pathlib import Path
-
 import pytest
+from kv_offload_kit import BLOCK, PARAMS, POOL, gib, prompts, run_twice, tokens
 
-from shoal.engine import LLM, SamplingParams
+from shoal.engine import LLM
 from shoal.engine.config import EngineConfig
 from shoal.engine.execution.kv_disk_tier import SUFFIX
 from shoal.engine.kv_hash import hash_chain
-
-BLOCK = 4
-POOL = dict(block_size=BLOCK, max_model_len=64, num_kv_blocks=20)  # 20 blocks: one 40-token prompt at a time
-PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def prompts(n: int = 4, length: int = 40, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(5, 200) for _ in range(length)] for _ in range(n)]
-
-
-def run_twice(llm: LLM, batch: list[list[int]]) -> tuple[list, list]:
-    """Each prompt once (each evicts the one before), then each again: (first round, second round) outputs."""
-    rounds = [[llm.generate([p], PARAMS)[0] for p in batch] for _ in range(2)]
-    return rounds[0], rounds[1]
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +21,6 @@ def reference(llama_model):
         assert all(o.num_cached_tokens > 0 for o in second)
         assert tokens(first) == tokens(second)
         return tokens(first), llm.llm_engine.executor.bytes_per_block(BLOCK)
-
-
-def gib(blocks: int, per_block: int) -> float:
-    return blocks * per_block / 2**30
 
 
 def test_prefix_from_the_cpu_tier_gives_the_same_tokens(llama_model, reference):
