@@ -5,7 +5,7 @@ from the CPU or the disk tier instead of recomputed, and greedy tokens are the s
 from __future__ import annotations
 
 import pytest
-from kv_offload_kit import BLOCK, PARAMS, POOL, gib, prompts, run_twice, tokens
+from offloadkit import BLOCK, PARAMS, POOL, gib, prompts, run_twice, tokens
 
 from shoal.engine import LLM
 from shoal.engine.config import EngineConfig

@@ -4,7 +4,7 @@ blocks (one KV head each), and a block one rank cannot load is recomputed on eve
 from __future__ import annotations
 
 import pytest
-from kv_offload_kit import BLOCK, POOL, PARAMS, gib, prompts, run_twice, tokens
+from offloadkit import BLOCK, POOL, PARAMS, gib, prompts, run_twice, tokens
 
 from shoal.engine import LLM
 from shoal.engine.execution.kv_disk_tier import SUFFIX

@@ -1,5 +1,6 @@
-"""Shared by the KV offload tests (tests/engine/test_kv_offload.py, tests/parallel/test_kv_offload_parallel.py): a
-workload whose prompts evict each other from a small KV pool and come back, and the tier sizes in GiB."""
+"""Shared by the KV offload tests (tests/engine/test_kv_offload.py, tests/parallel/test_kv_offload_parallel.py,
+tests/server/test_kv_offload_server.py): a workload whose prompts evict each other from a small KV pool and come
+back, and the tier sizes in GiB."""
 
 from __future__ import annotations
 
