@@ -13,6 +13,7 @@ same blocks, so the tiers of every rank hold the same hashes:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ class KVOffloader:
         if disk is not None:
             self.tiers.append(disk)
         self._pending: dict[int, tuple[torch.Tensor, object]] = {}  # hash -> (bytes, CUDA event | None)
-        self._lock = threading.Lock()  # the tiers and _pending: the copy thread vs loads and lookups
+        self._lock = threading.Lock()  # the tiers: the copy thread vs loads, lookups and removals
         self._queue: queue.Queue = queue.Queue()
         self._stream = torch.cuda.Stream(layout.device) if layout.device.type == "cuda" else None
         self._thread = threading.Thread(target=self._run, name="kv-offload", daemon=True)
@@ -105,26 +106,33 @@ class KVOffloader:
             torch.cuda.current_stream(layout.device).wait_stream(self._stream)  # overwrite only once copied
         else:
             out = layout.gather([b for _, b in saves])  # the copy itself: the step may overwrite the blocks now
-        with self._lock:
-            for i, (h, _) in enumerate(saves):
-                self._pending[h] = (out[i], event)
+        for i, (h, _) in enumerate(saves):  # a dict store is atomic: no lock, so a save never waits for a disk write
+            self._pending[h] = (out[i], event)
         self._queue.put([h for h, _ in saves])
 
     def _run(self) -> None:
+        try:  # Linux: each thread has its own nice value; the step's threads come first for the cores
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
         while True:
             hashes = self._queue.get()
-            if hashes is None:
-                return
-            with self._lock:
-                self._queue.task_done()
+            try:
+                if hashes is None:
+                    return
                 for h in hashes:
-                    entry = self._pending.pop(h, None)
-                    if entry is None:  # loaded or cleared meanwhile
+                    entry = self._pending.get(h)
+                    if entry is None:  # cleared meanwhile
                         continue
                     data, event = entry
                     if event is not None:
                         event.synchronize()
-                    self.tiers[0].store(h, data)
+                    with self._lock:  # one block at a time: a load waits for one disk write at most
+                        if self._pending.get(h) is entry:
+                            self.tiers[0].store(h, data)  # in its tier before it leaves _pending: always found
+                            del self._pending[h]
+            finally:
+                self._queue.task_done()
 
     def transfer(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> int:
         """Save, then load (saves first: a load may reuse a block just evicted); how many loads completed."""
@@ -195,8 +203,6 @@ class KVOffloader:
     def wait_idle(self) -> None:
         """Wait until the copy thread has handed every copy so far to the tiers (tests, benchmarks)."""
         self._queue.join()
-        with self._lock:
-            pass
 
     def close(self) -> None:
         self._queue.put(None)

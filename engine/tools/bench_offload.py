@@ -64,7 +64,8 @@ def run(model: str, turns_of: list[list[list[int]]], reply_len: int, block_size:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m shoal.engine.tools.bench_offload", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="an HF model directory (default: the tiny demo model)")
+    p.add_argument("--model", default=None, help="an HF model directory or a GGUF file (default: the tiny random "
+                                                 "demo model)")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--user-len", type=int, default=96)
@@ -78,15 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         from shoal.engine.tools.tiny_model import ensure_demo_model
 
         model = str(ensure_demo_model())
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model).vocab_size
-    turns_of = workload(args.conversations, args.turns, args.user_len, vocab, args.seed)
     final_len = args.turns * (args.user_len + args.reply_len)
     working_set = args.conversations * -(-final_len // args.block_size)
     pool = max(working_set // 3, -(-final_len // args.block_size) + 2)  # one conversation always fits
     with LLM(model=model, block_size=args.block_size, num_kv_blocks=pool, max_model_len=final_len) as llm:
         per_block = llm.llm_engine.executor.bytes_per_block(args.block_size)
+        vocab = llm.llm_engine.vocab_size
+    turns_of = workload(args.conversations, args.turns, args.user_len, vocab, args.seed)
     gib = working_set * per_block / 2**30
     configs = {"pool only": {}, "pool + cpu tier": {"kv_offloading_size": gib}}
     disk_dir = tempfile.TemporaryDirectory(prefix="shoal-kv-bench-")
