@@ -36,6 +36,11 @@ def test_prefix_from_the_cpu_tier_gives_the_same_tokens(llama_model, reference):
         stats = engine.get_stats()
         assert stats.prefix_cache_tier_hits == {"device": 0, "cpu": 144, "disk": 0}
         assert stats.kv_offload_tiers["cpu"]["blocks"] > 0
+        # A prefix-cache reset empties the tiers too: nothing is served from them afterwards.
+        assert llm.reset_prefix_cache()
+        assert engine.get_stats().kv_offload_tiers["cpu"]["blocks"] == 0
+        again = llm.generate([prompts()[1]], PARAMS)[0]
+        assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == want[1]
 
 
 def test_prefix_from_the_disk_tier_gives_the_same_tokens(llama_model, reference, tmp_path):
