@@ -1,5 +1,6 @@
-"""KV offload tiers under tensor parallelism (TP=2 on gloo): every rank saves and loads its own shard of the same
-blocks (one KV head each), and a block one rank cannot load is recomputed on every rank."""
+"""KV offload tiers under tensor parallelism (TP=2 on gloo: one KV head per rank) and pipeline parallelism (PP=2:
+layers 2 + 1): every rank saves and loads its own shard of the same blocks, and a block one rank cannot load is
+recomputed on every rank."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from shoal.engine.kv_hash import hash_chain
 pytestmark = pytest.mark.slow
 
 
-def test_tp2_prefixes_from_the_cpu_and_disk_tiers_match_one_process(qwen2_gqa, tmp_path):
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_prefixes_from_the_cpu_and_disk_tiers_match_one_process(qwen2_gqa, tmp_path, layout):
     batch = prompts()
     with LLM(model=qwen2_gqa, block_size=BLOCK, max_model_len=64) as llm:
         want = tokens(llm.generate(batch, PARAMS))
-        per_block = llm.llm_engine.executor.bytes_per_block(BLOCK)  # both ranks' shards together at tp=2
-    with LLM(model=qwen2_gqa, tensor_parallel_size=2, **POOL, kv_offloading_size=gib(12, per_block),
+        per_block = llm.llm_engine.executor.bytes_per_block(BLOCK)  # both ranks' shards together
+    with LLM(model=qwen2_gqa, **layout, **POOL, kv_offloading_size=gib(12, per_block),
              kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_size=gib(500, per_block)) as llm:
         engine = llm.llm_engine
         first, second = run_twice(llm, batch)
