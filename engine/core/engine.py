@@ -207,7 +207,12 @@ class LLMEngine:
                 raise
         self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching, events=self.kv_events is not None)
         self.state_pool = StatePool(config.max_num_seqs) if self.state_bytes else None
-        self.tiers = self._kv_tiers(num_blocks) if config.kv_offloading_size is not None else None
+        try:
+            self.tiers = self._kv_tiers(num_blocks) if config.kv_offloading_size is not None else None
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
+            raise
         checkpoints = StateCheckpoints(config.max_num_seqs, self.num_checkpoints) if self.num_checkpoints else None
         self.sleep_level = 0  # 0 awake, else the level of the last sleep (sleep mode)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,

@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, offload in configs.items():
             r = run(model, turns_of, args.reply_len, args.block_size, pool, final_len, offload)
             tiers = "/".join(f"{r['hit_rate'].get(t, 0.0):.2f}" for t in ("device", "cpu", "disk"))
-            print(f"{name:24} {tiers:34} {r['total_hit_rate']:6.2f} {r['ttft_p50_ms']:7.1f}ms {r['ttft_p90_ms']:7.1f}ms")
+            print(f"{name:24} {tiers:34} {r['total_hit_rate']:6.2f} {r['ttft_p50_ms']:7.1f}ms "
+                  f"{r['ttft_p90_ms']:7.1f}ms")
     return 0
 
 
