@@ -12,7 +12,9 @@ sized to hold the whole working set (with --disk, the CPU tier a tenth of it, th
 
 Reported per configuration: the prompt tokens served from each tier (device: the pool) over the prompt tokens
 looked up, and TTFT p50 / p90 over the turns after the first (the ones that can hit). Offline (LLMEngine stepped
-directly), one request at a time, so TTFT is the prefill plus the first token.
+directly), one request at a time, so TTFT is the prefill plus the first token. The configurations' engines run side
+by side, each request on every one in turn (alternating which goes first), so a busy machine slows them alike; the
+greedy replies must agree.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import random
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 
 from shoal.engine import LLM, SamplingParams
 
@@ -32,34 +35,56 @@ def workload(conversations: int, turns: int, user_len: int, vocab: int, seed: in
     return [[[rng.randrange(5, vocab) for _ in range(user_len)] for _ in range(turns)] for _ in range(conversations)]
 
 
+def one_request(engine, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
+    """(TTFT seconds, the generated tokens) of one request run alone."""
+    start, first, tokens = time.perf_counter(), None, []
+    engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.outputs and out.outputs[0].token_ids:
+                first = time.perf_counter() - start
+            if out.finished:
+                tokens = list(out.outputs[0].token_ids)
+    return first, tokens
+
+
 def run(model: str, turns_of: list[list[list[int]]], reply_len: int, block_size: int, pool_blocks: int,
-        max_len: int, offload: dict) -> dict:
+        max_len: int, configs: dict[str, dict]) -> dict[str, dict]:
+    """Every configuration's engine side by side, each request on each in turn (the order alternating), so a busy
+    machine slows them alike; the replies must be the same on all (greedy)."""
     params = SamplingParams(temperature=0, max_tokens=reply_len, ignore_eos=True)
-    ttft: list[float] = []
-    with LLM(model=model, block_size=block_size, num_kv_blocks=pool_blocks, max_model_len=max_len, **offload) as llm:
-        engine = llm.llm_engine
+    ttft: dict[str, list[float]] = {name: [] for name in configs}
+    with ExitStack() as stack:
+        engines = {name: stack.enter_context(LLM(model=model, block_size=block_size, num_kv_blocks=pool_blocks,
+                                                 max_model_len=max_len, **offload)).llm_engine
+                   for name, offload in configs.items()}
         history = [[] for _ in turns_of]
+        order = list(engines)
         for turn in range(len(turns_of[0])):
             for c, turns in enumerate(turns_of):
                 prompt = history[c] + turns[turn]
-                start = time.perf_counter()
-                engine.add_request(f"c{c}-t{turn}", prompt, params)
-                first = None
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        if first is None and out.outputs and out.outputs[0].token_ids:
-                            first = time.perf_counter() - start
-                        if out.finished:
-                            history[c] = prompt + list(out.outputs[0].token_ids)
-                if turn:
-                    ttft.append(first)
-        stats = engine.get_stats()
-        engine.pool.check_all_free()
-    queried = max(1, stats.prefix_cache_queries_total)
-    hits = stats.prefix_cache_tier_hits or {"device": stats.prefix_cache_hits_total}
-    ttft.sort()
-    return {"hit_rate": {tier: n / queried for tier, n in hits.items()}, "total_hit_rate": sum(hits.values()) / queried,
-            "ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p90_ms": 1000 * ttft[int(0.9 * (len(ttft) - 1))]}
+                replies = set()
+                order.reverse()
+                for name in order:
+                    first, reply = one_request(engines[name], f"c{c}-t{turn}", prompt, params)
+                    replies.add(tuple(reply))
+                    if turn:
+                        ttft[name].append(first)
+                if len(replies) != 1:
+                    raise AssertionError(f"conversation {c} turn {turn}: the configurations' replies differ")
+                history[c] = prompt + list(replies.pop())
+        results = {}
+        for name, engine in engines.items():
+            stats = engine.get_stats()
+            engine.pool.check_all_free()
+            queried = max(1, stats.prefix_cache_queries_total)
+            hits = stats.prefix_cache_tier_hits or {"device": stats.prefix_cache_hits_total}
+            times = sorted(ttft[name])
+            results[name] = {"hit_rate": {tier: n / queried for tier, n in hits.items()},
+                             "total_hit_rate": sum(hits.values()) / queried,
+                             "ttft_p50_ms": 1000 * statistics.median(times),
+                             "ttft_p90_ms": 1000 * times[int(0.9 * (len(times) - 1))]}
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({working_set / pool:.1f}x); {per_block} bytes a block")
     print(f"{'config':24} {'hit rate (device/cpu/disk)':34} {'total':>6} {'TTFT p50':>9} {'p90':>9}")
     with disk_dir:
-        for name, offload in configs.items():
-            r = run(model, turns_of, args.reply_len, args.block_size, pool, final_len, offload)
+        for name, r in run(model, turns_of, args.reply_len, args.block_size, pool, final_len, configs).items():
             tiers = "/".join(f"{r['hit_rate'].get(t, 0.0):.2f}" for t in ("device", "cpu", "disk"))
             print(f"{name:24} {tiers:34} {r['total_hit_rate']:6.2f} {r['ttft_p50_ms']:7.1f}ms "
                   f"{r['ttft_p90_ms']:7.1f}ms")
