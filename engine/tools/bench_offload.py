@@ -14,7 +14,7 @@ Reported per configuration: the prompt tokens served from each tier (device: the
 looked up, and TTFT p50 / p90 over the turns after the first (the ones that can hit). Offline (LLMEngine stepped
 directly), one request at a time, so TTFT is the prefill plus the first token. The configurations' engines run side
 by side, each request on every one in turn (alternating which goes first), so a busy machine slows them alike; the
-greedy replies must agree.
+replies that differ from the first configuration's are counted.
 """
 
 from __future__ import annotations
@@ -51,9 +51,12 @@ def one_request(engine, request_id: str, prompt: list[int], params: SamplingPara
 def run(model: str, turns_of: list[list[list[int]]], reply_len: int, block_size: int, pool_blocks: int,
         max_len: int, configs: dict[str, dict]) -> dict[str, dict]:
     """Every configuration's engine side by side, each request on each in turn (the order alternating), so a busy
-    machine slows them alike; the replies must be the same on all (greedy)."""
+    machine slows them alike. The conversations continue with the first configuration's replies; the others' replies
+    that differ are counted (a prefix reused instead of recomputed runs other matmul shapes: on a quantized model a
+    near-tie may then flip, as it does with the device pool's own prefix cache)."""
     params = SamplingParams(temperature=0, max_tokens=reply_len, ignore_eos=True)
     ttft: dict[str, list[float]] = {name: [] for name in configs}
+    differing = dict.fromkeys(configs, 0)
     with ExitStack() as stack:
         engines = {name: stack.enter_context(LLM(model=model, block_size=block_size, num_kv_blocks=pool_blocks,
                                                  max_model_len=max_len, **offload)).llm_engine
@@ -63,16 +66,16 @@ def run(model: str, turns_of: list[list[list[int]]], reply_len: int, block_size:
         for turn in range(len(turns_of[0])):
             for c, turns in enumerate(turns_of):
                 prompt = history[c] + turns[turn]
-                replies = set()
+                replies = {}
                 order.reverse()
                 for name in order:
-                    first, reply = one_request(engines[name], f"c{c}-t{turn}", prompt, params)
-                    replies.add(tuple(reply))
+                    first, replies[name] = one_request(engines[name], f"c{c}-t{turn}", prompt, params)
                     if turn:
                         ttft[name].append(first)
-                if len(replies) != 1:
-                    raise AssertionError(f"conversation {c} turn {turn}: the configurations' replies differ")
-                history[c] = prompt + list(replies.pop())
+                reference = replies[next(iter(engines))]
+                for name, reply in replies.items():
+                    differing[name] += reply != reference
+                history[c] = prompt + reference  # every configuration sees the same conversations
         results = {}
         for name, engine in engines.items():
             stats = engine.get_stats()
@@ -83,7 +86,8 @@ def run(model: str, turns_of: list[list[list[int]]], reply_len: int, block_size:
             results[name] = {"hit_rate": {tier: n / queried for tier, n in hits.items()},
                              "total_hit_rate": sum(hits.values()) / queried,
                              "ttft_p50_ms": 1000 * statistics.median(times),
-                             "ttft_p90_ms": 1000 * times[int(0.9 * (len(times) - 1))]}
+                             "ttft_p90_ms": 1000 * times[int(0.9 * (len(times) - 1))],
+                             "differing": differing[name]}
     return results
 
 
@@ -120,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.conversations} conversations x {args.turns} turns ({args.user_len} user + {args.reply_len} reply "
           f"tokens a turn); working set {working_set} blocks of {args.block_size}, pool {pool} blocks "
           f"({working_set / pool:.1f}x); {per_block} bytes a block")
-    print(f"{'config':24} {'hit rate (device/cpu/disk)':34} {'total':>6} {'TTFT p50':>9} {'p90':>9}")
+    print(f"{'config':24} {'hit rate (device/cpu/disk)':34} {'total':>6} {'TTFT p50':>9} {'p90':>9}  replies differing")
     with disk_dir:
         for name, r in run(model, turns_of, args.reply_len, args.block_size, pool, final_len, configs).items():
             tiers = "/".join(f"{r['hit_rate'].get(t, 0.0):.2f}" for t in ("device", "cpu", "disk"))
             print(f"{name:24} {tiers:34} {r['total_hit_rate']:6.2f} {r['ttft_p50_ms']:7.1f}ms "
-                  f"{r['ttft_p90_ms']:7.1f}ms")
+                  f"{r['ttft_p90_ms']:7.1f}ms  {r['differing']}")
     return 0
 
 
