@@ -239,6 +239,21 @@ class EngineConfig(BaseModel):
     num_kv_blocks: Annotated[int | None, Flag(
         ENGINE, "pin the KV pool to exactly this many blocks (overrides the size above)")] = Field(default=None, gt=0)
     enable_prefix_caching: Annotated[bool, Flag(ENGINE, "reuse KV blocks of shared prompt prefixes")] = True
+    kv_offloading_size: Annotated[float | None, Flag(
+        ENGINE, "GiB of host memory for KV blocks evicted from the KV cache (vLLM's flag; summed over the ranks of "
+                "a parallel group): a prefix the cache lost is read back from there instead of recomputed. Needs "
+                "prefix caching", metavar="GIB")] = Field(default=None, gt=0)
+    kv_offloading_backend: Annotated[str, Flag(
+        ENGINE, "the KV offloading implementation (vLLM's flag); Shoal has native only",
+        metavar="native")] = "native"
+    kv_offloading_disk_path: Annotated[str | None, Flag(
+        ENGINE, "a local directory for a second offload tier, fed by the host-memory tier's least recently used "
+                "blocks (one file per block, checksummed; emptied at start: it does not survive a restart). "
+                "Needs --kv-offloading-size and --kv-offloading-disk-size", metavar="DIR")] = Field(
+        default=None, min_length=1)
+    kv_offloading_disk_size: Annotated[float | None, Flag(
+        ENGINE, "GiB of --kv-offloading-disk-path the disk tier may fill (summed over the ranks)",
+        metavar="GIB")] = Field(default=None, gt=0)
     enable_chunked_prefill: Annotated[bool, Flag(ENGINE, "split long prompts over several steps")] = True
     attention_backend: Annotated[AttentionBackend, Flag(
         ENGINE, "auto: flash > triton > sdpa on CUDA, cpu (C++ paged kernel) > sdpa on CPU")] = "auto"
@@ -294,8 +309,26 @@ class EngineConfig(BaseModel):
     def _parse_json_config(cls, value):
         return json.loads(value) if isinstance(value, str) else value
 
+    @field_validator("kv_offloading_backend")
+    @classmethod
+    def _check_offloading_backend(cls, value: str) -> str:
+        if value != "native":
+            raise ValueError(f"kv_offloading_backend {value!r} is not available in Shoal: only 'native' (the engine's "
+                             "own CPU and disk tiers); LMCache and Mooncake are not built in")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
+        if self.kv_offloading_disk_path is not None and self.kv_offloading_disk_size is None:
+            raise ValueError("kv_offloading_disk_path needs kv_offloading_disk_size (GiB the disk tier may fill)")
+        if self.kv_offloading_disk_size is not None and self.kv_offloading_disk_path is None:
+            raise ValueError("kv_offloading_disk_size needs kv_offloading_disk_path (the directory of the disk tier)")
+        if self.kv_offloading_disk_path is not None and self.kv_offloading_size is None:
+            raise ValueError("the disk tier takes what the host-memory tier lets go: kv_offloading_disk_path needs "
+                             "kv_offloading_size")
+        if self.kv_offloading_size is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size keeps evicted prefix-cache blocks: it needs prefix caching (drop "
+                             "--no-enable-prefix-caching)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size ({self.block_size})"

@@ -161,6 +161,11 @@ class EngineOptions(_Model):
     max_num_batched_tokens: int | None = engine_option("max_num_batched_tokens", ge=1, le=16777216)
     gpu_memory_utilization: float | None = engine_option("gpu_memory_utilization", gt=0.0, le=1.0)
     enable_prefix_caching: bool = engine_option("enable_prefix_caching", default=True)
+    kv_offloading_size: float | None = engine_option("kv_offloading_size", gt=0.0, le=1048576.0)
+    kv_offloading_backend: Literal["native"] | None = engine_option("kv_offloading_backend")
+    kv_offloading_disk_path: str | None = engine_option("kv_offloading_disk_path", min_length=1, max_length=4096,
+                                                        pattern=r"^/")
+    kv_offloading_disk_size: float | None = engine_option("kv_offloading_disk_size", gt=0.0, le=1048576.0)
     attention_backend: AttentionBackend = engine_option("attention_backend", default="auto")
     enforce_eager: bool = engine_option("enforce_eager", default=False)
     quantization: Literal["int8", "int4", "fp8"] | None = engine_option("quantization")
@@ -832,6 +837,22 @@ def _zero(v: int | str) -> bool:
 
 
 CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
+    CrossFieldRule(
+        cel="!has(self.engine) || (has(self.engine.kvOffloadingDiskPath) == has(self.engine.kvOffloadingDiskSize) && "
+            "(!has(self.engine.kvOffloadingDiskPath) || has(self.engine.kvOffloadingSize)))",
+        message="kvOffloadingDiskPath and kvOffloadingDiskSize go together, and the disk tier needs "
+                "kvOffloadingSize (it takes what the host-memory tier lets go)",
+        field_path=".engine.kvOffloadingDiskPath",
+        check=lambda s: (s.engine.kv_offloading_disk_path is None) == (s.engine.kv_offloading_disk_size is None)
+        and (s.engine.kv_offloading_disk_path is None or s.engine.kv_offloading_size is not None),
+    ),
+    CrossFieldRule(
+        cel="!has(self.engine) || !has(self.engine.kvOffloadingSize) || !has(self.engine.enablePrefixCaching) || "
+            "self.engine.enablePrefixCaching",
+        message="kvOffloadingSize keeps evicted prefix-cache blocks: it needs enablePrefixCaching",
+        field_path=".engine.kvOffloadingSize",
+        check=lambda s: s.engine.kv_offloading_size is None or s.engine.enable_prefix_caching,
+    ),
     CrossFieldRule(
         cel="!has(self.resources) || !has(self.resources.gpusPerPod) || self.resources.gpusPerPod == 0 || "
             "((has(self.engine) && has(self.engine.tensorParallelSize) ? self.engine.tensorParallelSize : 1) * "

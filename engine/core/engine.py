@@ -68,6 +68,10 @@ class EngineStats:
     lora_resident: list[str] = field(default_factory=list)
     lora_registered: list[tuple[str, str, int]] = field(default_factory=list)
     lora_loads_total: int = 0  # adapter loads onto the ranks (registrations and reloads after eviction)
+    # KV offloading: prefix-cache hits in tokens per tier ("device": the pool itself, "cpu", "disk"), and each
+    # offload tier's {"blocks", "used_bytes", "capacity_bytes", "corrupted"} (rank 0's); empty when it is off
+    prefix_cache_tier_hits: dict[str, int] = field(default_factory=dict)
+    kv_offload_tiers: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class ContextLengthError(ValueError):
@@ -203,13 +207,19 @@ class LLMEngine:
                 raise
         self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching, events=self.kv_events is not None)
         self.state_pool = StatePool(config.max_num_seqs) if self.state_bytes else None
+        try:
+            self.tiers = self._kv_tiers(num_blocks) if config.kv_offloading_size is not None else None
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
+            raise
         checkpoints = StateCheckpoints(config.max_num_seqs, self.num_checkpoints) if self.num_checkpoints else None
         self.sleep_level = 0  # 0 awake, else the level of the last sleep (sleep mode)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
                                    chunked, config.scheduling_policy,
                                    sliding_window=self.kv_window,
                                    max_loras=config.max_loras if config.enable_lora else None,
-                                   state_pool=self.state_pool, checkpoints=checkpoints)
+                                   state_pool=self.state_pool, checkpoints=checkpoints, tiers=self.tiers)
         self.lora: LoRARegistry | None = None
         if config.enable_lora:
             self.lora = LoRARegistry(self.executor, self.hf_config, config.max_loras, config.max_lora_rank,
@@ -288,6 +298,38 @@ class LLMEngine:
                     "freed, so a decoding sequence holds at most %d blocks instead of %d at max_model_len=%d; "
                     "max concurrency %.1f requests (%.1f without the window)", self.kv_window, held, full,
                     self.max_model_len, num_blocks / held, num_blocks / full)
+
+    def _kv_tiers(self, num_blocks: int):
+        """KV offloading: every rank's tiers, sized in blocks (the same count on every rank), and the engine's side."""
+        from shoal.engine.core.kv_tiers import KVTiers
+        from shoal.engine.execution.kv_offload import OffloadSpec
+
+        c = self.config
+        why = ("an encoder-only model keeps no KV cache" if self.is_encoder else
+               "a hybrid model's prefix hits need its recurrent state, which is not offloaded" if self.state_bytes
+               else None)
+        if why:
+            self.executor.shutdown()
+            raise ValueError(f"--kv-offloading-size: {why}")
+        per_block = self.executor.bytes_per_block(c.block_size) * c.world_size
+        sizes = {"--kv-offloading-size": c.kv_offloading_size, "--kv-offloading-disk-size": c.kv_offloading_disk_size}
+        blocks = {flag: int(gib * 2**30 // per_block) if gib else 0 for flag, gib in sizes.items()}
+        for flag, n in blocks.items():
+            if sizes[flag] and n < 1:
+                self.executor.shutdown()
+                raise ValueError(f"{flag} {sizes[flag]} GiB holds no KV block ({per_block} bytes each over "
+                                 f"{c.world_size} rank(s)): raise it")
+        spec = OffloadSpec(blocks["--kv-offloading-size"], blocks["--kv-offloading-disk-size"],
+                           c.kv_offloading_disk_path)
+        try:
+            self.executor.enable_kv_offload(spec)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        logger.info("KV offloading: a CPU tier of %d blocks (%.1f MiB)%s, behind a pool of %d blocks", spec.cpu_blocks,
+                    spec.cpu_blocks * per_block / 2**20, f", a disk tier of {spec.disk_blocks} blocks in "
+                    f"{spec.disk_path}" if spec.disk_blocks else "", num_blocks)
+        return KVTiers(self.executor, self.pool)
 
     def _resolve_max_model_len(self) -> int:
         limit = _model_max_len(self.hf_config)
@@ -491,12 +533,16 @@ class LLMEngine:
         self.pool = BlockPool(self.pool.num_blocks, c.block_size, c.enable_prefix_caching,
                               events=self.kv_events is not None)
         self.scheduler.pool = self.pool
+        if self.tiers is not None:
+            self.tiers.attach(self.pool)
         self.sleep_level = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache); False, and nothing changed, while requests hold
         KV blocks."""
         done = self.pool.reset_prefix_cache()
+        if done and self.tiers is not None:
+            self.tiers.clear()  # the offloaded blocks are part of the prefix cache
         self._publish_kv_events()
         return done
 
@@ -536,6 +582,8 @@ class LLMEngine:
         inputs = build_step_inputs(sched.scheduled, self.config.block_size)
         if self.lora is not None:
             self._lora_inputs(inputs, sched.scheduled)
+        if self.tiers is not None:
+            self.tiers.flush()  # evicted blocks out to the tiers before this step overwrites them
         if inputs.pool_ranges:
             sampled, pooled = self.executor.execute_pooling(inputs, rows)
         else:
@@ -833,7 +881,11 @@ class LLMEngine:
                         lora_resident=[v.name for v in self.lora.resident.values()],
                         lora_registered=[(v.name, v.path, v.created) for v in self.lora.registered.values()],
                         lora_loads_total=len(self.lora.load_seconds))
-        return EngineStats(**lora,
+        tiers = {}
+        if self.tiers is not None:
+            tiers = dict(prefix_cache_tier_hits={"device": self.pool.prefix_hits, **self.tiers.hits},
+                         kv_offload_tiers=self.tiers.usage())
+        return EngineStats(**lora, **tiers,
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             num_waiting_prefill_tokens=self._waiting_prefill_tokens(),

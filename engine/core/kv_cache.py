@@ -8,6 +8,10 @@ hash chains the previous block's hash with the block's token ids, so equal hashe
 With `events` on, the pool records what a KV-cache index outside the engine needs (KV events, kv_events.py):
 a block whose hash is registered (stored), a cached block whose content is dropped (removed) and a reset (all
 cleared), in order; the engine takes them after each step (`take_events`).
+
+With offloading on (core/kv_tiers.py), the pool also lists the cached blocks it evicts, (hash, block id), so their
+content is copied to the offload tiers before a step overwrites it (`take_evicted`), and blocks read back from a
+tier are registered like computed ones (`register_loaded`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,15 @@ class BlockPool:
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
         self.events: list[tuple] | None = [] if events and enable_prefix_caching else None
+        self.evicted: list[tuple[int, int]] | None = None  # (hash, block id) evicted, when offloading is on
+
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """The cached blocks evicted since the last call, (hash, block id): their content is intact until the next
+        step runs."""
+        if not self.evicted:
+            return []
+        out, self.evicted = self.evicted, []
+        return out
 
     def take_events(self) -> list[tuple]:
         """The KV events recorded since the last call (none when events are off)."""
@@ -71,6 +84,8 @@ class BlockPool:
             if block.block_hash is not None:
                 self._cached.pop(block.block_hash, None)
                 removed.append(block.block_hash)
+                if self.evicted is not None:
+                    self.evicted.append((block.block_hash, block_id))
                 block.block_hash = None
             block.ref_count = 1
             out.append(block_id)
@@ -144,6 +159,23 @@ class BlockPool:
                 stored = []
         if stored:
             self._stored(stored, start, token_ids, block_hashes, salt)
+
+    def register_loaded(self, token_ids: list[int], block_ids: list[int], chain: list[int], salt: int | None = None
+                        ) -> int:
+        """Publish blocks a sequence just read back from an offload tier: `chain` is the sequence's block hashes
+        and block_ids hold its last len(block_ids) blocks. As with computed blocks, the first writer wins: a block
+        whose hash the pool already caches stays private. Returns how many were published."""
+        start = len(chain) - len(block_ids)
+        stored: list[int] = []
+        for block_id, h in zip(block_ids, chain[start:]):
+            if h in self._cached:
+                break  # the rest stay private too: one event covers one contiguous run
+            self._cached[h] = block_id
+            self.blocks[block_id].block_hash = h
+            stored.append(h)
+        if stored and self.events is not None:
+            self._stored(stored, start, token_ids, chain, salt)
+        return len(stored)
 
     def _stored(self, hashes: list[int], start: int, token_ids: list[int], chain: list[int], salt: int | None
                 ) -> None:

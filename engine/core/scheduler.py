@@ -71,8 +71,9 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", sliding_window: int | None = None,
                  max_loras: int | None = None, state_pool: StatePool | None = None,
-                 checkpoints: StateCheckpoints | None = None):
+                 checkpoints: StateCheckpoints | None = None, tiers=None):
         self.pool = pool
+        self.tiers = tiers  # core/kv_tiers.KVTiers with KV offloading on: prefixes the pool lost come back from it
         # Hybrid models: one recurrent-state slot per running sequence (it has max_num_seqs of them).
         self.state_pool = state_pool
         self.checkpoints = checkpoints  # hybrid prefix caching: recurrent state kept at prompts' last full block
@@ -231,6 +232,8 @@ class Scheduler:
                     usable = 0  # MEAN and CLS pool hidden states a cached prefix would not compute
                 seq.block_ids, seq.block_hashes = self.pool.lookup_prefix(
                     seq.token_ids, usable, seq.lora_id, self._usable_prefix if self.checkpoints else None)
+                if self.tiers is not None:
+                    self.tiers.extend_prefix(seq, usable)
                 seq.num_computed_tokens = len(seq.block_ids) * self.block_size
                 seq.num_cached_tokens = seq.num_computed_tokens
             n = seq.num_tokens - seq.num_computed_tokens

@@ -147,6 +147,21 @@ class DistributedExecutor:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
         self.collective_rpc("allocate_kv_cache", num_blocks, block_size, num_state_slots)
 
+    def enable_kv_offload(self, spec) -> None:
+        self.collective_rpc("enable_kv_offload", spec)
+
+    def kv_lookup(self, block_hashes: list[int]) -> list[str]:
+        return self.worker.offload.lookup(block_hashes)  # rank 0's tiers: every rank stores the same hashes
+
+    def kv_transfer(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> int:
+        return self.collective_rpc("kv_transfer", saves, loads)
+
+    def kv_clear(self) -> None:
+        self.collective_rpc("kv_clear")
+
+    def kv_offload_stats(self) -> dict[str, dict[str, int]]:
+        return self.worker.offload.stats()
+
     def sleep(self, level: int) -> None:
         self.collective_rpc("sleep", level)
 

@@ -39,6 +39,7 @@ class Worker:
         self.group = group
         self.shard = shard
         self.received_at = 0.0  # when the current call arrived: a step's wall time counts from there
+        self.offload = None  # execution/kv_offload.KVOffloader with KV offloading on
 
     def serve(self) -> None:
         """A worker's loop: run rank 0's calls until `shutdown`."""
@@ -71,6 +72,27 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
         self.shard.runner.allocate_kv_cache(num_blocks, block_size, num_state_slots)
 
+    def enable_kv_offload(self, spec) -> None:
+        from shoal.engine.execution.kv_offload import KVOffloader
+
+        self.offload = KVOffloader(self.shard.runner, spec, self.group.rank)
+
+    def kv_transfer(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> int:
+        """This rank's copies, then the loads every rank completed (the fewest); a block some rank could not load
+        is dropped everywhere, so the next lookup stops before it."""
+        done = self.offload.transfer(saves, loads)
+        if not loads:
+            return 0
+        n = torch.tensor([done], dtype=torch.int64)
+        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.group.control)
+        n = int(n)
+        if n < len(loads):
+            self.offload.remove([loads[n][0]])
+        return n
+
+    def kv_clear(self) -> None:
+        self.offload.clear()
+
     def sleep(self, level: int) -> None:
         self.shard.runner.sleep(level)
 
@@ -97,6 +119,8 @@ class Worker:
     def shutdown(self) -> None:
         """Meet every rank at a barrier (SHUTDOWN_BARRIER_TIMEOUT); a worker then leaves its loop and exits 0."""
         logger.info("shutting down")
+        if self.offload is not None:
+            self.offload.close()
         self.group.monitor.stop()  # rank 0 closes the store after the barrier: that is no failure
         dist.monitored_barrier(self.group.control, timeout=SHUTDOWN_BARRIER_TIMEOUT)
 

@@ -19,6 +19,7 @@ import torch
 
 from shoal.engine.contracts import StepInputs
 from shoal.engine.execution.graph_capture import decode_capture_backend
+from shoal.engine.execution.kv_offload import KVOffloader, OffloadSpec
 from shoal.engine.execution.runner import ModelRunner, dummy_step_inputs
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
@@ -55,6 +56,23 @@ class Executor(Protocol):
     def shutdown(self) -> None:
         """Release the KV cache and stop any process this executor started (idempotent)."""
 
+    # KV offloading (execution/kv_offload.py on every rank; core/kv_tiers.py decides what moves)
+    def enable_kv_offload(self, spec: OffloadSpec) -> None:
+        """Build every rank's offload tiers (after allocate_kv_cache)."""
+
+    def kv_lookup(self, block_hashes: list[int]) -> list[str]:
+        """The tier of each leading block the offload tiers hold."""
+
+    def kv_transfer(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> int:
+        """Copy evicted (hash, block id) pairs out to the tiers, then read (hash, block id) pairs back in, in order;
+        returns how many leading loads every rank completed."""
+
+    def kv_clear(self) -> None:
+        """Empty every rank's offload tiers."""
+
+    def kv_offload_stats(self) -> dict[str, dict[str, int]]:
+        """Rank 0's tiers: blocks held, bytes used, capacity."""
+
 
 class UniProcExecutor:
     """One process: the ModelRunner and the Sampler side by side."""
@@ -70,6 +88,22 @@ class UniProcExecutor:
         self.runner.enable_decode_capture(decode_capture_backend(config, device), config.max_num_seqs)
         self.sampler = sampler
         self.backend_name = self.runner.backend_name
+        self.offload: KVOffloader | None = None
+
+    def enable_kv_offload(self, spec: OffloadSpec) -> None:
+        self.offload = KVOffloader(self.runner, spec)
+
+    def kv_lookup(self, block_hashes: list[int]) -> list[str]:
+        return self.offload.lookup(block_hashes)
+
+    def kv_transfer(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> int:
+        return self.offload.transfer(saves, loads)
+
+    def kv_clear(self) -> None:
+        self.offload.clear()
+
+    def kv_offload_stats(self) -> dict[str, dict[str, int]]:
+        return self.offload.stats()
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.runner.bytes_per_block(block_size)
@@ -114,6 +148,9 @@ class UniProcExecutor:
         return self.runner.memory_bytes()
 
     def shutdown(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
         self.runner.free_kv_cache()
 
 

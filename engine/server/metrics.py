@@ -115,7 +115,38 @@ class _EngineStatsCollector:
                       get("spec_decode_num_accepted_tokens_total"))
 
         yield from self._lora(s)
+        yield from self._kv_offload(s)
         yield self._startup()
+
+    def _kv_offload(self, s):
+        """KV offloading (--kv-offloading-size): prefix-cache hits per tier and each offload tier's fill. Absent when
+        offloading is off."""
+        hits = getattr(s, "prefix_cache_tier_hits", None)
+        if not hits:
+            return
+        c = CounterMetricFamily(PREFIX + "prefix_cache_tier_hits", "Prefix cache hits by the tier that served "
+                                "them (device: the KV cache itself; cpu, disk: offload tiers), in tokens.",
+                                labels=["model_name", "tier"])
+        for tier, tokens in hits.items():
+            c.add_metric([self.model_name, tier], float(tokens))
+        yield c
+        families = {
+            "blocks": ("kv_offload_blocks", "KV blocks held by each offload tier (rank 0's)."),
+            "used_bytes": ("kv_offload_used_bytes", "Bytes of KV blocks held by each offload tier (rank 0's)."),
+            "capacity_bytes": ("kv_offload_capacity_bytes", "Capacity of each offload tier in bytes (rank 0's)."),
+        }
+        tiers = s.kv_offload_tiers
+        for key, (name, doc) in families.items():
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "tier"])
+            for tier, values in tiers.items():
+                g.add_metric([self.model_name, tier], float(values[key]))
+            yield g
+        bad = CounterMetricFamily(PREFIX + "kv_offload_corrupted_blocks", "Offloaded KV blocks found damaged on "
+                                  "load (checksum or length mismatch) and recomputed instead (rank 0's).",
+                                  labels=["model_name", "tier"])
+        for tier, values in tiers.items():
+            bad.add_metric([self.model_name, tier], float(values["corrupted"]))
+        yield bad
 
     def _startup(self):
         """Seconds of each start-up phase of this process (shoal.engine.startup), and `total` to ready."""

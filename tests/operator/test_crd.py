@@ -126,6 +126,8 @@ VALID = [
     {"engine": {"enableLora": True, "maxLoras": 4, "maxLoraRank": 64},
      "adapters": [{"name": "sql", "uri": "hf://org/sql-lora", "revision": "0a1b2c"},
                   {"name": "team/chat", "uri": "pvc://adapters/chat"}, {"name": "x", "uri": "file:///opt/x"}]},
+    {"engine": {"kvOffloadingSize": 4, "kvOffloadingBackend": "native", "kvOffloadingDiskPath": "/tmp/kv",
+                "kvOffloadingDiskSize": 16.5}},
 ]
 
 # (spec, field the error must name): checked by the schema *and* by the operator's own validation
@@ -147,6 +149,8 @@ INVALID = [
     ({"engine": {"enableLora": True}, "adapters": [{"name": "a", "uri": "pvc://claim"}]}, "spec.adapters[0].uri"),
     ({"engine": {"enableLora": True}, "adapters": [{"name": "-a", "uri": "file:///a"}]}, "spec.adapters[0].name"),
     ({"engine": {"maxLoraRank": 0}}, "spec.engine.maxLoraRank"),
+    ({"engine": {"kvOffloadingBackend": "lmcache"}}, "spec.engine.kvOffloadingBackend"),
+    ({"engine": {"kvOffloadingSize": 0}}, "spec.engine.kvOffloadingSize"),
 ]
 
 # cross-field rules: CEL in the CRD, the same check in python
@@ -157,6 +161,9 @@ INVALID_CROSS = [
     ({"model": {"uri": "demo://", "revision": "main"}}, "spec.model.revision"),
     ({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}, "gateway": {"enabled": False}}, "spec.gateway.enabled"),
     ({"adapters": [{"name": "a", "uri": "hf://org/a"}]}, "spec.engine.enableLora"),
+    ({"engine": {"kvOffloadingSize": 4, "kvOffloadingDiskPath": "/tmp/kv"}}, "spec.engine.kvOffloadingDiskPath"),
+    ({"engine": {"kvOffloadingDiskPath": "/tmp/kv", "kvOffloadingDiskSize": 8}}, "spec.engine.kvOffloadingDiskPath"),
+    ({"engine": {"kvOffloadingSize": 4, "enablePrefixCaching": False}}, "spec.engine.kvOffloadingSize"),
 ]
 
 

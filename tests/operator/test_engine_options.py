@@ -28,6 +28,15 @@ NUMERIC_SAMPLES = {
     "max_loras": 4,
     "max_lora_rank": 32,
     "max_cpu_loras": 8,
+    "kv_offloading_size": 4.5,
+    "kv_offloading_backend": "native",  # its only value
+    "kv_offloading_disk_path": "/tmp/kv-offload",
+    "kv_offloading_disk_size": 64.0,
+}
+# Options valid only with others set (the spec's cross-field rules): what each is tried with.
+COMPANIONS = {
+    "kv_offloading_disk_path": {"kvOffloadingSize": 1.0, "kvOffloadingDiskSize": 2.0},
+    "kv_offloading_disk_size": {"kvOffloadingSize": 1.0, "kvOffloadingDiskPath": "/tmp/kv"},
 }
 # Object-valued options: (the spec's camelCase value, the EngineConfig value it must arrive as).
 OBJECT_SAMPLES = {
@@ -72,7 +81,8 @@ def test_every_engine_option_of_the_spec_is_an_engine_flag():
 @pytest.mark.parametrize("name,value", CASES, ids=[f"{n}={v}" for n, v in CASES])
 def test_option_round_trips_spec_to_engine_config(name, value):
     camel = api.EngineOptions.model_fields[name].alias
-    config, args = _parsed_config({"model": {"uri": "hf://org/m"}, "engine": {camel: value}})
+    config, args = _parsed_config({"model": {"uri": "hf://org/m"},
+                                   "engine": {**COMPANIONS.get(name, {}), camel: value}})
     assert getattr(config, name) == value, args
 
 

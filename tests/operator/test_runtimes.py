@@ -217,6 +217,9 @@ def test_every_engine_option_has_a_mapping_in_the_shoal_runtime():
     ({"runtime": "sglang", "engine": {"extraArgs": ["--model-path", "/x"]}}, "spec.engine.extraArgs[0]",
      "--model-path is set by the operator"),
     ({"runtime": "tgi"}, "spec.runtime", "Input should be 'shoal', 'vllm' or 'sglang'"),
+    ({"runtime": "vllm", "engine": {"kvOffloadingSize": 4, "kvOffloadingDiskPath": "/tmp/kv",
+                                    "kvOffloadingDiskSize": 8}}, "spec.engine.kvOffloadingDiskPath",
+     "runtime vllm has no equivalent setting"),
 ])
 def test_what_a_runtime_cannot_honour_is_an_invalid_spec_naming_it(spec, field, words):
     spec = {"model": {"uri": "pvc://models/qwen"}, **spec}
@@ -233,6 +236,15 @@ def test_vllm_takes_the_lora_ranks_it_accepts():
         assert args[args.index("--max-lora-rank") + 1] == str(rank)
     shoal = {"model": {"uri": "pvc://models/qwen"}, "engine": {"enableLora": True, "maxLoraRank": 48}}
     render.render(isvc(shoal), SETTINGS)  # Shoal's engine takes any rank
+
+
+def test_kv_offloading_renders_as_vllms_flags_for_both_runtimes():
+    engine = {"kvOffloadingSize": 4, "kvOffloadingBackend": "native"}
+    for runtime in ("shoal", "vllm"):
+        spec = {"runtime": runtime, "model": {"uri": "pvc://models/qwen"}, "engine": engine}
+        args = container(engine_of(render.render(isvc(spec), SETTINGS)))["args"]
+        i = args.index("--kv-offloading-size")
+        assert args[i:i + 4] == ["--kv-offloading-size", "4.0", "--kv-offloading-backend", "native"], runtime
 
 
 def test_the_crd_knows_the_runtime_field():

@@ -1,0 +1,56 @@
+"""The KV connector: where blocks evicted from the KV pool go, keyed by the prefix cache's block hash.
+
+One interface for every place a block's KV bytes can be kept outside the pool: the CPU-memory tier
+(kv_cpu_tier.py), the local-disk tier (kv_disk_tier.py) and, later, a store shared by several engines (LMCache,
+Mooncake) behind the same four calls. A block's bytes are one flat uint8 tensor of this rank's shard: every layer's
+K, V (and fp8 scales) of the block, in the order kv_offload.BlockLayout lays them out, so a connector never needs
+to know the model.
+
+Block hashes chain (kv_hash.py): a block's hash names its whole prefix, so equal hashes mean equal KV, and a
+connector may keep any block it is given and serve it to any request that looks the hash up.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KVConnector(ABC):
+    """Stores and serves KV blocks by block hash. Calls come from one thread at a time (kv_offload's copy thread
+    stores; loads and lookups wait for it to go idle or take its lock), so a connector needs no locking of its own."""
+
+    name: str  # the tier's label in metrics and logs: "cpu", "disk", or the shared store's name
+
+    @abstractmethod
+    def store(self, block_hash: int, data: torch.Tensor) -> None:
+        """Keep `data` (one block's bytes, flat uint8) under `block_hash`; a hash already held is refreshed. The
+        connector may drop other blocks to make room, or decline to keep this one."""
+
+    @abstractmethod
+    def lookup(self, block_hashes: list[int]) -> int:
+        """How many of the leading `block_hashes` this connector holds (it stops at the first it lacks)."""
+
+    @abstractmethod
+    def load(self, block_hash: int) -> torch.Tensor | None:
+        """The block's bytes, or None when the connector does not hold it or what it held is damaged (a damaged
+        block is dropped: it is recomputed, never served)."""
+
+    @abstractmethod
+    def remove(self, block_hash: int) -> None:
+        """Forget the block (nothing happens when it is not held)."""
+
+    def clear(self) -> None:
+        """Forget every block (a prefix-cache reset: the KV may no longer match the weights)."""
+
+    def __len__(self) -> int:
+        return 0
+
+    @property
+    def used_bytes(self) -> int:
+        return 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return 0
