@@ -165,7 +165,16 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("nodes other than node 0 run workers only: pass --headless")
     from shoal.engine import startup
 
-    startup.hold_gc()  # until the model is loaded (startup.ready)
+    startup.hold_gc()  # until the model is loaded (startup.ready), or this returns or raises
+    try:
+        return _serve(args, parser)
+    finally:
+        startup.release_gc()
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from shoal.engine import startup
+
     try:
         config = engine_config_from_args(args)
     except Exception as e:  # noqa: BLE001 - validation errors become a clean usage error (exit 2)

@@ -81,16 +81,16 @@ def imports_done() -> None:
 
 
 def hold_gc() -> None:
-    """No cyclic garbage collection until ready(): importing torch and transformers and building the model make
-    ~500k long-lived objects, and every collection their allocations trigger walks them again (~15 % of the
-    imports' CPU time, measured)."""
+    """No cyclic garbage collection until ready() (or release_gc()): importing torch and transformers and building
+    the model make ~500k long-lived objects, and every collection their allocations trigger walks them again
+    (~15 % of the imports' CPU time, measured)."""
     global _gc_held
     if gc.isenabled():
         gc.disable()
         _gc_held = True
 
 
-def _release_gc() -> None:
+def release_gc() -> None:
     """What the start made is frozen, then collection resumes: a collection never walks those objects again (one
     full one took 0.28 s with the SmolLM2 GGUF loaded: a stall while serving). The few thousand objects the start
     left unreachable stay with them, which is cheaper than collecting them on the way to ready."""
@@ -105,7 +105,7 @@ def ready() -> None:
     """The model is loaded: `total` and `other` are fixed now (the first call counts), and garbage collection held
     since the start resumes."""
     global _ready_age, _at_ready
-    _release_gc()
+    release_gc()
     if _ready_age is None:
         with _lock:
             _at_ready = sum(_seconds.values())

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from prockit import wait_for
 
 from .conftest import metric
@@ -55,7 +56,13 @@ def test_garbage_collection_is_held_until_ready_then_frozen():
     enabled, frozen = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                                 text=True).stdout)
     assert enabled and frozen > 1000
-    assert gc.isenabled()  # this process's collector untouched
+    # a serve that fails before serving (here: a bad flag, in this process) gives the collector back too
+    from shoal.engine import cli
+
+    assert gc.isenabled()
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--model", "/nonexistent", "--response-store-size", "0"])
+    assert gc.isenabled()
 
 
 def test_the_process_age_is_on_the_boot_clock():
