@@ -13,6 +13,7 @@ connector may keep any block it is given and serve it to any request that looks 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 
 import torch
 
@@ -54,3 +55,34 @@ class KVConnector(ABC):
     @property
     def capacity_bytes(self) -> int:
         return 0
+
+
+class LRUTier(KVConnector):
+    """A tier holding up to `capacity_blocks` blocks of `block_nbytes` each, least recently used first in `_blocks`
+    (hash -> what the tier keeps for it): the bookkeeping the CPU and disk tiers share."""
+
+    def __init__(self, capacity_blocks: int, block_nbytes: int):
+        if capacity_blocks < 1:
+            raise ValueError(f"the {self.name} offload tier needs room for at least one block")
+        self.capacity_blocks = capacity_blocks
+        self.block_nbytes = block_nbytes
+        self._blocks: OrderedDict[int, object] = OrderedDict()  # oldest first
+
+    def lookup(self, block_hashes: list[int]) -> int:
+        n = 0
+        for h in block_hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self._blocks) * self.block_nbytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity_blocks * self.block_nbytes

@@ -7,23 +7,17 @@ one goes to the next tier (the disk tier) when there is one, else it is forgotte
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
-from shoal.engine.execution.kv_connector import KVConnector
+from shoal.engine.execution.kv_connector import KVConnector, LRUTier
 
 
-class CPUTier(KVConnector):
+class CPUTier(LRUTier):
     name = "cpu"
 
     def __init__(self, capacity_blocks: int, block_nbytes: int, spill: KVConnector | None = None):
-        if capacity_blocks < 1:
-            raise ValueError("the CPU offload tier needs room for at least one block")
-        self.capacity_blocks = capacity_blocks
-        self.block_nbytes = block_nbytes
+        super().__init__(capacity_blocks, block_nbytes)  # _blocks: hash -> the block's bytes
         self.spill = spill
-        self._blocks: OrderedDict[int, torch.Tensor] = OrderedDict()  # oldest first
 
     def store(self, block_hash: int, data: torch.Tensor) -> None:
         if block_hash in self._blocks:
@@ -34,14 +28,6 @@ class CPUTier(KVConnector):
             if self.spill is not None:
                 self.spill.store(old_hash, old)
         self._blocks[block_hash] = data
-
-    def lookup(self, block_hashes: list[int]) -> int:
-        n = 0
-        for h in block_hashes:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
 
     def load(self, block_hash: int) -> torch.Tensor | None:
         data = self._blocks.get(block_hash)
@@ -54,14 +40,3 @@ class CPUTier(KVConnector):
 
     def clear(self) -> None:
         self._blocks.clear()
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    @property
-    def used_bytes(self) -> int:
-        return len(self._blocks) * self.block_nbytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.capacity_blocks * self.block_nbytes

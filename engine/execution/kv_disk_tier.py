@@ -15,12 +15,11 @@ import hashlib
 import logging
 import os
 import struct
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
-from shoal.engine.execution.kv_connector import KVConnector
+from shoal.engine.execution.kv_connector import LRUTier
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +32,12 @@ def digest(payload: bytes | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=32).digest()
 
 
-class DiskTier(KVConnector):
+class DiskTier(LRUTier):
     name = "disk"
 
     def __init__(self, directory: str | os.PathLike, capacity_blocks: int, block_nbytes: int):
-        if capacity_blocks < 1:
-            raise ValueError("the disk offload tier needs room for at least one block")
+        super().__init__(capacity_blocks, block_nbytes)  # _blocks: the hashes on disk (-> None)
         self.directory = Path(directory)
-        self.capacity_blocks = capacity_blocks
-        self.block_nbytes = block_nbytes
-        self._blocks: OrderedDict[int, None] = OrderedDict()  # hashes on disk, oldest first
         self.corrupted = 0  # blocks found damaged on load (and recomputed)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -78,14 +73,6 @@ class DiskTier(KVConnector):
             self._unlink(tmp)
             return
         self._blocks[block_hash] = None
-
-    def lookup(self, block_hashes: list[int]) -> int:
-        n = 0
-        for h in block_hashes:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
 
     def load(self, block_hash: int) -> torch.Tensor | None:
         if block_hash not in self._blocks:
@@ -128,14 +115,3 @@ class DiskTier(KVConnector):
             pass
         except OSError as e:
             logger.warning("KV disk tier: could not delete %s: %s", path, e)
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    @property
-    def used_bytes(self) -> int:
-        return len(self._blocks) * self.block_nbytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.capacity_blocks * self.block_nbytes
