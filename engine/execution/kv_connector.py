@@ -68,6 +68,22 @@ class LRUTier(KVConnector):
         self.block_nbytes = block_nbytes
         self._blocks: OrderedDict[int, object] = OrderedDict()  # oldest first
 
+    def store(self, block_hash: int, data: torch.Tensor) -> None:
+        if block_hash in self._blocks:
+            self._blocks.move_to_end(block_hash)
+            return
+        while len(self._blocks) >= self.capacity_blocks:
+            self._evict(*self._blocks.popitem(last=False))
+        self._put(block_hash, data)
+
+    @abstractmethod
+    def _evict(self, block_hash: int, kept: object) -> None:
+        """The least recently used block leaves to make room (what the tier kept for it is passed)."""
+
+    @abstractmethod
+    def _put(self, block_hash: int, data: torch.Tensor) -> None:
+        """Keep a new block (room has been made); record it in `_blocks` unless it could not be kept."""
+
     def lookup(self, block_hashes: list[int]) -> int:
         n = 0
         for h in block_hashes:

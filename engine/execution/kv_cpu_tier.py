@@ -19,14 +19,11 @@ class CPUTier(LRUTier):
         super().__init__(capacity_blocks, block_nbytes)  # _blocks: hash -> the block's bytes
         self.spill = spill
 
-    def store(self, block_hash: int, data: torch.Tensor) -> None:
-        if block_hash in self._blocks:
-            self._blocks.move_to_end(block_hash)
-            return
-        while len(self._blocks) >= self.capacity_blocks:
-            old_hash, old = self._blocks.popitem(last=False)
-            if self.spill is not None:
-                self.spill.store(old_hash, old)
+    def _evict(self, block_hash: int, kept: object) -> None:
+        if self.spill is not None:
+            self.spill.store(block_hash, kept)
+
+    def _put(self, block_hash: int, data: torch.Tensor) -> None:
         self._blocks[block_hash] = data
 
     def load(self, block_hash: int) -> torch.Tensor | None:

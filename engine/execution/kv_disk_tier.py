@@ -53,13 +53,10 @@ class DiskTier(LRUTier):
     def _path(self, block_hash: int) -> Path:
         return self.directory / f"{block_hash:016x}{SUFFIX}"
 
-    def store(self, block_hash: int, data: torch.Tensor) -> None:
-        if block_hash in self._blocks:
-            self._blocks.move_to_end(block_hash)
-            return
-        while len(self._blocks) >= self.capacity_blocks:
-            old, _ = self._blocks.popitem(last=False)
-            self._unlink(self._path(old))
+    def _evict(self, block_hash: int, kept: object) -> None:
+        self._unlink(self._path(block_hash))
+
+    def _put(self, block_hash: int, data: torch.Tensor) -> None:
         payload = data.contiguous().numpy().tobytes()
         path = self._path(block_hash)
         tmp = path.with_suffix(".tmp")
