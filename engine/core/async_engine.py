@@ -468,6 +468,13 @@ class AsyncEngine:
                 self._refresh_stats()  # before the outputs: a client that saw its response sees its stats too
                 if outputs:
                     self._dispatch(outputs)
+            elif not items and self._offload_backlog():
+                self._refresh_stats()  # copies drain off the step: the offload gauges must not freeze while idle
+
+    def _offload_backlog(self) -> bool:
+        stats = self.snapshot.stats
+        tiers = getattr(stats, "kv_offload_tiers", None) or {}
+        return any(t.get("pending") for t in tiers.values())
 
     def _take_inbox(self, block: bool) -> list:
         items = []

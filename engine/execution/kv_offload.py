@@ -191,13 +191,15 @@ class KVOffloader:
                 tier.clear()
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per tier (this rank's): blocks held, bytes used, capacity in bytes, blocks found damaged. Read without
-        the lock (sizes of dicts only), so a scrape never waits for a disk write."""
+        """Per tier (this rank's): blocks held, bytes used, capacity in bytes, blocks found damaged, and blocks
+        pending (copied out of the pool, not yet handed to the tier; they count as held by the CPU tier, whose
+        memory they are in). Read without the lock (sizes of dicts only), so a scrape never waits for a disk write."""
         out = {t.name: {"blocks": len(t), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
-                        "corrupted": getattr(t, "corrupted", 0)} for t in self.tiers}
+                        "corrupted": getattr(t, "corrupted", 0), "pending": 0} for t in self.tiers}
         pending = len(self._pending)
         out["cpu"]["blocks"] += pending
         out["cpu"]["used_bytes"] += pending * self.block_nbytes
+        out["cpu"]["pending"] = pending
         return out
 
     def wait_idle(self) -> None:

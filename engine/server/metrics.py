@@ -134,6 +134,9 @@ class _EngineStatsCollector:
             "blocks": ("kv_offload_blocks", "KV blocks held by each offload tier (rank 0's)."),
             "used_bytes": ("kv_offload_used_bytes", "Bytes of KV blocks held by each offload tier (rank 0's)."),
             "capacity_bytes": ("kv_offload_capacity_bytes", "Capacity of each offload tier in bytes (rank 0's)."),
+            "pending": ("kv_offload_pending_blocks", "KV blocks copied out of the KV cache that the copy thread has "
+                        "not yet handed to the tier (rank 0's); a backlog that keeps growing means the tier cannot "
+                        "keep up."),
         }
         tiers = s.kv_offload_tiers
         for key, (name, doc) in families.items():

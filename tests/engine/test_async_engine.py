@@ -4,6 +4,7 @@ failing liveness and a fatal step error killing the loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -115,3 +116,28 @@ async def test_async_engine_fatal_step_error_kills_loop(async_engine):
     assert not eng.is_alive() and not eng.is_ready() and isinstance(eng.fatal_error, RuntimeError)
     with pytest.raises(EngineDeadError):
         await eng.add_request("g", [5, 6, 7], _params())
+
+
+async def test_offload_backlog_drains_in_the_snapshot_while_idle(llama_model):
+    """Copies reach the offload tiers off the step: once the engine is idle, the snapshot (what /metrics shows)
+    must follow the copy thread's backlog down to 0, not keep the value of the last step."""
+    eng = AsyncEngine(EngineConfig(model=str(llama_model), block_size=4, max_model_len=64, num_kv_blocks=20,
+                                   kv_offloading_size=0.01))
+    eng.start()
+    try:
+        await eng.wait_loaded(120)
+        tier = eng.engine.executor.offload.tiers[0]
+        go, store = threading.Event(), tier.store
+        tier.store = lambda *a: (go.wait(30), store(*a))  # the copy thread hands nothing to the tier until `go`
+        for start in (5, 60):  # 40-token prompts: the second evicts the first's blocks from the 20-block pool
+            async for _ in eng.generate(list(range(start, start + 40)), _params(max_tokens=2), f"p{start}"):
+                pass
+        assert eng.snapshot.stats.kv_offload_tiers["cpu"]["pending"] > 0
+        go.set()
+        deadline = time.monotonic() + 30
+        while eng.snapshot.stats.kv_offload_tiers["cpu"]["pending"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert eng.snapshot.stats.kv_offload_tiers["cpu"]["pending"] == 0
+        assert eng.snapshot.stats.kv_offload_tiers["cpu"]["blocks"] > 0
+    finally:
+        eng.shutdown()

@@ -4,7 +4,7 @@ engine's greedy text, and /metrics counts the hits per tier."""
 
 from __future__ import annotations
 
-from offloadkit import BLOCK, PARAMS, gib, prompts
+from offloadkit import BLOCK, PARAMS, gib, prompts, settled
 from openai import OpenAI
 
 from shoal.engine import LLM
@@ -26,6 +26,7 @@ def test_served_prefixes_come_back_from_the_tiers_with_the_same_tokens(start_ser
     def complete(prompt: list[int]) -> str:
         r = client.completions.create(model="tiny", prompt=prompt, max_tokens=PARAMS.max_tokens, temperature=0,
                                       extra_body={"ignore_eos": True})
+        settled(lambda: metric(server.metrics(), "shoal:kv_offload_pending_blocks", tier="cpu"))
         return r.choices[0].text
 
     for _ in range(2):  # each prompt evicts the one before from the 20-block pool
@@ -39,4 +40,5 @@ def test_served_prefixes_come_back_from_the_tiers_with_the_same_tokens(start_ser
     assert metric(m, "shoal:kv_offload_blocks", tier="disk") > 0
     assert metric(m, "shoal:kv_offload_capacity_bytes", tier="cpu") == 12 * per_block
     assert metric(m, "shoal:kv_offload_corrupted_blocks_total", tier="disk") == 0
+    assert metric(m, "shoal:kv_offload_pending_blocks", tier="disk") == 0
     assert metric(m, "shoal:num_free_kv_blocks") == metric(m, "shoal:num_kv_blocks")  # no block leaked
