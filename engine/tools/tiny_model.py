@@ -93,6 +93,9 @@ _MLA_CONFIGS = {
     "deepseek_v3": ("DeepseekV3Config", dict(q_lora_rank=48, routed_scaling_factor=2.5, norm_topk_prob=True)),
     "deepseek_v2": ("DeepseekV2Config", dict(q_lora_rank=None, routed_scaling_factor=1.5,
                                              topk_method="group_limited_greedy")),
+    # GLM-4.7-Flash: V3's layers, the dense ones named by mlp_layer_types (here not only the first).
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(q_lora_rank=48, routed_scaling_factor=1.8, norm_topk_prob=True,
+                                                mlp_layer_types=["sparse", "dense", "sparse"])),
 }
 MLA_ARCHS = list(_MLA_CONFIGS)
 
@@ -184,6 +187,8 @@ def _config(arch: str, vocab_size: int, **overrides):
     elif arch in _MLA_CONFIGS:
         name, extra = _MLA_CONFIGS[arch]
         cls, kw = getattr(tf, name), dict(_MLA_COMMON, **extra)
+        if "mlp_layer_types" in extra:
+            del kw["first_k_dense_replace"]
     elif arch == "gemma2":
         # Alternating sliding (8 tokens) and global layers, both soft-caps low enough to bite on random weights.
         cls = tf.Gemma2Config

@@ -1,4 +1,4 @@
-"""DeepSeek V3 and V2 (multi-head latent attention, grouped MoE routing) against transformers in every engine mode:
+"""DeepSeek V3 and V2 and GLM-4.7-Flash (multi-head latent attention, grouped MoE routing) against transformers in every engine mode:
 same greedy tokens, logprobs within float32 tolerance. Tiny random-weight models (tools/tiny_model.py: 3 layers, the
 first dense, 8 experts in 4 groups with 2 kept, top-2, a shared expert; V3 with q_lora_rank and a nonzero routing
 correction bias, V2-Lite-style without q_lora_rank; YaRN with mscale_all_dim). Also: the latent cache's layout and
@@ -22,7 +22,9 @@ from test_kv_fp8 import assert_fp8_greedy_close
 
 pytestmark = pytest.mark.numerics
 
-ARCHITECTURE = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
+ARCHITECTURE = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
+SPARSE_LAYERS = {"glm4_moe_lite": [True, False, True]}  # mlp_layer_types; DeepSeek: all after the first
 MODES = {
     "batched": dict(block_size=4, max_model_len=128),
     # A pool too small for the batch and an 8-token budget: chunked prompts, decodes mixed in, preemptions.
@@ -47,7 +49,8 @@ def test_greedy_matches_transformers(family, mode):
         model = engine.executor.runner.model
         assert engine.executor.backend_name == MODES[mode].get("attention_backend", "cpu")
         assert all(isinstance(layer.self_attn, LatentAttention) for layer in model.layers)
-        assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers] == [False, True, True]
+        sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers]
+        assert sparse == SPARSE_LAYERS.get(arch, [False, True, True])
         check_mode_against_hf(llm, model_dir, mode)
 
 
@@ -105,14 +108,17 @@ def test_fp8_latent_cache(model_factory):
     print("fp8 vs bf16 latent cache, |logprob difference| of the greedy tokens:", diffs)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("kv_lora_rank", 0, "config field kv_lora_rank must be a positive integer"),
-    ("qk_rope_head_dim", 7, "config field qk_rope_head_dim must be even"),
-    ("n_group", 3, r"config field n_group \(3\) must divide n_routed_experts \(8\)"),
+@pytest.mark.parametrize("arch,field,value,message", [
+    ("deepseek_v3", "kv_lora_rank", 0, "config field kv_lora_rank must be a positive integer"),
+    ("deepseek_v3", "qk_rope_head_dim", 7, "config field qk_rope_head_dim must be even"),
+    ("deepseek_v3", "n_group", 3, r"config field n_group \(3\) must divide n_routed_experts \(8\)"),
+    ("glm4_moe_lite", "mlp_layer_types", ["dense", "moe", "sparse"], "mlp_layer_types must give 'dense' or 'sparse'"),
+    ("glm4_moe_lite", "mlp_layer_types", ["dense", "sparse"], "for each of the 3 layers"),
 ])
-def test_inconsistent_config_is_refused_at_load_naming_the_field(model_factory, tmp_path, field, value, message):
+def test_inconsistent_config_is_refused_at_load_naming_the_field(model_factory, tmp_path, arch, field, value,
+                                                                 message):
     model_dir = tmp_path / "bad"
-    shutil.copytree(model_factory("deepseek_v3"), model_dir)
+    shutil.copytree(model_factory(arch), model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config[field] = value
     (model_dir / "config.json").write_text(json.dumps(config))

@@ -1,8 +1,11 @@
-"""DeepseekV3ForCausalLM (DeepSeek V3/R1, Kimi K2) and DeepseekV2ForCausalLM (DeepSeek V2, V2-Lite).
+"""DeepseekV3ForCausalLM (DeepSeek V3/R1, Kimi K2), DeepseekV2ForCausalLM (DeepSeek V2, V2-Lite) and
+Glm4MoeLiteForCausalLM (GLM-4.7-Flash: V3's attention and routing, its dense and sparse layers listed by
+mlp_layer_types).
 
 The decoder of models/decoder.py with multi-head latent attention (layers/mla.py: a latent KV cache of
 kv_lora_rank + qk_rope_head_dim values per token and layer, weight-absorbed attention) in every layer, and as MLP:
-- the first `first_k_dense_replace` layers: a dense SwiGLU MLP of intermediate_size;
+- the first `first_k_dense_replace` layers (GLM: the layers mlp_layer_types calls "dense"): a dense SwiGLU MLP of
+  intermediate_size;
 - the others: a SparseMoeBlock of n_routed_experts experts of moe_intermediate_size plus shared experts
   (n_shared_experts x moe_intermediate_size, one dense MLP added to every token), routed as the family says:
   - V3: sigmoid scores, e_score_correction_bias for the choice, the topk_group best of n_group groups (each scored
@@ -118,3 +121,16 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
         grouped = method == "group_limited_greedy"
         return "softmax", False, GroupedRouting(c.n_group if grouped else 1, c.topk_group if grouped else 1,
                                                 float(c.routed_scaling_factor))
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    def __init__(self, config, dtype, backend, max_model_len: int, layer_partition=None):
+        types = getattr(config, "mlp_layer_types", None)
+        if (not isinstance(types, (list, tuple)) or len(types) != config.num_hidden_layers
+                or set(types) - {"dense", "sparse"}):
+            raise ValueError(f"Glm4MoeLiteForCausalLM: config field mlp_layer_types must give 'dense' or 'sparse' "
+                             f"for each of the {config.num_hidden_layers} layers (got {types!r})")
+        super().__init__(config, dtype, backend, max_model_len, layer_partition)
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return self.config.mlp_layer_types[layer_idx] == "sparse"
