@@ -1,7 +1,7 @@
-"""DeepSeek V3 and V2 (MLA; V2 without the q low-rank projection, group-limited greedy routing) over gloo (worker
-processes on this machine): tensor parallel (query heads, kv_b_proj and o_proj
-split by head, the latent projected and cached whole on every rank, every expert's width split), against the
-single-process engine and transformers."""
+"""DeepSeek V3 and V2 and GLM-4.7-Flash (MLA; V2 without the q low-rank projection, group-limited greedy routing)
+over gloo (worker processes on this machine): tensor parallel (query heads, kv_b_proj and o_proj split by head, the
+latent projected and cached whole on every rank, every expert's width split) and pipeline parallel (layers 2 + 1),
+against the single-process engine and transformers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from test_tp_pp_equivalence import OPTIONS, PARAMS, PROMPTS, compare, single_pro
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch,tp,pp", [("deepseek_v3", 2, 1), ("deepseek_v2", 2, 1)],
+@pytest.mark.parametrize("arch,tp,pp", [("deepseek_v3", 2, 1), ("deepseek_v2", 2, 1), ("deepseek_v3", 1, 2),
+                                      ("glm4_moe_lite", 1, 2)],
                          ids=lambda v: str(v))
 def test_mla_parallel_matches_single_process_and_transformers(model_factory, arch, tp, pp):
     model_dir = model_factory(arch)
