@@ -2,7 +2,7 @@
 
 - `is_gguf(path)`: a file that starts with the GGUF magic.
 - `gguf_config(path)`: a transformers config built from the GGUF metadata (llama, mistral, qwen2, qwen3, gemma2,
-  gemma3, phi3, qwen2moe and qwen3moe families, and Mixtral, which llama.cpp files as llama with
+  gemma3, phi3, qwen2moe, qwen3moe and deepseek2 families, and Mixtral, which llama.cpp files as llama with
   `llama.expert_count`).
 - `load_gguf_tokenizer(path)`: transformers' GGUF tokenizer conversion (vocabulary, merges, special tokens and the
   chat template stored in the metadata).
@@ -26,6 +26,10 @@ projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`: [experts, rows, col
 Hugging Face name and reads only its own rows of the stack (quantization blocks never span experts), so a rank loads
 its experts' bytes and nothing more, packed or dequantized like any other weight. llama.cpp's Qwen MoE files make
 every layer sparse and renormalise the top-k weights for Qwen3-MoE only, and so does the config built here.
+
+deepseek2 (DeepSeek V2/V3, Kimi K2) keeps the checkpoint's rows as they are (their rotary dims stay interleaved, as
+rope_interleave says), but writes MLA as multi-query attention over the latent (`_mla_config` reads the per-head
+sizes back) and splits kv_b_proj in two for its absorbed attention, which the source joins again (`_joined_kv_b`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ ARCHITECTURES = {
     "phi3": ("phi3", "Phi3ForCausalLM", False),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
+    # DeepSeek V2/V3, Kimi K2 (MLA): V3 when the experts are gated by sigmoid, else V2 (see _architecture)
+    "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM", False),
 }
 _GEMMA = ("gemma2", "gemma3")
 
@@ -89,7 +95,17 @@ _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "qwen2moe": _QWEN_MOE_NAMES,
     "qwen3moe": _QWEN_MOE_NAMES,
+    "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                  "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                  "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                  "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"},
 }
+# Architectures whose config transformers' GGUF loader cannot read (AutoTokenizer reads the config first): their
+# tokenizer is built from the file's vocabulary by the generic fast tokenizer, as transformers' converter does.
+_TOKENIZER_ONLY = {"deepseek2"}
+# llama.cpp's gating function ids (deepseek2.expert_gating_func)
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -137,6 +153,9 @@ def _architecture(reader, path) -> tuple[str, str, str, bool]:
         model_type, hf_arch = "mixtral", "MixtralForCausalLM"
     elif arch == "llama" and "mistral" in name:  # llama.cpp files Mistral under llama
         model_type, hf_arch = "mistral", "MistralForCausalLM"
+    elif arch == "deepseek2" and int(_field(reader, "deepseek2.expert_gating_func", _GATING_SOFTMAX)) != \
+            _GATING_SIGMOID:  # V2's softmax router (llama.cpp's default when the key is absent)
+        model_type, hf_arch = "deepseek_v2", "DeepseekV2ForCausalLM"
     return arch, model_type, hf_arch, permuted
 
 
@@ -196,6 +215,8 @@ def gguf_config(path: str | os.PathLike):
         kw["attention_bias"] = "blk.0.attn_q.bias" in names
     if arch in _GEMMA or arch == "phi3":
         kw.update(_family_config(reader, arch, kw, path))
+    if arch == "deepseek2":
+        kw.update(_mla_config(reader, arch, kw, path))
     for key, attr in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("padding_token_id", "pad_token_id")):
         value = _field(reader, f"tokenizer.ggml.{key}")
@@ -255,6 +276,56 @@ def _family_config(reader, arch: str, kw: dict, path) -> dict:
     return out
 
 
+def _mla_config(reader, arch: str, kw: dict, path) -> dict:
+    """DeepSeek V2/V3's config from llama.cpp's deepseek2 metadata. Its converter writes MLA as multi-query attention
+    over the latent: head_count_kv 1, key_length kv_lora_rank + rope dims and value_length kv_lora_rank, the
+    per-head sizes as key_length_mla / value_length_mla (older files: head_count_kv = heads and the per-head sizes
+    as key_length / value_length); the leading dense layers as a count, and the router by its gating function."""
+    def get(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    def need(key: str):
+        value = get(key)
+        if value is None:
+            raise WeightError(f"{path}: GGUF metadata {arch}.{key} is missing")
+        return value
+
+    rope = int(need("rope.dimension_count"))
+    kv_lora = int(need("attention.kv_lora_rank"))
+    if get("attention.key_length_mla") is not None:
+        qk_head, v_head = int(get("attention.key_length_mla")), int(need("attention.value_length_mla"))
+    else:
+        qk_head, v_head = int(need("attention.key_length")), int(need("attention.value_length"))
+    if qk_head <= rope:
+        raise WeightError(f"{path}: GGUF metadata gives a query/key head of {qk_head} values, no more than its "
+                          f"{rope} rotary ones")
+    q_lora = get("attention.q_lora_rank")
+    out = dict(num_key_value_heads=kw["num_attention_heads"], kv_lora_rank=kv_lora, qk_rope_head_dim=rope,
+               qk_nope_head_dim=qk_head - rope, v_head_dim=v_head, head_dim=rope,
+               q_lora_rank=int(q_lora) if q_lora else None, rope_interleave=True,
+               first_k_dense_replace=int(get("leading_dense_block_count", 0) or 0),
+               n_routed_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+               moe_intermediate_size=int(need("expert_feed_forward_length")),
+               n_shared_experts=int(get("expert_shared_count", 0) or 0),
+               routed_scaling_factor=float(get("expert_weights_scale", 1.0) or 1.0),
+               norm_topk_prob=bool(get("expert_weights_norm", False)),
+               n_group=int(get("expert_group_count", 1) or 1), topk_group=int(get("expert_group_used_count", 1) or 1))
+    if out["n_group"] > 1 and kw["architectures"] == ["DeepseekV2ForCausalLM"]:
+        out["topk_method"] = "group_limited_greedy"
+    params = {"rope_type": "default", "rope_theta": kw["rope_theta"]}
+    if get("rope.scaling.type") == "yarn":
+        # llama.cpp keeps 0.1 * mscale_all_dim as the YaRN log multiplier and takes mscale equal to it (as
+        # DeepSeek's configs have it), so the attention factor is 1 and the softmax scale carries mscale^2.
+        mscale = float(get("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1
+        params.update(rope_type="yarn", factor=float(need("rope.scaling.factor")),
+                      original_max_position_embeddings=int(need("rope.scaling.original_context_length")),
+                      beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                      beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)),
+                      mscale=mscale, mscale_all_dim=mscale)
+    out["rope_parameters"] = params
+    return out
+
+
 def _tokenizer_cache_dir() -> Path:
     from shoal.engine.tools.demo_model import cache_root
 
@@ -287,7 +358,10 @@ def load_gguf_tokenizer(path: str | os.PathLike, **kwargs):
     except ImportError:
         raise WeightError(f"{p}: converting a GGUF file's tokenizer needs the 'gguf' package (pip install gguf)") \
             from None
-    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True, **kwargs)
+    loader = AutoTokenizer
+    if _field(reader, "general.architecture") in _TOKENIZER_ONLY:
+        from transformers import PreTrainedTokenizerFast as loader
+    tok = loader.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True, **kwargs)
     _save_converted(tok, cached)
     return tok
 
@@ -346,14 +420,22 @@ class GGUFWeightSource:
         reader = open_gguf(path)
         arch, _, _, self._permuted = _architecture(reader, path)
         self._layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
-        stacks = _QWEN_EXPERT_STACKS if arch in ("qwen2moe", "qwen3moe") else _EXPERT_STACKS
+        stacks = _QWEN_EXPERT_STACKS if arch in ("qwen2moe", "qwen3moe", "deepseek2") else _EXPERT_STACKS
         self._norm_offset = arch in _GEMMA  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
         self._heads = {"self_attn.q_proj": hf_config.num_attention_heads,
                        "self_attn.k_proj": hf_config.num_key_value_heads}
         self._tensors = {}  # Hugging Face name -> GGUF tensor
         self._expert = {}  # Hugging Face name of one expert -> its index in the stacked GGUF tensor
+        self._kv_b: dict[str, dict[str, object]] = {}  # MLA's kv_b_proj, split by llama.cpp: name -> {k, v}
         for t in reader.tensors:
             stem = t.name.rpartition(".")[0].split(".")
+            if arch == "deepseek2" and len(stem) == 3 and stem[0] == "blk":
+                if stem[2] in ("attn_k_b", "attn_v_b"):
+                    self._kv_b.setdefault(f"model.layers.{stem[1]}.self_attn.kv_b_proj.weight", {})[stem[2][5]] = t
+                    continue
+                if stem[2] == "exp_probs_b":  # the router's correction bias (llama.cpp files it as a bias)
+                    self._tensors[f"model.layers.{stem[1]}.mlp.gate.e_score_correction_bias"] = t
+                    continue
             if len(stem) == 3 and stem[0] == "blk" and stem[2] in stacks and t.name.endswith(".weight"):
                 for e in range(int(t.shape[-1])):  # GGUF lists dimensions innermost first: experts last
                     name = f"model.layers.{stem[1]}.{stacks[stem[2]].format(e=e)}.weight"
@@ -362,6 +444,10 @@ class GGUFWeightSource:
             hf = self._hf_name(t.name)
             if hf is not None:
                 self._tensors[hf] = t
+        for name, parts in self._kv_b.items():
+            if set(parts) != {"k", "v"}:
+                raise WeightError(f"{self.model_dir}: {name!r} is split in two tensors (attn_k_b, attn_v_b) and "
+                                  f"only one is in the file")
         self.used: set[str] = set()
         types = Counter(t.tensor_type.name for t in {id(t): t for t in self._tensors.values()}.values())
         quantized = sorted(k for k in types if k not in ("F32", "F16", "BF16"))
@@ -390,10 +476,27 @@ class GGUFWeightSource:
         return None
 
     def names(self) -> set[str]:
-        return set(self._tensors)
+        return set(self._tensors) | set(self._kv_b)
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._tensors or name in self._kv_b
+
+    def _joined_kv_b(self, name: str) -> torch.Tensor:
+        """kv_b_proj [heads x (qk_nope + v), kv_lora] from llama.cpp's k_b [heads, kv_lora, qk_nope] (transposed
+        for its absorbed attention) and v_b [heads, v, kv_lora]: each head's key rows, then its value rows."""
+        from gguf import quants
+
+        def full(t) -> torch.Tensor:
+            w = quants.dequantize(np.ascontiguousarray(t.data), t.tensor_type)
+            return torch.from_numpy(np.require(w, np.float32, ["C", "W"])).reshape(
+                tuple(int(d) for d in reversed(t.shape)))
+
+        self.used.add(name)
+        k, v = full(self._kv_b[name]["k"]), full(self._kv_b[name]["v"])
+        if k.dim() != 3 or v.dim() != 3 or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[2]:
+            raise WeightError(f"{self.model_dir}: {name!r}: attn_k_b {list(k.shape)} and attn_v_b {list(v.shape)} "
+                              f"are not [heads, kv_lora, qk_nope] and [heads, v, kv_lora]")
+        return torch.cat([k.transpose(1, 2), v], dim=1).reshape(-1, k.shape[1])
 
     def _tensor(self, name: str):
         if name not in self._tensors:
@@ -402,6 +505,10 @@ class GGUFWeightSource:
         return self._tensors[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._kv_b:
+            heads, _, nope = reversed(self._kv_b[name]["k"].shape)
+            _, v, kv_lora = reversed(self._kv_b[name]["v"].shape)
+            return int(heads) * (int(nope) + int(v)), int(kv_lora)
         dims = tuple(int(d) for d in reversed(self._tensor(name).shape))  # GGUF lists dimensions innermost first
         if len(dims) == 1 and name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps the [1, H] gate as [H]
             return 1, dims[0]
@@ -411,6 +518,12 @@ class GGUFWeightSource:
              dim: int | None = None, start: int = 0, length: int | None = None) -> torch.Tensor:
         from gguf import quants
 
+        if name in self._kv_b:
+            w = self._joined_kv_b(name)
+            if expected_shape is not None and tuple(w.shape) != tuple(expected_shape):
+                raise WeightError(f"{self.model_dir}: tensor {name!r} has shape {list(w.shape)} but the config "
+                                  f"implies {list(expected_shape)}")
+            return w if dim is None else w.narrow(dim, start, w.shape[dim] - start if length is None else length)
         t = self._tensor(name)
         full = self.shape(name)
         if expected_shape is not None and full != tuple(expected_shape):

@@ -214,3 +214,115 @@ def _add_tokenizer(w, model_dir: Path, cfg: dict) -> None:
         template = (model_dir / "chat_template.jinja").read_text()
     if template:
         w.add_chat_template(template)
+
+
+def write_mla_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32", seed: int = 0,
+                   split_kv_b: bool = True, drop: set[str] = frozenset()) -> Path:
+    """A tiny DeepSeek V2/V3 checkpoint as llama.cpp's converter writes it (architecture deepseek2): MLA as
+    multi-query attention over the latent (head_count_kv 1, key_length kv_lora + rope, the per-head sizes as the
+    *_mla keys), kv_b_proj split into attn_k_b (each head's key rows, transposed) and attn_v_b (split_kv_b=False:
+    one attn_kv_b, as older files have it), experts stacked per layer, the router's correction bias as exp_probs_b,
+    the leading dense layers as a count, the router's scoring as expert_gating_func and YaRN's mscale_all_dim as
+    0.1 x the log multiplier. Tensors named in `drop` are left out (a damaged file)."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+    from gguf import GGMLQuantizationType as QT
+
+    model_dir, out = Path(model_dir), Path(out)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["model_type"] in ("deepseek_v2", "deepseek_v3"), cfg["model_type"]
+    tensors = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors.update({k: v.to(torch.float32).numpy() for k, v in load_file(str(f)).items()})
+    heads, kv_lora, rope_dim = cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    nope, v_dim, layers = cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["num_hidden_layers"]
+
+    w = gguf.GGUFWriter(str(out), "deepseek2")
+    w.add_name("tiny-deepseek")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", 1e4)))
+    w.add_rope_dimension_count(rope_dim)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    if cfg.get("q_lora_rank"):
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(kv_lora)
+    w.add_key_length(kv_lora + rope_dim)
+    w.add_value_length(kv_lora)
+    w.add_key_length_mla(nope + rope_dim)
+    w.add_value_length_mla(v_dim)
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    v3 = cfg["model_type"] == "deepseek_v3"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if v3 or cfg.get("topk_method") == "group_limited_greedy":
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(w, model_dir, cfg)
+
+    for layer_idx in range(cfg["first_k_dense_replace"], layers):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names = [f"model.layers.{layer_idx}.mlp.experts.{e}.{proj}.weight" for e in range(cfg["n_routed_experts"])]
+            tensors[f"blk.{layer_idx}.ffn_{proj[:-5]}_exps.weight"] = np.stack([tensors.pop(n) for n in names])
+    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+             "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+             "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+    gg = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    rng = np.random.default_rng(seed)
+    for hf_name, arr in tensors.items():
+        if hf_name.startswith("blk."):
+            g_name = hf_name
+        elif hf_name.endswith("mlp.gate.e_score_correction_bias"):
+            g_name = f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias"
+        else:
+            stem, kind = hf_name.rsplit(".", 1)
+            parts = stem.split(".")
+            g_name = f"{gg[stem]}.{kind}" if stem in gg else f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}.{kind}"
+        if split_kv_b and g_name.endswith("attn_kv_b.weight"):
+            kv_b = arr.reshape(heads, nope + v_dim, kv_lora)
+            blk = g_name.rsplit(".", 2)[0]
+            k_b, v_b = np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(kv_b[:, nope:])
+            for part, data in (("attn_k_b", k_b), ("attn_v_b", v_b)):
+                if f"{blk}.{part}.weight" not in drop:
+                    _add_tensor(w, f"{blk}.{part}.weight", data, _fallback(QT[weight_type], data), rng)
+            continue
+        if g_name in drop:
+            continue
+        qtype = QT[weight_type] if arr.ndim >= 2 and "ffn_gate_inp" not in g_name else QT.F32  # routers F32
+        _add_tensor(w, g_name, arr, _fallback(qtype, arr), rng)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _fallback(qtype, arr: np.ndarray):
+    """F16 for a tensor whose rows are no whole number of `qtype`'s blocks (llama.cpp's quantize falls back too)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as QT
+
+    return qtype if arr.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 else QT.F16

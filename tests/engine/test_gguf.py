@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,62 @@ def test_qwen_moe_gguf_matches_the_checkpoint(model_factory, gguf_dir, arch):
         tok = llm.get_tokenizer()
         outputs = llm.generate(PROMPTS, params)
     assert_greedy_matches(hf, tok, PROMPTS, outputs, MAX_NEW)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_gguf_matches_the_checkpoint(model_factory, gguf_dir, arch):
+    """llama.cpp's deepseek2 layout (MLA as multi-query attention over the latent, kv_b_proj split into attn_k_b and
+    attn_v_b, stacked experts, the router's bias as exp_probs_b, YaRN's mscale as a log multiplier): an F32 file
+    holds the checkpoint's exact weights, so transformers on the source directory is the oracle, and an older
+    file with one attn_kv_b gives the same tokens. (Packed: test_gguf_packed.py.)"""
+    from gguf_fixtures import write_mla_gguf
+    from hf_reference import assert_greedy_matches
+    from transformers import AutoTokenizer
+
+    from shoal.engine.execution.gguf_model import gguf_config
+    from shoal.engine.execution.layers.mla import LatentAttention
+
+    hf = model_factory(arch)
+    path = write_mla_gguf(hf, gguf_dir / f"tiny-{arch}-f32.gguf")
+    config = gguf_config(path)
+    source = json.loads((hf / "config.json").read_text())
+    for field in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                  "num_key_value_heads", "first_k_dense_replace", "n_routed_experts", "n_shared_experts", "n_group",
+                  "topk_group", "norm_topk_prob", "routed_scaling_factor"):
+        assert getattr(config, field) == source.get(field, getattr(config, field)), field
+    # A tensor-parallel rank's heads of kv_b_proj, joined from attn_k_b and attn_v_b, are the checkpoint's rows.
+    from shoal.engine.execution.gguf_model import GGUFWeightSource
+    from shoal.engine.execution.weights import WeightSource
+
+    name, rows = "model.layers.1.self_attn.kv_b_proj.weight", source["qk_nope_head_dim"] + source["v_head_dim"]
+    full = WeightSource(hf).load(name)
+    gg = GGUFWeightSource(path, config)
+    assert gg.shape(name) == tuple(full.shape)
+    torch.testing.assert_close(gg.load(name, tuple(full.shape), dim=0, start=rows, length=2 * rows),
+                               full[rows:3 * rows], rtol=0, atol=0)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    with LLM(model=str(path), **OPTIONS) as llm:
+        model = llm.llm_engine.executor.runner.model
+        assert type(model).__name__ == source["architectures"][0]
+        assert isinstance(model.layers[0].self_attn, LatentAttention)
+        tok = llm.get_tokenizer()
+        exact = llm.generate(PROMPTS, params)
+    ref = AutoTokenizer.from_pretrained(str(hf))
+    assert [tok.encode(p) for p in PROMPTS] == [ref.encode(p) for p in PROMPTS]
+    assert_greedy_matches(hf, tok, PROMPTS, exact, MAX_NEW)
+    joined = write_mla_gguf(hf, gguf_dir / f"tiny-{arch}-kvb.gguf", split_kv_b=False)
+    with LLM(model=str(joined), **OPTIONS) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == [
+            o.outputs[0].token_ids for o in exact]
+
+
+def test_a_deepseek_gguf_missing_half_of_kv_b_is_refused(model_factory, gguf_dir):
+    from gguf_fixtures import write_mla_gguf
+
+    path = write_mla_gguf(model_factory("deepseek_v3"), gguf_dir / "tiny-deepseek-half.gguf",
+                          drop={"blk.1.attn_v_b.weight"})
+    with pytest.raises(WeightError, match=r"kv_b_proj.*split in two tensors.*only one"):
+        LLM(model=str(path), **OPTIONS)
 
 
 # Gemma 2/3 and Phi-3 as llama.cpp lays them out (Gemma norms stored as 1 + w, Phi-3's fused attn_qkv and gate/up

@@ -37,6 +37,7 @@ from shoal.engine.execution.layers.linear import ColumnParallelLinear, PackedMat
 from shoal.engine.execution.layers.norm import RMSNorm
 from shoal.engine.execution.layers.rotary import RotaryEmbedding, rope_parameters
 from shoal.engine.execution.models.base import reader
+from shoal.engine.execution.quantization.gguf import GGUFPacked
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with this eps, not rms_norm_eps
 
@@ -119,11 +120,14 @@ def _deinterleave(rows: torch.Tensor, start: int, width: int, period: int) -> to
 
 
 def _reordered(read, start: int, width: int, period: int):
-    """A Reader whose rows come back de-interleaved (see _deinterleave); row slices must start at a period."""
-    def read_rows(dim: int, first: int, length: int) -> torch.Tensor:
+    """A Reader whose rows come back de-interleaved (see _deinterleave); row slices must start at a period. A packed
+    GGUF weight's rows are whole byte rows (GGUF quantizes each row on its own): they move like float rows."""
+    def read_rows(dim: int, first: int, length: int):
         rows = read(dim, first, length)
-        if dim != 0 or not isinstance(rows, torch.Tensor):
-            raise ValueError("MLA's rotary rows are reordered on load: only dense row slices can be")
+        if dim != 0:
+            raise ValueError("MLA's rotary rows are reordered on load: only row slices can be")
+        if isinstance(rows, GGUFPacked):
+            return GGUFPacked(_deinterleave(rows.data, start, width, period), rows.qtype, rows.cols)
         return _deinterleave(rows, start, width, period)
 
     return read_rows
