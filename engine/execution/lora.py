@@ -34,7 +34,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "layers" / "csrc" / "cpu_lora.cpp"
 # PEFT module name -> (the engine's fused layer, part index within it)
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
@@ -168,11 +167,10 @@ def read_adapter(path: str, hf_config, max_rank: int) -> dict[tuple[int, str], t
 
 @functools.cache
 def _cpu_kernel():
-    from shoal.engine.execution.native_build import NativeBuildError, load_cpu_extension
+    from shoal.engine.execution.native_build import NativeBuildError, kernel_ops
 
     try:
-        return load_cpu_extension("shoal_cpu_lora", [SOURCE], "cpu LoRA kernel", "shoal_cpu_lora",
-                                  "lora_apply_").lora_apply_
+        return kernel_ops("lora").lora_apply_
     except NativeBuildError as e:
         logger.warning("%s; LoRA uses the masked torch form", e)
         return None

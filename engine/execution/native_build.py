@@ -1,4 +1,6 @@
-"""Building the engine's C++ CPU kernels on first use, for the CPU tier this process runs at.
+"""The engine's C++ CPU kernels: every source and header in one tree (csrc/), one registry of what each builds
+(`KERNELS`) and one way to get a kernel's ops (`kernel_ops(name)`), built on first use for the CPU tier this
+process runs at. Each caller keeps its own torch fallback for a NativeBuildError.
 
 Each extension is compiled with torch.utils.cpp_extension (and ninja) under a name keyed by a hash of its
 sources, the shared headers, the tier's compiler flags and torch's version, so
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,8 +35,40 @@ from shoal.engine.execution.cpu_features import cpu_features
 
 logger = logging.getLogger(__name__)
 
-INCLUDE_DIR = Path(__file__).parent / "csrc"  # headers shared by every extension (fast_math.h)
+CSRC = Path(__file__).parent / "csrc"  # every C++ source, and the headers they share (fast_math.h, ...)
+INCLUDE_DIR = CSRC
 BASE_CFLAGS = ["-O3", "-fopenmp"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    source: Path  # the extension's one translation unit
+    library: str  # its TORCH_LIBRARY namespace: the ops are torch.ops.<library>
+    probe: str  # an op resolved at load, so that a failed registration shows there and not mid-step
+    what: str  # its name in messages
+
+    @property
+    def extension(self) -> str:
+        return "shoal_" + self.source.stem
+
+
+KERNELS = {
+    "paged_attention": Kernel(CSRC / "cpu_paged_attention.cpp", "shoal_cpu_paged", "paged_attention",
+                              "cpu attention kernel"),
+    "fused_ops": Kernel(CSRC / "cpu_fused_ops.cpp", "shoal_cpu_fused", "add_rms_norm", "cpu fused-op kernels"),
+    "small_gemm": Kernel(CSRC / "cpu_small_gemm.cpp", "shoal_cpu_gemm", "linear", "cpu small-M linear kernel"),
+    "moe": Kernel(CSRC / "cpu_moe.cpp", "shoal_cpu_moe", "fused_experts", "cpu MoE kernel"),
+    "gguf": Kernel(CSRC / "cpu_gguf.cpp", "shoal_cpu_gguf", "kernel_isa", "cpu GGUF kernels"),
+    "lora": Kernel(CSRC / "cpu_lora.cpp", "shoal_cpu_lora", "lora_apply_", "cpu LoRA kernel"),
+}
+
+
+@functools.cache
+def kernel_ops(name: str):
+    """torch.ops.<library> of KERNELS[name], built (or reused) for this process's CPU tier. Raises NativeBuildError
+    with a one-line reason (then, as a failure is not cached, every later call tries again: callers cache)."""
+    k = KERNELS[name]
+    return load_cpu_extension(k.extension, [k.source], k.what, k.library, k.probe)
 
 
 BUILT_MARKER = "shoal-built"  # written once the build's library has loaded: the library beside it is whole

@@ -27,7 +27,7 @@ from shoal.engine.contracts import SamplingParams
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of the first maximum per row. On CPU a C++ kernel (layers/csrc/cpu_fused_ops.cpp: ~30 us for 32 rows of
+    """Index of the first maximum per row. On CPU a C++ kernel (csrc/cpu_fused_ops.cpp: ~30 us for 32 rows of
     32k logits against ~0.8 ms for torch's max(dim), itself ~3x faster than its argmax there)."""
     if x.device.type != "cpu":
         return x.argmax(dim=-1)

@@ -211,8 +211,11 @@ def test_build_failure_is_reported_not_raised(tmp_path):
     """A kernel that does not compile makes is_available (False, the compiler's error); nothing raises."""
     bad = tmp_path / "bad.cpp"
     bad.write_text("int f() { return 0 }\n")
-    code = (f"import torch, pathlib\nfrom shoal.engine.execution.attention import cpu_paged as cp\n"
-            f"cp.SOURCE = pathlib.Path({str(bad)!r})\nprint(cp.CpuPagedAttentionBackend.is_available(torch.device('cpu')))")
+    code = (f"import dataclasses, torch, pathlib\nfrom shoal.engine.execution import native_build as nb\n"
+            f"from shoal.engine.execution.attention import cpu_paged as cp\n"
+            f"nb.KERNELS['paged_attention'] = dataclasses.replace(nb.KERNELS['paged_attention'], "
+            f"source=pathlib.Path({str(bad)!r}))\n"
+            f"print(cp.CpuPagedAttentionBackend.is_available(torch.device('cpu')))")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

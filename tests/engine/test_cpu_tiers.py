@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from shoal.engine.execution.cpu_features import cpu_features, detect
-from shoal.engine.execution.native_build import BASE_CFLAGS, INCLUDE_DIR
+from shoal.engine.execution.native_build import BASE_CFLAGS, INCLUDE_DIR, KERNELS
 
-ENGINE = Path(__file__).resolve().parents[2] / "engine"
-ATTENTION = ENGINE / "execution" / "attention" / "csrc" / "cpu_paged_attention.cpp"
-FUSED = ENGINE / "execution" / "layers" / "csrc" / "cpu_fused_ops.cpp"
-SMALL_GEMM = ENGINE / "execution" / "layers" / "csrc" / "cpu_small_gemm.cpp"
+ATTENTION = KERNELS["paged_attention"].source
+FUSED = KERNELS["fused_ops"].source
+SMALL_GEMM = KERNELS["small_gemm"].source
 ARCH = cpu_features().arch
 LOWEST = detect(cap="").tiers[0]
 

@@ -1,4 +1,4 @@
-"""GGUF weights served packed on CPU (quantization/gguf.py, layers/csrc/cpu_gguf.cpp, csrc/gguf_kernels.h).
+"""GGUF weights served packed on CPU (quantization/gguf.py, csrc/cpu_gguf.cpp, csrc/gguf_kernels.h).
 
 - The kernels against the `gguf` package's dequantization + a float64 matmul, per type, odd shapes (rows not a
   multiple of anything, batch sizes 1..33 across the 16-bit-activation decode path and the tiled float32 prefill

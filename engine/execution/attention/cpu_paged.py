@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +31,6 @@ from shoal.engine.execution.attention.base import (AttentionBackend, AttentionMe
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_paged_attention.cpp"
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A sequence whose query chunk this step has at least DENSE_MIN_QUERY_LEN tokens and DENSE_MIN_PAIRS
@@ -45,12 +43,11 @@ DENSE_MIN_PAIRS = 4096
 @functools.cache
 def load_kernel() -> tuple[object | None, str, float]:
     """(torch.ops.shoal_cpu_paged.paged_attention or None, why not, seconds spent building/loading)."""
-    from shoal.engine.execution.native_build import NativeBuildError, load_cpu_extension
+    from shoal.engine.execution.native_build import NativeBuildError, kernel_ops
 
     start = time.perf_counter()
     try:
-        op = load_cpu_extension("shoal_cpu_paged_attention", [SOURCE], "cpu attention kernel", "shoal_cpu_paged",
-                                "paged_attention").paged_attention
+        op = kernel_ops("paged_attention").paged_attention
     except NativeBuildError as e:  # a missing compiler/ninja/header must never break the engine: fall back
         logger.warning("%s", e)
         return None, str(e), time.perf_counter() - start

@@ -16,28 +16,25 @@ import functools
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_fused_ops.cpp"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.cache
 def load_kernels() -> tuple[object | None, str, float]:
     """(torch.ops.shoal_cpu_fused or None, why not, seconds spent building/loading)."""
-    from shoal.engine.execution.native_build import NativeBuildError, load_cpu_extension
+    from shoal.engine.execution.native_build import NativeBuildError, kernel_ops
 
     start = time.perf_counter()
     if os.environ.get("SHOAL_DISABLE_FUSED_OPS") == "1":
         return None, "disabled by SHOAL_DISABLE_FUSED_OPS=1", 0.0
     try:
-        ops = load_cpu_extension("shoal_cpu_fused_ops", [SOURCE], "cpu fused-op kernels", "shoal_cpu_fused",
-                                 "add_rms_norm")
+        ops = kernel_ops("fused_ops")
     except NativeBuildError as e:  # never fatal: use the reference ops
         logger.warning("%s; using the unfused torch ops", e)
         return None, str(e), time.perf_counter() - start

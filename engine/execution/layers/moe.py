@@ -33,7 +33,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +42,6 @@ from shoal.engine.distributed.parallel_state import divide, get_parallel_state
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_moe.cpp"
 SCORING = ("softmax", "sigmoid")
 
 
@@ -163,13 +161,13 @@ def grouped_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
 @functools.cache
 def load_cpu_kernel() -> tuple[object | None, str, float]:
     """(torch.ops.shoal_cpu_moe or None, why not, seconds spent building/loading)."""
-    from shoal.engine.execution.native_build import NativeBuildError, load_cpu_extension
+    from shoal.engine.execution.native_build import NativeBuildError, kernel_ops
 
     start = time.perf_counter()
     if os.environ.get("SHOAL_DISABLE_FUSED_OPS") == "1":
         return None, "disabled by SHOAL_DISABLE_FUSED_OPS=1", 0.0
     try:
-        ops = load_cpu_extension("shoal_cpu_moe", [SOURCE], "cpu MoE kernel", "shoal_cpu_moe", "fused_experts")
+        ops = kernel_ops("moe")
     except NativeBuildError as e:  # never fatal: the torch path runs
         logger.warning("%s; using the torch MoE path", e)
         return None, str(e), time.perf_counter() - start

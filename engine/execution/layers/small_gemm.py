@@ -16,13 +16,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_small_gemm.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the kernel is at least as fast as torch's path: one thread streaming 30 layers of SmolLM2's
 # shapes, float32 1.0-1.8x MKL up to 32 rows (0.95x at 64); bfloat16 1.6x oneDNN's prepacked GEMM at 1 row, 1.4x
@@ -33,13 +31,12 @@ MAX_ROWS = 32
 @functools.cache
 def load_kernel():
     """torch.ops.shoal_cpu_gemm.linear, or None (disabled, or it could not be built: the caller uses torch)."""
-    from shoal.engine.execution.native_build import NativeBuildError, load_cpu_extension
+    from shoal.engine.execution.native_build import NativeBuildError, kernel_ops
 
     if os.environ.get("SHOAL_DISABLE_SMALL_GEMM") == "1":
         return None
     try:
-        return load_cpu_extension("shoal_cpu_small_gemm", [SOURCE], "cpu small-M linear kernel", "shoal_cpu_gemm",
-                                  "linear").linear
+        return kernel_ops("small_gemm").linear
     except NativeBuildError as e:  # never fatal: torch's matmul runs
         logger.warning("%s; small-batch linear layers use torch's matmul", e)
         return None

@@ -3,7 +3,7 @@
 A `GGUFWeight` is a layer's [out, in] weight as one or more row segments (a fused QKV or gate/up projection is
 several GGUF tensors, possibly of different types), each a uint8 tensor [rows, row_bytes] straight from the file,
 on the layer's device. `matmul` unpacks blocks in registers as it multiplies: on CPU the C++ kernel
-(layers/csrc/cpu_gguf.cpp, built for this process's CPU tier), on CUDA the Triton kernel (gguf_triton.py); the
+(csrc/cpu_gguf.cpp, built for this process's CPU tier), on CUDA the Triton kernel (gguf_triton.py); the
 embedding table dequantizes only the rows a lookup reads.
 
 Tensor parallelism slices these rows before they get here (gguf_model.GGUFWeightSource.load_packed): a row range
@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +23,6 @@ from shoal.engine.execution.quantization.base import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent.parent / "layers" / "csrc" / "cpu_gguf.cpp"
 # GGML type name -> (type id, weights per block, bytes per block)
 PACKED_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                 "Q6_K": (14, 256, 210)}
@@ -33,10 +31,10 @@ PACKED_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "
 @functools.cache
 def load_kernels():
     """(torch.ops.shoal_cpu_gguf, its ISA description). Raises NativeBuildError when it cannot be built."""
-    from shoal.engine.execution.native_build import load_cpu_extension
+    from shoal.engine.execution.native_build import kernel_ops
 
     start = time.perf_counter()
-    ops = load_cpu_extension("shoal_cpu_gguf", [SOURCE], "cpu GGUF kernels", "shoal_cpu_gguf", "kernel_isa")
+    ops = kernel_ops("gguf")
     isa = ops.kernel_isa()
     logger.info("cpu GGUF kernels ready in %.1fs: %s", time.perf_counter() - start, isa)
     return ops, isa
