@@ -52,7 +52,7 @@ Reported = int | bytes  # an engine's block hash as it published it (vLLM: an in
 # read back. From host memory that is a copy of the block's bytes (a PCIe transfer on a GPU, a memcpy on a CPU:
 # bench_offload measured a CPU-tier hit at about half a recompute's TTFT on 2 cores, the pool's at nearly none);
 # from disk a file read and a checksum on top. A tier hit must still beat a shorter hit in the KV cache only when
-# it covers clearly more: 5 blocks from disk (2.5) lose to 3 in the KV cache, 6 win.
+# it covers clearly more: 5 blocks from disk (2.5) lose to 3 in the KV cache, 7 (3.5) win.
 TIER_WEIGHTS = {"CPU": 0.8, "CPU_OFFLOAD": 0.8, "DISK": 0.5}
 OTHER_TIER_WEIGHT = 0.5  # a tier this gateway does not know (a shared store): as far as the disk
 
