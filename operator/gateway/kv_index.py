@@ -78,6 +78,14 @@ class EngineView:
         self.blocks.clear()
         self.reported.clear()
 
+    def media_blocks(self) -> dict[str, int]:
+        """Medium -> blocks held there (a medium-less copy, older vLLM's, under "")."""
+        out: dict[str, int] = {}
+        for media in self.blocks.values():
+            for m in media:
+                out[m or ""] = out.get(m or "", 0) + 1
+        return out
+
     def weight(self, own: int) -> float:
         """What the best copy of a held block is worth: 1 in the KV cache, less in an offload tier."""
         return max(1.0 if m in self.device_media or m is None else TIER_WEIGHTS.get(m, OTHER_TIER_WEIGHT)

@@ -141,6 +141,8 @@ def test_a_prefix_an_engine_moved_to_its_cpu_tier_still_routes_there(fleet_model
         stats = holder.metrics()
         assert metric(stats, "shoal:kv_offload_blocks", tier="cpu") >= 8, "the prefix never reached the CPU tier"
         cpu_hits = metric(stats, "shoal:prefix_cache_tier_hits_total", tier="cpu")
+        wait_for(lambda: metric(gateway.metrics(), "shoal:gateway_kv_medium_blocks", backend=holder.url,
+                                medium="CPU_OFFLOAD") >= 8, 30, "the gateway to hear the blocks the CPU tier took")
 
         sent_before = sent_per_engine(gateway, tiered)
         for i in range(1, 4):
