@@ -203,28 +203,33 @@ def test_offload_tiers_announce_what_they_keep_and_drop(llama_model, tmp_path):
             engine.publish_kv_events()  # the copy thread's changes since the step (the idle loop's call)
         sub.drain(5)
 
-        held: dict[str, dict[int, int]] = {"CPU": {}, "CPU_OFFLOAD": {}, "DISK": {}}
+        from shoal.engine.core.kv_events import tier_media
+
+        device = engine.kv_events.medium  # the pool's: CPU here, GPU on CUDA
+        cpu, disk = tier_media(device)["cpu"], tier_media(device)["disk"]
+        assert len({device, cpu, disk}) == 3
+        held: dict[str, dict[int, int]] = {device: {}, cpu: {}, disk: {}}
         left: dict[str, set] = {m: set() for m in held}  # hashes each medium has let go of
         for e in sub.events():
             if e[0] == "BlockStored":
                 medium = e[6]
                 for h in e[1]:
                     assert h not in held[medium], f"{h:x} announced twice in {medium}"
-                    if medium == "CPU_OFFLOAD":
-                        assert h in left["CPU"], f"{h:x} entered the CPU tier before it left the pool"
+                    if medium == cpu:
+                        assert h in left[device], f"{h:x} entered the CPU tier before it left the pool"
                         assert e[2] is None and e[3] == [] and e[4] == POOL["block_size"]
-                    if medium == "DISK":
-                        assert h in left["CPU_OFFLOAD"], f"{h:x} reached the disk before it left the CPU tier"
+                    if medium == disk:
+                        assert h in left[cpu], f"{h:x} reached the disk before it left the CPU tier"
                     held[medium][h] = 1
             elif e[0] == "BlockRemoved":
                 for h in e[1]:
                     assert held[e[2]].pop(h, None), f"{h:x} removed from {e[2]}, which did not hold it"
                     left[e[2]].add(h)
         tiers = engine.executor.offload.tiers
-        assert set(held["CPU"]) == set(engine.pool._cached)
-        assert set(held["CPU_OFFLOAD"]) == set(tiers[0]._blocks) and len(held["CPU_OFFLOAD"]) == 6
-        assert set(held["DISK"]) == set(tiers[1]._blocks) and len(held["DISK"]) == 16
-        assert left["DISK"], "the disk tier never let a block go"
+        assert set(held[device]) == set(engine.pool._cached)
+        assert set(held[cpu]) == set(tiers[0]._blocks) and len(held[cpu]) == 6
+        assert set(held[disk]) == set(tiers[1]._blocks) and len(held[disk]) == 16
+        assert left[disk], "the disk tier never let a block go"
         assert engine.tiers.hits["cpu"] + engine.tiers.hits["disk"] > 0, "no prefix came back from a tier"
 
         sub.batches.clear()
@@ -234,7 +239,7 @@ def test_offload_tiers_announce_what_they_keep_and_drop(llama_model, tmp_path):
         sub.drain(5)
         events = sub.events()
         assert events[0] == ["AllBlocksCleared"], events[:2]
-        assert all(e[0] == "BlockStored" and e[6] == "CPU" for e in events[1:]), events
+        assert all(e[0] == "BlockStored" and e[6] == device for e in events[1:]), events
     finally:
         sub.ctx.destroy(linger=0)
         llm.shutdown()
