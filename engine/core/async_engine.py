@@ -468,8 +468,11 @@ class AsyncEngine:
                 self._refresh_stats()  # before the outputs: a client that saw its response sees its stats too
                 if outputs:
                     self._dispatch(outputs)
-            elif not items and self._offload_backlog():
-                self._refresh_stats()  # copies drain off the step: the offload gauges must not freeze while idle
+            elif not items:
+                if self._offload_backlog():
+                    self._refresh_stats()  # copies drain off the step: the offload gauges must not freeze while idle
+                if getattr(engine, "tiers", None) is not None:
+                    engine.publish_kv_events()  # ... nor the tiers' KV events, which the copy thread logs
 
     def _offload_backlog(self) -> bool:
         stats = self.snapshot.stats

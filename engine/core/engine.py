@@ -320,7 +320,7 @@ class LLMEngine:
                 raise ValueError(f"{flag} {sizes[flag]} GiB holds no KV block ({per_block} bytes each over "
                                  f"{c.world_size} rank(s)): raise it")
         spec = OffloadSpec(blocks["--kv-offloading-size"], blocks["--kv-offloading-disk-size"],
-                           c.kv_offloading_disk_path)
+                           c.kv_offloading_disk_path, report_changes=self.kv_events is not None)
         try:
             self.executor.enable_kv_offload(spec)
         except BaseException:
@@ -546,10 +546,19 @@ class LLMEngine:
         self._publish_kv_events()
         return done
 
+    def publish_kv_events(self) -> None:
+        """Publish what the prefix cache changed since the last call: the pool's events, then the offload tiers'
+        (whose copy thread runs off the step, so an idle engine loop calls this too)."""
+        self._publish_kv_events()
+
     def _publish_kv_events(self) -> None:
         if self.kv_events is None:
             return
         events = self.pool.take_events()
+        if self.tiers is not None:
+            from shoal.engine.core.kv_events import tier_media
+
+            events += self.tiers.take_events(tier_media(self.kv_events.medium))
         if events:
             names = {lora.id: name for name, lora in self.lora.registered.items()} if self.lora is not None else None
             self.kv_events.publish(events, names)

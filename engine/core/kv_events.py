@@ -39,15 +39,23 @@ logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+def tier_media(device_medium: str) -> dict[str, str]:
+    """The `medium` of each offload tier's events (core/kv_tiers.py): "CPU" for the host-memory tier, as vLLM's CPU
+    offloading names it, except on a CPU engine, whose pool is "CPU" already: there "CPU_OFFLOAD"; "DISK" for
+    the disk tier."""
+    return {"cpu": "CPU_OFFLOAD" if device_medium == "CPU" else "CPU", "disk": "DISK"}
+
+
 def wire_event(event: tuple, block_size: int, medium: str, lora_names: dict[int, str]) -> list:
-    """A kv_cache event tuple as vLLM's array-like tagged struct."""
+    """A kv_cache event tuple as vLLM's array-like tagged struct; `medium` unless the tuple names its own (an
+    offload tier's event, kv_tiers.py)."""
     kind = event[0]
     if kind == "BlockStored":
-        _, hashes, parent, tokens, lora_id = event
-        return [kind, hashes, parent, tokens, block_size, lora_id, medium,
+        _, hashes, parent, tokens, lora_id, *own = event
+        return [kind, hashes, parent, tokens, block_size, lora_id, own[0] if own else medium,
                 None if lora_id is None else lora_names.get(lora_id)]
     if kind == "BlockRemoved":
-        return [kind, event[1], medium]
+        return [kind, event[1], event[2] if len(event) > 2 else medium]
     return [kind]
 
 

@@ -10,6 +10,12 @@ interface); this side only names blocks by hash and block id:
   A block that fails to load on any rank (damaged on disk, or dropped by one rank's tier) ends the run there:
   it and what follows are computed again.
 
+With KV events on, what the tiers store and drop is published behind the pool's own events of the same step, in
+the tiers' order (`take_events`): a block the pool evicts is BlockRemoved from the device's medium first, then
+BlockStored in the CPU tier's once the copy thread has put it there; one the CPU tier pushes to disk is removed
+from the CPU medium and stored in the disk's; one the last tier lets go is removed from its medium. A reset is the
+pool's AllBlocksCleared (the tiers' log is emptied with them).
+
 Hits are counted per tier in tokens (the pool's own hits are the "device" tier), next to the pool's
 prefix_queries, for the vllm:prefix_cache_* style metrics.
 """
@@ -68,6 +74,21 @@ class KVTiers:
     def clear(self) -> None:
         self.pool.take_evicted()
         self.executor.kv_clear()
+
+    def take_events(self, media: dict[str, str]) -> list[tuple]:
+        """What the tiers stored and dropped since the last call, as KV event tuples (kv_cache.py's, with the
+        tier's medium, `media[tier]`, as a last field); a run of one kind in one tier is one event. A tier keeps no
+        tokens or parent: its BlockStored has neither (as vLLM's offloading connector sends them)."""
+        out: list[tuple] = []
+        for kind, tier, h in self.executor.kv_take_changes():
+            medium = media[tier]
+            if out and out[-1][0] == kind and out[-1][-1] == medium:
+                out[-1][1].append(h)
+            elif kind == "BlockStored":
+                out.append((kind, [h], None, [], None, medium))
+            else:
+                out.append((kind, [h], medium))
+        return out
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Per tier (rank 0's): blocks held, bytes used and capacity."""

@@ -162,6 +162,9 @@ class DistributedExecutor:
     def kv_offload_stats(self) -> dict[str, dict[str, int]]:
         return self.worker.offload.stats()
 
+    def kv_take_changes(self) -> list[tuple[str, str, int]]:
+        return self.worker.offload.take_changes()  # rank 0's: every rank's tiers change alike
+
     def sleep(self, level: int) -> None:
         self.collective_rpc("sleep", level)
 

@@ -73,6 +73,9 @@ class Executor(Protocol):
     def kv_offload_stats(self) -> dict[str, dict[str, int]]:
         """Rank 0's tiers: blocks held, bytes used, capacity."""
 
+    def kv_take_changes(self) -> list[tuple[str, str, int]]:
+        """What rank 0's tiers stored and dropped since the last call, in order (with OffloadSpec.report_changes)."""
+
 
 class UniProcExecutor:
     """One process: the ModelRunner and the Sampler side by side."""
@@ -104,6 +107,9 @@ class UniProcExecutor:
 
     def kv_offload_stats(self) -> dict[str, dict[str, int]]:
         return self.offload.stats()
+
+    def kv_take_changes(self) -> list[tuple[str, str, int]]:
+        return self.offload.take_changes()
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.runner.bytes_per_block(block_size)

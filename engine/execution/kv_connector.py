@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -57,9 +58,18 @@ class KVConnector(ABC):
         return 0
 
 
+Changed = Callable[[str, str, int], None]  # (event kind, tier name, block hash): what the tier now holds or dropped
+
+
 class LRUTier(KVConnector):
     """A tier holding up to `capacity_blocks` blocks of `block_nbytes` each, least recently used first in `_blocks`
-    (hash -> what the tier keeps for it): the bookkeeping the CPU and disk tiers share."""
+    (hash -> what the tier keeps for it): the bookkeeping the CPU and disk tiers share.
+
+    `changed`, when set, hears every change of what the tier holds, as it happens: ("BlockStored", name, hash)
+    for a block it did not hold, ("BlockRemoved", name, hash) for one it lets go (pushed out, removed, found
+    damaged); a refresh is no change, and `clear` reports nothing (its caller reports the reset as a whole)."""
+
+    changed: Changed | None = None
 
     def __init__(self, capacity_blocks: int, block_nbytes: int):
         if capacity_blocks < 1:
@@ -73,12 +83,34 @@ class LRUTier(KVConnector):
             self._blocks.move_to_end(block_hash)
             return
         while len(self._blocks) >= self.capacity_blocks:
-            self._evict(*self._blocks.popitem(last=False))
+            old, kept = self._blocks.popitem(last=False)
+            self._report("BlockRemoved", old)  # before the next tier reports it stored: one holder at a time
+            self._evict(old, kept)
         self._put(block_hash, data)
+        if block_hash in self._blocks:
+            self._report("BlockStored", block_hash)
+
+    def remove(self, block_hash: int) -> None:
+        if block_hash not in self._blocks:
+            return
+        self._report("BlockRemoved", block_hash)
+        self._discard(block_hash, self._blocks.pop(block_hash))
+
+    def clear(self) -> None:
+        for h, kept in list(self._blocks.items()):
+            self._discard(h, kept)
+        self._blocks.clear()
+
+    def _report(self, kind: str, block_hash: int) -> None:
+        if self.changed is not None:
+            self.changed(kind, self.name, block_hash)
 
     @abstractmethod
     def _evict(self, block_hash: int, kept: object) -> None:
         """The least recently used block leaves to make room (what the tier kept for it is passed)."""
+
+    def _discard(self, block_hash: int, kept: object) -> None:
+        """A block is removed or cleared (what the tier kept for it is passed): nothing to do by default."""
 
     @abstractmethod
     def _put(self, block_hash: int, data: torch.Tensor) -> None:

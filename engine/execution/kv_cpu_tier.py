@@ -31,9 +31,3 @@ class CPUTier(LRUTier):
         if data is not None:
             self._blocks.move_to_end(block_hash)
         return data
-
-    def remove(self, block_hash: int) -> None:
-        self._blocks.pop(block_hash, None)
-
-    def clear(self) -> None:
-        self._blocks.clear()

@@ -96,13 +96,8 @@ class DiskTier(LRUTier):
         self.remove(block_hash)
         return None
 
-    def remove(self, block_hash: int) -> None:
-        if self._blocks.pop(block_hash, False) is None:
-            self._unlink(self._path(block_hash))
-
-    def clear(self) -> None:
-        for h in list(self._blocks):
-            self.remove(h)
+    def _discard(self, block_hash: int, kept: object) -> None:
+        self._unlink(self._path(block_hash))
 
     @staticmethod
     def _unlink(path: Path) -> None:

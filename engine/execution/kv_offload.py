@@ -8,6 +8,11 @@ same blocks, so the tiers of every rank hold the same hashes:
   CPU tier's spill to disk, with its checksum and file write) happens on the copy thread.
 - load: a prefix that missed the pool but hits a tier is read back into fresh blocks before the prefill. Blocks
   still on their way to the tiers are served from the pending copies.
+- changes (KV events, rank 0 only, when the engine publishes them): every change of what a tier holds is logged
+  as it happens, under the tiers' lock (on the copy thread for stores and the blocks they push out, on the
+  engine's for removals), so the log is in the tiers' own order; the engine takes it after each step and
+  publishes it behind the pool's events (core/kv_tiers.py). A pending copy is not in a tier yet: it is announced
+  once the copy thread has handed it over.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import os
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +40,7 @@ class OffloadSpec:
     cpu_blocks: int
     disk_blocks: int = 0
     disk_path: str | None = None
+    report_changes: bool = False  # rank 0 logs what its tiers store and drop (the engine publishes KV events)
 
 
 class BlockLayout:
@@ -81,6 +88,11 @@ class KVOffloader:
         self.tiers: list[KVConnector] = [CPUTier(spec.cpu_blocks, layout.nbytes, spill=disk)]
         if disk is not None:
             self.tiers.append(disk)
+        self._changes: deque[tuple[str, str, int]] | None = None  # (kind, tier, hash), oldest first
+        if spec.report_changes and rank == 0:
+            self._changes = deque()
+            for tier in self.tiers:
+                tier.changed = lambda kind, name, h: self._changes.append((kind, name, h))
         self._pending: dict[int, tuple[torch.Tensor, object]] = {}  # hash -> (bytes, CUDA event | None)
         self._lock = threading.Lock()  # the tiers: the copy thread vs loads, lookups and removals
         self._queue: queue.Queue = queue.Queue()
@@ -189,6 +201,17 @@ class KVOffloader:
             self._pending.clear()
             for tier in self.tiers:
                 tier.clear()
+            if self._changes is not None:
+                self._changes.clear()  # what they held before is gone: the engine reports the reset as a whole
+
+    def take_changes(self) -> list[tuple[str, str, int]]:
+        """The tiers' changes logged since the last call, in order: (event kind, tier name, block hash). The
+        copy thread appends meanwhile (a deque is safe for one appender and one taker)."""
+        out = []
+        changes = self._changes
+        while changes:
+            out.append(changes.popleft())
+        return out
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier (this rank's): blocks held, bytes used, capacity in bytes, blocks found damaged, and blocks

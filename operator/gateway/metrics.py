@@ -61,6 +61,10 @@ class _PoolCollector:
                        for name, field, doc in ENGINE_GAUGES]
         kv_blocks = GaugeMetricFamily(P + "kv_blocks", "KV blocks the engine reports holding in its KV events "
                                       "(precise-prefix routing; 0 after its view was reset).", labels=["backend"])
+        kv_media = GaugeMetricFamily(P + "kv_medium_blocks", "KV blocks the engine reports holding per medium: its "
+                                     "KV cache (GPU; CPU on a Shoal CPU engine) or an offload tier (CPU, CPU_OFFLOAD, "
+                                     "DISK); a block in two media counts in each (precise-prefix routing).",
+                                     labels=["backend", "medium"])
         ready = 0
         adapter_waits = 0
         by_priority: dict[int, int] = {}
@@ -82,6 +86,8 @@ class _PoolCollector:
                 for b in pool.backends.all():
                     view = kv_index.views.get(b.url)
                     kv_blocks.add_metric([b.url], float(len(view.blocks)) if view is not None else 0.0)
+                    for medium, n in sorted(view.media_blocks().items() if view is not None else ()):
+                        kv_media.add_metric([b.url, medium], float(n))
             adapter_waits += pool.adapter_waits
             for priority, n in pool.queue.by_priority().items():
                 by_priority[priority] = by_priority.get(priority, 0) + n
@@ -100,6 +106,7 @@ class _PoolCollector:
             yield family
         yield adapters
         yield kv_blocks
+        yield kv_media
         yield queued
         yield GaugeMetricFamily(P + "adapter_wait_requests", "Requests waiting for an engine to list their LoRA "
                                 "adapter (loading, or reloading after a restart).", value=adapter_waits)

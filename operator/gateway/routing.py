@@ -34,7 +34,8 @@ precise-prefix
     prefix-load's profiles, with the matched prefix taken from what the engines report holding (their KV events,
     kv_index.py) instead of what the gateway routed: the prompt's token ids (the model's tokenizer, kv_tokens.py,
     or an engine's /tokenize) hashed as the index keys blocks (shoal.engine.kv_hash: a Shoal engine's own hashes;
-    a vLLM engine's are mapped to them), each engine scored by the leading blocks it holds. Falls back to prefix-load's approximate index for a request without
+    a vLLM engine's are mapped to them), each engine scored by the leading blocks it holds, a block in an offload tier
+    worth less than one in the KV cache (kv_index.TIER_WEIGHTS). Falls back to prefix-load's approximate index for a request without
     token ids (/tokenize unavailable) or when no engine reports holding any of its blocks (no events yet, or a
     prefix routed a moment ago whose blocks are not stored yet). A request naming a LoRA adapter is matched
     against the blocks each engine stored under that adapter (kv_index.py); the lora-affinity profile still
@@ -138,12 +139,23 @@ class RoutingContext:
     def matched(self) -> dict[str, int]:
         """Engine URL -> leading blocks of the prompt it holds: per the engines' KV events where they report any
         (precise-prefix), else per the gateway's own routing history (empty without a prefix index)."""
+        return {url: blocks for url, (blocks, _) in self.prefix.items()}
+
+    @cached_property
+    def prefix_worth(self) -> dict[str, float]:
+        """Engine URL -> what its matched prefix saves: precise, each block at its copy's weight (the KV cache's
+        above an offload tier's, kv_index.TIER_WEIGHTS); approximate, its blocks."""
+        return {url: worth for url, (_, worth) in self.prefix.items()}
+
+    @cached_property
+    def prefix(self) -> dict[str, tuple[int, float]]:
         if self._kv_index is not None and self.tokens:
-            precise = self._kv_index.matches([b.url for b in self.candidates], self.tokens, self.adapter)
+            precise = self._kv_index.scores([b.url for b in self.candidates], self.tokens, self.adapter)
             if precise:
                 self.precise = True
                 return precise
-        return self._index.matches(self.candidates, self.hashes) if self._index is not None else {}
+        approximate = self._index.matches(self.candidates, self.hashes) if self._index is not None else {}
+        return {url: (n, float(n)) for url, n in approximate.items()}
 
 
 # ---- the protocol -----------------------------------------------------------------------------------------------
@@ -229,12 +241,14 @@ class BoundedLoad:
 
 
 class LongestPrefix:
-    """The engines holding the longest matching chain of the prompt's blocks (none when nobody holds any)."""
+    """The engines holding the longest matching chain of the prompt's blocks (none when nobody holds any); with
+    the engines' tiers known (precise-prefix), the chain worth most: a block in the KV cache counts more than one
+    in an offload tier."""
 
     def filter(self, ctx: RoutingContext, backends: list[Backend]) -> list[Backend]:
-        matched = ctx.matched
-        longest = max((matched.get(b.url, 0) for b in backends), default=0)
-        return [b for b in backends if longest and matched.get(b.url, 0) == longest]
+        worth = ctx.prefix_worth
+        longest = max((worth.get(b.url, 0.0) for b in backends), default=0.0)
+        return [b for b in backends if longest and worth.get(b.url, 0.0) == longest]
 
 
 class LoRAResident:

@@ -1,6 +1,7 @@
 """KV events from a real engine over a real ZMQ SUB socket: BlockStored with the hashes a router computes from the
 same tokens (shoal.engine.kv_hash), BlockRemoved on eviction, AllBlocksCleared on reset_prefix_cache, in order and
-with consecutive sequence numbers; the replay socket answers the same batches."""
+with consecutive sequence numbers; the replay socket answers the same batches. With offload tiers, the blocks a
+tier keeps are announced in its medium and dropped from it when it lets them go."""
 
 from __future__ import annotations
 
@@ -66,15 +67,14 @@ def generate(llm: LLM, tokens: list[int]) -> None:
     llm.generate([tokens], SamplingParams(max_tokens=1, temperature=0.0))
 
 
-def test_events_stream_in_order_with_the_routers_hashes(engine_with_events):
-    llm, sub, replay_port = engine_with_events
-    # A PUB socket drops what it sends before a subscription reaches it: send throwaway one-block prompts until
-    # the subscriber hears the engine, then start from a clean cache.
+def subscribed(llm: LLM, sub: Subscriber, block_size: int = BLOCK) -> int:
+    """Until `sub` hears the engine, then from a clean cache; the first sequence number heard. A PUB socket drops
+    what it sends before a subscription reaches it: throwaway one-block prompts go first."""
     deadline = time.monotonic() + 20
     probe = 0
     while not sub.batches:
         assert time.monotonic() < deadline, "no KV event reached the subscriber within 20 s"
-        generate(llm, [300 + probe % 50] * BLOCK)
+        generate(llm, [300 + probe % 50] * block_size)
         probe += 1
         sub.drain(0.2)
     assert llm.reset_prefix_cache()
@@ -82,6 +82,12 @@ def test_events_stream_in_order_with_the_routers_hashes(engine_with_events):
     assert sub.events()[-1] == ["AllBlocksCleared"]
     first_seq = sub.batches[0][0]
     sub.batches.clear()
+    return first_seq
+
+
+def test_events_stream_in_order_with_the_routers_hashes(engine_with_events):
+    llm, sub, replay_port = engine_with_events
+    first_seq = subscribed(llm, sub)
 
     prompt = [(7 * i + 3) % 200 + 1 for i in range(3 * BLOCK + 2)]  # 3 full blocks and 2 tokens
     generate(llm, prompt)
@@ -168,6 +174,72 @@ def test_lora_blocks_carry_the_adapter_and_hash_from_its_root(llama_model, tmp_p
         assert event[7] == "sql"
         assert event[1] == list(hash_chain(prompt, BLOCK, parent=lora_root(lora_id)))
         assert not set(event[1]) & set(base)
+    finally:
+        sub.ctx.destroy(linger=0)
+        llm.shutdown()
+
+
+def test_offload_tiers_announce_what_they_keep_and_drop(llama_model, tmp_path):
+    """A pool too small for the workload (tests/offloadkit.py) behind a CPU tier of 6 blocks and a disk tier of 16:
+    the events, replayed per medium, hold exactly what the pool and each tier hold; a block enters a tier only
+    after leaving the one before it (the pool's BlockRemoved first, vLLM's per-medium index never sees it twice);
+    the disk tier's overflow is removed; a reset clears everything and the tiers announce nothing after it."""
+    from offloadkit import POOL, generate_settled, gib, prompts
+
+    port = free_port()
+    per_block = None
+    with LLM(model=llama_model, **POOL, kv_events_config={"enable_kv_cache_events": True,
+                                                          "endpoint": f"tcp://*:{port}"}) as probe:
+        per_block = probe.llm_engine.executor.bytes_per_block(POOL["block_size"])
+    llm = LLM(model=llama_model, **POOL, kv_offloading_size=gib(6, per_block), kv_offloading_disk_path=str(tmp_path),
+              kv_offloading_disk_size=gib(16, per_block),
+              kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    sub = Subscriber(port, b"")
+    try:
+        subscribed(llm, sub, POOL["block_size"])
+        engine = llm.llm_engine
+        for p in prompts(4) + prompts(2):  # each evicts the ones before; the last two come back from the tiers
+            generate_settled(llm, p)
+            engine.publish_kv_events()  # the copy thread's changes since the step (the idle loop's call)
+        sub.drain(5)
+
+        from shoal.engine.core.kv_events import tier_media
+
+        device = engine.kv_events.medium  # the pool's: CPU here, GPU on CUDA
+        cpu, disk = tier_media(device)["cpu"], tier_media(device)["disk"]
+        assert len({device, cpu, disk}) == 3
+        held: dict[str, dict[int, int]] = {device: {}, cpu: {}, disk: {}}
+        left: dict[str, set] = {m: set() for m in held}  # hashes each medium has let go of
+        for e in sub.events():
+            if e[0] == "BlockStored":
+                medium = e[6]
+                for h in e[1]:
+                    assert h not in held[medium], f"{h:x} announced twice in {medium}"
+                    if medium == cpu:
+                        assert h in left[device], f"{h:x} entered the CPU tier before it left the pool"
+                        assert e[2] is None and e[3] == [] and e[4] == POOL["block_size"]
+                    if medium == disk:
+                        assert h in left[cpu], f"{h:x} reached the disk before it left the CPU tier"
+                    held[medium][h] = 1
+            elif e[0] == "BlockRemoved":
+                for h in e[1]:
+                    assert held[e[2]].pop(h, None), f"{h:x} removed from {e[2]}, which did not hold it"
+                    left[e[2]].add(h)
+        tiers = engine.executor.offload.tiers
+        assert set(held[device]) == set(engine.pool._cached)
+        assert set(held[cpu]) == set(tiers[0]._blocks) and len(held[cpu]) == 6
+        assert set(held[disk]) == set(tiers[1]._blocks) and len(held[disk]) == 16
+        assert left[disk], "the disk tier never let a block go"
+        assert engine.tiers.hits["cpu"] + engine.tiers.hits["disk"] > 0, "no prefix came back from a tier"
+
+        sub.batches.clear()
+        assert llm.reset_prefix_cache()
+        generate_settled(llm, prompts(1, seed=9)[0])  # nothing evicted: no tier event
+        engine.publish_kv_events()
+        sub.drain(5)
+        events = sub.events()
+        assert events[0] == ["AllBlocksCleared"], events[:2]
+        assert all(e[0] == "BlockStored" and e[6] == device for e in events[1:]), events
     finally:
         sub.ctx.destroy(linger=0)
         llm.shutdown()

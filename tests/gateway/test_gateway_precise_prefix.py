@@ -21,11 +21,11 @@ pytestmark = pytest.mark.slow
 
 
 class EventEngine(Proc):
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, *flags: str):
         self.events_port, self.replay_port = free_port(), free_port()
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events_port}",
                   "replay_endpoint": f"tcp://*:{self.replay_port}"}
-        super().__init__([*engine_cmd(model_dir), "--kv-events-config", json.dumps(config)])
+        super().__init__([*engine_cmd(model_dir), "--kv-events-config", json.dumps(config), *flags])
 
 
 @pytest.fixture(scope="module")
@@ -56,29 +56,47 @@ def cold_choice(urls: list[str], path: str, body: dict) -> str:
     return max(urls, key=lambda u: hashlib.blake2b(first + u.encode(), digest_size=8).digest())
 
 
+def precise_gateway(engines, start_gateway, tokenizer=None):
+    """A precise-prefix gateway over `engines` (tokenizing with `tokenizer`, else through /tokenize) that has heard
+    each of them: a PUB socket drops what precedes the subscription; later batches bring the earlier ones back by
+    replay."""
+    extra = ("--tokenizer", str(tokenizer)) if tokenizer else ()
+    for e in engines:
+        extra += ("--kv-events-endpoint", f"{e.url}={e.events_port},{e.replay_port}")
+    gateway = start_gateway(*(e.url for e in engines), routing="precise-prefix", extra=extra)
+    rng = random.Random(len(engines))
+    for engine in engines:
+        wait_for(lambda: complete(engine.url, "warm up " + "".join(rng.choices(string.ascii_lowercase, k=80)))
+                 or kv_blocks(gateway, engine) > 0, 60, f"the gateway to index {engine.url}'s KV events")
+    return gateway
+
+
+def not_the_cold_choice(engines, path: str, body: dict) -> tuple:
+    """(the engine to seed a prefix on behind the gateway's back: the one the approximate router would NOT pick
+    for it, the other)."""
+    a, b = engines
+    return (a, b) if cold_choice([a.url, b.url], path, body) == b.url else (b, a)
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(n))
+
+
+def sent_per_engine(gateway: Proc, engines) -> dict[str, float]:
+    m = gateway.metrics()
+    return {e.url: metric(m, "shoal:gateway_requests_total", backend=e.url, code="200") for e in engines}
+
+
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_precise_prefix_sends_a_repeated_prefix_to_the_engine_that_holds_it(api, engines, fleet_model, start_gateway):
     """completions: tokenized in the gateway (--tokenizer); chat: token ids from an engine's /tokenize, which
     renders the chat template as the engine does (no --tokenizer)."""
-    a, b = engines
-    extra = (("--tokenizer", str(fleet_model)) if api == "completions" else ()) + (
-             "--kv-events-endpoint", f"{a.url}={a.events_port},{a.replay_port}",
-             "--kv-events-endpoint", f"{b.url}={b.events_port},{b.replay_port}")
-    gateway = start_gateway(a.url, b.url, routing="precise-prefix", extra=extra)
-
-    # The gateway hears each engine (a PUB socket drops what precedes the subscription; later batches bring the
-    # earlier ones back by replay).
+    gateway = precise_gateway(engines, start_gateway, fleet_model if api == "completions" else None)
     rng = random.Random(7 if api == "completions" else 8)
-    for engine in engines:
-        wait_for(lambda: complete(engine.url, "warm up " + "".join(rng.choices(string.ascii_lowercase, k=80)))
-                 or kv_blocks(gateway, engine) > 0, 60, f"the gateway to index {engine.url}'s KV events")
-
-    prefix = " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(120))
+    prefix = words(rng, 120)
     path = "/v1/completions" if api == "completions" else "/v1/chat/completions"
     body = {"model": "tiny", "prompt": prefix + " question 0"} if api == "completions" else chat_body(prefix, 0)
-    # Seed the engine the approximate router would NOT pick for this prefix, behind the gateway's back.
-    holder = a if cold_choice([a.url, b.url], path, body) == b.url else b
-    other = b if holder is a else a
+    holder, other = not_the_cold_choice(engines, path, body)
     before = kv_blocks(gateway, holder)
     if api == "completions":
         complete(holder.url, prefix + " question 0")
@@ -89,8 +107,7 @@ def test_precise_prefix_sends_a_repeated_prefix_to_the_engine_that_holds_it(api,
              "the gateway to index the seeded prefix's blocks")
 
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    sent_before = {e.url: metric(gateway.metrics(), "shoal:gateway_requests_total", backend=e.url, code="200")
-                   for e in engines}
+    sent_before = sent_per_engine(gateway, engines)
     for i in range(1, 7):
         if api == "completions":
             client.completions.create(model="tiny", prompt=f"{prefix} question {i}", max_tokens=1, temperature=0)
@@ -102,3 +119,38 @@ def test_precise_prefix_sends_a_repeated_prefix_to_the_engine_that_holds_it(api,
     assert sent == {holder.url: 6, other.url: 0}, sent
     assert metric(m, "shoal:gateway_precise_prefix_hits_total") >= 6
     assert metric(m, "shoal:gateway_precise_prefix_matched_blocks_total") >= 6 * 10
+
+
+def test_a_prefix_an_engine_moved_to_its_cpu_tier_still_routes_there(fleet_model, start_gateway):
+    """Engines with a KV pool of 40 blocks behind a CPU tier (--kv-offloading-size): a prefix seeded on one behind
+    the gateway's back, then pushed out of its pool by other prompts, is announced in the tier (the engine loop
+    publishes the copy thread's changes while idle), so the requests repeating it still go to that engine, which
+    serves the prefix from its tier — where the approximate router would have sent them to the other one."""
+    flags = ("--num-kv-blocks", "40", "--max-model-len", "512", "--kv-offloading-size", "0.01")
+    with running([EventEngine(fleet_model, *flags), EventEngine(fleet_model, *flags)]) as tiered:
+        gateway = precise_gateway(tiered, start_gateway, fleet_model)
+        rng = random.Random(11)
+        prefix = words(rng, 40)
+        body = {"model": "tiny", "prompt": prefix + " question 0"}
+        holder, other = not_the_cold_choice(tiered, "/v1/completions", body)
+        before = kv_blocks(gateway, holder)
+        complete(holder.url, prefix + " question 0")
+        wait_for(lambda: kv_blocks(gateway, holder) >= before + 8, 30, "the gateway to index the seeded prefix")
+        for _ in range(3):  # 3 x ~18 blocks through a 40-block pool: the prefix's blocks go to the CPU tier
+            complete(holder.url, words(rng, 60))
+        stats = holder.metrics()
+        assert metric(stats, "shoal:kv_offload_blocks", tier="cpu") >= 8, "the prefix never reached the CPU tier"
+        cpu_hits = metric(stats, "shoal:prefix_cache_tier_hits_total", tier="cpu")
+        wait_for(lambda: metric(gateway.metrics(), "shoal:gateway_kv_medium_blocks", backend=holder.url,
+                                medium="CPU_OFFLOAD") >= 8, 30, "the gateway to hear the blocks the CPU tier took")
+
+        sent_before = sent_per_engine(gateway, tiered)
+        for i in range(1, 4):
+            status, answer, _ = http("POST", gateway.url + "/v1/completions",
+                                     {"model": "tiny", "prompt": f"{prefix} question {i}", "max_tokens": 1,
+                                      "temperature": 0})
+            assert status == 200, answer
+        sent = {url: n - sent_before[url] for url, n in sent_per_engine(gateway, tiered).items()}
+        assert sent == {holder.url: 3, other.url: 0}, sent
+        assert metric(holder.metrics(), "shoal:prefix_cache_tier_hits_total", tier="cpu") > cpu_hits, \
+            "the holder did not serve the prefix from its CPU tier"

@@ -382,3 +382,108 @@ async def test_a_request_with_a_cache_salt_never_routes_by_the_index():
     body = {"model": "m", "prompt": list(range(64))}
     assert await gw.prompt_tokens("/v1/completions", body, "m", gw.pools.pool) == list(range(64))
     assert await gw.prompt_tokens("/v1/completions", {**body, "cache_salt": "a"}, "m", gw.pools.pool) is None
+
+
+async def test_a_block_an_offload_tier_keeps_stays_routable_until_the_tier_lets_it_go(llama_model):
+    """A real engine (a pool too small for the workload, tests/offloadkit.py, behind a CPU tier of 30 blocks)
+    publishing to the gateway's real subscriber: a prompt whose blocks left the pool for the tier is still matched,
+    all of it, at the tier's weight, and the engine does serve it from there; once the tier has pushed it out the
+    gateway holds none of it; a reset clears the view; a gap resets it."""
+    from offloadkit import POOL, generate_settled, gib, prompts
+
+    from shoal.engine import LLM
+    from shoal.operator.gateway.kv_index import TIER_WEIGHTS
+
+    port = free_port()
+    with LLM(model=llama_model, **POOL) as probe:
+        per_block = probe.llm_engine.executor.bytes_per_block(POOL["block_size"])
+    llm = LLM(model=llama_model, **POOL, kv_offloading_size=gib(30, per_block),
+              kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    engine = llm.llm_engine
+
+    def run(tokens: list[int]):
+        out = generate_settled(llm, tokens)
+        engine.publish_kv_events()  # what the copy thread did since the step (the idle engine loop's call)
+        return out
+
+    a, *others = prompts(8, seed=3)
+    blocks = len(a) // POOL["block_size"]
+    try:
+        async with Replica({URL: (port, None)}) as gw:
+            gw.index.max_blocks = blocks  # the prompt's own blocks (a reply's would follow)
+            await gw.hear({URL: engine.kv_events})
+            run(a)
+            await gw.hear({URL: engine.kv_events})
+            assert gw.index.scores([URL], a) == {URL: (blocks, blocks * 1.0)}  # in the KV cache
+
+            run(others[0])
+            run(others[1])  # a's blocks are out of the pool now, in the CPU tier
+            await gw.hear({URL: engine.kv_events})
+            assert not set(hash_chain(a, POOL["block_size"])) & set(engine.pool._cached)
+            assert gw.index.scores([URL], a) == {URL: (blocks, pytest.approx(blocks * TIER_WEIGHTS["CPU_OFFLOAD"]))}
+            assert gw.pick(a) == (URL, blocks, True)
+
+            for p in others[2:]:  # 6 more prompts' evictions push a out of the 30-block tier
+                run(p)
+            await gw.hear({URL: engine.kv_events})
+            assert engine.executor.offload.lookup(list(hash_chain(a, POOL["block_size"]))) == []
+            assert gw.matches(a) == {}
+
+            again = run(others[-3])  # out of the pool, still in the tier: served from it, and held again
+            assert again.num_cached_tokens > 0 and engine.tiers.hits["cpu"] > 0
+            await gw.hear({URL: engine.kv_events})
+            assert gw.matches(others[-3])[URL] == blocks
+            assert llm.reset_prefix_cache()
+            await gw.hear({URL: engine.kv_events})
+            assert gw.index.views[URL].blocks == {}
+
+            run(others[-1])
+            await gw.hear({URL: engine.kv_events})
+            assert gw.matches(others[-1]) == {URL: blocks}
+            resets = gw.index.views[URL].resets
+            next(engine.kv_events._seq)  # a batch lost on the way
+            run(a)
+            await gw.hear({URL: engine.kv_events})
+            assert gw.index.views[URL].resets > resets
+            assert gw.matches(others[-1]) == {}, "a view kept blocks from before a gap"
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "shoal-gpu", "shoal-cpu"])
+def test_the_precise_scorer_ranks_the_kv_cache_above_the_cpu_tier_above_the_disk(runtime):
+    """Three engines holding the same 4 leading blocks, one in its KV cache, one in its CPU tier, one on disk, as
+    each runtime names the media (vLLM: GPU / CPU; Shoal: GPU or a CPU engine's CPU / its tiers'): the KV cache
+    wins, then the CPU tier, then the disk; a tier holding clearly more of the prompt beats a shorter cached run."""
+    device, cpu = {"vllm": ("GPU", "CPU"), "shoal-gpu": ("GPU", "CPU"), "shoal-cpu": ("CPU", "CPU_OFFLOAD")}[runtime]
+    tokens = list(range(1, 16 * 8 + 1))
+    chain = list(hash_chain(tokens, 16))
+    backends = BackendSet()
+    backends.replace({"http://a:8000", "http://b:8000", "http://c:8000"})
+    a, b, c = backends.all()
+    index = KVIndex()
+    for backend in (a, b, c):  # each computes the blocks in its KV cache first
+        index.apply(backend.url, 0, [("BlockStored", chain[:4], None, tokens[:64], 16, None, device, None)])
+    # b's and c's leave the KV cache for a tier (vLLM copies to the CPU tier while the block is still cached)
+    index.apply(b.url, 1, [("BlockStored", chain[:4], None, [], 16, None, cpu, None),
+                           ("BlockRemoved", chain[:4], device)])
+    index.apply(c.url, 1, [("BlockRemoved", chain[:4], device), ("BlockStored", chain[:4], None, [], 16, None, cpu,
+                                                                   None),
+                           ("BlockRemoved", chain[:4], cpu), ("BlockStored", chain[:4], None, [], 16, None, "DISK",
+                                                                  None)])
+    router = make_router("precise-prefix", kv_index=index)
+    now = time.monotonic()
+    assert index.matches([a.url, b.url, c.url], tokens) == {a.url: 4, b.url: 4, c.url: 4}
+    worth = {url: w for url, (_, w) in index.scores([a.url, b.url, c.url], tokens).items()}
+    assert worth[a.url] > worth[b.url] > worth[c.url] > 0, worth
+    assert router.pick([c, b, a], [], now, tokens=tokens).backend is a
+    assert router.pick([c, b], [], now, tokens=tokens).backend is b
+    # c's disk tier lets the blocks go: c holds none of them any more
+    index.apply(c.url, 2, [("BlockRemoved", chain[:4], "DISK")])
+    assert c.url not in index.matches([a.url, b.url, c.url], tokens)
+    # b's CPU tier gets the whole prompt (8 blocks, 6.4) and beats a's 4 in the KV cache
+    index.apply(b.url, 2, [("BlockStored", chain[4:], chain[3], tokens[64:], 16, None, device, None),
+                           ("BlockRemoved", chain[4:], device),
+                           ("BlockStored", chain[4:], None, [], 16, None, cpu, None)])
+    assert index.matches([a.url, b.url], tokens) == {a.url: 4, b.url: 8}
+    assert router.pick([a, b], [], now, tokens=tokens).backend is b
