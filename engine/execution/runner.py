@@ -73,6 +73,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.lora = None  # an execution.lora.LoRAManager once enable_lora ran
         self.offloaded = False  # sleep level 1 on a GPU: the weights wait in host memory
+        self.encoder_cache = EncoderCache() if getattr(self.model, "accepts_images", False) else None
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """Give every adaptable linear layer max_loras adapter slots of rank up to max_rank (execution/lora.py)."""
@@ -206,7 +207,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step. On the last pipeline stage returns float32 logits [S, vocab] for inputs.logits_indices;
         on other stages the hidden states to hand to the next stage."""
-        if self.decode_graphs is not None and hidden is None:
+        if self.decode_graphs is not None and hidden is None and inputs.images is None:
             logits = self.decode_graphs.run(inputs)  # None: not a decode step that fits a bucket
             if logits is not None:
                 return logits
@@ -234,12 +235,53 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(inputs.lora_slot_ids, inputs.lora_token_slots)
         meta = attention_metadata(inputs)
+        if inputs.images is not None and hidden is None:
+            hidden = self._embed_images(inputs)
         if inputs.state_restore is not None:  # hybrid prefix cache hits start from a kept state
             self._copy_state(inputs.state_restore, inputs.state_slots)
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden)
         if inputs.state_save is not None:  # ... and keep the state of prompts ending their last full block
             self._copy_state(inputs.state_slots, inputs.state_save, from_slots=False)
         return out
+
+
+    def _embed_images(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's token embeddings with each image slice's rows replaced by the image's encoder features (each
+        image encoded once while the encoder-output cache keeps it: a prompt prefilled in chunks reuses them)."""
+        m = self.model
+        x = m.embed(inputs.input_ids, inputs.positions)
+        for image in inputs.images:
+            features = self.encoder_cache.get(image.digest)
+            if features is None:
+                features = m.encode_image(image.pixel_values.to(self.device))
+                self.encoder_cache.put(image.digest, features)
+            x[image.row:image.row + image.end - image.start] = features[image.start:image.end].to(x.dtype)
+        return x
+
+
+class EncoderCache:
+    """The encoder outputs of the most recently used images, by content digest: an image's features are computed
+    once for all the chunks its tokens are prefilled in, and again only after `capacity` other images pushed them
+    out (a multi-turn conversation about one image encodes it once)."""
+
+    def __init__(self, capacity: int = 64):
+        from collections import OrderedDict
+
+        self.capacity = capacity
+        self._features: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.encoded = 0  # images run through the vision tower (the cache's misses)
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        features = self._features.get(digest)
+        if features is not None:
+            self._features.move_to_end(digest)
+        return features
+
+    def put(self, digest: bytes, features: torch.Tensor) -> None:
+        self.encoded += 1
+        self._features[digest] = features
+        while len(self._features) > self.capacity:
+            self._features.popitem(last=False)
 
 
 def _attention_shape(hf_config) -> dict:

@@ -208,6 +208,7 @@ async def models_route(request: web.Request) -> web.Response:
         "parent": None,
         "max_model_len": eng.max_model_len,
         "permission": [],
+        "input_modalities": ["text", "image"] if getattr(eng, "images", None) is not None else ["text"],
     }
     cards = [card]
     stats = eng.snapshot.stats
