@@ -11,6 +11,7 @@ from shoal.engine.contracts import StepInputs
 from shoal.engine.distributed.parallel_state import get_parallel_state, set_parallel_state
 from shoal.engine.execution.attention import select_backend
 from shoal.engine.execution.attention.base import AttentionMetadata, KVCache
+from shoal.engine.execution.encoder_cache import EncoderCache
 from shoal.engine.execution.graph_capture import DecodeGraphs
 from shoal.engine.execution.model_loader import load_model
 
@@ -257,31 +258,6 @@ class ModelRunner:
                 self.encoder_cache.put(image.digest, features)
             x[image.row:image.row + image.end - image.start] = features[image.start:image.end].to(x.dtype)
         return x
-
-
-class EncoderCache:
-    """The encoder outputs of the most recently used images, by content digest: an image's features are computed
-    once for all the chunks its tokens are prefilled in, and again only after `capacity` other images pushed them
-    out (a multi-turn conversation about one image encodes it once)."""
-
-    def __init__(self, capacity: int = 64):
-        from collections import OrderedDict
-
-        self.capacity = capacity
-        self._features: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self.encoded = 0  # images run through the vision tower (the cache's misses)
-
-    def get(self, digest: bytes) -> torch.Tensor | None:
-        features = self._features.get(digest)
-        if features is not None:
-            self._features.move_to_end(digest)
-        return features
-
-    def put(self, digest: bytes, features: torch.Tensor) -> None:
-        self.encoded += 1
-        self._features[digest] = features
-        while len(self._features) > self.capacity:
-            self._features.popitem(last=False)
 
 
 def _attention_shape(hf_config) -> dict:

@@ -116,12 +116,18 @@ class Job:
     metrics: Any = None  # the engine's timing record (RequestMetrics), latest seen: for tracing
     images: list | None = None  # the prompt's images (core.images.ProcessedImage), one per placeholder token
 
+    def seen(self, out: RequestOutput) -> None:
+        """Take what the engine's latest output says of the request."""
+        self.metrics = out.metrics or self.metrics
+        if self.images is not None and out.prompt_token_ids:
+            self.prompt_ids = out.prompt_token_ids  # each image's placeholder expanded: usage counts its tokens
+
 
 async def merge_streams(jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput | None]]:
     """(job index, output) from every stream as they come; (i, None) when stream i ended without finishing."""
     if len(jobs) == 1:
         async for out in jobs[0].stream:
-            jobs[0].metrics = out.metrics or jobs[0].metrics
+            jobs[0].seen(out)
             yield 0, out
         if not jobs[0].stream.finished_normally:
             yield 0, None
@@ -149,7 +155,7 @@ async def merge_streams(jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutp
             elif isinstance(item, BaseException):
                 raise item
             else:
-                jobs[i].metrics = item.metrics or jobs[i].metrics
+                jobs[i].seen(item)
                 yield i, item
     finally:
         for t in tasks:

@@ -61,6 +61,19 @@ def test_chunked_prefill_inside_the_image_encodes_it_once(llava_model):
         engine.shutdown()
 
 
+def test_a_later_prompt_about_the_same_image_reuses_its_encoder_output(llm, llava_model):
+    # different text before the image: no KV block is shared, the image's tokens are prefilled again from the
+    # features the encoder cache kept
+    cache = llm.llm_engine.executor.runner.encoder_cache
+    before = cache.encoded
+    image = make_image(10)
+    prompts = [("Hello <image> Paris", [image])]
+    check(llava_model, run(llm, prompts), prompts)
+    prompts = [("Once upon a time <image> Paris", [image])]
+    check(llava_model, run(llm, prompts), prompts)
+    assert cache.encoded == before + 1
+
+
 def test_prefix_cache_sees_the_image(llm, llava_model):
     llm.reset_prefix_cache()
     image, other = make_image(6), make_image(7)

@@ -37,7 +37,8 @@ def chat(client, content, stream=False):
                                           extra_body={"ignore_eos": True})
 
 
-def offline(model_dir, content_text: str, images: list) -> str:
+def offline(model_dir, content_text: str, images: list):
+    """The offline engine's (greedy text, prompt length) for a one-message chat."""
     from jinja2 import Template
 
     from shoal.engine import LLM, SamplingParams
@@ -47,7 +48,7 @@ def offline(model_dir, content_text: str, images: list) -> str:
     with LLM(model=model_dir, dtype="float32", num_kv_blocks=64, max_model_len=128, block_size=4) as llm:
         out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
                            SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True), use_tqdm=False)
-    return out[0].outputs[0].text
+    return out[0].outputs[0].text, len(out[0].prompt_token_ids)
 
 
 def test_models_says_images(client):
@@ -61,9 +62,10 @@ def test_chat_with_images_equals_the_offline_engine(client, llava_model):
                image_part(encode(b, "JPEG"), "image/jpeg")]
     # the text parts and each image's placeholder, joined by newlines as the server renders them; the JPEG as the
     # server decodes it (lossy)
-    want = offline(llava_model, f"{QUESTION}\n{IMAGE_TOKEN}\n{IMAGE_TOKEN}", [a, encode(b, "JPEG")])
+    want, prompt_len = offline(llava_model, f"{QUESTION}\n{IMAGE_TOKEN}\n{IMAGE_TOKEN}", [a, encode(b, "JPEG")])
     r = chat(client, content)
     assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == prompt_len  # each image counts its tokens
     assert "".join(c.choices[0].delta.content or "" for c in chat(client, content, stream=True) if c.choices) == want
     # another image under the same text is another answer (no false prefix-cache hit)
     other = chat(client, [{"type": "text", "text": QUESTION}, image_part(encode(make_image(13))),
