@@ -114,3 +114,9 @@ def test_text_only_model_refuses_images(llama_model):
         assert not engine.llm_engine.has_unfinished_requests()
     finally:
         engine.shutdown()
+
+
+def test_parallel_engines_refuse_a_vision_language_model(llava_model):
+    # the parallel executors do not carry a step's images to the other ranks: refused at start, not served wrong
+    with pytest.raises(ValueError, match="one process only"):
+        LLM(llava_model, dtype="float32", num_kv_blocks=16, max_model_len=64, pipeline_parallel_size=2)
