@@ -44,6 +44,18 @@ def test_one_and_two_images_match_transformers(llm, llava_model):
     check(llava_model, run(llm, prompts), prompts)
 
 
+def test_a_siglip_tower_matches_transformers(tmp_path_factory):
+    from shoal.engine.tools.tiny_model import make_llava_model
+
+    model = make_llava_model(tmp_path_factory.mktemp("llava-siglip"), vision="siglip", seed=3)
+    engine = LLM(model, dtype="float32", num_kv_blocks=64, max_model_len=64, block_size=4)
+    try:
+        prompts = [(ONE, [make_image(14)]), (TWO, [make_image(15), make_image(16)])]
+        check(model, run(engine, prompts), prompts)
+    finally:
+        engine.shutdown()
+
+
 def test_image_batched_with_text_only(llm, llava_model):
     prompts = [(ONE, [make_image(4)]), ("Once upon a time there was", [])]
     check(llava_model, run(llm, prompts), prompts)
