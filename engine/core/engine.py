@@ -28,9 +28,8 @@ from shoal.engine.core.state_pool import StateCheckpoints, StatePool
 from shoal.engine.core.structured_outputs import CompiledGrammar, GrammarCompiler, StructuredOutputsParams
 from shoal.engine.core.tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
 from shoal.engine.execution.executor import Executor, make_executor
-from shoal.engine.execution.models import accepts_images
 from shoal.engine.execution.model_loader import load_hf_config, resolve_dtype, resolve_model_dir
-from shoal.engine.execution.models import model_class
+from shoal.engine.execution.models import accepts_images, model_class
 from shoal.engine.execution.sampling import Sampler, SamplingRow, make_generator
 
 logger = logging.getLogger(__name__)
@@ -158,7 +157,6 @@ class LLMEngine:
             if config.world_size > 1:  # the parallel executors do not carry a step's images to the other ranks yet
                 raise ValueError(f"{self.model_dir.name}: vision-language models run on one process only for now "
                                  "(drop --tensor-parallel-size / --pipeline-parallel-size)")
-
             limits = config.limit_mm_per_prompt or MultiModalLimits()
             self.images = ImageInputs(self.model_dir, self.hf_config, limits.image)
 

@@ -86,6 +86,8 @@ class ImageInputs:
         try:
             image = Image.open(io.BytesIO(data), formats=self.FORMATS)
             image.load()  # decode now: a truncated file fails here, not later inside the processor
+        except Image.DecompressionBombError as e:  # PIL's own cap on pixels (a small file that decodes huge)
+            raise ImageError(f"the image has too many pixels: {e}") from None
         except UnidentifiedImageError:
             raise ImageError(f"the image is not one of the supported formats ({', '.join(self.FORMATS)}) or is "
                              "corrupt") from None

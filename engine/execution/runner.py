@@ -245,7 +245,6 @@ class ModelRunner:
             self._copy_state(inputs.state_slots, inputs.state_save, from_slots=False)
         return out
 
-
     def _embed_images(self, inputs: StepInputs) -> torch.Tensor:
         """The step's token embeddings with each image slice's rows replaced by the image's encoder features (each
         image encoded once while the encoder-output cache keeps it: a prompt prefilled in chunks reuses them)."""
