@@ -56,7 +56,7 @@ def test_models_says_images(client):
     assert card.model_extra["input_modalities"] == ["text", "image"]
 
 
-def test_chat_with_images_equals_the_offline_engine(client, llava_model):
+def test_chat_with_images_equals_the_offline_engine(client, server, llava_model):
     a, b = make_image(11), make_image(12, 50, 30)
     content = [{"type": "text", "text": QUESTION}, image_part(encode(a)),
                image_part(encode(b, "JPEG"), "image/jpeg")]
@@ -66,6 +66,8 @@ def test_chat_with_images_equals_the_offline_engine(client, llava_model):
     r = chat(client, content)
     assert r.choices[0].message.content == want
     assert r.usage.prompt_tokens == prompt_len  # each image counts its tokens
+    status, body, _ = server.post("/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": content}]})
+    assert status == 200 and body["count"] == prompt_len
     assert "".join(c.choices[0].delta.content or "" for c in chat(client, content, stream=True) if c.choices) == want
     # another image under the same text is another answer (no false prefix-cache hit)
     other = chat(client, [{"type": "text", "text": QUESTION}, image_part(encode(make_image(13))),
