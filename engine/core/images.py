@@ -77,6 +77,7 @@ class ImageInputs:
         self.image_processor = self.processor.image_processor
         self.token_id = int(hf_config.image_token_id)
         self.token = self.processor.image_token
+        self.image_seq_length = int(hf_config.llava_config.get("image_seq_length") or 576)
         self.limit = limit
 
     def decode(self, data: bytes):
@@ -115,6 +116,8 @@ class ImageInputs:
     def _num_tokens(self, pixels: torch.Tensor) -> int:
         """The image's placeholder count, as the processor expands it (LlavaProcessor.replace_image_token)."""
         p = self.processor
+        if getattr(p, "patch_size", None) is None:  # an older processor config: the model's fixed count
+            return self.image_seq_length
         n = (pixels.shape[-2] // p.patch_size) * (pixels.shape[-1] // p.patch_size) + p.num_additional_image_tokens
         return n - 1 if p.vision_feature_select_strategy == "default" else n
 
