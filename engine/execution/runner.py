@@ -246,15 +246,26 @@ class ModelRunner:
         return out
 
     def _embed_images(self, inputs: StepInputs) -> torch.Tensor:
-        """The step's token embeddings with each image slice's rows replaced by the image's encoder features (each
-        image encoded once while the encoder-output cache keeps it: a prompt prefilled in chunks reuses them)."""
-        m = self.model
+        """The step's token embeddings with each image slice's rows replaced by the image's encoder features. The
+        step's images not in the encoder-output cache run through the tower together (one batch per pixel shape);
+        a prompt prefilled in chunks finds its image's features cached for every chunk after the first."""
+        m, cache = self.model, self.encoder_cache
+        missing: dict[bytes, torch.Tensor] = {}
+        for image in inputs.images:
+            if cache.get(image.digest) is None:
+                missing.setdefault(image.digest, image.pixel_values)
+        by_shape: dict[tuple, list[bytes]] = {}
+        for digest, pixels in missing.items():
+            by_shape.setdefault(tuple(pixels.shape), []).append(digest)
+        for digests in by_shape.values():
+            batch = torch.cat([missing[d] for d in digests]).to(self.device)
+            for digest, features in zip(digests, m.encode_images(batch)):
+                cache.put(digest, features)
         x = m.embed(inputs.input_ids, inputs.positions)
         for image in inputs.images:
-            features = self.encoder_cache.get(image.digest)
-            if features is None:
-                features = m.encode_image(image.pixel_values.to(self.device))
-                self.encoder_cache.put(image.digest, features)
+            features = cache.get(image.digest)
+            if features is None:  # pushed out by this very step's others (more images than the cache holds)
+                features = m.encode_images(image.pixel_values.to(self.device))[0]
             x[image.row:image.row + image.end - image.start] = features[image.start:image.end].to(x.dtype)
         return x
 

@@ -2,7 +2,7 @@
 Shoal already serves.
 
 The decoder is the text family's own class (paged KV, Shoal's forward pass); this module adds what turns an image
-into decoder-width features: `encode_image(pixel_values)` runs the vision tower (transformers' module for the
+into decoder-width features: `encode_images(pixel_values)` runs the vision tower (transformers' module for the
 config's vision_config — CLIP or SigLIP — with the checkpoint's weights: it runs once per image, outside the paged
 decode loop) and the projector (our own), and keeps the features of the configured layer the way transformers
 does (vision_feature_layer, vision_feature_select_strategy "default" drops the CLS feature). The runner puts those
@@ -97,15 +97,15 @@ def vision_language(decoder_cls: type) -> type:
             self.multi_modal_projector = Projector(full, dtype)
 
         @torch.inference_mode()
-        def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
-            """One image's [num_image_tokens, hidden] decoder-width features (pixel_values: [1, C, H, W])."""
+        def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            """Images' [B, num_image_tokens, hidden] decoder-width features (pixel_values: [B, C, H, W])."""
             c = self.llava
             out = self.vision_tower(pixel_values.to(self.vision_dtype), output_hidden_states=True, return_dict=True)
             layers = c.vision_feature_layer
             picked = [out.hidden_states[i] for i in ([layers] if isinstance(layers, int) else layers)]
             if c.vision_feature_select_strategy == "default":
                 picked = [h[:, 1:] for h in picked]
-            return self.multi_modal_projector(torch.cat(picked, dim=-1))[0]
+            return self.multi_modal_projector(torch.cat(picked, dim=-1))
 
         def load_weights(self, src) -> None:
             super().load_weights(_DecoderView(src))
