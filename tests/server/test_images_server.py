@@ -105,3 +105,21 @@ def test_text_only_model_refuses_images(start_server, llama_model):
     assert c.models.list().data[0].model_extra["input_modalities"] == ["text"]
     with pytest.raises(openai.BadRequestError, match="takes text only"):
         chat(c, [{"type": "text", "text": QUESTION}, image_part(encode(make_image(0)))])
+
+
+def test_anthropic_image_blocks_answer_as_chat(client, server):
+    import base64
+
+    import anthropic
+
+    png = encode(make_image(21))
+    want = chat(client, [{"type": "text", "text": QUESTION}, image_part(png)]).choices[0].message.content
+    messages = anthropic.Anthropic(base_url=server.base, api_key="none", max_retries=0).messages
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png).decode()}
+    r = messages.create(model="tiny", max_tokens=MAX, extra_body={"temperature": 0.0, "ignore_eos": True},
+                        messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION},
+                                                               {"type": "image", "source": source}]}])
+    assert r.content[0].text == want
+    with pytest.raises(anthropic.BadRequestError, match="fetching image URLs is off"):
+        messages.create(model="tiny", max_tokens=MAX, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
