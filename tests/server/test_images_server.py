@@ -123,3 +123,14 @@ def test_anthropic_image_blocks_answer_as_chat(client, server):
     with pytest.raises(anthropic.BadRequestError, match="fetching image URLs is off"):
         messages.create(model="tiny", max_tokens=MAX, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+
+
+def test_responses_input_image_answers_as_chat(client):
+    png = encode(make_image(22))
+    want = chat(client, [{"type": "text", "text": QUESTION}, image_part(png)]).choices[0].message.content
+    r = client.responses.create(model="tiny", max_output_tokens=MAX, temperature=0, store=False,
+                                extra_body={"ignore_eos": True},
+                                input=[{"role": "user", "content": [
+                                    {"type": "input_text", "text": QUESTION},
+                                    {"type": "input_image", "image_url": image_part(png)["image_url"]["url"]}]}])
+    assert r.output_text == want
