@@ -148,13 +148,16 @@ class BlockPool:
         stored: list[int] = []  # a run of newly registered blocks: one BlockStored event
         for i, h in enumerate(_hash_chain(computed, self.block_size, done, parent, extra_keys), start=done):
             block_hashes.append(h)
-            if h not in self._cached:
+            new = h not in self._cached
+            if new:
                 self._cached[h] = block_ids[i]
                 self.blocks[block_ids[i]].block_hash = h
-                if self.events is not None:
-                    if not stored:
-                        start = i
-                    stored.append(h)
+            # A block holding image tokens is not published: its hash covers the images, which a KV event (tokens
+            # only, vLLM's fields) cannot say; a router hashing the tokens would index it as the text's.
+            if new and self.events is not None and not (extra_keys is not None and extra_keys(i)):
+                if not stored:
+                    start = i
+                stored.append(h)
             elif stored:
                 self._stored(stored, start, token_ids, block_hashes, salt)
                 stored = []

@@ -132,3 +132,22 @@ def test_parallel_engines_refuse_a_vision_language_model(llava_model):
     # the parallel executors do not carry a step's images to the other ranks: refused at start, not served wrong
     with pytest.raises(ValueError, match="one process only"):
         LLM(llava_model, dtype="float32", num_kv_blocks=16, max_model_len=64, pipeline_parallel_size=2)
+
+
+def test_kv_events_leave_out_the_blocks_holding_an_image():
+    # a router rebuilds block hashes from the published tokens: an image block published would be indexed as the
+    # text-only prefix's (and flip the gateway's "this engine hashes like me" check), so only text blocks are told
+    from shoal.engine.core.images import ProcessedImage, PromptImages
+    from shoal.engine.core.kv_cache import BlockPool
+    from shoal.engine.kv_hash import hash_chain
+
+    pool = BlockPool(16, 4, events=True)
+    image = ProcessedImage(None, 6, b"\x01" * 32)
+    images = PromptImages([(4, image)], 4)  # tokens 4..9: blocks 1 and 2
+    tokens = list(range(4)) + [7] * 6 + list(range(20, 30))
+    ids, hashes = pool.allocate(5), []
+    pool.cache_full_blocks(tokens, ids, hashes, len(tokens), None, images.block_key)
+    stored = [e for e in pool.take_events() if e[0] == "BlockStored"]
+    assert [e[1] for e in stored] == [hashes[:1], hashes[3:]]
+    assert hashes[0] == next(hash_chain(tokens, 4))  # a text block before the image hashes as always
+    assert hashes[1] != list(hash_chain(tokens, 4))[1]  # an image block covers the image
