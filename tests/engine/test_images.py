@@ -86,6 +86,19 @@ def test_a_later_prompt_about_the_same_image_reuses_its_encoder_output(llm, llav
     assert cache.encoded == before + 1
 
 
+def test_preempted_image_requests_are_recomputed_exactly(llava_model):
+    # 3 prompts of ~28 tokens growing by 8 each, in a pool of 20 blocks of 4: some are preempted mid-way and
+    # prefilled again from position 0, image features included
+    engine = LLM(llava_model, dtype="float32", num_kv_blocks=20, block_size=4, max_model_len=64,
+                 enable_prefix_caching=False)
+    try:
+        prompts = [(ONE, [make_image(30 + i)]) for i in range(3)]
+        check(llava_model, run(engine, prompts), prompts)
+        assert engine.llm_engine.scheduler.num_preemptions > 0
+    finally:
+        engine.shutdown()
+
+
 def test_prefix_cache_sees_the_image(llm, llava_model):
     llm.reset_prefix_cache()
     image, other = make_image(6), make_image(7)
