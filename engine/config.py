@@ -164,6 +164,14 @@ def parse_json_object(flag: str):
 parse_speculative_config = parse_json_object("--speculative-config")
 
 
+class MultiModalLimits(BaseModel):
+    """--limit-mm-per-prompt (vLLM's JSON object): the most items of each modality one prompt may carry."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    image: int = Field(default=4, ge=0, description="images per prompt (vision-language models)")
+
+
 class KVEventsConfig(BaseModel):
     """KV events (vLLM's --kv-events-config JSON): the prefix cache's stored / removed / cleared blocks, published
     over ZMQ in vLLM's wire format (engine/core/kv_events.py) for KV-cache-aware routers."""
@@ -285,6 +293,10 @@ class EngineConfig(BaseModel):
         ENGINE, 'pooling of /v1/embeddings as a JSON object: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": '
                 'true | false}; unset fields come from the model\'s sentence-transformers files, else LAST (decoders) '
                 'or MEAN (encoders), normalized', type=parse_json_object("--pooler-config"), metavar="JSON")] = None
+    limit_mm_per_prompt: Annotated[MultiModalLimits | None, Flag(
+        ENGINE, 'the most images one prompt may carry, as a JSON object (vLLM\'s flag), e.g. {"image": 2}; default '
+                '{"image": 4}; vision-language models only', type=parse_json_object("--limit-mm-per-prompt"),
+        metavar="JSON")] = None
     kv_events_config: Annotated[KVEventsConfig | None, Flag(
         ENGINE, 'KV-cache events for KV-aware routers, vLLM\'s format, as a JSON object, e.g. '
                 '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
@@ -304,7 +316,7 @@ class EngineConfig(BaseModel):
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
-    @field_validator("speculative_config", "pooler_config", "kv_events_config", mode="before")
+    @field_validator("speculative_config", "pooler_config", "kv_events_config", "limit_mm_per_prompt", mode="before")
     @classmethod
     def _parse_json_config(cls, value):
         return json.loads(value) if isinstance(value, str) else value

@@ -7,6 +7,7 @@ these types, execution/ consumes them and never imports core/ (tests/engine/test
   SamplingParams     one request's sampling parameters (vLLM's names, defaults and checks)
   PoolingParams      one embedding request's pooling (vLLM's PoolingParams names): the prompt's hidden states
                      pooled into one vector instead of generating
+  StepImage          the slice of one image's tokens a step prefills (vision-language models)
   StepInputs         one step's whole plan in plain tensors: what the scheduler's choice becomes, what every model
                      runner executes, and what rank 0 sends to the other ranks of a multi-process engine
 """
@@ -174,6 +175,19 @@ class PoolingParams:
             raise ValueError(f"dimensions must be a positive integer, got {d!r}.")
 
 
+@dataclass(eq=False)
+class StepImage:
+    """Rows [row, row + end - start) of a step's flat batch are tokens [start, end) of one image: the runner puts the
+    image's encoder features [start, end) there in place of the placeholder tokens' embeddings. `digest` keys the
+    encoder-output cache (the same image is encoded once while its features are kept)."""
+
+    row: int
+    start: int
+    end: int
+    digest: bytes
+    pixel_values: torch.Tensor  # [1, C, H, W]: the model's processor output for this image
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
@@ -199,6 +213,8 @@ class StepInputs:
     # Embedding requests: [start, end) rows of the flat batch whose final hidden states are summed into one vector
     # each (a LAST or CLS pooler's range is one row; MEAN's a whole prompt chunk). None: nothing is pooled.
     pool_ranges: list[tuple[int, int]] | None = None
+    # Vision-language models: the image token slices this step prefills, None when it has none.
+    images: list[StepImage] | None = None
 
     def to(self, device: torch.device) -> "StepInputs":
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)

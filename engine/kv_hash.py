@@ -10,14 +10,22 @@ where `parent` is the previous block's hash and, for a sequence's first block, t
 model, and for a LoRA adapter `lora_root(lora_id)` = the same digest of sha256(b"shoal-lora" | lora_id as 8
 bytes big-endian) (the engine's adapter id, published as BlockStored.lora_id), so equal tokens under different
 adapters never share a block. Equal hashes mean equal prefixes (to 64 bits); Python's salted `hash()` would not
-be reproducible in another process. Hashing is ~1 µs per 16-token block, off no critical path that matters.
+be reproducible in another process.
+
+A block that holds image tokens (a vision-language prompt) appends its extra key to the digested bytes:
+
+    sha256( parent | tokens | extra )
+
+where `extra` is b"shoal-image" followed by the 32-byte content digest of each image whose tokens the block holds
+(in prompt order): the same text with a different image never shares a block, the same image does. Text-only
+blocks have no extra key, so their hashes are unchanged. Hashing is ~1 µs per 16-token block, off no critical path that matters.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 
 BASE_ROOT = 0  # the parent of a base-model sequence's first block
@@ -35,15 +43,17 @@ def _packer(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}I")  # n token ids, 4-byte little-endian
 
 
-def block_hash(parent: int, tokens: Sequence[int]) -> int:
-    data = parent.to_bytes(8, "big") + _packer(len(tokens)).pack(*tokens)
+def block_hash(parent: int, tokens: Sequence[int], extra: bytes = b"") -> int:
+    data = parent.to_bytes(8, "big") + _packer(len(tokens)).pack(*tokens) + extra
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
 
 
-def hash_chain(token_ids: Sequence[int], block_size: int, start_block: int = 0, parent: int = BASE_ROOT
-               ) -> Iterator[int]:
+def hash_chain(token_ids: Sequence[int], block_size: int, start_block: int = 0, parent: int = BASE_ROOT,
+               extra_keys: Callable[[int], bytes] | None = None) -> Iterator[int]:
     """Hashes of the full blocks of token_ids from block `start_block` on, each chained to the previous one
-    (`parent`: the hash of block start_block - 1, or the chain's root at the start)."""
+    (`parent`: the hash of block start_block - 1, or the chain's root at the start). `extra_keys(i)`: block i's
+    extra key (b"" for none), for prompts with images."""
     for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start:start + block_size])
+        extra = extra_keys(start // block_size) if extra_keys is not None else b""
+        parent = block_hash(parent, token_ids[start:start + block_size], extra)
         yield parent

@@ -26,17 +26,21 @@ class LLM:
         return self.llm_engine.tokenizer
 
     @staticmethod
-    def _prompt(p: Prompt) -> str | list[int]:
+    def _prompt(p: Prompt) -> tuple[str | list[int], list | None]:
+        """(the prompt, its images): a dict may carry vLLM's {"multi_modal_data": {"image": one or a list}}."""
         if isinstance(p, str):
-            return p
+            return p, None
         if isinstance(p, dict):
+            images = (p.get("multi_modal_data") or {}).get("image")
+            if images is not None and not isinstance(images, (list, tuple)):
+                images = [images]
             if "prompt_token_ids" in p:
-                return list(p["prompt_token_ids"])
+                return list(p["prompt_token_ids"]), images
             if "prompt" in p:
-                return p["prompt"]
+                return p["prompt"], images
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(p, list) and all(isinstance(t, int) for t in p):
-            return p
+            return p, None
         raise TypeError(f"unsupported prompt type {type(p).__name__}: pass a string or {{'prompt_token_ids': [...]}}")
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -83,9 +87,9 @@ class LLM:
         ids = []
         progress = _Progress(len(prompts)) if use_tqdm else None
         try:
-            for prompt, sp, lora in zip(prompts, params, loras):
+            for (prompt, images), sp, lora in zip(prompts, params, loras):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, sp, lora_request=lora)
+                engine.add_request(rid, prompt, sp, lora_request=lora, images=images)
                 ids.append(rid)
             finished: dict[str, RequestOutput] = {}
             while len(finished) < len(ids):

@@ -22,7 +22,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 from pydantic.alias_generators import to_camel
 
 from shoal.engine import flags
-from shoal.engine.config import AttentionBackend, Dtype, EngineConfig, PoolerConfig, PoolingType, Runner
+from shoal.engine.config import (AttentionBackend, Dtype, EngineConfig, MultiModalLimits, PoolerConfig, PoolingType,
+                                 Runner)
 from shoal.engine.execution.models import SUPPORTED_ARCHITECTURES  # the registry imports without torch
 from shoal.operator import runtimes  # reads the spec's models from the spec it is given, never imports this module
 from shoal.operator.errors import SpecError  # runtimes raises it too
@@ -147,6 +148,13 @@ class PoolerOptions(_Model):
     normalize: bool | None = Field(default=None, description=PoolerConfig.model_fields["normalize"].description)
 
 
+class MultiModalLimitOptions(_Model):
+    """The most items of each modality one prompt may carry (the engine's --limit-mm-per-prompt)."""
+
+    image: int | None = Field(default=None, ge=0, le=1024,
+                              description=MultiModalLimits.model_fields["image"].description)
+
+
 class EngineOptions(_Model):
     """Options of the engine (shoal-engine serve flags); unset ones keep the engine's defaults."""
 
@@ -178,6 +186,7 @@ class EngineOptions(_Model):
     enable_sleep_mode: bool = engine_option("enable_sleep_mode", default=False)
     runner: Runner | None = engine_option("runner")
     pooler_config: PoolerOptions | None = engine_option("pooler_config")
+    limit_mm_per_prompt: MultiModalLimitOptions | None = engine_option("limit_mm_per_prompt")
     shutdown_timeout_seconds: int = Field(
         default=900, ge=0, le=21600,
         description="drain budget on SIGTERM (--shutdown-timeout): a replica removed by a scale-down, a rollout or "

@@ -83,6 +83,17 @@ def llama_model(model_factory):
     return model_factory("llama")
 
 
+@pytest.fixture(scope="session")
+def llava_model(tmp_path_factory):
+    """A tiny LLaVA (CLIP tower, projector, Llama decoder) with its processor; 16 tokens per image."""
+    import transformers
+
+    from shoal.engine.tools.tiny_model import make_llava_model
+
+    transformers.logging.set_verbosity_error()
+    return make_llava_model(tmp_path_factory.mktemp("model-llava"))
+
+
 
 @pytest.fixture(scope="module")
 def collector():

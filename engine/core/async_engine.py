@@ -170,6 +170,7 @@ class AsyncEngine:
 
         self.engine: Any = None  # the LLMEngine, once loaded (touch it only on the engine thread!)
         self.tokenizer: Any = None  # a private copy for the event-loop side (tokenize, chat templates)
+        self.images: Any = None  # a vision-language model's core.images.ImageInputs (None: text only)
         self.max_model_len: int | None = None
         self.model_name: str = config.model_name
         self.chat_template: str | None = None  # resolved --chat-template, if any
@@ -297,6 +298,7 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: str | None = None,
+        images: list | None = None,
     ) -> RequestStream:
         """Hand a request to the engine thread; returns once LLMEngine accepted it.
 
@@ -315,7 +317,7 @@ class AsyncEngine:
         self._requests[request_id] = req
         with self._lock:
             self._pending_adds += 1
-        self._inbox.put((_ADD, req, prompt, params, priority, arrival, lora_request))
+        self._inbox.put((_ADD, req, prompt, params, priority, arrival, lora_request, images))
         stream = RequestStream(self, req)
         try:
             while True:
@@ -424,6 +426,7 @@ class AsyncEngine:
             self.max_model_len = getattr(self.engine, "max_model_len", None)
             self.model_name = getattr(self.engine, "model_name", None) or self.config.model_name
             self.tokenizer = _private_copy(getattr(self.engine, "tokenizer", None))
+            self.images = getattr(self.engine, "images", None)  # its processor: used off the loop, read-only
             if self.config.chat_template is not None:
                 from shoal.engine.core.tokenizer import load_chat_template
 
@@ -496,11 +499,11 @@ class AsyncEngine:
         num_adds = 0
         for item in items:
             if item[0] == _ADD:
-                _, req, prompt, params, priority, arrival, lora = item
+                _, req, prompt, params, priority, arrival, lora, images = item
                 num_adds += 1
                 try:
                     engine.add_request(req.request_id, prompt, params, arrival_time=arrival, priority=priority,
-                                       lora_request=lora)
+                                       lora_request=lora, images=images)
                     accepted.append((req, _ACCEPTED))
                 except (ValueError, TypeError, OverflowError) as e:  # bad input: the caller's 400
                     accepted.append((req, e if isinstance(e, ValueError) else ValueError(str(e))))

@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 
 from shoal.engine import startup
-from shoal.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from shoal.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, MultiModalLimits
 from shoal.engine.contracts import PoolingParams, RequestOutputKind, SamplingParams
 from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.core.lora import LoRARegistry, LoRARequest
@@ -29,7 +29,7 @@ from shoal.engine.core.structured_outputs import CompiledGrammar, GrammarCompile
 from shoal.engine.core.tokenizer import IncrementalDetokenizer, get_eos_token_ids, load_tokenizer
 from shoal.engine.execution.executor import Executor, make_executor
 from shoal.engine.execution.model_loader import load_hf_config, resolve_dtype, resolve_model_dir
-from shoal.engine.execution.models import model_class
+from shoal.engine.execution.models import accepts_images, model_class
 from shoal.engine.execution.sampling import Sampler, SamplingRow, make_generator
 
 logger = logging.getLogger(__name__)
@@ -150,6 +150,15 @@ class LLMEngine:
             )
         self.pooler = make_pooler(self.model_dir, self.hf_config, self.is_encoder, config.pooler_config) \
             if self.pools else None
+        self.images = None  # a vision-language model's image path (core/images.py)
+        if accepts_images(self.hf_config):
+            from shoal.engine.core.images import ImageInputs
+
+            if config.world_size > 1:  # the parallel executors do not carry a step's images to the other ranks yet
+                raise ValueError(f"{self.model_dir.name}: vision-language models run on one process only for now "
+                                 "(drop --tensor-parallel-size / --pipeline-parallel-size)")
+            limits = config.limit_mm_per_prompt or MultiModalLimits()
+            self.images = ImageInputs(self.model_dir, self.hf_config, limits.image)
 
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_dir)
         self.vocab_size = self.hf_config.vocab_size
@@ -402,8 +411,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | PoolingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    lora_request: str | LoRARequest | None = None) -> None:
+                    lora_request: str | LoRARequest | None = None, images: list | None = None) -> None:
         """lora_request: the name of a registered LoRA adapter (or its LoRARequest) to run the request under.
+        images: a vision-language model's images (PIL images, encoded bytes, or core.images.ProcessedImage), one
+        per image placeholder token of the prompt, in order.
         PoolingParams make it an embedding request: its prompt is prefilled and pooled, nothing is generated."""
         params = params or SamplingParams()
         pooling = None
@@ -429,6 +440,14 @@ class LLMEngine:
                 raise ValueError(f"prompt token id {bad[0]!r} is out of range: ids must be integers in [0, {self.vocab_size})")
         if not token_ids:
             raise ValueError("the prompt is empty")
+        placed = None
+        if images and self.images is None:
+            raise ValueError(f"the model {self.model_name} takes text only: it cannot be given images")
+        if self.images is not None and (images or self.images.token_id in token_ids):
+            if pooling is not None:
+                raise ValueError("embeddings of prompts with images are not supported")
+            token_ids, placed = self.images.place(token_ids, self.images.preprocess(list(images or [])),
+                                                  self.config.block_size)
         if pooling is not None:
             if len(token_ids) > self.max_model_len:
                 raise ContextLengthError(self.max_model_len, len(token_ids), 0, embedding=True)
@@ -459,7 +478,7 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids), request=request, index=i, token_ids=list(token_ids),
-                num_prompt_tokens=len(token_ids),
+                num_prompt_tokens=len(token_ids), images=placed,
                 generator=make_generator(params.seed, i, self.device) if params.seed is not None else None,
                 detokenizer=None if text_at_finish else IncrementalDetokenizer.from_params(self.tokenizer, token_ids,
                                                                                             params),

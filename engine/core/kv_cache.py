@@ -108,17 +108,18 @@ class BlockPool:
                 else:
                     self._free[block_id] = None
 
-    def lookup_prefix(self, token_ids: list[int], max_tokens: int, salt: int | None = None, usable=None
-                      ) -> tuple[list[int], list[int]]:
+    def lookup_prefix(self, token_ids: list[int], max_tokens: int, salt: int | None = None, usable=None,
+                      extra_keys=None) -> tuple[list[int], list[int]]:
         """Longest run of cached full blocks that prefixes token_ids, covering at most max_tokens tokens.
         Returns (block ids, their hashes); the blocks are referenced (the caller owns them now). `usable(hashes)`,
         where given, says how many of the leading blocks found the caller can use (a hybrid model: only up to a
-        block whose recurrent state is kept); only those are taken and counted as hits."""
+        block whose recurrent state is kept); only those are taken and counted as hits. `extra_keys`: the
+        sequence's per-block extra hash keys (its images; kv_hash.hash_chain)."""
         if not self.enable_prefix_caching:
             return [], []
         self.prefix_queries += max_tokens
         ids, hashes = [], []
-        for h in _hash_chain(token_ids[:max_tokens], self.block_size, 0, chain_root(salt)):
+        for h in _hash_chain(token_ids[:max_tokens], self.block_size, 0, chain_root(salt), extra_keys):
             block_id = self._cached.get(h)
             if block_id is None:
                 break
@@ -136,7 +137,7 @@ class BlockPool:
         return ids, hashes
 
     def cache_full_blocks(self, token_ids: list[int], block_ids: list[int], block_hashes: list[int],
-                          num_computed_tokens: int, salt: int | None = None) -> None:
+                          num_computed_tokens: int, salt: int | None = None, extra_keys=None) -> None:
         """Publish a sequence's blocks that are now full and computed, extending its chain of block hashes in
         place (block_hashes[i] is block_ids[i]'s). First writer wins: a duplicate block stays private."""
         if not self.enable_prefix_caching:
@@ -145,15 +146,18 @@ class BlockPool:
         computed = token_ids[:num_computed_tokens - num_computed_tokens % self.block_size]
         parent = block_hashes[-1] if block_hashes else chain_root(salt)
         stored: list[int] = []  # a run of newly registered blocks: one BlockStored event
-        for i, h in enumerate(_hash_chain(computed, self.block_size, done, parent), start=done):
+        for i, h in enumerate(_hash_chain(computed, self.block_size, done, parent, extra_keys), start=done):
             block_hashes.append(h)
-            if h not in self._cached:
+            new = h not in self._cached
+            if new:
                 self._cached[h] = block_ids[i]
                 self.blocks[block_ids[i]].block_hash = h
-                if self.events is not None:
-                    if not stored:
-                        start = i
-                    stored.append(h)
+            # A block holding image tokens is not published: its hash covers the images, which a KV event (tokens
+            # only, vLLM's fields) cannot say; a router hashing the tokens would index it as the text's.
+            if new and self.events is not None and not (extra_keys is not None and extra_keys(i)):
+                if not stored:
+                    start = i
+                stored.append(h)
             elif stored:
                 self._stored(stored, start, token_ids, block_hashes, salt)
                 stored = []

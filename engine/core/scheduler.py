@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.engine.contracts import StepInputs
+from shoal.engine.contracts import StepImage, StepInputs
 from shoal.engine.core.kv_cache import BlockPool
 from shoal.engine.core.sequence import Sequence, SeqStatus
 from shoal.engine.core.state_pool import StateCheckpoints, StatePool
@@ -230,9 +230,11 @@ class Scheduler:
                 usable = seq.num_tokens - 1 if seq.prompt_scored_upto is None else seq.prompt_scored_upto
                 if seq.pooling is not None and seq.pooling.pooling_type != "LAST":
                     usable = 0  # MEAN and CLS pool hidden states a cached prefix would not compute
+                images = seq.images.block_key if seq.images is not None else None
                 seq.block_ids, seq.block_hashes = self.pool.lookup_prefix(
-                    seq.token_ids, usable, seq.lora_id, self._usable_prefix if self.checkpoints else None)
-                if self.tiers is not None:
+                    seq.token_ids, usable, seq.lora_id, self._usable_prefix if self.checkpoints else None, images)
+                # the offload tiers key blocks by their tokens alone: a prompt with images is never read from them
+                if self.tiers is not None and images is None:
                     self.tiers.extend_prefix(seq, usable)
                 seq.num_computed_tokens = len(seq.block_ids) * self.block_size
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -283,7 +285,7 @@ class Scheduler:
             # sequence's, and no block holding them may enter the prefix cache.
             seq.num_computed_tokens += s.num_new_tokens - s.num_draft
             self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens,
-                                        seq.lora_id)
+                                        seq.lora_id, seq.images.block_key if seq.images is not None else None)
             if self.sliding_window is not None:  # after publishing: a block is hashed before it can slide out
                 self._free_slid_out_blocks(seq)
 
@@ -293,7 +295,7 @@ class Scheduler:
         the computed tokens (the next step rewrites those positions anyway)."""
         seq.num_computed_tokens += num_accepted
         self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens,
-                                        seq.lora_id)
+                                    seq.lora_id, seq.images.block_key if seq.images is not None else None)
         keep = -(-seq.num_computed_tokens // self.block_size)
         if len(seq.block_ids) > keep:
             self.pool.free(seq.block_ids[keep:])
@@ -316,6 +318,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
     restore: list[int] = []
     save: list[int] = []
     pool_ranges: list[tuple[int, int]] = []
+    images: list[StepImage] = []
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
         c = seq.num_computed_tokens
@@ -331,6 +334,10 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
             span = range(c, c + n)
             positions.extend(span)
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
+        if seq.images is not None and c < seq.images.end:  # image tokens in this chunk: their features' rows
+            row = len(tokens) - n - c
+            for a, image, first, last in seq.images.slices(c, c + n - s.num_draft):
+                images.append(StepImage(row + a, first, last, image.digest, image.pixel_values))
         query_lens.append(n)
         seq_lens.append(c + n)
         if seq.state_slot is not None:
@@ -363,4 +370,5 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
         state_restore=torch.tensor(restore, dtype=torch.int64) if any(r >= 0 for r in restore) else None,
         state_save=torch.tensor(save, dtype=torch.int64) if any(s >= 0 for s in save) else None,
         pool_ranges=pool_ranges or None,
+        images=images or None,
     )

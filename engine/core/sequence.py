@@ -24,6 +24,7 @@ class Sequence:
     index: int  # completion index within the request
     token_ids: list[int]  # prompt then generated tokens
     num_prompt_tokens: int
+    images: object = None  # a core.images.PromptImages when the prompt holds images (vision-language models)
     generator: torch.Generator | None = None
     detokenizer: object = None
     status: SeqStatus = SeqStatus.WAITING

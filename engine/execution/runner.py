@@ -11,6 +11,7 @@ from shoal.engine.contracts import StepInputs
 from shoal.engine.distributed.parallel_state import get_parallel_state, set_parallel_state
 from shoal.engine.execution.attention import select_backend
 from shoal.engine.execution.attention.base import AttentionMetadata, KVCache
+from shoal.engine.execution.encoder_cache import EncoderCache
 from shoal.engine.execution.graph_capture import DecodeGraphs
 from shoal.engine.execution.model_loader import load_model
 
@@ -73,6 +74,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.lora = None  # an execution.lora.LoRAManager once enable_lora ran
         self.offloaded = False  # sleep level 1 on a GPU: the weights wait in host memory
+        self.encoder_cache = EncoderCache() if getattr(self.model, "accepts_images", False) else None
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """Give every adaptable linear layer max_loras adapter slots of rank up to max_rank (execution/lora.py)."""
@@ -206,7 +208,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step. On the last pipeline stage returns float32 logits [S, vocab] for inputs.logits_indices;
         on other stages the hidden states to hand to the next stage."""
-        if self.decode_graphs is not None and hidden is None:
+        if self.decode_graphs is not None and hidden is None and inputs.images is None:
             logits = self.decode_graphs.run(inputs)  # None: not a decode step that fits a bucket
             if logits is not None:
                 return logits
@@ -234,12 +236,38 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.prepare(inputs.lora_slot_ids, inputs.lora_token_slots)
         meta = attention_metadata(inputs)
+        if inputs.images is not None and hidden is None:
+            hidden = self._embed_images(inputs)
         if inputs.state_restore is not None:  # hybrid prefix cache hits start from a kept state
             self._copy_state(inputs.state_restore, inputs.state_slots)
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden)
         if inputs.state_save is not None:  # ... and keep the state of prompts ending their last full block
             self._copy_state(inputs.state_slots, inputs.state_save, from_slots=False)
         return out
+
+    def _embed_images(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's token embeddings with each image slice's rows replaced by the image's encoder features. The
+        step's images not in the encoder-output cache run through the tower together (one batch per pixel shape);
+        a prompt prefilled in chunks finds its image's features cached for every chunk after the first."""
+        m, cache = self.model, self.encoder_cache
+        missing: dict[bytes, torch.Tensor] = {}
+        for image in inputs.images:
+            if cache.get(image.digest) is None:
+                missing.setdefault(image.digest, image.pixel_values)
+        by_shape: dict[tuple, list[bytes]] = {}
+        for digest, pixels in missing.items():
+            by_shape.setdefault(tuple(pixels.shape), []).append(digest)
+        for digests in by_shape.values():
+            batch = torch.cat([missing[d] for d in digests]).to(self.device)
+            for digest, features in zip(digests, m.encode_images(batch)):
+                cache.put(digest, features)
+        x = m.embed(inputs.input_ids, inputs.positions)
+        for image in inputs.images:
+            features = cache.get(image.digest)
+            if features is None:  # pushed out by this very step's others (more images than the cache holds)
+                features = m.encode_images(image.pixel_values.to(self.device))[0]
+            x[image.row:image.row + image.end - image.start] = features[image.start:image.end].to(x.dtype)
+        return x
 
 
 def _attention_shape(hf_config) -> dict:

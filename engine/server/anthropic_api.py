@@ -94,10 +94,14 @@ def to_chat_messages(system: Any, messages: list[dict]) -> list[dict]:
         if role not in ("user", "assistant"):
             raise _bad(f"{where}.role must be 'user' or 'assistant' (got {role!r})")
         texts, calls, thinking = [], [], []
+        parts: list[dict] = []  # a user message's text and image blocks as chat content parts, in order
         for j, b in enumerate(_blocks(m.get("content"), where)):
             kind, at = b.get("type"), f"{where}.content[{j}]"
             if kind == "text" and isinstance(b.get("text"), str):
                 texts.append(b["text"])
+                parts.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(b.get("source"), at)}})
             elif kind == "tool_use" and role == "assistant":
                 if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
                         and isinstance(b.get("input", {}), dict)):
@@ -120,7 +124,7 @@ def to_chat_messages(system: Any, messages: list[dict]) -> list[dict]:
                     thinking.append(b["thinking"])
             else:
                 raise _bad(f"{at}: content block type {kind!r} is not supported in a {role} message (text, "
-                           "tool_use and thinking from the assistant; text and tool_result from the user)")
+                           "tool_use and thinking from the assistant; text, image and tool_result from the user)")
         if role == "assistant":
             msg: dict = {"role": "assistant", "content": "".join(texts)}
             if calls:
@@ -128,9 +132,21 @@ def to_chat_messages(system: Any, messages: list[dict]) -> list[dict]:
             if thinking:
                 msg["reasoning_content"] = "\n".join(thinking)
             out.append(msg)
+        elif len(parts) > len(texts):  # images among the blocks: the chat path reads them (server/images.py)
+            out.append({"role": "user", "content": parts})
         elif texts:
             out.append({"role": "user", "content": "\n".join(texts)})
     return out
+
+
+def _image_url(source: Any, at: str) -> str:
+    """An image block's source as a chat image_url: base64 data as a data URL; a URL source as itself (refused
+    while fetching is off)."""
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise _bad(f"{at}: an image block needs a source {{'type': 'base64', 'media_type', 'data'}} (or 'url')")
 
 
 def _chat_tools(tools: list[dict] | None) -> list[dict] | None:

@@ -44,6 +44,7 @@ from shoal.engine.server.common import (
     read_json,
     require_loaded,
 )
+from shoal.engine.server.images import chat_images
 from shoal.engine.server.keys import KeySet
 from shoal.engine.server.metrics import ServerMetrics
 from shoal.engine.server.response_store import ResponseStore
@@ -208,6 +209,7 @@ async def models_route(request: web.Request) -> web.Response:
         "parent": None,
         "max_model_len": eng.max_model_len,
         "permission": [],
+        "input_modalities": ["text", "image"] if getattr(eng, "images", None) is not None else ["text"],
     }
     cards = [card]
     stats = eng.snapshot.stats
@@ -334,6 +336,12 @@ async def tokenize_route(request: web.Request) -> web.Response:
         ids = oai.render_chat_prompt(state, [m for m in req.messages], req.add_generation_prompt,
                                  req.continue_final_message, kwargs,
                                  add_special_tokens=bool(req.add_special_tokens))
+        images = await chat_images(state, req.messages)
+        if images:  # each image's placeholder expanded to its tokens, as the engine counts them
+            try:
+                ids = state.engine.images.place(ids, images, 1)[0]
+            except ValueError as e:
+                raise APIError(str(e), 400, param="messages") from None
     out = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:
         out["token_strs"] = tok.convert_ids_to_tokens(ids)

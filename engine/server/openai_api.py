@@ -33,6 +33,7 @@ from shoal.engine.server.common import (
     read_json,
     require_loaded,
 )
+from shoal.engine.server.images import chat_images
 from shoal.engine.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -53,7 +54,8 @@ def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_gene
     """Apply the model's chat template (or --chat-template) and tokenize. 400 when the model has none."""
     tok = state.engine.tokenizer
     try:
-        msgs = [m.to_template() for m in messages]
+        images = getattr(state.engine, "images", None)
+        msgs = [m.to_template(images.token if images is not None else None) for m in messages]
     except ValueError as e:
         raise APIError(str(e), 400, param="messages") from None
     if continue_final_message and add_generation_prompt:
@@ -112,13 +114,20 @@ class Job:
     prompt_logprobs: PromptLogprobs | None = None  # from the engine's first output that carries them
     request_id: str = ""
     metrics: Any = None  # the engine's timing record (RequestMetrics), latest seen: for tracing
+    images: list | None = None  # the prompt's images (core.images.ProcessedImage), one per placeholder token
+
+    def seen(self, out: RequestOutput) -> None:
+        """Take what the engine's latest output says of the request."""
+        self.metrics = out.metrics or self.metrics
+        if self.images is not None and out.prompt_token_ids:
+            self.prompt_ids = out.prompt_token_ids  # each image's placeholder expanded: usage counts its tokens
 
 
 async def merge_streams(jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput | None]]:
     """(job index, output) from every stream as they come; (i, None) when stream i ended without finishing."""
     if len(jobs) == 1:
         async for out in jobs[0].stream:
-            jobs[0].metrics = out.metrics or jobs[0].metrics
+            jobs[0].seen(out)
             yield 0, out
         if not jobs[0].stream.finished_normally:
             yield 0, None
@@ -146,7 +155,7 @@ async def merge_streams(jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutp
             elif isinstance(item, BaseException):
                 raise item
             else:
-                jobs[i].metrics = item.metrics or jobs[i].metrics
+                jobs[i].seen(item)
                 yield i, item
     finally:
         for t in tasks:
@@ -160,7 +169,7 @@ async def start_jobs(state: ServerState, base_id: str, jobs: list[Job], params, 
         for i, job in enumerate(jobs):
             rid = job.request_id = base_id if len(jobs) == 1 else f"{base_id}-{i}"
             job.stream = await state.engine.add_request(rid, job.prompt_ids, params, priority=priority,
-                                                        lora_request=lora)
+                                                        lora_request=lora, images=job.images)
     except (EngineError, ValueError) as e:
         abort_jobs(jobs)
         raise engine_error_to_api_error(e, prompt_param) from None
@@ -584,6 +593,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> tuple[
         template_kwargs.setdefault("tools", plan.tools)
     prompt_ids = render_chat_prompt(state, req.messages, req.add_generation_prompt, req.continue_final_message,
                                     template_kwargs)
+    images = await chat_images(state, req.messages)
     kw = req.sampling_kwargs()
     kw["max_tokens"] = req.requested_max_tokens()
     top = req.requested_logprobs()
@@ -599,4 +609,4 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> tuple[
         kw["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token
     kw["structured_outputs"] = await _compile(state, grammar)
     params = _make_params(kw)
-    return _Chat(state, [Job(prompt_ids, "")], req, top, plan), params
+    return _Chat(state, [Job(prompt_ids, "", images=images)], req, top, plan), params

@@ -236,8 +236,9 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
-    def to_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it: text parts joined into one string; an assistant's
+    def to_template(self, image_token: str | None = None) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined into one string (an image_url part as the
+        model's image placeholder `image_token` in its place; None: the model takes text only); an assistant's
         tool_calls with their arguments as objects (templates render them with `tojson`), a tool result's
         tool_call_id kept."""
         d: dict[str, Any] = {k: v for k, v in self.model_dump(exclude_none=True).items()}
@@ -253,6 +254,10 @@ class ChatMessage(BaseModel):
                 kind = part.get("type")
                 if kind == "text" and isinstance(part.get("text"), str):
                     texts.append(part["text"])
+                elif kind == "image_url" and image_token is not None:
+                    texts.append(image_token)  # the part itself is read by server/images.py
+                elif kind == "image_url":
+                    raise ValueError(f"content part {i} is an image, but this model takes text only")
                 else:
                     raise ValueError(f"content part {i} of type {kind!r} is not supported (text only)")
             d["content"] = "\n".join(texts)

@@ -78,6 +78,25 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def _user_content(content: Any, where: str, images: bool) -> str | list[dict]:
+    """A user message's content: its text, or, where it has input_image parts (`images`: the model takes them),
+    chat content parts (text and image_url, in order; server/images.py reads the images)."""
+    if not images or not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                              for p in content):
+        return _text_of(content, where)
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise _bad(f"{where}.content[{j}]: an input_image needs an image_url (a base64 data URL; file_id is "
+                           "not supported)")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], f"{where}")})
+    return parts
+
+
 def _input_items(req: ResponsesRequest) -> list[dict]:
     if isinstance(req.input, str):
         return [{"type": "message", "role": "user", "content": req.input}]
@@ -87,9 +106,10 @@ def _input_items(req: ResponsesRequest) -> list[dict]:
     return [dict(item) for item in req.input]
 
 
-def to_chat_messages(items: list[dict], first_new: int) -> list[dict]:
+def to_chat_messages(items: list[dict], first_new: int, images: bool = False) -> list[dict]:
     """Responses items -> chat messages. Items before `first_new` come from the store (validated when they were
-    new); errors name an item by its index in the request's own `input`."""
+    new); errors name an item by its index in the request's own `input`. `images`: the model takes input_image
+    parts (elsewhere they are refused as unsupported)."""
     msgs: list[dict] = []
     calls: set[str] = set()
     reasoning: str | None = None  # a reasoning item's text, for the assistant message that follows it
@@ -100,7 +120,9 @@ def to_chat_messages(items: list[dict], first_new: int) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{where}.role must be user, system, developer or assistant (got {role!r})")
-            msg = {"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"), where)}
+            content = item.get("content")
+            msg = {"role": "system" if role == "developer" else role,
+                   "content": _user_content(content, where, images) if role == "user" else _text_of(content, where)}
             if role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
             msgs.append(msg)
@@ -347,7 +369,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         history = prev.conversation
     new_items = _input_items(req)
     conversation = history + new_items
-    messages = to_chat_messages(conversation, len(history))
+    messages = to_chat_messages(conversation, len(history), getattr(state.engine, "images", None) is not None)
     if req.instructions:
         messages.insert(0, {"role": "system", "content": req.instructions})
     chat = to_chat_request(req, messages)

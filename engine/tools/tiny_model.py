@@ -330,3 +330,45 @@ def ensure_demo_model() -> Path:
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
         marker.write_text(json.dumps({"seed": 1234, "arch": "llama"}))
     return path
+
+
+IMAGE_TOKEN = "<image>"
+
+
+def make_llava_model(path: str | os.PathLike, seed: int = 0, image_size: int = 56, patch_size: int = 14,
+                     vision: str = "clip") -> Path:
+    """A random-weight LLaVA directory (LlavaForConditionalGeneration: a CLIP or SigLIP vision tower, the projector
+    and the tiny Llama decoder) with its processor: the tiny tokenizer plus the <image> token, and the tower's image
+    processor at `image_size` pixels. Each image is (image_size // patch_size) ** 2 tokens (CLIP's CLS feature is
+    dropped, the "default" feature selection; SigLIP has none, "full")."""
+    import torch
+    import transformers as tf
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(path)
+    tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    text = _config("llama", -(-len(tok) // 16) * 16)
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 image_size=image_size, patch_size=patch_size)
+    if vision == "clip":
+        vision_config, strategy, extra = tf.CLIPVisionConfig(projection_dim=32, **tower), "default", 1
+        images = tf.CLIPImageProcessor(size={"shortest_edge": image_size},
+                                       crop_size={"height": image_size, "width": image_size})
+    elif vision == "siglip":
+        vision_config, strategy, extra = tf.SiglipVisionConfig(**tower), "full", 0
+        images = tf.SiglipImageProcessor(size={"height": image_size, "width": image_size})
+    else:
+        raise ValueError(f"vision must be clip or siglip, got {vision!r}")
+    config = tf.LlavaConfig(text_config=text, vision_config=vision_config, image_token_id=image_token_id,
+                            vision_feature_layer=-2, vision_feature_select_strategy=strategy,
+                            image_seq_length=(image_size // patch_size) ** 2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = tf.LlavaForConditionalGeneration(config)
+    _widen_random_init(model)
+    model.save_pretrained(str(path), safe_serialization=True)
+    tf.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=patch_size, num_additional_image_tokens=extra,
+                      vision_feature_select_strategy=strategy, image_token=IMAGE_TOKEN,
+                      chat_template=CHAT_TEMPLATE).save_pretrained(str(path))
+    return path

@@ -12,7 +12,7 @@ from typing import Literal, get_args, get_origin
 import pytest
 
 from shoal.engine import cli, flags
-from shoal.engine.config import DistributedConfig, EngineConfig, PoolerConfig
+from shoal.engine.config import DistributedConfig, EngineConfig, MultiModalLimits, PoolerConfig
 from shoal.operator import api, render
 from shoal.operator.render import Settings
 
@@ -41,6 +41,7 @@ COMPANIONS = {
 # Object-valued options: (the spec's camelCase value, the EngineConfig value it must arrive as).
 OBJECT_SAMPLES = {
     "pooler_config": ({"poolingType": "MEAN", "normalize": False}, PoolerConfig(pooling_type="MEAN", normalize=False)),
+    "limit_mm_per_prompt": ({"image": 2}, MultiModalLimits(image=2)),
 }
 
 

@@ -41,7 +41,12 @@ _TEXT_DECODERS = {
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
 
-SUPPORTED_ARCHITECTURES = sorted([*_REGISTRY, *_TEXT_DECODERS])
+# LLaVA-style checkpoints (models/llava.py): a vision tower and projector in front of a decoder family served here,
+# named by the text_config's model_type.
+_LLAVA = "LlavaForConditionalGeneration"
+_LLAVA_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+SUPPORTED_ARCHITECTURES = sorted([*_REGISTRY, *_TEXT_DECODERS, _LLAVA])
 
 
 def text_decoder_config(config):
@@ -49,6 +54,8 @@ def text_decoder_config(config):
     the decoder's architecture, and the wrapper's tie_word_embeddings and dtype (what the wrapper's own class
     follows)."""
     archs = getattr(config, "architectures", None) or []
+    if _LLAVA in archs:
+        return _llava_text_config(config)
     decoder = next((_TEXT_DECODERS[a] for a in archs if a in _TEXT_DECODERS), None)
     if decoder is None:
         return config
@@ -60,10 +67,40 @@ def text_decoder_config(config):
     return text
 
 
+def _llava_text_config(config):
+    """A LLaVA checkpoint's text_config as its decoder's, carrying the whole wrapper config as a plain dict
+    (`llava_config`, what models/llava.py builds the vision tower from) and the image token's id."""
+    text = config.text_config
+    decoder = _LLAVA_DECODERS.get(text.model_type)
+    if decoder is None:
+        raise ValueError(f"LLaVA with a {text.model_type!r} decoder is not supported; supported decoders: "
+                         f"{', '.join(sorted(_LLAVA_DECODERS))}")
+    text.architectures = [decoder]
+    text.llava_config = config.to_dict()
+    text.image_token_id = config.image_token_id
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    if getattr(config, "dtype", None) is not None:
+        text.dtype = config.dtype
+    return text
+
+
+def accepts_images(config) -> bool:
+    """Whether the served model takes images (a vision-language checkpoint whose vision tower is served)."""
+    return getattr(config, "llava_config", None) is not None
+
+
 def model_class(config) -> type[CausalLM]:
     import importlib
 
     archs = getattr(config, "architectures", None) or []
+    if accepts_images(config):  # imported by name: this registry stays importable without torch
+        return importlib.import_module(f"{__name__}.llava").vision_language(_decoder_class(archs))
+    return _decoder_class(archs)
+
+
+def _decoder_class(archs: list[str]) -> type[CausalLM]:
+    import importlib
+
     for arch in archs:
         if arch in _REGISTRY:
             module, cls = _REGISTRY[arch]

@@ -164,8 +164,9 @@ class DecoderLM(CausalLM):
     # ---- the shared skeleton
 
     def forward(self, input_ids, positions, kv_caches, meta, hidden=None):
-        # The residual stream is updated in place: a stage's input from the previous stage is copied first.
-        x = self.embed(input_ids, positions) if self.ps.is_first_stage else hidden.clone()
+        # The residual stream is updated in place: a stage's input from the previous stage is copied first. The
+        # first stage takes `hidden` as its embeddings where the runner made them (image features placed in them).
+        x = self.embed(input_ids, positions) if hidden is None else hidden.clone()
         delta = None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, positions, kv_caches[i], meta, delta)

@@ -1,0 +1,136 @@
+"""Images through the real `shoal-engine serve` process and the official openai client: base64 data-URL image_url
+parts in /v1/chat/completions, streamed and not, answer what the offline engine (itself equal to transformers'
+LLaVA, tests/engine/test_images.py) answers for the same prompt and image; /v1/models says the model takes images;
+bad images are a clear 400 that leaves nothing running and no KV block held."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from openai import OpenAI
+
+from imagekit import encode, image_part, make_image
+from shoal.engine.tools.tiny_model import CHAT_TEMPLATE, IMAGE_TOKEN
+from .conftest import metric
+from .test_openai_server import wait_idle
+
+pytest.importorskip("PIL")
+
+MAX = 8
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def server(start_server, llava_model):
+    return start_server(llava_model, "--max-model-len", "128", "--num-kv-blocks", "64", "--block-size", "4",
+                        "--limit-mm-per-prompt", '{"image": 2}')
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0)
+
+
+def chat(client, content, stream=False):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                          max_tokens=MAX, temperature=0, stream=stream,
+                                          extra_body={"ignore_eos": True})
+
+
+def offline(model_dir, content_text: str, images: list):
+    """The offline engine's (greedy text, prompt length) for a one-message chat."""
+    from jinja2 import Template
+
+    from shoal.engine import LLM, SamplingParams
+
+    prompt = Template(CHAT_TEMPLATE).render(messages=[{"role": "user", "content": content_text}],
+                                            add_generation_prompt=True)
+    with LLM(model=model_dir, dtype="float32", num_kv_blocks=64, max_model_len=128, block_size=4) as llm:
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
+                           SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True), use_tqdm=False)
+    return out[0].outputs[0].text, len(out[0].prompt_token_ids)
+
+
+def test_models_says_images(client):
+    card = client.models.list().data[0]
+    assert card.model_extra["input_modalities"] == ["text", "image"]
+
+
+def test_chat_with_images_equals_the_offline_engine(client, server, llava_model):
+    a, b = make_image(11), make_image(12, 50, 30)
+    content = [{"type": "text", "text": QUESTION}, image_part(encode(a)),
+               image_part(encode(b, "JPEG"), "image/jpeg")]
+    # the text parts and each image's placeholder, joined by newlines as the server renders them; the JPEG as the
+    # server decodes it (lossy)
+    want, prompt_len = offline(llava_model, f"{QUESTION}\n{IMAGE_TOKEN}\n{IMAGE_TOKEN}", [a, encode(b, "JPEG")])
+    r = chat(client, content)
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == prompt_len  # each image counts its tokens
+    status, body, _ = server.post("/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": content}]})
+    assert status == 200 and body["count"] == prompt_len
+    assert "".join(c.choices[0].delta.content or "" for c in chat(client, content, stream=True) if c.choices) == want
+    # another image under the same text is another answer (no false prefix-cache hit)
+    other = chat(client, [{"type": "text", "text": QUESTION}, image_part(encode(make_image(13))),
+                          image_part(encode(b, "JPEG"), "image/jpeg")])
+    assert other.choices[0].message.content != want
+
+
+@pytest.mark.parametrize("part, message", [
+    (image_part(b"\x89PNG\r\n\x1a\n not really"), "corrupt"),
+    (image_part(encode(make_image(1))[:120]), "corrupt or truncated"),
+    (image_part(encode(make_image(1), "TIFF"), "image/tiff"), "supported formats"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "fetching image URLs is off"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
+    ({"type": "image_url", "image_url": {}}, "needs"),
+    ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "must be a base64 data URL"),
+])
+def test_bad_images_are_a_clear_400(client, server, part, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        chat(client, [{"type": "text", "text": QUESTION}, part])
+    m = wait_idle(server)
+    assert metric(m, "shoal:num_requests_running") + metric(m, "shoal:num_requests_waiting") == 0
+    assert metric(m, "shoal:kv_cache_usage_perc") == 0
+
+
+def test_too_many_images_is_a_400_and_the_server_still_answers(client, server):
+    png = image_part(encode(make_image(3)))
+    with pytest.raises(openai.BadRequestError, match="more than the limit of 2"):
+        chat(client, [png, png, png])
+    assert chat(client, [{"type": "text", "text": QUESTION}, png]).choices[0].message.content
+
+
+def test_text_only_model_refuses_images(start_server, llama_model):
+    server = start_server(llama_model, "--max-model-len", "128", "--num-kv-blocks", "16")
+    c = OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0)
+    assert c.models.list().data[0].model_extra["input_modalities"] == ["text"]
+    with pytest.raises(openai.BadRequestError, match="takes text only"):
+        chat(c, [{"type": "text", "text": QUESTION}, image_part(encode(make_image(0)))])
+
+
+def test_anthropic_image_blocks_answer_as_chat(client, server):
+    import base64
+
+    import anthropic
+
+    png = encode(make_image(21))
+    want = chat(client, [{"type": "text", "text": QUESTION}, image_part(png)]).choices[0].message.content
+    messages = anthropic.Anthropic(base_url=server.base, api_key="none", max_retries=0).messages
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png).decode()}
+    r = messages.create(model="tiny", max_tokens=MAX, extra_body={"temperature": 0.0, "ignore_eos": True},
+                        messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION},
+                                                               {"type": "image", "source": source}]}])
+    assert r.content[0].text == want
+    with pytest.raises(anthropic.BadRequestError, match="fetching image URLs is off"):
+        messages.create(model="tiny", max_tokens=MAX, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
+
+
+def test_responses_input_image_answers_as_chat(client):
+    png = encode(make_image(22))
+    want = chat(client, [{"type": "text", "text": QUESTION}, image_part(png)]).choices[0].message.content
+    r = client.responses.create(model="tiny", max_output_tokens=MAX, temperature=0, store=False,
+                                extra_body={"ignore_eos": True},
+                                input=[{"role": "user", "content": [
+                                    {"type": "input_text", "text": QUESTION},
+                                    {"type": "input_image", "image_url": image_part(png)["image_url"]["url"]}]}])
+    assert r.output_text == want
