@@ -103,6 +103,7 @@ class _Seq:
     def __init__(self, tokens, computed, blocks):
         self.token_ids, self.num_computed_tokens, self.block_ids = tokens, computed, blocks
         self.state_slot = None  # no recurrent state (a transformer's sequence)
+        self.images = None  # a text-only prompt
 
 
 def _Sched(seq, n, samples=True):
