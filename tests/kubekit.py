@@ -480,13 +480,22 @@ class Cluster(kmock.KubernetesEmulator):
                     yield event
 
     # --------------------------------------------------------------------------- direct access (any thread)
+    def _items(self) -> list:
+        """The store's entries, copied from a thread other than the server's: the server may resize the dict
+        while the copy runs (a collection inside it can switch threads), which raises; then copy again."""
+        while True:
+            try:
+                return list(self.store.items())
+            except RuntimeError:  # "dictionary changed size during iteration"
+                continue
+
     def find(self, plural: str, namespace: str | None = None, selector: str | None = None) -> list[dict]:
-        return [json.loads(json.dumps(o)) for (r, ns, _), o in list(self.store.items())
+        return [json.loads(json.dumps(o)) for (r, ns, _), o in self._items()
                 if r[2] == plural and (namespace is None or ns == namespace)
                 and _selector_matches(selector, o["metadata"].get("labels") or {})]
 
     def obj(self, plural: str, namespace: str, name: str) -> dict | None:
-        for (r, ns, n), o in list(self.store.items()):
+        for (r, ns, n), o in self._items():
             if r[2] == plural and ns == namespace and n == name:
                 return json.loads(json.dumps(o))
         return None
