@@ -12,6 +12,7 @@ import torch
 from shoal.engine import startup
 from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config, is_gguf
 from shoal.engine.execution.layers.linear import PackedMatmul
+from shoal.engine.execution.layers.weight_format import plain_format
 from shoal.engine.execution.models import model_class, text_decoder_config
 from shoal.engine.execution.weights import WeightError, WeightSource, load_threads
 
@@ -99,6 +100,23 @@ def resolve_dtype(choice: str, hf_config, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def choose_formats(model: torch.nn.Module, gguf_packed: bool, quantization: str | None) -> None:
+    """Each layer's weight format (layers/weight_format.py), chosen once the checkpoint is read: a GGUF file's blocks
+    where they were kept packed, then --quantization's forms, then the fastest plain form of every other layer."""
+    if gguf_packed:
+        from shoal.engine.execution.quantization.gguf import finish_gguf_model
+
+        finish_gguf_model(model)
+    if quantization is not None:
+        from shoal.engine.execution.quantization import quantize_model
+
+        quantize_model(model, quantization)
+    for module in model.modules():
+        if isinstance(module, PackedMatmul) and (module.format is None or module.format.runs_on_parameter):
+            # a tied LM head's Parameter is the embedding table: a packed copy leaves it in place
+            module.use(plain_format(module.weight), free_dense=not getattr(module, "tied", False))
+
+
 def _gguf_packed(choice: bool | None, device: torch.device) -> bool:
     if choice is None:
         choice = os.environ.get("SHOAL_GGUF_DEQUANTIZE") != "1"
@@ -137,17 +155,7 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     finally:
         src.close()
     model.eval()
-    if getattr(src, "packed", False):
-        from shoal.engine.execution.quantization.gguf import finish_gguf_model
-
-        finish_gguf_model(model)
-    if quantization is not None:
-        from shoal.engine.execution.quantization import quantize_model
-
-        quantize_model(model, quantization)
-    for module in model.modules():
-        if isinstance(module, PackedMatmul):  # a tied LM head shares its weight with the embedding: keep it
-            module.prepack(free_original=not getattr(module, "tied", False))
+    choose_formats(model, gguf_packed=getattr(src, "packed", False), quantization=quantization)
     seconds = time.perf_counter() - t0
     startup.add("weights", seconds - (startup.seconds("kernel_build") - built_before))  # builds count once
     logger.info("loaded %s (%s, %s) from %s in %.2fs (%d loader threads)", cls.__name__,

@@ -29,6 +29,7 @@ import torch
 from shoal.engine.execution.attention.layer import PagedAttention
 from shoal.engine.execution.layers.linear import PackedMatmul
 from shoal.engine.execution.layers.moe import SparseMoeBlock
+from shoal.engine.execution.layers.weight_format import OneDNNBf16Weight
 from shoal.engine.execution.sampling import Sampler
 
 
@@ -168,8 +169,8 @@ class StepProfiler:
         local = ids[(ids >= experts.expert_start) & (ids < experts.expert_start + experts.num_local)]
         per_expert = sum(p[0].numel() * p.element_size() for p in (experts.w13, experts.w2, experts.b13, experts.b2)
                          if p is not None and p.numel())
-        if experts.quantized is not None:
-            per_expert = experts.quantized[0][0].nbytes() + experts.quantized[0][1].nbytes()
+        if not experts.format.runs_on_parameter:  # quantized or packed: what its format holds, per expert
+            per_expert = experts.format.nbytes() // experts.num_local
         rest = sum(p.numel() * p.element_size() for name, p in block.named_parameters()
                    if not name.startswith("experts."))
         self.moe_bytes += rest + int(local.unique().numel()) * per_expert
@@ -234,7 +235,7 @@ class StepProfiler:
                     continue
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
-            if isinstance(module, PackedMatmul) and module.packed is not None and not module.weight.numel():
+            if isinstance(module, PackedMatmul) and isinstance(module.format, OneDNNBf16Weight) and not module.weight.numel():
                 out_f, in_f = module.weight_shape
                 total += out_f * in_f * module.weight.element_size()
         return total

@@ -231,8 +231,8 @@ def test_served_packed_on_gpu_equals_dequantized(model_factory, gguf_dir, monkey
     for dequantize in ("0", "1"):
         monkeypatch.setenv("SHOAL_GGUF_DEQUANTIZE", dequantize)
         with LLM(model=str(path), device="cuda", **OPTIONS) as llm:
-            layers = [m.quantized for m in llm.llm_engine.executor.runner.model.modules()
-                      if isinstance(getattr(m, "quantized", None), GGUFWeight)]
+            layers = [m.format for m in llm.llm_engine.executor.runner.model.modules()
+                      if isinstance(getattr(m, "format", None), GGUFWeight)]
             assert all("(triton)" in w.kernel for w in layers) and (dequantize == "1") != bool(layers)
             outs[dequantize] = llm.generate(PROMPTS, params)
     _assert_same(outs["0"], outs["1"], tol=5e-3)
@@ -354,7 +354,7 @@ def _generate(path: Path, monkeypatch, dequantize: bool, prompts=PROMPTS, max_ne
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=3)
     with LLM(model=str(path), **OPTIONS) as llm:
         model = llm.llm_engine.executor.runner.model
-        packed = [m for m in model.modules() if isinstance(getattr(m, "quantized", None), GGUFWeight)]
+        packed = [m for m in model.modules() if isinstance(getattr(m, "format", None), GGUFWeight)]
         maps = Path("/proc/self/maps")
         # the file is unmapped once loaded: its pages would stay resident next to the weights' copies
         assert not maps.exists() or str(Path(path).resolve()) not in maps.read_text()
@@ -409,13 +409,14 @@ def test_quantization_flag_applies_to_what_is_not_packed(model_factory, gguf_dir
     """--quantization int8 on a GGUF file: the packed Q8_0 embedding and tied head stay as they are, the Q5_K layers
     (no packed kernel: dequantized on load) are quantized to int8, and the model still runs."""
     from shoal.engine.execution.quantization.gguf import GGUFWeight
+    from shoal.engine.execution.quantization.base import QuantizedWeight
     from shoal.engine.execution.quantization.int8 import Int8Weight
 
     hf = model_factory("llama", tie_word_embeddings=True, **SHAPE)
     path = write_gguf(hf, gguf_dir / "tiny-Q5_K-Q8_0.gguf", weight_type="Q5_K", embed_type="Q8_0")
     with LLM(model=str(path), quantization="int8", **OPTIONS) as llm:
-        kinds = {type(m.quantized) for m in llm.llm_engine.executor.runner.model.modules()
-                 if getattr(m, "quantized", None) is not None}
+        kinds = {type(m.format) for m in llm.llm_engine.executor.runner.model.modules()
+                 if isinstance(getattr(m, "format", None), QuantizedWeight)}
         out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert kinds == {GGUFWeight, Int8Weight} and len(out[0].outputs[0].token_ids) == 4
 
@@ -466,6 +467,7 @@ def test_tensor_parallel_rank_serves_its_packed_slices(model_factory, gguf_dir):
     from shoal.engine.execution.gguf_model import gguf_config
     from shoal.engine.execution.layers.linear import PackedMatmul
     from shoal.engine.execution.model_loader import load_model
+    from shoal.engine.execution.quantization.base import QuantizedWeight
 
     hf = model_factory("llama", **SHAPE)
     path = write_gguf(hf, gguf_dir / "tiny-tp-q8.gguf", weight_type="Q8_0")
@@ -475,7 +477,7 @@ def test_tensor_parallel_rank_serves_its_packed_slices(model_factory, gguf_dir):
         dense = load_model(path, config, torch.float32, torch.device("cpu"), None, 64, gguf_packed=False)
     pairs = [(p, d) for (n, p), (_, d) in zip(packed.named_modules(), dense.named_modules())
              if isinstance(p, PackedMatmul)]
-    assert pairs and all(p.quantized is not None for p, _ in pairs)
+    assert pairs and all(isinstance(p.format, QuantizedWeight) for p, _ in pairs)
     for p, d in pairs:
         x = torch.randn(17, p.weight_shape[1])  # 17 rows: the float32 tiled path, exact up to summation order
         torch.testing.assert_close(p.matmul(x), d.matmul(x), rtol=1e-5, atol=1e-5)
@@ -496,6 +498,7 @@ def test_moe_served_packed_equals_dequantized(model_factory, gguf_dir, monkeypat
     """Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE GGUF files: every expert stack stays packed and runs through
     the fused MoE kernel's packed loop; outputs equal the dequantized model's."""
     from shoal.engine.execution.layers.moe import FusedMoE
+    from shoal.engine.execution.quantization.gguf import GGUFExperts
 
     hf = model_factory(arch, **MOE_SHAPE, **MOE_FAMILIES[arch])
     path = write_gguf(hf, gguf_dir / f"tiny-{arch}-{weight_type}.gguf", weight_type=weight_type)
@@ -504,7 +507,7 @@ def test_moe_served_packed_equals_dequantized(model_factory, gguf_dir, monkeypat
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     with LLM(model=str(path), **OPTIONS) as llm:
         experts = [m for m in llm.llm_engine.executor.runner.model.modules() if isinstance(m, FusedMoE)]
-        assert len(experts) == 2 and all(m.gguf is not None and not m.w13.numel() for m in experts)
+        assert len(experts) == 2 and all(isinstance(m.format, GGUFExperts) and not m.w13.numel() for m in experts)
         packed_out = llm.generate(PROMPTS, params)
     assert "the experts of 2 MoE layer(s) run packed" in caplog.text
     dense_out, _, _ = _generate(path, monkeypatch, dequantize=True)
@@ -552,6 +555,7 @@ def test_tensor_parallel_rank_serves_its_packed_experts(model_factory, gguf_dir,
     from shoal.engine.distributed.parallel_state import ParallelState, using_parallel_state
     from shoal.engine.execution.gguf_model import gguf_config
     from shoal.engine.execution.layers.moe import FusedMoE
+    from shoal.engine.execution.quantization.gguf import GGUFExperts
     from shoal.engine.execution.model_loader import load_model
 
     hf = model_factory("qwen2_moe", **MOE_SHAPE, **MOE_FAMILIES["qwen2_moe"])
@@ -561,7 +565,7 @@ def test_tensor_parallel_rank_serves_its_packed_experts(model_factory, gguf_dir,
         packed = load_model(path, config, torch.float32, torch.device("cpu"), None, 64, gguf_packed=True)
         dense = load_model(path, config, torch.float32, torch.device("cpu"), None, 64, gguf_packed=False)
     pairs = [(p, d) for p, d in zip(packed.modules(), dense.modules()) if isinstance(p, FusedMoE)]
-    assert pairs and all(p.gguf is not None for p, _ in pairs)
+    assert pairs and all(isinstance(p.format, GGUFExperts) for p, _ in pairs)
     torch.manual_seed(0)
     for p, d in pairs:
         # 96 tokens over 4 experts: each expert's batch (> 16) takes the float32 tiled path, exact up to sum order

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.engine.execution.layers.linear import ColumnParallelLinear, can_prepack
+from shoal.engine.execution.layers.linear import ColumnParallelLinear
+from shoal.engine.execution.layers.weight_format import OneDNNBf16Weight, can_prepack, plain_format
 from shoal.engine.distributed.parallel_state import layer_range
 
 pytestmark = pytest.mark.numerics
@@ -25,11 +26,11 @@ def test_prepacked_bf16_linear_is_bit_identical(rows):
     weight = layer.weight.data.clone()
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     expected = F.linear(x, weight, layer.bias)
-    layer.prepack()
+    layer.use(plain_format(layer.weight))
     if can_prepack(weight):
-        assert layer.packed is not None and layer.weight.numel() == 0  # the unpacked copy is freed
+        assert isinstance(layer.format, OneDNNBf16Weight) and layer.weight.numel() == 0  # the unpacked copy is freed
     else:  # the small-M kernel, or a tier without native bf16 (oneDNN refuses the bf16 prepack): F.linear runs
-        assert layer.packed is None and layer.weight.numel() == weight.numel()
+        assert not isinstance(layer.format, OneDNNBf16Weight) and layer.weight.numel() == weight.numel()
     if small_gemm.kernel_for(weight) is not None and rows <= small_gemm.MAX_ROWS:
         torch.testing.assert_close(layer(x), expected, rtol=2 ** -7, atol=1e-2)
     else:
@@ -48,8 +49,8 @@ def test_bf16_prepack_follows_the_cpu_tier():
 
 def test_fp32_weights_are_not_prepacked():
     layer = ColumnParallelLinear(8, 8, bias=False, dtype=torch.float32)
-    layer.prepack()
-    assert layer.packed is None
+    layer.use(plain_format(layer.weight))
+    assert not isinstance(layer.format, OneDNNBf16Weight) and layer.format.runs_on_parameter
 
 
 def test_pipeline_layer_split():

@@ -200,9 +200,9 @@ def test_quantized_experts_equal_the_dense_math_on_their_weights(method, tol):
     weights, ids = select_experts(torch.randn(9, 4), 2, renormalize=True)
     ids[0] = torch.tensor([3, 1])  # expert 0 and 2 still get tokens elsewhere or none: both are fine
     layer.quantize(METHODS[method])
-    assert not layer.w13.numel() and len(layer.quantized) == 4
-    w13 = torch.stack([q.dequantize() for q, _ in layer.quantized])
-    w2 = torch.stack([q.dequantize() for _, q in layer.quantized])
+    assert not layer.w13.numel() and len(layer.format.pairs) == 4
+    w13 = torch.stack([q.dequantize() for q, _ in layer.format.pairs])
+    w2 = torch.stack([q.dequantize() for _, q in layer.format.pairs])
     got = layer(x, weights, ids)
     want = loop_reference(x, w13, w2, weights, ids)
     assert (got - want).abs().max() <= tol * want.abs().max(), (got - want).abs().max()

@@ -71,6 +71,7 @@ def test_compressed_tensors_int8_then_int8_kernel_keeps_the_checkpoint_integers(
     from safetensors.torch import load_file
 
     from shoal.engine.execution.layers.linear import PackedMatmul
+    from shoal.engine.execution.quantization.int8 import Int8Weight
 
     out, oracle = tmp_path / "quantized", tmp_path / "oracle"
     write_compressed_tensors_int8(model_factory("llama"), out, oracle)
@@ -78,15 +79,15 @@ def test_compressed_tensors_int8_then_int8_kernel_keeps_the_checkpoint_integers(
     with LLM(model=str(out), quantization="int8", **OPTIONS) as llm:
         net = llm.llm_engine.executor.runner.model
         o_proj = next(m for n, m in net.named_modules() if n.endswith("layers.0.self_attn.o_proj"))
-        assert isinstance(o_proj, PackedMatmul) and o_proj.quantized is not None
-        deq = o_proj.quantized.dequantize()
+        assert isinstance(o_proj, PackedMatmul) and isinstance(o_proj.format, Int8Weight)
+        deq = o_proj.format.dequantize()
         text = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     ref = dense["model.layers.0.self_attn.o_proj.weight"]
-    if o_proj.quantized.weight_limit(torch.device("cpu")) == 127:
+    if o_proj.format.weight_limit(torch.device("cpu")) == 127:
         assert torch.allclose(deq, ref, rtol=1e-6, atol=0)
     else:  # no VNNI: 7-bit weights (quantization/int8.py), so the checkpoint's integers are rounded once more
         step = ref.abs().amax(dim=1, keepdim=True) / 63
-        assert "7-bit" in o_proj.quantized.kernel
+        assert "7-bit" in o_proj.format.kernel
         assert ((deq - ref).abs() <= step / 2 * (1 + 1e-5)).all()
     assert len(text[0].outputs[0].token_ids) == 4
 

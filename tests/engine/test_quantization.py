@@ -10,6 +10,7 @@ import torch
 from shoal.engine import LLM, SamplingParams
 from shoal.engine.execution.layers.linear import PackedMatmul
 from shoal.engine.execution.quantization import METHODS, QuantizationError, check_supported
+from shoal.engine.execution.quantization.base import QuantizedWeight
 from shoal.engine.execution.quantization.int4 import Int4Weight
 from shoal.engine.execution.quantization.int8 import Int8Weight, quantize_rows_int8
 
@@ -112,8 +113,8 @@ def test_int8_keeps_the_lm_head_dense_quantizes_an_untied_embedding_and_cuts_wei
         heads = [m for m in net.modules() if isinstance(m, ParallelLMHead)]
         tables = [m for m in net.modules() if isinstance(m, VocabParallelEmbedding)]
         layers = [m for m in net.modules() if isinstance(m, PackedMatmul) and not isinstance(m, ParallelLMHead)]
-        assert heads and all(h.quantized is None for h in heads)
-        assert layers and all(isinstance(m.quantized, Int8Weight) for m in layers)
+        assert heads and all(not isinstance(h.format, QuantizedWeight) for h in heads)
+        assert layers and all(isinstance(m.format, Int8Weight) for m in layers)
         if tied:
             assert tables and all(t.int8_rows is None and t.weight.numel() for t in tables)
         else:
@@ -210,13 +211,13 @@ def test_int4_engine_equals_a_dense_model_holding_the_dequantized_weights(model_
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     with LLM(model=model, quantization="int4", **OPTIONS) as q:
         got = q.generate(PROMPTS, params)
-        deq = {name: m.quantized.dequantize() for name, m in q.llm_engine.executor.runner.model.named_modules()
-               if isinstance(m, PackedMatmul) and m.quantized is not None}
+        deq = {name: m.format.dequantize() for name, m in q.llm_engine.executor.runner.model.named_modules()
+               if isinstance(m, PackedMatmul) and isinstance(m.format, QuantizedWeight)}
     assert len(deq) == 4 * 3  # qkv, o, gate_up, down in each of the 3 layers; the LM head stays dense
     with LLM(model=model, **OPTIONS) as dense:
         modules = dict(dense.llm_engine.executor.runner.model.named_modules())
         for name, w in deq.items():
-            modules[name].weight.data = w
+            modules[name].weight.data = w.contiguous()  # the layout the format chosen at load runs on
         ref = dense.generate(PROMPTS, params)
     for a, b in zip(ref, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

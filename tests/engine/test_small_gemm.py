@@ -13,6 +13,7 @@ import torch
 from shoal.engine.execution.cpu_features import cpu_features
 from shoal.engine.execution.layers import small_gemm
 from shoal.engine.execution.layers.linear import ColumnParallelLinear
+from shoal.engine.execution.layers.weight_format import SmallGemmWeight, plain_format
 
 pytestmark = pytest.mark.numerics
 
@@ -60,14 +61,14 @@ def test_linear_layers_route_small_batches_to_the_kernel_and_keep_results():
         layer = ColumnParallelLinear(96, 40, bias=True, dtype=dtype)
         layer.weight.data.copy_(torch.randn(40, 96, generator=g))
         layer.bias.data.copy_(torch.randn(40, generator=g))
-        layer.prepack()
-        assert layer.packed is None and layer.weight.numel()
+        layer.use(plain_format(layer.weight))
+        assert isinstance(layer.format, SmallGemmWeight) and layer.weight.numel()
         for rows in (1, small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1):
             x = torch.randn(rows, 96, generator=g).to(dtype)
             ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
             torch.testing.assert_close(layer(x).float(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                        atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
-        assert layer._small_gemm is small_gemm.load_kernel()
+        assert layer.format.small_kernel is small_gemm.load_kernel()
 
 
 def test_kernel_refuses_mismatched_inputs():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import torch.nn.functional as F
 
 _ACTIVATIONS = {
@@ -37,3 +40,34 @@ def act_and_mul(name: str):
         return act(gate) * up
 
     return gated
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """act(gate) * up of the experts: "silu" (SwiGLU), or "swiglu_clamped" (gpt-oss, with its alpha and limit)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    KINDS = ("silu", "swiglu_clamped")  # the C++ kernel's activation ids, in order
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"expert activation {self.kind!r} is not supported (supported: {', '.join(self.KINDS)})")
+
+    @property
+    def kernel_id(self) -> int:
+        return self.KINDS.index(self.kind)
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2I] (gate columns, then up columns) -> [n, I]."""
+        inter = gate_up.shape[-1] // 2
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        if self.kind == "silu":
+            return F.silu(gate).mul_(up)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SILU = ExpertActivation()

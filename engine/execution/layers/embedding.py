@@ -46,13 +46,8 @@ class VocabParallelEmbedding(nn.Module):
             rows = read(0, self.vocab_start, n)
             if isinstance(rows, torch.Tensor):
                 self.weight.data[:n].copy_(rows)
-            else:  # GGUF blocks kept packed (finish_gguf frees the dense table)
+            else:  # GGUF blocks kept packed (quantization/gguf.py frees the dense table)
                 self.gguf_rows = rows
-
-    def finish_gguf(self) -> None:
-        if self.gguf_rows is not None:
-            self.gguf_rows = self.gguf_rows.to(self.weight.device)
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.ps.tp_size == 1:
@@ -84,24 +79,6 @@ class ParallelLMHead(PackedMatmul):
         n = max(0, min(e.vocab_local, e.vocab_size - e.vocab_start))
         if n and self.weight.shape[0]:
             self._put(0, read(0, e.vocab_start, n))
-
-    def finish_gguf(self) -> None:
-        """Packed rows (fewer than vocab_local on a tensor-parallel rank past the vocabulary's end) run padded;
-        a tied head runs on the embedding's packed table itself."""
-        from shoal.engine.execution.quantization.gguf import GGUFWeight
-
-        e = self.embedding
-        if self.tied and e.gguf_rows is not None:
-            self.quantized = GGUFWeight([e.gguf_rows], out=e.vocab_local)
-            self.packed_shape = (e.vocab_local, e.hidden)
-        elif self.gguf_segments and sum(s.shape[0] for _, s in self.gguf_segments) < self.weight.shape[0]:
-            (_, seg), = self.gguf_segments
-            self.gguf_segments = None
-            self.quantized = GGUFWeight([seg.to(self.weight.device)], out=self.weight.shape[0])
-            self.packed_shape = tuple(self.weight.shape)
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
-        else:
-            super().finish_gguf()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden, self.bias)

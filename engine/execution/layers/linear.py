@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
-from shoal.engine.execution.layers import small_gemm
+from shoal.engine.execution.layers.weight_format import WeightFormat, plain_format
 
 # read(dim, start, length) -> tensor in [out, in] layout, sliced along `dim` (0 = out, 1 = in) of that layout
 Reader = Callable[[int, int, int], torch.Tensor]
@@ -25,86 +24,42 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def can_prepack(weight: torch.Tensor) -> bool:
-    """oneDNN can keep a bf16 CPU weight in its own blocked layout: ~1.7x faster than a plain bf16 F.linear for
-    decode-sized batches, bit-identical results (fp32 gains nothing and changes rounding). Only where the CPU tier
-    has native bf16 (cpu_features): elsewhere oneDNN refuses the bf16 prepack. Not where the small-M kernel serves
-    the weight (layers/small_gemm.py): it needs the plain layout, and beats the prepacked GEMM up to batch 16 and
-    matches it to 64 (one copy of the weight, not two)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or small_gemm.kernel_for(weight) is not None:
-        return False
-    from shoal.engine.execution.cpu_features import cpu_features
-
-    return (cpu_features().bf16_native and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 class PackedMatmul(nn.Module):
-    """A weight that may be prepacked for oneDNN once loaded (see can_prepack), or replaced by a quantized form
-    (execution.quantization) that then runs the matmul."""
+    """A linear layer's weight and the format that multiplies by it (layers/weight_format.py): the dense Parameter
+    `weight` as loaded, until use() puts the chosen format in place (model_loader.choose_formats, once the
+    checkpoint is read). A layer built without the loader runs on its Parameter (plain_format without a copy)."""
 
-    packed: torch.Tensor | None = None
-    packed_shape: tuple[int, int] | None = None  # [out, in] of the weight a packed/quantized copy replaced
-    quantized = None  # a quantization.QuantizedWeight once --quantization applied (or GGUF blocks kept packed)
-    gguf_segments: list | None = None  # [(first row, GGUFPacked)] read from a GGUF file, until finish_gguf()
+    format: WeightFormat | None = None  # None: not chosen yet (plain_format on the first matmul)
+    gguf_segments: list | None = None  # [(first row, GGUF blocks)] read from a packed GGUF file, until formats are chosen
     lora = None  # an execution.lora.LoRASlots once --enable-lora wraps this layer: adds the adapters' updates
-    _small_gemm = None  # the small-M kernel for this weight (False: none applies), resolved on first use
+    _shape: tuple[int, int] | None = None  # [out, in] of the dense weight a format replaced (it may be freed)
 
     @property
     def weight_shape(self) -> tuple[int, int]:
-        """[out, in] of this layer's weight, whether it is held as is or only prepacked."""
-        return self.packed_shape or tuple(self.weight.shape)
+        """[out, in] of this layer's weight, whatever form holds it."""
+        return self._shape or tuple(self.weight.shape)
+
+    def use(self, fmt: WeightFormat, free_dense: bool = True) -> None:
+        """Run on `fmt` from now on. A format that does not run on the Parameter frees it, unless free_dense is False
+        (a tied LM head's Parameter is the embedding table, which the lookup still reads)."""
+        self._shape = self.weight_shape
+        self.format = fmt
+        if free_dense and not fmt.runs_on_parameter:
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def _put(self, offset: int, value) -> None:
-        """Rows [offset, offset + len(value)) of the weight: dense values are copied in, GGUF blocks (a GGUFPacked
-        from a packed GGUF source) are kept as they are until finish_gguf()."""
-        from shoal.engine.execution.quantization.gguf import GGUFPacked
-
-        if isinstance(value, GGUFPacked):
-            self.gguf_segments = (self.gguf_segments or []) + [(offset, value)]
-        else:
+        """Rows [offset, offset + len(value)) of the weight: dense values are copied in; GGUF blocks (from a packed
+        GGUF source: not a tensor) are kept as they are until the formats are chosen."""
+        if isinstance(value, torch.Tensor):
             self.weight.data[offset:offset + value.shape[0]].copy_(value)
-
-    def finish_gguf(self) -> None:
-        """After loading: run on the packed blocks when they make up the whole weight (then the dense weight,
-        never written, is freed); a weight only partly packed has its blocks dequantized into place."""
-        from shoal.engine.execution.quantization.gguf import GGUFWeight
-
-        segments, self.gguf_segments = sorted(self.gguf_segments or [], key=lambda s: s[0]), None
-        if not segments:
-            return
-        rows = [0]
-        for offset, seg in segments:
-            rows.append(offset + seg.shape[0] if offset == rows[-1] else -1)
-        if rows[-1] == self.weight.shape[0]:
-            self.quantized = GGUFWeight([seg.to(self.weight.device) for _, seg in segments])
-            self.packed_shape = tuple(self.weight.shape)
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         else:
-            for offset, seg in segments:
-                self.weight.data[offset:offset + seg.shape[0]].copy_(seg.dequantize())
-
-    def prepack(self, free_original: bool = True) -> None:
-        if self.quantized is None and self.packed is None and self.weight.numel() and can_prepack(self.weight):
-            self.packed_shape = tuple(self.weight.shape)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 32)
-            if free_original:
-                self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+            self.gguf_segments = (self.gguf_segments or []) + [(offset, value)]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.quantized is not None:
-            y = self.quantized.matmul(x, bias)
-        elif self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        else:
-            small = self._small_gemm
-            if small is None:  # resolved on the first matmul, once the weight is loaded
-                small = self._small_gemm = small_gemm.kernel_for(self.weight) or False
-            if (small and x.dim() == 2 and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == self.weight.dtype
-                    and x.stride(1) == 1):
-                y = small(x, self.weight, bias)
-            else:
-                y = F.linear(x, self.weight, bias)
+        fmt = self.format
+        if fmt is None:
+            fmt = self.format = plain_format(self.weight, prepack=False)
+        y = fmt.matmul(x, bias)
         if self.lora is not None:
             self.lora.add_to(x, y)
         return y

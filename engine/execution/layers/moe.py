@@ -39,41 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
+from shoal.engine.execution.layers.activation import SILU, ExpertActivation
 
 logger = logging.getLogger(__name__)
 
 SCORING = ("softmax", "sigmoid")
-
-
-@dataclass(frozen=True)
-class ExpertActivation:
-    """act(gate) * up of the experts: "silu" (SwiGLU), or "swiglu_clamped" (gpt-oss, with its alpha and limit)."""
-
-    kind: str = "silu"
-    alpha: float = 1.702
-    limit: float = 7.0
-
-    KINDS = ("silu", "swiglu_clamped")  # the C++ kernel's activation ids, in order
-
-    def __post_init__(self):
-        if self.kind not in self.KINDS:
-            raise ValueError(f"expert activation {self.kind!r} is not supported (supported: {', '.join(self.KINDS)})")
-
-    @property
-    def kernel_id(self) -> int:
-        return self.KINDS.index(self.kind)
-
-    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[n, 2I] (gate columns, then up columns) -> [n, I]."""
-        inter = gate_up.shape[-1] // 2
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        if self.kind == "silu":
-            return F.silu(gate).mul_(up)
-        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-
-SILU = ExpertActivation()
 
 
 # ------------------------------------------------------------------------------------------------------- routing
@@ -202,6 +172,58 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return fused_experts_torch(*args)
 
 
+class ExpertsFormat:
+    """How a FusedMoE layer's experts are stored and run (the experts' counterpart of layers/weight_format.py): one
+    object per layer, chosen once the checkpoint is read."""
+
+    kernel: str = ""
+    runs_on_parameter = False  # True: runs on the layer's w13/w2 Parameters (which memory counts already)
+
+    def run(self, layer: "FusedMoE", x: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes held outside the layer's Parameters."""
+        return 0
+
+
+class DenseExperts(ExpertsFormat):
+    """The stacked w13/w2 Parameters through fused_experts (C++ on CPU, Triton on CUDA, torch elsewhere)."""
+
+    kernel = "fused experts"
+    runs_on_parameter = True
+
+    def run(self, layer, x, topk_weights, topk_ids):
+        return fused_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.expert_start, layer.b13,
+                             layer.b2 if layer.adds_b2 else None, layer.activation)
+
+
+DENSE_EXPERTS = DenseExperts()
+
+
+class QuantizedExperts(ExpertsFormat):
+    """One (gate_up, down) pair of quantization.QuantizedWeight per local expert (--quantization), run by the grouped
+    torch path with the method's own matmul kernel."""
+
+    def __init__(self, pairs: list):
+        self.pairs = pairs
+        self.kernel = ", ".join(sorted({q.kernel for pair in pairs for q in pair}))
+
+    def run(self, layer, x, topk_weights, topk_ids):
+        b13, b2 = layer.b13, layer.b2 if layer.adds_b2 else None
+
+        def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+            gate_up, down = self.pairs[e]
+            h = gate_up.matmul(xs, None if b13 is None else b13[e])
+            return down.matmul(layer.activation(h), None if b2 is None else b2[e])
+
+        return grouped_experts(x, topk_weights, topk_ids, layer.expert_start, layer.num_local, expert)
+
+    def nbytes(self) -> int:
+        return sum(q.nbytes() for pair in self.pairs for q in pair)
+
+
 class FusedMoE(nn.Module):
     """The experts of one layer, stacked: w13 [E_local, 2 * I_local, H] and w2 [E_local, H, I_local], and with
     bias=True (gpt-oss) b13 [E_local, 2 * I_local] and b2 [E_local, H].
@@ -209,13 +231,11 @@ class FusedMoE(nn.Module):
     Tensor parallel: all E experts, each with I / tp of its intermediate features. Expert parallel: E / tp whole
     experts. forward returns this rank's partial sum; the caller all-reduces once (SparseMoeBlock). Under tensor
     parallelism every rank computes part of each expert's down projection, so its bias is added on rank 0 only.
-    --quantization replaces the stacks by one quantized (gate_up, down) pair per expert (quantization/), run by
-    the grouped torch path with the method's own matmul kernel. A GGUF file's experts, read packed, stay packed:
-    one stack of blocks per projection (`gguf`), run by the C++ kernel's packed loop (fused_experts_gguf)."""
+    `format` runs the experts: the dense stacks (DenseExperts), one quantized pair per expert (--quantization:
+    QuantizedExperts) or a GGUF file's blocks kept packed (quantization/gguf.py's GGUFExperts)."""
 
-    quantized: list | None = None  # [(gate_up, down) QuantizedWeight] per local expert once quantized
-    gguf_parts: dict | None = None  # local expert -> (gate, up, down) GGUFPacked, until finish_gguf()
-    gguf: tuple | None = None  # ((gate, up, down) uint8 stacks, (their GGML type ids)) when served packed
+    format: ExpertsFormat = DENSE_EXPERTS
+    gguf_parts: dict | None = None  # local expert -> (gate, up, down) GGUF blocks, until the formats are chosen
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, bias: bool = False,
                  activation: ExpertActivation = SILU):
@@ -250,8 +270,6 @@ class FusedMoE(nn.Module):
         """Copy one expert's slices straight from the checkpoint (Readers as in layers.linear): each tensor is
         read once, only this rank's part of it, into its place in the stack. biases: (gate, up, down) Readers
         when the layer has them."""
-        from shoal.engine.execution.quantization.gguf import GGUFPacked
-
         i = expert - self.expert_start
         n, s = self.inter_local, self.inter_start
         if self.b13 is not None:
@@ -260,7 +278,7 @@ class FusedMoE(nn.Module):
             self.b13.data[i, n:].copy_(up(0, s, n))
             self.b2.data[i].copy_(down(0, 0, self.hidden))
         parts = read_gate(0, s, n), read_up(0, s, n), read_down(1, s, n)
-        if any(isinstance(p, GGUFPacked) for p in parts):  # blocks kept as read (finish_gguf stacks them)
+        if not all(isinstance(p, torch.Tensor) for p in parts):  # GGUF blocks kept as read (quantization/gguf.py)
             if self.gguf_parts is None:
                 self.gguf_parts = {}
             self.gguf_parts[i] = parts
@@ -269,55 +287,20 @@ class FusedMoE(nn.Module):
         self.w13.data[i, n:].copy_(parts[1])
         self.w2.data[i].copy_(parts[2])
 
-    def finish_gguf(self) -> None:
-        """After loading: every expert's packed blocks in one stack per projection, when each projection has one
-        type across the experts and the packed CPU kernel can run them (the dense stacks, never written, are freed);
-        otherwise (on GPU too: no packed Triton expert kernel; biased or non-SiLU experts) the blocks are dequantized
-        into the dense stacks."""
-        from shoal.engine.execution.quantization.gguf import GGUFPacked, PACKED_TYPES
-
-        parts, self.gguf_parts = self.gguf_parts or {}, None
-        if not parts:
-            return
-        n = self.inter_local
-        stackable = (len(parts) == self.num_local and self.w13.device.type == "cpu"
-                     and self.b13 is None and self.activation is SILU
-                     and load_cpu_kernel()[0] is not None
-                     and all(isinstance(p, GGUFPacked) for trio in parts.values() for p in trio)
-                     and all(len({parts[e][k].qtype for e in parts}) == 1 for k in range(3)))
-        if not stackable:
-            for i, (gate, up, down) in parts.items():
-                for dst, src in ((self.w13.data[i, :n], gate), (self.w13.data[i, n:], up), (self.w2.data[i], down)):
-                    dst.copy_(src.to(dst.device).dequantize() if isinstance(src, GGUFPacked) else src)
-            return
-        stacks = tuple(torch.stack([parts[e][k].data for e in range(self.num_local)]) for k in range(3))
-        self.gguf = stacks, tuple(PACKED_TYPES[parts[0][k].qtype][0] for k in range(3))
-        for p in (self.w13, self.w2):
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    def use(self, fmt: ExpertsFormat) -> None:
+        """Run the experts on `fmt` from now on; the dense stacks are freed when it does not run on them."""
+        self.format = fmt
+        if not fmt.runs_on_parameter:
+            for p in (self.w13, self.w2):
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def quantize(self, method) -> None:
         """Quantize every local expert with `method` (a quantization.QuantizedWeight class) and free the stacks."""
-        self.quantized = [(method.from_dense(self.w13.data[e]), method.from_dense(self.w2.data[e]))
-                          for e in range(self.num_local)]
-        for p in (self.w13, self.w2):
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.use(QuantizedExperts([(method.from_dense(self.w13.data[e]), method.from_dense(self.w2.data[e]))
+                                   for e in range(self.num_local)]))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.gguf is not None:
-            (gate, up, down), types = self.gguf
-            return load_cpu_kernel()[0].fused_experts_gguf(x, gate, up, down, *types, topk_weights.float(), topk_ids,
-                                                          self.expert_start)
-        b13, b2 = self.b13, self.b2 if self.adds_b2 else None
-        if self.quantized is None:
-            return fused_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start, b13, b2,
-                                 self.activation)
-
-        def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            gate_up, down = self.quantized[e]
-            h = gate_up.matmul(xs, None if b13 is None else b13[e])
-            return down.matmul(self.activation(h), None if b2 is None else b2[e])
-
-        return grouped_experts(x, topk_weights, topk_ids, self.expert_start, self.num_local, expert)
+        return self.format.run(self, x, topk_weights, topk_ids)
 
 
 class SparseMoeBlock(nn.Module):

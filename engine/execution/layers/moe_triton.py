@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from shoal.engine.execution.layers.activation import SILU
+
 try:
     import triton
     import triton.language as tl
@@ -114,8 +116,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                          topk_ids: torch.Tensor, expert_start: int = 0, b13: torch.Tensor | None = None,
                          b2: torch.Tensor | None = None, activation=None) -> torch.Tensor:
     """Same contract as layers.moe.fused_experts (x [T, H], w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I], b2 [E, H])."""
-    from shoal.engine.execution.layers.moe import SILU
-
     if triton is None:
         raise RuntimeError("triton is not installed")
     T, top_k = topk_ids.shape

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.engine.execution.layers.moe import ExpertActivation, SparseMoeBlock
+from shoal.engine.execution.layers.activation import ExpertActivation
+from shoal.engine.execution.layers.moe import SparseMoeBlock
 from shoal.engine.execution.models.decoder import DecoderLM
 
 

@@ -72,16 +72,15 @@ def quantize_model(model: torch.nn.Module, method: str) -> None:
     before += sum(p.numel() * p.element_size() for m in experts for p in (m.w13, m.w2))
     for module in experts:
         module.quantize(cls)
-        kernels.update(q.kernel for pair in module.quantized for q in pair)
+        kernels.update(q.kernel for pair in module.format.pairs for q in pair)
     for module in layers:
-        module.quantized = cls.from_dense(module.weight.data)
-        module.packed_shape = tuple(module.weight.shape)
-        kernels.add(module.quantized.kernel)
+        module.use(cls.from_dense(module.weight.data), free_dense=False)
+        kernels.add(module.format.kernel)
     for module in layers + tables:
         module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
-    after = sum(m.quantized.nbytes() for m in layers) + sum(t.numel() * t.element_size() for m in tables
-                                                             for t in m.int8_rows)
-    after += sum(q.nbytes() for m in experts for pair in m.quantized for q in pair)
+    after = sum(m.format.nbytes() for m in layers) + sum(t.numel() * t.element_size() for m in tables
+                                                          for t in m.int8_rows)
+    after += sum(m.format.nbytes() for m in experts)
     logger.info("quantized %d linear layers%s%s to %s (%s): %.1f MiB -> %.1f MiB", len(layers),
                 f" and {len(tables)} embedding table(s)" if tables else "",
                 f" and the experts of {len(experts)} MoE layer(s)" if experts else "", method, ", ".join(sorted(kernels)),
@@ -89,7 +88,8 @@ def quantize_model(model: torch.nn.Module, method: str) -> None:
 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes the model's weights hold: dense parameters, oneDNN-packed copies and quantized forms."""
+    """Bytes the model's weights hold: dense parameters, and each layer's format outside them (oneDNN-packed
+    copies, quantized forms, GGUF blocks)."""
     from shoal.engine.execution.layers.embedding import VocabParallelEmbedding
     from shoal.engine.execution.layers.linear import PackedMatmul
     from shoal.engine.execution.layers.moe import FusedMoE
@@ -102,20 +102,16 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
         if isinstance(module, VocabParallelEmbedding) and module.gguf_rows is not None:
             seen.add(module.gguf_rows.data.data_ptr())
             total += module.gguf_rows.data.numel()
-        if isinstance(module, FusedMoE) and module.quantized is not None:
-            total += sum(q.nbytes() for pair in module.quantized for q in pair)
-        if isinstance(module, FusedMoE) and module.gguf is not None:
-            total += sum(t.numel() for t in module.gguf[0])
         if isinstance(module, VocabParallelEmbedding) and module.int8_rows is not None:
             total += sum(t.numel() * t.element_size() for t in module.int8_rows)
-        if isinstance(module, PackedMatmul):
-            if module.packed is not None:  # a separate allocation, also for a tied LM head (its table stays too)
-                total += module.packed.numel() * module.packed.element_size()
-            if isinstance(module.quantized, GGUFWeight):
-                for t in module.quantized.tensors():
+        if isinstance(module, FusedMoE):
+            total += module.format.nbytes()
+        if isinstance(module, PackedMatmul) and module.format is not None:
+            if isinstance(module.format, GGUFWeight):
+                for t in module.format.tensors():
                     if t.data_ptr() not in seen:
                         seen.add(t.data_ptr())
                         total += t.numel()
-            elif module.quantized is not None:  # (oneDNN's opaque int8 tensors have no data pointer)
-                total += module.quantized.nbytes()
+            else:  # a oneDNN copy is a separate allocation, also for a tied LM head (its table stays too)
+                total += module.format.nbytes()  # (oneDNN's opaque int8 tensors have no data pointer)
     return total

@@ -19,6 +19,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from shoal.engine.execution.layers.activation import SILU
+from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shoal.engine.execution.layers.linear import PackedMatmul
+from shoal.engine.execution.layers.moe import ExpertsFormat, FusedMoE, load_cpu_kernel
 from shoal.engine.execution.quantization.base import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -143,26 +147,103 @@ class GGUFWeight(QuantizedWeight):
         return [s.data for s in self.segments]
 
 
+class GGUFExperts(ExpertsFormat):
+    """A FusedMoE layer's experts as GGUF blocks: one uint8 stack per projection (gate, up, down) across the local
+    experts, run by the C++ kernel's packed loop."""
+
+    def __init__(self, stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qtypes: tuple[str, str, str]):
+        self.stacks = stacks
+        self.type_ids = tuple(PACKED_TYPES[q][0] for q in qtypes)
+        self.kernel = f"gguf packed experts {'+'.join(sorted(set(qtypes)))}"
+
+    def run(self, layer, x, topk_weights, topk_ids):
+        gate, up, down = self.stacks
+        return load_cpu_kernel()[0].fused_experts_gguf(x, gate, up, down, *self.type_ids, topk_weights.float(),
+                                                      topk_ids, layer.expert_start)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.stacks)
+
+
+def _finish_linear(layer: PackedMatmul) -> None:
+    """Run on the packed blocks when they make up the whole weight (the dense weight, never written, is freed); a
+    weight only partly packed has its blocks dequantized into place."""
+    segments, layer.gguf_segments = sorted(layer.gguf_segments or [], key=lambda s: s[0]), None
+    if not segments:
+        return
+    rows = [0]
+    for offset, seg in segments:
+        rows.append(offset + seg.shape[0] if offset == rows[-1] else -1)
+    if rows[-1] == layer.weight.shape[0]:
+        layer.use(GGUFWeight([seg.to(layer.weight.device) for _, seg in segments]))
+    else:
+        for offset, seg in segments:
+            layer.weight.data[offset:offset + seg.shape[0]].copy_(seg.dequantize())
+
+
+def _finish_head(head: ParallelLMHead) -> None:
+    """Packed rows (fewer than vocab_local on a tensor-parallel rank past the vocabulary's end) run padded; a tied
+    head runs on the embedding's packed table itself."""
+    e = head.embedding
+    if head.tied and e.gguf_rows is not None:
+        head._shape = (e.vocab_local, e.hidden)
+        head.use(GGUFWeight([e.gguf_rows], out=e.vocab_local), free_dense=False)  # the table freed it already
+    elif head.gguf_segments and sum(s.shape[0] for _, s in head.gguf_segments) < head.weight.shape[0]:
+        (_, seg), = head.gguf_segments
+        head.gguf_segments = None
+        head.use(GGUFWeight([seg.to(head.weight.device)], out=head.weight.shape[0]))
+    else:
+        _finish_linear(head)
+
+
+def _finish_table(table: VocabParallelEmbedding) -> None:
+    if table.gguf_rows is not None:
+        table.gguf_rows = table.gguf_rows.to(table.weight.device)
+        table.weight.data = torch.empty(0, dtype=table.weight.dtype, device=table.weight.device)
+
+
+def _finish_experts(layer: FusedMoE) -> None:
+    """Every expert's packed blocks in one stack per projection, when each projection has one type across the
+    experts and the packed CPU kernel can run them (the dense stacks, never written, are freed); otherwise (on GPU
+    too: no packed Triton expert kernel; biased or non-SiLU experts) the blocks are dequantized into the stacks."""
+    parts, layer.gguf_parts = layer.gguf_parts or {}, None
+    if not parts:
+        return
+    n = layer.inter_local
+    stackable = (len(parts) == layer.num_local and layer.w13.device.type == "cpu"
+                 and layer.b13 is None and layer.activation is SILU
+                 and load_cpu_kernel()[0] is not None
+                 and all(isinstance(p, GGUFPacked) for trio in parts.values() for p in trio)
+                 and all(len({parts[e][k].qtype for e in parts}) == 1 for k in range(3)))
+    if not stackable:
+        for i, (gate, up, down) in parts.items():
+            for dst, src in ((layer.w13.data[i, :n], gate), (layer.w13.data[i, n:], up), (layer.w2.data[i], down)):
+                dst.copy_(src.to(dst.device).dequantize() if isinstance(src, GGUFPacked) else src)
+        return
+    stacks = tuple(torch.stack([parts[e][k].data for e in range(layer.num_local)]) for k in range(3))
+    layer.use(GGUFExperts(stacks, tuple(parts[0][k].qtype for k in range(3))))
+
+
 def finish_gguf_model(model: torch.nn.Module) -> None:
     """After a packed GGUF load: every layer runs on its packed blocks (dense weights freed); logs the kernel and
     the weight memory."""
-    from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-    from shoal.engine.execution.layers.linear import PackedMatmul
-    from shoal.engine.execution.layers.moe import FusedMoE
-
     modules = list(model.modules())
     for m in modules:  # heads last: a tied head takes over the embedding's packed table
-        if isinstance(m, (PackedMatmul, VocabParallelEmbedding, FusedMoE)) and not isinstance(m, ParallelLMHead):
-            m.finish_gguf()
+        if isinstance(m, VocabParallelEmbedding):
+            _finish_table(m)
+        elif isinstance(m, FusedMoE):
+            _finish_experts(m)
+        elif isinstance(m, PackedMatmul) and not isinstance(m, ParallelLMHead):
+            _finish_linear(m)
     for m in modules:
         if isinstance(m, ParallelLMHead):
-            m.finish_gguf()
-    weights = [m.quantized for m in modules if isinstance(m, PackedMatmul) and isinstance(m.quantized, GGUFWeight)]
+            _finish_head(m)
+    weights = [m.format for m in modules if isinstance(m, PackedMatmul) and isinstance(m.format, GGUFWeight)]
     tables = [m.gguf_rows for m in modules if isinstance(m, VocabParallelEmbedding) and m.gguf_rows is not None]
-    experts = [m for m in modules if isinstance(m, FusedMoE) and m.gguf is not None]
+    experts = [m.format for m in modules if isinstance(m, FusedMoE) and isinstance(m.format, GGUFExperts)]
     packed = {t.data_ptr(): t.numel() for w in weights for t in w.tensors()}
     packed.update({t.data.data_ptr(): t.data.numel() for t in tables})
-    packed.update({t.data_ptr(): t.numel() for m in experts for t in m.gguf[0]})
+    packed.update({t.data_ptr(): t.numel() for f in experts for t in f.stacks})
     kernels = sorted({w.kernel for w in weights})
     logger.info("GGUF: %d linear layers%s%s run packed (%s): %.1f MiB of packed weights", len(weights),
                 f" and {len(tables)} embedding table(s)" if tables else "",
