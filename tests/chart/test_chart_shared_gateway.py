@@ -202,3 +202,78 @@ def test_a_volume_only_one_pod_can_mount_needs_one_replica():
     assert "set sharedGateway.replicas: 1" in str(exc.value)
     values["sharedGateway"]["replicas"] = 1
     assert by_kind(gateway_objects(values), "PersistentVolumeClaim")[0]["spec"]["accessModes"] == ["ReadWriteOnce"]
+
+
+# Where the chart deliberately narrows or changes a gateway option, and why; anything else must agree.
+CHART_NARROWS = {
+    # the shared gateway routes by prefix-load where precise-prefix is asked (it keeps no KV-events index)
+    ("routing", "choices"): {"precise-prefix"},
+    # a pod's in-flight streams get ten minutes on a rollout, not the CLI's 30 s (terminationGracePeriodSeconds)
+    ("shutdown-timeout", "default"): (600, 30.0),
+}
+
+
+def _chart_options():
+    """(flag, values path) for every `--flag={{ $gw.path }}` the shared gateway's template renders."""
+    import re
+
+    text = (CHART_DIR / "templates" / "shared-gateway.yaml").read_text()
+    pairs = re.findall(r"- --([a-z-]+)=\{\{ \$gw\.([A-Za-z.]+) \}\}", text)
+    quotas = text[text.index("with $gw.tenantQuotas"):]
+    pairs += [(flag, f"tenantQuotas.{key}") for flag, key in re.findall(r"- --(tenant-[a-z-]+)=\{\{ \.(\w+) \}\}",
+                                                                          quotas[:quotas.index("{{- end }}")])]
+    return pairs
+
+
+def test_the_charts_gateway_values_agree_with_the_gateways_own_options():
+    """Each chart value the shared gateway's template turns into a shoal-gateway flag: its default parses and is
+    the flag's, its schema's choices are the flag's, and its schema's bounds are what the flag accepts (a value the
+    schema lets through is never one the gateway refuses at start, and the reverse)."""
+    import argparse
+    import json
+
+    import yaml
+
+    cli = importlib.import_module("shoal.operator.gateway.cli")
+    parser = cli.build_parser()
+    actions = {o: a for a in parser._actions for o in a.option_strings}
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())["properties"]["sharedGateway"]
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())["sharedGateway"]
+
+    def accepts(action, text: str) -> bool:
+        try:
+            value = action.type(text) if action.type else text
+        except (argparse.ArgumentTypeError, ValueError):
+            return False
+        return action.choices is None or value in action.choices
+
+    pairs = _chart_options()
+    assert {"max-queued", "queue-timeout", "max-pending", "tenant-tokens-per-minute"} <= {f for f, _ in pairs}
+    for flag, path in pairs:
+        entry, default = schema, values
+        for key in path.split("."):
+            entry, default = entry["properties"][key], default[key]
+        action = actions[f"--{flag}"]
+        if flag == "namespace":
+            continue  # the shared gateway's own namespace: no default to agree with
+        assert accepts(action, str(default)), (flag, default)
+        want = CHART_NARROWS.get((flag, "default"))
+        if want:
+            assert (default, action.default) == want, (flag, default, action.default)
+        else:
+            assert default == action.default, (flag, path, default, action.default)
+        if action.choices is not None:
+            assert set(action.choices) - set(entry["enum"]) == CHART_NARROWS.get((flag, "choices"), set()), flag
+            assert set(entry["enum"]) <= set(action.choices), flag
+            continue
+        low = entry.get("minimum", entry.get("exclusiveMinimum"))
+        step = 1 if entry["type"] == "integer" else 0.5
+        if low is None:  # unbounded below in the chart: so must the flag be
+            assert accepts(action, "-5"), f"{path}: the schema allows -5, --{flag} refuses it"
+            continue
+        inside = low if "minimum" in entry else low + step
+        assert accepts(action, str(inside)), f"{path}: the schema allows {inside}, --{flag} refuses it"
+        below = low - step if "minimum" in entry else low
+        assert not accepts(action, str(below)), f"{path}: the schema refuses {below}, --{flag} accepts it"
+        if "maximum" in entry:
+            assert accepts(action, str(entry["maximum"])), (flag, entry["maximum"])
