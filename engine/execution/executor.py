@@ -8,7 +8,9 @@ sequence that samples this step; it gets the sampled tokens back. It never sees 
     the other ranks and broadcasts each step's plan to them.
 
 The sampler's constants (vocabulary size, EOS ids) are fixed when the executor is built, on every rank that
-samples; a step carries only the rows.
+samples; a step carries only the rows. With draft-model speculative decoding the executor also owns the draft
+model (execution/drafter.py): LLMEngine asks it for a step's proposals and sees only their token ids (and the
+distributions sampled proposals were drawn from, which go back into the step's sampling rows).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from shoal.engine.contracts import StepInputs
+from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
+from shoal.engine.execution.drafter import DraftModel
 from shoal.engine.execution.graph_capture import decode_capture_backend
 from shoal.engine.execution.kv_offload import KVOffloader, OffloadSpec
 from shoal.engine.execution.runner import ModelRunner, dummy_step_inputs
@@ -76,6 +79,17 @@ class Executor(Protocol):
     def kv_take_changes(self) -> list[tuple[str, str, int]]:
         """What rank 0's tiers stored and dropped since the last call, in order (with OffloadSpec.report_changes)."""
 
+    # Draft-model speculative decoding (execution/drafter.py: where the draft model runs, and why there)
+    def load_drafter(self, model_dir, hf_config, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
+        """Load the draft model (before allocate_kv_cache, which then gives it a cache of the same blocks;
+        padding_blocks counts its padding from then on)."""
+
+    def drafter_bytes_per_block(self, block_size: int) -> int:
+        """The draft model's KV-cache bytes per block on its rank, on top of bytes_per_block (0 without one)."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        """The draft model's proposals for this step's verifying sequences (their KV slots are allocated)."""
+
 
 class UniProcExecutor:
     """One process: the ModelRunner and the Sampler side by side."""
@@ -89,9 +103,11 @@ class UniProcExecutor:
             self.runner.enable_lora(config.max_loras, config.max_lora_rank)
         # Decode graph capture is a one-process feature: the ranks of a parallel group run every step eagerly.
         self.runner.enable_decode_capture(decode_capture_backend(config, device), config.max_num_seqs)
+        self.config = config
         self.sampler = sampler
         self.backend_name = self.runner.backend_name
         self.offload: KVOffloader | None = None
+        self.drafter: DraftModel | None = None
 
     def enable_kv_offload(self, spec: OffloadSpec) -> None:
         self.offload = KVOffloader(self.runner, spec)
@@ -116,13 +132,25 @@ class UniProcExecutor:
 
     @property
     def padding_blocks(self) -> int:
-        return self.runner.padding_blocks
+        return max(self.runner.padding_blocks, self.drafter.runner.padding_blocks if self.drafter else 0)
 
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         return profile_peak_memory(self.runner, num_tokens, block_size, self.runner.execute)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
         self.runner.allocate_kv_cache(num_blocks, block_size, num_state_slots)
+        if self.drafter is not None:
+            self.drafter.runner.allocate_kv_cache(num_blocks, block_size)
+
+    def load_drafter(self, model_dir, hf_config, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
+        self.drafter = DraftModel(self.runner, self.config, model_dir, hf_config, self.sampler.vocab_size,
+                                  num_speculative_tokens, max_num_batched_tokens)
+
+    def drafter_bytes_per_block(self, block_size: int) -> int:
+        return self.drafter.bytes_per_block(block_size) if self.drafter else 0
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        return self.drafter.propose(requests)
 
     def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
         logits = self.runner.execute(inputs)
@@ -158,6 +186,8 @@ class UniProcExecutor:
             self.offload.close()
             self.offload = None
         self.runner.free_kv_cache()
+        if self.drafter is not None:
+            self.drafter.runner.free_kv_cache()
 
 
 @torch.inference_mode()
