@@ -31,14 +31,12 @@ PACKAGES = {"shoal.engine": ROOT / "engine", "shoal.operator": ROOT / "operator"
 OPTION_MODULES = {"shoal.engine.flags", "shoal.engine.config", "shoal.engine.execution.models",
                   "shoal.engine.server.keys", "shoal.engine.kv_hash", "shoal.engine.server.gateway_contract"}
 # Cycles the engine has today (function-local imports hide them from tests/engine/test_import_graph.py), owned by
-# other items of issue 29 (one weight-format object per layer; the drafter behind the executor seam). A cycle that
-# is not a part of one of these fails; one that is gone must be removed here.
+# other items of issue 29 (one weight-format object per layer). A cycle that is not a part of one of these fails;
+# one that is gone must be removed here.
 KNOWN_ENGINE_CYCLES = [
     {"shoal.engine.execution.layers.embedding", "shoal.engine.execution.layers.linear",
      "shoal.engine.execution.layers.mlp", "shoal.engine.execution.layers.moe",
      "shoal.engine.execution.layers.moe_triton", "shoal.engine.execution.quantization.gguf"},
-    {"shoal.engine.distributed.driver", "shoal.engine.distributed.pipeline", "shoal.engine.distributed.worker",
-     "shoal.engine.execution.executor"},
     {"shoal.engine.cli", "shoal.engine.tools.demo"},
 ]
 # import name -> distribution, where they differ (Dockerfile.operator pins distributions)

@@ -15,7 +15,7 @@ distributions sampled proposals were drawn from, which go back into the step's s
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -23,7 +23,7 @@ from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
 from shoal.engine.execution.drafter import DraftModel
 from shoal.engine.execution.graph_capture import decode_capture_backend
 from shoal.engine.execution.kv_offload import KVOffloader, OffloadSpec
-from shoal.engine.execution.runner import ModelRunner, dummy_step_inputs
+from shoal.engine.execution.runner import ModelRunner, profile_peak_memory
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
 
@@ -188,24 +188,6 @@ class UniProcExecutor:
         self.runner.free_kv_cache()
         if self.drafter is not None:
             self.drafter.runner.free_kv_cache()
-
-
-@torch.inference_mode()
-def profile_peak_memory(runner: ModelRunner, num_tokens: int, block_size: int,
-                        run_step: Callable[[StepInputs], object]) -> int:
-    """Bytes of activation memory one step of num_tokens tokens needs (CUDA only): run it with `run_step` (the
-    runner alone, or a rank's pipelined step) on a scratch KV cache and read the allocator's peak."""
-    device = runner.device
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    runner.allocate_kv_cache(-(-num_tokens // block_size), block_size)
-    try:
-        run_step(dummy_step_inputs(num_tokens, block_size))
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    finally:
-        runner.free_kv_cache()
-        torch.cuda.empty_cache()
 
 
 def make_executor(config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
