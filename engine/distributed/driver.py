@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
+from shoal.engine.contracts import StepInputs
 from shoal.engine.distributed.comm import (DistributedError, HeartbeatMonitor, init_group, pick_backend, rank_label,
                                            rendezvous_port, tag_logs)
 from shoal.engine.distributed.pipeline import Shard, build_runner
@@ -34,13 +34,13 @@ from shoal.engine.distributed.spawn import spawn_workers
 from shoal.engine.distributed.wire import broadcast_call
 from shoal.engine.distributed.worker import Worker
 from shoal.engine.execution.cpu_budget import rank_threads
-from shoal.engine.execution.drafter import DraftModel
+from shoal.engine.execution.drafter import DraftHost
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger("shoal.engine.distributed.driver")
 
 
-class DistributedExecutor:
+class DistributedExecutor(DraftHost):
     def __init__(self, config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
                  sampler: Sampler):
         dcfg = config.distributed.model_copy(update={"backend": pick_backend(device, config.distributed.backend)})
@@ -83,7 +83,6 @@ class DistributedExecutor:
         self.worker = Worker(self.group, self.shard)
         self.sampler = sampler
         self.engine_config = config
-        self.drafter: DraftModel | None = None
         self.backend_name = runner.backend_name
         logger.info("distributed engine: tp %d x pp %d = %d ranks over %d node(s), backend %s, %d micro-batches "
                     "per step", tp, pp, world, dcfg.nnodes, self.group.backend, self.shard.micro_batches)
@@ -158,18 +157,6 @@ class DistributedExecutor:
         self.collective_rpc("allocate_kv_cache", num_blocks, block_size, num_state_slots)
         if self.drafter is not None:
             self.drafter.runner.allocate_kv_cache(num_blocks, block_size)
-
-    def load_drafter(self, model_dir, hf_config, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
-        self.drafter = DraftModel(self.runner, self.engine_config, model_dir, hf_config, self.sampler.vocab_size,
-                                  num_speculative_tokens, max_num_batched_tokens)
-
-    def drafter_bytes_per_block(self, block_size: int) -> int:
-        return self.drafter.bytes_per_block(block_size) if self.drafter is not None else 0
-
-    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        """Rank 0's draft model: no other rank takes part."""
-        self.check_health()
-        return self.drafter.propose(requests)
 
     def enable_kv_offload(self, spec) -> None:
         self.collective_rpc("enable_kv_offload", spec)

@@ -37,6 +37,25 @@ from shoal.engine.execution.graph_capture import decode_capture_backend
 from shoal.engine.execution.runner import ModelRunner
 
 
+class DraftHost:
+    """The draft-model part of both executors (the Executor protocol's load_drafter, drafter_bytes_per_block and
+    propose): the draft runs in the executor's own process, beside `self.runner` (rank 0's, in a parallel group),
+    built from `self.engine_config`; allocate_kv_cache and shutdown give it and free its cache."""
+
+    drafter: DraftModel | None = None
+
+    def load_drafter(self, model_dir, hf_config, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
+        self.drafter = DraftModel(self.runner, self.engine_config, model_dir, hf_config, self.sampler.vocab_size,
+                                  num_speculative_tokens, max_num_batched_tokens)
+
+    def drafter_bytes_per_block(self, block_size: int) -> int:
+        return self.drafter.bytes_per_block(block_size) if self.drafter is not None else 0
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        self.check_health()  # a parallel group's failed rank: stop before the draft works for nothing
+        return self.drafter.propose(requests)
+
+
 class DraftModel:
     """The draft model's runner and its K autoregressive rounds per step."""
 

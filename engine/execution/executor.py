@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
-from shoal.engine.execution.drafter import DraftModel
+from shoal.engine.execution.drafter import DraftHost
 from shoal.engine.execution.graph_capture import decode_capture_backend
 from shoal.engine.execution.kv_offload import KVOffloader, OffloadSpec
 from shoal.engine.execution.runner import ModelRunner, profile_peak_memory
@@ -91,7 +91,7 @@ class Executor(Protocol):
         """The draft model's proposals for this step's verifying sequences (their KV slots are allocated)."""
 
 
-class UniProcExecutor:
+class UniProcExecutor(DraftHost):
     """One process: the ModelRunner and the Sampler side by side."""
 
     def __init__(self, config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
@@ -103,11 +103,10 @@ class UniProcExecutor:
             self.runner.enable_lora(config.max_loras, config.max_lora_rank)
         # Decode graph capture is a one-process feature: the ranks of a parallel group run every step eagerly.
         self.runner.enable_decode_capture(decode_capture_backend(config, device), config.max_num_seqs)
-        self.config = config
+        self.engine_config = config
         self.sampler = sampler
         self.backend_name = self.runner.backend_name
         self.offload: KVOffloader | None = None
-        self.drafter: DraftModel | None = None
 
     def enable_kv_offload(self, spec: OffloadSpec) -> None:
         self.offload = KVOffloader(self.runner, spec)
@@ -141,16 +140,6 @@ class UniProcExecutor:
         self.runner.allocate_kv_cache(num_blocks, block_size, num_state_slots)
         if self.drafter is not None:
             self.drafter.runner.allocate_kv_cache(num_blocks, block_size)
-
-    def load_drafter(self, model_dir, hf_config, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
-        self.drafter = DraftModel(self.runner, self.config, model_dir, hf_config, self.sampler.vocab_size,
-                                  num_speculative_tokens, max_num_batched_tokens)
-
-    def drafter_bytes_per_block(self, block_size: int) -> int:
-        return self.drafter.bytes_per_block(block_size) if self.drafter else 0
-
-    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        return self.drafter.propose(requests)
 
     def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
         logits = self.runner.execute(inputs)
