@@ -10,6 +10,8 @@ these types, execution/ consumes them and never imports core/ (tests/engine/test
   StepImage          the slice of one image's tokens a step prefills (vision-language models)
   StepInputs         one step's whole plan in plain tensors: what the scheduler's choice becomes, what every model
                      runner executes, and what rank 0 sends to the other ranks of a multi-process engine
+  DraftRequest       one decoding sequence a draft model proposes tokens for (speculative decoding), and
+  DraftProposal      what the executor's draft model proposed for it
 """
 
 from __future__ import annotations
@@ -221,3 +223,23 @@ class StepInputs:
                  for k, v in self.__dict__.items()}
         return StepInputs(**moved)
 
+
+
+@dataclass
+class DraftRequest:
+    """One decoding sequence a draft model proposes for this step: core/speculative.py asks, the executor's draft
+    model (execution/drafter.py) answers. The draft's keys/values live in the sequence's own KV block ids."""
+
+    token_ids: list[int]  # the sequence so far (prompt and output)
+    num_computed: int  # leading positions whose draft keys/values are valid (the rest are caught up on first)
+    block_ids: list[int]
+    num_draft: int  # proposals to make: the scheduler allocated their KV slots
+    params: SamplingParams  # greedy: the draft's argmax; else a draw from its softmax at params.temperature
+    generator: torch.Generator | None = None  # a seeded request's own generator: its draws come from it
+
+
+@dataclass
+class DraftProposal:
+    token_ids: list[int]  # DraftRequest.num_draft of them
+    probs: list[torch.Tensor | None]  # the distribution each was drawn from ([vocab] float32); None when greedy
+    num_computed: int  # leading positions whose draft keys/values are valid now

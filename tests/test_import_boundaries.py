@@ -30,12 +30,9 @@ PACKAGES = {"shoal.engine": ROOT / "engine", "shoal.operator": ROOT / "operator"
 # which the gateways route and answer by exactly as the engines issue and answer them
 OPTION_MODULES = {"shoal.engine.flags", "shoal.engine.config", "shoal.engine.execution.models",
                   "shoal.engine.server.keys", "shoal.engine.kv_hash", "shoal.engine.server.gateway_contract"}
-# Cycles the engine has today (function-local imports hide them from tests/engine/test_import_graph.py), owned by
-# another item of issue 29 (the drafter behind the executor seam). A cycle that is not a part of one of these fails;
-# one that is gone must be removed here.
+# Cycles the engine has today (function-local imports hide them from tests/engine/test_import_graph.py). A cycle
+# that is not a part of one of these fails; one that is gone must be removed here.
 KNOWN_ENGINE_CYCLES = [
-    {"shoal.engine.distributed.driver", "shoal.engine.distributed.pipeline", "shoal.engine.distributed.worker",
-     "shoal.engine.execution.executor"},
     {"shoal.engine.cli", "shoal.engine.tools.demo"},
 ]
 # import name -> distribution, where they differ (Dockerfile.operator pins distributions)

@@ -192,10 +192,8 @@ class LLMEngine:
                     f"max_model_len={self.max_model_len}: raise --kv-cache-memory / --gpu-memory-utilization / "
                     f"--num-kv-blocks or lower --max-model-len"
                 )
-            with startup.timed("kv_cache"):
+            with startup.timed("kv_cache"):  # a draft model's cache too (the executor's), with the same blocks
                 self.executor.allocate_kv_cache(num_blocks, config.block_size, self.num_state_slots)
-            if getattr(self.proposer, "fills_after_schedule", False):  # a draft model: its cache, same blocks
-                self.proposer.allocate_kv_cache(num_blocks, config.block_size)
         except BaseException:
             self.executor.shutdown()  # a failed start must not leave worker ranks behind
             raise
@@ -366,11 +364,10 @@ class LLMEngine:
 
     def _num_kv_blocks(self) -> int:
         c = self.config
-        per_block = self.executor.bytes_per_block(c.block_size)
-        padding = self.executor.padding_blocks  # allocated past the pool, so inside the budget too
-        if getattr(self.proposer, "fills_after_schedule", False):  # a draft model's cache has the same blocks
-            per_block += self.proposer.bytes_per_block(c.block_size)
-            padding = max(padding, self.proposer.runner.padding_blocks)
+        # A draft model's cache has the same blocks; padding blocks are allocated past the pool, so inside the
+        # budget too.
+        per_block = self.executor.bytes_per_block(c.block_size) + self.executor.drafter_bytes_per_block(c.block_size)
+        padding = self.executor.padding_blocks
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if self.is_encoder:  # blocks only count tokens: a step's prompts (each rounded up), freed after the step

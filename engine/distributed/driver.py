@@ -7,6 +7,9 @@ last stage's tensor-parallel rank 0 samples: the step's call carries the samplin
 histories only where penalties read them; seeded rows' draws made ahead from the generators rank 0 keeps) and
 rank 0 receives the SamplerOutput. The sampler's constants went to every rank once, in the start-up spec.
 
+A speculative draft model runs whole on rank 0 (execution/drafter.py says why): `propose` sends no call, and
+sampled proposals' distributions reach a remote sampler in the rows like every other row field.
+
 Failures (comm.py explains the detection) mark the executor failed: check_health() and every later command raise
 DistributedError, and when serving (exit_on_failure) the process exits 1 after exit_grace seconds.
 """
@@ -31,12 +34,13 @@ from shoal.engine.distributed.spawn import spawn_workers
 from shoal.engine.distributed.wire import broadcast_call
 from shoal.engine.distributed.worker import Worker
 from shoal.engine.execution.cpu_budget import rank_threads
+from shoal.engine.execution.drafter import DraftHost
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
 logger = logging.getLogger("shoal.engine.distributed.driver")
 
 
-class DistributedExecutor:
+class DistributedExecutor(DraftHost):
     def __init__(self, config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
                  sampler: Sampler):
         dcfg = config.distributed.model_copy(update={"backend": pick_backend(device, config.distributed.backend)})
@@ -78,6 +82,7 @@ class DistributedExecutor:
         self.shard = Shard(self.group, runner, hf_config.hidden_size, dcfg.micro_batches or pp, sampler)
         self.worker = Worker(self.group, self.shard)
         self.sampler = sampler
+        self.engine_config = config
         self.backend_name = runner.backend_name
         logger.info("distributed engine: tp %d x pp %d = %d ranks over %d node(s), backend %s, %d micro-batches "
                     "per step", tp, pp, world, dcfg.nnodes, self.group.backend, self.shard.micro_batches)
@@ -136,7 +141,11 @@ class DistributedExecutor:
     def bytes_per_block(self, block_size: int) -> int:
         return self.runner.bytes_per_block(block_size)
 
-    padding_blocks = 0  # every rank of a group runs its steps eagerly: no decode capture, no padding block
+    @property
+    def padding_blocks(self) -> int:
+        """Every rank of a group runs its steps eagerly (no decode capture, no padding block); rank 0's draft
+        model is a one-process runner and captures its decode rounds."""
+        return self.drafter.runner.padding_blocks if self.drafter is not None else 0
 
     def add_lora(self, adapter_id: int, path: str) -> None:
         self.collective_rpc("add_lora", adapter_id, path)
@@ -146,6 +155,8 @@ class DistributedExecutor:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
         self.collective_rpc("allocate_kv_cache", num_blocks, block_size, num_state_slots)
+        if self.drafter is not None:
+            self.drafter.runner.allocate_kv_cache(num_blocks, block_size)
 
     def enable_kv_offload(self, spec) -> None:
         self.collective_rpc("enable_kv_offload", spec)
@@ -213,6 +224,8 @@ class DistributedExecutor:
                 logger.warning("could not stop every rank cleanly: %s", e)
         self._closed = True
         self.runner.free_kv_cache()
+        if self.drafter is not None:
+            self.drafter.runner.free_kv_cache()
         deadline = time.monotonic() + 15
         for rank, proc in self.children:
             try:

@@ -26,8 +26,7 @@ import torch.distributed as dist
 from shoal.engine.contracts import StepInputs
 from shoal.engine.distributed.comm import Group
 from shoal.engine.distributed.parallel_state import using_parallel_state
-from shoal.engine.execution.executor import profile_peak_memory
-from shoal.engine.execution.runner import ModelRunner
+from shoal.engine.execution.runner import ModelRunner, profile_peak_memory
 from shoal.engine.execution.sampling import Sampler
 
 

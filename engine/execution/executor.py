@@ -8,19 +8,22 @@ sequence that samples this step; it gets the sampled tokens back. It never sees 
     the other ranks and broadcasts each step's plan to them.
 
 The sampler's constants (vocabulary size, EOS ids) are fixed when the executor is built, on every rank that
-samples; a step carries only the rows.
+samples; a step carries only the rows. With draft-model speculative decoding the executor also owns the draft
+model (execution/drafter.py): LLMEngine asks it for a step's proposals and sees only their token ids (and the
+distributions sampled proposals were drawn from, which go back into the step's sampling rows).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
-from shoal.engine.contracts import StepInputs
+from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
+from shoal.engine.execution.drafter import DraftHost
 from shoal.engine.execution.graph_capture import decode_capture_backend
 from shoal.engine.execution.kv_offload import KVOffloader, OffloadSpec
-from shoal.engine.execution.runner import ModelRunner, dummy_step_inputs
+from shoal.engine.execution.runner import ModelRunner, profile_peak_memory
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
 
@@ -76,8 +79,19 @@ class Executor(Protocol):
     def kv_take_changes(self) -> list[tuple[str, str, int]]:
         """What rank 0's tiers stored and dropped since the last call, in order (with OffloadSpec.report_changes)."""
 
+    # Draft-model speculative decoding (execution/drafter.py: where the draft model runs, and why there)
+    def load_drafter(self, model_dir, hf_config, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
+        """Load the draft model (before allocate_kv_cache, which then gives it a cache of the same blocks;
+        padding_blocks counts its padding from then on)."""
 
-class UniProcExecutor:
+    def drafter_bytes_per_block(self, block_size: int) -> int:
+        """The draft model's KV-cache bytes per block on its rank, on top of bytes_per_block (0 without one)."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        """The draft model's proposals for this step's verifying sequences (their KV slots are allocated)."""
+
+
+class UniProcExecutor(DraftHost):
     """One process: the ModelRunner and the Sampler side by side."""
 
     def __init__(self, config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
@@ -89,6 +103,7 @@ class UniProcExecutor:
             self.runner.enable_lora(config.max_loras, config.max_lora_rank)
         # Decode graph capture is a one-process feature: the ranks of a parallel group run every step eagerly.
         self.runner.enable_decode_capture(decode_capture_backend(config, device), config.max_num_seqs)
+        self.engine_config = config
         self.sampler = sampler
         self.backend_name = self.runner.backend_name
         self.offload: KVOffloader | None = None
@@ -116,13 +131,15 @@ class UniProcExecutor:
 
     @property
     def padding_blocks(self) -> int:
-        return self.runner.padding_blocks
+        return max(self.runner.padding_blocks, self.drafter.runner.padding_blocks if self.drafter else 0)
 
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         return profile_peak_memory(self.runner, num_tokens, block_size, self.runner.execute)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
         self.runner.allocate_kv_cache(num_blocks, block_size, num_state_slots)
+        if self.drafter is not None:
+            self.drafter.runner.allocate_kv_cache(num_blocks, block_size)
 
     def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
         logits = self.runner.execute(inputs)
@@ -158,24 +175,8 @@ class UniProcExecutor:
             self.offload.close()
             self.offload = None
         self.runner.free_kv_cache()
-
-
-@torch.inference_mode()
-def profile_peak_memory(runner: ModelRunner, num_tokens: int, block_size: int,
-                        run_step: Callable[[StepInputs], object]) -> int:
-    """Bytes of activation memory one step of num_tokens tokens needs (CUDA only): run it with `run_step` (the
-    runner alone, or a rank's pipelined step) on a scratch KV cache and read the allocator's peak."""
-    device = runner.device
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    runner.allocate_kv_cache(-(-num_tokens // block_size), block_size)
-    try:
-        run_step(dummy_step_inputs(num_tokens, block_size))
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    finally:
-        runner.free_kv_cache()
-        torch.cuda.empty_cache()
+        if self.drafter is not None:
+            self.drafter.runner.free_kv_cache()
 
 
 def make_executor(config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,

@@ -4,6 +4,7 @@ logits (or, on a pipeline stage before the last, hidden states)."""
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -288,3 +289,21 @@ def _model_flag(hf_config, name: str) -> bool:
     from shoal.engine.execution.models import model_class
 
     return bool(getattr(model_class(hf_config), name, False))
+
+
+@torch.inference_mode()
+def profile_peak_memory(runner: ModelRunner, num_tokens: int, block_size: int,
+                        run_step: Callable[[StepInputs], object]) -> int:
+    """Bytes of activation memory one step of num_tokens tokens needs (CUDA only): run it with `run_step` (the
+    runner alone, or a rank's pipelined step) on a scratch KV cache and read the allocator's peak."""
+    device = runner.device
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    runner.allocate_kv_cache(-(-num_tokens // block_size), block_size)
+    try:
+        run_step(dummy_step_inputs(num_tokens, block_size))
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    finally:
+        runner.free_kv_cache()
+        torch.cuda.empty_cache()
