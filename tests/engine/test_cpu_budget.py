@@ -102,7 +102,15 @@ def test_a_window_opened_earlier_is_slept_only_for_its_rest_and_our_own_cpu_time
     assert slept == [0.0]
 
 
-def test_shoal_engine_opens_the_window_before_its_flags_and_applies_the_budget_before_torch(monkeypatch):
+def run_without_openmp_settings(code: str) -> list[str]:
+    """stdout lines of `code` run in a fresh interpreter whose environment sets no thread count or wait policy."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()
+
+
+def test_shoal_engine_opens_the_window_before_its_flags_and_applies_the_budget_before_torch():
     """Through main(): the window opens first, and when the budget is applied for `serve` the flags are parsed and
     the server's torch-free modules imported, torch still not."""
     code = (
@@ -113,10 +121,7 @@ def test_shoal_engine_opens_the_window_before_its_flags_and_applies_the_budget_b
         "    print(c._opened is None, c.decision()); raise SystemExit(0)\n"
         "c.apply_cpu_budget = check\n"
         "cli.main(['serve', '--model', 'no-such-model', '--port', '0'])\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    before, after = proc.stdout.strip().splitlines()
+    before, after = run_without_openmp_settings(code)
     assert before == "True False True"
     assert after.startswith("True ") and "CPU(s) in the affinity mask" in after
 
@@ -148,10 +153,7 @@ def test_an_affinity_mask_of_one_cpu_gives_torch_one_thread():
     code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))});"
             "from shoal.engine.execution.cpu_budget import apply_cpu_budget; print(apply_cpu_budget());"
             "import torch; print(torch.get_num_threads())")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    line, threads = proc.stdout.strip().splitlines()
+    line, threads = run_without_openmp_settings(code)
     assert threads == "1" and "1 CPU(s) in the affinity mask" in line
 
 
