@@ -308,29 +308,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _import_the_servers_torch_free_modules() -> None:
+    """`serve`'s dependencies that need no torch, imported while the CPU load sample's window is open (torch may
+    only load once the budget is applied): their import time fills the window instead of following it."""
+    import aiohttp.web  # noqa: F401
+    import prometheus_client  # noqa: F401
+
+    import shoal.engine.server.protocol  # noqa: F401 - the API's pydantic models, built at import
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from shoal.engine import startup
 
     startup.main_started()
-    from shoal.engine.execution.cpu_budget import apply_cpu_budget
-    from shoal.engine.execution.cpu_features import CpuIsaError, cpu_features
+    from shoal.engine.execution import cpu_budget
+    from shoal.engine.execution.cpu_features import CpuIsaError, cpu_features, detect
 
-    apply_cpu_budget()  # before torch loads OpenMP: threads and waits from the CPU quota, affinity and load
-
+    # Threads and OpenMP waits follow from the CPU quota, affinity and load, and must be set before torch loads
+    # OpenMP: the load is sampled over a window opened now, in which the flags are parsed (and, for `serve`, the
+    # server's torch-free modules imported) rather than slept through.
+    cpu_budget.open_load_sample()
     try:
-        cpu_features()  # first, before torch runs a kernel: a SHOAL_CPU_ISA cap must reach torch and oneDNN too
+        detect()  # a bad SHOAL_CPU_ISA is refused before anything else (cpu_features() applies it, below)
     except CpuIsaError as e:
         print(f"shoal-engine: {e}", file=sys.stderr)
         return 2
-    if argv[:2] == ["bench", "throughput"]:  # its own parser owns every flag after the subcommand
+    own_parser = argv[:2] in (["bench", "throughput"], ["bench", "latency"])  # they own every flag after it
+    args = None if own_parser else build_parser().parse_args(argv)
+    if args is not None and args.command == "serve" and not args.headless:
+        _import_the_servers_torch_free_modules()
+    cpu_budget.apply_cpu_budget()
+    cpu_features()  # first, before torch runs a kernel: a SHOAL_CPU_ISA cap must reach torch and oneDNN too
+    if argv[:2] == ["bench", "throughput"]:
         from shoal.engine.tools import bench_throughput
 
         return int(bench_throughput.main(argv[2:]) or 0)
-    if argv[:2] == ["bench", "latency"]:  # likewise
+    if argv[:2] == ["bench", "latency"]:
         return _bench_latency(argv[2:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
         code = args.func(args, args.parser)
     except KeyboardInterrupt:

@@ -183,6 +183,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._loaded = threading.Event()
         self._load_done = threading.Event()  # loaded or failed
+        self._load_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []  # woken when it is set
+        self._load_waiters_lock = threading.Lock()
         self.fatal_error: BaseException | None = None
         self.heartbeat = time.monotonic()
         self.draining = False
@@ -201,13 +203,24 @@ class AsyncEngine:
 
     async def wait_loaded(self, timeout: float | None = None) -> None:
         """Wait until the model is loaded; raises EngineDeadError if loading failed."""
-        # Polled, not waited on in a worker thread: a server stopped mid-load must not leave a thread blocked
-        # on this event for asyncio.run's executor shutdown to wait on until the load ends.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._load_done.is_set():
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError("engine did not load in time")
-            await asyncio.sleep(0.05)
+        # A future the engine thread resolves through the loop the moment the load ends (a poll added up to its
+        # period to every start), not a worker thread blocked on the event: a server stopped mid-load must not
+        # leave a thread for asyncio.run's executor shutdown to wait on until the load ends.
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._load_waiters_lock:
+            if self._load_done.is_set():
+                done.set_result(None)
+            else:
+                self._load_waiters.append((loop, done))
+        try:
+            await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError("engine did not load in time") from None
+        finally:
+            with self._load_waiters_lock:
+                if (loop, done) in self._load_waiters:
+                    self._load_waiters.remove((loop, done))
         if self.fatal_error is not None:
             raise EngineDeadError(f"engine failed to start: {self.fatal_error}") from self.fatal_error
 
@@ -420,6 +433,17 @@ class AsyncEngine:
 
         return LLMEngine(self.config)
 
+    def _finish_load(self) -> None:
+        """Loaded or failed: the event set, and every wait_loaded woken on its own loop."""
+        with self._load_waiters_lock:
+            self._load_done.set()
+            waiters, self._load_waiters = self._load_waiters, []
+        for loop, done in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, done)
+            except RuntimeError:  # that loop is closed: nobody waits there any more
+                pass
+
     def _run(self) -> None:
         try:
             self.engine = self._build_engine()
@@ -437,9 +461,9 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - a failed load is fatal and reported, not raised here
             logger.error("engine failed to load: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
             self.fatal_error = e
-            self._load_done.set()
+            self._finish_load()
             return
-        self._load_done.set()
+        self._finish_load()
         logger.info("engine loop started (model %s, max_model_len %s)", self.model_name, self.max_model_len)
         try:
             self._loop()
@@ -608,6 +632,11 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 def _deliver(items: list) -> None:
     for q, item in items:
         q.put_nowait(item)
+
+
+def _resolve(done: asyncio.Future) -> None:
+    if not done.done():  # (a waiter that timed out or was cancelled has its answer already)
+        done.set_result(None)
 
 
 def _private_copy(tokenizer: Any) -> Any:

@@ -15,8 +15,10 @@ So the budget is `min(affinity, quota)` CPUs, and:
   run on were busy with other work when the engine started, because a spinning thread then takes time from the
   thread or process that the region is waiting for;
 - work inside a step is already split for late threads: the small-M GEMM hands out its rows dynamically.
-The load is sampled once at start (per-CPU busy time in /proc/stat over a short window, on the CPUs we may use);
-later changes are not followed (the wait policy cannot change once OpenMP has started).
+The load is sampled once at start (per-CPU busy time in /proc/stat over a short window, on the CPUs we may use,
+less this process's own CPU time in it: `shoal-engine` opens the window first thing and parses its flags and
+imports what needs no torch inside it, instead of sleeping through it); later changes are not followed (the wait
+policy cannot change once OpenMP has started).
 
 Explicit settings win: OMP_NUM_THREADS (or SHOAL_CPU_THREADS) for the thread count, OMP_WAIT_POLICY or
 GOMP_SPINCOUNT for the wait. The operator renders integer CPU requests == limits and OMP_NUM_THREADS to match, so a
@@ -124,13 +126,33 @@ def _cpu_times(stat: str, cpus: set[int]) -> tuple[int, int]:
     return busy, total
 
 
-def other_load(cpus: set[int], window: float = 0.25, read_stat=None, sleep=time.sleep) -> float:
-    """CPUs' worth of other processes' work on `cpus`, sampled over `window` seconds while this process sleeps."""
-    read_stat = read_stat or (lambda: _read(Path("/proc/stat")) or "")
-    b0, t0 = _cpu_times(read_stat(), cpus)
-    sleep(window)
+def _read_stat() -> str:
+    return _read(Path("/proc/stat")) or ""
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """Where a load sample's window opened: /proc/stat, this process's CPU seconds and the monotonic clock."""
+    stat: str
+    own_cpu: float
+    at: float
+
+    @classmethod
+    def now(cls, read_stat=None, own_cpu=time.process_time, clock=time.monotonic) -> LoadSample:
+        return cls((read_stat or _read_stat)(), own_cpu(), clock())
+
+
+def other_load(cpus: set[int], window: float = 0.25, read_stat=None, sleep=time.sleep, opened: LoadSample | None = None,
+               own_cpu=time.process_time, clock=time.monotonic) -> float:
+    """CPUs' worth of other processes' work on `cpus` over a window of `window` seconds, opened now and slept
+    through; or opened earlier (`opened`), slept for what is left of it, and this process's own CPU time in it (the
+    work done meanwhile) taken off."""
+    read_stat = read_stat or _read_stat
+    b0, t0 = _cpu_times(opened.stat if opened else read_stat(), cpus)
+    sleep(window if opened is None else max(0.0, window - (clock() - opened.at)))
     b1, t1 = _cpu_times(read_stat(), cpus)
-    return 0.0 if t1 <= t0 else len(cpus) * (b1 - b0) / (t1 - t0)
+    own = 0.0 if opened is None else (own_cpu() - opened.own_cpu) * os.sysconf("SC_CLK_TCK")  # in clock ticks
+    return 0.0 if t1 <= t0 else max(0.0, len(cpus) * (b1 - b0 - own) / (t1 - t0))
 
 
 @dataclass(frozen=True)
@@ -168,21 +190,29 @@ def decide(affinity: int, quota: float | None, busy: float, quota_where: str = "
     return CpuBudget(affinity=affinity, quota=quota, busy=busy, threads=threads, passive=passive, reasons=reasons)
 
 
-def observe(root: str | Path = "/sys/fs/cgroup", window: float = 0.25) -> CpuBudget:
+def observe(root: str | Path = "/sys/fs/cgroup", window: float = 0.25, opened: LoadSample | None = None) -> CpuBudget:
     affinity = os.sched_getaffinity(0)
     quota, where = cgroup_quota(root)
-    return decide(len(affinity), quota, other_load(affinity, window), where)
+    return decide(len(affinity), quota, other_load(affinity, window, opened=opened), where)
 
 
 SET_BY_SHOAL = "SHOAL_SET_WAIT_POLICY"  # names the variables Shoal set (comma-separated), not the user
 _decision: str | None = None
+_opened: LoadSample | None = None  # the load sample's window, once open_load_sample() opened it
+
+
+def open_load_sample() -> None:
+    """Open the load sample's window now: what runs until apply_cpu_budget() (no torch yet) overlaps it, and only
+    what is left of the window is slept."""
+    global _opened
+    _opened = LoadSample.now()
 
 
 def apply_cpu_budget(environ=None, budget: CpuBudget | None = None) -> str:
     """Put the budget's thread count and wait policy into the environment where it did not set them; returns the
     decision, also kept for the start-up log. Must run before torch loads its OpenMP runtime (`shoal-engine` calls
-    it first thing)."""
-    global _decision
+    it once its flags are parsed, before anything imports torch)."""
+    global _decision, _opened
     environ = os.environ if environ is None else environ
     if "SHOAL_CPU_THREADS" in environ and "OMP_NUM_THREADS" not in environ:
         environ["OMP_NUM_THREADS"] = environ["SHOAL_CPU_THREADS"]
@@ -190,7 +220,9 @@ def apply_cpu_budget(environ=None, budget: CpuBudget | None = None) -> str:
     if "OMP_NUM_THREADS" in user and set(user) & set(WAIT_VARS):
         _decision = "from the environment: " + ", ".join(f"{k}={environ[k]}" for k in user)
         return _decision
-    budget = budget or observe()
+    if budget is None:
+        opened, _opened = _opened, None
+        budget = observe(opened=opened)
     chosen = {k: v for k, v in budget.env().items()
               if not (k == "OMP_NUM_THREADS" and "OMP_NUM_THREADS" in user)
               and not (k in WAIT_VARS and set(user) & set(WAIT_VARS))}

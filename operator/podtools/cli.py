@@ -3,28 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 from typing import Sequence
 
-from shoal.operator.podtools import adapter_sync, download, lease
+# name -> (its module in shoal.operator.podtools: add_args(parser) and run(args), the help line). A command's module
+# is imported only when that command runs (or for the full --help): the model-download init container runs before
+# every engine start, and the adapter sidecar's asyncio alone cost it ~40 ms.
+COMMANDS = {
+    "download": ("download", "fetch a hub model into the model cache (the pod's init container)"),
+    "cache-lease": ("lease", "keep the pod's lease on its model cache entry (the pod's sidecar)"),
+    "sync-adapters": ("adapter_sync", "keep a running engine's LoRA adapters equal to a list (the pod's sidecar)"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command's flags, or only `command`'s (the others listed by name and help)."""
     parser = argparse.ArgumentParser(prog="shoal-podtools", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    dl = sub.add_parser("download", help="fetch a hub model into the model cache (the pod's init container)",
-                        description=download.__doc__.splitlines()[0])
-    download.add_args(dl)
-    dl.set_defaults(func=download.run)
-    ls = sub.add_parser("cache-lease", help="keep the pod's lease on its model cache entry (the pod's sidecar)",
-                        description=lease.__doc__.splitlines()[0])
-    lease.add_args(ls)
-    ls.set_defaults(func=lease.run)
-    sync = sub.add_parser("sync-adapters", help="keep a running engine's LoRA adapters equal to a list (the pod's "
-                          "sidecar)", description=adapter_sync.__doc__.splitlines()[0])
-    adapter_sync.add_args(sync)
-    sync.set_defaults(func=adapter_sync.run)
+    for name, (module_name, help_line) in COMMANDS.items():
+        if command is not None and name != command:
+            sub.add_parser(name, help=help_line)
+            continue
+        module = importlib.import_module(f"shoal.operator.podtools.{module_name}")
+        p = sub.add_parser(name, help=help_line, description=module.__doc__.splitlines()[0])
+        module.add_args(p)
+        p.set_defaults(func=module.run)
     return parser
 
 
@@ -33,7 +38,8 @@ def _terminated(signum, frame) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     # The operator image has no init: this process is PID 1, for which the kernel ignores an unhandled SIGTERM
     # (a deleted pod would wait out its grace period). The adapter sync installs its own graceful handler.
     signal.signal(signal.SIGTERM, _terminated)

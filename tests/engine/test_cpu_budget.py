@@ -86,6 +86,46 @@ def test_other_load_is_read_from_the_cpus_we_may_use():
     assert other_load({1}, read_stat=lambda: next(stats), sleep=lambda s: None) == 0.0
 
 
+def test_a_window_opened_earlier_is_slept_only_for_its_rest_and_our_own_cpu_time_is_not_other_load():
+    # opened at t=10 with 100 of our CPU ticks' worth used since: cpu0 300 jiffies busier, 100 of them ours
+    tick = os.sysconf("SC_CLK_TCK")
+    opened = cpu_budget.LoadSample("cpu0 100 0 0 100\ncpu1 0 0 0 200\n", own_cpu=5.0, at=10.0)
+    slept = []
+    load = other_load({0, 1}, window=0.25, opened=opened, sleep=slept.append, clock=lambda: 10.1,
+                      read_stat=lambda: "cpu0 400 0 0 100\ncpu1 0 0 0 500\n", own_cpu=lambda: 5.0 + 100 / tick)
+    assert slept == [pytest.approx(0.15)]  # the rest of the window only
+    assert load == pytest.approx(2 * 200 / 600)
+    # a window already over is not slept at all; never below zero (our ticks counted a little high)
+    slept.clear()
+    assert other_load({0, 1}, window=0.25, opened=opened, sleep=slept.append, clock=lambda: 11.0,
+                      read_stat=lambda: "cpu0 150 0 0 100\ncpu1 0 0 0 250\n", own_cpu=lambda: 5.0 + 60 / tick) == 0.0
+    assert slept == [0.0]
+
+
+def run_without_openmp_settings(code: str) -> list[str]:
+    """stdout lines of `code` run in a fresh interpreter whose environment sets no thread count or wait policy."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()
+
+
+def test_shoal_engine_opens_the_window_before_its_flags_and_applies_the_budget_before_torch():
+    """Through main(): the window opens first, and when the budget is applied for `serve` the flags are parsed and
+    the server's torch-free modules imported, torch still not."""
+    code = (
+        "import sys; from shoal.engine import cli; from shoal.engine.execution import cpu_budget as c\n"
+        "apply = c.apply_cpu_budget\n"
+        "def check(*a, **k):\n"
+        "    print(c._opened is not None, 'torch' in sys.modules, 'aiohttp.web' in sys.modules); apply(*a, **k)\n"
+        "    print(c._opened is None, c.decision()); raise SystemExit(0)\n"
+        "c.apply_cpu_budget = check\n"
+        "cli.main(['serve', '--model', 'no-such-model', '--port', '0'])\n")
+    before, after = run_without_openmp_settings(code)
+    assert before == "True False True"
+    assert after.startswith("True ") and "CPU(s) in the affinity mask" in after
+
+
 def test_the_environment_wins_and_peers_get_it_back(monkeypatch):
     monkeypatch.setattr(cpu_budget, "_decision", None)
     busy = decide(2, 1.5, busy=1.0)
@@ -113,10 +153,7 @@ def test_an_affinity_mask_of_one_cpu_gives_torch_one_thread():
     code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))});"
             "from shoal.engine.execution.cpu_budget import apply_cpu_budget; print(apply_cpu_budget());"
             "import torch; print(torch.get_num_threads())")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    line, threads = proc.stdout.strip().splitlines()
+    line, threads = run_without_openmp_settings(code)
     assert threads == "1" and "1 CPU(s) in the affinity mask" in line
 
 
