@@ -20,10 +20,6 @@ from collections.abc import Callable, Sequence
 
 from shoal.engine import config, flags
 
-DEMO_SERVED_NAME = "shoal-demo"
-# SmolLM2's first answer token is a near-tie in bfloat16: one bf16 rounding step in any kernel turns "The capital
-# of France is Paris." into French prose. float32 keeps the demo's answer stable and costs little at 135M params.
-DEMO_DTYPE = "float32"
 
 # Kept importable from here (tests and tools use shoal.engine.cli.parse_bytes).
 parse_bytes, parse_len, parse_dtype = flags.parse_bytes, flags.parse_len, flags.parse_dtype
@@ -97,7 +93,7 @@ def engine_config_from_args(args: argparse.Namespace) -> config.EngineConfig:
     kw.pop("model", None)
     model = args.model
     if model is None:  # the demo model: SmolLM2 when on this machine (image or cache; never fetched here)
-        from shoal.engine.tools.demo_model import find_demo_model
+        from shoal.engine.tools.demo_model import DEMO_DTYPE, DEMO_SERVED_NAME, find_demo_model
         from shoal.engine.tools.tiny_model import ensure_demo_model
 
         found = find_demo_model()

