@@ -16,8 +16,7 @@ from aiohttp import web
 from shoal.engine.server.keys import KeySet
 from shoal.operator.gateway.backends import HealthPolicy
 from shoal.operator.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
-from shoal.operator.gateway.metric_names import RUNTIMES
-from shoal.operator.gateway.options import add_flags, bounded, config_kwargs, positive
+from shoal.operator.gateway.options import add_flags, config_kwargs, non_negative, non_negative_int, positive
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
 from shoal.operator.gateway.quotas import QuotaPolicy
 from shoal.operator.gateway.tenants import EngineKeys, TenantKeys, parse_networks
@@ -36,12 +35,7 @@ def endpoint_url(text: str) -> str:
     return text.rstrip("/")
 
 
-non_negative_int = bounded(int, or_zero=True, noun="whole number")
-non_negative = bounded(float, or_zero=True)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    d = GatewayConfig()
     p = argparse.ArgumentParser(
         prog="shoal-gateway",
         description="Inference-aware gateway for shoal-engine replicas: prefix-cache and load-aware routing of "
@@ -66,51 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "reaching an engine that 404s (needs get/list/watch on that InferenceService)")
     src.add_argument("--all-namespaces", "-A", action="store_true",
                      help="the shared gateway serves the InferenceServices of every namespace")
-    src.add_argument("--runtime", choices=RUNTIMES, default=d.runtime,
-                     help="the engines' runtime: their readiness path and load metric names (default: %(default)s)")
     src.add_argument("--port-name", help="the EndpointSlice port to use (default: the first TCP port)")
     r = p.add_argument_group("routing")
-    r.add_argument("--prefix-block-chars", type=positive(int), default=d.block_chars,
-                   help="characters per hashed prompt block (default %(default)s)")
-    r.add_argument("--prefix-max-blocks", type=positive(int), default=d.max_blocks,
-                   help="hash at most this many leading blocks of a prompt (default %(default)s)")
-    r.add_argument("--load-factor", type=float, default=d.load_factor,
-                   help="bounded-load factor c >= 1: an engine may take a request while its load + 1 <= "
-                        "ceil(c * (total load + 1) / engines) (default %(default)s)")
-    r.add_argument("--affinity-slack", type=non_negative, default=d.affinity_slack,
-                   help="the engine holding a prompt's prefix keeps getting it while its load is at most the "
-                        "least loaded engine's + this many requests (default %(default)s)")
-    r.add_argument("--cold-slack", type=non_negative, default=d.cold_slack,
-                   help="a prompt prefix no engine holds goes to its consistent-hash engine only while that "
-                        "engine's load is at most the least loaded one's + this many requests (default %(default)s)")
-    r.add_argument("--prefix-index-size", type=positive(int), default=d.index_size,
-                   help="block hashes remembered for affinity (LRU; default %(default)s)")
     r.add_argument("--tokenizer", metavar="PATH",
                    help="precise-prefix: the model's tokenizer.json (or a directory holding it), to turn "
                         "completion prompts into the token ids the engines hash in the gateway; without it (and "
                         "for chat requests always) an engine's /tokenize gives them")
-    r.add_argument("--kv-events-port", type=positive(int), default=d.kv_events_port,
-                   help="precise-prefix: the port of each engine's KV-events PUB socket, at its pod IP "
-                        "(--kv-events-config endpoint; default %(default)s)")
-    r.add_argument("--kv-events-replay-port", type=non_negative_int, default=d.kv_events_replay_port,
-                   help="precise-prefix: the port of each engine's KV-events replay socket; 0: none "
-                        "(default %(default)s)")
     r.add_argument("--kv-events-endpoint", action="append", default=[], type=kv_events_endpoint,
                    metavar="URL=PORT[,REPLAY_PORT]",
                    help="precise-prefix: this --endpoint engine's KV-events ports, where they differ from "
                         "--kv-events-port / --kv-events-replay-port (engines sharing one host; repeatable)")
-    r.add_argument("--kv-events-topic", default=d.kv_events_topic,
-                   help="precise-prefix: the topic the engines publish under (default: every topic)")
     adm = p.add_argument_group("admission: priority and fairness")
-    adm.add_argument("--max-inflight-per-engine", type=non_negative_int, default=d.max_inflight, metavar="N",
-                     help="requests an engine runs or queues at once; more wait in the gateway, dispatched by "
-                          "priority and fairly across tenants as slots free (the shared gateway uses each "
-                          "service's engine.maxNumSeqs when set). 0: no limit, the engines queue (default)")
-    adm.add_argument("--max-queued", type=positive(int), default=d.max_queued,
-                     help="requests waiting for a slot, all models together; beyond, the newest request of the "
-                          "lowest priority below the newcomer's is shed with 429 (default %(default)s)")
-    adm.add_argument("--queue-timeout", type=positive(float), default=d.queue_timeout,
-                     help="seconds a request waits for a slot before 429 (default %(default)s)")
     adm.add_argument("--max-priority", type=int, default=0, metavar="N",
                      help="shared gateway: the highest spec.priority (and adapters' priority) it honours for a "
                           "namespace without --namespace-max-priority; higher is clamped, reported as a "
@@ -144,9 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens estimated per request: prompt characters / 4 + max_tokens")
     q.add_argument("--tenant-max-concurrent", type=non_negative_int, default=0, metavar="N",
                    help="a tenant's requests inside the gateway at once (waiting or running)")
-    adm.add_argument("--models-interval", type=positive(float), default=d.models_interval,
-                     help="shared gateway: seconds between polls of each service's /v1/models (adapters loaded at "
-                          "run time) (default %(default)s)")
     auth = p.add_argument_group("authentication")
     auth.add_argument("--api-key", help="the engines' API key: requests without it get 401 from the gateway, before "
                                         "they are held or counted as load (also: $SHOAL_API_KEY, --api-key-file)")
@@ -154,10 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="accept every key in this file, one per line, re-read when it changes (a mounted Secret: "
                            "list the new and the old key during a rotation)")
     rel = p.add_argument_group("reliability")
-    rel.add_argument("--hold-timeout", type=non_negative, default=d.hold_timeout,
-                     help="seconds a request waits for an engine when none is ready (scale from zero); "
-                          "0 answers 503 at once (default). Shared gateway: services that scale to zero hold for "
-                          "their probes.startupTimeoutSeconds unless this is set")
     rel.add_argument("--wake-configmap", metavar="NAME",
                      help="with --hold-timeout: annotate this ConfigMap (in --namespace; the operator renders "
                           "<inferenceservice>-wake) when requests start waiting, so the operator's autoscaler "
@@ -166,11 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --hold-timeout: wake a parked engine (POST /wake_up to an endpoint that is not "
                           "Ready) when requests start waiting, and route to it as soon as it is awake "
                           "(autoscaling.scaleToZero sleep)")
-    rel.add_argument("--retry-after", type=positive(int), default=d.retry_after,
-                     help="Retry-After seconds on 503/429 (default %(default)s)")
-    rel.add_argument("--connect-timeout", type=positive(float), default=d.connect_timeout)
-    rel.add_argument("--poll-interval", type=positive(float), default=d.poll_interval)
-    rel.add_argument("--poll-timeout", type=positive(float), default=d.poll_timeout)
     h = HealthPolicy()
     rel.add_argument("--stale-after", type=positive(float), default=h.stale_after,
                      help="engine load data older than this is unknown (default %(default)s s)")
@@ -178,20 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="an engine silent this long is skipped while others answer (default %(default)s s)")
     rel.add_argument("--circuit-failures", type=positive(int), default=h.circuit_failures)
     rel.add_argument("--circuit-cooldown", type=positive(float), default=h.circuit_cooldown)
-    add_flags(GatewayConfig, {"routing": r, "reliability": rel})  # the options declared on GatewayConfig
     b = p.add_argument_group("batches (OpenAI /v1/files and /v1/batches)")
     b.add_argument("--batch-dir", metavar="DIR",
                    help="serve OpenAI's Files and Batches API, keeping uploaded files, batches and their results in "
                         "this directory (a volume: a restarted gateway resumes its batches, neither losing nor "
                         "repeating a finished request; replicas sharing it run each batch once). Unset: not served")
-    b.add_argument("--batch-max-inflight-per-engine", type=positive(int), default=d.batch_per_engine, metavar="N",
-                   help="batch requests this gateway runs on one engine at once; they take only capacity no "
-                        "interactive request waits for (default %(default)s)")
-    b.add_argument("--batch-share", choices=("idle", "spare"), default=d.batch_share,
-                   help="which engines take batch requests: idle = only those where this gateway has no "
-                        "interactive request in flight (interactive time to first token unaffected while they "
-                        "run); spare = any free slot (more batch throughput, interactive requests share engine "
-                        "steps with batch ones) (default %(default)s)")
+    add_flags(GatewayConfig, {"source": src, "routing": r, "admission": adm, "reliability": rel, "batches": b})
     p.add_argument("--shutdown-timeout", type=non_negative, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -263,24 +203,14 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         **config_kwargs(GatewayConfig, args),  # the declared options (options.py)
         max_priority=args.max_priority, namespace_max_priority=bounds,
-        runtime=args.runtime,
-        block_chars=args.prefix_block_chars, max_blocks=args.prefix_max_blocks,
-        load_factor=args.load_factor, affinity_slack=args.affinity_slack, cold_slack=args.cold_slack,
-        index_size=args.prefix_index_size, tokenizer=args.tokenizer, kv_events_port=args.kv_events_port,
-        kv_events_replay_port=args.kv_events_replay_port, kv_events_topic=args.kv_events_topic,
-        kv_events_ports=dict(args.kv_events_endpoint),
-        hold_timeout=args.hold_timeout, wake_engines=args.wake_engines, retry_after=args.retry_after,
-        connect_timeout=args.connect_timeout,
-        poll_interval=args.poll_interval,
-        poll_timeout=args.poll_timeout, api_key=None if shared else resolve_api_key(args),
+        tokenizer=args.tokenizer, kv_events_ports=dict(args.kv_events_endpoint), wake_engines=args.wake_engines,
+        api_key=None if shared else resolve_api_key(args),
         health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,
                             circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown),
-        max_inflight=args.max_inflight_per_engine, max_queued=args.max_queued, queue_timeout=args.queue_timeout,
         tenant_header=args.tenant_header, trusted_proxies=parse_networks(args.trusted_proxies),
         tenant_keys=TenantKeys(args.tenant_keys) if args.tenant_keys else None,
         engine_keys=EngineKeys(args.engine_keys) if args.engine_keys else None,
-        models_interval=args.models_interval, engine_priority=args.engine_priority,
-        batch_dir=args.batch_dir, batch_per_engine=args.batch_max_inflight_per_engine, batch_share=args.batch_share,
+        engine_priority=args.engine_priority, batch_dir=args.batch_dir,
         quotas=QuotaPolicy(args.tenant_requests_per_minute, args.tenant_tokens_per_minute,
                            args.tenant_max_concurrent))
 

@@ -39,6 +39,7 @@ class Option:
     flag: str | None = None  # default: "--" + the field name with dashes
     type: Callable[[str], Any] | None = None  # parser of the text (default: the default value's type)
     choices: tuple[str, ...] | None = None
+    metavar: str | None = None
     spec: SpecField | None = None
 
 
@@ -57,6 +58,10 @@ def bounded(kind: Callable[[str], Any], *, or_zero: bool, noun: str = "number") 
 
 def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return bounded(kind, or_zero=False)
+
+
+non_negative_int = bounded(int, or_zero=True, noun="whole number")
+non_negative = bounded(float, or_zero=True)
 
 
 def option(default: Any, group: str, help: str, **kw: Any) -> Any:
@@ -93,6 +98,8 @@ def add_flags(config_cls: type, groups: dict[str, argparse._ActionsContainer]) -
             kwargs["choices"] = o.choices
         else:
             kwargs["type"] = o.type or type(d.default)
+        if o.metavar:
+            kwargs["metavar"] = o.metavar
         groups[o.group].add_argument(d.flag, **kwargs)
 
 

@@ -48,9 +48,9 @@ from shoal.engine.server.keys import KeySet, read_keys
 from shoal.operator.gateway import canary
 from shoal.operator.gateway.admission import Shed, Ticket, request_cost
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
-from shoal.operator.gateway.metric_names import for_runtime
+from shoal.operator.gateway.metric_names import RUNTIMES, for_runtime
 from shoal.operator.gateway.metrics import GatewayMetrics
-from shoal.operator.gateway.options import SpecField, option, positive
+from shoal.operator.gateway.options import SpecField, non_negative, non_negative_int, option, positive
 from shoal.operator.gateway.poller import Poller
 from shoal.operator.gateway.pool import AdapterNotLoaded, Pool, Unavailable
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
@@ -97,18 +97,28 @@ class GatewayConfig:
 
     routing: str = option("prefix-load", "routing", "how an engine is picked", choices=ROUTINGS,
                           spec=SpecField("routing", str, "shoal-gateway --routing"))
-    block_chars: int = 64  # about 16 tokens of English: the engine's default KV block
-    max_blocks: int = 512  # hash at most the first block_chars * max_blocks characters
-    load_factor: float = 1.25
-    affinity_slack: float = 2.0
-    cold_slack: float = 1.0
-    index_size: int = 200_000
+    block_chars: int = option(  # about 16 tokens of English: the engine's default KV block
+        64, "routing", "characters per hashed prompt block", flag="--prefix-block-chars", type=positive(int))
+    max_blocks: int = option(512, "routing", "hash at most this many leading blocks of a prompt",
+                             flag="--prefix-max-blocks", type=positive(int))
+    load_factor: float = option(1.25, "routing", "bounded-load factor c >= 1: an engine may take a request while its "
+                                "load + 1 <= ceil(c * (total load + 1) / engines)")
+    affinity_slack: float = option(2.0, "routing", "the engine holding a prompt's prefix keeps getting it while its "
+                                   "load is at most the least loaded engine's + this many requests", type=non_negative)
+    cold_slack: float = option(1.0, "routing", "a prompt prefix no engine holds goes to its consistent-hash engine "
+                               "only while that engine's load is at most the least loaded one's + this many requests",
+                               type=non_negative)
+    index_size: int = option(200_000, "routing", "block hashes remembered for affinity (LRU)",
+                             flag="--prefix-index-size", type=positive(int))
     # precise-prefix (kv_index.py, kv_subscriber.py, kv_tokens.py): the model's tokenizer, and where each engine
     # publishes its KV events (its pod IP and these ports; replay 0: none)
     tokenizer: str | None = None
-    kv_events_port: int = 5557
-    kv_events_replay_port: int = 5558
-    kv_events_topic: str = ""
+    kv_events_port: int = option(5557, "routing", "precise-prefix: the port of each engine's KV-events PUB socket, "
+                                 "at its pod IP (--kv-events-config endpoint)", type=positive(int))
+    kv_events_replay_port: int = option(5558, "routing", "precise-prefix: the port of each engine's KV-events replay "
+                                        "socket; 0: none", type=non_negative_int)
+    kv_events_topic: str = option("", "routing", "precise-prefix: the topic the engines publish under (empty: every "
+                                  "topic)")
     tokenize_timeout: float = 1.0  # an engine's /tokenize answer, else the request routes approximately
     kv_events_ports: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # per --endpoint engine
     max_pending: int = option(
@@ -125,10 +135,14 @@ class GatewayConfig:
         spec=SpecField("max_buffered_bytes", int, "request bodies one gateway pod holds at once, all requests "
                                                   "together; a request beyond gets 429 (--max-buffered-bytes; at "
                                                   "least maxBodyBytes)", ge=1024, le=64 * 1024 * 1024 * 1024))
-    hold_timeout: float = 0.0  # wait this long for an engine when none is ready (0: 503 at once)
+    hold_timeout: float = option(
+        0.0, "reliability", "seconds a request waits for an engine when none is ready (scale from zero); 0 answers 503 "
+        "at once. Shared gateway: services that scale to zero hold for their probes.startupTimeoutSeconds unless "
+        "this is set", type=non_negative)
     wake_engines: bool = False  # holding a request, wake a parked engine (POST /wake_up; scaleToZero sleep)
-    retry_after: int = 1
-    connect_timeout: float = 3.0
+    retry_after: int = option(1, "reliability", "Retry-After seconds on 503/429", type=positive(int))
+    connect_timeout: float = option(3.0, "reliability", "seconds to open a connection to an engine",
+                                    type=positive(float))
     response_timeout: float = option(  # request sent -> response headers: a whole non-streaming generation
         3600.0, "reliability", "seconds an engine may take to start its answer — a whole non-streaming "
         "generation; past it the request is cancelled and the client gets 504, never a retry elsewhere",
@@ -141,21 +155,32 @@ class GatewayConfig:
         type=positive(float),
         spec=SpecField("read_timeout_seconds", int, "silence allowed between the bytes of an answer, e.g. stream "
                                                     "chunks (--read-timeout)", ge=1, le=86400))
-    poll_interval: float = 0.25
-    poll_timeout: float = 1.0
-    runtime: str = "shoal"  # the engines' runtime: which readiness path and metric names to read (metric_names.py)
+    poll_interval: float = option(0.25, "reliability", "seconds between polls of each engine's load",
+                                  type=positive(float))
+    poll_timeout: float = option(1.0, "reliability", "seconds a load poll may take", type=positive(float))
+    # the engines' runtime: which readiness path and metric names to read (metric_names.py)
+    runtime: str = option("shoal", "source", "the engines' runtime: their readiness path and load metric names",
+                          choices=RUNTIMES)
     # the engines' key(s): checked here first, so unauthenticated requests cost nothing
     api_key: str | KeySet | None = None
     health: HealthPolicy = field(default_factory=HealthPolicy)
     # Admission (pool.py, admission.py): slots per engine (0: no limit, the engines queue), and the waiting room.
-    max_inflight: int = 0
-    max_queued: int = 1024  # requests waiting for a slot, all pools together; beyond, the lowest priority is shed
-    queue_timeout: float = 60.0  # a request waits this long for a slot, then 429
+    max_inflight: int = option(
+        0, "admission", "requests an engine runs or queues at once; more wait in the gateway, dispatched by priority "
+        "and fairly across tenants as slots free (the shared gateway uses each service's engine.maxNumSeqs when "
+        "set). 0: no limit, the engines queue", flag="--max-inflight-per-engine", type=non_negative_int, metavar="N")
+    max_queued: int = option(
+        1024, "admission", "requests waiting for a slot, all models together; beyond, the newest request of the "
+        "lowest priority below the newcomer's is shed with 429", type=positive(int))
+    queue_timeout: float = option(60.0, "admission", "seconds a request waits for a slot before 429",
+                                  type=positive(float))
     tenant_header: str | None = None  # a header naming the tenant, set by a trusted proxy in front
     trusted_proxies: tuple[Network, ...] = LOOPBACK  # the peers whose tenant header is believed
     tenant_keys: TenantKeys | None = None  # API key -> tenant (the shared gateway's clients)
     engine_keys: EngineKeys | None = None  # the engines' keys per InferenceService (the shared gateway)
-    models_interval: float = 10.0  # the shared gateway polls each service's /v1/models this often
+    models_interval: float = option(
+        10.0, "admission", "shared gateway: seconds between polls of each service's /v1/models (adapters loaded at "
+        "run time)", type=positive(float))
     engine_priority: bool = False  # the engines run --scheduling-policy priority (the shared gateway: per spec)
     quotas: QuotaPolicy = field(default_factory=QuotaPolicy)  # per tenant (quotas.py)
     # The highest spec.priority the shared gateway honours, per namespace (else max_priority; None: unbounded)
@@ -164,8 +189,14 @@ class GatewayConfig:
     # OpenAI Batches (batch_api.py): their files and state on this directory (None: the routes are not served);
     # batch requests in flight per engine, taken only from capacity no interactive request wants
     batch_dir: str | None = None
-    batch_per_engine: int = 2
-    batch_share: str = "idle"  # batch_runner.SHARES: idle = only engines with no interactive request of ours
+    batch_per_engine: int = option(
+        2, "batches", "batch requests this gateway runs on one engine at once; they take only capacity no "
+        "interactive request waits for", flag="--batch-max-inflight-per-engine", type=positive(int), metavar="N")
+    batch_share: str = option(  # batch_runner.SHARES
+        "idle", "batches", "which engines take batch requests: idle = only those where this gateway has no "
+        "interactive request in flight (interactive time to first token unaffected while they run); spare = any "
+        "free slot (more batch throughput, interactive requests share engine steps with batch ones)",
+        choices=("idle", "spare"))
 
 
 def parse_body(path: str, body: bytes) -> Any:
