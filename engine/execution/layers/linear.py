@@ -30,7 +30,7 @@ class PackedMatmul(nn.Module):
     checkpoint is read). A layer built without the loader runs on its Parameter (plain_format without a copy)."""
 
     format: WeightFormat | None = None  # None: not chosen yet (plain_format on the first matmul)
-    gguf_segments: list | None = None  # [(first row, GGUF blocks)] read from a packed GGUF file, until formats are chosen
+    gguf_segments: list | None = None  # [(first row, GGUF blocks)] from a packed GGUF file, until formats are chosen
     lora = None  # an execution.lora.LoRASlots once --enable-lora wraps this layer: adds the adapters' updates
     _shape: tuple[int, int] | None = None  # [out, in] of the dense weight a format replaced (it may be freed)
 
