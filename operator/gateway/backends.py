@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from shoal.operator.gateway.options import option, positive
+
 
 # An engine the gateway woke up (POST /wake_up) is routed to at once, before its endpoint turns Ready (the readiness
 # probe's period, seconds): it stays a backend this long while discovery still lists it as not ready.
@@ -32,10 +34,16 @@ ADAPTER_MEMORY = 300.0
 
 @dataclass
 class HealthPolicy:
-    stale_after: float = 1.0  # seconds without a successful poll: load data is unknown
-    stall_after: float = 2.0  # seconds without any poll answer: the engine is stalled (excluded unless all are)
-    circuit_failures: int = 3  # consecutive proxy failures that open the circuit
-    circuit_cooldown: float = 5.0  # seconds an open circuit stays open before one trial request
+    """When an engine's load is unknown, when it is skipped, and when its circuit opens (shoal-gateway flags)."""
+
+    stale_after: float = option(1.0, "reliability", "seconds without a successful load poll after which an engine's "
+                                "load is unknown", type=positive(float))
+    stall_after: float = option(2.0, "reliability", "seconds without any poll answer after which an engine is "
+                                "stalled: skipped while others answer", type=positive(float))
+    circuit_failures: int = option(3, "reliability", "consecutive proxy failures that open an engine's circuit",
+                                   type=positive(int))
+    circuit_cooldown: float = option(5.0, "reliability", "seconds an open circuit stays open before one trial "
+                                     "request", type=positive(float))
 
 
 @dataclass(eq=False)

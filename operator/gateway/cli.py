@@ -8,31 +8,71 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from typing import Sequence
-from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from shoal.engine.server.keys import KeySet
-from shoal.operator.gateway.backends import HealthPolicy
 from shoal.operator.gateway.discovery import EndpointSliceDiscovery, StaticDiscovery
-from shoal.operator.gateway.options import add_flags, config_kwargs, non_negative, non_negative_int, positive
+from shoal.operator.gateway.options import (ChartValue, add_flags, config_kwargs, endpoint_url,
+                                            non_negative, option)
 from shoal.operator.gateway.proxy import Gateway, GatewayConfig, build_app, build_metrics_app
-from shoal.operator.gateway.quotas import QuotaPolicy
-from shoal.operator.gateway.tenants import EngineKeys, TenantKeys, parse_networks
 
 log = logging.getLogger("shoal.gateway")
 
 
-def endpoint_url(text: str) -> str:
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an engine base URL like http://10.0.0.5:8000")
-    try:
-        parts.port
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    return text.rstrip("/")
+@dataclass(frozen=True)
+class Process:
+    """Where the gateway listens, where its engines are and how it logs: the flags that are no GatewayConfig
+    setting (each declared once, as GatewayConfig's are: options.py)."""
+
+    host: str | None = option(None, "server", "address to bind (default: every interface)")
+    port: int = option(8000, "server", "port to serve on", type=int)
+    metrics_port: int | None = option(
+        None, "server", "also serve /metrics (and nothing else) on this port: one a service mesh can leave out of "
+        "its mTLS for scrapers outside the mesh, such as the operator's autoscaler", type=int)
+    shutdown_timeout: float = option(
+        30.0, "server", "on SIGTERM, seconds in-flight requests may take to finish", type=non_negative,
+        # a pod's in-flight streams get ten minutes on a rollout (the chart's terminationGracePeriodSeconds)
+        chart=ChartValue("shutdownTimeoutSeconds", maximum=86400, schema=(("type", "integer"),)))
+    log_level: str = option("info", "server", "how much to log", choices=("debug", "info", "warning", "error"))
+    endpoint: tuple[str, ...] = option((), "source", "an engine's base URL, e.g. http://127.0.0.1:8001 (repeatable)",
+                                       repeat=True, type=endpoint_url, metavar="URL")
+    service: str | None = option(None, "source", "discover engines from this Kubernetes Service's EndpointSlices")
+    namespace: str | None = option(
+        None, "source", "the Service's namespace; alone, the namespace whose InferenceServices the shared gateway "
+        "serves (default: the pod's own namespace)")
+    inference_service: str | None = option(
+        None, "source", "with --service: the InferenceService (in --namespace) these engines serve; its spec is "
+        "watched, so a request for an adapter spec.adapters declares that no engine lists yet is held until one "
+        "loads it (up to --queue-timeout, then 503 adapter_not_loaded) instead of reaching an engine that 404s "
+        "(needs get/list/watch on that InferenceService)", metavar="NAME")
+    all_namespaces: bool = option(False, "source", "the shared gateway serves the InferenceServices of every "
+                                  "namespace", aliases=("-A",))
+    port_name: str | None = option(None, "source", "the EndpointSlice port to use (default: the first TCP port)")
+    api_key: str | None = option(
+        None, "authentication", "the engines' API key: requests without it get 401 from the gateway, before they "
+        "are held or counted as load (also: $SHOAL_API_KEY, --api-key-file)")
+    api_key_file: str | None = option(
+        None, "authentication", "accept every key in this file, one per line, re-read when it changes (a mounted "
+        "Secret: list the new and the old key during a rotation)", metavar="PATH")
+    wake_configmap: str | None = option(
+        None, "reliability", "with --hold-timeout: annotate this ConfigMap (in --namespace; the operator renders "
+        "<inferenceservice>-wake) when requests start waiting, so the operator's autoscaler wakes at once (scale "
+        "from zero)", metavar="NAME")
+
+
+# --help's sections, in order ("server": the top level)
+GROUPS = {
+    "source": "backends (one source)",
+    "routing": "routing",
+    "admission": "admission: priority and fairness",
+    "quotas": "per-tenant quotas (0: none); past one, 429 with Retry-After and x-ratelimit-* headers",
+    "authentication": "authentication",
+    "reliability": "reliability",
+    "batches": "batches (OpenAI /v1/files and /v1/batches)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,99 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the OpenAI routes (/v1/*, /tokenize, /detokenize), SSE passed through unbuffered. With neither "
                     "--endpoint nor --service it is the shared gateway: one endpoint for every InferenceService of "
                     "--namespace (or of the cluster, --all-namespaces), routing each request by its `model`.")
-    p.add_argument("--host", default=None, help="address to bind (default: every interface)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="also serve /metrics (and nothing else) on this port: one a service mesh can leave out of "
-                        "its mTLS for scrapers outside the mesh, such as the operator's autoscaler")
-    src = p.add_argument_group("backends (one source)")
-    src.add_argument("--endpoint", action="append", type=endpoint_url, default=[], metavar="URL",
-                     help="an engine's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
-    src.add_argument("--service", help="discover engines from this Kubernetes Service's EndpointSlices")
-    src.add_argument("--namespace", help="the Service's namespace; alone, the namespace whose InferenceServices the "
-                                          "shared gateway serves (default: the pod's own namespace)")
-    src.add_argument("--inference-service", metavar="NAME",
-                     help="with --service: the InferenceService (in --namespace) these engines serve; its spec is "
-                          "watched, so a request for an adapter spec.adapters declares that no engine lists yet is "
-                          "held until one loads it (up to --queue-timeout, then 503 adapter_not_loaded) instead of "
-                          "reaching an engine that 404s (needs get/list/watch on that InferenceService)")
-    src.add_argument("--all-namespaces", "-A", action="store_true",
-                     help="the shared gateway serves the InferenceServices of every namespace")
-    src.add_argument("--port-name", help="the EndpointSlice port to use (default: the first TCP port)")
-    r = p.add_argument_group("routing")
-    r.add_argument("--tokenizer", metavar="PATH",
-                   help="precise-prefix: the model's tokenizer.json (or a directory holding it), to turn "
-                        "completion prompts into the token ids the engines hash in the gateway; without it (and "
-                        "for chat requests always) an engine's /tokenize gives them")
-    r.add_argument("--kv-events-endpoint", action="append", default=[], type=kv_events_endpoint,
-                   metavar="URL=PORT[,REPLAY_PORT]",
-                   help="precise-prefix: this --endpoint engine's KV-events ports, where they differ from "
-                        "--kv-events-port / --kv-events-replay-port (engines sharing one host; repeatable)")
-    adm = p.add_argument_group("admission: priority and fairness")
-    adm.add_argument("--max-priority", type=int, default=0, metavar="N",
-                     help="shared gateway: the highest spec.priority (and adapters' priority) it honours for a "
-                          "namespace without --namespace-max-priority; higher is clamped, reported as a "
-                          "PriorityClamped event on the InferenceService (default %(default)s)")
-    adm.add_argument("--namespace-max-priority", action="append", default=[], metavar="NAMESPACE=N",
-                     help="shared gateway: the highest priority this namespace may use (repeatable)")
-    adm.add_argument("--engine-priority", action="store_true",
-                     help="the engines run --scheduling-policy priority: send each request an engine priority (the "
-                          "model's priority, then the tenant's requests already at that engine, fewest first). The "
-                          "shared gateway does so for services with engine.schedulingPolicy: priority")
-    adm.add_argument("--tenant-header", metavar="NAME",
-                     help="trust this request header as the tenant's name (set by an authenticating proxy in front; "
-                          "e.g. x-gateway-inference-fairness-id), only from --trusted-proxies")
-    adm.add_argument("--trusted-proxies", metavar="CIDRS", default="",
-                     help="comma-separated CIDRs of the proxies whose --tenant-header is believed; from any other "
-                          "peer it is ignored (the shared gateway then answers 401)")
-    adm.add_argument("--allow-unauthenticated", action="store_true",
-                     help="UNSAFE: let the shared gateway serve callers it cannot identify (no --tenant-keys, no "
-                          "--tenant-header): anyone who reaches it uses every model it serves, with the engines' "
-                          "keys when --engine-keys is given")
-    adm.add_argument("--tenant-keys", metavar="DIR",
-                     help="shared gateway: a directory with one file per tenant holding its API keys, one per line "
-                          "(a mounted Secret; re-read when it changes); a request's key names its tenant, any "
-                          "other request gets 401")
-    adm.add_argument("--engine-keys", metavar="DIR",
-                     help="shared gateway: the engines' API keys, one file per InferenceService named "
-                          "<namespace>.<name>, sent to its engines instead of the client's key")
-    q = p.add_argument_group("per-tenant quotas (0: none); past one, 429 with Retry-After and x-ratelimit-* headers")
-    q.add_argument("--tenant-requests-per-minute", type=non_negative_int, default=0, metavar="N")
-    q.add_argument("--tenant-tokens-per-minute", type=non_negative_int, default=0, metavar="N",
-                   help="tokens estimated per request: prompt characters / 4 + max_tokens")
-    q.add_argument("--tenant-max-concurrent", type=non_negative_int, default=0, metavar="N",
-                   help="a tenant's requests inside the gateway at once (waiting or running)")
-    auth = p.add_argument_group("authentication")
-    auth.add_argument("--api-key", help="the engines' API key: requests without it get 401 from the gateway, before "
-                                        "they are held or counted as load (also: $SHOAL_API_KEY, --api-key-file)")
-    auth.add_argument("--api-key-file", metavar="PATH",
-                      help="accept every key in this file, one per line, re-read when it changes (a mounted Secret: "
-                           "list the new and the old key during a rotation)")
-    rel = p.add_argument_group("reliability")
-    rel.add_argument("--wake-configmap", metavar="NAME",
-                     help="with --hold-timeout: annotate this ConfigMap (in --namespace; the operator renders "
-                          "<inferenceservice>-wake) when requests start waiting, so the operator's autoscaler "
-                          "wakes at once (scale from zero)")
-    rel.add_argument("--wake-engines", action="store_true",
-                     help="with --hold-timeout: wake a parked engine (POST /wake_up to an endpoint that is not "
-                          "Ready) when requests start waiting, and route to it as soon as it is awake "
-                          "(autoscaling.scaleToZero sleep)")
-    h = HealthPolicy()
-    rel.add_argument("--stale-after", type=positive(float), default=h.stale_after,
-                     help="engine load data older than this is unknown (default %(default)s s)")
-    rel.add_argument("--stall-after", type=positive(float), default=h.stall_after,
-                     help="an engine silent this long is skipped while others answer (default %(default)s s)")
-    rel.add_argument("--circuit-failures", type=positive(int), default=h.circuit_failures)
-    rel.add_argument("--circuit-cooldown", type=positive(float), default=h.circuit_cooldown)
-    b = p.add_argument_group("batches (OpenAI /v1/files and /v1/batches)")
-    b.add_argument("--batch-dir", metavar="DIR",
-                   help="serve OpenAI's Files and Batches API, keeping uploaded files, batches and their results in "
-                        "this directory (a volume: a restarted gateway resumes its batches, neither losing nor "
-                        "repeating a finished request; replicas sharing it run each batch once). Unset: not served")
-    add_flags(GatewayConfig, {"source": src, "routing": r, "admission": adm, "reliability": rel, "batches": b})
-    p.add_argument("--shutdown-timeout", type=non_negative, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests may take to finish (default %(default)s)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    groups = {"server": p, **{key: p.add_argument_group(title) for key, title in GROUPS.items()}}
+    add_flags(Process, groups)
+    add_flags(GatewayConfig, groups)
     return p
 
 
@@ -191,41 +141,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             Store(args.batch_dir)  # creates its folders and checks it can write there
         except OSError as e:
             raise ValueError(f"--batch-dir: cannot keep batches in {args.batch_dir}: {e.strerror}") from None
-    bounds = {}
-    for item in args.namespace_max_priority:
-        namespace, _, value = item.partition("=")
-        try:
-            bounds[namespace.strip()] = int(value)
-        except ValueError:
-            raise ValueError(f"--namespace-max-priority: {item!r} is not NAMESPACE=N") from None
-        if not namespace.strip():
-            raise ValueError(f"--namespace-max-priority: {item!r} is not NAMESPACE=N")
-    return GatewayConfig(
-        **config_kwargs(GatewayConfig, args),  # the declared options (options.py)
-        max_priority=args.max_priority, namespace_max_priority=bounds,
-        tokenizer=args.tokenizer, kv_events_ports=dict(args.kv_events_endpoint), wake_engines=args.wake_engines,
-        api_key=None if shared else resolve_api_key(args),
-        health=HealthPolicy(stale_after=args.stale_after, stall_after=args.stall_after,
-                            circuit_failures=args.circuit_failures, circuit_cooldown=args.circuit_cooldown),
-        tenant_header=args.tenant_header, trusted_proxies=parse_networks(args.trusted_proxies),
-        tenant_keys=TenantKeys(args.tenant_keys) if args.tenant_keys else None,
-        engine_keys=EngineKeys(args.engine_keys) if args.engine_keys else None,
-        engine_priority=args.engine_priority, batch_dir=args.batch_dir,
-        quotas=QuotaPolicy(args.tenant_requests_per_minute, args.tenant_tokens_per_minute,
-                           args.tenant_max_concurrent))
-
-
-def kv_events_endpoint(text: str) -> tuple[str, tuple[int, int | None]]:
-    """URL=PORT[,REPLAY_PORT] -> (the engine's URL as --endpoint normalises it, (port, replay port or None))."""
-    url, sep, ports = text.rpartition("=")
-    try:
-        port, _, replay = ports.partition(",")
-        numbers = (int(port), int(replay) if replay else None)
-    except ValueError:
-        numbers = None
-    if not sep or numbers is None or not all(0 < n < 65536 for n in numbers if n is not None):
-        raise argparse.ArgumentTypeError(f"expected URL=PORT[,REPLAY_PORT], got {text!r}")
-    return endpoint_url(url), numbers
+    return GatewayConfig(**config_kwargs(GatewayConfig, args),  # every declared option (options.py)
+                         api_key=None if shared else resolve_api_key(args))
 
 
 def own_namespace() -> str | None:

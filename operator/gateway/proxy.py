@@ -33,7 +33,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -50,14 +50,15 @@ from shoal.operator.gateway.admission import Shed, Ticket, request_cost
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
 from shoal.operator.gateway.metric_names import RUNTIMES, for_runtime
 from shoal.operator.gateway.metrics import GatewayMetrics
-from shoal.operator.gateway.options import SpecField, non_negative, non_negative_int, option, positive
+from shoal.operator.gateway.options import (ChartValue, SpecField, kv_events_endpoint, namespace_bound, nested,
+                                            non_negative, non_negative_int, option, positive)
 from shoal.operator.gateway.poller import Poller
 from shoal.operator.gateway.pool import AdapterNotLoaded, Pool, Unavailable
 from shoal.operator.gateway.prefix import block_hashes, render_prompt
 from shoal.operator.gateway.quotas import OverQuota, QuotaPolicy, Quotas, Shares, share_cap
 from shoal.operator.gateway.routing import ROUTINGS, Pick, PrefixIndex, make_router
 from shoal.operator.gateway.tenants import (LOOPBACK, Caller, EngineKeys, Network, Tenancy, TenantKeys,
-                                            presented_key)
+                                            parse_networks, presented_key)
 from shoal.operator.gateway.tracing import GatewayTracer, tracing_configured
 from shoal.operator.gateway.wake import EngineWaker
 
@@ -96,7 +97,9 @@ class GatewayConfig:
     the CRD's spec.gateway and the operator's rendering (options.py)."""
 
     routing: str = option("prefix-load", "routing", "how an engine is picked", choices=ROUTINGS,
-                          spec=SpecField("routing", str, "shoal-gateway --routing"))
+                          spec=SpecField("routing", str, "shoal-gateway --routing"),
+                          # the shared gateway keeps no KV-events index: precise-prefix is not offered there
+                          chart=ChartValue("routing", choices=tuple(r for r in ROUTINGS if r != "precise-prefix")))
     block_chars: int = option(  # about 16 tokens of English: the engine's default KV block
         64, "routing", "characters per hashed prompt block", flag="--prefix-block-chars", type=positive(int))
     max_blocks: int = option(512, "routing", "hash at most this many leading blocks of a prompt",
@@ -112,7 +115,10 @@ class GatewayConfig:
                              flag="--prefix-index-size", type=positive(int))
     # precise-prefix (kv_index.py, kv_subscriber.py, kv_tokens.py): the model's tokenizer, and where each engine
     # publishes its KV events (its pod IP and these ports; replay 0: none)
-    tokenizer: str | None = None
+    tokenizer: str | None = option(
+        None, "routing", "precise-prefix: the model's tokenizer.json (or a directory holding it), to turn completion "
+        "prompts into the token ids the engines hash in the gateway; without it (and for chat requests always) an "
+        "engine's /tokenize gives them", metavar="PATH")
     kv_events_port: int = option(5557, "routing", "precise-prefix: the port of each engine's KV-events PUB socket, "
                                  "at its pod IP (--kv-events-config endpoint)", type=positive(int))
     kv_events_replay_port: int = option(5558, "routing", "precise-prefix: the port of each engine's KV-events replay "
@@ -120,11 +126,16 @@ class GatewayConfig:
     kv_events_topic: str = option("", "routing", "precise-prefix: the topic the engines publish under (empty: every "
                                   "topic)")
     tokenize_timeout: float = 1.0  # an engine's /tokenize answer, else the request routes approximately
-    kv_events_ports: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # per --endpoint engine
+    kv_events_ports: dict[str, tuple[int, int | None]] = option(
+        None, "routing", "precise-prefix: this --endpoint engine's KV-events ports, where they differ from "
+        "--kv-events-port / --kv-events-replay-port (engines sharing one host; repeatable)", factory=dict,
+        flag="--kv-events-endpoint", repeat=True, type=kv_events_endpoint, convert=dict,
+        metavar="URL=PORT[,REPLAY_PORT]")
     max_pending: int = option(
         4096, "reliability", "requests inside the gateway at once; more get 429", type=positive(int),
         spec=SpecField("max_pending", int, "requests inside one gateway pod at once, held ones included; more get "
-                                           "429 (--max-pending)", ge=1, le=1_000_000))
+                                           "429 (--max-pending)", ge=1, le=1_000_000),
+        chart=ChartValue("maxPending"))
     max_body_bytes: int = option(
         32 * 1024 * 1024, "reliability", "largest request body; larger get 413", type=positive(int),
         spec=SpecField("max_body_bytes", int, "largest request body; larger get 413 (--max-body-bytes)",
@@ -139,7 +150,9 @@ class GatewayConfig:
         0.0, "reliability", "seconds a request waits for an engine when none is ready (scale from zero); 0 answers 503 "
         "at once. Shared gateway: services that scale to zero hold for their probes.startupTimeoutSeconds unless "
         "this is set", type=non_negative)
-    wake_engines: bool = False  # holding a request, wake a parked engine (POST /wake_up; scaleToZero sleep)
+    wake_engines: bool = option(
+        False, "reliability", "with --hold-timeout: wake a parked engine (POST /wake_up to an endpoint that is not "
+        "Ready) when requests start waiting, and route to it as soon as it is awake (autoscaling.scaleToZero sleep)")
     retry_after: int = option(1, "reliability", "Retry-After seconds on 503/429", type=positive(int))
     connect_timeout: float = option(3.0, "reliability", "seconds to open a connection to an engine",
                                     type=positive(float))
@@ -163,35 +176,69 @@ class GatewayConfig:
                           choices=RUNTIMES)
     # the engines' key(s): checked here first, so unauthenticated requests cost nothing
     api_key: str | KeySet | None = None
-    health: HealthPolicy = field(default_factory=HealthPolicy)
+    health: HealthPolicy = nested(HealthPolicy)
     # Admission (pool.py, admission.py): slots per engine (0: no limit, the engines queue), and the waiting room.
     max_inflight: int = option(
         0, "admission", "requests an engine runs or queues at once; more wait in the gateway, dispatched by priority "
         "and fairly across tenants as slots free (the shared gateway uses each service's engine.maxNumSeqs when "
-        "set). 0: no limit, the engines queue", flag="--max-inflight-per-engine", type=non_negative_int, metavar="N")
+        "set). 0: no limit, the engines queue", flag="--max-inflight-per-engine", type=non_negative_int, metavar="N",
+        chart=ChartValue("maxInflightPerEngine"))
     max_queued: int = option(
         1024, "admission", "requests waiting for a slot, all models together; beyond, the newest request of the "
-        "lowest priority below the newcomer's is shed with 429", type=positive(int))
+        "lowest priority below the newcomer's is shed with 429", type=positive(int), chart=ChartValue("maxQueued"))
     queue_timeout: float = option(60.0, "admission", "seconds a request waits for a slot before 429",
-                                  type=positive(float))
-    tenant_header: str | None = None  # a header naming the tenant, set by a trusted proxy in front
-    trusted_proxies: tuple[Network, ...] = LOOPBACK  # the peers whose tenant header is believed
-    tenant_keys: TenantKeys | None = None  # API key -> tenant (the shared gateway's clients)
-    engine_keys: EngineKeys | None = None  # the engines' keys per InferenceService (the shared gateway)
+                                  type=positive(float), chart=ChartValue("queueTimeoutSeconds"))
+    tenant_header: str | None = option(
+        None, "admission", "trust this request header as the tenant's name (set by an authenticating proxy in front; "
+        "e.g. x-gateway-inference-fairness-id), only from --trusted-proxies", metavar="NAME",
+        chart=ChartValue("tenantHeader", schema=(("pattern", "^([A-Za-z0-9!#$%&'*+.^_`|~-]+)?$"),
+                                                 ("maxLength", 256))))
+    trusted_proxies: tuple[Network, ...] = option(  # the peers whose tenant header is believed
+        LOOPBACK, "admission", "comma-separated CIDRs of the proxies whose --tenant-header is believed; from any "
+        "other peer it is ignored (the shared gateway then answers 401)", metavar="CIDRS", cli_default="",
+        convert=parse_networks,
+        chart=ChartValue("trustedProxies", when="tenantHeader", join=",",
+                         schema=(("items", {"type": "string", "minLength": 1}),
+                                 ("description", "CIDRs of the proxies whose tenantHeader is believed; from any other "
+                                                 "peer it is ignored (shoal-gateway --trusted-proxies)."))))
+    allow_unauthenticated: bool = option(
+        False, "admission", "UNSAFE: let the shared gateway serve callers it cannot identify (no --tenant-keys, no "
+        "--tenant-header): anyone who reaches it uses every model it serves, with the engines' keys when "
+        "--engine-keys is given", chart=ChartValue("allowUnauthenticated"))
+    tenant_keys: TenantKeys | None = option(  # API key -> tenant (the shared gateway's clients)
+        None, "admission", "shared gateway: a directory with one file per tenant holding its API keys, one per line "
+        "(a mounted Secret; re-read when it changes); a request's key names its tenant, any other request gets 401",
+        metavar="DIR", convert=TenantKeys)
+    engine_keys: EngineKeys | None = option(  # the engines' keys per InferenceService (the shared gateway)
+        None, "admission", "shared gateway: the engines' API keys, one file per InferenceService named "
+        "<namespace>.<name>, sent to its engines instead of the client's key", metavar="DIR", convert=EngineKeys)
     models_interval: float = option(
         10.0, "admission", "shared gateway: seconds between polls of each service's /v1/models (adapters loaded at "
         "run time)", type=positive(float))
-    engine_priority: bool = False  # the engines run --scheduling-policy priority (the shared gateway: per spec)
-    quotas: QuotaPolicy = field(default_factory=QuotaPolicy)  # per tenant (quotas.py)
+    engine_priority: bool = option(
+        False, "admission", "the engines run --scheduling-policy priority: send each request an engine priority (the "
+        "model's priority, then the tenant's requests already at that engine, fewest first). The shared gateway does "
+        "so for services with engine.schedulingPolicy: priority")
+    quotas: QuotaPolicy = nested(QuotaPolicy)  # per tenant (quotas.py)
     # The highest spec.priority the shared gateway honours, per namespace (else max_priority; None: unbounded)
-    max_priority: int | None = None
-    namespace_max_priority: dict[str, int] = field(default_factory=dict)
+    max_priority: int | None = option(
+        None, "admission", "shared gateway: the highest spec.priority (and adapters' priority) it honours for a "
+        "namespace without --namespace-max-priority; higher is clamped, reported as a PriorityClamped event on the "
+        "InferenceService", cli_default=0, type=int, metavar="N", chart=ChartValue("maxPriority"))
+    namespace_max_priority: dict[str, int] = option(
+        None, "admission", "shared gateway: the highest priority this namespace may use (repeatable)", factory=dict,
+        repeat=True, type=namespace_bound, convert=dict, metavar="NAMESPACE=N",
+        chart=ChartValue("namespaceMaxPriority", schema=(("additionalProperties", {"type": "integer"}),)))
     # OpenAI Batches (batch_api.py): their files and state on this directory (None: the routes are not served);
     # batch requests in flight per engine, taken only from capacity no interactive request wants
-    batch_dir: str | None = None
+    batch_dir: str | None = option(
+        None, "batches", "serve OpenAI's Files and Batches API, keeping uploaded files, batches and their results in "
+        "this directory (a volume: a restarted gateway resumes its batches, neither losing nor repeating a finished "
+        "request; replicas sharing it run each batch once). Unset: not served", metavar="DIR")
     batch_per_engine: int = option(
         2, "batches", "batch requests this gateway runs on one engine at once; they take only capacity no "
-        "interactive request waits for", flag="--batch-max-inflight-per-engine", type=positive(int), metavar="N")
+        "interactive request waits for", flag="--batch-max-inflight-per-engine", type=positive(int), metavar="N",
+        chart=ChartValue("batches.maxInflightPerEngine", when="batches.enabled", maximum=1024))
     batch_share: str = option(  # batch_runner.SHARES
         "idle", "batches", "which engines take batch requests: idle = only those where this gateway has no "
         "interactive request in flight (interactive time to first token unaffected while they run); spare = any "

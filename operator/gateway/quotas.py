@@ -19,6 +19,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from shoal.operator.gateway.options import ChartValue, non_negative_int, option
+
 
 def share_cap(limit: float, others: int) -> float:
     """What one tenant may hold of `limit` while `others` other tenants hold some of it."""
@@ -85,9 +87,17 @@ class OverQuota(Exception):
 
 @dataclass
 class QuotaPolicy:
-    requests_per_minute: int = 0
-    tokens_per_minute: int = 0
-    max_concurrent: int = 0
+    """Every tenant's quotas (0: none); past one, 429 with Retry-After and x-ratelimit-* headers."""
+
+    requests_per_minute: int = option(0, "quotas", "requests a tenant may start per minute",
+                                      flag="--tenant-requests-per-minute", type=non_negative_int, metavar="N",
+                                      chart=ChartValue("tenantQuotas.requestsPerMinute"))
+    tokens_per_minute: int = option(0, "quotas", "tokens a tenant may use per minute, estimated per request as "
+                                    "prompt characters / 4 + max_tokens", flag="--tenant-tokens-per-minute",
+                                    type=non_negative_int, metavar="N", chart=ChartValue("tenantQuotas.tokensPerMinute"))
+    max_concurrent: int = option(0, "quotas", "a tenant's requests inside the gateway at once (waiting or running)",
+                                 flag="--tenant-max-concurrent", type=non_negative_int, metavar="N",
+                                 chart=ChartValue("tenantQuotas.maxConcurrent"))
 
     @property
     def on(self) -> bool:

@@ -204,36 +204,58 @@ def test_a_volume_only_one_pod_can_mount_needs_one_replica():
     assert by_kind(gateway_objects(values), "PersistentVolumeClaim")[0]["spec"]["accessModes"] == ["ReadWriteOnce"]
 
 
-# Where the chart deliberately narrows or changes a gateway option, and why; anything else must agree.
-CHART_NARROWS = {
-    # the shared gateway routes by prefix-load where precise-prefix is asked (it keeps no KV-events index)
-    ("routing", "choices"): {"precise-prefix"},
+# Where the chart's default differs from the flag's, and why; any other default must agree.
+CHART_DEFAULTS = {
     # a pod's in-flight streams get ten minutes on a rollout, not the CLI's 30 s (terminationGracePeriodSeconds)
-    ("shutdown-timeout", "default"): (600, 30.0),
+    "shutdown-timeout": (600, 30.0),
 }
 
 
-def _chart_options():
-    """(flag, values path) for every `--flag={{ $gw.path }}` the shared gateway's template renders."""
-    import re
+def test_the_charts_generated_gateway_flags_and_schema_are_fresh():
+    """templates/_gateway_flags.tpl and values.schema.json's sharedGateway entries are generated from the gateway
+    options' declarations (python -m shoal.operator.chartgen); the committed ones are what it writes now."""
+    chartgen = importlib.import_module("shoal.operator.chartgen")
+    assert chartgen.FLAGS_TEMPLATE.read_text() == chartgen.render_template(), "run python -m shoal.operator.chartgen"
+    assert chartgen.SCHEMA.read_text() == chartgen.schema_text(), "run python -m shoal.operator.chartgen"
+    assert chartgen.main(["--check"]) == 0
 
-    text = (CHART_DIR / "templates" / "shared-gateway.yaml").read_text()
-    pairs = re.findall(r"- --([a-z-]+)=\{\{ \$gw\.([A-Za-z.]+) \}\}", text)
-    quotas = text[text.index("with $gw.tenantQuotas"):]
-    pairs += [(flag, f"tenantQuotas.{key}") for flag, key in re.findall(r"- --(tenant-[a-z-]+)=\{\{ \.(\w+) \}\}",
-                                                                          quotas[:quotas.index("{{- end }}")])]
-    return pairs
+
+def test_every_value_the_chart_sets_reaches_the_running_gateway():
+    """The chart's sharedGateway values, rendered by the real Helm engine into the container's args, parse into
+    the GatewayConfig they name: not the defaults (so no value is dropped on the way), and every declared chart
+    value among them."""
+    chartgen = importlib.import_module("shoal.operator.chartgen")
+    cli = importlib.import_module("shoal.operator.gateway.cli")
+    values = {"sharedGateway": {**SHARED["sharedGateway"], "routing": "least-load", "maxQueued": 77,
+                                "queueTimeoutSeconds": 9.5, "maxPending": 99, "maxPriority": 5,
+                                "shutdownTimeoutSeconds": 45, "allowUnauthenticated": True,
+                                "batches": {"enabled": True, "maxInflightPerEngine": 3}}}
+    (dep,) = by_kind(gateway_objects(values), "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    rendered = {a.split("=", 1)[0] for a in args}
+    assert {d.flag for d, _ in chartgen.chart_values()} <= rendered
+    parsed = cli.build_parser().parse_args([a for a in args if not a.startswith(("--tenant-keys", "--engine-keys",
+                                                                                   "--batch-dir"))])
+    config = cli.config_from_args(parsed)
+    assert (config.routing, config.max_queued, config.queue_timeout, config.max_pending) == ("least-load", 77, 9.5, 99)
+    assert (config.max_priority, config.namespace_max_priority, config.max_inflight) == (5, {"prod": 100}, 8)
+    assert (config.quotas.requests_per_minute, config.quotas.tokens_per_minute, config.quotas.max_concurrent) == \
+        (600, 100000, 16)
+    assert config.tenant_header == "x-gateway-inference-fairness-id" and config.allow_unauthenticated
+    assert [str(n) for n in config.trusted_proxies] == ["10.8.0.0/16"] and config.batch_per_engine == 3
+    assert parsed.shutdown_timeout == 45
 
 
 def test_the_charts_gateway_values_agree_with_the_gateways_own_options():
     """Each chart value the shared gateway's template turns into a shoal-gateway flag: its default parses and is
-    the flag's, its schema's choices are the flag's, and its schema's bounds are what the flag accepts (a value the
-    schema lets through is never one the gateway refuses at start, and the reverse)."""
+    the flag's, its schema's choices are the flag's (or fewer, as declared), and its schema's bounds are what the
+    flag accepts (a value the schema lets through is never one the gateway refuses at start, and the reverse)."""
     import argparse
     import json
 
     import yaml
 
+    chartgen = importlib.import_module("shoal.operator.chartgen")
     cli = importlib.import_module("shoal.operator.gateway.cli")
     parser = cli.build_parser()
     actions = {o: a for a in parser._actions for o in a.option_strings}
@@ -247,33 +269,42 @@ def test_the_charts_gateway_values_agree_with_the_gateways_own_options():
             return False
         return action.choices is None or value in action.choices
 
-    pairs = _chart_options()
-    assert {"max-queued", "queue-timeout", "max-pending", "tenant-tokens-per-minute"} <= {f for f, _ in pairs}
-    for flag, path in pairs:
+    declared = chartgen.chart_values()
+    assert {"--max-queued", "--queue-timeout", "--max-pending", "--tenant-tokens-per-minute"} <= \
+        {d.flag for d, _ in declared}
+    for d, chart in declared:
         entry, default = schema, values
-        for key in path.split("."):
+        for key in chart.path.split("."):
             entry, default = entry["properties"][key], default[key]
-        action = actions[f"--{flag}"]
-        if flag == "namespace":
-            continue  # the shared gateway's own namespace: no default to agree with
+        action = actions[d.flag]
+        flag = d.flag[2:]
+        if d.boolean:
+            assert entry["type"] == "boolean" and default is False and action.default is False, flag
+            continue
+        if d.option.repeat or chart.join is not None:  # a map or a list: empty by default, each item the flag's
+            assert not default and entry["type"] in ("object", "array"), flag
+            continue
+        if action.default is None:  # unset by default: no flag
+            assert default in ("", None), flag
+            continue
         assert accepts(action, str(default)), (flag, default)
-        want = CHART_NARROWS.get((flag, "default"))
+        want = CHART_DEFAULTS.get(flag)
         if want:
             assert (default, action.default) == want, (flag, default, action.default)
         else:
-            assert default == action.default, (flag, path, default, action.default)
+            assert default == action.default, (flag, chart.path, default, action.default)
         if action.choices is not None:
-            assert set(action.choices) - set(entry["enum"]) == CHART_NARROWS.get((flag, "choices"), set()), flag
-            assert set(entry["enum"]) <= set(action.choices), flag
+            assert set(entry["enum"]) == set(chart.choices or action.choices) and \
+                set(entry["enum"]) <= set(action.choices), flag
             continue
         low = entry.get("minimum", entry.get("exclusiveMinimum"))
         step = 1 if entry["type"] == "integer" else 0.5
         if low is None:  # unbounded below in the chart: so must the flag be
-            assert accepts(action, "-5"), f"{path}: the schema allows -5, --{flag} refuses it"
+            assert accepts(action, "-5"), f"{chart.path}: the schema allows -5, --{flag} refuses it"
             continue
         inside = low if "minimum" in entry else low + step
-        assert accepts(action, str(inside)), f"{path}: the schema allows {inside}, --{flag} refuses it"
+        assert accepts(action, str(inside)), f"{chart.path}: the schema allows {inside}, --{flag} refuses it"
         below = low - step if "minimum" in entry else low
-        assert not accepts(action, str(below)), f"{path}: the schema refuses {below}, --{flag} accepts it"
+        assert not accepts(action, str(below)), f"{chart.path}: the schema refuses {below}, --{flag} accepts it"
         if "maximum" in entry:
             assert accepts(action, str(entry["maximum"])), (flag, entry["maximum"])
