@@ -30,11 +30,17 @@ the request's temperature (from the request's own generator when it is seeded).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
 from shoal.engine.execution.graph_capture import decode_capture_backend
 from shoal.engine.execution.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from shoal.engine.config import EngineConfig
+    from shoal.engine.execution.sampling import Sampler
 
 
 class DraftHost:
@@ -43,6 +49,13 @@ class DraftHost:
     built from `self.engine_config`; allocate_kv_cache and shutdown give it and free its cache."""
 
     drafter: DraftModel | None = None
+    # what the executor that mixes this in has (execution/executor.py, distributed/driver.py)
+    runner: ModelRunner  # the target's runner: the draft runs on its device, dtype and max_model_len
+    engine_config: EngineConfig
+    sampler: Sampler  # its vocab_size is the draft's
+
+    def check_health(self) -> None:  # the executor's own: raises when a rank of its parallel group has failed
+        raise NotImplementedError
 
     def load_drafter(self, model_dir, hf_config, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
         self.drafter = DraftModel(self.runner, self.engine_config, model_dir, hf_config, self.sampler.vocab_size,

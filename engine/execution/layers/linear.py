@@ -39,10 +39,11 @@ class PackedMatmul(nn.Module):
         """[out, in] of this layer's weight, whatever form holds it."""
         return self._shape or tuple(self.weight.shape)
 
-    def use(self, fmt: WeightFormat, free_dense: bool = True) -> None:
+    def use(self, fmt: WeightFormat, free_dense: bool = True, shape: tuple[int, int] | None = None) -> None:
         """Run on `fmt` from now on. A format that does not run on the Parameter frees it, unless free_dense is False
-        (a tied LM head's Parameter is the embedding table, which the lookup still reads)."""
-        self._shape = self.weight_shape
+        (a tied LM head's Parameter is the embedding table, which the lookup still reads). `shape`: the [out, in]
+        the format computes, where the Parameter's is not it (a tied head whose table was freed already)."""
+        self._shape = shape or self.weight_shape
         self.format = fmt
         if free_dense and not fmt.runs_on_parameter:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)

@@ -186,8 +186,8 @@ def _finish_head(head: ParallelLMHead) -> None:
     head runs on the embedding's packed table itself."""
     e = head.embedding
     if head.tied and e.gguf_rows is not None:
-        head._shape = (e.vocab_local, e.hidden)
-        head.use(GGUFWeight([e.gguf_rows], out=e.vocab_local), free_dense=False)  # the table freed it already
+        head.use(GGUFWeight([e.gguf_rows], out=e.vocab_local), free_dense=False,  # the table freed it already
+                 shape=(e.vocab_local, e.hidden))
     elif head.gguf_segments and sum(s.shape[0] for _, s in head.gguf_segments) < head.weight.shape[0]:
         (_, seg), = head.gguf_segments
         head.gguf_segments = None
