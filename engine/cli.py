@@ -37,6 +37,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     flags.add_flags(p.add_argument_group(config.ENGINE), config.EngineConfig, config.ENGINE)
     flags.add_flags(p.add_argument_group(config.LORA), config.EngineConfig, config.LORA)
+    flags.add_flags(p.add_argument_group(config.MEDIA), config.EngineConfig, config.MEDIA)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

@@ -8,13 +8,17 @@ to every worker process (as JSON on its command line).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shoal.engine.flags import Flag, parse_bytes, parse_dtype, parse_int_list, parse_len
 
+# a DNS name: labels of letters, digits and hyphens, joined by dots
+_HOSTNAME = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?)*$")
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024  # 512 MiB on CPU unless --kv-cache-memory says otherwise
 
 # Value sets shared with the operator's spec.engine (shoal.operator.api): one definition each.
@@ -25,6 +29,15 @@ Runner = Literal["auto", "generate", "pooling"]
 
 MODEL, ENGINE, MULTI_NODE = "model", "engine", "multi-node (torch.distributed)"  # --help sections
 LORA = "LoRA adapters"
+MEDIA = "images (vision-language models)"
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 class DistributedConfig(BaseModel):
@@ -297,6 +310,24 @@ class EngineConfig(BaseModel):
         ENGINE, 'the most images one prompt may carry, as a JSON object (vLLM\'s flag), e.g. {"image": 2}; default '
                 '{"image": 4}; vision-language models only', type=parse_json_object("--limit-mm-per-prompt"),
         metavar="JSON")] = None
+    allowed_media_domains: Annotated[list[str] | None, Flag(
+        MEDIA, "hostnames image_url http(s) URLs may be fetched from (vLLM's flag; exact names, e.g. "
+               "upload.wikimedia.org). Unset: fetching is off and only base64 data: URLs are taken (vLLM fetches "
+               "from anywhere when it is unset). A redirect is followed only to another listed host, up to 5 hops",
+        nargs="+", metavar="HOST")] = None
+    media_fetch_timeout: Annotated[float, Flag(
+        MEDIA, "seconds one image URL may take, redirects, connecting and reading the body included (vLLM's "
+               "VLLM_IMAGE_FETCH_TIMEOUT)", metavar="SECONDS")] = Field(default=5.0, gt=0, le=600)
+    media_fetch_max_bytes: Annotated[int, Flag(
+        MEDIA, "the most bytes one fetched image may have (enforced while reading; after content decoding)",
+        type=parse_bytes)] = Field(default=20 * 1024 * 1024, gt=0)
+    media_fetch_allow_private_addresses: Annotated[bool, Flag(
+        MEDIA, "let a listed host resolve to a loopback, private (RFC 1918, ULA) or shared (100.64/10) address, "
+               "e.g. an in-cluster image store; without it such a host is refused (SSRF). Link-local, metadata, "
+               "multicast and unspecified addresses are refused always")] = False
+    max_image_pixels: Annotated[int, Flag(
+        MEDIA, "the most pixels (width x height) one image may have, data: URL or fetched; read from the image "
+               "header before it is decoded. Default 4096x4096")] = Field(default=4096 * 4096, gt=0)
     kv_events_config: Annotated[KVEventsConfig | None, Flag(
         ENGINE, 'KV-cache events for KV-aware routers, vLLM\'s format, as a JSON object, e.g. '
                 '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
@@ -320,6 +351,23 @@ class EngineConfig(BaseModel):
     @classmethod
     def _parse_json_config(cls, value):
         return json.loads(value) if isinstance(value, str) else value
+
+    @field_validator("allowed_media_domains")
+    @classmethod
+    def _check_media_domains(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        out = []
+        for entry in value:
+            host = entry.strip().rstrip(".").lower()
+            if not _HOSTNAME.match(host) and not _is_ip(host):
+                raise ValueError(f"allowed_media_domains entry {entry!r} must be a hostname or an IP address, without "
+                                 "a scheme, port or path (e.g. upload.wikimedia.org)")
+            out.append(host)
+        if not out:
+            raise ValueError("allowed_media_domains must list at least one hostname (leave it unset to keep fetching "
+                             "off)")
+        return out
 
     @field_validator("kv_offloading_backend")
     @classmethod

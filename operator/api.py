@@ -187,6 +187,12 @@ class EngineOptions(_Model):
     runner: Runner | None = engine_option("runner")
     pooler_config: PoolerOptions | None = engine_option("pooler_config")
     limit_mm_per_prompt: MultiModalLimitOptions | None = engine_option("limit_mm_per_prompt")
+    allowed_media_domains: list[Annotated[str, Field(min_length=1, max_length=253)]] | None = engine_option(
+        "allowed_media_domains", min_length=1, max_length=256)
+    media_fetch_timeout: float | None = engine_option("media_fetch_timeout", gt=0.0, le=600.0)
+    media_fetch_max_bytes: int | None = engine_option("media_fetch_max_bytes", ge=1, le=1073741824)
+    media_fetch_allow_private_addresses: bool = engine_option("media_fetch_allow_private_addresses", default=False)
+    max_image_pixels: int | None = engine_option("max_image_pixels", ge=1, le=1073741824)
     shutdown_timeout_seconds: int = Field(
         default=900, ge=0, le=21600,
         description="drain budget on SIGTERM (--shutdown-timeout): a replica removed by a scale-down, a rollout or "

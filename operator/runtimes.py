@@ -171,7 +171,8 @@ VLLM = Runtime(
                                       "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
                                       "enable_prefix_caching", "enforce_eager", "max_loras", "max_cpu_loras",
                                       "scheduling_policy", "enable_sleep_mode", "runner", "pooler_config",
-                                      "kv_offloading_size", "kv_offloading_backend", "limit_mm_per_prompt")},
+                                      "kv_offloading_size", "kv_offloading_backend", "limit_mm_per_prompt",
+                                      "allowed_media_domains")},
         "max_lora_rank": one_of(shoal_flag("max_lora_rank"), VLLM_LORA_RANKS,
                                 "vLLM accepts only the LoRA ranks 1, 8, 16, 32, 64, 128, 256, 320 and 512 (any other "
                                 "makes it exit at start): use the next one up from your adapters' largest rank"),

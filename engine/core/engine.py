@@ -158,7 +158,7 @@ class LLMEngine:
                 raise ValueError(f"{self.model_dir.name}: vision-language models run on one process only for now "
                                  "(drop --tensor-parallel-size / --pipeline-parallel-size)")
             limits = config.limit_mm_per_prompt or MultiModalLimits()
-            self.images = ImageInputs(self.model_dir, self.hf_config, limits.image)
+            self.images = ImageInputs(self.model_dir, self.hf_config, limits.image, config.max_image_pixels)
 
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_dir)
         self.vocab_size = self.hf_config.vocab_size

@@ -23,7 +23,11 @@ import torch
 
 
 class ImageError(ValueError):
-    """An image the engine cannot take: the caller's 400."""
+    """An image the engine cannot take: the caller's 400 (`code`: the error body's code, where it has one)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,7 +71,7 @@ class ImageInputs:
     # Formats PIL opens that a chat client sends; anything else is refused before it is decoded.
     FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
-    def __init__(self, model_dir: Path, hf_config, limit: int):
+    def __init__(self, model_dir: Path, hf_config, limit: int, max_pixels: int = 4096 * 4096):
         from transformers import AutoProcessor
 
         try:
@@ -79,14 +83,18 @@ class ImageInputs:
         self.token = self.processor.image_token
         self.image_seq_length = int(hf_config.llava_config.get("image_seq_length") or 576)
         self.limit = limit
+        self.max_pixels = max_pixels  # --max-image-pixels
 
     def decode(self, data: bytes):
         """A PIL image (RGB) from encoded bytes; ImageError when they are not a whole image of a known format."""
         from PIL import Image, UnidentifiedImageError
 
         try:
-            image = Image.open(io.BytesIO(data), formats=self.FORMATS)
+            image = Image.open(io.BytesIO(data), formats=self.FORMATS)  # reads the header only
+            self.check_pixels(image)  # before the pixels are decoded: a small file can hold a huge image
             image.load()  # decode now: a truncated file fails here, not later inside the processor
+        except ImageError:  # over --max-image-pixels
+            raise
         except Image.DecompressionBombError as e:  # PIL's own cap on pixels (a small file that decodes huge)
             raise ImageError(f"the image has too many pixels: {e}") from None
         except UnidentifiedImageError:
@@ -95,6 +103,13 @@ class ImageInputs:
         except (OSError, SyntaxError, ValueError) as e:
             raise ImageError(f"the image cannot be decoded (corrupt or truncated): {e}") from None
         return image.convert("RGB")
+
+    def check_pixels(self, image) -> None:
+        """ImageError when a PIL image (opened, not necessarily decoded) has more pixels than --max-image-pixels."""
+        width, height = image.size
+        if width * height > self.max_pixels:
+            raise ImageError(f"the image is {width}x{height} = {width * height} pixels, more than the budget of "
+                             f"{self.max_pixels} pixels per image (--max-image-pixels)", code="image_too_many_pixels")
 
     def preprocess(self, images: list) -> list[ProcessedImage]:
         """PIL images, or encoded bytes, made the model's inputs (pixel values, token count, digest)."""
@@ -108,6 +123,8 @@ class ImageInputs:
                 continue
             if isinstance(image, (bytes, bytearray)):
                 image = self.decode(bytes(image))
+            else:
+                self.check_pixels(image)
             pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
             digest = hashlib.sha256(repr(tuple(pixels.shape)).encode() + pixels.contiguous().numpy().tobytes())
             out.append(ProcessedImage(pixels, self._num_tokens(pixels), digest.digest()))

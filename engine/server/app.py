@@ -372,6 +372,10 @@ async def tokenizer_info_route(request: web.Request) -> web.Response:
 
 
 # --------------------------------------------------------------------------------------------- app
+async def _close_media(app: web.Application) -> None:
+    await app[STATE_KEY].media.close()
+
+
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | KeySet | None = None,
               client_max_size: int = 64 * 1024 * 1024, tool_call_parser: str | None = None,
               response_store: ResponseStore | None = None, tracer=None) -> web.Application:
@@ -380,6 +384,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | Key
     keys = api_key if isinstance(api_key, KeySet) else KeySet([api_key]) if api_key else None
     app[STATE_KEY] = ServerState(engine, metrics, keys, tool_call_parser)
     app[STATE_KEY].tracer = tracer
+    app.on_cleanup.append(_close_media)
     r = app.router
     r.add_post("/v1/completions", oai.create_completion)
     r.add_post("/v1/chat/completions", oai.create_chat_completion)

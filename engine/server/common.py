@@ -21,6 +21,7 @@ from shoal.engine.core.async_engine import (
 )
 from shoal.engine.core.engine import ContextLengthError
 from shoal.engine.core.lora import LoRACapacityError, LoRANotFoundError
+from shoal.engine.server.media import MediaFetcher
 from shoal.engine.server.metrics import ServerMetrics
 from shoal.engine.server.keys import KeySet
 from shoal.engine.server.protocol import APIError, validation_error_to_api_error
@@ -39,6 +40,9 @@ class ServerState:
         self.active_handlers = 0  # generation requests whose HTTP response is not finished yet
         self.tracer = None  # tracing.RequestTracer when tracing is on
         self.created = int(time.time())
+        # image_url http(s) fetching (off unless --allowed-media-domains); tests may build a state without a config
+        config = getattr(engine, "config", None)
+        self.media = MediaFetcher.from_config(config) if config is not None else MediaFetcher(None, 1, 1.0, False)
 
     @property
     def served_model_name(self) -> str:

@@ -1,9 +1,11 @@
 """Images of a chat request: OpenAI `image_url` content parts made the engine's ProcessedImage, off the event loop.
 
-Only base64 `data:` URLs are taken. Fetching http(s) URLs is off (a later step adds it behind an allow-list of
-domains with size and time caps); such a URL is a 400 that says so. Every failure here is a 400 before the engine
-sees the request: a malformed part, a URL that is not a data URL, bad base64, more images than
---limit-mm-per-prompt, bytes that are not a whole image of a supported format, a text-only model.
+Base64 `data:` URLs are always taken; http(s) URLs are fetched only from the hosts --allowed-media-domains lists
+(server/media.py: size and time caps, SSRF checks), and are a 400 that says how to turn fetching on otherwise.
+Every failure here is a 400 before the engine sees the request, naming the content part (messages[i].content[j]):
+a malformed part, a URL that is neither, bad base64, a refused or failed fetch, more images than
+--limit-mm-per-prompt, more pixels than --max-image-pixels, bytes that are not a whole image of a supported format,
+a text-only model.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Any
 from shoal.engine.server.protocol import APIError, ChatMessage
 
 
-def image_urls(messages: list[ChatMessage]) -> list[str]:
-    """The URL of every image_url content part, in conversation order (400 for a malformed part)."""
-    urls = []
+def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(where, url) of every image_url content part, in conversation order (400 for a malformed part); `where`
+    names the part as messages[i].content[j]."""
+    parts = []
     for m, message in enumerate(messages):
         if not isinstance(message.content, list):
             continue
@@ -30,42 +33,70 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
             if not isinstance(url, str) or not url:
                 raise APIError(f"messages[{m}].content[{i}]: an image_url part needs {{\"image_url\": {{\"url\": "
                                "\"data:image/...;base64,...\"}}", 400, param="messages")
-            urls.append(url)
-    return urls
+            parts.append((f"messages[{m}].content[{i}]", url))
+    return parts
 
 
-def decode_data_url(url: str) -> bytes:
+def url_scheme(url: str) -> str:
+    return url.split(":", 1)[0].lower() if ":" in url else ""
+
+
+def decode_data_url(url: str, where: str) -> bytes:
     """The bytes of a base64 data URL; 400 for anything else."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme in ("http", "https"):
-        raise APIError("fetching image URLs is off on this server: send the image inline as a base64 data URL "
-                       "(data:image/png;base64,...)", 400, param="messages", code="image_url_fetch_disabled")
+    scheme = url_scheme(url)
     if scheme != "data":
-        raise APIError(f"image_url must be a base64 data URL (data:image/...;base64,...), got a {scheme or 'bare'!r} "
-                       "URL", 400, param="messages")
+        raise APIError(f"{where}: image_url must be a base64 data URL (data:image/...;base64,...) or an http(s) URL, "
+                       f"got a {scheme or 'bare'!r} URL", 400, param="messages")
     header, sep, payload = url[5:].partition(",")
     if not sep or not header.endswith(";base64"):
-        raise APIError("image_url data URLs must be base64 (data:image/...;base64,...)", 400, param="messages")
+        raise APIError(f"{where}: image_url data URLs must be base64 (data:image/...;base64,...)", 400,
+                       param="messages")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise APIError("image_url: the data URL's payload is not valid base64", 400, param="messages") from None
+        raise APIError(f"{where}: the data URL's payload is not valid base64", 400, param="messages") from None
+
+
+async def load_image(state: Any, where: str, url: str) -> bytes:
+    """The encoded bytes of one image_url: inline, or fetched when the server fetches."""
+    if url_scheme(url) in ("http", "https"):
+        return await state.media.fetch(where, url)
+    return decode_data_url(url, where)
+
+
+async def load_images(state: Any, parts: list[tuple[str, str]]) -> list[bytes]:
+    """Every part's bytes, fetched concurrently; the first failure cancels the rest and is the answer."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(load_image(state, where, url)) for where, url in parts]
+    except BaseExceptionGroup as eg:
+        first = next((e for e in eg.exceptions if isinstance(e, APIError)), eg.exceptions[0])
+        raise first from None
+    return [t.result() for t in tasks]
+
+
+def _preprocess(images: Any, data: list[tuple[str, bytes]]) -> list:
+    """The images processed one by one, so that an error names its part (runs off the event loop)."""
+    out = []
+    for where, encoded in data:
+        try:
+            out += images.preprocess([encoded])
+        except ValueError as e:  # core.images.ImageError: not an image, truncated, unsupported format, too large
+            raise APIError(f"{where}: {e}", 400, param="messages", code=getattr(e, "code", None)) from None
+    return out
 
 
 async def chat_images(state: Any, messages: list[ChatMessage]) -> list | None:
     """The request's images processed for the model (None when it has none)."""
-    urls = image_urls(messages)
-    if not urls:
+    parts = image_parts(messages)
+    if not parts:
         return None
     images = state.engine.images
     if images is None:
         raise APIError(f"the model {state.served_model_name} takes text only: it cannot be given images", 400,
                        param="messages", code="images_not_supported")
-    if len(urls) > images.limit:
-        raise APIError(f"{len(urls)} images in one request is more than the limit of {images.limit} "
+    if len(parts) > images.limit:
+        raise APIError(f"{len(parts)} images in one request is more than the limit of {images.limit} "
                        "(--limit-mm-per-prompt)", 400, param="messages")
-    data = [decode_data_url(u) for u in urls]
-    try:
-        return await asyncio.to_thread(images.preprocess, data)
-    except ValueError as e:  # core.images.ImageError: not an image, truncated, unsupported format
-        raise APIError(str(e), 400, param="messages") from None
+    data = await load_images(state, parts)
+    return await asyncio.to_thread(_preprocess, images, [(where, d) for (where, _), d in zip(parts, data)])

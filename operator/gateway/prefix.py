@@ -19,8 +19,23 @@ _FIELD = "\x1f"
 _RECORD = "\x1e"
 
 
+_IMAGE = "\x1d"  # leads an image's digest in the rendered text
+
+
+def _image_text(part: dict) -> str | None:
+    """An image_url part as a short digest of its URL (a data URL's bytes, or the address): the same picture in
+    each turn of a conversation is the same text, another picture is other text, whatever the image's size (the
+    base64 itself would fill the hashed blocks). None when the part has no URL."""
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str) or not url:
+        return None
+    return f"{_IMAGE}image:{hashlib.blake2b(url.encode('utf-8', 'surrogatepass'), digest_size=8).hexdigest()}"
+
+
 def _content_text(content: Any) -> str:
-    """A message's content: a string, or OpenAI's list of parts (text parts joined, others by type)."""
+    """A message's content: a string, or OpenAI's list of parts (text parts joined, images by digest, others by
+    type)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -30,7 +45,8 @@ def _content_text(content: Any) -> str:
         for part in content:
             if isinstance(part, dict):
                 text = part.get("text")
-                parts.append(text if isinstance(text, str) else str(part.get("type", "")))
+                image = _image_text(part) if part.get("type") == "image_url" else None
+                parts.append(text if isinstance(text, str) else image or str(part.get("type", "")))
             else:
                 parts.append(str(part))
         return "".join(parts)

@@ -67,6 +67,33 @@ def test_render_prompt():
     assert render_prompt("/v1/completions", ["not", "an", "object"]) is None
 
 
+def test_a_conversation_about_one_image_keeps_its_prefix():
+    """Image parts count in the prompt's hashes by a digest of their URL: turn 2 about the same picture extends
+    turn 1's chain through the image, and lands on the engine holding it; another picture under the same text
+    shares only the blocks before the image."""
+    def image(n):
+        return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + chr(65 + n) * 200_000}}
+
+    def hashes(messages):
+        return block_hashes(render_prompt("/v1/chat/completions", {"model": "m", "messages": messages}), 16, 1000)
+
+    system = {"role": "system", "content": "You describe pictures. " * 4}
+    turn1 = [system, {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image(0)]}]
+    turn2 = turn1 + [{"role": "assistant", "content": "A cat on a mat, sleeping."},
+                     {"role": "user", "content": "And what colour is the cat?"}]
+    other = [system, {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image(1)]}]
+    h1, h2, h_other = hashes(turn1), hashes(turn2), hashes(other)
+    assert len(h1) < 20  # a digest, not 200 KB of base64
+    assert h2[:len(h1)] == h1
+    shared = next(i for i, (a, b) in enumerate(zip(h1, h_other)) if a != b)
+    assert 0 < shared < len(h1)  # the text before the image is shared, the image's blocks are not
+    r, bs, now = prefix_load(), backends(3), time.monotonic()
+    r.record(bs[1], h1, now)
+    r.record(bs[2], h_other, now)
+    pick = r.pick(bs, h2, now)
+    assert pick.backend is bs[1] and pick.decision == "affinity" and pick.matched_blocks == len(h1)
+
+
 def backends(n: int) -> list[Backend]:
     policy = HealthPolicy()
     return [Backend(f"http://10.0.0.{i}:8000", policy) for i in range(n)]

@@ -32,6 +32,10 @@ NUMERIC_SAMPLES = {
     "kv_offloading_backend": "native",  # its only value
     "kv_offloading_disk_path": "/tmp/kv-offload",
     "kv_offloading_disk_size": 64.0,
+    "allowed_media_domains": ["images.example.com", "minio.images.svc"],
+    "media_fetch_timeout": 2.5,
+    "media_fetch_max_bytes": 1048576,
+    "max_image_pixels": 1000000,
 }
 # Options valid only with others set (the spec's cross-field rules): what each is tried with.
 COMPANIONS = {
@@ -139,3 +143,19 @@ def test_help_lists_every_flag_with_its_help(capsys):
 def test_to_args_is_the_inverse_of_parsing(model, name, value):
     ns = cli.build_parser().parse_args(["serve", *flags.to_args(model, name, value)])
     assert flags.values_from_args(ns, model)[name] == value
+
+
+def test_image_fetching_renders_as_engine_flags():
+    spec = {"model": {"uri": "hf://org/m"}, "engine": {
+        "allowedMediaDomains": ["images.example.com", "minio.images.svc"], "mediaFetchTimeout": 2.5,
+        "mediaFetchMaxBytes": 1048576, "mediaFetchAllowPrivateAddresses": True, "maxImagePixels": 1000000}}
+    config, args = _parsed_config(spec)
+    i = args.index("--allowed-media-domains")
+    assert args[i:i + 3] == ["--allowed-media-domains", "images.example.com", "minio.images.svc"]
+    assert "--media-fetch-allow-private-addresses" in args
+    assert (config.allowed_media_domains, config.media_fetch_timeout, config.media_fetch_max_bytes,
+            config.media_fetch_allow_private_addresses, config.max_image_pixels) == (
+        ["images.example.com", "minio.images.svc"], 2.5, 1048576, True, 1000000)
+    # unset: fetching stays off and no flag is rendered
+    config, args = _parsed_config({"model": {"uri": "hf://org/m"}})
+    assert config.allowed_media_domains is None and not any(a.startswith("--media") for a in args)
