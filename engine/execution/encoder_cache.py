@@ -28,3 +28,7 @@ class EncoderCache:
         self._features[digest] = features
         while len(self._features) > self.capacity:
             self._features.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every image (a benchmark's "no cache" side)."""
+        self._features.clear()

@@ -336,11 +336,12 @@ IMAGE_TOKEN = "<image>"
 
 
 def make_llava_model(path: str | os.PathLike, seed: int = 0, image_size: int = 56, patch_size: int = 14,
-                     vision: str = "clip") -> Path:
+                     vision: str = "clip", text: dict | None = None, tower: dict | None = None) -> Path:
     """A random-weight LLaVA directory (LlavaForConditionalGeneration: a CLIP or SigLIP vision tower, the projector
     and the tiny Llama decoder) with its processor: the tiny tokenizer plus the <image> token, and the tower's image
     processor at `image_size` pixels. Each image is (image_size // patch_size) ** 2 tokens (CLIP's CLS feature is
-    dropped, the "default" feature selection; SigLIP has none, "full")."""
+    dropped, the "default" feature selection; SigLIP has none, "full"). `text` and `tower` override the decoder's
+    and the vision tower's config (a benchmark's real shape)."""
     import torch
     import transformers as tf
 
@@ -349,9 +350,10 @@ def make_llava_model(path: str | os.PathLike, seed: int = 0, image_size: int = 5
     tok = make_tokenizer(path)
     tok.add_tokens([IMAGE_TOKEN], special_tokens=True)
     image_token_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
-    text = _config("llama", -(-len(tok) // 16) * 16)
-    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                 image_size=image_size, patch_size=patch_size)
+    text_overrides = dict(text or {})
+    text = _config("llama", text_overrides.pop("vocab_size", -(-len(tok) // 16) * 16), **text_overrides)
+    tower = {**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+             **(tower or {}), "image_size": image_size, "patch_size": patch_size}
     if vision == "clip":
         vision_config, strategy, extra = tf.CLIPVisionConfig(projection_dim=32, **tower), "default", 1
         images = tf.CLIPImageProcessor(size={"shortest_edge": image_size},
