@@ -34,6 +34,9 @@ Shoal's own flags (each also settable by its environment variable):
   --shared-gateway NS/SA      the shared gateway's namespace and ServiceAccount:   (SHOAL_SHARED_GATEWAY)
                               every engine NetworkPolicy admits its pods (label
                               app.kubernetes.io/component=shared-gateway), and it may wake services at zero
+  --shared-gateway-routing R  the shared gateway's --routing; precise-prefix:      (SHOAL_SHARED_GATEWAY_ROUTING)
+                              every service's engines publish KV events, which
+                              the NetworkPolicy lets the shared gateway read
 Credentials: in-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config.
 Typical in-cluster command: shoal-operator --standalone -A --liveness=http://0.0.0.0:8080/healthz
 """
@@ -58,8 +61,11 @@ OWN_FLAGS = {
     "--max-concurrent-scrapes": "SHOAL_MAX_CONCURRENT_SCRAPES",
     "--peering-lifetime": "SHOAL_PEERING_LIFETIME",
     "--shared-gateway": "SHOAL_SHARED_GATEWAY",
+    "--shared-gateway-routing": "SHOAL_SHARED_GATEWAY_ROUTING",
     "--rbac-scope": "SHOAL_RBAC_SCOPE",
 }
+# shoal-gateway --routing's choices (operator/gateway/routing.py ROUTINGS; not imported: this module stays light)
+SHARED_GATEWAY_ROUTINGS = ("prefix-load", "precise-prefix", "least-load", "round-robin")
 REPEATABLE = {"--metrics-namespace": "SHOAL_METRICS_NAMESPACES"}
 
 
@@ -86,6 +92,11 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     if "SHOAL_SHARED_GATEWAY" in env and not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
                                                         env["SHOAL_SHARED_GATEWAY"]):
         raise SystemExit(f"--shared-gateway takes NAMESPACE/SERVICEACCOUNT, got {env['SHOAL_SHARED_GATEWAY']!r}")
+    if env.get("SHOAL_SHARED_GATEWAY_ROUTING", "prefix-load") not in SHARED_GATEWAY_ROUTINGS:
+        raise SystemExit(f"--shared-gateway-routing takes {', '.join(SHARED_GATEWAY_ROUTINGS)}, got "
+                         f"{env['SHOAL_SHARED_GATEWAY_ROUTING']!r}")
+    if "SHOAL_SHARED_GATEWAY_ROUTING" in env and "SHOAL_SHARED_GATEWAY" not in env:
+        raise SystemExit("--shared-gateway-routing describes the shared gateway: give --shared-gateway NS/SA too")
     if env.get("SHOAL_RBAC_SCOPE", "cluster") not in ("cluster", "namespace"):
         raise SystemExit(f"--rbac-scope takes cluster or namespace, got {env['SHOAL_RBAC_SCOPE']!r}")
     if "--max-gpus-per-node" in [a.split("=")[0] for a in argv]:

@@ -73,6 +73,22 @@ def serving_engines_service(name: str, gateway_enabled: bool) -> str:
     return engines_service_name(name) if gateway_enabled else name
 
 
+# ---- KV events (precise-prefix routing) ----------------------------------------------------------------------------
+# Each engine publishes its KV events (vLLM's format) on these ports of its pod IP, under the topic of its service;
+# the engines' Service names them (KV_EVENTS_PORT_NAME, KV_REPLAY_PORT_NAME), so its EndpointSlices tell a gateway
+# which engines publish and where (the shared gateway subscribes only to those).
+KV_EVENTS_PORT = 5557
+KV_REPLAY_PORT = 5558
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_REPLAY_PORT_NAME = "kv-replay"
+
+
+def kv_events_topic(name: str, namespace: str) -> str:
+    """The topic an InferenceService's engines publish under: a subscriber filtering by it never indexes another
+    service's events, even at an address a pod of that service held a moment ago."""
+    return f"kv@{namespace}/{name}"
+
+
 def canary_name(name: str) -> str:
     """The canary revision's Deployment; its pods are named `<name>-canary-<hash>-<suffix>`."""
     return f"{name}-canary"

@@ -71,6 +71,7 @@ def settings_from_env() -> Settings:
         metrics_namespaces=tuple(ns.strip() for ns in (os.environ.get("SHOAL_METRICS_NAMESPACES") or "").split(",")
                                  if ns.strip()),
         shared_gateway=os.environ.get("SHOAL_SHARED_GATEWAY") or None,
+        shared_gateway_routing=os.environ.get("SHOAL_SHARED_GATEWAY_ROUTING") or None,
     )
 
 

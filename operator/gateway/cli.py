@@ -119,6 +119,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise ValueError("the shared gateway takes no --api-key, --wake-configmap or --runtime: it reads each "
                          "InferenceService's runtime and wake-up ConfigMap, and its clients' keys are tenant keys "
                          "(--tenant-keys)")
+    if shared and (args.tokenizer or args.kv_events_endpoint):
+        raise ValueError("--tokenizer and --kv-events-endpoint are one service's: the shared gateway tokenizes each "
+                         "prompt with the engines of the service it goes to (/tokenize) and finds where they publish "
+                         "KV events in their EndpointSlices")
     if args.inference_service and not args.service:
         raise ValueError("--inference-service names the InferenceService of the engines of --service (a per-service "
                          "gateway); the shared gateway reads every InferenceService itself")

@@ -52,6 +52,22 @@ def ready_urls(slices: dict[str, dict], scheme: str = "http", port_name: str | N
     return urls
 
 
+def kv_event_ports(slices: dict[str, dict], scheme: str = "http", port_name: str = "http"
+                   ) -> dict[str, tuple[int, int | None]]:
+    """Base URL -> (KV-events port, replay port or None) of the Ready endpoints of the slices that name a
+    contract.KV_EVENTS_PORT_NAME port: the engines that publish their KV events, and where."""
+    found: dict[str, tuple[int, int | None]] = {}
+    for name, s in slices.items():
+        named = {p.get("name"): p.get("port") for p in s.get("ports") or [] if p.get("protocol", "TCP") == "TCP"}
+        events, replay = named.get(contract.KV_EVENTS_PORT_NAME), named.get(contract.KV_REPLAY_PORT_NAME)
+        if not isinstance(events, int) or not 0 < events < 65536:
+            continue
+        replay = replay if isinstance(replay, int) and 0 < replay < 65536 else None
+        for url in ready_urls({name: s}, scheme, port_name):
+            found[url] = (events, replay)
+    return found
+
+
 def revisions(slices: dict[str, dict], scheme: str = "http", port_name: str | None = None) -> dict[str, str]:
     """Base URL -> revision (contract.endpoint_revision) of the canary's endpoints among these slices."""
     found = {}

@@ -11,7 +11,10 @@ Two list-and-watch streams feed it (k8s.informer.Informer):
   wake-up ConfigMap `<name>-wake` is annotated, as its own gateway does) — and the adapters spec.adapters names;
 * the operator's EndpointSlices (label app.kubernetes.io/managed-by=shoal-operator, which the EndpointSlice
   controller copies from the Services): the Ready engines of `<name>-engines` (`<name>` when the service runs
-  without its own gateway) are the pool's backends.
+  without its own gateway) are the pool's backends. With `--routing precise-prefix` the slices' `kv-events` and
+  `kv-replay` ports (rendered when the engines publish, shoal-operator --shared-gateway-routing) say which engines
+  publish KV events and where: each pool has its own KVIndex and subscribers (topic `kv@<namespace>/<name>`),
+  opened and closed with it, and tokenizes prompts with its own engines' /tokenize (proxy.prompt_tokens).
 
 Model names come from the specs (the served name, spec.adapters), from each pool's engines' /v1/models (adapters
 loaded at run time, with `parent`), polled every `models_interval` seconds, and — for an adapter loaded since the
@@ -41,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from shoal.operator import contract
-from shoal.operator.gateway.discovery import canary_percent, ready_urls, revisions
+from shoal.operator.gateway.discovery import canary_percent, kv_event_ports, ready_urls, revisions
 from shoal.operator.gateway.metric_names import BY_RUNTIME
 from shoal.operator.gateway.pool import Pool
 from shoal.operator.k8s.client import KubeAPI, collection_path
@@ -376,6 +379,8 @@ class Fleet:
         if pool is None:
             return
         slices = self.slices.get((view.namespace, view.engine_service), {})
+        # precise-prefix: the engines whose slices name KV-event ports publish there (render/network.py)
+        self.gateway.set_kv_ports(pool, kv_event_ports(slices, port_name="http"))
         urls = ready_urls(slices, port_name="http")
         standby = ready_urls(slices, port_name="http", standby=True)
         if urls != {b.url for b in pool.backends.all()} or standby != pool.backends.standby:

@@ -1,7 +1,8 @@
 """One ZMQ subscriber per engine of a pool, feeding its KV events into the pool's KVIndex (kv_index.py).
 
 An engine at http://IP:PORT publishes on tcp://IP:<events port> and answers replays on tcp://IP:<replay port>
-(the operator renders both, render/). The subscriber follows the pool's engine set (BackendSet listeners): an
+(the operator renders both, render/; the shared gateway reads each engine's from its EndpointSlice and follows
+only the engines that publish). The subscriber follows the pool's engine set (BackendSet listeners): an
 engine that appears gets a subscriber, one that leaves loses it and its view. A batch is applied only when its
 sequence number follows the last one applied; otherwise — a gap (lost messages, a dropped connection) or a
 restarted engine (numbers from 0 again) — the engine's view is reset and rebuilt from the replay socket's buffer
@@ -28,15 +29,17 @@ REPLAY_TIMEOUT = 2.0  # seconds a replay may take to start answering, and betwee
 
 
 class KVSubscribers:
-    def __init__(self, backends: BackendSet, index: KVIndex, port: int, replay_port: int | None, topic: str = "",
-                 ports: dict[str, tuple[int, int | None]] | None = None):
+    def __init__(self, backends: BackendSet, index: KVIndex, port: int | None, replay_port: int | None,
+                 topic: str = "", ports: dict[str, tuple[int, int | None]] | None = None):
         """`ports`: engine URL -> (events port, replay port or None) where an engine's differ from the rule
-        (static --endpoint engines sharing one host)."""
+        (static --endpoint engines sharing one host). `port` None: no rule, only the engines `ports` names are
+        followed (the shared gateway: the ones whose EndpointSlice names KV-event ports, set_ports)."""
         self.backends, self.index = backends, index
         self.port, self.replay_port, self.topic = port, replay_port, topic.encode()
         self.ports = ports or {}
         self.ctx = zmq.asyncio.Context()
         self.tasks: dict[str, asyncio.Task] = {}
+        self._following: dict[str, tuple[int, int | None]] = {}  # the ports each task reads
         self._started = False
 
     def start(self) -> None:
@@ -44,16 +47,30 @@ class KVSubscribers:
         self.backends.listeners.append(self.sync)
         self.sync()
 
+    def set_ports(self, ports: dict[str, tuple[int, int | None]]) -> None:
+        """Where each engine publishes (the shared gateway: from its EndpointSlices); an engine whose ports
+        changed is subscribed to anew, with a fresh view."""
+        self.ports = dict(ports)
+        self.sync()
+
+    def _ports_of(self, url: str) -> tuple[int, int | None] | None:
+        if url in self.ports:
+            return self.ports[url]
+        return (self.port, self.replay_port) if self.port else None
+
     def sync(self) -> None:
-        """Subscribers for exactly the pool's engines (a BackendSet listener: called on every change)."""
+        """Subscribers for exactly the pool's engines that publish (a BackendSet listener: called on every
+        change)."""
         if not self._started:
             return
-        urls = {b.url for b in self.backends.all()}
+        wanted = {b.url: ports for b in self.backends.all() if (ports := self._ports_of(b.url)) is not None}
         for url in list(self.tasks):
-            if url not in urls:
+            if wanted.get(url) != self._following.get(url):
                 self.tasks.pop(url).cancel()
+                self._following.pop(url, None)
                 self.index.drop(url)
-        for url in urls - self.tasks.keys():
+        for url in wanted.keys() - self.tasks.keys():
+            self._following[url] = wanted[url]
             self.tasks[url] = asyncio.get_running_loop().create_task(self._follow(url), name=f"kv-events {url}")
 
     async def close(self) -> None:
@@ -65,6 +82,7 @@ class KVSubscribers:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.tasks.clear()
+        self._following.clear()
         self.ctx.destroy(linger=0)
 
     # ---- one engine --------------------------------------------------------------------------------------------
@@ -76,7 +94,7 @@ class KVSubscribers:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.setsockopt(zmq.LINGER, 0)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        port, replay_port = self.ports.get(url, (self.port, self.replay_port))
+        port, replay_port = self._following[url]
         sub.connect(f"tcp://{host}:{port}")
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)

@@ -154,6 +154,11 @@ class GatewayMetrics:
                                     "leading KV blocks of the prompt (precise-prefix).", registry=r)
         self.precise_blocks = Counter(P + "precise_prefix_matched_blocks", "Leading KV blocks of the prompts that "
                                       "the chosen engine reported holding (precise-prefix).", registry=r)
+        self.precise_fallbacks = Counter(
+            P + "precise_prefix_fallbacks", "precise-prefix requests routed by the approximate prefix index "
+            "instead, by reason: cache_salt (a tenant's salted prompt), no_events (no engine of the pool reports a "
+            "block), tokenizer_unavailable / tokenize_failed (the pool's engines could not tokenize: backing off), "
+            "tokenize_refused (the engine refused this prompt).", ["reason"], registry=r)
         self.matched_chars = Counter(P + "prefix_matched_chars", "Prompt characters matched by prefix affinity.",
                                      registry=r)
         self.rejected = Counter(P + "rejected", "Requests refused by the gateway itself, by reason.", ["reason"],

@@ -97,9 +97,7 @@ class GatewayConfig:
     the CRD's spec.gateway and the operator's rendering (options.py)."""
 
     routing: str = option("prefix-load", "routing", "how an engine is picked", choices=ROUTINGS,
-                          spec=SpecField("routing", str, "shoal-gateway --routing"),
-                          # the shared gateway keeps no KV-events index: precise-prefix is not offered there
-                          chart=ChartValue("routing", choices=tuple(r for r in ROUTINGS if r != "precise-prefix")))
+                          spec=SpecField("routing", str, "shoal-gateway --routing"), chart=ChartValue("routing"))
     block_chars: int = option(  # about 16 tokens of English: the engine's default KV block
         64, "routing", "characters per hashed prompt block", flag="--prefix-block-chars", type=positive(int))
     max_blocks: int = option(512, "routing", "hash at most this many leading blocks of a prompt",
@@ -126,6 +124,9 @@ class GatewayConfig:
     kv_events_topic: str = option("", "routing", "precise-prefix: the topic the engines publish under (empty: every "
                                   "topic)")
     tokenize_timeout: float = 1.0  # an engine's /tokenize answer, else the request routes approximately
+    # seconds a pool whose engines could not tokenize (no /tokenize, down, too slow) routes approximately before
+    # they are asked again: a request never waits tokenize_timeout for engines known not to answer
+    tokenize_backoff: float = 30.0
     kv_events_ports: dict[str, tuple[int, int | None]] = option(
         None, "routing", "precise-prefix: this --endpoint engine's KV-events ports, where they differ from "
         "--kv-events-port / --kv-events-replay-port (engines sharing one host; repeatable)", factory=dict,
@@ -360,11 +361,16 @@ class Gateway:
             from shoal.operator.gateway.batch_api import BatchAPI
 
             self.batches = BatchAPI(self, config.batch_dir, config.batch_per_engine, share=config.batch_share)
-        # precise-prefix: the engines' KV events per pool; the prompt's tokens need the one model's tokenizer, so
-        # the shared gateway (many models) keeps to the approximate index
+        # precise-prefix: the engines' KV events per pool (the shared gateway: one index and its subscribers per
+        # InferenceService); the prompt's token ids from --tokenizer (one model's: a per-service gateway) or from
+        # the pool's own engines (/tokenize: each service's model, no tokenizer held here)
         self._kv_subscribers: dict[Pool, Any] = {}
-        self.precise = config.routing == "precise-prefix" and not shared
+        self._tokenize_down: dict[Pool, float] = {}  # pool -> until when its engines are not asked to tokenize
+        self.precise = config.routing == "precise-prefix"
         self.prompt_tokenizer = None
+        if self.precise and config.tokenizer and shared:
+            raise ValueError("--tokenizer is one model's tokenizer: the shared gateway tokenizes each prompt with "
+                             "the engines of the service it goes to (their /tokenize)")
         if self.precise and config.tokenizer:
             from shoal.operator.gateway.kv_tokens import PromptTokenizer
 
@@ -393,24 +399,33 @@ class Gateway:
         return self.pools.pool.on_hold
 
     # ---- pools -----------------------------------------------------------------------------------------------
-    def _new_pool(self, backends: BackendSet, hold_timeout: float, max_inflight: int) -> Pool:
+    def _new_pool(self, backends: BackendSet, hold_timeout: float, max_inflight: int,
+                  service: tuple[str, str] | None = None) -> Pool:
+        """`service`: the shared gateway's (namespace, name), whose engines publish under its own topic at the
+        ports their EndpointSlices name (set_kv_ports); else the per-service gateway's flags say where."""
         c = self.config
         kv_index = None
         if self.precise:
             from shoal.operator.gateway.kv_index import KVIndex
 
-            kv_index = KVIndex(c.max_blocks)  # one per pool: an index never mixes two models' engines
-        routing = "prefix-load" if c.routing == "precise-prefix" and not self.precise else c.routing
-        router = make_router(routing, c.load_factor, c.affinity_slack, c.cold_slack, c.index_size,
+            # one per pool: an index never mixes two services' engines (two models, two namespaces)
+            kv_index = KVIndex(c.max_blocks)
+        router = make_router(c.routing, c.load_factor, c.affinity_slack, c.cold_slack, c.index_size,
                              index=self.prefix_index, kv_index=kv_index)
         pool = Pool(backends, router, hold_timeout=hold_timeout, max_inflight=max_inflight,
                     queue_timeout=c.queue_timeout)
         if kv_index is not None:
             from shoal.operator.gateway.kv_subscriber import KVSubscribers
 
-            self._kv_subscribers[pool] = KVSubscribers(backends, kv_index, c.kv_events_port,
-                                                       c.kv_events_replay_port or None, c.kv_events_topic,
-                                                       c.kv_events_ports)
+            if service is None:
+                self._kv_subscribers[pool] = KVSubscribers(backends, kv_index, c.kv_events_port,
+                                                           c.kv_events_replay_port or None, c.kv_events_topic,
+                                                           c.kv_events_ports)
+            else:  # the topic filters out any other service's events, even at an address it held a moment ago
+                from shoal.operator.contract import kv_events_topic
+
+                self._kv_subscribers[pool] = KVSubscribers(backends, kv_index, None, None,
+                                                           kv_events_topic(service[1], service[0]))
         pool.on_pick = self._observe_pick
         pool.on_dispatch = self._observe_dispatch
         pool.on_held = self.metrics.held.inc, self.metrics.held.dec
@@ -421,7 +436,7 @@ class Gateway:
 
     def open_pool(self, view) -> Pool:
         """A pool for an InferenceService of the shared gateway (fleet.ServiceView), polled from now on."""
-        pool = self._new_pool(BackendSet(self.config.health), 0.0, 0)
+        pool = self._new_pool(BackendSet(self.config.health), 0.0, 0, service=(view.namespace, view.name))
         self.configure_pool(pool, view)
         if self.session is not None:
             self._start_polling(pool, view.runtime)
@@ -451,8 +466,16 @@ class Gateway:
             pool.on_hold.remove(self._wakers.pop(pool))
         pool.pump()  # more slots, or another priority: waiting requests may go now
 
+    def set_kv_ports(self, pool: Pool, ports: dict[str, tuple[int, int | None]]) -> None:
+        """Which engines of a shared gateway's pool publish KV events, and where (their EndpointSlices' named
+        ports): subscribed to before they become backends."""
+        subscribers = self._kv_subscribers.get(pool)
+        if subscribers is not None and ports != subscribers.ports:
+            subscribers.set_ports(ports)
+
     def close_pool(self, pool: Pool, error: BaseException) -> None:
         pool.close(error)
+        self._tokenize_down.pop(pool, None)
         poller = self._pollers.pop(pool, None)
         if poller is not None:
             poller[1].cancel()
@@ -579,7 +602,10 @@ class Gateway:
         if not self.precise or path not in ROUTED_PATHS or not isinstance(parsed, dict):
             return None
         if parsed.get("cache_salt"):
-            return None  # vLLM hashes it into the prompt's blocks; the index holds no salted block (kv_index.py)
+            # vLLM hashes it into the prompt's blocks; the index holds no salted block (kv_index.py), so a tenant's
+            # salted prompt is never matched against blocks hashed without its salt
+            self.metrics.precise_fallbacks.labels("cache_salt").inc()
+            return None
         if self.prompt_tokenizer is not None:
             tokens = self.prompt_tokenizer.token_ids(path, parsed)
             if tokens is not None or not path.endswith("/chat/completions"):
@@ -609,15 +635,41 @@ class Gateway:
         engines = pool.backends.eligible()
         if not engines or self.session is None:
             return None
+        kv_index = getattr(pool.router, "kv_index", None)
+        if kv_index is not None and not any(v.blocks for v in kv_index.views.values()):
+            self.metrics.precise_fallbacks.labels("no_events").inc()
+            return None  # no engine reports a block: no ids could match, so no round trip for them
+        now = time.monotonic()
+        if self._tokenize_down.get(pool, now) > now:
+            self.metrics.precise_fallbacks.labels("tokenizer_unavailable").inc()
+            return None
         try:
             async with self.session.post(engines[0].url + "/tokenize", json=body, headers=self.poll_headers(pool),
                                          timeout=aiohttp.ClientTimeout(total=self.config.tokenize_timeout)) as r:
-                if r.status != 200:
+                if r.status in (400, 413, 422):  # this prompt refused (too long, malformed): not the engines' fault
+                    self.metrics.precise_fallbacks.labels("tokenize_refused").inc()
                     return None
-                tokens = (await r.json()).get("tokens")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                if r.status != 200:
+                    raise ValueError(f"HTTP {r.status} from {engines[0].url}/tokenize")
+                tokens = (await r.json(content_type=None)).get("tokens")
+                if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                    raise ValueError(f"{engines[0].url}/tokenize answered no token ids")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
+            self._tokenizer_unavailable(pool, e)
             return None
-        return tokens if isinstance(tokens, list) else None
+        if self._tokenize_down.pop(pool, None) is not None:
+            log.info("precise-prefix: the engines of %s tokenize again", pool.key or "the pool")
+        return tokens
+
+    def _tokenizer_unavailable(self, pool: Pool, error: BaseException) -> None:
+        """The pool's engines could not tokenize: its requests route by the approximate index (prefix-load's
+        scoring) for tokenize_backoff seconds, then the engines are asked again."""
+        self.metrics.precise_fallbacks.labels("tokenize_failed").inc()
+        if pool not in self._tokenize_down:
+            log.warning("precise-prefix: the engines of %s cannot tokenize (%s): its requests route by the "
+                        "approximate prefix index, asked again every %gs", pool.key or "the pool",
+                        str(error) or type(error).__name__, self.config.tokenize_backoff)
+        self._tokenize_down[pool] = time.monotonic() + self.config.tokenize_backoff
 
     def engine_body(self, pool: Pool, ticket: Ticket, body: bytes, parsed: Any) -> bytes:
         """The body the engine gets: the client's, with an engine priority for engines that schedule by it (vLLM's

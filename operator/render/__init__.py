@@ -143,7 +143,7 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
     canary_percent = canary.traffic_percent(spec, isvc.get("status")) if canary_spec is not None else None
     if canary_spec is not None and not canary.rolled_back(spec, isvc.get("status")):
         children.append(canary_deployment(isvc, canary_spec, settings))
-    children.append(gateway_service(isvc, spec, multi))
+    children.append(gateway_service(isvc, spec, multi, settings))
     if spec.security.network_policy.enabled:
         children.append(network_policy(isvc, spec, settings, multi))
     if spec.replicas > 1:

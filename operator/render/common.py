@@ -41,6 +41,9 @@ class Settings:
     # The shared gateway (`shoal-gateway --namespace/-A`, deployed by the chart) as "namespace/serviceaccount": its
     # pods (component shared-gateway there) reach every engine, and it may wake services that scale from zero.
     shared_gateway: str | None = None
+    # Its --routing (the chart's sharedGateway.routing): precise-prefix makes every service's engines publish their
+    # KV events to it (render/containers.py publishes_kv_events)
+    shared_gateway_routing: str | None = None
 
 
 def group_name(name: str, replica: int) -> str:

@@ -7,24 +7,33 @@ other.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.operator import api
 from shoal.operator.api import ENGINE_PORT, InferenceServiceSpec, MASTER_PORT
+# precise-prefix routing: each engine publishes its KV events (vLLM's format) on these ports of its pod IP, and a
+# gateway subscribes to every ready engine there (operator/gateway/kv_subscriber.py)
+from shoal.operator.contract import (KV_EVENTS_PORT, KV_EVENTS_PORT_NAME, KV_REPLAY_PORT, KV_REPLAY_PORT_NAME,
+                                     kv_events_topic)
 
-
-# precise-prefix routing: each engine publishes its KV events (vLLM's format) on these ports of its pod IP, and the
-# gateway subscribes to every ready engine there (operator/gateway/kv_subscriber.py).
-KV_EVENTS_PORT = 5557
-KV_REPLAY_PORT = 5558
+if TYPE_CHECKING:
+    from shoal.operator.render.common import Settings
 
 
 def precise_prefix(spec: InferenceServiceSpec) -> bool:
+    """The service's own gateway routes by its engines' KV events (it renders the subscriber's flags)."""
     return spec.gateway.enabled and spec.gateway.routing == "precise-prefix"
 
 
-def kv_events_topic(name: str, namespace: str) -> str:
-    return f"kv@{namespace}/{name}"
+def shared_gateway_precise(settings: "Settings") -> bool:
+    """The chart's shared gateway routes precise-prefix (shoal-operator --shared-gateway-routing): it subscribes to
+    the engines of every service it serves."""
+    return bool(settings.shared_gateway) and settings.shared_gateway_routing == "precise-prefix"
+
+
+def publishes_kv_events(spec: InferenceServiceSpec, settings: "Settings") -> bool:
+    """The engines publish KV events: their own gateway or the shared gateway reads them."""
+    return precise_prefix(spec) or shared_gateway_precise(settings)
 
 
 def kv_events_config(name: str, namespace: str) -> str:
@@ -33,11 +42,19 @@ def kv_events_config(name: str, namespace: str) -> str:
                       separators=(",", ":"))
 
 
-def kv_events_ports(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    if not precise_prefix(spec):
+def kv_events_ports(spec: InferenceServiceSpec, settings: "Settings") -> list[dict[str, Any]]:
+    """The engine container's KV-event ports (named: the engines' Service refers to them by name)."""
+    if not publishes_kv_events(spec, settings):
         return []
-    return [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
-            {"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"}]
+    return [{"name": KV_EVENTS_PORT_NAME, "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+            {"name": KV_REPLAY_PORT_NAME, "containerPort": KV_REPLAY_PORT, "protocol": "TCP"}]
+
+
+def kv_events_service_ports(spec: InferenceServiceSpec, settings: "Settings") -> list[dict[str, Any]]:
+    """The same ports on the Service that lists the serving engines: its EndpointSlices tell the shared gateway
+    which engines publish, and where (operator/gateway/fleet.py)."""
+    return [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+            for p in kv_events_ports(spec, settings)]
 
 
 def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from shoal.operator.contract import (A_GROUP_SIZE, A_REVISION, A_SPEC_HASH, L_CA
 from shoal.operator.render.common import PODTOOLS, Settings, _finish, _meta, group_name, labels, pod_selector
 from shoal.operator.render.containers import (API_KEYS_FILE, API_KEYS_MOUNT, _key_file, _restricted_container,
                                               api_key_volume, kv_events_config, kv_events_ports, mesh_annotations,
-                                              precise_prefix, traces_url, tracing_env)
+                                              publishes_kv_events, traces_url, tracing_env)
 from shoal.operator.render.configmaps import CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_KEY
 from shoal.operator.render.model_cache import (CACHE_DIR, _cache_claimed, _claim_spec, _download_container,
                                                _lease_container, _per_pod_cache, _shared_cache, adapter_cache_cap,
@@ -51,7 +51,7 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
     if spec.tracing is not None and rt.tracing_flag:  # before spec.engine.extraArgs too
         at = len(args) - len(spec.engine.extra_args)
         args[at:at] = [rt.tracing_flag, traces_url(spec.tracing)]
-    if precise_prefix(spec):  # vLLM's flag, the same JSON for both runtimes; before extraArgs
+    if publishes_kv_events(spec, settings):  # vLLM's flag, the same JSON for both runtimes; before extraArgs
         at = len(args) - len(spec.engine.extra_args)
         args[at:at] = ["--kv-events-config", kv_events_config(name, namespace)]
     if rt.name == "shoal" and spec.gpus_per_pod(settings.max_gpus_per_node) == 0:
@@ -220,7 +220,7 @@ def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings
         **runtimes.argv(rt, multi, engine_args(name, namespace, spec, settings, replica=replica)),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
                  + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else [])
-                 + kv_events_ports(spec),
+                 + kv_events_ports(spec, settings),
         # spec.env (in `env`) wins over the OTEL_* variables spec.tracing renders
         "env": [e for e in tracing_env(isvc, spec) if e["name"] not in {u.get("name") for u in spec.env}]
                + (_engine_writable_env(env, spec) if _key_file(spec)

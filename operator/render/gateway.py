@@ -236,7 +236,7 @@ def gateway_disruption_budget(isvc: dict[str, Any], spec: InferenceServiceSpec) 
 
 def gateway_children(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings,
                      multi: bool, canary_percent: int | None = None) -> list[dict[str, Any]]:
-    children = [engines_service(isvc, spec, multi, canary_percent), *gateway_rbac(isvc, spec),
+    children = [engines_service(isvc, spec, multi, canary_percent, settings), *gateway_rbac(isvc, spec),
                 gateway_deployment(isvc, spec, settings), gateway_disruption_budget(isvc, spec)]
     if scales_from_zero(spec):
         children.append(wake_configmap(isvc, spec))

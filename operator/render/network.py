@@ -13,7 +13,8 @@ from shoal.operator import adapters
 from shoal.operator.api import ENGINE_PORT, InferenceServiceSpec, MASTER_PORT
 from shoal.operator.contract import L_CANARY_PERCENT, L_GROUP, L_POD_INDEX, engines_service_name
 from shoal.operator.render.common import Settings, _finish, _meta, gateway_selector, group_name, pod_selector
-from shoal.operator.render.containers import KV_EVENTS_PORT, KV_REPLAY_PORT, precise_prefix
+from shoal.operator.render.containers import (KV_EVENTS_PORT, KV_REPLAY_PORT, kv_events_service_ports, precise_prefix,
+                                              shared_gateway_precise)
 from shoal.operator.render.shared_gateway import shared_gateway_peers
 
 
@@ -42,12 +43,15 @@ def serving_selector(name: str, multi: bool) -> dict[str, str]:
     return selector
 
 
-def gateway_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool) -> dict[str, Any]:
+def gateway_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool,
+                    settings: Settings = Settings()) -> dict[str, Any]:
     name = isvc["metadata"]["name"]
     selector = gateway_selector(name) if spec.gateway.enabled else serving_selector(name, multi)
     ports = [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]
     if spec.gateway.enabled:  # in its EndpointSlices, where the autoscaler finds the gateways' metrics listener
         ports.append(gateway_metrics_service_port())
+    else:  # it lists the serving engines: the shared gateway finds their KV-event ports in its slices
+        ports += kv_events_service_ports(spec, settings)
     return _finish({
         "apiVersion": "v1",
         "kind": "Service",
@@ -78,8 +82,11 @@ def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: S
         peers = copy.deepcopy(spec.security.network_policy.allow_from) or [{"podSelector": {}}]
     peers += shared_gateway_peers(settings)
     rules: list[dict[str, Any]] = [{"from": peers, "ports": http}, *_scraper_rules(spec, settings)]
-    if precise_prefix(spec):  # the service's own gateway subscribes to the engines' KV events
-        rules.append({"from": [{"podSelector": {"matchLabels": gateway_selector(name)}}],
+    # whoever routes by the engines' KV events subscribes to them: the service's own gateway, the shared one
+    subscribers = [{"podSelector": {"matchLabels": gateway_selector(name)}}] if precise_prefix(spec) else []
+    subscribers += shared_gateway_peers(settings) if shared_gateway_precise(settings) else []
+    if subscribers:
+        rules.append({"from": subscribers,
                       "ports": [{"port": KV_EVENTS_PORT, "protocol": "TCP"}, {"port": KV_REPLAY_PORT, "protocol": "TCP"}]})
     if spec.engine.enable_lora and settings.operator_namespace:  # the operator reads the adapter-sync sidecars
         rules.append({"from": [{"namespaceSelector": {"matchLabels": {
@@ -109,7 +116,7 @@ def disruption_budget(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[
 
 
 def engines_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: bool,
-                    canary_percent: int | None = None) -> dict[str, Any]:
+                    canary_percent: int | None = None, settings: Settings = Settings()) -> dict[str, Any]:
     """Headless: no virtual IP, it exists for its EndpointSlices (Ready serving engines), which the gateway watches.
     With a canary its label L_CANARY_PERCENT carries the canary's share to the gateways (through the slices)."""
     name = isvc["metadata"]["name"]
@@ -121,7 +128,9 @@ def engines_service(isvc: dict[str, Any], spec: InferenceServiceSpec, multi: boo
         "spec": {
             "clusterIP": "None",
             "selector": serving_selector(name, multi),
-            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+            # and the KV-event ports where the engines publish: a gateway learns from the slices which do, and where
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
+                      *kv_events_service_ports(spec, settings)],
         },
     })
 

@@ -95,6 +95,34 @@ def test_the_operator_accepts_the_shared_gateway_flag(tmp_path):
                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert bad.returncode != 0 and "NAMESPACE/SERVICEACCOUNT" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "shoal.operator", "--shared-gateway", "a/b",
+                          "--shared-gateway-routing", "exact", "--help"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert bad.returncode != 0 and "--shared-gateway-routing takes prefix-load, precise-prefix" in bad.stderr
+
+
+def test_a_precise_shared_gateway_tells_the_operator_so_and_its_arguments_parse(monkeypatch):
+    """sharedGateway.routing: precise-prefix reaches both: the gateway's --routing, and the operator's
+    --shared-gateway-routing, which has every service's engines publish KV events to it (docs/gateway.md)."""
+    values = {"sharedGateway": {**SHARED["sharedGateway"], "routing": "precise-prefix"}}
+    (dep,) = by_kind(gateway_objects(values), "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    cli = importlib.import_module("shoal.operator.gateway.cli")
+    config = cli.config_from_args(cli.build_parser().parse_args(
+        [a for a in c["args"] if not a.startswith(("--tenant-keys", "--engine-keys"))]))
+    assert config.routing == "precise-prefix"
+    operator = [o for o in render(values) if o["kind"] == "Deployment"
+                and o["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"][0]
+    (op,) = operator["spec"]["template"]["spec"]["containers"]
+    assert "--shared-gateway-routing=precise-prefix" in op["args"]
+    main = importlib.import_module("shoal.operator.__main__")
+    env, _ = main.parse(op["args"])
+    assert env["SHOAL_SHARED_GATEWAY_ROUTING"] == "precise-prefix"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = importlib.import_module("shoal.operator.handlers").settings_from_env()
+    containers = importlib.import_module("shoal.operator.render.containers")
+    assert containers.shared_gateway_precise(settings)  # what the engines then render: tests/operator
 
 
 @pytest.mark.parametrize("values, message", [

@@ -374,6 +374,7 @@ def test_precise_prefix_makes_engines_publish_kv_events_to_their_gateway(runtime
                       "replay_endpoint": "tcp://*:5558", "topic": "kv@team-a/llm"}
     assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in engine["ports"]
     assert {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"} in engine["ports"]
+    assert [p["name"] for p in k[("Service", "llm-engines")]["spec"]["ports"]] == ["http", "kv-events", "kv-replay"]
     # only this service's gateway pods may subscribe
     rule = next(r for r in k[("NetworkPolicy", "llm")]["spec"]["ingress"] if {"port": 5557, "protocol": "TCP"}
                 in r.get("ports", []))
@@ -389,3 +390,47 @@ def test_precise_prefix_makes_engines_publish_kv_events_to_their_gateway(runtime
     plain = kids({"runtime": runtime, "model": model})[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0]
     assert "--kv-events-config" not in plain.get("command", []) + plain["args"]
     assert [p["name"] for p in plain["ports"]] == ["http"]
+
+
+@pytest.mark.parametrize("own_gateway", [True, False], ids=["own-gateway", "no-own-gateway"])
+def test_a_precise_shared_gateway_has_every_services_engines_publish_and_may_subscribe(own_gateway):
+    """shoal-operator --shared-gateway-routing precise-prefix (the chart's sharedGateway.routing): every service's
+    engines publish KV events whatever its own gateway routes, the Service the shared gateway discovers them through
+    names the ports (its EndpointSlices say which engines publish), and the NetworkPolicy lets the shared
+    gateway's pods, not the service's own gateway, read them."""
+    import dataclasses
+    import json
+
+    shared = dataclasses.replace(SETTINGS, shared_gateway="shoal-system/shoal-gateway",
+                                 shared_gateway_routing="precise-prefix")
+    spec = {"gateway": {"enabled": own_gateway}}
+    k = {(c["kind"], c["metadata"]["name"]): c for c in render.render(isvc(spec), shared)}
+    engine = k[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0]
+    config = json.loads(engine["args"][engine["args"].index("--kv-events-config") + 1])
+    assert config["topic"] == "kv@team-a/llm"
+    assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in engine["ports"]
+    discovered = k[("Service", "llm-engines" if own_gateway else "llm")]
+    assert {"name": "kv-events", "port": 5557, "targetPort": "kv-events", "protocol": "TCP"} in \
+        discovered["spec"]["ports"]
+    assert {"name": "kv-replay", "port": 5558, "targetPort": "kv-replay", "protocol": "TCP"} in \
+        discovered["spec"]["ports"]
+    if own_gateway:  # the Service clients use selects the gateway pods: no engine port there
+        assert [p["name"] for p in k[("Service", "llm")]["spec"]["ports"]] == ["http", "metrics"]
+    (rule,) = [r for r in k[("NetworkPolicy", "llm")]["spec"]["ingress"]
+               if {"port": 5557, "protocol": "TCP"} in r.get("ports", [])]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "shoal-system"}},
+                             "podSelector": {"matchLabels": {L_COMPONENT: "shared-gateway"}}}]
+    if own_gateway:  # its own gateway routes prefix-load: it gets no KV-events flags
+        args = k[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--kv-events-port" not in args and args[args.index("--routing") + 1] == "prefix-load"
+    version = kubernetes_validate.latest_version()
+    for obj in k.values():
+        kubernetes_validate.validate(obj, version, strict=True)
+    # a shared gateway that routes otherwise (or none) leaves the engines as they were
+    for settings in (dataclasses.replace(shared, shared_gateway_routing="prefix-load"),
+                     dataclasses.replace(SETTINGS, shared_gateway_routing="precise-prefix")):
+        plain = {(c["kind"], c["metadata"]["name"]): c for c in render.render(isvc(spec), settings)}
+        container = plain[("Deployment", "llm")]["spec"]["template"]["spec"]["containers"][0]
+        assert "--kv-events-config" not in container["args"] and [p["name"] for p in container["ports"]] == ["http"]
+        assert [p["name"] for p in plain[("Service", "llm-engines" if own_gateway else "llm")]["spec"]["ports"]] \
+            in (["http"], ["http", "metrics"])
