@@ -48,6 +48,28 @@ def model_dir(shape: str) -> Path:
     return path
 
 
+def vllm_model_dir(path: Path) -> Path:
+    """The same checkpoint under the names vLLM's LLaVA loads: its vision tower is transformers' older
+    CLIPVisionModel/SiglipVisionModel wrapper (`vision_tower.vision_model.*`). Same weights, same files else."""
+    from safetensors.torch import load_file, save_file
+
+    out = path.with_name(path.name + "-vllm-names")
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(str(f))
+            renamed = {("vision_tower.vision_model." + k[len("vision_tower."):]
+                        if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
+                       for k, v in tensors.items()}
+            save_file(renamed, str(out / f.name), metadata={"format": "pt"})
+        elif f.name != "config.json" and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    (out / "config.json").write_bytes((path / "config.json").read_bytes())  # last: the copy is whole
+    return out
+
+
 def write_images(folder: Path, n: int, size: int) -> list[str]:
     import numpy as np
     from PIL import Image
@@ -101,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             for runtime, python in engines:  # interleaved: a machine's drift lands on both sides alike
                 if variant == "no-encoder-cache" and runtime != "shoal":
                     continue
-                runs.append(run(python, {**spec, "runtime": runtime}, variant))
+                model_for = str(vllm_model_dir(model)) if runtime == "vllm" else spec["model"]
+                runs.append(run(python, {**spec, "runtime": runtime, "model": model_for}, variant))
     if args.json:
         print(json.dumps({"shape": args.shape, "dtype": args.dtype, "runs": runs}))
         return 0
