@@ -110,7 +110,9 @@ class KVSubscribers:
                     duplicates.clear()
                 if sub not in ready:
                     continue
-                _topic, seq_bytes, payload = await sub.recv_multipart()
+                topic, seq_bytes, payload = await sub.recv_multipart()
+                if self.topic and topic != self.topic:  # ZMQ filters by prefix: kv@ns/llm also takes kv@ns/llm2
+                    continue
                 seq = int.from_bytes(seq_bytes, "big")
                 if duplicates:
                     if duplicates.get(seq) == payload:

@@ -243,3 +243,48 @@ async def test_a_pool_whose_engines_cannot_tokenize_routes_approximately_and_sto
         finally:
             await client.close()
             await gw.stop()
+
+
+async def test_a_subscriber_takes_its_own_topic_only_not_every_topic_it_prefixes():
+    """ZMQ's subscription filter is a prefix: the subscriber of kv@team-a/m would also receive kv@team-a/m2's
+    batches from an address a pod of service m2 now holds. It applies exactly its own topic's."""
+    import time as clock
+
+    import zmq
+
+    from shoal.operator.gateway.backends import BackendSet
+    from shoal.operator.gateway.kv_index import KVIndex
+    from shoal.operator.gateway.kv_subscriber import KVSubscribers
+
+    url, port = f"http://127.0.0.1:{free_port()}", free_port()
+    ours, theirs = kv_events_topic("m", "team-a"), kv_events_topic("m2", "team-a")
+    assert theirs.startswith(ours)
+    encoder = KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, publisher="null"), BLOCK, "CPU")
+    mine, other = token_ids(PREFIX), token_ids("another service's prompt, cached over there. " * 3)
+
+    def batch(tokens: list[int]) -> bytes:
+        hashes = list(hash_chain(tokens, BLOCK))
+        return encoder.encode(clock.time(), [("BlockStored", hashes, None, tokens[:BLOCK * len(hashes)], None)], {})
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    backends, index = BackendSet(), KVIndex()
+    backends.replace({url})
+    subs = KVSubscribers(backends, index, None, None, ours, ports={url: (port, None)})
+    subs.start()
+    try:
+        deadline = time.monotonic() + BOUND
+        while (view := index.views.get(url)) is None or view.last_seq < 1:
+            assert time.monotonic() < deadline, "the subscriber never applied its own topic's batch"
+            # the other service's batch first, as seq 0; ours as seq 1: taken, the other's would stay indexed
+            pub.send_multipart((theirs.encode(), (0).to_bytes(8, "big"), batch(other)))
+            pub.send_multipart((ours.encode(), (1).to_bytes(8, "big"), batch(mine)))
+            await asyncio.sleep(0.05)
+        assert index.matches([url], mine) == {url: len(mine) // BLOCK}
+        assert index.matches([url], other) == {}
+    finally:
+        await subs.close()
+        encoder.close()
+        pub.close(linger=0)
+        ctx.term()
