@@ -154,9 +154,6 @@ class LLMEngine:
         if accepts_images(self.hf_config):
             from shoal.engine.core.images import ImageInputs
 
-            if config.world_size > 1:  # the parallel executors do not carry a step's images to the other ranks yet
-                raise ValueError(f"{self.model_dir.name}: vision-language models run on one process only for now "
-                                 "(drop --tensor-parallel-size / --pipeline-parallel-size)")
             limits = config.limit_mm_per_prompt or MultiModalLimits()
             self.images = ImageInputs(self.model_dir, self.hf_config, limits.image, config.max_image_pixels)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,16 @@ def split_micro_batches(inputs: StepInputs, m: int) -> list[StepInputs]:
             lora_slot_ids=inputs.lora_slot_ids,
             state_slots=None if inputs.state_slots is None else inputs.state_slots[a:b],
             state_restore=None if inputs.state_restore is None else inputs.state_restore[a:b],
-            state_save=None if inputs.state_save is None else inputs.state_save[a:b]))
+            state_save=None if inputs.state_save is None else inputs.state_save[a:b],
+            images=_images_within(inputs.images, t0, t1)))
     return out
+
+
+def _images_within(images, t0: int, t1: int):
+    """The image slices whose rows fall in [t0, t1), re-based to the micro-batch (a slice never spans two: it lies
+    inside one sequence's chunk, and micro-batches hold whole sequences)."""
+    inside = [replace(im, row=im.row - t0) for im in images or () if t0 <= im.row < t1]
+    return inside or None
 
 
 @dataclass

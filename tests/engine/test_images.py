@@ -141,12 +141,6 @@ def test_text_only_model_refuses_images(llama_model):
         engine.shutdown()
 
 
-def test_parallel_engines_refuse_a_vision_language_model(llava_model):
-    # the parallel executors do not carry a step's images to the other ranks: refused at start, not served wrong
-    with pytest.raises(ValueError, match="one process only"):
-        LLM(llava_model, dtype="float32", num_kv_blocks=16, max_model_len=64, pipeline_parallel_size=2)
-
-
 def test_kv_events_leave_out_the_blocks_holding_an_image():
     # a router rebuilds block hashes from the published tokens: an image block published would be indexed as the
     # text-only prefix's (and flip the gateway's "this engine hashes like me" check), so only text blocks are told

@@ -93,8 +93,10 @@ def vision_language(decoder_cls: type) -> type:
             full = AutoConfig.for_model(**config.llava_config)  # the wrapper's config, kept as a dict
             self.llava = full
             self.vision_dtype = dtype
-            self.vision_tower = AutoModel.from_config(full.vision_config, dtype=dtype)
-            self.multi_modal_projector = Projector(full, dtype)
+            self.vision_tower = self.multi_modal_projector = None
+            if self.ps.is_first_stage:  # later pipeline stages get the embeddings, image features in place, sent on
+                self.vision_tower = AutoModel.from_config(full.vision_config, dtype=dtype)
+                self.multi_modal_projector = Projector(full, dtype)
 
         @torch.inference_mode()
         def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,8 @@ def vision_language(decoder_cls: type) -> type:
             super().load_weights(_DecoderView(src))
             for module, prefixes in ((self.vision_tower, _VISION_PREFIXES),
                                      (self.multi_modal_projector, _PROJECTOR_PREFIXES)):
+                if module is None:
+                    continue
                 params = [n for n, _ in module.named_parameters()]
                 prefix = next((p for p in prefixes if src.has(p + params[0])), prefixes[0])
                 missing = [n for n in params if not src.has(prefix + n)]

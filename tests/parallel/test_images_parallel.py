@@ -1,0 +1,36 @@
+"""Images under tensor and pipeline parallelism (gloo, worker processes on this machine): a step's image slices
+travel to every rank with its plan, each rank runs the (replicated) vision tower for the images its embedding
+needs, and pipeline micro-batches carry the slices of their own sequences. Greedy output equals transformers'
+LLaVA, chunked prefill across the image's tokens included."""
+
+from __future__ import annotations
+
+import pytest
+
+from imagekit import hf_llava_greedy, make_image
+from shoal.engine import LLM, SamplingParams
+
+pytest.importorskip("PIL")
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 6
+PROMPTS = [("Hello <image> What is the capital of France?", [make_image(1)]),
+           ("<image> and <image> The quick brown fox", [make_image(2), make_image(3, 30, 70)]),
+           ("Once upon a time there was", []),
+           ("A picture: <image>", [make_image(4)])]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_images_with_parallel_ranks_match_transformers(llava_model, tp, pp):
+    # 10 tokens a step: each image's 16 tokens are prefilled over two or three steps, mixed with other sequences'
+    # chunks and decodes, so pipeline micro-batches (three) hold image slices at uneven offsets
+    with LLM(llava_model, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             distributed={"micro_batches": 3}, num_kv_blocks=96, block_size=4, max_model_len=96,
+             max_num_batched_tokens=10) as llm:
+        outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": ims}} for t, ims in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+        for out, (text, images) in zip(outs, PROMPTS):
+            prompt, ids = hf_llava_greedy(llava_model, text, images, MAX_NEW)
+            assert out.prompt_token_ids == prompt, text
+            assert out.outputs[0].token_ids == ids, text
+        llm.llm_engine.pool.check_all_free()
