@@ -11,7 +11,7 @@ import argparse
 import ipaddress
 import json
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -208,6 +208,58 @@ class KVEventsConfig(BaseModel):
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
 
 
+class KVTransferConfig(BaseModel):
+    """Prefill/decode disaggregation (vLLM's --kv-transfer-config JSON): a producer engine prefills prompts and
+    serves their KV blocks by block hash; a consumer engine, given a request's `kv_transfer_params`, pulls the
+    prompt's blocks from the producer before it schedules the request (engine/core/kv_transfer.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kv_connector: str = Field(description='the transport: "ShoalConnector" (KV blocks over the engines\' HTTP port)')
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = Field(
+        description="kv_producer serves its prompts' KV, kv_consumer pulls it, kv_both does either")
+    kv_buffer_size: float = Field(default=1e9, gt=0, description="bytes of host memory a consumer keeps pulled blocks "
+                                                               "in until its prefill reads them (when it has no "
+                                                               "--kv-offloading-size tier to put them in)")
+    engine_id: str | None = Field(default=None, description="this engine's name in the kv_transfer_params it returns "
+                                                            "(default: a random one per process)")
+    kv_connector_extra_config: dict[str, Any] = Field(
+        default_factory=dict, description='{"pull_timeout": seconds (default 10)}: how long a consumer waits for a '
+                                          'producer before it prefills the prompt itself')
+
+    @field_validator("kv_connector")
+    @classmethod
+    def _known_connector(cls, value: str) -> str:
+        if value != "ShoalConnector":
+            raise ValueError(f"kv_connector {value!r} is not available in Shoal: only 'ShoalConnector' (KV blocks "
+                             "between Shoal engines over their HTTP port); NIXL, LMCache and Mooncake are not built in")
+        return value
+
+    @field_validator("kv_connector_extra_config")
+    @classmethod
+    def _extra(cls, value: dict) -> dict:
+        unknown = set(value) - {"pull_timeout"}
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {sorted(unknown)}; known: pull_timeout")
+        timeout = value.get("pull_timeout", 10.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"kv_connector_extra_config.pull_timeout must be a positive number of seconds, got "
+                             f"{timeout!r}")
+        return value
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def pull_timeout(self) -> float:
+        return float(self.kv_connector_extra_config.get("pull_timeout", 10.0))
+
+
 class EngineConfig(BaseModel):
     """Every engine option. A field with a Flag is a `shoal-engine serve` flag (shoal.engine.flags derives it)."""
 
@@ -333,6 +385,12 @@ class EngineConfig(BaseModel):
                 '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
                 '"replay_endpoint": "tcp://*:5558", "topic": "kv"}', type=parse_json_object("--kv-events-config"),
         metavar="JSON")] = None
+    kv_transfer_config: Annotated[KVTransferConfig | None, Flag(
+        ENGINE, 'prefill/decode disaggregation, vLLM\'s flag, as a JSON object: {"kv_connector": "ShoalConnector", '
+                '"kv_role": "kv_producer"|"kv_consumer"|"kv_both"}. A producer answers a request carrying '
+                'kv_transfer_params {"do_remote_decode": true} with the kv_transfer_params a consumer needs to pull '
+                'the prompt\'s KV from it; needs prefix caching', type=parse_json_object("--kv-transfer-config"),
+        metavar="JSON")] = None
     enable_lora: Annotated[bool, Flag(
         LORA, "serve LoRA adapters (PEFT directories) of the base model; one batch mixes adapters and the base "
               "model; clients name an adapter as `model`")] = False
@@ -347,7 +405,8 @@ class EngineConfig(BaseModel):
 
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
-    @field_validator("speculative_config", "pooler_config", "kv_events_config", "limit_mm_per_prompt", mode="before")
+    @field_validator("speculative_config", "pooler_config", "kv_events_config", "kv_transfer_config",
+                     "limit_mm_per_prompt", mode="before")
     @classmethod
     def _parse_json_config(cls, value):
         return json.loads(value) if isinstance(value, str) else value
@@ -386,6 +445,9 @@ class EngineConfig(BaseModel):
         if self.kv_offloading_disk_path is not None and self.kv_offloading_size is None:
             raise ValueError("the disk tier takes what the host-memory tier lets go: kv_offloading_disk_path needs "
                              "kv_offloading_size")
+        if self.kv_transfer_config is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_transfer_config moves a prompt's KV blocks by their prefix-cache hashes: it needs "
+                             "prefix caching (drop --no-enable-prefix-caching)")
         if self.kv_offloading_size is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size keeps evicted prefix-cache blocks: it needs prefix caching (drop "
                              "--no-enable-prefix-caching)")

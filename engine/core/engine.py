@@ -212,11 +212,24 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size, self.prefix_caching, events=self.kv_events is not None)
         self.state_pool = StatePool(config.max_num_seqs) if self.state_bytes else None
         try:
-            self.tiers = self._kv_tiers(num_blocks) if config.kv_offloading_size is not None else None
+            transfer = config.kv_transfer_config
+            wants_tiers = config.kv_offloading_size is not None or (transfer is not None and transfer.consumes)
+            self.tiers = self._kv_tiers(num_blocks) if wants_tiers else None
         except BaseException:
             if self.kv_events is not None:
                 self.kv_events.close()
             raise
+        self.kv_transfer = None  # core/kv_transfer.KVTransfer with --kv-transfer-config (prefill/decode split)
+        if config.kv_transfer_config is not None:
+            from shoal.engine.core.kv_transfer import KVTransfer
+
+            try:
+                self.kv_transfer = KVTransfer(self)
+            except BaseException:
+                self.executor.shutdown()
+                if self.kv_events is not None:
+                    self.kv_events.close()
+                raise
         checkpoints = StateCheckpoints(config.max_num_seqs, self.num_checkpoints) if self.num_checkpoints else None
         self.sleep_level = 0  # 0 awake, else the level of the last sleep (sleep mode)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens,
@@ -309,21 +322,26 @@ class LLMEngine:
         from shoal.engine.execution.kv_offload import OffloadSpec
 
         c = self.config
+        flag = "--kv-offloading-size" if c.kv_offloading_size is not None else "--kv-transfer-config"
         why = ("an encoder-only model keeps no KV cache" if self.is_encoder else
                "a hybrid model's prefix hits need its recurrent state, which is not offloaded" if self.state_bytes
                else None)
         if why:
             self.executor.shutdown()
-            raise ValueError(f"--kv-offloading-size: {why}")
+            raise ValueError(f"{flag}: {why}")
         per_block = self.executor.bytes_per_block(c.block_size) * c.world_size
-        sizes = {"--kv-offloading-size": c.kv_offloading_size, "--kv-offloading-disk-size": c.kv_offloading_disk_size}
-        blocks = {flag: int(gib * 2**30 // per_block) if gib else 0 for flag, gib in sizes.items()}
-        for flag, n in blocks.items():
-            if sizes[flag] and n < 1:
+        # a consumer of prefill/decode disaggregation without an offload tier lands its pulled blocks in one
+        # of kv_buffer_size bytes
+        cpu_gib = c.kv_offloading_size if c.kv_offloading_size is not None else \
+            c.kv_transfer_config.kv_buffer_size / 2**30
+        sizes = {flag: cpu_gib, "--kv-offloading-disk-size": c.kv_offloading_disk_size}
+        blocks = {name: int(gib * 2**30 // per_block) if gib else 0 for name, gib in sizes.items()}
+        for name, n in blocks.items():
+            if sizes[name] and n < 1:
                 self.executor.shutdown()
-                raise ValueError(f"{flag} {sizes[flag]} GiB holds no KV block ({per_block} bytes each over "
+                raise ValueError(f"{name} {sizes[name]:g} GiB holds no KV block ({per_block} bytes each over "
                                  f"{c.world_size} rank(s)): raise it")
-        spec = OffloadSpec(blocks["--kv-offloading-size"], blocks["--kv-offloading-disk-size"],
+        spec = OffloadSpec(blocks[flag], blocks["--kv-offloading-disk-size"],
                            c.kv_offloading_disk_path, report_changes=self.kv_events is not None)
         try:
             self.executor.enable_kv_offload(spec)

@@ -108,6 +108,10 @@ class BlockPool:
                 else:
                     self._free[block_id] = None
 
+    def cached_block(self, block_hash: int) -> int | None:
+        """The id of the block the prefix cache holds under `block_hash` (None: not cached); takes no reference."""
+        return self._cached.get(block_hash)
+
     def lookup_prefix(self, token_ids: list[int], max_tokens: int, salt: int | None = None, usable=None,
                       extra_keys=None) -> tuple[list[int], list[int]]:
         """Longest run of cached full blocks that prefixes token_ids, covering at most max_tokens tokens.

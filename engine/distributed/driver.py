@@ -53,6 +53,7 @@ class DistributedExecutor(DraftHost):
         port = rendezvous_port(dcfg)
         tag_logs(rank_label(0, tp, pp))
         self.failure: str | None = None
+        self._rank_nbytes: list[int] | None = None  # one KV block's bytes per rank (asked once, for KV transfer)
         self._lock = threading.Lock()
         self._closed = False
         self._threads_before = None
@@ -175,6 +176,17 @@ class DistributedExecutor(DraftHost):
 
     def kv_take_changes(self) -> list[tuple[str, str, int]]:
         return self.worker.offload.take_changes()  # rank 0's: every rank's tiers change alike
+
+    def kv_rank_nbytes(self) -> list[int]:
+        if self._rank_nbytes is None:
+            self._rank_nbytes = self.collective_rpc("kv_rank_nbytes")
+        return self._rank_nbytes
+
+    def kv_export(self, pairs: list[tuple[int, int]]) -> list[bytes]:
+        return self.collective_rpc("kv_export", pairs)
+
+    def kv_import(self, items: list[tuple[int, bytes]]) -> None:
+        self.collective_rpc("kv_import", items, self.kv_rank_nbytes())
 
     def sleep(self, level: int) -> None:
         self.collective_rpc("sleep", level)

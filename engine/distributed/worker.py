@@ -93,6 +93,36 @@ class Worker:
     def kv_clear(self) -> None:
         self.offload.clear()
 
+    def kv_rank_nbytes(self) -> list[int] | None:
+        """One block's bytes on every rank, gathered on rank 0 (None elsewhere)."""
+        from shoal.engine.execution.kv_offload import block_nbytes
+
+        return self._gather(block_nbytes(self.shard.runner))
+
+    def kv_export(self, pairs: list[tuple[int, int]]) -> list[bytes] | None:
+        """Every rank's bytes of the blocks, concatenated in rank order on rank 0 (None elsewhere), up to the first
+        block some rank cannot give."""
+        from shoal.engine.execution.kv_offload import export_blocks
+
+        mine = [row.numpy().tobytes() for row in export_blocks(self.shard.runner, self.offload, pairs)]
+        ranks = self._gather(mine)
+        if ranks is None:
+            return None
+        n = min(len(r) for r in ranks)
+        return [b"".join(r[i] for r in ranks) for i in range(n)]
+
+    def kv_import(self, items: list[tuple[int, bytes]], rank_nbytes: list[int]) -> None:
+        """Each rank keeps its own slice of every block (rank_nbytes: the slices' sizes, in rank order)."""
+        r = self.group.rank
+        start = sum(rank_nbytes[:r])
+        self.offload.put([(h, torch.frombuffer(bytearray(data[start:start + rank_nbytes[r]]), dtype=torch.uint8))
+                          for h, data in items])
+
+    def _gather(self, obj):
+        out = [None] * self.group.world_size if self.group.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group.control)
+        return out
+
     def sleep(self, level: int) -> None:
         self.shard.runner.sleep(level)
 

@@ -22,7 +22,7 @@ import torch
 from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
 from shoal.engine.execution.drafter import DraftHost
 from shoal.engine.execution.graph_capture import decode_capture_backend
-from shoal.engine.execution.kv_offload import KVOffloader, OffloadSpec
+from shoal.engine.execution.kv_offload import KVOffloader, OffloadSpec, block_nbytes, export_blocks
 from shoal.engine.execution.runner import ModelRunner, profile_peak_memory
 from shoal.engine.execution.sampling import Sampler, SamplerOutput, SamplingRow
 
@@ -79,6 +79,17 @@ class Executor(Protocol):
     def kv_take_changes(self) -> list[tuple[str, str, int]]:
         """What rank 0's tiers stored and dropped since the last call, in order (with OffloadSpec.report_changes)."""
 
+    # Prefill/decode disaggregation (core/kv_transfer.py): a prompt's blocks out of one engine and into another
+    def kv_rank_nbytes(self) -> list[int]:
+        """One block's bytes on each rank, in rank order (a block moves as their concatenation)."""
+
+    def kv_export(self, pairs: list[tuple[int, int]]) -> list[bytes]:
+        """Each (block hash, block id or -1 for the tiers) pair's bytes, every rank's shard concatenated in rank
+        order, up to the first block some rank cannot give."""
+
+    def kv_import(self, items: list[tuple[int, bytes]]) -> None:
+        """Keep blocks exported by an engine of the same layout in every rank's first offload tier."""
+
     # Draft-model speculative decoding (execution/drafter.py: where the draft model runs, and why there)
     def load_drafter(self, model_dir, hf_config, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
         """Load the draft model (before allocate_kv_cache, which then gives it a cache of the same blocks;
@@ -125,6 +136,15 @@ class UniProcExecutor(DraftHost):
 
     def kv_take_changes(self) -> list[tuple[str, str, int]]:
         return self.offload.take_changes()
+
+    def kv_rank_nbytes(self) -> list[int]:
+        return [block_nbytes(self.runner)]
+
+    def kv_export(self, pairs: list[tuple[int, int]]) -> list[bytes]:
+        return [row.numpy().tobytes() for row in export_blocks(self.runner, self.offload, pairs)]
+
+    def kv_import(self, items: list[tuple[int, bytes]]) -> None:
+        self.offload.put([(h, torch.frombuffer(bytearray(data), dtype=torch.uint8)) for h, data in items])
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.runner.bytes_per_block(block_size)

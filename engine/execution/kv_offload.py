@@ -189,6 +189,18 @@ class KVOffloader:
                 return tier.load(h)  # None: damaged (dropped by the tier)
         return None
 
+    def read(self, h: int) -> torch.Tensor | None:
+        """One block's bytes from the tiers (or a pending copy), or None (not held, or damaged)."""
+        with self._lock:
+            return self._read(h)
+
+    def put(self, items: list[tuple[int, torch.Tensor]]) -> None:
+        """Keep blocks that arrived from another engine (prefill/decode disaggregation) in the first tier, where
+        the next prefix lookup finds them."""
+        with self._lock:
+            for h, data in items:
+                self.tiers[0].store(h, data)
+
     def remove(self, hashes: list[int]) -> None:
         with self._lock:
             for h in hashes:
@@ -232,3 +244,24 @@ class KVOffloader:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(5)
+
+
+def export_blocks(runner, offload: KVOffloader | None, pairs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """This rank's bytes of each (block hash, block id) pair, in order, up to the first it cannot give: a block id
+    of -1 is read from the offload tiers, any other from the KV cache (the engine calls between steps, so the
+    block is not being written)."""
+    cached = [b for _, b in pairs if b >= 0]
+    rows = iter(BlockLayout(runner.kv_caches).gather(cached).cpu()) if cached else iter(())
+    out = []
+    for h, b in pairs:
+        data = next(rows) if b >= 0 else offload.read(h) if offload is not None else None
+        if data is None:
+            break
+        out.append(data)
+    return out
+
+
+def block_nbytes(runner) -> int:
+    """One block's bytes of this rank's shard of the KV cache."""
+    return BlockLayout(runner.kv_caches).nbytes
+

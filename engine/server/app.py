@@ -30,7 +30,7 @@ from aiohttp.abc import AbstractAccessLogger
 from shoal.engine import startup
 from shoal.engine.core.async_engine import AsyncEngine, EngineError
 from shoal.engine.core.engine import SleepError
-from shoal.engine.server import anthropic_api, embeddings_api
+from shoal.engine.server import anthropic_api, embeddings_api, kv_transfer_api
 from shoal.engine.server import openai_api as oai
 from shoal.engine.server import responses_api
 from shoal.engine.server.common import (
@@ -391,6 +391,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, *, api_key: str | Key
     r.add_post("/v1/embeddings", embeddings_api.create_embedding)
     responses_api.add_routes(app, ResponseStore() if response_store is None else response_store)
     anthropic_api.add_routes(app)
+    kv_transfer_api.add_routes(app)
     r.add_get("/v1/models", models_route)
     r.add_post("/v1/load_lora_adapter", load_lora_adapter)
     r.add_post("/v1/unload_lora_adapter", unload_lora_adapter)

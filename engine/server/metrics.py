@@ -262,6 +262,17 @@ class ServerMetrics(MetricsSink):
         self.embedding_tokens = Counter(
             PREFIX + "embedding_prompt_tokens", "Prompt tokens pooled into embeddings (also in prompt_tokens).", ln,
             registry=r)
+        self.kv_transfer_blocks = Counter(
+            PREFIX + "kv_transfer_blocks", "Prefill/decode disaggregation: KV blocks this engine pulled from a "
+            "producer (pulled), asked for but the producer no longer held (missed: computed here), or served to a "
+            "consumer (served).", ln + ["direction"], registry=r)
+        self.kv_transfer_fallbacks = Counter(
+            PREFIX + "kv_transfer_fallbacks", "Prompts a consumer prefilled itself instead of pulling their KV, by "
+            "reason (unreachable, timeout, refused, incompatible, corrupted, malformed, images, lora).",
+            ln + ["reason"], registry=r)
+        self.kv_transfer_pull_seconds = Histogram(
+            PREFIX + "kv_transfer_pull_seconds", "Time a consumer spent pulling one prompt's KV blocks.", ln,
+            buckets=LATENCY_BUCKETS, registry=r)
         # Children bound once (label lookups are not free on the hot path).
         self._ttft = self.ttft.labels(model_name)
         self._itl = self.itl.labels(model_name)
@@ -309,6 +320,17 @@ class ServerMetrics(MetricsSink):
             self._prompt_len.observe(len(output.prompt_token_ids))
         if output.outputs:
             self._gen_len.observe(m.num_generation_tokens)
+
+    def kv_transfer_pulled(self, got: int, missed: int, seconds: float) -> None:
+        self.kv_transfer_blocks.labels(self.model_name, "pulled").inc(got)
+        self.kv_transfer_blocks.labels(self.model_name, "missed").inc(missed)
+        self.kv_transfer_pull_seconds.labels(self.model_name).observe(seconds)
+
+    def kv_transfer_served(self, blocks: int) -> None:
+        self.kv_transfer_blocks.labels(self.model_name, "served").inc(blocks)
+
+    def kv_transfer_fallback(self, reason: str) -> None:
+        self.kv_transfer_fallbacks.labels(self.model_name, reason).inc()
 
     def on_structured_request(self, kind: str) -> None:
         self.structured_requests.labels(self.model_name, kind).inc()

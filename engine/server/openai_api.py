@@ -21,7 +21,7 @@ from aiohttp import web
 from shoal.engine.core.async_engine import EngineDeadError, EngineError, RequestStream
 from shoal.engine.core.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from shoal.engine.core.structured_outputs import GrammarError
-from shoal.engine.server import structured, tools
+from shoal.engine.server import kv_transfer_api, structured, tools
 from shoal.engine.server.common import (
     ServerState,
     check_model,
@@ -495,7 +495,7 @@ async def _stream(request: web.Request, api: _Endpoint, base_id: str, created: i
     return sse.resp
 
 
-async def _respond(api: _Endpoint, base_id: str, created: int, model: str) -> web.Response:
+async def _respond(api: _Endpoint, base_id: str, created: int, model: str, extra: dict | None = None) -> web.Response:
     """The one non-streaming path: every job's deltas added up, then rendered."""
     jobs, n = api.jobs, api.n
     finals: list[RequestOutput | None] = [None] * len(jobs)
@@ -520,7 +520,7 @@ async def _respond(api: _Endpoint, base_id: str, created: int, model: str) -> we
     usage = _usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens)
     return json_response({"id": base_id, "object": api.object_full, "created": created, "model": model,
                           "choices": choices, "usage": usage, "system_fingerprint": None,
-                          **api.response_fields(finals)}, headers={"X-Request-Id": base_id})
+                          **api.response_fields(finals), **(extra or {})}, headers={"X-Request-Id": base_id})
 
 
 async def _run(request: web.Request, state: ServerState, api: _Endpoint, params, req, id_prefix: str,
@@ -529,13 +529,19 @@ async def _run(request: web.Request, state: ServerState, api: _Endpoint, params,
     created = int(time.time())
     lora = check_model(state, req.model)  # a LoRA adapter's name, or None for the base model
     model = lora or state.served_model_name
+    transfer = kv_transfer_api.parse(req.kv_transfer_params)
+    kv_transfer_api.check(state, transfer, bool(req.stream))
     state.active_handlers += 1
     try:
+        await kv_transfer_api.pull_before(request, state, transfer, api.jobs, lora)
         await start_jobs(state, base_id, api.jobs, params, req.priority, prompt_param, lora)
         try:
             if req.stream:
                 return await _stream(request, api, base_id, created, model, req.include_usage)
-            return await _respond(api, base_id, created, model)
+            extra = {}
+            if transfer is not None and transfer.do_remote_decode:
+                extra["kv_transfer_params"] = await kv_transfer_api.producer_answer(request, state)
+            return await _respond(api, base_id, created, model, extra)
         finally:
             end_jobs(request, state, api.jobs, id_prefix, model)
     finally:

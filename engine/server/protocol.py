@@ -130,6 +130,8 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's prefill/decode disaggregation field (server/kv_transfer_api.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("best_of")
     @classmethod
