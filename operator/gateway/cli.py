@@ -51,6 +51,14 @@ class Process:
     all_namespaces: bool = option(False, "source", "the shared gateway serves the InferenceServices of every "
                                   "namespace", aliases=("-A",))
     port_name: str | None = option(None, "source", "the EndpointSlice port to use (default: the first TCP port)")
+    prefill_endpoint: tuple[str, ...] = option(
+        (), "source", "a prefill engine's base URL (repeatable): prefill/decode disaggregation. Each completion's "
+        "prefill runs there first and its engine from --endpoint/--service decodes, pulling the prompt's KV "
+        "(engines started with --kv-transfer-config: kv_producer here, kv_consumer there); with no prefill engine "
+        "usable the decode engine prefills itself", repeat=True, type=endpoint_url, metavar="URL")
+    prefill_service: str | None = option(
+        None, "source", "discover the prefill engines from this Kubernetes Service's EndpointSlices (in --namespace)",
+        metavar="NAME")
     api_key: str | None = option(
         None, "authentication", "the engines' API key: requests without it get 401 from the gateway, before they "
         "are held or counted as load (also: $SHOAL_API_KEY, --api-key-file)")
@@ -159,7 +167,7 @@ def own_namespace() -> str | None:
 
 async def serve(config: GatewayConfig, discovery, host: str | None, port: int, shutdown_timeout: float,
                 waker=None, metrics_port: int | None = None, shared_namespace: str | None = None,
-                shared: bool = False, own_service=None) -> int:
+                shared: bool = False, own_service=None, prefill_discovery=None) -> int:
     gateway = Gateway(config, namespace=shared_namespace, shared=shared)
     if waker is not None:
         try:
@@ -186,7 +194,7 @@ async def serve(config: GatewayConfig, discovery, host: str | None, port: int, s
         if metrics_runner is not None:
             await metrics_runner.cleanup()
         return 1
-    await gateway.start(discovery, own_service)
+    await gateway.start(discovery, own_service, prefill_discovery)
     if shared:
         log.info("shoal-gateway listening on http://%s:%d: the InferenceServices of %s, routing %s",
                  host or "0.0.0.0", port, shared_namespace and f"namespace {shared_namespace}" or "every namespace",
@@ -216,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.endpoint and args.service:
         parser.error("give the engines either as --endpoint URL (repeatable) or as --service NAME")
+    if shared_mode(args) and (args.prefill_endpoint or args.prefill_service):
+        parser.error("--prefill-endpoint and --prefill-service pair one service's prefill and decode engines: give "
+                     "its decode engines too (--endpoint or --service)")
     if args.all_namespaces and (args.endpoint or args.service or args.namespace):
         parser.error("--all-namespaces is the shared gateway of the whole cluster: no --endpoint, --service or "
                      "--namespace with it")
@@ -237,6 +248,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not namespace:
             parser.error("--service needs --namespace outside a pod")
         discovery = EndpointSliceDiscovery(args.service, namespace, port_name=args.port_name)
+    if args.prefill_endpoint and args.prefill_service:
+        parser.error("give the prefill engines either as --prefill-endpoint URL (repeatable) or as --prefill-service")
+    prefill_discovery = None
+    if args.prefill_endpoint:
+        prefill_discovery = StaticDiscovery(args.prefill_endpoint)
+    elif args.prefill_service:
+        if not namespace:
+            parser.error("--prefill-service needs --namespace outside a pod")
+        prefill_discovery = EndpointSliceDiscovery(args.prefill_service, namespace, port_name=args.port_name)
     own_service = None
     if args.inference_service:
         from shoal.operator.gateway.own_service import OwnService
@@ -250,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         waker = Waker(namespace, args.wake_configmap)
     return asyncio.run(serve(config, discovery, args.host, args.port, args.shutdown_timeout, waker,
-                             metrics_port=args.metrics_port, own_service=own_service))
+                             metrics_port=args.metrics_port, own_service=own_service,
+                             prefill_discovery=prefill_discovery))
 
 
 if __name__ == "__main__":

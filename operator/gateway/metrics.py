@@ -146,6 +146,15 @@ class GatewayMetrics:
                                       buckets=PICK_BUCKETS, registry=r)
         self.retries = Counter(P + "retries", "Requests retried on another engine before any byte reached the "
                                "client, by reason.", ["reason"], registry=r)
+        self.remote_prefills = Counter(
+            P + "remote_prefills", "Prefill/decode disaggregation (--prefill-endpoint/--prefill-service): prefills "
+            "sent to a prefill engine, by outcome: ok (the decode engine pulls the KV), unavailable (no prefill "
+            "engine usable), refused, timeout, failed, status_<code>, no_params (it answered without "
+            "kv_transfer_params). Every outcome but ok leaves the prefill to the decode engine.", ["outcome"],
+            registry=r)
+        self.remote_prefill_seconds = Histogram(P + "remote_prefill_seconds", "Time a successful remote prefill "
+                                                "took, before the request went to its decode engine.",
+                                                buckets=FIRST_BYTE_BUCKETS, registry=r)
         self.decisions = Counter(P + "routing_decisions", "Routing decisions: affinity | cold | spill | "
                                  "least-load | round-robin.", ["decision"], registry=r)
         self.affinity_hits = Counter(P + "prefix_affinity_hits", "Requests sent to an engine that served a "

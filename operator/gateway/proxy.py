@@ -364,6 +364,7 @@ class Gateway:
         # precise-prefix: the engines' KV events per pool (the shared gateway: one index and its subscribers per
         # InferenceService); the prompt's token ids from --tokenizer (one model's: a per-service gateway) or from
         # the pool's own engines (/tokenize: each service's model, no tokenizer held here)
+        self.remote_prefill = None  # disaggregation.RemotePrefill: the prefill engines (--prefill-endpoint/-service)
         self._kv_subscribers: dict[Pool, Any] = {}
         self._tokenize_down: dict[Pool, float] = {}  # pool -> until when its engines are not asked to tokenize
         self.precise = config.routing == "precise-prefix"
@@ -530,9 +531,10 @@ class Gateway:
         victim.refuse(Shed("shed", "shed for requests of a higher priority while every engine is busy"))
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
-    async def start(self, discovery=None, own_service=None) -> None:
+    async def start(self, discovery=None, own_service=None, prefill_discovery=None) -> None:
         """Start polling the engines (found by `discovery`); a per-service gateway with `own_service`
-        (own_service.OwnService) also watches its InferenceService's spec (declared adapters)."""
+        (own_service.OwnService) also watches its InferenceService's spec (declared adapters), and with
+        `prefill_discovery` sends each completion's prefill to the prefill engines it finds (disaggregation.py)."""
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
             auto_decompress=False,  # bytes pass through as the engine sent them
@@ -548,6 +550,12 @@ class Gateway:
             return
         if discovery is not None:
             self.tasks.append(asyncio.create_task(discovery.run(self.backends), name="gateway-discovery"))
+        if prefill_discovery is not None:
+            from shoal.operator.gateway.disaggregation import RemotePrefill
+
+            prefill = BackendSet(self.config.health)
+            self.remote_prefill = RemotePrefill(prefill, self.config.response_timeout, self.metrics)
+            self.tasks.append(asyncio.create_task(prefill_discovery.run(prefill), name="gateway-prefill-discovery"))
         if own_service is not None:
             self.tasks.append(asyncio.create_task(own_service.run(self.pools.pool), name="gateway-own-service"))
         self._start_polling(self.pools.pool, self.config.runtime)
@@ -680,6 +688,9 @@ class Gateway:
         keep their arrival order among themselves (one tenant alone is always at its share)."""
         if not isinstance(parsed, dict):
             return body
+        if "kv_transfer_params" in parsed:  # a router's field: a client never tells an engine where to pull KV from
+            parsed = {k: v for k, v in parsed.items() if k != "kv_transfer_params"}
+            body = json.dumps(parsed).encode()
         if not pool.engine_priority:  # a client never sets its own rank, whatever the engines' policy
             return json.dumps({k: v for k, v in parsed.items() if k != "priority"}).encode() \
                 if "priority" in parsed else body
@@ -894,6 +905,11 @@ class Gateway:
             trace.queue_ended("admitted")
         body = self.engine_body(pool, ticket, body, parsed)
         headers = self.engine_headers(request, pool, ticket.tenant)
+        if self.remote_prefill is not None and self.remote_prefill.applies(request.path, parsed) and \
+                not pool.is_adapter(model, time.monotonic()):  # an adapter's KV roots differ per engine
+            params = await self.remote_prefill.prefill(self.session, request.path, parsed, headers)
+            if params is not None:
+                body = json.dumps({**json.loads(body), "kv_transfer_params": params}).encode()
         tried: tuple[Backend, ...] = ()
         retry_reason: str | None = None
         sent_at = time.monotonic()
