@@ -584,6 +584,18 @@ class Canary(_Model):
                                                      "written into spec.model/image/engine, spec.canary removed)")
 
 
+class Prefill(_Model):
+    """Prefill/decode disaggregation: a prefill role of engines of the same model and engine options that prefill
+    each request for the decode engines (the replicas above), which pull the prompt's KV from them
+    (docs/engine.md, Prefill/decode disaggregation). The gateway sends every completion's prefill to the
+    least-loaded prefill engine; with none usable, the decode engine prefills itself."""
+
+    replicas: int = Field(default=1, ge=1, le=1000, description="prefill engines (not autoscaled)")
+    cpu: Quantity | None = Field(default=None, description="CPU request per prefill pod (unset: resources.cpu)")
+    memory: Quantity | None = Field(default=None, description="memory request and limit per prefill pod (unset: "
+                                                              "resources.memory)")
+
+
 class InferenceServiceSpec(_Model):
     runtime: Literal["shoal", "vllm", "sglang"] = Field(  # operator/runtimes.py describes each
         default="shoal",
@@ -633,6 +645,9 @@ class InferenceServiceSpec(_Model):
     canary: Canary | None = Field(
         default=None, description="a canary revision (model, image, engine options) receiving a share of the "
                                   "traffic, rolled back automatically when it breaks its SLO (docs/api.md)")
+    prefill: Prefill | None = Field(
+        default=None, description="prefill/decode disaggregation: a role of prefill engines whose KV the decode "
+                                  "engines pull (runtime shoal, through the gateway); off when unset")
 
     @model_validator(mode="after")
     def _cross_field(self) -> "InferenceServiceSpec":
@@ -912,6 +927,27 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
         check=lambda s: not s.adapters or s.engine.enable_lora,
     ),
     CrossFieldRule(
+        cel="!has(self.prefill) || !has(self.runtime) || self.runtime == 'shoal'",
+        message="prefill (prefill/decode disaggregation) runs Shoal engines only: the KV moves between them over "
+                "Shoal's own transport",
+        field_path=".runtime",
+        check=lambda s: s.prefill is None or s.runtime == "shoal",
+    ),
+    CrossFieldRule(
+        cel="!has(self.prefill) || !has(self.gateway) || !has(self.gateway.enabled) || self.gateway.enabled",
+        message="prefill needs the gateway: it sends each request's prefill to a prefill engine and its decode to "
+                "a decode engine",
+        field_path=".prefill",
+        check=lambda s: s.prefill is None or s.gateway.enabled,
+    ),
+    CrossFieldRule(
+        cel="!has(self.prefill) || !has(self.engine) || !has(self.engine.enablePrefixCaching) || "
+            "self.engine.enablePrefixCaching",
+        message="prefill moves a prompt's KV blocks by their prefix-cache hashes: it needs engine.enablePrefixCaching",
+        field_path=".engine.enablePrefixCaching",
+        check=lambda s: s.prefill is None or s.engine.enable_prefix_caching,
+    ),
+    CrossFieldRule(
         cel="!has(self.autoscaling) || !has(self.autoscaling.minReplicas) || "
             "self.autoscaling.minReplicas <= self.autoscaling.maxReplicas",
         message="minReplicas must not exceed maxReplicas",
@@ -1047,6 +1083,12 @@ def semantic_errors(name: str, spec: InferenceServiceSpec, *, max_gpus_per_node:
         errors.append(SpecError("metadata.name", f"must be at most {limit} characters for this topology "
                                                  "(child and pod names are derived from it)"))
     errors += runtimes.spec_errors(spec, pods)
+    if spec.prefill is not None and pods > 1:
+        errors.append(SpecError("spec.prefill", f"prefill engines run in one pod each: this topology spreads a "
+                                                f"replica over {pods} pods"))
+    if spec.prefill is not None and len(name) > 39:
+        errors.append(SpecError("metadata.name", "must be at most 39 characters with spec.prefill (the prefill "
+                                                 "Deployment's pods are named <name>-prefill-<hash>-<hash>)"))
     if spec.gateway.max_buffered_bytes < spec.gateway.max_body_bytes:
         errors.append(SpecError("spec.gateway.maxBufferedBytes",
                                 f"{spec.gateway.max_buffered_bytes} is below maxBodyBytes "

@@ -89,6 +89,11 @@ def kv_events_topic(name: str, namespace: str) -> str:
     return f"kv@{namespace}/{name}"
 
 
+def prefill_name(name: str) -> str:
+    """spec.prefill's Deployment and the headless Service listing its pods (the gateway sends prefills there)."""
+    return f"{name}-prefill"
+
+
 def canary_name(name: str) -> str:
     """The canary revision's Deployment; its pods are named `<name>-canary-<hash>-<suffix>`."""
     return f"{name}-canary"

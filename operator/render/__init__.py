@@ -16,6 +16,10 @@ One replica is a *group* of ``pods_per_replica = ceil(tp*pp / gpusPerPod)`` pods
   are turned off, deleted with the InferenceService);
 * with ``engine.enableLora``: the ConfigMap ``<name>-adapters`` (spec.adapters, read by the pods' adapter-sync
   sidecar: adapters.py);
+* with ``spec.prefill`` (prefill/decode disaggregation): the Deployment ``<name>-prefill`` of prefill engines
+  (component=prefill, started as KV producers; the other engines as consumers), the headless Service
+  ``<name>-prefill`` the gateway discovers them through (``--prefill-service``), their NetworkPolicy (the gateway
+  and the decode engines reach them) and, past one replica, their PodDisruptionBudget;
 * always: the Service ``<name>`` (port 8000), a NetworkPolicy ``<name>`` for the engines (unless disabled), a
   PodDisruptionBudget ``<name>`` when replicas > 1, a ConfigMap ``<name>-chat-template`` when the spec carries a
   chat template;
@@ -66,11 +70,13 @@ from shoal.operator.render.model_cache import (ADAPTER_CACHE_BOUND, ADAPTER_CACH
                                                cache_location, cache_volume, default_download_bound, model_path)
 from shoal.operator.render.engine_pod import (CPU_ONLY_ENV, ENGINE_CACHE_DIR, ENGINE_CACHE_SUBPATH, KUEUE_QUEUE_LABEL,
                                               canary_deployment, cpu_engine_cpus, deployment, engine_args,
-                                              group_revision, pod_template, statefulset)
+                                              group_revision, kv_transfer_config, pod_template, prefill_deployment,
+                                              statefulset)
 from shoal.operator.render.shared_gateway import SHARED_GATEWAY_COMPONENT, shared_gateway_access, shared_gateway_peers
 from shoal.operator.render.network import (GATEWAY_METRICS_PORT, disruption_budget, engines_service,
                                            gateway_metrics_service_port, gateway_service, headless_service,
-                                           network_policy, serving_selector)
+                                           network_policy, prefill_disruption_budget, prefill_network_policy,
+                                           prefill_service, serving_selector)
 from shoal.operator.render.gateway import (GATEWAY_BASE_BYTES, GATEWAY_BATCH_BYTES, GATEWAY_BATCH_DIR,
                                            GATEWAY_INDEX_BYTES, GATEWAY_PER_REQUEST_BYTES, GATEWAY_UID,
                                            batches_claim_name, gateway_batches_claim, gateway_batches_volume,
@@ -148,6 +154,12 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
         children.append(network_policy(isvc, spec, settings, multi))
     if spec.replicas > 1:
         children.append(disruption_budget(isvc, spec))
+    if spec.prefill is not None:  # prefill/decode disaggregation: the prefill role and how it is reached
+        children += [prefill_deployment(isvc, spec, settings), prefill_service(isvc, spec)]
+        if spec.security.network_policy.enabled:
+            children.append(prefill_network_policy(isvc, spec, settings))
+        if spec.prefill.replicas > 1:
+            children.append(prefill_disruption_budget(isvc, spec))
     if spec.gateway.enabled:
         children += gateway_children(isvc, spec, settings, multi, canary_percent)
         children += shared_gateway_access(isvc, spec, settings)

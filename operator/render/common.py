@@ -54,6 +54,10 @@ def pod_selector(name: str) -> dict[str, str]:
     return {L_ISVC: name, L_COMPONENT: "engine"}
 
 
+def prefill_selector(name: str) -> dict[str, str]:
+    return {L_ISVC: name, L_COMPONENT: "prefill"}
+
+
 def gateway_selector(name: str) -> dict[str, str]:
     return {L_ISVC: name, L_COMPONENT: "gateway"}
 

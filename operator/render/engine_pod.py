@@ -7,14 +7,16 @@ that knows how an engine runs in a pod.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from typing import Any
 
 from shoal.operator import adapters, api, overlay, runtimes, upgrade
 from shoal.operator.api import ENGINE_PORT, InferenceServiceSpec, MASTER_PORT
 from shoal.operator.contract import (A_GROUP_SIZE, A_REVISION, A_SPEC_HASH, L_CANARY, L_GROUP, L_POD_INDEX, MODELS_DIR,
-                                     canary_name)
-from shoal.operator.render.common import PODTOOLS, Settings, _finish, _meta, group_name, labels, pod_selector
+                                     canary_name, prefill_name)
+from shoal.operator.render.common import (PODTOOLS, Settings, _finish, _meta, group_name, labels, pod_selector,
+                                          prefill_selector)
 from shoal.operator.render.containers import (API_KEYS_FILE, API_KEYS_MOUNT, _key_file, _restricted_container,
                                               api_key_volume, kv_events_config, kv_events_ports, mesh_annotations,
                                               publishes_kv_events, traces_url, tracing_env)
@@ -31,9 +33,17 @@ ENGINE_CACHE_DIR = "/engine-cache"
 ENGINE_CACHE_SUBPATH = "shoal/engine"
 
 
+def kv_transfer_config(role: str) -> str:
+    """--kv-transfer-config of a disaggregated service's engines (spec.prefill): the prefill role produces KV,
+    the decode engines consume it."""
+    return json.dumps({"kv_connector": "ShoalConnector", "kv_role": "kv_producer" if role == "prefill" else
+                       "kv_consumer"}, separators=(",", ":"))
+
+
 def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings: Settings, *,
-                replica: int | None = None) -> list[str]:
-    """Arguments of the runtime's server (after its command): spec.engine through the runtime's table."""
+                replica: int | None = None, role: str = "engine") -> list[str]:
+    """Arguments of the runtime's server (after its command): spec.engine through the runtime's table. `role`:
+    "engine" (the serving or decode engines) or "prefill" (spec.prefill's)."""
     group = None
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     if pods > 1:
@@ -54,6 +64,9 @@ def engine_args(name: str, namespace: str, spec: InferenceServiceSpec, settings:
     if publishes_kv_events(spec, settings):  # vLLM's flag, the same JSON for both runtimes; before extraArgs
         at = len(args) - len(spec.engine.extra_args)
         args[at:at] = ["--kv-events-config", kv_events_config(name, namespace)]
+    if spec.prefill is not None:  # vLLM's flag; before extraArgs
+        at = len(args) - len(spec.engine.extra_args)
+        args[at:at] = ["--kv-transfer-config", kv_transfer_config(role)]
     if rt.name == "shoal" and spec.gpus_per_pod(settings.max_gpus_per_node) == 0:
         args += ["--device", "cpu"]  # never `auto`: a GPU the node's runtime leaks in must not be picked
     return args
@@ -211,13 +224,13 @@ def _failure_grace(probes: dict[str, Any], spec: InferenceServiceSpec) -> dict[s
 
 def _engine_container(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, *,
                       replica: int | None, multi: bool, env: list[dict[str, Any]],
-                      mounts: list[dict[str, Any]]) -> dict[str, Any]:
+                      mounts: list[dict[str, Any]], role: str = "engine") -> dict[str, Any]:
     name, namespace = isvc["metadata"]["name"], isvc["metadata"]["namespace"]
     rt = runtimes.of(spec)
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.image or rt.image or settings.engine_image,
-        **runtimes.argv(rt, multi, engine_args(name, namespace, spec, settings, replica=replica)),
+        **runtimes.argv(rt, multi, engine_args(name, namespace, spec, settings, replica=replica, role=role)),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
                  + ([{"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"}] if multi else [])
                  + kv_events_ports(spec, settings),
@@ -293,17 +306,19 @@ def _placement(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 
 def pod_template(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings, *,
-                 replica: int | None = None) -> dict[str, Any]:
-    """The engine pod: its container, volumes and probes, placement, then the user's overlay (spec.pod.template)."""
+                 replica: int | None = None, role: str = "engine") -> dict[str, Any]:
+    """The engine pod: its container, volumes and probes, placement, then the user's overlay (spec.pod.template).
+    `role` "prefill": a prefill engine of spec.prefill (its pods labelled component=prefill)."""
     name = isvc["metadata"]["name"]
     multi = spec.pods_per_replica(settings.max_gpus_per_node) > 1
-    pod_labels = labels(name, "engine")
+    pod_labels = labels(name, role)
     if multi:
         pod_labels[L_GROUP] = str(replica)
 
     env = _engine_env(spec, multi, spec.gpus_per_pod(settings.max_gpus_per_node))
     volumes, mounts = _volumes(name, spec)
-    container = _engine_container(isvc, spec, settings, replica=replica, multi=multi, env=env, mounts=mounts)
+    container = _engine_container(isvc, spec, settings, replica=replica, multi=multi, env=env, mounts=mounts,
+                                  role=role)
     init_containers = ([_download_container(spec, settings.fleet_image, env, mounts)]
                        if spec.model.uri.startswith("hf://") else [])
     if init_containers and _shared_cache(spec):
@@ -386,6 +401,32 @@ def canary_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings
     dep["spec"]["template"]["metadata"]["labels"][L_CANARY] = "true"
     del dep["metadata"]["annotations"][A_SPEC_HASH]
     return _finish(dep)
+
+
+def prefill_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
+    """spec.prefill's Deployment `<name>-prefill`: engines of the same model and options started as KV producers,
+    with the prefill role's replicas and CPU/memory. Their pods are labelled component=prefill, so the engines
+    Service, NetworkPolicy and disruption budget (component=engine) leave them out; `<name>-prefill` (a headless
+    Service) lists them for the gateway."""
+    name, p = isvc["metadata"]["name"], spec.prefill
+    sized = {k: v for k, v in (("cpu", p.cpu), ("memory", p.memory)) if v is not None}
+    role_spec = spec.model_copy(update={"replicas": p.replicas,
+                                        "resources": spec.resources.model_copy(update=sized)})
+    return _finish({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {**_meta(isvc, prefill_name(name), "prefill", _workload_labels(spec)),
+                     "annotations": {upgrade.A_RENDERED_IMAGE: settings.engine_image}},
+        "spec": {
+            "replicas": p.replicas,
+            "selector": {"matchLabels": prefill_selector(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxUnavailable": spec.rollout.max_unavailable, "maxSurge": spec.rollout.max_surge}},
+            "revisionHistoryLimit": 5,
+            "progressDeadlineSeconds": spec.probes.startup_timeout_seconds + 600,
+            "template": pod_template(isvc, role_spec, settings, role="prefill"),
+        },
+    })
 
 
 def group_revision(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> str:

@@ -13,7 +13,7 @@ from shoal.operator import api, contract
 from shoal.operator.api import ENGINE_PORT, InferenceServiceSpec
 from shoal.operator.gateway import options as gateway_options
 from shoal.operator.gateway.proxy import GatewayConfig
-from shoal.operator.contract import engines_service_name, gateway_name, wake_configmap_name
+from shoal.operator.contract import engines_service_name, gateway_name, prefill_name, wake_configmap_name
 from shoal.operator.render.common import Settings, _finish, _meta, gateway_selector, labels
 from shoal.operator.render.containers import (API_KEYS_FILE, API_KEYS_MOUNT, A_ISTIO_EXCLUDE_INBOUND, KV_EVENTS_PORT,
                                               KV_REPLAY_PORT, _probe, _restricted_container, api_key_volume,
@@ -146,6 +146,8 @@ def gateway_deployment(isvc: dict[str, Any], spec: InferenceServiceSpec, setting
                  "--port-name", "http",
                  "--port", str(ENGINE_PORT), "--shutdown-timeout", str(drain)]
                 + gateway_limit_args(gw) + hold_args + metrics_args + batch_args
+                # prefill/decode disaggregation: each completion's prefill to the prefill engines first
+                + (["--prefill-service", prefill_name(name)] if spec.prefill is not None else [])
                 # which readiness path and load metrics the engines have (metric_names.py); shoal's are the default
                 # the engines' keys, every line of the mounted Secret, re-read when it is rotated
                 + (["--api-key-file", API_KEYS_FILE] if spec.security.api_key_secret_ref else [])

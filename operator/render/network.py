@@ -11,8 +11,9 @@ from typing import Any
 
 from shoal.operator import adapters
 from shoal.operator.api import ENGINE_PORT, InferenceServiceSpec, MASTER_PORT
-from shoal.operator.contract import L_CANARY_PERCENT, L_GROUP, L_POD_INDEX, engines_service_name
-from shoal.operator.render.common import Settings, _finish, _meta, gateway_selector, group_name, pod_selector
+from shoal.operator.contract import L_CANARY_PERCENT, L_GROUP, L_POD_INDEX, engines_service_name, prefill_name
+from shoal.operator.render.common import (Settings, _finish, _meta, gateway_selector, group_name, pod_selector,
+                                          prefill_selector)
 from shoal.operator.render.containers import (KV_EVENTS_PORT, KV_REPLAY_PORT, kv_events_service_ports, precise_prefix,
                                               shared_gateway_precise)
 from shoal.operator.render.shared_gateway import shared_gateway_peers
@@ -100,6 +101,44 @@ def network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: S
         "kind": "NetworkPolicy",
         "metadata": _meta(isvc, name, "network-policy"),
         "spec": {"podSelector": {"matchLabels": pod_selector(name)}, "policyTypes": ["Ingress"], "ingress": rules},
+    })
+
+
+def prefill_service(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    """Headless, for its EndpointSlices: the Ready prefill engines (spec.prefill), which the gateway watches."""
+    name = isvc["metadata"]["name"]
+    return _finish({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(isvc, prefill_name(name), "prefill"),
+        "spec": {"clusterIP": "None", "selector": prefill_selector(name),
+                 "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]},
+    })
+
+
+def prefill_network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
+    """The prefill engines take requests from the service's gateway and KV pulls from its decode engines, on the
+    HTTP port; scrapers reach /metrics as on every engine."""
+    name = isvc["metadata"]["name"]
+    peers = [{"podSelector": {"matchLabels": gateway_selector(name)}},
+             {"podSelector": {"matchLabels": pod_selector(name)}}]
+    rules = [{"from": peers, "ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]}, *_scraper_rules(spec, settings)]
+    return _finish({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(isvc, prefill_name(name), "network-policy"),
+        "spec": {"podSelector": {"matchLabels": prefill_selector(name)}, "policyTypes": ["Ingress"], "ingress": rules},
+    })
+
+
+def prefill_disruption_budget(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    name = isvc["metadata"]["name"]
+    return _finish({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(isvc, prefill_name(name), "disruption-budget"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": prefill_selector(name)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
     })
 
 

@@ -116,6 +116,7 @@ def schema_errors(spec: dict) -> list[str]:
 
 VALID = [
     {},
+    {"prefill": {"replicas": 2, "cpu": "4", "memory": "8Gi"}, "resources": {"gpusPerPod": 0, "cpu": 2}},
     {"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct", "revision": "main"}, "replicas": 2,
      "engine": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 4, "memory": "64Gi", "cpu": 8}},
     {"engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}, "resources": {"gpusPerPod": 8}},
@@ -155,6 +156,9 @@ INVALID = [
 
 # cross-field rules: CEL in the CRD, the same check in python
 INVALID_CROSS = [
+    ({"prefill": {"replicas": 2}, "runtime": "vllm"}, "spec.runtime"),
+    ({"prefill": {}, "gateway": {"enabled": False}}, "spec.prefill"),
+    ({"prefill": {}, "engine": {"enablePrefixCaching": False}}, "spec.engine.enablePrefixCaching"),
     ({"engine": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 3}}, "spec.resources.gpusPerPod"),
     ({"engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "spec.engine.maxNumBatchedTokens"),
     ({"rollout": {"maxUnavailable": 0, "maxSurge": "0%"}}, "spec.rollout.maxSurge"),

@@ -1,0 +1,102 @@
+"""spec.prefill (prefill/decode disaggregation) without a cluster: the prefill role's Deployment, its headless
+Service and NetworkPolicy, the engines' --kv-transfer-config roles (read back by the engine's own parser), the
+gateway's --prefill-service, and the spec's refusals."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from shoal.engine import cli
+from shoal.operator import api, contract, render
+
+K8S_VERSION = kubernetes_validate.latest_version()
+SETTINGS = render.Settings(engine_image="registry.test/shoal-engine:1", fleet_image="registry.test/shoal-operator:1",
+                           operator_namespace="shoal-system")
+BASE = {"model": {"uri": "hf://org/chat"}, "replicas": 2, "resources": {"gpusPerPod": 0, "cpu": 2, "memory": "4Gi"}}
+
+
+def isvc(spec: dict) -> dict:
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND,
+            "metadata": {"name": "llm", "namespace": "team-a", "uid": "u-1", "generation": 1}, "spec": spec}
+
+
+def by_name(children: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+def engine_config(deployment: dict):
+    """The EngineConfig the engine container's args give, through `shoal-engine serve`'s own parser."""
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    args = cli.build_parser().parse_args(container["args"][container["args"].index("serve"):])
+    return cli.engine_config_from_args(args)
+
+
+def test_the_prefill_role_is_its_own_deployment_reached_through_its_own_service():
+    plan = render.plan(isvc({**BASE, "prefill": {"replicas": 3, "cpu": 4, "memory": "8Gi"}}), SETTINGS)
+    children = by_name(plan.children)
+    for obj in plan.children:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    decode, prefill = children[("Deployment", "llm")], children[("Deployment", "llm-prefill")]
+    assert prefill["spec"]["replicas"] == 3 and decode["spec"]["replicas"] == 2
+    selector = {contract.L_ISVC: "llm", contract.L_COMPONENT: "prefill"}
+    assert prefill["spec"]["selector"]["matchLabels"] == selector
+    assert prefill["spec"]["template"]["metadata"]["labels"][contract.L_COMPONENT] == "prefill"
+    # the decode Deployment's selector does not take the prefill pods, nor the engines Service (the gateway's
+    # decode engines), the engines' NetworkPolicy or their disruption budget
+    assert decode["spec"]["selector"]["matchLabels"][contract.L_COMPONENT] == "engine"
+    assert children[("Service", "llm-engines")]["spec"]["selector"][contract.L_COMPONENT] == "engine"
+    assert children[("PodDisruptionBudget", "llm")]["spec"]["selector"]["matchLabels"][contract.L_COMPONENT] == "engine"
+    # the prefill pods' size: theirs where given, the engines' else
+    resources = prefill["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["cpu"] == "4" and resources["limits"]["memory"] == "8Gi"
+    # the roles, read back by the engine's parser
+    produce, consume = engine_config(prefill).kv_transfer_config, engine_config(decode).kv_transfer_config
+    assert (produce.kv_role, consume.kv_role) == ("kv_producer", "kv_consumer")
+    assert produce.kv_connector == consume.kv_connector == "ShoalConnector"
+    # found by the gateway through the headless Service's EndpointSlices
+    service = children[("Service", "llm-prefill")]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == selector
+    gateway = children[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert gateway[gateway.index("--prefill-service") + 1] == "llm-prefill"
+    # reached by the gateway (prefills) and the decode engines (KV pulls) on the HTTP port; scraped by the operator
+    policy = children[("NetworkPolicy", "llm-prefill")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == selector
+    peers = [p["podSelector"]["matchLabels"] for p in policy["ingress"][0]["from"]]
+    assert peers == [render.gateway_selector("llm"), render.pod_selector("llm")]
+    assert policy["ingress"][0]["ports"] == [{"port": api.ENGINE_PORT, "protocol": "TCP"}]
+    assert policy["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "shoal-system"}
+    assert ("PodDisruptionBudget", "llm-prefill") in children
+
+
+def test_without_prefill_nothing_of_it_is_rendered():
+    plan = render.plan(isvc(BASE), SETTINGS)
+    names = {c["metadata"]["name"] for c in plan.children}
+    assert "llm-prefill" not in names
+    assert engine_config(by_name(plan.children)[("Deployment", "llm")]).kv_transfer_config is None
+    gateway = by_name(plan.children)[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--prefill-service" not in gateway["args"]
+    one = by_name(render.plan(isvc({**BASE, "prefill": {}}), SETTINGS).children)
+    assert ("PodDisruptionBudget", "llm-prefill") not in one  # one prefill pod: no budget to keep
+
+
+@pytest.mark.parametrize("spec, field, message", [
+    ({**BASE, "prefill": {}, "runtime": "vllm"}, "spec.runtime", "Shoal engines only"),
+    ({**BASE, "prefill": {}, "gateway": {"enabled": False}}, "spec.prefill", "needs the gateway"),
+    ({**BASE, "prefill": {}, "engine": {"enablePrefixCaching": False}}, "spec.engine.enablePrefixCaching",
+     "prefix-cache hashes"),
+    ({"prefill": {}, "engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}, "resources": {"gpusPerPod": 8}},
+     "spec.prefill",
+     "one pod each"),
+    ({**BASE, "prefill": {"replicas": 0}}, "spec.prefill.replicas", "greater than or equal to 1"),
+])
+def test_specs_prefill_cannot_serve_are_refused_naming_the_field(spec, field, message):
+    with pytest.raises(api.SpecError) as e:
+        api.validate("llm", spec)
+    assert e.value.field == field and message in str(e.value)
+
+
+def test_a_long_name_is_refused_for_the_prefill_pods():
+    with pytest.raises(api.SpecError, match="at most 39 characters with spec.prefill"):
+        api.validate("x" * 40, {**BASE, "prefill": {}})
