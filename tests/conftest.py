@@ -94,6 +94,18 @@ def llava_model(tmp_path_factory):
     return make_llava_model(tmp_path_factory.mktemp("model-llava"))
 
 
+@pytest.fixture(scope="session")
+def qwen_vl_model(tmp_path_factory):
+    """A tiny Qwen2.5-VL (two-block windowed ViT, 2x2 merger, M-RoPE Qwen2 decoder) with its image processor: a
+    56x56 image is 4 tokens, 84x112 (height x width) 12."""
+    import transformers
+
+    from shoal.engine.tools.tiny_model import make_qwen2_5_vl_model
+
+    transformers.logging.set_verbosity_error()
+    return make_qwen2_5_vl_model(tmp_path_factory.mktemp("model-qwen-vl"))
+
+
 
 @pytest.fixture(scope="module")
 def collector():
