@@ -82,9 +82,13 @@ def test_an_image_in_a_later_turn(llm, qwen_vl_model):
 
 
 def test_batched_with_a_text_only_request(llm, qwen_vl_model):
-    # the text-only prompt keeps plain positions in the same steps as the image prompt's shifted ones
+    # the text-only prompt keeps plain positions in the same steps as the image prompts' shifted ones; their decode
+    # steps (plain positions + the rope delta) run through the captured decode graphs like any decoder's
+    graphs = llm.llm_engine.executor.runner.decode_graphs
+    before = graphs.num_padded_steps
     prompts = [(ONE, [large(5)]), ("Once upon a time there was", []), (TWO, [small(6), small(7)])]
     check(qwen_vl_model, run(llm, prompts), prompts)
+    assert graphs.num_padded_steps >= before + MAX_NEW - 1
 
 
 def test_chunked_prefill_across_the_image_encodes_it_once(qwen_vl_model):
@@ -139,3 +143,15 @@ def test_bad_images_are_refused_and_hold_nothing(llm, images, prompt, message):
         engine.add_request("bad", prompt, greedy(), images=images)
     assert not engine.has_unfinished_requests() and "bad" not in engine.requests
     engine.pool.check_all_free()
+
+
+def test_max_image_pixels_applies(qwen_vl_model):
+    engine = LLM(qwen_vl_model, dtype="float32", num_kv_blocks=32, block_size=4, max_model_len=64,
+                 max_image_pixels=56 * 56)
+    try:
+        with pytest.raises(ValueError, match="more than the budget of 3136 pixels"):
+            engine.llm_engine.add_request("big", ONE, greedy(), images=[large(1)])
+        assert not engine.llm_engine.has_unfinished_requests()
+        check(qwen_vl_model, run(engine, [(ONE, [small(2)])]), [(ONE, [small(2)])])
+    finally:
+        engine.shutdown()
