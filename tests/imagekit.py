@@ -57,14 +57,16 @@ def hf_llava_greedy(model_dir, text: str, images: list, max_new_tokens: int) -> 
 def _hf_qwen_vl(model_dir: str):
     import transformers as tf
 
-    model = tf.Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    arch = tf.AutoConfig.from_pretrained(model_dir).architectures[0]  # Qwen2_5_VL... or Qwen3VL...
+    model = getattr(tf, arch).from_pretrained(model_dir).eval()
     model.generation_config.eos_token_id = None  # compared over a fixed length, as the engine runs with ignore_eos
     model.generation_config.pad_token_id = 0
     return tf.AutoImageProcessor.from_pretrained(model_dir), tf.AutoTokenizer.from_pretrained(model_dir), model
 
 
 def hf_qwen_vl_inputs(model_dir, text: str, images: list) -> dict:
-    """What Qwen2_5_VLProcessor(text=..., images=...) gives (it cannot be built without torchvision here): the
+    """What Qwen2_5_VLProcessor / Qwen3VLProcessor(text=..., images=...) give (they cannot be built without
+    torchvision here): the
     image processor's patches and grids, each <|image_pad|> expanded to grid.prod() // merge_size**2 tokens
     (Qwen2_5_VLProcessor.replace_image_token), and mm_token_type_ids marking the image tokens."""
     import torch
@@ -85,7 +87,7 @@ def hf_qwen_vl_inputs(model_dir, text: str, images: list) -> dict:
 
 def hf_qwen_vl_greedy(model_dir, text: str, images: list, max_new_tokens: int):
     """(prompt ids as the processor expands them, greedy generated ids, log_softmax of each step's logits
-    [max_new_tokens, vocab]) from transformers' Qwen2.5-VL."""
+    [max_new_tokens, vocab]) from transformers' Qwen2.5-VL or Qwen3-VL (the checkpoint's architecture)."""
     import torch
 
     _, _, model = _hf_qwen_vl(str(model_dir))

@@ -260,11 +260,18 @@ class ModelRunner:
             for digest, features in zip(missing, m.encode_images([self._on_device(i) for i in missing.values()])):
                 cache.put(digest, features)
         x = m.embed(inputs.input_ids, inputs.positions)
+        width, rows, deep = x.shape[1], [], []
         for image in inputs.images:
             features = cache.get(image.digest)
             if features is None:  # pushed out by this very step's others (more images than the cache holds)
                 features = m.encode_images([self._on_device(image)])[0]
-            x[image.row:image.row + image.end - image.start] = features[image.start:image.end].to(x.dtype)
+            features = features[image.start:image.end]
+            x[image.row:image.row + image.end - image.start] = features[:, :width].to(x.dtype)
+            if features.shape[1] > width:  # deepstack: later layers' features follow the input embeddings'
+                rows.append(torch.arange(image.row, image.row + image.end - image.start))
+                deep.append(features[:, width:])
+        if deep:  # read (and cleared) by the model's next forward (Qwen3-VL adds them after its first layers)
+            m.deepstack = (torch.cat(rows).to(x.device), torch.cat(deep).to(x.dtype))
         return x
 
     def _on_device(self, image: StepImage) -> StepImage:

@@ -1,6 +1,7 @@
-"""Images in (Qwen2.5-VL): the offline engine's greedy tokens and logprobs equal transformers'
-Qwen2_5_VLForConditionalGeneration with the same image processor and weights: M-RoPE positions inside and after
-images, images of different sizes, an image in a later turn, batching with text-only requests, chunked prefill
+"""Images in (Qwen2.5-VL and Qwen3-VL, each test once per family): the offline engine's greedy tokens and logprobs
+equal transformers' Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration with the same image
+processor and weights: M-RoPE positions inside and after images (interleaved for Qwen3-VL), deepstack features
+(Qwen3-VL), images of different sizes, an image in a later turn, batching with text-only requests, chunked prefill
 across an image's tokens, preemption and prefix caching."""
 
 from __future__ import annotations
@@ -20,12 +21,24 @@ LATER = (f"<|user|>Hello world!<|end|><|assistant|>How are you today?<|end|><|us
          "<|assistant|>")
 
 
-def small(seed: int):
-    return make_image(seed, 56, 56)  # 2x2 merged patches: 4 tokens
+class Family:
+    """A tiny model of one family and its two image sizes: 2x2 merged patches (4 tokens) and 3x4 (12 tokens)."""
+
+    def __init__(self, model, patch: int):
+        self.model, self.side = model, 2 * patch
+
+    def small(self, seed: int):
+        return make_image(seed, 2 * self.side, 2 * self.side)
+
+    def large(self, seed: int):
+        return make_image(seed, 4 * self.side, 3 * self.side)
 
 
-def large(seed: int):
-    return make_image(seed, 112, 84)  # 84 x 112 pixels: 3x4 merged patches, 12 tokens
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl(request):
+    if request.param == "qwen2_5_vl":
+        return Family(request.getfixturevalue("qwen_vl_model"), 14)
+    return Family(request.getfixturevalue("qwen3_vl_model"), 16)
 
 
 def greedy(max_tokens: int = MAX_NEW) -> SamplingParams:
@@ -50,94 +63,95 @@ def check(model, outputs, prompts):
 
 
 @pytest.fixture(scope="module")
-def llm(qwen_vl_model):
-    engine = LLM(qwen_vl_model, dtype="float32", num_kv_blocks=128, block_size=4, max_model_len=128)
+def llm(vl):
+    engine = LLM(vl.model, dtype="float32", num_kv_blocks=128, block_size=4, max_model_len=128)
     yield engine
     engine.shutdown()
 
 
-def test_positions_equal_transformers_get_rope_index(llm, qwen_vl_model):
+def test_positions_equal_transformers_get_rope_index(llm, vl):
     # two images of different grids, text between and after: the 3-D positions and the delta, exactly
     import transformers as tf
 
-    images = [large(1), small(2)]
+    images = [vl.large(1), vl.small(2)]
     placed = llm.llm_engine.images.place(llm.llm_engine.tokenizer.encode(TWO),
                                          llm.llm_engine.images.preprocess(images), 4)[1]
-    inputs = hf_qwen_vl_inputs(qwen_vl_model, TWO, images)
-    model = tf.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(qwen_vl_model))
+    inputs = hf_qwen_vl_inputs(vl.model, TWO, images)
+    model = getattr(tf, tf.AutoConfig.from_pretrained(str(vl.model)).architectures[0]).from_pretrained(str(vl.model))
     want, delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                              image_grid_thw=inputs["image_grid_thw"])
     assert placed.positions.tolist() == want[:, 0].tolist()
     assert placed.rope_delta == int(delta) < 0
 
 
-def test_one_image_and_two_of_different_sizes_match_transformers(llm, qwen_vl_model):
-    prompts = [(ONE, [small(1)]), (TWO, [large(2), small(3)])]
-    check(qwen_vl_model, run(llm, prompts), prompts)
+def test_one_image_and_two_of_different_sizes_match_transformers(llm, vl):
+    prompts = [(ONE, [vl.small(1)]), (TWO, [vl.large(2), vl.small(3)])]
+    check(vl.model, run(llm, prompts), prompts)
 
 
-def test_an_image_in_a_later_turn(llm, qwen_vl_model):
-    prompts = [(LATER, [large(4)])]
-    check(qwen_vl_model, run(llm, prompts), prompts)
+def test_an_image_in_a_later_turn(llm, vl):
+    prompts = [(LATER, [vl.large(4)])]
+    check(vl.model, run(llm, prompts), prompts)
 
 
-def test_batched_with_a_text_only_request(llm, qwen_vl_model):
+def test_batched_with_a_text_only_request(llm, vl):
     # the text-only prompt keeps plain positions in the same steps as the image prompts' shifted ones; their decode
     # steps (plain positions + the rope delta) run through the captured decode graphs like any decoder's
     graphs = llm.llm_engine.executor.runner.decode_graphs
     before = graphs.num_padded_steps
-    prompts = [(ONE, [large(5)]), ("Once upon a time there was", []), (TWO, [small(6), small(7)])]
-    check(qwen_vl_model, run(llm, prompts), prompts)
+    prompts = [(ONE, [vl.large(5)]), ("Once upon a time there was", []), (TWO, [vl.small(6), vl.small(7)])]
+    check(vl.model, run(llm, prompts), prompts)
     assert graphs.num_padded_steps >= before + MAX_NEW - 1
 
 
-def test_chunked_prefill_across_the_image_encodes_it_once(qwen_vl_model):
+def test_chunked_prefill_across_the_image_encodes_it_once(vl):
     # 5 tokens a step: the 12 image tokens are prefilled over 3-4 steps, each slicing the prompt's 3-D positions
-    engine = LLM(qwen_vl_model, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=5, max_model_len=64,
+    engine = LLM(vl.model, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=5, max_model_len=64,
                  block_size=4)
     try:
-        prompts = [(ONE, [large(8)])]
-        check(qwen_vl_model, run(engine, prompts), prompts)
+        prompts = [(ONE, [vl.large(8)])]
+        check(vl.model, run(engine, prompts), prompts)
         assert engine.llm_engine.executor.runner.encoder_cache.encoded == 1
     finally:
         engine.shutdown()
 
 
-def test_preempted_image_requests_are_recomputed_exactly(qwen_vl_model):
+def test_preempted_image_requests_are_recomputed_exactly(vl):
     # 3 prompts of 24 tokens (6 blocks) growing by 8 each in a pool of 14 blocks of 4: some are preempted and prefilled again
     # from position 0, generated tokens included (at their index + the rope delta)
-    engine = LLM(qwen_vl_model, dtype="float32", num_kv_blocks=14, block_size=4, max_model_len=48,
+    engine = LLM(vl.model, dtype="float32", num_kv_blocks=14, block_size=4, max_model_len=48,
                  enable_prefix_caching=False)
     try:
-        prompts = [(ONE, [small(30 + i)]) for i in range(3)]
-        check(qwen_vl_model, run(engine, prompts), prompts)
+        prompts = [(ONE, [vl.small(30 + i)]) for i in range(3)]
+        check(vl.model, run(engine, prompts), prompts)
         assert engine.llm_engine.scheduler.num_preemptions > 0
     finally:
         engine.shutdown()
 
 
-def test_prefix_cache_hits_the_same_image_only(llm, qwen_vl_model):
+def test_prefix_cache_hits_the_same_image_only(llm, vl):
     llm.reset_prefix_cache()
-    image, other = large(9), large(10)
+    image, other = vl.large(9), vl.large(10)
     first = run(llm, [(ONE, [image])])[0]
     again = run(llm, [(ONE, [image])])[0]
     assert first.num_cached_tokens == 0
     # every full block but the one holding the last prompt token (always computed) comes from the cache
     assert again.num_cached_tokens == (len(first.prompt_token_ids) - 1) // 4 * 4
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    check(qwen_vl_model, [again], [(ONE, [image])])
+    check(vl.model, [again], [(ONE, [image])])
     # same text, another image of the same size: only the blocks before the image are shared
     swapped = run(llm, [(ONE, [other])])[0]
     image_start = first.prompt_token_ids.index(llm.llm_engine.images.token_id)
     assert swapped.num_cached_tokens == image_start // 4 * 4 < again.num_cached_tokens
-    check(qwen_vl_model, [swapped], [(ONE, [other])])
+    check(vl.model, [swapped], [(ONE, [other])])
 
 
-@pytest.mark.parametrize("images, prompt, message", [
-    ([small(i) for i in range(5)], V * 5, "more than the limit of 4"),
-    ([small(1), small(2)], ONE, "1 image placeholder(s) '<|image_pad|>' for 2 image(s)"),
+@pytest.mark.parametrize("count, prompt, message", [
+    (5, V * 5, "more than the limit of 4"),
+    (2, ONE, "1 image placeholder(s) '<|image_pad|>' for 2 image(s)"),
 ])
-def test_bad_images_are_refused_and_hold_nothing(llm, images, prompt, message):
+def test_bad_images_are_refused_and_hold_nothing(llm, vl, count, prompt, message):
+    images = [vl.small(i) for i in range(count)]
     engine = llm.llm_engine
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("|", r"\|")):
         engine.add_request("bad", prompt, greedy(), images=images)
@@ -145,13 +159,13 @@ def test_bad_images_are_refused_and_hold_nothing(llm, images, prompt, message):
     engine.pool.check_all_free()
 
 
-def test_max_image_pixels_applies(qwen_vl_model):
-    engine = LLM(qwen_vl_model, dtype="float32", num_kv_blocks=32, block_size=4, max_model_len=64,
-                 max_image_pixels=56 * 56)
+def test_max_image_pixels_applies(vl):
+    engine = LLM(vl.model, dtype="float32", num_kv_blocks=32, block_size=4, max_model_len=64,
+                 max_image_pixels=4 * vl.side ** 2)  # the small image exactly
     try:
-        with pytest.raises(ValueError, match="more than the budget of 3136 pixels"):
-            engine.llm_engine.add_request("big", ONE, greedy(), images=[large(1)])
+        with pytest.raises(ValueError, match=f"more than the budget of {4 * vl.side ** 2} pixels"):
+            engine.llm_engine.add_request("big", ONE, greedy(), images=[vl.large(1)])
         assert not engine.llm_engine.has_unfinished_requests()
-        check(qwen_vl_model, run(engine, [(ONE, [small(2)])]), [(ONE, [small(2)])])
+        check(vl.model, run(engine, [(ONE, [vl.small(2)])]), [(ONE, [vl.small(2)])])
     finally:
         engine.shutdown()

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL through the real `shoal-engine serve` process and the official openai client: image_url parts become
+"""Qwen2.5-VL and Qwen3-VL (each test once per family) through the real `shoal-engine serve` process and the official openai client: image_url parts become
 Qwen's <|vision_start|><|image_pad|><|vision_end|>, answered as the offline engine answers the same prompt and images
 (itself equal to transformers', tests/engine/test_qwen_vl.py), streamed and not; usage and /tokenize count each
 image's tokens as the processor expands them; /v1/models says the model takes images; --limit-mm-per-prompt holds."""
@@ -21,9 +21,15 @@ QUESTION = "What is the capital of France?"
 V = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
+@pytest.fixture(scope="module", params=["qwen_vl_model", "qwen3_vl_model"])
+def model(request):
+    """(the model directory, its patch side in pixels)."""
+    return request.getfixturevalue(request.param), 14 if request.param == "qwen_vl_model" else 16
+
+
 @pytest.fixture(scope="module")
-def server(start_server, qwen_vl_model):
-    return start_server(qwen_vl_model, "--max-model-len", "128", "--num-kv-blocks", "64", "--block-size", "4",
+def server(start_server, model):
+    return start_server(model[0], "--max-model-len", "128", "--num-kv-blocks", "64", "--block-size", "4",
                         "--limit-mm-per-prompt", '{"image": 2}')
 
 
@@ -58,12 +64,13 @@ def test_models_says_images(client):
     assert client.models.list().data[0].model_extra["input_modalities"] == ["text", "image"]
 
 
-def test_chat_with_two_images_equals_the_offline_engine(client, server, qwen_vl_model):
-    a, b = make_image(41, 112, 84), make_image(42, 56, 56)
+def test_chat_with_two_images_equals_the_offline_engine(client, server, model):
+    model_dir, patch = model
+    a, b = make_image(41, 8 * patch, 6 * patch), make_image(42, 4 * patch, 4 * patch)
     content = [{"type": "text", "text": QUESTION}, image_part(encode(a)), image_part(encode(b))]
     prompt = rendered(f"{QUESTION}\n{V}\n{V}")  # the parts joined by newlines, each image Qwen's placeholder
-    want = offline(qwen_vl_model, prompt, [a, b])
-    prompt_len = hf_qwen_vl_inputs(qwen_vl_model, prompt, [a, b])["input_ids"].shape[1]  # 12 + 4 image tokens
+    want = offline(model_dir, prompt, [a, b])
+    prompt_len = hf_qwen_vl_inputs(model_dir, prompt, [a, b])["input_ids"].shape[1]  # 12 + 4 image tokens
     r = chat(client, content)
     assert r.choices[0].message.content == want
     assert r.usage.prompt_tokens == prompt_len
@@ -71,13 +78,13 @@ def test_chat_with_two_images_equals_the_offline_engine(client, server, qwen_vl_
     assert status == 200 and body["count"] == prompt_len
     assert "".join(c.choices[0].delta.content or "" for c in chat(client, content, stream=True) if c.choices) == want
     # other images under the same text: another answer (no false prefix-cache hit)
-    other = chat(client, [{"type": "text", "text": QUESTION}, image_part(encode(make_image(43, 112, 84))),
+    other = chat(client, [{"type": "text", "text": QUESTION}, image_part(encode(make_image(43, 8 * patch, 6 * patch))),
                           image_part(encode(b))])
     assert other.choices[0].message.content != want
 
 
-def test_too_many_images_is_a_400_and_the_server_still_answers(client, server):
-    png = image_part(encode(make_image(44, 56, 56)))
+def test_too_many_images_is_a_400_and_the_server_still_answers(client, server, model):
+    png = image_part(encode(make_image(44, 4 * model[1], 4 * model[1])))
     with pytest.raises(openai.BadRequestError, match="more than the limit of 2"):
         chat(client, [png, png, png])
     m = wait_idle(server)

@@ -46,10 +46,11 @@ _TEXT_DECODERS = {
 _LLAVA = "LlavaForConditionalGeneration"
 _LLAVA_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
-# Vision-language families with their own model module (the vision tower, M-RoPE) over a Qwen2 decoder: the
-# wrapper's architecture -> (module, class).
+# Vision-language families with their own model module (the vision tower, M-RoPE) over a decoder served here:
+# the wrapper's architecture -> (module, class, the decoder's architecture).
 _VISION_LANGUAGE = {
-    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2ForCausalLM"),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES = sorted([*_REGISTRY, *_TEXT_DECODERS, _LLAVA, *_VISION_LANGUAGE])
@@ -64,7 +65,7 @@ def text_decoder_config(config):
         return _llava_text_config(config)
     family = next((a for a in archs if a in _VISION_LANGUAGE), None)
     if family is not None:
-        return _vision_language_text_config(config, family, "Qwen2ForCausalLM")
+        return _vision_language_text_config(config, family, _VISION_LANGUAGE[family][2])
     decoder = next((_TEXT_DECODERS[a] for a in archs if a in _TEXT_DECODERS), None)
     if decoder is None:
         return config
@@ -113,7 +114,7 @@ def model_class(config) -> type[CausalLM]:
     if accepts_images(config):  # imported by name: this registry stays importable without torch
         family = getattr(config, "vl_family", _LLAVA)
         if family in _VISION_LANGUAGE:
-            module, cls = _VISION_LANGUAGE[family]
+            module, cls, _ = _VISION_LANGUAGE[family]
             return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
         return importlib.import_module(f"{__name__}.llava").vision_language(_decoder_class(archs))
     return _decoder_class(archs)

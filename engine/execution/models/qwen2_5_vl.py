@@ -29,16 +29,24 @@ _VISION_PREFIXES = ("visual.", "model.visual.")
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    """RoPE whose frequencies are split in mrope_section parts (over half the head), part i rotated by position set
-    i % 3 (transformers' Qwen2_5_VLRotaryEmbedding.recomposition_frequencies). Positions [T] rotate as plain RoPE."""
+    """RoPE whose frequencies are shared among three position sets by rope_parameters.mrope_section (over half the
+    head): in consecutive parts, part i rotated by set i % 3 (Qwen2.5-VL: Qwen2_5_VLRotaryEmbedding), or interleaved
+    (Qwen3-VL: Qwen3VLTextRotaryEmbedding, frequency j by height where j % 3 == 1 and j < 3 * section[1], by width
+    where j % 3 == 2 and j < 3 * section[2], else temporal). Positions [T] rotate as plain RoPE."""
 
-    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype):
+    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype, interleaved: bool = False):
         super().__init__(config, head_dim, max_positions, dtype)
         section = list(rope_parameters(config).get("mrope_section") or [])
-        if self.rotary_dim != head_dim or sum(section) != head_dim // 2:
+        if self.rotary_dim != head_dim or len(section) != 3 or sum(section) != head_dim // 2:
             raise ValueError(f"rope_parameters.mrope_section {section} must split the {head_dim // 2} rotary "
-                             f"frequencies of a head of {head_dim} (full rotary)")
-        half = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(section)])
+                             f"frequencies of a head of {head_dim} in 3 (full rotary)")
+        if interleaved:
+            j = torch.arange(head_dim // 2)
+            half = torch.zeros(head_dim // 2, dtype=torch.int64)
+            half[(j % 3 == 1) & (j < 3 * section[1])] = 1
+            half[(j % 3 == 2) & (j < 3 * section[2])] = 2
+        else:
+            half = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(section)])
         self.register_buffer("section", torch.cat([half, half]), persistent=False)  # tables are [freqs, freqs]
 
     def rotate_(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> None:
