@@ -48,15 +48,17 @@ class MRotaryEmbedding(RotaryEmbedding):
         else:
             half = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(section)])
         self.register_buffer("section", torch.cat([half, half]), persistent=False)  # tables are [freqs, freqs]
+        self._step = None  # (positions [3, T], rows, cos, sin) of the last 3-D step: its layers share one table
 
     def rotate_(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> None:
         if positions.dim() == 1:
             return super().rotate_(positions, qkv, heads)
-        # each row's own table: dimension d's cos/sin from position set section[d] (three tables gathered into one)
-        pick = self.section.view(1, 1, -1).expand(1, positions.shape[1], -1)
-        cos = self.cos[positions].gather(0, pick)[0]
-        sin = self.sin[positions].gather(0, pick)[0]
-        rows = torch.arange(positions.shape[1], device=positions.device)
+        if self._step is None or self._step[0] is not positions:  # a step's positions are a new tensor, never edited
+            # each row's own table: dimension d's cos/sin from position set section[d] (three gathered into one)
+            pick = self.section.view(1, 1, -1).expand(1, positions.shape[1], -1)
+            self._step = (positions, torch.arange(positions.shape[1], device=positions.device),
+                          self.cos[positions].gather(0, pick)[0], self.sin[positions].gather(0, pick)[0])
+        _, rows, cos, sin = self._step
         rotary_(qkv, rows, cos, sin, heads, self.head_dim)
 
 
