@@ -249,6 +249,6 @@ def _digest(pixels: torch.Tensor, grid: tuple | None = None) -> bytes:
 
 def image_inputs(model_dir: Path, hf_config, limit: int, max_pixels: int, tokenizer=None) -> ImageInputs:
     """The image path of the served vision-language model's family."""
-    qwen = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+    qwen = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
     cls = QwenVLImageInputs if getattr(hf_config, "vl_family", None) in qwen else ImageInputs
     return cls(model_dir, hf_config, limit, max_pixels, tokenizer)

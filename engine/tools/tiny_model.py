@@ -380,11 +380,12 @@ QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 
 
 def make_qwen2_5_vl_model(path: str | os.PathLike, seed: int = 0, text: dict | None = None,
-                          tower: dict | None = None, max_pixels: int = 112 * 112) -> Path:
+                          tower: dict | None = None, max_pixels: int = 112 * 112, qwen2: bool = False) -> Path:
     """A random-weight Qwen2.5-VL directory (Qwen2_5_VLForConditionalGeneration: its windowed ViT with the 2x2 patch
     merger, M-RoPE over a small Qwen2 decoder) with its processor: the tiny tokenizer plus Qwen's vision tokens, and
     Qwen2VLImageProcessor (patch 14, merge 2: an image is smart-resized to multiples of 28 pixels, each 28x28 one
-    token; at most `max_pixels`). `text` and `tower` override the decoder's and the vision tower's config."""
+    token; at most `max_pixels`). `text` and `tower` override the decoder's and the vision tower's config. qwen2:
+    a Qwen2-VL instead (Qwen2VLForConditionalGeneration: its full-attention ViT)."""
     import torch
     import transformers as tf
 
@@ -398,15 +399,20 @@ def make_qwen2_5_vl_model(path: str | os.PathLike, seed: int = 0, text: dict | N
                    bos_token_id=1, eos_token_id=0, pad_token_id=0,
                    rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
             **(text or {})}
-    # two blocks: one windowed (112-pixel windows: 2x2 merged tokens), one full (fullatt_block_indexes)
-    tower = {**dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
-                    temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
-             **(tower or {}), "out_hidden_size": text["hidden_size"]}
-    config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=tower, image_token_id=ids["<|image_pad|>"],
-                                 video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                                 vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    if qwen2:  # Qwen2-VL's tower: embed_dim wide, hidden_size = the decoder's width
+        tower = {**dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2,
+                        temporal_patch_size=2), **(tower or {}), "hidden_size": text["hidden_size"]}
+    else:  # two blocks: one windowed (56-pixel windows: 2x2 patches, one merged token), one full
+        tower = {**dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+                 **(tower or {}), "out_hidden_size": text["hidden_size"]}
+    config_cls, model_cls = ((tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration) if qwen2 else
+                             (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration))
+    config = config_cls(text_config=text, vision_config=tower, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = tf.Qwen2_5_VLForConditionalGeneration(config)
+    model = model_cls(config)
     _widen_random_init(model)
     model.save_pretrained(str(path), safe_serialization=True)
     # The image processor and the tokenizer saved as a checkpoint keeps them (preprocessor_config.json, tokenizer

@@ -1,6 +1,6 @@
-"""Images in (Qwen2.5-VL and Qwen3-VL, each test once per family): the offline engine's greedy tokens and logprobs
-equal transformers' Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration with the same image
-processor and weights: M-RoPE positions inside and after images (interleaved for Qwen3-VL), deepstack features
+"""Images in (Qwen2.5-VL, Qwen3-VL and Qwen2-VL, each test once per family): the offline engine's greedy tokens and
+logprobs equal transformers' Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration /
+Qwen2VLForConditionalGeneration with the same image processor and weights: M-RoPE positions inside and after images (interleaved for Qwen3-VL), deepstack features
 (Qwen3-VL), images of different sizes, an image in a later turn, batching with text-only requests, chunked prefill
 across an image's tokens, preemption and prefix caching."""
 
@@ -34,11 +34,10 @@ class Family:
         return make_image(seed, 4 * self.side, 3 * self.side)
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen2_vl"])
 def vl(request):
-    if request.param == "qwen2_5_vl":
-        return Family(request.getfixturevalue("qwen_vl_model"), 14)
-    return Family(request.getfixturevalue("qwen3_vl_model"), 16)
+    model = {"qwen2_5_vl": "qwen_vl_model", "qwen3_vl": "qwen3_vl_model", "qwen2_vl": "qwen2_vl_model"}
+    return Family(request.getfixturevalue(model[request.param]), 16 if request.param == "qwen3_vl" else 14)
 
 
 def greedy(max_tokens: int = MAX_NEW) -> SamplingParams:

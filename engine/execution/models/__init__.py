@@ -49,6 +49,7 @@ _LLAVA_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 # Vision-language families with their own model module (the vision tower, M-RoPE) over a decoder served here:
 # the wrapper's architecture -> (module, class, the decoder's architecture).
 _VISION_LANGUAGE = {
+    "Qwen2VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2VLForConditionalGeneration", "Qwen2ForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2ForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM"),
 }

@@ -1,5 +1,6 @@
 """Qwen2.5-VL (transformers' Qwen2_5_VLForConditionalGeneration): a windowed ViT whose 2x2 patch merger makes
-decoder-width image features, in front of a Qwen2 decoder that rotates by M-RoPE.
+decoder-width image features, in front of a Qwen2 decoder that rotates by M-RoPE; and Qwen2-VL
+(Qwen2VLForConditionalGeneration), the same over its own ViT (full attention, LayerNorm and QuickGELU blocks).
 
 The decoder is Shoal's Qwen2 (llama.py: q/k/v biases, paged KV); this module adds
 - `encode_images(images)`: transformers' own vision module for the config's vision_config (read with the checkpoint's
@@ -63,10 +64,13 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 
 def vision_module(vision_config, dtype: torch.dtype):
-    """transformers' Qwen2.5-VL vision transformer for `vision_config` (its own class, attention and merger)."""
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
-
-    return hf.Qwen2_5_VisionTransformerPretrainedModel._from_config(vision_config).to(dtype).eval()
+    """transformers' Qwen2.5-VL (or Qwen2-VL) vision transformer for `vision_config` (its own class, attention and
+    merger)."""
+    if vision_config.model_type in ("qwen2_vl_vision", "qwen2_vl"):  # (older configs: the wrapper's model_type)
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as cls
+    else:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as cls
+    return cls._from_config(vision_config).to(dtype).eval()
 
 
 def load_module(module: torch.nn.Module, src, prefixes: tuple[str, ...]) -> None:
@@ -113,3 +117,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def load_weights(self, src) -> None:
         super().load_weights(src)
         load_module(self.visual, src, _VISION_PREFIXES)
+
+
+class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen2-VL: Qwen2.5-VL's decoder, positions and checkpoint names over Qwen2-VL's vision transformer
+    (vision_module picks it from the vision config)."""
