@@ -168,3 +168,9 @@ def test_max_image_pixels_applies(vl):
         check(vl.model, run(engine, [(ONE, [vl.small(2)])]), [(ONE, [vl.small(2)])])
     finally:
         engine.shutdown()
+
+
+def test_parallel_engines_refuse_it(vl):
+    # the parallel executors carry neither a step's images nor 3-D positions to the other ranks: refused at start
+    with pytest.raises(ValueError, match="one process only"):
+        LLM(vl.model, dtype="float32", num_kv_blocks=16, max_model_len=64, tensor_parallel_size=2)
