@@ -249,7 +249,7 @@ class ModelRunner:
 
     def _embed_images(self, inputs: StepInputs) -> torch.Tensor:
         """The step's token embeddings with each image slice's rows replaced by the image's encoder features. The
-        step's images not in the encoder-output cache run through the tower together (one batch per pixel shape);
+        step's images not in the encoder-output cache run through the tower together (the model batches them);
         a prompt prefilled in chunks finds its image's features cached for every chunk after the first."""
         m, cache = self.model, self.encoder_cache
         missing: dict[bytes, StepImage] = {}
