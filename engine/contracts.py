@@ -187,13 +187,14 @@ class StepImage:
     start: int
     end: int
     digest: bytes
-    pixel_values: torch.Tensor  # [1, C, H, W]: the model's processor output for this image
+    pixel_values: torch.Tensor  # the model's processor output for this image (LLaVA: [1, C, H, W]; Qwen-VL: patches)
+    grid_thw: tuple[int, int, int] | None = None  # Qwen-VL: the image's patch grid (temporal, height, width)
 
 
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64; [3, T] (M-RoPE's temporal, height, width) in a step with Qwen-VL image rows
     slot_mapping: torch.Tensor  # [T] int64
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32

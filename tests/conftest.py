@@ -94,6 +94,41 @@ def llava_model(tmp_path_factory):
     return make_llava_model(tmp_path_factory.mktemp("model-llava"))
 
 
+@pytest.fixture(scope="session")
+def qwen_vl_model(tmp_path_factory):
+    """A tiny Qwen2.5-VL (two-block windowed ViT, 2x2 merger, M-RoPE Qwen2 decoder) with its image processor: a
+    56x56 image is 4 tokens, 84x112 (height x width) 12."""
+    import transformers
+
+    from shoal.engine.tools.tiny_model import make_qwen2_5_vl_model
+
+    transformers.logging.set_verbosity_error()
+    return make_qwen2_5_vl_model(tmp_path_factory.mktemp("model-qwen-vl"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_model(tmp_path_factory):
+    """A tiny Qwen2-VL (two-block full-attention ViT, 2x2 merger, M-RoPE Qwen2 decoder); images as Qwen2.5-VL's."""
+    import transformers
+
+    from shoal.engine.tools.tiny_model import make_qwen2_5_vl_model
+
+    transformers.logging.set_verbosity_error()
+    return make_qwen2_5_vl_model(tmp_path_factory.mktemp("model-qwen2-vl"), qwen2=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_model(tmp_path_factory):
+    """A tiny Qwen3-VL (two-block ViT with deepstack mergers after both, 2x2 merger, interleaved M-RoPE over a Qwen3
+    decoder) with its image processor (patch 16): a 64x64 image is 4 tokens, 96x128 (height x width) 12."""
+    import transformers
+
+    from shoal.engine.tools.tiny_model import make_qwen3_vl_model
+
+    transformers.logging.set_verbosity_error()
+    return make_qwen3_vl_model(tmp_path_factory.mktemp("model-qwen3-vl"))
+
+
 
 @pytest.fixture(scope="module")
 def collector():

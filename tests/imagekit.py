@@ -51,3 +51,50 @@ def hf_llava_greedy(model_dir, text: str, images: list, max_new_tokens: int) -> 
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     prompt = inputs["input_ids"][0].tolist()
     return prompt, out[0, len(prompt):].tolist()
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_qwen_vl(model_dir: str):
+    import transformers as tf
+
+    arch = tf.AutoConfig.from_pretrained(model_dir).architectures[0]  # Qwen2_5_VL... or Qwen3VL...
+    model = getattr(tf, arch).from_pretrained(model_dir).eval()
+    model.generation_config.eos_token_id = None  # compared over a fixed length, as the engine runs with ignore_eos
+    model.generation_config.pad_token_id = 0
+    return tf.AutoImageProcessor.from_pretrained(model_dir), tf.AutoTokenizer.from_pretrained(model_dir), model
+
+
+def hf_qwen_vl_inputs(model_dir, text: str, images: list) -> dict:
+    """What Qwen2_5_VLProcessor / Qwen3VLProcessor(text=..., images=...) give (they cannot be built without
+    torchvision here): the
+    image processor's patches and grids, each <|image_pad|> expanded to grid.prod() // merge_size**2 tokens
+    (Qwen2_5_VLProcessor.replace_image_token), and mm_token_type_ids marking the image tokens."""
+    import torch
+
+    image_processor, tok, _ = _hf_qwen_vl(str(model_dir))
+    inputs = {}
+    if images:
+        inputs = dict(image_processor(images=images, return_tensors="pt"))
+        pieces = text.split("<|image_pad|>")
+        counts = (inputs["image_grid_thw"].prod(-1) // image_processor.merge_size ** 2).tolist()
+        text = pieces[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, pieces[1:]))
+    ids = torch.tensor([tok.encode(text)])
+    image_token = tok.convert_tokens_to_ids("<|image_pad|>")
+    inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  mm_token_type_ids=(ids == image_token).to(torch.int32))
+    return inputs
+
+
+def hf_qwen_vl_greedy(model_dir, text: str, images: list, max_new_tokens: int):
+    """(prompt ids as the processor expands them, greedy generated ids, log_softmax of each step's logits
+    [max_new_tokens, vocab]) from transformers' Qwen2.5-VL or Qwen3-VL (the checkpoint's architecture)."""
+    import torch
+
+    _, _, model = _hf_qwen_vl(str(model_dir))
+    inputs = hf_qwen_vl_inputs(model_dir, text, images)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    prompt = inputs["input_ids"][0].tolist()
+    logprobs = torch.log_softmax(torch.stack([step[0] for step in out.logits]).float(), dim=-1)
+    return prompt, out.sequences[0, len(prompt):].tolist(), logprobs

@@ -152,10 +152,14 @@ class LLMEngine:
             if self.pools else None
         self.images = None  # a vision-language model's image path (core/images.py)
         if accepts_images(self.hf_config):
-            from shoal.engine.core.images import ImageInputs
+            from shoal.engine.core.images import image_inputs
 
             limits = config.limit_mm_per_prompt or MultiModalLimits()
-            self.images = ImageInputs(self.model_dir, self.hf_config, limits.image, config.max_image_pixels)
+            self.images = image_inputs(self.model_dir, self.hf_config, limits.image, config.max_image_pixels,
+                                       self.tokenizer)
+            if config.world_size > 1 and self.images.mrope:  # pipeline micro-batches cut positions as 1-D rows
+                raise ValueError(f"{self.model_dir.name}: Qwen-VL models (3-D M-RoPE positions) run on one process "
+                                 "only for now (drop --tensor-parallel-size / --pipeline-parallel-size)")
 
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_dir)
         self.vocab_size = self.hf_config.vocab_size

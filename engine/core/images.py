@@ -1,11 +1,14 @@
-"""Images in prompts, for vision-language models (LLaVA-style: models/__init__.accepts_images).
+"""Images in prompts, for vision-language models (models/__init__.accepts_images: LLaVA-style, Qwen2.5-VL).
 
   ImageInputs      the model's own transformers processor (its image processor: the torchvision-backed one where
                    torchvision is installed, else the PIL one): decodes image bytes, makes pixel values, and places
                    the images in a prompt by expanding each image placeholder token to the image's token count
-  ProcessedImage   one image ready for the model: pixel values, token count, content digest
-  PromptImages     a prompt's images at their token offsets: which image slice a step prefills (StepImage), and
-                   each KV block's extra hash key (the digests of the images whose tokens it holds; kv_hash)
+  QwenVLImageInputs  the same for Qwen2.5-VL (Qwen2VLImageProcessor: smart-resized, flattened patches and their
+                   grid), which also gives each prompt its M-RoPE positions (`mrope_positions`)
+  ProcessedImage   one image ready for the model: pixel values (and patch grid), token count, content digest
+  PromptImages     a prompt's images at their token offsets: which image slice a step prefills (StepImage), each
+                   KV block's extra hash key (the digests of the images whose tokens it holds; kv_hash), and for
+                   M-RoPE models the prompt's 3-D positions and rope delta
 
 The digest is the sha256 of the pixel values the model sees (shape and bytes), so the same picture under the same
 processor settings is the same image to the encoder cache and the prefix cache. PIL is imported only here, on the
@@ -32,9 +35,10 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class ProcessedImage:
-    pixel_values: torch.Tensor  # [1, C, H, W]
+    pixel_values: torch.Tensor  # [1, C, H, W] (LLaVA); [patches, C * t * p * p] (Qwen-VL)
     num_tokens: int
-    digest: bytes  # sha256 of the pixel values' shape and bytes
+    digest: bytes  # sha256 of the pixel values' shape and bytes (and the patch grid)
+    grid_thw: tuple[int, int, int] | None = None  # Qwen-VL: the patch grid (temporal, height, width)
 
 
 @dataclass(eq=False)
@@ -43,6 +47,22 @@ class PromptImages:
 
     placed: list[tuple[int, ProcessedImage]]
     block_size: int
+    # M-RoPE models: the prompt's positions [3, prompt length] (temporal, height, width), and the shift of every
+    # position after the prompt (generated tokens are at their index + rope_delta, the three sets equal)
+    positions: torch.Tensor | None = None
+    rope_delta: int = 0
+
+    def __post_init__(self):
+        if self.positions is not None:
+            self.prompt_len = self.positions.shape[1]
+            self._row = self.positions[0].tolist()  # text positions: the three sets are equal
+
+    def rope_row(self, start: int, end: int) -> list[int]:
+        """Positions [start, end) as one row (exact for text and generated tokens; image tokens take `positions`)."""
+        n = self.prompt_len
+        if start >= n:
+            return list(range(start + self.rope_delta, end + self.rope_delta))
+        return self._row[start:min(end, n)] + list(range(n + self.rope_delta, end + self.rope_delta))
 
     @property
     def end(self) -> int:
@@ -70,8 +90,16 @@ class ImageInputs:
 
     # Formats PIL opens that a chat client sends; anything else is refused before it is decoded.
     FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+    mrope = False  # the family places image tokens by 3-D positions (Qwen-VL's M-RoPE)
 
-    def __init__(self, model_dir: Path, hf_config, limit: int, max_pixels: int = 4096 * 4096):
+    def __init__(self, model_dir: Path, hf_config, limit: int, max_pixels: int = 4096 * 4096, tokenizer=None):
+        self.token_id = int(hf_config.image_token_id)
+        self.limit = limit
+        self.max_pixels = max_pixels  # --max-image-pixels
+        self._load(Path(model_dir), hf_config, tokenizer)
+        self.placeholder = getattr(self, "placeholder", self.token)  # what a chat's image part becomes in the text
+
+    def _load(self, model_dir: Path, hf_config, tokenizer) -> None:
         from transformers import AutoProcessor
 
         try:
@@ -79,11 +107,8 @@ class ImageInputs:
         except (OSError, ValueError) as e:
             raise ValueError(f"{model_dir}: the model takes images but its processor cannot be loaded ({e})") from None
         self.image_processor = self.processor.image_processor
-        self.token_id = int(hf_config.image_token_id)
         self.token = self.processor.image_token
-        self.image_seq_length = int(hf_config.llava_config.get("image_seq_length") or 576)
-        self.limit = limit
-        self.max_pixels = max_pixels  # --max-image-pixels
+        self.image_seq_length = int(hf_config.vl_config.get("image_seq_length") or 576)
 
     def decode(self, data: bytes):
         """A PIL image (RGB) from encoded bytes; ImageError when they are not a whole image of a known format."""
@@ -125,10 +150,12 @@ class ImageInputs:
                 image = self.decode(bytes(image))
             else:
                 self.check_pixels(image)
-            pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
-            digest = hashlib.sha256(repr(tuple(pixels.shape)).encode() + pixels.contiguous().numpy().tobytes())
-            out.append(ProcessedImage(pixels, self._num_tokens(pixels), digest.digest()))
+            out.append(self._process(image))
         return out
+
+    def _process(self, image) -> ProcessedImage:
+        pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+        return ProcessedImage(pixels, self._num_tokens(pixels), _digest(pixels))
 
     def _num_tokens(self, pixels: torch.Tensor) -> int:
         """The image's placeholder count, as the processor expands it (LlavaProcessor.replace_image_token)."""
@@ -153,3 +180,78 @@ class ImageInputs:
             last = mark + 1
         out += token_ids[last:]
         return out, PromptImages(placed, block_size)
+
+
+class QwenVLImageInputs(ImageInputs):
+    """Qwen2.5-VL: each image smart-resized to multiples of patch * merge pixels and cut into flattened patches
+    (Qwen2VLImageProcessor); its <|image_pad|> is expanded to grid_t * grid_h * grid_w / merge_size**2 tokens as
+    Qwen2_5_VLProcessor.replace_image_token does; a chat's image part is <|vision_start|><|image_pad|><|vision_end|>,
+    as Qwen's chat template writes it. Only the image processor is loaded (the whole processor also builds a video
+    processor, which needs torchvision)."""
+
+    mrope = True
+
+    def _load(self, model_dir: Path, hf_config, tokenizer) -> None:
+        from transformers import AutoImageProcessor
+
+        try:
+            self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{model_dir}: the model takes images but its image processor cannot be loaded "
+                             f"({e})") from None
+        self.merge = int(self.image_processor.merge_size)
+        vl = hf_config.vl_config
+        self.spatial_merge = int(vl["vision_config"]["spatial_merge_size"])
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        start, end = (tokenizer.convert_ids_to_tokens(int(vl[k])) for k in ("vision_start_token_id",
+                                                                              "vision_end_token_id"))
+        self.token = tokenizer.convert_ids_to_tokens(self.token_id)
+        self.placeholder = start + self.token + end
+
+    def _process(self, image) -> ProcessedImage:
+        out = self.image_processor(images=[image], return_tensors="pt")
+        pixels, grid = out["pixel_values"], tuple(int(g) for g in out["image_grid_thw"][0])
+        return ProcessedImage(pixels, grid[0] * grid[1] * grid[2] // self.merge ** 2, _digest(pixels, grid), grid)
+
+    def place(self, token_ids: list[int], images: list[ProcessedImage], block_size: int
+              ) -> tuple[list[int], PromptImages]:
+        out, placed = super().place(token_ids, images, block_size)
+        positions, delta = mrope_positions(len(out), placed.placed, self.spatial_merge)
+        return out, PromptImages(placed.placed, block_size, positions, delta)
+
+
+def mrope_positions(length: int, placed: list[tuple[int, ProcessedImage]], merge: int) -> tuple[torch.Tensor, int]:
+    """A prompt's M-RoPE positions [3, length] and rope delta, as transformers' Qwen2_5_VLModel.get_rope_index: text
+    tokens count on from the last position (the three sets equal); an image's tokens, at the current position s, are
+    (s + t, s + row, s + column) over its merged grid, and the text after it continues at s + max(rows, columns). The
+    delta is max + 1 - length (a generated token at index i is at i + delta)."""
+    parts, pos, last = [], 0, 0
+    for offset, image in placed:
+        if offset > last:  # text before the image
+            parts.append(torch.arange(offset - last).expand(3, -1) + pos)
+            pos += offset - last
+        t, h, w = image.grid_thw[0], image.grid_thw[1] // merge, image.grid_thw[2] // merge
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        parts.append(grid.reshape(3, -1) + pos)
+        pos += max(h, w)
+        last = offset + image.num_tokens
+    if length > last:
+        parts.append(torch.arange(length - last).expand(3, -1) + pos)
+    positions = torch.cat(parts, dim=1)
+    return positions, int(positions.max()) + 1 - length
+
+
+def _digest(pixels: torch.Tensor, grid: tuple | None = None) -> bytes:
+    """sha256 of the pixel values' shape and bytes (and the patch grid: the same patches in another grid differ)."""
+    head = repr(tuple(pixels.shape)) + ("" if grid is None else repr(grid))
+    return hashlib.sha256(head.encode() + pixels.contiguous().numpy().tobytes()).digest()
+
+
+def image_inputs(model_dir: Path, hf_config, limit: int, max_pixels: int, tokenizer=None) -> ImageInputs:
+    """The image path of the served vision-language model's family."""
+    qwen = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+    cls = QwenVLImageInputs if getattr(hf_config, "vl_family", None) in qwen else ImageInputs
+    return cls(model_dir, hf_config, limit, max_pixels, tokenizer)

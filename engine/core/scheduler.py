@@ -319,6 +319,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
     save: list[int] = []
     pool_ranges: list[tuple[int, int]] = []
     images: list[StepImage] = []
+    mrope: list[tuple] = []  # M-RoPE prompts' chunks holding image tokens: (first row, first position, length, images)
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
         c = seq.num_computed_tokens
@@ -334,10 +335,16 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
             span = range(c, c + n)
             positions.extend(span)
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in span)
-        if seq.images is not None and c < seq.images.end:  # image tokens in this chunk: their features' rows
-            row = len(tokens) - n - c
-            for a, image, first, last in seq.images.slices(c, c + n - s.num_draft):
-                images.append(StepImage(row + a, first, last, image.digest, image.pixel_values))
+        if seq.images is not None:
+            placed = seq.images
+            if placed.positions is not None:  # M-RoPE: positions shifted past the images (and 3-D inside them)
+                positions[len(positions) - n:] = placed.rope_row(c, c + n)
+            if c < placed.end:  # image tokens in this chunk: their features' rows
+                row, before = len(tokens) - n - c, len(images)
+                for a, image, first, last in placed.slices(c, c + n - s.num_draft):
+                    images.append(StepImage(row + a, first, last, image.digest, image.pixel_values, image.grid_thw))
+                if placed.positions is not None and len(images) > before:
+                    mrope.append((len(tokens) - n, c, n, placed))
         query_lens.append(n)
         seq_lens.append(c + n)
         if seq.state_slot is not None:
@@ -356,9 +363,15 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
                 logits_indices.extend(range(len(tokens) - 1 - s.num_draft, len(tokens)))
             else:
                 logits_indices.append(len(tokens) - 1)
+    position_ids = torch.tensor(positions, dtype=torch.int64)
+    if mrope:  # a step with M-RoPE image rows: every row's three position sets (equal outside the images)
+        position_ids = position_ids.expand(3, -1).clone()
+        for row, c, n, placed in mrope:
+            m = min(n, placed.prompt_len - c)
+            position_ids[:, row:row + m] = placed.positions[:, c:c + m]
     return StepInputs(
         input_ids=torch.tensor(tokens, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
+        positions=position_ids,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc=torch.tensor(query_start, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),

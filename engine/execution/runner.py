@@ -3,12 +3,13 @@ logits (or, on a pipeline stage before the last, hidden states)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
 import torch
 
-from shoal.engine.contracts import StepInputs
+from shoal.engine.contracts import StepImage, StepInputs
 from shoal.engine.distributed.parallel_state import get_parallel_state, set_parallel_state
 from shoal.engine.execution.attention import select_backend
 from shoal.engine.execution.attention.base import AttentionMetadata, KVCache
@@ -248,27 +249,33 @@ class ModelRunner:
 
     def _embed_images(self, inputs: StepInputs) -> torch.Tensor:
         """The step's token embeddings with each image slice's rows replaced by the image's encoder features. The
-        step's images not in the encoder-output cache run through the tower together (one batch per pixel shape);
+        step's images not in the encoder-output cache run through the tower together (the model batches them);
         a prompt prefilled in chunks finds its image's features cached for every chunk after the first."""
         m, cache = self.model, self.encoder_cache
-        missing: dict[bytes, torch.Tensor] = {}
+        missing: dict[bytes, StepImage] = {}
         for image in inputs.images:
             if cache.get(image.digest) is None:
-                missing.setdefault(image.digest, image.pixel_values)
-        by_shape: dict[tuple, list[bytes]] = {}
-        for digest, pixels in missing.items():
-            by_shape.setdefault(tuple(pixels.shape), []).append(digest)
-        for digests in by_shape.values():
-            batch = torch.cat([missing[d] for d in digests]).to(self.device)
-            for digest, features in zip(digests, m.encode_images(batch)):
+                missing.setdefault(image.digest, image)
+        if missing:
+            for digest, features in zip(missing, m.encode_images([self._on_device(i) for i in missing.values()])):
                 cache.put(digest, features)
         x = m.embed(inputs.input_ids, inputs.positions)
+        width, rows, deep = x.shape[1], [], []
         for image in inputs.images:
             features = cache.get(image.digest)
             if features is None:  # pushed out by this very step's others (more images than the cache holds)
-                features = m.encode_images(image.pixel_values.to(self.device))[0]
-            x[image.row:image.row + image.end - image.start] = features[image.start:image.end].to(x.dtype)
+                features = m.encode_images([self._on_device(image)])[0]
+            features = features[image.start:image.end]
+            x[image.row:image.row + image.end - image.start] = features[:, :width].to(x.dtype)
+            if features.shape[1] > width:  # deepstack: later layers' features follow the input embeddings'
+                rows.append(torch.arange(image.row, image.row + image.end - image.start))
+                deep.append(features[:, width:])
+        if deep:  # read (and cleared) by the model's next forward (Qwen3-VL adds them after its first layers)
+            m.deepstack = (torch.cat(rows).to(x.device), torch.cat(deep).to(x.dtype))
         return x
+
+    def _on_device(self, image: StepImage) -> StepImage:
+        return dataclasses.replace(image, pixel_values=image.pixel_values.to(self.device))
 
 
 def _attention_shape(hf_config) -> dict:

@@ -55,7 +55,7 @@ def render_chat_prompt(state: ServerState, messages: list[ChatMessage], add_gene
     tok = state.engine.tokenizer
     try:
         images = getattr(state.engine, "images", None)
-        msgs = [m.to_template(images.token if images is not None else None) for m in messages]
+        msgs = [m.to_template(images.placeholder if images is not None else None) for m in messages]
     except ValueError as e:
         raise APIError(str(e), 400, param="messages") from None
     if continue_final_message and add_generation_prompt:

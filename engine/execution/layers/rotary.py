@@ -33,7 +33,8 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = "longrope" if rope_type == "su" else rope_type
+    # "su": LongRoPE's old name; "mrope": Qwen2-VL-era configs' name for default RoPE over 3 position sets
+    params["rope_type"] = {"su": "longrope", "mrope": "default"}.get(rope_type, rope_type)
     return params
 
 

@@ -46,7 +46,15 @@ _TEXT_DECODERS = {
 _LLAVA = "LlavaForConditionalGeneration"
 _LLAVA_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
-SUPPORTED_ARCHITECTURES = sorted([*_REGISTRY, *_TEXT_DECODERS, _LLAVA])
+# Vision-language families with their own model module (the vision tower, M-RoPE) over a decoder served here:
+# the wrapper's architecture -> (module, class, the decoder's architecture).
+_VISION_LANGUAGE = {
+    "Qwen2VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2VLForConditionalGeneration", "Qwen2ForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2ForCausalLM"),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM"),
+}
+
+SUPPORTED_ARCHITECTURES = sorted([*_REGISTRY, *_TEXT_DECODERS, _LLAVA, *_VISION_LANGUAGE])
 
 
 def text_decoder_config(config):
@@ -56,6 +64,9 @@ def text_decoder_config(config):
     archs = getattr(config, "architectures", None) or []
     if _LLAVA in archs:
         return _llava_text_config(config)
+    family = next((a for a in archs if a in _VISION_LANGUAGE), None)
+    if family is not None:
+        return _vision_language_text_config(config, family, _VISION_LANGUAGE[family][2])
     decoder = next((_TEXT_DECODERS[a] for a in archs if a in _TEXT_DECODERS), None)
     if decoder is None:
         return config
@@ -68,15 +79,23 @@ def text_decoder_config(config):
 
 
 def _llava_text_config(config):
-    """A LLaVA checkpoint's text_config as its decoder's, carrying the whole wrapper config as a plain dict
-    (`llava_config`, what models/llava.py builds the vision tower from) and the image token's id."""
+    """A LLaVA checkpoint's text_config as its decoder's (the text_config's model_type names it)."""
     text = config.text_config
     decoder = _LLAVA_DECODERS.get(text.model_type)
     if decoder is None:
         raise ValueError(f"LLaVA with a {text.model_type!r} decoder is not supported; supported decoders: "
                          f"{', '.join(sorted(_LLAVA_DECODERS))}")
+    return _vision_language_text_config(config, _LLAVA, decoder)
+
+
+def _vision_language_text_config(config, family: str, decoder: str):
+    """A vision-language checkpoint's text_config as its decoder's (`decoder`'s architecture), carrying the family
+    (`vl_family`: the wrapper's architecture), the whole wrapper config as a plain dict (`vl_config`, what the
+    family's module builds the vision tower from) and the image token's id."""
+    text = config.text_config
     text.architectures = [decoder]
-    text.llava_config = config.to_dict()
+    text.vl_family = family
+    text.vl_config = config.to_dict()
     text.image_token_id = config.image_token_id
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     if getattr(config, "dtype", None) is not None:
@@ -86,7 +105,7 @@ def _llava_text_config(config):
 
 def accepts_images(config) -> bool:
     """Whether the served model takes images (a vision-language checkpoint whose vision tower is served)."""
-    return getattr(config, "llava_config", None) is not None
+    return getattr(config, "vl_config", None) is not None
 
 
 def model_class(config) -> type[CausalLM]:
@@ -94,6 +113,10 @@ def model_class(config) -> type[CausalLM]:
 
     archs = getattr(config, "architectures", None) or []
     if accepts_images(config):  # imported by name: this registry stays importable without torch
+        family = getattr(config, "vl_family", _LLAVA)
+        if family in _VISION_LANGUAGE:
+            module, cls, _ = _VISION_LANGUAGE[family]
+            return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
         return importlib.import_module(f"{__name__}.llava").vision_language(_decoder_class(archs))
     return _decoder_class(archs)
 

@@ -90,7 +90,7 @@ def vision_language(decoder_cls: type) -> type:
             super().__init__(config, dtype, backend, max_model_len, layer_partition)
             from transformers import AutoConfig, AutoModel
 
-            full = AutoConfig.for_model(**config.llava_config)  # the wrapper's config, kept as a dict
+            full = AutoConfig.for_model(**config.vl_config)  # the wrapper's config, kept as a dict
             self.llava = full
             self.vision_dtype = dtype
             self.vision_tower = self.multi_modal_projector = None
@@ -99,8 +99,21 @@ def vision_language(decoder_cls: type) -> type:
                 self.multi_modal_projector = Projector(full, dtype)
 
         @torch.inference_mode()
-        def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-            """Images' [B, num_image_tokens, hidden] decoder-width features (pixel_values: [B, C, H, W])."""
+        def encode_images(self, images: list) -> list[torch.Tensor]:
+            """Each image's [num_image_tokens, hidden] decoder-width features (images: StepImages, pixel_values
+            [1, C, H, W]); images of one pixel shape run through the tower as one batch."""
+            by_shape: dict[tuple, list[int]] = {}
+            for i, image in enumerate(images):
+                by_shape.setdefault(tuple(image.pixel_values.shape), []).append(i)
+            out: list = [None] * len(images)
+            for idx in by_shape.values():
+                features = self._encode(torch.cat([images[i].pixel_values for i in idx]))
+                for i, f in zip(idx, features):
+                    out[i] = f
+            return out
+
+        def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            """[B, num_image_tokens, hidden] features of a batch of images of one size ([B, C, H, W])."""
             c = self.llava
             out = self.vision_tower(pixel_values.to(self.vision_dtype), output_hidden_states=True, return_dict=True)
             layers = c.vision_feature_layer
