@@ -171,6 +171,6 @@ def test_max_image_pixels_applies(vl):
 
 
 def test_parallel_engines_refuse_it(vl):
-    # the parallel executors carry neither a step's images nor 3-D positions to the other ranks: refused at start
+    # 3-D positions under parallelism are untested (pipeline micro-batches cut positions as 1-D rows): refused at start
     with pytest.raises(ValueError, match="one process only"):
         LLM(vl.model, dtype="float32", num_kv_blocks=16, max_model_len=64, tensor_parallel_size=2)
