@@ -253,7 +253,8 @@ class Kubelet:
         self._sync_slice_labels()
         synced: set[str] = set()
         for dep in self.cluster.find("deployments", self.ns):
-            if dep["metadata"]["labels"].get("app.kubernetes.io/component") == "engine":
+            # the engines, and spec.prefill's prefill engines
+            if dep["metadata"]["labels"].get("app.kubernetes.io/component") in ("engine", "prefill"):
                 synced |= self._sync_deployment(dep)
         # pods whose Deployment was deleted: the emulator's garbage collector removed them (no finalizer honoured),
         # and the kubelet stops their processes as it would a deleted pod's
@@ -348,7 +349,7 @@ class Kubelet:
         sidecars = [self._start_sidecar(name, c, pod_spec, port) for c in pod_spec["containers"][1:]]
         self.pods[name] = LocalPod(name, port, proc, log.name, grace=grace, ready_path=ready_path,
                                    startup_path=(startup.get("httpGet") or {}).get("path"),
-                                   sidecars=sidecars, service=self.service or f"{dep['metadata']['name']}-engines",
+                                   sidecars=sidecars, service=self._service_of(dep),
                                    helpers=helpers, init_statuses=init_statuses)
         if self.pods[name].startup_path:
             threading.Thread(target=self._startup_prober, name=f"startup-{name}", daemon=True,
@@ -365,6 +366,13 @@ class Kubelet:
             "spec": pod_spec,
             "status": {"phase": "Pending"},
         })
+
+    def _service_of(self, dep: dict) -> str:
+        """The headless Service whose EndpointSlices list the Deployment's pods: `<isvc>-prefill` (it is the prefill
+        Deployment's own name) for prefill engines, the engines Service for the others."""
+        if dep["metadata"]["labels"].get("app.kubernetes.io/component") == "prefill":
+            return dep["metadata"]["name"]
+        return self.service or f"{dep['metadata']['name']}-engines"
 
     def _start_sidecar(self, pod: str, container: dict, pod_spec: dict, engine_port: int) -> Sidecar:
         """A second container of the pod as a local process (the adapter-sync sidecar only): its configMap volumes
