@@ -40,6 +40,7 @@ from shoal.engine.execution.runner import ModelRunner
 
 if TYPE_CHECKING:
     from shoal.engine.config import EngineConfig
+    from shoal.engine.execution.mtp import MTPDrafter
     from shoal.engine.execution.sampling import Sampler
 
 
@@ -48,7 +49,7 @@ class DraftHost:
     propose): the draft runs in the executor's own process, beside `self.runner` (rank 0's, in a parallel group),
     built from `self.engine_config`; allocate_kv_cache and shutdown give it and free its cache."""
 
-    drafter: DraftModel | None = None
+    drafter: DraftModel | MTPDrafter | None = None
     # what the executor that mixes this in has (execution/executor.py, distributed/driver.py)
     runner: ModelRunner  # the target's runner: the draft runs on its device, dtype and max_model_len
     engine_config: EngineConfig
@@ -60,6 +61,13 @@ class DraftHost:
     def load_drafter(self, model_dir, hf_config, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
         self.drafter = DraftModel(self.runner, self.engine_config, model_dir, hf_config, self.sampler.vocab_size,
                                   num_speculative_tokens, max_num_batched_tokens)
+
+    def load_mtp(self, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
+        """Speculative MTP: the target checkpoint's own MTP layer as the drafter (execution/mtp.py)."""
+        from shoal.engine.execution.mtp import MTPDrafter
+
+        self.drafter = MTPDrafter(self.runner, self.engine_config, self.sampler.vocab_size, num_speculative_tokens,
+                                  max_num_batched_tokens)
 
     def drafter_bytes_per_block(self, block_size: int) -> int:
         return self.drafter.bytes_per_block(block_size) if self.drafter is not None else 0
@@ -87,6 +95,16 @@ class DraftModel:
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.runner.bytes_per_block(block_size)
+
+    @property
+    def padding_blocks(self) -> int:
+        return self.runner.padding_blocks
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+
+    def free_kv_cache(self) -> None:
+        self.runner.free_kv_cache()
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         """Each request's num_draft proposals: round 0 catches up to the sequence's last token (in chunks within
