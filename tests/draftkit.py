@@ -44,7 +44,7 @@ def mtp_checkpoint(model_factory, path: Path, seed: int = 3) -> Path:
     """A tiny DeepSeek V3 checkpoint with a multi-token-prediction layer, as DeepSeek ships them: transformers makes a
     4-layer model, whose last layer becomes the MTP layer's decoder layer (`model.layers.3.*`, unread by the 3-layer
     target config.json now describes, with `num_nextn_predict_layers: 1`), plus random enorm, hnorm, eh_proj,
-    shared_head.norm and shared_head.head. model_factory("deepseek_v3", num_hidden_layers=4) is the same model
+    shared_head.norm, shared_head.head and embed_tokens (its own, unlike the target's). model_factory("deepseek_v3", num_hidden_layers=4) is the same model
     with that layer as a fourth decoder layer (the tests' reference reads it from there)."""
     import json
 
@@ -63,5 +63,7 @@ def mtp_checkpoint(model_factory, path: Path, seed: int = 3) -> Path:
         tensors[f"{p}{name}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
     tensors[p + "eh_proj.weight"] = 0.15 * torch.randn(h, 2 * h, generator=g)
     tensors[p + "shared_head.head.weight"] = 0.15 * torch.randn(v, h, generator=g)
+    # DeepSeek ships the MTP layer its own copy of the embedding; a different one here, so that using it shows
+    tensors[p + "embed_tokens.weight"] = 0.15 * torch.randn(v, h, generator=g)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path

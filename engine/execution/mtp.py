@@ -26,6 +26,7 @@ position depends on the next block's first token), from the hidden states the ca
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -34,6 +35,8 @@ from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
 from shoal.engine.execution.drafter import DraftModel
 from shoal.engine.execution.layers.mla import LatentKVCache
 from shoal.engine.execution.runner import ModelRunner, attention_metadata
+
+logger = logging.getLogger(__name__)
 
 
 def check_mtp_target(hf_config, model_dir) -> int:
@@ -91,6 +94,10 @@ class MTPDrafter:
         target.keep_hidden = True  # before allocate_kv_cache, which then gives the target its hidden-state slots
         self.kv_cache: LatentKVCache | None = None
         self.block_size = 0
+        own = [n for n, m in (("embed_tokens", self.module.own_embed), ("shared_head.head", self.module.own_head)) if m]
+        logger.info("speculative MTP: %d proposals a step from %s (own %s; the target's otherwise), the target keeping "
+                    "its last hidden state per KV slot", self.k, self.module.prefix.rstrip("."),
+                    ", ".join(own) or "none")
 
     def bytes_per_block(self, block_size: int) -> int:
         """The MTP layer's latent entries and the target's kept hidden states of one block."""

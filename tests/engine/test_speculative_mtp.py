@@ -94,7 +94,7 @@ class ReferenceMTP:
         t = load_file(mtp_dir / "model.safetensors")
         p = f"model.layers.{LAYER}."
         self.w = {n: t[f"{p}{n}.weight"] for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm",
-                                                  "shared_head.head")}
+                                                  "shared_head.head", "embed_tokens")}
         self.eps = full.config.rms_norm_eps
 
     def _rms(self, x, name):
@@ -111,7 +111,7 @@ class ReferenceMTP:
         hidden, inputs, proposals = seen[0], list(token_ids[1:]), []  # entry i: token i+1 and h_i
         for _ in range(k):
             n = len(inputs)
-            e = self.target.model.embed_tokens(torch.tensor(inputs))
+            e = self.w["embed_tokens"][torch.tensor(inputs)]  # the MTP layer's own embedding
             x = (torch.cat([self._rms(e, "enorm"), self._rms(hidden, "hnorm")], -1) @ self.w["eh_proj"].T)[None]
             pos = torch.arange(n)[None]
             mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
@@ -156,7 +156,7 @@ def test_proposals_equal_a_reference_mtp_forward(mtp_model, model_factory):
 def _predicting_head(mtp_dir, path, base_outputs) -> None:
     """Rewrite mtp_dir's MTP layer into a successor table of the target's own greedy continuations: the decoder
     layer passes its input through (o_proj and the MLP's down projections zero), the hidden state is ignored (hnorm
-    zero), and shared_head.head scores each token's normalised embedding as the token that followed it."""
+    zero), and shared_head.head scores each token's normalised (MTP) embedding as the token that followed it."""
     shutil.copytree(mtp_dir, path, dirs_exist_ok=True)
     t = load_file(path / "model.safetensors")
     p = f"model.layers.{LAYER}."
@@ -167,7 +167,7 @@ def _predicting_head(mtp_dir, path, base_outputs) -> None:
     t[p + "hnorm.weight"] = torch.zeros(h)
     t[p + "enorm.weight"], t[p + "shared_head.norm.weight"] = torch.ones(h), torch.ones(h)
     t[p + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    embed = t["model.embed_tokens.weight"]
+    embed = t[p + "embed_tokens.weight"]
     unit = embed / embed.norm(dim=-1, keepdim=True)
     successor = {}
     for out in base_outputs:
@@ -232,3 +232,14 @@ def test_what_mtp_cannot_serve_is_refused_at_start(mtp_model, model_factory, tmp
         start(model_factory("llama"))
     with pytest.raises(ValueError, match="not supported for hybrid models"):
         start(model_factory("qwen3_next"))
+
+
+def test_seeded_sampling_with_mtp_is_reproducible_and_frees(mtp_model):
+    """Sampled requests draw their proposals from the MTP head's softmax (from the request's generator) and the
+    target keeps them by rejection sampling against that distribution: a seed gives the same tokens again."""
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=10, seed=7, ignore_eos=True, n=2)
+    (a, b), stats, _ = _run(mtp_model, PROMPTS[:2], params, MTP, rounds=2, block_size=4, max_model_len=128)
+    ids = [[c.token_ids for c in o.outputs] for o in a]
+    assert ids == [[c.token_ids for c in o.outputs] for o in b]
+    assert all(len(c.token_ids) == 10 for o in a for c in o.outputs)
+    assert stats.spec_decode_num_draft_tokens_total > 0
