@@ -37,6 +37,7 @@ import torch
 from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
 from shoal.engine.execution.graph_capture import decode_capture_backend
 from shoal.engine.execution.runner import ModelRunner
+from shoal.engine.execution.sampling import choose_proposals
 
 if TYPE_CHECKING:
     from shoal.engine.config import EngineConfig
@@ -133,7 +134,7 @@ class DraftModel:
         active = list(range(len(requests)))
         for _ in range(self.k):
             rows = torch.stack([last_logits[i] for i in active])
-            for i, token, q in zip(active, *self._choose(rows, [requests[i] for i in active])):
+            for i, token, q in zip(active, *choose_proposals(rows, [requests[i] for i in active])):
                 tokens[i].append(token)
                 probs[i].append(q)
             active = [i for i in active if len(tokens[i]) < requests[i].num_draft]
@@ -172,16 +173,3 @@ class DraftModel:
             query_lens=[len(c) for _, c, _ in items], seq_lens_list=seq_lens)
         return self.runner.execute(inputs)[:, :self.vocab_size]
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, requests: list[DraftRequest]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Each request's proposal from its draft logits: the argmax for greedy requests, else a draw from the
-        softmax at the request's temperature (returned with it, for the target's rejection sampling)."""
-        tokens = logits.argmax(dim=-1).tolist()
-        probs: list[torch.Tensor | None] = [None] * len(requests)
-        for i, r in enumerate(requests):
-            if r.params.is_greedy:
-                continue
-            q = (logits[i] / r.params.temperature).softmax(dim=-1)
-            tokens[i] = int(torch.multinomial(q, 1, generator=r.generator))
-            probs[i] = q
-        return tokens, probs

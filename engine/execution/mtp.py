@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
-from shoal.engine.execution.drafter import DraftModel
 from shoal.engine.execution.layers.mla import LatentKVCache
 from shoal.engine.execution.runner import ModelRunner, attention_metadata
+from shoal.engine.execution.sampling import choose_proposals
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class MTPDrafter:
         active = list(range(len(requests)))
         for _ in range(self.k):
             rows = torch.stack([last[i][0] for i in active])
-            for i, token, q in zip(active, *DraftModel._choose(rows, [requests[i] for i in active])):
+            for i, token, q in zip(active, *choose_proposals(rows, [requests[i] for i in active])):
                 tokens[i].append(token)
                 probs[i].append(q)
             active = [i for i in active if len(tokens[i]) < requests[i].num_draft]
