@@ -93,10 +93,11 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram", "draft_model"] = Field(
+    method: Literal["ngram", "draft_model", "mtp"] = Field(
         description="ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the sequence's "
                     "last n tokens; draft_model: a smaller model with the same tokenizer proposes them (implied by "
-                    "`model`)")
+                    "`model`); mtp (alias deepseek_mtp): the multi-token-prediction layer a DeepSeek V3 checkpoint "
+                    "ships (num_nextn_predict_layers) proposes them from the target's hidden states")
     model: str | None = Field(default=None, description="the draft model (draft_model): a local Hugging Face "
                                                         "directory, a hub id in the local cache, or a .gguf file")
     num_speculative_tokens: int = Field(gt=0, le=64, description="tokens proposed per step")
@@ -122,9 +123,12 @@ class SpeculativeConfig(BaseModel):
             if data.get("model") is None:
                 raise ValueError('speculative decoding needs a "method" ("ngram") or a draft "model"')
             data = dict(data, method="draft_model")
-        elif method not in ("ngram", "draft_model"):
+        elif method == "deepseek_mtp":  # vLLM's older name of the same method
+            data = dict(data, method="mtp")
+        elif method not in ("ngram", "draft_model", "mtp"):
             raise ValueError(f"speculative method {method!r} is not supported; this engine implements 'ngram' "
-                             "(prompt lookup) and 'draft_model' (a smaller model with the same tokenizer)")
+                             "(prompt lookup), 'draft_model' (a smaller model with the same tokenizer) and 'mtp' "
+                             "(the target checkpoint's own multi-token-prediction layer)")
         return data
 
     @model_validator(mode="after")
@@ -136,6 +140,9 @@ class SpeculativeConfig(BaseModel):
             raise ValueError('speculative method "draft_model" needs the draft "model"')
         if self.method == "ngram" and self.model is not None:
             raise ValueError('speculative method "ngram" takes no "model" (a draft model implies "draft_model")')
+        if self.method == "mtp" and self.model is not None:
+            raise ValueError('speculative method "mtp" takes no "model": the MTP layer is read from the target '
+                             "model's own checkpoint")
         return self
 
 
@@ -349,7 +356,8 @@ class EngineConfig(BaseModel):
         ENGINE, 'speculative decoding as a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                 '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; "disable_by_batch_size" (default 8) switches it off '
                 'for steps with more decoding sequences; or a draft model with the same tokenizer: '
-                '{"model": DIR, "num_speculative_tokens": 4}', type=parse_speculative_config, metavar="JSON")] = None
+                '{"model": DIR, "num_speculative_tokens": 4}; or a DeepSeek V3 checkpoint\'s own MTP layer: '
+                '{"method": "mtp", "num_speculative_tokens": 1}', type=parse_speculative_config, metavar="JSON")] = None
     runner: Annotated[Runner, Flag(
         ENGINE, "auto: a causal LM generates and also serves /v1/embeddings (its prompt's hidden states pooled, see "
                 "--pooler-config), an encoder-only model (BertModel) serves /v1/embeddings only; generate: no "
@@ -462,9 +470,10 @@ class EngineConfig(BaseModel):
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
         spec = self.speculative_config
-        if self.enable_sleep_mode and spec is not None and spec.method == "draft_model":
-            raise ValueError("enable_sleep_mode does not support a speculative draft model (its own KV cache and "
-                             "weights are not released by sleep); use the ngram method or leave sleep mode off")
+        if self.enable_sleep_mode and spec is not None and spec.method in ("draft_model", "mtp"):
+            raise ValueError(f"enable_sleep_mode does not support the speculative method {spec.method!r} (its own KV "
+                             "cache and weights are not released by sleep); use the ngram method or leave sleep "
+                             "mode off")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         d = self.distributed

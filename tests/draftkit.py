@@ -38,3 +38,32 @@ def assert_same_greedy_output(want, got) -> None:
 def assert_some_accepted_some_rejected(stats) -> None:
     drafted, accepted = stats.spec_decode_num_draft_tokens_total, stats.spec_decode_num_accepted_tokens_total
     assert 0 < accepted < drafted  # a different model: some proposals kept, some rejected
+
+
+def mtp_checkpoint(model_factory, path: Path, seed: int = 3) -> Path:
+    """A tiny DeepSeek V3 checkpoint with a multi-token-prediction layer, as DeepSeek ships them: transformers makes a
+    4-layer model, whose last layer becomes the MTP layer's decoder layer (`model.layers.3.*`, unread by the 3-layer
+    target config.json now describes, with `num_nextn_predict_layers: 1`), plus random enorm, hnorm, eh_proj,
+    shared_head.norm, shared_head.head and embed_tokens (its own, unlike the target's). model_factory("deepseek_v3", num_hidden_layers=4) is the same model
+    with that layer as a fourth decoder layer (the tests' reference reads it from there)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    full = model_factory("deepseek_v3", num_hidden_layers=4)
+    shutil.copytree(full, path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    layer = config["num_hidden_layers"] - 1
+    config.update(num_hidden_layers=layer, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    h, v, p = config["hidden_size"], config["vocab_size"], f"model.layers.{layer}."
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{p}{name}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    tensors[p + "eh_proj.weight"] = 0.15 * torch.randn(h, 2 * h, generator=g)
+    tensors[p + "shared_head.head.weight"] = 0.15 * torch.randn(v, h, generator=g)
+    # DeepSeek ships the MTP layer its own copy of the embedding; a different one here, so that using it shows
+    tensors[p + "embed_tokens.weight"] = 0.15 * torch.randn(v, h, generator=g)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -1,4 +1,6 @@
-"""Speculative decoding's proposals: n-gram prompt lookup (vLLM's "ngram" method) and a draft model ("draft_model").
+"""Speculative decoding's proposals: n-gram prompt lookup (vLLM's "ngram" method), a draft model ("draft_model")
+and the target checkpoint's own multi-token-prediction layer ("mtp", execution/mtp.py: proposed like a draft
+model's, through the executor).
 
 A decoding sequence whose recent tokens already occurred earlier in its prompt or output (code being edited, a
 passage being quoted or summarised) is likely to continue as it did then. The proposer finds the latest earlier
@@ -108,10 +110,32 @@ def check_same_vocabulary(draft_name: str, draft_config, draft_tokenizer, target
                          "share the target's tokenizer")
 
 
+def check_mtp_engine(engine) -> None:
+    """Refuse speculative MTP where it cannot run (hybrids are refused before, for every method)."""
+    from shoal.engine.execution.gguf_model import is_gguf
+    from shoal.engine.execution.mtp import check_mtp_target
+
+    c = engine.config
+    if is_gguf(engine.model_dir):
+        raise ValueError("speculative method 'mtp' reads the MTP layer from safetensors; a GGUF file has none")
+    check_mtp_target(engine.hf_config, engine.model_dir)
+    if c.world_size > 1:
+        raise ValueError("speculative method 'mtp' runs in one process only: tensor_parallel_size "
+                         f"{c.tensor_parallel_size} x pipeline_parallel_size {c.pipeline_parallel_size} is not "
+                         "supported with it (the MTP layer would need the target's sharding and last stage)")
+    if c.kv_offloading_size is not None:  # blocks loaded back from a tier would lack the target's hidden states
+        raise ValueError("speculative method 'mtp' does not support kv_offloading_size (the offloaded blocks do not "
+                         "keep the hidden states the MTP layer reads)")
+
+
 def make_proposer(config: SpeculativeConfig, engine):
     """The proposer of an engine's speculative config; a draft model is checked here and loaded by the executor."""
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "mtp":
+        check_mtp_engine(engine)
+        engine.executor.load_mtp(config.num_speculative_tokens, engine.max_num_batched_tokens)
+        return DraftModelProposer(config, engine.executor)
     from shoal.engine.core.tokenizer import load_tokenizer
     from shoal.engine.execution.model_loader import load_hf_config, resolve_model_dir
 

@@ -146,7 +146,7 @@ class DistributedExecutor(DraftHost):
     def padding_blocks(self) -> int:
         """Every rank of a group runs its steps eagerly (no decode capture, no padding block); rank 0's draft
         model is a one-process runner and captures its decode rounds."""
-        return self.drafter.runner.padding_blocks if self.drafter is not None else 0
+        return self.drafter.padding_blocks if self.drafter is not None else 0
 
     def add_lora(self, adapter_id: int, path: str) -> None:
         self.collective_rpc("add_lora", adapter_id, path)
@@ -157,7 +157,7 @@ class DistributedExecutor(DraftHost):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
         self.collective_rpc("allocate_kv_cache", num_blocks, block_size, num_state_slots)
         if self.drafter is not None:
-            self.drafter.runner.allocate_kv_cache(num_blocks, block_size)
+            self.drafter.allocate_kv_cache(num_blocks, block_size)
 
     def enable_kv_offload(self, spec) -> None:
         self.collective_rpc("enable_kv_offload", spec)
@@ -237,7 +237,7 @@ class DistributedExecutor(DraftHost):
         self._closed = True
         self.runner.free_kv_cache()
         if self.drafter is not None:
-            self.drafter.runner.free_kv_cache()
+            self.drafter.free_kv_cache()
         deadline = time.monotonic() + 15
         for rank, proc in self.children:
             try:

@@ -37,9 +37,11 @@ import torch
 from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
 from shoal.engine.execution.graph_capture import decode_capture_backend
 from shoal.engine.execution.runner import ModelRunner
+from shoal.engine.execution.sampling import choose_proposals
 
 if TYPE_CHECKING:
     from shoal.engine.config import EngineConfig
+    from shoal.engine.execution.mtp import MTPDrafter
     from shoal.engine.execution.sampling import Sampler
 
 
@@ -48,7 +50,7 @@ class DraftHost:
     propose): the draft runs in the executor's own process, beside `self.runner` (rank 0's, in a parallel group),
     built from `self.engine_config`; allocate_kv_cache and shutdown give it and free its cache."""
 
-    drafter: DraftModel | None = None
+    drafter: DraftModel | MTPDrafter | None = None
     # what the executor that mixes this in has (execution/executor.py, distributed/driver.py)
     runner: ModelRunner  # the target's runner: the draft runs on its device, dtype and max_model_len
     engine_config: EngineConfig
@@ -60,6 +62,13 @@ class DraftHost:
     def load_drafter(self, model_dir, hf_config, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
         self.drafter = DraftModel(self.runner, self.engine_config, model_dir, hf_config, self.sampler.vocab_size,
                                   num_speculative_tokens, max_num_batched_tokens)
+
+    def load_mtp(self, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
+        """Speculative MTP: the target checkpoint's own MTP layer as the drafter (execution/mtp.py)."""
+        from shoal.engine.execution.mtp import MTPDrafter
+
+        self.drafter = MTPDrafter(self.runner, self.engine_config, self.sampler.vocab_size, num_speculative_tokens,
+                                  max_num_batched_tokens)
 
     def drafter_bytes_per_block(self, block_size: int) -> int:
         return self.drafter.bytes_per_block(block_size) if self.drafter is not None else 0
@@ -88,6 +97,16 @@ class DraftModel:
     def bytes_per_block(self, block_size: int) -> int:
         return self.runner.bytes_per_block(block_size)
 
+    @property
+    def padding_blocks(self) -> int:
+        return self.runner.padding_blocks
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks, block_size)
+
+    def free_kv_cache(self) -> None:
+        self.runner.free_kv_cache()
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         """Each request's num_draft proposals: round 0 catches up to the sequence's last token (in chunks within
         the token budget) and its logits give the first proposal; rounds 1.. feed the previous proposal and give
@@ -115,7 +134,7 @@ class DraftModel:
         active = list(range(len(requests)))
         for _ in range(self.k):
             rows = torch.stack([last_logits[i] for i in active])
-            for i, token, q in zip(active, *self._choose(rows, [requests[i] for i in active])):
+            for i, token, q in zip(active, *choose_proposals(rows, [requests[i] for i in active])):
                 tokens[i].append(token)
                 probs[i].append(q)
             active = [i for i in active if len(tokens[i]) < requests[i].num_draft]
@@ -154,16 +173,3 @@ class DraftModel:
             query_lens=[len(c) for _, c, _ in items], seq_lens_list=seq_lens)
         return self.runner.execute(inputs)[:, :self.vocab_size]
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, requests: list[DraftRequest]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Each request's proposal from its draft logits: the argmax for greedy requests, else a draw from the
-        softmax at the request's temperature (returned with it, for the target's rejection sampling)."""
-        tokens = logits.argmax(dim=-1).tolist()
-        probs: list[torch.Tensor | None] = [None] * len(requests)
-        for i, r in enumerate(requests):
-            if r.params.is_greedy:
-                continue
-            q = (logits[i] / r.params.temperature).softmax(dim=-1)
-            tokens[i] = int(torch.multinomial(q, 1, generator=r.generator))
-            probs[i] = q
-        return tokens, probs

@@ -95,6 +95,10 @@ class Executor(Protocol):
         """Load the draft model (before allocate_kv_cache, which then gives it a cache of the same blocks;
         padding_blocks counts its padding from then on)."""
 
+    def load_mtp(self, num_speculative_tokens: int, max_num_batched_tokens: int) -> None:
+        """Speculative MTP: the target checkpoint's MTP layer as the drafter (execution/mtp.py), loaded like
+        load_drafter's draft model; the target then keeps its last hidden states per KV slot."""
+
     def drafter_bytes_per_block(self, block_size: int) -> int:
         """The draft model's KV-cache bytes per block on its rank, on top of bytes_per_block (0 without one)."""
 
@@ -151,7 +155,7 @@ class UniProcExecutor(DraftHost):
 
     @property
     def padding_blocks(self) -> int:
-        return max(self.runner.padding_blocks, self.drafter.runner.padding_blocks if self.drafter else 0)
+        return max(self.runner.padding_blocks, self.drafter.padding_blocks if self.drafter else 0)
 
     def profile_peak_memory(self, num_tokens: int, block_size: int) -> int:
         return profile_peak_memory(self.runner, num_tokens, block_size, self.runner.execute)
@@ -159,7 +163,7 @@ class UniProcExecutor(DraftHost):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 1) -> None:
         self.runner.allocate_kv_cache(num_blocks, block_size, num_state_slots)
         if self.drafter is not None:
-            self.drafter.runner.allocate_kv_cache(num_blocks, block_size)
+            self.drafter.allocate_kv_cache(num_blocks, block_size)
 
     def execute(self, inputs: StepInputs, rows: list[SamplingRow]) -> SamplerOutput | None:
         logits = self.runner.execute(inputs)
@@ -196,7 +200,7 @@ class UniProcExecutor(DraftHost):
             self.offload = None
         self.runner.free_kv_cache()
         if self.drafter is not None:
-            self.drafter.runner.free_kv_cache()
+            self.drafter.free_kv_cache()
 
 
 def make_executor(config, model_dir, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,

@@ -256,6 +256,7 @@ class DecodeGraphs:
             "dtype": str(r.dtype), "quantization": quantization, "kv_cache_dtype": r.kv_cache_dtype, "kv": kv,
             "block_size": self.block_size, "max_model_len": self.max_model_len,
             "static_rows": self.buckets[-1], "pad_block": self.pad_block, "attention": r.backend_name, "lora": lora,
+            "hidden_sink": r.keep_hidden,  # speculative MTP: the graph also writes the hidden states
             "parallel": [ps.tp_rank, ps.tp_size, ps.pp_rank, ps.pp_size, ps.expert_parallel],
             "torch": torch.__version__, "cpu_tier": cpu_features().tier, "threads": torch.get_num_threads(),
             "engine": graph_cache.engine_source_digest()}

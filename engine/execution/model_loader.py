@@ -132,15 +132,8 @@ def _gguf_packed(choice: bool | None, device: torch.device) -> bool:
     return reason is None
 
 
-def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, backend,
-               max_model_len: int, layer_partition: list[int] | None = None, quantization: str | None = None,
-               gguf_packed: bool | None = None):
-    """`gguf_packed`: keep a GGUF file's quantized weights in their blocks (the packed kernels: C++ on CPU, Triton
-    on CUDA); default on unless SHOAL_GGUF_DEQUANTIZE=1 (dequantize on load, for comparisons)."""
-    cls = model_class(hf_config)
-    t0, built_before = time.perf_counter(), startup.seconds("kernel_build")
-    with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor
-        model = cls(hf_config, dtype, backend, max_model_len, layer_partition)
+def weight_source(model_dir: Path, hf_config, device: torch.device, gguf_packed: bool | None = None):
+    """The checkpoint's tensors as the models read them (GGUF, safetensors; GPTQ/AWQ dequantized as read)."""
     if is_gguf(model_dir):
         src = GGUFWeightSource(model_dir, hf_config, packed=_gguf_packed(gguf_packed, device))
     else:
@@ -150,6 +143,19 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
         from shoal.engine.execution.quantization.prequantized import PrequantizedSource
 
         src = PrequantizedSource(src, quant_config)
+    return src
+
+
+def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, backend,
+               max_model_len: int, layer_partition: list[int] | None = None, quantization: str | None = None,
+               gguf_packed: bool | None = None):
+    """`gguf_packed`: keep a GGUF file's quantized weights in their blocks (the packed kernels: C++ on CPU, Triton
+    on CUDA); default on unless SHOAL_GGUF_DEQUANTIZE=1 (dequantize on load, for comparisons)."""
+    cls = model_class(hf_config)
+    t0, built_before = time.perf_counter(), startup.seconds("kernel_build")
+    with torch.device(device):  # allocate parameters where they will live; weights stream in tensor by tensor
+        model = cls(hf_config, dtype, backend, max_model_len, layer_partition)
+    src = weight_source(model_dir, hf_config, device, gguf_packed)
     try:
         model.load_weights(src)
     finally:

@@ -77,6 +77,8 @@ class ModelRunner:
         self.lora = None  # an execution.lora.LoRAManager once enable_lora ran
         self.offloaded = False  # sleep level 1 on a GPU: the weights wait in host memory
         self.encoder_cache = EncoderCache() if getattr(self.model, "accepts_images", False) else None
+        # Speculative MTP (execution/mtp.py): keep each row's last hidden state at its KV slot (allocate_kv_cache).
+        self.keep_hidden = False
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """Give every adaptable linear layer max_loras adapter slots of rank up to max_rank (execution/lora.py)."""
@@ -151,6 +153,9 @@ class ModelRunner:
             self.kv_caches = m.allocate_caches(make_kv, num_state_slots, self.device)
         else:
             self.kv_caches = [make_kv() for _ in range(m.num_local_layers)]
+        if self.keep_hidden:  # before the decode graphs: captured steps write it too
+            m.hidden_sink = torch.zeros(blocks * block_size, m.config.hidden_size, dtype=self.dtype,
+                                        device=self.device)
         self.decode_graphs = None
         if self.capture is not None:
             backend, max_num_seqs = self.capture
@@ -168,6 +173,8 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
+        if self.model is not None:
+            self.model.hidden_sink = None
 
     def memory_bytes(self) -> dict[str, int]:
         """What this shard holds now: KV-cache and weight bytes (0 for what sleep released)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.engine.contracts import SamplingParams
+from shoal.engine.contracts import DraftRequest, SamplingParams
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -511,3 +511,18 @@ class Sampler:
             ids = torch.cat([ids, drafts.clamp_min(0).unsqueeze(1)], dim=1)
         idx = self._draw(probs, u, draft_col, q_cand)
         return ids.gather(1, idx.unsqueeze(1)).squeeze(1), resolved
+
+
+def choose_proposals(logits: torch.Tensor, requests: list[DraftRequest]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """Each request's proposal from its draft logits (a draft model's or the MTP layer's): the argmax for greedy
+    requests, else a draw from the softmax at the request's temperature (returned with it, for the target's
+    rejection sampling)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    probs: list[torch.Tensor | None] = [None] * len(requests)
+    for i, r in enumerate(requests):
+        if r.params.is_greedy:
+            continue
+        q = (logits[i] / r.params.temperature).softmax(dim=-1)
+        tokens[i] = int(torch.multinomial(q, 1, generator=r.generator))
+        probs[i] = q
+    return tokens, probs

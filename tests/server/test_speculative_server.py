@@ -28,3 +28,20 @@ def test_server_greedy_equals_non_speculative_and_counts(start_server, llama_mod
     assert metric(m, "shoal:spec_decode_num_drafts_total", model_name="tiny") > 0
     assert 0 < accepted <= drafted
     assert metric(m, "shoal:num_free_kv_blocks") == metric(m, "shoal:num_kv_blocks")
+
+
+def test_server_mtp_greedy_equals_non_speculative(start_server, model_factory, tmp_path):
+    """`--speculative-config '{"method": "deepseek_mtp", ...}'` (vLLM's alias) on a DeepSeek V3 checkpoint with an MTP
+    layer: the openai client's completions, streamed and not, are the non-speculative engine's."""
+    from draftkit import mtp_checkpoint
+
+    model = mtp_checkpoint(model_factory, tmp_path / "mtp")
+    prompts = PROMPTS[:2]
+    ref = offline_greedy(model, prompts, 12, dtype="float32", max_model_len=128, block_size=4)
+    server = start_server(model, "--max-model-len", "128", "--block-size", "4", "--speculative-config",
+                          json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 2}))
+    client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert_served_greedy(client, prompts, ref, 12)
+    m = server.metrics()
+    assert metric(m, "shoal:spec_decode_num_drafts_total", model_name="tiny") > 0
+    assert metric(m, "shoal:num_free_kv_blocks") == metric(m, "shoal:num_kv_blocks")
