@@ -126,6 +126,9 @@ def check_mtp_engine(engine) -> None:
     if c.kv_offloading_size is not None:  # blocks loaded back from a tier would lack the target's hidden states
         raise ValueError("speculative method 'mtp' does not support kv_offloading_size (the offloaded blocks do not "
                          "keep the hidden states the MTP layer reads)")
+    if c.kv_transfer_config is not None and c.kv_transfer_config.consumes:  # nor do blocks pulled from a producer
+        raise ValueError("speculative method 'mtp' does not support a kv_transfer_config consumer (pulled blocks do "
+                         "not carry the hidden states the MTP layer reads)")
 
 
 def make_proposer(config: SpeculativeConfig, engine):
