@@ -157,9 +157,12 @@ class LLMEngine:
             limits = config.limit_mm_per_prompt or MultiModalLimits()
             self.images = image_inputs(self.model_dir, self.hf_config, limits.image, config.max_image_pixels,
                                        self.tokenizer)
-            if config.world_size > 1 and self.images.mrope:  # pipeline micro-batches cut positions as 1-D rows
-                raise ValueError(f"{self.model_dir.name}: Qwen-VL models (3-D M-RoPE positions) run on one process "
-                                 "only for now (drop --tensor-parallel-size / --pipeline-parallel-size)")
+            vision = (getattr(self.hf_config, "vl_config", None) or {}).get("vision_config") or {}
+            deepstack = vision.get("deepstack_visual_indexes")
+            if config.pipeline_parallel_size > 1 and deepstack:  # later stages' layers would need the tower's output
+                raise ValueError(f"{self.model_dir.name}: Qwen3-VL's deepstack features enter the first decoder "
+                                 "layers, which only the first pipeline stage's tower feeds: drop "
+                                 "--pipeline-parallel-size (tensor parallelism works)")
 
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_dir)
         self.vocab_size = self.hf_config.vocab_size

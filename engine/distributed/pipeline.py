@@ -53,7 +53,7 @@ def split_micro_batches(inputs: StepInputs, m: int) -> list[StepInputs]:
         t0, t1 = q[a], q[b]
         sel = li[(li >= t0) & (li < t1)] - t0
         out.append(StepInputs(
-            input_ids=inputs.input_ids[t0:t1], positions=inputs.positions[t0:t1],
+            input_ids=inputs.input_ids[t0:t1], positions=inputs.positions[..., t0:t1],  # [T], or M-RoPE's [3, T]
             slot_mapping=inputs.slot_mapping[t0:t1], query_start_loc=inputs.query_start_loc[a:b + 1] - t0,
             seq_lens=inputs.seq_lens[a:b], block_tables=inputs.block_tables[a:b], logits_indices=sel,
             query_lens=inputs.query_lens[a:b], seq_lens_list=inputs.seq_lens_list[a:b],
