@@ -820,6 +820,14 @@ class CanaryStatus(_Model):
                                                                             "revision back (it then gets no traffic)")
 
 
+class PrefillStatus(_Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
+
+    replicas: int | None = Field(default=None, ge=0)
+    ready_replicas: int | None = Field(default=None, ge=0, description="prefill engines Ready (with none, the "
+                                                                       "decode engines prefill themselves)")
+
+
 class InferenceServiceStatus(_Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", strict=False)
 
@@ -842,6 +850,7 @@ class InferenceServiceStatus(_Model):
     adapters: list[AdapterStatus] | None = Field(default=None, description="spec.adapters as the pods report them")
     model_cache: ModelCacheStatus | None = Field(default=None, description="what the model cache holds for this "
                                                  "service's hf:// model")
+    prefill: PrefillStatus | None = Field(default=None, description="the prefill role (spec.prefill)")
     canary: CanaryStatus | None = Field(default=None, description="the canary revision (spec.canary): its share, "
                                                                   "replicas and both revisions' figures")
     conditions: list[Condition] = Field(

@@ -325,7 +325,8 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
     gen = isvc["metadata"].get("generation")
     previous = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or []}
     canary_pods = [p for p in pods if canary.canary_pod(p)]
-    pods = [p for p in pods if not canary.canary_pod(p)]  # the canary's are judged apart (canary_status)
+    # the canary's are judged apart (canary_status), the prefill role's too (prefill_status)
+    pods = [p for p in pods if not canary.canary_pod(p) and not _prefill_pod(p)]
     live_pods = [p for p in pods if not terminating(p)]
     # scaleToZero sleep: parked pods are part of the count but not of what should be Ready
     sleeping = sum(1 for p in live_pods if asleep(p)) if plan.spec.autoscaling else 0
@@ -432,7 +433,21 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
             *canary_conditions(isvc, plan, children, canary_pods, previous, now),
         ],
         "canary": canary_status(isvc, plan, children),
+        "prefill": prefill_status(plan, children),
     }
+
+
+def _prefill_pod(pod: dict[str, Any]) -> bool:
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(api.contract.L_COMPONENT) == "prefill"
+
+
+def prefill_status(plan: Plan, children: dict[tuple[str, str], dict]) -> dict[str, int] | None:
+    """status.prefill: the prefill role's pods and how many are Ready (its Deployment's count). Not part of the
+    service's Ready: without prefill engines the decode engines prefill themselves."""
+    if plan.spec.prefill is None:
+        return None
+    dstatus = (children.get(("Deployment", render.prefill_name(plan.name))) or {}).get("status") or {}
+    return {"replicas": int(dstatus.get("replicas") or 0), "readyReplicas": int(dstatus.get("readyReplicas") or 0)}
 
 
 CANARY_CONDITIONS = (canary.CONDITION_READY, canary.CONDITION_ROLLED_BACK)

@@ -53,7 +53,7 @@ from shoal.operator.api import ENGINE_PORT, InferenceServiceSpec
 from shoal.operator.contract import (A_GROUP_SIZE, A_REVISION, A_SPEC_HASH, L_CANARY, L_CANARY_PERCENT, L_COMPONENT,
                                      L_GROUP, L_INSTANCE, L_ISVC, L_MANAGED_BY, L_NAME, L_PART_OF, L_POD_INDEX,
                                      MANAGED_BY, MODELS_DIR, canary_name, engines_service_name, gateway_name,
-                                     wake_configmap_name)
+                                     prefill_name, wake_configmap_name)
 from shoal.operator.render.common import (DEFAULT_ENGINE_IMAGE, DEFAULT_FLEET_IMAGE, DEFAULT_GATEWAY_IMAGE, PODTOOLS,
                                           Settings, gateway_selector, group_name, labels, pod_selector, spec_hash)
 from shoal.operator.render.containers import (API_KEYS_DIR, API_KEYS_FILE, API_KEYS_MOUNT, A_ISTIO_EXCLUDE_INBOUND,

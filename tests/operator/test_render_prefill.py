@@ -100,3 +100,26 @@ def test_specs_prefill_cannot_serve_are_refused_naming_the_field(spec, field, me
 def test_a_long_name_is_refused_for_the_prefill_pods():
     with pytest.raises(api.SpecError, match="at most 39 characters with spec.prefill"):
         api.validate("x" * 40, {**BASE, "prefill": {}})
+
+
+def test_status_reports_the_prefill_role_apart_from_the_service():
+    from shoal.operator import status
+
+    body = isvc({**BASE, "prefill": {"replicas": 2}})
+    plan = render.plan(body, SETTINGS)
+    children = {("Deployment", "llm"): {"metadata": {"generation": 1}, "status": {
+                    "observedGeneration": 1, "replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}},
+                ("Deployment", "llm-prefill"): {"metadata": {"generation": 1}, "status": {
+                    "observedGeneration": 1, "replicas": 2, "readyReplicas": 0}}}
+    failing = {"metadata": {"name": "llm-prefill-x", "labels": {contract.L_ISVC: "llm",
+                                                                contract.L_COMPONENT: "prefill"}},
+               "status": {"phase": "Running", "containerStatuses": [{"name": "engine", "restartCount": 9, "state": {
+                   "waiting": {"reason": "CrashLoopBackOff", "message": "boom"}}}]}}
+    out = status.compute_status(body, plan, children, [failing])
+    assert out["prefill"] == {"replicas": 2, "readyReplicas": 0}
+    # the decode engines serve (and prefill themselves): the service is Ready whatever the prefill role does
+    assert out["phase"] == "Ready" and out["readyReplicas"] == 2
+    degraded = next(c for c in out["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"  # a failing prefill pod is status.prefill's to show, not the service's
+    assert render.plan(isvc(BASE), SETTINGS) and status.compute_status(
+        isvc(BASE), render.plan(isvc(BASE), SETTINGS), children, [])["prefill"] is None
