@@ -1,12 +1,13 @@
 """llama.cpp's GGUF layout of the hybrid families, read back as the Hugging Face checkpoint Shoal's models load.
 
 Architectures: qwen3next (Qwen3-Next), qwen35 / qwen35moe (Qwen3.5 dense / MoE), granitehybrid (Granite 4,
-GraniteMoeHybrid) and nemotron_h (Nemotron-H). `hybrid_config` builds the config from the metadata; `HybridLayout`
+GraniteMoeHybrid), nemotron_h (Nemotron-H) and falcon-h1 (Falcon-H1). `hybrid_config` builds the config from the metadata; `HybridLayout`
 says, for every tensor a Shoal model reads, which GGUF tensor holds it and how llama.cpp's converter changed it:
 
 - which layers are recurrent: qwen3next/qwen35 from `attention.recurrent_layers` or `full_attention_interval`
   (every n-th layer attends); granitehybrid from the per-layer `attention.head_count_kv` (0 = Mamba2); nemotron_h from
-  that and the per-layer `feed_forward_length` (neither = Mamba2, kv heads = attention, ffn = MLP).
+  that and the per-layer `feed_forward_length` (neither = Mamba2, kv heads = attention, ffn = MLP); falcon-h1 runs
+  both in every layer.
 - the recurrent sizes from ssm.*: conv_kernel, state_size (key head size), group_count (key heads / B-C groups),
   time_step_rank (value / Mamba heads) and inner_size (value heads x their size).
 - A_log is stored as A = -exp(A_log) (Mamba2: one column, [heads, 1]), D as [heads, 1], conv1d weights squeezed to
@@ -19,6 +20,9 @@ says, for every tensor a Shoal model reads, which GGUF tensor holds it and how l
 - Granite / Nemotron-H: attention q/k rows are permuted as for Llama (the loader's generic unpermute), Granite's
   fused expert input_linear is split into ffn_gate_exps / ffn_up_exps, and its shared_mlp.input_linear into
   ffn_gate_shexp / ffn_up_shexp (ffn_gate / ffn_up without experts).
+- Falcon-H1: every muP multiplier is multiplied into the weight it scales (embedding, LM head, q/k/v/o, in_proj's
+  z/x/B/C/dt rows, out_proj, the MLP's gate and down projection), so the config has them all at 1; llama.cpp's
+  Mamba2 layer gates before its norm (mamba_norm_before_gate false), and the norm is there when ssm_norm is.
 
 A tensor made of rows of stored tensors (in_proj_qkvz, Qwen3.5's head-reordered projections, Granite's fused MLP
 inputs) is a `View`: its rows are gathered from the stored ones (GGUF quantizes each row on its own), so quantized
@@ -42,9 +46,10 @@ HYBRID_ARCHITECTURES = {
     "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", False),
     "granitehybrid": ("granitemoehybrid", "GraniteMoeHybridForCausalLM", True),
     "nemotron_h": ("nemotron_h", "NemotronHForCausalLM", True),
+    "falcon-h1": ("falcon_h1", "FalconH1ForCausalLM", False),
 }
 _GDN = ("qwen3next", "qwen35", "qwen35moe")  # Gated DeltaNet families
-_MAMBA = ("granitehybrid", "nemotron_h")
+_MAMBA = ("granitehybrid", "nemotron_h")  # Mamba2 or attention per layer
 
 
 def _metadata(reader, arch: str, path):
@@ -136,6 +141,17 @@ def hybrid_config(reader, arch: str, path, names: set[str]) -> dict:
                                              else need("feed_forward_length"))
         if head_dim:
             kw["head_dim"] = int(head_dim)
+        return kw
+    if arch == "falcon-h1":  # attention and Mamba2 in every layer; the converter folds every muP multiplier in
+        kw.update(head_dim=int(head_dim or hidden // heads), intermediate_size=int(need("feed_forward_length")),
+                  mamba_d_ssm=inner, mamba_n_heads=rank, mamba_d_head=heads_dim, mamba_n_groups=groups,
+                  mamba_d_state=state, mamba_d_conv=conv, mamba_expand=max(1, inner // hidden),
+                  mamba_conv_bias=_any(names, "ssm_conv1d.bias"), mamba_proj_bias=False,
+                  mamba_rms_norm=_any(names, "ssm_norm.weight"), mamba_norm_before_gate=False,  # llama.cpp's order
+                  attention_bias=False, mlp_bias=False, projectors_bias=False, hidden_act="silu",
+                  embedding_multiplier=1.0, lm_head_multiplier=1.0, attention_in_multiplier=1.0,
+                  attention_out_multiplier=1.0, key_multiplier=1.0, ssm_in_multiplier=1.0, ssm_out_multiplier=1.0,
+                  ssm_multipliers=[1.0] * 5, mlp_multipliers=[1.0, 1.0])
         return kw
     # nemotron_h
     ffn = _per_layer(need("feed_forward_length"), n, "feed_forward_length", arch, path)
@@ -272,6 +288,8 @@ def hybrid_layout(arch: str, config, tensors: dict, path) -> HybridLayout:
     reads, out = _Reads(tensors, path), HybridLayout()
     if arch in _GDN:
         _gdn_layout(arch, config, reads, out)
+    elif arch == "falcon-h1":
+        _falcon_layout(config, reads, out)
     else:
         _mamba_layout(arch, config, reads, out)
     return out
@@ -349,7 +367,7 @@ def _gdn_mixer(arch, a: str, b: str, i: int, dims, kernel: int, reads: _Reads, o
 
 
 def _mamba_layout(arch: str, c, reads: _Reads, out: HybridLayout) -> None:
-    plain, views = out.plain, out.views
+    plain = out.plain
     nemotron = arch == "nemotron_h"
     if nemotron:
         types, pre = c.layers_block_type, "backbone."
@@ -384,21 +402,47 @@ def _mamba_layout(arch: str, c, reads: _Reads, out: HybridLayout) -> None:
                 for kind_ in ("weight", "bias"):
                     plain[f"{m}{hf}.{kind_}"] = f"{b}{gg}.{kind_}"
         else:
-            for kind_ in ("weight", "bias"):
-                plain[f"{m}in_proj.{kind_}"] = f"{b}ssm_in.{kind_}"
-                plain[f"{m}out_proj.{kind_}"] = f"{b}ssm_out.{kind_}"
-            plain[m + "conv1d.bias"] = b + "ssm_conv1d.bias"
-            plain[m + "dt_bias"] = b + "ssm_dt.bias"
-            names = {"conv": b + "ssm_conv1d.weight", "A": b + "ssm_a", "D": b + "ssm_d", "norm": b + "ssm_norm.weight"}
-            views[m + "conv1d.weight"] = _computed((conv_dim, 1, kernel), lambda n=names["conv"], w=why: reads.full(
-                n, w("conv1d.weight"))[:, None])
-            views[m + "A_log"] = _computed((heads,), lambda n=names["A"], w=why: torch.log(-reads.full(
-                n, w("A_log")).reshape(-1)))
-            views[m + "D"] = _computed((heads,), lambda n=names["D"], w=why: reads.full(n, w("D")).reshape(-1))
-            views[m + "norm.weight"] = _computed((inner,), lambda n=names["norm"], w=why: reads.full(
-                n, w("norm.weight")).reshape(-1))
+            _mamba_mixer(m, b, (heads, inner, conv_dim, kernel), why, reads, out)
         if not nemotron:
             _granite_mlp(c, p, b, reads, out)
+
+
+def _mamba_mixer(m: str, b: str, dims, why, reads: _Reads, out: HybridLayout) -> None:
+    """A Mamba2 mixer under `m` from layer `b`'s ssm_* tensors (A as -exp(A_log) and D as [heads, 1], the conv
+    squeezed, the gated norm as [groups, inner / groups])."""
+    heads, inner, conv_dim, kernel = dims
+    plain, views = out.plain, out.views
+    for kind_ in ("weight", "bias"):
+        plain[f"{m}in_proj.{kind_}"] = f"{b}ssm_in.{kind_}"
+        plain[f"{m}out_proj.{kind_}"] = f"{b}ssm_out.{kind_}"
+    plain[m + "conv1d.bias"] = b + "ssm_conv1d.bias"
+    plain[m + "dt_bias"] = b + "ssm_dt.bias"
+    names = {"conv": b + "ssm_conv1d.weight", "A": b + "ssm_a", "D": b + "ssm_d", "norm": b + "ssm_norm.weight"}
+    views[m + "conv1d.weight"] = _computed((conv_dim, 1, kernel), lambda: reads.full(
+        names["conv"], why("conv1d.weight"))[:, None])
+    views[m + "A_log"] = _computed((heads,), lambda: torch.log(-reads.full(names["A"], why("A_log")).reshape(-1)))
+    views[m + "D"] = _computed((heads,), lambda: reads.full(names["D"], why("D")).reshape(-1))
+    views[m + "norm.weight"] = _computed((inner,), lambda: reads.full(names["norm"], why("norm.weight")).reshape(-1))
+
+
+def _falcon_layout(c, reads: _Reads, out: HybridLayout) -> None:
+    """Falcon-H1: attention and Mamba2 on each layer's input norm, then the gated MLP on ffn_norm (which llama.cpp
+    names without a .weight suffix)."""
+    plain = out.plain
+    plain.update({"model.embed_tokens.weight": "token_embd.weight", "model.final_layernorm.weight": "output_norm.weight",
+                  "lm_head.weight": "output.weight"})
+    heads, inner = c.mamba_n_heads, c.mamba_d_ssm
+    dims = (heads, inner, inner + 2 * c.mamba_n_groups * c.mamba_d_state, c.mamba_d_conv)
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        plain[p + "input_layernorm.weight"] = b + "attn_norm.weight"
+        suffixed = b + "ffn_norm.weight" in reads.tensors  # (written without the suffix; accepted with it)
+        plain[p + "pre_ff_layernorm.weight"] = b + "ffn_norm.weight" if suffixed else b + "ffn_norm"
+        for hf, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+            plain[f"{p}self_attn.{hf}.weight"] = f"{b}{gg}.weight"
+        for proj in ("gate", "up", "down"):
+            plain[f"{p}feed_forward.{proj}_proj.weight"] = f"{b}ffn_{proj}.weight"
+        _mamba_mixer(p + "mamba.", b, dims, lambda name, i=i: f"{name} of layer {i}", reads, out)
 
 
 def _granite_mlp(c, p: str, b: str, reads: _Reads, out: HybridLayout) -> None:

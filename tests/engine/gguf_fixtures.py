@@ -331,7 +331,8 @@ def _fallback(qtype, arr: np.ndarray):
 # ---- the hybrid families (recurrent layers next to attention), as llama.cpp's convert_hf_to_gguf.py writes them
 
 _HYBRID_ARCHES = {"qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_text": "qwen35",
-                  "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h"}
+                  "qwen3_5_moe_text": "qwen35moe", "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h",
+                  "falcon_h1": "falcon-h1"}
 _ATTENTION, _MAMBA = ("attention", "full_attention"), ("mamba", "linear_attention")
 
 
@@ -346,8 +347,9 @@ def _tile_v_heads(arr: np.ndarray, axis: int, nk: int, r: int, size: int) -> np.
 
 def write_hybrid_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32", seed: int = 0,
                       drop: set[str] = frozenset()) -> Path:
-    """A tiny Qwen3-Next, Qwen3.5 (dense or MoE), Granite 4 (GraniteMoeHybrid) or Nemotron-H checkpoint laid out
-    as llama.cpp's converter lays it out (architectures qwen3next, qwen35, qwen35moe, granitehybrid, nemotron_h):
+    """A tiny Qwen3-Next, Qwen3.5 (dense or MoE), Granite 4 (GraniteMoeHybrid), Nemotron-H or Falcon-H1 checkpoint
+    laid out as llama.cpp's converter lays it out (architectures qwen3next, qwen35, qwen35moe, granitehybrid,
+    nemotron_h, falcon-h1):
     its tensor names (gguf-py's TensorNameMap, as the converter maps them), metadata and transforms:
 
     - every family: A_log stored as -exp(A_log), conv1d weights squeezed to [channels, kernel], dt_bias renamed to
@@ -363,6 +365,8 @@ def write_hybrid_gguf(model_dir: str | Path, out: str | Path, weight_type: str =
       multipliers as attention.scale, embedding_scale, residual_scale, logit_scale, no RoPE (rope.scaling.finetuned
       false, context_length 2^20); its fused expert input_linear split into ffn_gate_exps / ffn_up_exps and
       shared_mlp.input_linear into ffn_gate_shexp / ffn_up_shexp.
+    - falcon-h1: the Mamba2 path's transforms, no q/k permutation, and every muP multiplier multiplied into the
+      weight it scales (_fold_falcon_multipliers); the pre-MLP norm named ffn_norm without a suffix.
 
     transformers 5 saves layer types as linear_attention / full_attention where the converter looks for mamba /
     attention (and Nemotron-H's string pattern "M-*"); both spellings mean the same layers here. 2-D weights get
@@ -389,7 +393,7 @@ def write_hybrid_gguf(model_dir: str | Path, out: str | Path, weight_type: str =
             tensors[k.replace("model.language_model.", "model.")] = v.to(torch.float32).numpy()
     n, h = cfg["num_hidden_layers"] if "num_hidden_layers" in cfg else len(cfg["layers_block_type"]), cfg["hidden_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    gdn = arch in ("qwen3next", "qwen35", "qwen35moe")
+    gdn, falcon = arch in ("qwen3next", "qwen35", "qwen35moe"), arch == "falcon-h1"
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny-hybrid")
     w.add_embedding_length(h)
@@ -427,6 +431,20 @@ def write_hybrid_gguf(model_dir: str | Path, out: str | Path, weight_type: str =
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
             assert not cfg.get("mlp_only_layers") and cfg.get("decoder_sparse_step", 1) == 1, "llama.cpp: all sparse"
+    elif falcon:  # Mamba2Model's keys, then FalconH1Model's overrides
+        inner, groups, d_state = cfg["mamba_d_ssm"], cfg["mamba_n_groups"], cfg["mamba_d_state"]
+        ssm = attn = list(range(n))
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count_kv(kv_heads)
+        w.add_key_length(cfg.get("head_dim") or h // heads)
+        w.add_value_length(cfg.get("head_dim") or h // heads)
+        w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        w.add_ssm_inner_size(inner)
+        w.add_ssm_state_size(d_state)
+        w.add_ssm_time_step_rank(inner // cfg["mamba_d_head"])
+        w.add_ssm_group_count(groups)
+        assert not cfg.get("mamba_norm_before_gate"), "llama.cpp's Mamba2 layer gates, then normalises"
     else:
         nemotron = arch == "nemotron_h"
         types = cfg["layers_block_type"] if nemotron else cfg["layer_types"]
@@ -483,7 +501,7 @@ def write_hybrid_gguf(model_dir: str | Path, out: str | Path, weight_type: str =
 
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[{"qwen3next": "QWEN3NEXT", "qwen35": "QWEN35",
                                                          "qwen35moe": "QWEN35MOE", "granitehybrid": "GRANITE_HYBRID",
-                                                         "nemotron_h": "NEMOTRON_H"}[arch]], n)
+                                                         "nemotron_h": "NEMOTRON_H", "falcon-h1": "FALCON_H1"}[arch]], n)
     rng = np.random.default_rng(seed)
     for name, arr in tensors.items():
         if name.endswith(".dt_bias"):
@@ -533,7 +551,9 @@ def write_hybrid_gguf(model_dir: str | Path, out: str | Path, weight_type: str =
                     arr = arr.reshape(groups, -1)
                 if name.endswith(".A_log"):
                     arr = -np.exp(arr)
-            if layer in attn and name.endswith(("q_proj.weight", "q_proj.bias")):
+            if falcon:
+                arr = _fold_falcon_multipliers(arr, name, cfg)
+            elif layer in attn and name.endswith(("q_proj.weight", "q_proj.bias")):
                 arr = _permute_qk(arr, heads)
             elif layer in attn and name.endswith(("k_proj.weight", "k_proj.bias")):
                 arr = _permute_qk(arr, kv_heads)
@@ -551,3 +571,32 @@ def write_hybrid_gguf(model_dir: str | Path, out: str | Path, weight_type: str =
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _fold_falcon_multipliers(arr: np.ndarray, name: str, cfg: dict) -> np.ndarray:
+    """FalconH1Model.modify_tensors: every muP multiplier multiplied into the weight it scales (in its order of
+    checks: a name matching several takes the first)."""
+    if "down_proj" in name:
+        return arr * cfg["mlp_multipliers"][1]
+    if "gate_proj" in name:
+        return arr * cfg["mlp_multipliers"][0]
+    if "k_proj" in name:
+        return arr * cfg["key_multiplier"] * cfg["attention_in_multiplier"]
+    if "q_proj" in name or "v_proj" in name:
+        return arr * cfg["attention_in_multiplier"]
+    if "o_proj" in name:
+        return arr * cfg["attention_out_multiplier"]
+    if "out_proj" in name:
+        return arr * cfg["ssm_out_multiplier"]
+    if "in_proj" in name:
+        arr = arr * cfg["ssm_in_multiplier"]
+        inner, gs = cfg["mamba_d_ssm"], cfg["mamba_n_groups"] * cfg["mamba_d_state"]
+        bounds = [0, inner, 2 * inner, 2 * inner + gs, 2 * inner + 2 * gs, arr.shape[0]]
+        for m, a, b in zip(cfg["ssm_multipliers"], bounds, bounds[1:]):  # z, x, B, C, dt rows
+            arr[a:b] *= m
+        return arr
+    if "lm_head" in name:
+        return arr * cfg["lm_head_multiplier"]
+    if "embed_tokens" in name:
+        return arr * cfg["embedding_multiplier"]
+    return arr
