@@ -114,10 +114,17 @@ def hybrid_config(reader, arch: str, path, names: set[str]) -> dict:
         if arch == "qwen35":
             kw["intermediate_size"] = int(need("feed_forward_length"))
         else:  # llama.cpp: every layer sparse, top-k renormalised, a shared expert gated by sigmoid
-            kw.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
-                      moe_intermediate_size=int(need("expert_feed_forward_length")),
-                      shared_expert_intermediate_size=int(need("expert_shared_feed_forward_length")),
-                      intermediate_size=int(get("feed_forward_length", 0) or need("expert_feed_forward_length")),
+            experts, used = int(need("expert_count")), int(need("expert_used_count"))
+            ffn = int(get("feed_forward_length", 0) or 0)
+            # llama.cpp's fallbacks: an expert is feed_forward_length / used wide, the shared one feed_forward_length
+            expert = int(get("expert_feed_forward_length", 0) or 0) or (ffn // used if ffn else None)
+            shared = int(get("expert_shared_feed_forward_length", 0) or 0) or ffn or None
+            for key, value in (("expert_feed_forward_length", expert), ("expert_shared_feed_forward_length", shared)):
+                if not value:
+                    raise WeightError(f"{path}: GGUF metadata {arch}.{key} is missing (and so is "
+                                      f"{arch}.feed_forward_length)")
+            kw.update(num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=expert,
+                      shared_expert_intermediate_size=shared, intermediate_size=ffn or expert,
                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
         return kw
     heads_dim = inner // rank
