@@ -24,7 +24,7 @@ pytestmark = pytest.mark.numerics
 
 PROMPTS = ["Hello world! The quick brown", "Once upon a time there was a little shoal of fish"]
 MAX_NEW = 6
-OPTIONS = dict(dtype="float32", max_model_len=128, block_size=4)
+OPTIONS = dict(dtype="float32", max_model_len=128, block_size=4, max_num_seqs=4, kv_cache_memory=32 * 2**20)
 # llama.cpp's Qwen3-Next and Qwen3.5-MoE files make every layer sparse.
 FAMILIES = {"qwen3_next": dict(mlp_only_layers=None), "qwen3_5": {}, "qwen3_5_moe": {}, "granitemoehybrid": {},
             "nemotron_h": {},
