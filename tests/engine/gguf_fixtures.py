@@ -346,7 +346,7 @@ def _tile_v_heads(arr: np.ndarray, axis: int, nk: int, r: int, size: int) -> np.
 
 
 def write_hybrid_gguf(model_dir: str | Path, out: str | Path, weight_type: str = "F32", seed: int = 0,
-                      drop: set[str] = frozenset()) -> Path:
+                      drop: set[str] = frozenset(), legacy_ssm_in: bool = False) -> Path:
     """A tiny Qwen3-Next, Qwen3.5 (dense or MoE), Granite 4 (GraniteMoeHybrid), Nemotron-H or Falcon-H1 checkpoint
     laid out as llama.cpp's converter lays it out (architectures qwen3next, qwen35, qwen35moe, granitehybrid,
     nemotron_h, falcon-h1):
@@ -372,7 +372,8 @@ def write_hybrid_gguf(model_dir: str | Path, out: str | Path, weight_type: str =
     attention (and Nemotron-H's string pattern "M-*"); both spellings mean the same layers here. 2-D weights get
     `weight_type` (F16 where a row is no whole number of its blocks, as llama.cpp's quantize falls back), the
     recurrent, conv, norm and router tensors stay F32. Tensors and metadata keys named in `drop` are left
-    out (a damaged file)."""
+    out (a damaged file). `legacy_ssm_in`: Qwen3-Next's in_proj_qkvz kept whole as ssm_in, as older converters
+    wrote it."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -530,7 +531,9 @@ def write_hybrid_gguf(model_dir: str | Path, out: str | Path, weight_type: str =
                 arr = arr.squeeze()
             elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
                 arr = arr + 1.0
-            if name.endswith("in_proj_qkvz.weight"):  # [q, k, v, z] per key head -> attn_qkv (q|k|v) + attn_gate
+            if name.endswith("in_proj_qkvz.weight") and legacy_ssm_in:
+                g = f"blk.{layer}.ssm_in.weight"
+            elif name.endswith("in_proj_qkvz.weight"):  # [q, k, v, z] per key head -> attn_qkv (q|k|v) + attn_gate
                 per = arr.reshape(nk, 2 * dk + 2 * r * dv, h)
                 q, k, v, z = np.split(per, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
                 for gname, part in ((f"blk.{layer}.attn_qkv.weight",

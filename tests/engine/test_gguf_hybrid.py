@@ -192,6 +192,24 @@ def test_q8_0_hybrid_gguf_equals_transformers_on_its_weights_and_runs_packed(mod
     _near_tie_or_same(served, dequantized, tol=0.15)
 
 
+def test_an_older_qwen3_next_file_with_ssm_in_reads_the_same(model_factory, gguf_dir):
+    """Older converters kept in_proj_qkvz whole (ssm_in, the checkpoint's row order; llama.cpp still reads it): the
+    same tensor as the newer files' attn_qkv + attn_gate give, the only tensor the two layouts differ in."""
+    from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config
+    from shoal.engine.execution.weights import WeightSource
+
+    hf = model_factory("qwen3_next", **FAMILIES["qwen3_next"])
+    old, new = (write_hybrid_gguf(hf, gguf_dir / f"qwen3_next-{kind}.gguf", legacy_ssm_in=kind == "ssm_in")
+                for kind in ("ssm_in", "attn_qkv"))
+    old_src, new_src = GGUFWeightSource(old, gguf_config(old)), GGUFWeightSource(new, gguf_config(new))
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in old_src._tensors  # stored, not a view
+    for layer in range(3):
+        name = f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight"
+        want = WeightSource(hf).load(name)
+        torch.testing.assert_close(old_src.load(name), want, rtol=0, atol=0)
+        torch.testing.assert_close(new_src.load(name), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("family,dropped", [
     ("qwen3_next", "blk.0.attn_gate.weight"),  # half of in_proj_qkvz
     ("qwen3_next", "blk.3.attn_k.weight"),
