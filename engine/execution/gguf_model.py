@@ -3,7 +3,8 @@
 - `is_gguf(path)`: a file that starts with the GGUF magic.
 - `gguf_config(path)`: a transformers config built from the GGUF metadata (llama, mistral, qwen2, qwen3, gemma2,
   gemma3, phi3, qwen2moe, qwen3moe and deepseek2 families, and Mixtral, which llama.cpp files as llama with
-  `llama.expert_count`).
+  `llama.expert_count`; the hybrids qwen3next, qwen35, qwen35moe, granitehybrid and nemotron_h through
+  gguf_hybrid.py, which also says where each of their tensors is and how llama.cpp's converter changed it).
 - `load_gguf_tokenizer(path)`: transformers' GGUF tokenizer conversion (vocabulary, merges, special tokens and the
   chat template stored in the metadata).
 - `GGUFWeightSource`: the `WeightSource` interface over the file's tensors, under Hugging Face names. Every tensor
@@ -43,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shoal.engine.execution.gguf_hybrid import HYBRID_ARCHITECTURES, hybrid_config, hybrid_layout
 from shoal.engine.execution.weights import WeightError
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
     # DeepSeek V2/V3, Kimi K2 (MLA): V3 when the experts are gated by sigmoid, else V2 (see _architecture)
     "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM", False),
+    # recurrent + attention hybrids (Qwen3-Next, Qwen3.5, Granite 4, Nemotron-H): gguf_hybrid.py
+    **HYBRID_ARCHITECTURES,
 }
 _GEMMA = ("gemma2", "gemma3")
 
@@ -103,7 +107,7 @@ _ARCH_LAYER_NAMES = {
 }
 # Architectures whose config transformers' GGUF loader cannot read (AutoTokenizer reads the config first): their
 # tokenizer is built from the file's vocabulary by the generic fast tokenizer, as transformers' converter does.
-_TOKENIZER_ONLY = {"deepseek2"}
+_TOKENIZER_ONLY = {"deepseek2", *HYBRID_ARCHITECTURES}
 # llama.cpp's gating function ids (deepseek2.expert_gating_func)
 _GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
 
@@ -161,10 +165,16 @@ def _architecture(reader, path) -> tuple[str, str, str, bool]:
 
 def gguf_config(path: str | os.PathLike):
     """A transformers PretrainedConfig from the GGUF metadata."""
-    from transformers import AutoConfig
-
     reader = open_gguf(path)
     arch, model_type, hf_arch, _ = _architecture(reader, path)
+    names = {t.name for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise WeightError(f"{path}: tensor token_embd.weight is missing")
+    if arch in HYBRID_ARCHITECTURES:
+        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        kw = hybrid_config(reader, arch, path, names)
+        kw["vocab_size"] = int(_field(reader, f"{arch}.vocab_size") or int(embd.shape[-1]))
+        return _finish_config(reader, model_type, kw)
 
     def need(key: str):
         value = _field(reader, f"{arch}.{key}")
@@ -174,10 +184,7 @@ def gguf_config(path: str | os.PathLike):
 
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
-    names = {t.name for t in reader.tensors}
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embd is None:
-        raise WeightError(f"{path}: tensor token_embd.weight is missing")
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     vocab = _field(reader, f"{arch}.vocab_size") or int(embd.shape[-1])
     kw = dict(
         architectures=[hf_arch],
@@ -217,6 +224,13 @@ def gguf_config(path: str | os.PathLike):
         kw.update(_family_config(reader, arch, kw, path))
     if arch == "deepseek2":
         kw.update(_mla_config(reader, arch, kw, path))
+    return _finish_config(reader, model_type, kw)
+
+
+def _finish_config(reader, model_type: str, kw: dict):
+    """The special token ids, then the config itself."""
+    from transformers import AutoConfig
+
     for key, attr in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("padding_token_id", "pad_token_id")):
         value = _field(reader, f"tokenizer.ggml.{key}")
@@ -420,14 +434,22 @@ class GGUFWeightSource:
         reader = open_gguf(path)
         arch, _, _, self._permuted = _architecture(reader, path)
         self._layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
-        stacks = _QWEN_EXPERT_STACKS if arch in ("qwen2moe", "qwen3moe", "deepseek2") else _EXPERT_STACKS
+        stacks = _QWEN_EXPERT_STACKS if arch in ("qwen2moe", "qwen3moe", "deepseek2", "qwen3next",
+                                                 "qwen35moe") else _EXPERT_STACKS
         self._norm_offset = arch in _GEMMA  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
         self._heads = {"self_attn.q_proj": hf_config.num_attention_heads,
-                       "self_attn.k_proj": hf_config.num_key_value_heads}
+                       "self_attn.k_proj": hf_config.num_key_value_heads,
+                       "mixer.q_proj": hf_config.num_attention_heads,  # Nemotron-H's attention blocks
+                       "mixer.k_proj": hf_config.num_key_value_heads}
         self._tensors = {}  # Hugging Face name -> GGUF tensor
         self._expert = {}  # Hugging Face name of one expert -> its index in the stacked GGUF tensor
         self._kv_b: dict[str, dict[str, object]] = {}  # MLA's kv_b_proj, split by llama.cpp: name -> {k, v}
-        for t in reader.tensors:
+        self._views = {}  # Hugging Face name -> gguf_hybrid.View (made from rows of stored tensors)
+        self._shifted: set[str] = set()  # names whose stored values are 1 + w
+        self._missing: dict[str, str] = {}  # Hugging Face name -> the GGUF tensor that should hold it
+        if arch in HYBRID_ARCHITECTURES:
+            self._hybrid(arch, hf_config, reader, stacks, path)
+        for t in [] if arch in HYBRID_ARCHITECTURES else reader.tensors:
             stem = t.name.rpartition(".")[0].split(".")
             if arch == "deepseek2" and len(stem) == 3 and stem[0] == "blk":
                 if stem[2] in ("attn_k_b", "attn_v_b"):
@@ -462,6 +484,28 @@ class GGUFWeightSource:
                     ", ".join(f"{k} x{v}" for k, v in sorted(types.items())),
                     "; ".join(how) if how else "no quantized tensors")
 
+    def _hybrid(self, arch: str, hf_config, reader, stacks: dict, path) -> None:
+        """Names of a hybrid family's file (gguf_hybrid.py): the stored tensors, the views and the stacked experts."""
+        by_name = {t.name: t for t in reader.tensors}
+        layout = hybrid_layout(arch, hf_config, by_name, path)
+        for hf, gg in layout.plain.items():
+            if gg in by_name:
+                self._tensors[hf] = by_name[gg]
+            else:
+                self._missing[hf] = gg
+        self._views, self._shifted = layout.views, layout.shifted
+        if arch not in ("qwen3next", "qwen35moe"):
+            return
+        for i in range(hf_config.num_hidden_layers):
+            for stack, hf in stacks.items():
+                t = by_name.get(f"blk.{i}.{stack}.weight")
+                for e in range(hf_config.num_experts):
+                    name = f"model.layers.{i}.{hf.format(e=e)}.weight"
+                    if t is None:
+                        self._missing[name] = f"blk.{i}.{stack}.weight"
+                    else:
+                        self._tensors[name], self._expert[name] = t, e
+
     def _hf_name(self, name: str) -> str | None:
         stem, _, kind = name.rpartition(".")
         if kind not in ("weight", "bias"):
@@ -476,10 +520,10 @@ class GGUFWeightSource:
         return None
 
     def names(self) -> set[str]:
-        return set(self._tensors) | set(self._kv_b)
+        return set(self._tensors) | set(self._kv_b) | set(self._views)
 
     def has(self, name: str) -> bool:
-        return name in self._tensors or name in self._kv_b
+        return name in self._tensors or name in self._kv_b or name in self._views
 
     def _joined_kv_b(self, name: str) -> torch.Tensor:
         """kv_b_proj [heads x (qk_nope + v), kv_lora] from llama.cpp's k_b [heads, kv_lora, qk_nope] (transposed
@@ -499,6 +543,9 @@ class GGUFWeightSource:
         return torch.cat([k.transpose(1, 2), v], dim=1).reshape(-1, k.shape[1])
 
     def _tensor(self, name: str):
+        if name in self._missing:
+            raise WeightError(f"{self.model_dir}: tensor {self._missing[name]!r} is missing from the GGUF file (it "
+                              f"holds {name})")
         if name not in self._tensors:
             raise WeightError(f"{self.model_dir}: tensor {name!r} is missing from the GGUF file")
         self.used.add(name)
@@ -509,6 +556,8 @@ class GGUFWeightSource:
             heads, _, nope = reversed(self._kv_b[name]["k"].shape)
             _, v, kv_lora = reversed(self._kv_b[name]["v"].shape)
             return int(heads) * (int(nope) + int(v)), int(kv_lora)
+        if name in self._views:
+            return tuple(self._views[name].shape)
         dims = tuple(int(d) for d in reversed(self._tensor(name).shape))  # GGUF lists dimensions innermost first
         if len(dims) == 1 and name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps the [1, H] gate as [H]
             return 1, dims[0]
@@ -524,6 +573,8 @@ class GGUFWeightSource:
                 raise WeightError(f"{self.model_dir}: tensor {name!r} has shape {list(w.shape)} but the config "
                                   f"implies {list(expected_shape)}")
             return w if dim is None else w.narrow(dim, start, w.shape[dim] - start if length is None else length)
+        if name in self._views:
+            return self._load_view(name, expected_shape, dim, start, length)
         t = self._tensor(name)
         full = self.shape(name)
         if expected_shape is not None and full != tuple(expected_shape):
@@ -551,9 +602,47 @@ class GGUFWeightSource:
             w = self._unpermute(w, full[0] // self._heads[proj], name, start if rows else 0)
         if dim is not None and not rows and not cols:
             w = w.narrow(dim, start, length)
-        if self._norm_offset and name.endswith("norm.weight"):
+        if name in self._shifted or (self._norm_offset and name.endswith("norm.weight")):
             w = w - 1.0
         return w
+
+    def _check_view(self, name: str, expected_shape) -> tuple[int, ...]:
+        full = tuple(self._views[name].shape)
+        if expected_shape is not None and full != tuple(expected_shape):
+            raise WeightError(f"{self.model_dir}: tensor {name!r} has shape {list(full)} but the config implies "
+                              f"{list(expected_shape)}")
+        self.used.add(name)
+        return full
+
+    def _load_view(self, name: str, expected_shape, dim, start: int, length) -> torch.Tensor:
+        view, full = self._views[name], self._check_view(name, expected_shape)
+        if dim is not None and length is None:
+            length = full[dim] - start
+        if dim == 0:
+            return view.rows(start, length)
+        w = view.rows(0, full[0])
+        return w if dim is None else w.narrow(dim, start, length)
+
+    def _packed_view(self, name: str, expected_shape, dim, start: int, length):
+        from shoal.engine.execution.quantization.gguf import GGUFPacked
+
+        view, full = self._views[name], self._check_view(name, expected_shape)
+        if view.packed is None or len(full) != 2:
+            return None
+        if dim is not None and length is None:
+            length = full[dim] - start
+        got = view.packed(start, length) if dim == 0 else view.packed(0, full[0])
+        if got is None:
+            return None
+        data, qtype, cols = got
+        if dim == 1:
+            from gguf import GGMLQuantizationType
+
+            span = self._column_bytes(data, GGMLQuantizationType[qtype], start, length)
+            if span is None:
+                return None  # the range cuts through blocks: dequantized instead
+            data, cols = data[:, span[0]:span[1]], length
+        return GGUFPacked(torch.from_numpy(np.array(data, order="C")), qtype, cols)
 
     def load_packed(self, name: str, expected_shape: tuple[int, ...] | None = None,
                     dim: int | None = None, start: int = 0, length: int | None = None):
@@ -563,6 +652,8 @@ class GGUFWeightSource:
         boundaries."""
         from shoal.engine.execution.quantization.gguf import PACKED_TYPES, GGUFPacked
 
+        if self.packed and name in self._views:
+            return self._packed_view(name, expected_shape, dim, start, length)
         if not self.packed or name not in self._tensors:
             return None
         t = self._tensors[name]

@@ -392,6 +392,18 @@ def test_served_packed_equals_dequantized(model_factory, gguf_dir, monkeypatch, 
     _assert_same(packed_out, dense_out, tol=5e-3)  # 16-bit activation groups: 0.0025 nats at most measured
 
 
+def test_phi3_fused_projections_served_packed_equal_dequantized(model_factory, gguf_dir, monkeypatch):
+    """Phi-3 keeps q/k/v and gate/up fused (attn_qkv, ffn_up); each part is read as a row range of the stored
+    blocks, so those layers run packed too and give what the file dequantized on load gives."""
+    hf = model_factory("phi3", hidden_size=192, intermediate_size=256, num_attention_heads=12,
+                       num_key_value_heads=4)
+    path = write_gguf(hf, gguf_dir / "tiny-phi3-q8.gguf", weight_type="Q8_0")
+    packed_out, packed_layers, _ = _generate(path, monkeypatch, dequantize=False, prompts=PROMPTS[:2], max_new=6)
+    dense_out, _, _ = _generate(path, monkeypatch, dequantize=True, prompts=PROMPTS[:2], max_new=6)
+    assert len(packed_layers) == 4 * 3 + 1  # qkv, o, gate_up, down in each of the 3 layers + the LM head
+    _assert_same(packed_out, dense_out, tol=5e-3)
+
+
 def test_deepseek_served_packed_equals_dequantized(model_factory, gguf_dir, monkeypatch):
     """A Q8_0 deepseek2 file (MLA): the latent projections run packed, their rotary rows reordered on load as whole
     byte rows, and give what the same file dequantized on load gives. (Against its F32 file this random model moves

@@ -92,13 +92,17 @@ def tensor_reader(t: torch.Tensor):
 def fused_readers(src: WeightSource, name: str, part_rows: list[int], cols: int | None = None) -> list:
     """Readers over the row blocks of one checkpoint tensor [sum(part_rows), cols] (or a bias [sum(part_rows)]) that
     fuses several projections along its output dimension (Phi-3's qkv_proj, gate_up_proj): reader i sees rows
-    [offset_i, offset_i + part_rows[i]) as a whole tensor, so a tensor-parallel rank still reads only its rows."""
+    [offset_i, offset_i + part_rows[i]) as a whole tensor, so a tensor-parallel rank still reads only its rows (from a
+    packed GGUF source, as stored blocks where it can)."""
     full = (sum(part_rows),) if cols is None else (sum(part_rows), cols)
+    load_packed = getattr(src, "load_packed", None)  # a packed GGUF source: a row range is its stored blocks
     readers, offset = [], 0
     for rows in part_rows:
         def read(dim: int, start: int, length: int, base: int = offset, rows: int = rows) -> torch.Tensor:
             if dim == 0:
-                return src.load(name, full, dim=0, start=base + start, length=length)
+                packed = load_packed and load_packed(name, full, dim=0, start=base + start, length=length)
+                return packed if packed is not None else src.load(name, full, dim=0, start=base + start,
+                                                                  length=length)
             return src.load(name, full, dim=0, start=base, length=rows)[:, start:start + length]
 
         readers.append(read)
