@@ -70,13 +70,53 @@ def test_an_image_in_a_later_turn(llm, gemma3_vl_model):
 
 
 def test_batched_with_a_text_only_request(llm, gemma3_vl_model):
-    # the text-only prompt runs in the image prompts' masked steps, and every decode step through the captured graphs
-    graphs = llm.llm_engine.executor.runner.decode_graphs
-    before = graphs.num_padded_steps if graphs is not None else None
-    prompts = [(ONE, [make_image(5)]), ("Once upon a time there was", []), (TWO, [make_image(6), make_image(7)])]
-    check(gemma3_vl_model, run(llm, prompts), prompts)
-    if graphs is not None:
-        assert graphs.num_padded_steps >= before + MAX_NEW - 1
+    # only steps prefilling image tokens carry spans (the masked path); decode steps run the captured graphs
+    runner = llm.llm_engine.executor.runner
+    graphs, execute, steps = runner.decode_graphs, runner.execute, []
+
+    def spy(inputs, hidden=None):
+        steps.append((inputs.image_spans, inputs.images is not None, max(inputs.query_lens) == 1))
+        return execute(inputs, hidden)
+
+    before = graphs.num_padded_steps
+    runner.execute = spy
+    try:
+        prompts = [(ONE, [make_image(5)]), ("Once upon a time there was", []), (TWO, [make_image(6), make_image(7)])]
+        check(gemma3_vl_model, run(llm, prompts), prompts)
+    finally:
+        del runner.execute
+    assert graphs.num_padded_steps >= before + MAX_NEW - 1
+    assert any(spans for spans, _, _ in steps)
+    assert all(images for spans, images, _ in steps if spans)
+    assert not any(spans for spans, _, decode in steps if decode)
+
+
+def test_preempted_image_requests_are_recomputed_exactly(gemma3_vl_model):
+    # 3 prompts of 40 tokens in a pool of 30 blocks of 4: some are preempted and prefilled again, images whole
+    engine = LLM(gemma3_vl_model, dtype="float32", num_kv_blocks=30, block_size=4, max_model_len=64,
+                 enable_prefix_caching=False)
+    try:
+        prompts = [(ONE, [make_image(30 + i)]) for i in range(3)]
+        check(gemma3_vl_model, run(engine, prompts), prompts)
+        assert engine.llm_engine.scheduler.num_preemptions > 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_prefix_hit_ending_inside_an_image_is_exact(gemma3_vl_model):
+    # a text request evicts the tail of the image prompt's cached blocks: the repeated prompt's hit ends inside the
+    # image, and its chunk prefills the image's rest (seeing the cached first part, as the whole image attends)
+    engine = LLM(gemma3_vl_model, dtype="float32", num_kv_blocks=14, block_size=4, max_model_len=56)
+    try:
+        prompt = (ONE, [make_image(3)])
+        first = run(engine, [prompt])[0]
+        run(engine, [("Once upon a time there was a little fox who lived in the woods", [])])
+        again = run(engine, [prompt])[0]
+        start = first.prompt_token_ids.index(engine.llm_engine.images.image_token_id)
+        assert start < again.num_cached_tokens < start + IMAGE_TOKENS
+        check(gemma3_vl_model, [again], [prompt])
+    finally:
+        engine.shutdown()
 
 
 def test_bidirectional_image_attention_matters(gemma3_vl_model):
