@@ -218,6 +218,9 @@ class StepInputs:
     pool_ranges: list[tuple[int, int]] | None = None
     # Vision-language models: the image token slices this step prefills, None when it has none.
     images: list[StepImage] | None = None
+    # Families whose image tokens attend to their whole image (Gemma 3): (sequence index in the step, first position,
+    # one past the last) of each image this step's queries reach into; None: plain causal attention everywhere.
+    image_spans: list[tuple[int, int, int]] | None = None
 
     def to(self, device: torch.device) -> "StepInputs":
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)

@@ -130,6 +130,18 @@ def qwen3_vl_model(tmp_path_factory):
 
 
 
+@pytest.fixture(scope="session")
+def gemma3_vl_model(tmp_path_factory):
+    """A tiny Gemma 3 vision-language model (two-layer SigLIP at 32 px, patch 4: 64 patches pooled to 16 tokens per
+    image; a Gemma 3 decoder with window-8 sliding layers and one global layer) with its Gemma3Processor."""
+    import transformers
+
+    from shoal.engine.tools.tiny_model import make_gemma3_vl_model
+
+    transformers.logging.set_verbosity_error()
+    return make_gemma3_vl_model(tmp_path_factory.mktemp("model-gemma3-vl"))
+
+
 @pytest.fixture(scope="module")
 def collector():
     """An OTLP/HTTP trace collector (otlpkit) that the processes a tracing test starts export their spans to."""

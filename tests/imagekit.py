@@ -98,3 +98,29 @@ def hf_qwen_vl_greedy(model_dir, text: str, images: list, max_new_tokens: int):
     prompt = inputs["input_ids"][0].tolist()
     logprobs = torch.log_softmax(torch.stack([step[0] for step in out.logits]).float(), dim=-1)
     return prompt, out.sequences[0, len(prompt):].tolist(), logprobs
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_gemma3(model_dir: str):
+    import transformers as tf
+
+    model = tf.Gemma3ForConditionalGeneration.from_pretrained(model_dir).eval()
+    model.generation_config.eos_token_id = None  # compared over a fixed length, as the engine runs with ignore_eos
+    model.generation_config.pad_token_id = 0
+    return tf.AutoProcessor.from_pretrained(model_dir), model
+
+
+def hf_gemma3_greedy(model_dir, text: str, images: list, max_new_tokens: int):
+    """(prompt ids as Gemma3Processor expands them, greedy generated ids, log_softmax of each step's logits
+    [max_new_tokens, vocab]) from transformers' Gemma3ForConditionalGeneration (token_type_ids given: the
+    bidirectional image mask)."""
+    import torch
+
+    processor, model = _hf_gemma3(str(model_dir))
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    prompt = inputs["input_ids"][0].tolist()
+    logprobs = torch.log_softmax(torch.stack([step[0] for step in out.logits]).float(), dim=-1)
+    return prompt, out.sequences[0, len(prompt):].tolist(), logprobs

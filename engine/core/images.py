@@ -51,6 +51,9 @@ class PromptImages:
     # position after the prompt (generated tokens are at their index + rope_delta, the three sets equal)
     positions: torch.Tensor | None = None
     rope_delta: int = 0
+    # Gemma 3: an image's tokens attend to the whole image (both directions), so its tokens are prefilled in one
+    # chunk (the scheduler never cuts inside an image) and the step carries the image's span (StepInputs.image_spans)
+    bidirectional: bool = False
 
     def __post_init__(self):
         if self.positions is not None:
@@ -77,6 +80,20 @@ class PromptImages:
             a, b = max(start, offset), min(end, offset + image.num_tokens)
             if a < b:
                 yield a, image, a - offset, b - offset
+
+    def cut(self, start: int, n: int) -> int:
+        """Bidirectional images: how many of the n tokens from `start` a chunk may take without ending inside an
+        image (up to the image's first token, or 0 when the chunk starts inside it and cannot hold its rest)."""
+        if not self.bidirectional:
+            return n
+        for offset, image in self.placed:
+            if offset < start + n < offset + image.num_tokens:
+                return max(0, offset - start)
+        return n
+
+    def spans(self, start: int, end: int) -> list[tuple[int, int]]:
+        """(first position, end) of each image with tokens in [start, end)."""
+        return [(a - first, a - first + image.num_tokens) for a, image, first, _ in self.slices(start, end)]
 
     def block_key(self, block: int) -> bytes:
         """Block `block`'s extra hash key: b"shoal-image" and the digest of each image with tokens in it, or b""."""
@@ -223,6 +240,62 @@ class QwenVLImageInputs(ImageInputs):
         return out, PromptImages(placed.placed, block_size, positions, delta)
 
 
+class Gemma3ImageInputs(ImageInputs):
+    """Gemma 3: the checkpoint's Gemma3ImageProcessor (resized to its fixed size; pan-and-scan off) and
+    Gemma3Processor's expansion: each <start_of_image> of the prompt becomes "\\n\\n" <start_of_image>, the
+    image's mm_tokens_per_image <image_soft_token>s, <end_of_image> "\\n\\n" (its full_image_sequence), the
+    newlines tokenized as the tokenizer writes them next to the text around (vLLM's merge of "\\n" runs). The image
+    tokens attend to their whole image (PromptImages.bidirectional)."""
+
+    bidirectional = True  # (a test turns it off to show what causal-only attention would compute)
+
+    def _load(self, model_dir: Path, hf_config, tokenizer) -> None:
+        super()._load(model_dir, hf_config, tokenizer)
+        tok = self.processor.tokenizer
+        self.token_id = int(tok.boi_token_id)  # the prompt's placeholder: <start_of_image>
+        self.token = tok.boi_token
+        self.image_token_id = int(hf_config.image_token_id)  # what it expands to
+        self.eoi_token_id = int(tok.eoi_token_id)
+        self.num_image_tokens = int(hf_config.vl_config["mm_tokens_per_image"])
+        self.newlines = tok.encode("\n\n", add_special_tokens=False)
+        vocab = tok.get_vocab()
+        runs = [vocab.get("\n" * k) for k in range(1, 5)]
+        self.merges = [] if None in runs else [([runs[0], runs[1]], runs[2]), ([runs[1], runs[0]], runs[2]),
+                                              ([runs[1], runs[1]], runs[3])]
+
+    def _process(self, image) -> ProcessedImage:
+        pixels = self.image_processor(images=[image], do_pan_and_scan=False, return_tensors="pt")["pixel_values"]
+        return ProcessedImage(pixels, self.num_image_tokens, _digest(pixels))
+
+    def place(self, token_ids: list[int], images: list[ProcessedImage], block_size: int
+              ) -> tuple[list[int], PromptImages]:
+        marks = [i for i, t in enumerate(token_ids) if t == self.token_id]
+        if len(marks) != len(images):
+            raise ImageError(f"the prompt has {len(marks)} image placeholder(s) {self.token!r} for {len(images)} "
+                             "image(s)")
+        # text pieces around the placeholders, each with the newlines the expansion puts next to it
+        pieces = [token_ids[a + 1:b] for a, b in zip([-1] + marks, marks + [len(token_ids)])]
+        out, starts = [], []
+        for i, (piece, image) in enumerate(zip(pieces, images)):
+            out += _merge_newlines((self.newlines if i else []) + piece + self.newlines, self.merges)
+            out.append(self.token_id)
+            starts.append(len(out))
+            out += [self.image_token_id] * image.num_tokens + [self.eoi_token_id]
+        out += _merge_newlines((self.newlines if images else []) + pieces[-1], self.merges)
+        return out, PromptImages(list(zip(starts, images)), block_size, bidirectional=self.bidirectional)
+
+
+def _merge_newlines(ids: list[int], merges: list) -> list[int]:
+    """Adjacent newline tokens joined into the one token the tokenizer writes for the run (Gemma's "\\n\\n\\n")."""
+    for pair, joined in merges:
+        i = 0
+        while i + 1 < len(ids):
+            if ids[i:i + 2] == pair:
+                ids = ids[:i] + [joined] + ids[i + 2:]
+            i += 1
+    return ids
+
+
 def mrope_positions(length: int, placed: list[tuple[int, ProcessedImage]], merge: int) -> tuple[torch.Tensor, int]:
     """A prompt's M-RoPE positions [3, length] and rope delta, as transformers' Qwen2_5_VLModel.get_rope_index: text
     tokens count on from the last position (the three sets equal); an image's tokens, at the current position s, are
@@ -253,5 +326,7 @@ def _digest(pixels: torch.Tensor, grid: tuple | None = None) -> bytes:
 def image_inputs(model_dir: Path, hf_config, limit: int, max_pixels: int, tokenizer=None) -> ImageInputs:
     """The image path of the served vision-language model's family."""
     qwen = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
-    cls = QwenVLImageInputs if getattr(hf_config, "vl_family", None) in qwen else ImageInputs
+    family = getattr(hf_config, "vl_family", None)
+    cls = (QwenVLImageInputs if family in qwen else Gemma3ImageInputs if family == "Gemma3ForConditionalGeneration"
+           else ImageInputs)
     return cls(model_dir, hf_config, limit, max_pixels, tokenizer)

@@ -151,6 +151,12 @@ class Scheduler:
         b = self._checkpoint_at(seq)
         return b - seq.num_computed_tokens if seq.num_computed_tokens < b < seq.num_computed_tokens + n else n
 
+    @staticmethod
+    def _cut_at_image(seq: Sequence, n: int) -> int:
+        """Bidirectional images (Gemma 3) are prefilled whole: a chunk ends before an image it cannot hold all of
+        (0: the sequence waits for a step with the budget; vLLM's disable_chunked_mm_input)."""
+        return n if seq.images is None else seq.images.cut(seq.num_computed_tokens, n)
+
     def _save_slot(self, seq: Sequence, n: int) -> int:
         b = self._checkpoint_at(seq)
         if not b or seq.num_computed_tokens + n != b:
@@ -195,7 +201,11 @@ class Scheduler:
                 deferred.append(seq)
                 i += 1
                 continue
-            n = self._cut_at_checkpoint(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            n = self._cut_at_image(seq, self._cut_at_checkpoint(
+                seq, min(seq.num_tokens - seq.num_computed_tokens, budget)))
+            if n == 0:  # the rest of an image does not fit this step's budget: its next chunk waits
+                i += 1
+                continue
             draft = 0
             if seq.spec_token_ids and seq.num_tokens - seq.num_computed_tokens == 1:
                 # Proposals ride along only on blocks that are free anyway: never at the price of a preemption
@@ -244,9 +254,9 @@ class Scheduler:
                     self._free_blocks(seq)
                     break
                 n = budget
-            n = self._cut_at_checkpoint(seq, n)
+            n = self._cut_at_image(seq, self._cut_at_checkpoint(seq, n))
             need = self._blocks_needed(seq, seq.num_computed_tokens + n)
-            if need > self.pool.num_free:
+            if n == 0 or need > self.pool.num_free:
                 self._free_blocks(seq)  # give back the prefix-cache references; retried next step
                 break
             self.waiting.popleft()
@@ -268,7 +278,10 @@ class Scheduler:
         for seq in deferred:
             if budget <= 0 or out.preempted:
                 break
-            n = self._cut_at_checkpoint(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            n = self._cut_at_image(seq, self._cut_at_checkpoint(
+                seq, min(seq.num_tokens - seq.num_computed_tokens, budget)))
+            if n == 0:
+                continue
             need = self._blocks_needed(seq, seq.num_computed_tokens + n)
             if need > self.pool.num_free:
                 break
@@ -319,7 +332,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
     save: list[int] = []
     pool_ranges: list[tuple[int, int]] = []
     images: list[StepImage] = []
-    mrope: list[tuple] = []  # M-RoPE prompts' chunks holding image tokens: (first row, first position, length, images)
+    mrope: list[tuple] = []
+    spans: list[tuple[int, int, int]] = []  # bidirectional images: (sequence, first position, end)  # M-RoPE prompts' chunks holding image tokens: (first row, first position, length, images)
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
         c = seq.num_computed_tokens
@@ -345,6 +359,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
                     images.append(StepImage(row + a, first, last, image.digest, image.pixel_values, image.grid_thw))
                 if placed.positions is not None and len(images) > before:
                     mrope.append((len(tokens) - n, c, n, placed))
+                if placed.bidirectional:
+                    spans += [(len(query_lens), a, b) for a, b in placed.spans(c, c + n - s.num_draft)]
         query_lens.append(n)
         seq_lens.append(c + n)
         if seq.state_slot is not None:
@@ -384,4 +400,5 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
         state_save=torch.tensor(save, dtype=torch.int64) if any(s >= 0 for s in save) else None,
         pool_ranges=pool_ranges or None,
         images=images or None,
+        image_spans=spans or None,
     )

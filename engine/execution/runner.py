@@ -33,6 +33,7 @@ def attention_metadata(inputs: StepInputs) -> AttentionMetadata:
         seq_lens_list=inputs.seq_lens_list,
         is_decode_only=all(q == 1 for q in inputs.query_lens),
         state_slots=inputs.state_slots,
+        image_spans=inputs.image_spans,
     )
 
 

@@ -459,3 +459,42 @@ def make_qwen3_vl_model(path: str | os.PathLike, seed: int = 0, text: dict | Non
     images.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
+
+
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                       "image_token": "<image_soft_token>"}
+
+
+def make_gemma3_vl_model(path: str | os.PathLike, seed: int = 0, image_size: int = 32, patch_size: int = 4,
+                         mm_tokens_per_image: int = 16, text: dict | None = None) -> Path:
+    """A random-weight Gemma 3 vision-language directory (Gemma3ForConditionalGeneration: a two-layer SigLIP tower,
+    the multi-modal projector pooling its (image_size / patch_size)^2 patches to mm_tokens_per_image, and the tiny
+    Gemma 3 decoder: sliding (window 8) and global layers) with its Gemma3Processor: the tiny tokenizer plus Gemma's
+    <start_of_image>, <end_of_image> and <image_soft_token>, and the PIL Gemma3ImageProcessor at image_size pixels."""
+    import torch
+    import transformers as tf
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(path)
+    tok.add_tokens(list(GEMMA3_IMAGE_TOKENS.values()), special_tokens=True)
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token="<|endoftext|>",
+                                     bos_token="<|bos|>", pad_token="<|endoftext|>",
+                                     extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+    tok.chat_template = CHAT_TEMPLATE
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in GEMMA3_IMAGE_TOKENS.items()}
+    text = dict(text or {})
+    text_config = _config("gemma3", text.pop("vocab_size", len(tok)), **text).to_dict()
+    tower = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=image_size, patch_size=patch_size)
+    config = tf.Gemma3Config(text_config=text_config, vision_config=tower, mm_tokens_per_image=mm_tokens_per_image,
+                             boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+                             image_token_index=ids["image_token"], tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(config)
+    _widen_random_init(model)
+    model.save_pretrained(str(path), safe_serialization=True)
+    images = tf.Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    tf.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=mm_tokens_per_image,
+                       chat_template=CHAT_TEMPLATE).save_pretrained(str(path))
+    return path

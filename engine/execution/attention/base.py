@@ -48,6 +48,9 @@ class AttentionMetadata:
     scratch: dict = field(default_factory=dict)
     # Hybrid models: each sequence's recurrent-state slot ([B] int64; StepInputs.state_slots).
     state_slots: torch.Tensor | None = None
+    # Bidirectional image attention (Gemma 3; StepInputs.image_spans): (sequence, first position, end) of each image
+    # whose tokens see every token of the same image. A step with spans runs the masked SDPA path (layer.py).
+    image_spans: list[tuple[int, int, int]] | None = None
 
     @property
     def num_seqs(self) -> int:

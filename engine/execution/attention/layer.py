@@ -1,4 +1,8 @@
-"""The attention step every model layer shares: store new keys/values, then attend over the paged cache."""
+"""The attention step every model layer shares: store new keys/values, then attend over the paged cache.
+
+A step whose images attend bidirectionally (Gemma 3: meta.image_spans) runs every layer through SDPA with the
+explicit mask (causal, or the same image; each layer's window kept): the paged kernels are causal only. Steps
+without spans (text, decode, other families) keep the configured backend and its captured decode graphs."""
 
 from __future__ import annotations
 
@@ -32,7 +36,20 @@ class PagedAttention(nn.Module):
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         kv_cache.write(k, v, meta.slot_mapping)
-        out = self.backend.forward(q, kv_cache.k, kv_cache.v, meta, self.scale, self.alibi_slopes,
+        backend = self.backend if meta.image_spans is None or self.backend.name == "sdpa" else _masked()
+        out = backend.forward(q, kv_cache.k, kv_cache.v, meta, self.scale, self.alibi_slopes,
                                    k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale,
                                    sliding_window=self.sliding_window, softcap=self.softcap, sinks=self.sinks)
         return out.reshape(T, self.num_heads * self.head_dim)
+
+
+_MASKED: list[AttentionBackend] = []
+
+
+def _masked() -> AttentionBackend:
+    """The SDPA backend (one instance: it keeps no state beyond a step's scratch), for steps with image spans."""
+    if not _MASKED:
+        from shoal.engine.execution.attention.sdpa import SdpaBackend
+
+        _MASKED.append(SdpaBackend())
+    return _MASKED[0]

@@ -6,6 +6,9 @@ sliding-window mask per distinct window). Every layer then runs one batched SDPA
 sequences. Soft-capped scores (Gemma 2) and attention sinks (gpt-oss) are computed with explicit matmuls
 (base.explicit_attention), since SDPA has neither. An fp8
 cache's gathered blocks are dequantized (values times their row scales) to the queries' dtype first.
+
+Bidirectional images (meta.image_spans, Gemma 3): a query inside an image also sees every key of the same image,
+later ones included (transformers' OR(causal, same image block)); a sliding window still bounds it (AND window).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class SdpaBackend(AttentionBackend):
         ctx_lens = seq_lens - q_lens
         key_pos = torch.arange(L, device=device)
         key_valid = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
-        decode = meta.is_decode_only
+        decode = meta.is_decode_only and not meta.image_spans
         if decode:
             allowed = key_valid.view(B, 1, 1, L)
             q_rows = valid_flat = None
@@ -47,6 +50,10 @@ class SdpaBackend(AttentionBackend):
             q_rows = torch.where(q_valid, q_rows, torch.zeros_like(q_rows))
             q_pos = ctx_lens.unsqueeze(1) + j  # absolute position of each padded query row
             allowed = (key_pos.view(1, 1, L) <= q_pos.unsqueeze(2)) & key_valid.unsqueeze(1)  # [B, max_q, L]
+            for b, start, end in meta.image_spans or ():  # an image's queries see all of that image's keys
+                inside_q = (q_pos[b] >= start) & (q_pos[b] < end) & q_valid[b]
+                inside_k = (key_pos >= start) & (key_pos < end) & key_valid[b]
+                allowed[b] |= inside_q.unsqueeze(1) & inside_k.unsqueeze(0)
             # Padding query rows attend to key 0 so softmax stays finite; their outputs are dropped.
             allowed = (allowed | (~q_valid).unsqueeze(2) & (key_pos == 0).view(1, 1, L)).unsqueeze(1)
             valid_flat = q_valid.flatten().nonzero().squeeze(1)
@@ -57,7 +64,7 @@ class SdpaBackend(AttentionBackend):
             "mask": allowed,  # [B, 1, max_q, L]
             "key_pos": key_pos,
             "q_pos": q_pos,  # [B, max_q] absolute position of each (padded) query row
-            "causal_only": B == 1 and int(ctx_lens[0]) == 0 and L == max_q,
+            "causal_only": B == 1 and int(ctx_lens[0]) == 0 and L == max_q and not meta.image_spans,
         }
         meta.scratch["sdpa"] = plan
         return plan

@@ -52,6 +52,8 @@ _VISION_LANGUAGE = {
     "Qwen2VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2VLForConditionalGeneration", "Qwen2ForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2ForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM"),
+    # Gemma 3: a SigLIP tower and its projector; image tokens attend bidirectionally within their image
+    "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES = sorted([*_REGISTRY, *_TEXT_DECODERS, _LLAVA, *_VISION_LANGUAGE])
