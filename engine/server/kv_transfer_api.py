@@ -143,7 +143,14 @@ async def _pull(request: web.Request, state: ServerState, params: TransferParams
             if (resp.content_length or 0) > limit:
                 raise TransferError("malformed", f"the producer's answer is {resp.content_length} bytes, more than "
                                                  f"{len(want)} block(s) can be")
-            payload = await resp.content.read(limit + 1)
+            parts, size = [], 0
+            async for part in resp.content.iter_chunked(1 << 20):  # read() returns what has arrived so far
+                size += len(part)
+                if size > limit:
+                    raise TransferError("malformed", f"the producer's answer runs past {limit} bytes, more than "
+                                                     f"{len(want)} block(s) can be")
+                parts.append(part)
+            payload = b"".join(parts)
     except asyncio.TimeoutError:
         raise TransferError("timeout", f"no answer within {cfg.kv_transfer_config.pull_timeout:g} s") from None
     except aiohttp.ClientError as e:

@@ -19,9 +19,9 @@ MAX_NEW = 8
 PROMPTS = ["Once upon a time there was a little shoal of fish that swam together in the warm sea, and",
            "Kubernetes runs pods on nodes; an operator reconciles custom resources into pods, services and"]
 PRODUCER = json.dumps({"kv_connector": "ShoalConnector", "kv_role": "kv_producer"})
-CONSUMER = json.dumps({"kv_connector": "ShoalConnector", "kv_role": "kv_consumer", "kv_buffer_size": 4e6,
+CONSUMER = json.dumps({"kv_connector": "ShoalConnector", "kv_role": "kv_consumer", "kv_buffer_size": 2e6,
                        "kv_connector_extra_config": {"pull_timeout": 5}})
-COMMON = ("--block-size", str(BLOCK), "--max-model-len", "128", "--num-kv-blocks", "64", "--dtype", "float32")
+COMMON = ("--block-size", str(BLOCK), "--max-model-len", "512", "--num-kv-blocks", "256", "--dtype", "float32")
 
 
 def client(server) -> OpenAI:
@@ -76,6 +76,18 @@ def test_the_consumer_decodes_from_the_producers_kv_as_one_engine_would(pair, wa
     assert metric(c, "shoal:prefix_cache_tier_hits_total", tier="cpu") == expected_blocks * BLOCK
     assert metric(c, "shoal:kv_transfer_fallbacks_total") == 0
     assert metric(c, "shoal:num_free_kv_blocks") == metric(c, "shoal:num_kv_blocks")  # nothing leaked
+
+
+def test_a_long_prompts_blocks_arrive_whole(pair, llama_model):
+    # ~100 float32 blocks (~300 KB): the answer arrives over many reads, and all of it is used
+    producer, consumer = pair
+    prompt = " ".join(f"word{i}" for i in range(60))
+    (local,) = offline_greedy(llama_model, [prompt], MAX_NEW, block_size=BLOCK, dtype="float32")
+    before = metric(consumer.metrics(), "shoal:kv_transfer_blocks_total", direction="pulled")
+    assert decode(consumer, prompt, prefill(producer, prompt)) == local
+    c = consumer.metrics()
+    assert metric(c, "shoal:kv_transfer_blocks_total", direction="pulled") - before > 60
+    assert metric(c, "shoal:kv_transfer_fallbacks_total") == 0
 
 
 def test_a_second_decode_of_the_same_prompt_pulls_nothing_and_streams_the_same(pair, want):
