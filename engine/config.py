@@ -231,8 +231,9 @@ class KVTransferConfig(BaseModel):
     engine_id: str | None = Field(default=None, description="this engine's name in the kv_transfer_params it returns "
                                                             "(default: a random one per process)")
     kv_connector_extra_config: dict[str, Any] = Field(
-        default_factory=dict, description='{"pull_timeout": seconds (default 10)}: how long a consumer waits for a '
-                                          'producer before it prefills the prompt itself')
+        default_factory=dict, description='{"pull_timeout": seconds (default 10): how long a consumer waits for a '
+                                          'producer before it prefills the prompt itself; "hold_seconds": seconds '
+                                          '(default 30): how long a producer keeps a prefill\'s blocks for the pull}')
 
     @field_validator("kv_connector")
     @classmethod
@@ -245,13 +246,15 @@ class KVTransferConfig(BaseModel):
     @field_validator("kv_connector_extra_config")
     @classmethod
     def _extra(cls, value: dict) -> dict:
-        unknown = set(value) - {"pull_timeout"}
+        unknown = set(value) - {"pull_timeout", "hold_seconds"}
         if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown key(s) {sorted(unknown)}; known: pull_timeout")
-        timeout = value.get("pull_timeout", 10.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"kv_connector_extra_config.pull_timeout must be a positive number of seconds, got "
-                             f"{timeout!r}")
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {sorted(unknown)}; known: hold_seconds, "
+                             "pull_timeout")
+        for key in ("pull_timeout", "hold_seconds"):
+            seconds = value.get(key, 1.0)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+                raise ValueError(f"kv_connector_extra_config.{key} must be a positive number of seconds, got "
+                                 f"{seconds!r}")
         return value
 
     @property
@@ -265,6 +268,10 @@ class KVTransferConfig(BaseModel):
     @property
     def pull_timeout(self) -> float:
         return float(self.kv_connector_extra_config.get("pull_timeout", 10.0))
+
+    @property
+    def hold_seconds(self) -> float:
+        return float(self.kv_connector_extra_config.get("hold_seconds", 30.0))
 
 
 class EngineConfig(BaseModel):

@@ -562,6 +562,8 @@ class LLMEngine:
                              conflict=True)
         if level == 2 and self.lora is not None:
             raise SleepError("level 2 drops the weights the loaded LoRA adapters are attached to; use level 1")
+        if self.kv_transfer is not None:
+            self.kv_transfer.release_all()
         self.executor.sleep(level)
         self.sleep_level = level
         self.pool.reset_prefix_cache()  # the blocks' contents are gone with the cache (nothing holds a block)
@@ -587,6 +589,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache); False, and nothing changed, while requests hold
         KV blocks."""
+        if self.kv_transfer is not None:  # prefills held for pulls: what they hold is to be forgotten too
+            self.kv_transfer.release_all()
         done = self.pool.reset_prefix_cache()
         if done and self.tiers is not None:
             self.tiers.clear()  # the offloaded blocks are part of the prefix cache
@@ -621,9 +625,15 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.kv_transfer is not None:  # prefills no pull came for give their blocks back before scheduling
+            self.kv_transfer.expire()
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        if not sched.scheduled and self.scheduler.waiting and self.kv_transfer is not None and \
+                self.kv_transfer.held_blocks:  # blocks held for pulls never keep a request from running
+            self.kv_transfer.release_all()
+            sched = self.scheduler.schedule()
         if not sched.scheduled:
             self._publish_kv_events()
             return []

@@ -108,6 +108,21 @@ class BlockPool:
                 else:
                     self._free[block_id] = None
 
+    def reference_cached(self, block_hashes: list[int]) -> list[int]:
+        """Take a reference to the cached blocks of the leading `block_hashes` (up to the first not cached), so they
+        cannot be evicted until `free`d; their ids."""
+        ids = []
+        for h in block_hashes:
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            ids.append(block_id)
+        return ids
+
     def cached_block(self, block_hash: int) -> int | None:
         """The id of the block the prefix cache holds under `block_hash` (None: not cached); takes no reference."""
         return self._cached.get(block_hash)

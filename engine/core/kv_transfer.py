@@ -9,9 +9,14 @@ The request flow is vLLM's `kv_transfer_params`, what llm-d's and Dynamo's route
    its server asks the producer (POST /kv_transfer/pull) for the full prompt blocks it does not hold, by hash, and
    keeps them in its first offload tier. The scheduler's prefix lookup then reads them into the pool as it reads
    any offloaded block (core/kv_tiers.py), so only the prompt's last block is computed there.
-The producer pins nothing: a block it evicted before the pull (and holds in no offload tier) is simply not sent,
-and the consumer computes what it did not get. A pull that fails (the producer unreachable, slow, or of another
-layout) falls back to a local prefill: the answer is the same, only slower.
+The producer holds the prompt's blocks for the consumer: once a prefill finishes, its full blocks are referenced
+(kept out of eviction) until the pull that names the hold (`remote_request_id`) has taken them, or for at most
+`kv_connector_extra_config.hold_seconds` (default 30 s, vLLM's NIXL keeps them until a timeout as well). Holds
+never cost a request its turn: they take at most half the pool (the oldest go first), and a step that could
+schedule nothing while requests wait lets go of all of them. A block
+the producer no longer has is simply not sent, and the consumer computes what it did not get. A pull that fails
+(the producer unreachable, slow, or of another layout) falls back to a local prefill: the answer is the same,
+only slower.
 
 Blocks are only moved between engines of one layout: the fingerprint (same weights, dtype, KV dtype, block size,
 quantization and per-rank block bytes) must match, or the producer refuses the pull with the field that differs.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import time
 import uuid
 from pathlib import Path
 
@@ -79,6 +85,7 @@ class KVTransfer:
             "rank_block_nbytes": self.rank_nbytes,
         }
         self.served_blocks = 0
+        self._holds: dict[str, tuple[list[int], float]] = {}  # hold id -> (block ids referenced, until when)
 
     @property
     def block_nbytes(self) -> int:
@@ -101,9 +108,16 @@ class KVTransfer:
             n += len(self.engine.executor.kv_lookup(hashes[n:]))
         return n
 
-    def export(self, hashes: list[int]) -> list[bytes]:
+    def export(self, hashes: list[int], hold_id: str | None = None) -> list[bytes]:
         """The leading blocks of `hashes` this engine can give (from its pool, else its offload tiers), each as
-        every rank's bytes."""
+        every rank's bytes; the hold `hold_id` (the prefill's) is let go once they are copied."""
+        self.expire()
+        try:
+            return self._export(hashes)
+        finally:
+            self.release(hold_id)
+
+    def _export(self, hashes: list[int]) -> list[bytes]:
         pool, pairs = self.engine.pool, []
         for h in hashes:
             block_id = pool.cached_block(h)
@@ -113,6 +127,39 @@ class KVTransfer:
         blobs = self.engine.executor.kv_export(pairs) if pairs else []
         self.served_blocks += len(blobs)
         return blobs
+
+    def hold(self, hashes: list[int]) -> str | None:
+        """Keep the cached blocks of `hashes` out of eviction for a consumer's pull; the hold's id (None: nothing
+        cached to hold)."""
+        self.expire()
+        ids = self.engine.pool.reference_cached(hashes)
+        if not ids:
+            return None
+        hold_id = uuid.uuid4().hex
+        self._holds[hold_id] = (ids, time.monotonic() + self.config.hold_seconds)
+        while self.held_blocks > self.engine.pool.num_blocks // 2:  # at most half the pool: the oldest go first
+            self.release(next(iter(self._holds)))
+        return hold_id if hold_id in self._holds else None
+
+    def release(self, hold_id: str | None) -> None:
+        entry = self._holds.pop(hold_id, None) if hold_id else None
+        if entry is not None:
+            self.engine.pool.free(entry[0])
+
+    def expire(self) -> None:
+        """Let go of the holds no pull came for in time."""
+        now = time.monotonic()
+        for hold_id in [h for h, (_, until) in self._holds.items() if until <= now]:
+            self.release(hold_id)
+
+    def release_all(self) -> None:
+        """Every hold let go (a prefix-cache reset, sleep: the blocks' contents are to be forgotten)."""
+        for hold_id in list(self._holds):
+            self.release(hold_id)
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(len(ids) for ids, _ in self._holds.values())
 
     def import_blocks(self, hashes: list[int], blobs: list[bytes]) -> None:
         """Keep pulled blocks in the first offload tier, where the request's prefix lookup finds them."""

@@ -32,6 +32,7 @@ class TransferParams(BaseModel):
     remote_host: str | None = Field(default=None, min_length=1, max_length=253)
     remote_port: int | None = Field(default=None, ge=1, le=65535)
     remote_engine_id: str | None = None
+    remote_request_id: str | None = Field(default=None, max_length=64)  # the producer's hold on the prompt's blocks
 
 
 class PullRequest(BaseModel):
@@ -39,6 +40,7 @@ class PullRequest(BaseModel):
 
     fingerprint: dict[str, Any]
     block_hashes: list[int | str] = Field(max_length=1 << 16)
+    hold_id: str | None = Field(default=None, max_length=64)  # let go of this hold once the blocks are copied
 
 
 def parse(raw: dict | None) -> TransferParams | None:
@@ -83,15 +85,18 @@ def check(state: ServerState, params: TransferParams | None, stream: bool) -> No
         _role(state, produces=False)
 
 
-async def producer_answer(request: web.Request, state: ServerState) -> dict:
-    """The kv_transfer_params a producer returns with a prefill: where a consumer pulls the prompt's KV from. The
-    host and port are the ones the router reached this engine at (its pod address)."""
-    info = await state.engine.run_in_engine(lambda e: (e.kv_transfer.engine_id, e.config.block_size,
-                                                       e.config.tensor_parallel_size))
-    engine_id, block_size, tp = info
+async def producer_answer(request: web.Request, state: ServerState, jobs: list) -> dict:
+    """The kv_transfer_params a producer returns with a finished prefill: where a consumer pulls the prompt's KV
+    from (the host and port the router reached this engine at: its pod address), and the hold that keeps the
+    prompt's blocks for that pull (`remote_request_id`; the first prompt's, as a prefill carries one)."""
+    block_size = state.engine.config.block_size
+    hashes = list(hash_chain(jobs[0].prompt_ids[:len(jobs[0].prompt_ids) - 1], block_size)) if jobs else []
+    engine_id, hold_id, tp = await state.engine.run_in_engine(lambda e: (
+        e.kv_transfer.engine_id, e.kv_transfer.hold(hashes) if hashes else None, e.config.tensor_parallel_size))
     url = request.url
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
-            "remote_host": url.host, "remote_port": url.port, "remote_block_size": block_size, "tp_size": tp}
+            "remote_request_id": hold_id, "remote_host": url.host, "remote_port": url.port,
+            "remote_block_size": block_size, "tp_size": tp}
 
 
 async def pull_before(request: web.Request, state: ServerState, params: TransferParams | None, jobs: list,
@@ -127,14 +132,15 @@ async def _pull(request: web.Request, state: ServerState, params: TransferParams
     held, fingerprint, nbytes = await state.engine.run_in_engine(
         lambda e: (e.kv_transfer.held(hashes), e.kv_transfer.fingerprint, e.kv_transfer.block_nbytes))
     want = hashes[held:]
-    if not want:
+    if not want and params.remote_request_id is None:
         return 0, 0
     url = f"http://{_host(params.remote_host)}:{params.remote_port}{PULL_PATH}"
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-api-key")}
     limit = 4096 + len(want) * (nbytes + 32)
     try:
         async with _session(request).post(
-                url, json={"fingerprint": fingerprint, "block_hashes": [str(h) for h in want]}, headers=headers,
+                url, json={"fingerprint": fingerprint, "block_hashes": [str(h) for h in want],
+                           "hold_id": params.remote_request_id}, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=cfg.kv_transfer_config.pull_timeout)) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:300]
@@ -197,8 +203,9 @@ async def pull_route(request: web.Request) -> web.Response:
         kt = engine.kv_transfer
         differs = kt.mismatch(req.fingerprint)
         if differs is not None:
+            kt.release(req.hold_id)  # no consumer of this layout will take them
             return None, differs
-        return kt.export(hashes), None
+        return kt.export(hashes, req.hold_id), None
 
     blobs, differs = await state.engine.run_in_engine(export)
     if differs is not None:

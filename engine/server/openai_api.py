@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -495,8 +495,10 @@ async def _stream(request: web.Request, api: _Endpoint, base_id: str, created: i
     return sse.resp
 
 
-async def _respond(api: _Endpoint, base_id: str, created: int, model: str, extra: dict | None = None) -> web.Response:
-    """The one non-streaming path: every job's deltas added up, then rendered."""
+async def _respond(api: _Endpoint, base_id: str, created: int, model: str,
+                   extra: Callable[[], Awaitable[dict]] | None = None) -> web.Response:
+    """The one non-streaming path: every job's deltas added up, then rendered; `extra`, once the jobs are done,
+    gives more top-level fields (a prefill's kv_transfer_params)."""
     jobs, n = api.jobs, api.n
     finals: list[RequestOutput | None] = [None] * len(jobs)
     try:
@@ -518,9 +520,10 @@ async def _respond(api: _Endpoint, base_id: str, created: int, model: str, extra
             completion_tokens += len(comp.token_ids)
             choices.append(api.final_choice(i * n + c, job, comp, finals[i]))
     usage = _usage(sum(len(j.prompt_ids) for j in jobs), completion_tokens)
+    more = await extra() if extra is not None else {}
     return json_response({"id": base_id, "object": api.object_full, "created": created, "model": model,
                           "choices": choices, "usage": usage, "system_fingerprint": None,
-                          **api.response_fields(finals), **(extra or {})}, headers={"X-Request-Id": base_id})
+                          **api.response_fields(finals), **more}, headers={"X-Request-Id": base_id})
 
 
 async def _run(request: web.Request, state: ServerState, api: _Endpoint, params, req, id_prefix: str,
@@ -538,10 +541,11 @@ async def _run(request: web.Request, state: ServerState, api: _Endpoint, params,
         try:
             if req.stream:
                 return await _stream(request, api, base_id, created, model, req.include_usage)
-            extra = {}
-            if transfer is not None and transfer.do_remote_decode:
-                extra["kv_transfer_params"] = await kv_transfer_api.producer_answer(request, state)
-            return await _respond(api, base_id, created, model, extra)
+            async def transfer_fields() -> dict:  # once prefilled: where the KV is, held for the pull
+                return {"kv_transfer_params": await kv_transfer_api.producer_answer(request, state, api.jobs)}
+
+            prefill = transfer is not None and transfer.do_remote_decode
+            return await _respond(api, base_id, created, model, transfer_fields if prefill else None)
         finally:
             end_jobs(request, state, api.jobs, id_prefix, model)
     finally:

@@ -70,6 +70,51 @@ def test_a_producer_gives_only_what_it_still_holds(llama_model):
         assert kt.export(HASHES) == []
 
 
+def test_a_prefills_blocks_are_held_for_the_pull_until_taken_or_expired(llama_model, monkeypatch):
+    from shoal.engine.core import kv_transfer
+
+    # a pool of 32 blocks of 4: another prompt of 12 blocks evicts the oldest free blocks, not the held ones
+    options = {**OPTIONS, "num_kv_blocks": 32, "max_model_len": 128}
+    config = role("kv_producer", kv_connector_extra_config={"hold_seconds": 60})
+    with LLM(llama_model, kv_transfer_config=config, **options) as producer:
+        engine = producer.llm_engine
+        kt, pool = engine.kv_transfer, engine.pool
+        generate(producer)
+        hold = kt.hold(HASHES)
+        assert kt.held_blocks == len(HASHES) and pool.num_free == 32 - len(HASHES)
+        for start in (100, 200):  # 24 blocks in all: more than were free beside the held ones
+            producer.generate([{"prompt_token_ids": list(range(start, start + 47))}], SamplingParams(max_tokens=1),
+                              use_tqdm=False)
+        assert kt.held(HASHES) == len(HASHES)  # survived the other prompts' allocations
+        assert len(kt.export(HASHES, hold)) == len(HASHES) and kt.held_blocks == 0  # taken: given back
+        assert pool.num_free == 32
+        kt.hold(HASHES[:2])  # a hold no pull comes for goes back after hold_seconds
+        later = kv_transfer.time.monotonic() + 61
+        monkeypatch.setattr(kv_transfer.time, "monotonic", lambda: later)
+        kt.expire()
+        assert kt.held_blocks == 0
+        monkeypatch.undo()
+        # holds never keep a request from running: a prompt that needs more than the free blocks releases them
+        generate(producer)
+        assert kt.hold(HASHES) is not None
+        big = producer.generate([{"prompt_token_ids": list(range(250, 350))}], SamplingParams(max_tokens=1),
+                                use_tqdm=False)[0]
+        assert len(big.outputs[0].token_ids) == 1 and kt.held_blocks == 0
+        kt.hold(HASHES[:2])
+        assert engine.reset_prefix_cache() and kt.held_blocks == 0  # a reset lets go of every hold
+        pool.check_all_free()
+
+
+def test_holds_take_at_most_half_the_pool(llama_model):
+    with LLM(llama_model, kv_transfer_config=role("kv_producer"), **{**OPTIONS, "num_kv_blocks": 24,
+                                                                     "max_model_len": 64}) as producer:
+        kt = producer.llm_engine.kv_transfer
+        generate(producer)
+        first = kt.hold(HASHES[:6])
+        assert kt.hold(HASHES[:9]) is not None and first not in kt._holds  # 15 > 12: the oldest went
+        assert kt.held_blocks == 9
+
+
 def test_fingerprints_name_the_field_that_differs(llama_model):
     _, _, fingerprint = exported(llama_model)
     with LLM(llama_model, kv_transfer_config=role("kv_both", kv_buffer_size=1e6),
@@ -101,6 +146,7 @@ def test_the_wire_format_refuses_damaged_and_unasked_blocks():
     (role("kv_consumer") | {"kv_connector": "NixlConnector"}, "only 'ShoalConnector'"),
     (role("kv_decoder"), "kv_role"),
     (role("kv_consumer", kv_connector_extra_config={"pull_timeout": 0}), "pull_timeout must be a positive"),
+    (role("kv_producer", kv_connector_extra_config={"hold_seconds": "long"}), "hold_seconds must be a positive"),
     (role("kv_consumer", kv_connector_extra_config={"side_channel": 1}), "unknown key"),
 ])
 def test_bad_kv_transfer_configs_are_refused(config, message):

@@ -66,8 +66,14 @@ def test_the_consumer_decodes_from_the_producers_kv_as_one_engine_would(pair, wa
         params = prefill(producer, prompt)
         assert params["do_remote_prefill"] is True and params["remote_port"] == int(producer.base.rsplit(":", 1)[1])
         assert params["remote_host"] == "127.0.0.1" and params["remote_block_size"] == BLOCK
+        blocks = (len(tok.encode(prompt)) - 1) // BLOCK
+        p = producer.metrics()  # the prefill's blocks are held for the pull: out of the free (evictable) ones
+        assert metric(p, "shoal:num_kv_blocks") - metric(p, "shoal:num_free_kv_blocks") == blocks
+        assert params["remote_request_id"]
         assert decode(consumer, prompt, params) == text
-        expected_blocks += (len(tok.encode(prompt)) - 1) // BLOCK
+        p = producer.metrics()  # ... and given back once pulled
+        assert metric(p, "shoal:num_free_kv_blocks") == metric(p, "shoal:num_kv_blocks")
+        expected_blocks += blocks
     c, p = consumer.metrics(), producer.metrics()
     assert metric(c, "shoal:kv_transfer_blocks_total", direction="pulled") == expected_blocks
     assert metric(c, "shoal:kv_transfer_blocks_total", direction="missed") == 0
