@@ -213,7 +213,6 @@ def test_an_image_prompts_events_from_the_engine_carry_its_digests(llava_model):
         engine.shutdown()
     stored = [e for e in sub.events() if e[0] == "BlockStored"]
     assert stored
-    prompt = out.prompt_token_ids
     digest = engine.llm_engine.images.preprocess([image])[0].digest.hex()
     image_token = engine.llm_engine.images.token_id
     own, parent, seen_image = {}, 0, False
