@@ -20,7 +20,8 @@ where `extra` is b"shoal-image" followed by the 32-byte content digest of each i
 (in prompt order): the same text with a different image never shares a block, the same image does. Text-only
 blocks have no extra key, so their hashes are unchanged. KV events publish a block's image digests (hex) as its
 BlockStored `extra_keys` entry (vLLM's field), and a router with a prompt's image placements (offset, token count,
-digest: the engine's /tokenize answers them) recomputes the same keys (`image_block_key`). Hashing is ~1 µs per 16-token block, off no critical path that matters.
+digest: the engine's /tokenize answers them) recomputes the same keys (`image_block_key`). Hashing is ~1 µs per
+16-token block, off no critical path that matters.
 """
 
 from __future__ import annotations
