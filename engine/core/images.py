@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from shoal.engine.kv_hash import image_block_key
+
 
 class ImageError(ValueError):
     """An image the engine cannot take: the caller's 400 (`code`: the error body's code, where it has one)."""
@@ -97,9 +99,12 @@ class PromptImages:
 
     def block_key(self, block: int) -> bytes:
         """Block `block`'s extra hash key: b"shoal-image" and the digest of each image with tokens in it, or b""."""
-        start = block * self.block_size
-        digests = [image.digest for _, image, _, _ in self.slices(start, start + self.block_size)]
-        return b"shoal-image" + b"".join(digests) if digests else b""
+        return image_block_key(self.key_images, self.block_size, block)
+
+    @property
+    def key_images(self) -> list[tuple[int, int, bytes]]:
+        """(offset, token count, digest) of each image: what keys the blocks (kv_hash), and /tokenize returns."""
+        return [(offset, image.num_tokens, image.digest) for offset, image in self.placed]
 
 
 class ImageInputs:

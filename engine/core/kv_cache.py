@@ -19,11 +19,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from shoal.engine.kv_hash import event_extra_keys
 from shoal.engine.kv_hash import hash_chain as _hash_chain
 from shoal.engine.kv_hash import lora_root as chain_root
 
 # Event tuples, as vLLM's KV-event classes name them (kv_events.py encodes them):
-#   ("BlockStored", block_hashes, parent_block_hash | None, token_ids, lora_id | None)
+#   ("BlockStored", block_hashes, parent_block_hash | None, token_ids, lora_id | None[, None, extra_keys])
+#     (extra_keys, only when a block holds image tokens: per block its image digests in hex, or None)
 #   ("BlockRemoved", block_hashes)
 #   ("AllBlocksCleared",)
 
@@ -171,20 +173,20 @@ class BlockPool:
             if new:
                 self._cached[h] = block_ids[i]
                 self.blocks[block_ids[i]].block_hash = h
-            # A block holding image tokens is not published: its hash covers the images, which a KV event (tokens
-            # only, vLLM's fields) cannot say; a router hashing the tokens would index it as the text's.
-            if new and self.events is not None and not (extra_keys is not None and extra_keys(i)):
+            # A block holding image tokens is published with its image digests (its event's extra_keys), which its
+            # hash covers: a router recomputes the hash from them (kv_hash.extra_from_event).
+            if new and self.events is not None:
                 if not stored:
                     start = i
                 stored.append(h)
             elif stored:
-                self._stored(stored, start, token_ids, block_hashes, salt)
+                self._stored(stored, start, token_ids, block_hashes, salt, extra_keys)
                 stored = []
         if stored:
-            self._stored(stored, start, token_ids, block_hashes, salt)
+            self._stored(stored, start, token_ids, block_hashes, salt, extra_keys)
 
-    def register_loaded(self, token_ids: list[int], block_ids: list[int], chain: list[int], salt: int | None = None
-                        ) -> int:
+    def register_loaded(self, token_ids: list[int], block_ids: list[int], chain: list[int], salt: int | None = None,
+                        extra_keys=None) -> int:
         """Publish blocks a sequence just read back from an offload tier: `chain` is the sequence's block hashes
         and block_ids hold its last len(block_ids) blocks. As with computed blocks, the first writer wins: a block
         whose hash the pool already caches stays private. Returns how many were published."""
@@ -197,16 +199,22 @@ class BlockPool:
             self.blocks[block_id].block_hash = h
             stored.append(h)
         if stored and self.events is not None:
-            self._stored(stored, start, token_ids, chain, salt)
+            self._stored(stored, start, token_ids, chain, salt, extra_keys)
         return len(stored)
 
-    def _stored(self, hashes: list[int], start: int, token_ids: list[int], chain: list[int], salt: int | None
-                ) -> None:
+    def _stored(self, hashes: list[int], start: int, token_ids: list[int], chain: list[int], salt: int | None,
+                extra_keys=None) -> None:
         """Record that blocks start.. of a sequence (hashes `hashes`) are now cached. A chain's first block has no
-        parent (None, as vLLM publishes it); its root is the adapter's (`lora_id`, kv_hash.lora_root)."""
+        parent (None, as vLLM publishes it); its root is the adapter's (`lora_id`, kv_hash.lora_root). A run with
+        image blocks also carries each block's image digests (None for a text block): vLLM's extra_keys."""
         bs = self.block_size
         tokens = list(token_ids[start * bs:(start + len(hashes)) * bs])
-        self.events.append(("BlockStored", hashes, chain[start - 1] if start else None, tokens, salt))
+        event = ("BlockStored", hashes, chain[start - 1] if start else None, tokens, salt)
+        if extra_keys is not None:
+            keys = [event_extra_keys(extra_keys(i)) for i in range(start, start + len(hashes))]
+            if any(k is not None for k in keys):
+                event += (None, keys)  # no medium of its own: the pool's
+        self.events.append(event)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block's content (vLLM's reset_prefix_cache). Refused (False) while any block is

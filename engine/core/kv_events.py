@@ -9,8 +9,10 @@ The wire (vLLM's, `--kv-events-config`):
   lost events (or the engine restarted, when they start again from 0) and must rebuild its view.
 - the payload is msgpack of an EventBatch, array-like: [ts, [event, ...], data_parallel_rank]; each event is a
   tagged array: ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name], ["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"]. Block hashes are unsigned 64-bit
-  integers (shoal.engine.kv_hash defines them); parent_block_hash is None for a chain's first block.
+  lora_name(, extra_keys)], ["BlockRemoved", block_hashes, medium], ["AllBlocksCleared"]. Block hashes are unsigned
+  64-bit integers (shoal.engine.kv_hash defines them); parent_block_hash is None for a chain's first block.
+  extra_keys (vLLM's ninth field, omitted as vLLM omits its default when every block is text) is sent when a block
+  holds image tokens: per block, the hex digests of its images (kv_hash.event_extra_keys), or None.
 - an optional ROUTER socket at `replay_endpoint` answers a request [empty frame, start sequence as 8 bytes
   big-endian] with every buffered batch from that sequence on as [empty, seq, payload] and then [empty, -1 as 8
   signed bytes, b""] (the last `buffer_steps` batches are kept).
@@ -51,9 +53,12 @@ def wire_event(event: tuple, block_size: int, medium: str, lora_names: dict[int,
     offload tier's event, kv_tiers.py)."""
     kind = event[0]
     if kind == "BlockStored":
-        _, hashes, parent, tokens, lora_id, *own = event
-        return [kind, hashes, parent, tokens, block_size, lora_id, own[0] if own else medium,
-                None if lora_id is None else lora_names.get(lora_id)]
+        _, hashes, parent, tokens, lora_id, *rest = event
+        out = [kind, hashes, parent, tokens, block_size, lora_id, rest[0] if rest and rest[0] else medium,
+               None if lora_id is None else lora_names.get(lora_id)]
+        if len(rest) > 1 and rest[1] is not None:
+            out.append(rest[1])  # extra_keys: only with image blocks (vLLM omits the default, so text is unchanged)
+        return out
     if kind == "BlockRemoved":
         return [kind, event[1], event[2] if len(event) > 2 else medium]
     return [kind]

@@ -67,7 +67,8 @@ class KVTiers:
             return
         seq.block_ids = seq.block_ids + ids[:loaded]
         seq.block_hashes = seq.block_hashes + hashes[:loaded]
-        self.pool.register_loaded(seq.token_ids, ids[:loaded], seq.block_hashes, seq.lora_id)
+        self.pool.register_loaded(seq.token_ids, ids[:loaded], seq.block_hashes, seq.lora_id,
+                                  seq.images.block_key if seq.images is not None else None)
         for tier in tiers[:loaded]:
             self.hits[tier] += bs
 

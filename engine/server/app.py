@@ -326,6 +326,7 @@ async def tokenize_route(request: web.Request) -> web.Response:
     state, req, tok = await _tokenizer_request(request, TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise APIError("give exactly one of 'prompt' or 'messages'", 400)
+    placed = None
     if req.prompt is not None:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(tok.encode(req.prompt, add_special_tokens=add_special))
@@ -339,10 +340,14 @@ async def tokenize_route(request: web.Request) -> web.Response:
         images = await chat_images(state, req.messages)
         if images:  # each image's placeholder expanded to its tokens, as the engine counts them
             try:
-                ids = state.engine.images.place(ids, images, 1)[0]
+                ids, placed = state.engine.images.place(ids, images, 1)
             except ValueError as e:
                 raise APIError(str(e), 400, param="messages") from None
     out = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
+    if placed is not None:
+        # Shoal's addition: where each image's tokens sit and the digest its KV blocks are keyed by (kv_hash), so a
+        # precise-prefix router hashes the prompt's image blocks as the engine does (it cannot run the processor)
+        out["images"] = [{"offset": o, "length": n, "digest": d.hex()} for o, n, d in placed.key_images]
     if req.return_token_strs:
         out["token_strs"] = tok.convert_ids_to_tokens(ids)
     return json_response(out)

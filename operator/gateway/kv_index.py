@@ -7,7 +7,10 @@ process can recompute it). So a prompt is hashed one way for both runtimes, and 
 to the gateway's (BlockRemoved names only reported hashes). A block is counted once per copy the engine reports
 (vLLM may cache one hash in two blocks, or in two tiers) and held while any copy is. A block the gateway cannot
 hash is left out, and so is every block chained to it: its parent was never heard (the view started mid-stream),
-its tokens are not the block's, or vLLM's extra keys (multimodal inputs, a cache_salt) went into its hash. For an
+its tokens are not the block's, or vLLM's extra keys (multimodal inputs, a cache_salt) went into its hash. A Shoal
+engine's image block is hashed: its extra keys are the digests of its images (kv_hash.event_extra_keys), and a
+prompt with images (kv_tokens.PromptTokens: the placements and digests the engine's /tokenize answers) hashes its image
+blocks with the same digests, so the same image matches and another image under the same text does not. For an
 engine that reports the gateway's own hashes (checked on the blocks it could hash) the reported hash is used as is
 when its parent was never heard.
 
@@ -42,7 +45,7 @@ from itertools import islice
 
 import msgpack
 
-from shoal.engine.kv_hash import BASE_ROOT, block_hash, hash_chain, lora_root
+from shoal.engine.kv_hash import BASE_ROOT, block_hash, extra_from_event, hash_chain, image_block_key, lora_root
 
 log = logging.getLogger("shoal.gateway.kv")
 
@@ -95,6 +98,14 @@ class EngineView:
 def plain(extra_keys: Sequence | None, lora_name: str | None) -> bool:
     """Whether vLLM hashed a block from its tokens (and adapter) alone: no extra key but the adapter's name."""
     return not extra_keys or all(k == lora_name for k in extra_keys)
+
+
+def block_extra(extra_keys: Sequence | None, lora_name: str | None) -> bytes | None:
+    """The extra key the gateway hashes a block with: b"" for a plain block, a Shoal engine's image key for a block
+    whose extra keys are image digests (kv_hash.extra_from_event), None for any other (not hashable here)."""
+    if plain(extra_keys, lora_name):
+        return b""
+    return extra_from_event([k for k in extra_keys if k != lora_name])
 
 
 def decode_batch(payload: bytes) -> list[tuple]:
@@ -197,12 +208,15 @@ class KVIndex:
         for i, h in enumerate(hashes):
             keys = extra_keys[i] if extra_keys and i < len(extra_keys) else None
             known = view.reported.get(h)
+            extra = block_extra(keys, lora_name)
             if known is not None:  # another copy of a block already hashed (a duplicate, another tier)
                 own = known[0]
-            elif not plain(keys, lora_name):
-                own = None  # hashed with inputs the gateway never sees: neither it nor its descendants match
+            elif extra is None or (extra and view.native is False):
+                # hashed with inputs the gateway never sees (vLLM's multimodal identifiers, a cache_salt; image
+                # digests are Shoal's only from an engine hashing like the gateway): neither it nor its descendants
+                own = None
             elif own_parent is not None and whole:
-                own = block_hash(own_parent, tokens[i * bs:(i + 1) * bs])
+                own = block_hash(own_parent, tokens[i * bs:(i + 1) * bs], extra)
                 view.native = own == h
             elif view.native:
                 own = h  # the engine's hashes are the gateway's: no parent needed
@@ -246,10 +260,13 @@ class KVIndex:
     def prompt_hashes(self, tokens: Sequence[int] | None, block_size: int | None, root: int = BASE_ROOT
                       ) -> list[int]:
         """The gateway's block hashes of a prompt's leading full blocks of `block_size` tokens from chain root
-        `root` (none without a block size or without tokens)."""
+        `root` (none without a block size or without tokens); a kv_tokens.PromptTokens' image blocks with their images'
+        digests, as the engine keys them."""
         if not tokens or not block_size:
             return []
-        return list(islice(hash_chain(tokens, block_size, parent=root), self.max_blocks))
+        images = getattr(tokens, "images", ())
+        keys = (lambda b: image_block_key(images, block_size, b)) if images else None
+        return list(islice(hash_chain(tokens, block_size, parent=root, extra_keys=keys), self.max_blocks))
 
     def matches(self, urls: Iterable[str], tokens: Sequence[int] | None, adapter: str | None = None
                 ) -> dict[str, int]:

@@ -48,6 +48,7 @@ from shoal.engine.server.keys import KeySet, read_keys
 from shoal.operator.gateway import canary
 from shoal.operator.gateway.admission import Shed, Ticket, request_cost
 from shoal.operator.gateway.backends import Backend, BackendSet, HealthPolicy
+from shoal.operator.gateway.kv_tokens import PromptTokens, tokenized_images
 from shoal.operator.gateway.metric_names import RUNTIMES, for_runtime
 from shoal.operator.gateway.metrics import GatewayMetrics
 from shoal.operator.gateway.options import (ChartValue, SpecField, kv_events_endpoint, namespace_bound, nested,
@@ -659,9 +660,13 @@ class Gateway:
                     return None
                 if r.status != 200:
                     raise ValueError(f"HTTP {r.status} from {engines[0].url}/tokenize")
-                tokens = (await r.json(content_type=None)).get("tokens")
+                answer = await r.json(content_type=None)
+                tokens = answer.get("tokens")
                 if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
                     raise ValueError(f"{engines[0].url}/tokenize answered no token ids")
+                images = tokenized_images(answer.get("images"))
+                if images:
+                    tokens = PromptTokens(tokens, images)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
             self._tokenizer_unavailable(pool, e)
             return None

@@ -122,7 +122,7 @@ class RoutingContext:
         self.now = now
         self._index = index
         self.model = model  # the request's `model` (a LoRA adapter's name routes by residency)
-        self.tokens = tokens  # the prompt's token ids (precise-prefix), None when unknown
+        self.tokens = tokens  # the prompt's token ids (precise-prefix; kv_tokens.PromptTokens: with images), or None
         self._kv_index = kv_index
         self.adapter = adapter  # the LoRA adapter the request runs under (its blocks hash from its own root)
         self.precise = False  # `matched` came from the engines' KV events

@@ -141,20 +141,91 @@ def test_text_only_model_refuses_images(llama_model):
         engine.shutdown()
 
 
-def test_kv_events_leave_out_the_blocks_holding_an_image():
-    # a router rebuilds block hashes from the published tokens: an image block published would be indexed as the
-    # text-only prefix's (and flip the gateway's "this engine hashes like me" check), so only text blocks are told
+def test_kv_events_announce_image_blocks_with_their_digests():
+    # an image block is published with the digests its hash covers (vLLM's extra_keys), so a router recomputes
+    # every hash of the run, the blocks after the image included; text blocks carry None, a text run nothing
     from shoal.engine.core.images import ProcessedImage, PromptImages
     from shoal.engine.core.kv_cache import BlockPool
-    from shoal.engine.kv_hash import hash_chain
+    from shoal.engine.core.kv_events import wire_event
+    from shoal.engine.kv_hash import block_hash, extra_from_event, hash_chain
 
-    pool = BlockPool(16, 4, events=True)
-    image = ProcessedImage(None, 6, b"\x01" * 32)
-    images = PromptImages([(4, image)], 4)  # tokens 4..9: blocks 1 and 2
+    def stored(digest: bytes):
+        pool = BlockPool(16, 4, events=True)
+        images = PromptImages([(4, ProcessedImage(None, 6, digest))], 4)  # tokens 4..9: blocks 1 and 2
+        ids, hashes = pool.allocate(5), []
+        pool.cache_full_blocks(tokens, ids, hashes, len(tokens), None, images.block_key)
+        events = [e for e in pool.take_events() if e[0] == "BlockStored"]
+        assert len(events) == 1 and events[0][1] == hashes  # one run: the image no longer splits it
+        return wire_event(events[0], 4, "GPU", {})
+
     tokens = list(range(4)) + [7] * 6 + list(range(20, 30))
-    ids, hashes = pool.allocate(5), []
-    pool.cache_full_blocks(tokens, ids, hashes, len(tokens), None, images.block_key)
-    stored = [e for e in pool.take_events() if e[0] == "BlockStored"]
-    assert [e[1] for e in stored] == [hashes[:1], hashes[3:]]
-    assert hashes[0] == next(hash_chain(tokens, 4))  # a text block before the image hashes as always
-    assert hashes[1] != list(hash_chain(tokens, 4))[1]  # an image block covers the image
+    event = stored(b"\x01" * 32)
+    hashes, parent, tokens_sent, keys = event[1], event[2], event[3], event[8]
+    assert parent is None and tokens_sent == tokens
+    assert keys == [None, ["01" * 32], ["01" * 32], None, None]
+    recomputed, h = [], 0
+    for i, k in enumerate(keys):  # what a router does with the event alone
+        h = block_hash(h, tokens_sent[4 * i:4 * i + 4], extra_from_event(k))
+        recomputed.append(h)
+    assert recomputed == hashes
+    text = list(hash_chain(tokens, 4))
+    assert hashes[0] == text[0] and hashes[1] != text[1] and hashes[3] != text[3]  # after the image: its chain
+    other = stored(b"\x02" * 32)
+    assert other[1][0] == hashes[0] and other[1][1:] != hashes[1:] and not set(other[1][1:]) & set(hashes)
+    assert other[8][1] == ["02" * 32]
+
+    # a text-only run is published exactly as before: eight fields, no extra_keys
+    pool = BlockPool(16, 4, events=True)
+    ids, chain = pool.allocate(2), []
+    later = PromptImages([(20, ProcessedImage(None, 2, b"\x03" * 32))], 4)  # an image after these blocks
+    pool.cache_full_blocks(list(range(8)), ids, chain, 8, None, later.block_key)
+    (plain,) = pool.take_events()
+    assert wire_event(plain, 4, "GPU", {}) == ["BlockStored", chain, None, list(range(8)), 4, None, "GPU", None]
+    assert chain == list(hash_chain(list(range(8)), 4))
+
+
+def test_an_image_prompts_events_from_the_engine_carry_its_digests(llava_model):
+    # the real engine over ZMQ: its BlockStored for a prompt with an image carries the image's digest on the
+    # blocks holding its tokens, and kv_hash with those extra keys recomputes every hash it published
+    from shoal.engine.kv_hash import block_hash, extra_from_event
+    from test_kv_events import Subscriber, free_port
+
+    port = free_port()
+    engine = LLM(llava_model, dtype="float32", num_kv_blocks=128, block_size=4,
+                 kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                                   "endpoint": f"tcp://*:{port}", "topic": "kv@img"})
+    sub = Subscriber(port, b"kv@img")
+    try:
+        for _ in range(100):  # a PUB socket drops what it sends before the subscription reaches it
+            engine.generate([[5] * 4], greedy(1), use_tqdm=False)
+            sub.drain(0.2)
+            if sub.batches:
+                break
+        assert sub.batches, "no KV event reached the subscriber"
+        assert engine.reset_prefix_cache()
+        sub.drain(2)
+        sub.batches.clear()
+        image = make_image(11)
+        run(engine, [(ONE, [image])])
+        sub.drain(5)
+    finally:
+        sub.ctx.destroy(linger=0)
+        engine.shutdown()
+    stored = [e for e in sub.events() if e[0] == "BlockStored"]
+    assert stored
+    digest = engine.llm_engine.images.preprocess([image])[0].digest.hex()
+    image_token = engine.llm_engine.images.token_id
+    own, parent, seen_image = {}, 0, False
+    for e in stored:
+        hashes, prev, tokens, keys = e[1], e[2], e[3], (e[8] if len(e) > 8 else None)
+        h = 0 if prev is None else own[prev]
+        for i, reported in enumerate(hashes):
+            block = tokens[4 * i:4 * i + 4]
+            k = keys[i] if keys else None
+            assert (k == [digest]) == (image_token in block), (block, k)
+            seen_image |= k is not None
+            h = block_hash(h, block, extra_from_event(k))
+            assert h == reported
+            own[reported] = h
+        parent = h
+    assert seen_image and parent

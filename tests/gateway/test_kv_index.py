@@ -487,3 +487,68 @@ def test_the_precise_scorer_ranks_the_kv_cache_above_the_cpu_tier_above_the_disk
                            ("BlockStored", chain[4:], None, [], 16, None, cpu, None)])
     assert index.matches([a.url, b.url], tokens) == {a.url: 4, b.url: 8}
     assert router.pick([a, b], [], now, tokens=tokens).backend is b
+
+
+def image_events(tokens: list[int], digest: bytes, offset: int, length: int) -> list[tuple]:
+    """A Shoal engine's events (its block pool, block size 4, through its publisher's wire) for a prompt holding
+    one image at `offset` with content digest `digest`."""
+    from shoal.engine.core.images import ProcessedImage, PromptImages
+    from shoal.engine.core.kv_cache import BlockPool
+
+    pool = BlockPool(64, 4, events=True)
+    images = PromptImages([(offset, ProcessedImage(None, length, digest))], 4)
+    ids, chain = pool.allocate(len(tokens) // 4 + 1), []
+    pool.cache_full_blocks(tokens, ids, chain, len(tokens), None, images.block_key)
+    pub = KVEventPublisher.__new__(KVEventPublisher)  # only its encoder: no sockets
+    pub.block_size, pub.medium, pub.dp_rank = 4, "GPU", 0
+    return decode_batch(pub.encode(0.0, pool.take_events(), {}))
+
+
+def test_image_blocks_match_the_engine_holding_that_image_and_not_another():
+    # Two engines hold the same conversation turn about different images. The request's prompt carries its image's
+    # placement and digest (as /tokenize answers them): the engine holding that image matches every block, the other
+    # only the text before the image, and the next turn of the conversation routes to the first engine.
+    from shoal.operator.gateway.kv_tokens import PromptTokens, tokenized_images
+
+    x, y = hashlib.sha256(b"x").digest(), hashlib.sha256(b"y").digest()
+    turn = [1, 2, 3, 4, 5, 6] + [9] * 10 + list(range(20, 36))  # the image: tokens 6..15 (blocks 1-3 of 8)
+    a, b = "http://a:8000", "http://b:8000"
+    index = KVIndex()
+    index.apply(a, 0, image_events(turn, x, 6, 10))
+    index.apply(b, 0, image_events(turn, y, 6, 10))
+    assert index.views[a].native and len(index.views[a].blocks) == 8  # every image block hashed, and after it
+
+    with_x = PromptTokens(turn, tokenized_images([{"offset": 6, "length": 10, "digest": x.hex()}]))
+    assert index.matches([a, b], with_x) == {a: 8, b: 1}
+    with_y = PromptTokens(turn, [(6, 10, y)])
+    assert index.matches([a, b], with_y) == {a: 1, b: 8}
+    assert index.matches([a, b], turn) == {a: 1, b: 1}  # the same text without its image: only the text before it
+    other = PromptTokens(turn, [(6, 10, hashlib.sha256(b"z").digest())])
+    assert index.matches([a, b], other) == {a: 1, b: 1}
+
+    next_turn = PromptTokens(turn + list(range(40, 52)), [(6, 10, x)])
+    backends = BackendSet()
+    backends.replace({a, b})
+    router = make_router("precise-prefix", kv_index=index)
+    p = router.pick(backends.eligible(), [], time.monotonic(), tokens=next_turn)
+    assert (p.backend.url, p.matched_blocks, p.precise) == (a, 8, True)
+
+    # /tokenize answers the gateway does not trust leave the prompt text-only (no image block can match)
+    for bad in (None, [{"offset": 6, "length": 10}], [{"offset": 6, "length": 10, "digest": "zz"}],
+                [{"offset": -1, "length": 10, "digest": x.hex()}], [{"offset": 6, "length": 10, "digest": "ab"}]):
+        assert tokenized_images(bad) == []
+
+
+def test_a_vllm_engines_multimodal_blocks_stay_unmatched():
+    # vLLM's extra keys are its own multimodal identifiers: from an engine whose hashes are not the gateway's, a
+    # block keyed by them is left out (with its descendants), even when the identifier looks like a digest
+    index = KVIndex()
+    text = list(range(1, 17))
+    image = [9] * 16
+    index.apply(URL, 0, [("BlockStored", [b"t" * 32], None, text, 16, None, "GPU", None, None),
+                         ("BlockStored", [b"i" * 32, b"j" * 32], b"t" * 32, image + text, 16, None, "GPU", None,
+                          [["ab" * 32], None])])
+    assert index.views[URL].native is False and held(index) == {b"t" * 32}
+    from shoal.operator.gateway.kv_tokens import PromptTokens
+
+    assert index.matches([URL], PromptTokens(text + image + text, [(16, 16, bytes.fromhex("ab" * 32))])) == {URL: 1}

@@ -8,6 +8,7 @@ whose engines cannot tokenize routes approximately and stops asking; events that
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 
 from aiohttp import web
@@ -288,3 +289,81 @@ async def test_a_subscriber_takes_its_own_topic_only_not_every_topic_it_prefixes
         encoder.close()
         pub.close(linger=0)
         ctx.term()
+
+
+class ImageEngine(EventEngine):
+    """A stand-in vision-language engine: /tokenize renders a chat as its characters' codes with each image's part
+    expanded to 10 image tokens, and answers each image's placement and digest (here the sha256 of its URL, where a
+    Shoal engine's is of the pixel values its processor makes) as a Shoal engine does; its KV events are its real
+    block pool's (engine/core/kv_cache.py), image blocks with their digests."""
+
+    IMAGE = [1] * 10
+
+    def __init__(self, name: str, namespace: str):
+        super().__init__(name, namespace)
+        self.server.app.router.add_post("/v1/chat/completions", self.complete)
+
+    @classmethod
+    def render(cls, messages: list[dict]) -> tuple[list[int], list[tuple[int, int, bytes]]]:
+        tokens, images = [], []
+        for m in messages:
+            for part in m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]:
+                if part["type"] == "image_url":
+                    url = part["image_url"]["url"]
+                    images.append((len(tokens), len(cls.IMAGE), hashlib.sha256(url.encode()).digest()))
+                    tokens += cls.IMAGE
+                else:
+                    tokens += token_ids(part["text"])
+        return tokens, images
+
+    async def tokenize(self, request):
+        self.tokenize_calls += 1
+        tokens, images = self.render((await request.json())["messages"])
+        return web.json_response({"tokens": tokens, "count": len(tokens), "images": [
+            {"offset": o, "length": n, "digest": d.hex()} for o, n, d in images]})
+
+    def cache_chat(self, messages: list[dict]) -> int:
+        from shoal.engine.core.images import ProcessedImage, PromptImages
+        from shoal.engine.core.kv_cache import BlockPool
+
+        tokens, images = self.render(messages)
+        pool = BlockPool(64, BLOCK, events=True)
+        placed = PromptImages([(o, ProcessedImage(None, n, d)) for o, n, d in images], BLOCK)
+        ids, chain = pool.allocate(len(tokens) // BLOCK + 1), []
+        pool.cache_full_blocks(tokens, ids, chain, len(tokens), None, placed.block_key)
+        return self.publisher.publish(pool.take_events())
+
+
+async def test_a_conversation_about_an_image_routes_to_the_engine_holding_that_images_blocks(tmp_path):
+    # a1 holds a turn about image X, a2 the same words about image Y: each image's next turn goes to its engine
+    # (the text before the image alone would tie), through the engines' /tokenize and the pool's index
+    def turn(image: str, *more: dict) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "text", "text": PREFIX},
+                                             {"type": "image_url", "image_url": {"url": image}},
+                                             {"type": "text", "text": "what is in this picture? " * 2}]}, *more]
+
+    async with ImageEngine("a1", "team-a") as a1, ImageEngine("a2", "team-a") as a2:
+        gw, client = await shared(GatewayConfig(tenant_keys=keys(tmp_path), routing="precise-prefix"),
+                                  [service("team-a", "m", "m")], {})
+        gw.pools.slices_reset([slice_of("team-a", a1, 0), slice_of("team-a", a2, 1)])
+        try:
+            x, y = "data:image/png;base64,eA==", "data:image/png;base64,eQ=="
+            a1.cache_chat(turn(x))
+            a2.cache_chat(turn(y))
+            await heard(gw, "team-a", a1)
+            await heard(gw, "team-a", a2)
+            index = pools(gw)["team-a"].router.kv_index
+            tokens, _images = ImageEngine.render(turn(x))
+            full, text = len(tokens) // BLOCK, len(token_ids(PREFIX)) // BLOCK
+            assert index.matches([a1.url, a2.url], tokens) == {a1.url: text, a2.url: text}  # text only: a tie
+            for image, engine in ((x, "a1"), (y, "a2"), (x, "a1"), (y, "a2")):
+                more = [{"role": "assistant", "content": "a picture."}, {"role": "user", "content": "and then?"}]
+                hits = metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total")
+                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": turn(image, *more),
+                                                                   "max_tokens": 1}, headers=auth("sk-a"))
+                assert r.status == 200, await r.text()
+                assert (await r.json())["engine"] == engine
+                assert metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total") == hits + full
+        finally:
+            await client.close()
+            await gw.stop()

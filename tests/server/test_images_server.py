@@ -37,6 +37,15 @@ def chat(client, content, stream=False):
                                           extra_body={"ignore_eos": True})
 
 
+def content_image(data: bytes):
+    """An encoded image as the server decodes it (RGB)."""
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
 def offline(model_dir, content_text: str, images: list):
     """The offline engine's (greedy text, prompt length) for a one-message chat."""
     from jinja2 import Template
@@ -68,6 +77,21 @@ def test_chat_with_images_equals_the_offline_engine(client, server, llava_model)
     assert r.usage.prompt_tokens == prompt_len  # each image counts its tokens
     status, body, _ = server.post("/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": content}]})
     assert status == 200 and body["count"] == prompt_len
+    # and where each image sits, with the digest its KV blocks are keyed by (what precise-prefix routing hashes)
+    from transformers import AutoProcessor
+
+    from shoal.engine.core.images import _digest
+
+    processor = AutoProcessor.from_pretrained(llava_model).image_processor
+    digests = [_digest(processor(images=[im], return_tensors="pt")["pixel_values"]).hex()
+               for im in (a, content_image(encode(b, "JPEG")))]
+    assert [im["digest"] for im in body["images"]] == digests and digests[0] != digests[1]
+    image_id = body["tokens"][body["images"][0]["offset"]]
+    for im in body["images"]:
+        assert body["tokens"][im["offset"]:im["offset"] + im["length"]] == [image_id] * im["length"]
+    status, text_only, _ = server.post("/tokenize", {"model": "tiny", "messages": [{"role": "user",
+                                                                                  "content": QUESTION}]})
+    assert status == 200 and "images" not in text_only
     assert "".join(c.choices[0].delta.content or "" for c in chat(client, content, stream=True) if c.choices) == want
     # another image under the same text is another answer (no false prefix-cache hit)
     other = chat(client, [{"type": "text", "text": QUESTION}, image_part(encode(make_image(13))),
