@@ -584,16 +584,51 @@ class Canary(_Model):
                                                      "written into spec.model/image/engine, spec.canary removed)")
 
 
+class PrefillAutoscaling(_Model):
+    """The prefill role's autoscaling, on its own signal: the prompt tokens waiting on the prefill engines (their
+    shoal:num_waiting_prefill_tokens) and the requests they carry. Field names and semantics are spec.autoscaling's
+    (docs/autoscaling.md); the decode replicas are decided apart. minReplicas 0 is safe: with no prefill engine the
+    decode engines prefill themselves, and the prompt tokens waiting on them scale the role back up from zero."""
+
+    min_replicas: int = Field(default=1, ge=0, le=1000,
+                              description="fewest prefill engines; 0 lets the role go when idle (the decode engines "
+                                          "prefill themselves meanwhile)")
+    max_replicas: int = Field(ge=1, le=1000, description="most prefill engines")
+    target_waiting_prefill_tokens_per_replica: int = Field(
+        default=8192, ge=1, le=16777216,
+        description="prompt tokens waiting for prefill per prefill engine to aim for (the engines' "
+                    "shoal:num_waiting_prefill_tokens; a few times engine.maxNumBatchedTokens keeps each busy "
+                    "without queueing long)")
+    target_in_flight_per_replica: int = Field(
+        default=16, ge=1, le=65536,
+        description="requests running or waiting per prefill engine to aim for (num_requests_running + "
+                    "num_requests_waiting)")
+    scale_up_stabilization_seconds: int = Field(
+        default=5, ge=0, le=3600,
+        description="scale up to the lowest recommendation of this window (short spikes add nothing)")
+    scale_down_stabilization_seconds: int = Field(
+        default=60, ge=0, le=3600, description="scale down to the highest recommendation of this window")
+    scale_to_zero_after_seconds: int = Field(
+        default=300, ge=0, le=86400,
+        description="with minReplicas 0: the last prefill engine goes after this long without any prefill")
+
+
 class Prefill(_Model):
     """Prefill/decode disaggregation: a prefill role of engines of the same model and engine options that prefill
     each request for the decode engines (the replicas above), which pull the prompt's KV from them
     (docs/engine.md, Prefill/decode disaggregation). The gateway sends every completion's prefill to the
     least-loaded prefill engine; with none usable, the decode engine prefills itself."""
 
-    replicas: int = Field(default=1, ge=1, le=1000, description="prefill engines (not autoscaled)")
+    replicas: int = Field(default=1, ge=1, le=1000,
+                          description="prefill engines; with prefill.autoscaling only the starting point (the "
+                                      "autoscaler owns the count, in status.prefill.desiredReplicas)")
     cpu: Quantity | None = Field(default=None, description="CPU request per prefill pod (unset: resources.cpu)")
     memory: Quantity | None = Field(default=None, description="memory request and limit per prefill pod (unset: "
                                                               "resources.memory)")
+    autoscaling: PrefillAutoscaling | None = Field(
+        default=None, description="size the prefill role to the prefill engines' own load, apart from the decode "
+                                  "replicas (spec.autoscaling); the operator then owns the prefill count "
+                                  "(status.prefill.desiredReplicas)")
 
 
 class InferenceServiceSpec(_Model):
@@ -826,6 +861,17 @@ class PrefillStatus(_Model):
     replicas: int | None = Field(default=None, ge=0)
     ready_replicas: int | None = Field(default=None, ge=0, description="prefill engines Ready (with none, the "
                                                                        "decode engines prefill themselves)")
+    # the autoscaler's (spec.prefill.autoscaling), next to the reconciler's counts above
+    desired_replicas: int | None = Field(default=None, ge=0, description="the prefill count the operator runs: the "
+                                                                         "autoscaler's, not spec.prefill.replicas")
+    needed_replicas: int | None = Field(default=None, ge=0, description="what the prefill load needed, before "
+                                                                        "stabilization and limits")
+    reason: str | None = Field(default=None, max_length=256)
+    message: str | None = Field(default=None, max_length=4096)
+    last_decision_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    last_scale_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    inputs: AutoscalingInputs | None = Field(default=None, description="the prefill engines' load (waiting prefill "
+                                             "tokens include the decode engines' while no prefill engine is ready)")
 
 
 class InferenceServiceStatus(_Model):
@@ -955,6 +1001,14 @@ CROSS_FIELD_RULES: tuple[CrossFieldRule, ...] = (
         message="prefill moves a prompt's KV blocks by their prefix-cache hashes: it needs engine.enablePrefixCaching",
         field_path=".engine.enablePrefixCaching",
         check=lambda s: s.prefill is None or s.engine.enable_prefix_caching,
+    ),
+    CrossFieldRule(
+        cel="!has(self.prefill) || !has(self.prefill.autoscaling) || !has(self.prefill.autoscaling.minReplicas) || "
+            "self.prefill.autoscaling.minReplicas <= self.prefill.autoscaling.maxReplicas",
+        message="prefill.autoscaling.minReplicas must not exceed prefill.autoscaling.maxReplicas",
+        field_path=".prefill.autoscaling.minReplicas",
+        check=lambda s: s.prefill is None or s.prefill.autoscaling is None
+        or s.prefill.autoscaling.min_replicas <= s.prefill.autoscaling.max_replicas,
     ),
     CrossFieldRule(
         cel="!has(self.autoscaling) || !has(self.autoscaling.minReplicas) || "
@@ -1253,6 +1307,20 @@ def running_replicas(spec: InferenceServiceSpec, status: dict[str, Any] | None) 
     decided = ((status or {}).get("autoscaling") or {}).get("desiredReplicas")
     count = decided if isinstance(decided, int) and not isinstance(decided, bool) else spec.replicas
     return min(max(count, a.min_replicas), a.max_replicas)
+
+
+def running_prefill_replicas(spec: InferenceServiceSpec, status: dict[str, Any] | None) -> int:
+    """The prefill engines the operator runs (spec.prefill): spec.prefill.replicas, or with prefill.autoscaling the
+    autoscaler's last decision (status.prefill.desiredReplicas; spec.prefill.replicas before the first one), within
+    its minReplicas..maxReplicas. 0 without spec.prefill."""
+    p = spec.prefill
+    if p is None:
+        return 0
+    if p.autoscaling is None:
+        return p.replicas
+    decided = ((status or {}).get("prefill") or {}).get("desiredReplicas")
+    count = decided if isinstance(decided, int) and not isinstance(decided, bool) else p.replicas
+    return min(max(count, p.autoscaling.min_replicas), p.autoscaling.max_replicas)
 
 
 def served_model_name(name: str, spec: InferenceServiceSpec) -> str:

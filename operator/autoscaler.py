@@ -122,7 +122,13 @@ M_SCRAPES = Counter("shoal:autoscaler_scrapes", "/metrics scrapes of engines and
                     registry=REGISTRY)
 M_LEADING = Gauge("shoal:autoscaler_leading", "1 on the operator replica whose autoscaler acts, else 0.",
                   registry=REGISTRY)
-PER_SERVICE = (M_DESIRED, M_CURRENT, M_SLEEPING, M_READY, M_STARTING, M_NEEDED, M_IN_FLIGHT, M_HELD, M_KV, M_PREFILL,
+M_PREFILL_DESIRED = Gauge("shoal:autoscaler_prefill_desired_replicas", "Prefill engines the autoscaler wants "
+                          "(spec.prefill.autoscaling).", _L, registry=REGISTRY)
+M_PREFILL_NEEDED = Gauge("shoal:autoscaler_prefill_needed_replicas", "Prefill engines the prefill load needs before "
+                         "stabilization and limits.", _L, registry=REGISTRY)
+M_PREFILL_TOKENS = Gauge("shoal:autoscaler_prefill_waiting_prefill_tokens", "Prompt tokens waiting on the prefill "
+                         "engines (the decode engines' while none is ready).", _L, registry=REGISTRY)
+PER_SERVICE = (M_PREFILL_DESIRED, M_PREFILL_NEEDED, M_PREFILL_TOKENS, M_DESIRED, M_CURRENT, M_SLEEPING, M_READY, M_STARTING, M_NEEDED, M_IN_FLIGHT, M_HELD, M_KV, M_PREFILL,
                M_UNKNOWN)
 
 
@@ -167,6 +173,24 @@ def policy_of(spec: api.InferenceServiceSpec) -> Policy:
                   scale_down_window=a.scale_down_stabilization_seconds,
                   scale_to_zero_after=a.scale_to_zero_after_seconds,
                   startup_timeout=spec.probes.startup_timeout_seconds)
+
+
+def prefill_policy_of(spec: api.InferenceServiceSpec) -> Policy:
+    """The prefill role's policy (spec.prefill.autoscaling): its own targets, no KV-cache signal."""
+    a = spec.prefill.autoscaling
+    assert a is not None
+    return Policy(min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+                  target_in_flight=a.target_in_flight_per_replica, target_kv_cache_usage=None,
+                  target_waiting_prefill_tokens=a.target_waiting_prefill_tokens_per_replica,
+                  scale_up_window=a.scale_up_stabilization_seconds,
+                  scale_down_window=a.scale_down_stabilization_seconds,
+                  scale_to_zero_after=a.scale_to_zero_after_seconds,
+                  startup_timeout=spec.probes.startup_timeout_seconds)
+
+
+def autoscaled(spec: dict[str, Any]) -> bool:
+    """Whether the raw spec asks the autoscaler for anything: the replicas, the prefill role, or both."""
+    return bool(spec.get("autoscaling") or (spec.get("prefill") or {}).get("autoscaling"))
 
 
 def metric_sums(text: str) -> dict[str, float]:
@@ -220,6 +244,31 @@ def load_from_gateways(url: str, views: list[GatewayView]) -> dict[str, float] |
         return None
     return {"running": sum(v.in_flight.get(url, 0.0) for v in views), "waiting": 0.0, "kv_usage": 0.0,
             "waiting_prefill_tokens": 0.0}
+
+
+def engine_loads(spec: api.InferenceServiceSpec, engines: list["Endpoint"], texts: list[str | None],
+                 views: list[GatewayView], source: str, polled_only: bool = False) -> tuple[list[ReplicaLoad], int]:
+    """Each engine's load from its /metrics text, else (loadSource auto or gateways) from the gateways' view of it
+    (`polled_only`: only the gauges a gateway polled, never its in-flight counts, which are decode traffic);
+    -> (loads, Ready engines whose load nobody could report)."""
+    names = metric_names.for_runtime(spec.runtime)  # vllm:num_requests_running for a vLLM fleet, ...
+    replicas, unknown = [], 0
+    for ep, text in zip(engines, texts):
+        if text is not None:
+            load = metric_names.load_from_sums(metric_sums(text), names)
+        elif source == "engines":
+            load = None
+        elif polled_only:
+            load = load_from_gateways(ep.url, [v for v in views if ep.url in v.engines])
+        else:
+            load = load_from_gateways(ep.url, views)
+        if load is None:
+            unknown += ep.ready  # only Ready engines: one still starting or crash-looping serves nothing yet
+            load = {"running": 0, "waiting": 0, "kv_usage": 0.0, "waiting_prefill_tokens": 0}
+        replicas.append(ReplicaLoad(
+            pod=ep.pod or ep.url, ready=ep.ready, running=int(load["running"]), waiting=int(load["waiting"]),
+            kv_cache_usage=load["kv_usage"], waiting_prefill_tokens=int(load["waiting_prefill_tokens"])))
+    return replicas, unknown
 
 
 @dataclass(frozen=True)
@@ -279,6 +328,11 @@ class State:
     waking: dict[str, asyncio.Task] = field(default_factory=dict)
     marked: dict[str, str | None] = field(default_factory=dict)
     zero_need_since: float | None = None  # when a decision first wanted replicas while none was awake
+    # the prefill role's own decision (spec.prefill.autoscaling): its history and what was last reported
+    prefill_history: History = field(default_factory=History)
+    prefill_last_status: tuple | None = None
+    prefill_last_status_time: float = 0.0
+    prefill_last_scale_time: str | None = None
 
 
 @dataclass
@@ -376,7 +430,7 @@ class Autoscaler:
         if leading:
             for isvc in self.isvcs.values():
                 meta = isvc["metadata"]
-                if (isvc.get("spec") or {}).get("autoscaling") and not meta.get("deletionTimestamp"):
+                if autoscaled(isvc.get("spec") or {}) and not meta.get("deletionTimestamp"):
                     wanted.add((meta["namespace"], meta["name"]))
         for key in wanted - set(self.loops):
             stop = asyncio.Event()
@@ -435,6 +489,7 @@ class Autoscaler:
         deleted, or this replica no longer leads)."""
         state = self.states.setdefault(key, State())
         state.history, state.last_status = History(), None  # a new leader starts with no history
+        state.prefill_history, state.prefill_last_status = History(), None
         state.generation = ((self.isvcs.get(*key) if self.isvcs else None) or {}).get("metadata", {}).get("generation")
         if state.woken_at is not None and not _recent(state.woken_at):
             state.wake.clear()  # noticed while standing by, long ago: not a request waiting now
@@ -553,19 +608,7 @@ class Autoscaler:
         engine_texts = scraped[:len(scrape_engines)] or [None] * len(engines)
         gateway_texts = scraped[len(scrape_engines):]
         views = [gateway_view(t) for t in gateway_texts if t is not None]
-        names = metric_names.for_runtime(spec.runtime)  # vllm:num_requests_running for a vLLM fleet, ...
-        replicas, unknown = [], 0
-        for ep, text in zip(engines, engine_texts):
-            if text is not None:
-                load = metric_names.load_from_sums(metric_sums(text), names)
-            else:
-                load = load_from_gateways(ep.url, views) if source != "engines" else None
-            if load is None:
-                unknown += ep.ready  # only Ready engines: one still starting or crash-looping serves nothing yet
-                load = {"running": 0, "waiting": 0, "kv_usage": 0.0, "waiting_prefill_tokens": 0}
-            replicas.append(ReplicaLoad(
-                pod=ep.pod or ep.url, ready=ep.ready, running=int(load["running"]), waiting=int(load["waiting"]),
-                kv_cache_usage=load["kv_usage"], waiting_prefill_tokens=int(load["waiting_prefill_tokens"])))
+        replicas, unknown = engine_loads(spec, engines, engine_texts, views, source)
         unknown += sum(1 for g, t in zip(gateways, gateway_texts) if t is None and g.ready)  # held: unknown
         pods = api.running_replicas(spec, isvc.get("status"))
         asleep: tuple[str, ...] = ()
@@ -608,13 +651,135 @@ class Autoscaler:
         return tuple(sorted(e.pod for e, level in zip(live, levels) if level))
 
     # ---- decide and act --------------------------------------------------------------------------------------
+    async def observe_prefill(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec,
+                              decode: Observation | None) -> Observation:
+        """The prefill role's load: its engines' /metrics (the `<name>-prefill` Service's endpoints; for one that
+        does not answer, a gateway's polled gauges of it unless loadSource is engines), and while none of them is
+        ready the prompt tokens the decode engines wait to prefill themselves (from `decode`, the decode
+        observation, when there is one; else scraped here)."""
+        ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
+        source = spec.autoscaling.load_source if spec.autoscaling is not None else "auto"
+        engines = self._endpoints(ns, render.prefill_name(name))
+        texts = await asyncio.gather(*(self._scrape(e.url, "engine") for e in engines)) if source != "gateways" \
+            else [None] * len(engines)
+        views: list[GatewayView] = []
+        if source != "engines" and any(t is None for t in texts):  # the gateways may have polled those engines
+            gateways = self._endpoints(ns, name, "metrics")
+            views = [gateway_view(t) for t in await asyncio.gather(*(self._scrape(g.url, "gateway") for g in gateways))
+                     if t is not None]
+        replicas, unknown = engine_loads(spec, engines, list(texts), views, source, polled_only=True)
+        current = api.running_prefill_replicas(spec, isvc.get("status"))
+        ready = min(sum(1 for e in engines if e.ready), current)
+        fallback = 0
+        if ready == 0:  # the gateway has no prefill engine: the decode engines prefill themselves
+            if decode is None:
+                decoders = [e for e in self._endpoints(ns, engine_service(name, spec)) if e.ready]
+                loads, _ = engine_loads(spec, decoders, list(await asyncio.gather(
+                    *(self._scrape(e.url, "engine") for e in decoders))), [], "engines")
+            else:
+                loads = list(decode.replicas)
+            fallback = sum(r.waiting_prefill_tokens for r in loads)
+        return Observation(now=time.monotonic(), current=current, ready=ready, replicas=tuple(replicas),
+                           unanswered=unknown, fallback_prefill_tokens=fallback)
+
     async def tick(self, isvc: dict[str, Any], state: State, woken: bool = False) -> Decision:
+        """One decision for each autoscaled role: the prefill role (spec.prefill.autoscaling) on its own signal,
+        then the replicas (spec.autoscaling); -> the replicas' decision (the prefill role's when only it is)."""
         started = time.perf_counter()
+        ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
+        spec = self.spec_of(isvc)
+        obs = await self.observe(isvc, spec, woken, state) if spec.autoscaling is not None else None
+        prefill = None
+        if spec.prefill is not None and spec.prefill.autoscaling is not None:
+            isvc, prefill = await self.tick_prefill(isvc, spec, state, obs)
+        if obs is None:  # only the prefill role is autoscaled: the replicas are spec.replicas
+            await self._forget(isvc)
+            M_DECISION_SECONDS.labels(ns, name).observe(time.perf_counter() - started)
+            assert prefill is not None
+            return prefill
+        return await self.tick_replicas(isvc, spec, state, obs, started)
+
+    async def tick_prefill(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, state: State,
+                           decode: Observation | None) -> tuple[dict[str, Any], Decision]:
+        """Decide the prefill count apart from the replicas' (its own policy, history and observation), write it
+        to status.prefill.desiredReplicas (the reconciler renders the prefill Deployment from it) and report;
+        -> (the InferenceService as now stored, the decision)."""
+        ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
+        obs = await self.observe_prefill(isvc, spec, decode)
+        decision = decide(obs, prefill_policy_of(spec), state.prefill_history)
+        logger.debug("%s/%s prefill: %s -> %s", ns, name, obs, decision)
+        for gauge, value in ((M_PREFILL_DESIRED, decision.desired), (M_PREFILL_NEEDED, decision.needed),
+                             (M_PREFILL_TOKENS, obs.waiting_prefill_tokens)):
+            gauge.labels(ns, name).set(value)
+        if decision.desired != obs.current:
+            isvc = await self.scale_prefill(isvc, spec, obs, decision, state) or isvc
+        isvc = await self.report_prefill(isvc, obs, decision, state) or isvc
+        return isvc, decision
+
+    async def scale_prefill(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, obs: Observation,
+                            decision: Decision, state: State) -> dict[str, Any] | None:
+        """Write the prefill count (status.prefill.desiredReplicas) on the view it was decided on; the least busy
+        prefill pods are marked to go first. -> the updated InferenceService, None when the count moved meanwhile."""
+        ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
+        current, target = obs.current, decision.desired
+        if target < current:
+            await self._mark_victims(ns, list(obs.replicas), current - target)
+        scale_time = _now()
+        patch: dict[str, Any] = {"status": {"prefill": {"desiredReplicas": target, "lastScaleTime": scale_time}}}
+        updated = None
+        for attempt in range(2):
+            patch["metadata"] = {"resourceVersion": isvc["metadata"].get("resourceVersion")}
+            try:
+                updated = await self.kube.merge_patch(api.KIND, ns, name, patch, subresource="status")
+                break
+            except ApiError as e:
+                if e.status != 409 or attempt:
+                    raise
+            isvc = await self.kube.get(api.KIND, ns, name)
+            if api.running_prefill_replicas(spec, isvc.get("status")) != current:
+                return None
+        if updated is None:
+            return None
+        state.prefill_last_scale_time = scale_time
+        M_SCALINGS.labels(ns, name, "Prefill" + decision.reason).inc()
+        verb = "PrefillScaledUp" if target > current else "PrefillScaledDown"
+        await self.kube.event(updated, "Normal", verb, f"prefill replicas {current} -> {target} ({decision.reason}): "
+                                                       f"{decision.message}")
+        logger.info("%s/%s: prefill replicas %d -> %d (%s): %s", ns, name, current, target, decision.reason,
+                    decision.message)
+        return updated
+
+    async def report_prefill(self, isvc: dict[str, Any], obs: Observation, decision: Decision,
+                             state: State) -> dict[str, Any] | None:
+        """status.prefill's autoscaler fields: written when the decision changes, else every STATUS_REFRESH seconds
+        while its inputs move. -> the updated InferenceService when written."""
+        ns, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
+        key = (decision.desired, decision.reason, decision.needed, obs.current, obs.ready)
+        inputs = {"inFlight": obs.in_flight, "held": 0, "kvCacheUsage": round(obs.kv_sum, 3),
+                  "waitingPrefillTokens": obs.waiting_prefill_tokens, "ready": obs.ready, "starting": obs.starting}
+        old = (isvc.get("status") or {}).get("prefill") or {}
+        if key == state.prefill_last_status and (old.get("inputs") == inputs or
+                                                 time.monotonic() - state.prefill_last_status_time < STATUS_REFRESH):
+            return None
+        status = {"prefill": {
+            "desiredReplicas": decision.desired, "neededReplicas": decision.needed, "reason": decision.reason,
+            "message": decision.message[:4096], "lastDecisionTime": _now(),
+            "lastScaleTime": state.prefill_last_scale_time or old.get("lastScaleTime"), "inputs": inputs}}
+        patch = {"metadata": {"resourceVersion": isvc["metadata"].get("resourceVersion")}, "status": status}
+        try:
+            updated = await self.kube.merge_patch(api.KIND, ns, name, patch, subresource="status")
+        except ApiError as e:
+            if e.status not in (404, 409):
+                raise
+            return None
+        state.prefill_last_status, state.prefill_last_status_time = key, time.monotonic()
+        return updated
+
+    async def tick_replicas(self, isvc: dict[str, Any], spec: api.InferenceServiceSpec, state: State,
+                            obs: Observation, started: float) -> Decision:
         meta = isvc["metadata"]
         ns, name = meta["namespace"], meta["name"]
-        spec = self.spec_of(isvc)
         policy = policy_of(spec)
-        obs = await self.observe(isvc, spec, woken, state)
         decision = decide(obs, policy, state.history)
         logger.debug("%s/%s: %s -> %s", ns, name, obs, decision)
         M_DECISION_SECONDS.labels(ns, name).observe(time.perf_counter() - started)

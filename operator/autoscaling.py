@@ -11,6 +11,11 @@ that happen to be ready::
     by KV cache    = ceil(sum of KV-cache usage over serving engines / targetKVCacheUsage)
     by prefill     = ceil(prompt tokens waiting for prefill / targetWaitingPrefillTokens)      (when set)
 
+The prefill role (spec.prefill.autoscaling) is decided by the same rules on its own observation and history: its
+engines' in-flight requests and waiting prefill tokens (no KV signal: a prefill engine's cache holds KV only
+until the decode engine pulls it), plus, while none of its engines is ready, the prompt tokens the decode engines
+wait to prefill themselves (``fallback_prefill_tokens``): that load scales the role from zero.
+
 and the recommendation is the largest of them. A replica that is still starting (pod created, model loading)
 counts as capacity that is arriving: the load it will absorb is already in the sums above, so a slow model load
 does not make the recommendation climb (the ratio formula of a CPU-style HPA does climb, because only ready
@@ -82,6 +87,9 @@ class Observation:
     # scaleToZero sleep: pods whose engine is asleep (kept, not counted in `current`, which is the awake replicas)
     asleep: tuple[str, ...] = ()
     batch_pending: int = 0  # batch requests the gateways have not finished: busy, but no more than one replica
+    # The prefill role (spec.prefill.autoscaling): prompt tokens the decode engines wait to prefill themselves
+    # while no prefill engine is ready. Load the role would carry: it scales the role up (from zero too).
+    fallback_prefill_tokens: int = 0
 
     @property
     def pods(self) -> int:  # the replica count the workload runs: awake and asleep
@@ -101,7 +109,7 @@ class Observation:
 
     @property
     def waiting_prefill_tokens(self) -> int:
-        return sum(r.waiting_prefill_tokens for r in self.replicas)
+        return sum(r.waiting_prefill_tokens for r in self.replicas) + self.fallback_prefill_tokens
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,7 @@ class Policy:
     min_replicas: int = 1
     max_replicas: int = 10
     target_in_flight: int = DEFAULT_TARGET_IN_FLIGHT
-    target_kv_cache_usage: float = DEFAULT_TARGET_KV_CACHE_USAGE
+    target_kv_cache_usage: float | None = DEFAULT_TARGET_KV_CACHE_USAGE  # None: not a signal (the prefill role)
     target_waiting_prefill_tokens: int | None = None
     scale_up_window: float = 5.0
     scale_down_window: float = 60.0
@@ -120,7 +128,8 @@ class Policy:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise ValueError(f"need 0 <= minReplicas ({self.min_replicas}) <= maxReplicas ({self.max_replicas}), "
                              "maxReplicas >= 1")
-        if self.target_in_flight < 1 or not 0 < self.target_kv_cache_usage <= 1:
+        kv = self.target_kv_cache_usage
+        if self.target_in_flight < 1 or (kv is not None and not 0 < kv <= 1):
             raise ValueError("targetInFlight must be >= 1 and targetKVCacheUsage in (0, 1]")
 
 
@@ -157,8 +166,9 @@ class History:
 
 def needed_replicas(obs: Observation, policy: Policy) -> tuple[int, str]:
     """What the load needs, and which signal says so."""
-    by = {"in-flight": math.ceil(obs.in_flight / policy.target_in_flight),
-          "KV cache": math.ceil(round(obs.kv_sum / policy.target_kv_cache_usage, 6))}
+    by = {"in-flight": math.ceil(obs.in_flight / policy.target_in_flight)}
+    if policy.target_kv_cache_usage is not None:
+        by["KV cache"] = math.ceil(round(obs.kv_sum / policy.target_kv_cache_usage, 6))
     if policy.target_waiting_prefill_tokens:
         by["waiting prefill"] = math.ceil(obs.waiting_prefill_tokens / policy.target_waiting_prefill_tokens)
     signal = max(by, key=lambda k: by[k])
@@ -166,10 +176,14 @@ def needed_replicas(obs: Observation, policy: Policy) -> tuple[int, str]:
 
 
 def _inputs(obs: Observation, policy: Policy) -> str:
-    text = (f"{obs.in_flight} in flight ({obs.held} held) for target {policy.target_in_flight}/replica, "
-            f"KV {obs.kv_sum:.2f} for target {policy.target_kv_cache_usage:.2f}/replica")
+    text = f"{obs.in_flight} in flight ({obs.held} held) for target {policy.target_in_flight}/replica"
+    if policy.target_kv_cache_usage is not None:
+        text += f", KV {obs.kv_sum:.2f} for target {policy.target_kv_cache_usage:.2f}/replica"
     if policy.target_waiting_prefill_tokens:
-        text += f", {obs.waiting_prefill_tokens} prefill tokens waiting"
+        text += (f", {obs.waiting_prefill_tokens} prefill tokens waiting for target "
+                 f"{policy.target_waiting_prefill_tokens}/replica")
+        if obs.fallback_prefill_tokens:
+            text += f" ({obs.fallback_prefill_tokens} on the decode engines, no prefill engine ready)"
     if obs.batch_pending:
         text += f", {obs.batch_pending} batch requests pending"
     return text + f"; {obs.ready} ready, {obs.starting} starting"
@@ -339,7 +353,7 @@ def _observe(obs: Observation, policy: Policy, history: History) -> Tick:
     if history.started_at is None:
         history.started_at = now
     needed, signal = needed_replicas(obs, policy)
-    busy = obs.in_flight > 0 or obs.wake or obs.batch_pending > 0
+    busy = obs.in_flight > 0 or obs.wake or obs.batch_pending > 0 or obs.fallback_prefill_tokens > 0
     if busy or obs.unanswered:  # an unanswered scrape may hide load: never evidence of idleness
         history.last_busy = now
     if busy:

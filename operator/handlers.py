@@ -131,9 +131,11 @@ def _canary_rolled_back(isvc: dict[str, Any]) -> Any:
 
 
 def _autoscaled_replicas(isvc: dict[str, Any]) -> Any:
-    """The autoscaler's replica count (status.autoscaling.desiredReplicas), which the plan follows: a status
-    change, so it moves no generation."""
-    return ((isvc.get("status") or {}).get("autoscaling") or {}).get("desiredReplicas")
+    """The autoscaler's replica counts (status.autoscaling.desiredReplicas, and the prefill role's
+    status.prefill.desiredReplicas), which the plan follows: a status change, so it moves no generation."""
+    status = isvc.get("status") or {}
+    return ((status.get("autoscaling") or {}).get("desiredReplicas"),
+            (status.get("prefill") or {}).get("desiredReplicas"))
 
 
 # ---------------------------------------------------------------------------------------------------- reconciler
@@ -736,7 +738,8 @@ async def autoscaled_replicas_changed(namespace: str, name: str, type: str | Non
                                       memo: kopf.Memo, **kwargs: Any) -> None:
     """The autoscaler scales by writing status.autoscaling.desiredReplicas (spec.replicas stays the user's), which
     kopf's change handlers never see: reconcile when it differs from what the last plan used."""
-    if type == "DELETED" or not (body.get("spec") or {}).get("autoscaling"):
+    spec = body.get("spec") or {}
+    if type == "DELETED" or not (spec.get("autoscaling") or (spec.get("prefill") or {}).get("autoscaling")):
         return
     cached = memo.reconciler.plans.get((namespace, name))
     if cached is None or cached[0][2] != _autoscaled_replicas(dict(body)):

@@ -433,7 +433,7 @@ def compute_status(isvc: dict[str, Any], plan: Plan, children: dict[tuple[str, s
             *canary_conditions(isvc, plan, children, canary_pods, previous, now),
         ],
         "canary": canary_status(isvc, plan, children),
-        "prefill": prefill_status(plan, children),
+        "prefill": prefill_status(plan, children, (isvc.get("status") or {}).get("prefill")),
     }
 
 
@@ -441,13 +441,26 @@ def _prefill_pod(pod: dict[str, Any]) -> bool:
     return ((pod.get("metadata") or {}).get("labels") or {}).get(api.contract.L_COMPONENT) == "prefill"
 
 
-def prefill_status(plan: Plan, children: dict[tuple[str, str], dict]) -> dict[str, int] | None:
-    """status.prefill: the prefill role's pods and how many are Ready (its Deployment's count). Not part of the
-    service's Ready: without prefill engines the decode engines prefill themselves."""
+# status.prefill's fields the autoscaler writes (spec.prefill.autoscaling): kept as they are while it autoscales,
+# removed when prefill.autoscaling goes (the prefill count is spec.prefill.replicas again)
+PREFILL_AUTOSCALER_FIELDS = ("desiredReplicas", "neededReplicas", "reason", "message", "lastDecisionTime",
+                             "lastScaleTime", "inputs")
+
+
+def prefill_status(plan: Plan, children: dict[tuple[str, str], dict],
+                   old: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """status.prefill: the prefill role's pods and how many are Ready (its Deployment's count), next to the
+    autoscaler's fields (`old`, the stored status.prefill). Not part of the service's Ready: without prefill
+    engines the decode engines prefill themselves."""
     if plan.spec.prefill is None:
         return None
     dstatus = (children.get(("Deployment", render.prefill_name(plan.name))) or {}).get("status") or {}
-    return {"replicas": int(dstatus.get("replicas") or 0), "readyReplicas": int(dstatus.get("readyReplicas") or 0)}
+    new: dict[str, Any] = {"replicas": int(dstatus.get("replicas") or 0),
+                           "readyReplicas": int(dstatus.get("readyReplicas") or 0)}
+    old = old or {}
+    autoscaled = plan.spec.prefill.autoscaling is not None
+    new.update({k: old[k] if autoscaled else None for k in PREFILL_AUTOSCALER_FIELDS if k in old})
+    return new
 
 
 CANARY_CONDITIONS = (canary.CONDITION_READY, canary.CONDITION_ROLLED_BACK)

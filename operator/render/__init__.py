@@ -134,6 +134,9 @@ def plan(isvc: dict[str, Any], settings: Settings = Settings()) -> Plan:
     running = api.running_replicas(spec, isvc.get("status"))
     if running != spec.replicas:  # autoscaled: the children follow the autoscaler, never spec.replicas
         spec = spec.model_copy(update={"replicas": running})
+    if spec.prefill is not None and (prefill := api.running_prefill_replicas(spec, isvc.get("status"))) != \
+            spec.prefill.replicas:  # the prefill role autoscaled on its own signal (spec.prefill.autoscaling)
+        spec = spec.model_copy(update={"prefill": spec.prefill.model_copy(update={"replicas": prefill})})
     pods = spec.pods_per_replica(settings.max_gpus_per_node)
     multi = pods > 1
     children: list[dict[str, Any]] = []

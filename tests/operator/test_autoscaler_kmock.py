@@ -230,3 +230,90 @@ def test_an_external_autoscaler_gets_the_inputs_and_owns_the_replica_count(env, 
     assert env.client.get("deployments", ns, "keda")["spec"]["replicas"] == 1
     env.client.patch(ISVC, ns, "keda", {"spec": {"replicas": 3}}, sub="scale")  # the HPA acts
     wait_for(lambda: env.client.get("deployments", ns, "keda")["spec"]["replicas"] == 3, EVENT_BOUND, "deployment follows")
+
+
+def prefill_text(running: int, tokens: int) -> str:
+    """A prefill engine's /metrics: requests it prefills and the prompt tokens waiting for it."""
+    return (f'shoal:num_requests_running{{model_name="m"}} {running}\nshoal:num_requests_waiting{{model_name="m"}} 0\n'
+            f'shoal:kv_cache_usage_perc{{model_name="m"}} 0.9\n'
+            f'shoal:num_waiting_prefill_tokens{{model_name="m"}} {tokens}\n')
+
+
+def test_the_prefill_role_scales_on_its_own_signal_while_the_decode_count_stays(env, ns, engines):
+    """spec.prefill.autoscaling: the prefill engines' waiting prompt tokens size the prefill Deployment (through
+    status.prefill.desiredReplicas), up under load and back down when it goes; the decode replicas, autoscaled
+    on their own in-flight load, stay where that load puts them."""
+    env.client.create(ISVC, ns, isvc_body("pd", {
+        "replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetInFlightPerReplica": 10,
+                                       "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 2},
+        "prefill": {"replicas": 1, "autoscaling": {
+            "minReplicas": 1, "maxReplicas": 4, "targetWaitingPrefillTokensPerReplica": 1000,
+            "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 2}}}))
+    wait_for(lambda: env.client.get("deployments", ns, "pd-prefill"), EVENT_BOUND, "prefill deployment")
+    # decode: 15 in flight over 2 engines -> 2 replicas (the count it has); prefill: 2500 tokens waiting -> 3
+    engines.load.update({"pd-a": (8, 0, 0.2), "pd-b": (7, 0, 0.2)})
+    publish_slices(env.client, ns, "pd-engines", ["pd-a", "pd-b"], engines)
+    engines.texts["pd-p1"] = prefill_text(2, 2500)
+    publish_slices(env.client, ns, "pd-prefill", ["pd-p1"], engines)
+
+    def prefill(isvc=None) -> dict:
+        return ((isvc or env.client.get(ISVC, ns, "pd")).get("status") or {}).get("prefill") or {}
+
+    wait_for(lambda: prefill().get("desiredReplicas") == 3, EVENT_BOUND, "prefill scaled up to 3 (2500/1000)")
+    wait_for(lambda: env.client.get("deployments", ns, "pd-prefill")["spec"]["replicas"] == 3, EVENT_BOUND,
+             "prefill deployment scaled")
+    st = wait_for(lambda: (p := prefill()).get("neededReplicas") == 3 and p.get("inputs") and p, 10, "status.prefill")
+    assert st["inputs"]["waitingPrefillTokens"] == 2500 and st["inputs"]["inFlight"] == 2 and st["lastScaleTime"]
+    assert st["reason"] == "ScaleUp" and "waiting prefill" in st["message"]
+    assert env.client.get(ISVC, ns, "pd")["spec"]["prefill"]["replicas"] == 1  # the manifest's field is left alone
+    ticks = decisions(ns, "pd")
+    wait_for(lambda: decisions(ns, "pd") >= ticks + 3, EVENT_BOUND, "three more decisions")
+    assert running(env, ns, "pd") == 2 and env.client.get("deployments", ns, "pd")["spec"]["replicas"] == 2
+    assert REGISTRY.get_sample_value("shoal:autoscaler_prefill_desired_replicas", {"namespace": ns, "name": "pd"}) == 3
+    # the new prefill engines came up and the prompts were prefilled; pd-p2 still has a little to do
+    for pod in ("pd-p1", "pd-p2", "pd-p3"):
+        env.client.create("pods", ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod}})
+    engines.texts.update({"pd-p1": prefill_text(0, 0), "pd-p2": prefill_text(1, 300), "pd-p3": prefill_text(0, 0)})
+    publish_slices(env.client, ns, "pd-prefill", ["pd-p2", "pd-p3"], engines)
+    wait_for(lambda: prefill().get("desiredReplicas") == 1, EVENT_BOUND, "prefill scaled back down to 1")
+    wait_for(lambda: env.client.get("deployments", ns, "pd-prefill")["spec"]["replicas"] == 1, EVENT_BOUND,
+             "prefill deployment scaled down")
+    costs = {p: int(env.client.get("pods", ns, p)["metadata"]["annotations"][A_DELETION_COST])
+             for p in ("pd-p1", "pd-p2", "pd-p3")}
+    assert max(costs, key=costs.get) == "pd-p2", costs  # the prefill engine still busy is the one kept
+    reasons = [e["reason"] for e in env.cluster.find("events", ns)]
+    assert "PrefillScaledUp" in reasons and "PrefillScaledDown" in reasons
+    # the decode replicas never moved: their load is theirs
+    assert running(env, ns, "pd") == 2 and env.client.get("deployments", ns, "pd")["spec"]["replicas"] == 2
+    assert "ScaledUp" not in reasons and "ScaledDown" not in reasons
+
+
+def test_an_idle_prefill_role_goes_to_zero_and_the_decode_engines_prefill_load_brings_it_back(env, ns, engines):
+    """Only the prefill role autoscaled, minReplicas 0: idle, its engines go (the decode engines prefill
+    themselves); the prompt tokens then waiting on the decode engines scale it from zero at once, to what they
+    need. The decode replicas are spec.replicas throughout (no status.autoscaling)."""
+    env.client.create(ISVC, ns, isvc_body("pz", {"replicas": 1, "prefill": {"replicas": 1, "autoscaling": {
+        "minReplicas": 0, "maxReplicas": 5, "targetWaitingPrefillTokensPerReplica": 1000,
+        "scaleDownStabilizationSeconds": 1, "scaleToZeroAfterSeconds": 1}}}))
+    wait_for(lambda: env.client.get("deployments", ns, "pz-prefill"), EVENT_BOUND, "prefill deployment")
+    engines.load["pz-a"] = (3, 0, 0.1)
+    publish_slices(env.client, ns, "pz-engines", ["pz-a"], engines)
+    engines.texts["pz-p1"] = prefill_text(0, 0)
+    publish_slices(env.client, ns, "pz-prefill", ["pz-p1"], engines)
+
+    def prefill() -> dict:
+        return (env.client.get(ISVC, ns, "pz").get("status") or {}).get("prefill") or {}
+
+    wait_for(lambda: prefill().get("desiredReplicas") == 0, EVENT_BOUND, "prefill scaled to zero")
+    wait_for(lambda: env.client.get("deployments", ns, "pz-prefill")["spec"]["replicas"] == 0, EVENT_BOUND,
+             "prefill deployment at zero")
+    env.client.delete("endpointslices", ns, "pz-prefill-pz-p1")  # its pod went
+    # the decode engine now prefills 3500 prompt tokens itself
+    engines.texts["pz-a"] = prefill_text(3, 3500)
+    wait_for(lambda: prefill().get("desiredReplicas") == 4, EVENT_BOUND, "prefill scaled from zero to 4")
+    st = wait_for(lambda: (p := prefill()).get("reason") == "ScaleFromZero" and p, 10, "status.prefill")
+    assert "on the decode engines" in st["message"] and st["inputs"]["waitingPrefillTokens"] == 3500
+    wait_for(lambda: env.client.get("deployments", ns, "pz-prefill")["spec"]["replicas"] == 4, EVENT_BOUND,
+             "prefill deployment from zero")
+    isvc = env.client.get(ISVC, ns, "pz")
+    assert "autoscaling" not in isvc["status"] and env.client.get("deployments", ns, "pz")["spec"]["replicas"] == 1

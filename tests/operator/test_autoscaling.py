@@ -398,3 +398,57 @@ def test_pending_batch_work_wakes_from_zero_and_keeps_one_replica_but_sizes_noth
     d = decide(Observation(now=0.0, current=1, ready=1, replicas=(ReplicaLoad("p", running=12),), batch_pending=500),
                Policy(min_replicas=0, target_in_flight=4, scale_up_window=0), History())
     assert d.desired == 3
+
+
+# ---- the prefill role (spec.prefill.autoscaling): the same rules on its own signal -------------------------------
+def prefill_policy(**kw) -> Policy:
+    """As autoscaler.prefill_policy_of renders spec.prefill.autoscaling: no KV-cache signal."""
+    return Policy(**{"min_replicas": 0, "max_replicas": 6, "target_kv_cache_usage": None,
+                     "target_waiting_prefill_tokens": 8192, "scale_up_window": 0, "scale_down_window": 10,
+                     "scale_to_zero_after": 30, **kw})
+
+
+def test_prefill_role_is_sized_by_its_waiting_prefill_tokens_and_not_by_kv():
+    # 3 prefill engines, 50000 prompt tokens waiting, few requests, caches full of KV waiting for the pulls
+    loads = tuple(ReplicaLoad(f"pf{i}", running=1, waiting_prefill_tokens=t, kv_cache_usage=0.95)
+                  for i, t in enumerate((20000, 20000, 10000)))
+    d = decide(Observation(now=0.0, current=3, ready=3, replicas=loads), prefill_policy(), History())
+    assert (d.desired, d.needed, d.reason) == (6, 7, "ScaleUp")  # ceil(50000/8192) = 7, capped at maxReplicas 6
+    assert "waiting prefill" in d.message and "KV" not in d.message and "(maxReplicas)" in d.message
+    # many short prompts: in-flight decides
+    loads = (ReplicaLoad("pf0", running=8, waiting=30, waiting_prefill_tokens=3000),)
+    d = decide(Observation(now=0.0, current=1, ready=1, replicas=loads), prefill_policy(), History())
+    assert (d.desired, d.needed) == (3, 3)  # ceil(38/16)
+
+
+def test_prefill_role_scales_from_zero_on_the_tokens_the_decode_engines_prefill_themselves():
+    policy, history = prefill_policy(), History()
+    idle = decide(Observation(now=0.0, current=0, ready=0), policy, history)
+    assert (idle.desired, idle.reason) == (0, "Steady")
+    # no prefill engine: the decode engines prefill 20000 prompt tokens themselves -> at once, no window
+    d = decide(Observation(now=1.0, current=0, ready=0, fallback_prefill_tokens=20000), policy, history)
+    assert (d.desired, d.reason) == (3, "ScaleFromZero") and "on the decode engines" in d.message
+    # while they start, the same load counts once (capacity arriving), not more
+    d = decide(Observation(now=2.0, current=3, ready=0, fallback_prefill_tokens=20000), policy, history)
+    assert d.desired == 3
+
+
+def test_prefill_role_goes_to_zero_only_after_scale_to_zero_after_without_prefill():
+    policy, history = prefill_policy(scale_to_zero_after=30, scale_down_window=10), History()
+    busy = (ReplicaLoad("pf0", running=2, waiting_prefill_tokens=9000), ReplicaLoad("pf1", running=2))
+    assert decide(Observation(now=0.0, current=2, ready=2, replicas=busy), policy, history).desired == 2
+    out = {}
+    for t in range(1, 40):
+        idle = (ReplicaLoad("pf0"), ReplicaLoad("pf1"))
+        d = decide(Observation(now=float(t), current=out.get("current", 2), ready=out.get("current", 2),
+                               replicas=idle[:out.get("current", 2)]), policy, history)
+        out["current"] = d.desired
+        out.setdefault(d.desired, t)
+    assert out[1] == 11  # the load seen at t=0 leaves the 10 s down window; then the floor short of zero: one
+    assert out[0] == 30 and out["current"] == 0  # idle for scaleToZeroAfterSeconds since the last load (t=0)
+
+
+def test_a_policy_without_kv_signal_rejects_nothing_and_a_bad_kv_target_still_fails():
+    Policy(target_kv_cache_usage=None)
+    with pytest.raises(ValueError, match="targetKVCacheUsage"):
+        Policy(target_kv_cache_usage=1.5)

@@ -117,6 +117,12 @@ def schema_errors(spec: dict) -> list[str]:
 VALID = [
     {},
     {"prefill": {"replicas": 2, "cpu": "4", "memory": "8Gi"}, "resources": {"gpusPerPod": 0, "cpu": 2}},
+    {"prefill": {"replicas": 1, "autoscaling": {"minReplicas": 0, "maxReplicas": 4,
+                                                "targetWaitingPrefillTokensPerReplica": 4096,
+                                                "targetInFlightPerReplica": 8, "scaleDownStabilizationSeconds": 30,
+                                                "scaleToZeroAfterSeconds": 120}},
+     "autoscaling": {"minReplicas": 1, "maxReplicas": 3}},
+    {"prefill": {"autoscaling": {"maxReplicas": 1}}},
     {"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct", "revision": "main"}, "replicas": 2,
      "engine": {"tensorParallelSize": 4}, "resources": {"gpusPerPod": 4, "memory": "64Gi", "cpu": 8}},
     {"engine": {"tensorParallelSize": 8, "pipelineParallelSize": 2}, "resources": {"gpusPerPod": 8}},
@@ -134,6 +140,10 @@ VALID = [
 # (spec, field the error must name): checked by the schema *and* by the operator's own validation
 INVALID = [
     ({"replicas": -1}, "spec.replicas"),
+    ({"prefill": {"autoscaling": {"maxReplicas": 0}}}, "spec.prefill.autoscaling.maxReplicas"),
+    ({"prefill": {"autoscaling": {"maxReplicas": 2, "minReplicas": -1}}}, "spec.prefill.autoscaling.minReplicas"),
+    ({"prefill": {"autoscaling": {"maxReplicas": 2, "targetWaitingPrefillTokensPerReplica": 0}}},
+     "spec.prefill.autoscaling.targetWaitingPrefillTokensPerReplica"),
     ({"replicas": "two"}, "spec.replicas"),
     ({"engine": {"dtype": "fp8"}}, "spec.engine.dtype"),
     ({"engine": {"tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
@@ -156,6 +166,7 @@ INVALID = [
 
 # cross-field rules: CEL in the CRD, the same check in python
 INVALID_CROSS = [
+    ({"prefill": {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}}, "spec.prefill.autoscaling.minReplicas"),
     ({"prefill": {"replicas": 2}, "runtime": "vllm"}, "spec.runtime"),
     ({"prefill": {}, "gateway": {"enabled": False}}, "spec.prefill"),
     ({"prefill": {}, "engine": {"enablePrefixCaching": False}}, "spec.engine.enablePrefixCaching"),

@@ -123,3 +123,39 @@ def test_status_reports_the_prefill_role_apart_from_the_service():
     assert degraded["status"] == "False"  # a failing prefill pod is status.prefill's to show, not the service's
     assert render.plan(isvc(BASE), SETTINGS) and status.compute_status(
         isvc(BASE), render.plan(isvc(BASE), SETTINGS), children, [])["prefill"] is None
+
+
+def test_an_autoscaled_prefill_role_runs_the_autoscalers_count_within_its_bounds():
+    spec = {**BASE, "prefill": {"replicas": 2, "autoscaling": {"minReplicas": 0, "maxReplicas": 5}}}
+
+    def prefill_replicas(status: dict | None) -> tuple[int, int]:
+        children = by_name(render.plan({**isvc(spec), "status": status}, SETTINGS).children)
+        return children[("Deployment", "llm-prefill")]["spec"]["replicas"], children[("Deployment", "llm")]["spec"]["replicas"]
+
+    assert prefill_replicas(None) == (2, 2)  # spec.prefill.replicas: where the role starts
+    assert prefill_replicas({"prefill": {"desiredReplicas": 4}}) == (4, 2)  # the autoscaler's; decode untouched
+    assert prefill_replicas({"prefill": {"desiredReplicas": 0}}) == (0, 2)  # scaled to zero: decode prefills
+    assert prefill_replicas({"prefill": {"desiredReplicas": 9}}) == (5, 2)  # within maxReplicas
+    # the decode replicas' own autoscaler count is apart from it
+    spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": 8}
+    assert prefill_replicas({"prefill": {"desiredReplicas": 1}, "autoscaling": {"desiredReplicas": 6}}) == (1, 6)
+    # without prefill.autoscaling a stale decision is ignored
+    fixed = {**BASE, "prefill": {"replicas": 2}}
+    assert api.running_prefill_replicas(api.validate("llm", fixed), {"prefill": {"desiredReplicas": 4}}) == 2
+
+
+def test_status_keeps_the_autoscalers_prefill_fields_and_drops_them_with_prefill_autoscaling():
+    from shoal.operator import status
+
+    children = {("Deployment", "llm-prefill"): {"status": {"replicas": 3, "readyReplicas": 3}}}
+    old = {"replicas": 3, "readyReplicas": 2, "desiredReplicas": 3, "reason": "ScaleUp",
+           "inputs": {"waitingPrefillTokens": 20000}}
+    auto = render.plan(isvc({**BASE, "prefill": {"autoscaling": {"maxReplicas": 4}}}), SETTINGS)
+    out = status.prefill_status(auto, children, old)
+    assert out == {"replicas": 3, "readyReplicas": 3, "desiredReplicas": 3, "reason": "ScaleUp",
+                   "inputs": {"waitingPrefillTokens": 20000}}
+    assert not status.status_changed({"prefill": out}, {"prefill": status.prefill_status(auto, children, out)})
+    fixed = render.plan(isvc({**BASE, "prefill": {"replicas": 3}}), SETTINGS)
+    # null in the merge patch: the fields go, the count is spec.prefill.replicas again
+    assert status.prefill_status(fixed, children, old) == {"replicas": 3, "readyReplicas": 3, "desiredReplicas": None,
+                                                           "reason": None, "inputs": None}
