@@ -1,0 +1,177 @@
+"""The hybrids' Triton decode kernels (layers/ssm_triton.py) against the torch code they replace, under
+TRITON_INTERPRET=1 on CPU (tests/conftest.py sets it without a GPU): the causal conv1d update (with and without
+bias), Gated DeltaNet's delta-rule step (gating and beta formed in the kernel) and Mamba2's SSM step (dt softplus,
+bias, limits and the D skip in the kernel), each over several sequences whose state slots are scattered through
+the pool (unsorted, non-contiguous), only those slots written; then the layers' decode path with the kernels forced
+on equals their torch path over a few steps. Tiny sizes: the interpreter is slow."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shoal.engine.execution.layers import ssm_triton
+from shoal.engine.execution.layers.gated_delta_net import GatedDeltaNet, recurrent_step
+from shoal.engine.execution.layers.mamba2 import Mamba2Mixer, Mamba2Shape, ssm_step
+
+pytestmark = pytest.mark.skipif(ssm_triton.triton is None, reason="triton is not installed")
+
+SLOTS = torch.tensor([5, 0, 3], dtype=torch.int64)  # unsorted, with gaps: slots 1, 2, 4, 6 must stay untouched
+NUM_SLOTS = 7
+
+
+def _conv_reference(x, conv_state, weight, bias, slots):
+    window = torch.cat([conv_state[slots], x[:, :, None]], dim=-1)
+    conv_state[slots] = window[:, :, 1:]
+    conv = (window.float() * weight.float()).sum(-1)
+    if bias is not None:
+        conv = conv + bias.float()
+    return F.silu(conv).to(x.dtype)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_conv1d_update_matches_torch(with_bias):
+    torch.manual_seed(0)
+    C, K = 11, 4  # channels not a power of two: masked lanes
+    x = torch.randn(len(SLOTS), 2 * C)[:, :C]  # a strided view, like in_proj's split
+    state = torch.randn(NUM_SLOTS, C, K - 1)
+    weight, bias = torch.randn(C, K), (torch.randn(C) if with_bias else None)
+    ref_state = state.clone()
+    expected = _conv_reference(x, ref_state, weight, bias, SLOTS)
+    for _ in range(2):  # the second step reads the window the first wrote
+        got = ssm_triton.causal_conv1d_update(x, state, weight, bias, SLOTS)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state, ref_state, rtol=0, atol=0)  # a pure shift: exact, other slots intact
+        x = torch.randn(len(SLOTS), C)
+        expected = _conv_reference(x, ref_state, weight, bias, SLOTS)
+
+
+def test_gated_delta_rule_step_matches_torch():
+    torch.manual_seed(1)
+    Bn, H, dk, dv = len(SLOTS), 2, 8, 6
+    q = F.normalize(torch.randn(Bn, H, dk), dim=-1) * dk ** -0.5
+    k = F.normalize(torch.randn(Bn, H, dk), dim=-1)
+    v = torch.randn(Bn, H, dv)
+    ab = torch.randn(Bn, 2 * H) * 3  # a and b as strided views of one projection
+    b, a = ab[:, :H], ab[:, H:]
+    a[0, 0] = 25.0  # softplus past its threshold
+    A_log, dt_bias = torch.randn(H) * 0.5, torch.randn(H)
+    state = torch.randn(NUM_SLOTS, H, dk, dv)
+    ref = state.clone()
+    for _ in range(2):
+        g = -A_log.exp() * F.softplus(a + dt_bias)
+        o_ref, new = recurrent_step(q, k, v, g, b.sigmoid(), ref[SLOTS])
+        ref[SLOTS] = new
+        o = ssm_triton.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, SLOTS)
+        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state, ref, rtol=1e-5, atol=1e-5)
+        v = torch.randn(Bn, H, dv)
+
+
+@pytest.mark.parametrize("limit", [(0.0, math.inf), (0.05, 0.5)])
+def test_mamba2_ssm_step_matches_torch(limit):
+    torch.manual_seed(2)
+    S, H, P, N = len(SLOTS), 3, 4, 5
+    x = torch.randn(S, H, P)
+    dt = torch.randn(S, 2 * H)[:, H:]
+    dt[1, 2] = 30.0
+    dt_bias, A, D = torch.randn(H), -torch.rand(H) - 0.1, torch.randn(H)
+    B, C = torch.randn(S, H, N), torch.randn(S, H, N)
+    state = torch.randn(NUM_SLOTS, H, P, N)
+    ref = state.clone()
+    for _ in range(2):
+        dts = F.softplus(dt + dt_bias).clamp(*limit)
+        y_ref, new = ssm_step(x, dts, A, B, C, ref[SLOTS])
+        ref[SLOTS] = new
+        y_ref = y_ref + x * D[:, None]
+        y = ssm_triton.mamba2_ssm_step(x, dt, dt_bias, A, D, B, C, state, SLOTS, limit)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state, ref, rtol=1e-5, atol=1e-5)
+        x = torch.randn(S, H, P)
+
+
+def test_selection(monkeypatch):
+    monkeypatch.delenv("SHOAL_SSM_TRITON", raising=False)
+    monkeypatch.delenv("SHOAL_DISABLE_FUSED_OPS", raising=False)
+    assert not ssm_triton.use_triton(torch.device("cpu"))  # the torch code on CPU by default
+    assert ssm_triton.use_triton(torch.device("cuda"))
+    monkeypatch.setenv("SHOAL_SSM_TRITON", "0")
+    assert not ssm_triton.use_triton(torch.device("cuda"))
+    monkeypatch.setenv("SHOAL_SSM_TRITON", "1")
+    assert ssm_triton.use_triton(torch.device("cpu"))
+    monkeypatch.setenv("SHOAL_DISABLE_FUSED_OPS", "1")
+    assert not ssm_triton.use_triton(torch.device("cuda"))
+
+
+# ---- the layers' decode path, kernels forced on against off
+
+def _meta(slots, seq_lens):
+    return SimpleNamespace(is_decode_only=True, state_slots=slots, query_lens_list=[1] * len(slots),
+                           seq_lens_list=list(seq_lens))
+
+
+def _random_params(layer):
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+
+
+def _decode_twice(layer, hidden, monkeypatch, steps=3):
+    """Run `steps` decode steps with the kernels off, then on, from the same state; the outputs and states."""
+    results = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv("SHOAL_SSM_TRITON", mode)
+        torch.manual_seed(4)
+        state = layer.allocate_state(NUM_SLOTS, "cpu")
+        state.conv.normal_()
+        state.ssm.normal_()
+        outs = []
+        for step in range(steps):
+            h = torch.randn(len(SLOTS), hidden)
+            # the second sequence starts at this step's first token: its slot is zeroed first
+            seq_lens = [10 + step, 1 if step == 0 else 1 + step, 7 + step]
+            outs.append(layer(h, None, state, _meta(SLOTS, seq_lens)))
+        results.append((torch.stack(outs), state))
+    (o0, s0), (o1, s1) = results
+    torch.testing.assert_close(o1, o0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s1.conv, s0.conv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s1.ssm, s0.ssm, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_delta_net_decode_triton_equals_torch(monkeypatch):
+    config = SimpleNamespace(hidden_size=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=8, linear_value_head_dim=4, linear_conv_kernel_dim=4,
+                             rms_norm_eps=1e-6)
+    layer = GatedDeltaNet(config, torch.float32)
+    _random_params(layer)
+    _decode_twice(layer, 16, monkeypatch)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_mamba2_decode_triton_equals_torch(monkeypatch, groups):
+    shape = Mamba2Shape(hidden=16, heads=4, head_dim=4, groups=groups, d_state=8, conv_kernel=4, conv_bias=True,
+                        proj_bias=False, eps=1e-5, norm_groups=groups, time_step_limit=(0.001, 2.0))
+    layer = Mamba2Mixer(shape, torch.float32)
+    _random_params(layer)
+    _decode_twice(layer, 16, monkeypatch)
+
+
+# ---- the engine, kernels forced on: greedy tokens and logprobs still transformers'
+
+@pytest.mark.parametrize("family", ["qwen3_next", "granitemoehybrid"])
+def test_hybrid_greedy_with_triton_decode_matches_transformers(model_factory, monkeypatch, family):
+    from shoal.engine import LLM, SamplingParams
+    from test_engine_correctness import PROMPTS, check_against_hf
+
+    monkeypatch.setenv("SHOAL_SSM_TRITON", "1")
+    model = model_factory(family)
+    prompts = PROMPTS[:3]
+    with LLM(model=model, block_size=4, max_model_len=64) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5))
+        check_against_hf(model, llm.get_tokenizer(), outputs, prompts, max_new=6)
+        llm.llm_engine.state_pool.check_all_free()
