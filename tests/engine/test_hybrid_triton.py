@@ -8,6 +8,7 @@ on equals their torch path over a few steps. Tiny sizes: the interpreter is slow
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -33,65 +34,93 @@ def _conv_reference(x, conv_state, weight, bias, slots):
     return F.silu(conv).to(x.dtype)
 
 
+def check_conv(with_bias, C=11, K=4, dtype=torch.float32, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS, tol=1e-5):
+    torch.manual_seed(0)
+    slots = slots.to(device)
+    x = torch.randn(len(slots), 2 * C, device=device).to(dtype)[:, :C]  # a strided view, like in_proj's split
+    state = torch.randn(num_slots, C, K - 1, device=device).to(dtype)
+    weight = torch.randn(C, K, device=device).to(dtype)
+    bias = torch.randn(C, device=device).to(dtype) if with_bias else None
+    ref_state = state.clone()
+    expected = _conv_reference(x, ref_state, weight, bias, slots)
+    for _ in range(2):  # the second step reads the window the first wrote
+        got = ssm_triton.causal_conv1d_update(x, state, weight, bias, slots)
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+        torch.testing.assert_close(state, ref_state, rtol=0, atol=0)  # a pure shift: exact, other slots intact
+        x = torch.randn(len(slots), C, device=device).to(dtype)
+        expected = _conv_reference(x, ref_state, weight, bias, slots)
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_conv1d_update_matches_torch(with_bias):
-    torch.manual_seed(0)
-    C, K = 11, 4  # channels not a power of two: masked lanes
-    x = torch.randn(len(SLOTS), 2 * C)[:, :C]  # a strided view, like in_proj's split
-    state = torch.randn(NUM_SLOTS, C, K - 1)
-    weight, bias = torch.randn(C, K), (torch.randn(C) if with_bias else None)
-    ref_state = state.clone()
-    expected = _conv_reference(x, ref_state, weight, bias, SLOTS)
-    for _ in range(2):  # the second step reads the window the first wrote
-        got = ssm_triton.causal_conv1d_update(x, state, weight, bias, SLOTS)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(state, ref_state, rtol=0, atol=0)  # a pure shift: exact, other slots intact
-        x = torch.randn(len(SLOTS), C)
-        expected = _conv_reference(x, ref_state, weight, bias, SLOTS)
+    check_conv(with_bias)  # channels not a power of two: masked lanes
 
 
-def test_gated_delta_rule_step_matches_torch():
+def check_gated_delta_rule(H=2, dk=8, dv=6, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS, tol=1e-5):
     torch.manual_seed(1)
-    Bn, H, dk, dv = len(SLOTS), 2, 8, 6
-    q = F.normalize(torch.randn(Bn, H, dk), dim=-1) * dk ** -0.5
-    k = F.normalize(torch.randn(Bn, H, dk), dim=-1)
-    v = torch.randn(Bn, H, dv)
-    ab = torch.randn(Bn, 2 * H) * 3  # a and b as strided views of one projection
+    slots = slots.to(device)
+    Bn = len(slots)
+    q = F.normalize(torch.randn(Bn, H, dk, device=device), dim=-1) * dk ** -0.5
+    k = F.normalize(torch.randn(Bn, H, dk, device=device), dim=-1)
+    v = torch.randn(Bn, H, dv, device=device)
+    ab = torch.randn(Bn, 2 * H, device=device) * 3  # a and b as strided views of one projection
     b, a = ab[:, :H], ab[:, H:]
     a[0, 0] = 25.0  # softplus past its threshold
-    A_log, dt_bias = torch.randn(H) * 0.5, torch.randn(H)
-    state = torch.randn(NUM_SLOTS, H, dk, dv)
+    A_log, dt_bias = torch.randn(H, device=device) * 0.5, torch.randn(H, device=device)
+    state = torch.randn(num_slots, H, dk, dv, device=device)
     ref = state.clone()
     for _ in range(2):
         g = -A_log.exp() * F.softplus(a + dt_bias)
-        o_ref, new = recurrent_step(q, k, v, g, b.sigmoid(), ref[SLOTS])
-        ref[SLOTS] = new
-        o = ssm_triton.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, SLOTS)
-        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(state, ref, rtol=1e-5, atol=1e-5)
-        v = torch.randn(Bn, H, dv)
+        o_ref, new = recurrent_step(q, k, v, g, b.sigmoid(), ref[slots])
+        ref[slots] = new
+        o = ssm_triton.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, slots)
+        torch.testing.assert_close(o, o_ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(state, ref, rtol=tol, atol=tol)
+        v = torch.randn(Bn, H, dv, device=device)
+
+
+def test_gated_delta_rule_step_matches_torch():
+    check_gated_delta_rule()
+
+
+def check_mamba2(limit, H=3, P=4, N=5, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS, tol=1e-5):
+    torch.manual_seed(2)
+    slots = slots.to(device)
+    S = len(slots)
+    x = torch.randn(S, H, P, device=device)
+    dt = torch.randn(S, 2 * H, device=device)[:, H:]
+    dt[1, 2] = 30.0
+    dt_bias, A, D = torch.randn(H, device=device), -torch.rand(H, device=device) - 0.1, torch.randn(H, device=device)
+    B, C = torch.randn(S, H, N, device=device), torch.randn(S, H, N, device=device)
+    state = torch.randn(num_slots, H, P, N, device=device)
+    ref = state.clone()
+    for _ in range(2):
+        dts = F.softplus(dt + dt_bias).clamp(*limit)
+        y_ref, new = ssm_step(x, dts, A, B, C, ref[slots])
+        ref[slots] = new
+        y_ref = y_ref + x * D[:, None]
+        y = ssm_triton.mamba2_ssm_step(x, dt, dt_bias, A, D, B, C, state, slots, limit)
+        torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(state, ref, rtol=tol, atol=tol)
+        x = torch.randn(S, H, P, device=device)
 
 
 @pytest.mark.parametrize("limit", [(0.0, math.inf), (0.05, 0.5)])
 def test_mamba2_ssm_step_matches_torch(limit):
-    torch.manual_seed(2)
-    S, H, P, N = len(SLOTS), 3, 4, 5
-    x = torch.randn(S, H, P)
-    dt = torch.randn(S, 2 * H)[:, H:]
-    dt[1, 2] = 30.0
-    dt_bias, A, D = torch.randn(H), -torch.rand(H) - 0.1, torch.randn(H)
-    B, C = torch.randn(S, H, N), torch.randn(S, H, N)
-    state = torch.randn(NUM_SLOTS, H, P, N)
-    ref = state.clone()
-    for _ in range(2):
-        dts = F.softplus(dt + dt_bias).clamp(*limit)
-        y_ref, new = ssm_step(x, dts, A, B, C, ref[SLOTS])
-        ref[SLOTS] = new
-        y_ref = y_ref + x * D[:, None]
-        y = ssm_triton.mamba2_ssm_step(x, dt, dt_bias, A, D, B, C, state, SLOTS, limit)
-        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(state, ref, rtol=1e-5, atol=1e-5)
-        x = torch.randn(S, H, P)
+    check_mamba2(limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernels_compiled_on_cuda_at_release_sizes():
+    """The released models' sizes (Qwen3-Next's 128 x 128 DeltaNet heads, Mamba2's 64 x 128 heads, thousands of
+    conv channels in bfloat16), compiled, 64 sequences over a pool of 200 slots."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("triton runs interpreted in this process")
+    slots = torch.randperm(200)[:64]
+    check_conv(True, C=3000, K=4, dtype=torch.bfloat16, device="cuda", slots=slots, num_slots=200, tol=2e-2)
+    check_gated_delta_rule(H=8, dk=128, dv=128, device="cuda", slots=slots, num_slots=200, tol=1e-4)
+    check_mamba2((0.0, math.inf), H=16, P=64, N=128, device="cuda", slots=slots, num_slots=200, tol=1e-4)
 
 
 def test_selection(monkeypatch):
