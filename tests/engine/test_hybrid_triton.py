@@ -3,7 +3,8 @@ TRITON_INTERPRET=1 on CPU (tests/conftest.py sets it without a GPU): the causal 
 bias), Gated DeltaNet's delta-rule step (gating and beta formed in the kernel) and Mamba2's SSM step (dt softplus,
 bias, limits and the D skip in the kernel), each over several sequences whose state slots are scattered through
 the pool (unsorted, non-contiguous), only those slots written; then the layers' decode path with the kernels forced
-on equals their torch path over a few steps. Tiny sizes: the interpreter is slow."""
+on equals their torch path over a few steps, and the engine's greedy tokens with them on are transformers'. Tiny
+sizes: the interpreter is slow. On a GPU, one test runs the kernels compiled at the released models' sizes."""
 
 from __future__ import annotations
 
