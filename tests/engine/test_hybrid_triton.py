@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.engine.execution.layers import ssm_triton
-from shoal.engine.execution.layers.gated_delta_net import GatedDeltaNet, recurrent_step
+from shoal.engine.execution.layers.gated_delta_net import GatedDeltaNet, _l2norm, recurrent_step
 from shoal.engine.execution.layers.mamba2 import Mamba2Mixer, Mamba2Shape, ssm_step
 
 pytestmark = pytest.mark.skipif(ssm_triton.triton is None, reason="triton is not installed")
@@ -57,27 +57,30 @@ def test_conv1d_update_matches_torch(with_bias):
     check_conv(with_bias)  # channels not a power of two: masked lanes
 
 
-def check_gated_delta_rule(H=2, dk=8, dv=6, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS, tol=1e-5):
+def check_gated_delta_rule(nk=2, ratio=2, dk=8, dv=6, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS, tol=1e-5):
+    """Value heads share key heads (ratio > 1), as in Qwen3-Next: the kernel must read key head h // ratio."""
     torch.manual_seed(1)
     slots = slots.to(device)
-    Bn = len(slots)
-    q = F.normalize(torch.randn(Bn, H, dk, device=device), dim=-1) * dk ** -0.5
-    k = F.normalize(torch.randn(Bn, H, dk, device=device), dim=-1)
-    v = torch.randn(Bn, H, dv, device=device)
-    ab = torch.randn(Bn, 2 * H, device=device) * 3  # a and b as strided views of one projection
-    b, a = ab[:, :H], ab[:, H:]
-    a[0, 0] = 25.0  # softplus past its threshold
+    Bn, H = len(slots), nk * ratio
     A_log, dt_bias = torch.randn(H, device=device) * 0.5, torch.randn(H, device=device)
     state = torch.randn(num_slots, H, dk, dv, device=device)
     ref = state.clone()
     for _ in range(2):
+        channels = 2 * nk * dk + H * dv
+        qkv = torch.randn(Bn, channels + 3, device=device)[:, :channels]  # a strided view
+        ab = torch.randn(Bn, 2 * H, device=device) * 3  # a and b as strided views of one projection
+        b, a = ab[:, :H], ab[:, H:]
+        a[0, 0] = 25.0  # softplus past its threshold
+        q, k, v = qkv.split([nk * dk, nk * dk, H * dv], dim=-1)
+        q = _l2norm(q.reshape(Bn, nk, dk)) * dk ** -0.5
+        k = _l2norm(k.reshape(Bn, nk, dk))
+        q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
         g = -A_log.exp() * F.softplus(a + dt_bias)
-        o_ref, new = recurrent_step(q, k, v, g, b.sigmoid(), ref[slots])
+        o_ref, new = recurrent_step(q, k, v.reshape(Bn, H, dv), g, b.sigmoid(), ref[slots])
         ref[slots] = new
-        o = ssm_triton.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, slots)
+        o = ssm_triton.gated_delta_rule_step(qkv, a, b, A_log, dt_bias, state, slots, nk)
         torch.testing.assert_close(o, o_ref, rtol=tol, atol=tol)
         torch.testing.assert_close(state, ref, rtol=tol, atol=tol)
-        v = torch.randn(Bn, H, dv, device=device)
 
 
 def test_gated_delta_rule_step_matches_torch():
@@ -120,7 +123,7 @@ def test_kernels_compiled_on_cuda_at_release_sizes():
         pytest.skip("triton runs interpreted in this process")
     slots = torch.randperm(200)[:64]
     check_conv(True, C=3000, K=4, dtype=torch.bfloat16, device="cuda", slots=slots, num_slots=200, tol=2e-2)
-    check_gated_delta_rule(H=8, dk=128, dv=128, device="cuda", slots=slots, num_slots=200, tol=1e-4)
+    check_gated_delta_rule(nk=4, ratio=2, dk=128, dv=128, device="cuda", slots=slots, num_slots=200, tol=1e-4)
     check_mamba2((0.0, math.inf), H=16, P=64, N=128, device="cuda", slots=slots, num_slots=200, tol=1e-4)
 
 

@@ -199,8 +199,8 @@ class GatedDeltaNet(nn.Module):
     def _decode_triton(self, mixed, a, b, state, slots):
         """The decode step in the Triton kernels (layers/ssm_triton.py), the state updated in its slots in place."""
         conv = ssm_triton.causal_conv1d_update(mixed, state.conv, self.conv_weight, None, slots)
-        q, k, v = self._qkv_heads(conv)
-        return ssm_triton.gated_delta_rule_step(q, k, v, a, b, self.A_log, self.dt_bias, state.ssm, slots)
+        return ssm_triton.gated_delta_rule_step(conv, a, b, self.A_log, self.dt_bias, state.ssm, slots,
+                                                self.nk_local)
 
     def _decode(self, mixed, g, beta, state, slots):
         window = torch.cat([state.conv[slots], mixed[:, :, None]], dim=-1)  # [B, C, K]

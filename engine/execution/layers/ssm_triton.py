@@ -3,7 +3,8 @@ writing its sequence's state slot in place (no gathered copy of the state):
 
 - `causal_conv1d_update`: shift the new input into a sequence's conv window, the depthwise conv (+ bias), SiLU
   (Gated DeltaNet and Mamba2 alike);
-- `gated_delta_rule_step`: Gated DeltaNet's delta-rule update and output, with its gating (g = -exp(A_log) *
+- `gated_delta_rule_step`: Gated DeltaNet's delta-rule update and output from the conv's output (q and k
+  L2-normalised, q scaled, each value head reading its key head, in the kernel), with its gating (g = -exp(A_log) *
   softplus(a + dt_bias)) and beta = sigmoid(b) computed in the kernel from the raw projections;
 - `mamba2_ssm_step`: Mamba2's state update and output, with dt = clamp(softplus(dt + dt_bias), limits) and the D
   skip in the kernel.
@@ -87,21 +88,24 @@ if triton is not None:
 
     @triton.jit
     def _gdn_step_kernel(
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, o_ptr, slots_ptr, DK, DV,
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_ab, stride_bb,
-        stride_ss, stride_sh, stride_sk, stride_sv, stride_ob, stride_oh,
+        qkv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, o_ptr, slots_ptr, DK, DV, KD, RATIO, q_scale,
+        stride_qkvb, stride_ab, stride_bb, stride_ss, stride_sh, stride_sk, stride_sv, stride_ob, stride_oh,
         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
-        """One (sequence, value head, block of value columns): S <- e^g S; u = beta (v - S^T k); S <- S + k u^T;
-        o = S^T q."""
+        """One (sequence, value head, block of value columns): q and k of the head's key head L2-normalised (q
+        scaled), then S <- e^g S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q."""
         bi = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
+        kh = h // RATIO  # the key head this value head reads
         offs_k = tl.arange(0, BLOCK_K)
         offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
         kmask, vmask = offs_k < DK, offs_v < DV
-        q = tl.load(q_ptr + bi * stride_qb + h * stride_qh + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + bi * stride_kb + h * stride_kh + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + bi * stride_vb + h * stride_vh + offs_v, mask=vmask, other=0.0).to(tl.float32)
+        row = qkv_ptr + bi * stride_qkvb
+        q = tl.load(row + kh * DK + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        k = tl.load(row + KD + kh * DK + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        v = tl.load(row + 2 * KD + h * DV + offs_v, mask=vmask, other=0.0).to(tl.float32)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * q_scale
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
         a = tl.load(a_ptr + bi * stride_ab + h).to(tl.float32)
         braw = tl.load(b_ptr + bi * stride_bb + h).to(tl.float32)
         g = -tl.exp(tl.load(alog_ptr + h)) * _softplus(a + tl.load(dtb_ptr + h))
@@ -176,25 +180,30 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     return out
 
 
-def gated_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                          A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
-                          slots: torch.Tensor) -> torch.Tensor:
-    """q, k [B, H, dk] (normalised, one per value head), v [B, H, dv], a and b [B, H] (the raw projections: the
-    kernel forms g and beta), A_log and dt_bias [H] float32, state [slots, H, dk, dv] float32 (updated in place at
-    `slots` [B]). Returns o [B, H, dv] float32."""
+def gated_delta_rule_step(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                          dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                          num_key_heads: int) -> torch.Tensor:
+    """qkv [B, 2 nk dk + nv dv] (the conv's output: q heads, k heads, v heads; the kernel L2-normalises q and k,
+    scales q by dk^-1/2, and gives value head h key head h // (nv / nk)), a and b [B, nv] (the raw projections: the
+    kernel forms g and beta), A_log and dt_bias [nv] float32, state [slots, nv, dk, dv] float32 (updated in place
+    at `slots` [B]). Returns o [B, nv, dv] float32."""
     if triton is None:
         raise RuntimeError("triton is not installed")
-    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+    for name, t in (("qkv", qkv), ("a", a), ("b", b)):
         _check(name, t)
-    Bn, H, DK = q.shape
-    DV = v.shape[-1]
-    o = torch.empty(Bn, H, DV, dtype=torch.float32, device=q.device)
+    Bn = qkv.shape[0]
+    H, DK, DV = state.shape[1:]
+    if H % num_key_heads or qkv.shape[1] != 2 * num_key_heads * DK + H * DV:
+        raise ValueError(f"qkv has {qkv.shape[1]} channels; {num_key_heads} key heads and the state's {H} x "
+                         f"[{DK}, {DV}] need {2 * num_key_heads * DK + H * DV}")
+    o = torch.empty(Bn, H, DV, dtype=torch.float32, device=qkv.device)
     if Bn == 0:
         return o
     block_v = min(32, triton.next_power_of_2(DV))
     _gdn_step_kernel[(Bn, H, triton.cdiv(DV, block_v))](
-        q, k, v, a, b, A_log.contiguous(), dt_bias.contiguous(), state, o, slots, DK, DV,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        qkv, a, b, A_log.contiguous(), dt_bias.contiguous(), state, o, slots, DK, DV, num_key_heads * DK,
+        H // num_key_heads, DK ** -0.5,
+        qkv.stride(0), a.stride(0), b.stride(0),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3), o.stride(0), o.stride(1),
         BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=block_v,
     )
