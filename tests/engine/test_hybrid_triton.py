@@ -87,26 +87,31 @@ def test_gated_delta_rule_step_matches_torch():
     check_gated_delta_rule()
 
 
-def check_mamba2(limit, H=3, P=4, N=5, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS, tol=1e-5):
+def check_mamba2(limit, groups=2, heads_per_group=2, P=4, N=5, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS,
+                 tol=1e-5):
+    """Several heads per B/C group: the kernel must read group h // heads_per_group."""
     torch.manual_seed(2)
     slots = slots.to(device)
-    S = len(slots)
-    x = torch.randn(S, H, P, device=device)
-    dt = torch.randn(S, 2 * H, device=device)[:, H:]
-    dt[1, 2] = 30.0
+    S, H = len(slots), groups * heads_per_group
     dt_bias, A, D = torch.randn(H, device=device), -torch.rand(H, device=device) - 0.1, torch.randn(H, device=device)
-    B, C = torch.randn(S, H, N, device=device), torch.randn(S, H, N, device=device)
     state = torch.randn(num_slots, H, P, N, device=device)
     ref = state.clone()
     for _ in range(2):
+        channels = H * P + 2 * groups * N
+        xbc = torch.randn(S, channels + 2, device=device)[:, :channels]  # a strided view
+        dt = torch.randn(S, 2 * H, device=device)[:, H:]
+        dt[1, 2] = 30.0  # softplus past its threshold
+        x, B, C = xbc.split([H * P, groups * N, groups * N], dim=-1)
+        x = x.reshape(S, H, P)
+        B = B.reshape(S, groups, N).repeat_interleave(heads_per_group, dim=1)
+        C = C.reshape(S, groups, N).repeat_interleave(heads_per_group, dim=1)
         dts = F.softplus(dt + dt_bias).clamp(*limit)
         y_ref, new = ssm_step(x, dts, A, B, C, ref[slots])
         ref[slots] = new
         y_ref = y_ref + x * D[:, None]
-        y = ssm_triton.mamba2_ssm_step(x, dt, dt_bias, A, D, B, C, state, slots, limit)
+        y = ssm_triton.mamba2_ssm_step(xbc, dt, dt_bias, A, D, state, slots, groups, limit)
         torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
         torch.testing.assert_close(state, ref, rtol=tol, atol=tol)
-        x = torch.randn(S, H, P, device=device)
 
 
 @pytest.mark.parametrize("limit", [(0.0, math.inf), (0.05, 0.5)])
@@ -124,7 +129,8 @@ def test_kernels_compiled_on_cuda_at_release_sizes():
     slots = torch.randperm(200)[:64]
     check_conv(True, C=3000, K=4, dtype=torch.bfloat16, device="cuda", slots=slots, num_slots=200, tol=2e-2)
     check_gated_delta_rule(nk=4, ratio=2, dk=128, dv=128, device="cuda", slots=slots, num_slots=200, tol=1e-4)
-    check_mamba2((0.0, math.inf), H=16, P=64, N=128, device="cuda", slots=slots, num_slots=200, tol=1e-4)
+    check_mamba2((0.0, math.inf), groups=2, heads_per_group=8, P=64, N=128, device="cuda", slots=slots,
+                 num_slots=200, tol=1e-4)
 
 
 def test_selection(monkeypatch):

@@ -169,8 +169,8 @@ class Mamba2Mixer(nn.Module):
         state.zero_new_sequences(meta)
         if meta.is_decode_only and ssm_triton.use_triton(h.device):
             conv = ssm_triton.causal_conv1d_update(xbc, state.conv, self.conv_weight, self.conv_bias, slots)
-            x, B, C = self._heads(conv)
-            y = ssm_triton.mamba2_ssm_step(x, dt_raw, self.dt_bias, A, self.D, B, C, state.ssm, slots, (lo, hi))
+            y = ssm_triton.mamba2_ssm_step(conv, dt_raw, self.dt_bias, A, self.D, state.ssm, slots,
+                                           self.groups_local, (lo, hi))
             return self.out_proj(self._gated_norm(y, z))
         dt = F.softplus(dt_raw.float() + self.dt_bias).clamp(lo, hi)
         if meta.is_decode_only:

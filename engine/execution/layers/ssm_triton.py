@@ -6,8 +6,8 @@ writing its sequence's state slot in place (no gathered copy of the state):
 - `gated_delta_rule_step`: Gated DeltaNet's delta-rule update and output from the conv's output (q and k
   L2-normalised, q scaled, each value head reading its key head, in the kernel), with its gating (g = -exp(A_log) *
   softplus(a + dt_bias)) and beta = sigmoid(b) computed in the kernel from the raw projections;
-- `mamba2_ssm_step`: Mamba2's state update and output, with dt = clamp(softplus(dt + dt_bias), limits) and the D
-  skip in the kernel.
+- `mamba2_ssm_step`: Mamba2's state update and output from the conv's output (x, and each head's group's B and C,
+  read in place), with dt = clamp(softplus(dt + dt_bias), limits) and the D skip in the kernel.
 
 The equations are those of layers/gated_delta_net.py (`recurrent_step`) and layers/mamba2.py (`ssm_step`), whose
 torch code stays the fallback; `use_triton` is the one place that decides (CUDA by default, forced either way by
@@ -123,21 +123,22 @@ if triton is not None:
 
     @triton.jit
     def _mamba2_step_kernel(
-        x_ptr, dt_ptr, dtb_ptr, A_ptr, D_ptr, B_ptr, C_ptr, state_ptr, y_ptr, slots_ptr, P, N, dt_lo, dt_hi,
-        stride_xs, stride_xh, stride_dts, stride_Bs, stride_Bh, stride_Cs, stride_Ch,
-        stride_ss, stride_sh, stride_sp, stride_sn, stride_ys, stride_yh,
+        xbc_ptr, dt_ptr, dtb_ptr, A_ptr, D_ptr, state_ptr, y_ptr, slots_ptr, P, N, INNER, GN, HEADS_PER_GROUP,
+        dt_lo, dt_hi, stride_xbc, stride_dts, stride_ss, stride_sh, stride_sp, stride_sn, stride_ys, stride_yh,
         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        """One (sequence, head, block of head-dim rows): dt = clamp(softplus(dt + dt_bias)); S <- e^{dt A} S +
-        dt x B^T; y = S C + D x."""
+        """One (sequence, head, block of head-dim rows), x and its group's B and C read from the conv's output:
+        dt = clamp(softplus(dt + dt_bias)); S <- e^{dt A} S + dt x B^T; y = S C + D x."""
         si = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
+        grp = h // HEADS_PER_GROUP
         offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
         pmask, nmask = offs_p < P, offs_n < N
-        x = tl.load(x_ptr + si * stride_xs + h * stride_xh + offs_p, mask=pmask, other=0.0).to(tl.float32)
-        Bv = tl.load(B_ptr + si * stride_Bs + h * stride_Bh + offs_n, mask=nmask, other=0.0).to(tl.float32)
-        Cv = tl.load(C_ptr + si * stride_Cs + h * stride_Ch + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        row = xbc_ptr + si * stride_xbc
+        x = tl.load(row + h * P + offs_p, mask=pmask, other=0.0).to(tl.float32)
+        Bv = tl.load(row + INNER + grp * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        Cv = tl.load(row + INNER + GN + grp * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
         dt = _softplus(tl.load(dt_ptr + si * stride_dts + h).to(tl.float32) + tl.load(dtb_ptr + h))
         dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
         A = tl.load(A_ptr + h)
@@ -210,28 +211,32 @@ def gated_delta_rule_step(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A
     return o
 
 
-def mamba2_ssm_step(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
-                    B: torch.Tensor, C: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+def mamba2_ssm_step(xbc: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor,
+                    state: torch.Tensor, slots: torch.Tensor, groups: int,
                     time_step_limit: tuple[float, float]) -> torch.Tensor:
-    """x [S, H, P], dt [S, H] (raw: the kernel adds dt_bias, softplus, clamps to time_step_limit), dt_bias, A
-    (negative) and D [H] float32, B and C [S, H, N] (each head its group's vectors), state [slots, H, P, N] float32
-    (updated in place at `slots` [S]). Returns y [S, H, P] float32, the D skip included."""
+    """xbc [S, H P + 2 G N] (the conv's output: x heads, then B and C, one d_state vector per group of H / G
+    heads), dt [S, H] (raw: the kernel adds dt_bias, softplus, clamps to time_step_limit), dt_bias, A (negative) and
+    D [H] float32, state [slots, H, P, N] float32 (updated in place at `slots` [S]). Returns y [S, H, P] float32,
+    the D skip included."""
     if triton is None:
         raise RuntimeError("triton is not installed")
-    for name, t in (("x", x), ("dt", dt), ("B", B), ("C", C)):
+    for name, t in (("xbc", xbc), ("dt", dt)):
         _check(name, t)
-    S, H, P = x.shape
-    N = B.shape[-1]
-    y = torch.empty(S, H, P, dtype=torch.float32, device=x.device)
+    S = xbc.shape[0]
+    H, P, N = state.shape[1:]
+    if H % groups or xbc.shape[1] != H * P + 2 * groups * N:
+        raise ValueError(f"xbc has {xbc.shape[1]} channels; {groups} groups and the state's {H} x [{P}, {N}] need "
+                         f"{H * P + 2 * groups * N}")
+    y = torch.empty(S, H, P, dtype=torch.float32, device=xbc.device)
     if S == 0:
         return y
     block_p = min(32, triton.next_power_of_2(P))
     lo, hi = time_step_limit
     _mamba2_step_kernel[(S, H, triton.cdiv(P, block_p))](
-        x, dt, dt_bias.contiguous(), A.contiguous(), D.contiguous(), B, C, state, y, slots, P, N,
-        float(lo), float(hi),
-        x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        state.stride(0), state.stride(1), state.stride(2), state.stride(3), y.stride(0), y.stride(1),
+        xbc, dt, dt_bias.contiguous(), A.contiguous(), D.contiguous(), state, y, slots, P, N, H * P, groups * N,
+        H // groups, float(lo), float(hi),
+        xbc.stride(0), dt.stride(0), state.stride(0), state.stride(1), state.stride(2), state.stride(3),
+        y.stride(0), y.stride(1),
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(N),
     )
     return y
