@@ -7,9 +7,10 @@ g = -exp(A_log) * softplus(a + dt_bias). Before that, q|k|v go through a depthwi
 whose last K-1 inputs are the sequence's conv state; after it, o is RMS-normalised per head and gated by SiLU(z).
 
 Prefill uses the chunked form (chunks of CHUNK tokens, one triangular solve each; derivation in
-`chunk_delta_rule`), decode the single-step recurrence batched over sequences. Both read and write the sequence's
-slot of the layer's `RecurrentState`, so a prompt split over several steps (chunked prefill) carries its state
-from one step to the next; a sequence whose step starts at position 0 starts from a zero state.
+`chunk_delta_rule`), decode the single-step recurrence batched over sequences (on CUDA in Triton kernels,
+layers/ssm_triton.py). Both read and write the sequence's slot of the layer's `RecurrentState`, so a prompt split
+over several steps (chunked prefill) carries its state from one step to the next; a sequence whose step starts at
+position 0 starts from a zero state.
 
 Tensor parallelism splits the key heads (and the value heads each serves): in_proj_qkvz and in_proj_ba keep their
 rows grouped by key head, so a rank's rows are one contiguous range; the conv channels, A_log and dt_bias are
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
+from shoal.engine.execution.layers import ssm_triton
 from shoal.engine.execution.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shoal.engine.execution.models.base import reader
 
@@ -173,14 +175,15 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, h: torch.Tensor, positions, state: RecurrentState, meta) -> torch.Tensor:
         mixed, z, b, a = self._split(h)
-        beta = b.float().sigmoid()
-        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
         slots = meta.state_slots
         qlens = meta.query_lens_list
         state.zero_new_sequences(meta)
-        if meta.is_decode_only:
-            out = self._decode(mixed, g, beta, state, slots)
+        if meta.is_decode_only and ssm_triton.use_triton(h.device):
+            out = self._decode_triton(mixed, a, b, state, slots)
+        elif meta.is_decode_only:
+            out = self._decode(mixed, *self._gates(a, b), state, slots)
         else:
+            g, beta = self._gates(a, b)
             out = torch.empty(h.shape[0], self.nv_local, self.dv, dtype=torch.float32, device=h.device)
             start = 0
             for i, n in enumerate(qlens):
@@ -188,6 +191,16 @@ class GatedDeltaNet(nn.Module):
                 out[sl] = self._prefill(mixed[sl], g[sl], beta[sl], state, int(slots[i]))
                 start += n
         return self.out_proj(self._gated_norm(out, z).reshape(h.shape[0], -1))
+
+    def _gates(self, a, b):
+        """The log-decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), float32 [T, nv]."""
+        return -self.A_log.exp() * F.softplus(a.float() + self.dt_bias), b.float().sigmoid()
+
+    def _decode_triton(self, mixed, a, b, state, slots):
+        """The decode step in the Triton kernels (layers/ssm_triton.py), the state updated in its slots in place."""
+        conv = ssm_triton.causal_conv1d_update(mixed, state.conv, self.conv_weight, None, slots)
+        return ssm_triton.gated_delta_rule_step(conv, a, b, self.A_log, self.dt_bias, state.ssm, slots,
+                                                self.nk_local)
 
     def _decode(self, mixed, g, beta, state, slots):
         window = torch.cat([state.conv[slots], mixed[:, :, None]], dim=-1)  # [B, C, K]

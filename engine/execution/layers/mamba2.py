@@ -9,10 +9,10 @@ bias, SiLU) whose last K-1 inputs are the sequence's conv state. Then, per head 
 with A = -exp(A_log). y is gated by SiLU(z), RMS-normalised within each of the config's groups of channels, scaled
 by the norm's weight and projected back by out_proj.
 
-Prefill uses the chunked (SSD) form, `ssd_chunk_scan`; decode the single-step recurrence batched over sequences.
-Both read and write the sequence's slot of the layer's RecurrentState (the same state object as Gated DeltaNet's),
-so a prompt split over several steps carries its state from one step to the next, and a sequence whose step
-starts at position 0 starts from a zero state.
+Prefill uses the chunked (SSD) form, `ssd_chunk_scan`; decode the single-step recurrence batched over sequences
+(on CUDA in Triton kernels, layers/ssm_triton.py). Both read and write the sequence's slot of the layer's
+RecurrentState (the same state object as Gated DeltaNet's), so a prompt split over several steps carries its state
+from one step to the next, and a sequence whose step starts at position 0 starts from a zero state.
 
 Tensor parallelism splits the heads: a rank holds its heads' rows of z, x and dt, the B/C rows of the groups those
 heads read (its share of the groups when the ranks divide them, else the one group its heads sit in, replicated),
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
+from shoal.engine.execution.layers import ssm_triton
 from shoal.engine.execution.layers.gated_delta_net import RecurrentState
 from shoal.engine.execution.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shoal.engine.execution.models.base import reader
@@ -158,15 +159,20 @@ class Mamba2Mixer(nn.Module):
     # ---- the step
 
     def forward(self, h: torch.Tensor, positions, state: RecurrentState, meta) -> torch.Tensor:
-        z, xbc, dt = self.in_proj(h).split([self.inner_local, self.conv_local, self.heads_local], dim=-1)
+        z, xbc, dt_raw = self.in_proj(h).split([self.inner_local, self.conv_local, self.heads_local], dim=-1)
         # The limit applies to every token here; transformers' (and mamba_ssm's) single-token decode skips it, which
         # differs only where softplus falls outside the limit (never with Granite's default (0, inf)).
         lo, hi = self.shape.time_step_limit
-        dt = F.softplus(dt.float() + self.dt_bias).clamp(lo, hi)
         A = -self.A_log.exp()
         slots = meta.state_slots
         qlens = meta.query_lens_list
         state.zero_new_sequences(meta)
+        if meta.is_decode_only and ssm_triton.use_triton(h.device):
+            conv = ssm_triton.causal_conv1d_update(xbc, state.conv, self.conv_weight, self.conv_bias, slots)
+            y = ssm_triton.mamba2_ssm_step(conv, dt_raw, self.dt_bias, A, self.D, state.ssm, slots,
+                                           self.groups_local, (lo, hi))
+            return self.out_proj(self._gated_norm(y, z))
+        dt = F.softplus(dt_raw.float() + self.dt_bias).clamp(lo, hi)
         if meta.is_decode_only:
             window = torch.cat([state.conv[slots], xbc[:, :, None]], dim=-1)  # [S, C, K]
             state.conv[slots] = window[:, :, 1:]
