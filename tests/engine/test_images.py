@@ -196,8 +196,8 @@ def test_an_image_prompts_events_from_the_engine_carry_its_digests(llava_model):
                                    "endpoint": f"tcp://*:{port}", "topic": "kv@img"})
     sub = Subscriber(port, b"kv@img")
     try:
-        for _ in range(100):  # a PUB socket drops what it sends before the subscription reaches it
-            engine.generate([[5] * 4], greedy(1), use_tqdm=False)
+        for i in range(100):  # a PUB socket drops what it sends before the subscription reaches it; each probe a
+            engine.generate([[5 + i % 50] * 4], greedy(1), use_tqdm=False)  # new block (a cached one sends nothing)
             sub.drain(0.2)
             if sub.batches:
                 break
