@@ -332,8 +332,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
     save: list[int] = []
     pool_ranges: list[tuple[int, int]] = []
     images: list[StepImage] = []
-    mrope: list[tuple] = []
-    spans: list[tuple[int, int, int]] = []  # bidirectional images: (sequence, first position, end)  # M-RoPE prompts' chunks holding image tokens: (first row, first position, length, images)
+    mrope: list[tuple] = []  # M-RoPE prompts' chunks holding image tokens: (first row, first position, length, images)
+    spans: list[tuple[int, int, int]] = []  # bidirectional images: (sequence, first position, end)
     for s in scheduled:
         seq, n = s.seq, s.num_new_tokens
         c = seq.num_computed_tokens
