@@ -53,7 +53,7 @@ _MAMBA = ("granitehybrid", "nemotron_h")  # Mamba2 or attention per layer
 
 
 def _metadata(reader, arch: str, path):
-    from shoal.engine.execution.gguf_model import _field
+    from shoal.engine.execution.gguf_reader import field_value as _field
 
     def get(key: str, default=None):
         return _field(reader, f"{arch}.{key}", default)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from shoal.engine.execution.gguf_hybrid import HYBRID_ARCHITECTURES, hybrid_config, hybrid_layout
+from shoal.engine.execution.gguf_reader import field_value as _field
 from shoal.engine.execution.weights import WeightError
 
 logger = logging.getLogger(__name__)
@@ -137,13 +138,6 @@ def _open(path: str, mtime_ns: int):
 def open_gguf(path: str | os.PathLike):
     p = Path(path).resolve()
     return _open(str(p), p.stat().st_mtime_ns)
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
 
 
 def _architecture(reader, path) -> tuple[str, str, str, bool]:

@@ -173,3 +173,11 @@ class GGUFFile:
         """sha256 of the header and metadata (vocabulary, merges, chat template; not the tensors): what a
         conversion of the tokenizer depends on."""
         return hashlib.sha256(memoryview(self._map)[:self._metadata_end]).hexdigest()
+
+
+def field_value(reader, key: str, default=None):
+    """A metadata key's value in a GGUF reader's fields (`default` when the file lacks the key)."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
