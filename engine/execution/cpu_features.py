@@ -5,7 +5,7 @@ feature flags and has a portable fallback that is always correct:
 
 | part                 | fast path (needs)                                   | fallback                            |
 |----------------------|-----------------------------------------------------|-------------------------------------|
-| bf16 linear layers   | oneDNN prepacked bf16 GEMM (native bf16: AVX512-BF16, AMX, AVX-NE-CONVERT, ARM bf16) | plain F.linear |
+| bf16 linear layers   | AMX tiles on one pair-layout copy (AMX); else the small-M kernel and oneDNN prepacked bf16 GEMM (native bf16: AVX512-BF16, AVX-NE-CONVERT, ARM bf16) | plain F.linear |
 | `--dtype auto`       | bfloat16 where bf16 arithmetic is native            | float32 (bf16 there is emulated: slower, not smaller in compute) |
 | C++ kernels          | compiled for the tier (-mavx2 ... -mavx512bf16)     | the generic build; torch ops without a compiler |
 | cpu attention (bf16) | vdpbf16ps dot products (AVX512-BF16)                | the portable float32 loop           |
@@ -56,7 +56,7 @@ _TIER_CFLAGS = {
     "sve": ["-march=armv8.2-a+sve"],
 }
 _TIER_CFLAGS["avx512_bf16"] = _TIER_CFLAGS["avx512"] + ["-mavx512bf16", "-mavx512vnni"]
-_TIER_CFLAGS["amx"] = _TIER_CFLAGS["avx512_bf16"]  # AMX adds tile units our kernels do not program
+_TIER_CFLAGS["amx"] = _TIER_CFLAGS["avx512_bf16"] + ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 # torch's and oneDNN's names for the same caps.
 _ATEN_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512",
                     "amx": "avx512", "neon": "default"}
@@ -134,7 +134,8 @@ class CpuFeatures:
 
     def paths(self) -> dict[str, str]:
         """Which path each part takes, for the start-up log and `shoal-engine` diagnostics."""
-        bf16 = ("oneDNN prepacked bf16 GEMM" if self.bf16_native
+        bf16 = ("AMX tiles, one pair-layout copy of each weight (SHOAL_DISABLE_AMX=1: off)" if self.tier == "amx"
+                else "oneDNN prepacked bf16 GEMM" if self.bf16_native
                 else "plain F.linear (no native bf16: emulated and slow; --dtype auto picks float32)")
         if self.arch == "x86_64":
             int8 = ("oneDNN u8s8 GEMM, 8-bit weights (VNNI)" if self.int8_vnni

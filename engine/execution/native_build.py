@@ -57,6 +57,7 @@ KERNELS = {
                               "cpu attention kernel"),
     "fused_ops": Kernel(CSRC / "cpu_fused_ops.cpp", "shoal_cpu_fused", "add_rms_norm", "cpu fused-op kernels"),
     "small_gemm": Kernel(CSRC / "cpu_small_gemm.cpp", "shoal_cpu_gemm", "linear", "cpu small-M linear kernel"),
+    "amx_gemm": Kernel(CSRC / "cpu_amx_gemm.cpp", "shoal_cpu_amx", "linear", "cpu AMX bf16 linear kernel"),
     "moe": Kernel(CSRC / "cpu_moe.cpp", "shoal_cpu_moe", "fused_experts", "cpu MoE kernel"),
     "gguf": Kernel(CSRC / "cpu_gguf.cpp", "shoal_cpu_gguf", "kernel_isa", "cpu GGUF kernels"),
     "lora": Kernel(CSRC / "cpu_lora.cpp", "shoal_cpu_lora", "lora_apply_", "cpu LoRA kernel"),

@@ -29,7 +29,7 @@ import torch
 from shoal.engine.execution.attention.layer import PagedAttention
 from shoal.engine.execution.layers.linear import PackedMatmul
 from shoal.engine.execution.layers.moe import SparseMoeBlock
-from shoal.engine.execution.layers.weight_format import OneDNNBf16Weight
+from shoal.engine.execution.layers.weight_format import AmxBf16Weight, OneDNNBf16Weight
 from shoal.engine.execution.sampling import Sampler
 
 
@@ -235,7 +235,8 @@ class StepProfiler:
                     continue
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
-            if isinstance(module, PackedMatmul) and isinstance(module.format, OneDNNBf16Weight) and not module.weight.numel():
+            packed = isinstance(module, PackedMatmul) and isinstance(module.format, (AmxBf16Weight, OneDNNBf16Weight))
+            if packed and not module.weight.numel():
                 out_f, in_f = module.weight_shape
                 total += out_f * in_f * module.weight.element_size()
         return total

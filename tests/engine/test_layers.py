@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.engine.execution.layers.linear import ColumnParallelLinear
-from shoal.engine.execution.layers.weight_format import OneDNNBf16Weight, can_prepack, plain_format
+from shoal.engine.execution.layers.weight_format import AmxBf16Weight, OneDNNBf16Weight, can_prepack, plain_format
 from shoal.engine.distributed.parallel_state import layer_range
 
 pytestmark = pytest.mark.numerics
@@ -16,8 +16,9 @@ pytestmark = pytest.mark.numerics
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
 def test_prepacked_bf16_linear_is_bit_identical(rows):
     """oneDNN's prepacked weight gives F.linear's bits; where the small-M kernel serves the weight instead (it
-    keeps it plain), batches up to its MAX_ROWS are within one bf16 rounding of F.linear and larger ones exact."""
-    from shoal.engine.execution.layers import small_gemm
+    keeps it plain), batches up to its MAX_ROWS are within one bf16 rounding of F.linear and larger ones exact;
+    where AMX tiles serve it (their own layout), every batch is within one bf16 rounding."""
+    from shoal.engine.execution.layers import amx_gemm, small_gemm
 
     torch.manual_seed(0)
     layer = ColumnParallelLinear(96, 160, bias=True, dtype=torch.bfloat16)
@@ -27,6 +28,10 @@ def test_prepacked_bf16_linear_is_bit_identical(rows):
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     expected = F.linear(x, weight, layer.bias)
     layer.use(plain_format(layer.weight))
+    if amx_gemm.kernel_for(weight) is not None:
+        assert isinstance(layer.format, AmxBf16Weight) and layer.weight.numel() == 0
+        torch.testing.assert_close(layer(x), expected, rtol=2 ** -7, atol=1e-2)
+        return
     if can_prepack(weight):
         assert isinstance(layer.format, OneDNNBf16Weight) and layer.weight.numel() == 0  # the unpacked copy is freed
     else:  # the small-M kernel, or a tier without native bf16 (oneDNN refuses the bf16 prepack): F.linear runs

@@ -3,6 +3,8 @@ the checkpoint is read (model_loader.choose_formats) and never re-decided on the
 
   DenseWeight       the layer's own [out, in] Parameter through F.linear: every device and dtype (the fallback)
   SmallGemmWeight   the same Parameter, multiplied by the small-M C++ kernel for low-batch steps (small_gemm.py)
+  AmxBf16Weight     a bf16 copy in AMX's tile pair layout, every batch size on AMX tiles (amx_gemm.py); the
+                    Parameter is freed
   OneDNNBf16Weight  a bf16 copy in oneDNN's blocked layout (see can_prepack); the Parameter is freed
   QuantizedWeight   (execution/quantization/) int8, int4 or fp8 built from the dense weight, or a GGUF file's blocks
 
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.engine.execution.cpu_features import cpu_features
-from shoal.engine.execution.layers import small_gemm
+from shoal.engine.execution.layers import amx_gemm, small_gemm
 
 
 class WeightFormat:
@@ -69,6 +71,28 @@ class SmallGemmWeight(DenseWeight):
         return F.linear(x, w, bias)
 
 
+class AmxBf16Weight(WeightFormat):
+    kernel = "AMX bf16 tiles (pair layout)"
+
+    def __init__(self, weight: torch.Tensor, ops):
+        self.out_features, self.in_features = weight.shape
+        self.packed = amx_gemm.pack(weight)
+        self.ops = ops
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = self.ops.linear(x2, self.packed, bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return amx_gemm.unpack(self.packed).float()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed]
+
+
 class OneDNNBf16Weight(WeightFormat):
     kernel = "oneDNN prepacked bf16 GEMM"
 
@@ -102,6 +126,9 @@ def can_prepack(weight: torch.Tensor) -> bool:
 def plain_format(weight: torch.nn.Parameter, prepack: bool = True) -> WeightFormat:
     """The fastest unquantized form of a loaded dense weight; prepack=False keeps to the forms that run on the
     Parameter itself (a layer used before or without loading: a copy would not see what is loaded later)."""
+    amx = amx_gemm.kernel_for(weight) if prepack else None
+    if amx is not None:
+        return AmxBf16Weight(weight.data, amx)
     small = small_gemm.kernel_for(weight)
     if small is not None:
         return SmallGemmWeight(weight, small)

@@ -1,0 +1,96 @@
+"""The AMX bf16 linear kernel (layers/amx_gemm.py): its weight layout everywhere, its results against a float64
+reference on an AMX CPU (skipped elsewhere: no emulator ships here), and where the engine chooses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shoal.engine.execution.cpu_features import cpu_features
+from shoal.engine.execution.layers import amx_gemm
+from shoal.engine.execution.layers.linear import ColumnParallelLinear
+from shoal.engine.execution.layers.weight_format import AmxBf16Weight, plain_format
+
+pytestmark = pytest.mark.numerics
+
+needs_amx = pytest.mark.skipif(amx_gemm.load_kernel() is None, reason="no AMX tiles in this process")
+
+# Rows: the vector path (1), a partial and a whole tile group (2, 15, 16), past one and two groups (17, 33), a
+# 32-row pass plus a tail (50), and many passes with the panel split (300). Outputs: one block (16), an odd number
+# of blocks (48: a pass with one weight tile), many. Inputs: one block and SmolLM2's widths.
+ROWS = [1, 2, 3, 15, 16, 17, 33, 50, 300]
+SHAPES = [(16, 32), (48, 96), (160, 576), (1040, 1536)]
+
+
+def test_pack_and_unpack_are_inverse_and_lay_out_pairs():
+    w = torch.arange(48 * 64, dtype=torch.float32).view(48, 64).to(torch.bfloat16)
+    p = amx_gemm.pack(w)
+    assert p.shape == (3, 2, 16, 32)
+    # block (nb=1, kb=1), pair row kp=3, output n=5, j=1 is w[16 + 5][32 + 2*3 + 1]
+    assert p[1, 1, 3, 2 * 5 + 1] == w[21, 39]
+    assert torch.equal(amx_gemm.unpack(p), w)
+
+
+def test_kernel_is_only_offered_for_tile_shaped_bf16_weights():
+    assert amx_gemm.kernel_for(torch.zeros(16, 32)) is None  # float32
+    assert amx_gemm.kernel_for(torch.zeros(20, 32, dtype=torch.bfloat16)) is None  # outputs not a multiple of 16
+    assert amx_gemm.kernel_for(torch.zeros(16, 40, dtype=torch.bfloat16)) is None  # inputs not a multiple of 32
+    offered = amx_gemm.kernel_for(torch.zeros(16, 32, dtype=torch.bfloat16)) is not None
+    assert offered == (amx_gemm.load_kernel() is not None)
+    if cpu_features().tier != "amx":
+        assert not offered
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_amx_linear_matches_float64_reference(n, k):
+    """Every row count, with and without bias, rows contiguous or strided, is within one bf16 rounding of the
+    float64 product of the same bf16 values."""
+    ops = amx_gemm.load_kernel()
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    packed = amx_gemm.pack(w)
+    for m in ROWS:
+        wide = torch.randn(m, k + 32, generator=g).to(torch.bfloat16)
+        for x in (wide[:, :k].contiguous(), wide[:, 32:]):
+            for b in (None, bias):
+                ref = x.double() @ w.double().T + (0 if b is None else b.double())
+                got = ops.linear(x, packed, b)
+                assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+                torch.testing.assert_close(got.double(), ref, rtol=2 ** -7, atol=1e-3 * k ** 0.5)
+
+
+@needs_amx
+def test_amx_kernel_refuses_mismatched_inputs():
+    ops = amx_gemm.load_kernel()
+    packed = amx_gemm.pack(torch.zeros(16, 32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16 x"):
+        ops.linear(torch.zeros(1, 32), packed, None)
+    with pytest.raises(RuntimeError, match="has 64 features, the weight 32"):
+        ops.linear(torch.zeros(1, 64, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.linear(torch.zeros(1, 32, dtype=torch.bfloat16), packed, torch.zeros(8, dtype=torch.bfloat16))
+
+
+def test_engine_layers_take_the_amx_format_at_the_amx_tier_and_agree_with_f_linear():
+    """plain_format chooses the tiles for a tile-shaped bf16 weight exactly where the kernel is available (freeing
+    the Parameter), and a layer's output, for 2-D and 3-D inputs, stays within bf16 rounding of F.linear."""
+    g = torch.Generator().manual_seed(3)
+    layer = ColumnParallelLinear(96, 160, bias=True, dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(160, 96, generator=g))
+    layer.bias.data.copy_(torch.randn(160, generator=g))
+    weight = layer.weight.data.clone()
+    layer.use(plain_format(layer.weight))
+    chosen = isinstance(layer.format, AmxBf16Weight)
+    assert chosen == (amx_gemm.load_kernel() is not None)
+    if not chosen:
+        pytest.skip("no AMX tiles here: the layer keeps the small-M kernel or oneDNN (tests/engine/test_layers.py)")
+    assert layer.weight.numel() == 0 and torch.equal(layer.format.dequantize(), weight.float())
+    for shape in ((1, 96), (7, 96), (2, 5, 96)):
+        x = torch.randn(*shape, generator=g).to(torch.bfloat16)
+        ref = F.linear(x.float(), weight.float(), layer.bias.float())
+        got = layer(x)
+        assert got.shape == (*shape[:-1], 160)
+        torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=3e-2)
