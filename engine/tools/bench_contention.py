@@ -11,6 +11,13 @@ Conditions:
 Policies are environments for the engine process: `auto` (none: the engine picks from what it sees,
 `execution/cpu_budget.py`), `before` (every CPU, a 10,000-iteration OpenMP spin: the default before that module)
 and the explicit candidates `1-spin`, `1-passive`, `2-spin`, `2-passive` (threads, wait policy).
+Peers, where given, meet the same conditions (started inside each one, after Shoal's runs of it):
+`--llama-cpp-bin DIR --llama-cpp-model GGUF` runs llama.cpp's `llama-bench` decode-only (`-p 0 -n output-len`, its
+--llama-cpp-threads, default every CPU we may use, as its users pass `-t`) for the batch-1 column, and
+`--vllm-python PATH` runs the 32-request workload through vLLM's offline API (tools/vllm_workload.py, on the same
+preset model in bfloat16) for the batch-32 column; the table then adds each peer's figure and the ratio of Shoal's
+`auto` policy to it (the issue's bar: no condition below 0.9x llama.cpp at batch 1 or below 1.0x vLLM at batch 32).
+
 Each policy runs in one engine process that loads the model once and then meets every condition in turn (it starts
 the busy processes itself, and enters and leaves the quota cgroup by moving itself); `auto`, whose decision is made
 at start from what the process sees, gets one process per condition, started inside it. Per condition: batch-1
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -175,6 +183,35 @@ def run_worker(args, policy: str, conditions: list[str], cgroup: Path | None, en
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def peer_rows(args, conditions: list[str], cgroup: Path | None) -> dict[str, dict]:
+    """llama.cpp's batch-1 decode and vLLM's batch-32 output tokens/s in each condition, each started inside it."""
+    from types import SimpleNamespace
+
+    from shoal.engine.execution.cpu_features import peer_environ
+    from shoal.engine.tools.bench_throughput import bench_model_dir, run_vllm
+
+    rows: dict[str, dict] = {c: {} for c in conditions}
+    rng = random.Random(0)
+    reqs = [([rng.randrange(10, 30000) for _ in range(args.prompt_len)], args.output_len) for _ in range(32)]
+    vllm_args = SimpleNamespace(dtype="bfloat16", max_model_len=256, max_num_seqs=32, repeat=args.repeat)
+    threads = args.llama_cpp_threads or len(os.sched_getaffinity(0))
+    for c in conditions:
+        with Condition(c, cgroup):
+            if args.llama_cpp_bin:
+                cmd = [str(Path(args.llama_cpp_bin) / "llama-bench"), "-m", args.llama_cpp_model, "-p", "0", "-n",
+                       str(args.output_len), "-t", str(threads), "-r", str(args.repeat), "-o", "json"]
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=peer_environ(), timeout=3600)
+                if proc.returncode:
+                    raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr[-800:]}")
+                rows[c]["llama_cpp_batch1_decode_tok_s"] = json.loads(proc.stdout)[0]["avg_ts"]
+            if args.vllm_python:
+                seconds = run_vllm(args.vllm_python, bench_model_dir(args.preset), reqs, vllm_args)
+                rows[c]["vllm_batch32_output_tok_s"] = 32 * args.output_len / seconds
+            rows[c]["load"] = os.getloadavg()[0]
+        print(f"peers in {c}: {rows[c]}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shoal.engine.tools.bench_contention", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -186,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of every request")
     ap.add_argument("--output-len", type=int, default=64, help="output tokens of every request")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per condition (median)")
+    ap.add_argument("--llama-cpp-bin", default=None, metavar="DIR", help="llama.cpp's bin/ (holding llama-bench)")
+    ap.add_argument("--llama-cpp-model", default=None, metavar="GGUF",
+                    help="the GGUF llama.cpp runs (the preset's model converted, e.g. with convert_hf_to_gguf.py)")
+    ap.add_argument("--llama-cpp-threads", type=int, default=0, help="llama-bench -t (default: every CPU we may use)")
+    ap.add_argument("--vllm-python", default=None, metavar="PATH", help="the interpreter of a vLLM virtualenv")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--policy", default="auto", help=argparse.SUPPRESS)
@@ -194,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if bool(args.llama_cpp_bin) != bool(args.llama_cpp_model):
+        ap.error("--llama-cpp-bin and --llama-cpp-model go together")
 
     conditions = list(args.conditions)
     cgroup = make_quota_cgroup(args.quota) if "quota" in conditions else None
@@ -213,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             got = run_worker(args, policy, conditions, cgroup, entered=None)
             results[policy] = {"conditions": got["conditions"], "decisions": {"all": got["decision"]}}
             print(f"{policy}: {got['conditions']}", flush=True)
+    peers = peer_rows(args, conditions, cgroup) if args.llama_cpp_bin or args.vllm_python else {}
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps({"shoal": results, "peers": peers}))
         return 0
     print(f"\n{'condition':<10}{'policy':<12}{'batch-1 decode tok/s':>22}{'batch-32 output tok/s':>23}{'load':>7}")
     for c in conditions:
@@ -223,6 +268,16 @@ def main(argv: list[str] | None = None) -> int:
             if row:
                 print(f"{c:<10}{policy:<12}{row['batch1_decode_tok_s']:>22.1f}{row['batch32_output_tok_s']:>23.1f}"
                       f"{row['load']:>7.1f}")
+        peer = peers.get(c, {})
+        b1, b32 = peer.get("llama_cpp_batch1_decode_tok_s"), peer.get("vllm_batch32_output_tok_s")
+        if peer:
+            print(f"{c:<10}{'peers':<12}{'llama.cpp ' + format(b1, '.1f') if b1 else '-':>22}"
+                  f"{'vLLM ' + format(b32, '.1f') if b32 else '-':>23}{peer['load']:>7.1f}")
+            auto = results.get("auto", {}).get("conditions", {}).get(c)
+            if auto:
+                r1 = f"{auto['batch1_decode_tok_s'] / b1:.2f}x" if b1 else "-"
+                r32 = f"{auto['batch32_output_tok_s'] / b32:.2f}x" if b32 else "-"
+                print(f"{c:<10}{'auto/peer':<12}{r1:>22}{r32:>23}")
     return 0
 
 
