@@ -123,7 +123,8 @@ def write_compressed_tensors_int8(model_dir: Path, out: Path, oracle: Path, stra
 def write_mxfp4(model_dir: Path, out: Path) -> None:
     """gpt-oss's published layout: every expert projection as MXFP4 `<name>_blocks`/`<name>_scales` in [experts, out,
     in] orientation (transformers' dense tensors are [experts, in, out]), biases and everything else as they were,
-    and quantization_config {"quant_method": "mxfp4"}. transformers reads it back dequantized (the oracle)."""
+    and quantization_config {"quant_method": "mxfp4", "dequantize": true}. transformers reads it back dequantized
+    (the oracle)."""
     from safetensors.torch import load_file, save_file
 
     from shoal.engine.execution.quantization.mxfp4 import quantize_mxfp4
@@ -139,6 +140,8 @@ def write_mxfp4(model_dir: Path, out: Path) -> None:
     (out / "model.safetensors").unlink()
     save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    # dequantize: transformers' own flag for reading the blocks as dense weights. Without it, a transformers that
+    # finds the `kernels` package tries to fetch gpt-oss's Triton kernels from the Hub (5.25 does; offline: an error).
+    config["quantization_config"] = {"quant_method": "mxfp4", "dequantize": True, "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (out / "config.json").write_text(json.dumps(config, indent=2))
