@@ -12,6 +12,7 @@ import torch
 from shoal.engine import startup
 from shoal.engine.execution.gguf_model import GGUFWeightSource, gguf_config, is_gguf
 from shoal.engine.execution.layers.linear import PackedMatmul
+from shoal.engine.execution.layers.moe import FusedMoE, plain_experts_format
 from shoal.engine.execution.layers.weight_format import plain_format
 from shoal.engine.execution.models import model_class, text_decoder_config
 from shoal.engine.execution.weights import WeightError, WeightSource, load_threads
@@ -115,6 +116,8 @@ def choose_formats(model: torch.nn.Module, gguf_packed: bool, quantization: str 
         if isinstance(module, PackedMatmul) and (module.format is None or module.format.runs_on_parameter):
             # a tied LM head's Parameter is the embedding table: a packed copy leaves it in place
             module.use(plain_format(module.weight), free_dense=not getattr(module, "tied", False))
+        elif isinstance(module, FusedMoE) and module.format.runs_on_parameter:
+            module.use(plain_experts_format(module))
 
 
 def _gguf_packed(choice: bool | None, device: torch.device) -> bool:

@@ -206,3 +206,111 @@ def test_quantized_experts_equal_the_dense_math_on_their_weights(method, tol):
     got = layer(x, weights, ids)
     want = loop_reference(x, w13, w2, weights, ids)
     assert (got - want).abs().max() <= tol * want.abs().max(), (got - want).abs().max()
+
+
+# ------------------------------------------------------------------------- the AMX tile path (AmxBf16Experts)
+
+def amx_ops():
+    from shoal.engine.execution.layers import amx_gemm
+
+    ops = moe.load_cpu_kernel()[0]
+    if ops is None or amx_gemm.load_kernel() is None or not ops.amx_available():
+        pytest.skip("no AMX tiles in this process (the tile path is chosen only at the AMX tier)")
+    return ops
+
+
+def amx_path(x, w13, w2, weights, ids, expert_start=0, b13=None, b2=None, activation=0, alpha=1.702, limit=7.0):
+    from shoal.engine.execution.layers import amx_gemm
+
+    return amx_ops().fused_experts_amx(x, amx_gemm.pack(w13), amx_gemm.pack(w2), weights, ids, expert_start, b13,
+                                       b2, activation, alpha, limit)
+
+
+# Rows per expert: a partial tile (1, 7 tokens), more than one tile pass (80 tokens: ~20 rows on each of 8 experts),
+# many passes (300); hidden 96: the last down unit holds 32 features, not 64.
+@pytest.mark.parametrize("tokens", [1, 7, 80, 300])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+def test_amx_experts_match_the_loop_and_the_streaming_path(tokens, activation):
+    from shoal.engine.execution.layers.moe import ExpertActivation
+
+    x, w13, w2, weights, ids = make_case(tokens, 8, hidden=96, inter=64, top_k=2, seed=tokens)
+    g = torch.Generator().manual_seed(9)
+    b13, b2 = torch.randn(8, 128, generator=g).bfloat16(), torch.randn(8, 96, generator=g).bfloat16()
+    act = ExpertActivation(activation, limit=1.5)
+    args = (x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights, ids, 0, b13, b2, act.kernel_id, act.alpha, act.limit)
+    got = amx_path(*args)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, 96)
+    ref = loop_reference(*(t.bfloat16().float() for t in (x, w13, w2)), weights, ids, 0, b13.float(), b2.float(),
+                         None if activation == "silu" else (act.alpha, act.limit))
+    assert (got.float() - ref).abs().max() <= 0.03 * ref.abs().max()
+    torch.testing.assert_close(got.float(), cpp_path(*args).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_amx_experts_on_a_rank_holding_some_experts_and_idle_experts():
+    x, w13, w2, weights, _ = make_case(3, 8, hidden=32, inter=32, top_k=2, seed=1)
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    ids = torch.tensor([[5, 1], [1, 6], [6, 5]])
+    full = amx_path(x, w13, w2, weights, ids)
+    upper = amx_path(x, w13[4:].contiguous(), w2[4:].contiguous(), weights, ids, 4)
+    lower = amx_path(x, w13[:4].contiguous(), w2[:4].contiguous(), weights, ids, 0)
+    torch.testing.assert_close((lower.float() + upper.float()), full.float(), rtol=1e-2, atol=1e-2)
+    ref = loop_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    assert (full.float() - ref).abs().max() <= 0.03 * ref.abs().max()
+    none = amx_path(x, w13[2:4].contiguous(), w2[2:4].contiguous(), weights, ids, 2)
+    assert none.shape == x.shape and not none.any()
+    assert amx_path(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+def test_amx_experts_give_a_token_the_same_bits_whatever_its_batch():
+    """A decode step's token must not change with who else is in the batch: each row's sums run in one order."""
+    x, w13, w2, weights, ids = make_case(40, 4, hidden=64, inter=32, top_k=2, seed=3)
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    batch = amx_path(x, w13, w2, weights, ids)
+    for t in (0, 17, 39):
+        alone = amx_path(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1])
+        assert torch.equal(alone, batch[t:t + 1])
+
+
+def test_amx_experts_refuse_mismatched_inputs():
+    from shoal.engine.execution.layers import amx_gemm
+
+    ops = amx_ops()
+    x, w13, w2, weights, ids = make_case(2, 4, hidden=64, inter=32, top_k=2)
+    p13, p2 = amx_gemm.pack(w13.bfloat16()), amx_gemm.pack(w2.bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.fused_experts_amx(x, p13, p2, weights, ids, 0)
+    with pytest.raises(RuntimeError, match="do not match hidden size 32"):
+        ops.fused_experts_amx(x[:, :32].bfloat16(), p13, p2, weights, ids, 0)
+    with pytest.raises(RuntimeError, match="expert stacks must be"):
+        ops.fused_experts_amx(x.bfloat16(), w13.bfloat16(), p2, weights, ids, 0)
+    with pytest.raises(RuntimeError, match="b2 must be"):
+        ops.fused_experts_amx(x.bfloat16(), p13, p2, weights, ids, 0, None, torch.zeros(4, 63, dtype=torch.bfloat16))
+
+
+def test_layers_take_the_amx_experts_format_exactly_where_it_runs():
+    """plain_experts_format: the tile layout for tile-shaped bf16 stacks where the kernel is available (the dense
+    stacks freed, the layer's answer unchanged within bf16 rounding), the stacks as they are otherwise."""
+    from shoal.engine.execution.layers import amx_gemm
+    from shoal.engine.execution.layers.moe import DENSE_EXPERTS, AmxBf16Experts, FusedMoE, plain_experts_format
+
+    torch.manual_seed(5)
+    narrow = FusedMoE(num_experts=4, hidden=64, intermediate=24, dtype=torch.bfloat16)  # 24: not a tile width
+    assert plain_experts_format(narrow) is DENSE_EXPERTS
+    assert plain_experts_format(FusedMoE(num_experts=4, hidden=64, intermediate=32, dtype=torch.float32)) \
+        is DENSE_EXPERTS
+    layer = FusedMoE(num_experts=4, hidden=64, intermediate=32, dtype=torch.bfloat16)
+    layer.w13.data.normal_(0, 0.2)
+    layer.w2.data.normal_(0, 0.2)
+    x = torch.randn(9, 64).bfloat16()
+    weights, ids = select_experts(torch.randn(9, 4), 2, renormalize=True)
+    before = layer(x, weights, ids)
+    w13 = layer.w13.data.clone()
+    fmt = plain_experts_format(layer)
+    available = moe.load_cpu_kernel()[0] is not None and amx_gemm.load_kernel() is not None
+    assert isinstance(fmt, AmxBf16Experts) == available
+    if not available:
+        pytest.skip("no AMX tiles here: the dense stacks stay")
+    layer.use(fmt)
+    assert not layer.w13.numel() and torch.equal(amx_gemm.unpack(fmt.w13), w13)
+    assert fmt.nbytes() == 4 * 3 * 64 * 32 * 2
+    torch.testing.assert_close(layer(x, weights, ids).float(), before.float(), rtol=2e-2, atol=2e-2)

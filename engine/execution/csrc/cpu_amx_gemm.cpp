@@ -28,65 +28,33 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define SHOAL_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
-constexpr int64_t kK = 32;        // input features per block (a tile row of bfloat16)
-constexpr int64_t kN = 16;        // output features per block
-constexpr int64_t kBlock = kN * kK;  // bfloat16 per weight block (1 KiB)
+using shoal_amx::kBlock;
+using shoal_amx::kK;
+using shoal_amx::kN;
 constexpr int64_t kParallelMin = 1 << 16;  // weight elements below which one thread beats a fork/join
 
 #ifdef SHOAL_AMX
+using shoal_amx::store16;
+using shoal_amx::tiles_permitted;
+
 // Rows from which tiles beat the vector path (measured on SmolLM2's and the bench model's shapes, 2 threads).
 constexpr int64_t kAmxMinRows = 2;
-constexpr int64_t kVecRows = 4;  // the vector path's rows per pass (4 x 2 accumulators)
-
-// Linux gives a process the tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
-bool tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles: 0-3 accumulators C[row group a][output half b] (a0b0, a0b1, a1b0, a1b1), 4-5 activation row groups
 // (r0, r1 rows: r1 may be 0), 6-7 weight blocks.
 void configure(int r0, int r1) {
-  TileConfig cfg;
+  shoal_amx::TileConfig cfg;
   const int rows[2] = {r0, r1};
   for (int a = 0; a < 2; ++a) {
-    for (int b = 0; b < 2; ++b) {
-      cfg.rows[2 * a + b] = static_cast<uint8_t>(rows[a]);
-      cfg.colsb[2 * a + b] = rows[a] ? kN * 4 : 0;
-    }
-    cfg.rows[4 + a] = static_cast<uint8_t>(rows[a]);
-    cfg.colsb[4 + a] = rows[a] ? kK * 2 : 0;
-    cfg.rows[6 + a] = kK / 2;
-    cfg.colsb[6 + a] = kN * 4;
+    for (int b = 0; b < 2; ++b) cfg.set(2 * a + b, rows[a], kN * 4);
+    cfg.set(4 + a, rows[a], kK * 2);
+    cfg.set(6 + a, kK / 2, kN * 4);
   }
   _tile_loadconfig(&cfg);
-}
-
-// 16 float32 results (+ bias) rounded to bfloat16, nearest even, as c10::BFloat16 rounds.
-inline void store16(const float* c, const c10::BFloat16* bias, c10::BFloat16* y) {
-  __m512 v = _mm512_loadu_ps(c);
-  if (bias) v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)bias)), 16)));
-  _mm256_storeu_si256((__m256i*)y, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // Output blocks [nb0, nb0 + halves) (halves 1 or 2) for every activation row, 32 rows per pass. *configured: the
@@ -143,56 +111,37 @@ void tile_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* p, cons
   }
 }
 
-// The vector path for R (1..4) activation rows: each weight block row (16 outputs x one input pair) times the
-// broadcast pair of every row. A accumulators per row (4 at one or two rows, 2 above) so that consecutive
-// vdpbf16ps do not wait on each other: with fewer, one row's stream is bound by the instruction's latency.
-template <int R>
-void vec_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* p, const c10::BFloat16* bias,
-              c10::BFloat16* y, int64_t N, int64_t K, int64_t nb) {
-  constexpr int A = R <= 2 ? 4 : 2;
+// The vector path for one activation row: each weight block row (16 outputs x one input pair) times the broadcast
+// pair. Four accumulators, so that consecutive vdpbf16ps do not wait on each other (with one, the stream is bound by
+// the instruction's latency).
+void vec_row(const c10::BFloat16* x, const c10::BFloat16* p, const c10::BFloat16* bias, c10::BFloat16* y, int64_t K,
+             int64_t nb) {
+  constexpr int A = 4;
   const int64_t KB = K / kK;
   const c10::BFloat16* pb = p + nb * KB * kBlock;
-  __m512 acc[R][A];
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
+  __m512 acc[A];
+  for (int a = 0; a < A; ++a) acc[a] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < KB; ++kb) {
     const c10::BFloat16* blk = pb + kb * kBlock;
     for (int64_t line = 0; line < kBlock; line += 32) __builtin_prefetch(blk + 4 * kBlock + line, 0, 3);
     for (int64_t kp = 0; kp < kK / 2; ++kp) {
       const __m512bh w = (__m512bh)_mm512_loadu_si512(blk + kp * 2 * kN);
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * ldx + kb * kK + 2 * kp, 4);
-        acc[r][kp % A] = _mm512_dpbf16_ps(acc[r][kp % A], (__m512bh)_mm512_set1_epi32(pair), w);
-      }
+      int32_t pair;
+      std::memcpy(&pair, x + kb * kK + 2 * kp, 4);
+      acc[kp % A] = _mm512_dpbf16_ps(acc[kp % A], (__m512bh)_mm512_set1_epi32(pair), w);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    __m512 sum = acc[r][0];
-    for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, acc[r][a]);
-    alignas(64) float c[kN];
-    _mm512_store_ps(c, sum);
-    store16(c, bias ? bias + nb * kN : nullptr, y + r * N + nb * kN);
-  }
+  alignas(64) float c[kN];
+  _mm512_store_ps(c, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  store16(c, bias ? bias + nb * kN : nullptr, y + nb * kN);
 }
 
-void vec_linear(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* p, const c10::BFloat16* bias,
-                c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+void vec_linear(const c10::BFloat16* x, const c10::BFloat16* p, const c10::BFloat16* bias, c10::BFloat16* y,
+                int64_t N, int64_t K) {
   const int64_t NB = N / kN;
   // Dynamic: a thread that starts late (woken from a passive wait, or descheduled) takes fewer blocks.
 #pragma omp parallel for schedule(dynamic, 4) if (N * K >= kParallelMin && omp_get_max_threads() > 1)
-  for (int64_t nb = 0; nb < NB; ++nb) {
-    for (int64_t m0 = 0; m0 < M; m0 += kVecRows) {
-      const c10::BFloat16* xm = x + m0 * ldx;
-      c10::BFloat16* ym = y + m0 * N;
-      switch (std::min<int64_t>(kVecRows, M - m0)) {
-        case 1: vec_rows<1>(xm, ldx, p, bias, ym, N, K, nb); break;
-        case 2: vec_rows<2>(xm, ldx, p, bias, ym, N, K, nb); break;
-        case 3: vec_rows<3>(xm, ldx, p, bias, ym, N, K, nb); break;
-        default: vec_rows<4>(xm, ldx, p, bias, ym, N, K, nb); break;
-      }
-    }
-  }
+  for (int64_t nb = 0; nb < NB; ++nb) vec_row(x, p, bias, y, K, nb);
 }
 
 void amx_linear(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* p, const c10::BFloat16* bias,
@@ -254,7 +203,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   if (M >= kAmxMinRows)
     amx_linear(xp, x.stride(0), pp, bp, yp, M, N, K);
   else
-    vec_linear(xp, x.stride(0), pp, bp, yp, M, N, K);
+    vec_linear(xp, pp, bp, yp, N, K);  // M == 1
 #endif
   return y;
 }

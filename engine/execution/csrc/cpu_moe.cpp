@@ -42,6 +42,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
+#include "fast_math.h"
 #include "gguf_matmul.h"
 #include "scalar_types.h"
 
@@ -151,6 +153,28 @@ inline float activate(float g, float u, int64_t activation, float alpha, float l
   return (u + 1.0f) * (g / (1.0f + std::exp(-alpha * g)));
 }
 
+// Inside a parallel region: out[t] = sum over token t's slots, in slot order, of weight * y[its sorted pair] (pos_of:
+// each (token, slot)'s place in the expert-sorted order, -1 where another rank's expert has it).
+template <typename T>
+void combine_slots(const float* y, const std::vector<int64_t>& pos_of, const float* weights, int64_t tokens,
+                   int64_t top_k, int64_t H, T* out) {
+  std::vector<float> accum(H);
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    T* o = out + t * H;
+    std::fill(accum.begin(), accum.end(), 0.f);
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int64_t pos = pos_of[t * top_k + j];
+      if (pos < 0) continue;  // routed to another rank's expert
+      const float w = weights[t * top_k + j];
+      const float* src = y + pos * H;
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) accum[h] += w * src[h];
+    }
+    for (int64_t h = 0; h < H; ++h) o[h] = static_cast<T>(accum[h]);
+  }
+}
+
 constexpr int64_t kTileRows = 32;  // weight rows per work unit of the streaming path
 // Mean rows per routed expert up to which the streaming path runs. Measured on a 2-core AVX512-BF16 Xeon, bf16,
 // OLMoE's bench shape (hidden 512, 32 experts of width 512, top-4), OMP_WAIT_POLICY=passive: streaming 0.30 / 3.4 /
@@ -186,7 +210,7 @@ void stream_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor
 #pragma omp parallel
   {
     std::vector<const T*> rows;
-    std::vector<float> g, u, d, accum(H);
+    std::vector<float> g, u, d;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_up; ++i) {  // act = activation(gate(x), up(x)) for one tile of I
       const auto [e, n0] = up_units[i];
@@ -221,20 +245,7 @@ void stream_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor
         for (int64_t r = 0; r < R; ++r) yp[(first + r) * H + h] = round_to<T>(d[r] + bd);
       }
     }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {  // each token: its slots' outputs, weighted, in slot order
-      T* o = outp + t * H;
-      std::fill(accum.begin(), accum.end(), 0.f);
-      for (int64_t j = 0; j < top_k; ++j) {
-        const int64_t pos = pos_of[t * top_k + j];
-        if (pos < 0) continue;  // routed to another rank's expert
-        const float w = weights[t * top_k + j];
-        const float* src = yp + pos * H;
-#pragma omp simd
-        for (int64_t h = 0; h < H; ++h) accum[h] += w * src[h];
-      }
-      for (int64_t h = 0; h < H; ++h) o[h] = static_cast<T>(accum[h]);
-    }
+    combine_slots(yp, pos_of, weights, tokens, top_k, H, outp);
   }
 }
 
@@ -286,6 +297,14 @@ Routing sort_by_expert(const at::Tensor& topk_ids, int64_t num_experts, int64_t 
   return r;
 }
 
+// Each (token, slot) pair's place in the expert-sorted order, -1 for pairs routed to another rank's experts.
+std::vector<int64_t> sorted_positions(const Routing& routing, int64_t pairs) {
+  std::vector<int64_t> pos_of(pairs, -1);
+  const int64_t* slot = routing.slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < routing.offsets.back(); ++i) pos_of[slot[i]] = i;
+  return pos_of;
+}
+
 void check_routing(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_weights.scalar_type() == at::kFloat &&
                   topk_ids.sizes() == topk_weights.sizes() && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0),
@@ -323,8 +342,7 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::T
   int64_t active = 0;
   for (int64_t e = 0; e < num_experts; ++e) active += offsets[e + 1] > offsets[e];
   if (offsets[num_experts] <= stream_max_rows * std::max<int64_t>(active, 1)) {
-    std::vector<int64_t> pos_of(pairs, -1);  // each (token, slot)'s place in the expert-sorted order
-    for (int64_t i = 0; i < offsets[num_experts]; ++i) pos_of[slot_ptr[i]] = i;
+    const std::vector<int64_t> pos_of = sorted_positions(routing, pairs);
     at::Tensor out = at::empty({tokens, hidden}, x.options());
     const at::Tensor xc = x.contiguous(), w13c = w13.contiguous(), w2c = w2.contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_experts", [&] {
@@ -353,6 +371,207 @@ at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::T
     });
   }
   return x.scalar_type() == at::kFloat ? acc : acc.to(x.scalar_type());
+}
+
+#ifdef SHOAL_AMX
+// The experts on AMX tiles, for bfloat16 stacks kept in the tiles' pair layout (csrc/amx_tiles.h; AmxBf16Experts
+// in layers/moe.py): w13p [E, 2I/16, H/32, 16, 32], w2p [E, H/16, I/32, 16, 32]. One parallel region per layer, as
+// the streaming path, at every batch size: the routed rows are gathered by expert (a tile loads rows at one
+// stride), then work units (expert, 32 intermediate features) run gate and up as tile products of 16 rows at a time
+// with the activation applied as the tiles are read out, and units (expert, 64 hidden features) run down. A unit's
+// weights (~64 KiB at OLMoE's widths) stay in L2 while an expert's row passes go over them, so each routed expert's
+// weights are read from memory once per layer. Tile products are exact bf16 x bf16 in float32, and each row's sums
+// run in the same order whatever else is in its batch; results are rounded where the torch reference rounds.
+namespace amx_experts {
+
+using shoal_amx::kBlock;
+using shoal_amx::kK;
+using shoal_amx::kN;
+constexpr int64_t kRows = 16;  // activation rows per tile product (a full A tile)
+
+// Tiles 0-3: C accumulators [16 rows, 16 outputs] float32; 4: 16 activation rows; 5-7: weight blocks.
+void configure() {
+  shoal_amx::TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.set(t, kRows, kN * 4);
+  cfg.set(4, kRows, kK * 2);
+  for (int t = 5; t < 8; ++t) cfg.set(t, kK / 2, kN * 4);
+  _tile_loadconfig(&cfg);
+}
+
+// c[b] [16 rows, 16] = a [16 rows, K] (row stride lda) @ output block b (K / 32 consecutive 1 KiB blocks from
+// blocks[b]), for nblk 2 or 4 blocks.
+inline void product(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* const* blocks, int nblk, int64_t K,
+                    float (*c)[kRows * kN]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (nblk == 4) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < K / kK; ++kb) {
+    _tile_loadd(4, a + kb * kK, lda * 2);
+    _tile_loadd(5, blocks[0] + kb * kBlock, kN * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, blocks[1] + kb * kBlock, kN * 4);
+    _tile_dpbf16ps(1, 4, 6);
+    if (nblk == 4) {
+      _tile_loadd(7, blocks[2] + kb * kBlock, kN * 4);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, blocks[3] + kb * kBlock, kN * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c[0], kN * 4);
+  _tile_stored(1, c[1], kN * 4);
+  if (nblk == 4) {
+    _tile_stored(2, c[2], kN * 4);
+    _tile_stored(3, c[3], kN * 4);
+  }
+}
+
+using BF = c10::BFloat16;
+
+void run(const at::Tensor& x, const BF* w13p, const BF* w2p, const BF* b13, const BF* b2, int64_t E, int64_t I,
+         const Routing& routing, const std::vector<int64_t>& pos_of, const float* weights, int64_t top_k,
+         int64_t activation, float alpha, float limit, at::Tensor& out) {
+  const int64_t H = x.size(1), tokens = x.size(0), ldx = x.stride(0);
+  const std::vector<int64_t>& offsets = routing.offsets;
+  const int64_t P = offsets[E];
+  const int64_t* row_of = routing.rows.data_ptr<int64_t>();
+  const BF* xp = static_cast<const BF*>(x.data_ptr());
+  // Row buffers end in one tile of padding: the last pass of an expert may load rows past its own (they are
+  // another expert's or zeros; their results are never read).
+  // Kept between calls (a fresh buffer of a prefill's size costs its page faults every layer).
+  thread_local std::vector<BF> xs, act;
+  thread_local std::vector<float> y;
+  xs.resize(size_t(P + kRows) * H), act.resize(size_t(P + kRows) * I), y.resize(size_t(P) * H);
+  std::vector<std::pair<int64_t, int64_t>> up_units, down_units;  // (expert, first feature)
+  int64_t weight_elements = 0;  // what the layer reads: 3 H I per routed expert
+  for (int64_t e = 0; e < E; ++e) {
+    if (offsets[e + 1] == offsets[e]) continue;
+    weight_elements += 3 * H * I;
+    for (int64_t n = 0; n < I; n += 2 * kN) up_units.push_back({e, n});
+    for (int64_t h = 0; h < H; h += 4 * kN) down_units.push_back({e, h});
+  }
+  const int64_t n_up = int64_t(up_units.size()), n_down = int64_t(down_units.size());
+  const int64_t up_kb = H / kK, down_kb = I / kK;  // weight blocks per output block
+  BF* xsp = xs.data();
+  BF* actp = act.data();
+  float* yp = y.data();
+#pragma omp parallel if (weight_elements >= kParallelMin * 16)
+  {
+    configure();  // tile configs are per thread, and another library may have loaded its own
+    alignas(64) float c[4][kRows * kN];
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < P; ++i) std::memcpy(xsp + i * H, xp + row_of[i] * ldx, H * sizeof(BF));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < n_up; ++u) {  // act = activation(gate, up) for 32 intermediate features
+      const auto [e, n0] = up_units[u];
+      const BF* base = w13p + e * (2 * I / kN) * up_kb * kBlock;
+      const BF* blocks[4] = {base + (n0 / kN) * up_kb * kBlock, base + (n0 / kN + 1) * up_kb * kBlock,
+                             base + ((I + n0) / kN) * up_kb * kBlock, base + ((I + n0) / kN + 1) * up_kb * kBlock};
+      const BF* bias = b13 ? b13 + e * 2 * I : nullptr;
+      const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+      __m512 bg[2], bu[2];
+      for (int h = 0; h < 2; ++h) {
+        bg[h] = bias ? shoal_amx::load_bf16(bias + n0 + h * kN) : zero;
+        bu[h] = bias ? shoal_amx::load_bf16(bias + I + n0 + h * kN) : zero;
+      }
+      for (int64_t m0 = offsets[e]; m0 < offsets[e + 1]; m0 += kRows) {
+        product(xsp + m0 * H, H, blocks, 4, H, c);
+        const int64_t rows = std::min(kRows, offsets[e + 1] - m0);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int h = 0; h < 2; ++h) {  // gate and up rounded as their projections' outputs are, then the activation
+            const __m512 g = shoal_amx::round_bf16(_mm512_add_ps(_mm512_load_ps(c[h] + r * kN), bg[h]));
+            const __m512 v = shoal_amx::round_bf16(_mm512_add_ps(_mm512_load_ps(c[2 + h] + r * kN), bu[h]));
+            __m512 a;
+            if (activation == kSilu) {  // SiLU(gate) rounded before the product, as torch's silu then mul
+              const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, shoal_amx::exp_approx(_mm512_sub_ps(zero, g))));
+              a = _mm512_mul_ps(shoal_amx::round_bf16(silu), v);
+            } else {
+              alignas(64) float gs[kN], vs[kN];
+              _mm512_store_ps(gs, g);
+              _mm512_store_ps(vs, v);
+              for (int64_t j = 0; j < kN; ++j) gs[j] = activate(gs[j], vs[j], activation, alpha, limit);
+              a = _mm512_load_ps(gs);
+            }
+            _mm256_storeu_si256((__m256i*)(actp + (m0 + r) * I + n0 + h * kN), (__m256i)_mm512_cvtneps_pbh(a));
+          }
+      }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < n_down; ++u) {  // y = down(act) for 64 (or the last 32) hidden features
+      const auto [e, h0] = down_units[u];
+      const int nblk = H - h0 >= 4 * kN ? 4 : 2;
+      const BF* base = w2p + e * (H / kN) * down_kb * kBlock;
+      const BF* blocks[4];
+      for (int b = 0; b < nblk; ++b) blocks[b] = base + (h0 / kN + b) * down_kb * kBlock;
+      for (int64_t m0 = offsets[e]; m0 < offsets[e + 1]; m0 += kRows) {
+        product(actp + m0 * I, I, blocks, nblk, I, c);
+        const int64_t rows = std::min(kRows, offsets[e + 1] - m0);
+        for (int b = 0; b < nblk; ++b) {
+          const __m512 bias = b2 ? shoal_amx::load_bf16(b2 + e * H + h0 + b * kN) : _mm512_setzero_ps();
+          for (int64_t r = 0; r < rows; ++r)  // down's output rounded as torch's would be
+            _mm512_storeu_ps(yp + (m0 + r) * H + h0 + b * kN,
+                             shoal_amx::round_bf16(_mm512_add_ps(_mm512_load_ps(c[b] + r * kN), bias)));
+        }
+      }
+    }
+    combine_slots(yp, pos_of, weights, tokens, top_k, H, static_cast<BF*>(out.data_ptr()));
+    _tile_release();
+  }
+}
+
+}  // namespace amx_experts
+#endif
+
+bool amx_available() {
+#ifdef SHOAL_AMX
+  return shoal_amx::tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+// fused_experts for bfloat16 stacks in the tiles' pair layout (see amx_experts above): x [T, H] bfloat16, w13p
+// [E_local, 2I/16, H/32, 16, 32], w2p [E_local, H/16, I/32, 16, 32]; the rest as fused_experts.
+at::Tensor fused_experts_amx(const at::Tensor& x, const at::Tensor& w13p, const at::Tensor& w2p,
+                             const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t expert_start,
+                             const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
+                             int64_t activation, double alpha, double limit) {
+  TORCH_CHECK(amx_available(), "fused_experts_amx: AMX tiles are not available in this process");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "fused_experts_amx: x must be a bfloat16 [tokens, hidden] matrix with a contiguous feature axis");
+  for (const at::Tensor* w : {&w13p, &w2p})
+    TORCH_CHECK(w->dim() == 5 && w->is_contiguous() && w->scalar_type() == at::kBFloat16 &&
+                    w->size(3) == shoal_amx::kN && w->size(4) == shoal_amx::kK,
+                "fused_experts_amx: expert stacks must be contiguous bfloat16 [E, N/16, K/32, 16, 32]");
+  const int64_t E = w13p.size(0), H = x.size(1), I = w2p.size(2) * shoal_amx::kK;
+  TORCH_CHECK(w2p.size(0) == E && w13p.size(1) * shoal_amx::kN == 2 * I && w13p.size(2) * shoal_amx::kK == H &&
+                  w2p.size(1) * shoal_amx::kN == H,
+              "fused_experts_amx: expert stacks do not match hidden size ", H);
+  TORCH_CHECK(activation == kSilu || activation == kSwigluClamped, "fused_experts_amx: unknown activation ",
+              activation);
+  for (const auto& [b, cols, name] : {std::tuple{&b13, 2 * I, "b13"}, std::tuple{&b2, H, "b2"}})
+    TORCH_CHECK(!b->has_value() || ((*b)->dim() == 2 && (*b)->is_contiguous() && (*b)->size(0) == E &&
+                                    (*b)->size(1) == cols && (*b)->scalar_type() == at::kBFloat16),
+                "fused_experts_amx: ", name, " must be contiguous bfloat16 [experts, ", cols, "]");
+  check_routing(x, topk_weights, topk_ids);
+  at::Tensor out = at::empty({x.size(0), H}, x.options());
+#ifdef SHOAL_AMX
+  if (x.size(0) == 0) return out;
+  const int64_t top_k = topk_ids.size(1);
+  const at::Tensor weights = topk_weights.contiguous();
+  const Routing routing = sort_by_expert(topk_ids, E, expert_start);
+  using BF = c10::BFloat16;
+  auto ptr = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() ? static_cast<const BF*>(t->data_ptr()) : nullptr;
+  };
+  amx_experts::run(x, static_cast<const BF*>(w13p.data_ptr()), static_cast<const BF*>(w2p.data_ptr()), ptr(b13),
+                   ptr(b2), E, I, routing, sorted_positions(routing, topk_ids.numel()), weights.data_ptr<float>(),
+                   top_k, activation, float(alpha), float(limit), out);
+#endif
+  return out;
 }
 
 // One projection's experts as stored in a GGUF file: stack [E_local, rows, row_bytes] uint8 of GGML type `qtype`.
@@ -434,10 +653,15 @@ TORCH_LIBRARY(shoal_cpu_moe, m) {
         "Tensor? b13=None, Tensor? b2=None, int activation=0, float alpha=1.702, float limit=7.0) -> Tensor");
   m.def("fused_experts_gguf(Tensor x, Tensor gate, Tensor up, Tensor down, int gate_type, int up_type, "
         "int down_type, Tensor topk_weights, Tensor topk_ids, int expert_start) -> Tensor");
+  m.def("amx_available() -> bool", &amx_available);
+  m.def("fused_experts_amx(Tensor x, Tensor w13p, Tensor w2p, Tensor topk_weights, Tensor topk_ids, "
+        "int expert_start, Tensor? b13=None, Tensor? b2=None, int activation=0, float alpha=1.702, "
+        "float limit=7.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(shoal_cpu_moe, CPU, m) {
   m.impl("fused_experts", &fused_experts);
+  m.impl("fused_experts_amx", &fused_experts_amx);
   m.impl("fused_experts_gguf", &fused_experts_gguf);
 }
 

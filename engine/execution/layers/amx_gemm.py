@@ -56,14 +56,19 @@ def kernel_for(weight: torch.Tensor):
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/16, K/32, 16, 32]: per block of 16 outputs x 32 inputs, p[kp][n][j] = w[n][2 kp + j]."""
-    n, k = weight.shape
-    return (weight.reshape(n // BLOCK_N, BLOCK_N, k // BLOCK_K, BLOCK_K // 2, 2).permute(0, 2, 3, 1, 4)
-            .contiguous().view(n // BLOCK_N, k // BLOCK_K, BLOCK_N, BLOCK_K))
+    """[..., N, K] -> [..., N/16, K/32, 16, 32]: per block of 16 outputs x 32 inputs, p[kp][n][j] = w[n][2 kp + j]
+    (leading dimensions, e.g. a stack of experts, kept)."""
+    *lead, n, k = weight.shape
+    d = len(lead)
+    blocks = weight.reshape(*lead, n // BLOCK_N, BLOCK_N, k // BLOCK_K, BLOCK_K // 2, 2)
+    return (blocks.permute(*range(d), d, d + 2, d + 3, d + 1, d + 4).contiguous()
+            .view(*lead, n // BLOCK_N, k // BLOCK_K, BLOCK_N, BLOCK_K))
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """pack's inverse: the [N, K] weight."""
-    nb, kb = packed.shape[:2]
-    return (packed.view(nb, kb, BLOCK_K // 2, BLOCK_N, 2).permute(0, 3, 1, 2, 4)
-            .reshape(nb * BLOCK_N, kb * BLOCK_K))
+    """pack's inverse: the [..., N, K] weight."""
+    *lead, nb, kb = packed.shape[:-2]
+    d = len(lead)
+    pairs = packed.view(*lead, nb, kb, BLOCK_K // 2, BLOCK_N, 2)
+    return (pairs.permute(*range(d), d, d + 3, d + 1, d + 2, d + 4)
+            .reshape(*lead, nb * BLOCK_N, kb * BLOCK_K))

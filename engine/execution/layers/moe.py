@@ -202,6 +202,47 @@ class DenseExperts(ExpertsFormat):
 DENSE_EXPERTS = DenseExperts()
 
 
+class AmxBf16Experts(ExpertsFormat):
+    """bfloat16 stacks kept once in the AMX tiles' pair layout (layers/amx_gemm.py), run by the C++ kernel's tile
+    path (csrc/cpu_moe.cpp, fused_experts_amx) at every batch size; the dense stacks are freed."""
+
+    kernel = "fused experts on AMX tiles"
+
+    def __init__(self, layer: "FusedMoE", ops):
+        from shoal.engine.execution.layers import amx_gemm
+
+        self.w13 = amx_gemm.pack(layer.w13.data)
+        self.w2 = amx_gemm.pack(layer.w2.data)
+        self.ops = ops
+
+    def run(self, layer, x, topk_weights, topk_ids):
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        a = layer.activation
+        return self.ops.fused_experts_amx(x, self.w13, self.w2, topk_weights.float(), topk_ids, layer.expert_start,
+                                          layer.b13, layer.b2 if layer.adds_b2 else None, a.kernel_id, a.alpha,
+                                          a.limit)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2))
+
+
+def plain_experts_format(layer: "FusedMoE") -> ExpertsFormat:
+    """The fastest unquantized form of a layer's loaded dense stacks: the AMX tiles' layout where the tier has them
+    (bfloat16 on CPU, hidden and local intermediate widths multiples of 32), else the stacks as they are."""
+    from shoal.engine.execution.layers import amx_gemm
+
+    w13 = layer.w13
+    if (w13.device.type != "cpu" or w13.dtype != torch.bfloat16 or not w13.numel()
+            or layer.hidden % amx_gemm.BLOCK_K or layer.inter_local % amx_gemm.BLOCK_K
+            or amx_gemm.load_kernel() is None):
+        return DENSE_EXPERTS
+    ops = load_cpu_kernel()[0]
+    if ops is None or not ops.amx_available():
+        return DENSE_EXPERTS
+    return AmxBf16Experts(layer, ops)
+
+
 class QuantizedExperts(ExpertsFormat):
     """One (gate_up, down) pair of quantization.QuantizedWeight per local expert (--quantization), run by the grouped
     torch path with the method's own matmul kernel."""
@@ -231,8 +272,9 @@ class FusedMoE(nn.Module):
     Tensor parallel: all E experts, each with I / tp of its intermediate features. Expert parallel: E / tp whole
     experts. forward returns this rank's partial sum; the caller all-reduces once (SparseMoeBlock). Under tensor
     parallelism every rank computes part of each expert's down projection, so its bias is added on rank 0 only.
-    `format` runs the experts: the dense stacks (DenseExperts), one quantized pair per expert (--quantization:
-    QuantizedExperts) or a GGUF file's blocks kept packed (quantization/gguf.py's GGUFExperts)."""
+    `format` runs the experts: the dense stacks (DenseExperts), the same in the AMX tiles' layout (AmxBf16Experts),
+    one quantized pair per expert (--quantization: QuantizedExperts) or a GGUF file's blocks kept packed
+    (quantization/gguf.py's GGUFExperts)."""
 
     format: ExpertsFormat = DENSE_EXPERTS
     gguf_parts: dict | None = None  # local expert -> (gate, up, down) GGUF blocks, until the formats are chosen
