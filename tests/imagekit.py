@@ -124,3 +124,17 @@ def hf_gemma3_greedy(model_dir, text: str, images: list, max_new_tokens: int):
     prompt = inputs["input_ids"][0].tolist()
     logprobs = torch.log_softmax(torch.stack([step[0] for step in out.logits]).float(), dim=-1)
     return prompt, out.sequences[0, len(prompt):].tolist(), logprobs
+
+
+def worst_logprob_diff(reference, model_dir, outputs, prompts, max_new_tokens: int) -> float:
+    """Check each output's prompt ids and greedy tokens equal the oracle's (`reference`: hf_qwen_vl_greedy or
+    hf_gemma3_greedy; prompts: (text, images) pairs) and return the largest difference of a reported logprob."""
+    diff = 0.0
+    for out, (text, images) in zip(outputs, prompts):
+        prompt, ids, logprobs = reference(model_dir, text, images, max_new_tokens)
+        assert out.prompt_token_ids == prompt, text
+        assert out.outputs[0].token_ids == ids, text
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            for tid, lp in entry.items():
+                diff = max(diff, abs(lp.logprob - float(logprobs[step, tid])))
+    return diff

@@ -163,15 +163,12 @@ class LLMEngine:
                 raise ValueError(f"{self.model_dir.name}: Qwen3-VL's deepstack features enter the first decoder "
                                  "layers, which only the first pipeline stage's tower feeds: drop "
                                  "--pipeline-parallel-size (tensor parallelism works)")
-            if getattr(self.images, "num_image_tokens", None):  # Gemma 3: an image is prefilled in one chunk
-                if config.world_size > 1:
-                    raise ValueError(f"{self.model_dir.name}: Gemma 3 vision-language models (bidirectional image "
-                                     "attention) run on one process only for now (drop --tensor-parallel-size / "
-                                     "--pipeline-parallel-size)")
-                if self.max_num_batched_tokens < self.images.num_image_tokens:
-                    raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than one "
-                                     f"image's {self.images.num_image_tokens} tokens: a Gemma 3 image attends to "
-                                     "itself bidirectionally and is never split across prefill chunks")
+            # Gemma 3: an image is prefilled in one chunk (under pipeline parallelism, in one micro-batch too)
+            if getattr(self.images, "num_image_tokens", None) and \
+                    self.max_num_batched_tokens < self.images.num_image_tokens:
+                raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than one "
+                                 f"image's {self.images.num_image_tokens} tokens: a Gemma 3 image attends to "
+                                 "itself bidirectionally and is never split across prefill chunks")
 
         self.eos_token_ids = get_eos_token_ids(self.tokenizer, self.model_dir)
         self.vocab_size = self.hf_config.vocab_size

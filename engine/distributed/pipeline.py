@@ -62,7 +62,7 @@ def split_micro_batches(inputs: StepInputs, m: int) -> list[StepInputs]:
             state_slots=None if inputs.state_slots is None else inputs.state_slots[a:b],
             state_restore=None if inputs.state_restore is None else inputs.state_restore[a:b],
             state_save=None if inputs.state_save is None else inputs.state_save[a:b],
-            images=_images_within(inputs.images, t0, t1)))
+            images=_images_within(inputs.images, t0, t1), image_spans=_spans_within(inputs.image_spans, a, b)))
     return out
 
 
@@ -70,6 +70,13 @@ def _images_within(images, t0: int, t1: int):
     """The image slices whose rows fall in [t0, t1), re-based to the micro-batch (a slice never spans two: it lies
     inside one sequence's chunk, and micro-batches hold whole sequences)."""
     inside = [replace(im, row=im.row - t0) for im in images or () if t0 <= im.row < t1]
+    return inside or None
+
+
+def _spans_within(spans, a: int, b: int):
+    """The bidirectional image spans (Gemma 3) of sequences a..b-1, re-based to the micro-batch's sequence index
+    (positions stay absolute). A span is whole in its sequence's chunk: the scheduler never cuts inside an image."""
+    inside = [(seq - a, start, end) for seq, start, end in spans or () if a <= seq < b]
     return inside or None
 
 

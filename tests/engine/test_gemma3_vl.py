@@ -1,13 +1,14 @@
 """Images in Gemma 3 (Gemma3ForConditionalGeneration): the offline engine's prompt ids, greedy tokens and logprobs
 equal transformers' with the same Gemma3Processor and weights: bidirectional attention within each image (shown to
 matter), sliding and global layers, two images, an image in a later turn, batching with a text-only request, chunked
-prefill that keeps every image whole, and prefix caching."""
+prefill that keeps every image whole, and prefix caching. Tensor and pipeline parallelism:
+tests/parallel/test_images_parallel.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from imagekit import hf_gemma3_greedy, make_image
+from imagekit import hf_gemma3_greedy, make_image, worst_logprob_diff
 from shoal.engine import LLM, SamplingParams
 
 pytest.importorskip("PIL")
@@ -32,15 +33,7 @@ def run(llm: LLM, prompts: list[tuple[str, list]]):
 
 def worst(model, outputs, prompts) -> float:
     """The largest logprob difference from transformers' (after checking prompt ids and tokens are equal)."""
-    diff = 0.0
-    for out, (text, images) in zip(outputs, prompts):
-        prompt, ids, logprobs = hf_gemma3_greedy(model, text, images, MAX_NEW)
-        assert out.prompt_token_ids == prompt, text
-        assert out.outputs[0].token_ids == ids, text
-        for step, entry in enumerate(out.outputs[0].logprobs):
-            for tid, lp in entry.items():
-                diff = max(diff, abs(lp.logprob - float(logprobs[step, tid])))
-    return diff
+    return worst_logprob_diff(hf_gemma3_greedy, model, outputs, prompts, MAX_NEW)
 
 
 def check(model, outputs, prompts):
@@ -207,8 +200,3 @@ def test_bad_images_are_refused(llm):
     with pytest.raises(ValueError, match=r"1 image placeholder\(s\) '<start_of_image>' for 2 image\(s\)"):
         engine.add_request("bad", ONE, greedy(), images=[make_image(1), make_image(2)])
     assert not engine.has_unfinished_requests()
-
-
-def test_parallel_engines_refuse_it(gemma3_vl_model):
-    with pytest.raises(ValueError, match="one process only"):
-        LLM(gemma3_vl_model, dtype="float32", num_kv_blocks=16, max_model_len=64, tensor_parallel_size=2)

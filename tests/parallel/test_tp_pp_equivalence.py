@@ -3,6 +3,8 @@ transformers: same greedy tokens, logprobs within float32 tolerance."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -145,6 +147,16 @@ def test_micro_batches_cover_the_step_in_order(m):
                            inputs.logits_indices[(inputs.logits_indices >= offset)
                                                  & (inputs.logits_indices < offset + p.input_ids.numel())])
         offset += p.input_ids.numel()
+
+
+def test_micro_batches_carry_their_sequences_image_spans():
+    # Gemma 3's bidirectional image spans (sequence, first position, end): each micro-batch gets those of its own
+    # sequences, the sequence index re-based to the micro-batch and the positions kept
+    inputs = dataclasses.replace(_plan(), image_spans=[(0, 2, 6), (2, 1, 4)])
+    first, rest = split_micro_batches(inputs, 2)  # [sequence 0], [sequences 1..3]
+    assert first.query_lens == [10] and first.image_spans == [(0, 2, 6)]
+    assert rest.image_spans == [(1, 1, 4)]
+    assert [p.image_spans for p in split_micro_batches(inputs, 4)] == [[(0, 2, 6)], None, [(0, 1, 4)], None]
 
 
 def test_offline_engine_raises_instead_of_hanging_when_a_worker_dies(llama_kv1):

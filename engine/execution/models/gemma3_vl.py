@@ -10,6 +10,9 @@ multi-modal projector in front of Shoal's Gemma 3 decoder (sliding and global la
   from core/images.Gemma3ImageInputs), and attention/layer.py runs it through SDPA with the mask OR(causal, same
   image), AND each sliding layer's window, as transformers' create_masks_for_vision_model; every other step keeps
   the configured kernels and the captured decode graphs.
+- Tensor and pipeline parallelism: the spans travel to every rank with the step's plan (each rank's SDPA masks its
+  own query heads), pipeline micro-batches carry their sequences' spans (a micro-batch holds whole sequences, so
+  never part of an image), and only the first stage builds and loads the tower and projector.
 
 Checkpoints keep the decoder under language_model.model. (or model.language_model.), the tower under vision_tower.
 (optionally .vision_model.; or model.vision_tower.), the projector under multi_modal_projector. (or
@@ -39,8 +42,10 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
         full = AutoConfig.for_model(**config.vl_config)  # the wrapper's config, kept as a dict
         self.vision_dtype = dtype
-        self.vision_tower = AutoModel.from_config(full.vision_config, dtype=dtype).eval()
-        self.multi_modal_projector = Gemma3MultiModalProjector(full).to(dtype).eval()
+        self.vision_tower = self.multi_modal_projector = None
+        if self.ps.is_first_stage:  # later pipeline stages get the embeddings, image features in place, sent on
+            self.vision_tower = AutoModel.from_config(full.vision_config, dtype=dtype).eval()
+            self.multi_modal_projector = Gemma3MultiModalProjector(full).to(dtype).eval()
 
     @torch.inference_mode()
     def encode_images(self, images: list) -> list[torch.Tensor]:
@@ -52,5 +57,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     def load_weights(self, src) -> None:
         super().load_weights(_DecoderView(src))
-        load_module(self.vision_tower, src, _VISION_PREFIXES)
-        load_module(self.multi_modal_projector, src, _PROJECTOR_PREFIXES)
+        if self.vision_tower is not None:
+            load_module(self.vision_tower, src, _VISION_PREFIXES)
+            load_module(self.multi_modal_projector, src, _PROJECTOR_PREFIXES)
