@@ -134,11 +134,13 @@ class CpuFeatures:
 
     def paths(self) -> dict[str, str]:
         """Which path each part takes, for the start-up log and `shoal-engine` diagnostics."""
-        bf16 = ("AMX tiles, one pair-layout copy of each weight (SHOAL_DISABLE_AMX=1: off)" if self.tier == "amx"
+        amx = self.tier == "amx" and os.environ.get("SHOAL_DISABLE_AMX") != "1"
+        bf16 = ("AMX tiles, one pair-layout copy of each weight (SHOAL_DISABLE_AMX=1: off)" if amx
                 else "oneDNN prepacked bf16 GEMM" if self.bf16_native
                 else "plain F.linear (no native bf16: emulated and slow; --dtype auto picks float32)")
         if self.arch == "x86_64":
-            int8 = ("oneDNN u8s8 GEMM, 8-bit weights (VNNI)" if self.int8_vnni
+            int8 = ("AMX tiles (s8 x s8, int32 sums), per-token quantization fused; oneDNN for other shapes" if amx
+                    else "oneDNN u8s8 GEMM, 8-bit weights (VNNI)" if self.int8_vnni
                     else "oneDNN u8s8 GEMM, 7-bit weights (no VNNI: 8-bit u8 x s8 pair sums would saturate int16)")
         else:
             int8 = "torch._int_mm (exact int32 sums)"

@@ -94,3 +94,83 @@ def test_engine_layers_take_the_amx_format_at_the_amx_tier_and_agree_with_f_line
         got = layer(x)
         assert got.shape == (*shape[:-1], 160)
         torch.testing.assert_close(got.float(), ref, rtol=2 ** -7, atol=3e-2)
+
+
+# ----------------------------------------------------------------------------------------- int8 W8A8 on the tiles
+
+def test_int8_pack_lays_out_quads_and_unpacks():
+    q = (torch.arange(32 * 128) % 251 - 125).to(torch.int8).view(32, 128)
+    p = amx_gemm.pack(q)
+    assert p.shape == (2, 2, 16, 64)
+    # block (nb=1, kb=1), quad row kq=5, output n=3, j=2 is q[16 + 3][64 + 4*5 + 2]
+    assert p[1, 1, 5, 3 * 4 + 2] == q[19, 86]
+    assert torch.equal(amx_gemm.unpack(p), q)
+    assert amx_gemm.int8_kernel_for(torch.zeros(16, 32, dtype=torch.int8)) is None  # inputs not a multiple of 64
+    assert amx_gemm.int8_kernel_for(torch.zeros(24, 64, dtype=torch.int8)) is None  # outputs not a multiple of 16
+    assert (amx_gemm.int8_kernel_for(torch.zeros(16, 64, dtype=torch.int8)) is not None) == \
+        (amx_gemm.load_kernel() is not None)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 300])
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 128), (160, 576)])
+def test_amx_int8_linear_is_the_exact_integer_product(m, n, k):
+    """float32 out: (x quantized per row as quantize_rows_int8 does) @ q^T in exact integers, times the scales, to
+    the last bit; bfloat16 out: the same rounded once; with weights and activations at +-127."""
+    from shoal.engine.execution.quantization.int8 import quantize_rows_int8
+
+    ops = amx_gemm.load_kernel()
+    g = torch.Generator().manual_seed(m * n)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    q[0], q[1] = 127, -127
+    ws = torch.rand(n, generator=g) * 0.01 + 1e-3
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, :] = x[0, :].abs().max()  # a row whose every value quantizes to 127
+    bias = torch.randn(n, generator=g)
+    xq, xs = quantize_rows_int8(x)
+    exact = (xq.double() @ q.double().t()).float()  # |sum| < 2**24: exact in float32
+    ref = exact * ws * xs + bias
+    got = ops.int8_linear(x, amx_gemm.pack(q), ws, bias)
+    assert got.dtype == torch.float32 and torch.equal(got, ref)
+    xb = x.bfloat16()
+    xq, xs = quantize_rows_int8(xb)
+    ref16 = ((xq.double() @ q.double().t()).float() * ws * xs + bias.bfloat16().float()).bfloat16()
+    got16 = ops.int8_linear(xb, amx_gemm.pack(q), ws, bias.bfloat16())
+    assert got16.dtype == torch.bfloat16 and torch.equal(got16, ref16)
+
+
+@needs_amx
+def test_amx_int8_kernel_refuses_mismatched_inputs():
+    ops = amx_gemm.load_kernel()
+    packed = amx_gemm.pack(torch.zeros(16, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 x"):
+        ops.int8_linear(torch.zeros(1, 64, dtype=torch.float16), packed, torch.ones(16), None)
+    with pytest.raises(RuntimeError, match="has 128 features, the weight 64"):
+        ops.int8_linear(torch.zeros(1, 128), packed, torch.ones(16), None)
+    with pytest.raises(RuntimeError, match="w_scale"):
+        ops.int8_linear(torch.zeros(1, 64), packed, torch.ones(8), None)
+    with pytest.raises(RuntimeError, match="packed int8 weight"):
+        ops.int8_linear(torch.zeros(1, 64), torch.zeros(16, 64, dtype=torch.int8), torch.ones(16), None)
+
+
+def test_int8_weight_takes_the_tiles_where_they_run_and_keeps_its_arithmetic():
+    """Int8Weight on a tile-shaped layer uses the AMX kernel exactly where it is available, dequantizes to its
+    weights, and gives the W8A8 arithmetic for float32, bfloat16 and float16 activations."""
+    from shoal.engine.execution.quantization.int8 import Int8Weight, quantize_rows_int8
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(48, 128, generator=g)
+    iw = Int8Weight.from_dense(w)
+    assert (iw.amx is not None) == (amx_gemm.load_kernel() is not None)
+    if iw.amx is None:
+        pytest.skip("no AMX tiles here: oneDNN or torch._int_mm runs (tests/engine/test_quantization.py)")
+    assert "AMX" in iw.kernel
+    q, ws = quantize_rows_int8(w)
+    torch.testing.assert_close(iw.dequantize(), q.float() * ws)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(2, 5, 128, generator=g).to(dtype)
+        xq, xs = quantize_rows_int8(x.reshape(-1, 128))
+        ref = ((xq.double() @ q.double().t()).float() * ws.reshape(-1) * xs).view(2, 5, 48)
+        got = iw.matmul(x)
+        assert got.dtype == dtype and got.shape == (2, 5, 48)
+        torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)

@@ -41,6 +41,13 @@ struct alignas(64) TileConfig {
     rows[tile] = static_cast<uint8_t>(rows_);
     colsb[tile] = static_cast<uint16_t>(rows_ ? bytes_per_row : 0);
   }
+
+  // ldtilecfg. The empty asm tells the compiler the record is read here: GCC 12 otherwise drops the stores set()
+  // made before its ldtilecfg builtin (seen: a config of zeros loaded, and SIGILL at the first tile instruction).
+  void load() const {
+    asm volatile("" : : "r"(this) : "memory");
+    _tile_loadconfig(this);
+  }
 };
 
 // 16 float32 results (+ bias, bfloat16) rounded to bfloat16, nearest even, as c10::BFloat16 rounds.

@@ -23,10 +23,13 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <type_traits>
+#include <vector>
 
 #include "amx_tiles.h"
 
@@ -54,18 +57,47 @@ void configure(int r0, int r1) {
     cfg.set(4 + a, rows[a], kK * 2);
     cfg.set(6 + a, kK / 2, kN * 4);
   }
-  _tile_loadconfig(&cfg);
+  cfg.load();
 }
 
-// Output blocks [nb0, nb0 + halves) (halves 1 or 2) for every activation row, 32 rows per pass. *configured: the
-// row count the calling thread's tiles are set for.
-void tile_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* p, const c10::BFloat16* bias,
-               c10::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t nb0, int64_t halves, int64_t* configured) {
-  const int64_t KB = K / kK;
-  const c10::BFloat16* p0 = p + nb0 * KB * kBlock;
-  const c10::BFloat16* p1 = p0 + KB * kBlock;
+// The two kinds of tile product: bfloat16 pairs into float32 (TDPBF16PS) and signed int8 quads into int32
+// (TDPBSSD). Both use the same geometry (an A tile row and a B tile row are 64 bytes, a weight block 1 KiB), so
+// the tile configuration and the loops below serve both.
+struct Bf16Tiles {
+  using In = c10::BFloat16;
+  using Acc = float;
+  static constexpr int64_t kDepth = kK;  // inputs per block
+  static constexpr bool kInt8 = false;
+};
+struct Int8Tiles {
+  using In = int8_t;
+  using Acc = int32_t;
+  static constexpr int64_t kDepth = 64;
+  static constexpr bool kInt8 = true;
+};
+// C += A B for Kind's element type (a macro: GCC's tile intrinsics paste their tile numbers into the assembly, so
+// they must be literals, not template parameters).
+#define SHOAL_TILE_PRODUCT(Kind, C, A, B) \
+  do {                                     \
+    if constexpr (Kind::kInt8)             \
+      _tile_dpbssd(C, A, B);               \
+    else                                   \
+      _tile_dpbf16ps(C, A, B);             \
+  } while (0)
+
+// Output blocks [nb0, nb0 + halves) (halves 1 or 2) for every activation row, 32 rows per pass; each finished C
+// row of 16 outputs goes to epilogue(acc, row, first output). *configured: the row count the calling thread's tiles
+// are set for.
+template <class Kind, class Epilogue>
+void tile_rows(const typename Kind::In* x, int64_t ldx, const typename Kind::In* p, int64_t M, int64_t K,
+               int64_t nb0, int64_t halves, int64_t* configured, const Epilogue& epilogue) {
+  constexpr int64_t D = Kind::kDepth, block = kN * D;
+  constexpr int64_t row_bytes = D * sizeof(typename Kind::In);
+  const int64_t KB = K / D;
+  const typename Kind::In* p0 = p + nb0 * KB * block;
+  const typename Kind::In* p1 = p0 + KB * block;
   const bool two = halves == 2;
-  alignas(64) float c[4][16 * kN];
+  alignas(64) typename Kind::Acc c[4][16 * kN];
   for (int64_t m0 = 0; m0 < M; m0 += 32) {
     const int64_t rows = std::min<int64_t>(32, M - m0);
     const int r0 = static_cast<int>(std::min<int64_t>(16, rows)), r1 = static_cast<int>(rows - r0);
@@ -73,8 +105,9 @@ void tile_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* p, cons
       configure(r0, r1);
       *configured = rows;
     }
-    const c10::BFloat16* x0 = x + m0 * ldx;
-    const c10::BFloat16* x1 = x0 + 16 * ldx;
+    const typename Kind::In* x0 = x + m0 * ldx;
+    const typename Kind::In* x1 = x0 + 16 * ldx;
+    const int64_t stride = ldx * sizeof(typename Kind::In);
     _tile_zero(0);
     _tile_zero(1);
     if (r1) {
@@ -82,17 +115,17 @@ void tile_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* p, cons
       _tile_zero(3);
     }
     for (int64_t kb = 0; kb < KB; ++kb) {
-      _tile_loadd(4, x0 + kb * kK, ldx * 2);
-      _tile_loadd(6, p0 + kb * kBlock, kN * 4);
-      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(4, x0 + kb * D, stride);
+      _tile_loadd(6, p0 + kb * block, row_bytes);
+      SHOAL_TILE_PRODUCT(Kind, 0, 4, 6);
       if (two) {
-        _tile_loadd(7, p1 + kb * kBlock, kN * 4);
-        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(7, p1 + kb * block, row_bytes);
+        SHOAL_TILE_PRODUCT(Kind, 1, 4, 7);
       }
       if (r1) {
-        _tile_loadd(5, x1 + kb * kK, ldx * 2);
-        _tile_dpbf16ps(2, 5, 6);
-        if (two) _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(5, x1 + kb * D, stride);
+        SHOAL_TILE_PRODUCT(Kind, 2, 5, 6);
+        if (two) SHOAL_TILE_PRODUCT(Kind, 3, 5, 7);
       }
     }
     _tile_stored(0, c[0], kN * 4);
@@ -103,10 +136,7 @@ void tile_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* p, cons
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t a = r / 16;
-      for (int64_t b = 0; b < halves; ++b) {
-        const int64_t n = (nb0 + b) * kN;
-        store16(c[2 * a + b] + (r % 16) * kN, bias ? bias + n : nullptr, y + (m0 + r) * N + n);
-      }
+      for (int64_t b = 0; b < halves; ++b) epilogue(c[2 * a + b] + (r % 16) * kN, m0 + r, (nb0 + b) * kN);
     }
   }
 }
@@ -144,15 +174,17 @@ void vec_linear(const c10::BFloat16* x, const c10::BFloat16* p, const c10::BFloa
   for (int64_t nb = 0; nb < NB; ++nb) vec_row(x, p, bias, y, K, nb);
 }
 
-void amx_linear(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* p, const c10::BFloat16* bias,
-                c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+// y rows [0, M) over every output block, work split over the OpenMP threads (see tile_rows for the epilogue).
+template <class Kind, class Epilogue>
+void amx_linear(const typename Kind::In* x, int64_t ldx, const typename Kind::In* p, int64_t M, int64_t N, int64_t K,
+                const Epilogue& epilogue) {
   const int64_t NB = N / kN, pairs = (NB + 1) / 2;  // two output blocks per tile pass (the last may have one)
   // Beyond one pass of rows, a task takes a panel of output pairs whose weights (~128 KiB) stay in L2 while every
   // 32-row chunk of x passes over them; otherwise each pair would re-read all of x.
   const int threads = omp_get_max_threads();
   int64_t panel = 1;
   if (M > 32)
-    panel = std::max<int64_t>(1, std::min<int64_t>(128 / (K / kK) + 1, pairs / (4 * threads)));
+    panel = std::max<int64_t>(1, std::min<int64_t>(128 / (K / Kind::kDepth) + 1, pairs / (4 * threads)));
   const int64_t tasks = (pairs + panel - 1) / panel;
 #pragma omp parallel if (N * K >= kParallelMin && threads > 1)
   {
@@ -161,11 +193,34 @@ void amx_linear(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* p, con
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t first = t * panel, last = std::min(pairs, first + panel);
       for (int64_t m0 = 0; m0 < M; m0 += 32)
-        for (int64_t pr = first; pr < last; ++pr)
-          tile_rows(x + m0 * ldx, ldx, p, bias, y + m0 * N, std::min<int64_t>(32, M - m0), N, K, 2 * pr,
-                    std::min<int64_t>(2, NB - 2 * pr), &configured);
+        for (int64_t pr = first; pr < last; ++pr) {
+          auto shifted = [&](const typename Kind::Acc* c, int64_t row, int64_t n) { epilogue(c, m0 + row, n); };
+          tile_rows<Kind>(x + m0 * ldx, ldx, p, std::min<int64_t>(32, M - m0), K, 2 * pr,
+                          std::min<int64_t>(2, NB - 2 * pr), &configured, shifted);
+        }
     }
     if (configured >= 0) _tile_release();
+  }
+}
+
+// Per-row symmetric int8 quantization of x [M, K] as quantization/int8.py's quantize_rows_int8 does it (scale =
+// max(max|x|, 1e-8) / 127, q = round(x / scale), ties to even, clamped to +-127).
+template <typename T>
+void quantize_rows_s8(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* scales) {
+#pragma omp parallel for if (M * K >= kParallelMin && omp_get_max_threads() > 1)
+  for (int64_t r = 0; r < M; ++r) {
+    const T* xr = x + r * ldx;
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < K; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xr[i])));
+    const float scale = std::max(amax, 1e-8f) / 127.0f;
+    scales[r] = scale;
+    int8_t* qr = q + r * K;
+#pragma omp simd
+    for (int64_t i = 0; i < K; ++i) {
+      const float v = std::nearbyint(static_cast<float>(xr[i]) / scale);
+      qr[i] = static_cast<int8_t>(std::min(std::max(v, -127.0f), 127.0f));
+    }
   }
 }
 #endif
@@ -200,10 +255,67 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const B* pp = static_cast<const B*>(packed.data_ptr());
   const B* bp = bias.has_value() ? static_cast<const B*>(bias->data_ptr()) : nullptr;
   B* yp = static_cast<B*>(y.data_ptr());
-  if (M >= kAmxMinRows)
-    amx_linear(xp, x.stride(0), pp, bp, yp, M, N, K);
-  else
+  if (M >= kAmxMinRows) {
+    amx_linear<Bf16Tiles>(xp, x.stride(0), pp, M, N, K, [&](const float* c, int64_t row, int64_t n) {
+      store16(c, bp ? bp + n : nullptr, yp + row * N + n);
+    });
+  } else {
     vec_linear(xp, pp, bp, yp, N, K);  // M == 1
+  }
+#endif
+  return y;
+}
+
+// int8 W8A8: y [M, N] = (x quantized per row) @ q^T, scaled back by each row's and each output's scale (+ bias),
+// in x's dtype (float32 or bfloat16). q: the int8 weight in the tiles' quad layout [N/16, K/64, 16, 64]
+// (p[kq][n][j] = q[16 nb + n][64 kb + 4 kq + j]), w_scale float32 [N], bias in x's dtype. The integer products are
+// exact (int32 sums), as oneDNN's VNNI GEMM's are; the scaling is float32: (acc * w_scale) * x_scale.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(available(), "shoal_cpu_amx.int8_linear: AMX tiles are not available in this process");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "expected float32 or bfloat16 x [M, K] with a contiguous feature axis");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
+                  packed.size(2) == kN && packed.size(3) == 64,
+              "expected the packed int8 weight [N/16, K/64, 16, 64]");
+  const int64_t M = x.size(0), N = packed.size(0) * kN, K = packed.size(1) * 64;
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
+  TORCH_CHECK(w_scale.dim() == 1 && w_scale.size(0) == N && w_scale.is_contiguous() &&
+                  w_scale.scalar_type() == at::kFloat,
+              "w_scale must be contiguous float32 [N]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() && bias->scalar_type() == dtype,
+                "bias must be contiguous [N] in x's dtype");
+  at::Tensor y = at::empty({M, N}, x.options());
+#ifdef SHOAL_AMX
+  if (M == 0) return y;
+  // A last pass of fewer than 16 rows loads only its own rows (tile rows are configured per pass).
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs;
+  xq.resize(size_t(M) * K), xs.resize(M);
+  const int8_t* qp = static_cast<const int8_t*>(packed.data_ptr());
+  const float* ws = w_scale.data_ptr<float>();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    quantize_rows_s8(static_cast<const T*>(x.data_ptr()), x.stride(0), M, K, xq.data(), xs.data());
+    const T* bp = bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
+    T* yp = static_cast<T*>(y.data_ptr());
+    const float* xsp = xs.data();
+    amx_linear<Int8Tiles>(xq.data(), K, qp, M, N, K, [&](const int32_t* c, int64_t row, int64_t n) {
+      const __m512 acc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(c)), _mm512_loadu_ps(ws + n));
+      __m512 v = _mm512_mul_ps(acc, _mm512_set1_ps(xsp[row]));
+      if constexpr (std::is_same_v<T, float>) {
+        if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + n));
+        _mm512_storeu_ps(yp + row * N + n, v);
+      } else {
+        if (bp) v = _mm512_add_ps(v, shoal_amx::load_bf16(bp + n));
+        _mm256_storeu_si256((__m256i*)(yp + row * N + n), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    });
+  };
+  if (dtype == at::kFloat) run(float{});
+  else run(c10::BFloat16{});
 #endif
   return y;
 }
@@ -213,6 +325,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
 TORCH_LIBRARY(shoal_cpu_amx, m) {
   m.def("available() -> bool", &available);
   m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(shoal_cpu_amx, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(shoal_cpu_amx, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("int8_linear", &int8_linear);
+}

@@ -395,7 +395,7 @@ void configure() {
   for (int t = 0; t < 4; ++t) cfg.set(t, kRows, kN * 4);
   cfg.set(4, kRows, kK * 2);
   for (int t = 5; t < 8; ++t) cfg.set(t, kK / 2, kN * 4);
-  _tile_loadconfig(&cfg);
+  cfg.load();
 }
 
 // c[b] [16 rows, 16] = a [16 rows, K] (row stride lda) @ output block b (K / 32 consecutive 1 KiB blocks from

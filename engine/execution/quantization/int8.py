@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from shoal.engine.execution.layers import amx_gemm
 from shoal.engine.execution.quantization.base import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,9 @@ def _cpu_kernel(weight: torch.Tensor):
 
 
 class Int8Weight(QuantizedWeight):
-    """On x86 CPUs the weight is prepacked once into oneDNN's int8 layout and one C++ call per layer quantizes the
+    """On AMX CPUs (layers/amx_gemm.py) the weight is kept in the tiles' int8 layout and one C++ call per layer
+    quantizes the activations, multiplies on the tiles (TDPBSSD: signed bytes, int32 sums) and scales back; that
+    needs out % 16 == 0 and in % 64 == 0, and other layers take the next path. On other x86 CPUs the weight is prepacked once into oneDNN's int8 layout and one C++ call per layer quantizes the
     activations, runs the int8 GEMM and scales back (measured 1.2-1.9x a prepacked bf16 matmul at batch 32 on two
     threads; the same arithmetic as separate torch ops around torch._int_mm, which also re-lays the weight out on
     every call, gained nothing). Elsewhere (CUDA) the torch ops around torch._int_mm (cuBLASLt) run."""
@@ -93,6 +96,12 @@ class Int8Weight(QuantizedWeight):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         """q: int8 [out, in] within this device's weight_limit(q.device), scale: float32 [out]."""
         self.scale = scale  # float32 [out]
+        self.amx = amx_gemm.int8_kernel_for(q)
+        if self.amx is not None:  # AMX tiles: int8 quads, exact int32 sums, per-token quantization in the same call
+            self.kernel = "dynamic W8A8 int8 (AMX tiles, fused per-token quantization)"
+            self.amx_packed = amx_gemm.pack(q)
+            self.packed = self.weight_t = None
+            return
         self.kernel_fn, limit = _cpu_kernel(q)
         if q.numel() and int(q.abs().max()) > limit:
             raise ValueError(f"int8 weights beyond +-{limit} would saturate this CPU's int8 GEMM; "
@@ -121,6 +130,19 @@ class Int8Weight(QuantizedWeight):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if self.amx is not None and x2.dtype in (torch.bfloat16, torch.float32):
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            if bias is not None and bias.dtype != x2.dtype:
+                bias = bias.to(x2.dtype)
+            return self.amx.int8_linear(x2, self.amx_packed, self.scale, bias).reshape(*shape[:-1], -1)
+        if self.amx is not None:  # float16 activations: the same arithmetic in torch ops
+            q = amx_gemm.unpack(self.amx_packed)
+            xq, xs = quantize_rows_int8(x2)
+            y = (xq.float() @ q.float().t()).mul_(self.scale).mul_(xs)
+            if bias is not None:
+                y += bias
+            return y.to(x.dtype).reshape(*shape[:-1], -1)
         if self.packed is not None:
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
@@ -137,6 +159,8 @@ class Int8Weight(QuantizedWeight):
         return y.to(x.dtype).reshape(*shape[:-1], -1)
 
     def dequantize(self) -> torch.Tensor:
+        if self.amx is not None:
+            return amx_gemm.unpack(self.amx_packed).float() * self.scale[:, None]
         if self.packed is None:
             return self.weight_t.t().float() * self.scale[:, None]
         # The packed layout is oneDNN's own: read it back by multiplying the identity (exact in int8 arithmetic).
@@ -148,4 +172,6 @@ class Int8Weight(QuantizedWeight):
         return w_t.t() * self.scale[:, None]
 
     def tensors(self) -> list[torch.Tensor]:
+        if self.amx is not None:
+            return [self.scale, self.amx_packed]
         return [self.scale] + [self.packed if self.packed is not None else self.weight_t]
