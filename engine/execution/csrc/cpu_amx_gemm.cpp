@@ -175,9 +175,15 @@ void vec_linear(const c10::BFloat16* x, const c10::BFloat16* p, const c10::BFloa
 }
 
 // y rows [0, M) over every output block, work split over the OpenMP threads (see tile_rows for the epilogue).
-template <class Kind, class Epilogue>
+// prologue() runs first inside the same parallel region (the int8 path quantizes x there: an orphaned `omp for`,
+// whose barrier ends before any tile product starts), saving a second fork/join per layer.
+struct NoPrologue {
+  void operator()() const {}
+};
+
+template <class Kind, class Epilogue, class Prologue = NoPrologue>
 void amx_linear(const typename Kind::In* x, int64_t ldx, const typename Kind::In* p, int64_t M, int64_t N, int64_t K,
-                const Epilogue& epilogue) {
+                const Epilogue& epilogue, const Prologue& prologue = {}) {
   const int64_t NB = N / kN, pairs = (NB + 1) / 2;  // two output blocks per tile pass (the last may have one)
   // Beyond one pass of rows, a task takes a panel of output pairs whose weights (~128 KiB) stay in L2 while every
   // 32-row chunk of x passes over them; otherwise each pair would re-read all of x.
@@ -188,6 +194,7 @@ void amx_linear(const typename Kind::In* x, int64_t ldx, const typename Kind::In
   const int64_t tasks = (pairs + panel - 1) / panel;
 #pragma omp parallel if (N * K >= kParallelMin && threads > 1)
   {
+    prologue();
     int64_t configured = -1;  // tile configs are per thread, and another library may have loaded its own
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
@@ -205,21 +212,26 @@ void amx_linear(const typename Kind::In* x, int64_t ldx, const typename Kind::In
 
 // Per-row symmetric int8 quantization of x [M, K] as quantization/int8.py's quantize_rows_int8 does it (scale =
 // max(max|x|, 1e-8) / 127, q = round(x / scale), ties to even, clamped to +-127).
+// 16 activations widened to float32.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) { return shoal_amx::load_bf16(x); }
+
+// Called inside a parallel region (its rows are shared among the threads) or outside one. K % 64 == 0.
 template <typename T>
 void quantize_rows_s8(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* scales) {
-#pragma omp parallel for if (M * K >= kParallelMin && omp_get_max_threads() > 1)
+#pragma omp for schedule(static)
   for (int64_t r = 0; r < M; ++r) {
     const T* xr = x + r * ldx;
-    float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t i = 0; i < K; ++i) amax = std::max(amax, std::fabs(static_cast<float>(xr[i])));
-    const float scale = std::max(amax, 1e-8f) / 127.0f;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(xr + i)));
+    const float scale = std::max(_mm512_reduce_max_ps(amax), 1e-8f) / 127.0f;
     scales[r] = scale;
+    const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     int8_t* qr = q + r * K;
-#pragma omp simd
-    for (int64_t i = 0; i < K; ++i) {
-      const float v = std::nearbyint(static_cast<float>(xr[i]) / scale);
-      qr[i] = static_cast<int8_t>(std::min(std::max(v, -127.0f), 127.0f));
+    for (int64_t i = 0; i < K; i += 16) {  // x / scale (a true division, as torch's), nearest even, clamped
+      const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(xr + i), s), _MM_FROUND_TO_NEAREST_INT |
+                                                                              _MM_FROUND_NO_EXC);
+      _mm_storeu_si128((__m128i*)(qr + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi))));
     }
   }
 }
@@ -298,7 +310,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* ws = w_scale.data_ptr<float>();
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    quantize_rows_s8(static_cast<const T*>(x.data_ptr()), x.stride(0), M, K, xq.data(), xs.data());
+    const T* xp = static_cast<const T*>(x.data_ptr());
+    int8_t* xqp = xq.data();
+    float* xsp_w = xs.data();
+    auto quantize = [&] { quantize_rows_s8(xp, x.stride(0), M, K, xqp, xsp_w); };
     const T* bp = bias.has_value() ? static_cast<const T*>(bias->data_ptr()) : nullptr;
     T* yp = static_cast<T*>(y.data_ptr());
     const float* xsp = xs.data();
@@ -312,7 +327,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         if (bp) v = _mm512_add_ps(v, shoal_amx::load_bf16(bp + n));
         _mm256_storeu_si256((__m256i*)(yp + row * N + n), (__m256i)_mm512_cvtneps_pbh(v));
       }
-    });
+    }, quantize);
   };
   if (dtype == at::kFloat) run(float{});
   else run(c10::BFloat16{});
