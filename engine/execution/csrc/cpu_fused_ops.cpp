@@ -51,7 +51,7 @@ void for_rows(int64_t rows, int64_t work, F&& body) {
 
 template <typename T>
 void add_rms_norm_impl(T* out, T* residual, const T* delta, const T* weight, int64_t rows, int64_t hidden,
-                       int64_t s_out, int64_t s_res, int64_t s_delta, float eps) {
+                       int64_t s_out, int64_t s_res, int64_t s_delta, float eps, bool unit_offset) {
   for_rows(rows, rows * hidden, [&](int64_t r) {
     T* res = residual + r * s_res;
     T* o = out + r * s_out;
@@ -72,18 +72,23 @@ void add_rms_norm_impl(T* out, T* residual, const T* delta, const T* weight, int
       }
     }
     const float inv = 1.0f / std::sqrt(sumsq / float(hidden) + eps);
+    if (unit_offset) {  // Gemma's norm: scaled by (1 + w) in float32, rounded once
 #pragma omp simd
-    for (int64_t i = 0; i < hidden; ++i) {
-      // Reference (reduced precision): normalise in float32, round to T, then scale by the weight in T.
-      o[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(res[i]) * inv));
+      for (int64_t i = 0; i < hidden; ++i) o[i] = from_float<T>(to_float(res[i]) * inv * (1.0f + to_float(weight[i])));
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) {
+        // Reference (reduced precision): normalise in float32, round to T, then scale by the weight in T.
+        o[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(res[i]) * inv));
+      }
     }
   });
 }
 
 // out = rms_norm(residual + delta) * weight, with residual += delta stored in place; delta may be absent (then
-// out = rms_norm(residual) * weight and residual is left alone).
+// out = rms_norm(residual) * weight and residual is left alone). unit_offset: Gemma's norm, * (1 + weight).
 void add_rms_norm(const at::Tensor& out, const at::Tensor& residual, const std::optional<at::Tensor>& delta,
-                  const at::Tensor& weight, double eps) {
+                  const at::Tensor& weight, double eps, bool unit_offset) {
   TORCH_CHECK(residual.dim() == 2 && out.sizes() == residual.sizes(), "expected out and residual [T, hidden]");
   const int64_t rows = residual.size(0), hidden = residual.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous(), "weight must be [hidden]");
@@ -101,7 +106,7 @@ void add_rms_norm(const at::Tensor& out, const at::Tensor& residual, const std::
     add_rms_norm_impl<T>(static_cast<T*>(out.data_ptr()), static_cast<T*>(residual.data_ptr()),
                          delta.has_value() ? static_cast<const T*>(delta->data_ptr()) : nullptr,
                          static_cast<const T*>(weight.data_ptr()), rows, hidden, out.stride(0), residual.stride(0),
-                         s_delta, float(eps));
+                         s_delta, float(eps), unit_offset);
   };
   if (dtype == at::kFloat) launch(float{});
   else if (dtype == at::kBFloat16) launch(c10::BFloat16{});
@@ -143,6 +148,47 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& in) {
   else if (dtype == at::kBFloat16) launch(c10::BFloat16{});
   else if (dtype == at::kHalf) launch(c10::Half{});
   else TORCH_CHECK(false, "silu_and_mul supports float32/bfloat16/float16, got ", dtype);
+}
+
+// ------------------------------------------------------------------------------------------------------ GeGLU
+
+// out [T, I] = gelu_tanh(in[:, :I]) * in[:, I:]: F.gelu(approximate="tanh")'s result rounded to T, then the product
+// rounded (the reference's two ops), with the saturating exponential of fast_math.h.
+template <typename T>
+void gelu_tanh_and_mul_impl(T* out, const T* in, int64_t rows, int64_t inter, int64_t s_out, int64_t s_in) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
+  for_rows(rows, rows * inter, [&](int64_t r) {
+    const T* g = in + r * s_in;
+    const T* u = g + inter;
+    T* o = out + r * s_out;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = to_float(g[i]);
+      const float z = kSqrt2OverPi * (x + kCubic * x * x * x);
+      // 0.5 x (1 + tanh z) as the reference writes it (x / (1 + e^-2z) would be more accurate where tanh z is
+      // near -1, but the reference's own cancellation there is what the model was run with: -100 gives 0, not -6e-37)
+      const float t = 1.0f - 2.0f / (exp_approx(2.0f * z) + 1.0f);
+      o[i] = from_float<T>(round_to<T>(0.5f * x * (1.0f + t)) * to_float(u[i]));
+    }
+  });
+}
+
+void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& in) {
+  TORCH_CHECK(in.dim() == 2 && in.size(1) % 2 == 0, "expected in [T, 2 * intermediate]");
+  const int64_t rows = in.size(0), inter = in.size(1) / 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == inter, "expected out [T, intermediate]");
+  TORCH_CHECK(in.stride(1) == 1 && out.stride(1) == 1, "the feature axis must be contiguous");
+  const auto dtype = in.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype, "in and out dtypes differ");
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    gelu_tanh_and_mul_impl<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(in.data_ptr()), rows, inter,
+                              out.stride(0), in.stride(0));
+  };
+  if (dtype == at::kFloat) launch(float{});
+  else if (dtype == at::kBFloat16) launch(c10::BFloat16{});
+  else if (dtype == at::kHalf) launch(c10::Half{});
+  else TORCH_CHECK(false, "gelu_tanh_and_mul supports float32/bfloat16/float16, got ", dtype);
 }
 
 // ------------------------------------------------------------------------------------------------------- RoPE
@@ -325,8 +371,10 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY(shoal_cpu_fused, m) {
-  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor? delta, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor? delta, Tensor weight, float eps, "
+        "bool unit_offset=False) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_zero_point, Tensor? bias) -> Tensor");
@@ -335,6 +383,7 @@ TORCH_LIBRARY(shoal_cpu_fused, m) {
 TORCH_LIBRARY_IMPL(shoal_cpu_fused, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("int8_linear", &int8_linear);
   m.impl("argmax_rows", &argmax_rows);

@@ -28,11 +28,15 @@ def get_activation(name: str):
 
 def act_and_mul(name: str):
     """act(gate) * up for gate_up = [gate | up] along the last dim (a merged gate/up projection's output): SwiGLU
-    for silu (the fused kernel), GeGLU for the gelu variants."""
+    for silu, GeGLU for the gelu variants (the tanh approximation through the fused kernel too)."""
     if name in ("silu", "swish"):
         from shoal.engine.execution.layers.fused import silu_and_mul
 
         return silu_and_mul
+    if name in ("gelu_new", "gelu_fast", "gelu_pytorch_tanh"):
+        from shoal.engine.execution.layers.fused import gelu_tanh_and_mul
+
+        return gelu_tanh_and_mul
     act = get_activation(name)
 
     def gated(gate_up):

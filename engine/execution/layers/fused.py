@@ -1,4 +1,5 @@
-"""Fused decoder-layer steps: residual add + RMSNorm, SwiGLU, RoPE in place on a fused QKV projection.
+"""Fused decoder-layer steps: residual add + RMSNorm (also Gemma's (1 + w) form), SwiGLU, GeGLU (tanh), RoPE in
+place on a fused QKV projection.
 
 Each function has a torch reference (`*_reference`, the exact op sequence the unfused layers ran) and, on CPU, a
 C++ kernel (csrc/cpu_fused_ops.cpp) that does the same arithmetic in one call: in a decode step these steps touch
@@ -59,23 +60,33 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(x.dtype)
 
 
+def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's norm: the checkpoint stores w and the scale is (1 + w), applied in float32 before one rounding."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
 def add_rms_norm_reference(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> torch.Tensor:
+                           eps: float, unit_offset: bool = False) -> torch.Tensor:
     if delta is not None:
         residual.add_(delta)
+    if unit_offset:
+        return gemma_rms_norm_reference(residual, weight, eps)
     return rms_norm_reference(residual, weight, eps)
 
 
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    """rms_norm(residual + delta) * weight, with `residual += delta` done in place (the residual stream moves
-    on); `delta=None` normalises residual alone and leaves it unchanged."""
+                 eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """rms_norm(residual + delta) * weight (unit_offset: * (1 + weight), Gemma's form), with `residual += delta`
+    done in place (the residual stream moves on); `delta=None` normalises residual alone and leaves it
+    unchanged."""
     ops = _kernels_for(residual)
     if ops is None or residual.dim() != 2 or residual.stride(1) != 1 or (
             delta is not None and (delta.dtype != residual.dtype or delta.stride(-1) != 1)):
-        return add_rms_norm_reference(residual, delta, weight, eps)
+        return add_rms_norm_reference(residual, delta, weight, eps, unit_offset)
     out = torch.empty_like(residual)
-    ops.add_rms_norm(out, residual, delta, weight, eps)
+    ops.add_rms_norm(out, residual, delta, weight, eps, unit_offset)
     return out
 
 
@@ -94,6 +105,24 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_reference(gate_up)
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     ops.silu_and_mul(out, gate_up)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- GeGLU
+
+
+def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for gate_up = [gate | up] along the last dim (Gemma's GeGLU)."""
+    ops = _kernels_for(gate_up)
+    if ops is None or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        return gelu_tanh_and_mul_reference(gate_up)
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    ops.gelu_tanh_and_mul(out, gate_up)
     return out
 
 

@@ -33,15 +33,11 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps, unit_offset=True)
 
     def add_and_norm(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """norm(residual + delta), adding delta into the residual stream in place (as RMSNorm.add_and_norm)."""
-        if delta is not None:
-            residual.add_(delta)
-        return self(residual)
+        return add_rms_norm(residual, delta, self.weight, self.eps, unit_offset=True)
 
 
 class LayerNorm(nn.Module):
