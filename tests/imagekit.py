@@ -31,6 +31,25 @@ def image_part(data: bytes, mime: str = "image/png") -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(data, mime)}}
 
 
+def rendered(content_text: str) -> str:
+    """The tiny models' chat template rendering a one-message chat (generation prompt added): chat's prompt as
+    text, what a completions request sends to be answered as that chat."""
+    from jinja2 import Template
+
+    from shoal.engine.tools.tiny_model import CHAT_TEMPLATE
+
+    return Template(CHAT_TEMPLATE).render(messages=[{"role": "user", "content": content_text}],
+                                          add_generation_prompt=True)
+
+
+def complete(client, prompt, images: list, max_tokens: int, stream: bool = False):
+    """A greedy completion (openai client) with `images` as multi_modal_data's "image" list; no special tokens are
+    added, as none are to chat's rendered prompt."""
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     stream=stream, extra_body={"ignore_eos": True, "add_special_tokens": False,
+                                                                "multi_modal_data": {"image": images}})
+
+
 @functools.lru_cache(maxsize=2)
 def _hf_llava(model_dir: str):
     import transformers as tf

@@ -187,13 +187,19 @@ class ImageInputs:
         n = (pixels.shape[-2] // p.patch_size) * (pixels.shape[-1] // p.patch_size) + p.num_additional_image_tokens
         return n - 1 if p.vision_feature_select_strategy == "default" else n
 
+    def placeholders(self, token_ids: list[int], num_images: int) -> list[int]:
+        """Where the prompt's image placeholder tokens are; ImageError unless there is one per image (checked before
+        any image is fetched or processed, by the server's completions path, and again as the prompt is placed)."""
+        marks = [i for i, t in enumerate(token_ids) if t == self.token_id]
+        if len(marks) != num_images:
+            raise ImageError(f"the prompt has {len(marks)} image placeholder(s) {self.token!r} for {num_images} "
+                             "image(s)")
+        return marks
+
     def place(self, token_ids: list[int], images: list[ProcessedImage], block_size: int
               ) -> tuple[list[int], PromptImages]:
         """The prompt with each image placeholder token expanded to its image's tokens, and the images' places."""
-        marks = [i for i, t in enumerate(token_ids) if t == self.token_id]
-        if len(marks) != len(images):
-            raise ImageError(f"the prompt has {len(marks)} image placeholder(s) {self.token!r} for {len(images)} "
-                             "image(s)")
+        marks = self.placeholders(token_ids, len(images))
         out, placed, last = [], [], 0
         for mark, image in zip(marks, images):
             out += token_ids[last:mark]
@@ -274,10 +280,7 @@ class Gemma3ImageInputs(ImageInputs):
 
     def place(self, token_ids: list[int], images: list[ProcessedImage], block_size: int
               ) -> tuple[list[int], PromptImages]:
-        marks = [i for i, t in enumerate(token_ids) if t == self.token_id]
-        if len(marks) != len(images):
-            raise ImageError(f"the prompt has {len(marks)} image placeholder(s) {self.token!r} for {len(images)} "
-                             "image(s)")
+        marks = self.placeholders(token_ids, len(images))
         # text pieces around the placeholders, each with the newlines the expansion puts next to it
         pieces = [token_ids[a + 1:b] for a, b in zip([-1] + marks, marks + [len(token_ids)])]
         out, starts = [], []

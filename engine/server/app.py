@@ -44,7 +44,7 @@ from shoal.engine.server.common import (
     read_json,
     require_loaded,
 )
-from shoal.engine.server.images import chat_images
+from shoal.engine.server.images import chat_images, completion_images
 from shoal.engine.server.keys import KeySet
 from shoal.engine.server.metrics import ServerMetrics
 from shoal.engine.server.response_store import ResponseStore
@@ -330,6 +330,7 @@ async def tokenize_route(request: web.Request) -> web.Response:
     if req.prompt is not None:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = list(tok.encode(req.prompt, add_special_tokens=add_special))
+        images = await completion_images(state, req.multi_modal_data, [ids])
     else:
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools:
@@ -338,11 +339,11 @@ async def tokenize_route(request: web.Request) -> web.Response:
                                  req.continue_final_message, kwargs,
                                  add_special_tokens=bool(req.add_special_tokens))
         images = await chat_images(state, req.messages)
-        if images:  # each image's placeholder expanded to its tokens, as the engine counts them
-            try:
-                ids, placed = state.engine.images.place(ids, images, 1)
-            except ValueError as e:
-                raise APIError(str(e), 400, param="messages") from None
+    if images:  # each image's placeholder expanded to its tokens, as the engine counts them
+        try:
+            ids, placed = state.engine.images.place(ids, images, 1)
+        except ValueError as e:
+            raise APIError(str(e), 400, param="prompt" if req.prompt is not None else "messages") from None
     out = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
     if placed is not None:
         # Shoal's addition: where each image's tokens sit and the digest its KV blocks are keyed by (kv_hash), so a

@@ -1,4 +1,5 @@
-"""Fetching image_url http(s) URLs for the chat path, off unless --allowed-media-domains lists hosts.
+"""Fetching image http(s) URLs (chat's image_url parts, a completions request's multi_modal_data), off unless
+--allowed-media-domains lists hosts.
 
 A fetch is one image from one listed host, under --media-fetch-timeout (the whole chain: redirects, connecting,
 reading) and --media-fetch-max-bytes (counted while the body is read, after content decoding, so a gzip bomb
@@ -14,7 +15,8 @@ stops at the cap; a larger Content-Length is refused before the body is read). A
   refused always. An IP literal in the URL gets the same checks;
 * no proxy from the environment, no cookies kept, no credentials sent.
 
-Every failure is an APIError 400 naming the content part (messages[i].content[j]) with a specific `code`.
+Every failure is an APIError 400 naming the image (messages[i].content[j], multi_modal_data.image[i]) with a
+specific `code`.
 """
 
 from __future__ import annotations
@@ -76,8 +78,14 @@ class _GuardedResolver(AbstractResolver):
         await self._inner.close()
 
 
+def param_of(where: str) -> str:
+    """The request field an image's place names: "messages" for messages[i].content[j], "multi_modal_data" for
+    multi_modal_data.image[i] (a completions request's images)."""
+    return where.partition("[")[0].partition(".")[0]
+
+
 def _error(where: str, message: str, code: str) -> APIError:
-    return APIError(f"{where}: {message}", 400, param="messages", code=code)
+    return APIError(f"{where}: {message}", 400, param=param_of(where), code=code)
 
 
 class MediaFetcher:

@@ -1,4 +1,5 @@
 """/v1/completions and /v1/chat/completions: request -> SamplingParams -> AsyncEngine -> OpenAI JSON or SSE.
+Images come as chat's image_url parts or a completion's multi_modal_data, both through server/images.py.
 
 The engine streams deltas (only what is new since its previous output: display-safe text, token ids, logprobs),
 so a streamed chunk is one delta rendered as the endpoint's choice, and a full response is the deltas added up.
@@ -33,7 +34,7 @@ from shoal.engine.server.common import (
     read_json,
     require_loaded,
 )
-from shoal.engine.server.images import chat_images
+from shoal.engine.server.images import chat_images, completion_images
 from shoal.engine.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -570,6 +571,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             jobs.append(Job(ids, p))
         else:
             jobs.append(Job(list(p), ""))
+    # the images of multi_modal_data (Shoal's extension), one per image placeholder the prompt (text or ids) holds
+    jobs[0].images = await completion_images(state, req.multi_modal_data, [j.prompt_ids for j in jobs])
     kw = req.sampling_kwargs()
     kw["max_tokens"] = req.max_tokens
     if req.logprobs is not None:

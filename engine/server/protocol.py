@@ -187,6 +187,10 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     suffix: str | None = None
     add_special_tokens: StrictBool = True
+    # Shoal's extension (vLLM's OpenAI server has no way to send images on completions): the prompt's images,
+    # {"image": [{"url": "data:image/...;base64,..." | "https://..."}, ...]}, one per image placeholder written in
+    # the prompt, in order; named after the offline API's (and vLLM's) prompt field, each image as chat's image_url
+    multi_modal_data: dict[str, Any] | None = None
 
     _suffix = field_validator("suffix")(_refused_when_set)
 
@@ -326,6 +330,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    multi_modal_data: dict[str, Any] | None = None  # with a prompt: its images, as /v1/completions takes them
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

@@ -1,7 +1,8 @@
 """image_url http(s) URLs through the real `shoal-engine serve` and the openai client: fetched only from the hosts
 --allowed-media-domains lists, with a byte cap, a time cap and SSRF checks (engine/server/media.py), and the
-per-image pixel budget (--max-image-pixels). Each refusal is a 400 with its code naming the content part, and leaves
-nothing running and no KV block held.
+per-image pixel budget (--max-image-pixels), for chat's image_url parts and a completions request's
+multi_modal_data alike. Each refusal is a 400 with its code naming the content part (or multi_modal_data.image[i]),
+and leaves nothing running and no KV block held.
 
 The images are served by an aiohttp app in a thread on 127.0.0.1, listed as `localhost`: a loopback address, which
 the fetcher refuses unless --media-fetch-allow-private-addresses is given, so the server here opts into it
@@ -19,7 +20,7 @@ import pytest
 from aiohttp import web
 from openai import OpenAI
 
-from imagekit import encode, image_part, make_image
+from imagekit import complete, data_url, encode, image_part, make_image, rendered
 from .conftest import metric
 from .test_openai_server import wait_idle
 
@@ -129,6 +130,21 @@ def test_a_fetched_image_answers_as_its_data_url(client, host):
         assert got.choices[0].message.content == want, path
 
 
+def ask(client, route: str, url: str):
+    """The question about the image at `url`, through chat or as a completion of chat's rendered prompt."""
+    if route == "chat":
+        return chat(client, [{"type": "text", "text": QUESTION}, url_part(url)])
+    return complete(client, rendered(f"{QUESTION}\n<image>"), [{"url": url}], MAX)
+
+
+def test_a_fetched_image_on_completions_answers_as_chat(client, host):
+    want = chat(client, [{"type": "text", "text": QUESTION}, image_part(PNG)]).choices[0].message.content
+    assert ask(client, "completions", data_url(PNG)).choices[0].text == want
+    assert ask(client, "completions", host.url("/same-host")).choices[0].text == want
+
+
+@pytest.mark.parametrize("route, where", [("chat", "messages[0].content[1]"),
+                                          ("completions", "multi_modal_data.image[0]")])
 @pytest.mark.parametrize("path, code, message", [
     ("/img.png?host=other", "image_url_domain_not_allowed", "not one this server fetches images from"),
     ("/off-list", "image_url_redirect_not_allowed", "127.0.0.1 is not one this server fetches"),
@@ -140,12 +156,12 @@ def test_a_fetched_image_answers_as_its_data_url(client, host):
     ("/big.png", "image_too_many_pixels", "100x100 = 10000 pixels, more than the budget of 5000"),
     ("/header-only.png", "image_too_many_pixels", "10000x5000"),  # refused from the header, before decoding
 ])
-def test_a_refused_fetch_is_a_400_naming_the_part(client, server, host, path, code, message):
+def test_a_refused_fetch_is_a_400_naming_the_part(client, server, host, route, where, path, code, message):
     url = host.url(path.split("?")[0], "127.0.0.1" if "host=other" in path else "localhost")
     with pytest.raises(openai.BadRequestError, match=message) as e:
-        chat(client, [{"type": "text", "text": QUESTION}, url_part(url)])
+        ask(client, route, url)
     assert e.value.code == code
-    assert "- messages[0].content[1]: " in e.value.message
+    assert f"- {where}: " in e.value.message and e.value.param == where.partition("[")[0].partition(".")[0]
     m = wait_idle(server)
     assert metric(m, "shoal:num_requests_running") + metric(m, "shoal:num_requests_waiting") == 0
     assert metric(m, "shoal:kv_cache_usage_perc") == 0
@@ -156,6 +172,9 @@ def test_the_pixel_budget_holds_for_data_urls(client, server):
         chat(client, [{"type": "text", "text": QUESTION}, image_part(PNG), image_part(BIG)])
     assert e.value.code == "image_too_many_pixels" and "messages[0].content[2]" in e.value.message
     assert chat(client, [{"type": "text", "text": QUESTION}, image_part(PNG)]).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="more than the budget of 5000 pixels") as e:
+        complete(client, "<image><image>", [data_url(PNG), data_url(BIG)], MAX)
+    assert e.value.code == "image_too_many_pixels" and "multi_modal_data.image[1]" in e.value.message
 
 
 def test_loopback_is_refused_without_the_opt_in(host):

@@ -1,7 +1,9 @@
 """Images through the real `shoal-engine serve` process and the official openai client: base64 data-URL image_url
 parts in /v1/chat/completions, streamed and not, answer what the offline engine (itself equal to transformers'
-LLaVA, tests/engine/test_images.py) answers for the same prompt and image; /v1/models says the model takes images;
-bad images are a clear 400 that leaves nothing running and no KV block held."""
+LLaVA, tests/engine/test_images.py) answers for the same prompt and image; /v1/completions with the same images in
+multi_modal_data and the chat template's rendering as its prompt answers as chat and transformers do; /v1/models
+says the model takes images; bad images are a clear 400 (on both routes) that leaves nothing running and no KV
+block held."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from imagekit import encode, image_part, make_image
-from shoal.engine.tools.tiny_model import CHAT_TEMPLATE, IMAGE_TOKEN
+from imagekit import complete, data_url, encode, hf_llava_greedy, image_part, make_image, rendered
+from shoal.engine.tools.tiny_model import IMAGE_TOKEN
 from .conftest import metric
 from .test_openai_server import wait_idle
 
@@ -48,12 +50,9 @@ def content_image(data: bytes):
 
 def offline(model_dir, content_text: str, images: list):
     """The offline engine's (greedy text, prompt length) for a one-message chat."""
-    from jinja2 import Template
-
     from shoal.engine import LLM, SamplingParams
 
-    prompt = Template(CHAT_TEMPLATE).render(messages=[{"role": "user", "content": content_text}],
-                                            add_generation_prompt=True)
+    prompt = rendered(content_text)
     with LLM(model=model_dir, dtype="float32", num_kv_blocks=64, max_model_len=128, block_size=4) as llm:
         out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
                            SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True), use_tqdm=False)
@@ -99,7 +98,35 @@ def test_chat_with_images_equals_the_offline_engine(client, server, llava_model)
     assert other.choices[0].message.content != want
 
 
-@pytest.mark.parametrize("part, message", [
+def test_completion_with_images_answers_as_chat_and_transformers(client, server, llava_model):
+    from transformers import AutoTokenizer
+
+    a, b = make_image(31), encode(make_image(32, 50, 30), "JPEG")
+    content = [{"type": "text", "text": QUESTION}, image_part(encode(a)), image_part(b, "image/jpeg")]
+    want = chat(client, content)
+    prompt = rendered(f"{QUESTION}\n{IMAGE_TOKEN}\n{IMAGE_TOKEN}")
+    images = [{"url": data_url(encode(a))}, data_url(b, "image/jpeg")]  # the {"url"} form, or the URL itself
+    r = complete(client, prompt, images, MAX)
+    assert r.choices[0].text == want.choices[0].message.content
+    assert r.usage.prompt_tokens == want.usage.prompt_tokens  # each image counts its tokens
+    hf_prompt, hf_ids = hf_llava_greedy(llava_model, prompt, [a, content_image(b)], MAX)
+    assert r.usage.prompt_tokens == len(hf_prompt)
+    assert r.choices[0].text == AutoTokenizer.from_pretrained(llava_model).decode(hf_ids)
+    assert "".join(c.choices[0].text for c in complete(client, prompt, images, MAX, stream=True) if c.choices) == \
+        r.choices[0].text
+    # /tokenize counts the prompt with its images as the completion does
+    status, body, _ = server.post("/tokenize", {"model": "tiny", "prompt": prompt, "add_special_tokens": False,
+                                                "multi_modal_data": {"image": images}})
+    assert status == 200 and body["count"] == r.usage.prompt_tokens and len(body["images"]) == 2
+    # the prompt as token ids, its placeholders among them, is the same request
+    status, ids, _ = server.post("/tokenize", {"model": "tiny", "prompt": prompt, "add_special_tokens": False})
+    assert complete(client, ids["tokens"], images, MAX).choices[0].text == r.choices[0].text
+    # the images in the other order are another answer: they go to the placeholders in order
+    swapped = complete(client, prompt, images[::-1], MAX).choices[0].text
+    assert swapped != r.choices[0].text
+
+
+BAD_IMAGES = [
     (image_part(b"\x89PNG\r\n\x1a\n not really"), "corrupt"),
     (image_part(encode(make_image(1))[:120]), "corrupt or truncated"),
     (image_part(encode(make_image(1), "TIFF"), "image/tiff"), "supported formats"),
@@ -107,13 +134,49 @@ def test_chat_with_images_equals_the_offline_engine(client, server, llava_model)
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
     ({"type": "image_url", "image_url": {}}, "needs"),
     ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "must be a base64 data URL"),
-])
-def test_bad_images_are_a_clear_400(client, server, part, message):
-    with pytest.raises(openai.BadRequestError, match=message):
-        chat(client, [{"type": "text", "text": QUESTION}, part])
+]
+
+
+def assert_nothing_held(server) -> None:
     m = wait_idle(server)
     assert metric(m, "shoal:num_requests_running") + metric(m, "shoal:num_requests_waiting") == 0
     assert metric(m, "shoal:kv_cache_usage_perc") == 0
+
+
+@pytest.mark.parametrize("part, message", BAD_IMAGES)
+def test_bad_images_are_a_clear_400(client, server, part, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        chat(client, [{"type": "text", "text": QUESTION}, part])
+    assert_nothing_held(server)
+
+
+@pytest.mark.parametrize("part, message", BAD_IMAGES)
+def test_bad_completion_images_are_chats_400(client, server, part, message):
+    with pytest.raises(openai.BadRequestError, match=message) as e:
+        complete(client, f"{IMAGE_TOKEN} {QUESTION}", [part["image_url"]], MAX)
+    assert e.value.body["param"] == "multi_modal_data" and "multi_modal_data.image[0]: " in e.value.message
+    assert_nothing_held(server)
+
+
+PNG = data_url(encode(make_image(5)))
+
+
+@pytest.mark.parametrize("prompt, data, message", [
+    (f"{IMAGE_TOKEN} {QUESTION}", {"image": [PNG, PNG]}, r"1 image placeholder\(s\) '<image>' for 2 image\(s\)"),
+    (QUESTION, {"image": [PNG]}, r"0 image placeholder\(s\) '<image>' for 1 image\(s\)"),
+    (f"{IMAGE_TOKEN}{IMAGE_TOKEN} {QUESTION}", {"image": [PNG]}, r"2 image placeholder\(s\) '<image>' for 1 image"),
+    (f"{IMAGE_TOKEN}" * 3, {"image": [PNG] * 3}, "more than the limit of 2"),
+    ([f"{IMAGE_TOKEN} a", f"{IMAGE_TOKEN} b"], {"image": [PNG]}, "goes with one prompt, not a batch of 2"),
+    (f"{IMAGE_TOKEN} {QUESTION}", {"video": [PNG]}, "only \"image\" is supported"),
+    (f"{IMAGE_TOKEN} {QUESTION}", {"image": [{"url": 7}]}, "needs"),
+])
+def test_completion_images_that_do_not_fit_the_prompt_are_a_400(client, server, prompt, data, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX, extra_body={"multi_modal_data": data})
+    with pytest.raises(openai.BadRequestError, match=message):  # streamed: refused before the stream starts
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX, stream=True,
+                                  extra_body={"multi_modal_data": data})
+    assert_nothing_held(server)
 
 
 def test_too_many_images_is_a_400_and_the_server_still_answers(client, server):
@@ -129,6 +192,10 @@ def test_text_only_model_refuses_images(start_server, llama_model):
     assert c.models.list().data[0].model_extra["input_modalities"] == ["text"]
     with pytest.raises(openai.BadRequestError, match="takes text only"):
         chat(c, [{"type": "text", "text": QUESTION}, image_part(encode(make_image(0)))])
+    with pytest.raises(openai.BadRequestError, match="takes text only: it cannot be given images") as e:
+        complete(c, QUESTION, [data_url(encode(make_image(0)))], MAX)
+    assert e.value.body["code"] == "images_not_supported"
+    assert c.completions.create(model="tiny", prompt=QUESTION, max_tokens=2).choices[0].text is not None
 
 
 def test_anthropic_image_blocks_answer_as_chat(client, server):
