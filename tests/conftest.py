@@ -129,6 +129,30 @@ def qwen3_vl_model(tmp_path_factory):
     return make_qwen3_vl_model(tmp_path_factory.mktemp("model-qwen3-vl"))
 
 
+@pytest.fixture(scope="session")
+def qwen3_5_vl_model(tmp_path_factory):
+    """A tiny Qwen3.5 vision-language model (Qwen3-VL's two-block ViT without deepstack over the hybrid Gated DeltaNet
+    decoder, partial interleaved M-RoPE) with its image processor (patch 16): images as qwen3_vl_model's."""
+    import transformers
+
+    from shoal.engine.tools.tiny_model import make_qwen3_5_vl_model
+
+    transformers.logging.set_verbosity_error()
+    return make_qwen3_5_vl_model(tmp_path_factory.mktemp("model-qwen3_5-vl"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_vl_model(tmp_path_factory):
+    """qwen3_5_vl_model with the MoE decoder (Qwen3_5MoeForConditionalGeneration: 4 experts top-2, a shared
+    expert)."""
+    import transformers
+
+    from shoal.engine.tools.tiny_model import make_qwen3_5_vl_model
+
+    transformers.logging.set_verbosity_error()
+    return make_qwen3_5_vl_model(tmp_path_factory.mktemp("model-qwen3_5-moe-vl"), moe=True)
+
+
 
 @pytest.fixture(scope="session")
 def gemma3_vl_model(tmp_path_factory):

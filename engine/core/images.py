@@ -333,7 +333,8 @@ def _digest(pixels: torch.Tensor, grid: tuple | None = None) -> bytes:
 
 def image_inputs(model_dir: Path, hf_config, limit: int, max_pixels: int, tokenizer=None) -> ImageInputs:
     """The image path of the served vision-language model's family."""
-    qwen = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+    qwen = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+            "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
     family = getattr(hf_config, "vl_family", None)
     cls = (QwenVLImageInputs if family in qwen else Gemma3ImageInputs if family == "Gemma3ForConditionalGeneration"
            else ImageInputs)

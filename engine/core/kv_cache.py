@@ -228,9 +228,11 @@ class BlockPool:
             self.events.append(("AllBlocksCleared",))
         return True
 
-    def prefix_hash(self, token_ids: list[int], num_blocks: int, salt: int | None = None) -> int:
-        """The chained hash of the first num_blocks full blocks of token_ids (the key of their prefix)."""
-        return list(_hash_chain(token_ids[:num_blocks * self.block_size], self.block_size, 0, chain_root(salt)))[-1]
+    def prefix_hash(self, token_ids: list[int], num_blocks: int, salt: int | None = None, extra_keys=None) -> int:
+        """The chained hash of the first num_blocks full blocks of token_ids (the key of their prefix; with the
+        sequence's images, `extra_keys`, as lookup_prefix hashes them)."""
+        return list(_hash_chain(token_ids[:num_blocks * self.block_size], self.block_size, 0, chain_root(salt),
+                                extra_keys))[-1]
 
     def check_all_free(self) -> None:
         """Raise if any block is still referenced (used by tests and on shutdown)."""

@@ -161,7 +161,9 @@ class Scheduler:
         b = self._checkpoint_at(seq)
         if not b or seq.num_computed_tokens + n != b:
             return -1
-        slot = self.checkpoints.put(self.pool.prefix_hash(seq.token_ids, b // self.block_size, seq.lora_id))
+        # keyed as lookup_prefix hashes the block: with the images it holds (the same tokens, another image, differ)
+        images = seq.images.block_key if seq.images is not None else None
+        slot = self.checkpoints.put(self.pool.prefix_hash(seq.token_ids, b // self.block_size, seq.lora_id, images))
         return -1 if slot is None else slot
 
     def _usable_prefix(self, hashes: list[int]) -> int:

@@ -71,11 +71,20 @@ def load_hf_config(model_dir: Path, trust_remote_code: bool = False):
 
     try:
         config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
-        return text_decoder_config(config)  # a vision-language checkpoint: its text decoder
+        # a vision-language checkpoint: its text decoder (and the family's tower where it has its image processor)
+        return text_decoder_config(config, has_image_processor(model_dir))
     except (ValueError, StrictDataclassError) as e:
         raise WeightError(f"{model_dir}/config.json: {e}") from None
     except OSError as e:
         raise WeightError(f"{model_dir}/config.json: cannot be read ({e})") from None
+
+
+def has_image_processor(model_dir: Path) -> bool:
+    """Whether a checkpoint directory keeps an image processor's config (on its own, or in the processor's)."""
+    if (model_dir / "preprocessor_config.json").exists():
+        return True
+    processor = model_dir / "processor_config.json"
+    return processor.exists() and "image_processor" in processor.read_text()
 
 
 def resolve_dtype(choice: str, hf_config, device: torch.device) -> torch.dtype:

@@ -379,13 +379,12 @@ def make_llava_model(path: str | os.PathLike, seed: int = 0, image_size: int = 5
 QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def make_qwen2_5_vl_model(path: str | os.PathLike, seed: int = 0, text: dict | None = None,
-                          tower: dict | None = None, max_pixels: int = 112 * 112, qwen2: bool = False) -> Path:
-    """A random-weight Qwen2.5-VL directory (Qwen2_5_VLForConditionalGeneration: its windowed ViT with the 2x2 patch
-    merger, M-RoPE over a small Qwen2 decoder) with its processor: the tiny tokenizer plus Qwen's vision tokens, and
-    Qwen2VLImageProcessor (patch 14, merge 2: an image is smart-resized to multiples of 28 pixels, each 28x28 one
-    token; at most `max_pixels`). `text` and `tower` override the decoder's and the vision tower's config. qwen2:
-    a Qwen2-VL instead (Qwen2VLForConditionalGeneration: its full-attention ViT)."""
+def _save_qwen_vl(path: str | os.PathLike, seed: int, make_config, model_cls: str, patch: int,
+                  max_pixels: int) -> Path:
+    """A random-weight Qwen vision-language directory: `make_config(vocab_size, tokens)` (tokens: the vision token
+    ids as the wrapper config's keyword arguments) gives the config of transformers' `model_cls`, saved with the tiny
+    tokenizer plus Qwen's vision tokens and Qwen2VLImageProcessor at `patch` (merge 2: an image is smart-resized to
+    multiples of 2 * patch pixels, each such square one token; at most `max_pixels`)."""
     import torch
     import transformers as tf
 
@@ -394,34 +393,52 @@ def make_qwen2_5_vl_model(path: str | os.PathLike, seed: int = 0, text: dict | N
     tok = make_tokenizer(path)
     tok.add_tokens(QWEN_VL_TOKENS, special_tokens=True)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS}
-    text = {**dict(vocab_size=-(-len(tok) // 16) * 16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                   bos_token_id=1, eos_token_id=0, pad_token_id=0,
-                   rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
-            **(text or {})}
-    if qwen2:  # Qwen2-VL's tower: embed_dim wide, hidden_size = the decoder's width
-        tower = {**dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2,
-                        temporal_patch_size=2), **(tower or {}), "hidden_size": text["hidden_size"]}
-    else:  # two blocks: one windowed (56-pixel windows: 2x2 patches, one merged token), one full
-        tower = {**dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
-                        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
-                 **(tower or {}), "out_hidden_size": text["hidden_size"]}
-    config_cls, model_cls = ((tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration) if qwen2 else
-                             (tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration))
-    config = config_cls(text_config=text, vision_config=tower, image_token_id=ids["<|image_pad|>"],
-                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    config = make_config(-(-len(tok) // 16) * 16, tokens)
     torch.manual_seed(seed)
-    model = model_cls(config)
+    model = getattr(tf, model_cls)(config)
     _widen_random_init(model)
     model.save_pretrained(str(path), safe_serialization=True)
     # The image processor and the tokenizer saved as a checkpoint keeps them (preprocessor_config.json, tokenizer
-    # files): Qwen2_5_VLProcessor itself cannot be built without torchvision (its video processor needs it).
-    images = tf.Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": max_pixels},
-                                         patch_size=14, merge_size=2, temporal_patch_size=2)
+    # files): Qwen's processors themselves cannot be built without torchvision (their video processor needs it).
+    side = 2 * patch
+    images = tf.Qwen2VLImageProcessorPil(size={"shortest_edge": side * side, "longest_edge": max_pixels},
+                                         patch_size=patch, merge_size=2, temporal_patch_size=2)
     images.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
+
+
+_QWEN_VL_TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=0, pad_token_id=0)
+
+
+def make_qwen2_5_vl_model(path: str | os.PathLike, seed: int = 0, text: dict | None = None,
+                          tower: dict | None = None, max_pixels: int = 112 * 112, qwen2: bool = False) -> Path:
+    """A random-weight Qwen2.5-VL directory (Qwen2_5_VLForConditionalGeneration: its windowed ViT with the 2x2 patch
+    merger, M-RoPE over a small Qwen2 decoder) with its processor: the tiny tokenizer plus Qwen's vision tokens, and
+    Qwen2VLImageProcessor (patch 14, merge 2: an image is smart-resized to multiples of 28 pixels, each 28x28 one
+    token; at most `max_pixels`). `text` and `tower` override the decoder's and the vision tower's config. qwen2:
+    a Qwen2-VL instead (Qwen2VLForConditionalGeneration: its full-attention ViT)."""
+    import transformers as tf
+
+    def make_config(vocab_size: int, tokens: dict):
+        txt = {**_QWEN_VL_TEXT, **dict(vocab_size=vocab_size, intermediate_size=128, num_hidden_layers=2,
+               rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
+               **(text or {})}
+        if qwen2:  # Qwen2-VL's tower: embed_dim wide, hidden_size = the decoder's width
+            vision = {**dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2,
+                             temporal_patch_size=2), **(tower or {}), "hidden_size": txt["hidden_size"]}
+        else:  # two blocks: one windowed (56-pixel windows: 2x2 patches, one merged token), one full
+            vision = {**dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                             spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+                      **(tower or {}), "out_hidden_size": txt["hidden_size"]}
+        cls = tf.Qwen2VLConfig if qwen2 else tf.Qwen2_5_VLConfig
+        return cls(text_config=txt, vision_config=vision, tie_word_embeddings=False, **tokens)
+
+    model_cls = "Qwen2VLForConditionalGeneration" if qwen2 else "Qwen2_5_VLForConditionalGeneration"
+    return _save_qwen_vl(path, seed, make_config, model_cls, 14, max_pixels)
 
 
 def make_qwen3_vl_model(path: str | os.PathLike, seed: int = 0, text: dict | None = None,
@@ -430,35 +447,47 @@ def make_qwen3_vl_model(path: str | os.PathLike, seed: int = 0, text: dict | Non
     embeddings, the 2x2 merger and deepstack mergers after both blocks, interleaved M-RoPE over a small Qwen3 decoder)
     with the tiny tokenizer plus Qwen's vision tokens and Qwen2VLImageProcessor at patch 16 (each 32x32 pixels one
     token, at most `max_pixels`)."""
-    import torch
     import transformers as tf
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(path)
-    tok.add_tokens(QWEN_VL_TOKENS, special_tokens=True)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS}
-    text = {**dict(vocab_size=-(-len(tok) // 16) * 16, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=0, pad_token_id=0,
-                   rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                                    "rope_theta": 10000.0}),
-            **(text or {})}
-    tower = {**dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                    temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
-             **(tower or {}), "out_hidden_size": text["hidden_size"]}
-    config = tf.Qwen3VLConfig(text_config=text, vision_config=tower, image_token_id=ids["<|image_pad|>"],
-                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = tf.Qwen3VLForConditionalGeneration(config)
-    _widen_random_init(model)
-    model.save_pretrained(str(path), safe_serialization=True)
-    images = tf.Qwen2VLImageProcessorPil(size={"shortest_edge": 32 * 32, "longest_edge": max_pixels},
-                                         patch_size=16, merge_size=2, temporal_patch_size=2)
-    images.save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    return path
+    def make_config(vocab_size: int, tokens: dict):
+        txt = {**_QWEN_VL_TEXT, **dict(vocab_size=vocab_size, intermediate_size=128, num_hidden_layers=3, head_dim=16,
+               rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                "rope_theta": 10000.0}),
+               **(text or {})}
+        vision = {**_QWEN3_VL_TOWER, "deepstack_visual_indexes": [0, 1], **(tower or {}),
+                  "out_hidden_size": txt["hidden_size"]}
+        return tf.Qwen3VLConfig(text_config=txt, vision_config=vision, tie_word_embeddings=False, **tokens)
+
+    return _save_qwen_vl(path, seed, make_config, "Qwen3VLForConditionalGeneration", 16, max_pixels)
+
+
+_QWEN3_VL_TOWER = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                       temporal_patch_size=2, num_position_embeddings=16)
+
+
+def make_qwen3_5_vl_model(path: str | os.PathLike, seed: int = 0, moe: bool = False, text: dict | None = None,
+                          max_pixels: int = 128 * 128) -> Path:
+    """A random-weight Qwen3.5 vision-language directory (Qwen3_5ForConditionalGeneration; moe:
+    Qwen3_5MoeForConditionalGeneration, 4 experts top-2 with a shared expert): Qwen3-VL's two-block ViT without
+    deepstack over Qwen3.5's hybrid decoder (Gated DeltaNet layers 3:1 with gated attention, its interleaved M-RoPE
+    partial: 12 of 16 head dimensions rotated, mrope_section [2, 2, 2]), images as make_qwen3_vl_model's."""
+    import transformers as tf
+
+    def make_config(vocab_size: int, tokens: dict):
+        txt = {**_QWEN_VL_TEXT, **dict(vocab_size=vocab_size, num_hidden_layers=4, head_dim=16,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+               linear_conv_kernel_dim=4, rope_parameters={
+                   "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                   "mrope_section": [2, 2, 2], "mrope_interleaved": True})}
+        txt.update(dict(moe_intermediate_size=48, shared_expert_intermediate_size=40, num_experts=4,
+                        num_experts_per_tok=2) if moe else dict(intermediate_size=96))
+        txt.update(text or {})
+        vision = {**_QWEN3_VL_TOWER, "out_hidden_size": txt["hidden_size"]}
+        cls = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
+        return cls(text_config=txt, vision_config=vision, tie_word_embeddings=False, **tokens)
+
+    model_cls = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+    return _save_qwen_vl(path, seed, make_config, model_cls, 16, max_pixels)
 
 
 GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",

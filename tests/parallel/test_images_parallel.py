@@ -1,8 +1,8 @@
 """Images under tensor and pipeline parallelism (gloo, worker processes on this machine): a step's image slices
 travel to every rank with its plan, each rank runs the (replicated) vision tower for the images its embedding
 needs, and pipeline micro-batches carry the slices of their own sequences (and Qwen-VL's 3-D positions, Gemma 3's
-bidirectional image spans). Greedy output equals transformers' LLaVA, Qwen-VL and Gemma 3, chunked prefill across
-the image's tokens (or, for Gemma 3, between whole images) included."""
+bidirectional image spans). Greedy output equals transformers' LLaVA, Qwen-VL, Qwen3.5 and Gemma 3, chunked prefill
+across the image's tokens (or, for Gemma 3, between whole images) included."""
 
 from __future__ import annotations
 
@@ -54,11 +54,14 @@ V = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @pytest.mark.parametrize("family, tp, pp", [("qwen_vl_model", 2, 1), ("qwen_vl_model", 1, 2),
-                                            ("qwen3_vl_model", 2, 1)],
-                         ids=["qwen2_5_vl-tp2", "qwen2_5_vl-pp2", "qwen3_vl-tp2"])
+                                            ("qwen3_vl_model", 2, 1), ("qwen3_5_vl_model", 2, 1),
+                                            ("qwen3_5_vl_model", 1, 2)],
+                         ids=["qwen2_5_vl-tp2", "qwen2_5_vl-pp2", "qwen3_vl-tp2", "qwen3_5_vl-tp2", "qwen3_5_vl-pp2"])
 def test_qwen_vl_with_parallel_ranks_matches_transformers(request, family, tp, pp):
+    # Qwen3.5: the hybrid decoder's Gated DeltaNet heads split over the ranks, its layers over the stages (no
+    # deepstack: later stages need nothing from the tower)
     model = request.getfixturevalue(family)
-    side = 32 if family == "qwen3_vl_model" else 28  # 2x2 merged patches
+    side = 28 if family == "qwen_vl_model" else 32  # 2x2 merged patches
     prompts = [(f"Hello {V} What is the capital of France?", [make_image(1, 2 * side, 2 * side)]),
                ("Once upon a time there was", []),
                (f"{V} and {V} The quick brown fox", [make_image(2, 4 * side, 3 * side),

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen3-VL (each test once per family) through the real `shoal-engine serve` process and the official openai client: image_url parts become
+"""Qwen2.5-VL, Qwen3-VL and Qwen3.5 (each test once per family) through the real `shoal-engine serve` process and the official openai client: image_url parts become
 Qwen's <|vision_start|><|image_pad|><|vision_end|>, answered as the offline engine answers the same prompt and images
 (itself equal to transformers', tests/engine/test_qwen_vl.py), streamed and not; usage and /tokenize count each
 image's tokens as the processor expands them; /v1/models says the model takes images; --limit-mm-per-prompt holds;
@@ -21,7 +21,7 @@ QUESTION = "What is the capital of France?"
 V = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-@pytest.fixture(scope="module", params=["qwen_vl_model", "qwen3_vl_model"])
+@pytest.fixture(scope="module", params=["qwen_vl_model", "qwen3_vl_model", "qwen3_5_vl_model"])
 def model(request):
     """(the model directory, its patch side in pixels)."""
     return request.getfixturevalue(request.param), 14 if request.param == "qwen_vl_model" else 16

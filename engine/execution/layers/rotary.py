@@ -80,9 +80,14 @@ class RotaryEmbedding(nn.Module):
     def rotate_(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> None:
         """Rotate, in place, the first `heads` heads (queries, then keys) of each row of a fused QKV projection's
         output [T, (heads + kv_heads) * head_dim] by that token's position (one fused kernel on CPU)."""
+        self._rotate(qkv, positions, self.cos, self.sin, heads)
+
+    def _rotate(self, qkv: torch.Tensor, index: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                heads: int) -> None:
+        """rotate_ with row i's cos/sin at cos[index[i]], sin[index[i]] (tables [rows, rotary_dim])."""
         if self.rotary_dim == self.head_dim:
-            rotary_(qkv, positions, self.cos, self.sin, heads, self.head_dim)
+            rotary_(qkv, index, cos, sin, heads, self.head_dim)
             return
         x = qkv[:, : heads * self.head_dim].view(qkv.shape[0], heads, self.head_dim)[..., : self.rotary_dim]
-        c, s = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        c, s = cos[index].unsqueeze(1), sin[index].unsqueeze(1)
         x.copy_(x * c + torch.roll(x, self.half, dims=-1) * s)

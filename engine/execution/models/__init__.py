@@ -34,8 +34,9 @@ _REGISTRY = {
     "BertModel": ("bert", "BertModel"),  # encoder-only: embeddings only
 }
 
-# Vision-language checkpoints whose text decoder is served (their vision tower is never read; requests are text
-# only): the wrapper's architecture -> the decoder's, built from the wrapper's text_config.
+# Vision-language checkpoints served as their text decoder (the vision tower never read; requests text only) when the
+# checkpoint has no image processor: the wrapper's architecture -> the decoder's, built from the wrapper's
+# text_config. With one, they are _VISION_LANGUAGE families.
 _TEXT_DECODERS = {
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
@@ -52,21 +53,25 @@ _VISION_LANGUAGE = {
     "Qwen2VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2VLForConditionalGeneration", "Qwen2ForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2ForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3ForCausalLM"),
+    # Qwen3.5: Qwen3-VL's tower (no deepstack) over the hybrid Gated DeltaNet decoder, dense or MoE
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_vl", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
     # Gemma 3: a SigLIP tower and its projector; image tokens attend bidirectionally within their image
     "Gemma3ForConditionalGeneration": ("gemma3_vl", "Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"),
 }
 
-SUPPORTED_ARCHITECTURES = sorted([*_REGISTRY, *_TEXT_DECODERS, _LLAVA, *_VISION_LANGUAGE])
+SUPPORTED_ARCHITECTURES = sorted({*_REGISTRY, *_TEXT_DECODERS, _LLAVA, *_VISION_LANGUAGE})
 
 
-def text_decoder_config(config):
-    """`config` itself, or for a vision-language checkpoint of _TEXT_DECODERS its text_config made a causal LM's:
-    the decoder's architecture, and the wrapper's tie_word_embeddings and dtype (what the wrapper's own class
-    follows)."""
+def text_decoder_config(config, image_processor: bool = True):
+    """`config` itself, or for a vision-language checkpoint its text_config made a causal LM's: the decoder's
+    architecture, and the wrapper's tie_word_embeddings and dtype (what the wrapper's own class follows), with the
+    vision-language family where the model takes images. `image_processor`: whether the checkpoint has one (a
+    _TEXT_DECODERS checkpoint without it is served text only)."""
     archs = getattr(config, "architectures", None) or []
     if _LLAVA in archs:
         return _llava_text_config(config)
-    family = next((a for a in archs if a in _VISION_LANGUAGE), None)
+    family = next((a for a in archs if a in _VISION_LANGUAGE and (image_processor or a not in _TEXT_DECODERS)), None)
     if family is not None:
         return _vision_language_text_config(config, family, _VISION_LANGUAGE[family][2])
     decoder = next((_TEXT_DECODERS[a] for a in archs if a in _TEXT_DECODERS), None)

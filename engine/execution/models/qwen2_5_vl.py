@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from shoal.engine.execution.layers.fused import rotary_
 from shoal.engine.execution.layers.rotary import RotaryEmbedding, rope_parameters
 from shoal.engine.execution.models.decoder import FULL, SLIDING
 from shoal.engine.execution.models.llama import LlamaForCausalLM
@@ -33,17 +32,18 @@ class MRotaryEmbedding(RotaryEmbedding):
     """RoPE whose frequencies are shared among three position sets by rope_parameters.mrope_section (over half the
     head): in consecutive parts, part i rotated by set i % 3 (Qwen2.5-VL: Qwen2_5_VLRotaryEmbedding), or interleaved
     (Qwen3-VL: Qwen3VLTextRotaryEmbedding, frequency j by height where j % 3 == 1 and j < 3 * section[1], by width
-    where j % 3 == 2 and j < 3 * section[2], else temporal). Positions [T] rotate as plain RoPE."""
+    where j % 3 == 2 and j < 3 * section[2], else temporal). Positions [T] rotate as plain RoPE. Partial rotary
+    (Qwen3.5: partial_rotary_factor) shares the rotated part's frequencies the same way."""
 
     def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype, interleaved: bool = False):
         super().__init__(config, head_dim, max_positions, dtype)
-        section = list(rope_parameters(config).get("mrope_section") or [])
-        if self.rotary_dim != head_dim or len(section) != 3 or sum(section) != head_dim // 2:
-            raise ValueError(f"rope_parameters.mrope_section {section} must split the {head_dim // 2} rotary "
-                             f"frequencies of a head of {head_dim} in 3 (full rotary)")
+        section, n = list(rope_parameters(config).get("mrope_section") or []), self.rotary_dim // 2
+        if len(section) != 3 or sum(section) != n:
+            raise ValueError(f"rope_parameters.mrope_section {section} must split the {n} rotary frequencies of a "
+                             f"head of {head_dim} (rotary dimension {self.rotary_dim}) in 3")
         if interleaved:
-            j = torch.arange(head_dim // 2)
-            half = torch.zeros(head_dim // 2, dtype=torch.int64)
+            j = torch.arange(n)
+            half = torch.zeros(n, dtype=torch.int64)
             half[(j % 3 == 1) & (j < 3 * section[1])] = 1
             half[(j % 3 == 2) & (j < 3 * section[2])] = 2
         else:
@@ -60,17 +60,7 @@ class MRotaryEmbedding(RotaryEmbedding):
             self._step = (positions, torch.arange(positions.shape[1], device=positions.device),
                           self.cos[positions].gather(0, pick)[0], self.sin[positions].gather(0, pick)[0])
         _, rows, cos, sin = self._step
-        rotary_(qkv, rows, cos, sin, heads, self.head_dim)
-
-
-def vision_module(vision_config, dtype: torch.dtype):
-    """transformers' Qwen2.5-VL (or Qwen2-VL) vision transformer for `vision_config` (its own class, attention and
-    merger)."""
-    if vision_config.model_type in ("qwen2_vl_vision", "qwen2_vl"):  # (older configs: the wrapper's model_type)
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as cls
-    else:
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as cls
-    return cls._from_config(vision_config).to(dtype).eval()
+        self._rotate(qkv, rows, cos, sin, heads)
 
 
 def load_module(module: torch.nn.Module, src, prefixes: tuple[str, ...]) -> None:
@@ -85,9 +75,15 @@ def load_module(module: torch.nn.Module, src, prefixes: tuple[str, ...]) -> None
     module.load_state_dict(state, strict=False)
 
 
-class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+class QwenVisionLanguage:
+    """What a Qwen vision-language family adds to its decoder (mixed in before the decoder's class): the wrapper's
+    vision tower (`vision_module`, transformers' own, for the config's vision_config) read from the checkpoint's
+    `vision_prefixes`, encode_images over it, and M-RoPE (interleaved where `interleaved_mrope`)."""
+
     accepts_images = True
     prefixes = ("model.language_model.", "model.")
+    vision_prefixes = _VISION_PREFIXES
+    interleaved_mrope = False
 
     def __init__(self, config, dtype, backend, max_model_len: int, layer_partition=None):
         super().__init__(config, dtype, backend, max_model_len, layer_partition)
@@ -96,27 +92,44 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         full = AutoConfig.for_model(**config.vl_config)  # the wrapper's config, kept as a dict
         self.vision_dtype = dtype
         self.merge = full.vision_config.spatial_merge_size
-        self.visual = vision_module(full.vision_config, dtype)
+        self.visual = self.vision_module(full.vision_config).to(dtype).eval()
 
-    def attention_options(self, layer_idx: int) -> dict:
-        return {**super().attention_options(layer_idx), "qkv_bias": True, "o_bias": False}  # Qwen2's biases
+    @staticmethod
+    def vision_module(vision_config) -> torch.nn.Module:
+        """transformers' Qwen2.5-VL (or Qwen2-VL) vision transformer for `vision_config` (its own class, attention and
+        merger)."""
+        if vision_config.model_type in ("qwen2_vl_vision", "qwen2_vl"):  # (older configs: the wrapper's model_type)
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as cls
+        else:
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+                Qwen2_5_VisionTransformerPretrainedModel as cls)
+        return cls._from_config(vision_config)
 
     def make_rotaries(self, config, max_model_len: int, dtype) -> dict:
-        shared = MRotaryEmbedding(config, self.head_dim, max_model_len, dtype)
+        shared = MRotaryEmbedding(config, self.head_dim, max_model_len, dtype, interleaved=self.interleaved_mrope)
         return {SLIDING: shared, FULL: shared}
+
+    def run_tower(self, images: list):
+        """(the tower's output, grid [images, 3]) for images: StepImages with pixel_values [patches, C*t*p*p] and
+        grid_thw. The images run through the tower together: its attention never crosses an image (cu_seqlens)."""
+        pixels = torch.cat([image.pixel_values for image in images]).to(self.vision_dtype)
+        grid = torch.tensor([image.grid_thw for image in images], dtype=torch.int64, device=pixels.device)
+        return self.visual(pixels, grid_thw=grid), grid
 
     @torch.inference_mode()
     def encode_images(self, images: list) -> list[torch.Tensor]:
-        """Each image's [num_tokens, hidden] features (images: StepImages with pixel_values [patches, C*t*p*p] and
-        grid_thw). The images run through the tower together: its attention never crosses an image (cu_seqlens)."""
-        pixels = torch.cat([image.pixel_values for image in images]).to(self.vision_dtype)
-        grid = torch.tensor([image.grid_thw for image in images], dtype=torch.int64, device=pixels.device)
-        merged = self.visual(pixels, grid_thw=grid).pooler_output
-        return list(merged.split((grid.prod(-1) // self.merge ** 2).tolist()))
+        """Each image's [num_tokens, hidden] features: the merger's output."""
+        out, grid = self.run_tower(images)
+        return list(out.pooler_output.split((grid.prod(-1) // self.merge ** 2).tolist()))
 
     def load_weights(self, src) -> None:
         super().load_weights(src)
-        load_module(self.visual, src, _VISION_PREFIXES)
+        load_module(self.visual, src, self.vision_prefixes)
+
+
+class Qwen2_5_VLForConditionalGeneration(QwenVisionLanguage, LlamaForCausalLM):
+    def attention_options(self, layer_idx: int) -> dict:
+        return {**super().attention_options(layer_idx), "qkv_bias": True, "o_bias": False}  # Qwen2's biases
 
 
 class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):

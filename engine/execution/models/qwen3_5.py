@@ -13,8 +13,9 @@ partial RoPE) with these differences:
 - RoPE is multimodal (rope_parameters.mrope_section): text positions are equal across its three sections, so for
   text it is the plain partial RoPE.
 - A vision-language checkpoint keeps the decoder under model.language_model. (models/__init__.py serves its
-  text_config); the vision tower (model.visual.) and the MTP head (mtp.) are never read, and requests are text only
-  (an image content part is refused, server/protocol.py).
+  text_config), the vision tower under model.visual. (qwen3_5_vl.py runs it; a checkpoint without its image
+  processor is served text only: an image content part is refused, server/protocol.py); the MTP head (mtp.) is
+  never read.
 """
 
 from __future__ import annotations

@@ -18,39 +18,29 @@ from __future__ import annotations
 
 import torch
 
-from shoal.engine.execution.models.decoder import FULL, SLIDING
-from shoal.engine.execution.models.qwen2_5_vl import MRotaryEmbedding, load_module
+from shoal.engine.execution.models.qwen2_5_vl import QwenVisionLanguage
 from shoal.engine.execution.models.qwen3 import Qwen3ForCausalLM
 
-_VISION_PREFIXES = ("model.visual.", "visual.")
 
-
-class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
-    accepts_images = True
-    prefixes = ("model.language_model.", "model.")
+class Qwen3VLForConditionalGeneration(QwenVisionLanguage, Qwen3ForCausalLM):
+    vision_prefixes = ("model.visual.", "visual.")
+    interleaved_mrope = True
 
     def __init__(self, config, dtype, backend, max_model_len: int, layer_partition=None):
         super().__init__(config, dtype, backend, max_model_len, layer_partition)
-        from transformers import AutoConfig
-        from transformers.models.qwen3_vl import modeling_qwen3_vl as hf
-
-        full = AutoConfig.for_model(**config.vl_config)  # the wrapper's config, kept as a dict
-        self.vision_dtype = dtype
-        self.merge = full.vision_config.spatial_merge_size
-        self.visual = hf.Qwen3VLVisionModel._from_config(full.vision_config).to(dtype).eval()
         self.deepstack = None  # this step's image rows and their deepstack features (set by the runner)
 
-    def make_rotaries(self, config, max_model_len: int, dtype) -> dict:
-        shared = MRotaryEmbedding(config, self.head_dim, max_model_len, dtype, interleaved=True)
-        return {SLIDING: shared, FULL: shared}
+    @staticmethod
+    def vision_module(vision_config) -> torch.nn.Module:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return Qwen3VLVisionModel._from_config(vision_config)
 
     @torch.inference_mode()
     def encode_images(self, images: list) -> list[torch.Tensor]:
         """Each image's [num_tokens, hidden * (1 + deepstack layers)] features: the merger's, then each deepstack
-        merger's (images: StepImages with pixel_values [patches, C*t*p*p] and grid_thw)."""
-        pixels = torch.cat([image.pixel_values for image in images]).to(self.vision_dtype)
-        grid = torch.tensor([image.grid_thw for image in images], dtype=torch.int64, device=pixels.device)
-        out = self.visual(pixels, grid_thw=grid)
+        merger's."""
+        out, grid = self.run_tower(images)
         merged = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
         return list(merged.split((grid.prod(-1) // self.merge ** 2).tolist()))
 
@@ -66,7 +56,3 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
             if i < len(layers):  # the stream after layer i is x + delta: the image rows' features join it
                 x.index_add_(0, rows, layers[i])
         return self.norm.add_and_norm(x, delta)
-
-    def load_weights(self, src) -> None:
-        super().load_weights(src)
-        load_module(self.visual, src, _VISION_PREFIXES)
