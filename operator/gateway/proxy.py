@@ -604,7 +604,7 @@ class Gateway:
 
     async def prompt_tokens(self, path: str, parsed: Any, model: str | None, pool: Pool) -> list[int] | None:
         """The prompt's token ids for precise-prefix routing: with --tokenizer, completion prompts here
-        (kv_tokens.py); otherwise, and for chat, from an engine's /tokenize (the engine renders the chat template
+        (kv_tokens.py); otherwise, and for chat or a completion with images, from an engine's /tokenize (the engine renders the chat template
         itself, so the ids are the ones it will cache). None whenever the ids cannot be had: the approximate index
         routes then. (A LoRA adapter's requests have the base model's tokenizer; the pool matches them against the
         blocks each engine stored under the adapter.)"""
@@ -615,7 +615,10 @@ class Gateway:
             # salted prompt is never matched against blocks hashed without its salt
             self.metrics.precise_fallbacks.labels("cache_salt").inc()
             return None
-        if self.prompt_tokenizer is not None:
+        # A completion with images (Shoal's multi_modal_data): only an engine knows its images' placements and
+        # digests, so it is tokenized there like a chat.
+        images = path.endswith("/completions") and bool(parsed.get("multi_modal_data"))
+        if self.prompt_tokenizer is not None and not images:
             tokens = self.prompt_tokenizer.token_ids(path, parsed)
             if tokens is not None or not path.endswith("/chat/completions"):
                 return tokens
@@ -632,15 +635,17 @@ class Gateway:
             prompt = parsed.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
                 prompt = prompt[0]
+            images = parsed.get("multi_modal_data")
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt
+                return None if images else prompt  # ids with images: their placements are the engine's to say
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
                 prompt = prompt[0]
             if not isinstance(prompt, str):
                 return None
             body["prompt"] = prompt
-            if "add_special_tokens" in parsed:
-                body["add_special_tokens"] = parsed["add_special_tokens"]
+            for key in ("add_special_tokens", "multi_modal_data"):
+                if key in parsed:
+                    body[key] = parsed[key]
         engines = pool.backends.eligible()
         if not engines or self.session is None:
             return None

@@ -316,9 +316,24 @@ class ImageEngine(EventEngine):
                     tokens += token_ids(part["text"])
         return tokens, images
 
+    @classmethod
+    def render_prompt(cls, prompt: str, urls: list[str]) -> tuple[list[int], list[tuple[int, int, bytes]]]:
+        """A completion's prompt with "<image>" placeholders filled, in order, by multi_modal_data's images."""
+        parts = prompt.split("<image>")
+        assert len(parts) == len(urls) + 1
+        content = [{"type": "text", "text": parts[0]}]
+        for url, text in zip(urls, parts[1:]):
+            content += [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+        return cls.render([{"role": "user", "content": content}])
+
     async def tokenize(self, request):
         self.tokenize_calls += 1
-        tokens, images = self.render((await request.json())["messages"])
+        body = await request.json()
+        if "prompt" in body:
+            urls = [i["url"] for i in (body.get("multi_modal_data") or {}).get("image", [])]
+            tokens, images = self.render_prompt(body["prompt"], urls)
+        else:
+            tokens, images = self.render(body["messages"])
         return web.json_response({"tokens": tokens, "count": len(tokens), "images": [
             {"offset": o, "length": n, "digest": d.hex()} for o, n, d in images]})
 
@@ -363,6 +378,40 @@ async def test_a_conversation_about_an_image_routes_to_the_engine_holding_that_i
                                                                    "max_tokens": 1}, headers=auth("sk-a"))
                 assert r.status == 200, await r.text()
                 assert (await r.json())["engine"] == engine
+                assert metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total") == hits + full
+        finally:
+            await client.close()
+            await gw.stop()
+
+
+async def test_a_completion_with_images_routes_by_its_images_like_a_chat(tmp_path):
+    # the same words about images X and Y on /v1/completions (multi_modal_data): the gateway asks an engine's
+    # /tokenize for the image placements, so each prompt goes to the engine holding its image's blocks
+    prompt = PREFIX + "<image>" + "what is in this picture? " * 2
+
+    async with ImageEngine("a1", "team-a") as a1, ImageEngine("a2", "team-a") as a2:
+        gw, client = await shared(GatewayConfig(tenant_keys=keys(tmp_path), routing="precise-prefix"),
+                                  [service("team-a", "m", "m")], {})
+        gw.pools.slices_reset([slice_of("team-a", a1, 0), slice_of("team-a", a2, 1)])
+        try:
+            x, y = "data:image/png;base64,eA==", "data:image/png;base64,eQ=="
+            for engine, url in ((a1, x), (a2, y)):
+                content = [{"type": "text", "text": PREFIX}, {"type": "image_url", "image_url": {"url": url}},
+                           {"type": "text", "text": "what is in this picture? " * 2}]
+                engine.cache_chat([{"role": "user", "content": content}])
+            await heard(gw, "team-a", a1)
+            await heard(gw, "team-a", a2)
+            tokens, _ = ImageEngine.render_prompt(prompt, [x])
+            full = len(tokens) // BLOCK
+            for image, engine in ((y, "a2"), (x, "a1"), (y, "a2")):
+                hits = metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total")
+                calls = a1.tokenize_calls + a2.tokenize_calls
+                r = await client.post("/v1/completions", json={
+                    "model": "m", "prompt": prompt, "max_tokens": 1,
+                    "multi_modal_data": {"image": [{"url": image}]}}, headers=auth("sk-a"))
+                assert r.status == 200, await r.text()
+                assert (await r.json())["engine"] == engine
+                assert a1.tokenize_calls + a2.tokenize_calls == calls + 1
                 assert metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total") == hits + full
         finally:
             await client.close()
