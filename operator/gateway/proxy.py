@@ -604,8 +604,8 @@ class Gateway:
 
     async def prompt_tokens(self, path: str, parsed: Any, model: str | None, pool: Pool) -> list[int] | None:
         """The prompt's token ids for precise-prefix routing: with --tokenizer, completion prompts here
-        (kv_tokens.py); otherwise, and for chat or a completion with images, from an engine's /tokenize (the engine renders the chat template
-        itself, so the ids are the ones it will cache). None whenever the ids cannot be had: the approximate index
+        (kv_tokens.py); otherwise, and for chat or a completion with images, from an engine's /tokenize (the engine
+        renders the chat template and places the images itself, so the ids are the ones it will cache). None whenever the ids cannot be had: the approximate index
         routes then. (A LoRA adapter's requests have the base model's tokenizer; the pool matches them against the
         blocks each engine stored under the adapter.)"""
         if not self.precise or path not in ROUTED_PATHS or not isinstance(parsed, dict):
