@@ -61,9 +61,10 @@ def test_cgroup_v1_cfs_quota(tmp_path):
     assert cgroup_quota(other, proc_cgroup="3:cpu:/job\n")[0] == 2.5
 
 
-@pytest.mark.parametrize("affinity, quota, threads", [(2, None, 2), (2, 1.5, 1), (2, 1.0, 1), (2, 0.5, 1),
-                                                      (2, 4.0, 2), (16, 3.9, 3), (1, None, 1), (8, 8.0, 8)])
-def test_never_more_threads_than_the_quota_runs_at_once(affinity, quota, threads):
+@pytest.mark.parametrize("affinity, quota, threads", [(2, None, 2), (2, 1.5, 2), (2, 1.2, 1), (2, 1.0, 1),
+                                                      (2, 0.5, 1), (2, 4.0, 2), (16, 3.9, 4), (16, 3.4, 3),
+                                                      (1, None, 1), (1, 1.5, 1), (8, 8.0, 8)])
+def test_threads_are_the_quota_rounded_half_up_within_the_affinity(affinity, quota, threads):
     budget = decide(affinity, quota, busy=0.0)
     assert budget.threads == threads
     assert budget.env()["OMP_NUM_THREADS"] == str(threads)
@@ -128,7 +129,7 @@ def test_shoal_engine_opens_the_window_before_its_flags_and_applies_the_budget_b
 
 def test_the_environment_wins_and_peers_get_it_back(monkeypatch):
     monkeypatch.setattr(cpu_budget, "_decision", None)
-    busy = decide(2, 1.5, busy=1.0)
+    busy = decide(2, 1.2, busy=1.0)
     env = {"PATH": "/bin"}
     assert "1 thread(s), passive" in apply_cpu_budget(env, busy)
     assert env["OMP_NUM_THREADS"] == "1" and env["OMP_WAIT_POLICY"] == "passive"
