@@ -8,6 +8,7 @@ whose engines cannot tokenize routes approximately and stops asking; events that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 
@@ -349,70 +350,65 @@ class ImageEngine(EventEngine):
         return self.publisher.publish(pool.take_events())
 
 
-async def test_a_conversation_about_an_image_routes_to_the_engine_holding_that_images_blocks(tmp_path):
-    # a1 holds a turn about image X, a2 the same words about image Y: each image's next turn goes to its engine
-    # (the text before the image alone would tie), through the engines' /tokenize and the pool's index
-    def turn(image: str, *more: dict) -> list[dict]:
-        return [{"role": "user", "content": [{"type": "text", "text": PREFIX},
-                                             {"type": "image_url", "image_url": {"url": image}},
-                                             {"type": "text", "text": "what is in this picture? " * 2}]}, *more]
+IMAGE_X, IMAGE_Y = "data:image/png;base64,eA==", "data:image/png;base64,eQ=="
 
+
+def image_turn(image: str, *more: dict) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": PREFIX},
+                                         {"type": "image_url", "image_url": {"url": image}},
+                                         {"type": "text", "text": "what is in this picture? " * 2}]}, *more]
+
+
+@contextlib.asynccontextmanager
+async def image_fleet(tmp_path):
+    """A shared gateway over two image engines: a1 holds a turn about image X, a2 the same words about image Y."""
     async with ImageEngine("a1", "team-a") as a1, ImageEngine("a2", "team-a") as a2:
         gw, client = await shared(GatewayConfig(tenant_keys=keys(tmp_path), routing="precise-prefix"),
                                   [service("team-a", "m", "m")], {})
         gw.pools.slices_reset([slice_of("team-a", a1, 0), slice_of("team-a", a2, 1)])
         try:
-            x, y = "data:image/png;base64,eA==", "data:image/png;base64,eQ=="
-            a1.cache_chat(turn(x))
-            a2.cache_chat(turn(y))
+            a1.cache_chat(image_turn(IMAGE_X))
+            a2.cache_chat(image_turn(IMAGE_Y))
             await heard(gw, "team-a", a1)
             await heard(gw, "team-a", a2)
-            index = pools(gw)["team-a"].router.kv_index
-            tokens, _images = ImageEngine.render(turn(x))
-            full, text = len(tokens) // BLOCK, len(token_ids(PREFIX)) // BLOCK
-            assert index.matches([a1.url, a2.url], tokens) == {a1.url: text, a2.url: text}  # text only: a tie
-            for image, engine in ((x, "a1"), (y, "a2"), (x, "a1"), (y, "a2")):
-                more = [{"role": "assistant", "content": "a picture."}, {"role": "user", "content": "and then?"}]
-                hits = metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total")
-                r = await client.post("/v1/chat/completions", json={"model": "m", "messages": turn(image, *more),
-                                                                   "max_tokens": 1}, headers=auth("sk-a"))
-                assert r.status == 200, await r.text()
-                assert (await r.json())["engine"] == engine
-                assert metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total") == hits + full
+            yield gw, client, a1, a2
         finally:
             await client.close()
             await gw.stop()
+
+
+async def test_a_conversation_about_an_image_routes_to_the_engine_holding_that_images_blocks(tmp_path):
+    # each image's next turn goes to its engine (the text before the image alone would tie), through the engines'
+    # /tokenize and the pool's index
+    async with image_fleet(tmp_path) as (gw, client, a1, a2):
+        index = pools(gw)["team-a"].router.kv_index
+        tokens, _images = ImageEngine.render(image_turn(IMAGE_X))
+        full, text = len(tokens) // BLOCK, len(token_ids(PREFIX)) // BLOCK
+        assert index.matches([a1.url, a2.url], tokens) == {a1.url: text, a2.url: text}  # text only: a tie
+        for image, engine in ((IMAGE_X, "a1"), (IMAGE_Y, "a2"), (IMAGE_X, "a1"), (IMAGE_Y, "a2")):
+            more = [{"role": "assistant", "content": "a picture."}, {"role": "user", "content": "and then?"}]
+            hits = metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total")
+            r = await client.post("/v1/chat/completions", json={"model": "m", "messages": image_turn(image, *more),
+                                                               "max_tokens": 1}, headers=auth("sk-a"))
+            assert r.status == 200, await r.text()
+            assert (await r.json())["engine"] == engine
+            assert metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total") == hits + full
 
 
 async def test_a_completion_with_images_routes_by_its_images_like_a_chat(tmp_path):
     # the same words about images X and Y on /v1/completions (multi_modal_data): the gateway asks an engine's
     # /tokenize for the image placements, so each prompt goes to the engine holding its image's blocks
     prompt = PREFIX + "<image>" + "what is in this picture? " * 2
-
-    async with ImageEngine("a1", "team-a") as a1, ImageEngine("a2", "team-a") as a2:
-        gw, client = await shared(GatewayConfig(tenant_keys=keys(tmp_path), routing="precise-prefix"),
-                                  [service("team-a", "m", "m")], {})
-        gw.pools.slices_reset([slice_of("team-a", a1, 0), slice_of("team-a", a2, 1)])
-        try:
-            x, y = "data:image/png;base64,eA==", "data:image/png;base64,eQ=="
-            for engine, url in ((a1, x), (a2, y)):
-                content = [{"type": "text", "text": PREFIX}, {"type": "image_url", "image_url": {"url": url}},
-                           {"type": "text", "text": "what is in this picture? " * 2}]
-                engine.cache_chat([{"role": "user", "content": content}])
-            await heard(gw, "team-a", a1)
-            await heard(gw, "team-a", a2)
-            tokens, _ = ImageEngine.render_prompt(prompt, [x])
-            full = len(tokens) // BLOCK
-            for image, engine in ((y, "a2"), (x, "a1"), (y, "a2")):
-                hits = metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total")
-                calls = a1.tokenize_calls + a2.tokenize_calls
-                r = await client.post("/v1/completions", json={
-                    "model": "m", "prompt": prompt, "max_tokens": 1,
-                    "multi_modal_data": {"image": [{"url": image}]}}, headers=auth("sk-a"))
-                assert r.status == 200, await r.text()
-                assert (await r.json())["engine"] == engine
-                assert a1.tokenize_calls + a2.tokenize_calls == calls + 1
-                assert metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total") == hits + full
-        finally:
-            await client.close()
-            await gw.stop()
+    async with image_fleet(tmp_path) as (gw, client, a1, a2):
+        tokens, _ = ImageEngine.render_prompt(prompt, [IMAGE_X])
+        full = len(tokens) // BLOCK
+        for image, engine in ((IMAGE_Y, "a2"), (IMAGE_X, "a1"), (IMAGE_Y, "a2")):
+            hits = metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total")
+            calls = a1.tokenize_calls + a2.tokenize_calls
+            r = await client.post("/v1/completions", json={
+                "model": "m", "prompt": prompt, "max_tokens": 1,
+                "multi_modal_data": {"image": [{"url": image}]}}, headers=auth("sk-a"))
+            assert r.status == 200, await r.text()
+            assert (await r.json())["engine"] == engine
+            assert a1.tokenize_calls + a2.tokenize_calls == calls + 1
+            assert metric(gw, "shoal:gateway_precise_prefix_matched_blocks_total") == hits + full

@@ -114,25 +114,37 @@ void add_rms_norm(const at::Tensor& out, const at::Tensor& residual, const std::
   else TORCH_CHECK(false, "add_rms_norm supports float32/bfloat16/float16, got ", dtype);
 }
 
-// ------------------------------------------------------------------------------------------------------ SwiGLU
+// --------------------------------------------------------------------------------------- SwiGLU and GeGLU
 
-template <typename T>
-void silu_and_mul_impl(T* out, const T* in, int64_t rows, int64_t inter, int64_t s_out, int64_t s_in) {
+// The activations of the gated MLPs, on the gate's value in float32, each rounded to T as the reference's own op
+// rounds its result (F.silu, F.gelu(approximate="tanh")) before the product with up.
+struct Silu {
+  static float act(float x) { return x / (1.0f + exp_approx(-x)); }
+};
+struct GeluTanh {
+  // 0.5 x (1 + tanh z) as the reference writes it, tanh z = 1 - 2 / (e^2z + 1): x / (1 + e^-2z) would be more
+  // accurate where tanh z is near -1, but the reference's own cancellation there is what the model was run with
+  // (-100 gives 0, not -6e-37).
+  static float act(float x) {
+    const float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + (1.0f - 2.0f / (exp_approx(2.0f * z) + 1.0f)));
+  }
+};
+
+template <typename T, class Act>
+void gated_rows(T* out, const T* in, int64_t rows, int64_t inter, int64_t s_out, int64_t s_in) {
   for_rows(rows, rows * inter, [&](int64_t r) {
     const T* g = in + r * s_in;
     const T* u = g + inter;
     T* o = out + r * s_out;
 #pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) {
-      const float x = to_float(g[i]);
-      const float act = round_to<T>(x / (1.0f + exp_approx(-x)));  // F.silu's result in T
-      o[i] = from_float<T>(act * to_float(u[i]));
-    }
+    for (int64_t i = 0; i < inter; ++i) o[i] = from_float<T>(round_to<T>(Act::act(to_float(g[i]))) * to_float(u[i]));
   });
 }
 
-// out [T, I] = silu(in[:, :I]) * in[:, I:] for in [T, 2I] (gate and up side by side, as a merged projection).
-void silu_and_mul(const at::Tensor& out, const at::Tensor& in) {
+// out [T, I] = act(in[:, :I]) * in[:, I:] for in [T, 2I] (gate and up side by side, as a merged projection).
+template <class Act>
+void gated(const at::Tensor& out, const at::Tensor& in, const char* name) {
   TORCH_CHECK(in.dim() == 2 && in.size(1) % 2 == 0, "expected in [T, 2 * intermediate]");
   const int64_t rows = in.size(0), inter = in.size(1) / 2;
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == inter, "expected out [T, intermediate]");
@@ -141,55 +153,17 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& in) {
   TORCH_CHECK(out.scalar_type() == dtype, "in and out dtypes differ");
   auto launch = [&](auto tag) {
     using T = decltype(tag);
-    silu_and_mul_impl<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(in.data_ptr()), rows, inter,
-                         out.stride(0), in.stride(0));
+    gated_rows<T, Act>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(in.data_ptr()), rows, inter,
+                       out.stride(0), in.stride(0));
   };
   if (dtype == at::kFloat) launch(float{});
   else if (dtype == at::kBFloat16) launch(c10::BFloat16{});
   else if (dtype == at::kHalf) launch(c10::Half{});
-  else TORCH_CHECK(false, "silu_and_mul supports float32/bfloat16/float16, got ", dtype);
+  else TORCH_CHECK(false, name, " supports float32/bfloat16/float16, got ", dtype);
 }
 
-// ------------------------------------------------------------------------------------------------------ GeGLU
-
-// out [T, I] = gelu_tanh(in[:, :I]) * in[:, I:]: F.gelu(approximate="tanh")'s result rounded to T, then the product
-// rounded (the reference's two ops), with the saturating exponential of fast_math.h.
-template <typename T>
-void gelu_tanh_and_mul_impl(T* out, const T* in, int64_t rows, int64_t inter, int64_t s_out, int64_t s_in) {
-  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
-  for_rows(rows, rows * inter, [&](int64_t r) {
-    const T* g = in + r * s_in;
-    const T* u = g + inter;
-    T* o = out + r * s_out;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) {
-      const float x = to_float(g[i]);
-      const float z = kSqrt2OverPi * (x + kCubic * x * x * x);
-      // 0.5 x (1 + tanh z) as the reference writes it (x / (1 + e^-2z) would be more accurate where tanh z is
-      // near -1, but the reference's own cancellation there is what the model was run with: -100 gives 0, not -6e-37)
-      const float t = 1.0f - 2.0f / (exp_approx(2.0f * z) + 1.0f);
-      o[i] = from_float<T>(round_to<T>(0.5f * x * (1.0f + t)) * to_float(u[i]));
-    }
-  });
-}
-
-void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& in) {
-  TORCH_CHECK(in.dim() == 2 && in.size(1) % 2 == 0, "expected in [T, 2 * intermediate]");
-  const int64_t rows = in.size(0), inter = in.size(1) / 2;
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == inter, "expected out [T, intermediate]");
-  TORCH_CHECK(in.stride(1) == 1 && out.stride(1) == 1, "the feature axis must be contiguous");
-  const auto dtype = in.scalar_type();
-  TORCH_CHECK(out.scalar_type() == dtype, "in and out dtypes differ");
-  auto launch = [&](auto tag) {
-    using T = decltype(tag);
-    gelu_tanh_and_mul_impl<T>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(in.data_ptr()), rows, inter,
-                              out.stride(0), in.stride(0));
-  };
-  if (dtype == at::kFloat) launch(float{});
-  else if (dtype == at::kBFloat16) launch(c10::BFloat16{});
-  else if (dtype == at::kHalf) launch(c10::Half{});
-  else TORCH_CHECK(false, "gelu_tanh_and_mul supports float32/bfloat16/float16, got ", dtype);
-}
+void silu_and_mul(const at::Tensor& out, const at::Tensor& in) { gated<Silu>(out, in, "silu_and_mul"); }
+void gelu_tanh_and_mul(const at::Tensor& out, const at::Tensor& in) { gated<GeluTanh>(out, in, "gelu_tanh_and_mul"); }
 
 // ------------------------------------------------------------------------------------------------------- RoPE
 

@@ -98,14 +98,19 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] along the last dim (a merged gate/up projection's output)."""
+def _gated(gate_up: torch.Tensor, kernel: str, reference) -> torch.Tensor:
+    """act(gate) * up through the C++ op `kernel` where it runs (2-D, contiguous features), else `reference`."""
     ops = _kernels_for(gate_up)
     if ops is None or gate_up.dim() != 2 or gate_up.stride(1) != 1:
-        return silu_and_mul_reference(gate_up)
+        return reference(gate_up)
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    ops.silu_and_mul(out, gate_up)
+    getattr(ops, kernel)(out, gate_up)
     return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim (a merged gate/up projection's output)."""
+    return _gated(gate_up, "silu_and_mul", silu_and_mul_reference)
 
 
 # ------------------------------------------------------------------------------------------------------- GeGLU
@@ -118,12 +123,7 @@ def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate, tanh approximation) * up for gate_up = [gate | up] along the last dim (Gemma's GeGLU)."""
-    ops = _kernels_for(gate_up)
-    if ops is None or gate_up.dim() != 2 or gate_up.stride(1) != 1:
-        return gelu_tanh_and_mul_reference(gate_up)
-    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    ops.gelu_tanh_and_mul(out, gate_up)
-    return out
+    return _gated(gate_up, "gelu_tanh_and_mul", gelu_tanh_and_mul_reference)
 
 
 # -------------------------------------------------------------------------------------------------------- RoPE
