@@ -19,6 +19,8 @@ constexpr int64_t kBlock = kN * kK;  // bfloat16 per weight block (1 KiB)
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <vector>
+
 namespace shoal_amx {
 
 // Linux gives a process the tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); the grant
@@ -56,6 +58,13 @@ inline void store16(const float* c, const c10::BFloat16* bias, c10::BFloat16* y)
   if (bias) v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)bias)), 16)));
   _mm256_storeu_si256((__m256i*)y, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// Scratch kept between calls (a fresh buffer of a prefill's size costs its page faults every layer), but not beyond
+// 64 MiB: one long prompt's rows must not stay held for the process's life.
+template <typename T>
+inline void trim_scratch(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > (size_t(64) << 20)) std::vector<T>().swap(v);
 }
 
 // Tile epilogues, 16 lanes at a time. v rounded to bfloat16 (nearest even) and widened back to float32.

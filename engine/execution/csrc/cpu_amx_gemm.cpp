@@ -302,7 +302,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor y = at::empty({M, N}, x.options());
 #ifdef SHOAL_AMX
   if (M == 0) return y;
-  // A last pass of fewer than 16 rows loads only its own rows (tile rows are configured per pass).
+  // A last pass of fewer than 16 rows loads only its own rows (tile rows are configured per pass). Kept between
+  // calls (trim_scratch).
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xs;
   xq.resize(size_t(M) * K), xs.resize(M);
@@ -331,6 +332,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   };
   if (dtype == at::kFloat) run(float{});
   else run(c10::BFloat16{});
+  shoal_amx::trim_scratch(xq), shoal_amx::trim_scratch(xs);
 #endif
   return y;
 }

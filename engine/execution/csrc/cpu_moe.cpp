@@ -440,8 +440,7 @@ void run(const at::Tensor& x, const BF* w13p, const BF* w2p, const BF* b13, cons
   const int64_t* row_of = routing.rows.data_ptr<int64_t>();
   const BF* xp = static_cast<const BF*>(x.data_ptr());
   // Row buffers end in one tile of padding: the last pass of an expert may load rows past its own (they are
-  // another expert's or zeros; their results are never read).
-  // Kept between calls (a fresh buffer of a prefill's size costs its page faults every layer).
+  // another expert's or stale rows; their results are never read). Kept between calls (trim_scratch).
   thread_local std::vector<BF> xs, act;
   thread_local std::vector<float> y;
   xs.resize(size_t(P + kRows) * H), act.resize(size_t(P + kRows) * I), y.resize(size_t(P) * H);
@@ -520,6 +519,7 @@ void run(const at::Tensor& x, const BF* w13p, const BF* w2p, const BF* b13, cons
     combine_slots(yp, pos_of, weights, tokens, top_k, H, static_cast<BF*>(out.data_ptr()));
     _tile_release();
   }
+  shoal_amx::trim_scratch(xs), shoal_amx::trim_scratch(act), shoal_amx::trim_scratch(y);
 }
 
 }  // namespace amx_experts
