@@ -14,7 +14,9 @@ Two list-and-watch streams feed it (k8s.informer.Informer):
   without its own gateway) are the pool's backends. With `--routing precise-prefix` the slices' `kv-events` and
   `kv-replay` ports (rendered when the engines publish, shoal-operator --shared-gateway-routing) say which engines
   publish KV events and where: each pool has its own KVIndex and subscribers (topic `kv@<namespace>/<name>`),
-  opened and closed with it, and tokenizes prompts with its own engines' /tokenize (proxy.prompt_tokens).
+  opened and closed with it, and tokenizes prompts with its own engines' /tokenize (proxy.prompt_tokens). A
+  service with spec.prefill also has its prefill engines (`<name>-prefill`'s slices): each completion's prefill goes
+  there first, its decode to the pool's engine, as the service's own gateway does (disaggregation.py).
 
 Model names come from the specs (the served name, spec.adapters), from each pool's engines' /v1/models (adapters
 loaded at run time, with `parent`), polled every `models_interval` seconds, and — for an adapter loaded since the
@@ -109,6 +111,7 @@ class ServiceView:
     created: str = ""
     grants: frozenset[str] = frozenset()  # tenant namespaces besides its own that may use it ("*": all)
     uid: str = ""
+    prefill_service: str = ""  # spec.prefill's headless Service (its prefill engines), "" without spec.prefill
 
     def usable_by(self, namespace: str | None) -> bool:
         """May a caller of `namespace` use this service? None: the gateway authenticates nobody (one tenant)."""
@@ -146,7 +149,8 @@ class ServiceView:
             max_inflight=_int(engine.get("maxNumSeqs"), 0),
             engine_priority=engine.get("schedulingPolicy") == "priority",
             adapters=adapters, adapter_priorities=adapter_priorities, created=meta.get("creationTimestamp") or "",
-            grants=grants_of(meta), uid=meta.get("uid") or "")
+            grants=grants_of(meta), uid=meta.get("uid") or "",
+            prefill_service=contract.prefill_name(name) if isinstance(spec.get("prefill"), dict) else "")
 
     def clamped(self, bound: int | None) -> "ServiceView":
         """The view with its priorities (the service's and its adapters') at most `bound` (None: unbounded)."""
@@ -309,7 +313,7 @@ class Fleet:
             log.info("serving %s from %s/%s", view.served_name, *view.key)
         else:
             self.gateway.configure_pool(pool, view)
-        if old is None or old.engine_service != view.engine_service:
+        if old is None or (old.engine_service, old.prefill_service) != (view.engine_service, view.prefill_service):
             self._publish(view)
         self._changed()
 
@@ -389,10 +393,14 @@ class Fleet:
             pool.backends.replace(urls, standby)
         # a canary revision (spec.canary): split as the service's own gateway does (gateway/canary.py)
         pool.backends.set_revisions(revisions(slices, port_name="http"), canary_percent(slices))
+        # spec.prefill: each completion's prefill to its Ready prefill engines first (disaggregation.py)
+        prefill = ready_urls(self.slices.get((view.namespace, view.prefill_service), {}), port_name="http") \
+            if view.prefill_service else None
+        self.gateway.set_prefill_engines(pool, prefill)
 
     def _service_changed(self, namespace: str, service: str) -> None:
         for view in self.views.values():
-            if view.namespace == namespace and view.engine_service == service:
+            if view.namespace == namespace and service in (view.engine_service, view.prefill_service):
                 self._publish(view)
 
     def slices_reset(self, items: list[dict]) -> None:

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from shoal.operator.gateway.admission import FairQueue, Shed, Ticket
 from shoal.operator.gateway.backends import ADAPTER_MEMORY, Backend, BackendSet
@@ -64,6 +64,8 @@ class Pool:
     adapters: frozenset[str] = frozenset()  # the adapters the service declares (spec.adapters)
     engine_priority: bool = False  # the engines schedule by priority: tell them the request's (proxy.py)
     runtime: str = "shoal"
+    # The service's prefill engines (spec.prefill) in the shared gateway: a disaggregation.RemotePrefill, or None
+    remote_prefill: Any = None
     # Called (synchronously) when a request starts waiting for an engine to exist: a scale-from-zero hook.
     on_hold: list[Callable[[], None]] = field(default_factory=list)
     queue: FairQueue = field(default_factory=FairQueue)

@@ -475,6 +475,19 @@ class Gateway:
         if subscribers is not None and ports != subscribers.ports:
             subscribers.set_ports(ports)
 
+    def set_prefill_engines(self, pool: Pool, urls: set[str] | None) -> None:
+        """A shared gateway pool's prefill engines (its service's spec.prefill, from their EndpointSlices), or None
+        when the service has no prefill role: then the pool's engines prefill their own requests."""
+        if urls is None:
+            pool.remote_prefill = None
+            return
+        if pool.remote_prefill is None:
+            from shoal.operator.gateway.disaggregation import RemotePrefill
+
+            pool.remote_prefill = RemotePrefill(BackendSet(self.config.health), self.config.response_timeout,
+                                                self.metrics)
+        pool.remote_prefill.backends.replace(urls)
+
     def close_pool(self, pool: Pool, error: BaseException) -> None:
         pool.close(error)
         self._tokenize_down.pop(pool, None)
@@ -915,9 +928,10 @@ class Gateway:
             trace.queue_ended("admitted")
         body = self.engine_body(pool, ticket, body, parsed)
         headers = self.engine_headers(request, pool, ticket.tenant)
-        if self.remote_prefill is not None and self.remote_prefill.applies(request.path, parsed) and \
+        remote = pool.remote_prefill or self.remote_prefill  # the shared gateway's per service, else --prefill-*
+        if remote is not None and remote.applies(request.path, parsed) and \
                 not pool.is_adapter(model, time.monotonic()):  # an adapter's KV roots differ per engine
-            params = await self.remote_prefill.prefill(self.session, request.path, parsed, headers)
+            params = await remote.prefill(self.session, request.path, parsed, headers)
             if params is not None:
                 body = json.dumps({**json.loads(body), "kv_transfer_params": params}).encode()
         tried: tuple[Backend, ...] = ()

@@ -117,11 +117,11 @@ def prefill_service(isvc: dict[str, Any], spec: InferenceServiceSpec) -> dict[st
 
 
 def prefill_network_policy(isvc: dict[str, Any], spec: InferenceServiceSpec, settings: Settings) -> dict[str, Any]:
-    """The prefill engines take requests from the service's gateway and KV pulls from its decode engines, on the
-    HTTP port; scrapers reach /metrics as on every engine."""
+    """The prefill engines take requests from the service's gateway (and the shared gateway, which sends prefills
+    there too) and KV pulls from its decode engines, on the HTTP port; scrapers reach /metrics as on every engine."""
     name = isvc["metadata"]["name"]
     peers = [{"podSelector": {"matchLabels": gateway_selector(name)}},
-             {"podSelector": {"matchLabels": pod_selector(name)}}]
+             {"podSelector": {"matchLabels": pod_selector(name)}}, *shared_gateway_peers(settings)]
     rules = [{"from": peers, "ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]}, *_scraper_rules(spec, settings)]
     return _finish({
         "apiVersion": "networking.k8s.io/v1",

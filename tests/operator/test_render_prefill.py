@@ -70,6 +70,24 @@ def test_the_prefill_role_is_its_own_deployment_reached_through_its_own_service(
     assert ("PodDisruptionBudget", "llm-prefill") in children
 
 
+def test_the_shared_gateway_reaches_the_prefill_engines_too():
+    """With a shared gateway, it sends the service's prefills as well: its pods (in its own namespace) may reach
+    the prefill engines' HTTP port; the decode engines and the service's own gateway still may."""
+    import dataclasses
+
+    shared = dataclasses.replace(SETTINGS, shared_gateway="shoal-system/shoal-gateway")
+    plan = render.plan(isvc({**BASE, "prefill": {"replicas": 1}}), shared)
+    policy = by_name(plan.children)[("NetworkPolicy", "llm-prefill")]["spec"]
+    kubernetes_validate.validate(by_name(plan.children)[("NetworkPolicy", "llm-prefill")], K8S_VERSION, strict=True)
+    peers = policy["ingress"][0]["from"]
+    assert [p["podSelector"]["matchLabels"] for p in peers[:2]] == [render.gateway_selector("llm"),
+                                                                   render.pod_selector("llm")]
+    assert peers[2]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "shoal-system"}
+    assert peers[2]["podSelector"]["matchLabels"][contract.L_COMPONENT] == "shared-gateway"
+    alone = by_name(render.plan(isvc({**BASE, "prefill": {"replicas": 1}}), SETTINGS).children)
+    assert len(alone[("NetworkPolicy", "llm-prefill")]["spec"]["ingress"][0]["from"]) == 2
+
+
 def test_without_prefill_nothing_of_it_is_rendered():
     plan = render.plan(isvc(BASE), SETTINGS)
     names = {c["metadata"]["name"] for c in plan.children}
