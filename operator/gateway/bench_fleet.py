@@ -19,8 +19,9 @@ Poisson process and stream; printed: TTFT p50/p95/p99, output tokens/s, and the 
 request goes at the same moment to a no-op backend directly and through the gateway; p50/p99 of the paired
 differences.
 
-`--offload off,cpu` adds KV offloading as a dimension: the whole comparison runs once per setting, the fleet
-restarted with each engine's CPU tier (`--kv-offloading-size`, GiB) on or off, and each run also prints the
+`--offload off,cpu,disk` adds KV offloading as a dimension: the whole comparison runs once per setting, the fleet
+restarted with each engine's CPU tier (`--kv-offloading-size`, GiB) off, on, or on with a disk tier behind it
+(`--kv-offloading-disk-size`, GiB, each engine in a temporary directory of its own), and each run also prints the
 prefix hit rate by the tier that served it (device, cpu, disk: the engines' `shoal:prefix_cache_tier_hits_total`
 over their queries; Shoal engines only); the prefix hit rate is then their sum.
 
@@ -36,6 +37,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -51,6 +53,7 @@ from shoal.operator.gateway.metric_names import SHOAL as SHOAL_METRICS
 from shoal.operator.gateway.metric_names import EngineMetrics, for_runtime
 
 WORKLOADS = ("shared", "multiturn", "unique")
+OFFLOADS = ("off", "cpu", "disk")
 ROUTINGS = ("prefix-load", "precise-prefix", "round-robin", "least-load")
 _WORDS = ("alpha bravo cedar delta ember fjord gravel harbor island jetty kelp lagoon meadow nectar orbit pebble "
           "quartz reef summit tundra umber valley willow xenon yarrow zephyr").split()
@@ -76,8 +79,10 @@ def add_bench_fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096, help="each engine's (a small --kv-cache-memory "
                    "needs a smaller one: an engine's pool must hold one whole sequence)")
     p.add_argument("--offload", default="off", help="comma-separated KV offloading settings to compare: off, cpu "
-                   "(each engine with a CPU tier of --kv-offloading-size)")
-    p.add_argument("--kv-offloading-size", default="0.0625", help="GiB of each engine's CPU tier (--offload cpu)")
+                   "(each engine with a CPU tier of --kv-offloading-size), disk (that CPU tier and behind it a disk "
+                   "tier of --kv-offloading-disk-size in a temporary directory of its own)")
+    p.add_argument("--kv-offloading-size", default="0.0625", help="GiB of each engine's CPU tier (--offload cpu, disk)")
+    p.add_argument("--kv-offloading-disk-size", default="0.5", help="GiB of each engine's disk tier (--offload disk)")
     p.add_argument("--overhead-rate", type=float, default=200.0, help="req/s for the no-op overhead run")
     p.add_argument("--overhead-seconds", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
@@ -360,9 +365,13 @@ async def run_fleet(session, args, model_dir: str, workloads: list[str], routing
                     offload: str, names: EngineMetrics, seed: int, results: list[dict]) -> int:
     """One fleet (engines with KV offloading `offload`, a gateway per routing): every workload, rate and routing
     on it, appended to `results`; returns the last seed used."""
-    offloading = ["--kv-offloading-size", args.kv_offloading_size] if offload == "cpu" else []
+    offloading = ["--kv-offloading-size", args.kv_offloading_size] if offload in ("cpu", "disk") else []
+    disk_root = tempfile.mkdtemp(prefix="shoal-bench-kv-") if offload == "disk" else None
 
     def engine(index: int) -> Child:
+        disk = [] if disk_root is None else [  # each engine its own directory, as each pod its own volume
+            "--kv-offloading-disk-path", os.path.join(disk_root, f"engine-{index}"),
+            "--kv-offloading-disk-size", args.kv_offloading_disk_size]
         events = []
         if "precise-prefix" in routings:  # KV events on ports of its own (the replicas share one host); vLLM's
             ports = kv_ports[index] = (_free_port(), _free_port())  # flag and JSON, the same for both runtimes
@@ -380,7 +389,7 @@ async def run_fleet(session, args, model_dir: str, workloads: list[str], routing
                               "VLLM_CPU_OMP_THREADS_BIND": core})
         return Child([sys.executable, "-m", "shoal.engine.cli", "serve", "--model", model_dir,
                       "--served-model-name", "bench", "--kv-cache-memory", args.kv_cache_memory,
-                      "--max-model-len", str(args.max_model_len), *offloading, *events])
+                      "--max-model-len", str(args.max_model_len), *offloading, *disk, *events])
 
     kv_ports: dict[int, tuple[int, int]] = {}
     engines = [engine(i) for i in range(args.replicas)]
@@ -429,6 +438,8 @@ async def run_fleet(session, args, model_dir: str, workloads: list[str], routing
     finally:
         for c in [*(g for gs in gateways.values() for g in gs), *engines]:
             c.stop()
+        if disk_root is not None:
+            shutil.rmtree(disk_root, ignore_errors=True)
     return seed
 
 
@@ -447,10 +458,10 @@ async def main_async(args) -> int:
 
     offloads = [o for o in args.offload.split(",") if o] or ["off"]
     for o in offloads:
-        if o not in ("off", "cpu"):
-            raise SystemExit(f"unknown --offload setting {o!r}; choose from off, cpu")
-        if o == "cpu" and args.runtime != "shoal":
-            raise SystemExit("--offload cpu: the engines' CPU tier is Shoal's (--runtime shoal)")
+        if o not in OFFLOADS:
+            raise SystemExit(f"unknown --offload setting {o!r}; choose from {', '.join(OFFLOADS)}")
+        if o != "off" and args.runtime != "shoal":
+            raise SystemExit(f"--offload {o}: the engines' offload tiers are Shoal's (--runtime shoal)")
     results = []
     overhead = None
     timeout = aiohttp.ClientTimeout(total=600)
