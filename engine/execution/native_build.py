@@ -61,6 +61,7 @@ KERNELS = {
     "moe": Kernel(CSRC / "cpu_moe.cpp", "shoal_cpu_moe", "fused_experts", "cpu MoE kernel"),
     "gguf": Kernel(CSRC / "cpu_gguf.cpp", "shoal_cpu_gguf", "kernel_isa", "cpu GGUF kernels"),
     "lora": Kernel(CSRC / "cpu_lora.cpp", "shoal_cpu_lora", "lora_apply_", "cpu LoRA kernel"),
+    "ssm": Kernel(CSRC / "cpu_ssm.cpp", "shoal_cpu_ssm", "selective_scan", "cpu selective-scan kernel"),
 }
 
 

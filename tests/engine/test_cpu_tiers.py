@@ -21,6 +21,7 @@ from shoal.engine.execution.native_build import BASE_CFLAGS, INCLUDE_DIR, KERNEL
 ATTENTION = KERNELS["paged_attention"].source
 FUSED = KERNELS["fused_ops"].source
 SMALL_GEMM = KERNELS["small_gemm"].source
+SSM = KERNELS["ssm"].source
 ARCH = cpu_features().arch
 LOWEST = detect(cap="").tiers[0]
 
@@ -52,7 +53,7 @@ _ALL_X86_FLAGS = [{"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "av
 
 
 @pytest.mark.parametrize("tier,source", [("neon", ATTENTION), ("neon", FUSED), ("sve", ATTENTION),
-                                         ("neon", SMALL_GEMM)])
+                                         ("neon", SMALL_GEMM), ("neon", SSM)])
 def test_kernels_cross_compile_for_arm64(tier, source, tmp_path):
     """Debian's aarch64 cross compiler (apt-get install g++-aarch64-linux-gnu) builds both extensions with the
     flags the ARM tiers use; the object is ARM64 code."""

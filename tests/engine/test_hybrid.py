@@ -1,6 +1,7 @@
 """Hybrid models (recurrent layers next to paged attention; the Gated DeltaNet families: Qwen3-Next, Qwen3.5 dense as
 a vision-language checkpoint and Qwen3.5 MoE): transformers' greedy tokens and logits under every scheduling regime,
-the recurrent-state slots (one budget with the KV blocks, freed on finish, abort and preemption), and checkpoints
+with the C++ delta-rule kernels and with the torch forms; the kernels against the recurrence; the recurrent-state
+slots (one budget with the KV blocks, freed on finish, abort and preemption), and checkpoints
 refused at load."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from shoal.engine import LLM, SamplingParams
+from shoal.engine.execution.layers import ssm_scan
 from shoal.engine.execution.layers.gated_delta_net import RecurrentState, chunk_delta_rule, recurrent_step
 from test_engine_correctness import PROMPTS, check_against_hf
 
@@ -53,6 +55,48 @@ def test_gated_deltanet_hybrid_greedy_matches_transformers(model_factory, family
             assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"
         engine.pool.check_all_free()
         engine.state_pool.check_all_free()
+
+
+@pytest.mark.parametrize("regime", ["odd-chunks", "preemption"])
+def test_torch_delta_rule_fallback_matches_transformers(model_factory, monkeypatch, regime):
+    """Without the C++ kernels (no compiler, or off CPU): the chunked delta rule for prompts, the gathered
+    recurrence for decode."""
+    monkeypatch.setattr(ssm_scan, "load_kernels", lambda: None)
+    model = model_factory("qwen3_next")
+    with LLM(model=model, **REGIMES[regime]) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                       logprobs=5))
+        check_against_hf(model, llm.get_tokenizer(), outputs, PROMPTS, max_new=MAX_NEW)
+        llm.llm_engine.state_pool.check_all_free()
+
+
+def test_delta_rule_kernels_equal_the_recurrence():
+    """The C++ chunk scan and decode step (2 key heads feeding 4 value heads, non-zero states, scattered slots)
+    against the torch recurrence; the slots not stepped are left alone."""
+    ops = ssm_scan.load_kernels()
+    if ops is None:
+        pytest.skip("the recurrent-layer kernels could not be built here")
+    torch.manual_seed(0)
+    T, Hk, H, dk, dv = 40, 2, 4, 16, 24
+    q, k = (torch.nn.functional.normalize(torch.randn(T, Hk, dk), dim=-1) for _ in range(2))
+    v, g, beta = torch.randn(T, H, dv), -torch.rand(T, H), torch.rand(T, H)
+    qh, kh = q.repeat_interleave(H // Hk, 1), k.repeat_interleave(H // Hk, 1)
+    s0 = torch.randn(H, dk, dv)
+    state, ref_state, ref = s0.clone(), s0[None], []
+    out = ops.gated_delta_scan(q, k, v, g, beta, state)
+    for t in range(T):
+        o, ref_state = recurrent_step(qh[None, t], kh[None, t], v[None, t], g[None, t], beta[None, t], ref_state)
+        ref.append(o[0])
+    torch.testing.assert_close(out, torch.stack(ref), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, ref_state[0], atol=1e-4, rtol=1e-4)
+    slots, pool = torch.tensor([3, 0, 5]), torch.randn(6, H, dk, dv)
+    stepped = pool.clone()
+    out = ops.gated_delta_step(q[:3].contiguous(), k[:3].contiguous(), v[:3].contiguous(), g[:3].contiguous(),
+                               beta[:3].contiguous(), stepped, slots)
+    o, new = recurrent_step(qh[:3], kh[:3], v[:3], g[:3], beta[:3], pool[slots])
+    torch.testing.assert_close(out, o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stepped[slots], new, atol=1e-5, rtol=1e-5)
+    assert torch.equal(stepped[[1, 2, 4]], pool[[1, 2, 4]])
 
 
 def test_qwen3_5_moe_stacked_experts_load_like_per_expert_tensors(model_factory, tmp_path):
@@ -112,8 +156,9 @@ def test_state_is_carved_from_the_cache_budget_and_max_num_seqs_refused(qwen3_ne
         assert llm.llm_engine.state_pool.num_slots == fits
 
 
-# the recurrent families share the state slots and checkpoints: Gated DeltaNet, then Mamba2 (test_hybrid_mamba.py)
-STATE_FAMILIES = ["qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "qwen3_5"]
+# the recurrent families share the state slots and checkpoints: Gated DeltaNet, then Mamba2 and Mamba
+# (test_hybrid_mamba.py)
+STATE_FAMILIES = ["qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "qwen3_5", "jamba"]
 
 
 @pytest.mark.parametrize("family", STATE_FAMILIES[:2])

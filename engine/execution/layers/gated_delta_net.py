@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
-from shoal.engine.execution.layers import ssm_triton
+from shoal.engine.execution.layers import ssm_scan, ssm_triton
+from shoal.engine.execution.layers.causal_conv import causal_conv_chunk, causal_conv_step
 from shoal.engine.execution.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shoal.engine.execution.models.base import reader
 
@@ -161,15 +162,15 @@ class GatedDeltaNet(nn.Module):
 
     # ---- the step
 
-    def _qkv_heads(self, mixed: torch.Tensor):
-        """Conv output [..., channels] -> float32 q, k (L2-normalised, q scaled, repeated per value head) and v,
-        each [..., nv, d]."""
+    def _qkv_heads(self, mixed: torch.Tensor, repeat: bool = True):
+        """Conv output [..., channels] -> float32 q, k (L2-normalised, q scaled, repeated per value head unless
+        `repeat` is False: [..., nk, dk]) and v [..., nv, dv]."""
         kd = self.nk_local * self.dk
         q, k, v = mixed.float().split([kd, kd, self.nv_local * self.dv], dim=-1)
         shape = mixed.shape[:-1]
         q = _l2norm(q.reshape(*shape, self.nk_local, self.dk)) * self.dk ** -0.5
         k = _l2norm(k.reshape(*shape, self.nk_local, self.dk))
-        if self.ratio > 1:
+        if self.ratio > 1 and repeat:
             q, k = q.repeat_interleave(self.ratio, dim=-2), k.repeat_interleave(self.ratio, dim=-2)
         return q, k, v.reshape(*shape, self.nv_local, self.dv)
 
@@ -203,19 +204,23 @@ class GatedDeltaNet(nn.Module):
                                                 self.nk_local)
 
     def _decode(self, mixed, g, beta, state, slots):
-        window = torch.cat([state.conv[slots], mixed[:, :, None]], dim=-1)  # [B, C, K]
-        state.conv[slots] = window[:, :, 1:]
-        conv = F.silu((window.float() * self.conv_weight.float()).sum(-1)).to(mixed.dtype)
+        conv = causal_conv_step(mixed, state, slots, self.conv_weight, None)
+        kernels = ssm_scan.kernels_for(mixed)
+        if kernels is not None:  # in place on the slots: no gathered copy of the state
+            q, k, v = self._qkv_heads(conv, repeat=False)
+            return ssm_scan.gated_delta_step(kernels, q, k, v, g, beta, state.ssm, slots)
         q, k, v = self._qkv_heads(conv)
         o, new = recurrent_step(q, k, v, g, beta, state.ssm[slots])
         state.ssm[slots] = new
         return o
 
     def _prefill(self, mixed, g, beta, state, slot: int):
-        x = torch.cat([state.conv[slot], mixed.t()], dim=-1)  # [C, K - 1 + n]
-        state.conv[slot] = x[:, x.shape[1] - (self.kernel - 1):]
-        conv = F.silu(F.conv1d(x[None].to(self.conv_weight.dtype), self.conv_weight[:, None], groups=self.channels))
-        q, k, v = self._qkv_heads(conv[0].t().to(mixed.dtype))
+        conv = causal_conv_chunk(mixed, state, slot, self.conv_weight, None)
+        kernels = ssm_scan.kernels_for(mixed)
+        if kernels is not None:  # the recurrence token by token in C++, each head's state kept in cache
+            q, k, v = self._qkv_heads(conv, repeat=False)
+            return ssm_scan.gated_delta_scan(kernels, q, k, v, g, beta, state.ssm[slot])
+        q, k, v = self._qkv_heads(conv)
         o = chunk_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(),
                              state.ssm[slot])
         return o.transpose(0, 1)

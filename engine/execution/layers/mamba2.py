@@ -9,8 +9,9 @@ bias, SiLU) whose last K-1 inputs are the sequence's conv state. Then, per head 
 with A = -exp(A_log). y is gated by SiLU(z), RMS-normalised within each of the config's groups of channels, scaled
 by the norm's weight and projected back by out_proj.
 
-Prefill uses the chunked (SSD) form, `ssd_chunk_scan`; decode the single-step recurrence batched over sequences
-(on CUDA in Triton kernels, layers/ssm_triton.py). Both read and write the sequence's slot of the layer's
+On CPU both prefill (the sequential scan) and decode (the single-step update in place on the slots) run C++ kernels
+(layers/ssm_scan.py); elsewhere prefill uses the chunked (SSD) form, `ssd_chunk_scan`, and decode the single-step
+recurrence batched over sequences (on CUDA in Triton kernels, layers/ssm_triton.py). Both read and write the sequence's slot of the layer's
 RecurrentState (the same state object as Gated DeltaNet's), so a prompt split over several steps carries its state
 from one step to the next, and a sequence whose step starts at position 0 starts from a zero state.
 
@@ -30,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
-from shoal.engine.execution.layers import ssm_triton
+from shoal.engine.execution.layers import ssm_scan, ssm_triton
+from shoal.engine.execution.layers.causal_conv import causal_conv_chunk, causal_conv_step
 from shoal.engine.execution.layers.gated_delta_net import RecurrentState
 from shoal.engine.execution.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shoal.engine.execution.models.base import reader
@@ -173,14 +175,16 @@ class Mamba2Mixer(nn.Module):
                                            self.groups_local, (lo, hi))
             return self.out_proj(self._gated_norm(y, z))
         dt = F.softplus(dt_raw.float() + self.dt_bias).clamp(lo, hi)
-        if meta.is_decode_only:
-            window = torch.cat([state.conv[slots], xbc[:, :, None]], dim=-1)  # [S, C, K]
-            state.conv[slots] = window[:, :, 1:]
-            conv = (window.float() * self.conv_weight.float()).sum(-1)
-            if self.conv_bias is not None:
-                conv = conv + self.conv_bias.float()
-            x, B, C = self._heads(F.silu(conv).to(h.dtype))
-            y, new = ssm_step(x, dt, A, B, C, state.ssm.index_select(0, slots))
+        kernels = ssm_scan.kernels_for(h)
+        if meta.is_decode_only and kernels is not None:  # in place on the slots: no gathered copy of the state
+            x, B, C = self._heads(causal_conv_step(xbc, state, slots, self.conv_weight, self.conv_bias))
+            y = ssm_scan.selective_state_update(x, dt, A[:, None], B, C, self.D[:, None].expand_as(x[0]), state.ssm,
+                                                slots)
+        elif meta.is_decode_only:
+            x, B, C = self._heads(causal_conv_step(xbc, state, slots, self.conv_weight, self.conv_bias))
+            per_group = self.heads_local // self.groups_local
+            y, new = ssm_step(x, dt, A, B.repeat_interleave(per_group, dim=1), C.repeat_interleave(per_group, dim=1),
+                              state.ssm.index_select(0, slots))
             state.ssm.index_copy_(0, slots, new)
             y += x * self.D[:, None]
         else:
@@ -188,29 +192,23 @@ class Mamba2Mixer(nn.Module):
             start = 0
             for i, n in enumerate(qlens):
                 sl, slot = slice(start, start + n), int(slots[i])
-                x, B, C = self._heads(self._conv(xbc[sl], state, slot))
-                y[sl] = ssd_chunk_scan(x, dt[sl], A, B, C, state.ssm[slot]) + x * self.D[:, None]
+                x, B, C = self._heads(causal_conv_chunk(xbc[sl], state, slot, self.conv_weight, self.conv_bias))
+                if kernels is not None:  # the sequential scan in C++: faster than the chunked form on CPU, no [L, L] temporaries
+                    y[sl] = ssm_scan.selective_scan(x, dt[sl], A[:, None], B, C, self.D[:, None].expand_as(x[0]),
+                                                    state.ssm[slot])
+                else:
+                    per_group = self.heads_local // self.groups_local
+                    y[sl] = ssd_chunk_scan(x, dt[sl], A, B.repeat_interleave(per_group, dim=1),
+                                           C.repeat_interleave(per_group, dim=1), state.ssm[slot]) + x * self.D[:, None]
                 start += n
         return self.out_proj(self._gated_norm(y, z))
 
-    def _conv(self, xbc: torch.Tensor, state: RecurrentState, slot: int) -> torch.Tensor:
-        """One sequence's chunk [n, C] through the causal conv, continuing from (and updating) its conv state."""
-        k = self.shape.conv_kernel
-        x = torch.cat([state.conv[slot], xbc.t()], dim=-1)  # [C, K - 1 + n]
-        state.conv[slot] = x[:, x.shape[1] - (k - 1):]
-        out = F.conv1d(x[None].to(self.conv_weight.dtype), self.conv_weight[:, None], self.conv_bias,
-                       groups=self.conv_local)
-        return F.silu(out[0].t()).to(xbc.dtype)
-
     def _heads(self, conv: torch.Tensor):
-        """Conv output [T, C] -> float32 x [T, H, P] and B, C [T, H, N] (each head its group's vector)."""
+        """Conv output [T, C] -> float32 x [T, H, P] and B, C [T, G, N] (one d_state vector per group)."""
         T, P, N = conv.shape[0], self.shape.head_dim, self.shape.d_state
         g = self.groups_local
         x, B, C = conv.float().split([self.inner_local, g * N, g * N], dim=-1)
-        per_group = self.heads_local // g
-        B = B.reshape(T, g, N).repeat_interleave(per_group, dim=1)
-        C = C.reshape(T, g, N).repeat_interleave(per_group, dim=1)
-        return x.reshape(T, self.heads_local, P), B, C
+        return x.reshape(T, self.heads_local, P), B.reshape(T, g, N), C.reshape(T, g, N)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y * SiLU(z), RMS-normalised within each norm group, times the weight (float32, then the model's dtype).
