@@ -184,6 +184,16 @@ def _config(arch: str, vocab_size: int, **overrides):
                   attention_in_multiplier=1.1, attention_out_multiplier=0.9, ssm_in_multiplier=0.8,
                   ssm_out_multiplier=1.2, ssm_multipliers=[0.5, 1.5, 0.9, 1.1, 1.3], max_position_embeddings=512,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
+    elif arch == "jamba":
+        # Jamba's layout scaled down: Mamba (v1) layers around one attention layer (no positions) in every four;
+        # experts top-2, unrenormalised, on every other layer (two Mamba layers), dense MLPs between; a low-rank
+        # time step (dt_rank 8 of hidden 64) and the inner RMSNorms on it, B and C.
+        cls = tf.JambaConfig
+        kw = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, num_experts=4, num_experts_per_tok=2, attn_layer_period=4,
+                  attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16,
+                  mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, mamba_conv_bias=True, mamba_proj_bias=False,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
     elif arch in _MLA_CONFIGS:
         name, extra = _MLA_CONFIGS[arch]
         cls, kw = getattr(tf, name), dict(_MLA_COMMON, **extra)

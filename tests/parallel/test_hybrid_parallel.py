@@ -54,3 +54,20 @@ def test_mamba2_hybrid_parallel_matches_single_process_and_transformers(model_fa
         llm.llm_engine.pool.check_all_free()
         llm.llm_engine.state_pool.check_all_free()
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["jamba-tp2", "jamba-pp2"])
+def test_jamba_parallel_matches_single_process_and_transformers(model_factory, tp, pp):
+    """Jamba's Mamba channels split over the ranks (x_proj row-parallel: every rank gets the whole time step, B and
+    C), or its layers split into stages, each keeping its own layers' state."""
+    model_dir = model_factory("jamba")
+    with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             distributed={"collective_timeout": 120.0}, **OPTIONS) as llm:
+        model = llm.llm_engine.executor.shard.runner.model
+        mamba = next(layer.self_attn for layer in model.layers if hasattr(layer.self_attn, "allocate_state"))
+        assert mamba.inner_local == 128 // tp and model.num_local_layers == 4 // pp
+        outputs = llm.generate(PROMPTS, PARAMS)
+        compare(model_dir, outputs, llm.get_tokenizer())
+        llm.llm_engine.pool.check_all_free()
+        llm.llm_engine.state_pool.check_all_free()
+    assert not torch.distributed.is_initialized()

@@ -1,6 +1,6 @@
 """`shoal-engine serve` with the hybrid models (Qwen3-Next and Qwen3.5: Gated DeltaNet + gated attention, Qwen3.5 as
 its vision-language checkpoint; Granite 4 and Nemotron-H: Mamba2 + attention without RoPE; Falcon-H1: both side by
-side in every layer): greedy completions through the openai client, streamed equal to non-streamed and to the
+side in every layer; Jamba: Mamba (v1) + attention): greedy completions through the openai client, streamed equal to non-streamed and to the
 offline engine; a repeated prompt is a prefix-cache hit in the usual metrics; the cache is all free again
 afterwards; an image sent to the vision-language checkpoint is refused (its text decoder alone is served)."""
 
@@ -15,7 +15,7 @@ PROMPTS = ["Once upon a time there was a little shoal of fish that swam together
            "def add(a, b):"]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "qwen3_5", "jamba"])
 def test_hybrid_server_streamed_equals_non_streamed_and_caches_prefixes(start_server, model_factory, arch):
     model = model_factory(arch)
     ref = offline_greedy(model, PROMPTS, 16, max_model_len=256, block_size=4)

@@ -31,6 +31,7 @@ _REGISTRY = {
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
+    "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
     "BertModel": ("bert", "BertModel"),  # encoder-only: embeddings only
 }
 

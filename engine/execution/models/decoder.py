@@ -77,6 +77,7 @@ class DecoderLM(CausalLM):
     norm_cls: type[nn.Module] = RMSNorm
     qk_norm: str | None = None  # None, "head" (per head over head_dim) or "full" (over the whole projection)
     prefixes = ("model.", "")  # where the checkpoint keeps the decoder's tensors (the LM head sits at the root)
+    final_norm_name = "norm"  # the final norm's name under that prefix
     # [KV slots, hidden]: where each step writes every row's pre-final-norm hidden state at the row's KV slot, so
     # it lives in the paged pool's slots with the KV (set by ModelRunner.allocate_kv_cache for speculative MTP only)
     hidden_sink: torch.Tensor | None = None
@@ -185,7 +186,8 @@ class DecoderLM(CausalLM):
 
     def load_weights(self, src) -> None:
         c = self.config
-        p = find_prefix(src, list(self.prefixes), "norm.weight")
+        norm = self.final_norm_name + ".weight"
+        p = find_prefix(src, list(self.prefixes), norm)
         shape = (c.vocab_size, c.hidden_size)
         if self.ps.is_first_stage or (self.ps.is_last_stage and self.lm_head.tied):
             self.embed_tokens.load(reader(src, p + "embed_tokens.weight", shape))
@@ -201,7 +203,7 @@ class DecoderLM(CausalLM):
         # layers are independent: a source that allows it (plain safetensors) loads several at once
         parallel_map(load_layer, range(len(self.layers)), getattr(src, "threads", 1))
         if self.ps.is_last_stage:
-            self.norm.weight.data.copy_(src.load(p + "norm.weight", (c.hidden_size,)))
+            self.norm.weight.data.copy_(src.load(p + norm, (c.hidden_size,)))
             if not self.lm_head.tied:
                 self.lm_head.load(reader(src, "lm_head.weight", shape))
 

@@ -29,12 +29,13 @@ def check_silu_experts(config) -> None:
 
 
 def load_moe_block(block: SparseMoeBlock, src, m: str, expert_names=_EXPERT_NAMES,
-                   shared_name: str = "shared_expert.") -> None:
-    """A sparse block's tensors under the prefix m ('...mlp.'): gate.weight [E, H], experts.{e}.<names>, and the
-    shared expert (with its gate) when the block has one (under `shared_name`: DeepSeek's is shared_experts.)."""
+                   shared_name: str = "shared_expert.", router_name: str = "gate.") -> None:
+    """A sparse block's tensors under the prefix m ('...mlp.'): the router's weight [E, H] (`router_name`: Jamba's is
+    router.), experts.{e}.<names>, and the shared expert (with its gate) when the block has one (under
+    `shared_name`: DeepSeek's is shared_experts.)."""
     experts = block.experts
     h, inter, n = experts.hidden, experts.intermediate, experts.num_experts
-    block.gate.data.copy_(src.load(m + "gate.weight", (n, h)))
+    block.gate.data.copy_(src.load(m + router_name + "weight", (n, h)))
     gate, up, down = expert_names
     stacked = src.has(m + "experts.gate_up_proj")  # transformers 5's layout, as Qwen3.5's releases ship it
     for e in experts.local_experts():
