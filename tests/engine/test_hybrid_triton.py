@@ -35,7 +35,8 @@ def _conv_reference(x, conv_state, weight, bias, slots):
     return F.silu(conv).to(x.dtype)
 
 
-def check_conv(with_bias, C=11, K=4, dtype=torch.float32, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS, tol=1e-5):
+def check_conv(with_bias, C=11, K=4, dtype=torch.float32, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS, tol=1e-5,
+               kernels=ssm_triton):
     torch.manual_seed(0)
     slots = slots.to(device)
     x = torch.randn(len(slots), 2 * C, device=device).to(dtype)[:, :C]  # a strided view, like in_proj's split
@@ -45,7 +46,7 @@ def check_conv(with_bias, C=11, K=4, dtype=torch.float32, device="cpu", slots=SL
     ref_state = state.clone()
     expected = _conv_reference(x, ref_state, weight, bias, slots)
     for _ in range(2):  # the second step reads the window the first wrote
-        got = ssm_triton.causal_conv1d_update(x, state, weight, bias, slots)
+        got = kernels.causal_conv1d_update(x, state, weight, bias, slots)
         torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
         torch.testing.assert_close(state, ref_state, rtol=0, atol=0)  # a pure shift: exact, other slots intact
         x = torch.randn(len(slots), C, device=device).to(dtype)
@@ -57,7 +58,8 @@ def test_conv1d_update_matches_torch(with_bias):
     check_conv(with_bias)  # channels not a power of two: masked lanes
 
 
-def check_gated_delta_rule(nk=2, ratio=2, dk=8, dv=6, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS, tol=1e-5):
+def check_gated_delta_rule(nk=2, ratio=2, dk=8, dv=6, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS, tol=1e-5,
+                           kernels=ssm_triton):
     """Value heads share key heads (ratio > 1), as in Qwen3-Next: the kernel must read key head h // ratio."""
     torch.manual_seed(1)
     slots = slots.to(device)
@@ -78,7 +80,7 @@ def check_gated_delta_rule(nk=2, ratio=2, dk=8, dv=6, device="cpu", slots=SLOTS,
         g = -A_log.exp() * F.softplus(a + dt_bias)
         o_ref, new = recurrent_step(q, k, v.reshape(Bn, H, dv), g, b.sigmoid(), ref[slots])
         ref[slots] = new
-        o = ssm_triton.gated_delta_rule_step(qkv, a, b, A_log, dt_bias, state, slots, nk)
+        o = kernels.gated_delta_rule_step(qkv, a, b, A_log, dt_bias, state, slots, nk)
         torch.testing.assert_close(o, o_ref, rtol=tol, atol=tol)
         torch.testing.assert_close(state, ref, rtol=tol, atol=tol)
 
@@ -88,7 +90,7 @@ def test_gated_delta_rule_step_matches_torch():
 
 
 def check_mamba2(limit, groups=2, heads_per_group=2, P=4, N=5, device="cpu", slots=SLOTS, num_slots=NUM_SLOTS,
-                 tol=1e-5):
+                 tol=1e-5, kernels=ssm_triton):
     """Several heads per B/C group: the kernel must read group h // heads_per_group."""
     torch.manual_seed(2)
     slots = slots.to(device)
@@ -109,7 +111,7 @@ def check_mamba2(limit, groups=2, heads_per_group=2, P=4, N=5, device="cpu", slo
         y_ref, new = ssm_step(x, dts, A, B, C, ref[slots])
         ref[slots] = new
         y_ref = y_ref + x * D[:, None]
-        y = ssm_triton.mamba2_ssm_step(xbc, dt, dt_bias, A, D, state, slots, groups, limit)
+        y = kernels.mamba2_ssm_step(xbc, dt, dt_bias, A, D, state, slots, groups, limit)
         torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
         torch.testing.assert_close(state, ref, rtol=tol, atol=tol)
 
@@ -160,26 +162,36 @@ def _random_params(layer):
             p.copy_(torch.randn_like(p) * 0.5)
 
 
-def _decode_twice(layer, hidden, monkeypatch, steps=3):
-    """Run `steps` decode steps with the kernels off, then on, from the same state; the outputs and states."""
+def _decode_twice(layer, hidden, monkeypatch, steps=3, fused="triton"):
+    """Run `steps` decode steps in torch, then with the `fused` kernels ("triton", or "cpu": the C++ ones), from the
+    same state; the outputs and states must agree."""
+    from shoal.engine.execution.layers import ssm_scan
+
     results = []
-    for mode in ("0", "1"):
-        monkeypatch.setenv("SHOAL_SSM_TRITON", mode)
-        torch.manual_seed(4)
-        state = layer.allocate_state(NUM_SLOTS, "cpu")
-        state.conv.normal_()
-        state.ssm.normal_()
-        outs = []
-        for step in range(steps):
-            h = torch.randn(len(SLOTS), hidden)
-            # the second sequence starts at this step's first token: its slot is zeroed first
-            seq_lens = [10 + step, 1 if step == 0 else 1 + step, 7 + step]
-            outs.append(layer(h, None, state, _meta(SLOTS, seq_lens)))
-        results.append((torch.stack(outs), state))
+    for mode in ("torch", fused):
+        monkeypatch.setenv("SHOAL_SSM_TRITON", "1" if mode == "triton" else "0")
+        with monkeypatch.context() as m:
+            if mode == "torch":
+                m.setattr(ssm_scan, "load_kernels", lambda: None)
+            results.append(_decode_steps(layer, hidden, steps))
     (o0, s0), (o1, s1) = results
     torch.testing.assert_close(o1, o0, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s1.conv, s0.conv, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s1.ssm, s0.ssm, rtol=1e-5, atol=1e-5)
+
+
+def _decode_steps(layer, hidden, steps):
+    torch.manual_seed(4)
+    state = layer.allocate_state(NUM_SLOTS, "cpu")
+    state.conv.normal_()
+    state.ssm.normal_()
+    outs = []
+    for step in range(steps):
+        h = torch.randn(len(SLOTS), hidden)
+        # the second sequence starts at this step's first token: its slot is zeroed first
+        seq_lens = [10 + step, 1 if step == 0 else 1 + step, 7 + step]
+        outs.append(layer(h, None, state, _meta(SLOTS, seq_lens)))
+    return torch.stack(outs), state
 
 
 def test_gated_delta_net_decode_triton_equals_torch(monkeypatch):

@@ -6,9 +6,10 @@ where q and k are L2-normalised (q also scaled by k_dim^-1/2), beta = sigmoid(b)
 g = -exp(A_log) * softplus(a + dt_bias). Before that, q|k|v go through a depthwise causal conv1d (kernel K, SiLU)
 whose last K-1 inputs are the sequence's conv state; after it, o is RMS-normalised per head and gated by SiLU(z).
 
-Prefill uses the chunked form (chunks of CHUNK tokens, one triangular solve each; derivation in
-`chunk_delta_rule`), decode the single-step recurrence batched over sequences (on CUDA in Triton kernels,
-layers/ssm_triton.py). Both read and write the sequence's slot of the layer's `RecurrentState`, so a prompt split
+On CPU prefill runs the recurrence token by token in C++ and decode the conv and delta-rule step fused, in place on
+the slots (layers/ssm_scan.py); on CUDA decode runs the Triton kernels of layers/ssm_triton.py (the same interface).
+Elsewhere, and without a compiler, prefill uses the chunked form (chunks of CHUNK tokens, one triangular solve each;
+derivation in `chunk_delta_rule`), decode the single-step recurrence batched over sequences. Both read and write the sequence's slot of the layer's `RecurrentState`, so a prompt split
 over several steps (chunked prefill) carries its state from one step to the next; a sequence whose step starts at
 position 0 starts from a zero state.
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
-from shoal.engine.execution.layers import ssm_scan, ssm_triton
+from shoal.engine.execution.layers import ssm_scan
 from shoal.engine.execution.layers.causal_conv import causal_conv_chunk, causal_conv_step
 from shoal.engine.execution.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shoal.engine.execution.models.base import reader
@@ -179,8 +180,9 @@ class GatedDeltaNet(nn.Module):
         slots = meta.state_slots
         qlens = meta.query_lens_list
         state.zero_new_sequences(meta)
-        if meta.is_decode_only and ssm_triton.use_triton(h.device):
-            out = self._decode_triton(mixed, a, b, state, slots)
+        fused = ssm_scan.decode_kernels(h.device) if meta.is_decode_only else None
+        if fused is not None:
+            out = self._decode_fused(fused, mixed, a, b, state, slots)
         elif meta.is_decode_only:
             out = self._decode(mixed, *self._gates(a, b), state, slots)
         else:
@@ -197,18 +199,15 @@ class GatedDeltaNet(nn.Module):
         """The log-decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), float32 [T, nv]."""
         return -self.A_log.exp() * F.softplus(a.float() + self.dt_bias), b.float().sigmoid()
 
-    def _decode_triton(self, mixed, a, b, state, slots):
-        """The decode step in the Triton kernels (layers/ssm_triton.py), the state updated in its slots in place."""
-        conv = ssm_triton.causal_conv1d_update(mixed, state.conv, self.conv_weight, None, slots)
-        return ssm_triton.gated_delta_rule_step(conv, a, b, self.A_log, self.dt_bias, state.ssm, slots,
+    def _decode_fused(self, fused, mixed, a, b, state, slots):
+        """The decode step in fused kernels (Triton's on GPU, C++ on CPU: layers/ssm_scan.decode_kernels), the state
+        updated in its slots in place."""
+        conv = fused.causal_conv1d_update(mixed, state.conv, self.conv_weight, None, slots)
+        return fused.gated_delta_rule_step(conv, a, b, self.A_log, self.dt_bias, state.ssm, slots,
                                                 self.nk_local)
 
     def _decode(self, mixed, g, beta, state, slots):
         conv = causal_conv_step(mixed, state, slots, self.conv_weight, None)
-        kernels = ssm_scan.kernels_for(mixed)
-        if kernels is not None:  # in place on the slots: no gathered copy of the state
-            q, k, v = self._qkv_heads(conv, repeat=False)
-            return ssm_scan.gated_delta_step(kernels, q, k, v, g, beta, state.ssm, slots)
         q, k, v = self._qkv_heads(conv)
         o, new = recurrent_step(q, k, v, g, beta, state.ssm[slots])
         state.ssm[slots] = new

@@ -9,8 +9,9 @@ s [d_state] and A = -exp(A_log) [inner, d_state] (a decay per channel *and* stat
 and out_proj maps back to the hidden size.
 
 Prefill runs the scan of layers/ssm_scan.py per sequence, decode its single-step update batched over sequences (C++
-kernels on CPU, in place on the state slots; torch elsewhere); both read and write the sequence's slot of the layer's RecurrentState (conv [K-1] inputs,
-the SSM state [inner, d_state] in float32), so chunked prefill carries the state across steps.
+kernels on CPU, in place on the state slots, the conv update too; torch elsewhere); both read and write the
+sequence's slot of the layer's RecurrentState (conv [K-1] inputs, the SSM state [inner, d_state] in float32), so
+chunked prefill carries the state across steps.
 
 Tensor parallelism splits the inner channels: a rank holds its channels' rows of in_proj (x and z), conv, dt_proj,
 A_log and D, and the matching columns of x_proj and out_proj (both row-parallel: x_proj's all-reduce gives every
@@ -87,7 +88,10 @@ class MambaMixer(nn.Module):
         x, z = self.in_proj(h).split([self.inner_local, self.inner_local], dim=-1)
         slots = meta.state_slots
         state.zero_new_sequences(meta)
-        if meta.is_decode_only:
+        fused = ssm_scan.decode_kernels(h.device) if meta.is_decode_only else None
+        if fused is not None:
+            xc = fused.causal_conv1d_update(x, state.conv, self.conv_weight, self.conv_bias, slots)
+        elif meta.is_decode_only:
             xc = causal_conv_step(x, state, slots, self.conv_weight, self.conv_bias)
         else:
             xc = torch.empty_like(x)

@@ -9,11 +9,12 @@ bias, SiLU) whose last K-1 inputs are the sequence's conv state. Then, per head 
 with A = -exp(A_log). y is gated by SiLU(z), RMS-normalised within each of the config's groups of channels, scaled
 by the norm's weight and projected back by out_proj.
 
-On CPU both prefill (the sequential scan) and decode (the single-step update in place on the slots) run C++ kernels
-(layers/ssm_scan.py); elsewhere prefill uses the chunked (SSD) form, `ssd_chunk_scan`, and decode the single-step
-recurrence batched over sequences (on CUDA in Triton kernels, layers/ssm_triton.py). Both read and write the sequence's slot of the layer's
-RecurrentState (the same state object as Gated DeltaNet's), so a prompt split over several steps carries its state
-from one step to the next, and a sequence whose step starts at position 0 starts from a zero state.
+On CPU both prefill (the sequential scan) and decode (conv and SSM step fused, in place on the slots) run C++
+kernels (layers/ssm_scan.py); on CUDA decode runs the Triton kernels of layers/ssm_triton.py with the same interface
+and prefill the chunked (SSD) form, `ssd_chunk_scan`; without either, the single-step recurrence in torch. All read
+and write the sequence's slot of the layer's RecurrentState (the same state object as Gated DeltaNet's), so a
+prompt split over several steps carries its state from one step to the next, and a sequence whose step starts at
+position 0 starts from a zero state.
 
 Tensor parallelism splits the heads: a rank holds its heads' rows of z, x and dt, the B/C rows of the groups those
 heads read (its share of the groups when the ranks divide them, else the one group its heads sit in, replicated),
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
-from shoal.engine.execution.layers import ssm_scan, ssm_triton
+from shoal.engine.execution.layers import ssm_scan
 from shoal.engine.execution.layers.causal_conv import causal_conv_chunk, causal_conv_step
 from shoal.engine.execution.layers.gated_delta_net import RecurrentState
 from shoal.engine.execution.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -169,18 +170,15 @@ class Mamba2Mixer(nn.Module):
         slots = meta.state_slots
         qlens = meta.query_lens_list
         state.zero_new_sequences(meta)
-        if meta.is_decode_only and ssm_triton.use_triton(h.device):
-            conv = ssm_triton.causal_conv1d_update(xbc, state.conv, self.conv_weight, self.conv_bias, slots)
-            y = ssm_triton.mamba2_ssm_step(conv, dt_raw, self.dt_bias, A, self.D, state.ssm, slots,
+        fused = ssm_scan.decode_kernels(h.device) if meta.is_decode_only else None
+        if fused is not None:  # Triton's on GPU, C++ on CPU: in place on the slots
+            conv = fused.causal_conv1d_update(xbc, state.conv, self.conv_weight, self.conv_bias, slots)
+            y = fused.mamba2_ssm_step(conv, dt_raw, self.dt_bias, A, self.D, state.ssm, slots,
                                            self.groups_local, (lo, hi))
             return self.out_proj(self._gated_norm(y, z))
         dt = F.softplus(dt_raw.float() + self.dt_bias).clamp(lo, hi)
         kernels = ssm_scan.kernels_for(h)
-        if meta.is_decode_only and kernels is not None:  # in place on the slots: no gathered copy of the state
-            x, B, C = self._heads(causal_conv_step(xbc, state, slots, self.conv_weight, self.conv_bias))
-            y = ssm_scan.selective_state_update(x, dt, A[:, None], B, C, self.D[:, None].expand_as(x[0]), state.ssm,
-                                                slots)
-        elif meta.is_decode_only:
+        if meta.is_decode_only:
             x, B, C = self._heads(causal_conv_step(xbc, state, slots, self.conv_weight, self.conv_bias))
             per_group = self.heads_local // self.groups_local
             y, new = ssm_step(x, dt, A, B.repeat_interleave(per_group, dim=1), C.repeat_interleave(per_group, dim=1),

@@ -1,6 +1,7 @@
 """The recurrent layers' state updates as C++ kernels on CPU (csrc/cpu_ssm.cpp): Mamba's and Mamba2's selective
-scan, Gated DeltaNet's delta rule, each for a prompt chunk of one sequence and for one decode token of many, in place
-on the state slots.
+scan and Gated DeltaNet's delta rule for a prompt chunk of one sequence, and for one decode token of many, in place on
+the state slots: Mamba's update, and (`decode_kernels`, the Triton kernels' interface) the causal-conv update, the
+delta-rule step and the Mamba2 step straight from the projections' outputs.
 
 `kernels_for(t)` is torch.ops.shoal_cpu_ssm for a CPU tensor, else None: off CPU, when the kernel cannot be built (no
 compiler), or with SHOAL_DISABLE_SSM_KERNEL=1 — the layers then run their torch forms. The Mamba recurrence's torch
@@ -34,6 +35,34 @@ def load_kernels():
 
 def kernels_for(t: torch.Tensor):
     return load_kernels() if t.device.type == "cpu" else None
+
+
+class CpuDecode:
+    """The decode step's fused kernels in C++, with layers/ssm_triton.py's interface (the layers call either)."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def causal_conv1d_update(self, x, conv_state, weight, bias, slots):
+        return self.ops.causal_conv1d_update(x, conv_state, weight, bias, slots)
+
+    def gated_delta_rule_step(self, qkv, a, b, A_log, dt_bias, state, slots, num_key_heads):
+        return self.ops.gated_delta_rule_step(qkv, a, b, A_log, dt_bias, state, slots, num_key_heads)
+
+    def mamba2_ssm_step(self, xbc, dt, dt_bias, A, D, state, slots, groups, time_step_limit):
+        lo, hi = time_step_limit
+        return self.ops.mamba2_ssm_step(xbc, dt, dt_bias, A, D, state, slots, groups, float(lo), float(hi))
+
+
+def decode_kernels(device: torch.device):
+    """The fused decode kernels for `device`: Triton's on CUDA (ssm_triton.use_triton), these C++ ones on CPU, else
+    None (the layers' torch step)."""
+    from shoal.engine.execution.layers import ssm_triton
+
+    if ssm_triton.use_triton(device):
+        return ssm_triton
+    ops = load_kernels() if device.type == "cpu" else None
+    return CpuDecode(ops) if ops is not None else None
 
 
 def selective_scan(x, dt, A, B, C, D, state):
@@ -73,13 +102,6 @@ def gated_delta_scan(ops, q, k, v, g, beta, state):
     g (log decay) and beta [T, H]; state [H, dk, dv] updated in place. Returns o [T, H, dv]."""
     return ops.gated_delta_scan(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
                                 state)
-
-
-def gated_delta_step(ops, q, k, v, g, beta, state, slots):
-    """One token of each of S sequences through the delta rule in the kernel: q, k [S, Hk, dk], v [S, H, dv], g and
-    beta [S, H]; state [slots, H, dk, dv] updated in place at `slots`. Returns o [S, H, dv]."""
-    return ops.gated_delta_step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-                                state, slots.long())
 
 
 def selective_scan_reference(x, dt, A, B, C, D, state):
