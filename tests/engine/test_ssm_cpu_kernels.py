@@ -77,5 +77,5 @@ def test_mamba_decode_cpu_equals_torch(cpu, monkeypatch):
     layer = MambaMixer(shape, torch.float32)
     _random_params(layer)
     with torch.no_grad():
-        layer.A_log.copy_(torch.rand_like(layer.A_log))  # decays within (−e, −1): the state neither explodes nor dies
+        layer.A_log.copy_(torch.rand_like(layer.A_log))  # decays in (-e, -1): the state neither explodes nor dies
     _decode_twice(layer, 16, monkeypatch, fused="cpu")

@@ -9,9 +9,9 @@ whose last K-1 inputs are the sequence's conv state; after it, o is RMS-normalis
 On CPU prefill runs the recurrence token by token in C++ and decode the conv and delta-rule step fused, in place on
 the slots (layers/ssm_scan.py); on CUDA decode runs the Triton kernels of layers/ssm_triton.py (the same interface).
 Elsewhere, and without a compiler, prefill uses the chunked form (chunks of CHUNK tokens, one triangular solve each;
-derivation in `chunk_delta_rule`), decode the single-step recurrence batched over sequences. Both read and write the sequence's slot of the layer's `RecurrentState`, so a prompt split
-over several steps (chunked prefill) carries its state from one step to the next; a sequence whose step starts at
-position 0 starts from a zero state.
+derivation in `chunk_delta_rule`), decode the single-step recurrence batched over sequences. Both read and write
+the sequence's slot of the layer's `RecurrentState`, so a prompt split over several steps (chunked prefill) carries
+its state from one step to the next; a sequence whose step starts at position 0 starts from a zero state.
 
 Tensor parallelism splits the key heads (and the value heads each serves): in_proj_qkvz and in_proj_ba keep their
 rows grouped by key head, so a rank's rows are one contiguous range; the conv channels, A_log and dt_bias are
@@ -203,8 +203,7 @@ class GatedDeltaNet(nn.Module):
         """The decode step in fused kernels (Triton's on GPU, C++ on CPU: layers/ssm_scan.decode_kernels), the state
         updated in its slots in place."""
         conv = fused.causal_conv1d_update(mixed, state.conv, self.conv_weight, None, slots)
-        return fused.gated_delta_rule_step(conv, a, b, self.A_log, self.dt_bias, state.ssm, slots,
-                                                self.nk_local)
+        return fused.gated_delta_rule_step(conv, a, b, self.A_log, self.dt_bias, state.ssm, slots, self.nk_local)
 
     def _decode(self, mixed, g, beta, state, slots):
         conv = causal_conv_step(mixed, state, slots, self.conv_weight, None)

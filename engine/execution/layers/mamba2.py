@@ -173,8 +173,8 @@ class Mamba2Mixer(nn.Module):
         fused = ssm_scan.decode_kernels(h.device) if meta.is_decode_only else None
         if fused is not None:  # Triton's on GPU, C++ on CPU: in place on the slots
             conv = fused.causal_conv1d_update(xbc, state.conv, self.conv_weight, self.conv_bias, slots)
-            y = fused.mamba2_ssm_step(conv, dt_raw, self.dt_bias, A, self.D, state.ssm, slots,
-                                           self.groups_local, (lo, hi))
+            y = fused.mamba2_ssm_step(conv, dt_raw, self.dt_bias, A, self.D, state.ssm, slots, self.groups_local,
+                                      (lo, hi))
             return self.out_proj(self._gated_norm(y, z))
         dt = F.softplus(dt_raw.float() + self.dt_bias).clamp(lo, hi)
         kernels = ssm_scan.kernels_for(h)
@@ -191,7 +191,7 @@ class Mamba2Mixer(nn.Module):
             for i, n in enumerate(qlens):
                 sl, slot = slice(start, start + n), int(slots[i])
                 x, B, C = self._heads(causal_conv_chunk(xbc[sl], state, slot, self.conv_weight, self.conv_bias))
-                if kernels is not None:  # the sequential scan in C++: faster than the chunked form on CPU, no [L, L] temporaries
+                if kernels is not None:  # the sequential scan in C++: faster than the SSD form on CPU, no [L, L] temps
                     y[sl] = ssm_scan.selective_scan(x, dt[sl], A[:, None], B, C, self.D[:, None].expand_as(x[0]),
                                                     state.ssm[slot])
                 else:
