@@ -96,8 +96,8 @@ class SpeculativeConfig(BaseModel):
     method: Literal["ngram", "draft_model", "mtp"] = Field(
         description="ngram: prompt lookup, the tokens that followed the latest earlier occurrence of the sequence's "
                     "last n tokens; draft_model: a smaller model with the same tokenizer proposes them (implied by "
-                    "`model`); mtp (alias deepseek_mtp): the multi-token-prediction layer a DeepSeek V3 checkpoint "
-                    "ships (num_nextn_predict_layers) proposes them from the target's hidden states")
+                    "`model`); mtp (alias deepseek_mtp): the multi-token-prediction layer a DeepSeek V3, Qwen3-Next or "
+                    "Qwen3.5 checkpoint ships proposes them from the target's hidden states")
     model: str | None = Field(default=None, description="the draft model (draft_model): a local Hugging Face "
                                                         "directory, a hub id in the local cache, or a .gguf file")
     num_speculative_tokens: int = Field(gt=0, le=64, description="tokens proposed per step")

@@ -213,6 +213,9 @@ class StepInputs:
     # this step from (copied before the step), and the one its state is copied into after the step.
     state_restore: torch.Tensor | None = None
     state_save: torch.Tensor | None = None
+    # Speculative decoding on a hybrid, per sequence ([B] int64, -1 = none): the slot its state is copied into before
+    # a step that verifies proposals, so that a rejection can start the sequence again from it (core/scheduler.py).
+    state_backup: torch.Tensor | None = None
     # Embedding requests: [start, end) rows of the flat batch whose final hidden states are summed into one vector
     # each (a LAST or CLS pooler's range is one row; MEAN's a whole prompt chunk). None: nothing is pooled.
     pool_ranges: list[tuple[int, int]] | None = None

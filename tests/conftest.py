@@ -64,7 +64,7 @@ def model_factory(tmp_path_factory):
     cache: dict = {}
 
     def make(arch: str = "llama", **kw):
-        key = (arch, tuple(sorted(kw.items())))
+        key = (arch, repr(sorted(kw.items())))  # repr: list-valued overrides (layer_types) too
         if key not in cache:
             cache[key] = make_model(tmp_path_factory.mktemp(f"model-{arch}"), arch=arch, **kw)
         return cache[key]

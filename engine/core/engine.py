@@ -179,14 +179,13 @@ class LLMEngine:
         self.spec = config.speculative_config
         self.proposer = None
         # Hybrid models: bytes of one sequence's recurrent state (0 for pure transformers), carved from the KV budget,
-        # and with prefix caching as many checkpoint slots again (core/state_pool.StateCheckpoints).
+        # with prefix caching as many checkpoint slots again (core/state_pool.StateCheckpoints), and with speculative
+        # decoding one backup slot per sequence (the state before its proposals: core/scheduler.accept_draft).
         self.state_bytes = self.executor.runner.state_bytes_per_seq()
         self.num_checkpoints = config.max_num_seqs if self.state_bytes and config.enable_prefix_caching else 0
-        self.num_state_slots = config.max_num_seqs + self.num_checkpoints
+        self.num_backups = config.max_num_seqs if self.state_bytes and self.spec is not None else 0
+        self.num_state_slots = config.max_num_seqs + self.num_checkpoints + self.num_backups
         try:
-            if self.state_bytes and self.spec is not None:
-                raise ValueError("speculative decoding is not supported for hybrid models (recurrent layers): their "
-                                 "state cannot take back rejected draft tokens; drop --speculative-config")
             if self.state_bytes and config.enable_sleep_mode:
                 raise ValueError("sleep mode is not supported for hybrid models (recurrent layers) yet: their state "
                                  "slots are not released and restored by sleep/wake_up; drop --enable-sleep-mode")
@@ -249,7 +248,8 @@ class LLMEngine:
                                    chunked, config.scheduling_policy,
                                    sliding_window=self.kv_window,
                                    max_loras=config.max_loras if config.enable_lora else None,
-                                   state_pool=self.state_pool, checkpoints=checkpoints, tiers=self.tiers)
+                                   state_pool=self.state_pool, checkpoints=checkpoints, tiers=self.tiers,
+                                   backup_base=config.max_num_seqs + self.num_checkpoints if self.num_backups else None)
         self.lora: LoRARegistry | None = None
         if config.enable_lora:
             self.lora = LoRARegistry(self.executor, self.hf_config, config.max_loras, config.max_lora_rank,
@@ -286,9 +286,10 @@ class LLMEngine:
             "on" if self.prefix_caching else "off", self.max_num_batched_tokens,
         )
         if self.state_bytes:
-            logger.info("recurrent state: %d sequence slots (max_num_seqs) + %d prefix-cache checkpoints of %.2f MiB "
-                        "each, %.1f MiB in all, carved from the KV-cache budget", config.max_num_seqs,
-                        self.num_checkpoints, self.state_bytes / 2**20, self.num_state_slots * self.state_bytes / 2**20)
+            logger.info("recurrent state: %d sequence slots (max_num_seqs) + %d prefix-cache checkpoints + %d "
+                        "speculative backups of %.2f MiB each, %.1f MiB in all, carved from the KV-cache budget",
+                        config.max_num_seqs, self.num_checkpoints, self.num_backups, self.state_bytes / 2**20,
+                        self.num_state_slots * self.state_bytes / 2**20)
         self._log_sliding_window(num_blocks)
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -421,16 +422,21 @@ class LLMEngine:
             return budget
         c = self.config
         kv_floor = (-(-self.max_model_len // c.block_size) + padding) * per_block
-        per_seq = self.state_bytes * self.num_state_slots // c.max_num_seqs  # its slot (and its checkpoint's)
+        per_seq = self.state_bytes * self.num_state_slots // c.max_num_seqs  # its slot (checkpoint's, backup's)
         fits = max(0, (budget - kv_floor) // per_seq)
         if c.max_num_seqs > fits:
             raise ValueError(
                 f"--max-num-seqs {c.max_num_seqs} needs {c.max_num_seqs * per_seq / 2**20:.1f} MiB of recurrent "
-                f"state ({per_seq / 2**20:.2f} MiB per sequence{', with its prefix-cache checkpoint' if self.num_checkpoints else ''}); "
+                f"state ({per_seq / 2**20:.2f} MiB per sequence{self._state_extras()}); "
                 f"the cache budget ({flag}, {budget / 2**20:.1f} MiB) holds the state of at most {fits} sequences next "
                 f"to the KV blocks of one max_model_len={self.max_model_len} sequence: lower --max-num-seqs to {fits} "
                 f"or raise {flag}")
         return budget - c.max_num_seqs * per_seq
+
+    def _state_extras(self) -> str:
+        extras = [name for name, n in (("its prefix-cache checkpoint", self.num_checkpoints),
+                                       ("its speculative backup", self.num_backups)) if n]
+        return f", with {' and '.join(extras)}" if extras else ""
 
     # -- requests -------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -783,7 +789,10 @@ class LLMEngine:
         speculate = len(running) <= self.spec.disable_by_batch_size
         for seq in running:
             seq.spec_token_ids, seq.spec_probs = [], []
-            if not speculate or seq.grammar is not None or seq.pooling is not None or seq.num_tokens - seq.num_computed_tokens != 1:
+            # Decoding sequences only: not the last token of a prompt whose prefill was cut just before it (a
+            # hybrid's prefix-cache boundary, a chunk), so proposals never depend on how a prompt was chunked.
+            if not speculate or seq.grammar is not None or seq.pooling is not None or \
+                    seq.num_tokens - seq.num_computed_tokens != 1 or not seq.num_output_tokens:
                 continue
             # Room for the proposals and the model's own token after them, within max_tokens and the context.
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
@@ -811,7 +820,7 @@ class LLMEngine:
         self.spec_num_accepted_tokens += accepted
         seq.spec_token_ids, seq.spec_probs = [], []
         if not seq.is_finished:
-            self.scheduler.accept_draft(seq, accepted)
+            self.scheduler.accept_draft(seq, accepted, num_draft)
         return j + 1
 
     def _append_token(self, seq: Sequence, row: int, sampled) -> None:

@@ -53,6 +53,9 @@ class ScheduledSeq:
     # recurrent state from, and the one its state is copied into after the step (-1: none).
     restore_from: int = -1
     save_to: int = -1
+    # Speculative decoding on a hybrid: the slot the sequence's state is backed up into before this step verifies
+    # its proposals (-1: none; Scheduler.accept_draft says why).
+    backup_to: int = -1
     # Embedding requests: the positions of this step whose final hidden states are pooled (set by the engine).
     pooled: range = range(0)
 
@@ -71,12 +74,14 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, policy: str = "fcfs", sliding_window: int | None = None,
                  max_loras: int | None = None, state_pool: StatePool | None = None,
-                 checkpoints: StateCheckpoints | None = None, tiers=None):
+                 checkpoints: StateCheckpoints | None = None, tiers=None, backup_base: int | None = None):
         self.pool = pool
         self.tiers = tiers  # core/kv_tiers.KVTiers with KV offloading on: prefixes the pool lost come back from it
         # Hybrid models: one recurrent-state slot per running sequence (it has max_num_seqs of them).
         self.state_pool = state_pool
         self.checkpoints = checkpoints  # hybrid prefix caching: recurrent state kept at prompts' last full block
+        # Hybrid speculative decoding: sequence slot s backs its state up in slot s + backup_base (accept_draft).
+        self.backup_base = backup_base
         self.sliding_window = sliding_window  # every layer's window (the smallest), or None
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -117,6 +122,7 @@ class Scheduler:
         seq.num_freed_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_draft_computed = 0  # a draft model's keys/values went with the blocks
+        seq.state_rollback = False  # and its backed-up state with its slot
 
     def _free_slid_out_blocks(self, seq: Sequence) -> None:
         """Give back the leading blocks no future query of `seq` can see (every key before c - W + 1, where c is
@@ -175,7 +181,14 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, n: int, samples: bool, draft: int = 0, restore_from: int = -1):
         samples = samples and seq.pooling is None  # an embedding request pools its prompt and samples nothing
-        return ScheduledSeq(seq, n, samples, draft, restore_from=restore_from, save_to=self._save_slot(seq, n))
+        backup_to = -1
+        if self.backup_base is not None and seq.state_slot is not None:
+            if seq.state_rollback:  # proposals were rejected: start again from the state before them
+                restore_from, seq.state_rollback = seq.state_slot + self.backup_base, False
+            elif draft:
+                backup_to = seq.state_slot + self.backup_base
+        return ScheduledSeq(seq, n, samples, draft, restore_from=restore_from, save_to=self._save_slot(seq, n),
+                            backup_to=backup_to)
 
     # -- one step ------------------------------------------------------------------------------------------
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -299,16 +312,26 @@ class Scheduler:
             # Proposed tokens count once accepted (accept_draft): until then their keys/values are not the
             # sequence's, and no block holding them may enter the prefix cache.
             seq.num_computed_tokens += s.num_new_tokens - s.num_draft
-            self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens,
-                                        seq.lora_id, seq.images.block_key if seq.images is not None else None)
+            if s.backup_to < 0:  # a hybrid's verified token itself may be taken back too (accept_draft publishes)
+                self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens,
+                                            seq.lora_id, seq.images.block_key if seq.images is not None else None)
             if self.sliding_window is not None:  # after publishing: a block is hashed before it can slide out
                 self._free_slid_out_blocks(seq)
 
-    def accept_draft(self, seq: Sequence, num_accepted: int) -> None:
-        """After a speculative step appended num_accepted proposed tokens (and one of the model's own): their
-        keys/values are the sequence's now; those of the rejected ones are dropped by releasing every block past
-        the computed tokens (the next step rewrites those positions anyway)."""
-        seq.num_computed_tokens += num_accepted
+    def accept_draft(self, seq: Sequence, num_accepted: int, num_draft: int) -> None:
+        """After a speculative step appended num_accepted of its num_draft proposed tokens (and one of the model's
+        own): their keys/values are the sequence's now; those of the rejected ones are dropped by releasing every
+        block past the computed tokens (the next step rewrites those positions anyway).
+
+        A hybrid's recurrent state cannot drop tokens: the step ran it through every proposal. When one was
+        rejected, the state the step started from (backed up before it, ScheduledSeq.backup_to) comes back, and
+        the step's first token, the accepted proposals and the model's token are computed again next step, as one
+        short prefill chunk; when all were accepted the state is already the sequence's."""
+        if self.backup_base is not None and seq.state_slot is not None and num_accepted < num_draft:
+            seq.num_computed_tokens -= 1
+            seq.state_rollback = True
+        else:
+            seq.num_computed_tokens += num_accepted
         self.pool.cache_full_blocks(seq.token_ids, seq.block_ids, seq.block_hashes, seq.num_computed_tokens,
                                     seq.lora_id, seq.images.block_key if seq.images is not None else None)
         keep = -(-seq.num_computed_tokens // self.block_size)
@@ -332,6 +355,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
     state_slots: list[int] = []
     restore: list[int] = []
     save: list[int] = []
+    backup: list[int] = []
     pool_ranges: list[tuple[int, int]] = []
     images: list[StepImage] = []
     mrope: list[tuple] = []  # M-RoPE prompts' chunks holding image tokens: (first row, first position, length, images)
@@ -369,6 +393,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
             state_slots.append(seq.state_slot)
             restore.append(s.restore_from)
             save.append(s.save_to)
+            backup.append(s.backup_to)
         query_start.append(len(tokens))
         tables.append(blocks + [0] * (width - len(blocks)))
         if s.pooled:  # contiguous positions whose hidden states are pooled, as rows of the flat batch
@@ -400,6 +425,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInp
         state_slots=torch.tensor(state_slots, dtype=torch.int64) if state_slots else None,
         state_restore=torch.tensor(restore, dtype=torch.int64) if any(r >= 0 for r in restore) else None,
         state_save=torch.tensor(save, dtype=torch.int64) if any(s >= 0 for s in save) else None,
+        state_backup=torch.tensor(backup, dtype=torch.int64) if any(b >= 0 for b in backup) else None,
         pool_ranges=pool_ranges or None,
         images=images or None,
         image_spans=spans or None,

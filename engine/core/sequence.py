@@ -53,6 +53,8 @@ class Sequence:
     # leading positions hold valid draft keys/values (DraftModelProposer).
     spec_probs: list = field(default_factory=list)
     num_draft_computed: int = 0
+    # A hybrid whose proposals were rejected: its next step starts from the state backed up before them.
+    state_rollback: bool = False
     # Embedding requests: the pooled hidden states so far (a sum over the prompt's chunks, for MEAN pooling).
     pooled: torch.Tensor | None = None
 

@@ -111,7 +111,7 @@ def check_same_vocabulary(draft_name: str, draft_config, draft_tokenizer, target
 
 
 def check_mtp_engine(engine) -> None:
-    """Refuse speculative MTP where it cannot run (hybrids are refused before, for every method)."""
+    """Refuse speculative MTP where it cannot run."""
     from shoal.engine.execution.gguf_model import is_gguf
     from shoal.engine.execution.mtp import check_mtp_target
 

@@ -62,6 +62,7 @@ def split_micro_batches(inputs: StepInputs, m: int) -> list[StepInputs]:
             state_slots=None if inputs.state_slots is None else inputs.state_slots[a:b],
             state_restore=None if inputs.state_restore is None else inputs.state_restore[a:b],
             state_save=None if inputs.state_save is None else inputs.state_save[a:b],
+            state_backup=None if inputs.state_backup is None else inputs.state_backup[a:b],
             images=_images_within(inputs.images, t0, t1), image_spans=_spans_within(inputs.image_spans, a, b)))
     return out
 

@@ -91,6 +91,10 @@ class DraftModel:
         self.block_size = config.block_size
         self.runner = ModelRunner(model_dir, hf_config, target.dtype, device, config.attention_backend,
                                   target.max_model_len, block_size=config.block_size)
+        if self.runner.state_bytes_per_seq():  # its state would need slots and roll-backs of its own
+            raise ValueError(f"draft model {config.speculative_config.model}: a hybrid model (recurrent layers: "
+                             f"{hf_config.architectures[0]}) cannot be the draft model; use a transformer draft "
+                             "model, 'ngram', or the target's own 'mtp' layer")
         # Its rounds after the first are pure decode steps: captured like a one-process target's (graph_capture.py).
         self.runner.enable_decode_capture(decode_capture_backend(config, device), config.max_num_seqs)
 

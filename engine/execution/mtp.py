@@ -1,18 +1,22 @@
-"""Speculative MTP (vLLM's "mtp" method): a DeepSeek V3 checkpoint's own multi-token-prediction layer
-(models/deepseek_mtp.py) proposes the next tokens from the target's hidden states, on the executor's side like the
-draft model (execution/drafter.py: core/ sees only DraftRequests and DraftProposals, with the same bookkeeping).
+"""Speculative MTP (vLLM's "mtp" method): the checkpoint's own multi-token-prediction layer (DeepSeek V3's,
+models/deepseek_mtp.py; Qwen3-Next's and Qwen3.5's, models/qwen3_next_mtp.py) proposes the next tokens from the
+target's hidden states, on the executor's side like the draft model (execution/drafter.py: core/ sees only
+DraftRequests and DraftProposals, with the same bookkeeping). On the hybrids (Qwen3-Next, Qwen3.5) the target's
+recurrent state is backed up before each verification and restored when a proposal is rejected
+(core/scheduler.accept_draft), as for every speculative method.
 
 Where its state lives, and why there:
-  - the target's hidden states: the target writes each row's last hidden state (before the final norm) at the
+  - the target's hidden states: the target writes each row's final hidden state (after the final norm) at the
     row's KV slot into one [KV slots, hidden] tensor beside its cache (ModelRunner.keep_hidden; decode graphs
     capture the write too). A position's hidden state depends on the same tokens as its KV, so it is valid exactly
     where the KV is: after a prefix-cache hit, a preemption or a rejected proposal nothing needs tracking, and
     nothing outlives the blocks (freed with the sequence: nothing to leak on abort). It costs hidden_size values
     per token of the pool (counted into the KV budget; for DeepSeek V3 7168 against 61 x 576 latents, +20%), and
     only with this method.
-  - the MTP layer's latent KV cache: a cache of its own in the same block ids (as the draft model's), not an extra
-    layer of the target's pool: the target's forward is left as it is, and the MTP stream lags the target by one
-    position (its entry i needs token i+1), which a layer inside the target's step could not compute.
+  - the MTP layer's KV cache (DeepSeek's latent one, Qwen3-Next's plain paged K/V): a cache of its own in the same
+    block ids (as the draft model's), not an extra layer of the target's pool: the target's forward is left as it
+    is, and the MTP stream lags the target by one position (its entry i needs token i+1), which a layer inside the
+    target's step could not compute.
 
 A request's `num_computed` counts the MTP positions computed from the target's own hidden states. A proposal first
 catches up on positions num_computed .. T-2 (T the sequence's tokens; entry i reads token i+1 and the target's hidden
@@ -32,44 +36,59 @@ from pathlib import Path
 import torch
 
 from shoal.engine.contracts import DraftProposal, DraftRequest, StepInputs
-from shoal.engine.execution.layers.mla import LatentKVCache
 from shoal.engine.execution.runner import ModelRunner, attention_metadata
 from shoal.engine.execution.sampling import choose_proposals
 
 logger = logging.getLogger(__name__)
 
 
+# The architectures whose MTP layer is built here: (module, config.json field counting the MTP layers).
+QWEN3_NEXT = ("qwen3_next_mtp", "num_nextn_predict_layers")
+QWEN3_5 = ("qwen3_next_mtp", "mtp_num_hidden_layers")
+MTP_LAYERS = {
+    "DeepseekV3ForCausalLM": ("deepseek_mtp", "num_nextn_predict_layers"),
+    "Qwen3NextForCausalLM": QWEN3_NEXT,
+    "Qwen3_5ForCausalLM": QWEN3_5, "Qwen3_5MoeForCausalLM": QWEN3_5,
+    "Qwen3_5ForConditionalGeneration": QWEN3_5, "Qwen3_5MoeForConditionalGeneration": QWEN3_5,
+}
+
+
 def check_mtp_target(hf_config, model_dir) -> int:
-    """Refuse a target without an MTP layer to run; its num_nextn_predict_layers otherwise. Read from config.json
-    itself: transformers' DeepseekV3Config defaults the field (as num_mtp_layers) to 1 where the file has none."""
+    """Refuse a target without an MTP layer to run; its MTP layer count otherwise. Read from config.json itself
+    (a vision-language checkpoint's text_config): transformers' DeepseekV3Config defaults the field (as
+    num_mtp_layers) to 1 where the file has none."""
     arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
-    if arch != "DeepseekV3ForCausalLM":
-        raise ValueError(f"speculative method 'mtp' is built for DeepseekV3ForCausalLM checkpoints only, not {arch} "
-                         "(Qwen3-Next's MTP would need its recurrent state rolled back); use 'ngram' or a draft "
-                         "'model'")
+    if arch not in MTP_LAYERS:
+        raise ValueError(f"speculative method 'mtp' runs the MTP layers of {', '.join(sorted(MTP_LAYERS))} "
+                         f"checkpoints, not {arch}; use 'ngram' or a draft 'model'")
+    field = MTP_LAYERS[arch][1]
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    layers = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers"))
+    layers = raw.get(field, raw.get("text_config", {}).get(field, raw.get("num_mtp_layers")))
     if not isinstance(layers, int) or layers < 1:
-        raise ValueError(f"speculative method 'mtp': config field num_nextn_predict_layers is {layers!r} in the "
-                         "target's config.json; the checkpoint has no multi-token-prediction layer")
+        raise ValueError(f"speculative method 'mtp': config field {field} is {layers!r} in the target's "
+                         "config.json; the checkpoint has no multi-token-prediction layer")
     return layers
 
 
 def load_mtp_module(target: ModelRunner, model_dir, quantization: str | None):
     """The checkpoint's MTP layer beside the target's model, on its device and dtype."""
-    from shoal.engine.execution.model_loader import choose_formats, weight_source
-    from shoal.engine.execution.models.deepseek_mtp import REQUIRED, DeepseekMTP, mtp_prefix
+    import importlib
 
+    from shoal.engine.execution.model_loader import choose_formats, weight_source
+
+    arch = target.hf_config.architectures[0]
+    name, field = MTP_LAYERS[arch]
+    kind = importlib.import_module(f"shoal.engine.execution.models.{name}")
     src = weight_source(model_dir, target.hf_config, target.device)
     try:
-        prefix = mtp_prefix(src, target.hf_config)
-        missing = [prefix + n for n in REQUIRED if not src.has(prefix + n)]
+        prefix = kind.mtp_prefix(src, target.model.config)
+        missing = [prefix + n for n in kind.REQUIRED if not src.has(prefix + n)]
         if missing:
-            raise ValueError(f"speculative method 'mtp': config field num_nextn_predict_layers is "
-                             f"{target.hf_config.num_nextn_predict_layers}, but the checkpoint has no MTP layer "
-                             f"weights (missing: {', '.join(missing)})")
+            layers = check_mtp_target(target.hf_config, model_dir)
+            raise ValueError(f"speculative method 'mtp': config field {field} is {layers}, but the checkpoint has no "
+                             f"MTP layer weights (missing: {', '.join(missing)})")
         with torch.device(target.device):
-            module = DeepseekMTP(target.model, src, target.dtype, target.backend)
+            module = kind.MTP(target.model, src, target.dtype, target.backend)
         module.load_weights(src)
     finally:
         src.close()
@@ -79,7 +98,7 @@ def load_mtp_module(target: ModelRunner, model_dir, quantization: str | None):
 
 
 class MTPDrafter:
-    """The MTP layer, its latent KV cache, and its rounds per step (the DraftHost's drafter)."""
+    """The MTP layer, its KV cache, and its rounds per step (the DraftHost's drafter)."""
 
     padding_blocks = 0  # runs every step eagerly (the target's padding block holds the padding rows' hidden states)
 
@@ -92,7 +111,7 @@ class MTPDrafter:
         self.kv_cache_dtype = config.kv_cache_dtype
         self.module = load_mtp_module(target, target._load_args[0], config.quantization)
         target.keep_hidden = True  # before allocate_kv_cache, which then gives the target its hidden-state slots
-        self.kv_cache: LatentKVCache | None = None
+        self.kv_cache = None
         self.block_size = 0
         own = [n for n, m in (("embed_tokens", self.module.own_embed), ("shared_head.head", self.module.own_head)) if m]
         logger.info("speculative MTP: %d proposals a step from %s (own %s; the target's otherwise), the target keeping "
@@ -100,15 +119,15 @@ class MTPDrafter:
                     ", ".join(own) or "none")
 
     def bytes_per_block(self, block_size: int) -> int:
-        """The MTP layer's latent entries and the target's kept hidden states of one block."""
-        m = self.target.model
-        latent = LatentKVCache.bytes_per_token_head(m.head_dim, self.target.dtype, self.kv_cache_dtype)
-        return (latent + m.config.hidden_size * self.target.dtype.itemsize) * block_size
+        """The MTP layer's KV entries and the target's kept hidden states of one block."""
+        dtype = self.target.dtype
+        entry = self.module.cache_bytes_per_token(dtype, self.kv_cache_dtype)
+        return (entry + self.target.model.config.hidden_size * dtype.itemsize) * block_size
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.kv_cache = LatentKVCache.allocate(num_blocks, block_size, 1, self.target.model.head_dim,
-                                               self.target.dtype, self.target.device, self.kv_cache_dtype)
+        self.kv_cache = self.module.allocate_cache(num_blocks, block_size, self.target.dtype, self.target.device,
+                                                   self.kv_cache_dtype)
 
     def free_kv_cache(self) -> None:
         self.kv_cache = None

@@ -248,8 +248,10 @@ class ModelRunner:
         meta = attention_metadata(inputs)
         if inputs.images is not None and hidden is None:
             hidden = self._embed_images(inputs)
-        if inputs.state_restore is not None:  # hybrid prefix cache hits start from a kept state
+        if inputs.state_restore is not None:  # prefix-cache hits and rejected proposals start from a kept state
             self._copy_state(inputs.state_restore, inputs.state_slots)
+        if inputs.state_backup is not None:  # sequences verifying proposals keep the state they start from
+            self._copy_state(inputs.state_slots, inputs.state_backup, from_slots=False)
         out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, hidden)
         if inputs.state_save is not None:  # ... and keep the state of prompts ending their last full block
             self._copy_state(inputs.state_slots, inputs.state_save, from_slots=False)

@@ -202,12 +202,6 @@ def test_repeated_prompt_served_from_the_prefix_cache(model_factory, family):
         engine.state_pool.check_all_free()
 
 
-def test_speculative_decoding_refused_for_hybrids(qwen3_next):
-    with pytest.raises(ValueError, match="speculative decoding is not supported for hybrid models"):
-        LLM(model=qwen3_next, block_size=4, max_model_len=64,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-
-
 def _edited_copy(src, dst, **changes):
     """A copy of the model at src whose decoder's config (a vision-language checkpoint's text_config) has `changes`."""
     shutil.copytree(src, dst)

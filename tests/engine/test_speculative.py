@@ -110,7 +110,7 @@ def test_rejected_tokens_release_their_blocks_and_never_enter_the_prefix_cache()
     draft_blocks = seq.block_ids[2:]
     # One proposal accepted, then a different token: positions 8.. held rejected proposals.
     seq.token_ids += [101, 200]
-    sched.accept_draft(seq, 1)
+    sched.accept_draft(seq, 1, 6)
     assert seq.num_computed_tokens == 9 and len(seq.block_ids) == 3
     assert all(pool.blocks[b].ref_count == 0 for b in draft_blocks[1:])
     cached = {pool.blocks[b].block_hash for b in seq.block_ids if pool.blocks[b].block_hash is not None}

@@ -71,3 +71,29 @@ def test_jamba_parallel_matches_single_process_and_transformers(model_factory, t
         llm.llm_engine.pool.check_all_free()
         llm.llm_engine.state_pool.check_all_free()
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_speculative_decoding_on_a_parallel_hybrid_rolls_every_rank_back(model_factory, tp, pp):
+    """Rejected proposals restore the recurrent state on every rank (each holds its heads' or its layers' state):
+    proposals right for 0..k of their tokens (hybridkit.OracleProposer), output equal to the single-process
+    non-speculative engine's."""
+    from hybridkit import OracleProposer
+
+    model_dir = model_factory("qwen3_next")
+    with LLM(model=model_dir, **OPTIONS) as llm:
+        base = llm.generate(PROMPTS, PARAMS)
+    continuations = [o.prompt_token_ids + o.outputs[0].token_ids for o in base]
+    with LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             distributed={"collective_timeout": 120.0}, speculative_config={"method": "ngram",
+                                                                          "num_speculative_tokens": 3},
+             **OPTIONS) as llm:
+        engine = llm.llm_engine
+        engine.proposer = OracleProposer(3, continuations, engine.vocab_size)
+        outputs = llm.generate(PROMPTS, PARAMS)
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in base]
+        stats = engine.get_stats()
+        assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+        engine.pool.check_all_free()
+        engine.state_pool.check_all_free()
+    assert not torch.distributed.is_initialized()

@@ -45,3 +45,20 @@ def test_server_mtp_greedy_equals_non_speculative(start_server, model_factory, t
     m = server.metrics()
     assert metric(m, "shoal:spec_decode_num_drafts_total", model_name="tiny") > 0
     assert metric(m, "shoal:num_free_kv_blocks") == metric(m, "shoal:num_kv_blocks")
+
+
+def test_server_mtp_on_a_hybrid_greedy_equals_non_speculative(start_server, model_factory, tmp_path):
+    """Qwen3-Next's MTP layer (a hybrid: its recurrent state rolled back on every rejected proposal) behind the
+    openai client: completions streamed and not are the non-speculative engine's, and nothing stays held."""
+    from hybridkit import qwen_mtp_checkpoint
+
+    model = qwen_mtp_checkpoint(model_factory, tmp_path / "qwen3-next-mtp")
+    prompts = PROMPTS[:2]
+    ref = offline_greedy(model, prompts, 12, dtype="float32", max_model_len=128, block_size=4)
+    server = start_server(model, "--max-model-len", "128", "--block-size", "4", "--speculative-config",
+                          json.dumps({"method": "mtp", "num_speculative_tokens": 2}))
+    client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert_served_greedy(client, prompts, ref, 12)
+    m = server.metrics()
+    assert metric(m, "shoal:spec_decode_num_drafts_total", model_name="tiny") > 0
+    assert metric(m, "shoal:num_free_kv_blocks") == metric(m, "shoal:num_kv_blocks")

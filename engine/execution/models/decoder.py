@@ -78,8 +78,9 @@ class DecoderLM(CausalLM):
     qk_norm: str | None = None  # None, "head" (per head over head_dim) or "full" (over the whole projection)
     prefixes = ("model.", "")  # where the checkpoint keeps the decoder's tensors (the LM head sits at the root)
     final_norm_name = "norm"  # the final norm's name under that prefix
-    # [KV slots, hidden]: where each step writes every row's pre-final-norm hidden state at the row's KV slot, so
-    # it lives in the paged pool's slots with the KV (set by ModelRunner.allocate_kv_cache for speculative MTP only)
+    # [KV slots, hidden]: where each step writes every row's final hidden state (after the final norm: what the LM
+    # head reads) at the row's KV slot, so it lives in the paged pool's slots with the KV (set by
+    # ModelRunner.allocate_kv_cache for speculative MTP only)
     hidden_sink: torch.Tensor | None = None
 
     def __init__(self, config, dtype: torch.dtype, backend, max_model_len: int, layer_partition=None):
@@ -175,9 +176,9 @@ class DecoderLM(CausalLM):
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, positions, kv_caches[i], meta, delta)
         if self.ps.is_last_stage:
-            out = self.norm.add_and_norm(x, delta)  # x now holds the last layer's output, before the final norm
+            out = self.norm.add_and_norm(x, delta)
             if self.hidden_sink is not None:  # speculative MTP reads it per position (execution/mtp.py)
-                self.hidden_sink.index_copy_(0, meta.slot_mapping, x)
+                self.hidden_sink.index_copy_(0, meta.slot_mapping, out)
             return out
         return x if delta is None else x.add_(delta)
 

@@ -6,11 +6,12 @@ layer (the same MLA attention and MoE as the main layers' sparse ones, under the
 and `shared_head.head`, and optionally its own `embed_tokens` (where absent, the target's embedding and LM head
 serve). transformers reads none of it.
 
-For position i of the MTP stream: x = eh_proj([enorm(embed(token_{i+1})), hnorm(h_i)]), h_i the target's last hidden
-state at i before its final norm; the decoder layer attends over the MTP stream's earlier positions (its own latent
-KV cache); its output o_i gives logits shared_head.head(shared_head.norm(o_i)) for token_{i+2}, and o_i stands in for
-the target's hidden state when the layer is applied again to its own proposal (as vLLM does for more than one
-speculative token).
+For position i of the MTP stream: x = eh_proj([enorm(embed(token_{i+1})), hnorm(h_i)]), h_i the target's hidden state
+at i after its final norm (what its LM head reads); the decoder layer attends over the MTP stream's earlier positions
+(its own latent KV cache); o_i = shared_head.norm(layer output) gives logits shared_head.head(o_i) for token_{i+2},
+and o_i stands in for the target's hidden state when the layer is applied again to its own proposal. Both hidden
+states are taken after their norms, as vLLM takes them (its GLM/DeepSeek MTP fix, vllm#47448: recycling them before
+the norm mismatches hnorm and lowers acceptance).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shoal.engine.execution.layers.mla import ReplicatedLinear
+from shoal.engine.execution.layers.mla import LatentKVCache, ReplicatedLinear
 from shoal.engine.execution.layers.norm import RMSNorm
 from shoal.engine.execution.models.base import find_prefix, reader
 from shoal.engine.execution.models.decoder import DecoderLayer
@@ -80,12 +81,21 @@ class DeepseekMTP(nn.Module):
         if self.own_head is not None:
             self.own_head.load(reader(src, p + "shared_head.head.weight", shape))
 
+    def cache_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str | None) -> int:
+        return LatentKVCache.bytes_per_token_head(self._target.head_dim, dtype, kv_cache_dtype)
+
+    def allocate_cache(self, num_blocks: int, block_size: int, dtype, device, kv_cache_dtype: str | None):
+        return LatentKVCache.allocate(num_blocks, block_size, 1, self._target.head_dim, dtype, device, kv_cache_dtype)
+
     def forward(self, input_ids, positions, prev_hidden, kv_cache, meta) -> torch.Tensor:
-        """The layer's output [T, H] (before shared_head.norm) for rows of (token_{i+1}, position i, h_i)."""
+        """o [T, H] (after shared_head.norm) for rows of (token_{i+1}, position i, h_i)."""
         e = self.enorm(self.embed_tokens(input_ids))
         x = self.eh_proj(torch.cat([e, self.hnorm(prev_hidden.to(e.dtype))], dim=-1))
         x, delta = self.layer(x, positions, kv_cache, meta)
-        return x.add_(delta)
+        return self.norm.add_and_norm(x, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(hidden))
+        return self.head(hidden)
+
+
+MTP = DeepseekMTP  # what execution/mtp.py builds for this family
