@@ -47,9 +47,17 @@ class RecurrentState:
         return self.conv.nbytes + self.ssm.nbytes
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """State of slots src into slots dst (prefix-cache checkpoints: take one, or start a sequence from one)."""
-        self.conv[dst] = self.conv[src]
-        self.ssm[dst] = self.ssm[src]
+        """State of slots src into slots dst (prefix-cache checkpoints: take one, or start a sequence from one;
+        speculative decoding's backups)."""
+        if self.ssm.device.type == "cuda":  # one gather/scatter kernel per tensor, not a launch per slot
+            self.conv[dst] = self.conv[src]
+            self.ssm[dst] = self.ssm[src]
+            return
+        # On the CPU a copy_ per slot moves each state once (indexing gathers into a temporary first): ~4x faster
+        # for Qwen3-Next-sized states (2 MiB a layer).
+        for a, b in zip(src.tolist(), dst.tolist()):
+            self.conv[b].copy_(self.conv[a])
+            self.ssm[b].copy_(self.ssm[a])
 
     def zero_new_sequences(self, meta) -> None:
         """Sequences of this step starting at position 0 start from a zero state (their slot may hold another's)."""
