@@ -59,6 +59,7 @@ KERNELS = {
     "small_gemm": Kernel(CSRC / "cpu_small_gemm.cpp", "shoal_cpu_gemm", "linear", "cpu small-M linear kernel"),
     "amx_gemm": Kernel(CSRC / "cpu_amx_gemm.cpp", "shoal_cpu_amx", "linear", "cpu AMX bf16 linear kernel"),
     "moe": Kernel(CSRC / "cpu_moe.cpp", "shoal_cpu_moe", "fused_experts", "cpu MoE kernel"),
+    "mla_decode": Kernel(CSRC / "cpu_mla_decode.cpp", "shoal_cpu_mla", "mla_decode", "cpu AMX MLA decode kernel"),
     "gguf": Kernel(CSRC / "cpu_gguf.cpp", "shoal_cpu_gguf", "kernel_isa", "cpu GGUF kernels"),
     "lora": Kernel(CSRC / "cpu_lora.cpp", "shoal_cpu_lora", "lora_apply_", "cpu LoRA kernel"),
     "ssm": Kernel(CSRC / "cpu_ssm.cpp", "shoal_cpu_ssm", "selective_scan", "cpu selective-scan kernel"),

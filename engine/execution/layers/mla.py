@@ -24,7 +24,10 @@ projects and caches the whole latent.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +41,24 @@ from shoal.engine.execution.layers.norm import RMSNorm
 from shoal.engine.execution.layers.rotary import RotaryEmbedding, rope_parameters
 from shoal.engine.execution.models.base import reader
 from shoal.engine.execution.quantization.gguf import GGUFPacked
+
+logger = logging.getLogger(__name__)
+
+@functools.cache
+def amx_decode_op():
+    """torch.ops.shoal_cpu_mla.mla_decode where this CPU tier has AMX tiles (bfloat16 decode steps, all heads of a
+    sequence in tile products), else None: the attention backend runs MLA as one-head MQA, as on every tier."""
+    if os.environ.get("SHOAL_DISABLE_MLA_KERNEL") == "1":
+        return None
+    from shoal.engine.execution.native_build import NativeBuildError, kernel_ops
+
+    try:
+        ops = kernel_ops("mla_decode")
+    except NativeBuildError as e:
+        logger.warning("%s", e)
+        return None
+    return ops.mla_decode if ops.available() else None
+
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with this eps, not rms_norm_eps
 
@@ -184,8 +205,15 @@ class LatentAttention(nn.Module):
         q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w[:, :self.nope]).transpose(0, 1)
         query = torch.cat([q_latent, self._rotate(q[..., self.nope:], positions)], dim=-1)
         attn = self.attn
-        out = attn.backend.forward(query, kv_cache.k, kv_cache.v, meta, attn.scale,
-                                   k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
+        decode = amx_decode_op() if meta.is_decode_only and kv_cache.k_scale is None and \
+            query.dtype == torch.bfloat16 and query.device.type == "cpu" and r % 32 == 0 and \
+            query.shape[-1] % 32 == 0 else None
+        if decode is not None:  # every head of a sequence in tile products (csrc/cpu_mla_decode.cpp)
+            out = query.new_empty(T, H, r)
+            decode(out, query, kv_cache.k, meta.block_tables, meta.seq_lens, r, attn.scale)
+        else:
+            out = attn.backend.forward(query, kv_cache.k, kv_cache.v, meta, attn.scale,
+                                       k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)
         # W_UV: [H, T, r] x [H, r, v] -> [H, T, v]; the rope tail of each output row is not a value.
         o = torch.bmm(out[..., :r].transpose(0, 1), w[:, self.nope:].transpose(1, 2))
         return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_dim))
