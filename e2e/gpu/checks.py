@@ -36,7 +36,10 @@ REPO = Path(__file__).resolve().parents[2]
 FP32_LOGPROB_TOL = 1e-3
 HALF_TOL = {"bfloat16": 0.1, "float16": 0.05}
 MAX_NEW = 12
-FAMILIES = {"dense": "llama", "sliding-window": "gemma2", "moe": "mixtral", "gguf": "gguf"}
+FAMILIES = {"dense": "llama", "sliding-window": "gemma2", "moe": "mixtral", "gguf": "gguf",
+            "hybrid-gdn": "qwen3_next", "hybrid-mamba2": "granitemoehybrid", "mla": "deepseek_v3"}
+# Recurrent layers update per-sequence state in place, so these decode eagerly (runner.enable_decode_capture).
+UNCAPTURED = {"hybrid-gdn", "hybrid-mamba2"}
 # Small enough that every engine start is quick (few graph buckets, a small KV pool), GPU-sized blocks.
 BASE = dict(max_model_len=128, block_size=16, max_num_seqs=16, kv_cache_memory=256 * 2**20)
 MODES = {
@@ -351,7 +354,7 @@ def family_stage(family: str):
                     failures.append("prefix-caching: no prefix cache hit")
                 if mode == "preemption" and not facts["preemptions"]:
                     failures.append("preemption: the pool never ran out (no preemption)")
-                if facts["graph_failed"] or not facts["graphs"]:
+                if family not in UNCAPTURED and (facts["graph_failed"] or not facts["graphs"]):
                     failures.append(f"{mode}: no CUDA graph was captured")
         if family == "gguf":
             prompts = prompts_for("batched")
@@ -569,11 +572,11 @@ def check_throughput_bench(ctx: Context) -> dict:
     return throughput(ctx, "bench", ["--kv-cache-memory", str(8 * 2**30)], timeout=min(60, ctx.left()))
 
 
-@stage("throughput-8b", 150, "the same on a Llama-3-8B-shaped random bf16 model at batch 64, with the HBM floor")
+@stage("throughput-8b", 240, "the same on a Llama-3-8B-shaped random bf16 model at batch 64, with the HBM floor")
 def check_throughput_8b(ctx: Context) -> dict:
     # Targets (issue 37): a decode step within 1.5x of its HBM floor at batch 64, >= 3x transformers' static batches.
     figures = throughput(ctx, "llama3-8b", ["--max-num-seqs", "64", "--kv-cache-memory", str(16 * 2**30)],
-                         timeout=min(150, ctx.left()))
+                         timeout=min(240, ctx.left()))
     missed = []
     if figures.get("step_over_floor") is None or figures["step_over_floor"] > 1.5:
         missed.append(f"decode step {figures.get('step_over_floor')}x its HBM floor (target <= 1.5x)")

@@ -17,8 +17,8 @@ WHEELS=(
 )
 git check-ignore -q .whl/x.whl || { echo "prepare.sh: .whl/ must be git-ignored (see .gitignore)" >&2; exit 2; }
 rm -rf .whl && mkdir -p .whl
-PIP=(python3 -m pip)
-[ -x .venv/bin/python ] && PIP=(.venv/bin/python -m pip)
+PIP=(python3 -P -m pip)  # -P: the checkout's operator/ would shadow the stdlib module
+[ -x .venv/bin/python ] && PIP=(.venv/bin/python -P -m pip)
 "${PIP[@]}" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64 \

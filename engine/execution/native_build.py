@@ -130,7 +130,7 @@ def build_lock(build_dir: Path):
 
 def build_directory(full_name: str) -> Path:
     """Where torch.utils.cpp_extension builds `full_name` (its _get_build_directory, without importing it)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or None  # set but empty: the default, not the cwd
     if root is None:
         import torch._appdirs
 

@@ -54,7 +54,8 @@ def test_checks_refuse_without_cuda_too(checks, tmp_path):
 def test_stages_enumerate_without_cuda(checks, tmp_path):
     names = [s.name for s in checks.STAGES]
     assert names[:3] == ["environment", "gpu-tests", "gguf-triton-kernels"]
-    assert {f"exact-fp32-{f}" for f in ("dense", "sliding-window", "moe", "gguf")} <= set(names)
+    assert {f"exact-fp32-{f}" for f in ("dense", "sliding-window", "moe", "gguf", "hybrid-gdn", "hybrid-mamba2",
+                                        "mla")} <= set(names)
     assert {"half-precision", "cuda-graphs", "sleep-mode", "attention-backends", "openai-serve", "throughput-bench",
             "throughput-8b"} <= set(names)
     assert len(set(names)) == len(names) and all(callable(s.run) and s.budget_s > 0 for s in checks.STAGES)
@@ -94,3 +95,16 @@ def test_the_sleep_stage_runs_on_the_cpu(checks, tmp_path, monkeypatch):
     entry = checks.run_stages(ctx, [stage], tmp_path / "gpu-summary.json")["stages"][0]
     assert entry["status"] == "PASS", entry["error"]
     assert entry["figures"]["level2"]["reported_asleep"] == {"kv_cache_bytes": 0, "weight_bytes": 0}
+
+
+def test_a_recurrent_family_stage_runs_on_the_cpu(checks, tmp_path, monkeypatch):
+    """exact-fp32-hybrid-mamba2 on the CPU: a model with recurrent state decodes eagerly by design, so the stage
+    passes without a captured graph, while prefix caching and preemption still have to happen."""
+    monkeypatch.setattr(checks, "DEVICE", "cpu")
+    stage = next(s for s in checks.STAGES if s.name == "exact-fp32-hybrid-mamba2")
+    ctx = checks.Context(tmp_path, tmp_path, time.monotonic() + 600)
+    entry = checks.run_stages(ctx, [stage], tmp_path / "gpu-summary.json")["stages"][0]
+    assert entry["status"] == "PASS", entry["error"]
+    assert all(entry["figures"][mode]["graphs"] == 0 for mode in checks.MODES)
+    assert entry["figures"]["prefix-caching"]["prefix_hits"] > 0
+    assert entry["figures"]["preemption"]["preemptions"] > 0
