@@ -312,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1 (got {args.repeat})")
+    for flag, values in (("--hf-batch-sizes", args.hf_batch_sizes), ("--num-prompts", [args.num_prompts]),
+                         ("--max-num-seqs", [args.max_num_seqs])):
+        if any(v < 1 for v in values):
+            ap.error(f"{flag} must be at least 1 (got {' '.join(map(str, values))})")
+    if args.hf_sequential < 0:
+        ap.error(f"--hf-sequential must be 0 (skip) or more (got {args.hf_sequential})")
 
     import torch
 

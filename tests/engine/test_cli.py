@@ -120,3 +120,20 @@ def test_bench_throughput_delegates(monkeypatch):
     monkeypatch.setattr(tools, "bench_throughput", fake, raising=False)
     assert cli.main(["bench", "throughput", "--model", "/m", "--num-prompts", "4"]) == 0
     assert seen["argv"] == ["--model", "/m", "--num-prompts", "4"]
+
+
+@pytest.mark.parametrize("argv, flag", [(["--hf-batch-sizes", "8", "0"], "--hf-batch-sizes"),
+                                        (["--num-prompts", "0"], "--num-prompts"),
+                                        (["--max-num-seqs", "-1"], "--max-num-seqs"),
+                                        (["--hf-sequential", "-2"], "--hf-sequential")])
+def test_bench_throughput_refuses_counts_below_one(argv, flag, capsys):
+    """A zero batch size used to reach range() inside the transformers baseline as a traceback, after the model
+    was built: the flag is named before anything runs."""
+    from shoal.engine.tools import bench_throughput
+
+    with pytest.raises(SystemExit) as ei:
+        bench_throughput.main(["--preset", "bench", *argv])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and ("at least" in err or "0 (skip)" in err)
+    assert "Traceback" not in err
