@@ -384,11 +384,8 @@ class SparseMoeBlock(nn.Module):
         """The router's and the shared expert's gate: a few dozen output rows, so at decode sizes oneDNN's call
         costs more than the arithmetic (20 vs 5 us for 8 x 512 -> 32 in bf16 on AMX); the small-M kernel streams
         them on the CPU, F.linear serves the rest."""
-        if x.dim() == 2 and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == weight.dtype and x.stride(1) == 1:
-            kernel = small_gemm.kernel_for(weight)
-            if kernel is not None:
-                return kernel(x, weight, bias)
-        return F.linear(x, weight, bias)
+        kernel = small_gemm.kernel_for(weight) if small_gemm.serves(x, weight) else None
+        return kernel(x, weight, bias) if kernel is not None else F.linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self._gate_linear(x, self.gate, self.gate_bias), self.top_k, self.renormalize,

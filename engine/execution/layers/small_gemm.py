@@ -48,3 +48,8 @@ def kernel_for(weight: torch.Tensor):
             or not weight.is_contiguous()):
         return None
     return load_kernel()
+
+
+def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight.T is a step the kernel takes (a few contiguous rows in the weight's dtype)."""
+    return x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == weight.dtype and x.stride(1) == 1

@@ -66,7 +66,7 @@ class SmallGemmWeight(DenseWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weight
-        if x.dim() == 2 and x.shape[0] <= small_gemm.MAX_ROWS and x.dtype == w.dtype and x.stride(1) == 1:
+        if small_gemm.serves(x, w):
             return self.small_kernel(x, w, bias)
         return F.linear(x, w, bias)
 
