@@ -235,9 +235,10 @@ def bf16_path(request):
     switch(True)
 
 
-@pytest.mark.parametrize("block_size", [4, 16, 5])
+@pytest.mark.parametrize("block_size", [4, 16, 5, 32, 37])
 def test_bf16_paths(bf16_path, block_size):
-    # Odd context lengths and odd block sizes leave odd key counts per block (the fast path pairs keys).
+    # Odd context lengths and odd block sizes leave odd key counts per block (the fast path pairs keys); blocks
+    # above 16 keys take the fast path's 16-key chunks more than once, 37 with a short last chunk.
     ql, sl = [1, 1, 1, 7, 20, 1], [1, 2, 33, 7, 45, 301]
     for head_dim in (64, 96, 20):  # the fast path needs head_dim % 32 == 0
         check(ql, sl, 8, 4, head_dim, block_size, dtype=torch.bfloat16, alibi=head_dim == 96)

@@ -137,13 +137,13 @@ struct Scratch {
   std::vector<float> q, acc, s, kbuf, vbuf, m, l;
   std::vector<const float*> krow, vrow;
   std::vector<uint16_t> qb;              // bf16 fast path: raw query rows
-  std::vector<uint32_t> vpairs, ppairs;  // bf16 fast path: interleaved value pairs, probability pairs
+  std::vector<uint32_t> vpairs;          // bf16 fast path: interleaved value pairs
   std::vector<uint16_t> kb16;            // bf16 fast path over an fp8 cache: the block's keys decoded to bf16
   std::vector<float> kscale, vscale;     // ... and their row scales
   Scratch(int rows, int D, int bs, bool fp8)
       : q(size_t(rows) * D), acc(size_t(rows) * D), s(size_t(rows) * bs + 1), kbuf(size_t(bs) * D),
         vbuf(size_t(bs) * D), m(rows), l(rows), krow(bs), vrow(bs), qb(size_t(rows) * D),
-        vpairs(size_t(bs / 2 + 1) * D), ppairs(bs / 2 + 1), kb16(fp8 ? size_t(bs) * D : 0), kscale(fp8 ? bs : 0),
+        vpairs(size_t(bs / 2 + 1) * D), kb16(fp8 ? size_t(bs) * D : 0), kscale(fp8 ? bs : 0),
         vscale(fp8 ? bs : 0) {}
 };
 
@@ -348,7 +348,10 @@ void attend_tile(const Params<T, C>& p, const Item& it, Scratch& sc) {
 // On CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later; the avx512_bf16 and amx tiers build it) a bfloat16 cache with
 // head_dim a multiple of 32 skips the float conversions: vdpbf16ps multiplies pairs of bf16 values exactly and
 // accumulates them in float32, 32 products per instruction.
-//   Scores: q (kept as raw bf16, the scale applied afterwards) against each key row, straight from the cache.
+//   Scores: q (kept as raw bf16, the scale applied afterwards) against each key row, straight from the cache,
+//           16 keys at a time into one register (sixteen dot-product chains, one in-register reduction), so the
+//           block's max, exponentials and sum never pass through memory: the per-row path that stored scores and
+//           probabilities and read them back at another width stalled store forwarding (~9% of the kernel's time).
 //   P V:    keys are taken in pairs (j, j+1); one permute per 32 dims interleaves the two value rows into
 //           (v[j][d], v[j+1][d]) pairs, so the d-th float lane accumulates p[j] v[j][d] + p[j+1] v[j+1][d] with
 //           (p[j], p[j+1]) broadcast. P is rounded to bf16 for this product (as FlashAttention does on GPUs);
@@ -379,14 +382,55 @@ inline __m512i fp8_subnormal_table() {
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-// The horizontal sums of four vectors at once, as (sum a0, sum a1, sum a2, sum a3): ~13 instructions instead
-// of four separate reductions' ~32. Unpacks/shuffles fold pairs within each 128-bit lane, then the lanes are added.
-inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));  // a0 a1 a0 a1
-  const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));  // a2 a3 a2 a3
-  const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(b0, b1, 0x44), _mm512_shuffle_ps(b0, b1, 0xEE));  // a0..a3
-  const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+// The sums of sixteen vectors as one vector (lane j: the sum of a[j]), all in registers: pairs are folded within
+// 128-bit lanes (unpack, then shuffle), then the four lanes of four vectors are transposed and added. 45
+// instructions, and the scores never pass through memory (a store then a wider load stalls store forwarding).
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // lane L of c[i]: the lane-L sums of a[4i .. 4i + 3]
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+  const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
+}
+
+inline __m512i kIota16() { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+
+// exp2_neg (fast_math.h) on sixteen lanes: the same rounding, polynomial and exponent-bit construction.
+inline __m512 exp2_neg16(__m512 x) {
+  const __m512 y = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 q = _mm512_set1_ps(1.0f / 5040.0f);
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f / 720.0f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f / 120.0f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f / 24.0f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f / 6.0f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.5f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(q, _mm512_castsi512_ps(bits));
+}
+
+alignas(64) const uint16_t kZeroRow[kMaxHeadDim] = {};
+
+// The raw scores q . k_j of sixteen consecutive key rows (stride apart; rows from nr on read as zeros, so nothing
+// past the block is touched): sixteen independent vdpbf16ps chains over head_dim, then one reduce16.
+inline __m512 chunk_scores(const c10::BFloat16* K, int64_t stride, int nr, const uint16_t* q, int D) {
+  const uint16_t* rows[16];
+  for (int j = 0; j < 16; ++j)
+    rows[j] = j < nr ? reinterpret_cast<const uint16_t*>(K + int64_t(j) * stride) : kZeroRow;
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int c = 0; c < D; c += 32) {
+    const __m512bh qv = as_bh(_mm512_loadu_si512(q + c));
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_dpbf16_ps(a[j], as_bh(_mm512_loadu_si512(rows[j] + c)), qv);
+  }
+  return reduce16(a);
 }
 
 template <typename C>
@@ -403,7 +447,6 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16, C>& p, const Item& it, S
   float* m = sc.m.data();
   float* l = sc.l.data();
   uint32_t* vp = sc.vpairs.data();  // [ceil(bs / 2)][D] interleaved value pairs
-  uint32_t* pp = sc.ppairs.data();  // [ceil(bs / 2)] bf16 probability pairs
 
   for (int r = 0; r < rows; ++r) {
     const c10::BFloat16* src = p.q + int64_t(q_start + it.t0 + r / G) * p.sq_t + int64_t(h0 + r % G) * p.sq_h;
@@ -470,97 +513,61 @@ void attend_tile_avx512bf16(const Params<c10::BFloat16, C>& p, const Item& it, S
 
     for (int r = 0; r < rows; ++r) {
       const int pos = ctx + it.t0 + r / G;
-      const int nr = std::min(n, pos - k0 + 1);
-      if (nr <= 0) continue;
       const uint16_t* qr = qb + size_t(r) * D;
-      float* s = sc.s.data() + size_t(r) * bs;
-
-      int j = 0;
-      const __m128 scale4 = _mm_set1_ps(p.qk_scale);
-      for (; j + 4 <= nr; j += 4) {  // four keys at a time: independent accumulator chains, one reduction
-        const c10::BFloat16* k_0 = K + int64_t(j) * k_stride;
-        const c10::BFloat16 *k_1 = k_0 + k_stride, *k_2 = k_1 + k_stride, *k_3 = k_2 + k_stride;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int c = 0; c < D; c += 32) {
-          const __m512bh qv = as_bh(_mm512_loadu_si512(qr + c));
-          a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(k_0 + c)), qv);
-          a1 = _mm512_dpbf16_ps(a1, as_bh(_mm512_loadu_si512(k_1 + c)), qv);
-          a2 = _mm512_dpbf16_ps(a2, as_bh(_mm512_loadu_si512(k_2 + c)), qv);
-          a3 = _mm512_dpbf16_ps(a3, as_bh(_mm512_loadu_si512(k_3 + c)), qv);
-        }
-        _mm_storeu_ps(s + j, _mm_mul_ps(reduce4(a0, a1, a2, a3), scale4));
-      }
-      for (; j < nr; ++j) {
-        const c10::BFloat16* ka = K + int64_t(j) * k_stride;
-        __m512 a0 = _mm512_setzero_ps();
-        for (int c = 0; c < D; c += 32)
-          a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(ka + c)), as_bh(_mm512_loadu_si512(qr + c)));
-        s[j] = _mm512_reduce_add_ps(a0) * p.qk_scale;
-      }
-      if constexpr (kFp8) {
-        for (int jj = 0; jj < nr; ++jj) s[jj] *= sc.kscale[jj];
-      }
-      if (p.slopes != nullptr) {
-        const float slope = p.slopes[h0 + r % G] * kLog2e;
-        for (int jj = 0; jj < nr; ++jj) s[jj] += slope * float(k0 + jj - pos);
-      }
-
-      // The block's max, 16 scores per vector (a scalar running max is a chain of dependent instructions).
-      __m512 mv = _mm512_set1_ps(m[r]);
-      for (int jj = 0; jj < nr; jj += 16) {
-        const __mmask16 mk = _cvtu32_mask16((1u << std::min(16, nr - jj)) - 1u);
-        mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), mk, s + jj));
-      }
-      const float mx = _mm512_reduce_max_ps(mv);
-      const float corr = exp2_neg(m[r] - mx);
-      m[r] = mx;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int jj = 0; jj < nr; ++jj) {
-        s[jj] = exp2_neg(s[jj] - mx);
-        sum += s[jj];
-      }
-      l[r] = l[r] * corr + sum;
-      if constexpr (kFp8) {
-        for (int jj = 0; jj < nr; ++jj) s[jj] *= sc.vscale[jj];
-      }
-      // Probabilities to bf16, 16 at a time; consecutive bf16 values are exactly the (p[j], p[j+1]) pairs. A key
-      // past this row's causal limit (odd nr) must weigh 0: its interleaved value may be a real, later key.
-      const int rp = (nr + 1) / 2;
-      if (nr & 1) s[nr] = 0.0f;
-      for (int jj = 0; jj < 2 * rp; jj += 16) {
-        const __mmask16 mk = _cvtu32_mask16((1u << std::min(16, 2 * rp - jj)) - 1u);
-        const __m256bh pb = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, s + jj));
-        _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(pp) + jj, mk, (__m256i)pb);
-      }
-      // acc = acc * corr + P V, 64 dims at a time in four registers: four independent vdpbf16ps chains over the
-      // block's key pairs (one chain per 16 dims would wait on its own latency at every pair).
       float* a = acc + size_t(r) * D;
-      const __m512 cv = _mm512_set1_ps(corr);
-      int c = 0;
-      for (; c + 64 <= D; c += 64) {
-        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(a + c), cv), x1 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 16), cv);
-        __m512 x2 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 32), cv), x3 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 48), cv);
-        for (int jp = 0; jp < rp; ++jp) {
-          const __m512bh pb = as_bh(_mm512_set1_epi32(int(pp[jp])));
-          const uint32_t* row = vp + size_t(jp) * D + c;
-          x0 = _mm512_dpbf16_ps(x0, as_bh(_mm512_loadu_si512(row)), pb);
-          x1 = _mm512_dpbf16_ps(x1, as_bh(_mm512_loadu_si512(row + 16)), pb);
-          x2 = _mm512_dpbf16_ps(x2, as_bh(_mm512_loadu_si512(row + 32)), pb);
-          x3 = _mm512_dpbf16_ps(x3, as_bh(_mm512_loadu_si512(row + 48)), pb);
+      const float slope = p.slopes != nullptr ? p.slopes[h0 + r % G] * kLog2e : 0.0f;
+      for (int c0 = 0; c0 < n; c0 += 16) {  // 16 keys at a time, their scores in one register
+        const int nr = std::min(std::min(16, n - c0), pos - (k0 + c0) + 1);
+        if (nr <= 0) break;
+        const __mmask16 live = _cvtu32_mask16((1u << nr) - 1u);
+        __m512 sv = _mm512_mul_ps(chunk_scores(K + int64_t(c0) * k_stride, k_stride, nr, qr, D),
+                                  _mm512_set1_ps(p.qk_scale));
+        if constexpr (kFp8) sv = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(live, sc.kscale.data() + c0));
+        if (p.slopes != nullptr) {
+          const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(k0 + c0 - pos), kIota16());
+          sv = _mm512_add_ps(sv, _mm512_mul_ps(_mm512_set1_ps(slope), _mm512_cvtepi32_ps(key)));
         }
-        _mm512_storeu_ps(a + c, x0), _mm512_storeu_ps(a + c + 16, x1);
-        _mm512_storeu_ps(a + c + 32, x2), _mm512_storeu_ps(a + c + 48, x3);
-      }
-      if (c < D) {  // D % 64 == 32: the last 32 dims in two chains
-        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(a + c), cv), x1 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 16), cv);
-        for (int jp = 0; jp < rp; ++jp) {
-          const __m512bh pb = as_bh(_mm512_set1_epi32(int(pp[jp])));
-          const uint32_t* row = vp + size_t(jp) * D + c;
-          x0 = _mm512_dpbf16_ps(x0, as_bh(_mm512_loadu_si512(row)), pb);
-          x1 = _mm512_dpbf16_ps(x1, as_bh(_mm512_loadu_si512(row + 16)), pb);
+        sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), live, sv);
+        const float mx = std::max(m[r], _mm512_reduce_max_ps(sv));
+        const float corr = exp2_neg(m[r] - mx);
+        m[r] = mx;
+        __m512 pv = exp2_neg16(_mm512_sub_ps(sv, _mm512_set1_ps(mx)));  // keys past nr: exactly 0
+        l[r] = l[r] * corr + _mm512_reduce_add_ps(pv);
+        if constexpr (kFp8) pv = _mm512_mul_ps(pv, _mm512_maskz_loadu_ps(live, sc.vscale.data() + c0));
+        // Probabilities to bf16: consecutive bf16 values are exactly the (p[j], p[j+1]) pairs. A full-width store
+        // (not a masked one) so that the pair loads below are forwarded from it instead of waiting for it.
+        alignas(32) uint32_t pp[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(pv));
+        const int rp = (nr + 1) / 2;
+        const uint32_t* vpc = vp + size_t(c0 / 2) * D;
+        // acc = acc * corr + P V, 64 dims at a time in four registers: four independent vdpbf16ps chains over the
+        // chunk's key pairs (one chain per 16 dims would wait on its own latency at every pair).
+        const __m512 cv = _mm512_set1_ps(corr);
+        int c = 0;
+        for (; c + 64 <= D; c += 64) {
+          __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(a + c), cv), x1 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 16), cv);
+          __m512 x2 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 32), cv), x3 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 48), cv);
+          for (int jp = 0; jp < rp; ++jp) {
+            const __m512bh pb = as_bh(_mm512_set1_epi32(int(pp[jp])));
+            const uint32_t* row = vpc + size_t(jp) * D + c;
+            x0 = _mm512_dpbf16_ps(x0, as_bh(_mm512_loadu_si512(row)), pb);
+            x1 = _mm512_dpbf16_ps(x1, as_bh(_mm512_loadu_si512(row + 16)), pb);
+            x2 = _mm512_dpbf16_ps(x2, as_bh(_mm512_loadu_si512(row + 32)), pb);
+            x3 = _mm512_dpbf16_ps(x3, as_bh(_mm512_loadu_si512(row + 48)), pb);
+          }
+          _mm512_storeu_ps(a + c, x0), _mm512_storeu_ps(a + c + 16, x1);
+          _mm512_storeu_ps(a + c + 32, x2), _mm512_storeu_ps(a + c + 48, x3);
         }
-        _mm512_storeu_ps(a + c, x0), _mm512_storeu_ps(a + c + 16, x1);
+        if (c < D) {  // D % 64 == 32: the last 32 dims in two chains
+          __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(a + c), cv), x1 = _mm512_mul_ps(_mm512_loadu_ps(a + c + 16), cv);
+          for (int jp = 0; jp < rp; ++jp) {
+            const __m512bh pb = as_bh(_mm512_set1_epi32(int(pp[jp])));
+            const uint32_t* row = vpc + size_t(jp) * D + c;
+            x0 = _mm512_dpbf16_ps(x0, as_bh(_mm512_loadu_si512(row)), pb);
+            x1 = _mm512_dpbf16_ps(x1, as_bh(_mm512_loadu_si512(row + 16)), pb);
+          }
+          _mm512_storeu_ps(a + c, x0), _mm512_storeu_ps(a + c + 16, x1);
+        }
       }
     }
   }
