@@ -1,4 +1,4 @@
-"""The AMX MLA decode kernel (csrc/cpu_mla_decode.cpp): every head of a sequence against its latent cache entries
+"""The AMX MLA decode kernel (csrc/cpu_amx_decode_attention.cpp): every head of a sequence against its latent cache entries
 in tile products. Against attention written out in torch over the same bfloat16 entries (one-token queries, paged
 blocks in shuffled order, head counts that are not a multiple of the kernel's 16, contexts from 1 token to several
 key steps, DeepSeek V3's own widths: 576 values, past the generic kernel's 256), and in the engine: a bfloat16

@@ -24,7 +24,6 @@ projects and caches the whole latent.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from torch import nn
 
 from shoal.engine.distributed.parallel_state import divide, get_parallel_state
 from shoal.engine.execution.attention.base import FP8_DTYPE, KVCache, write_kv
+from shoal.engine.execution.attention.cpu_paged import amx_decode_ops
 from shoal.engine.execution.attention.layer import PagedAttention
 from shoal.engine.execution.layers.linear import ColumnParallelLinear, PackedMatmul, RowParallelLinear, _param
 from shoal.engine.execution.layers.norm import RMSNorm
@@ -44,20 +44,13 @@ from shoal.engine.execution.quantization.gguf import GGUFPacked
 
 logger = logging.getLogger(__name__)
 
-@functools.cache
 def amx_decode_op():
-    """torch.ops.shoal_cpu_mla.mla_decode where this CPU tier has AMX tiles (bfloat16 decode steps, all heads of a
-    sequence in tile products), else None: the attention backend runs MLA as one-head MQA, as on every tier."""
+    """torch.ops.shoal_cpu_amx_attn.mla_decode where this CPU tier has AMX tiles (bfloat16 decode steps, all heads of
+    a sequence in tile products), else None: the attention backend runs MLA as one-head MQA, as on every tier."""
     if os.environ.get("SHOAL_DISABLE_MLA_KERNEL") == "1":
         return None
-    from shoal.engine.execution.native_build import NativeBuildError, kernel_ops
-
-    try:
-        ops = kernel_ops("mla_decode")
-    except NativeBuildError as e:
-        logger.warning("%s", e)
-        return None
-    return ops.mla_decode if ops.available() else None
+    ops = amx_decode_ops()
+    return None if ops is None else ops.mla_decode
 
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with this eps, not rms_norm_eps
@@ -208,7 +201,7 @@ class LatentAttention(nn.Module):
         decode = amx_decode_op() if meta.is_decode_only and kv_cache.k_scale is None and \
             query.dtype == torch.bfloat16 and query.device.type == "cpu" and r % 32 == 0 and \
             query.shape[-1] % 32 == 0 else None
-        if decode is not None:  # every head of a sequence in tile products (csrc/cpu_mla_decode.cpp)
+        if decode is not None:  # every head of a sequence in tile products (csrc/cpu_amx_decode_attention.cpp)
             out = query.new_empty(T, H, r)
             decode(out, query, kv_cache.k, meta.block_tables, meta.seq_lens, r, attn.scale)
         else:
