@@ -98,7 +98,8 @@ def decode_meta(seq_lens, tables, decode_only=True):
 
 @pytest.mark.parametrize("heads,kv_heads,window,taken", [
     (16, 2, None, True),  # a group of 8
-    (9, 3, None, False),  # a group of 3: the streaming kernel is faster there
+    (8, 2, None, True),  # a group of 4
+    (9, 3, None, False),  # a group of 3: the streaming kernel is as fast there
     (9, 3, 16, True),  # a sliding window: the streaming kernel's bf16 fast path has none
 ])
 def test_backend_routes_decode_steps_by_group_and_window(ops, monkeypatch, heads, kv_heads, window, taken):

@@ -78,9 +78,10 @@ def amx_decode_ops():
 
 
 # Query heads per kv head from which the AMX decode kernel beats the streaming kernel without a window (bf16, 25
-# sequences of ~185 tokens, 2 threads, Intel Xeon with AMX: 2 or 3 heads 0.75-0.9x, 4 heads parity, 8 heads 1.3x,
-# 16 heads 1.4-1.5x). With a sliding window it wins from 1 head: the streaming kernel's bf16 fast path has no window.
-AMX_MIN_GROUP = 8
+# sequences of ~185 tokens, 2 threads, Intel Xeon with AMX, per layer: groups of 2-3 heads parity (0.98-1.04x), 4
+# heads 1.04-1.07x, 8 heads 1.6-1.8x, 16 heads 1.8x). With a sliding window it wins from 1 head (1.4x): the
+# streaming kernel's bf16 fast path has no window.
+AMX_MIN_GROUP = 4
 
 
 def takes_amx_decode(q, k_cache, meta: AttentionMetadata, alibi_slopes, k_scale, softcap, sinks, window) -> bool:

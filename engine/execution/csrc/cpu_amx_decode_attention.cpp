@@ -4,14 +4,15 @@
 // The generic paged kernel (cpu_paged_attention.cpp) takes one query row at a time: a vector dot product per key
 // with a horizontal reduction, and values interleaved again for every row. Here one work item is (sequence, cache
 // head, up to 16 of its query heads), and both products are tile products:
-//   scores  S^T[keys, heads] = K[keys, D] Q^T: K's rows are an A tile as gathered (32 keys x 32 dims at a time),
+//   scores  S^T[keys, heads] = K[keys, D] Q^T: K's rows are A tiles (32 keys x 32 dims at a time),
 //           the item's queries are packed once, in the pair ("VNNI") layout, as B tiles;
 //   softmax over chunks of up to kChunk keys, lanes = heads: exact within a chunk, chunks merged online (the
 //           output so far rescaled by exp(old max - new max)), so scratch stays bounded at any context length;
 //   output  O[heads, V] = P V: P (bfloat16, as FlashAttention rounds it) is the A tile, the values repacked in
 //           pairs of keys are B tiles, four 16-wide C tiles of output at a time.
-// Products accumulate in float32. Keys past the context are zero rows with probability 0; a sliding window starts
-// the keys at the window's first (blocks before it are never read).
+// A half step of 16 keys that are one block's consecutive rows is loaded as an A tile in place (with the cache's
+// row stride); others are gathered first. Products accumulate in float32. Keys past the context are zero rows
+// with probability 0; a sliding window starts the keys at the window's first (blocks before it are never read).
 //
 // mla_decode: layers/mla.py's weight-absorbed queries [W_UK^T q_nope | q_pe] against one latent cache "head" of
 //   [c | k_pe] per token, whose first `rank` values are also the values.
@@ -124,21 +125,28 @@ void attend(const Item& it, int D, int V, const CacheRows& keys, const CacheRows
     for (int st = 0; st < steps; ++st) {
       const int k0 = st * kKeys, n = std::min(kKeys, nc - k0);
       const uint16_t* vrow[kKeys];
-      for (int j = 0; j < kKeys; ++j) {  // gather this step's keys (zero rows past the context)
-        uint16_t* dst = sc.kg.data() + size_t(j) * D;
-        if (j < n) {
-          std::memcpy(dst, keys.row(it.table, c0 + k0 + j), size_t(D) * 2);
-          vrow[j] = vals.row(it.table, c0 + k0 + j);
-        } else {
-          std::memset(dst, 0, size_t(D) * 2);
-          vrow[j] = sc.zero.data();
+      // Each half of the step's keys is an A tile: straight from the cache where its 16 keys are one block's
+      // consecutive rows, else gathered (zero rows past the context).
+      const uint16_t* half[2];
+      int64_t half_stride[2];
+      for (int hf = 0; hf < 2; ++hf) {
+        const int p0 = c0 + k0 + 16 * hf;
+        const bool direct = 16 * hf + 16 <= n && p0 % keys.block_size + 16 <= keys.block_size;
+        for (int j = 16 * hf; j < 16 * hf + 16; ++j) {
+          vrow[j] = j < n ? vals.row(it.table, c0 + k0 + j) : sc.zero.data();
+          if (direct) continue;
+          uint16_t* dst = sc.kg.data() + size_t(j) * D;
+          if (j < n) std::memcpy(dst, keys.row(it.table, c0 + k0 + j), size_t(D) * 2);
+          else std::memset(dst, 0, size_t(D) * 2);
         }
+        half[hf] = direct ? keys.row(it.table, p0) : sc.kg.data() + size_t(16 * hf) * D;
+        half_stride[hf] = direct ? keys.entry * 2 : int64_t(D) * 2;
       }
       _tile_zero(0);
       _tile_zero(1);
       for (int c = 0; c < chunks; ++c) {
-        _tile_loadd(4, sc.kg.data() + c * 32, D * 2);
-        _tile_loadd(5, sc.kg.data() + 16 * D + c * 32, D * 2);
+        _tile_loadd(4, half[0] + c * 32, half_stride[0]);
+        _tile_loadd(5, half[1] + c * 32, half_stride[1]);
         _tile_loadd(6, sc.qp.data() + size_t(c) * 16 * kHeads * 2, kHeads * 4);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
