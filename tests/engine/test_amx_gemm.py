@@ -63,6 +63,39 @@ def test_amx_linear_matches_float64_reference(n, k):
 
 
 @needs_amx
+@pytest.mark.parametrize("m", [1, 2, 25, 50])
+def test_float_out_is_the_bfloat16_result_widened(m):
+    """float_out (an LM head's float32 logits) writes exactly the bfloat16 values, on the vector path (1 row) and the
+    tiles, with and without bias: logits do not depend on which path wrote them."""
+    ops = amx_gemm.load_kernel()
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(160, 576, generator=g).to(torch.bfloat16)
+    bias = torch.randn(160, generator=g).to(torch.bfloat16)
+    packed = amx_gemm.pack(w)
+    x = torch.randn(m, 576, generator=g).to(torch.bfloat16)
+    for b in (None, bias):
+        got = ops.linear(x, packed, b, True)
+        assert got.dtype == torch.float32 and got.shape == (m, 160)
+        assert torch.equal(got, ops.linear(x, packed, b).float())
+
+
+@needs_amx
+def test_lm_head_on_the_tiles_gives_the_logits_of_its_bfloat16_product():
+    from shoal.engine.execution.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    g = torch.Generator().manual_seed(5)
+    emb = VocabParallelEmbedding(320, 96, dtype=torch.bfloat16)
+    emb.weight.data.copy_(torch.randn(emb.weight.shape, generator=g))
+    head = ParallelLMHead(emb, tied=True)
+    head.use(plain_format(head.weight), free_dense=False)
+    assert isinstance(head.format, AmxBf16Weight)
+    x = torch.randn(7, 96, generator=g).to(torch.bfloat16)
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (7, 320)
+    assert torch.equal(logits, head.format.matmul(x).float())
+
+
+@needs_amx
 def test_amx_kernel_refuses_mismatched_inputs():
     ops = amx_gemm.load_kernel()
     packed = amx_gemm.pack(torch.zeros(16, 32, dtype=torch.bfloat16))

@@ -60,6 +60,14 @@ inline void store16(const float* c, const c10::BFloat16* bias, c10::BFloat16* y)
   _mm256_storeu_si256((__m256i*)y, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// The same 16 results as float32 values: rounded to bfloat16 first, so they equal the bfloat16 store widened (an LM
+// head's float32 logits without a bfloat16 copy and a conversion pass).
+inline void store16(const float* c, const c10::BFloat16* bias, float* y) {
+  alignas(64) c10::BFloat16 b[16];
+  store16(c, bias, b);
+  _mm512_storeu_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i*)b)), 16)));
+}
+
 // Scratch kept between calls (a fresh buffer of a prefill's size costs its page faults every layer), but not beyond
 // 64 MiB: one long prompt's rows must not stay held for the process's life.
 template <typename T>

@@ -144,7 +144,8 @@ void tile_rows(const typename Kind::In* x, int64_t ldx, const typename Kind::In*
 // The vector path for one activation row: each weight block row (16 outputs x one input pair) times the broadcast
 // pair. Four accumulators, so that consecutive vdpbf16ps do not wait on each other (with one, the stream is bound by
 // the instruction's latency).
-void vec_row(const c10::BFloat16* x, const c10::BFloat16* p, const c10::BFloat16* bias, c10::BFloat16* y, int64_t K,
+template <typename Y>
+void vec_row(const c10::BFloat16* x, const c10::BFloat16* p, const c10::BFloat16* bias, Y* y, int64_t K,
              int64_t nb) {
   constexpr int A = 4;
   const int64_t KB = K / kK;
@@ -166,7 +167,8 @@ void vec_row(const c10::BFloat16* x, const c10::BFloat16* p, const c10::BFloat16
   store16(c, bias ? bias + nb * kN : nullptr, y + nb * kN);
 }
 
-void vec_linear(const c10::BFloat16* x, const c10::BFloat16* p, const c10::BFloat16* bias, c10::BFloat16* y,
+template <typename Y>
+void vec_linear(const c10::BFloat16* x, const c10::BFloat16* p, const c10::BFloat16* bias, Y* y,
                 int64_t N, int64_t K) {
   const int64_t NB = N / kN;
   // Dynamic: a thread that starts late (woken from a passive wait, or descheduled) takes fewer blocks.
@@ -245,8 +247,10 @@ bool available() {
 #endif
 }
 
-// y [M, N] = x [M, K] @ w^T + bias, w given as its pair layout `packed` [N/16, K/32, 16, 32] (see the top).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+// y [M, N] = x [M, K] @ w^T + bias, w given as its pair layout `packed` [N/16, K/32, 16, 32] (see the top); bfloat16,
+// or with float_out the same bfloat16 values as float32 (an LM head's logits).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                  bool float_out) {
   TORCH_CHECK(available(), "shoal_cpu_amx.linear: AMX tiles are not available in this process");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "expected bfloat16 x [M, K] with a contiguous feature axis");
@@ -259,21 +263,24 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
                     bias->scalar_type() == at::kBFloat16,
                 "bias must be contiguous bfloat16 [N]");
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
 #ifdef SHOAL_AMX
   if (M == 0) return y;
   using B = c10::BFloat16;
   const B* xp = static_cast<const B*>(x.data_ptr());
   const B* pp = static_cast<const B*>(packed.data_ptr());
   const B* bp = bias.has_value() ? static_cast<const B*>(bias->data_ptr()) : nullptr;
-  B* yp = static_cast<B*>(y.data_ptr());
-  if (M >= kAmxMinRows) {
-    amx_linear<Bf16Tiles>(xp, x.stride(0), pp, M, N, K, [&](const float* c, int64_t row, int64_t n) {
-      store16(c, bp ? bp + n : nullptr, yp + row * N + n);
-    });
-  } else {
-    vec_linear(xp, pp, bp, yp, N, K);  // M == 1
-  }
+  auto run = [&](auto* yp) {
+    if (M >= kAmxMinRows) {
+      amx_linear<Bf16Tiles>(xp, x.stride(0), pp, M, N, K, [&](const float* c, int64_t row, int64_t n) {
+        store16(c, bp ? bp + n : nullptr, yp + row * N + n);
+      });
+    } else {
+      vec_linear(xp, pp, bp, yp, N, K);  // M == 1
+    }
+  };
+  if (float_out) run(static_cast<float*>(y.data_ptr()));
+  else run(static_cast<B*>(y.data_ptr()));
 #endif
   return y;
 }
@@ -341,7 +348,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 TORCH_LIBRARY(shoal_cpu_amx, m) {
   m.def("available() -> bool", &available);
-  m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, bool float_out=False) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias) -> Tensor");
 }
 

@@ -81,6 +81,9 @@ class ParallelLMHead(PackedMatmul):
             self._put(0, read(0, e.vocab_start, n))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.matmul(hidden, self.bias)
+        if self.format is not None and self.lora is None:
+            logits = self.format.matmul_float32(hidden, self.bias)  # one pass where the kernel writes float32
+        else:
+            logits = self.matmul(hidden, self.bias)
         logits = self.embedding.ps.all_gather_last_dim(logits)
         return logits[..., : self.embedding.vocab_size].float()

@@ -28,6 +28,10 @@ class WeightFormat:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def matmul_float32(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """matmul's result as float32 (an LM head's logits): the same values, converted."""
+        return self.matmul(x, bias).float()
+
     def dequantize(self) -> torch.Tensor:
         """The float32 [out, in] weight this form stands for (tests and fallbacks)."""
         raise NotImplementedError
@@ -85,6 +89,13 @@ class AmxBf16Weight(WeightFormat):
             x2 = x2.contiguous()
         y = self.ops.linear(x2, self.packed, bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def matmul_float32(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # Written as float32 by the kernel (the bfloat16 values widened): no bfloat16 copy, no conversion pass.
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        return self.ops.linear(x2, self.packed, bias, True).view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         return amx_gemm.unpack(self.packed).float()
